@@ -1,0 +1,65 @@
+"""The ``runmap`` command. Each subcommand lives in its own module exposing
+``HELP`` (one line), ``add_arguments(parser)`` and ``run(args) -> int``; this file only dispatches,
+so adding a subcommand is one line in ``SUBCOMMANDS``."""
+from __future__ import annotations
+
+import argparse
+import importlib
+import sys
+
+# subcommand -> module. Modules are imported lazily so `runmap --help` stays fast.
+SUBCOMMANDS = {
+    "synth": "runmap.cmd_synth",
+    "pack": "runmap.cmd_pack",
+    "validate": "runmap.cmd_validate",
+    "check-kernels": "runmap.cmd_check_kernels",
+    "contract": "runmap.cmd_contract",
+    "logits": "runmap.cmd_logits",
+    "generate": "runmap.cmd_generate",
+    "bench": "runmap.cmd_bench",
+    "report": "runmap.cmd_report",
+    "ifeval": "runmap.cmd_ifeval",
+}
+
+
+def _available():
+    for name, mod in SUBCOMMANDS.items():
+        try:
+            yield name, importlib.import_module(mod)
+        except ModuleNotFoundError as e:
+            if e.name != mod:  # a real missing dependency inside an existing module: surface it
+                raise
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(
+        prog="runmap",
+        description=(
+            "Horizon RunMap: run Mixture-of-Experts models (OLMoE, Qwen2-MoE) on one GPU with routed experts "
+            "compressed to INT4 qpacked rows, W4A16 Triton kernels and a strict expert-residency cache."
+        ),
+    )
+    sub = parser.add_subparsers(dest="command", metavar="COMMAND")
+    for name, mod in _available():
+        p = sub.add_parser(name, help=mod.HELP, description=getattr(mod, "DESCRIPTION", mod.HELP),
+                           formatter_class=argparse.RawDescriptionHelpFormatter)
+        mod.add_arguments(p)
+        p.set_defaults(_run=mod.run)
+    return parser
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = build_parser()
+    args = parser.parse_args(argv)
+    if not getattr(args, "_run", None):
+        parser.print_help()
+        return 2
+    try:
+        return int(args._run(args) or 0)
+    except KeyboardInterrupt:
+        print("interrupted", file=sys.stderr)
+        return 130
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,25 @@
+"""Test setup shared by every test module.
+
+TRITON_INTERPRET must be set before any ``@triton.jit`` function is defined, i.e. before ``kernels``
+is imported anywhere; conftest.py is imported by pytest before the test modules, so it is set here.
+On a machine with a GPU, run with RUNMAP_TEST_DEVICE=cuda to exercise the compiled kernels instead.
+"""
+import os
+
+if os.environ.get("RUNMAP_TEST_DEVICE", "cpu") == "cpu":
+    os.environ.setdefault("TRITON_INTERPRET", "1")
+
+os.environ.setdefault("HF_HUB_OFFLINE", "1")
+os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
+
+import pytest  # noqa: E402
+from hypothesis import HealthCheck, settings  # noqa: E402
+
+settings.register_profile("ci", deadline=None, suppress_health_check=[HealthCheck.too_slow], derandomize=True)
+settings.register_profile("dev", deadline=None, suppress_health_check=[HealthCheck.too_slow])
+settings.load_profile(os.environ.get("HYPOTHESIS_PROFILE", "ci"))
+
+
+@pytest.fixture(scope="session")
+def test_device() -> str:
+    return os.environ.get("RUNMAP_TEST_DEVICE", "cpu")
