@@ -1,0 +1,163 @@
+"""Transport seam of the expert cache: host (pageable) -> staging -> device spare row.
+
+The cache only ever moves expert bytes through a ``Transport``. Two real implementations:
+
+* ``CpuTransport``: device rows are CPU tensors, copies are synchronous, events are born complete.
+* ``CudaTransport``: staging buffers are pinned, the staging -> device copy is issued on a dedicated
+  transfer stream and an event is recorded after each copy.
+
+Tests and the contract model substitute ``runmap.contract_model.ControlledTransport``, which defers
+completions and injects failures at every step. Every transport counts the bytes it moves by
+direction; no method copies device -> host, so ``d2h_bytes`` is an instrumented zero.
+"""
+from __future__ import annotations
+
+import torch
+
+
+class TransferError(RuntimeError):
+    """A host -> device expert copy (or its staging) failed."""
+
+
+class Event:
+    """Completion marker of one staging -> device copy."""
+
+    __slots__ = ("raw", "nbytes")
+
+    def __init__(self, raw, nbytes: int):
+        self.raw = raw  # torch.cuda.Event, or None when the copy completed synchronously
+        self.nbytes = nbytes
+
+
+class Transport:
+    """Base class: the operations the cache needs. Subclasses override the marked methods."""
+
+    device: torch.device
+
+    def __init__(self, device: torch.device):
+        self.device = torch.device(device)
+        self.h2d_bytes = 0  # staging -> device, expert rows
+        self.stage_bytes = 0  # host source -> staging
+        self.d2h_bytes = 0  # never incremented: there is no device -> host path
+        self.table_uploads = 0
+
+    # allocation -----------------------------------------------------------------------------------
+    def alloc_storage(self, rows: int, row_bytes: int) -> torch.Tensor:
+        """uint8 (rows, row_bytes) on the device, zero-filled."""
+        return torch.zeros(rows, row_bytes, dtype=torch.uint8, device=self.device)
+
+    def alloc_staging(self, row_bytes: int) -> torch.Tensor:
+        """uint8 (row_bytes,) host buffer (pinned on CUDA)."""
+        return torch.empty(row_bytes, dtype=torch.uint8)
+
+    # data movement ----------------------------------------------------------------------------------
+    def stage(self, staging: torch.Tensor, host_row: torch.Tensor) -> None:
+        """Copy one host-source row (uint8 (row_bytes,), CPU) into a staging buffer (CPU memcpy)."""
+        staging.copy_(host_row)
+        self.stage_bytes += host_row.numel()
+
+    def h2d(self, dst_row: torch.Tensor, staging: torch.Tensor) -> Event:
+        """Start the staging -> device row copy; returns its completion event."""
+        raise NotImplementedError
+
+    def query(self, ev: Event) -> bool:
+        """True once the copy behind ``ev`` has completed (successfully or not)."""
+        raise NotImplementedError
+
+    def wait(self, ev: Event) -> None:
+        """Block until ``ev`` completed; raise TransferError if the copy failed."""
+        raise NotImplementedError
+
+    def upload_table(self, table: list[int]) -> torch.Tensor:
+        """int32 (E,) row table on the device (the generation's mapping of one layer)."""
+        self.table_uploads += 1
+        return torch.tensor(table, dtype=torch.int32, device=self.device)
+
+    def after_publish(self) -> None:
+        """Order later compute after the published copies; a failure here is ambiguous (FAULTED)."""
+
+    def describe(self) -> dict:
+        return {"kind": type(self).__name__, "device": str(self.device)}
+
+
+class CpuTransport(Transport):
+    """Device rows are ordinary CPU tensors; every copy completes before ``h2d`` returns."""
+
+    def __init__(self):
+        super().__init__(torch.device("cpu"))
+
+    def h2d(self, dst_row, staging):
+        dst_row.copy_(staging)  # (row_bytes,)
+        self.h2d_bytes += staging.numel()
+        return Event(None, staging.numel())
+
+    def query(self, ev):
+        return True
+
+    def wait(self, ev):
+        return None
+
+
+class CudaTransport(Transport):
+    """Pinned staging, a dedicated transfer stream, one event per staging -> device copy."""
+
+    def __init__(self, device="cuda"):
+        dev = torch.device(device)
+        if dev.type != "cuda":
+            raise ValueError(f"CudaTransport needs a cuda device, got {dev}")
+        if not torch.cuda.is_available():
+            raise RuntimeError("CudaTransport: CUDA is not available in this process")
+        if dev.index is None:
+            dev = torch.device("cuda", torch.cuda.current_device())
+        super().__init__(dev)
+        self.stream = torch.cuda.Stream(device=dev)
+
+    def alloc_staging(self, row_bytes):
+        return torch.empty(row_bytes, dtype=torch.uint8).pin_memory(self.device)
+
+    def h2d(self, dst_row, staging):
+        # The compute stream may still read rows this copy does not touch; spare rows are never read,
+        # so the transfer stream does not need to wait for the compute stream.
+        with torch.cuda.stream(self.stream):
+            dst_row.copy_(staging, non_blocking=True)  # (row_bytes,) pinned -> device
+            ev = torch.cuda.Event()
+            ev.record(self.stream)
+        self.h2d_bytes += staging.numel()
+        return Event(ev, staging.numel())
+
+    def query(self, ev):
+        return ev.raw is None or ev.raw.query()
+
+    def wait(self, ev):
+        if ev.raw is not None:
+            try:
+                ev.raw.synchronize()
+            except RuntimeError as e:  # a CUDA error surfaced by the copy
+                raise TransferError(f"host -> device expert copy failed: {e}") from e
+
+    def upload_table(self, table):
+        self.table_uploads += 1
+        t = torch.tensor(table, dtype=torch.int32).pin_memory(self.device)
+        out = torch.empty(len(table), dtype=torch.int32, device=self.device)
+        with torch.cuda.stream(self.stream):
+            out.copy_(t, non_blocking=True)  # (E,)
+        self.stream.synchronize()  # the table must be complete before the generation is published
+        return out
+
+    def after_publish(self):
+        # Later kernels on the compute stream must observe the copies (already complete on the host
+        # side; this also orders them for graph capture / multi-stream users).
+        torch.cuda.current_stream(self.device).wait_stream(self.stream)
+
+    def describe(self):
+        return {"kind": "CudaTransport", "device": str(self.device),
+                "device_name": torch.cuda.get_device_name(self.device)}
+
+
+def default_transport(device) -> Transport:
+    dev = torch.device(device)
+    if dev.type == "cpu":
+        return CpuTransport()
+    if dev.type == "cuda":
+        return CudaTransport(dev)
+    raise ValueError(f"no transport for device {dev}")
