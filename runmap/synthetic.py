@@ -122,7 +122,7 @@ def write_synthetic(
     if out.exists() and not overwrite:
         raise FileExistsError(f"{out}: already exists (use overwrite)")
     out.parent.mkdir(parents=True, exist_ok=True)
-    tmp = Path(tempfile.mkdtemp(prefix=out.name + ".tmp-", dir=out.parent))
+    tmp = Path(tempfile.mkdtemp(prefix="." + out.name + ".tmp-", dir=out.parent))
     try:
         plan = tensor_plan(cfg, expert_layout)
         shards = _shards(plan, shard_bytes)
@@ -171,7 +171,7 @@ def write_synthetic(
 def _atomic_replace_dir(tmp: Path, out: Path) -> None:
     """Rename tmp to out; an existing out is first renamed aside, then removed."""
     if out.exists():
-        trash = Path(tempfile.mkdtemp(prefix=out.name + ".old-", dir=out.parent))
+        trash = Path(tempfile.mkdtemp(prefix="." + out.name + ".old-", dir=out.parent))
         os.replace(out, trash / out.name)
         os.replace(tmp, out)
         shutil.rmtree(trash, ignore_errors=True)
