@@ -93,12 +93,14 @@ class Schema:
         return tuple(glob_to_regex(g) for g in self.globs)
 
     def claims(self, path: Path) -> bool:
-        posix = Path(os.path.abspath(path)).as_posix()
+        # no leading "/": an empty first component would let "*/*" claim "/x"
+        posix = Path(os.path.abspath(path)).as_posix().lstrip("/")
         return any(r.search(posix) for r in self._regexes)
 
 
 def glob_to_regex(pattern: str) -> re.Pattern:
-    """Compile a glob (``*``, ``?``, ``[...]``, ``**``) into a regex matching a path's trailing components."""
+    """Compile a glob (``*``, ``?``, ``[...]``, ``**``) into a regex that ``search``-matches the trailing
+    components of a relative POSIX path (no leading "/")."""
     if not pattern or pattern.startswith("/") or "\\" in pattern:
         raise SchemaError(f"glob {pattern!r}: must be a non-empty relative POSIX pattern")
     out, i = [], 0
@@ -198,7 +200,10 @@ class SchemaSet:
             if not isinstance(globs, list) or not all(isinstance(g, str) for g in globs):
                 raise SchemaError(f"{p}: {GLOB_KEY} must be a list of glob strings")
             for g in globs:
-                glob_to_regex(g)  # raises SchemaError on a malformed pattern
+                try:
+                    glob_to_regex(g)
+                except SchemaError as e:
+                    raise SchemaError(f"{p}: {GLOB_KEY}: {e}") from e
             fmt = contents.get(FORMAT_KEY)
             if fmt is not None and fmt not in FORMATS:
                 raise SchemaError(f"{p}: {FORMAT_KEY} must be one of {FORMATS}, got {fmt!r}")

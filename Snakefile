@@ -1,0 +1,45 @@
+# Horizon RunMap pipeline (DESIGN.md §6). Thin on purpose: config + validation + rule includes.
+#
+#   snakemake -c2                                   # embedded default: specs/pipeline/default.yaml
+#   snakemake -c2 --config block_size=128           # override a parameter; only dependents rerun
+#   snakemake -c2 --configfile specs/pipeline/X.yaml
+#
+# Extension convention (later stages):
+#   * add workflow/rules/NN-<stage>.smk; files are included in numeric order (10 checkpoint,
+#     20 pack, 30..80 later stages, 90 conformance, >90 things that read the conformance summary);
+#   * outputs go to results/<stage>/<wildcards...>, logs to results/logs/<stage>/<wildcards...>.log,
+#     every rule has `log:`; directory outputs use directory();
+#   * append the stage's final outputs (a list of concrete paths) to FINAL_OUTPUTS. The conformance
+#     rule (90) depends on everything appended before it and validates it with `runmap validate`;
+#     `rule all` requests everything in FINAL_OUTPUTS, including what files > 90 append;
+#   * a stage's config lives in its own top-level section (`bench: {...}`), validated at the top of its
+#     rule file: validate(config.setdefault("bench", {}), "../../schemas/pipeline-bench.schema.json")
+#     (paths in validate() are relative to the .smk file); defaults belong in that schema.
+import glob
+import os
+
+from snakemake.utils import validate
+
+configfile: "specs/pipeline/default.yaml"
+
+
+validate(config, "schemas/pipeline-config.schema.json")
+
+RESULTS = "results"
+LOGS = f"{RESULTS}/logs"
+FINAL_OUTPUTS = []
+
+# Model names contain dots and dashes; block sizes are integers.
+wildcard_constraints:
+    model=r"[a-z0-9][a-z0-9._-]*",
+    block=r"\d+",
+
+
+for _rules in sorted(glob.glob(os.path.join(workflow.basedir, "workflow", "rules", "[0-9][0-9]-*.smk"))):
+    include: _rules
+
+
+rule all:
+    default_target: True
+    input:
+        FINAL_OUTPUTS,

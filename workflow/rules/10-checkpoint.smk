@@ -1,0 +1,41 @@
+# Stage: checkpoint. A Hugging Face checkpoint directory per model: synthetic (built from the seed)
+# for presets with `synthetic: true`, or a local directory named in config["checkpoints"].
+import yaml
+
+
+def _preset(model):
+    path = f"specs/models/{model}.yaml"
+    if not os.path.isfile(path):
+        raise ValueError(f"pipeline config: model {model!r} has no preset {path}")
+    with open(path) as fh:
+        return yaml.safe_load(fh)
+
+
+for _m in config["models"]:
+    if not _preset(_m)["synthetic"] and _m not in config["checkpoints"]:
+        raise ValueError(
+            f"pipeline config: {_m!r} is a real model; give its local checkpoint directory in "
+            f"checkpoints: {{{_m}: /path/to/hf/checkpoint}} (nothing is downloaded)"
+        )
+
+
+def checkpoint_dir(model):
+    """The checkpoint directory the pack stage reads for `model`."""
+    return config["checkpoints"].get(model, f"{RESULTS}/checkpoints/{model}")
+
+
+rule synth_checkpoint:
+    """Deterministic synthetic HF checkpoint (config.json + safetensors) of a synthetic preset."""
+    output:
+        directory(f"{RESULTS}/checkpoints/{{model}}"),
+    input:
+        preset="specs/models/{model}.yaml",
+    params:
+        seed=config["seed"],
+    log:
+        f"{LOGS}/checkpoints/{{model}}.log",
+    shell:
+        "runmap synth --preset {wildcards.model} --seed {params.seed} {output} > {log} 2>&1"
+
+
+FINAL_OUTPUTS.extend(f"{RESULTS}/checkpoints/{m}" for m in config["models"] if m not in config["checkpoints"])
