@@ -404,7 +404,8 @@ def _generation_record(meta: dict | None, path) -> dict | None:
     """The parts of the generation sidecar a summary keeps (model, pack, executor, regime, settings)."""
     if meta is None:
         return None
-    keep = ("model", "pack", "executor", "regime", "generation", "timing", "engine", "status", "counts")
+    keep = ("model", "pack", "executor", "regime", "resident", "generation", "timing", "status", "counts",
+            "device", "max_seq_len", "engine_load_s", "command")
     return {"sidecar": str(path), **{k: meta.get(k) for k in keep if k in meta}}
 
 
