@@ -267,7 +267,7 @@ class ExpertCache:
         group = tuple(sorted({int(i) for i in ids}))
         if group and not (0 <= group[0] and group[-1] < self.num_experts):
             raise IndexError(f"layer {layer}: expert ids {group} outside [0, {self.num_experts})")
-        if len(group) > self.max_group:
+        if len(group) > self.max_group and not self.full_residency:  # full residency never misses
             raise CacheError(f"layer {layer}: routed group of {len(group)} experts exceeds the configured "
                              f"max_group {self.max_group}")
         return group
@@ -353,6 +353,10 @@ class ExpertCache:
                 keep.append((row, ev))
         self._fenced[layer] = keep
 
+    def _protected(self, layer: int, group: tuple) -> set[int]:
+        """Experts that must not be evicted: the group being published and every live lease's group."""
+        return set(group) | {e for e, c in self._leased[layer].items() if c > 0}
+
     def _retire(self, layer: int, row: int, expert: int, until: int) -> None:
         self._retiring[layer].append((row, expert, self._since[layer].pop(row), until))
 
@@ -402,7 +406,7 @@ class ExpertCache:
             self._reclaim_retiring(layer)
             mapped = cur.maps[layer]
             n_evict = len(mapped) + len(missing) - self.resident
-            protected = set(group) | set(self._leased[layer])
+            protected = self._protected(layer, group)
             candidates = [e for e in mapped if e not in protected]
             free = self._free[layer]
             if n_evict > len(candidates) or len(missing) > len(free):
