@@ -35,7 +35,7 @@ rule synth_checkpoint:
     log:
         f"{LOGS}/checkpoints/{{model}}.log",
     shell:
-        "runmap synth --preset {wildcards.model} --seed {params.seed} {output} > {log} 2>&1"
+        "runmap synth --no-progress --preset {wildcards.model} --seed {params.seed} {output} > {log} 2>&1"
 
 
 FINAL_OUTPUTS.extend(f"{RESULTS}/checkpoints/{m}" for m in config["models"] if m not in config["checkpoints"])

@@ -16,7 +16,7 @@ rule pack:
     log:
         f"{LOGS}/packs/{{model}}-b{{block}}.log",
     shell:
-        "runmap pack {input.checkpoint} {output} --block-size {wildcards.block} {params.extra} > {log} 2>&1"
+        "runmap pack --no-progress {input.checkpoint} {output} --block-size {wildcards.block} {params.extra} > {log} 2>&1"
 
 
 FINAL_OUTPUTS.extend(pack_dir(m) for m in config["models"])

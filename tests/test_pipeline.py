@@ -1,0 +1,105 @@
+"""The Snakemake pipeline on the embedded default, in a scratch copy of the workflow:
+first run builds and validates everything; a second run does nothing; a new block size repacks and
+reruns only what depends on the packs; a new seed rebuilds the checkpoints."""
+import json
+import os
+import re
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from runmap.config import REPO_ROOT
+from runmap.schemas import load_schemas
+
+MODELS = ["tiny-olmoe", "tiny-qwen2-moe"]
+
+
+def snakemake(workdir: Path, *args: str) -> str:
+    env = dict(os.environ)
+    env["PATH"] = f"{Path(sys.executable).parent}{os.pathsep}{env.get('PATH', '')}"  # `runmap` of this interpreter
+    proc = subprocess.run([sys.executable, "-m", "snakemake", "-c2", *args], cwd=workdir, env=env,
+                          capture_output=True, text=True, timeout=300)
+    out = proc.stdout + proc.stderr
+    if proc.returncode != 0:
+        logs = "\n".join(f"--- {p}\n{p.read_text()[-2000:]}" for p in sorted((workdir / "results/logs").rglob("*.log")))
+        pytest.fail(f"snakemake {' '.join(args)} failed ({proc.returncode}):\n{out[-4000:]}\n{logs}")
+    return out
+
+
+def job_counts(out: str) -> dict[str, int]:
+    """The 'Job stats' table of a snakemake run: rule -> number of jobs."""
+    if "Job stats:" not in out:
+        return {}
+    table = out.split("Job stats:", 1)[1]
+    return {m[1]: int(m[2]) for m in re.finditer(r"^(\w+)\s+(\d+)\s*$", table, re.M) if m[1] not in ("total", "all")}
+
+
+def mtimes(paths):
+    return {p: p.stat().st_mtime_ns for p in paths}
+
+
+@pytest.fixture(scope="module")
+def workdir(tmp_path_factory):
+    d = tmp_path_factory.mktemp("pipeline")
+    for name in ("Snakefile", "workflow", "specs", "schemas"):
+        src = REPO_ROOT / name
+        (shutil.copytree if src.is_dir() else shutil.copy2)(src, d / name)
+    return d
+
+
+def test_pipeline_builds_then_is_idempotent_then_repacks_only(workdir):
+    res = workdir / "results"
+
+    out = snakemake(workdir)
+    assert job_counts(out) == {"synth_checkpoint": 2, "pack": 2, "conformance": 1}, out[-3000:]
+    summary = json.loads((res / "conformance/summary.json").read_text())
+    assert load_schemas().validate_document(summary, "conformance") == []
+    assert summary["conformant"] is True and summary["totals"]["files_failed"] == 0
+    checked = {f["path"] for f in summary["files"]}
+    for m in MODELS:
+        assert f"results/packs/{m}-b256/manifest.json" in checked
+        assert f"results/checkpoints/{m}/config.json" in checked
+        assert json.loads((res / f"packs/{m}-b256/manifest.json").read_text())["block_size"] == 256
+    assert "specs/architecture.yaml" in checked
+    assert summary["warnings"] == []  # every JSON artifact of the default run is claimed by a schema
+    for stage in ("checkpoints", "packs"):
+        assert len(list((res / "logs" / stage).glob("*.log"))) == 2
+    ckpt_files = [p for m in MODELS for p in (res / "checkpoints" / m).iterdir()]
+    pack256 = [p for m in MODELS for p in (res / "packs" / f"{m}-b256").iterdir()]
+    before = mtimes(ckpt_files + pack256)
+
+    out = snakemake(workdir)
+    assert "Nothing to be done" in out, out[-3000:]
+    assert mtimes(ckpt_files + pack256) == before
+
+    out = snakemake(workdir, "--config", "block_size=128")
+    assert job_counts(out) == {"pack": 2, "conformance": 1}, out[-3000:]
+    assert mtimes(ckpt_files + pack256) == before  # the checkpoints (and the old packs) are untouched
+    for m in MODELS:
+        assert json.loads((res / f"packs/{m}-b128/manifest.json").read_text())["block_size"] == 128
+    summary = json.loads((res / "conformance/summary.json").read_text())
+    assert summary["conformant"] is True
+    assert "results/packs/tiny-olmoe-b128/manifest.json" in {f["path"] for f in summary["files"]}
+
+    # a new seed changes the synthetic weights: Snakemake's params trigger rebuilds checkpoints and packs
+    out = snakemake(workdir, "-n", "--config", "block_size=128", "seed=1")
+    assert job_counts(out) == {"synth_checkpoint": 2, "pack": 2, "conformance": 1}, out[-3000:]
+
+
+def test_invalid_config_is_rejected_before_any_job(workdir):
+    env = dict(os.environ, PATH=f"{Path(sys.executable).parent}{os.pathsep}{os.environ.get('PATH', '')}")
+    proc = subprocess.run([sys.executable, "-m", "snakemake", "-n", "-c1", "--config", "block_size=255"],
+                          cwd=workdir, env=env, capture_output=True, text=True, timeout=120)
+    assert proc.returncode != 0
+    assert "block_size" in proc.stdout + proc.stderr and "multiple of 2" in proc.stdout + proc.stderr
+
+
+def test_real_model_without_local_checkpoint_is_a_clear_error(workdir):
+    env = dict(os.environ, PATH=f"{Path(sys.executable).parent}{os.pathsep}{os.environ.get('PATH', '')}")
+    proc = subprocess.run([sys.executable, "-m", "snakemake", "-n", "-c1", "--config", "models=[olmoe-1b-7b-0924]"],
+                          cwd=workdir, env=env, capture_output=True, text=True, timeout=120)
+    assert proc.returncode != 0
+    assert "olmoe-1b-7b-0924" in proc.stderr + proc.stdout and "local checkpoint directory" in proc.stderr + proc.stdout
