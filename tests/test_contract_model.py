@@ -1,0 +1,89 @@
+"""The Hypothesis contract model of resident-qpacked-cache-v1 (runmap/contract_model.py) and `runmap contract`.
+
+The model must pass on the real cache and must catch every deliberately broken variant (MUTANTS); a
+model that cannot fail would prove nothing.
+"""
+import json
+
+import pytest
+from jsonschema import Draft202012Validator
+
+from runmap import contract_model as cm
+from runmap.cache import ExpertCache
+from runmap.cli import main
+from runmap.schemas import load_schemas
+
+DEVICE = "cpu"
+
+
+def test_contract_holds_for_the_cache(test_device):
+    stats, exc = cm.run_contract(examples=80, steps=25, seed=0, device=test_device)
+    assert exc is None, exc
+    assert stats.examples >= 80
+    for name in ("leased_rows_hold_expert_bytes", "rows_conserved", "generations_strictly_increase",
+                 "eviction_respects_leases", "spares_only_from_free_rows", "abort_keeps_generation"):
+        assert stats.invariants[name] > 0, name
+    assert stats.outcomes["miss"] > 0 and stats.outcomes["hit"] > 0 and stats.outcomes["abort"] > 0
+
+
+@pytest.mark.parametrize("name", sorted(cm.MUTANTS))
+def test_model_catches_mutant(name, test_device):
+    stats, exc = cm.run_contract(examples=800, steps=30, seed=0, device=test_device, cache_cls=cm.MUTANTS[name],
+                                 shrink=False)
+    assert isinstance(exc, cm.ContractViolation), f"mutant {name} not caught in {stats.examples} examples: {exc!r}"
+
+
+def test_mutants_are_real_subclasses():
+    assert len(cm.MUTANTS) >= 3
+    for cls in cm.MUTANTS.values():
+        assert issubclass(cls, ExpertCache) and cls is not ExpertCache
+
+
+def test_controlled_transport_defers_bytes_until_completion():
+    import torch
+    from runmap.transport import CpuTransport
+
+    tr = cm.ControlledTransport(CpuTransport())
+    dst = torch.zeros(4, dtype=torch.uint8)
+    stg = tr.alloc_staging(4)
+    tr.stage(stg, torch.tensor([1, 2, 3, 4], dtype=torch.uint8))
+    ev = tr.h2d(dst, stg)
+    assert not tr.query(ev) and dst.sum() == 0  # not yet copied
+    tr.stage(stg, torch.tensor([9, 9, 9, 9], dtype=torch.uint8))  # rewriting staging before its copy ends
+    assert tr.staging_violations == 1
+    tr.wait(ev)
+    assert tr.query(ev) and dst.tolist() == [9, 9, 9, 9]  # the copy read the buffer at completion
+
+
+def test_cli_writes_a_valid_report(tmp_path):
+    out = tmp_path / "contract" / "report.json"
+    rc = main(["contract", "--examples", "120", "--mutant-examples", "800", "--no-progress", "--out", str(out)])
+    doc = json.loads(out.read_text())
+    assert rc == 0, doc["failure_details"]
+    assert doc["passed"] and doc["failures"] == 0 and doc["device"]["requested"] == DEVICE
+    assert all(m["caught"] for m in doc["mutants"].values()) and len(doc["mutants"]) == len(cm.MUTANTS)
+    schemas = load_schemas()
+    assert [s.name for s in schemas.matching(out)] == ["contract-report.schema.json"]
+    assert schemas.validate_document(doc, "contract-report") == []
+    bad = dict(doc, failures=1)
+    assert schemas.validate_document(bad, "contract-report") != []  # passed=true with a failure is invalid
+    assert not list(tmp_path.glob("contract/.*"))  # no temp file left behind
+
+
+def test_telemetry_matches_its_schema():
+    from runmap.host_source import HostSource
+    from runmap.qpack import RowLayout
+    import torch
+
+    lay = RowLayout.build(8, 4, 4)
+    rows = [torch.randint(0, 256, (4, lay.row_bytes), dtype=torch.uint8) for _ in range(2)]
+    cache = ExpertCache.from_pack(cm.InMemoryPack(rows, lay), resident=2, max_group=2)
+    with cache.admit() as r:
+        r.acquire(1, [2, 3])
+    schemas = load_schemas()
+    v = Draft202012Validator({"$ref": "https://horizon-runmap.invalid/schemas/observations.schema.json#/$defs/cache_telemetry"}, registry=schemas.registry)
+    errors = [e.message for e in v.iter_errors(cache.telemetry())]
+    assert errors == []
+    tel = cache.telemetry()
+    tel["observations"]["writebacks"] = {"status": "UNKNOWN", "value": 0, "reason": "x"}  # a zero with no measurement
+    assert list(v.iter_errors(tel))
