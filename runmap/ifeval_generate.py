@@ -320,10 +320,12 @@ def add_generate_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--max-seq-len", type=int, default=None,
                    help="KV-cache length; default: longest chat-formatted prompt + --max-new-tokens")
     p.add_argument("--stop", action="append", default=[], help="stop string (repeatable); default: EOS only")
+    p.add_argument("--model-name", default=None, help="model name recorded in the metadata (default: the pack "
+                                                        "directory's name)")
     p.add_argument("--no-progress", action="store_true", help="no progress bar")
 
 
-def _pack_records(packed: Path) -> tuple[dict, dict]:
+def _pack_records(packed: Path, model_name: str | None = None) -> tuple[dict, dict]:
     """(model, pack) records for the sidecar, from the pack's manifest.json."""
     man_path = packed / "manifest.json"
     if not man_path.is_file():
@@ -332,14 +334,16 @@ def _pack_records(packed: Path) -> tuple[dict, dict]:
         man = json.loads(man_path.read_text(encoding="utf-8"))
     except json.JSONDecodeError as e:
         raise IFEvalGenerateError(f"{man_path}: malformed JSON ({e})") from None
-    cfg = man.get("model_config") or man.get("config") or man.get("model") or {}
+    cfg = man.get("model") or {}
+    src = man.get("source") or {}
     model = {
-        "name": man.get("model_name") or man.get("name") or cfg.get("name") or packed.name,
-        "arch": cfg.get("arch") or cfg.get("model_type"),
-        "source": man.get("source"),
+        "name": model_name or packed.name,
+        "arch": cfg.get("arch"),
+        "source": {"path": src.get("path"), "architecture": src.get("architecture")},
+        "dims": {k: cfg.get(k) for k in ("num_layers", "hidden_size", "num_experts", "top_k", "moe_intermediate_size",
+                                         "vocab_size")},
     }
-    pack = {"path": str(packed), "manifest_sha256": sha256_file(man_path),
-            "block_size": (man.get("quantization") or {}).get("block_size")}
+    pack = {"path": str(packed), "manifest_sha256": sha256_file(man_path), "block_size": man.get("block_size")}
     return model, pack
 
 
@@ -355,7 +359,7 @@ def run_cli(args) -> int:
     if args.batch_size < 1 or args.max_new_tokens < 1:
         raise IFEvalGenerateError("--batch-size and --max-new-tokens must be at least 1")
     prompts = read_prompts(args.inputs, args.limit)
-    model, pack = _pack_records(args.packed)
+    model, pack = _pack_records(args.packed, args.model_name)
     settings = GenerationSettings(max_new_tokens=args.max_new_tokens, batch_size=args.batch_size,
                                   stop=list(args.stop))
     need = _max_prompt_tokens(args.packed, prompts, settings.chat) + settings.max_new_tokens
@@ -372,8 +376,9 @@ def run_cli(args) -> int:
         "model": model,
         "pack": pack,
         "executor": args.executor,
-        "regime": "full" if args.resident is None else "partial",
-        "resident": args.resident,  # experts per layer on the GPU; None: all of them
+        # what the engine made of --resident (None -> every expert: full residency)
+        "regime": getattr(engine, "regime", "full" if args.resident is None else "partial"),
+        "resident": getattr(engine, "resident", args.resident),
         "inputs": {"path": str(args.inputs), "sha256": sha256_file(args.inputs), "limit": args.limit,
                    "prompts": len(prompts)},
         "max_seq_len": max_seq_len,
