@@ -84,8 +84,11 @@ def run(args: argparse.Namespace) -> int:
     else:
         report = validate_tree(*paths, schema_set=ss, keep_documents=True)
 
-    summary = conformance.build_summary(report, ss, command=["runmap", "validate", *sys.argv[2:]]
-                                        if len(sys.argv) > 1 and sys.argv[1] == "validate" else None)
+    command = ["runmap", "validate", *map(str, args.paths)]
+    for flag, value in (("--schema", args.schema), ("--schemas-dir", args.schemas_dir), ("--summary", args.summary)):
+        if value:
+            command += [flag, str(value)]
+    summary = conformance.build_summary(report, ss, command=command)
     for f in report.checked:
         if f.ok:
             if args.verbose:

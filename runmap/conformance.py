@@ -15,7 +15,6 @@ import datetime as _dt
 import hashlib
 import json
 import os
-import sys
 import tempfile
 from pathlib import Path
 from typing import Any, Iterable
@@ -83,7 +82,7 @@ def _sha256(path: Path) -> str:
     return hashlib.sha256(Path(path).read_bytes()).hexdigest()
 
 
-def build_summary(report, schema_set, command: list[str] | None = None) -> dict:
+def build_summary(report, schema_set, command: list[str]) -> dict:
     """The summary dict for a ``runmap.schemas.TreeReport`` made with ``keep_documents=True``."""
     from runmap import __version__
 
@@ -102,7 +101,7 @@ def build_summary(report, schema_set, command: list[str] | None = None) -> dict:
         "format_version": FORMAT_VERSION,
         "created_utc": _dt.datetime.now(_dt.timezone.utc).strftime("%Y-%m-%dT%H:%M:%SZ"),
         "runmap_version": __version__,
-        "command": command if command is not None else ["runmap", *sys.argv[1:]],
+        "command": command,
         "roots": report.roots,
         "architecture": {"path": "specs/architecture.yaml", "sha256": _sha256(ARCHITECTURE_SPEC),
                          "cache_contract": "resident-qpacked-cache-v1"},

@@ -148,6 +148,7 @@ def test_summary_is_written_on_failure_and_conforms(tree, capsys):
     assert bad["violations"][0]["json_path"] == "$.models"
     assert s["schemas"]["pipeline-config.schema.json"]["files_checked"] == 2
     assert s["roots"] == ["specs", "results"]
+    assert s["command"] == ["runmap", "validate", "specs", "results", "--summary", str(out_path)]
     # the summary itself is an artifact the next validation claims and checks
     rc, out = run_cli(capsys, "results/conformance")
     assert rc == 0 and "1 files checked" in out
