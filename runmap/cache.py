@@ -387,8 +387,8 @@ class ExpertCache:
     def _copy_rows(self, layer: int, experts: list[int], rows: list[int], submitted: list) -> None:
         for e, row in zip(experts, rows):
             buf = self._take_staging()
-            self.transport.stage(buf.tensor, self.host.row_tensor(layer, e))  # host -> staging (CPU)
-            ev = self.transport.h2d(self._storage[layer][row], buf.tensor)  # staging -> device row
+            # host (pageable) -> pinned staging -> device spare row; one event per row
+            ev = self.transport.stage_and_copy(self._storage[layer][row], buf.tensor, self.host.row_tensor(layer, e))
             buf.event = ev
             submitted.append((row, ev))
             self.counters["bytes_h2d"] += self.row_bytes
@@ -419,17 +419,20 @@ class ExpertCache:
             victims = self.policy.choose(layer, candidates, n_evict, self._tick) if n_evict > 0 else []
             rows = [free.pop() for _ in missing]
             submitted: list = []
+            new_map = dict(mapped)
+            for v in victims:
+                del new_map[v]
+            new_map.update(zip(missing, rows))
+            table = [-1] * self.num_experts
+            for e, r in new_map.items():
+                table[e] = r
             try:
                 self._copy_rows(layer, missing, rows, submitted)
+                # the table goes behind the rows on the transfer stream; publication waits for all
+                dev_table, table_ev = self.transport.upload_table_async(table)  # (E,) int32
                 self._wait_all(submitted)
-                new_map = dict(mapped)
-                for v in victims:
-                    del new_map[v]
-                new_map.update(zip(missing, rows))
-                table = [-1] * self.num_experts
-                for e, r in new_map.items():
-                    table[e] = r
-                dev_table = self.transport.upload_table(table)  # (E,) int32
+                if table_ev is not None:
+                    self.transport.wait(table_ev)
             except Exception as exc:
                 self._abort(layer, rows, submitted)
                 raise TransactionAborted(

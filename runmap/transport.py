@@ -60,6 +60,12 @@ class Transport:
         """Start the staging -> device row copy; returns its completion event."""
         raise NotImplementedError
 
+    def stage_and_copy(self, dst_row: torch.Tensor, staging: torch.Tensor, host_row: torch.Tensor) -> Event:
+        """host row -> staging -> device row; returns the event of the device copy. Transports may
+        pipeline the two steps in chunks (CudaTransport(chunk_bytes=...))."""
+        self.stage(staging, host_row)
+        return self.h2d(dst_row, staging)
+
     def query(self, ev: Event) -> bool:
         """True once the copy behind ``ev`` has completed (successfully or not)."""
         raise NotImplementedError
@@ -72,6 +78,11 @@ class Transport:
         """int32 (E,) row table on the device (the generation's mapping of one layer)."""
         self.table_uploads += 1
         return torch.tensor(table, dtype=torch.int32, device=self.device)
+
+    def upload_table_async(self, table: list[int]) -> tuple[torch.Tensor, Event | None]:
+        """Like ``upload_table`` but may return before the copy completed, with its event (or None
+        when the table is already complete). The caller waits for the event before publishing."""
+        return self.upload_table(table), None
 
     def after_publish(self) -> None:
         """Order later compute after the published copies; a failure here is ambiguous (FAULTED)."""
@@ -101,8 +112,11 @@ class CpuTransport(Transport):
 class CudaTransport(Transport):
     """Pinned staging, a dedicated transfer stream, one event per staging -> device copy."""
 
-    def __init__(self, device="cuda"):
+    def __init__(self, device="cuda", chunk_bytes: int | None = None):
         dev = torch.device(device)
+        if chunk_bytes is not None and chunk_bytes <= 0:
+            raise ValueError(f"chunk_bytes must be positive, got {chunk_bytes}")
+        self.chunk_bytes = chunk_bytes
         if dev.type != "cuda":
             raise ValueError(f"CudaTransport needs a cuda device, got {dev}")
         if not torch.cuda.is_available():
@@ -113,7 +127,24 @@ class CudaTransport(Transport):
         self.stream = torch.cuda.Stream(device=dev)
 
     def alloc_staging(self, row_bytes):
-        return torch.empty(row_bytes, dtype=torch.uint8).pin_memory(self.device)
+        return torch.empty(row_bytes, dtype=torch.uint8, pin_memory=True)
+
+    def stage_and_copy(self, dst_row, staging, host_row):
+        if not self.chunk_bytes or self.chunk_bytes >= host_row.numel():
+            return super().stage_and_copy(dst_row, staging, host_row)
+        # Pipeline within the row: the CPU copies chunk i+1 into staging while the DMA engine moves
+        # chunk i. Each chunk of staging is written once per row, so no chunk is rewritten in flight.
+        n = host_row.numel()
+        with torch.cuda.stream(self.stream):
+            for lo in range(0, n, self.chunk_bytes):
+                hi = min(n, lo + self.chunk_bytes)
+                staging[lo:hi].copy_(host_row[lo:hi])  # (chunk,) pageable -> pinned, CPU
+                dst_row[lo:hi].copy_(staging[lo:hi], non_blocking=True)  # (chunk,) pinned -> device
+            ev = torch.cuda.Event()
+            ev.record(self.stream)
+        self.stage_bytes += n
+        self.h2d_bytes += n
+        return Event(ev, n)
 
     def h2d(self, dst_row, staging):
         # The compute stream may still read rows this copy does not touch; spare rows are never read,
@@ -137,12 +168,22 @@ class CudaTransport(Transport):
 
     def upload_table(self, table):
         self.table_uploads += 1
-        t = torch.tensor(table, dtype=torch.int32).pin_memory(self.device)
+        t = torch.tensor(table, dtype=torch.int32).pin_memory()
         out = torch.empty(len(table), dtype=torch.int32, device=self.device)
         with torch.cuda.stream(self.stream):
             out.copy_(t, non_blocking=True)  # (E,)
         self.stream.synchronize()  # the table must be complete before the generation is published
         return out
+
+    def upload_table_async(self, table):
+        self.table_uploads += 1
+        t = torch.tensor(table, dtype=torch.int32).pin_memory()
+        out = torch.empty(len(table), dtype=torch.int32, device=self.device)
+        with torch.cuda.stream(self.stream):
+            out.copy_(t, non_blocking=True)  # (E,) behind the row copies on the same stream
+            ev = torch.cuda.Event()
+            ev.record(self.stream)
+        return out, Event(ev, 4 * len(table))
 
     def after_publish(self):
         # Later kernels on the compute stream must observe the copies (already complete on the host
@@ -154,10 +195,10 @@ class CudaTransport(Transport):
                 "device_name": torch.cuda.get_device_name(self.device)}
 
 
-def default_transport(device) -> Transport:
+def default_transport(device, chunk_bytes: int | None = None) -> Transport:
     dev = torch.device(device)
     if dev.type == "cpu":
         return CpuTransport()
     if dev.type == "cuda":
-        return CudaTransport(dev)
+        return CudaTransport(dev, chunk_bytes=chunk_bytes)
     raise ValueError(f"no transport for device {dev}")
