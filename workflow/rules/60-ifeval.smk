@@ -1,0 +1,98 @@
+# Stage: IFEval (DESIGN.md §6: pack -> ... -> IFEval generate -> IFEval score -> conformance).
+# Per model: the first `limit` prompts of the inputs -> greedy answers from the packed model (runmap ifeval
+# generate, sidecar with model / pack / executor / regime / settings / timing) -> strict and loose scores
+# (runmap ifeval score). Section `ifeval` of the config, schema schemas/ifeval-pipeline.schema.json.
+# The embedded default answers 16 prompts with 32 new tokens on the tiny model with the `reference` executor
+# (the Triton executors run in Triton's interpreter on a CPU, far too slowly for the default run);
+# a GPU config sets executor: grouped, limit: 541, max_new_tokens: 1280.
+# Snakemake deletes a job's outputs before it runs, so inside the pipeline every run generates afresh;
+# resuming an interrupted long run is a property of `runmap ifeval generate` itself (see README / --help).
+from pathlib import Path as _Path
+
+import runmap as _runmap
+
+validate(config.setdefault("ifeval", {}), "../../schemas/ifeval-pipeline.schema.json")
+
+IFEVAL = config["ifeval"]
+_IFEVAL_CODE = _Path(_runmap.__file__).resolve().parent
+# Inputs default to the prompts vendored with the installed package (absolute: the workflow may run in a
+# scratch directory that holds no data/).
+IFEVAL_INPUTS = IFEVAL["inputs"] or str(_IFEVAL_CODE.parent / "data" / "ifeval" / "input_data.jsonl")
+IFEVAL_MODELS = (IFEVAL["models"] or config["models"][:1]) if IFEVAL["enabled"] else []
+for _m in IFEVAL_MODELS:
+    if _m not in config["models"]:
+        raise ValueError(f"pipeline config: ifeval.models names {_m!r}, which is not in models {config['models']}")
+
+
+def ifeval_dir(model, block=None):
+    return f"{RESULTS}/ifeval/{model}-b{block or config['block_size']}"
+
+
+def _ifeval_generate_options():
+    opts = [
+        f"--max-new-tokens {IFEVAL['max_new_tokens']}",
+        f"--batch-size {IFEVAL['batch_size']}",
+        f"--executor {IFEVAL['executor']}",
+    ]
+    if IFEVAL["resident"] is not None:
+        opts.append(f"--resident {IFEVAL['resident']}")
+    if IFEVAL["device"]:
+        opts.append(f"--device {IFEVAL['device']}")
+    if IFEVAL["extra_args"]:
+        opts.append(IFEVAL["extra_args"])
+    return " ".join(opts)
+
+
+rule ifeval_inputs:
+    """The first `limit` prompts: generation and scoring both read exactly this file."""
+    output:
+        f"{RESULTS}/ifeval/{{model}}-b{{block}}/inputs.jsonl",
+    input:
+        IFEVAL_INPUTS,
+    params:
+        limit=IFEVAL["limit"],
+    log:
+        f"{LOGS}/ifeval/{{model}}-b{{block}}-inputs.log",
+    shell:
+        "(head -n {params.limit} {input:q} > {output:q}.tmp && mv {output:q}.tmp {output:q}) > {log} 2>&1"
+
+
+rule ifeval_generate:
+    output:
+        answers=f"{RESULTS}/ifeval/{{model}}-b{{block}}/answers.jsonl",
+        meta=f"{RESULTS}/ifeval/{{model}}-b{{block}}/answers.jsonl.meta.json",
+    input:
+        pack=lambda wc: pack_dir(wc.model, wc.block),
+        inputs=f"{RESULTS}/ifeval/{{model}}-b{{block}}/inputs.jsonl",
+        code=[str(_IFEVAL_CODE / "ifeval_generate.py")],
+    params:
+        opts=_ifeval_generate_options(),
+    log:
+        f"{LOGS}/ifeval/{{model}}-b{{block}}-generate.log",
+    shell:
+        "runmap ifeval generate --no-progress --packed {input.pack} --inputs {input.inputs} "
+        "--out {output.answers} --model-name {wildcards.model} {params.opts} > {log} 2>&1"
+
+
+rule ifeval_score:
+    output:
+        results=f"{RESULTS}/ifeval/{{model}}-b{{block}}/score/results.jsonl",
+        summary=f"{RESULTS}/ifeval/{{model}}-b{{block}}/score/summary.json",
+    input:
+        answers=f"{RESULTS}/ifeval/{{model}}-b{{block}}/answers.jsonl",
+        meta=f"{RESULTS}/ifeval/{{model}}-b{{block}}/answers.jsonl.meta.json",
+        inputs=f"{RESULTS}/ifeval/{{model}}-b{{block}}/inputs.jsonl",
+        code=[str(_IFEVAL_CODE / "ifeval_score.py")],
+    params:
+        out=lambda wc: f"{ifeval_dir(wc.model, wc.block)}/score",
+    log:
+        f"{LOGS}/ifeval/{{model}}-b{{block}}-score.log",
+    shell:
+        "runmap ifeval score --no-progress --inputs {input.inputs} --responses {input.answers} "
+        "--meta {input.meta} --out {params.out} > {log} 2>&1"
+
+
+for _m in IFEVAL_MODELS:
+    _d = ifeval_dir(_m)
+    FINAL_OUTPUTS.extend([f"{_d}/inputs.jsonl", f"{_d}/answers.jsonl", f"{_d}/answers.jsonl.meta.json",
+                          f"{_d}/score/results.jsonl", f"{_d}/score/summary.json"])
