@@ -78,6 +78,45 @@ def sha256_file(path: Path) -> str:
     return h.hexdigest()
 
 
+CHUNK_VALUES = 1 << 24  # weight values quantized per step: bounds the FP32 temporaries (~0.5 GB)
+
+
+def quantize_projection_into(rows: torch.Tensor, w: torch.Tensor, proj: str, layout: RowLayout, layer: int = 0) -> dict:
+    """Quantize one projection of every expert of a layer into its sections of ``rows``.
+
+    Args:
+        rows: uint8 (E, row_bytes), written in place (the ``proj`` weight and scale sections).
+        w: (E, N, K) float (any float dtype), same device as rows; N, K = layout.proj_dims(proj).
+    Returns {"rel_fro": [E floats], "max_abs": [E floats]}: ||W - W_hat||_F / ||W||_F (0 for an all-zero
+    W) and max |W - W_hat| per expert, with W the source values in FP32.
+    Experts are processed in chunks of about CHUNK_VALUES values; blocks are per row, so chunking
+    (and the (E*N, K) flattening) gives the same bytes as quantizing each expert alone.
+    """
+    n_exp = rows.shape[0]
+    n, k = layout.proj_dims(proj)
+    if tuple(w.shape) != (n_exp, n, k):
+        raise PackError(f"layer {layer} {proj}: stacked shape {tuple(w.shape)}, expected {(n_exp, n, k)}")
+    ws, ss = layout.section(f"{proj}.weight"), layout.section(f"{proj}.scale")
+    step = max(1, CHUNK_VALUES // (n * k))
+    rel, mx = [], []
+    for e0 in range(0, n_exp, step):
+        e1 = min(n_exp, e0 + step)
+        c = e1 - e0
+        flat = w[e0:e1].reshape(c * n, k)  # (c*N, K)
+        packed, scales = quantize(flat, layout.block_size, name=f"layer {layer} experts[{e0}:{e1}].{proj}")
+        rows[e0:e1, ws.offset:ws.offset + ws.nbytes] = packed.view(c, -1)  # (c, N*K/2)
+        rows[e0:e1, ss.offset:ss.offset + ss.nbytes] = scales.view(c, -1).view(torch.uint8)  # (c, 2*N*nb)
+        w32 = flat.float().view(c, n * k)  # (c, N*K)
+        diff = dequantize(packed, scales, k, layout.block_size).view(c, n * k).sub_(w32)  # (c, N*K)
+        denom = w32.norm(dim=1)  # (c,)
+        num = diff.norm(dim=1)
+        safe = torch.where(denom > 0, denom, torch.ones_like(denom))
+        rel += torch.where(denom > 0, num / safe, torch.zeros_like(num)).cpu().tolist()
+        mx += diff.abs_().amax(dim=1).cpu().tolist()
+        del packed, scales, w32, diff
+    return {"rel_fro": rel, "max_abs": mx}
+
+
 def quantize_layer(gate: torch.Tensor, up: torch.Tensor, down: torch.Tensor, layout: RowLayout, layer: int = 0):
     """Quantize one layer's routed experts into rows.
 
@@ -88,28 +127,22 @@ def quantize_layer(gate: torch.Tensor, up: torch.Tensor, down: torch.Tensor, lay
     Returns:
         rows: uint8 (E, row_bytes) on the same device (padding bytes zero); equal, row for row, to
             ``layout.pack_expert``.
-        errors: {proj: {"rel_fro": [E floats], "max_abs": [E floats]}} — ||W - W_hat||_F / ||W||_F
-            (0 for an all-zero W) and max |W - W_hat| per expert, W taken as the source values in FP32.
+        errors: {proj: {"rel_fro": [E floats], "max_abs": [E floats]}} (see quantize_projection_into).
     """
-    n_exp = gate.shape[0]
-    rows = torch.zeros((n_exp, layout.row_bytes), dtype=torch.uint8, device=gate.device)  # (E, row_bytes)
+    rows = torch.zeros((gate.shape[0], layout.row_bytes), dtype=torch.uint8, device=gate.device)  # (E, row_bytes)
+    errors = {proj: quantize_projection_into(rows, w, proj, layout, layer) for proj, w in zip(PROJECTIONS, (gate, up, down))}
+    return rows, errors
+
+
+def pack_layer(reader: CheckpointReader, layer: int, layout: RowLayout, dev: torch.device):
+    """Read and quantize one layer one projection at a time (peak: one projection + the rows).
+    Returns (rows uint8 (E, row_bytes) on dev, errors) like quantize_layer."""
+    rows = torch.zeros((reader.config.num_experts, layout.row_bytes), dtype=torch.uint8, device=dev)
     errors = {}
-    for proj, w in zip(PROJECTIONS, (gate, up, down)):
-        n, k = layout.proj_dims(proj)
-        if tuple(w.shape) != (n_exp, n, k):
-            raise PackError(f"layer {layer} {proj}: stacked shape {tuple(w.shape)}, expected {(n_exp, n, k)}")
-        flat = w.reshape(n_exp * n, k)  # (E*N, K): blocks are per row, so experts stay independent
-        packed, scales = quantize(flat, layout.block_size, name=f"layer {layer} experts.{proj}")
-        ws, ss = layout.section(f"{proj}.weight"), layout.section(f"{proj}.scale")
-        rows[:, ws.offset:ws.offset + ws.nbytes] = packed.view(n_exp, -1)  # (E, N*K/2)
-        rows[:, ss.offset:ss.offset + ss.nbytes] = scales.view(n_exp, -1).view(torch.uint8)  # (E, 2*N*nb)
-        w32 = flat.float().view(n_exp, n * k)  # (E, N*K)
-        diff = dequantize(packed, scales, k, layout.block_size).view(n_exp, n * k) - w32  # (E, N*K)
-        denom = w32.norm(dim=1)
-        num = diff.norm(dim=1)
-        rel = torch.where(denom > 0, num / torch.where(denom > 0, denom, torch.ones_like(denom)), torch.zeros_like(num))
-        errors[proj] = {"rel_fro": rel.cpu().tolist(), "max_abs": diff.abs().amax(dim=1).cpu().tolist()}
-        del packed, scales, w32, diff
+    for proj in PROJECTIONS:
+        w = reader.expert_projection(layer, proj, dev)  # (E, N, K) source dtype
+        errors[proj] = quantize_projection_into(rows, w, proj, layout, layer)
+        del w
     return rows, errors
 
 
@@ -169,9 +202,7 @@ def pack_checkpoint(
             it = tqdm(it, desc=f"pack {out.name}", unit="layer")
         for l in it:
             t = time.perf_counter()
-            gate, up, down = (reader.expert_projection(l, p, dev) for p in PROJECTIONS)
-            rows, errors = quantize_layer(gate, up, down, layout, l)
-            del gate, up, down
+            rows, errors = pack_layer(reader, l, layout, dev)
             rows_cpu = rows.cpu()  # (E, row_bytes)
             del rows
             fname = layer_file(l)

@@ -104,7 +104,9 @@ def test_manifest_contents_and_schema(packs):
     assert validate_document(bad, "manifest")  # the schema can fail
 
 
-def test_quant_error_matches_definition():
+@pytest.mark.parametrize("chunk_values", [1 << 24, 96 * 64, 1])  # all experts / one per chunk / minimum
+def test_quant_error_matches_definition(monkeypatch, chunk_values):
+    monkeypatch.setattr(pack_mod, "CHUNK_VALUES", chunk_values)
     torch.manual_seed(0)
     layout = RowLayout.build(64, 96, 32)
     g, u, d = torch.randn(3, 96, 64), torch.randn(3, 96, 64), torch.randn(3, 64, 96)
@@ -222,7 +224,7 @@ def test_manifest_layout_mismatch_is_rejected(packs, tmp_path):
 def test_interrupted_pack_leaves_nothing(packs, tmp_path, monkeypatch):
     ck, _ = packs["tiny-qwen2-moe", "per-expert"]
     calls = []
-    real = pack_mod.quantize_layer
+    real = pack_mod.pack_layer
 
     def boom(*a, **k):
         calls.append(1)
@@ -230,7 +232,7 @@ def test_interrupted_pack_leaves_nothing(packs, tmp_path, monkeypatch):
             raise KeyboardInterrupt
         return real(*a, **k)
 
-    monkeypatch.setattr(pack_mod, "quantize_layer", boom)
+    monkeypatch.setattr(pack_mod, "pack_layer", boom)
     with pytest.raises(KeyboardInterrupt):
         pack_checkpoint(ck, tmp_path / "out", device="cpu")
     assert len(calls) == 2

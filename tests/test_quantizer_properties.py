@@ -12,6 +12,7 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
+from runmap import pack as pack_mod
 from runmap.pack import quantize_layer
 from runmap.qpack import FP16_MAX, QPackError, RowLayout, dequantize, num_blocks, quantize, unpack_nibbles
 
@@ -92,15 +93,19 @@ def test_deterministic_same_bytes_twice(case):
 
 @settings(max_examples=40)
 @given(st.integers(1, 3), st.integers(1, 12), st.integers(1, 12), st.sampled_from([8, 16, 32]),
-       st.integers(0, 2**31 - 1))
-def test_layer_packer_equals_per_expert_packer(n_exp, h_half, i_half, block, seed):
+       st.integers(0, 2**31 - 1), st.sampled_from([1, 100, 1 << 24]))
+def test_layer_packer_equals_per_expert_packer(n_exp, h_half, i_half, block, seed, chunk_values):
     """quantize_layer (the packer's batched path) == RowLayout.pack_expert per expert, byte for byte."""
     h, i = 2 * h_half, 2 * i_half
     layout = RowLayout.build(h, i, block)
     g = torch.Generator().manual_seed(seed)
     gate, up = torch.randn(n_exp, i, h, generator=g), torch.randn(n_exp, i, h, generator=g)
     down = torch.randn(n_exp, h, i, generator=g)
-    rows, _ = quantize_layer(gate.bfloat16(), up.bfloat16(), down.bfloat16(), layout)
+    old, pack_mod.CHUNK_VALUES = pack_mod.CHUNK_VALUES, chunk_values  # experts per quantize step varies
+    try:
+        rows, _ = quantize_layer(gate.bfloat16(), up.bfloat16(), down.bfloat16(), layout)
+    finally:
+        pack_mod.CHUNK_VALUES = old
     for e in range(n_exp):
         ref = layout.pack_expert({"gate": gate[e].bfloat16(), "up": up[e].bfloat16(), "down": down[e].bfloat16()})
         assert torch.equal(rows[e], ref)
