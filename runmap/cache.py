@@ -315,6 +315,7 @@ class ExpertCache:
             if req.released:
                 return
             req.released = True
+            self.transport.note_release()
             for lease in req.leases:
                 self._leased[lease.layer].subtract(lease.experts)
                 self._leased[lease.layer] += Counter()  # drop zero counts

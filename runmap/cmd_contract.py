@@ -94,6 +94,16 @@ def _first_line(exc: BaseException) -> str:
     return f"{type(exc).__name__}: {s[0] if s else ''}"[:500]
 
 
+def _command_line() -> str:
+    argv = sys.argv
+    if argv and argv[0].endswith("cmd_contract.py"):
+        return "python -m runmap.cmd_contract " + " ".join(shlex.quote(a) for a in argv[1:])
+    args = argv[1:]
+    if args and args[0] == "contract":
+        args = args[1:]
+    return " ".join(["runmap contract"] + [shlex.quote(a) for a in args])
+
+
 def run(args) -> int:
     import torch
 
@@ -143,8 +153,7 @@ def run(args) -> int:
     doc = {
         "report_version": REPORT_VERSION,
         "contract": "resident-qpacked-cache-v1",
-        "command": "runmap contract " + " ".join(shlex.quote(a) for a in sys.argv[2:]) if len(sys.argv) > 1
-        else "runmap contract",
+        "command": _command_line(),
         "created_utc": _dt.datetime.now(_dt.timezone.utc).strftime("%Y-%m-%dT%H:%M:%SZ"),
         "seed": args.seed,
         "device": _device_info(args.device),
@@ -173,3 +182,17 @@ def run(args) -> int:
     for f in failures:
         print(f"FAILURE [{f['kind']}] {f['message']}", file=sys.stderr)
     return 0 if doc["passed"] else 1
+
+
+def main(argv: list[str] | None = None) -> int:
+    """Standalone entry (``python -m runmap.cmd_contract``) for machines without the package's CLI deps."""
+    import argparse
+
+    p = argparse.ArgumentParser(prog="python -m runmap.cmd_contract", description=DESCRIPTION,
+                                formatter_class=argparse.RawDescriptionHelpFormatter)
+    add_arguments(p)
+    return run(p.parse_args(argv))
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -183,6 +183,9 @@ class ControlledTransport(Transport):
         if ev.state == "failed":
             raise TransferError(f"injected failure: copy {ev.id} completed with an error")
 
+    def note_release(self):
+        self.inner.note_release()
+
     def upload_table(self, table):
         if self._hit("table"):
             raise TransferError("injected failure: uploading the row table")

@@ -79,6 +79,9 @@ class Transport:
         self.table_uploads += 1
         return torch.tensor(table, dtype=torch.int32, device=self.device)
 
+    def note_release(self) -> None:
+        """A request was released: rows it could read may be recycled after work issued so far."""
+
     def upload_table_async(self, table: list[int]) -> tuple[torch.Tensor, Event | None]:
         """Like ``upload_table`` but may return before the copy completed, with its event (or None
         when the table is already complete). The caller waits for the event before publishing."""
@@ -125,6 +128,23 @@ class CudaTransport(Transport):
             dev = torch.device("cuda", torch.cuda.current_device())
         super().__init__(dev)
         self.stream = torch.cuda.Stream(device=dev)
+        self._release_event = None  # compute-stream event recorded at the latest request release
+
+    def alloc_storage(self, rows, row_bytes):
+        t = super().alloc_storage(rows, row_bytes)  # zero-filled on the current stream
+        self.stream.wait_stream(torch.cuda.current_stream(self.device))  # copies land after the fill
+        return t
+
+    def note_release(self):
+        # Kernels of the released request may still be queued on the compute stream; a recycled row
+        # must not be overwritten before they ran (write-after-read across streams).
+        ev = torch.cuda.Event()
+        ev.record(torch.cuda.current_stream(self.device))
+        self._release_event = ev
+
+    def _order_after_releases(self):
+        if self._release_event is not None:
+            self.stream.wait_event(self._release_event)
 
     def alloc_staging(self, row_bytes):
         return torch.empty(row_bytes, dtype=torch.uint8, pin_memory=True)
@@ -135,6 +155,7 @@ class CudaTransport(Transport):
         # Pipeline within the row: the CPU copies chunk i+1 into staging while the DMA engine moves
         # chunk i. Each chunk of staging is written once per row, so no chunk is rewritten in flight.
         n = host_row.numel()
+        self._order_after_releases()
         with torch.cuda.stream(self.stream):
             for lo in range(0, n, self.chunk_bytes):
                 hi = min(n, lo + self.chunk_bytes)
@@ -147,8 +168,9 @@ class CudaTransport(Transport):
         return Event(ev, n)
 
     def h2d(self, dst_row, staging):
-        # The compute stream may still read rows this copy does not touch; spare rows are never read,
-        # so the transfer stream does not need to wait for the compute stream.
+        # Spare rows are read by nothing published; a recycled victim row may still be read by kernels
+        # queued before the release that freed it, hence the wait on the latest release event.
+        self._order_after_releases()
         with torch.cuda.stream(self.stream):
             dst_row.copy_(staging, non_blocking=True)  # (row_bytes,) pinned -> device
             ev = torch.cuda.Event()

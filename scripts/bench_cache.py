@@ -1,0 +1,254 @@
+"""Benchmark the expert cache's miss path against pinned host -> device bandwidth measured in the same run.
+
+Targets (issue 4): one OLMoE expert row miss through the cache moves at >= 85 % of the pinned single-row
+H2D figure; a layer's whole missing group moves at >= 85 % of the 1 GiB pinned figure.
+
+Ceilings (same run, same process):
+  * pinned H2D, 1 GiB and one OLMoE row (RowLayout.build(2048, 1024).row_bytes = 3,194,880 bytes), timed
+    with CUDA events around the copy alone (the strictest ceiling), plus the row copy timed by the host
+    clock including launch + synchronize (what a synchronous caller can see at best);
+  * pageable -> pinned memcpy of one row (the CPU step the contract puts in front of every copy).
+Cache measurements (host clock around ``req.acquire``: staging memcpy, DMA, events, row table upload,
+publication) for transport variants: whole-row staging, and staging pipelined with the DMA in chunks.
+
+  PYTHONPATH=. python3 scripts/bench_cache.py --out results/contract/bench-h200.json
+
+Runs on CUDA only. Writes JSON (schemas/contract-bench.schema.json) atomically and prints a table.
+"""
+from __future__ import annotations
+
+import argparse
+import datetime as _dt
+import json
+import os
+import platform
+import statistics
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+from runmap.cache import ExpertCache  # noqa: E402
+from runmap.host_source import HostSource  # noqa: E402
+from runmap.qpack import RowLayout  # noqa: E402
+from runmap.transport import CudaTransport  # noqa: E402
+
+GIB = 1 << 30
+TARGET = 0.85
+
+
+def _events_ms(fn, iters: int, warmup: int = 3) -> list[float]:
+    for _ in range(warmup):
+        fn()
+    torch.cuda.synchronize()
+    out = []
+    for _ in range(iters):
+        a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        a.record()
+        fn()
+        b.record()
+        b.synchronize()
+        out.append(a.elapsed_time(b))
+    return out
+
+
+def pinned_h2d(nbytes: int, iters: int) -> dict:
+    src = torch.empty(nbytes, dtype=torch.uint8, pin_memory=True)
+    src.fill_(7)  # touch every page
+    dst = torch.empty(nbytes, dtype=torch.uint8, device="cuda")
+    ms = _events_ms(lambda: dst.copy_(src, non_blocking=True), iters)
+    wall = []
+    for _ in range(iters):
+        t = time.perf_counter()
+        dst.copy_(src, non_blocking=True)
+        torch.cuda.current_stream().synchronize()
+        wall.append(time.perf_counter() - t)
+    med, best = statistics.median(ms), min(ms)
+    wmed = statistics.median(wall)
+    return {"bytes": nbytes, "iters": iters, "event_median_us": med * 1e3, "event_best_us": best * 1e3,
+            "gbps_event_median": nbytes / (med * 1e-3) / 1e9, "gbps_event_best": nbytes / (best * 1e-3) / 1e9,
+            "wall_median_us": wmed * 1e6, "gbps_wall_median": nbytes / wmed / 1e9}
+
+
+def pageable_to_pinned(host: HostSource, iters: int) -> dict:
+    stg = torch.empty(host.row_bytes, dtype=torch.uint8, pin_memory=True)
+    times = []
+    for i in range(iters):
+        src = host.row_tensor(i % host.num_layers, (i * 7) % host.num_experts)
+        t = time.perf_counter()
+        stg.copy_(src)  # (row_bytes,) CPU memcpy
+        times.append(time.perf_counter() - t)
+    med = statistics.median(times)
+    return {"bytes": host.row_bytes, "iters": iters, "median_us": med * 1e6, "gbps_median": host.row_bytes / med / 1e9}
+
+
+def build_host(layout: RowLayout, layers: int, experts: int) -> HostSource:
+    rows = []
+    for layer in range(layers):
+        r = torch.empty(experts, layout.row_bytes, dtype=torch.uint8)
+        # distinct bytes per (layer, expert, position) without paying for a random generator
+        base = torch.arange(layout.row_bytes, dtype=torch.int32)
+        for e in range(experts):
+            r[e] = ((base * (2 * e + 1) + 31 * layer + e) & 0xFF).to(torch.uint8)
+        rows.append(r)
+    return HostSource.from_rows(rows, layout)
+
+
+def check_rows(cache: ExpertCache, host: HostSource) -> int:
+    """Compare every published row of every layer with the host source; returns rows checked."""
+    n = 0
+    for layer in range(cache.num_layers):
+        m = cache.mapping(layer)
+        experts = sorted(m)
+        got = cache.storage(layer)[torch.tensor([m[e] for e in experts], device="cuda")].cpu()
+        want = host._tensor[layer, experts]
+        if not torch.equal(got, want):
+            raise AssertionError(f"layer {layer}: published rows differ from the host source")
+        n += len(experts)
+    return n
+
+
+def bench_single(host, chunk, reps) -> dict:
+    """Single-expert misses (batch 1, one new expert): resident 56 of 64, groups of up to 8."""
+    tr = CudaTransport("cuda", chunk_bytes=chunk)
+    cache = ExpertCache(host, resident=host.num_experts - 8, spares=8, staging=8, max_group=8, device="cuda",
+                        transport=tr)
+    times = []
+    layer = 0
+    for i in range(reps + 5):
+        layer = (layer + 1) % host.num_layers
+        absent = [e for e in range(host.num_experts) if e not in cache.mapping(layer)]
+        e = absent[i % len(absent)]
+        torch.cuda.synchronize()
+        with cache.admit() as req:
+            t = time.perf_counter()
+            req.acquire(layer, [e])
+            dt = time.perf_counter() - t
+        if i >= 5:
+            times.append(dt)
+    checked = check_rows(cache, host)
+    med = statistics.median(times)
+    tel = cache.telemetry()
+    return {"reps": reps, "median_us": med * 1e6, "p90_us": sorted(times)[int(0.9 * len(times))] * 1e6,
+            "best_us": min(times) * 1e6, "gbps_median": host.row_bytes / med / 1e9, "rows_checked": checked,
+            "observations_all_zero": tel["observations_all_zero"], "misses": tel["counters"]["misses"]}
+
+
+def bench_group(host, chunk, group, reps) -> dict:
+    """Whole missing group of one layer: resident = spares = staging = group; alternate two disjoint groups."""
+    tr = CudaTransport("cuda", chunk_bytes=chunk)
+    cache = ExpertCache(host, resident=group, spares=group, staging=group, max_group=group, device="cuda",
+                        transport=tr)
+    times = []
+    for i in range(reps + 2):
+        layer = i % host.num_layers
+        absent = [e for e in range(host.num_experts) if e not in cache.mapping(layer)][:group]
+        torch.cuda.synchronize()
+        with cache.admit() as req:
+            t = time.perf_counter()
+            req.acquire(layer, absent)
+            dt = time.perf_counter() - t
+        if i >= 2:
+            times.append(dt)
+    checked = check_rows(cache, host)
+    med = statistics.median(times)
+    nbytes = group * host.row_bytes
+    tel = cache.telemetry()
+    return {"group": group, "bytes": nbytes, "reps": reps, "median_ms": med * 1e3, "best_ms": min(times) * 1e3,
+            "gbps_median": nbytes / med / 1e9, "gbps_best": nbytes / min(times) / 1e9, "rows_checked": checked,
+            "observations_all_zero": tel["observations_all_zero"]}
+
+
+def write_atomic(path: Path, doc: dict) -> None:
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", dir=path.parent)
+    with os.fdopen(fd, "w") as f:
+        json.dump(doc, f, indent=2)
+        f.write("\n")
+    os.replace(tmp, path)
+
+
+def main(argv=None) -> int:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--out", default="results/contract/bench-h200.json")
+    p.add_argument("--layers", type=int, default=4, help="OLMoE-shaped layers in the host source (default 4)")
+    p.add_argument("--reps", type=int, default=60)
+    p.add_argument("--groups", default="8,32", help="group sizes for whole-group misses (<= experts/2)")
+    p.add_argument("--chunks", default="0,1048576,524288,262144",
+                   help="staging chunk sizes to try, bytes (0 = whole row)")
+    p.add_argument("--threads", default="", help="torch CPU thread counts to try (default: as configured)")
+    args = p.parse_args(argv)
+    if not torch.cuda.is_available():
+        print("bench_cache: CUDA is not available", file=sys.stderr)
+        return 2
+    t0 = time.time()
+    layout = RowLayout.build(2048, 1024)  # OLMoE expert: hidden 2048, intermediate 1024, block 256
+    host = build_host(layout, args.layers, 64)
+    ceilings = {"pinned_1gib": pinned_h2d(GIB, 10), "pinned_row": pinned_h2d(layout.row_bytes, 200),
+                "pageable_to_pinned_row": pageable_to_pinned(host, 200)}
+    row_ceiling = ceilings["pinned_row"]["gbps_event_median"]
+    gib_ceiling = ceilings["pinned_1gib"]["gbps_event_median"]
+    threads = [int(x) for x in args.threads.split(",") if x] or [torch.get_num_threads()]
+    variants = []
+    for nt in threads:
+        torch.set_num_threads(nt)
+        for chunk in [int(x) for x in args.chunks.split(",")]:
+            v = {"chunk_bytes": chunk or None, "cpu_threads": nt,
+                 "single": bench_single(host, chunk or None, args.reps),
+                 "groups": [bench_group(host, chunk or None, int(g), max(10, args.reps // 4))
+                            for g in args.groups.split(",")]}
+            v["single"]["fraction_of_row_ceiling"] = v["single"]["gbps_median"] / row_ceiling
+            v["single"]["fraction_of_row_wall_ceiling"] = (v["single"]["gbps_median"]
+                                                           / ceilings["pinned_row"]["gbps_wall_median"])
+            for g in v["groups"]:
+                g["fraction_of_1gib_ceiling"] = g["gbps_median"] / gib_ceiling
+            variants.append(v)
+    best_single = max(variants, key=lambda v: v["single"]["fraction_of_row_ceiling"])
+    best_group = max(variants, key=lambda v: max(g["fraction_of_1gib_ceiling"] for g in v["groups"]))
+    largest = max(int(g) for g in args.groups.split(","))
+    group_frac = max(g["fraction_of_1gib_ceiling"] for v in variants for g in v["groups"] if g["group"] == largest)
+    doc = {
+        "bench_version": "contract-bench-v1",
+        "command": "PYTHONPATH=. python3 scripts/bench_cache.py " + " ".join(sys.argv[1:]),
+        "created_utc": _dt.datetime.now(_dt.timezone.utc).strftime("%Y-%m-%dT%H:%M:%SZ"),
+        "device": {"name": torch.cuda.get_device_name(0), "torch": torch.__version__, "cuda": torch.version.cuda,
+                   "cpu_count": os.cpu_count(), "python": platform.python_version()},
+        "row_bytes": layout.row_bytes,
+        "layers": args.layers, "experts": 64,
+        "ceilings": ceilings,
+        "variants": variants,
+        "targets": {
+            "fraction": TARGET,
+            "single_row_fraction": best_single["single"]["fraction_of_row_ceiling"],
+            "single_row_met": best_single["single"]["fraction_of_row_ceiling"] >= TARGET,
+            "single_row_variant": {"chunk_bytes": best_single["chunk_bytes"], "cpu_threads": best_single["cpu_threads"]},
+            "group_rows": largest,
+            "group_fraction": group_frac,
+            "group_met": group_frac >= TARGET,
+            "group_variant": {"chunk_bytes": best_group["chunk_bytes"], "cpu_threads": best_group["cpu_threads"]},
+        },
+        "duration_s": round(time.time() - t0, 1),
+    }
+    write_atomic(Path(args.out), doc)
+    c = ceilings
+    print(f"\nceilings: pinned 1 GiB {gib_ceiling:.1f} GB/s | pinned row {row_ceiling:.1f} GB/s "
+          f"({c['pinned_row']['event_median_us']:.1f} us event, {c['pinned_row']['wall_median_us']:.1f} us wall) | "
+          f"pageable->pinned row {c['pageable_to_pinned_row']['gbps_median']:.1f} GB/s")
+    print(f"{'chunk':>8} {'thr':>4} {'1-row us':>9} {'GB/s':>6} {'frac':>6} | " +
+          " | ".join(f"group {g['group']:>3}: GB/s  frac" for g in variants[0]["groups"]))
+    for v in variants:
+        s = v["single"]
+        print(f"{str(v['chunk_bytes'] or 'row'):>8} {v['cpu_threads']:>4} {s['median_us']:9.1f} {s['gbps_median']:6.1f} "
+              f"{s['fraction_of_row_ceiling']:6.2f} | " +
+              " | ".join(f"{g['gbps_median']:16.1f} {g['fraction_of_1gib_ceiling']:5.2f}" for g in v["groups"]))
+    t = doc["targets"]
+    print(f"target {TARGET:.0%}: single row {t['single_row_fraction']:.2f} ({'met' if t['single_row_met'] else 'NOT met'}), "
+          f"group of {largest} {t['group_fraction']:.2f} ({'met' if t['group_met'] else 'NOT met'})")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
