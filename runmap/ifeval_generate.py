@@ -178,7 +178,7 @@ def _check_resume(meta_old: dict | None, meta_new: dict, out: Path, n_answered: 
     for k in ("executor", "regime", "resident"):
         if meta_old.get(k) != meta_new.get(k):
             diffs.append(f"{k}: {meta_old.get(k)!r} -> {meta_new.get(k)!r}")
-    for outer, inner in (("pack", "manifest_sha256"), ("inputs", "sha256"), ("model", "name")):
+    for outer, inner in (("pack", "content_sha256"), ("inputs", "sha256"), ("model", "name")):
         a, b = (meta_old.get(outer) or {}).get(inner), (meta_new.get(outer) or {}).get(inner)
         if a != b:
             diffs.append(f"{outer}.{inner}: {a!r} -> {b!r}")
@@ -325,6 +325,28 @@ def add_generate_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--no-progress", action="store_true", help="no progress bar")
 
 
+def pack_content_sha256(manifest: dict) -> str:
+    """Identity of what a pack computes, without its timestamps, timings, paths or packing device.
+
+    The manifest's own sha256 changes whenever the same checkpoint is packed again (created_utc, timing),
+    so answers generated on one machine could not be resumed on another with a re-made pack; this hash
+    covers the source files' hashes, model config, quantization rule, block size, row layout, the
+    non-routed tensor list and every expert row's sha256.
+    """
+    src = manifest.get("source") or {}
+    content = {
+        "format": manifest.get("format"),
+        "source_files": src.get("files"),
+        "model": manifest.get("model"),
+        "quant_rule": manifest.get("quant_rule"),
+        "block_size": manifest.get("block_size"),
+        "row_layout": manifest.get("row_layout"),
+        "nonrouted": {k: (manifest.get("nonrouted") or {}).get(k) for k in ("dtype", "tensors")},
+        "experts": [(e.get("layer"), e.get("expert_sha256")) for e in manifest.get("layers") or []],
+    }
+    return hashlib.sha256(json.dumps(content, sort_keys=True).encode()).hexdigest()
+
+
 def _pack_records(packed: Path, model_name: str | None = None) -> tuple[dict, dict]:
     """(model, pack) records for the sidecar, from the pack's manifest.json."""
     man_path = packed / "manifest.json"
@@ -343,7 +365,8 @@ def _pack_records(packed: Path, model_name: str | None = None) -> tuple[dict, di
         "dims": {k: cfg.get(k) for k in ("num_layers", "hidden_size", "num_experts", "top_k", "moe_intermediate_size",
                                          "vocab_size")},
     }
-    pack = {"path": str(packed), "manifest_sha256": sha256_file(man_path), "block_size": man.get("block_size")}
+    pack = {"path": str(packed), "manifest_sha256": sha256_file(man_path), "content_sha256": pack_content_sha256(man),
+            "block_size": man.get("block_size")}
     return model, pack
 
 

@@ -46,15 +46,15 @@ class FakeEngine:
 
 
 def _meta():
-    return {"model": {"name": "fake-model", "arch": "olmoe"}, "pack": {"path": "p", "manifest_sha256": "0" * 64},
+    return {"model": {"name": "fake-model", "arch": "olmoe"}, "pack": {"path": "p", "manifest_sha256": "0" * 64, "content_sha256": "1" * 64},
             "executor": "grouped", "regime": "full", "resident": None,
             "inputs": {"path": str(INPUTS), "sha256": G.sha256_file(INPUTS), "limit": 10, "prompts": 10}}
 
 
-def _run(out, engine, n=10, batch=4, max_new=16, **kw):
+def _run(out, engine, n=10, batch=4, max_new=16, meta=None, **kw):
     prompts = G.read_prompts(INPUTS, n)
     settings = G.GenerationSettings(max_new_tokens=max_new, batch_size=batch)
-    return G.generate_answers(prompts, out, engine, settings, _meta(), progress=False, **kw)
+    return G.generate_answers(prompts, out, engine, settings, meta or _meta(), progress=False, **kw)
 
 
 def _lines(out):
@@ -236,3 +236,36 @@ def test_generated_answers_score_and_carry_generation_metadata(tmp_path):
     assert gen["generation"]["max_new_tokens"] == 16 and gen["generation"]["greedy"] is True
     assert gen["status"] == "complete" and summary["prompt_level"]["strict"]["total"] == 10
     assert validate_file(tmp_path / "score" / "summary.json", "ifeval-summary") == []
+
+
+def test_rerun_with_another_pack_or_executor_is_refused(tmp_path):
+    out = tmp_path / "answers.jsonl"
+    with pytest.raises(RuntimeError):
+        _run(out, FakeEngine(fail_on=1))
+    other_pack = _meta()
+    other_pack["pack"] = {**other_pack["pack"], "content_sha256": "2" * 64}
+    with pytest.raises(G.IFEvalGenerateError, match="pack.content_sha256"):
+        _run(out, FakeEngine(), meta=other_pack)
+    other_exec = {**_meta(), "executor": "scalar"}
+    with pytest.raises(G.IFEvalGenerateError, match="executor: 'grouped' -> 'scalar'"):
+        _run(out, FakeEngine(), meta=other_exec)
+    # a re-made pack of the same content (new manifest bytes: timestamps) may continue the file
+    same_content = _meta()
+    same_content["pack"] = {**same_content["pack"], "manifest_sha256": "3" * 64, "path": "elsewhere"}
+    _run(out, FakeEngine(), meta=same_content)
+    assert len(_lines(out)) == 10
+
+
+def test_pack_content_hash_ignores_timestamps_and_sees_expert_bytes():
+    man = {"format": {"name": "runmap-qpack", "version": 1}, "created_utc": "2026-01-01T00:00:00Z",
+           "timing": {"wall_s": 1.0}, "source": {"path": "/a", "files": [{"file": "x", "sha256": "ab"}]},
+           "model": {"arch": "olmoe"}, "block_size": 256, "row_layout": {"row_bytes": 4},
+           "nonrouted": {"file": "n", "dtype": "float16", "tensors": ["t"]},
+           "layers": [{"layer": 0, "expert_sha256": ["e0", "e1"]}]}
+    h = G.pack_content_sha256(man)
+    again = {**man, "created_utc": "2027-01-01T00:00:00Z", "timing": {"wall_s": 9.0}, "compute_device": "cuda",
+             "source": {**man["source"], "path": "/elsewhere"}}
+    assert G.pack_content_sha256(again) == h
+    changed = {**man, "layers": [{"layer": 0, "expert_sha256": ["e0", "e2"]}]}
+    assert G.pack_content_sha256(changed) != h
+    assert G.pack_content_sha256({**man, "block_size": 128}) != h
