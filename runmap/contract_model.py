@@ -19,7 +19,12 @@ from collections import Counter
 
 import torch
 from hypothesis import HealthCheck, Phase, seed as hyp_seed, settings, strategies as st
-from hypothesis.stateful import RuleBasedStateMachine, get_state_machine_test, initialize, invariant, precondition, rule
+from hypothesis.stateful import RuleBasedStateMachine, initialize, invariant, precondition, rule
+
+try:  # lets the seed be set on the generated test; fall back to the public runner on older Hypothesis
+    from hypothesis.stateful import get_state_machine_test
+except ImportError:  # pragma: no cover
+    get_state_machine_test = None
 
 from runmap.cache import CacheBusyError, CacheFaultedError, ExpertCache, TransactionAborted
 from runmap.host_source import HostSource
@@ -651,8 +656,14 @@ def run_contract(examples: int = 100, steps: int = 30, seed: int = 0, device: st
     stats = ContractStats(progress=progress)
     machine = make_machine(cache_cls, device, stats)
     phases = [Phase.generate] + ([Phase.shrink] if shrink else [])
-    test = get_state_machine_test(machine, settings=contract_settings(examples, steps, phases=phases))
-    test = hyp_seed(seed)(test)
+    cfg = contract_settings(examples, steps, phases=phases)
+    if get_state_machine_test is not None:
+        test = hyp_seed(seed)(get_state_machine_test(machine, settings=cfg))
+    else:  # pragma: no cover
+        from hypothesis.stateful import run_state_machine_as_test
+
+        def test():
+            run_state_machine_as_test(machine, settings=cfg)
     try:
         test()
     except BaseException as exc:  # the failure is reported, not swallowed
