@@ -282,9 +282,14 @@ def generate_answers(prompts: list[Prompt], out: Path, engine, settings: Generat
                 session["wall_s"] = round(time.perf_counter() - t_session, 3)
                 _sum_timing(session["engine_timing"], getattr(engine, "last_timing", None))
                 publish("running")
+                new = sum(len(r.token_ids) for r in results)
                 if bar is not None:
                     bar.update(len(batch))
-                    bar.set_postfix(tok_s=f"{sum(len(r.token_ids) for r in results) / max(dt, 1e-9):.1f}")
+                    bar.set_postfix(tok_s=f"{new / max(dt, 1e-9):.1f}")
+                else:  # logs (pipeline, remote runs) get one line per batch instead of a bar
+                    print(f"ifeval generate: batch {session['batches']}: {len(batch)} prompts, {new} new tokens in "
+                          f"{dt:.1f} s ({new / max(dt, 1e-9):.1f} tok/s); {len(answered)}/{len(prompts)} answered",
+                          file=sys.stderr, flush=True)
     except BaseException as e:
         session["wall_s"] = round(time.perf_counter() - t_session, 3)
         session["error"] = f"{type(e).__name__}: {e}"
@@ -364,6 +369,7 @@ def _pack_records(packed: Path, model_name: str | None = None) -> tuple[dict, di
         "source": {"path": src.get("path"), "architecture": src.get("architecture")},
         "dims": {k: cfg.get(k) for k in ("num_layers", "hidden_size", "num_experts", "top_k", "moe_intermediate_size",
                                          "vocab_size")},
+        "max_position_embeddings": cfg.get("max_position_embeddings"),
     }
     pack = {"path": str(packed), "manifest_sha256": sha256_file(man_path), "content_sha256": pack_content_sha256(man),
             "block_size": man.get("block_size")}
@@ -385,10 +391,16 @@ def run_cli(args) -> int:
     model, pack = _pack_records(args.packed, args.model_name)
     settings = GenerationSettings(max_new_tokens=args.max_new_tokens, batch_size=args.batch_size,
                                   stop=list(args.stop))
-    need = _max_prompt_tokens(args.packed, prompts, settings.chat) + settings.max_new_tokens
+    longest = _max_prompt_tokens(args.packed, prompts, settings.chat)
+    need = longest + settings.max_new_tokens
     max_seq_len = args.max_seq_len or need
     if max_seq_len < need:
         raise IFEvalGenerateError(f"--max-seq-len {max_seq_len} < longest prompt + --max-new-tokens = {need}")
+    max_pos = model["max_position_embeddings"]
+    if max_pos is not None and max_seq_len > max_pos:
+        raise IFEvalGenerateError(
+            f"longest chat-formatted prompt ({longest} tokens) + --max-new-tokens ({settings.max_new_tokens}) = "
+            f"{max_seq_len} exceeds the model's max_position_embeddings ({max_pos}); use fewer prompts or tokens")
     from runmap.engine import Engine
 
     t0 = time.perf_counter()

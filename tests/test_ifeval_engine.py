@@ -68,6 +68,12 @@ def test_max_seq_len_too_small_is_refused(tiny_pack, tmp_path, capsys):
     assert "--max-seq-len 3 <" in capsys.readouterr().err
 
 
+def test_prompt_plus_answer_beyond_the_models_positions_is_refused(tiny_pack, tmp_path, capsys):
+    # the tiny preset has max_position_embeddings 1024
+    assert _generate(tiny_pack, tmp_path / "a.jsonl", "--limit", "1", "--max-new-tokens", "1100") == 2
+    assert "exceeds the model's max_position_embeddings (1024)" in capsys.readouterr().err
+
+
 def test_not_a_pack_is_refused(tmp_path, capsys):
     assert _generate(tmp_path, tmp_path / "a.jsonl", "--limit", "1") == 2
     assert "no manifest.json" in capsys.readouterr().err
