@@ -1,0 +1,249 @@
+"""The campaign report, rendered from the bench records alone (no engine, no GPU).
+
+``render(records, out_md, plots_dir)`` writes a Markdown report: per campaign and model a table of
+every configuration, PNG plots (matplotlib, Agg) of decode tok/s and peak memory against resident experts
+per layer with the baselines drawn on the same axes, the comparisons that vary one factor at a time
+(residency with the executor fixed; executor with the residency fixed), the pairs that change both (flagged,
+no comparison drawn), and the conformance findings of runmap.campaign_checks.
+"""
+from __future__ import annotations
+
+import os
+import tempfile
+from pathlib import Path
+
+from runmap import campaign_checks as cc
+
+GIB = 1024**3
+KIND_ORDER = {"hf-bf16": 0, "engine-fp16": 1, "engine": 2}
+KIND_LABEL = {"hf-bf16": "transformers bf16", "engine-fp16": "engine, FP16 experts", "engine": "engine, INT4 experts"}
+
+
+def _val(m):
+    return m.get("value") if isinstance(m, dict) and m.get("status") == "OBSERVED" else None
+
+
+def _status(m) -> str:
+    return m.get("status", "?") if isinstance(m, dict) else "?"
+
+
+def fmt_measure(m, scale: float = 1.0, digits: int = 2, suffix: str = "") -> str:
+    """An OBSERVED value formatted; otherwise the status word (never a zero for an unmeasured value)."""
+    v = _val(m)
+    if v is None:
+        return _status(m)
+    return f"{v / scale:.{digits}f}{suffix}"
+
+
+def fmt_ratio(m) -> str:
+    v = _val(m)
+    return f"{v:.2f}x" if v is not None else _status(m)
+
+
+def _sort_key(r: dict):
+    c = r["config"]
+    return (KIND_ORDER.get(r["kind"], 9), c["batch"], c["prompt_len"], c["decode_len"], c["resident"], r["executor"])
+
+
+def _obs_summary(r: dict) -> str:
+    obs = r.get("observations") or {}
+    zero = sum(1 for n in cc.REQUIRED_ZERO if _status(obs.get(n)) == "OBSERVED" and _val(obs.get(n)) == 0)
+    other = {}
+    for n in cc.REQUIRED_ZERO:
+        o = obs.get(n)
+        if not (_status(o) == "OBSERVED" and _val(o) == 0):
+            other[_status(o)] = other.get(_status(o), 0) + 1
+    parts = [f"{zero} zero"] + [f"{k.lower()} {v}" for k, v in sorted(other.items())]
+    return ", ".join(parts)
+
+
+def model_table(recs: list[dict], flagged: set[str]) -> list[str]:
+    head = ("| kind | executor | regime | resident | batch | prompt/decode | decode tok/s median [min-max] | "
+            "prefill tok/s | TTFT ms | peak alloc GiB | peak reserved GiB | hit rate | H2D MB/token | H2D GB/s | "
+            "vs hf-bf16 | vs fp16 experts | of byte floor | required-zero obs | flag |")
+    lines = [head, "|" + "|".join("---" for _ in range(head.count("|") - 1)) + "|"]
+    for r in sorted(recs, key=_sort_key):
+        c, t = r["config"], r["timing"]
+        d = t["decode_tok_s"]
+        rat = r.get("ratios", {})
+        lines.append("| " + " | ".join([
+            r["kind"], r["executor"], r["regime"], f"{c['resident']}/{c['experts_per_layer']}", str(c["batch"]),
+            f"{c['prompt_len']}/{c['decode_len']}",
+            f"{d['median']:.1f} [{d['min']:.1f}-{d['max']:.1f}]",
+            f"{t['prefill_tok_s']['median']:.1f}",
+            f"{t['ttft_s']['median'] * 1e3:.1f}",
+            fmt_measure(r["memory"]["peak_allocated_bytes"], GIB),
+            fmt_measure(r["memory"]["peak_reserved_bytes"], GIB),
+            fmt_measure(r["cache_stats"]["hit_rate"], 0.01, 1, "%"),
+            fmt_measure(r["h2d"].get("bytes_per_token", {}), 1e6, 2),
+            fmt_measure(r["h2d"]["gb_s"], 1.0, 1),
+            "-" if r["kind"] == "hf-bf16" else fmt_ratio(rat.get("decode_vs_hf-bf16")),
+            "-" if r["kind"] == "engine-fp16" else fmt_ratio(rat.get("decode_vs_engine-fp16")),
+            fmt_ratio(rat.get("decode_vs_byte_floor")),
+            _obs_summary(r),
+            "confounded" if r["id"] in flagged else "",
+        ]) + " |")
+    return lines
+
+
+def _pair_rows(pairs, what: str) -> list[str]:
+    rows = []
+    for a, b in pairs:
+        da, db = a["timing"]["decode_tok_s"]["median"], b["timing"]["decode_tok_s"]["median"]
+        ma, mb = _val(a["memory"]["peak_allocated_bytes"]), _val(b["memory"]["peak_allocated_bytes"])
+        mem = f"{(mb - ma) / GIB:+.2f}" if ma is not None and mb is not None else "UNSUPPORTED"
+        if what == "residency":
+            change = f"{a['config']['resident']} -> {b['config']['resident']} ({a['executor']})"
+        else:
+            change = f"{a['executor']} -> {b['executor']} (resident {a['config']['resident']})"
+        rows.append(f"| {a['config']['batch']} | {change} | {da:.1f} -> {db:.1f} | {db / da:.2f}x | {mem} |")
+    return rows
+
+
+def _atomic_savefig(fig, path: Path) -> None:
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fd, tmp = tempfile.mkstemp(prefix=f".{path.stem}.", suffix=".png", dir=path.parent)
+    os.close(fd)
+    try:
+        fig.savefig(tmp, dpi=110, bbox_inches="tight")
+        os.replace(tmp, path)
+    except BaseException:
+        Path(tmp).unlink(missing_ok=True)
+        raise
+
+
+def plot_model(recs: list[dict], metric: str, path: Path, title: str) -> bool:
+    """One panel per batch size: metric against resident experts per layer, one line per executor,
+    baselines as horizontal lines on the same axes. Returns False when no value was OBSERVED."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    def y(r):
+        if metric == "decode":
+            return r["timing"]["decode_tok_s"]["median"], r["timing"]["decode_tok_s"]["min"], r["timing"]["decode_tok_s"]["max"]
+        v = _val(r["memory"]["peak_allocated_bytes"])
+        return (v / GIB, v / GIB, v / GIB) if v is not None else None
+
+    batches = sorted({r["config"]["batch"] for r in recs})
+    if not any(y(r) is not None for r in recs):
+        return False
+    fig, axes = plt.subplots(1, len(batches), figsize=(5.2 * len(batches), 4.0), squeeze=False)
+    e = recs[0]["config"]["experts_per_layer"]
+    colors = {"reference": "tab:gray", "scalar": "tab:orange", "grouped": "tab:blue", "topk-fused": "tab:green"}
+    for ax, b in zip(axes[0], batches):
+        engine = [r for r in recs if r["kind"] == "engine" and r["config"]["batch"] == b and y(r) is not None]
+        for ex in sorted({r["executor"] for r in engine}):
+            pts = sorted((r["config"]["resident"], *y(r)) for r in engine if r["executor"] == ex)
+            xs = [p[0] for p in pts]
+            ys = [p[1] for p in pts]
+            err = [[p[1] - p[2] for p in pts], [p[3] - p[1] for p in pts]]
+            ax.errorbar(xs, ys, yerr=err if metric == "decode" else None, marker="o", capsize=3,
+                        color=colors.get(ex), label=f"INT4, {ex}")
+        styles = {"hf-bf16": ("tab:red", "--"), "engine-fp16": ("tab:purple", ":")}
+        for r in recs:
+            if r["kind"] in styles and r["config"]["batch"] == b and y(r) is not None:
+                col, ls = styles[r["kind"]]
+                ax.axhline(y(r)[0], color=col, ls=ls, lw=1.6,
+                           label=f"{KIND_LABEL[r['kind']]} (baseline): {y(r)[0]:.3g}")
+        levels = sorted({r["config"]["resident"] for r in engine} | {e})
+        ax.set_xticks(levels)
+        ax.set_xlabel(f"resident experts per layer (of {e})")
+        ax.set_ylabel("decode tok/s (median, min-max)" if metric == "decode" else "peak allocated GiB")
+        ax.set_title(f"batch {b}")
+        ax.set_ylim(bottom=0)
+        ax.grid(alpha=0.3)
+        ax.legend(fontsize=7, loc="best")
+    fig.suptitle(title, fontsize=10)
+    _atomic_savefig(fig, path)
+    plt.close(fig)
+    return True
+
+
+def render(records: list[dict], out_md: Path, plots_dir: Path | None = None, sources: list[str] | None = None) -> str:
+    """Write the report (and its PNGs) and return the Markdown text."""
+    out_md = Path(out_md)
+    plots_dir = Path(plots_dir) if plots_dir else out_md.parent / f"{out_md.stem}-plots"
+    findings = cc.check_records(records)
+    comparable, confounded = cc.residency_pairs(records)
+    flagged = {f.record for f in findings if f.severity == cc.FLAG} | {f.other for f in findings if f.severity == cc.FLAG}
+    lines = ["# Benchmark report", "",
+             f"Rendered by `runmap report` from {len(records)} records"
+             + (f" ({', '.join(sources)})" if sources else "") + ". Every figure below comes from those records; "
+             "UNSUPPORTED / UNKNOWN mean the run did not (or could not) measure the value.", ""]
+    campaigns: dict[str, list[dict]] = {}
+    for r in records:
+        campaigns.setdefault(r["campaign"], []).append(r)
+    for camp, crecs in sorted(campaigns.items()):
+        r0 = crecs[0]
+        runs = sorted({r["run_id"] for r in crecs})
+        lines += [f"## Campaign `{camp}`", "",
+                  f"- device: {r0['device'].get('name')} ({r0['device']['type']}); software: torch {r0['software']['torch']}, "
+                  f"triton {r0['software'].get('triton')}, transformers {r0['software'].get('transformers')}, "
+                  f"python {r0['software']['python']}",
+                  f"- git commit: `{r0['git'].get('commit')}`" + (" (dirty tree)" if r0["git"].get("dirty") else ""),
+                  f"- run(s): {', '.join(runs)}; command: `{r0['command']}`",
+                  f"- same-run device copy bandwidth (byte floor): {fmt_measure(r0['byte_floor']['copy_bandwidth_gb_s'], 1.0, 1, ' GB/s')}",
+                  ""]
+        models: dict[str, list[dict]] = {}
+        for r in crecs:
+            models.setdefault(r["config"]["model"], []).append(r)
+        for model, mrecs in sorted(models.items()):
+            c0 = mrecs[0]["config"]
+            lines += [f"### {model} (preset `{c0['preset']}`, {c0['arch']}, {c0['num_layers']} layers, "
+                      f"{c0['experts_per_layer']} experts per layer, top-{c0['top_k']})", ""]
+            lines += model_table(mrecs, flagged) + [""]
+            for metric, label in (("decode", "decode tok/s"), ("memory", "peak allocated memory")):
+                png = plots_dir / f"{camp}-{model}-{metric}.png"
+                if plot_model(mrecs, metric, png, f"{camp} / {model}: {label} vs resident experts per layer"):
+                    rel = os.path.relpath(png, out_md.parent)
+                    lines += [f"![{model} {label}]({rel})", ""]
+                else:
+                    lines += [f"*{label}: no OBSERVED value in these records (e.g. UNSUPPORTED on the CPU); no plot.*", ""]
+            mids = {r["id"] for r in mrecs}
+            comp = [(a, b) for a, b in comparable if a["id"] in mids]
+            exe = [(a, b) for a, b in cc.executor_pairs(mrecs)]
+            conf = [(a, b) for a, b in confounded if a["id"] in mids]
+            lines += ["Comparisons that change one factor (ratio = right over left decode tok/s; memory = change of "
+                      "peak allocated GiB):", ""]
+            hdr = ["| batch | change | decode tok/s | ratio | peak alloc GiB change |", "|---|---|---|---|---|"]
+            if comp:
+                lines += ["*Residency, executor fixed:*", ""] + hdr + _pair_rows(comp, "residency") + [""]
+            if exe:
+                lines += ["*Executor, residency fixed:*", ""] + hdr + _pair_rows(exe, "executor") + [""]
+            if conf:
+                lines += ["*Changes residency and executor at once: flagged, no causal comparison drawn:*", ""]
+                lines += [f"- {a['id']} -> {b['id']}" for a, b in conf] + [""]
+    errs = cc.errors(findings)
+    lines += ["## Conformance of the records", "",
+              f"{len(errs)} errors, {len(findings) - len(errs)} flags (runmap.campaign_checks: executor-regime, "
+              "required-zero, memory-status, full-no-misses, confounded-neighbour).", ""]
+    lines += [f"- {f}" for f in findings] + [""]
+    text = "\n".join(lines)
+    out_md.parent.mkdir(parents=True, exist_ok=True)
+    fd, tmp = tempfile.mkstemp(prefix=f".{out_md.name}.", dir=out_md.parent)
+    with os.fdopen(fd, "w") as fh:
+        fh.write(text)
+    os.replace(tmp, out_md)
+    return text
+
+
+def headline_table(records: list[dict], batch: int | None = None) -> list[str]:
+    """A compact table (model, config, decode tok/s, peak GiB, ratios) for the README."""
+    head = ["| model | kind | executor | resident | batch | decode tok/s | peak alloc GiB | vs hf-bf16 | vs fp16 experts | of byte floor |",
+            "|---|---|---|---|---|---|---|---|---|---|"]
+    rows = []
+    for r in sorted(records, key=lambda r: (r["config"]["model"], r["config"]["batch"], KIND_ORDER.get(r["kind"], 9),
+                                            r["config"]["resident"], r["executor"])):
+        c = r["config"]
+        if batch is not None and c["batch"] != batch:
+            continue
+        rat = r.get("ratios", {})
+        rows.append(f"| {c['preset']} | {r['kind']} | {r['executor']} | {c['resident']}/{c['experts_per_layer']} | "
+                    f"{c['batch']} | {r['timing']['decode_tok_s']['median']:.1f} | "
+                    f"{fmt_measure(r['memory']['peak_allocated_bytes'], GIB)} | "
+                    f"{'-' if r['kind'] == 'hf-bf16' else fmt_ratio(rat.get('decode_vs_hf-bf16'))} | "
+                    f"{'-' if r['kind'] == 'engine-fp16' else fmt_ratio(rat.get('decode_vs_engine-fp16'))} | "
+                    f"{fmt_ratio(rat.get('decode_vs_byte_floor'))} |")
+    return head + rows
