@@ -14,24 +14,14 @@ from runmap.config import load_preset
 from runmap.engine import Engine, EngineError
 from runmap.packfile import PackReader
 from test_model import assert_same_routes, close
-from test_model_support import RouteRecorder, hf_reference
+from test_model_support import RouteRecorder, build_packs, hf_reference
 
 PRESETS = ["tiny-olmoe", "tiny-qwen2-moe"]
 
 
 @pytest.fixture(scope="session")
 def packs(tmp_path_factory):
-    from runmap.pack import pack_checkpoint
-    from runmap.synthetic import write_synthetic
-
-    root = tmp_path_factory.mktemp("engine-packs")
-    out = {}
-    for name in PRESETS:
-        cfg, _ = load_preset(name)
-        ck = write_synthetic(cfg, root / f"ck-{name}", seed=3)
-        pack_checkpoint(ck, root / f"pk-{name}", device="cpu")
-        out[name] = root / f"pk-{name}"
-    return out
+    return build_packs(tmp_path_factory)
 
 
 def run_steps(eng, prompt, n_decode, teacher=None):

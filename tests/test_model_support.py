@@ -101,3 +101,24 @@ def random_case(cfg: ModelConfig, seed: int = 0, block_size: int = 256):
             r.append(layout.pack_expert(w, name=f"layer{layer}.expert{e}"))
         rows.append(torch.stack(r))  # (E, row_bytes)
     return nonrouted, rows, layout
+
+
+PACK_PRESETS = ("tiny-olmoe", "tiny-qwen2-moe")
+_PACKS: dict = {}
+
+
+def build_packs(tmp_path_factory) -> dict:
+    """{preset: pack dir} of the tiny synthetic checkpoints (runmap synth + runmap pack), built once per
+    session even when several test modules ask (the result is memoized here)."""
+    if not _PACKS:
+        from runmap.config import load_preset
+        from runmap.pack import pack_checkpoint
+        from runmap.synthetic import write_synthetic
+
+        root = tmp_path_factory.mktemp("engine-packs")
+        for name in PACK_PRESETS:
+            cfg, _ = load_preset(name)
+            ck = write_synthetic(cfg, root / f"ck-{name}", seed=3)
+            pack_checkpoint(ck, root / f"pk-{name}", device="cpu")
+            _PACKS[name] = root / f"pk-{name}"
+    return dict(_PACKS)

@@ -1,0 +1,179 @@
+"""Generation: batching vs unbatched, sampling, stop rules, streaming, tokenizer, CLI, telemetry schema.
+
+Fast properties run against a fake StepModel (logits scripted per step); end-to-end checks use the
+tiny packed checkpoints with the reference executor.
+"""
+import json
+
+import pytest
+import torch
+from hypothesis import given
+from hypothesis import strategies as st
+
+from runmap.engine import Engine
+from runmap.generation import GenerationError, generate_batch, sample
+from test_model_support import build_packs
+
+V = 16
+
+
+@pytest.fixture(scope="session")
+def packs(tmp_path_factory):
+    return build_packs(tmp_path_factory)
+
+
+@pytest.fixture(scope="module")
+def olmoe(packs):
+    return Engine.from_pack(packs["tiny-olmoe"], executor="reference", device="cpu", max_batch=4, max_seq_len=48)
+
+
+class Scripted:
+    """A StepModel whose row b emits script[b][s] at step s (one-hot logits)."""
+
+    device = torch.device("cpu")
+    max_seq_len = 64
+
+    def __init__(self, script):
+        self.script, self.calls = script, []
+
+    def _logits(self, s):
+        out = torch.full((len(self.script), V), -10.0)
+        for b, seq in enumerate(self.script):
+            out[b, seq[min(s, len(seq) - 1)]] = 10.0
+        return out
+
+    def prefill(self, tokens, pad):
+        self.calls.append(("prefill", tokens.clone(), pad.clone()))
+        return self._logits(0)
+
+    def decode(self, tokens, slot, pad):
+        self.calls.append(("decode", tokens.clone(), slot))
+        return self._logits(slot - self.calls[0][1].shape[1] + 1)
+
+
+def letters(ids):
+    return "".join("abcdefghijklmnop"[i] for i in ids)
+
+
+def test_eos_stops_a_row_and_is_not_kept():
+    m = Scripted([[3, 4, 1, 5, 6], [7, 7, 7, 7, 7]])
+    res, timing = generate_batch(m, [[2, 2], [2]], max_new_tokens=5, pad_id=0, eos_ids={1}, decode=letters)
+    assert res[0].token_ids == [3, 4] and res[0].finish_reason == "eos" and res[0].text == "de"
+    assert res[1].token_ids == [7] * 5 and res[1].finish_reason == "length"
+    prefill = m.calls[0]
+    assert prefill[1].tolist() == [[2, 2], [0, 2]] and prefill[2].tolist() == [0, 1]  # left padding
+    assert timing.new_tokens == 7 and timing.prompt_tokens == 3
+
+
+@given(st.lists(st.lists(st.integers(2, V - 1), min_size=1, max_size=8), min_size=1, max_size=3),
+       st.sampled_from(["", "c", "de", "ffg"]))
+def test_streamed_deltas_concatenate_to_the_final_text(script, stop):
+    m = Scripted(script)
+    got = {}
+    res, _ = generate_batch(m, [[2]] * len(script), max_new_tokens=8, pad_id=0, decode=letters,
+                            stop=(stop,) if stop else (), on_token=lambda r, t, d: got.setdefault(r, []).append(d))
+    for b, r in enumerate(res):
+        assert "".join(got.get(b, [])) == r.text
+        full = letters((script[b] + [script[b][-1]] * 8)[:8])
+        if stop and stop in full:
+            assert r.finish_reason == "stop" and r.text == full[:full.index(stop)]
+        else:
+            assert r.finish_reason == "length" and r.text == full
+
+
+def test_sampling_greedy_topp_and_seed():
+    g = torch.Generator().manual_seed(0)
+    logits = torch.randn(4, 50, generator=g)
+    assert torch.equal(sample(logits, 0.0, 1.0, None), logits.argmax(-1))
+    assert torch.equal(sample(logits, 1.0, 1e-6, torch.Generator().manual_seed(1)), logits.argmax(-1))
+    a = sample(logits.repeat(50, 1), 1.0, 0.9, torch.Generator().manual_seed(5))
+    b = sample(logits.repeat(50, 1), 1.0, 0.9, torch.Generator().manual_seed(5))
+    assert torch.equal(a, b)
+    # top-p 0.5 only ever draws from the smallest prefix of sorted tokens reaching 0.5
+    probs = torch.softmax(logits[0], -1)
+    sp, si = probs.sort(descending=True)
+    allowed = set(si[: int((sp.cumsum(0) < 0.5).sum()) + 1].tolist())
+    draws = sample(logits[:1].repeat(400, 1), 1.0, 0.5, torch.Generator().manual_seed(2))
+    assert set(draws.tolist()) <= allowed and len(set(draws.tolist())) == len(allowed)
+
+
+def test_bad_arguments_are_errors():
+    m = Scripted([[3]])
+    with pytest.raises(GenerationError, match="exceeds the KV cache"):
+        generate_batch(m, [[2] * 60], max_new_tokens=10, pad_id=0, decode=letters)
+    with pytest.raises(GenerationError, match="top_p"):
+        generate_batch(m, [[2]], max_new_tokens=2, pad_id=0, decode=letters, temperature=1.0, top_p=0.0)
+
+
+def test_batched_prompts_of_different_lengths_match_unbatched(olmoe):
+    prompts = [[5, 6, 7, 8, 9, 10, 11], [300, 2], [40, 41, 42, 43]]
+    batched = olmoe.generate(prompts, max_new_tokens=4, ignore_eos=True)
+    assert olmoe.last_timing["batch"] == 3 and olmoe.last_timing["new_tokens"] == 12
+    for p, r in zip(prompts, batched):
+        single = olmoe.generate([p], max_new_tokens=4, ignore_eos=True)[0]
+        assert single.token_ids == r.token_ids and single.prompt_tokens == len(p)
+
+
+def test_seeded_sampling_is_reproducible(olmoe):
+    kw = dict(max_new_tokens=8, temperature=1.0, top_p=0.9, ignore_eos=True)
+    a = olmoe.generate(["hello world"], seed=3, **kw)[0].token_ids
+    b = olmoe.generate(["hello world"], seed=3, **kw)[0].token_ids
+    c = olmoe.generate(["hello world"], seed=4, **kw)[0].token_ids
+    assert a == b and a != c
+
+
+def test_stop_string_and_streaming_end_to_end(olmoe):
+    full = olmoe.generate(["the"], max_new_tokens=10, ignore_eos=True)[0]
+    assert len(full.text) >= 4, full.text
+    stop = full.text[2:4]
+    pieces = []
+    r = olmoe.generate(["the"], max_new_tokens=10, stop=[stop], ignore_eos=True,
+                       on_token=lambda row, tid, d: pieces.append(d))[0]
+    assert r.finish_reason == "stop" and r.text == full.text[:full.text.index(stop)]
+    assert "".join(pieces) == r.text
+
+
+def test_chat_template_comes_from_the_pack(olmoe):
+    ids = olmoe.tokenizer.encode_chat("hi")
+    text = olmoe.tokenizer.hf.decode(ids)
+    assert text == "<|im_start|>user\nhi<|im_end|>\n<|im_start|>assistant\n"
+
+
+def test_telemetry_validates_against_its_schema(olmoe, tmp_path):
+    from runmap import telemetry
+    from runmap.schemas import validate_file
+
+    olmoe.generate(["a"], max_new_tokens=2)
+    path = telemetry.write(tmp_path / "telemetry-run.json", olmoe.telemetry())
+    assert validate_file(path) == []
+    doc = json.loads(path.read_text())
+    doc["executor"] = "magic"
+    bad = tmp_path / "telemetry-bad.json"
+    bad.write_text(json.dumps(doc))
+    assert validate_file(bad) != []
+
+
+def test_cli_logits_and_generate(packs, olmoe, tmp_path, capsys):
+    from safetensors.torch import load_file
+
+    from runmap.cli import main
+
+    out = tmp_path / "l.safetensors"
+    cmd = ["logits", "--packed", str(packs["tiny-olmoe"]), "--tokens", "5,6,7",
+           "--device", "cpu", "--out", str(out)]
+    assert main(cmd) == 0
+    got = load_file(out)
+    assert got["tokens"].tolist() == [5, 6, 7]
+    assert torch.allclose(got["logits"], olmoe.logits([5, 6, 7]), atol=1e-5)
+    assert (tmp_path / "telemetry-l.json").is_file()
+
+    tel = tmp_path / "telemetry-gen.json"
+    capsys.readouterr()
+    cmd = ["generate", "--packed", str(packs["tiny-olmoe"]), "--prompt", "the",
+           "--executor", "reference", "--device", "cpu", "--max-new-tokens", "5", "--telemetry", str(tel)]
+    assert main(cmd) == 0
+    want = olmoe.generate(["the"], max_new_tokens=5)[0]
+    assert capsys.readouterr().out == want.text + "\n"
+    assert json.loads(tel.read_text())["executor"] == "reference"
+    assert main(cmd[:-2] + ["--executor", "nope"]) == 1
+    assert "unknown executor" in capsys.readouterr().err
