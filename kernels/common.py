@@ -1,0 +1,116 @@
+"""Host-side helpers shared by every kernel wrapper: input checks, section offsets, allocation, configs.
+
+Wrappers raise ``ValueError`` (``KernelInputError``) naming the tensor and the field before any launch;
+no check here reads tensor *values* (that would synchronize with the device), only metadata.
+"""
+from __future__ import annotations
+
+import dataclasses
+import os
+
+import torch
+
+from runmap.qpack import RowLayout
+
+
+class KernelInputError(ValueError):
+    """A kernel argument has the wrong dtype, shape, stride, device or layout. The message names it."""
+
+
+def empty(shape, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
+    """Every buffer a wrapper allocates goes through here, so tests can poison them (NaN) and prove
+    that the kernels write every element instead of relying on zeroed memory."""
+    return torch.empty(shape, dtype=dtype, device=device)
+
+
+def interpreting(device: torch.device) -> bool:
+    """True when kernels run in the Triton CPU interpreter (tile choices differ: fewer, larger programs)."""
+    return device.type == "cpu" or os.environ.get("TRITON_INTERPRET") == "1"
+
+
+@dataclasses.dataclass(frozen=True)
+class ProjSections:
+    """Where one projection lives inside an expert row.
+
+    w_off: byte offset of the packed uint8 (N, K/2) weight; s_off: offset of the fp16 (N, nb) scales in
+    fp16 *elements* (the storage is also viewed as fp16, row r starting at r * row_bytes / 2).
+    """
+
+    n: int
+    k: int
+    nb: int
+    w_off: int
+    s_off: int
+
+
+def proj_sections(layout: RowLayout, proj: str) -> ProjSections:
+    n, k = layout.proj_dims(proj)
+    w = layout.section(f"{proj}.weight")
+    s = layout.section(f"{proj}.scale")
+    if s.offset % 2 or layout.row_bytes % 2:
+        raise KernelInputError(f"layout: {proj}.scale offset {s.offset} / row_bytes {layout.row_bytes} must be even")
+    return ProjSections(n=n, k=k, nb=s.shape[1], w_off=w.offset, s_off=s.offset // 2)
+
+
+def tile_scale(block_k: int, qblock: int) -> bool:
+    """Whether every K tile of ``block_k`` values lies inside one scale block (scale applied once per tile
+    to the partial dot product); otherwise the kernel gathers one scale per element."""
+    return qblock % block_k == 0
+
+
+def pick_block_k(want: int, qblock: int, minimum: int = 32) -> int:
+    """Largest power of two <= ``want`` (and >= ``minimum``) dividing the quantization block, so that the
+    scale is constant per tile; ``want`` itself when none divides (per-element scales)."""
+    bk = want
+    while bk >= minimum:
+        if qblock % bk == 0:
+            return bk
+        bk //= 2
+    return want
+
+
+def check_tensor(name: str, t, dtype=None, ndim: int | None = None, shape=None, device=None,
+                 contiguous: bool = True) -> None:
+    """Raise KernelInputError unless ``t`` is a torch.Tensor matching every given property."""
+    if not isinstance(t, torch.Tensor):
+        raise KernelInputError(f"{name}: expected a torch.Tensor, got {type(t).__name__}")
+    if dtype is not None:
+        allowed = dtype if isinstance(dtype, tuple) else (dtype,)
+        if t.dtype not in allowed:
+            want = " or ".join(str(d).replace("torch.", "") for d in allowed)
+            raise KernelInputError(f"{name}: dtype {str(t.dtype).replace('torch.', '')}, expected {want}")
+    if ndim is not None and t.dim() != ndim:
+        raise KernelInputError(f"{name}: {t.dim()}-D tensor of shape {tuple(t.shape)}, expected {ndim}-D")
+    if shape is not None:
+        for i, (got, want) in enumerate(zip(t.shape, shape)):
+            if want is not None and got != want:
+                raise KernelInputError(f"{name}: shape {tuple(t.shape)}, dimension {i} should be {want}")
+    if device is not None and t.device != device:
+        raise KernelInputError(f"{name}: on {t.device}, expected {device} (all kernel inputs share one device)")
+    if contiguous and not t.is_contiguous():
+        raise KernelInputError(f"{name}: not contiguous (strides {t.stride()} for shape {tuple(t.shape)})")
+
+
+def check_storage(storage, layout: RowLayout, device=None) -> None:
+    """storage: uint8 (R, row_bytes) contiguous, row_bytes == layout.row_bytes."""
+    if not isinstance(layout, RowLayout):
+        raise KernelInputError(f"layout: expected runmap.qpack.RowLayout, got {type(layout).__name__}")
+    check_tensor("storage", storage, torch.uint8, 2, device=device)
+    if storage.shape[1] != layout.row_bytes:
+        raise KernelInputError(
+            f"storage: row_bytes {storage.shape[1]} != layout.row_bytes {layout.row_bytes} "
+            f"(hidden={layout.hidden_size}, intermediate={layout.intermediate_size}, block={layout.block_size})"
+        )
+    if storage.shape[0] < 1:
+        raise KernelInputError("storage: has no rows")
+    if storage.storage_offset() % 2:
+        raise KernelInputError("storage: odd storage offset; the fp16 scale view needs 2-byte alignment")
+
+
+def launch_opts(cfg: dict) -> dict:
+    """num_warps / num_stages of a config (ignored by the interpreter)."""
+    return {k: cfg[k] for k in ("num_warps", "num_stages") if k in cfg}
+
+
+def next_pow2(n: int) -> int:
+    return 1 << max(0, (n - 1).bit_length())

@@ -1,0 +1,132 @@
+"""Triton device helpers shared by the W4A16 kernels: nibble decoding, row resolution, and the two inner
+loops (tensor-core tile and GEMV) that multiply FP16 activations by one qpacked weight section.
+
+Packed weight section of a projection: uint8 (N, K/2), byte j of a row holds k = 2j in the low nibble and
+k = 2j + 1 in the high nibble, value q + 8. So a K tile splits into its even and odd columns: the
+activations are loaded with stride 2 and the two nibble planes multiply them separately (no interleave).
+Scales: fp16 (N, NB), NB = ceil(K / QBLOCK). Loop bounds are constexpr (the CPU interpreter cannot iterate
+over runtime values, and fixed trip counts let the compiler pipeline the loads).
+"""
+import triton
+import triton.language as tl
+
+
+@triton.jit
+def nibbles_f16(packed):
+    """uint8 tile -> (low, high) fp16 tiles of q in [-8, 7].
+
+    Exponent trick instead of int->float conversion: 0x6400 | n is the fp16 bit pattern of 1024 + n,
+    exact for n < 1024, so one OR and one subtract replace a conversion instruction per value.
+    """
+    p = packed.to(tl.int16)
+    lo = ((p & 15) | 0x6400).to(tl.float16, bitcast=True) - 1032.0
+    hi = (((p >> 4) & 15) | 0x6400).to(tl.float16, bitcast=True) - 1032.0
+    return lo, hi
+
+
+@triton.jit
+def nibbles_f32(packed):
+    """uint8 tile -> (low, high) fp32 tiles of q in [-8, 7] (0x4B000000 | n is the fp32 of 2^23 + n)."""
+    p = packed.to(tl.int32)
+    lo = ((p & 15) | 0x4B000000).to(tl.float32, bitcast=True) - 8388616.0
+    hi = (((p >> 4) & 15) | 0x4B000000).to(tl.float32, bitcast=True) - 8388616.0
+    return lo, hi
+
+
+@triton.jit
+def resolve_row(expert, row_table_ptr, n_experts, n_rows):
+    """expert id -> (physical row (int64, 0 when invalid), ok). ok is False for an id outside [0, E) or a
+    row outside [0, R) (a non-resident -1): callers then write NaN, never another expert's result."""
+    ok_e = (expert >= 0) & (expert < n_experts)
+    row = tl.load(row_table_ptr + expert, mask=ok_e, other=-1)
+    ok = ok_e & (row >= 0) & (row < n_rows)
+    row = tl.where(ok, row, 0).to(tl.int64)
+    return row, ok
+
+
+@triton.jit
+def dot_tiles(acc_a, acc_b, x_rows, m_mask, wa_base, sa_base, wb_base, sb_base, offs_n, n_mask,
+              K: tl.constexpr, NB: tl.constexpr, BLOCK_K: tl.constexpr, QBLOCK: tl.constexpr,
+              TILE_SCALE: tl.constexpr, DUAL: tl.constexpr):
+    """Tensor-core inner loop: acc_a (BM, BN) fp32 += x[rows, :K] @ dequant(Wa[offs_n, :K])^T, and the same
+    into acc_b for Wb when DUAL (gate and up share the activation tile).
+
+    x_rows: (BM,) pointers to fp16 activation rows; m_mask: (BM,) valid rows.
+    wa_base / wb_base: uint8 pointers to a packed (N, K/2) section; sa_base / sb_base: fp16 pointers to its
+    (N, NB) scales. offs_n / n_mask: (BN,) output columns. Masked bytes decode to -8 but meet x = 0.
+    """
+    HALF: tl.constexpr = BLOCK_K // 2
+    KB: tl.constexpr = K // 2
+    offs_j = tl.arange(0, HALF)
+    w_cols = offs_n[None, :] * KB  # (1, BN) byte offset of each weight row
+    for k0 in range(0, K, BLOCK_K):
+        offs_kb = k0 // 2 + offs_j  # (HALF,) byte index = k // 2
+        k_mask = offs_kb < KB
+        xm = m_mask[:, None] & k_mask[None, :]
+        x_even = tl.load(x_rows[:, None] + 2 * offs_kb[None, :], mask=xm, other=0.0)  # (BM, HALF) fp16
+        x_odd = tl.load(x_rows[:, None] + 2 * offs_kb[None, :] + 1, mask=xm, other=0.0)  # (BM, HALF)
+        wm = k_mask[:, None] & n_mask[None, :]
+        w_off = w_cols + offs_kb[:, None]  # (HALF, BN)
+        lo, hi = nibbles_f16(tl.load(wa_base + w_off, mask=wm, other=0))  # (HALF, BN) fp16 each
+        if TILE_SCALE:
+            s = tl.load(sa_base + offs_n * NB + k0 // QBLOCK, mask=n_mask, other=0.0).to(tl.float32)  # (BN,)
+            acc_a += (tl.dot(x_even, lo) + tl.dot(x_odd, hi)) * s[None, :]
+        else:
+            s_off = offs_n[None, :] * NB + (2 * offs_kb[:, None]) // QBLOCK  # (HALF, BN); k, k+1 share a block
+            s = tl.load(sa_base + s_off, mask=wm, other=0.0)
+            acc_a = tl.dot(x_even, lo * s, acc_a)
+            acc_a = tl.dot(x_odd, hi * s, acc_a)
+        if DUAL:
+            lo, hi = nibbles_f16(tl.load(wb_base + w_off, mask=wm, other=0))
+            if TILE_SCALE:
+                s = tl.load(sb_base + offs_n * NB + k0 // QBLOCK, mask=n_mask, other=0.0).to(tl.float32)
+                acc_b += (tl.dot(x_even, lo) + tl.dot(x_odd, hi)) * s[None, :]
+            else:
+                s = tl.load(sb_base + s_off, mask=wm, other=0.0)
+                acc_b = tl.dot(x_even, lo * s, acc_b)
+                acc_b = tl.dot(x_odd, hi * s, acc_b)
+    return acc_a, acc_b
+
+
+@triton.jit
+def gemv_tiles(acc_a, acc_b, x_row, wa_base, sa_base, wb_base, sb_base, offs_n, n_mask,
+               K: tl.constexpr, NB: tl.constexpr, BLOCK_K: tl.constexpr, QBLOCK: tl.constexpr,
+               TILE_SCALE: tl.constexpr, DUAL: tl.constexpr):
+    """GEMV inner loop for one activation row: acc_a (BN,) fp32 += dequant(Wa[offs_n, :K]) @ x[:K]
+    (and acc_b for Wb when DUAL). x_row: pointer to one fp16 row; other arguments as in ``dot_tiles``."""
+    HALF: tl.constexpr = BLOCK_K // 2
+    KB: tl.constexpr = K // 2
+    offs_j = tl.arange(0, HALF)
+    w_rows = offs_n[:, None] * KB  # (BN, 1)
+    for k0 in range(0, K, BLOCK_K):
+        offs_kb = k0 // 2 + offs_j  # (HALF,)
+        k_mask = offs_kb < KB
+        x_even = tl.load(x_row + 2 * offs_kb, mask=k_mask, other=0.0).to(tl.float32)  # (HALF,)
+        x_odd = tl.load(x_row + 2 * offs_kb + 1, mask=k_mask, other=0.0).to(tl.float32)
+        wm = n_mask[:, None] & k_mask[None, :]
+        w_off = w_rows + offs_kb[None, :]  # (BN, HALF)
+        lo, hi = nibbles_f32(tl.load(wa_base + w_off, mask=wm, other=0))  # (BN, HALF) fp32
+        prod = lo * x_even[None, :] + hi * x_odd[None, :]  # (BN, HALF)
+        if TILE_SCALE:
+            s = tl.load(sa_base + offs_n * NB + k0 // QBLOCK, mask=n_mask, other=0.0).to(tl.float32)  # (BN,)
+            acc_a += tl.sum(prod, axis=1) * s
+        else:
+            s_off = offs_n[:, None] * NB + (2 * offs_kb[None, :]) // QBLOCK  # (BN, HALF)
+            s = tl.load(sa_base + s_off, mask=wm, other=0.0).to(tl.float32)
+            acc_a += tl.sum(prod * s, axis=1)
+        if DUAL:
+            lo, hi = nibbles_f32(tl.load(wb_base + w_off, mask=wm, other=0))
+            prod = lo * x_even[None, :] + hi * x_odd[None, :]
+            if TILE_SCALE:
+                s = tl.load(sb_base + offs_n * NB + k0 // QBLOCK, mask=n_mask, other=0.0).to(tl.float32)
+                acc_b += tl.sum(prod, axis=1) * s
+            else:
+                s = tl.load(sb_base + s_off, mask=wm, other=0.0).to(tl.float32)
+                acc_b += tl.sum(prod * s, axis=1)
+    return acc_a, acc_b
+
+
+@triton.jit
+def silu_mul(gate, up):
+    """silu(gate) * up in fp32 (caller rounds the result to fp16)."""
+    return gate / (1.0 + tl.exp(-gate)) * up

@@ -1,0 +1,318 @@
+"""The ``grouped`` executor: one launch per stage for every (token, expert) pair of a layer.
+
+Pairs are numbered p = t * k + j (token t, slot j of topk_ids). Each program serves one expert and a
+group of up to BLOCK_M pairs routed to it, so an expert's weight tile is read once per group, and reads
+the expert's physical row from ``row_table`` (full and partial residency alike).
+
+Two ways of forming the groups, chosen from the static pair count P = T * k (never from data):
+
+* decode (P <= DECODE_MAX_PAIRS): no host-side preparation. Program p owns expert ids[p] if p is its
+  first occurrence; it finds the other pairs of that expert by comparing all P ids in registers
+  (rank = prefix count) and processes them in chunks of BLOCK_M. Programs of repeated ids do nothing.
+* prefill: pairs are sorted by expert with torch ops (scatter_add / cumsum / argsort, no host sync) into
+  per-expert runs padded to BLOCK_M ("order", -1 = padding), sized for the worst case so nothing depends
+  on the data. One program per BLOCK_M slots; empty blocks do nothing.
+
+Stages: (1) gate and up (two dots sharing each activation tile), h = fp16(silu(gate) * up), stored per
+pair; (2) down, times the pair's gate weight, stored per pair in fp32; (3) a fixed-order sum over the k
+slots of each token into fp16 y. No atomics, so the result is bit-for-bit deterministic.
+"""
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+from kernels import common
+from kernels.core import dot_tiles, resolve_row, silu_mul
+from runmap.qpack import RowLayout
+
+DECODE_MAX_PAIRS = 128
+
+
+@triton.jit
+def _gate_up_group(pairs, lane_ok, expert, x_ptr, row_table_ptr, w_ptr, s_ptr, h_ptr, n_experts, n_rows, row_bytes,
+                   stride_xm, gate_w, gate_s, up_w, up_s, offs_n, n_mask,
+                   N: tl.constexpr, K: tl.constexpr, NB: tl.constexpr, QBLOCK: tl.constexpr, TOPK: tl.constexpr,
+                   BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, TILE_SCALE: tl.constexpr):
+    """h[pairs] = fp16(silu(x Wg^T) * (x Wu^T)) for up to BLOCK_M pairs routed to ``expert``."""
+    row, ok = resolve_row(expert, row_table_ptr, n_experts, n_rows)
+    w_row = w_ptr + row * row_bytes
+    s_row = s_ptr + row * (row_bytes // 2)
+    x_rows = x_ptr + (pairs // TOPK).to(tl.int64) * stride_xm  # (BM,) token rows
+    acc_g = tl.zeros((BLOCK_M, BLOCK_N), tl.float32)
+    acc_u = tl.zeros((BLOCK_M, BLOCK_N), tl.float32)
+    acc_g, acc_u = dot_tiles(acc_g, acc_u, x_rows, lane_ok & ok, w_row + gate_w, s_row + gate_s,
+                             w_row + up_w, s_row + up_s, offs_n, n_mask, K, NB, BLOCK_K, QBLOCK, TILE_SCALE, True)
+    h = tl.where(ok, silu_mul(acc_g, acc_u), float("nan"))  # (BM, BN); NaN marks a non-resident expert
+    h_ptrs = h_ptr + pairs.to(tl.int64)[:, None] * N + offs_n[None, :]
+    tl.store(h_ptrs, h.to(tl.float16), mask=lane_ok[:, None] & n_mask[None, :])
+
+
+@triton.jit
+def _down_group(pairs, lane_ok, expert, h_ptr, wts_ptr, row_table_ptr, w_ptr, s_ptr, ypair_ptr, n_experts, n_rows,
+                row_bytes, down_w, down_s, offs_n, n_mask,
+                N: tl.constexpr, K: tl.constexpr, NB: tl.constexpr, QBLOCK: tl.constexpr,
+                BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, TILE_SCALE: tl.constexpr):
+    """ypair[pairs] = gate weight * (h Wd^T) in fp32 for up to BLOCK_M pairs routed to ``expert``."""
+    row, ok = resolve_row(expert, row_table_ptr, n_experts, n_rows)
+    h_rows = h_ptr + pairs.to(tl.int64) * K  # (BM,) rows of h
+    acc = tl.zeros((BLOCK_M, BLOCK_N), tl.float32)
+    acc, acc_unused = dot_tiles(acc, acc, h_rows, lane_ok & ok, w_ptr + row * row_bytes + down_w,
+                                s_ptr + row * (row_bytes // 2) + down_s, w_ptr, s_ptr, offs_n, n_mask,
+                                K, NB, BLOCK_K, QBLOCK, TILE_SCALE, False)
+    gw = tl.load(wts_ptr + pairs, mask=lane_ok, other=0.0)  # (BM,) fp32 gate weights
+    out = tl.where(ok, acc * gw[:, None], float("nan"))
+    y_ptrs = ypair_ptr + pairs.to(tl.int64)[:, None] * N + offs_n[None, :]
+    tl.store(y_ptrs, out, mask=lane_ok[:, None] & n_mask[None, :])
+
+
+@triton.jit
+def _sorted_group(order_ptr, ids_ptr, pid0, BLOCK_M: tl.constexpr):
+    """Prefill: (pairs (BM,), lane_ok (BM,), expert, active) of padded block ``pid0`` of ``order``."""
+    pairs = tl.load(order_ptr + pid0 * BLOCK_M + tl.arange(0, BLOCK_M))  # order holds n_blocks * BLOCK_M slots
+    first = tl.load(order_ptr + pid0 * BLOCK_M)  # a used block always starts with a real pair
+    expert = tl.load(ids_ptr + tl.maximum(first, 0), mask=first >= 0, other=-1)
+    return tl.maximum(pairs, 0), pairs >= 0, expert, first >= 0
+
+
+@triton.jit
+def _match_group(ids_ptr, pid0, P, P_PAD: tl.constexpr):
+    """Decode: the pairs routed to the same expert as pair ``pid0``, found by comparing all ids.
+
+    Returns (expert, match (P_PAD,) bool, rank (P_PAD,) position within the group, count, owner) where
+    owner is True only for the group's first pair, so each expert is computed by exactly one program.
+    """
+    offs_p = tl.arange(0, P_PAD)
+    expert = tl.load(ids_ptr + pid0)
+    all_ids = tl.load(ids_ptr + offs_p, mask=offs_p < P, other=-1)  # (P_PAD,)
+    match = (all_ids == expert) & (offs_p < P)
+    earlier = tl.sum((match & (offs_p < pid0)).to(tl.int32), axis=0)
+    count = tl.sum(match.to(tl.int32), axis=0)
+    rank = tl.cumsum(match.to(tl.int32), axis=0) - 1
+    return expert, match, rank, count, earlier == 0
+
+
+@triton.jit
+def _chunk_pairs(match, rank, count, c0, P_PAD: tl.constexpr, BLOCK_M: tl.constexpr):
+    """Pairs ranked c0 .. c0+BLOCK_M-1 of a decode group: (pairs (BM,), lane_ok (BM,))."""
+    want = c0 + tl.arange(0, BLOCK_M)  # (BM,)
+    sel = match[None, :] & (rank[None, :] == want[:, None])  # (BM, P_PAD), at most one True per lane
+    pairs = tl.sum(tl.where(sel, tl.arange(0, P_PAD)[None, :], 0), axis=1)  # (BM,)
+    return pairs, want < count
+
+
+@triton.jit
+def _grouped_gate_up_kernel(
+    x_ptr, ids_ptr, order_ptr, row_table_ptr, w_ptr, s_ptr, h_ptr,  # x (T, H) fp16, h (P, I) fp16
+    P, n_experts, n_rows, row_bytes, stride_xm,
+    gate_w, gate_s, up_w, up_s,  # section offsets inside a row (bytes / fp16 elements)
+    N: tl.constexpr, K: tl.constexpr, NB: tl.constexpr, QBLOCK: tl.constexpr, TOPK: tl.constexpr,
+    SORTED: tl.constexpr, P_PAD: tl.constexpr,
+    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, TILE_SCALE: tl.constexpr,
+):
+    pid0 = tl.program_id(0)
+    offs_n = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)  # (BN,) over I
+    n_mask = offs_n < N
+    if SORTED:
+        pairs, lane_ok, expert, active = _sorted_group(order_ptr, ids_ptr, pid0, BLOCK_M)
+        if active:
+            _gate_up_group(pairs, lane_ok, expert, x_ptr, row_table_ptr, w_ptr, s_ptr, h_ptr, n_experts, n_rows,
+                           row_bytes, stride_xm, gate_w, gate_s, up_w, up_s, offs_n, n_mask,
+                           N, K, NB, QBLOCK, TOPK, BLOCK_M, BLOCK_N, BLOCK_K, TILE_SCALE)
+    else:
+        expert, match, rank, count, owner = _match_group(ids_ptr, pid0, P, P_PAD)
+        for c0 in range(0, P_PAD, BLOCK_M):
+            if owner & (c0 < count):
+                pairs, lane_ok = _chunk_pairs(match, rank, count, c0, P_PAD, BLOCK_M)
+                _gate_up_group(pairs, lane_ok, expert, x_ptr, row_table_ptr, w_ptr, s_ptr, h_ptr, n_experts,
+                               n_rows, row_bytes, stride_xm, gate_w, gate_s, up_w, up_s, offs_n, n_mask,
+                               N, K, NB, QBLOCK, TOPK, BLOCK_M, BLOCK_N, BLOCK_K, TILE_SCALE)
+
+
+@triton.jit
+def _grouped_down_kernel(
+    h_ptr, ids_ptr, order_ptr, wts_ptr, row_table_ptr, w_ptr, s_ptr, ypair_ptr,  # h (P, I) fp16, ypair (P, H) fp32
+    P, n_experts, n_rows, row_bytes, down_w, down_s,
+    N: tl.constexpr, K: tl.constexpr, NB: tl.constexpr, QBLOCK: tl.constexpr,
+    SORTED: tl.constexpr, P_PAD: tl.constexpr,
+    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, TILE_SCALE: tl.constexpr,
+):
+    pid0 = tl.program_id(0)
+    offs_n = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)  # (BN,) over H
+    n_mask = offs_n < N
+    if SORTED:
+        pairs, lane_ok, expert, active = _sorted_group(order_ptr, ids_ptr, pid0, BLOCK_M)
+        if active:
+            _down_group(pairs, lane_ok, expert, h_ptr, wts_ptr, row_table_ptr, w_ptr, s_ptr, ypair_ptr, n_experts,
+                        n_rows, row_bytes, down_w, down_s, offs_n, n_mask,
+                        N, K, NB, QBLOCK, BLOCK_M, BLOCK_N, BLOCK_K, TILE_SCALE)
+    else:
+        expert, match, rank, count, owner = _match_group(ids_ptr, pid0, P, P_PAD)
+        for c0 in range(0, P_PAD, BLOCK_M):
+            if owner & (c0 < count):
+                pairs, lane_ok = _chunk_pairs(match, rank, count, c0, P_PAD, BLOCK_M)
+                _down_group(pairs, lane_ok, expert, h_ptr, wts_ptr, row_table_ptr, w_ptr, s_ptr, ypair_ptr,
+                            n_experts, n_rows, row_bytes, down_w, down_s, offs_n, n_mask,
+                            N, K, NB, QBLOCK, BLOCK_M, BLOCK_N, BLOCK_K, TILE_SCALE)
+
+
+@triton.jit
+def _sum_topk_kernel(ypair_ptr, y_ptr, H, TOPK: tl.constexpr, BLOCK_N: tl.constexpr):
+    """y[t] = fp16(sum_j ypair[t * TOPK + j]), j ascending (fixed order: deterministic)."""
+    t = tl.program_id(0).to(tl.int64)
+    offs_n = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
+    n_mask = offs_n < H
+    acc = tl.zeros((BLOCK_N,), tl.float32)
+    for j in range(TOPK):
+        acc += tl.load(ypair_ptr + (t * TOPK + j) * H + offs_n, mask=n_mask, other=0.0)
+    tl.store(y_ptr + t * H + offs_n, acc.to(tl.float16), mask=n_mask)
+
+
+def default_config(n_pairs: int, device: torch.device) -> dict:
+    decode = n_pairs <= DECODE_MAX_PAIRS
+    if common.interpreting(device):  # few, large programs: the interpreter pays per program and per op
+        return {"BLOCK_M": 32 if decode else 64, "BLOCK_N": 512, "BLOCK_K": 256,
+                "DOWN_BLOCK_N": 512, "DOWN_BLOCK_K": 256}
+    if decode:
+        return {"BLOCK_M": 16, "BLOCK_N": 32, "BLOCK_K": 256, "DOWN_BLOCK_N": 32, "DOWN_BLOCK_K": 256,
+                "num_warps": 4, "num_stages": 3}
+    return {"BLOCK_M": 64, "BLOCK_N": 64, "BLOCK_K": 128, "DOWN_BLOCK_N": 64, "DOWN_BLOCK_K": 128,
+            "num_warps": 4, "num_stages": 3}
+
+
+def sort_pairs(ids_flat: torch.Tensor, n_experts: int, block_m: int) -> torch.Tensor:
+    """Group pair indices by expert into runs padded to ``block_m`` slots, without a host sync.
+
+    Args:
+        ids_flat: int32/int64 (P,) expert id of each pair. Ids outside [0, E) go to one extra run whose
+            block the kernels mark NaN (they never join a real expert's block).
+        n_experts: E. block_m: slots per program.
+    Returns:
+        int32 (n_blocks * block_m,) pair index per slot, -1 for padding; n_blocks is the worst case
+        ceil((P + min(E + 1, P) * (block_m - 1)) / block_m), so the size depends only on P, E, block_m.
+    """
+    p = ids_flat.numel()
+    dev = ids_flat.device
+    ids = ids_flat.to(torch.int64)
+    ids = torch.where((ids >= 0) & (ids < n_experts), ids, n_experts)  # (P,) bucket E = invalid ids
+    counts = torch.zeros(n_experts + 1, dtype=torch.int64, device=dev).scatter_add_(0, ids, torch.ones_like(ids))
+    padded = (counts + block_m - 1) // block_m * block_m  # (E+1,)
+    start_pad = torch.cumsum(padded, 0) - padded  # (E+1,) first slot of each expert's run
+    start = torch.cumsum(counts, 0) - counts  # (E+1,) first sorted position of each expert
+    order = torch.argsort(ids, stable=True)  # (P,) pairs sorted by expert
+    sorted_ids = ids[order]
+    slot = start_pad[sorted_ids] + torch.arange(p, device=dev) - start[sorted_ids]  # (P,)
+    n_blocks = triton.cdiv(p + min(n_experts + 1, p) * (block_m - 1), block_m)
+    out = torch.full((n_blocks * block_m,), -1, dtype=torch.int32, device=dev)
+    out[slot] = order.to(torch.int32)
+    return out
+
+
+def _plan(n_pairs: int, n_experts: int, cfg: dict, ids_flat: torch.Tensor):
+    """-> (order tensor, grid dim 0, SORTED, P_PAD) for the pair-grouping mode."""
+    if n_pairs <= DECODE_MAX_PAIRS:
+        return ids_flat, n_pairs, False, common.next_pow2(max(n_pairs, 2))
+    order = sort_pairs(ids_flat, n_experts, cfg["BLOCK_M"])
+    return order, order.numel() // cfg["BLOCK_M"], True, 2
+
+
+def _check_routing_args(topk_ids, row_table, device):
+    common.check_tensor("topk_ids", topk_ids, (torch.int32, torch.int64), 2, device=device)
+    common.check_tensor("row_table", row_table, torch.int32, 1, device=device)
+    if row_table.numel() < 1:
+        raise common.KernelInputError("row_table: empty (no experts)")
+
+
+def grouped_gate_up(x, topk_ids, order, row_table, storage, layout: RowLayout, cfg: dict, plan) -> torch.Tensor:
+    """Stage 1: h[p] = fp16(silu(x[t] Wg_e^T) * (x[t] Wu_e^T)) for every pair p = t*k + j, e = topk_ids[t, j].
+
+    Args:
+        x: float16 (T, H) contiguous. topk_ids: int32/int64 (T, k) contiguous.
+        order: from ``_plan`` (int32 sorted slots for prefill; topk_ids itself for decode).
+        row_table: int32 (E,). storage: uint8 (R, row_bytes). layout: RowLayout.
+    Returns:
+        float16 (T*k, I).
+    """
+    common.check_storage(storage, layout)
+    dev = storage.device
+    common.check_tensor("x", x, torch.float16, 2, shape=(None, layout.hidden_size), device=dev)
+    _check_routing_args(topk_ids, row_table, dev)
+    t, k = topk_ids.shape
+    if t != x.shape[0]:
+        raise common.KernelInputError(f"topk_ids: {t} rows but x has {x.shape[0]} tokens")
+    g, u = common.proj_sections(layout, "gate"), common.proj_sections(layout, "up")
+    h = common.empty((t * k, g.n), torch.float16, dev)
+    _order, grid0, sorted_mode, p_pad = plan
+    bk = common.pick_block_k(cfg["BLOCK_K"], layout.block_size)
+    grid = (grid0, triton.cdiv(g.n, cfg["BLOCK_N"]))
+    _grouped_gate_up_kernel[grid](
+        x, topk_ids, order, row_table, storage, storage.view(torch.float16), h,
+        t * k, row_table.numel(), storage.shape[0], layout.row_bytes, x.stride(0),
+        g.w_off, g.s_off, u.w_off, u.s_off,
+        N=g.n, K=g.k, NB=g.nb, QBLOCK=layout.block_size, TOPK=k,
+        SORTED=sorted_mode, P_PAD=p_pad,
+        BLOCK_M=cfg["BLOCK_M"], BLOCK_N=cfg["BLOCK_N"], BLOCK_K=bk,
+        TILE_SCALE=common.tile_scale(bk, layout.block_size), **common.launch_opts(cfg),
+    )
+    return h
+
+
+def grouped_down(h, topk_ids, topk_weights, order, row_table, storage, layout: RowLayout, cfg: dict,
+                 plan) -> torch.Tensor:
+    """Stage 2: ypair[p] = topk_weights[t, j] * (h[p] Wd_e^T) in fp32.
+
+    Args:
+        h: float16 (T*k, I) contiguous (stage 1). topk_ids: int32/int64 (T, k). topk_weights: float32 (T, k).
+        order, row_table, storage, layout: as in ``grouped_gate_up``.
+    Returns:
+        float32 (T*k, H).
+    """
+    common.check_storage(storage, layout)
+    dev = storage.device
+    _check_routing_args(topk_ids, row_table, dev)
+    t, k = topk_ids.shape
+    common.check_tensor("h", h, torch.float16, 2, shape=(t * k, layout.intermediate_size), device=dev)
+    common.check_tensor("topk_weights", topk_weights, torch.float32, 2, shape=(t, k), device=dev)
+    d = common.proj_sections(layout, "down")
+    ypair = common.empty((t * k, d.n), torch.float32, dev)
+    _order, grid0, sorted_mode, p_pad = plan
+    bk = common.pick_block_k(cfg["DOWN_BLOCK_K"], layout.block_size)
+    grid = (grid0, triton.cdiv(d.n, cfg["DOWN_BLOCK_N"]))
+    _grouped_down_kernel[grid](
+        h, topk_ids, order, topk_weights, row_table, storage, storage.view(torch.float16), ypair,
+        t * k, row_table.numel(), storage.shape[0], layout.row_bytes, d.w_off, d.s_off,
+        N=d.n, K=d.k, NB=d.nb, QBLOCK=layout.block_size,
+        SORTED=sorted_mode, P_PAD=p_pad,
+        BLOCK_M=cfg["BLOCK_M"], BLOCK_N=cfg["DOWN_BLOCK_N"], BLOCK_K=bk,
+        TILE_SCALE=common.tile_scale(bk, layout.block_size), **common.launch_opts(cfg),
+    )
+    return ypair
+
+
+def sum_topk(ypair: torch.Tensor, t: int, k: int) -> torch.Tensor:
+    """Stage 3: ypair float32 (T*k, H) contiguous -> float16 (T, H), summing the k slots in order."""
+    common.check_tensor("ypair", ypair, torch.float32, 2, shape=(t * k, None))
+    hidden = ypair.shape[1]
+    y = common.empty((t, hidden), torch.float16, ypair.device)
+    block_n = 1024 if common.interpreting(ypair.device) else 256
+    _sum_topk_kernel[(t, triton.cdiv(hidden, block_n))](ypair, y, hidden, TOPK=k, BLOCK_N=block_n)
+    return y
+
+
+def grouped_moe(x, topk_ids, topk_weights, storage, row_table, layout: RowLayout,
+                config: dict | None = None) -> torch.Tensor:
+    """All three stages. Arguments as ``kernels.executors.moe_experts``; returns float16 (T, H).
+    Never synchronizes with the host; buffer sizes depend only on T, k, E and the config."""
+    common.check_storage(storage, layout)
+    _check_routing_args(topk_ids, row_table, storage.device)
+    t, k = topk_ids.shape
+    if t == 0:
+        return common.empty((0, layout.hidden_size), torch.float16, storage.device)
+    cfg = dict(default_config(t * k, storage.device), **(config or {}))
+    ids_flat = topk_ids.reshape(-1)
+    plan = _plan(t * k, row_table.numel(), cfg, ids_flat)
+    order = plan[0]
+    h = grouped_gate_up(x, topk_ids, order, row_table, storage, layout, cfg, plan)
+    ypair = grouped_down(h, topk_ids, topk_weights, order, row_table, storage, layout, cfg, plan)
+    return sum_topk(ypair, t, k)

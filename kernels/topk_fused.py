@@ -1,0 +1,156 @@
+"""The ``topk-fused`` executor (decode): two launches per layer, GEMV-style (one activation row per program).
+
+Launch 1, grid (T*k, I/BLOCK_N): program (p, n) computes gate and up of pair p = t*k + j for one tile of
+the intermediate dimension (both weights stream through the same loop over H) and stores
+h[p, n-tile] = fp16(silu(gate) * up).
+Launch 2, grid (T, H/BLOCK_N): program (t, n) loops over the k slots of token t in order, computes the
+down projection of h[t*k + j] for its tile and accumulates topk_weights[t, j] times it in fp32 registers,
+then stores fp16 y[t, n-tile]. The gate-weighted sum is done in registers in a fixed order: no atomics,
+no per-pair buffer, deterministic.
+Repeated experts across tokens are read once per pair (this path has no grouping; see ``grouped``).
+"""
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+from kernels import common
+from kernels.core import gemv_tiles, resolve_row, silu_mul
+from runmap.qpack import RowLayout
+
+
+@triton.jit
+def _topk_gate_up_kernel(
+    x_ptr, ids_ptr, row_table_ptr, w_ptr, s_ptr, h_ptr,  # x (T, H) fp16, ids (T*k,), h (T*k, I) fp16
+    n_experts, n_rows, row_bytes, stride_xm,
+    gate_w, gate_s, up_w, up_s,
+    N: tl.constexpr, K: tl.constexpr, NB: tl.constexpr, QBLOCK: tl.constexpr, TOPK: tl.constexpr,
+    BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, TILE_SCALE: tl.constexpr,
+):
+    pid_p = tl.program_id(0)
+    offs_n = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)  # (BN,) over I
+    n_mask = offs_n < N
+    expert = tl.load(ids_ptr + pid_p)
+    row, ok = resolve_row(expert, row_table_ptr, n_experts, n_rows)
+    acc_g = tl.zeros((BLOCK_N,), tl.float32)
+    acc_u = tl.zeros((BLOCK_N,), tl.float32)
+    if ok:
+        w_row = w_ptr + row * row_bytes
+        s_row = s_ptr + row * (row_bytes // 2)
+        x_row = x_ptr + (pid_p // TOPK).to(tl.int64) * stride_xm
+        acc_g, acc_u = gemv_tiles(acc_g, acc_u, x_row, w_row + gate_w, s_row + gate_s, w_row + up_w, s_row + up_s,
+                                  offs_n, n_mask, K, NB, BLOCK_K, QBLOCK, TILE_SCALE, True)
+    h = tl.where(ok, silu_mul(acc_g, acc_u), float("nan"))  # NaN marks a non-resident expert, never a substitute
+    tl.store(h_ptr + pid_p.to(tl.int64) * N + offs_n, h.to(tl.float16), mask=n_mask)
+
+
+@triton.jit
+def _topk_down_kernel(
+    h_ptr, ids_ptr, wts_ptr, row_table_ptr, w_ptr, s_ptr, y_ptr,  # h (T*k, I) fp16, wts (T*k,) fp32, y (T, H)
+    n_experts, n_rows, row_bytes, stride_ym, down_w, down_s,
+    N: tl.constexpr, K: tl.constexpr, NB: tl.constexpr, QBLOCK: tl.constexpr, TOPK: tl.constexpr,
+    BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, TILE_SCALE: tl.constexpr,
+):
+    t = tl.program_id(0)
+    offs_n = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)  # (BN,) over H
+    n_mask = offs_n < N
+    acc = tl.zeros((BLOCK_N,), tl.float32)
+    for j in range(TOPK):
+        p = t * TOPK + j
+        expert = tl.load(ids_ptr + p)
+        gw = tl.load(wts_ptr + p)
+        row, ok = resolve_row(expert, row_table_ptr, n_experts, n_rows)
+        part = tl.zeros((BLOCK_N,), tl.float32)
+        if ok:
+            part, part_unused = gemv_tiles(part, part, h_ptr + p.to(tl.int64) * K, w_ptr + row * row_bytes + down_w,
+                                           s_ptr + row * (row_bytes // 2) + down_s, w_ptr, s_ptr, offs_n, n_mask,
+                                           K, NB, BLOCK_K, QBLOCK, TILE_SCALE, False)
+        acc += tl.where(ok, part * gw, float("nan"))
+    tl.store(y_ptr + t.to(tl.int64) * stride_ym + offs_n, acc.to(tl.float16), mask=n_mask)
+
+
+def default_config(device: torch.device) -> dict:
+    if common.interpreting(device):
+        return {"BLOCK_N": 512, "BLOCK_K": 256, "DOWN_BLOCK_N": 512, "DOWN_BLOCK_K": 256}
+    return {"BLOCK_N": 32, "BLOCK_K": 256, "DOWN_BLOCK_N": 16, "DOWN_BLOCK_K": 256, "num_warps": 4,
+            "num_stages": 3}
+
+
+def _check_common(storage, layout, topk_ids, row_table):
+    common.check_storage(storage, layout)
+    dev = storage.device
+    common.check_tensor("topk_ids", topk_ids, (torch.int32, torch.int64), 2, device=dev)
+    common.check_tensor("row_table", row_table, torch.int32, 1, device=dev)
+    if row_table.numel() < 1:
+        raise common.KernelInputError("row_table: empty (no experts)")
+
+
+def topk_gate_up(x, topk_ids, storage, row_table, layout: RowLayout, config: dict | None = None) -> torch.Tensor:
+    """Launch 1: h[t*k + j] = fp16(silu(x[t] Wg_e^T) * (x[t] Wu_e^T)), e = topk_ids[t, j].
+
+    Args:
+        x: float16 (T, H) contiguous. topk_ids: int32/int64 (T, k) contiguous.
+        storage: uint8 (R, row_bytes) contiguous. row_table: int32 (E,). layout: RowLayout.
+    Returns:
+        float16 (T*k, I).
+    """
+    _check_common(storage, layout, topk_ids, row_table)
+    common.check_tensor("x", x, torch.float16, 2, shape=(topk_ids.shape[0], layout.hidden_size),
+                        device=storage.device)
+    cfg = dict(default_config(storage.device), **(config or {}))
+    t, k = topk_ids.shape
+    g, u = common.proj_sections(layout, "gate"), common.proj_sections(layout, "up")
+    h = common.empty((t * k, g.n), torch.float16, x.device)
+    if t == 0:
+        return h
+    bk = common.pick_block_k(cfg["BLOCK_K"], layout.block_size, minimum=16)
+    grid = (t * k, triton.cdiv(g.n, cfg["BLOCK_N"]))
+    _topk_gate_up_kernel[grid](
+        x, topk_ids, row_table, storage, storage.view(torch.float16), h,
+        row_table.numel(), storage.shape[0], layout.row_bytes, x.stride(0),
+        g.w_off, g.s_off, u.w_off, u.s_off,
+        N=g.n, K=g.k, NB=g.nb, QBLOCK=layout.block_size, TOPK=k,
+        BLOCK_N=cfg["BLOCK_N"], BLOCK_K=bk, TILE_SCALE=common.tile_scale(bk, layout.block_size),
+        **common.launch_opts(cfg),
+    )
+    return h
+
+
+def topk_down(h, topk_ids, topk_weights, storage, row_table, layout: RowLayout,
+              config: dict | None = None) -> torch.Tensor:
+    """Launch 2: y[t] = fp16(sum_j topk_weights[t, j] * (h[t*k + j] Wd_e^T)), j in order, fp32 sum.
+
+    Args:
+        h: float16 (T*k, I) contiguous (launch 1). topk_ids: int32/int64 (T, k). topk_weights: float32 (T, k).
+        storage, row_table, layout: as in ``topk_gate_up``.
+    Returns:
+        float16 (T, H).
+    """
+    _check_common(storage, layout, topk_ids, row_table)
+    dev = storage.device
+    t, k = topk_ids.shape
+    common.check_tensor("h", h, torch.float16, 2, shape=(t * k, layout.intermediate_size), device=dev)
+    common.check_tensor("topk_weights", topk_weights, torch.float32, 2, shape=(t, k), device=dev)
+    cfg = dict(default_config(dev), **(config or {}))
+    d = common.proj_sections(layout, "down")
+    y = common.empty((t, d.n), torch.float16, dev)
+    if t == 0:
+        return y
+    bk = common.pick_block_k(cfg["DOWN_BLOCK_K"], layout.block_size, minimum=16)
+    grid = (t, triton.cdiv(d.n, cfg["DOWN_BLOCK_N"]))
+    _topk_down_kernel[grid](
+        h, topk_ids, topk_weights, row_table, storage, storage.view(torch.float16), y,
+        row_table.numel(), storage.shape[0], layout.row_bytes, y.stride(0), d.w_off, d.s_off,
+        N=d.n, K=d.k, NB=d.nb, QBLOCK=layout.block_size, TOPK=k,
+        BLOCK_N=cfg["DOWN_BLOCK_N"], BLOCK_K=bk, TILE_SCALE=common.tile_scale(bk, layout.block_size),
+        **common.launch_opts(cfg),
+    )
+    return y
+
+
+def topk_fused_moe(x, topk_ids, topk_weights, storage, row_table, layout: RowLayout,
+                   config: dict | None = None) -> torch.Tensor:
+    """Both launches. Arguments as ``kernels.executors.moe_experts``; returns float16 (T, H). No host sync."""
+    h = topk_gate_up(x, topk_ids, storage, row_table, layout, config)
+    return topk_down(h, topk_ids, topk_weights, storage, row_table, layout, config)
