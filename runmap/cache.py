@@ -79,6 +79,9 @@ class Lease:
     rows: MappingProxyType
 
 
+_RESERVED = object()  # staging buffer taken by the running transaction, copy not issued yet
+
+
 class _Staging:
     __slots__ = ("index", "tensor", "event", "uses")
 
@@ -364,10 +367,14 @@ class ExpertCache:
     def _take_staging(self) -> _Staging:
         """A staging buffer whose last copy has completed (waits for the oldest if none is ready)."""
         for buf in self._staging:
+            if buf.event is _RESERVED:
+                continue
             if buf.event is None or self.transport.query(buf.event):
                 return self._use_staging(buf)
         self.counters["staging_waits"] += 1
-        buf = self._staging[0]
+        buf = next((b for b in self._staging if b.event is not _RESERVED), None)
+        if buf is None:
+            raise CacheError("every staging buffer is reserved by this transaction")
         try:
             self.transport.wait(buf.event)
         except TransferError:
@@ -378,7 +385,7 @@ class ExpertCache:
         if buf.uses:
             self.counters["staging_reuses"] += 1
         buf.uses += 1
-        buf.event = None
+        buf.event = _RESERVED
         # rotate so that the next take prefers buffers idle for longest
         self._staging.remove(buf)
         self._staging.append(buf)
@@ -386,13 +393,26 @@ class ExpertCache:
 
     # --- internals: transactions ----------------------------------------------------------------------
     def _copy_rows(self, layer: int, experts: list[int], rows: list[int], submitted: list) -> None:
-        for e, row in zip(experts, rows):
-            buf = self._take_staging()
-            # host (pageable) -> pinned staging -> device spare row; one event per row
-            ev = self.transport.stage_and_copy(self._storage[layer][row], buf.tensor, self.host.row_tensor(layer, e))
-            buf.event = ev
-            submitted.append((row, ev))
-            self.counters["bytes_h2d"] += self.row_bytes
+        """host (pageable) -> pinned staging -> device spare rows, one event per row, in batches of at
+        most the staging pool; a buffer is taken only once its previous copy's event has completed."""
+        todo = list(zip(experts, rows))
+        for lo in range(0, len(todo), len(self._staging)):
+            batch = todo[lo: lo + len(self._staging)]
+            bufs = [self._take_staging() for _ in batch]
+            jobs = [(self._storage[layer][row], buf.tensor, self.host.row_tensor(layer, e))
+                    for (e, row), buf in zip(batch, bufs)]
+
+            def on_submit(j, ev, bufs=bufs, batch=batch):
+                bufs[j].event = ev
+                submitted.append((batch[j][1], ev))
+                self.counters["bytes_h2d"] += self.row_bytes
+
+            try:
+                self.transport.copy_rows(jobs, on_submit)
+            finally:
+                for buf in bufs:
+                    if buf.event is _RESERVED:  # staged but never copied: nothing reads it
+                        buf.event = None
 
     def _wait_all(self, submitted: list) -> None:
         for _row, ev in submitted:

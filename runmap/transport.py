@@ -12,6 +12,9 @@ direction; no method copies device -> host, so ``d2h_bytes`` is an instrumented 
 """
 from __future__ import annotations
 
+from concurrent.futures import ThreadPoolExecutor
+
+import numpy as np
 import torch
 
 
@@ -66,6 +69,12 @@ class Transport:
         self.stage(staging, host_row)
         return self.h2d(dst_row, staging)
 
+    def copy_rows(self, jobs: list, on_submit) -> None:
+        """Move several rows: jobs = [(dst_row, staging, host_row)]; ``on_submit(j, event)`` is called as
+        soon as job j's device copy is issued, so that a failure part-way leaves every issued copy known."""
+        for j, (dst, stg, src) in enumerate(jobs):
+            on_submit(j, self.stage_and_copy(dst, stg, src))
+
     def query(self, ev: Event) -> bool:
         """True once the copy behind ``ev`` has completed (successfully or not)."""
         raise NotImplementedError
@@ -115,11 +124,17 @@ class CpuTransport(Transport):
 class CudaTransport(Transport):
     """Pinned staging, a dedicated transfer stream, one event per staging -> device copy."""
 
-    def __init__(self, device="cuda", chunk_bytes: int | None = None):
+    def __init__(self, device="cuda", chunk_bytes: int | None = None, stage_workers: int = 0):
         dev = torch.device(device)
         if chunk_bytes is not None and chunk_bytes <= 0:
             raise ValueError(f"chunk_bytes must be positive, got {chunk_bytes}")
+        if stage_workers < 0:
+            raise ValueError(f"stage_workers must be >= 0, got {stage_workers}")
         self.chunk_bytes = chunk_bytes
+        self.stage_workers = stage_workers
+        # numpy copies release the GIL, so worker threads copy host rows into staging in parallel
+        self._pool = ThreadPoolExecutor(stage_workers, thread_name_prefix="runmap-stage") if stage_workers else None
+        self._table_host = None  # one pinned int32 buffer; transactions are serialized and wait for it
         if dev.type != "cuda":
             raise ValueError(f"CudaTransport needs a cuda device, got {dev}")
         if not torch.cuda.is_available():
@@ -167,6 +182,51 @@ class CudaTransport(Transport):
         self.h2d_bytes += n
         return Event(ev, n)
 
+    def copy_rows(self, jobs, on_submit):
+        if self._pool is None:
+            return super().copy_rows(jobs, on_submit)
+        self._order_after_releases()
+        if len(jobs) == 1:
+            dst, stg, src = jobs[0]
+            n = src.numel()
+            step = -(-n // self.stage_workers)
+            step = -(-step // 4096) * 4096  # page-aligned pieces
+            spans = [(lo, min(n, lo + step)) for lo in range(0, n, step)]
+            futs = [self._pool.submit(_np_copy, stg[lo:hi], src[lo:hi]) for lo, hi in spans]
+            try:
+                with torch.cuda.stream(self.stream):
+                    for (lo, hi), f in zip(spans, futs):
+                        f.result()
+                        dst[lo:hi].copy_(stg[lo:hi], non_blocking=True)  # (piece,) as soon as it is staged
+                    ev = torch.cuda.Event()
+                    ev.record(self.stream)
+            except BaseException:
+                for f in futs:
+                    f.cancel() or f.exception()
+                self.stream.synchronize()  # no piece of this row stays in flight behind an error
+                raise
+            self.stage_bytes += n
+            self.h2d_bytes += n
+            on_submit(0, Event(ev, n))
+            return None
+        # Several rows: workers stage rows in parallel; each row's DMA starts once its staging is done.
+        futs = [self._pool.submit(_np_copy, stg, src) for _dst, stg, src in jobs]
+        try:
+            for j, ((dst, stg, src), f) in enumerate(zip(jobs, futs)):
+                f.result()
+                self.stage_bytes += src.numel()
+                with torch.cuda.stream(self.stream):
+                    dst.copy_(stg, non_blocking=True)  # (row_bytes,) pinned -> device
+                    ev = torch.cuda.Event()
+                    ev.record(self.stream)
+                self.h2d_bytes += src.numel()
+                on_submit(j, Event(ev, src.numel()))
+        except BaseException:
+            for f in futs:  # never return while a worker may still write a staging buffer
+                f.cancel() or f.exception()
+            raise
+        return None
+
     def h2d(self, dst_row, staging):
         # Spare rows are read by nothing published; a recycled victim row may still be read by kernels
         # queued before the release that freed it, hence the wait on the latest release event.
@@ -199,7 +259,11 @@ class CudaTransport(Transport):
 
     def upload_table_async(self, table):
         self.table_uploads += 1
-        t = torch.tensor(table, dtype=torch.int32).pin_memory()
+        if self._table_host is None or self._table_host.numel() != len(table):
+            self._table_host = torch.empty(len(table), dtype=torch.int32, pin_memory=True)
+        # safe to overwrite: the previous upload was waited for before its generation was published
+        self._table_host.numpy()[:] = table
+        t = self._table_host
         out = torch.empty(len(table), dtype=torch.int32, device=self.device)
         with torch.cuda.stream(self.stream):
             out.copy_(t, non_blocking=True)  # (E,) behind the row copies on the same stream
@@ -213,14 +277,19 @@ class CudaTransport(Transport):
         torch.cuda.current_stream(self.device).wait_stream(self.stream)
 
     def describe(self):
-        return {"kind": "CudaTransport", "device": str(self.device),
-                "device_name": torch.cuda.get_device_name(self.device)}
+        return {"kind": "CudaTransport", "device": str(self.device), "chunk_bytes": self.chunk_bytes,
+                "stage_workers": self.stage_workers, "device_name": torch.cuda.get_device_name(self.device)}
 
 
-def default_transport(device, chunk_bytes: int | None = None) -> Transport:
+def _np_copy(dst: torch.Tensor, src: torch.Tensor) -> None:
+    """uint8 (n,) CPU copy outside the GIL (numpy), for staging worker threads."""
+    np.copyto(dst.numpy(), src.numpy())
+
+
+def default_transport(device, chunk_bytes: int | None = None, stage_workers: int = 0) -> Transport:
     dev = torch.device(device)
     if dev.type == "cpu":
         return CpuTransport()
     if dev.type == "cuda":
-        return CudaTransport(dev, chunk_bytes=chunk_bytes)
+        return CudaTransport(dev, chunk_bytes=chunk_bytes, stage_workers=stage_workers)
     raise ValueError(f"no transport for device {dev}")

@@ -111,12 +111,44 @@ def check_rows(cache: ExpertCache, host: HostSource) -> int:
     return n
 
 
-def bench_single(host, chunk, reps) -> dict:
+def staging_bound(host: HostSource, rows: int, workers: int) -> dict:
+    """CPU-only: stage `rows` distinct host rows into `rows` distinct pinned buffers (no DMA), cold-ish."""
+    from concurrent.futures import ThreadPoolExecutor
+
+    from runmap.transport import _np_copy
+
+    bufs = [torch.empty(host.row_bytes, dtype=torch.uint8, pin_memory=True) for _ in range(rows)]
+    for b in bufs:
+        b.fill_(0)
+    out = {}
+    srcs = [host.row_tensor(layer, e) for layer in range(host.num_layers) for e in range(host.num_experts)]
+    k = 0
+    for name in ("torch_copy", f"numpy_{workers}_workers"):
+        times = []
+        pool = ThreadPoolExecutor(workers) if name.startswith("numpy") else None
+        for _ in range(5):
+            batch = [srcs[(k + i) % len(srcs)] for i in range(rows)]
+            k += rows
+            t = time.perf_counter()
+            if pool is None:
+                for b, src in zip(bufs, batch):
+                    b.copy_(src)
+            else:
+                list(pool.map(_np_copy, bufs, batch))
+            times.append(time.perf_counter() - t)
+        med = statistics.median(times)
+        out[name] = {"rows": rows, "median_ms": med * 1e3, "gbps": rows * host.row_bytes / med / 1e9}
+        if pool is not None:
+            pool.shutdown()
+    return out
+
+
+def bench_single(host, chunk, reps, workers=0) -> dict:
     """Single-expert misses (batch 1, one new expert): resident 56 of 64, groups of up to 8."""
-    tr = CudaTransport("cuda", chunk_bytes=chunk)
+    tr = CudaTransport("cuda", chunk_bytes=chunk, stage_workers=workers)
     cache = ExpertCache(host, resident=host.num_experts - 8, spares=8, staging=8, max_group=8, device="cuda",
                         transport=tr)
-    times = []
+    times, hits = [], []
     layer = 0
     for i in range(reps + 5):
         layer = (layer + 1) % host.num_layers
@@ -127,19 +159,24 @@ def bench_single(host, chunk, reps) -> dict:
             t = time.perf_counter()
             req.acquire(layer, [e])
             dt = time.perf_counter() - t
+            t = time.perf_counter()
+            req.acquire(layer, [e])  # all-hit: the bookkeeping cost alone
+            hit = time.perf_counter() - t
         if i >= 5:
             times.append(dt)
+            hits.append(hit)
     checked = check_rows(cache, host)
     med = statistics.median(times)
     tel = cache.telemetry()
     return {"reps": reps, "median_us": med * 1e6, "p90_us": sorted(times)[int(0.9 * len(times))] * 1e6,
             "best_us": min(times) * 1e6, "gbps_median": host.row_bytes / med / 1e9, "rows_checked": checked,
+            "all_hit_median_us": statistics.median(hits) * 1e6,
             "observations_all_zero": tel["observations_all_zero"], "misses": tel["counters"]["misses"]}
 
 
-def bench_group(host, chunk, group, reps) -> dict:
+def bench_group(host, chunk, group, reps, workers=0) -> dict:
     """Whole missing group of one layer: resident = spares = staging = group; alternate two disjoint groups."""
-    tr = CudaTransport("cuda", chunk_bytes=chunk)
+    tr = CudaTransport("cuda", chunk_bytes=chunk, stage_workers=workers)
     cache = ExpertCache(host, resident=group, spares=group, staging=group, max_group=group, device="cuda",
                         transport=tr)
     times = []
@@ -177,8 +214,9 @@ def main(argv=None) -> int:
     p.add_argument("--layers", type=int, default=4, help="OLMoE-shaped layers in the host source (default 4)")
     p.add_argument("--reps", type=int, default=60)
     p.add_argument("--groups", default="8,32", help="group sizes for whole-group misses (<= experts/2)")
-    p.add_argument("--chunks", default="0,1048576,524288,262144",
-                   help="staging chunk sizes to try, bytes (0 = whole row)")
+    p.add_argument("--chunks", default="0", help="staging chunk sizes to try, bytes (0 = whole row)")
+    p.add_argument("--workers", default="0,8,16",
+                   help="staging worker threads to try (0 = torch copy on the calling thread)")
     p.add_argument("--threads", default="", help="torch CPU thread counts to try (default: as configured)")
     args = p.parse_args(argv)
     if not torch.cuda.is_available():
@@ -188,17 +226,18 @@ def main(argv=None) -> int:
     layout = RowLayout.build(2048, 1024)  # OLMoE expert: hidden 2048, intermediate 1024, block 256
     host = build_host(layout, args.layers, 64)
     ceilings = {"pinned_1gib": pinned_h2d(GIB, 10), "pinned_row": pinned_h2d(layout.row_bytes, 200),
-                "pageable_to_pinned_row": pageable_to_pinned(host, 200)}
+                "pageable_to_pinned_row": pageable_to_pinned(host, 200),
+                "staging_32_rows": staging_bound(host, 32, 16)}
     row_ceiling = ceilings["pinned_row"]["gbps_event_median"]
     gib_ceiling = ceilings["pinned_1gib"]["gbps_event_median"]
     threads = [int(x) for x in args.threads.split(",") if x] or [torch.get_num_threads()]
     variants = []
     for nt in threads:
         torch.set_num_threads(nt)
-        for chunk in [int(x) for x in args.chunks.split(",")]:
-            v = {"chunk_bytes": chunk or None, "cpu_threads": nt,
-                 "single": bench_single(host, chunk or None, args.reps),
-                 "groups": [bench_group(host, chunk or None, int(g), max(10, args.reps // 4))
+        for chunk, nw in [(int(c), int(w)) for c in args.chunks.split(",") for w in args.workers.split(",")]:
+            v = {"chunk_bytes": chunk or None, "cpu_threads": nt, "stage_workers": nw,
+                 "single": bench_single(host, chunk or None, args.reps, nw),
+                 "groups": [bench_group(host, chunk or None, int(g), max(10, args.reps // 4), nw)
                             for g in args.groups.split(",")]}
             v["single"]["fraction_of_row_ceiling"] = v["single"]["gbps_median"] / row_ceiling
             v["single"]["fraction_of_row_wall_ceiling"] = (v["single"]["gbps_median"]
@@ -224,11 +263,11 @@ def main(argv=None) -> int:
             "fraction": TARGET,
             "single_row_fraction": best_single["single"]["fraction_of_row_ceiling"],
             "single_row_met": best_single["single"]["fraction_of_row_ceiling"] >= TARGET,
-            "single_row_variant": {"chunk_bytes": best_single["chunk_bytes"], "cpu_threads": best_single["cpu_threads"]},
+            "single_row_variant": {k: best_single[k] for k in ("chunk_bytes", "cpu_threads", "stage_workers")},
             "group_rows": largest,
             "group_fraction": group_frac,
             "group_met": group_frac >= TARGET,
-            "group_variant": {"chunk_bytes": best_group["chunk_bytes"], "cpu_threads": best_group["cpu_threads"]},
+            "group_variant": {k: best_group[k] for k in ("chunk_bytes", "cpu_threads", "stage_workers")},
         },
         "duration_s": round(time.time() - t0, 1),
     }
@@ -237,11 +276,14 @@ def main(argv=None) -> int:
     print(f"\nceilings: pinned 1 GiB {gib_ceiling:.1f} GB/s | pinned row {row_ceiling:.1f} GB/s "
           f"({c['pinned_row']['event_median_us']:.1f} us event, {c['pinned_row']['wall_median_us']:.1f} us wall) | "
           f"pageable->pinned row {c['pageable_to_pinned_row']['gbps_median']:.1f} GB/s")
-    print(f"{'chunk':>8} {'thr':>4} {'1-row us':>9} {'GB/s':>6} {'frac':>6} | " +
+    print("staging only (32 rows, no DMA): " + ", ".join(f"{k} {v['gbps']:.1f} GB/s"
+                                                      for k, v in c["staging_32_rows"].items()))
+    print(f"{'chunk':>8} {'thr':>4} {'wrk':>4} {'1-row us':>9} {'hit us':>7} {'GB/s':>6} {'frac':>6} | " +
           " | ".join(f"group {g['group']:>3}: GB/s  frac" for g in variants[0]["groups"]))
     for v in variants:
         s = v["single"]
-        print(f"{str(v['chunk_bytes'] or 'row'):>8} {v['cpu_threads']:>4} {s['median_us']:9.1f} {s['gbps_median']:6.1f} "
+        print(f"{str(v['chunk_bytes'] or 'row'):>8} {v['cpu_threads']:>4} {v['stage_workers']:>4} {s['median_us']:9.1f} "
+              f"{s['all_hit_median_us']:7.1f} {s['gbps_median']:6.1f} "
               f"{s['fraction_of_row_ceiling']:6.2f} | " +
               " | ".join(f"{g['gbps_median']:16.1f} {g['fraction_of_1gib_ceiling']:5.2f}" for g in v["groups"]))
     t = doc["targets"]
