@@ -54,7 +54,10 @@ def linear(x: torch.Tensor, w: torch.Tensor, b: torch.Tensor | None = None) -> t
 
 
 def rms_norm(x: torch.Tensor, w: torch.Tensor, eps: float) -> torch.Tensor:
-    """x fp16 (..., N), w fp16 (N,) -> fp16 (..., N); statistics in FP32."""
+    """x fp16 (..., N), w fp16 (N,) -> fp16 (..., N); statistics in FP32.
+    CUDA: torch's fused rms_norm (one launch; FP32 math inside for FP16 inputs)."""
+    if x.is_cuda:
+        return F.rms_norm(x, (x.shape[-1],), w, eps)
     x32 = x.float()
     y = x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + eps)  # (..., N) fp32
     return (y * w.float()).to(x.dtype)
@@ -225,6 +228,7 @@ class Transformer:
             raise ModelError(f"unsupported architecture {cfg.arch!r}")
         self.cfg, self.w = cfg, weights
         self.route_log: list | None = None  # set to [] to record (layer, topk_ids cpu) per MoE call
+        self.fused_prologue = False  # CUDA: q/k norm + RoPE + KV write in one Triton launch (runmap.fused_ops)
 
     def moe_block(self, layer: int, h: torch.Tensor, experts: ExpertsFn, token_mask: torch.Tensor | None):
         """h fp16 (N, H) -> fp16 (N, H). token_mask bool (N,) selects the rows that are routed (padding
@@ -247,33 +251,42 @@ class Transformer:
             y = (y.float() + gate * s.float()).to(h.dtype)
         return y
 
-    def attention(self, layer, h, cos, sin, kv: KVCache, slots, pad, n_keys, causal_fresh):
-        """h fp16 (B, T, H) -> fp16 (B, T, H); writes k, v at ``slots`` (int64 (T,)) of rows 0..B-1."""
+    def attention(self, layer, h, positions, rope, kv: KVCache, slots, mask, n_keys):
+        """h fp16 (B, T, H) -> fp16 (B, T, H); writes k, v at ``slots`` (int64 (T,)) of rows 0..B-1.
+        rope: (cos, sin) fp32 (B, 1, T, D) for the torch prologue; mask: bool (B, 1, T, n_keys), or None for
+        plain causal attention (prefill from slot 0 without padding)."""
         cfg, lw = self.cfg, self.w.layers[layer]
         B, T, _ = h.shape
         nh, nkv, D = cfg.num_heads, cfg.num_kv_heads, cfg.head_dim
         qkv = linear(h, lw.qkv, lw.qkv_bias)  # (B, T, (nh + 2 nkv) D)
-        q, k, v = qkv.split([nh * D, nkv * D, nkv * D], dim=-1)
-        if lw.q_norm is not None:  # OLMoE: RMSNorm over the whole projection, before head split and RoPE
-            q = rms_norm(q, lw.q_norm, cfg.rms_norm_eps)
-            k = rms_norm(k, lw.k_norm, cfg.rms_norm_eps)
-        q = q.reshape(B, T, nh, D).transpose(1, 2)  # (B, nh, T, D)
-        k = k.reshape(B, T, nkv, D).transpose(1, 2)  # (B, nkv, T, D)
-        v = v.reshape(B, T, nkv, D).transpose(1, 2)
-        q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
         kc, vc = kv.k[layer, :B], kv.v[layer, :B]  # (B, nkv, S, D) views
-        kc.index_copy_(2, slots, k)
-        vc.index_copy_(2, slots, v)
+        if self.fused_prologue:
+            from runmap.fused_ops import qk_norm_rope_kv
+
+            q = qk_norm_rope_kv(qkv, lw.q_norm, lw.k_norm, positions, slots, self.w.inv_freq, kc, vc,
+                                num_heads=nh, num_kv_heads=nkv, eps=cfg.rms_norm_eps)  # (B, nh, T, D)
+        else:
+            q, k, v = qkv.split([nh * D, nkv * D, nkv * D], dim=-1)
+            if lw.q_norm is not None:  # OLMoE: RMSNorm over the whole projection, before head split and RoPE
+                q = rms_norm(q, lw.q_norm, cfg.rms_norm_eps)
+                k = rms_norm(k, lw.k_norm, cfg.rms_norm_eps)
+            q = q.reshape(B, T, nh, D).transpose(1, 2)  # (B, nh, T, D)
+            k = k.reshape(B, T, nkv, D).transpose(1, 2)  # (B, nkv, T, D)
+            v = v.reshape(B, T, nkv, D).transpose(1, 2)
+            cos, sin = rope
+            q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
+            kc.index_copy_(2, slots, k)
+            vc.index_copy_(2, slots, v)
         keys, vals = kc[:, :, :n_keys], vc[:, :, :n_keys]  # (B, nkv, n_keys, D)
         gqa = nkv != nh
         if q.is_cuda:
-            if causal_fresh:  # prefill from slot 0 without padding: plain causal (flash) attention
+            if mask is None:  # prefill from slot 0 without padding: plain causal (flash) attention
                 o = F.scaled_dot_product_attention(q, keys, vals, is_causal=True, enable_gqa=gqa)
             else:
-                mask = attention_mask(slots, pad, n_keys)  # (B, 1, T, n_keys)
                 o = F.scaled_dot_product_attention(q, keys, vals, attn_mask=mask, enable_gqa=gqa)
         else:
-            mask = attention_mask(slots, pad, n_keys)
+            if mask is None:
+                mask = attention_mask(slots, torch.zeros(B, dtype=torch.long), n_keys)
             o = F.scaled_dot_product_attention(q.float(), keys.float(), vals.float(), attn_mask=mask,
                                                enable_gqa=gqa).to(h.dtype)
         o = o.transpose(1, 2).reshape(B, T, nh * D)  # (B, T, nh*D)
@@ -298,10 +311,11 @@ class Transformer:
         cfg, w = self.cfg, self.w
         B, T = tokens.shape
         x = w.embed[tokens]  # (B, T, H) fp16
-        cos, sin = rope_cos_sin(positions, w.inv_freq)  # (B, 1, T, D)
+        rope = None if self.fused_prologue else rope_cos_sin(positions, w.inv_freq)  # (B, 1, T, D) x2
+        mask = None if causal_fresh else attention_mask(slots, pad, n_keys)  # (B, 1, T, n_keys), once per pass
         for layer, lw in enumerate(w.layers):
             h = rms_norm(x, lw.attn_norm, cfg.rms_norm_eps)
-            x = x + self.attention(layer, h, cos, sin, kv, slots, pad, n_keys, causal_fresh)
+            x = x + self.attention(layer, h, positions, rope, kv, slots, mask, n_keys)
             h = rms_norm(x, lw.mlp_norm, cfg.rms_norm_eps).reshape(B * T, -1)  # (B*T, H)
             x = x + self.moe_block(layer, h, experts, token_mask).reshape(B, T, -1)
         if not all_logits:
