@@ -25,7 +25,7 @@ import torch
 
 from runmap.config import ARCHITECTURES, ConfigError, ModelConfig
 from runmap.qpack import FP16_MAX, PROJECTIONS
-from runmap.st_io import DTYPE_FROM_STR, SafetensorsFormatError, read_header, read_into
+from runmap.st_io import DTYPE_FROM_STR, ITEMSIZE, SafetensorsFormatError, read_header, read_into
 
 INDEX_FILE = "model.safetensors.index.json"
 SINGLE_FILE = "model.safetensors"
@@ -84,20 +84,37 @@ def expert_names(cfg: ModelConfig, layer: int, layout: str) -> dict[str, tuple[i
     return out
 
 
+CHECK_CHUNK = 1 << 22  # values per step of the value check: no full-size temporaries
+
+
+def _bad_values(t: torch.Tensor) -> tuple[int, float]:
+    """(number of NaN/Inf values, max |x| over the finite values) of ``t``, in chunks, on t's device."""
+    flat = t.reshape(-1)
+    n_bad, amax = 0, 0.0
+    for c in flat.split(CHECK_CHUNK):
+        fin = torch.isfinite(c)
+        n_bad += int((~fin).sum())
+        if c.numel():
+            amax = max(amax, float(torch.where(fin, c, torch.zeros_like(c)).abs().amax()))
+    return n_bad, amax
+
+
 def check_values(t: torch.Tensor, name: str, file: str) -> None:
     """Raise CheckpointError unless every value of ``t`` is finite and |x| <= 65504 (FP16 max).
 
-    t: any float tensor on any device (the check runs where the tensor is)."""
-    t32 = t.float() if t.dtype != torch.float32 else t
-    finite = torch.isfinite(t32)
-    if not bool(finite.all()):
-        bad = int((~finite).sum())
-        raise CheckpointError(f"{file}: tensor {name!r} has {bad} NaN/Inf value(s)")
-    amax = float(t32.abs().max()) if t32.numel() else 0.0
+    t: any float tensor on any device (the check runs where the tensor is, chunk by chunk)."""
+    n_bad, amax = _bad_values(t)
+    if n_bad:
+        raise CheckpointError(f"{file}: tensor {name!r} has {n_bad} NaN/Inf value(s)")
     if amax > FP16_MAX:
         raise CheckpointError(
             f"{file}: tensor {name!r} overflows FP16: max |x| = {amax:g} > {FP16_MAX:g} (BF16 -> FP16 conversion)"
         )
+
+
+def _bad_flag(t: torch.Tensor) -> torch.Tensor:
+    """0-d bool tensor on t's device: any NaN/Inf or |x| > FP16 max in t (no host sync)."""
+    return (~torch.isfinite(t)).any() | (t.abs().amax() > FP16_MAX)
 
 
 class CheckpointReader:
@@ -236,58 +253,77 @@ class CheckpointReader:
         check_values(t, name, str(self.file_of(name)))
         return t.to(torch.float16)
 
-    def _fused_slice(self, name: str, rows: slice | None) -> torch.Tensor:
-        """(E, N, K) fused tensor, optionally only rows[dim 1] (e.g. the gate half of gate_up_proj)."""
-        t = self.tensor(name)  # (E, 2I, H) or (E, H, I); one layer's worth, the streaming unit
-        return t if rows is None else t[:, rows].contiguous()
+    def _expert_slab(self, layer: int, proj: str, e: int) -> tuple[str, Path, int, tuple[int, int], torch.dtype]:
+        """Where expert e's ``proj`` weight lives: (display name, file, absolute byte offset, shape, dtype).
+
+        Both layouts store one expert's projection as contiguous bytes: per-expert tensors directly;
+        in the fused (E, 2I, H) gate_up tensor the gate rows of expert e are rows [0, I) of slice e and
+        the up rows are [I, 2I); in (E, H, I) down_proj slice e is contiguous."""
+        i = self.config.moe_intermediate_size
+        p = f"model.layers.{layer}.mlp.experts."
+        if self.expert_layout[layer] == "fused":
+            name = p + ("down_proj" if proj == "down" else "gate_up_proj")
+            entry = self._entry(name)
+            _, d1, d2 = entry["shape"]
+            item = ITEMSIZE[entry["dtype"]]
+            r0 = i if proj == "up" else 0
+            rows = d1 if proj == "down" else i
+            off = entry["data_offsets"][0] + (e * d1 + r0) * d2 * item
+            shown = f"{name}[{e}]" + ("" if proj == "down" else f"[{proj} half]")
+            shape = (rows, d2)
+        else:
+            name = f"{p}{e}.{proj}_proj.weight"
+            entry = self._entry(name)
+            off, shown, shape = entry["data_offsets"][0], name, tuple(entry["shape"])
+        fname = self._weight_map[name]
+        return shown, self.path / fname, self._headers[fname][1] + off, shape, DTYPE_FROM_STR[entry["dtype"]]
+
+    def _read_slab(self, shown: str, path: Path, offset: int, out: torch.Tensor) -> None:
+        try:
+            read_into(path, offset, out)
+        except (SafetensorsFormatError, OSError) as err:
+            raise CheckpointError(f"{path}: cannot read tensor {shown!r}: {err}") from err
 
     def expert_projection(self, layer: int, proj: str, device: str | torch.device = "cpu") -> torch.Tensor:
         """All experts of one projection of one layer, stacked, in the stored dtype, values checked.
 
-        Returns (E, I, H) for gate/up, (E, H, I) for down, on ``device``."""
+        Returns (E, I, H) for gate/up, (E, H, I) for down, on ``device``. Reads expert by expert
+        straight into the result (CPU) or through one reusable one-expert staging buffer (GPU), so
+        host memory stays at one projection of one layer at most."""
         if proj not in PROJECTIONS:
             raise ValueError(f"projection must be one of {PROJECTIONS}, got {proj!r}")
-        cfg, i = self.config, self.config.moe_intermediate_size
-        p = f"model.layers.{layer}.mlp.experts."
-        if self.expert_layout[layer] == "fused":
-            name = p + ("down_proj" if proj == "down" else "gate_up_proj")
-            rows = None if proj == "down" else (slice(0, i) if proj == "gate" else slice(i, 2 * i))
-            t = self._fused_slice(name, rows).to(device)
-            self._check_stack(t, layer, proj, lambda e: name + f"[{e}]" + ("" if rows is None else f"[{proj} half]"))
-            return t
-        names = [f"{p}{e}.{proj}_proj.weight" for e in range(cfg.num_experts)]
-        first = self.tensor(names[0])
-        out = torch.empty((cfg.num_experts, *first.shape), dtype=first.dtype, device=device)  # (E, N, K)
-        out[0].copy_(first)
-        for e in range(1, cfg.num_experts):
-            out[e].copy_(self.tensor(names[e]))
-        self._check_stack(out, layer, proj, lambda e: names[e])
+        device = torch.device(device)
+        n_exp = self.config.num_experts
+        slabs = [self._expert_slab(layer, proj, e) for e in range(n_exp)]
+        _, _, _, shape, dtype = slabs[0]
+        out = torch.empty((n_exp, *shape), dtype=dtype, device=device)  # (E, N, K)
+        staging = None if device.type == "cpu" else torch.empty(shape, dtype=dtype, pin_memory=True)
+        for e, (shown, path, off, shp, dt) in enumerate(slabs):
+            if shp != shape or dt != dtype:
+                raise CheckpointError(f"{path}: tensor {shown!r} is {dt} {shp}, expert 0 is {dtype} {shape}")
+            if staging is None:
+                self._read_slab(shown, path, off, out[e])
+            else:
+                self._read_slab(shown, path, off, staging)
+                out[e].copy_(staging)  # synchronous: staging is reused for the next expert
+        flags = torch.stack([_bad_flag(out[e]) for e in range(n_exp)]).cpu()  # one device sync
+        if bool(flags.any()):
+            e = int(flags.nonzero()[0, 0])
+            shown, path, *_ = slabs[e]
+            check_values(out[e], shown, str(path))
         return out
-
-    def _check_stack(self, t: torch.Tensor, layer: int, proj: str, name_of) -> None:
-        """Value checks on a stacked (E, N, K) tensor; on failure name the exact expert tensor."""
-        t32 = t.float()
-        bad_e = (~torch.isfinite(t32)).flatten(1).any(dim=1) | (t32.abs().flatten(1).amax(dim=1) > FP16_MAX)
-        if bool(bad_e.any()):
-            e = int(bad_e.nonzero()[0, 0])
-            name = name_of(e)
-            check_values(t[e], name, str(self.file_of(name.split("[")[0])))
 
     def expert_weights(self, layer: int, e: int) -> dict[str, torch.Tensor]:
         """One expert's weights as stored: {"gate": (I, H), "up": (I, H), "down": (H, I)}, values checked."""
         if not 0 <= e < self.config.num_experts:
             raise CheckpointError(f"{self.path}: expert {e} out of range (num_experts={self.config.num_experts})")
-        i = self.config.moe_intermediate_size
-        p = f"model.layers.{layer}.mlp.experts."
-        if self.expert_layout[layer] == "fused":
-            gu = self.tensor(p + "gate_up_proj")[e]
-            out = {"gate": gu[:i].clone(), "up": gu[i:].clone(), "down": self.tensor(p + "down_proj")[e].clone()}
-            names = {k: f"{p}{'down_proj' if k == 'down' else 'gate_up_proj'}[{e}]" for k in out}
-        else:
-            names = {k: f"{p}{e}.{k}_proj.weight" for k in PROJECTIONS}
-            out = {k: self.tensor(n) for k, n in names.items()}
-        for k, t in out.items():
-            check_values(t, names[k], str(self.file_of(names[k].split("[")[0])))
+        out = {}
+        for proj in PROJECTIONS:
+            shown, path, off, shape, dtype = self._expert_slab(layer, proj, e)
+            t = torch.empty(shape, dtype=dtype)
+            self._read_slab(shown, path, off, t)
+            check_values(t, shown, str(path))
+            out[proj] = t
         return out
 
     def __enter__(self):
