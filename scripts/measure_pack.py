@@ -97,6 +97,20 @@ def _run_child(step: str, a) -> dict:
     return res
 
 
+def _fs_type(path: Path) -> str:
+    """Filesystem type of the mount holding path (from /proc/mounts), e.g. ext4 or tmpfs."""
+    best, fs = "", "unknown"
+    p = str(path.resolve())
+    try:
+        for line in Path("/proc/mounts").read_text().splitlines():
+            _, mnt, typ, *_ = line.split()
+            if (p == mnt or p.startswith(mnt.rstrip("/") + "/")) and len(mnt) > len(best):
+                best, fs = mnt, typ
+    except OSError:
+        pass
+    return f"{fs} ({best})"
+
+
 def _du(path: Path) -> int:
     return sum(f.stat().st_size for f in path.rglob("*") if f.is_file())
 
@@ -134,7 +148,16 @@ def main() -> int:
         "torch": torch.__version__, "python": sys.version.split()[0], "cpu_count": os.cpu_count(),
         "disk_free_bytes_before": disk_free,
     }
+    rec["workdir_fs"] = _fs_type(Path(a.workdir))
+
+    def save():  # after every step, so a timeout still leaves what was measured
+        if a.out:
+            Path(a.out).parent.mkdir(parents=True, exist_ok=True)
+            Path(a.out).write_text(json.dumps(rec, indent=2) + "\n")
+
+    save()
     rec["synth"] = _run_child("synth", a)
+    save()
     rec["checkpoint_bytes"] = _du(Path(a.ckpt))
     rec["pack"] = _run_child("pack", a)
     rec["pack_dir_bytes"] = _du(Path(a.pack))
@@ -143,15 +166,14 @@ def main() -> int:
     rec["manifest_memory"] = m["memory"]
     rec["compute_device"] = m["compute_device"]
     rec["max_rel_fro_error"] = max(max(v["rel_fro"]) for l in m["layers"] for v in l["quant_error"].values())
+    save()
     rec["check"] = _run_child("check", a)
     rec["notes"] = ("pack peak_rss_bytes is VmHWM of the packing process (includes the CUDA context); "
                     "compare with manifest_memory.largest_layer_source_bytes (BF16 experts of one layer). "
                     "The checkpoint was just written, so its files were likely in the page cache when packed.")
     if not a.keep:
         shutil.rmtree(a.workdir, ignore_errors=True)
-    if a.out:
-        Path(a.out).parent.mkdir(parents=True, exist_ok=True)
-        Path(a.out).write_text(json.dumps(rec, indent=2) + "\n")
+    save()
     gb = 1e9
     print(f"{'step':8} {'wall_s':>8} {'proc_s':>8} {'peakRSS_GB':>10}")
     for step in ("synth", "pack"):
