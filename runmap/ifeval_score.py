@@ -377,6 +377,9 @@ def score_files(inputs: Path, responses: Path, meta: Path | None = None, progres
             raise IFEvalError(f"{meta}: cannot read generation metadata ({e})") from None
         if not isinstance(generation, dict):
             raise IFEvalError(f"{meta}: generation metadata must be a JSON object")
+        if generation.get("status") != "complete":
+            raise IFEvalError(f"{meta}: generation status is {generation.get('status')!r}, not 'complete'; "
+                              f"rerun `runmap ifeval generate` with the same arguments to finish it")
         want = generation.get("inputs", {}).get("sha256")
         if want is not None and generation.get("inputs", {}).get("limit") is None and want != sha256_file(inputs):
             raise IFEvalError(f"{meta}: responses were generated from other inputs (sha256 {want[:12]}...)")

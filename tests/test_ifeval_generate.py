@@ -269,3 +269,20 @@ def test_pack_content_hash_ignores_timestamps_and_sees_expert_bytes():
     changed = {**man, "layers": [{"layer": 0, "expert_sha256": ["e0", "e2"]}]}
     assert G.pack_content_sha256(changed) != h
     assert G.pack_content_sha256({**man, "block_size": 128}) != h
+
+
+def test_score_refuses_incomplete_or_foreign_generation_metadata(tmp_path):
+    from runmap import ifeval_score as S
+
+    out = tmp_path / "answers.jsonl"
+    _run(out, FakeEngine(), n=10)
+    subset = tmp_path / "inputs.jsonl"
+    subset.write_text("".join(INPUTS.read_text().splitlines(keepends=True)[:10]))
+    side = G.sidecar_path(out)
+    meta = json.loads(side.read_text())
+    side.write_text(json.dumps({**meta, "status": "interrupted"}))
+    with pytest.raises(S.IFEvalError, match="status is 'interrupted'"):
+        S.score_files(subset, out)
+    side.write_text(json.dumps({**meta, "inputs": {**meta["inputs"], "limit": None, "sha256": "f" * 64}}))
+    with pytest.raises(S.IFEvalError, match="generated from other inputs"):
+        S.score_files(subset, out)
