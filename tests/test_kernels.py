@@ -1,0 +1,266 @@
+"""W4A16 executors against the FP32 reference (kernels/reference.py).
+
+CPU (CI): Triton interpreter, small expert shapes. GPU: RUNMAP_TEST_DEVICE=cuda adds the full OLMoE and
+Qwen1.5-MoE expert shapes and every M for every executor, plus no-sync and CUDA-graph checks.
+Every case draws fresh random weights, activations, routing (repeated experts across tokens) and gate
+weights; every buffer the wrappers allocate is poisoned with NaN (see ``poison``), so an element a kernel
+forgets to write shows up as NaN in the output.
+"""
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from kernels import common
+from kernels.executors import EXECUTORS, NotResidentError, moe_experts
+from kernels.reference import reference_moe_f32
+from runmap.qpack import RowLayout
+
+TOL = 2e-3  # relative Frobenius error against the FP32 reference
+ON_GPU = not (__import__("os").environ.get("RUNMAP_TEST_DEVICE", "cpu") == "cpu")
+KERNEL_EXECUTORS = [e for e in EXECUTORS if e != "reference"]
+M_ALL = (1, 2, 3, 8, 17, 64, 300)
+
+# name: (hidden H, intermediate I, block B, experts E, top-k)
+SMALL = {
+    "small-b256": (256, 320, 256, 8, 4),  # down K=320: partial last block
+    "small-b64": (256, 192, 64, 6, 2),
+    "odd-b128": (288, 160, 128, 5, 3),  # H and I both end in a partial block; N not a tile multiple
+    "small-b96": (256, 192, 96, 6, 2),  # block not a power of two: per-element scale path
+}
+FULL = {
+    "olmoe": (2048, 1024, 256, 64, 8),
+    "qwen": (2048, 1408, 256, 60, 4),  # down K=1408 = 5.5 blocks
+}
+
+
+def _cases():
+    """(shape, M, executor) triples. The interpreter pays per program, so the CPU set is a subset."""
+    if ON_GPU:
+        return [(s, m, e) for s in [*SMALL, *FULL] for m in M_ALL for e in KERNEL_EXECUTORS]
+    # topk-fused is the decode path (one program per (token, expert) pair): M <= 17 on the CPU.
+    cases = [("small-b256", m, e) for m in M_ALL for e in KERNEL_EXECUTORS if not (e == "topk-fused" and m > 17)]
+    cases += [("small-b64", m, e) for m in (1, 17, 300) for e in KERNEL_EXECUTORS if not (e == "topk-fused" and m > 17)]
+    cases += [("odd-b128", 3, "grouped"), ("odd-b128", 3, "topk-fused"), ("odd-b128", 64, "grouped")]
+    cases += [("small-b96", 3, e) for e in KERNEL_EXECUTORS]
+    return cases
+
+
+@pytest.fixture
+def device(test_device):
+    return torch.device(test_device)
+
+
+@pytest.fixture(autouse=True)
+def poison(monkeypatch):
+    """Every wrapper-allocated buffer starts as NaN (floats) / 0x7F (ints) instead of whatever was there."""
+    real = common.empty
+    calls = []
+
+    def poisoned(shape, dtype, device):
+        t = real(shape, dtype, device)
+        t.fill_(float("nan") if dtype.is_floating_point else 0x7F)
+        calls.append(dtype)
+        return t
+
+    monkeypatch.setattr(common, "empty", poisoned)
+    return calls
+
+
+def make_layer(shape, device, seed, resident_fraction=0.75):
+    """Random experts packed into a storage with fewer rows than experts (partial residency) plus a spare
+    row of random bytes; returns (layout, storage, row_table, resident ids)."""
+    h, i, b, e, _k = shape
+    gen = torch.Generator().manual_seed(seed)
+    layout = RowLayout.build(h, i, b)
+    n_res = max(2, math.ceil(e * resident_fraction))
+    resident = torch.randperm(e, generator=gen)[:n_res]
+    rows = []
+    for _ in range(n_res):
+        scale = 0.5 + torch.rand(1, generator=gen).item()
+        w = {"gate": torch.randn(i, h, generator=gen) * scale / math.sqrt(h),
+             "up": torch.randn(i, h, generator=gen) / math.sqrt(h),
+             "down": torch.randn(h, i, generator=gen) / math.sqrt(i)}
+        rows.append(layout.pack_expert(w))
+    junk = torch.randint(0, 256, (layout.row_bytes,), dtype=torch.uint8, generator=gen)  # never referenced
+    storage = torch.stack([junk, *rows])  # (R, row_bytes), row 0 is junk
+    perm = torch.randperm(n_res, generator=gen) + 1  # physical rows in shuffled order
+    row_table = torch.full((e,), -1, dtype=torch.int32)
+    row_table[resident] = perm.to(torch.int32)
+    return layout, storage.to(device), row_table.to(device), resident
+
+
+def make_batch(shape, m, resident, device, seed, ids_dtype=torch.int64):
+    """Activations, routing among resident experts (distinct per token, repeated across tokens), weights."""
+    h, _i, _b, _e, k = shape
+    gen = torch.Generator().manual_seed(seed + 1)
+    k = min(k, resident.numel())
+    x = (torch.randn(m, h, generator=gen) * (0.5 + torch.rand(m, 1, generator=gen))).to(torch.float16)
+    ids = torch.stack([resident[torch.randperm(resident.numel(), generator=gen)[:k]] for _ in range(m)])
+    weights = torch.softmax(torch.randn(m, k, generator=gen), dim=1)
+    return x.to(device), ids.to(device, ids_dtype).contiguous(), weights.to(device).contiguous()
+
+
+def rel_err(y, ref):
+    return ((y.float() - ref).norm() / ref.norm()).item()
+
+
+@pytest.mark.parametrize("shape_name,m,executor", _cases())
+def test_executor_matches_reference(shape_name, m, executor, device, poison):
+    shape = {**SMALL, **FULL}[shape_name]
+    seed = hash((shape_name, m, executor)) % 10_000
+    layout, storage, row_table, resident = make_layer(shape, device, seed)
+    x, ids, w = make_batch(shape, m, resident, device, seed, torch.int32 if m % 2 else torch.int64)
+    ref = reference_moe_f32(x, ids, w, storage, row_table, layout)
+    assert ref.norm() > 0
+    poison.clear()
+    y = moe_experts(executor, x, ids, w, storage, row_table, layout)
+    assert y.dtype == torch.float16 and y.shape == x.shape
+    if executor != "scalar":
+        assert poison, "the wrapper allocated nothing through kernels.common.empty: the poison hook is not effective"
+    assert torch.isfinite(y).all(), "an output element was never written (NaN poison leaked)"
+    err = rel_err(y, ref)
+    assert err <= TOL, f"{executor} {shape_name} M={m}: relative error {err:.2e} > {TOL}"
+
+
+def test_poison_hook_catches_an_unwritten_output(device, poison):
+    """The poison must be visible: a buffer the kernels do not write comes back NaN."""
+    buf = common.empty((4, 4), torch.float16, device)
+    assert torch.isnan(buf).all()
+
+
+@pytest.mark.parametrize("executor", ["grouped", "topk-fused"])
+def test_deterministic_and_independent_of_physical_rows(executor, device):
+    """Same inputs -> identical bits; moving experts to other physical rows (another residency layout)
+    changes nothing, so the kernels read exactly the row the table names."""
+    shape = SMALL["small-b256"]
+    layout, storage, row_table, resident = make_layer(shape, device, 7)
+    x, ids, w = make_batch(shape, 5, resident, device, 7)
+    y1 = moe_experts(executor, x, ids, w, storage, row_table, layout)
+    y2 = moe_experts(executor, x, ids, w, storage, row_table, layout)
+    assert torch.equal(y1, y2)
+    perm = torch.randperm(storage.shape[0], generator=torch.Generator().manual_seed(3)).to(device)
+    moved = storage[perm].contiguous()  # new row r holds old row perm[r]
+    inverse = torch.empty_like(perm)
+    inverse[perm] = torch.arange(perm.numel(), device=device)
+    table2 = torch.where(row_table >= 0, inverse[row_table.clamp(min=0).long()].to(torch.int32), row_table)
+    y3 = moe_experts(executor, x, ids, w, moved, table2, layout)
+    assert torch.equal(y1, y3)
+
+
+@settings(max_examples=4 if not ON_GPU else 25)
+@given(h_blocks=st.integers(1, 3), i_half=st.integers(4, 12), b=st.sampled_from([32, 64, 128]),
+       m=st.integers(1, 6), seed=st.integers(0, 2**16))
+def test_property_grouped_and_fused_agree_with_reference(h_blocks, i_half, b, m, seed):
+    """Any even shape (partial blocks included): grouped (decode path) and topk-fused stay within TOL."""
+    dev = torch.device("cuda" if ON_GPU else "cpu")
+    shape = (h_blocks * 64 + 32, i_half * 16, b, 5, 2)
+    layout, storage, row_table, resident = make_layer(shape, dev, seed)
+    x, ids, w = make_batch(shape, m, resident, dev, seed)
+    ref = reference_moe_f32(x, ids, w, storage, row_table, layout)
+    for executor in ("grouped", "topk-fused"):
+        y = moe_experts(executor, x, ids, w, storage, row_table, layout)
+        assert rel_err(y, ref) <= TOL, executor
+
+
+# ------------------------------------------------------------------------------------------ errors
+
+
+@pytest.fixture
+def small(device):
+    shape = SMALL["small-b64"]
+    layout, storage, row_table, resident = make_layer(shape, device, 11)
+    x, ids, w = make_batch(shape, 3, resident, device, 11)
+    return layout, storage, row_table, resident, x, ids, w
+
+
+@pytest.mark.parametrize("executor", KERNEL_EXECUTORS)
+def test_errors_before_launch(executor, small):
+    layout, storage, row_table, _res, x, ids, w = small
+    with pytest.raises(ValueError, match=r"x: dtype float32"):
+        moe_experts(executor, x.float(), ids, w, storage, row_table, layout)
+    wide = torch.cat([x, x], dim=1)
+    with pytest.raises(ValueError, match=r"x: not contiguous"):
+        moe_experts(executor, wide[:, : x.shape[1]], ids, w, storage, row_table, layout)
+    with pytest.raises(ValueError, match=r"storage: row_bytes"):
+        moe_experts(executor, x, ids, w, storage[:, :-128].contiguous(), row_table, layout)
+    with pytest.raises(ValueError, match=r"topk_weights: dtype float16"):
+        moe_experts(executor, x, ids, w.half(), storage, row_table, layout)
+    with pytest.raises(ValueError, match=r"row_table: dtype int64"):
+        moe_experts(executor, x, ids, w, storage, row_table.long(), layout)
+    with pytest.raises(ValueError, match=r"topk_ids: shape"):
+        moe_experts(executor, x, ids[:-1], w[:-1], storage, row_table, layout)
+    bad = ids.clone()
+    bad[1, 0] = row_table.numel()
+    with pytest.raises(ValueError, match=r"topk_ids\[1, 0\] = \d+ is not an expert id"):
+        moe_experts(executor, x, bad, w, storage, row_table, layout)
+
+
+@pytest.mark.parametrize("executor", EXECUTORS)
+def test_non_resident_expert_is_an_error_naming_it(executor, small):
+    layout, storage, row_table, _res, x, ids, w = small
+    e = int(ids[2, 1])
+    table = row_table.clone()
+    table[e] = -1
+    with pytest.raises(NotResidentError, match=rf"expert {e} \(routed by token \d+, slot \d+\) is not resident"):
+        moe_experts(executor, x, ids, w, storage, table, layout)
+
+
+@pytest.mark.parametrize("executor", ["grouped", "topk-fused"])
+def test_unvalidated_non_resident_expert_yields_nan_never_a_substitute(executor, small):
+    """validate=False skips the host check; the kernels still never read another expert for a -1: the
+    tokens routed to it come back NaN, the others stay correct."""
+    layout, storage, row_table, _res, x, ids, w = small
+    e = int(ids[0, 0])
+    table = row_table.clone()
+    table[e] = -1
+    y = moe_experts(executor, x, ids, w, storage, table, layout, validate=False)
+    hit = (ids == e).any(dim=1)  # (T,)
+    assert torch.isnan(y[hit]).all()
+    if (~hit).any():
+        ref = reference_moe_f32(x[~hit], ids[~hit], w[~hit], storage, row_table, layout)
+        assert rel_err(y[~hit], ref) <= TOL
+
+
+def test_unknown_executor(small):
+    layout, storage, row_table, _res, x, ids, w = small
+    with pytest.raises(ValueError, match="executor"):
+        moe_experts("fast", x, ids, w, storage, row_table, layout)
+
+
+# ------------------------------------------------------------------------------------------ GPU only
+
+
+@pytest.mark.skipif(not ON_GPU, reason="needs CUDA")
+@pytest.mark.parametrize("executor", ["grouped", "topk-fused"])
+@pytest.mark.parametrize("m", [1, 8, 64])
+def test_validate_false_never_syncs_and_captures_in_a_cuda_graph(executor, m):
+    dev = torch.device("cuda")
+    shape = FULL["olmoe"]
+    layout, storage, row_table, resident = make_layer(shape, dev, 5, resident_fraction=1.0)
+    x, ids, w = make_batch(shape, m, resident, dev, 5)
+    y0 = moe_experts(executor, x, ids, w, storage, row_table, layout, validate=False)  # compile
+    torch.cuda.synchronize()
+    torch.cuda.set_sync_debug_mode("error")
+    try:
+        moe_experts(executor, x, ids, w, storage, row_table, layout, validate=False)
+    finally:
+        torch.cuda.set_sync_debug_mode(0)
+    graph = torch.cuda.CUDAGraph()
+    stream = torch.cuda.Stream()
+    stream.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(stream):
+        with torch.cuda.graph(graph):
+            y_graph = moe_experts(executor, x, ids, w, storage, row_table, layout, validate=False)
+    torch.cuda.current_stream().wait_stream(stream)
+    x2, ids2, w2 = make_batch(shape, m, resident, dev, 6)
+    x.copy_(x2), ids.copy_(ids2), w.copy_(w2)
+    graph.replay()
+    torch.cuda.synchronize()
+    ref = reference_moe_f32(x, ids, w, storage, row_table, layout)
+    assert rel_err(y_graph, ref) <= TOL
+    assert not torch.equal(y_graph, y0)
