@@ -223,3 +223,30 @@ def test_unexpected_tensor_is_an_error(ckpts, tmp_path):
     d = _copy(ckpts, ("tiny-olmoe", "per-expert"), tmp_path)
     _edit(d / "model.safetensors", lambda t: t.__setitem__("model.layers.0.mlp.extra.weight", torch.zeros(2)))
     _assert_pack_fails(d, tmp_path, "model.layers.0.mlp.extra.weight", "unexpected tensor")
+
+
+def test_interrupted_synth_leaves_nothing(tmp_path, monkeypatch):
+    from runmap import synthetic
+
+    calls = []
+    real = synthetic._generate
+
+    def boom(*a, **k):
+        calls.append(1)
+        if len(calls) == 20:
+            raise KeyboardInterrupt
+        return real(*a, **k)
+
+    monkeypatch.setattr(synthetic, "_generate", boom)
+    with pytest.raises(KeyboardInterrupt):
+        write_synthetic(load_preset("tiny-olmoe")[0], tmp_path / "ck", shard_bytes=500_000)
+    assert len(calls) == 20 and list(tmp_path.iterdir()) == []
+
+
+def test_error_messages_name_file_and_tensor(ckpts, tmp_path):
+    """One full message, checked verbatim in shape: '<file>: tensor '<name>' ...'."""
+    d = _copy(ckpts, ("tiny-olmoe", "per-expert"), tmp_path)
+    name = "model.layers.0.self_attn.q_norm.weight"
+    _edit(d / "model.safetensors", lambda t: t[name].__setitem__(3, float("inf")))
+    msg = _assert_pack_fails(d, tmp_path, name)
+    assert msg == f"{d / 'model.safetensors'}: tensor '{name}' has 1 NaN/Inf value(s)"
