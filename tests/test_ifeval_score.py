@@ -110,6 +110,32 @@ def test_scores_offline_without_any_download(tmp_path):
     assert summary["instruction_level"]["loose"]["followed"] == 714
 
 
+def test_fresh_import_and_scoring_with_download_and_network_refused(monkeypatch, tmp_path):
+    """Same as above in this process, with pytest's monkeypatch: the checker modules are imported anew
+    (their import-time NLTK resource check included) while downloads and sockets raise."""
+    import socket
+
+    import nltk
+    import nltk.downloader
+
+    def refuse(*a, **k):
+        raise AssertionError("network or download attempted")
+
+    monkeypatch.setattr(socket.socket, "connect", refuse)
+    monkeypatch.setattr(socket, "create_connection", refuse)
+    monkeypatch.setattr(nltk, "download", refuse)
+    monkeypatch.setattr(nltk.downloader, "download", refuse)
+    monkeypatch.setattr(nltk.downloader.Downloader, "download", refuse)
+    monkeypatch.delenv("NLTK_DATA", raising=False)
+    monkeypatch.setattr(nltk.data, "path", [p for p in nltk.data.path if "ifeval" not in p])
+    for name in [m for m in sys.modules if m.startswith("lm_eval")]:
+        monkeypatch.delitem(sys.modules, name)
+    monkeypatch.setattr(S, "_CHECKERS", None)
+    results, summary = S.score_files(GPT4_INPUTS, GPT4_RESPONSES)
+    assert (summary["prompt_level"]["strict"]["followed"], summary["instruction_level"]["loose"]["followed"]) == \
+        (417, 714)
+
+
 def test_nltk_resolves_to_the_vendored_tokenizer():
     import nltk
 
