@@ -69,8 +69,15 @@ def test_supported_models_have_presets(arch):
 
 
 def test_observation_units_agree_with_instrumentation(arch):
-    obs = pytest.importorskip("runmap.observations")
+    from runmap import observations as obs
+
     assert {o["id"]: o["unit"] for o in arch["observations"]["required_zero"]} == obs.REQUIRED_ZERO
+
+
+def test_implemented_executors_are_the_declared_ones(arch):
+    from kernels import executors
+
+    assert tuple(executors.EXECUTORS) == tuple(e["id"] for e in arch["executors"])
 
 
 # ---- drift is rejected by the validator itself, not only by the equality tests above ----------------
