@@ -112,6 +112,7 @@ class PackReader:
         if self._nonrouted_header is None:
             try:
                 self._nonrouted_header = read_header(self._nonrouted_file)
+                self.bytes_read += self._nonrouted_header[1]  # header bytes, read once
             except (SafetensorsFormatError, OSError) as e:
                 raise PackError(f"{self._nonrouted_file}: {e}") from e
         header, data_start = self._nonrouted_header
@@ -151,12 +152,29 @@ class PackReader:
             raise PackError(
                 f"{fpath}: layer {layer}: expert bytes [{offset}, {end}) overrun the file ({size} bytes)"
             )
+        self._check_header(fpath, layer, e.get("tensor", EXPERTS_TENSOR), offset, (n_exp, row_bytes))
         out = torch.empty((n_exp, row_bytes), dtype=torch.uint8)  # (E, row_bytes)
         try:
             self.bytes_read += read_into(fpath, offset, out)
         except (SafetensorsFormatError, OSError) as err:
             raise PackError(f"{fpath}: layer {layer}: {err}") from err
         return out
+
+    def _check_header(self, fpath: Path, layer: int, tensor: str, offset: int, shape: tuple[int, int]) -> None:
+        """The manifest's offset and shape must be those of ``tensor`` in the file's own header."""
+        try:
+            header, data_start = read_header(fpath)
+        except (SafetensorsFormatError, OSError) as err:
+            raise PackError(f"{fpath}: layer {layer}: {err}") from err
+        self.bytes_read += data_start  # the header is a read of the pack too
+        ent = header.get(tensor)
+        if ent is None or ent["dtype"] != "U8" or tuple(ent["shape"]) != shape or \
+                data_start + ent["data_offsets"][0] != offset:
+            found = None if ent is None else (ent["dtype"], ent["shape"], data_start + ent["data_offsets"][0])
+            raise PackError(
+                f"{fpath}: layer {layer}: manifest says tensor {tensor!r} U8 {list(shape)} at byte {offset}, "
+                f"the file's header says {found}"
+            )
 
     def expert_sha256(self, layer: int) -> list[str]:
         """Per-expert sha256 hex digests recorded at pack time (from the manifest, no file read)."""

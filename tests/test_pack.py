@@ -14,6 +14,7 @@ from runmap.cli import main as cli_main
 from runmap.config import load_preset
 from runmap.pack import pack_checkpoint, quantize_layer
 from runmap.packfile import PackClosedError, PackError, PackReader
+from runmap.st_io import read_header
 from runmap.qpack import PROJECTIONS, RowLayout, dequantize, quantize
 from runmap.synthetic import write_synthetic
 
@@ -140,9 +141,13 @@ def test_reader_counts_bytes_and_refuses_reads_after_close(packs):
     _, pk = packs["tiny-olmoe", "per-expert"]
     r = PackReader(pk)
     rows = r.read_expert_rows(1)
-    assert r.bytes_read == rows.numel()
+    header = r.manifest["layers"][1]["offset"]  # the safetensors header before the rows is read too
+    assert r.bytes_read == header + rows.numel()
     emb = r.nonrouted("model.embed_tokens.weight")
-    assert r.bytes_read == rows.numel() + emb.numel() * 2
+    nr_header = read_header(pk / "nonrouted.safetensors")[1]
+    assert r.bytes_read == header + rows.numel() + nr_header + emb.numel() * 2
+    r.nonrouted("model.norm.weight")
+    assert r.bytes_read == header + rows.numel() + nr_header + emb.numel() * 2 + 2 * r.config.hidden_size
     assert r.tokenizer_dir == pk and (r.tokenizer_dir / "tokenizer.json").is_file()
     assert len(r.identity) == 64
     r.close()
@@ -180,6 +185,15 @@ def test_offset_overrun_names_file_and_layer(packs, tmp_path):
         r.read_expert_rows(0)
         with pytest.raises(PackError, match=r"experts-layer-001\.safetensors: layer 1: expert bytes .* overrun"):
             r.read_expert_rows(1)
+
+
+def test_offset_disagreeing_with_file_header(packs, tmp_path):
+    d = _copy_pack(packs, tmp_path)
+    m = json.loads((d / "manifest.json").read_text())
+    m["layers"][0]["offset"] -= 128  # still inside the file: only the header cross-check can tell
+    (d / "manifest.json").write_text(json.dumps(m))
+    with PackReader(d) as r, pytest.raises(PackError, match=r"experts-layer-000\.safetensors: layer 0: manifest says"):
+        r.read_expert_rows(0)
 
 
 def test_truncated_expert_file_is_an_overrun(packs, tmp_path):
