@@ -4,7 +4,6 @@ The engine is a small fake with the engine's generate API, so these tests need n
 against the real engine on the tiny pack is in test_ifeval_engine.py.
 """
 import json
-import os
 import subprocess
 import sys
 import textwrap
