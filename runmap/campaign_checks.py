@@ -10,7 +10,8 @@ report (which draws no causal comparison from a flagged pair). Checks:
   under a non-OBSERVED status, never an OBSERVED non-zero (a contract violation).
 * ``memory-status``: peak memory figures are measures with a status; an OBSERVED peak is > 0 (a zero
   peak is a run that did not measure), and a CPU run says UNSUPPORTED.
-* ``full-no-misses``: a full-residency engine record observed zero misses and zero host->device bytes.
+* ``full-no-misses``: a full-residency engine record (kind engine: the baselines run no cache) observed
+  zero misses and zero host->device expert bytes.
 * ``confounded-neighbour`` (a flag, not an error): along the residency axis of one series (same
   campaign, model, kind, batch and lengths), a record whose neighbour at the adjacent residency level
   runs a different executor, with no same-executor record there: that transition changes residency
@@ -128,8 +129,8 @@ def _value(m) -> float | None:
 
 
 def check_full_no_misses(rec: dict) -> list[Finding]:
-    if rec.get("regime") != "full" or rec.get("kind") == "hf-bf16":
-        return []
+    if rec.get("regime") != "full" or rec.get("kind") != "engine":
+        return []  # the baselines run no expert cache: there is nothing to miss
     out = []
     misses = (rec.get("cache_stats") or {}).get("misses")
     v = _value(misses)

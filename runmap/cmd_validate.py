@@ -89,6 +89,16 @@ def run(args: argparse.Namespace) -> int:
         if value:
             command += [flag, str(value)]
     summary = conformance.build_summary(report, ss, command=command)
+    # Campaign checks (runmap/campaign_checks.py) over the bench records validated here: an error makes
+    # the run non-conformant; a flag (a record changing residency and executor against its neighbour) is
+    # a warning. Both are listed in the summary's warnings.
+    from runmap import campaign_checks
+
+    campaign_findings = campaign_checks.check_documents(report.documents)
+    summary["warnings"] = summary["warnings"] + [f"campaign check: {f}" for f in campaign_findings]
+    summary["totals"]["warnings"] = len(summary["warnings"])
+    if campaign_checks.errors(campaign_findings):
+        summary["conformant"] = False
     for f in report.checked:
         if f.ok:
             if args.verbose:
@@ -99,6 +109,8 @@ def run(args: argparse.Namespace) -> int:
     for v in summary["observations"]["violations"]:
         where = v["file"] + (f":{v['line']}" if "line" in v else "")
         print(f"CONTRACT  {where}: {v['json_path']}: {v['name']} observed as {v['value']!r}, the contract requires 0")
+    for f in campaign_findings:
+        print(f"CAMPAIGN  {f}")
     if not args.quiet:
         for u in report.unchecked:
             print(f"unchecked {u}")

@@ -1,0 +1,100 @@
+"""(No tests here.) A fake engine and helpers shared by the bench / report / campaign-check tests.
+
+The fake follows the Engine surface the runner uses (generate, last_timing, telemetry) with
+deterministic figures that depend on the configuration, so tests can assert what the runner derives
+(medians, deltas over the timed runs, ratios) without running a model.
+"""
+from __future__ import annotations
+
+import copy
+
+from runmap import bench
+
+OBS = ("expert_d2h_bytes", "writebacks", "host_source_rewrites", "request_hash_work", "request_pack_reads")
+
+
+class FakeEngine:
+    ROW_BYTES = 1000
+
+    def __init__(self, c: bench.BenchConfig):
+        self.c = c
+        self.executor = c.executor
+        self.calls = 0
+        self.hits = self.misses = self.h2d = 0
+        self.h2d_s = 0.0
+        self.last_timing = None
+
+    def decode_rate(self, batch: int) -> float:
+        base = {"reference": 10.0, "scalar": 20.0, "grouped": 40.0, "topk-fused": 50.0,
+                "hf-bf16": 30.0, "torch-fp16": 35.0}[self.c.executor]
+        return batch * base * (1.0 + self.c.resident / self.c.experts_per_layer)
+
+    def generate(self, prompts, *, max_new_tokens, temperature=0.0):
+        assert temperature == 0.0
+        b = len(prompts)
+        self.calls += 1
+        wobble = 1.0 + 0.1 * (self.calls % 3)  # repeats differ: median/min/max are distinguishable
+        rate = self.decode_rate(b) * wobble
+        decode_s = (b * (max_new_tokens - 1)) / rate
+        lookups = b * max_new_tokens * 4
+        miss = 0 if self.c.resident == self.c.experts_per_layer else lookups // 4
+        self.hits += lookups - miss
+        self.misses += miss
+        self.h2d += miss * self.ROW_BYTES
+        self.h2d_s += miss * 1e-6
+        self.last_timing = {"prefill_s": 0.01 * len(prompts[0]), "decode_s": decode_s, "ttft_s": 0.02,
+                            "prompt_tokens": b * len(prompts[0]), "new_tokens": b * max_new_tokens,
+                            "decode_tok_s": b * (max_new_tokens - 1) / decode_s, "batch": b}
+        return [[7] * max_new_tokens for _ in prompts]
+
+    def telemetry(self) -> dict:
+        return {
+            "executor": self.executor, "regime": self.c.regime, "hits": self.hits, "misses": self.misses,
+            "bytes_h2d": self.h2d, "h2d_seconds": self.h2d_s,
+            "resident_bytes": self.c.resident * self.ROW_BYTES, "spare_bytes": 2 * self.ROW_BYTES,
+            "staging_bytes": self.ROW_BYTES,
+            "observations": {n: {"status": "OBSERVED", "value": 0, "unit": "bytes", "source": "fake"} for n in OBS},
+        }
+
+
+def fake_factory(built: list | None = None):
+    def factory(c, model_entry, device):
+        if built is not None:
+            built.append(c.engine_key())
+        return FakeEngine(c), {"pack": model_entry.get("pack"), "checkpoint": None, "block_size": 256, "load_s": 0.0}
+    return factory
+
+
+def tiny_spec(**over) -> dict:
+    spec = {
+        "name": "t",
+        "description": "test campaign",
+        "device": "cpu",
+        "defaults": {"repeats": 3, "warmup": 1, "warmup_new_tokens": 2},
+        "models": {"m": {"preset": "tiny-olmoe", "pack": "unused"}},
+        "groups": [
+            {"name": "hf", "kind": "hf-bf16", "models": ["m"], "batch": [1, 2], "prompt_len": 4, "decode_len": 3},
+            {"name": "fp16", "kind": "engine-fp16", "models": ["m"], "batch": [1, 2], "prompt_len": 4, "decode_len": 3},
+            {"name": "res", "kind": "engine", "models": ["m"], "resident": [4, 6, "full"], "executors": ["grouped"],
+             "batch": [1, 2], "prompt_len": 4, "decode_len": 3},
+        ],
+    }
+    spec.update(over)
+    return spec
+
+
+def run_fake(tmp_path, spec=None, **kw) -> tuple[dict, list[dict]]:
+    spec = spec or tiny_spec()
+    summary = bench.run_campaign(spec, tmp_path, engine_factory=fake_factory(), command="pytest", progress=False,
+                                 measure_bandwidth=kw.pop("measure_bandwidth", False), **kw)
+    return summary, bench.load_records(tmp_path / spec["name"])
+
+
+def as_gpu(rec: dict, alloc_gib: float) -> dict:
+    """A copy of a CPU record made to look like a CUDA run with an observed peak."""
+    r = copy.deepcopy(rec)
+    r["device"] = {"type": "cuda", "name": "Fake GPU"}
+    v = int(alloc_gib * 1024**3)
+    r["memory"]["peak_allocated_bytes"] = {"status": "OBSERVED", "value": v}
+    r["memory"]["peak_reserved_bytes"] = {"status": "OBSERVED", "value": v + 1024**3}
+    return r

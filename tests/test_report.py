@@ -1,0 +1,79 @@
+"""The report is rendered from records alone: tables per model, PNG plots, no causal claim from a
+flagged pair."""
+from __future__ import annotations
+
+import copy
+import json
+
+import pytest
+
+from runmap import report
+from runmap.cli import main
+from test_bench_fakes import as_gpu, run_fake
+
+PNG_MAGIC = b"\x89PNG\r\n\x1a\n"
+
+
+@pytest.fixture(scope="module")
+def cpu_records(tmp_path_factory):
+    root = tmp_path_factory.mktemp("rep")
+    _, recs = run_fake(root)
+    return root, recs
+
+
+def test_report_from_records_cli(cpu_records, tmp_path):
+    root, recs = cpu_records
+    out = tmp_path / "report.md"
+    assert main(["report", "--records", str(root), "--out", str(out)]) == 0
+    text = out.read_text()
+    assert "### m (preset `tiny-olmoe`" in text
+    # one table row per record, the CPU peak written as UNSUPPORTED
+    rows = [l for l in text.splitlines() if l.startswith("| engine") or l.startswith("| hf-bf16")]
+    assert len(rows) == len(recs)
+    assert "UNSUPPORTED" in rows[0]
+    png = tmp_path / "report-plots" / "t-m-decode.png"
+    assert png.read_bytes()[:8] == PNG_MAGIC
+    # no memory plot on the CPU (nothing OBSERVED), and the report says so
+    assert not (tmp_path / "report-plots" / "t-m-memory.png").exists()
+    assert "no OBSERVED value" in text
+    # residency comparisons with the executor fixed: 4 -> 6 -> 8 for both batches
+    assert text.count("(grouped) |") == 4
+
+
+def test_report_no_records_is_an_error(tmp_path):
+    assert main(["report", "--records", str(tmp_path), "--out", str(tmp_path / "r.md")]) == 1
+
+
+def test_memory_plot_and_no_comparison_from_flagged_pair(cpu_records, tmp_path):
+    _, recs = cpu_records
+    recs = [as_gpu(r, 2.0 + i * 0.1) for i, r in enumerate(recs)]
+    # make the full-residency records run another executor: 6 -> 8 changes both
+    for r in recs:
+        if r["kind"] == "engine" and r["regime"] == "full":
+            r["executor"] = "topk-fused"
+            r["id"] = r["id"].replace("grouped", "topk-fused")
+    out = tmp_path / "r.md"
+    text = report.render(copy.deepcopy(recs), out)
+    assert (tmp_path / "r-plots" / "t-m-memory.png").read_bytes()[:8] == PNG_MAGIC
+    conf = text.split("no causal comparison drawn:*", 1)[1].split("##", 1)[0]
+    assert "m__engine__grouped__r6__b1__p4__d3 -> m__engine__topk-fused__r8__b1__p4__d3" in conf
+    # the comparison tables hold only one-factor changes: 4 -> 6 (grouped), never 6 -> 8
+    table_rows = [l for l in text.splitlines() if l.startswith("| ") and " -> " in l]
+    assert table_rows and not any("6 -> 8" in l for l in table_rows)
+    assert text.count("4 -> 6 (grouped)") == 2
+    flagged_rows = [l for l in text.splitlines() if l.endswith("| confounded |")]
+    assert len(flagged_rows) == 4  # r6 and r8 at batch 1 and 2
+    assert "flags" in text and "0 errors" in text
+
+
+def test_headline_table(cpu_records):
+    _, recs = cpu_records
+    lines = report.headline_table(recs, batch=1)
+    assert lines[0].startswith("| model |") and len(lines) == 2 + sum(r["config"]["batch"] == 1 for r in recs)
+
+
+def test_fmt_never_prints_zero_for_unmeasured():
+    assert report.fmt_measure({"status": "UNSUPPORTED", "reason": "cpu"}) == "UNSUPPORTED"
+    assert report.fmt_measure({"status": "OBSERVED", "value": 2 * 1024**3}, report.GIB) == "2.00"
+    assert report.fmt_ratio({"status": "UNKNOWN", "reason": "x"}) == "UNKNOWN"
+    json.dumps(report.headline_table([]))
