@@ -1,0 +1,22 @@
+# Stage: kernel checks. Every W4A16 executor (reference, scalar, grouped, topk-fused) against the FP32
+# reference on the CPU through Triton's interpreter, tiny expert shapes (DESIGN.md §5; record schema
+# schemas/kernel-check.schema.json). Independent of the packs: the check builds its own random experts.
+# The kernels' source files are inputs, so editing a kernel reruns this stage (and only it).
+# The H200 record (full OLMoE / Qwen shapes) is committed as results/kernels/h200.json, not produced here.
+
+KERNEL_CHECK = f"{RESULTS}/kernels/cpu.json"
+
+
+rule check_kernels:
+    output:
+        KERNEL_CHECK,
+    input:
+        code=[*sorted(glob.glob("kernels/*.py")), "runmap/kernel_check.py", "runmap/cmd_check_kernels.py",
+              "runmap/qpack.py"],
+    log:
+        f"{LOGS}/kernels/cpu.log",
+    shell:
+        "runmap check-kernels --no-progress --device cpu --shapes tiny --out {output} > {log} 2>&1"
+
+
+FINAL_OUTPUTS.append(KERNEL_CHECK)
