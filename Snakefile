@@ -12,13 +12,18 @@
 #   * append the stage's final outputs (a list of concrete paths) to FINAL_OUTPUTS. The conformance
 #     rule (90) depends on everything appended before it and validates it with `runmap validate`;
 #     `rule all` requests everything in FINAL_OUTPUTS, including what files > 90 append;
+#   * list the runmap modules a rule runs as inputs, `code=code("pack", "qpack")`, so that editing
+#     them reruns that rule and what depends on it (Snakemake only tracks the rule's own code);
 #   * a stage's config lives in its own top-level section (`bench: {...}`), validated at the top of its
 #     rule file: validate(config.setdefault("bench", {}), "../../schemas/pipeline-bench.schema.json")
 #     (paths in validate() are relative to the .smk file); defaults belong in that schema.
 import glob
 import os
+from pathlib import Path
 
 from snakemake.utils import validate
+
+import runmap as _runmap
 
 configfile: "specs/pipeline/default.yaml"
 
@@ -28,6 +33,13 @@ validate(config, "schemas/pipeline-config.schema.json")
 RESULTS = "results"
 LOGS = f"{RESULTS}/logs"
 FINAL_OUTPUTS = []
+RUNMAP_CODE = Path(_runmap.__file__).resolve().parent  # the installed (editable) package
+
+
+def code(*modules):
+    """Source files of runmap modules (names relative to the package) as rule inputs."""
+    return [str(RUNMAP_CODE / f"{m}.py") for m in modules]
+
 
 # Model names contain dots and dashes; block sizes are integers.
 wildcard_constraints:

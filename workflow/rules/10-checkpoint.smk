@@ -30,6 +30,7 @@ rule synth_checkpoint:
         directory(f"{RESULTS}/checkpoints/{{model}}"),
     input:
         preset="specs/models/{model}.yaml",
+        code=code("cmd_synth", "synthetic", "synth_tokenizer", "synth_corpus", "checkpoint", "st_io", "config"),
     params:
         seed=config["seed"],
     log:

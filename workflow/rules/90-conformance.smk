@@ -13,6 +13,7 @@ rule conformance:
         artifacts=_CONFORMANCE_INPUTS,
         specs=sorted(glob.glob("specs/**/*.yaml", recursive=True)),
         schemas=sorted(glob.glob("schemas/*.schema.json")),
+        code=code("cmd_validate", "schemas", "conformance", "campaign_checks"),
     log:
         f"{LOGS}/conformance.log",
     shell:
