@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import argparse
 import datetime as _dt
+import fcntl
 import hashlib
 import json
 import os
@@ -210,6 +211,20 @@ def generate_answers(prompts: list[Prompt], out: Path, engine, settings: Generat
     one result per prompt with ``.text``, ``.token_ids`` and ``.finish_reason``; optional
     ``last_timing`` and ``telemetry()``. meta: model / pack / executor / regime / inputs records.
     """
+    out = Path(out)
+    out.parent.mkdir(parents=True, exist_ok=True)
+    with open(out, "a", encoding="utf-8") as f:
+        try:
+            # one writer per answers file: a second process would interleave lines and double-answer prompts
+            fcntl.flock(f.fileno(), fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            raise IFEvalGenerateError(f"{out}: another `runmap ifeval generate` is writing this file") from None
+        return _generate_into(f, prompts, out, engine, settings, meta, progress)
+
+
+def _generate_into(f, prompts: list[Prompt], out: Path, engine, settings: GenerationSettings, meta: dict,
+                   progress: bool) -> dict:
+    """generate_answers with ``out`` open for appending (``f``) and locked."""
     out, side = Path(out), sidecar_path(out)
     answered = recover_answers(out, prompts)
     meta_old = None
@@ -255,41 +270,40 @@ def generate_answers(prompts: list[Prompt], out: Path, engine, settings: Generat
                    file=sys.stderr, dynamic_ncols=True)
     t_session = time.perf_counter()
     try:
-        with open(out, "a", encoding="utf-8") as f:
-            for b in range(0, len(todo), settings.batch_size):
-                batch = todo[b:b + settings.batch_size]
-                t0 = time.perf_counter()
-                results = engine.generate([p.prompt for p in batch], max_new_tokens=settings.max_new_tokens,
-                                          temperature=settings.temperature, chat=settings.chat,
-                                          stop=tuple(settings.stop))
-                dt = time.perf_counter() - t0
-                if len(results) != len(batch):
-                    raise IFEvalGenerateError(f"engine returned {len(results)} results for {len(batch)} prompts")
-                lines = []
-                for p, r in zip(batch, results):
-                    rec = {"key": p.key, "prompt": p.prompt, "response": r.text,
-                           "finish_reason": r.finish_reason, "new_tokens": len(r.token_ids)}
-                    lines.append(json.dumps(rec, ensure_ascii=False) + "\n")
-                    session["new_tokens"] += rec["new_tokens"]
-                    fr = session["finish_reasons"]
-                    fr[str(r.finish_reason)] = fr.get(str(r.finish_reason), 0) + 1
-                    answered[p.prompt] = rec
-                f.write("".join(lines))
-                f.flush()
-                os.fsync(f.fileno())
-                session["prompts"] += len(batch)
-                session["batches"] += 1
-                session["wall_s"] = round(time.perf_counter() - t_session, 3)
-                _sum_timing(session["engine_timing"], getattr(engine, "last_timing", None))
-                publish("running")
-                new = sum(len(r.token_ids) for r in results)
-                if bar is not None:
-                    bar.update(len(batch))
-                    bar.set_postfix(tok_s=f"{new / max(dt, 1e-9):.1f}")
-                else:  # logs (pipeline, remote runs) get one line per batch instead of a bar
-                    print(f"ifeval generate: batch {session['batches']}: {len(batch)} prompts, {new} new tokens in "
-                          f"{dt:.1f} s ({new / max(dt, 1e-9):.1f} tok/s); {len(answered)}/{len(prompts)} answered",
-                          file=sys.stderr, flush=True)
+        for b in range(0, len(todo), settings.batch_size):
+            batch = todo[b:b + settings.batch_size]
+            t0 = time.perf_counter()
+            results = engine.generate([p.prompt for p in batch], max_new_tokens=settings.max_new_tokens,
+                                      temperature=settings.temperature, chat=settings.chat,
+                                      stop=tuple(settings.stop))
+            dt = time.perf_counter() - t0
+            if len(results) != len(batch):
+                raise IFEvalGenerateError(f"engine returned {len(results)} results for {len(batch)} prompts")
+            lines = []
+            for p, r in zip(batch, results):
+                rec = {"key": p.key, "prompt": p.prompt, "response": r.text,
+                       "finish_reason": r.finish_reason, "new_tokens": len(r.token_ids)}
+                lines.append(json.dumps(rec, ensure_ascii=False) + "\n")
+                session["new_tokens"] += rec["new_tokens"]
+                fr = session["finish_reasons"]
+                fr[str(r.finish_reason)] = fr.get(str(r.finish_reason), 0) + 1
+                answered[p.prompt] = rec
+            f.write("".join(lines))
+            f.flush()
+            os.fsync(f.fileno())
+            session["prompts"] += len(batch)
+            session["batches"] += 1
+            session["wall_s"] = round(time.perf_counter() - t_session, 3)
+            _sum_timing(session["engine_timing"], getattr(engine, "last_timing", None))
+            publish("running")
+            new = sum(len(r.token_ids) for r in results)
+            if bar is not None:
+                bar.update(len(batch))
+                bar.set_postfix(tok_s=f"{new / max(dt, 1e-9):.1f}")
+            else:  # logs (pipeline, remote runs) get one line per batch instead of a bar
+                print(f"ifeval generate: batch {session['batches']}: {len(batch)} prompts, {new} new tokens in "
+                      f"{dt:.1f} s ({new / max(dt, 1e-9):.1f} tok/s); {len(answered)}/{len(prompts)} answered",
+                      file=sys.stderr, flush=True)
     except BaseException as e:
         session["wall_s"] = round(time.perf_counter() - t_session, 3)
         session["error"] = f"{type(e).__name__}: {e}"

@@ -285,3 +285,15 @@ def test_score_refuses_incomplete_or_foreign_generation_metadata(tmp_path):
     side.write_text(json.dumps({**meta, "inputs": {**meta["inputs"], "limit": None, "sha256": "f" * 64}}))
     with pytest.raises(S.IFEvalError, match="generated from other inputs"):
         S.score_files(subset, out)
+
+
+def test_a_second_writer_is_refused(tmp_path):
+    import fcntl
+
+    out = tmp_path / "answers.jsonl"
+    with open(out, "a") as other:  # stands for another generate process holding the file
+        fcntl.flock(other.fileno(), fcntl.LOCK_EX | fcntl.LOCK_NB)
+        with pytest.raises(G.IFEvalGenerateError, match="another `runmap ifeval generate` is writing"):
+            _run(out, FakeEngine())
+    _run(out, FakeEngine())  # lock released: fine
+    assert len(_lines(out)) == 10
