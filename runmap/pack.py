@@ -14,10 +14,11 @@ chosen device (``runmap.qpack.quantize`` on a (E*N, K) view; per-row blocks make
 quantizing each expert alone) and scattered into ``RowLayout`` rows. Everything else is converted
 BF16 -> FP16 after a finite / FP16-range check.
 
-Streaming: one non-routed tensor, then one layer's projections, at a time; peak host memory is about
-one layer of source experts plus its packed rows. Atomic: everything is written into
-``.OUT_DIR.tmp-XXXX`` in the same parent directory (dot-prefixed so ``runmap validate`` skips it), manifest last, then renamed to OUT_DIR; on any
-error or interrupt the temporary directory is removed. A killed process leaves only a ``.tmp-`` dir.
+Streaming: one non-routed tensor at a time, then per layer one projection of all experts at a time
+(quantized in chunks of ``CHUNK_VALUES``); peak host memory is about one layer of source experts,
+whatever the model size. Atomic: everything is written into ``.OUT_DIR.tmp-XXXX`` in the same parent
+directory (dot-prefixed so ``runmap validate`` skips it), manifest last, then renamed to OUT_DIR; on
+any error or interrupt the temporary directory is removed. A killed process leaves only that dir.
 """
 from __future__ import annotations
 
