@@ -1,0 +1,48 @@
+# Stage: bench (DESIGN.md §6, issue 6). Runs the campaign the pipeline config names (`campaign:`, default
+# specs/campaigns/default.yaml) on the packs this pipeline built: every campaign model's preset must be
+# one of the pipeline's `models`; its pack (and checkpoint, for the transformers baseline) come from the
+# pack / checkpoint stages, overriding the paths written in the spec.
+# Outputs: results/campaigns/<name>/records/*.json (schemas/bench-record.schema.json) and
+# results/campaigns/<name>/campaign.json (schemas/bench-campaign.schema.json).
+import yaml as _yaml
+
+CAMPAIGN_SPEC = config.get("campaign", "specs/campaigns/default.yaml")
+with open(CAMPAIGN_SPEC) as _fh:
+    _CAMPAIGN = _yaml.safe_load(_fh)
+CAMPAIGN_NAME = _CAMPAIGN["name"]
+CAMPAIGN_DIR = f"{RESULTS}/campaigns/{CAMPAIGN_NAME}"
+_CAMPAIGN_PRESETS = {name: m["preset"] for name, m in _CAMPAIGN["models"].items()}
+for _name, _preset in _CAMPAIGN_PRESETS.items():
+    if _preset not in config["models"]:
+        raise ValueError(f"pipeline config: campaign {CAMPAIGN_SPEC} model {_name!r} uses preset {_preset!r}, "
+                         f"which is not in models {config['models']} (the pipeline packs only those)")
+
+
+def _bench_overrides():
+    args = []
+    for name, preset in sorted(_CAMPAIGN_PRESETS.items()):
+        args += [f"--pack {name}={pack_dir(preset)}", f"--checkpoint {name}={checkpoint_dir(preset)}"]
+    return " ".join(args)
+
+
+rule bench:
+    """One JSON record per campaign configuration (progress bar in the log)."""
+    output:
+        summary=f"{CAMPAIGN_DIR}/campaign.json",
+        records=directory(f"{CAMPAIGN_DIR}/records"),
+    input:
+        spec=CAMPAIGN_SPEC,
+        packs=sorted({pack_dir(p) for p in _CAMPAIGN_PRESETS.values()}),
+        checkpoints=sorted({checkpoint_dir(p) for p in _CAMPAIGN_PRESETS.values()}),
+        code=code("cmd_bench", "bench", "bench_metrics", "baselines", "engine", "model", "cache", "generation",
+                  "telemetry"),
+    params:
+        overrides=_bench_overrides(),
+        out=f"{RESULTS}/campaigns",
+    log:
+        f"{LOGS}/campaigns/{CAMPAIGN_NAME}.log",
+    shell:
+        "runmap bench {input.spec} --out {params.out} {params.overrides} > {log} 2>&1"
+
+
+FINAL_OUTPUTS.extend([f"{CAMPAIGN_DIR}/campaign.json", f"{CAMPAIGN_DIR}/records"])
