@@ -50,31 +50,31 @@ M_DEFAULT = {"cpu": (1, 3, 17, 64), "cuda": (1, 2, 3, 8, 17, 64, 300)}
 def make_layer(shape: ExpertShape, device: torch.device, seed: int):
     """Random experts in a storage with a spare junk row and 3/4 of the experts resident (shuffled rows).
     Returns (layout, storage uint8 (R, row_bytes), row_table int32 (E,), resident ids int64)."""
-    gen = torch.Generator().manual_seed(seed)
+    gen = torch.Generator(device=device).manual_seed(seed)  # generate on the device: fast at full shapes
     h, i = shape.hidden, shape.intermediate
     layout = RowLayout.build(h, i, shape.block_size)
     n_res = max(shape.top_k, math.ceil(shape.experts * 0.75))
-    resident = torch.randperm(shape.experts, generator=gen)[:n_res]
-    rows = [torch.randint(0, 256, (layout.row_bytes,), dtype=torch.uint8, generator=gen)]  # junk row 0
+    resident = torch.randperm(shape.experts, generator=gen, device=device)[:n_res]
+    rows = [torch.randint(0, 256, (layout.row_bytes,), dtype=torch.uint8, generator=gen, device=device)]  # junk row 0
     for _ in range(n_res):
         rows.append(layout.pack_expert({
-            "gate": torch.randn(i, h, generator=gen) / math.sqrt(h),
-            "up": torch.randn(i, h, generator=gen) / math.sqrt(h),
-            "down": torch.randn(h, i, generator=gen) / math.sqrt(i),
+            "gate": torch.randn(i, h, generator=gen, device=device) / math.sqrt(h),
+            "up": torch.randn(i, h, generator=gen, device=device) / math.sqrt(h),
+            "down": torch.randn(h, i, generator=gen, device=device) / math.sqrt(i),
         }))
     storage = torch.stack(rows).to(device)  # (R, row_bytes)
-    row_table = torch.full((shape.experts,), -1, dtype=torch.int32)
-    row_table[resident] = (torch.randperm(n_res, generator=gen) + 1).to(torch.int32)
-    return layout, storage, row_table.to(device), resident
+    row_table = torch.full((shape.experts,), -1, dtype=torch.int32, device=device)
+    row_table[resident] = (torch.randperm(n_res, generator=gen, device=device) + 1).to(torch.int32)
+    return layout, storage, row_table, resident
 
 
 def make_batch(shape: ExpertShape, m: int, resident: torch.Tensor, device: torch.device, seed: int):
     """x fp16 (M, H), topk_ids int64 (M, k) distinct per token and repeated across tokens, weights fp32 (M, k)."""
-    gen = torch.Generator().manual_seed(seed + 1)
+    gen = torch.Generator(device=device).manual_seed(seed + 1)
     k = shape.top_k
-    x = torch.randn(m, shape.hidden, generator=gen).to(torch.float16)
-    ids = torch.stack([resident[torch.randperm(resident.numel(), generator=gen)[:k]] for _ in range(m)])
-    weights = torch.softmax(torch.randn(m, k, generator=gen), dim=1)
+    x = torch.randn(m, shape.hidden, generator=gen, device=device).to(torch.float16)
+    ids = torch.stack([resident[torch.randperm(resident.numel(), generator=gen, device=device)[:k]] for _ in range(m)])
+    weights = torch.softmax(torch.randn(m, k, generator=gen, device=device), dim=1)
     return x.to(device), ids.to(device).contiguous(), weights.to(device).contiguous()
 
 

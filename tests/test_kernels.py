@@ -75,33 +75,33 @@ def make_layer(shape, device, seed, resident_fraction=0.75):
     """Random experts packed into a storage with fewer rows than experts (partial residency) plus a spare
     row of random bytes; returns (layout, storage, row_table, resident ids)."""
     h, i, b, e, _k = shape
-    gen = torch.Generator().manual_seed(seed)
+    gen = torch.Generator(device=device).manual_seed(seed)  # generate on the device: fast at full shapes
     layout = RowLayout.build(h, i, b)
     n_res = max(2, math.ceil(e * resident_fraction))
-    resident = torch.randperm(e, generator=gen)[:n_res]
+    resident = torch.randperm(e, generator=gen, device=device)[:n_res]
     rows = []
     for _ in range(n_res):
-        scale = 0.5 + torch.rand(1, generator=gen).item()
-        w = {"gate": torch.randn(i, h, generator=gen) * scale / math.sqrt(h),
-             "up": torch.randn(i, h, generator=gen) / math.sqrt(h),
-             "down": torch.randn(h, i, generator=gen) / math.sqrt(i)}
+        scale = 0.5 + torch.rand(1, generator=gen, device=device).item()
+        w = {"gate": torch.randn(i, h, generator=gen, device=device) * scale / math.sqrt(h),
+             "up": torch.randn(i, h, generator=gen, device=device) / math.sqrt(h),
+             "down": torch.randn(h, i, generator=gen, device=device) / math.sqrt(i)}
         rows.append(layout.pack_expert(w))
-    junk = torch.randint(0, 256, (layout.row_bytes,), dtype=torch.uint8, generator=gen)  # never referenced
+    junk = torch.randint(0, 256, (layout.row_bytes,), dtype=torch.uint8, generator=gen, device=device)  # never referenced
     storage = torch.stack([junk, *rows])  # (R, row_bytes), row 0 is junk
-    perm = torch.randperm(n_res, generator=gen) + 1  # physical rows in shuffled order
-    row_table = torch.full((e,), -1, dtype=torch.int32)
+    perm = torch.randperm(n_res, generator=gen, device=device) + 1  # physical rows in shuffled order
+    row_table = torch.full((e,), -1, dtype=torch.int32, device=device)
     row_table[resident] = perm.to(torch.int32)
-    return layout, storage.to(device), row_table.to(device), resident
+    return layout, storage, row_table, resident
 
 
 def make_batch(shape, m, resident, device, seed, ids_dtype=torch.int64):
     """Activations, routing among resident experts (distinct per token, repeated across tokens), weights."""
     h, _i, _b, _e, k = shape
-    gen = torch.Generator().manual_seed(seed + 1)
+    gen = torch.Generator(device=device).manual_seed(seed + 1)
     k = min(k, resident.numel())
-    x = (torch.randn(m, h, generator=gen) * (0.5 + torch.rand(m, 1, generator=gen))).to(torch.float16)
-    ids = torch.stack([resident[torch.randperm(resident.numel(), generator=gen)[:k]] for _ in range(m)])
-    weights = torch.softmax(torch.randn(m, k, generator=gen), dim=1)
+    x = (torch.randn(m, h, generator=gen, device=device) * (0.5 + torch.rand(m, 1, generator=gen, device=device))).to(torch.float16)
+    ids = torch.stack([resident[torch.randperm(resident.numel(), generator=gen, device=device)[:k]] for _ in range(m)])
+    weights = torch.softmax(torch.randn(m, k, generator=gen, device=device), dim=1)
     return x.to(device), ids.to(device, ids_dtype).contiguous(), weights.to(device).contiguous()
 
 
@@ -152,7 +152,7 @@ def test_deterministic_and_independent_of_physical_rows(executor, device):
     assert torch.equal(y1, y3)
 
 
-@settings(max_examples=4 if not ON_GPU else 25)
+@settings(max_examples=4 if not ON_GPU else 8)  # each new shape compiles new kernels on the GPU
 @given(h_blocks=st.integers(1, 3), i_half=st.integers(4, 12), b=st.sampled_from([32, 64, 128]),
        m=st.integers(1, 6), seed=st.integers(0, 2**16))
 def test_property_grouped_and_fused_agree_with_reference(h_blocks, i_half, b, m, seed):

@@ -1,0 +1,347 @@
+"""GPU benchmark of the W4A16 executors (not a test): decode and prefill at OLMoE and Qwen1.5-MoE expert shapes.
+
+  PYTHONUNBUFFERED=1 PYTHONPATH=. python3 scripts/bench_kernels.py --out results/kernels/bench/h200.json
+
+Method (everything compared within this one run, the GPU being shared):
+* Device-copy bandwidth: dst.copy_(src) of a 1 GiB buffer (bytes = read + write), CUDA events, median.
+* Decode, T = 1..8 tokens, each routed to top-k distinct experts: 16 layers of distinct weights (so the
+  weights come from HBM, not L2), the 16 layer calls captured in one CUDA graph like a real decode step;
+  the time per layer is the graph's median / 16. Bytes = the distinct experts' rows (weights + scales) each
+  layer must read. Fraction = (bytes / time) / copy bandwidth. Eager (no graph) time is recorded too.
+* Prefill, 512 tokens routed over all experts: the grouped executor against torch's bf16 grouped path on
+  the same problem (sort by expert, gate+up grouped matmul, SiLU*mul, down grouped matmul, weighted
+  scatter): torch._grouped_mm when the installed torch has it (else one matmul per expert). Ratio = bf16
+  time / W4A16 time (>= 1 means the W4A16 path is at least as fast).
+* A small tile sweep picks each executor's config on the timed problem; all tried configs are recorded.
+"""
+from __future__ import annotations
+
+import argparse
+import datetime as _dt
+import json
+import math
+import os
+import platform
+import shlex
+import sys
+import tempfile
+import traceback
+
+import torch
+import torch.nn.functional as F
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+from kernels.executors import moe_experts  # noqa: E402
+from runmap.qpack import RowLayout  # noqa: E402
+
+MODELS = {
+    "olmoe": {"hidden": 2048, "intermediate": 1024, "experts": 64, "top_k": 8},
+    "qwen1.5-moe": {"hidden": 2048, "intermediate": 1408, "experts": 60, "top_k": 4},
+}
+LAYERS = 16
+DECODE_TOKENS = (1, 2, 4, 8)
+PREFILL_TOKENS = 512
+PREFILL_LAYERS = 4
+TARGET_DECODE_FRACTION = 0.70
+TARGET_PREFILL_RATIO = 1.0
+
+TOPK_CONFIGS = [
+    {"BLOCK_N": 32, "BLOCK_K": 256, "DOWN_BLOCK_N": 16, "DOWN_BLOCK_K": 256, "num_warps": 4, "num_stages": 3},
+    {"BLOCK_N": 16, "BLOCK_K": 256, "DOWN_BLOCK_N": 16, "DOWN_BLOCK_K": 256, "num_warps": 2, "num_stages": 4},
+    {"BLOCK_N": 32, "BLOCK_K": 512, "DOWN_BLOCK_N": 32, "DOWN_BLOCK_K": 256, "num_warps": 4, "num_stages": 3},
+    {"BLOCK_N": 64, "BLOCK_K": 256, "DOWN_BLOCK_N": 32, "DOWN_BLOCK_K": 256, "num_warps": 8, "num_stages": 3},
+]
+GROUPED_DECODE_CONFIGS = [
+    {"BLOCK_M": 16, "BLOCK_N": 32, "BLOCK_K": 256, "DOWN_BLOCK_N": 32, "DOWN_BLOCK_K": 256, "num_warps": 4, "num_stages": 3},
+    {"BLOCK_M": 16, "BLOCK_N": 16, "BLOCK_K": 256, "DOWN_BLOCK_N": 16, "DOWN_BLOCK_K": 256, "num_warps": 4, "num_stages": 4},
+    {"BLOCK_M": 16, "BLOCK_N": 64, "BLOCK_K": 128, "DOWN_BLOCK_N": 64, "DOWN_BLOCK_K": 128, "num_warps": 4, "num_stages": 4},
+]
+GROUPED_PREFILL_CONFIGS = [
+    {"BLOCK_M": 64, "BLOCK_N": 64, "BLOCK_K": 128, "DOWN_BLOCK_N": 64, "DOWN_BLOCK_K": 128, "num_warps": 4, "num_stages": 3},
+    {"BLOCK_M": 64, "BLOCK_N": 128, "BLOCK_K": 128, "DOWN_BLOCK_N": 128, "DOWN_BLOCK_K": 128, "num_warps": 8, "num_stages": 3},
+    {"BLOCK_M": 32, "BLOCK_N": 128, "BLOCK_K": 128, "DOWN_BLOCK_N": 128, "DOWN_BLOCK_K": 128, "num_warps": 4, "num_stages": 4},
+    {"BLOCK_M": 128, "BLOCK_N": 128, "BLOCK_K": 64, "DOWN_BLOCK_N": 128, "DOWN_BLOCK_K": 64, "num_warps": 8, "num_stages": 4},
+    {"BLOCK_M": 64, "BLOCK_N": 256, "BLOCK_K": 64, "DOWN_BLOCK_N": 256, "DOWN_BLOCK_K": 64, "num_warps": 8, "num_stages": 3},
+]
+
+
+def time_fn(fn, reps: int, warmup: int = 3) -> list[float]:
+    """Per-call milliseconds of ``fn`` measured with CUDA events, one pair per call."""
+    for _ in range(warmup):
+        fn()
+    torch.cuda.synchronize()
+    out = []
+    for _ in range(reps):
+        a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        a.record()
+        fn()
+        b.record()
+        b.synchronize()
+        out.append(a.elapsed_time(b))
+    return out
+
+
+def median(v):
+    s = sorted(v)
+    n = len(s)
+    return s[n // 2] if n % 2 else 0.5 * (s[n // 2 - 1] + s[n // 2])
+
+
+def copy_bandwidth(nbytes: int) -> dict:
+    src = torch.empty(nbytes, dtype=torch.uint8, device="cuda").random_()
+    dst = torch.empty_like(src)
+    ms = time_fn(lambda: dst.copy_(src), reps=30)
+    m = median(ms)
+    return {"buffer_bytes": nbytes, "moved_bytes": 2 * nbytes, "median_ms": m, "gbps": 2 * nbytes / m / 1e6}
+
+
+def random_layer(layout: RowLayout, n_experts: int, gen: torch.Generator) -> torch.Tensor:
+    """uint8 (E, row_bytes) with random nibbles and small positive fp16 scales (timing needs no packing)."""
+    storage = torch.randint(0, 256, (n_experts, layout.row_bytes), dtype=torch.uint8, device="cuda", generator=gen)
+    for s in layout.sections:
+        if s.dtype == "float16":
+            view = storage[:, s.offset:s.offset + s.nbytes].view(torch.float16)  # (E, n * nb)
+            view.copy_(torch.rand(view.shape, device="cuda", generator=gen) * 0.01 + 0.001)
+    return storage
+
+
+def routing(tokens: int, n_experts: int, k: int, gen: torch.Generator):
+    ids = torch.rand(tokens, n_experts, device="cuda", generator=gen).argsort(dim=1)[:, :k].contiguous()  # (T, k)
+    w = torch.softmax(torch.randn(tokens, k, device="cuda", generator=gen), dim=1).contiguous()
+    return ids, w
+
+
+def graph_of(fn):
+    """Capture ``fn`` (already warmed up) in a CUDA graph; returns the replay callable."""
+    g = torch.cuda.CUDAGraph()
+    s = torch.cuda.Stream()
+    s.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(s):
+        fn()
+        torch.cuda.synchronize()
+        with torch.cuda.graph(g):
+            fn()
+    torch.cuda.current_stream().wait_stream(s)
+    torch.cuda.synchronize()
+    return g.replay
+
+
+def bench_decode(model: str, spec: dict, layers: list, layout: RowLayout, copy_gbps: float, gen, log) -> list[dict]:
+    h, e, k = spec["hidden"], spec["experts"], spec["top_k"]
+    table = torch.arange(e, dtype=torch.int32, device="cuda")
+    rows = []
+    best_cfg = {}
+    for tokens in DECODE_TOKENS:
+        batches = []
+        for _ in range(LAYERS):
+            ids, w = routing(tokens, e, k, gen)
+            batches.append((torch.randn(tokens, h, device="cuda", generator=gen).half(), ids, w))
+        distinct = sum(int(torch.unique(b[1]).numel()) for b in batches)
+        expert_bytes = distinct * layout.row_bytes / LAYERS  # per layer, averaged
+        for executor, configs in (("topk-fused", TOPK_CONFIGS), ("grouped", GROUPED_DECODE_CONFIGS)):
+            tried = configs if tokens in (1, 8) or executor not in best_cfg else [best_cfg[executor]]
+            results = []
+            for cfg in tried:
+                def step(cfg=cfg):
+                    for (x, ids, w), st in zip(batches, layers):
+                        moe_experts(executor, x, ids, w, st, table, layout, validate=False, config=cfg)
+                try:
+                    replay = graph_of(step)
+                    graph_ms = median(time_fn(replay, reps=40, warmup=5)) / LAYERS
+                    eager_ms = median(time_fn(step, reps=10)) / LAYERS
+                except Exception as exc:  # a config the compiler rejects is recorded, not fatal
+                    log(f"  {model} decode T={tokens} {executor} {cfg}: FAILED {type(exc).__name__}: {exc}")
+                    results.append({"config": cfg, "error": f"{type(exc).__name__}: {str(exc)[:300]}"})
+                    continue
+                results.append({"config": cfg, "graph_us": graph_ms * 1e3, "eager_us": eager_ms * 1e3})
+            ok = [r for r in results if "graph_us" in r]
+            if not ok:
+                continue
+            best = min(ok, key=lambda r: r["graph_us"])
+            if tokens in (1, 8) and (executor not in best_cfg or tokens == 8):
+                best_cfg[executor] = best["config"]
+            gbps = expert_bytes / (best["graph_us"] * 1e-6) / 1e9
+            rows.append({
+                "model": model, "phase": "decode", "tokens": tokens, "executor": executor,
+                "median_us": best["graph_us"], "eager_us": best["eager_us"], "timing": "cuda-graph, 16 layers",
+                "expert_bytes": expert_bytes, "gbps": gbps, "fraction_of_copy": gbps / copy_gbps,
+                "meets_target": gbps / copy_gbps >= TARGET_DECODE_FRACTION,
+                "config": best["config"], "tried": results,
+            })
+            log(f"  {model} decode T={tokens} {executor}: {best['graph_us']:.1f} us/layer, {gbps:.0f} GB/s, "
+                f"{gbps / copy_gbps:.2f} of copy")
+    return rows
+
+
+def bf16_grouped_layer(x, ids, w, wgu_t, wd_t, n_experts, use_grouped_mm: bool):
+    """torch bf16 MoE layer on the same problem. wgu_t: (E, H, 2I) view of (E, 2I, H); wd_t: (E, I, H) view
+    of (E, H, I). Returns (T, H) bf16."""
+    t, k = ids.shape
+    flat = ids.reshape(-1)
+    order = torch.argsort(flat, stable=True)  # (P,)
+    tok = order // k
+    xs = x[tok]  # (P, H)
+    counts = torch.bincount(flat, minlength=n_experts) if not use_grouped_mm else \
+        torch.zeros(n_experts, dtype=torch.int64, device=x.device).scatter_add_(0, flat, torch.ones_like(flat))
+    if use_grouped_mm:
+        offs = torch.cumsum(counts, 0).to(torch.int32)
+        gu = torch._grouped_mm(xs, wgu_t, offs=offs)  # (P, 2I)
+        inter = gu.shape[1] // 2
+        hh = F.silu(gu[:, :inter]) * gu[:, inter:]
+        d = torch._grouped_mm(hh, wd_t, offs=offs)  # (P, H)
+    else:
+        bounds = torch.cumsum(counts, 0).tolist()
+        parts, lo = [], 0
+        for e, hi in enumerate(bounds):
+            if hi > lo:
+                gu = xs[lo:hi] @ wgu_t[e]
+                inter = gu.shape[1] // 2
+                parts.append((F.silu(gu[:, :inter]) * gu[:, inter:]) @ wd_t[e])
+            lo = hi
+        d = torch.cat(parts)
+    y = torch.zeros(t, x.shape[1], dtype=torch.float32, device=x.device)
+    y.index_add_(0, tok, d.float() * w.reshape(-1)[order][:, None])
+    return y.to(torch.bfloat16)
+
+
+def bench_prefill(model: str, spec: dict, layers: list, layout: RowLayout, gen, log) -> list[dict]:
+    h, i, e, k = spec["hidden"], spec["intermediate"], spec["experts"], spec["top_k"]
+    table = torch.arange(e, dtype=torch.int32, device="cuda")
+    batches = []
+    for _ in range(PREFILL_LAYERS):
+        ids, w = routing(PREFILL_TOKENS, e, k, gen)
+        batches.append((torch.randn(PREFILL_TOKENS, h, device="cuda", generator=gen).half(), ids, w))
+    results = []
+    for cfg in GROUPED_PREFILL_CONFIGS:
+        def step(cfg=cfg):
+            for (x, ids, w), st in zip(batches, layers[:PREFILL_LAYERS]):
+                moe_experts("grouped", x, ids, w, st, table, layout, validate=False, config=cfg)
+        try:
+            ms = median(time_fn(step, reps=15)) / PREFILL_LAYERS
+        except Exception as exc:
+            log(f"  {model} prefill grouped {cfg}: FAILED {type(exc).__name__}: {exc}")
+            results.append({"config": cfg, "error": f"{type(exc).__name__}: {str(exc)[:300]}"})
+            continue
+        results.append({"config": cfg, "eager_us": ms * 1e3})
+        log(f"  {model} prefill grouped {cfg}: {ms * 1e3:.1f} us/layer")
+    ok = [r for r in results if "eager_us" in r]
+    best = min(ok, key=lambda r: r["eager_us"]) if ok else None
+
+    # bf16 baseline, same routing; weights (E, 2I, H) and (E, H, I) per layer, viewed column-major as torch wants
+    wgu = [torch.randn(e, 2 * i, h, device="cuda", dtype=torch.bfloat16, generator=gen) * 0.02
+           for _ in range(PREFILL_LAYERS)]
+    wd = [torch.randn(e, h, i, device="cuda", dtype=torch.bfloat16, generator=gen) * 0.02
+          for _ in range(PREFILL_LAYERS)]
+    xb = [(x.to(torch.bfloat16), ids, w) for x, ids, w in batches]
+    baseline = {}
+    for name, use in (("torch._grouped_mm", True), ("per-expert matmul", False)):
+        if use and not hasattr(torch, "_grouped_mm"):
+            continue
+
+        def bstep(use=use):
+            for (x, ids, w), a, b in zip(xb, wgu, wd):
+                bf16_grouped_layer(x, ids, w, a.transpose(1, 2), b.transpose(1, 2), e, use)
+
+        try:
+            baseline[name] = median(time_fn(bstep, reps=15)) / PREFILL_LAYERS * 1e3
+            log(f"  {model} prefill bf16 {name}: {baseline[name]:.1f} us/layer")
+        except Exception as exc:
+            log(f"  {model} prefill bf16 {name}: FAILED {type(exc).__name__}: {exc}")
+    if best is None or not baseline:
+        return [{"model": model, "phase": "prefill", "tokens": PREFILL_TOKENS, "executor": "grouped",
+                 "tried": results, "bf16_us": baseline, "error": "no successful W4A16 or bf16 timing"}]
+    bf16_best = min(baseline.values())
+    flops = 2 * PREFILL_TOKENS * k * 3 * h * i
+    return [{
+        "model": model, "phase": "prefill", "tokens": PREFILL_TOKENS, "executor": "grouped",
+        "median_us": best["eager_us"], "timing": "eager, 4 layers rotated",
+        "expert_bytes": e * layout.row_bytes, "tflops": flops / (best["eager_us"] * 1e-6) / 1e12,
+        "bf16_us": baseline, "bf16_best": min(baseline, key=baseline.get),
+        "ratio_to_bf16": bf16_best / best["eager_us"],
+        "meets_target": bf16_best / best["eager_us"] >= TARGET_PREFILL_RATIO,
+        "config": best["config"], "tried": results,
+    }]
+
+
+def write_json_atomic(path: str, doc: dict) -> None:
+    d = os.path.dirname(os.path.abspath(path))
+    os.makedirs(d, exist_ok=True)
+    fd, tmp = tempfile.mkstemp(prefix=f".{os.path.basename(path)}.", suffix=".tmp", dir=d)
+    with os.fdopen(fd, "w") as f:
+        json.dump(doc, f, indent=2)
+        f.write("\n")
+    os.replace(tmp, path)
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--out", default="results/kernels/bench/h200.json", help="output JSON (default %(default)s)")
+    ap.add_argument("--models", default=",".join(MODELS), help="comma-separated subset of " + ",".join(MODELS))
+    ap.add_argument("--skip-prefill", action="store_true")
+    ap.add_argument("--seed", type=int, default=0)
+    args = ap.parse_args()
+    if not torch.cuda.is_available():
+        print("bench_kernels: needs a CUDA GPU", file=sys.stderr)
+        return 2
+    import numpy
+    import triton
+
+    def log(msg):
+        print(msg, flush=True)
+
+    gen = torch.Generator(device="cuda").manual_seed(args.seed)
+    copy_before = copy_bandwidth(1 << 30)
+    log(f"device copy (1 GiB, read+write): {copy_before['gbps']:.0f} GB/s")
+    rows = []
+    for model in args.models.split(","):
+        spec = MODELS[model]
+        layout = RowLayout.build(spec["hidden"], spec["intermediate"], 256)
+        layers = [random_layer(layout, spec["experts"], gen) for _ in range(LAYERS)]
+        try:
+            rows += bench_decode(model, spec, layers, layout, copy_before["gbps"], gen, log)
+        except Exception:
+            traceback.print_exc()
+        if not args.skip_prefill:
+            try:
+                rows += bench_prefill(model, spec, layers, layout, gen, log)
+            except Exception:
+                traceback.print_exc()
+        del layers
+        torch.cuda.empty_cache()
+    copy_after = copy_bandwidth(1 << 30)
+    doc = {
+        "format": "kernel-bench-v1",
+        "created": _dt.datetime.now(_dt.timezone.utc).strftime("%Y-%m-%dT%H:%M:%SZ"),
+        "command": "PYTHONUNBUFFERED=1 PYTHONPATH=. python3 scripts/bench_kernels.py "
+                   + " ".join(shlex.quote(a) for a in sys.argv[1:]),
+        "device": {"type": "cuda", "name": torch.cuda.get_device_name(0)},
+        "versions": {"python": platform.python_version(), "torch": torch.__version__, "triton": triton.__version__,
+                     "numpy": numpy.__version__, "cuda": str(torch.version.cuda)},
+        "copy_bandwidth": {"before": copy_before, "after": copy_after},
+        "targets": {"decode_fraction_of_copy": TARGET_DECODE_FRACTION, "prefill_ratio_to_bf16": TARGET_PREFILL_RATIO},
+        "layers": LAYERS,
+        "results": rows,
+    }
+    write_json_atomic(args.out, doc)
+    cb = copy_before["gbps"]
+    print(f"\ncopy bandwidth {cb:.0f} GB/s (before) / {copy_after['gbps']:.0f} GB/s (after); targets: decode >= "
+          f"{TARGET_DECODE_FRACTION:.0%} of copy, prefill >= {TARGET_PREFILL_RATIO:.1f}x bf16")
+    print(f"{'model':<12} {'phase':<8} {'T':>4} {'executor':<11} {'us/layer':>9} {'eager':>8} {'GB/s':>7} "
+          f"{'frac':>5} {'xbf16':>6} {'TFLOP/s':>8} target")
+    for r in rows:
+        if "median_us" not in r:
+            print(f"{r['model']:<12} {r['phase']:<8} {r['tokens']:>4} {r['executor']:<11} FAILED")
+            continue
+        eager = f"{r['eager_us']:.1f}" if r["phase"] == "decode" else "-"
+        gbps = f"{r['gbps']:.0f}" if "gbps" in r else "-"
+        frac = f"{r['fraction_of_copy']:.2f}" if "fraction_of_copy" in r else "-"
+        ratio = f"{r['ratio_to_bf16']:.2f}" if "ratio_to_bf16" in r else "-"
+        tf = f"{r['tflops']:.0f}" if "tflops" in r else "-"
+        print(f"{r['model']:<12} {r['phase']:<8} {r['tokens']:>4} {r['executor']:<11} {r['median_us']:>9.1f} "
+              f"{eager:>8} {gbps:>7} {frac:>5} {ratio:>6} {tf:>8} {'met' if r['meets_target'] else 'NOT met'}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
