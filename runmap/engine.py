@@ -5,7 +5,7 @@ Stable Python API (the IFEval and campaign code call exactly this)::
     from runmap.engine import Engine
     eng = Engine.from_pack(pack_dir, *, executor="grouped", resident=None, device=None, max_batch=8,
                            max_seq_len=None, policy="lru", expert_format="int4", max_group=None,
-                           cuda_graphs=True, prefill_chunk=1024, fused_prologue=True)
+                           cuda_graphs=True, prefill_chunk=1024, fused=True)
     results = eng.generate(prompts, *, max_new_tokens=128, temperature=0.0, top_p=1.0, seed=None,
                            stop=(), chat=False, on_token=None)
     eng.last_timing   # dict: prefill_s, decode_s, ttft_s, prompt_tokens, new_tokens, decode_tok_s, batch
@@ -29,7 +29,8 @@ Arguments:
                    resident // 2), at least top_k); larger unions are split into token groups
     cuda_graphs    capture the decode step in CUDA graphs (full residency on CUDA only)
     prefill_chunk  prompt tokens per prefill forward pass (bounds activation memory of long prompts)
-    fused_prologue CUDA: q/k norm + RoPE + KV write in one Triton launch per layer (runmap.fused_ops)
+    fused          CUDA: fused Triton ops replacing torch sequences (runmap.fused_ops): True = all of
+                   FUSED_OPS, or an iterable of their names; False = pure torch. Ignored on CPU.
     prompts        list[str] (tokenized with the pack's tokenizer; ``chat=True`` applies its chat template)
                    or list[list[int]] (token ids, used as they are)
     stop           stop strings; a row also stops on the tokenizer's / config's EOS id
@@ -57,6 +58,7 @@ from runmap.model import KVCache, Transformer, experts_dense_torch, load_weights
 
 EXECUTORS = ("reference", "scalar", "grouped", "topk-fused")
 EXPERT_FORMATS = ("int4", "fp16")
+FUSED_OPS = ("prologue", "norm", "router", "attn")
 
 
 class EngineError(ValueError):
@@ -254,7 +256,7 @@ class Engine:
     def from_pack(cls, pack_dir, *, executor: str = "grouped", resident: int | None = None, device=None,
                   max_batch: int = 8, max_seq_len: int | None = None, policy: str = "lru",
                   expert_format: str = "int4", max_group: int | None = None, cuda_graphs: bool = True,
-                  prefill_chunk: int = 1024, fused_prologue: bool = True) -> "Engine":
+                  prefill_chunk: int = 1024, fused=True) -> "Engine":
         from runmap.packfile import PackReader
         from runmap.tokenization import Tokenizer
 
@@ -281,7 +283,8 @@ class Engine:
         tokenizer = Tokenizer(reader.tokenizer_dir, eos_token_id=cfg.eos_token_id)
         weights = load_weights(reader.nonrouted, cfg, device)  # before the cache closes the reader
         model = Transformer(cfg, weights)
-        model.fused_prologue = bool(fused_prologue and device.type == "cuda")
+        if device.type == "cuda":
+            model.fused = frozenset(FUSED_OPS if fused is True else (fused or ()))
         if expert_format == "fp16":
             rows = [reader.read_expert_rows(l) for l in range(cfg.num_layers)]
             reader.close()
@@ -340,6 +343,14 @@ class Engine:
         slots = torch.tensor([slot], device=self.device)
         pos = (slots - pad).unsqueeze(1)  # (B, 1)
         return self.model.forward(tokens.view(B, 1), pos, self.kv, slots, pad, slot + 1, self.experts)
+
+    def reset_graphs(self) -> None:
+        """Drop every captured decode graph and its memory pool (after changing executor / fused ops)."""
+        if self.device.type == "cuda":
+            torch.cuda.synchronize(self.device)
+        self._graphs.clear()
+        if self.use_graphs:
+            self._pool = torch.cuda.graph_pool_handle()
 
     # ---- public API ---------------------------------------------------------------------------------------
     def encode(self, prompt, chat: bool = False) -> list[int]:

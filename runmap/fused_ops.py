@@ -1,6 +1,13 @@
-"""Fused attention prologue for the decode step: q/k RMSNorm + RoPE + KV-cache write in one Triton launch.
+"""Fused Triton ops for the CUDA forward pass (a batch-1 decode step is launch-bound):
 
-Why: a batch-1 decode step is launch-bound. In plain torch the prologue of one attention layer (two
+* ``qk_norm_rope_kv``: attention prologue, q/k RMSNorm + RoPE + KV-cache write in one launch;
+* ``add_rms_norm``: residual add + RMSNorm in one launch;
+* ``route_fused``: router logits (FP32) + softmax + top-k in one launch;
+* ``decode_attention``: attention of one new token per row over its KV slots (masks from slot / pad).
+
+Each computes what the torch path of ``runmap.model`` computes (tests/test_model_fused.py compares them).
+
+Why the prologue: a batch-1 decode step is launch-bound. In plain torch the prologue of one attention layer (two
 RMSNorms over the full q and k projections, RoPE on q and k, two index_copy_ into the KV cache) is ~35
 small kernels; 16 layers make it the largest share of the step. This kernel does it in one launch per
 layer with the same arithmetic as ``runmap.model`` (FP32 math; the RMSNorm output rounded to FP16 before
@@ -115,3 +122,132 @@ def qk_norm_rope_kv(qkv, q_norm, k_norm, positions, slots, inv_freq, k_cache, v_
         HALF_P2=triton.next_power_of_2(half), HAS_NORM=has_norm,
     )
     return q
+
+
+# ---- residual add + RMSNorm -------------------------------------------------------------------------
+
+@triton.jit
+def _add_rms_norm_kernel(x_ptr, y_ptr, w_ptr, x_out_ptr, h_out_ptr, N, eps,
+                         HAS_Y: tl.constexpr, BLOCK_N: tl.constexpr):
+    m = tl.program_id(0)
+    offs_n = tl.arange(0, BLOCK_N)
+    mask = offs_n < N
+    x = tl.load(x_ptr + m * N + offs_n, mask=mask, other=0.0)
+    if HAS_Y:
+        x = x + tl.load(y_ptr + m * N + offs_n, mask=mask, other=0.0)  # fp16 add, as the torch path
+        tl.store(x_out_ptr + m * N + offs_n, x, mask=mask)
+    x32 = x.to(tl.float32)
+    r = 1.0 / tl.sqrt(tl.sum(x32 * x32, axis=0) / N + eps)
+    w = tl.load(w_ptr + offs_n, mask=mask, other=0.0).to(tl.float32)
+    tl.store(h_out_ptr + m * N + offs_n, (x32 * r * w).to(tl.float16), mask=mask)
+
+
+def add_rms_norm(x, y, w, eps):
+    """x fp16 (..., N) contiguous, y fp16 like x or None, w fp16 (N,).
+    Returns (x + y fp16, rms_norm(x + y) * w fp16); with y None returns (x, rms_norm(x) * w)."""
+    n = x.shape[-1]
+    if x.dtype != torch.float16 or not x.is_contiguous() or (y is not None and (y.shape != x.shape or
+                                                                               not y.is_contiguous())):
+        raise ValueError(f"add_rms_norm: x / y must be contiguous float16 of one shape, got {x.dtype} {tuple(x.shape)}")
+    m = x.numel() // n
+    h = torch.empty_like(x)
+    x_out = torch.empty_like(x) if y is not None else x
+    _add_rms_norm_kernel[(m,)](x, y if y is not None else x, w, x_out, h, n, eps, HAS_Y=y is not None,
+                               BLOCK_N=triton.next_power_of_2(n))
+    return x_out, h
+
+
+# ---- router: logits (FP32) + softmax + top-k ----------------------------------------------------------
+
+@triton.jit
+def _router_kernel(h_ptr, w_ptr, ids_ptr, wts_ptr, E,
+                   H: tl.constexpr, TOPK: tl.constexpr, NORM: tl.constexpr, E_P2: tl.constexpr, BLOCK_H: tl.constexpr):
+    m = tl.program_id(0)
+    offs_e = tl.arange(0, E_P2)
+    offs_h = tl.arange(0, BLOCK_H)
+    acc = tl.zeros((E_P2,), dtype=tl.float32)
+    for h0 in range(0, H, BLOCK_H):
+        hm = (h0 + offs_h) < H
+        x = tl.load(h_ptr + m * H + h0 + offs_h, mask=hm, other=0.0).to(tl.float32)  # (BLOCK_H,)
+        w = tl.load(w_ptr + offs_e[:, None] * H + h0 + offs_h[None, :],
+                    mask=(offs_e[:, None] < E) & hm[None, :], other=0.0)  # (E_P2, BLOCK_H) fp32
+        acc += tl.sum(w * x[None, :], axis=1)
+    logits = tl.where(offs_e < E, acc, float("-inf"))
+    p = tl.exp(logits - tl.max(logits, axis=0))
+    p = p / tl.sum(p, axis=0)  # softmax over experts
+    total = 0.0
+    for j in tl.static_range(TOPK):
+        best = tl.max(p, axis=0)
+        idx = tl.min(tl.where(p == best, offs_e, E_P2), axis=0)  # lowest id among equal probabilities
+        tl.store(ids_ptr + m * TOPK + j, idx.to(tl.int64))
+        tl.store(wts_ptr + m * TOPK + j, best)
+        total += best
+        p = tl.where(offs_e == idx, -1.0, p)
+    if NORM:
+        for j in tl.static_range(TOPK):
+            v = tl.load(wts_ptr + m * TOPK + j)
+            tl.store(wts_ptr + m * TOPK + j, v / total)
+
+
+def route_fused(h, router32, top_k: int, norm_topk_prob: bool):
+    """h fp16 (N, H) contiguous, router32 fp32 (E, H) -> ids int64 (N, k), weights fp32 (N, k) (descending)."""
+    n, hid = h.shape
+    e = router32.shape[0]
+    ids = torch.empty(n, top_k, dtype=torch.int64, device=h.device)
+    wts = torch.empty(n, top_k, dtype=torch.float32, device=h.device)
+    _router_kernel[(n,)](h, router32, ids, wts, e, H=hid, TOPK=top_k, NORM=norm_topk_prob,
+                         E_P2=triton.next_power_of_2(e), BLOCK_H=min(128, triton.next_power_of_2(hid)))
+    return ids, wts
+
+
+# ---- decode attention (one new token per row) -----------------------------------------------------------
+
+@triton.jit
+def _decode_attn_kernel(q_ptr, k_ptr, v_ptr, out_ptr, slot_ptr, pad_ptr,
+                        stride_cb, stride_ch, stride_cs, scale,
+                        N_KEYS: tl.constexpr, NH: tl.constexpr, NKV: tl.constexpr, D: tl.constexpr, BLOCK_N: tl.constexpr):
+    b = tl.program_id(0)
+    hq = tl.program_id(1)
+    hk = hq // (NH // NKV)
+    slot = tl.load(slot_ptr)
+    pad = tl.load(pad_ptr + b)
+    offs_d = tl.arange(0, D)
+    offs_n = tl.arange(0, BLOCK_N)
+    q = tl.load(q_ptr + (b * NH + hq) * D + offs_d).to(tl.float32) * scale  # (D,)
+    m_i = tl.full((), float("-inf"), dtype=tl.float32)
+    l_i = tl.zeros((), dtype=tl.float32)
+    acc = tl.zeros((D,), dtype=tl.float32)
+    base = b * stride_cb + hk * stride_ch
+    for n0 in range(0, N_KEYS, BLOCK_N):  # N_KEYS: the KV bucket (a few values: one compile each)
+        j = n0 + offs_n
+        valid = (j >= pad) & (j <= slot)
+        kv_off = base + j[:, None] * stride_cs + offs_d[None, :]
+        k = tl.load(k_ptr + kv_off, mask=valid[:, None], other=0.0).to(tl.float32)  # (BLOCK_N, D)
+        s = tl.where(valid, tl.sum(k * q[None, :], axis=1), float("-inf"))  # (BLOCK_N,)
+        m_new = tl.maximum(m_i, tl.max(s, axis=0))
+        m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)  # a block with no valid key yet (left padding)
+        alpha = tl.exp(m_i - m_safe)
+        p = tl.exp(s - m_safe)
+        v = tl.load(v_ptr + kv_off, mask=valid[:, None], other=0.0).to(tl.float32)
+        acc = acc * alpha + tl.sum(p[:, None] * v, axis=0)
+        l_i = l_i * alpha + tl.sum(p, axis=0)
+        m_i = m_new
+    tl.store(out_ptr + (b * NH + hq) * D + offs_d, (acc / l_i).to(tl.float16))
+
+
+def decode_attention(q, k_cache, v_cache, slot, pad, n_keys: int):
+    """q fp16 (B, nh, 1, D) contiguous; k_cache / v_cache fp16 (B, nkv, S, D) (last dim contiguous);
+    slot int64 (1,) the new token's KV slot; pad int64 (B,); attends to slots pad[b] .. slot within [0, n_keys).
+    Returns fp16 (B, 1, nh * D) (heads concatenated, ready for o_proj)."""
+    B, nh, T, D = q.shape
+    nkv = k_cache.shape[1]
+    if T != 1 or not q.is_contiguous() or nh % nkv or k_cache.stride() != v_cache.stride():
+        raise ValueError(f"decode_attention: q {tuple(q.shape)} (T must be 1, contiguous), nh % nkv, "
+                         f"k/v strides {k_cache.stride()} / {v_cache.stride()}")
+    if D & (D - 1):
+        raise ValueError(f"decode_attention: head dim {D} must be a power of two")
+    out = torch.empty(B, 1, nh * D, dtype=torch.float16, device=q.device)
+    _decode_attn_kernel[(B, nh)](q, k_cache, v_cache, out, slot, pad,
+                                 k_cache.stride(0), k_cache.stride(1), k_cache.stride(2), D ** -0.5,
+                                 N_KEYS=n_keys, NH=nh, NKV=nkv, D=D, BLOCK_N=64)
+    return out

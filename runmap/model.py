@@ -228,14 +228,22 @@ class Transformer:
             raise ModelError(f"unsupported architecture {cfg.arch!r}")
         self.cfg, self.w = cfg, weights
         self.route_log: list | None = None  # set to [] to record (layer, topk_ids cpu) per MoE call
-        self.fused_prologue = False  # CUDA: q/k norm + RoPE + KV write in one Triton launch (runmap.fused_ops)
+        # CUDA only: which fused Triton ops (runmap.fused_ops) replace torch sequences; empty = pure torch.
+        # "prologue": q/k norm + RoPE + KV write; "norm": residual add + RMSNorm; "router": logits + softmax
+        # + top-k; "attn": decode attention (T = 1)
+        self.fused: frozenset = frozenset()
 
     def moe_block(self, layer: int, h: torch.Tensor, experts: ExpertsFn, token_mask: torch.Tensor | None):
         """h fp16 (N, H) -> fp16 (N, H). token_mask bool (N,) selects the rows that are routed (padding
         rows are left out of the batch union and get a zero routed output); None = all rows."""
         cfg, lw = self.cfg, self.w.layers[layer]
         hr = h if token_mask is None else h[token_mask]  # (n, H)
-        ids, gw = route(hr, lw.router32, cfg.top_k, cfg.norm_topk_prob)  # (n, k) each
+        if "router" in self.fused:
+            from runmap.fused_ops import route_fused
+
+            ids, gw = route_fused(hr.contiguous(), lw.router32, cfg.top_k, cfg.norm_topk_prob)  # (n, k) each
+        else:
+            ids, gw = route(hr, lw.router32, cfg.top_k, cfg.norm_topk_prob)  # (n, k) each
         if self.route_log is not None:
             self.route_log.append((layer, ids.cpu()))
         y = experts(layer, hr.contiguous(), ids, gw)  # (n, H) fp16
@@ -251,7 +259,7 @@ class Transformer:
             y = (y.float() + gate * s.float()).to(h.dtype)
         return y
 
-    def attention(self, layer, h, positions, rope, kv: KVCache, slots, mask, n_keys):
+    def attention(self, layer, h, positions, rope, kv: KVCache, slots, pad, mask, n_keys):
         """h fp16 (B, T, H) -> fp16 (B, T, H); writes k, v at ``slots`` (int64 (T,)) of rows 0..B-1.
         rope: (cos, sin) fp32 (B, 1, T, D) for the torch prologue; mask: bool (B, 1, T, n_keys), or None for
         plain causal attention (prefill from slot 0 without padding)."""
@@ -260,7 +268,7 @@ class Transformer:
         nh, nkv, D = cfg.num_heads, cfg.num_kv_heads, cfg.head_dim
         qkv = linear(h, lw.qkv, lw.qkv_bias)  # (B, T, (nh + 2 nkv) D)
         kc, vc = kv.k[layer, :B], kv.v[layer, :B]  # (B, nkv, S, D) views
-        if self.fused_prologue:
+        if "prologue" in self.fused:
             from runmap.fused_ops import qk_norm_rope_kv
 
             q = qk_norm_rope_kv(qkv, lw.q_norm, lw.k_norm, positions, slots, self.w.inv_freq, kc, vc,
@@ -277,6 +285,11 @@ class Transformer:
             q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
             kc.index_copy_(2, slots, k)
             vc.index_copy_(2, slots, v)
+        if T == 1 and "attn" in self.fused:
+            from runmap.fused_ops import decode_attention
+
+            o = decode_attention(q.contiguous(), kc, vc, slots, pad, n_keys)  # (B, 1, nh*D)
+            return linear(o, lw.o)
         keys, vals = kc[:, :, :n_keys], vc[:, :, :n_keys]  # (B, nkv, n_keys, D)
         gqa = nkv != nh
         if q.is_cuda:
@@ -311,16 +324,31 @@ class Transformer:
         cfg, w = self.cfg, self.w
         B, T = tokens.shape
         x = w.embed[tokens]  # (B, T, H) fp16
-        rope = None if self.fused_prologue else rope_cos_sin(positions, w.inv_freq)  # (B, 1, T, D) x2
-        mask = None if causal_fresh else attention_mask(slots, pad, n_keys)  # (B, 1, T, n_keys), once per pass
+        rope = None if "prologue" in self.fused else rope_cos_sin(positions, w.inv_freq)  # (B, 1, T, D) x2
+        need_mask = not causal_fresh and not (T == 1 and "attn" in self.fused)
+        mask = attention_mask(slots, pad, n_keys) if need_mask else None  # (B, 1, T, n_keys), once per pass
+        eps = cfg.rms_norm_eps
+        if "norm" in self.fused:
+            from runmap.fused_ops import add_rms_norm
+
+            norms = [lw.attn_norm for lw in w.layers] + [w.final_norm]
+            _, h = add_rms_norm(x, None, norms[0], eps)
+            for layer, lw in enumerate(w.layers):
+                a = self.attention(layer, h, positions, rope, kv, slots, pad, mask, n_keys)  # (B, T, H)
+                x, h = add_rms_norm(x, a, lw.mlp_norm, eps)
+                y = self.moe_block(layer, h.reshape(B * T, -1), experts, token_mask).reshape(B, T, -1)
+                x, h = add_rms_norm(x, y, norms[layer + 1], eps)  # next layer's input norm, or the final norm
+            if not all_logits:
+                h = h[:, -1]  # (B, H): only the last position is sampled from
+            return linear(h, w.lm_head).float()
         for layer, lw in enumerate(w.layers):
-            h = rms_norm(x, lw.attn_norm, cfg.rms_norm_eps)
-            x = x + self.attention(layer, h, positions, rope, kv, slots, mask, n_keys)
-            h = rms_norm(x, lw.mlp_norm, cfg.rms_norm_eps).reshape(B * T, -1)  # (B*T, H)
+            h = rms_norm(x, lw.attn_norm, eps)
+            x = x + self.attention(layer, h, positions, rope, kv, slots, pad, mask, n_keys)
+            h = rms_norm(x, lw.mlp_norm, eps).reshape(B * T, -1)  # (B*T, H)
             x = x + self.moe_block(layer, h, experts, token_mask).reshape(B, T, -1)
         if not all_logits:
             x = x[:, -1]  # (B, H): only the last position is sampled from
-        x = rms_norm(x, w.final_norm, cfg.rms_norm_eps)
+        x = rms_norm(x, w.final_norm, eps)
         return linear(x, w.lm_head).float()  # (B, V) or (B, T, V)
 
 

@@ -234,13 +234,20 @@ def main() -> int:
         eng.experts.executor = "reference"
         b = eng.logits(p)
         eng.experts.executor = ex
-        eng.model.fused_prologue = False
+        fused = eng.model.fused
+        eng.model.fused = frozenset()
         c = eng.logits(p)
-        eng.model.fused_prologue = dev == "cuda"
+        eng.reset_graphs()
+        q = prompt_ids(cfg, args.prompt_len, seed=2)
+        torch_tokens = eng.generate([q], max_new_tokens=32, ignore_eos=True)[0].token_ids
+        eng.model.fused = fused
+        eng.reset_graphs()
+        full = state.get("full_tokens") or []
         scale = b.abs().max().item()
         return {"executor_vs_reference_max_abs": (a - b).abs().max().item(),
-                "fused_vs_torch_prologue_max_abs": (a - c).abs().max().item(), "logit_scale": scale,
-                "argmax_agree_executor_vs_reference": float((a.argmax(-1) == b.argmax(-1)).float().mean())}
+                "fused_vs_torch_ops_max_abs": (a - c).abs().max().item(), "logit_scale": scale,
+                "argmax_agree_executor_vs_reference": float((a.argmax(-1) == b.argmax(-1)).float().mean()),
+                "decode_32_tokens_fused_graphs_equal_torch_ops_graphs": full[:32] == torch_tokens[:len(full[:32])]}
 
     stage("check", _check)
 
@@ -249,18 +256,22 @@ def main() -> int:
         p = prompt_ids(cfg, args.prompt_len, seed=2)
         n = min(128, args.decode_len)
         r = {}
+        all_ops = eng.model.fused
 
         def run(name):
-            eng._graphs.clear()
+            eng.reset_graphs()
             eng.generate([p], max_new_tokens=16, ignore_eos=True)
             best, _ = timed_decode(eng, p, n)
             r[name] = best["decode_tok_s"]
             print(f"  variant {name}: {r[name]:.1f} tok/s", flush=True)
 
-        run("graphs+fused (main)")
-        eng.model.fused_prologue = False
-        run("graphs, torch prologue")
-        eng.model.fused_prologue = dev == "cuda"
+        run("graphs, all fused ops (main)")
+        for op in sorted(all_ops):
+            eng.model.fused = all_ops - {op}
+            run(f"graphs, without fused {op}")
+        eng.model.fused = frozenset()
+        run("graphs, no fused ops (torch)")
+        eng.model.fused = all_ops
         eng.experts.executor = args.alt_executor
         run(f"graphs, executor {args.alt_executor}")
         eng.experts.executor = args.executor
@@ -270,8 +281,25 @@ def main() -> int:
         eng.experts = inner
         eng.use_graphs = False
         run("no graphs (eager)")
+        if dev == "cuda":  # kernels launched by one eager decode step = nodes of the captured graph
+            from torch.profiler import ProfilerActivity, profile
+
+            tok = torch.tensor([p[-1]], device=dev)
+            pad = torch.zeros(1, dtype=torch.long, device=dev)
+            with torch.inference_mode():
+                eng.experts.begin()
+                eng.decode(tok, len(p) + 1, pad)
+                sync()
+                with profile(activities=[ProfilerActivity.CUDA]) as prof:
+                    eng.decode(tok, len(p) + 1, pad)
+                    sync()
+                eng.experts.end()
+            ev = [e for e in prof.key_averages() if e.device_type.name == "CUDA" or getattr(e, "device_time_total", 0)]
+            ev = sorted(ev, key=lambda e: -getattr(e, "device_time_total", 0))
+            r["eager_step_kernels"] = int(sum(e.count for e in ev))
+            r["eager_step_top"] = [(e.key[:80], e.count, round(getattr(e, "device_time_total", 0), 1)) for e in ev[:15]]
         eng.use_graphs = dev == "cuda"
-        eng._graphs.clear()
+        eng.reset_graphs()
         return r
 
     stage("variants", _variants)

@@ -1,5 +1,6 @@
-"""The fused attention prologue (runmap.fused_ops, Triton; interpreter on CPU) equals the torch prologue:
-same logits and the same KV cache contents, for prefill with left padding and for decode steps."""
+"""The fused Triton ops (runmap.fused_ops; interpreter on CPU) equal the torch path of runmap.model:
+same logits and the same KV cache contents, for prefill with left padding and for a decode step, with each
+op alone and all together."""
 import pytest
 import torch
 
@@ -9,8 +10,12 @@ from test_model import our_model
 from test_model_support import random_case
 
 
-@pytest.mark.parametrize("preset", ["tiny-olmoe", "tiny-qwen2-moe"])
-def test_fused_prologue_matches_torch(preset):
+ALL = ("prologue", "norm", "router", "attn")
+
+
+@pytest.mark.parametrize("preset,fused", [("tiny-olmoe", (op,)) for op in ALL] +
+                         [("tiny-qwen2-moe", ALL), ("tiny-olmoe", ALL)])
+def test_fused_ops_match_torch(preset, fused):
     cfg, _ = load_preset(preset)
     nonrouted, rows, layout = random_case(cfg, seed=2)
     model, experts = our_model(cfg, nonrouted, rows, layout)
@@ -20,8 +25,8 @@ def test_fused_prologue_matches_torch(preset):
     slots = torch.arange(5)
     pos = (slots[None] - pad[:, None]).clamp(min=0)
     results = []
-    for fused in (False, True):
-        model.fused_prologue = fused
+    for ops in ((), fused):
+        model.fused = frozenset(ops)
         kv = KVCache(cfg, 2, 8, "cpu")
         torch.nn.init.normal_(kv.k)  # stale contents must be overwritten where written and ignored elsewhere
         torch.nn.init.normal_(kv.v)
@@ -33,4 +38,5 @@ def test_fused_prologue_matches_torch(preset):
                        ("v cache", v0, v1)):
         err, bound = (x.float() - y.float()).abs().max().item(), 2e-3 * y.float().abs().max().item() + 1e-3
         assert err <= bound, f"{preset} {name}: max |diff| {err:.3g} > {bound:.3g}"
-    assert torch.equal(v0[0], v1[0])  # layer 0: v is a pure copy of the same projection
+    if fused == ("prologue",):
+        assert torch.equal(v0[0], v1[0])  # layer 0: v is a pure copy of the same projection
