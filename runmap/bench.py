@@ -318,16 +318,21 @@ def run_config(engine, c: BenchConfig, model_cfg: ModelConfig, ctx: RunContext, 
     tel0 = engine.telemetry()
     prefill, decode, ttft = [], [], []
     prompt_tokens = new_tokens = 0
+    cap = p.get("max_config_s")
+    notes = []
     with bm.Stopwatch(ctx.device) as sw:
-        for _ in range(p["repeats"]):
+        for i in range(p["repeats"]):
             engine.generate(prompts, max_new_tokens=c.decode_len, **kw)
             pf, dc, tt, prompt_tokens, new_tokens = _timing_values(dict(engine.last_timing), c.batch, c.prompt_len)
             prefill.append(pf)
             decode.append(dc)
             ttft.append(tt)
+            if cap is not None and i + 1 < p["repeats"] and time.perf_counter() - sw.t0 > cap:
+                notes.append(f"timed repeats cut to {i + 1} of {p['repeats']}: {time.perf_counter() - sw.t0:.1f} s "
+                             f"> max_config_s {cap} (the campaign's time budget)")
+                break
     tel1 = engine.telemetry()
     mem = peak.read()
-    notes = []
     if new_tokens != c.batch * c.decode_len:
         notes.append(f"a timed run generated {new_tokens} tokens, not batch x decode_len = {c.batch * c.decode_len} "
                      "(the engine stopped rows at EOS); tok/s use the tokens actually generated")
@@ -352,7 +357,7 @@ def run_config(engine, c: BenchConfig, model_cfg: ModelConfig, ctx: RunContext, 
         h2d_rate = bm.unknown("no host->device expert bytes in the timed runs")
     else:
         h2d_rate = bm.unknown("engine telemetry reports no host->device transfer time")
-    gen_tokens = new_tokens * p["repeats"]
+    gen_tokens = new_tokens * len(decode)
     h2d_per_tok = bm.observed(h2d["value"] / gen_tokens) if bm.is_observed(h2d) and gen_tokens else bm.unknown("no h2d bytes")
     if c.kind in BASELINE_KINDS:
         no_cache = bm.unsupported("transformers' model has no expert cache" if c.kind == "hf-bf16" else
@@ -382,7 +387,7 @@ def run_config(engine, c: BenchConfig, model_cfg: ModelConfig, ctx: RunContext, 
             "experts_per_layer": c.experts_per_layer, "top_k": model_cfg.top_k, "resident": c.resident,
             "expert_format": c.expert_format, "block_size": engine_info.get("block_size"),
             "batch": c.batch, "prompt_len": c.prompt_len, "decode_len": c.decode_len,
-            "repeats": p["repeats"], "warmup": p["warmup"], "max_batch": p["max_batch"],
+            "repeats": len(decode), "warmup": p["warmup"], "max_batch": p["max_batch"],
             "max_seq_len": p["max_seq_len"], "policy": p["policy"] if c.kind == "engine" else None,
             "seed": p["seed"], "pack": engine_info.get("pack"), "checkpoint": engine_info.get("checkpoint"),
         },

@@ -225,3 +225,13 @@ def test_hf_baseline_matches_transformers_greedy():
     assert t["new_tokens"] == 8 and t["prompt_tokens"] == 10
     assert t["decode_tok_s"] == pytest.approx(2 * 3 / t["decode_s"])
     assert math.isfinite(t["prefill_s"]) and t["prefill_s"] > 0
+
+
+def test_max_config_s_cuts_repeats_and_says_so(tmp_path):
+    spec = tiny_spec()
+    spec["groups"] = spec["groups"][2:3]
+    spec["defaults"]["max_config_s"] = 1e-9
+    _, recs = run_fake(tmp_path, spec)
+    for r in recs:
+        assert len(r["timing"]["decode_tok_s"]["values"]) == 1 and r["config"]["repeats"] == 1
+        assert any("cut to 1 of 3" in n for n in r["notes"])

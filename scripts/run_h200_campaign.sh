@@ -1,0 +1,108 @@
+#!/usr/bin/env bash
+# The H200 benchmark campaign (specs/campaigns/h200.yaml) in ONE device call, inside a time budget.
+#
+#   RUNMAP_GIT_COMMIT=<sha> bash scripts/run_h200_campaign.sh [BUDGET_S]      (from the repo root, $OUT set)
+#
+# 1. builds the two synthetic checkpoints (real OLMoE-1B-7B-0924 and Qwen1.5-MoE-A2.7B dimensions, random
+#    weights, seed 0, drawn on the GPU) on the machine's local disk and packs them (INT4, block 256, GPU
+#    arithmetic), both models in parallel; each checkpoint is deleted once packed (disk: ~58 GB at peak);
+# 2. runs `runmap bench specs/campaigns/h200.yaml` on the two packs with a deadline so that it ends inside
+#    BUDGET_S (default 270 s) counted from the start of this script; configurations not started by then
+#    are listed as skipped in campaign.json;
+# 3. writes $OUT/h200-campaign.tar.gz (campaigns/h200/records/*.json + campaign.json) and the logs, and
+#    prints a short table.
+# Runs with PYTHONPATH=. (the package is not installed there) and imports no jsonschema/snakemake.
+set -uo pipefail
+BUDGET=${1:-270}
+T0=$(date +%s)
+: "${OUT:?set OUT to the directory whose files come back}"
+WORK=${RUNMAP_WORK:-/tmp/runmap-h200}
+# Overridable only to rehearse the script on a CPU with tiny presets (see the README of results/campaigns/h200).
+SPEC=${RUNMAP_SPEC:-specs/campaigns/h200.yaml}
+PRESET_OLMOE=${RUNMAP_PRESET_OLMOE:-olmoe-1b-7b-0924}
+PRESET_QWEN=${RUNMAP_PRESET_QWEN:-qwen1.5-moe-a2.7b}
+PREP_DEVICE=${RUNMAP_PREP_DEVICE:-cuda}
+export PYTHONUNBUFFERED=1 PYTHONPATH=.
+mkdir -p "$WORK" "$OUT"
+rm -rf "$WORK/campaigns"
+elapsed() { echo $(( $(date +%s) - T0 )); }
+
+prepare() {  # NAME PRESET: synth -> pack -> delete checkpoint
+  python3 - "$1" "$2" "$WORK" "$PREP_DEVICE" <<'EOF'
+import shutil, sys, time
+from pathlib import Path
+from runmap.config import load_preset
+from runmap.pack import pack_checkpoint
+from runmap.synthetic import write_synthetic
+name, preset, work, dev = sys.argv[1], sys.argv[2], Path(sys.argv[3]), sys.argv[4]
+ck, pk = work / f"ck-{name}", work / f"pk-{name}"
+t0 = time.perf_counter()
+if not (pk / "manifest.json").is_file():
+    write_synthetic(load_preset(preset)[0], ck, seed=0, device=dev, overwrite=True)
+    t1 = time.perf_counter()
+    pack_checkpoint(ck, pk, device=dev, overwrite=True)
+    shutil.rmtree(ck)
+    print(f"{name}: synth {t1 - t0:.1f} s, pack {time.perf_counter() - t1:.1f} s", flush=True)
+else:
+    print(f"{name}: pack already present", flush=True)
+EOF
+}
+
+echo "[$(elapsed)s] preparing checkpoints and packs in $WORK"
+df -h "$WORK" | tail -1
+prepare olmoe "$PRESET_OLMOE" > "$OUT/prepare-olmoe.log" 2>&1 &
+P1=$!
+prepare qwen "$PRESET_QWEN" > "$OUT/prepare-qwen.log" 2>&1 &
+P2=$!
+wait $P1; R1=$?
+wait $P2; R2=$?
+tail -2 "$OUT/prepare-olmoe.log" "$OUT/prepare-qwen.log"
+echo "[$(elapsed)s] prepare exit codes: olmoe $R1, qwen $R2"
+
+PACKS=()
+[ "$R1" = 0 ] && PACKS+=(--pack "olmoe=$WORK/pk-olmoe")
+[ "$R2" = 0 ] && PACKS+=(--pack "qwen=$WORK/pk-qwen")
+ONLY=""
+if [ "$R1" != 0 ] && [ "$R2" = 0 ]; then ONLY="^qwen__"; fi
+if [ "$R2" != 0 ] && [ "$R1" = 0 ]; then ONLY="^olmoe__"; fi
+# Leave ~40 s after the deadline: the last configuration started (an engine build + its runs), the ratio
+# pass and the archive.
+DEADLINE=$(( BUDGET - $(elapsed) - 40 ))
+echo "[$(elapsed)s] bench deadline ${DEADLINE}s"
+if [ "${#PACKS[@]}" -gt 0 ] && [ "$DEADLINE" -gt 0 ]; then
+  python3 - "$SPEC" "$WORK/campaigns" "$DEADLINE" "$ONLY" "${PACKS[@]}" <<'EOF' 2>&1 | tee "$OUT/bench.log"
+import argparse, sys
+from runmap import cmd_bench
+spec, out, deadline, only, *packs = sys.argv[1:]
+p = argparse.ArgumentParser()
+cmd_bench.add_arguments(p)
+argv = [spec, "--out", out, "--deadline-s", deadline, "--keep-going", "--no-progress", *packs]
+if only:
+    argv += ["--only", only]
+args = p.parse_args(argv)
+sys.argv = ["runmap", "bench", *argv]  # recorded as the command of every record
+sys.exit(cmd_bench.run(args))
+EOF
+fi
+echo "[$(elapsed)s] bench finished"
+tar -czf "$OUT/h200-campaign.tar.gz" -C "$WORK" campaigns 2>/dev/null || echo "no campaign output to archive"
+NAME=$(python3 -c "import sys, yaml; print(yaml.safe_load(open(sys.argv[1]))['name'])" "$SPEC")
+python3 - "$WORK/campaigns/$NAME" <<'EOF'
+import json, sys
+from pathlib import Path
+d = Path(sys.argv[1])
+if not (d / "campaign.json").is_file():
+    sys.exit("no campaign.json")
+s = json.loads((d / "campaign.json").read_text())
+print(f"done {len(s['done'])}, failed {len(s['failed'])}, skipped {len(s['skipped'])}, copy bw {s['copy_bandwidth_gb_s'].get('value')}")
+for f in s["failed"]:
+    print("FAILED", f["id"], f["error"][:300])
+print(f"{'config':58s} {'dec tok/s':>9s} {'peak GiB':>8s} {'hit':>5s} {'xfloor':>6s}")
+for p in sorted((d / "records").glob("*.json")):
+    r = json.loads(p.read_text())
+    m, h, fl = r["memory"]["peak_allocated_bytes"], r["cache_stats"]["hit_rate"], r["ratios"]["decode_vs_byte_floor"]
+    print(f"{r['id']:58s} {r['timing']['decode_tok_s']['median']:9.1f} "
+          f"{m.get('value', 0) / 2**30 if m['status'] == 'OBSERVED' else float('nan'):8.2f} "
+          f"{h.get('value', float('nan')):5.2f} {fl.get('value', float('nan')):6.3f}")
+EOF
+echo "[$(elapsed)s] end"
