@@ -547,11 +547,15 @@ def default_engine_factory(c: BenchConfig, model_entry: dict, device: torch.devi
     return eng, info
 
 
-def _release(engine, device: torch.device) -> None:
+def _close(engine) -> None:
     close = getattr(engine, "close", None)
     if callable(close):
         close()
-    del engine
+
+
+def _free_device(device: torch.device) -> None:
+    """After the last reference to an engine is dropped: collect cycles and hand cached blocks back, so
+    the next configuration's reserved-memory peak does not include a previous engine's cache."""
     gc.collect()
     if device.type == "cuda":
         torch.cuda.empty_cache()
@@ -593,8 +597,9 @@ def run_campaign(spec: dict, out_root: Path, *, configs: list[BenchConfig] | Non
             try:
                 if key != c.engine_key():
                     if engine is not None:
-                        _release(engine, dev)
+                        _close(engine)
                         engine = None
+                        _free_device(dev)
                     key = None
                     engine, info = factory(c, models[c.model], dev)
                     key = c.engine_key()
@@ -602,8 +607,9 @@ def run_campaign(spec: dict, out_root: Path, *, configs: list[BenchConfig] | Non
             except Exception as e:  # noqa: BLE001 - recorded, then re-raised unless --keep-going
                 failed.append({"id": c.id, "error": f"{type(e).__name__}: {e}"})
                 if engine is not None:
-                    _release(engine, dev)
+                    _close(engine)
                 engine, key = None, None
+                _free_device(dev)
                 if not keep_going:
                     raise
                 continue
@@ -620,7 +626,9 @@ def run_campaign(spec: dict, out_root: Path, *, configs: list[BenchConfig] | Non
             bar.set_postfix_str(f"{c.id[-32:]} {rec['timing']['decode_tok_s']['median']:.1f} tok/s")
     finally:
         if engine is not None:
-            _release(engine, dev)
+            _close(engine)
+            engine = None
+            _free_device(dev)
         # ratios need every record of the run: rewrite them once all configurations finished
         for r in attach_ratios(records):
             write_json_atomic(r, rec_dir / f"{r['id']}.json")

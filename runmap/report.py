@@ -132,6 +132,7 @@ def plot_model(recs: list[dict], metric: str, path: Path, title: str) -> bool:
     fig, axes = plt.subplots(1, len(batches), figsize=(5.2 * len(batches), 4.0), squeeze=False)
     e = recs[0]["config"]["experts_per_layer"]
     colors = {"reference": "tab:gray", "scalar": "tab:orange", "grouped": "tab:blue", "topk-fused": "tab:green"}
+    markers = {"reference": "D", "scalar": "^", "grouped": "o", "topk-fused": "s"}  # overlapping lines stay visible
     for ax, b in zip(axes[0], batches):
         engine = [r for r in recs if r["kind"] == "engine" and r["config"]["batch"] == b and y(r) is not None]
         for ex in sorted({r["executor"] for r in engine}):
@@ -139,8 +140,9 @@ def plot_model(recs: list[dict], metric: str, path: Path, title: str) -> bool:
             xs = [p[0] for p in pts]
             ys = [p[1] for p in pts]
             err = [[p[1] - p[2] for p in pts], [p[3] - p[1] for p in pts]]
-            ax.errorbar(xs, ys, yerr=err if metric == "decode" else None, marker="o", capsize=3,
-                        color=colors.get(ex), label=f"INT4, {ex}")
+            ax.errorbar(xs, ys, yerr=err if metric == "decode" else None, marker=markers.get(ex, "o"), capsize=3,
+                        color=colors.get(ex), mfc="none" if ex == "topk-fused" else None, ms=7,
+                        label=f"INT4, {ex}")
         styles = {"hf-bf16": ("tab:red", "--"), "engine-fp16": ("tab:purple", ":")}
         for r in recs:
             if r["kind"] in styles and r["config"]["batch"] == b and y(r) is not None:
