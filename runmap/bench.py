@@ -632,6 +632,9 @@ def run_campaign(spec: dict, out_root: Path, *, configs: list[BenchConfig] | Non
         # ratios need every record of the run: rewrite them once all configurations finished
         for r in attach_ratios(records):
             write_json_atomic(r, rec_dir / f"{r['id']}.json")
+        accounted = set(done) | {f["id"] for f in failed} | {s["id"] for s in skipped}
+        skipped += [{"id": c.id, "reason": "not run: the campaign was interrupted (deadline watchdog or Ctrl-C)"}
+                    for c in configs if c.id not in accounted]
         summary = {
             "campaign": spec["name"], "description": spec["description"], "run_id": ctx.run_id,
             "command": ctx.command, "device": ctx.device_info, "software": ctx.software, "git": ctx.git,

@@ -70,9 +70,14 @@ if [ "$R2" != 0 ] && [ "$R1" = 0 ]; then ONLY="^olmoe__"; fi
 DEADLINE=$(( BUDGET - $(elapsed) - 40 ))
 echo "[$(elapsed)s] bench deadline ${DEADLINE}s"
 if [ "${#PACKS[@]}" -gt 0 ] && [ "$DEADLINE" -gt 0 ]; then
-  python3 - "$SPEC" "$WORK/campaigns" "$DEADLINE" "$ONLY" "${PACKS[@]}" <<'EOF' 2>&1 | tee "$OUT/bench.log"
-import argparse, sys
+  python3 - "$SPEC" "$WORK/campaigns" "$DEADLINE" "$ONLY" "${PACKS[@]}" > "$OUT/bench.log" 2>&1 <<'EOF' &
+import argparse, signal, sys
 from runmap import cmd_bench
+
+def _stop(signum, frame):  # the watchdog: end now, still writing ratios and campaign.json (finally blocks)
+    raise KeyboardInterrupt("deadline watchdog")
+
+signal.signal(signal.SIGTERM, _stop)
 spec, out, deadline, only, *packs = sys.argv[1:]
 p = argparse.ArgumentParser()
 cmd_bench.add_arguments(p)
@@ -83,6 +88,14 @@ args = p.parse_args(argv)
 sys.argv = ["runmap", "bench", *argv]  # recorded as the command of every record
 sys.exit(cmd_bench.run(args))
 EOF
+  BPID=$!
+  # A configuration started just before the deadline may run long: stop the bench 20 s before the
+  # budget ends so that the archive below is always written.
+  ( sleep $(( BUDGET - 20 - $(elapsed) )); kill -TERM $BPID 2>/dev/null ) &
+  WPID=$!
+  wait $BPID; echo "bench exit code $?"
+  kill $WPID 2>/dev/null
+  cat "$OUT/bench.log"
 fi
 echo "[$(elapsed)s] bench finished"
 tar -czf "$OUT/h200-campaign.tar.gz" -C "$WORK" campaigns 2>/dev/null || echo "no campaign output to archive"
