@@ -50,12 +50,22 @@ EOF
 
 echo "[$(elapsed)s] preparing checkpoints and packs in $WORK"
 df -h "$WORK" | tail -1
-prepare olmoe "$PRESET_OLMOE" > "$OUT/prepare-olmoe.log" 2>&1 &
-P1=$!
-prepare qwen "$PRESET_QWEN" > "$OUT/prepare-qwen.log" 2>&1 &
-P2=$!
-wait $P1; R1=$?
-wait $P2; R2=$?
+# Both chains at once need ~58 GB of disk at peak (13.8 + 28.6 GB checkpoints, 4.2 + ~10 GB packs); one
+# after the other ~43 GB. A machine left warm by an earlier call may hold other files: check first.
+FREE_GB=$(df --output=avail -B1G "$WORK" | tail -1 | tr -d ' ')
+echo "free disk in $WORK: ${FREE_GB} GB"
+if [ "${FREE_GB:-0}" -ge 62 ] || [ -n "${RUNMAP_PRESET_OLMOE:-}" ]; then
+  prepare olmoe "$PRESET_OLMOE" > "$OUT/prepare-olmoe.log" 2>&1 &
+  P1=$!
+  prepare qwen "$PRESET_QWEN" > "$OUT/prepare-qwen.log" 2>&1 &
+  P2=$!
+  wait $P1; R1=$?
+  wait $P2; R2=$?
+else
+  echo "not enough disk for both at once: one after the other"
+  prepare olmoe "$PRESET_OLMOE" > "$OUT/prepare-olmoe.log" 2>&1; R1=$?
+  prepare qwen "$PRESET_QWEN" > "$OUT/prepare-qwen.log" 2>&1; R2=$?
+fi
 tail -2 "$OUT/prepare-olmoe.log" "$OUT/prepare-qwen.log"
 echo "[$(elapsed)s] prepare exit codes: olmoe $R1, qwen $R2"
 
