@@ -5,7 +5,7 @@
 #
 # 1. builds the two synthetic checkpoints (real OLMoE-1B-7B-0924 and Qwen1.5-MoE-A2.7B dimensions, random
 #    weights, seed 0, drawn on the GPU) on the machine's local disk and packs them (INT4, block 256, GPU
-#    arithmetic), both models in parallel; each checkpoint is deleted once packed (disk: ~58 GB at peak);
+#    arithmetic), both models in parallel; each checkpoint is deleted once packed (disk: ~53 GiB at peak);
 # 2. runs `runmap bench specs/campaigns/h200.yaml` on the two packs with a deadline so that it ends inside
 #    BUDGET_S (default 270 s) counted from the start of this script; configurations not started by then
 #    are listed as skipped in campaign.json;
@@ -50,11 +50,11 @@ EOF
 
 echo "[$(elapsed)s] preparing checkpoints and packs in $WORK"
 df -h "$WORK" | tail -1
-# Both chains at once need ~58 GB of disk at peak (13.8 + 28.6 GB checkpoints, 4.2 + ~10 GB packs); one
-# after the other ~43 GB. A machine left warm by an earlier call may hold other files: check first.
+# Both chains at once need ~53 GiB of disk at peak (12.9 + 26.7 GiB checkpoints, 3.9 + 9.3 GiB packs); one
+# after the other ~40 GiB. A machine left warm by an earlier call may hold other files: check first.
 FREE_GB=$(df --output=avail -B1G "$WORK" | tail -1 | tr -d ' ')
 echo "free disk in $WORK: ${FREE_GB} GB"
-if [ "${FREE_GB:-0}" -ge 62 ] || [ -n "${RUNMAP_PRESET_OLMOE:-}" ]; then
+if [ "${FREE_GB:-0}" -ge 56 ] || [ -n "${RUNMAP_PRESET_OLMOE:-}" ]; then
   prepare olmoe "$PRESET_OLMOE" > "$OUT/prepare-olmoe.log" 2>&1 &
   P1=$!
   prepare qwen "$PRESET_QWEN" > "$OUT/prepare-qwen.log" 2>&1 &
