@@ -174,6 +174,8 @@ def render(records: list[dict], out_md: Path, plots_dir: Path | None = None, sou
              f"Rendered by `runmap report` from {len(records)} records"
              + (f" ({', '.join(sources)})" if sources else "") + ". Every figure below comes from those records; "
              "UNSUPPORTED / UNKNOWN mean the run did not (or could not) measure the value.", ""]
+    lines += ["## Headline", "", "Median decode tok/s over the timed repeats and peak allocated GPU memory, per model and "
+              "configuration (all campaigns below).", ""] + headline_table(records) + [""]
     campaigns: dict[str, list[dict]] = {}
     for r in records:
         campaigns.setdefault(r["campaign"], []).append(r)
@@ -232,20 +234,25 @@ def render(records: list[dict], out_md: Path, plots_dir: Path | None = None, sou
 
 
 def headline_table(records: list[dict], batch: int | None = None) -> list[str]:
-    """A compact table (model, config, decode tok/s, peak GiB, ratios) for the README."""
-    head = ["| model | kind | executor | resident | batch | decode tok/s | peak alloc GiB | vs hf-bf16 | vs fp16 experts | of byte floor |",
-            "|---|---|---|---|---|---|---|---|---|---|"]
-    rows = []
-    for r in sorted(records, key=lambda r: (r["config"]["model"], r["config"]["batch"], KIND_ORDER.get(r["kind"], 9),
-                                            r["config"]["resident"], r["executor"])):
+    """A compact table for the README: one row per (model, kind, executor, resident), one decode tok/s and
+    one peak-memory column per batch size, and the decode ratio to transformers bf16 per batch size."""
+    recs = [r for r in records if batch is None or r["config"]["batch"] == batch]
+    batches = sorted({r["config"]["batch"] for r in recs})
+    rows: dict[tuple, dict[int, dict]] = {}
+    for r in recs:
         c = r["config"]
-        if batch is not None and c["batch"] != batch:
-            continue
-        rat = r.get("ratios", {})
-        rows.append(f"| {c['preset']} | {r['kind']} | {r['executor']} | {c['resident']}/{c['experts_per_layer']} | "
-                    f"{c['batch']} | {r['timing']['decode_tok_s']['median']:.1f} | "
-                    f"{fmt_measure(r['memory']['peak_allocated_bytes'], GIB)} | "
-                    f"{'-' if r['kind'] == 'hf-bf16' else fmt_ratio(rat.get('decode_vs_hf-bf16'))} | "
-                    f"{'-' if r['kind'] == 'engine-fp16' else fmt_ratio(rat.get('decode_vs_engine-fp16'))} | "
-                    f"{fmt_ratio(rat.get('decode_vs_byte_floor'))} |")
-    return head + rows
+        key = (c["preset"], KIND_ORDER.get(r["kind"], 9), r["kind"], r["executor"], -c["resident"], c["experts_per_layer"])
+        rows.setdefault(key, {})[c["batch"]] = r
+    head = ("| model | path | executor | resident | " + " | ".join(f"decode tok/s b{b}" for b in batches) + " | "
+            + " | ".join(f"peak GiB b{b}" for b in batches) + " | "
+            + " | ".join(f"vs hf-bf16 b{b}" for b in batches) + " |")
+    lines = [head, "|" + "|".join("---" for _ in range(head.count("|") - 1)) + "|"]
+    for key in sorted(rows):
+        preset, _, kind, ex, negres, e = key
+        by_b = rows[key]
+        dec = [f"{by_b[b]['timing']['decode_tok_s']['median']:.1f}" if b in by_b else "-" for b in batches]
+        mem = [fmt_measure(by_b[b]["memory"]["peak_allocated_bytes"], GIB) if b in by_b else "-" for b in batches]
+        rat = ["-" if kind == "hf-bf16" or b not in by_b else fmt_ratio(by_b[b]["ratios"].get("decode_vs_hf-bf16"))
+               for b in batches]
+        lines.append(f"| {preset} | {KIND_LABEL.get(kind, kind)} | {ex} | {-negres}/{e} | " + " | ".join(dec + mem + rat) + " |")
+    return lines

@@ -28,7 +28,8 @@ def test_report_from_records_cli(cpu_records, tmp_path):
     text = out.read_text()
     assert "### m (preset `tiny-olmoe`" in text
     # one table row per record, the CPU peak written as UNSUPPORTED
-    rows = [l for l in text.splitlines() if l.startswith("| engine") or l.startswith("| hf-bf16")]
+    body = text.split("### m", 1)[1]
+    rows = [l for l in body.splitlines() if l.startswith("| engine") or l.startswith("| hf-bf16")]
     assert len(rows) == len(recs)
     assert "UNSUPPORTED" in rows[0]
     png = tmp_path / "report-plots" / "t-m-decode.png"
@@ -70,6 +71,8 @@ def test_headline_table(cpu_records):
     _, recs = cpu_records
     lines = report.headline_table(recs, batch=1)
     assert lines[0].startswith("| model |") and len(lines) == 2 + sum(r["config"]["batch"] == 1 for r in recs)
+    both = report.headline_table(recs)  # one row per configuration, a column per batch size
+    assert len(both) == len(lines) and "decode tok/s b2" in both[0]
 
 
 def test_fmt_never_prints_zero_for_unmeasured():
