@@ -29,8 +29,8 @@ Arguments:
                    resident // 2), at least top_k); larger unions are split into token groups
     cuda_graphs    capture the decode step in CUDA graphs (full residency on CUDA only)
     prefill_chunk  prompt tokens per prefill forward pass (bounds activation memory of long prompts)
-    fused          CUDA: fused Triton ops replacing torch sequences (runmap.fused_ops): True = all of
-                   FUSED_OPS, or an iterable of their names; False = pure torch. Ignored on CPU.
+    fused          CUDA: fused Triton ops replacing torch sequences (runmap.fused_ops): True = DEFAULT_FUSED
+                   (prologue, norm, attn), or an iterable of FUSED_OPS names; False = pure torch. Ignored on CPU.
     prompts        list[str] (tokenized with the pack's tokenizer; ``chat=True`` applies its chat template)
                    or list[list[int]] (token ids, used as they are)
     stop           stop strings; a row also stops on the tokenizer's / config's EOS id
@@ -59,6 +59,9 @@ from runmap.model import KVCache, Transformer, experts_dense_torch, load_weights
 EXECUTORS = ("reference", "scalar", "grouped", "topk-fused")
 EXPERT_FORMATS = ("int4", "fp16")
 FUSED_OPS = ("prologue", "norm", "router", "attn")
+# Default on CUDA. "router" is left out: its one-program Triton kernel measured 83 us per call on the H200
+# (results/engine/README.md), far slower than cuBLAS + softmax + topk.
+DEFAULT_FUSED = ("prologue", "norm", "attn")
 
 
 class EngineError(ValueError):
@@ -284,7 +287,10 @@ class Engine:
         weights = load_weights(reader.nonrouted, cfg, device)  # before the cache closes the reader
         model = Transformer(cfg, weights)
         if device.type == "cuda":
-            model.fused = frozenset(FUSED_OPS if fused is True else (fused or ()))
+            model.fused = frozenset(DEFAULT_FUSED if fused is True else (fused or ()))
+            unknown = model.fused - set(FUSED_OPS)
+            if unknown:
+                raise EngineError(f"unknown fused ops {sorted(unknown)}; choose from {list(FUSED_OPS)}")
         if expert_format == "fp16":
             rows = [reader.read_expert_rows(l) for l in range(cfg.num_layers)]
             reader.close()

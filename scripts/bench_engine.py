@@ -265,10 +265,12 @@ def main() -> int:
             r[name] = best["decode_tok_s"]
             print(f"  variant {name}: {r[name]:.1f} tok/s", flush=True)
 
-        run("graphs, all fused ops (main)")
-        for op in sorted(all_ops):
-            eng.model.fused = all_ops - {op}
-            run(f"graphs, without fused {op}")
+        from runmap.engine import FUSED_OPS
+
+        run("graphs, default fused ops (main)")
+        for op in sorted(FUSED_OPS):
+            eng.model.fused = all_ops ^ {op}
+            run(f"graphs, {'without' if op in all_ops else 'with'} fused {op}")
         eng.model.fused = frozenset()
         run("graphs, no fused ops (torch)")
         eng.model.fused = all_ops
