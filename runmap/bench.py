@@ -530,7 +530,8 @@ def default_engine_factory(c: BenchConfig, model_entry: dict, device: torch.devi
     man = Path(pack) / "manifest.json"
     if man.is_file():
         try:
-            block = json.loads(man.read_text()).get("quantization", {}).get("block_size")
+            m = json.loads(man.read_text())
+            block = m.get("block_size", (m.get("quantization") or {}).get("block_size"))
         except (OSError, ValueError):
             block = None
     info = {"pack": str(pack), "checkpoint": model_entry.get("checkpoint"), "block_size": block, "load_s": load_s,

@@ -49,6 +49,7 @@ def test_campaign_on_the_real_engine(tiny_pack, tmp_path):
     assert part["engine"]["host_source"].startswith("reused") and full["engine"]["host_source"] == "built by this engine"
     assert part["cache"]["resident_bytes"]["value"] * 2 == full["cache"]["resident_bytes"]["value"]
     assert part["ratios"]["decode_vs_engine-fp16"]["status"] == "OBSERVED"
+    assert part["config"]["block_size"] == 256
 
 
 def test_shared_host_source_gives_the_same_tokens(tiny_pack):
