@@ -69,6 +69,15 @@ def pick_block_k(want: int, qblock: int, minimum: int = 32) -> int:
     return want
 
 
+def gemv_block_k(want: int, qblock: int) -> tuple[int, int, bool]:
+    """GEMV tile along K -> (BLOCK_K, GROUPS, TILE_SCALE). A tile may span several whole scale blocks
+    (GROUPS = BLOCK_K / qblock) when qblock is a power of two; otherwise as ``pick_block_k``."""
+    if want >= qblock and want % qblock == 0 and qblock & (qblock - 1) == 0 and (want // qblock) & (want // qblock - 1) == 0:
+        return want, want // qblock, True
+    bk = pick_block_k(want, qblock, minimum=16)
+    return bk, 1, tile_scale(bk, qblock)
+
+
 def check_tensor(name: str, t, dtype=None, ndim: int | None = None, shape=None, device=None,
                  contiguous: bool = True) -> None:
     """Raise KernelInputError unless ``t`` is a torch.Tensor matching every given property."""

@@ -3,7 +3,8 @@ loops (tensor-core tile and GEMV) that multiply FP16 activations by one qpacked 
 
 Packed weight section of a projection: uint8 (N, K/2), byte j of a row holds k = 2j in the low nibble and
 k = 2j + 1 in the high nibble, value q + 8. So a K tile splits into its even and odd columns: the
-activations are loaded with stride 2 and the two nibble planes multiply them separately (no interleave).
+activation tile is loaded contiguously, split into even / odd columns in registers, and each nibble plane
+multiplies its half (the weights are never re-interleaved).
 Scales: fp16 (N, NB), NB = ceil(K / QBLOCK). Loop bounds are constexpr (the CPU interpreter cannot iterate
 over runtime values, and fixed trip counts let the compiler pipeline the loads).
 """
@@ -62,9 +63,10 @@ def dot_tiles(acc_a, acc_b, x_rows, m_mask, wa_base, sa_base, wb_base, sb_base, 
     for k0 in range(0, K, BLOCK_K):
         offs_kb = k0 // 2 + offs_j  # (HALF,) byte index = k // 2
         k_mask = offs_kb < KB
-        xm = m_mask[:, None] & k_mask[None, :]
-        x_even = tl.load(x_rows[:, None] + 2 * offs_kb[None, :], mask=xm, other=0.0)  # (BM, HALF) fp16
-        x_odd = tl.load(x_rows[:, None] + 2 * offs_kb[None, :] + 1, mask=xm, other=0.0)  # (BM, HALF)
+        offs_k = k0 + tl.arange(0, BLOCK_K)  # (BK,)
+        # one coalesced load of the activation tile, then even / odd columns split in registers
+        xt = tl.load(x_rows[:, None] + offs_k[None, :], mask=m_mask[:, None] & (offs_k < K)[None, :], other=0.0)
+        x_even, x_odd = tl.split(tl.reshape(xt, (xt.shape[0], HALF, 2)))  # (BM, HALF) fp16 each
         wm = k_mask[:, None] & n_mask[None, :]
         w_off = w_cols + offs_kb[:, None]  # (HALF, BN)
         lo, hi = nibbles_f16(tl.load(wa_base + w_off, mask=wm, other=0))  # (HALF, BN) fp16 each
@@ -89,40 +91,63 @@ def dot_tiles(acc_a, acc_b, x_rows, m_mask, wa_base, sa_base, wb_base, sb_base, 
 
 
 @triton.jit
+def _scale_tile(prod, s_base, offs_n, n_mask, k0, NB: tl.constexpr, QBLOCK: tl.constexpr, GROUPS: tl.constexpr):
+    """prod (BN, HALF) fp32 of one K tile starting at k0 -> prod times its scales. The tile covers GROUPS
+    consecutive scale blocks (GROUPS = 1: one scale per row)."""
+    if GROUPS == 1:
+        s = tl.load(s_base + offs_n * NB + k0 // QBLOCK, mask=n_mask, other=0.0).to(tl.float32)  # (BN,)
+        return prod * s[:, None]
+    else:
+        BN: tl.constexpr = prod.shape[0]
+        HALF: tl.constexpr = prod.shape[1]
+        offs_g = k0 // QBLOCK + tl.arange(0, GROUPS)  # (G,) scale block index
+        sm = n_mask[:, None] & (offs_g < NB)[None, :]
+        s = tl.load(s_base + offs_n[:, None] * NB + offs_g[None, :], mask=sm, other=0.0).to(tl.float32)  # (BN, G)
+        p3 = tl.reshape(prod, (BN, GROUPS, HALF // GROUPS))  # (BN, G, QBLOCK/2)
+        return tl.reshape(p3 * s[:, :, None], (BN, HALF))
+
+
+@triton.jit
 def gemv_tiles(acc_a, acc_b, x_row, wa_base, sa_base, wb_base, sb_base, offs_n, n_mask,
                K: tl.constexpr, NB: tl.constexpr, BLOCK_K: tl.constexpr, QBLOCK: tl.constexpr,
-               TILE_SCALE: tl.constexpr, DUAL: tl.constexpr):
+               TILE_SCALE: tl.constexpr, DUAL: tl.constexpr, GROUPS: tl.constexpr = 1):
     """GEMV inner loop for one activation row: acc_a (BN,) fp32 += dequant(Wa[offs_n, :K]) @ x[:K]
-    (and acc_b for Wb when DUAL). x_row: pointer to one fp16 row; other arguments as in ``dot_tiles``."""
+    (and acc_b for Wb when DUAL). x_row: pointer to one fp16 row; other arguments as in ``dot_tiles``.
+    GROUPS > 1 (with TILE_SCALE): a K tile spans GROUPS whole scale blocks (BLOCK_K = GROUPS * QBLOCK), so
+    large tiles keep many bytes in flight per iteration (these loads are not software-pipelined).
+    Products accumulate in (BN, BLOCK_K/2) fp32 registers and are reduced across K once, at the end."""
     HALF: tl.constexpr = BLOCK_K // 2
     KB: tl.constexpr = K // 2
+    BN: tl.constexpr = offs_n.shape[0]
     offs_j = tl.arange(0, HALF)
     w_rows = offs_n[:, None] * KB  # (BN, 1)
+    part_a = tl.zeros((BN, HALF), tl.float32)
+    part_b = tl.zeros((BN, HALF), tl.float32)
     for k0 in range(0, K, BLOCK_K):
         offs_kb = k0 // 2 + offs_j  # (HALF,)
         k_mask = offs_kb < KB
-        x_even = tl.load(x_row + 2 * offs_kb, mask=k_mask, other=0.0).to(tl.float32)  # (HALF,)
-        x_odd = tl.load(x_row + 2 * offs_kb + 1, mask=k_mask, other=0.0).to(tl.float32)
+        offs_k = k0 + tl.arange(0, BLOCK_K)
+        xk = tl.load(x_row + offs_k, mask=offs_k < K, other=0.0).to(tl.float32)  # (BK,) coalesced
+        x_even, x_odd = tl.split(tl.reshape(xk, (HALF, 2)))  # (HALF,) each
         wm = n_mask[:, None] & k_mask[None, :]
         w_off = w_rows + offs_kb[None, :]  # (BN, HALF)
         lo, hi = nibbles_f32(tl.load(wa_base + w_off, mask=wm, other=0))  # (BN, HALF) fp32
         prod = lo * x_even[None, :] + hi * x_odd[None, :]  # (BN, HALF)
         if TILE_SCALE:
-            s = tl.load(sa_base + offs_n * NB + k0 // QBLOCK, mask=n_mask, other=0.0).to(tl.float32)  # (BN,)
-            acc_a += tl.sum(prod, axis=1) * s
+            part_a += _scale_tile(prod, sa_base, offs_n, n_mask, k0, NB, QBLOCK, GROUPS)
         else:
             s_off = offs_n[:, None] * NB + (2 * offs_kb[None, :]) // QBLOCK  # (BN, HALF)
-            s = tl.load(sa_base + s_off, mask=wm, other=0.0).to(tl.float32)
-            acc_a += tl.sum(prod * s, axis=1)
+            part_a += prod * tl.load(sa_base + s_off, mask=wm, other=0.0).to(tl.float32)
         if DUAL:
             lo, hi = nibbles_f32(tl.load(wb_base + w_off, mask=wm, other=0))
             prod = lo * x_even[None, :] + hi * x_odd[None, :]
             if TILE_SCALE:
-                s = tl.load(sb_base + offs_n * NB + k0 // QBLOCK, mask=n_mask, other=0.0).to(tl.float32)
-                acc_b += tl.sum(prod, axis=1) * s
+                part_b += _scale_tile(prod, sb_base, offs_n, n_mask, k0, NB, QBLOCK, GROUPS)
             else:
-                s = tl.load(sb_base + s_off, mask=wm, other=0.0).to(tl.float32)
-                acc_b += tl.sum(prod * s, axis=1)
+                part_b += prod * tl.load(sb_base + s_off, mask=wm, other=0.0).to(tl.float32)
+    acc_a += tl.sum(part_a, axis=1)
+    if DUAL:
+        acc_b += tl.sum(part_b, axis=1)
     return acc_a, acc_b
 
 

@@ -3,9 +3,9 @@
 Launch 1, grid (T*k, I/BLOCK_N): program (p, n) computes gate and up of pair p = t*k + j for one tile of
 the intermediate dimension (both weights stream through the same loop over H) and stores
 h[p, n-tile] = fp16(silu(gate) * up).
-Launch 2, grid (T, H/BLOCK_N): program (t, n) loops over the k slots of token t in order, computes the
-down projection of h[t*k + j] for its tile and accumulates topk_weights[t, j] times it in fp32 registers,
-then stores fp16 y[t, n-tile]. The gate-weighted sum is done in registers in a fixed order: no atomics,
+Launch 2, grid (T, H/BLOCK_N): program (t, n) runs one flat loop over (slot j, K tile) of token t, j in
+order, accumulating topk_weights[t, j] * (h[t*k + j] . Wd_e row) in fp32 registers, then stores fp16
+y[t, n-tile]. The gate-weighted sum is done in registers in a fixed order: no atomics,
 no per-pair buffer, deterministic.
 Repeated experts across tokens are read once per pair (this path has no grouping; see ``grouped``).
 """
@@ -16,7 +16,7 @@ import triton
 import triton.language as tl
 
 from kernels import common
-from kernels.core import gemv_tiles, resolve_row, silu_mul
+from kernels.core import _scale_tile, gemv_tiles, nibbles_f32, resolve_row, silu_mul
 from runmap.qpack import RowLayout
 
 
@@ -26,7 +26,7 @@ def _topk_gate_up_kernel(
     n_experts, n_rows, row_bytes, stride_xm,
     gate_w, gate_s, up_w, up_s,
     N: tl.constexpr, K: tl.constexpr, NB: tl.constexpr, QBLOCK: tl.constexpr, TOPK: tl.constexpr,
-    BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, TILE_SCALE: tl.constexpr,
+    BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, TILE_SCALE: tl.constexpr, GROUPS: tl.constexpr,
 ):
     pid_p = tl.program_id(0)
     offs_n = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)  # (BN,) over I
@@ -40,7 +40,7 @@ def _topk_gate_up_kernel(
         s_row = s_ptr + row * (row_bytes // 2)
         x_row = x_ptr + (pid_p // TOPK).to(tl.int64) * stride_xm
         acc_g, acc_u = gemv_tiles(acc_g, acc_u, x_row, w_row + gate_w, s_row + gate_s, w_row + up_w, s_row + up_s,
-                                  offs_n, n_mask, K, NB, BLOCK_K, QBLOCK, TILE_SCALE, True)
+                                  offs_n, n_mask, K, NB, BLOCK_K, QBLOCK, TILE_SCALE, True, GROUPS)
     h = tl.where(ok, silu_mul(acc_g, acc_u), float("nan"))  # NaN marks a non-resident expert, never a substitute
     tl.store(h_ptr + pid_p.to(tl.int64) * N + offs_n, h.to(tl.float16), mask=n_mask)
 
@@ -50,23 +50,41 @@ def _topk_down_kernel(
     h_ptr, ids_ptr, wts_ptr, row_table_ptr, w_ptr, s_ptr, y_ptr,  # h (T*k, I) fp16, wts (T*k,) fp32, y (T, H)
     n_experts, n_rows, row_bytes, stride_ym, down_w, down_s,
     N: tl.constexpr, K: tl.constexpr, NB: tl.constexpr, QBLOCK: tl.constexpr, TOPK: tl.constexpr,
-    BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, TILE_SCALE: tl.constexpr,
+    BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, TILE_SCALE: tl.constexpr, GROUPS: tl.constexpr,
 ):
+    # One flat loop over (slot j, K tile) so the load pipeline runs across the k experts of the token
+    # instead of draining at every expert; the gate weight is folded into the per-row scale.
+    HALF: tl.constexpr = BLOCK_K // 2
+    KB: tl.constexpr = K // 2
+    KT: tl.constexpr = (K + BLOCK_K - 1) // BLOCK_K
     t = tl.program_id(0)
     offs_n = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)  # (BN,) over H
     n_mask = offs_n < N
-    acc = tl.zeros((BLOCK_N,), tl.float32)
-    for j in range(TOPK):
-        p = t * TOPK + j
+    offs_j = tl.arange(0, HALF)
+    part = tl.zeros((BLOCK_N, HALF), tl.float32)
+    poison = tl.zeros((BLOCK_N,), tl.float32)  # becomes NaN if any slot's expert is not resident
+    for it in range(TOPK * KT):
+        p = t * TOPK + it // KT
+        k0 = (it % KT) * BLOCK_K
         expert = tl.load(ids_ptr + p)
         gw = tl.load(wts_ptr + p)
         row, ok = resolve_row(expert, row_table_ptr, n_experts, n_rows)
-        part = tl.zeros((BLOCK_N,), tl.float32)
-        if ok:
-            part, part_unused = gemv_tiles(part, part, h_ptr + p.to(tl.int64) * K, w_ptr + row * row_bytes + down_w,
-                                           s_ptr + row * (row_bytes // 2) + down_s, w_ptr, s_ptr, offs_n, n_mask,
-                                           K, NB, BLOCK_K, QBLOCK, TILE_SCALE, False)
-        acc += tl.where(ok, part * gw, float("nan"))
+        offs_k = k0 + tl.arange(0, BLOCK_K)
+        hk = tl.load(h_ptr + p.to(tl.int64) * K + offs_k, mask=offs_k < K, other=0.0).to(tl.float32)  # (BK,)
+        h_even, h_odd = tl.split(tl.reshape(hk, (HALF, 2)))  # (HALF,)
+        offs_kb = k0 // 2 + offs_j
+        wm = n_mask[:, None] & (offs_kb < KB)[None, :] & ok
+        packed = tl.load(w_ptr + row * row_bytes + down_w + offs_n[:, None] * KB + offs_kb[None, :], mask=wm, other=0)
+        lo, hi = nibbles_f32(packed)  # (BN, HALF)
+        prod = lo * h_even[None, :] + hi * h_odd[None, :]
+        s_row = s_ptr + row * (row_bytes // 2) + down_s
+        if TILE_SCALE:
+            part += _scale_tile(prod * gw, s_row, offs_n, n_mask & ok, k0, NB, QBLOCK, GROUPS)
+        else:
+            s = tl.load(s_row + offs_n[:, None] * NB + (2 * offs_kb[None, :]) // QBLOCK, mask=wm, other=0.0)
+            part += prod * (s.to(tl.float32) * gw)
+        poison += tl.where(ok, 0.0, float("nan"))
+    acc = tl.sum(part, axis=1) + poison
     tl.store(y_ptr + t.to(tl.int64) * stride_ym + offs_n, acc.to(tl.float16), mask=n_mask)
 
 
@@ -104,15 +122,14 @@ def topk_gate_up(x, topk_ids, storage, row_table, layout: RowLayout, config: dic
     h = common.empty((t * k, g.n), torch.float16, x.device)
     if t == 0:
         return h
-    bk = common.pick_block_k(cfg["BLOCK_K"], layout.block_size, minimum=16)
+    bk, groups, tile = common.gemv_block_k(cfg["BLOCK_K"], layout.block_size)
     grid = (t * k, triton.cdiv(g.n, cfg["BLOCK_N"]))
     _topk_gate_up_kernel[grid](
         x, topk_ids, row_table, storage, storage.view(torch.float16), h,
         row_table.numel(), storage.shape[0], layout.row_bytes, x.stride(0),
         g.w_off, g.s_off, u.w_off, u.s_off,
         N=g.n, K=g.k, NB=g.nb, QBLOCK=layout.block_size, TOPK=k,
-        BLOCK_N=cfg["BLOCK_N"], BLOCK_K=bk, TILE_SCALE=common.tile_scale(bk, layout.block_size),
-        **common.launch_opts(cfg),
+        BLOCK_N=cfg["BLOCK_N"], BLOCK_K=bk, TILE_SCALE=tile, GROUPS=groups, **common.launch_opts(cfg),
     )
     return h
 
@@ -137,14 +154,13 @@ def topk_down(h, topk_ids, topk_weights, storage, row_table, layout: RowLayout,
     y = common.empty((t, d.n), torch.float16, dev)
     if t == 0:
         return y
-    bk = common.pick_block_k(cfg["DOWN_BLOCK_K"], layout.block_size, minimum=16)
+    bk, groups, tile = common.gemv_block_k(cfg["DOWN_BLOCK_K"], layout.block_size)
     grid = (t, triton.cdiv(d.n, cfg["DOWN_BLOCK_N"]))
     _topk_down_kernel[grid](
         h, topk_ids, topk_weights, row_table, storage, storage.view(torch.float16), y,
         row_table.numel(), storage.shape[0], layout.row_bytes, y.stride(0), d.w_off, d.s_off,
         N=d.n, K=d.k, NB=d.nb, QBLOCK=layout.block_size, TOPK=k,
-        BLOCK_N=cfg["DOWN_BLOCK_N"], BLOCK_K=bk, TILE_SCALE=common.tile_scale(bk, layout.block_size),
-        **common.launch_opts(cfg),
+        BLOCK_N=cfg["DOWN_BLOCK_N"], BLOCK_K=bk, TILE_SCALE=tile, GROUPS=groups, **common.launch_opts(cfg),
     )
     return y
 

@@ -33,6 +33,7 @@ import torch.nn.functional as F
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 from kernels.executors import moe_experts  # noqa: E402
+from kernels.reference import reference_moe_f32  # noqa: E402
 from runmap.qpack import RowLayout  # noqa: E402
 
 MODELS = {
@@ -47,22 +48,22 @@ TARGET_DECODE_FRACTION = 0.70
 TARGET_PREFILL_RATIO = 1.0
 
 TOPK_CONFIGS = [
-    {"BLOCK_N": 32, "BLOCK_K": 256, "DOWN_BLOCK_N": 16, "DOWN_BLOCK_K": 256, "num_warps": 4, "num_stages": 3},
-    {"BLOCK_N": 16, "BLOCK_K": 256, "DOWN_BLOCK_N": 16, "DOWN_BLOCK_K": 256, "num_warps": 2, "num_stages": 4},
-    {"BLOCK_N": 32, "BLOCK_K": 512, "DOWN_BLOCK_N": 32, "DOWN_BLOCK_K": 256, "num_warps": 4, "num_stages": 3},
-    {"BLOCK_N": 64, "BLOCK_K": 256, "DOWN_BLOCK_N": 32, "DOWN_BLOCK_K": 256, "num_warps": 8, "num_stages": 3},
+    {"BLOCK_N": 32, "BLOCK_K": 256, "DOWN_BLOCK_N": 16, "DOWN_BLOCK_K": 256, "num_warps": 4},
+    {"BLOCK_N": 16, "BLOCK_K": 512, "DOWN_BLOCK_N": 8, "DOWN_BLOCK_K": 1024, "num_warps": 4},
+    {"BLOCK_N": 16, "BLOCK_K": 1024, "DOWN_BLOCK_N": 16, "DOWN_BLOCK_K": 512, "num_warps": 8},
+    {"BLOCK_N": 8, "BLOCK_K": 1024, "DOWN_BLOCK_N": 8, "DOWN_BLOCK_K": 512, "num_warps": 4},
+    {"BLOCK_N": 32, "BLOCK_K": 512, "DOWN_BLOCK_N": 16, "DOWN_BLOCK_K": 1024, "num_warps": 8},
 ]
 GROUPED_DECODE_CONFIGS = [
     {"BLOCK_M": 16, "BLOCK_N": 32, "BLOCK_K": 256, "DOWN_BLOCK_N": 32, "DOWN_BLOCK_K": 256, "num_warps": 4, "num_stages": 3},
-    {"BLOCK_M": 16, "BLOCK_N": 16, "BLOCK_K": 256, "DOWN_BLOCK_N": 16, "DOWN_BLOCK_K": 256, "num_warps": 4, "num_stages": 4},
-    {"BLOCK_M": 16, "BLOCK_N": 64, "BLOCK_K": 128, "DOWN_BLOCK_N": 64, "DOWN_BLOCK_K": 128, "num_warps": 4, "num_stages": 4},
+    {"BLOCK_M": 16, "BLOCK_N": 64, "BLOCK_K": 256, "DOWN_BLOCK_N": 64, "DOWN_BLOCK_K": 256, "num_warps": 4, "num_stages": 3},
+    {"BLOCK_M": 16, "BLOCK_N": 32, "BLOCK_K": 128, "DOWN_BLOCK_N": 32, "DOWN_BLOCK_K": 128, "num_warps": 4, "num_stages": 5},
 ]
 GROUPED_PREFILL_CONFIGS = [
     {"BLOCK_M": 64, "BLOCK_N": 64, "BLOCK_K": 128, "DOWN_BLOCK_N": 64, "DOWN_BLOCK_K": 128, "num_warps": 4, "num_stages": 3},
-    {"BLOCK_M": 64, "BLOCK_N": 128, "BLOCK_K": 128, "DOWN_BLOCK_N": 128, "DOWN_BLOCK_K": 128, "num_warps": 8, "num_stages": 3},
-    {"BLOCK_M": 32, "BLOCK_N": 128, "BLOCK_K": 128, "DOWN_BLOCK_N": 128, "DOWN_BLOCK_K": 128, "num_warps": 4, "num_stages": 4},
-    {"BLOCK_M": 128, "BLOCK_N": 128, "BLOCK_K": 64, "DOWN_BLOCK_N": 128, "DOWN_BLOCK_K": 64, "num_warps": 8, "num_stages": 4},
-    {"BLOCK_M": 64, "BLOCK_N": 256, "BLOCK_K": 64, "DOWN_BLOCK_N": 256, "DOWN_BLOCK_K": 64, "num_warps": 8, "num_stages": 3},
+    {"BLOCK_M": 64, "BLOCK_N": 64, "BLOCK_K": 256, "DOWN_BLOCK_N": 64, "DOWN_BLOCK_K": 256, "num_warps": 4, "num_stages": 3},
+    {"BLOCK_M": 32, "BLOCK_N": 64, "BLOCK_K": 256, "DOWN_BLOCK_N": 64, "DOWN_BLOCK_K": 256, "num_warps": 4, "num_stages": 3},
+    {"BLOCK_M": 64, "BLOCK_N": 32, "BLOCK_K": 128, "DOWN_BLOCK_N": 32, "DOWN_BLOCK_K": 128, "num_warps": 4, "num_stages": 4},
 ]
 
 
@@ -86,6 +87,15 @@ def median(v):
     s = sorted(v)
     n = len(s)
     return s[n // 2] if n % 2 else 0.5 * (s[n // 2 - 1] + s[n // 2])
+
+
+def rel_err(executor, batch, storage, table, layout, cfg) -> float:
+    """Relative error of one layer call with ``cfg`` against the FP32 reference (every timed config is
+    also checked for correctness on the GPU)."""
+    x, ids, w = batch
+    y = moe_experts(executor, x, ids, w, storage, table, layout, validate=False, config=cfg)
+    ref = reference_moe_f32(x, ids, w, storage, table, layout)
+    return float((y.float() - ref).norm() / ref.norm())
 
 
 def copy_bandwidth(nbytes: int) -> dict:
@@ -154,8 +164,9 @@ def bench_decode(model: str, spec: dict, layers: list, layout: RowLayout, copy_g
                     log(f"  {model} decode T={tokens} {executor} {cfg}: FAILED {type(exc).__name__}: {exc}")
                     results.append({"config": cfg, "error": f"{type(exc).__name__}: {str(exc)[:300]}"})
                     continue
-                results.append({"config": cfg, "graph_us": graph_ms * 1e3, "eager_us": eager_ms * 1e3})
-            ok = [r for r in results if "graph_us" in r]
+                err = rel_err(executor, batches[0], layers[0], table, layout, cfg)
+                results.append({"config": cfg, "graph_us": graph_ms * 1e3, "eager_us": eager_ms * 1e3, "rel_err": err})
+            ok = [r for r in results if "graph_us" in r and r["rel_err"] <= 2e-3]
             if not ok:
                 continue
             best = min(ok, key=lambda r: r["graph_us"])
@@ -170,7 +181,7 @@ def bench_decode(model: str, spec: dict, layers: list, layout: RowLayout, copy_g
                 "config": best["config"], "tried": results,
             })
             log(f"  {model} decode T={tokens} {executor}: {best['graph_us']:.1f} us/layer, {gbps:.0f} GB/s, "
-                f"{gbps / copy_gbps:.2f} of copy")
+                f"{gbps / copy_gbps:.2f} of copy; tried " + ", ".join(f"{r.get('graph_us', float('nan')):.1f}" for r in results))
     return rows
 
 
@@ -223,9 +234,10 @@ def bench_prefill(model: str, spec: dict, layers: list, layout: RowLayout, gen, 
             log(f"  {model} prefill grouped {cfg}: FAILED {type(exc).__name__}: {exc}")
             results.append({"config": cfg, "error": f"{type(exc).__name__}: {str(exc)[:300]}"})
             continue
-        results.append({"config": cfg, "eager_us": ms * 1e3})
-        log(f"  {model} prefill grouped {cfg}: {ms * 1e3:.1f} us/layer")
-    ok = [r for r in results if "eager_us" in r]
+        err = rel_err("grouped", batches[0], layers[0], table, layout, cfg)
+        results.append({"config": cfg, "eager_us": ms * 1e3, "rel_err": err})
+        log(f"  {model} prefill grouped {cfg}: {ms * 1e3:.1f} us/layer, rel err {err:.1e}")
+    ok = [r for r in results if "eager_us" in r and r["rel_err"] <= 2e-3]
     best = min(ok, key=lambda r: r["eager_us"]) if ok else None
 
     # bf16 baseline, same routing; weights (E, 2I, H) and (E, H, I) per layer, viewed column-major as torch wants

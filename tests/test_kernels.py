@@ -167,6 +167,21 @@ def test_property_grouped_and_fused_agree_with_reference(h_blocks, i_half, b, m,
         assert rel_err(y, ref) <= TOL, executor
 
 
+@pytest.mark.parametrize("config", [
+    {"BLOCK_N": 16, "BLOCK_K": 512, "DOWN_BLOCK_N": 8, "DOWN_BLOCK_K": 1024},  # tiles spanning several scale blocks
+    {"BLOCK_N": 64, "BLOCK_K": 32, "DOWN_BLOCK_N": 16, "DOWN_BLOCK_K": 64},  # tiles inside one scale block
+])
+@pytest.mark.parametrize("shape_name", ["small-b64", "odd-b128"])
+def test_topk_fused_tile_configs(shape_name, config, device):
+    """The benchmark's tile sweep must not change results: other GEMV tilings stay within TOL."""
+    shape = SMALL[shape_name]
+    layout, storage, row_table, resident = make_layer(shape, device, 23)
+    x, ids, w = make_batch(shape, 3, resident, device, 23)
+    ref = reference_moe_f32(x, ids, w, storage, row_table, layout)
+    y = moe_experts("topk-fused", x, ids, w, storage, row_table, layout, config=config)
+    assert torch.isfinite(y).all() and rel_err(y, ref) <= TOL
+
+
 # ------------------------------------------------------------------------------------------ errors
 
 
