@@ -306,6 +306,24 @@ def main() -> int:
     copy_before = copy_bandwidth(1 << 30)
     log(f"device copy (1 GiB, read+write): {copy_before['gbps']:.0f} GB/s")
     rows = []
+
+    def save(copy_after):
+        doc = {
+            "format": "kernel-bench-v1",
+            "created": _dt.datetime.now(_dt.timezone.utc).strftime("%Y-%m-%dT%H:%M:%SZ"),
+            "command": "PYTHONUNBUFFERED=1 PYTHONPATH=. python3 scripts/bench_kernels.py "
+                       + " ".join(shlex.quote(a) for a in sys.argv[1:]),
+            "device": {"type": "cuda", "name": torch.cuda.get_device_name(0)},
+            "versions": {"python": platform.python_version(), "torch": torch.__version__,
+                         "triton": triton.__version__, "numpy": numpy.__version__, "cuda": str(torch.version.cuda)},
+            "copy_bandwidth": {"before": copy_before, "after": copy_after},
+            "targets": {"decode_fraction_of_copy": TARGET_DECODE_FRACTION,
+                        "prefill_ratio_to_bf16": TARGET_PREFILL_RATIO},
+            "layers": LAYERS,
+            "results": rows,
+        }
+        write_json_atomic(args.out, doc)  # after every model, so a run cut short still leaves a record
+
     for model in args.models.split(","):
         spec = MODELS[model]
         layout = RowLayout.build(spec["hidden"], spec["intermediate"], 256)
@@ -314,6 +332,7 @@ def main() -> int:
             rows += bench_decode(model, spec, layers, layout, copy_before["gbps"], gen, log)
         except Exception:
             traceback.print_exc()
+        save(copy_before)
         if not args.skip_prefill:
             try:
                 rows += bench_prefill(model, spec, layers, layout, gen, log)
@@ -321,21 +340,9 @@ def main() -> int:
                 traceback.print_exc()
         del layers
         torch.cuda.empty_cache()
+        save(copy_before)
     copy_after = copy_bandwidth(1 << 30)
-    doc = {
-        "format": "kernel-bench-v1",
-        "created": _dt.datetime.now(_dt.timezone.utc).strftime("%Y-%m-%dT%H:%M:%SZ"),
-        "command": "PYTHONUNBUFFERED=1 PYTHONPATH=. python3 scripts/bench_kernels.py "
-                   + " ".join(shlex.quote(a) for a in sys.argv[1:]),
-        "device": {"type": "cuda", "name": torch.cuda.get_device_name(0)},
-        "versions": {"python": platform.python_version(), "torch": torch.__version__, "triton": triton.__version__,
-                     "numpy": numpy.__version__, "cuda": str(torch.version.cuda)},
-        "copy_bandwidth": {"before": copy_before, "after": copy_after},
-        "targets": {"decode_fraction_of_copy": TARGET_DECODE_FRACTION, "prefill_ratio_to_bf16": TARGET_PREFILL_RATIO},
-        "layers": LAYERS,
-        "results": rows,
-    }
-    write_json_atomic(args.out, doc)
+    save(copy_after)
     cb = copy_before["gbps"]
     print(f"\ncopy bandwidth {cb:.0f} GB/s (before) / {copy_after['gbps']:.0f} GB/s (after); targets: decode >= "
           f"{TARGET_DECODE_FRACTION:.0%} of copy, prefill >= {TARGET_PREFILL_RATIO:.1f}x bf16")
