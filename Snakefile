@@ -51,6 +51,11 @@ for _rules in sorted(glob.glob(os.path.join(workflow.basedir, "workflow", "rules
     include: _rules
 
 
+_bad = [p for p in FINAL_OUTPUTS if not isinstance(p, str) or "{" in p]
+if _bad:
+    raise ValueError(f"FINAL_OUTPUTS must hold concrete paths (no wildcards); got {_bad}")
+
+
 rule all:
     default_target: True
     input:
