@@ -174,11 +174,13 @@ def default_config(n_pairs: int, device: torch.device) -> dict:
     if common.interpreting(device):  # few, large programs: the interpreter pays per program and per op
         return {"BLOCK_M": 32 if decode else 64, "BLOCK_N": 512, "BLOCK_K": 256,
                 "DOWN_BLOCK_N": 512, "DOWN_BLOCK_K": 256}
+    # Best configs of the H200 sweep (results/kernels/bench/h200.json).
     if decode:
-        return {"BLOCK_M": 16, "BLOCK_N": 32, "BLOCK_K": 256, "DOWN_BLOCK_N": 32, "DOWN_BLOCK_K": 256,
+        bn = 32 if n_pairs <= 16 else 64
+        return {"BLOCK_M": 16, "BLOCK_N": bn, "BLOCK_K": 256, "DOWN_BLOCK_N": bn, "DOWN_BLOCK_K": 256,
                 "num_warps": 4, "num_stages": 3}
-    return {"BLOCK_M": 64, "BLOCK_N": 64, "BLOCK_K": 128, "DOWN_BLOCK_N": 64, "DOWN_BLOCK_K": 128,
-            "num_warps": 4, "num_stages": 3}
+    return {"BLOCK_M": 64, "BLOCK_N": 32, "BLOCK_K": 128, "DOWN_BLOCK_N": 32, "DOWN_BLOCK_K": 128,
+            "num_warps": 4, "num_stages": 4}
 
 
 def sort_pairs(ids_flat: torch.Tensor, n_experts: int, block_m: int) -> torch.Tensor:
