@@ -100,6 +100,10 @@ def _pair_rows(pairs, what: str) -> list[str]:
     return rows
 
 
+def _num(v: float) -> str:
+    return f"{v:,.0f}" if v >= 100 else f"{v:.3g}"
+
+
 def _atomic_savefig(fig, path: Path) -> None:
     path.parent.mkdir(parents=True, exist_ok=True)
     fd, tmp = tempfile.mkstemp(prefix=f".{path.stem}.", suffix=".png", dir=path.parent)
@@ -148,7 +152,7 @@ def plot_model(recs: list[dict], metric: str, path: Path, title: str) -> bool:
             if r["kind"] in styles and r["config"]["batch"] == b and y(r) is not None:
                 col, ls = styles[r["kind"]]
                 ax.axhline(y(r)[0], color=col, ls=ls, lw=1.6,
-                           label=f"{KIND_LABEL[r['kind']]} (baseline): {y(r)[0]:.3g}")
+                           label=f"{KIND_LABEL[r['kind']]} (baseline): {_num(y(r)[0])}")
         levels = sorted({r["config"]["resident"] for r in engine} | {e})
         ax.set_xticks(levels)
         ax.set_xlabel(f"resident experts per layer (of {e})")
