@@ -603,6 +603,7 @@ def run_campaign(spec: dict, out_root: Path, *, configs: list[BenchConfig] | Non
                         _free_device(dev)
                     key = None
                     engine, info = factory(c, models[c.model], dev)
+                    _free_device(dev)  # load-time temporaries must not count in the run's reserved peak
                     key = c.engine_key()
                 rec = run_config(engine, c, presets[c.model], ctx, info)
             except Exception as e:  # noqa: BLE001 - recorded, then re-raised unless --keep-going
