@@ -11,8 +11,7 @@ rule contract:
     output:
         CONTRACT_REPORT,
     input:
-        code=[f"runmap/{m}.py" for m in ("cache", "host_source", "transport", "eviction", "observations",
-                                         "contract_model", "cmd_contract")],
+        code=code("cache", "host_source", "transport", "eviction", "observations", "contract_model", "cmd_contract"),
     params:
         examples=config["contract"]["examples"],
         steps=config["contract"]["steps"],
