@@ -71,12 +71,10 @@ def test_config_overrides_reach_the_command(workdir):
 @pytest.mark.parametrize("section, message", [
     ("{limit: 0}", "0 is less than the minimum of 1"),
     ("{executor: fastest}", "'fastest' is not one of"),
-    ("{models: [tiny-qwen2-moe]}", "ifeval.models names 'tiny-qwen2-moe', which is not in models"),
+    ("{models: [tiny-olmoe-x]}", "ifeval.models names 'tiny-olmoe-x', which is not in models"),
 ])
 def test_bad_ifeval_config_is_refused(workdir, section, message):
     cfg = _with_ifeval(workdir, "bad.yaml", section)
-    text = (workdir / cfg).read_text().replace("models: [tiny-olmoe, tiny-qwen2-moe]", "models: [tiny-olmoe]")
-    (workdir / cfg).write_text(text)
     proc = dry_run(workdir, TARGET, "--configfile", cfg)
     assert proc.returncode != 0
     assert message in proc.stdout + proc.stderr
