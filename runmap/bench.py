@@ -313,8 +313,20 @@ def run_config(engine, c: BenchConfig, model_cfg: ModelConfig, ctx: RunContext, 
     kw = _generate_kwargs(engine)
     peak = bm.PeakMemory(ctx.device)
     peak.reset()
+    warm_tokens = min(p["warmup_new_tokens"], c.decode_len)
+    warm_key = (ctx.device.type, model_cfg.num_heads, model_cfg.num_kv_heads, model_cfg.head_dim, c.prompt_len,
+                c.decode_len, p["max_batch"], p["max_seq_len"])
+    eager_first = (p["warmup"] > 0 and ctx.device.type == "cuda" and c.kind != "hf-bf16"
+                   and getattr(engine, "use_graphs", True) is False and warm_key not in _WARM_EAGER)
+    if eager_first:
+        # Eager decode (no CUDA graph: partial residency, the fp16 baseline) may compile a kernel variant per
+        # KV length on first use (H200 campaign of 2026-11-29: the fused decode-attention kernel takes the
+        # key count as a constexpr, ~0.3 s per length). The first eager configuration of the process warms
+        # up over every decode length the timed runs will reach, so they measure steady state.
+        warm_tokens = c.decode_len
+        _WARM_EAGER.add(warm_key)
     for _ in range(p["warmup"]):
-        engine.generate(prompts, max_new_tokens=min(p["warmup_new_tokens"], c.decode_len), **kw)
+        engine.generate(prompts, max_new_tokens=warm_tokens, **kw)
     tel0 = engine.telemetry()
     prefill, decode, ttft = [], [], []
     prompt_tokens = new_tokens = 0
@@ -410,7 +422,9 @@ def run_config(engine, c: BenchConfig, model_cfg: ModelConfig, ctx: RunContext, 
         "ratios": {"decode_vs_byte_floor": bm.ratio(bm.observed(dec_stats["median"]), floor["floor_decode_tok_s"],
                                                     "decode tok/s over byte floor")},
         "engine": {**{k: v for k, v in engine_info.items() if k not in ("pack", "checkpoint")},
-                   "timed_wall_s": sw.seconds, "reported_executor": reported_exec},
+                   "timed_wall_s": sw.seconds, "reported_executor": reported_exec,
+                   "warmup_new_tokens": warm_tokens if p["warmup"] else 0,
+                   "full_length_warmup": eager_first},
     }
     if notes:
         rec["notes"] = notes
@@ -462,6 +476,7 @@ def write_json_atomic(obj: Any, path: Path) -> None:
 EngineFactory = Callable[[BenchConfig, dict, torch.device], tuple[Any, dict]]
 
 
+_WARM_EAGER: set[tuple] = set()  # eager-decode shapes already warmed up over the full decode length
 _HOST_SOURCES: dict[str, Any] = {}  # resolved pack dir -> HostSource built (and hash-verified) once
 
 

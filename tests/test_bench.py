@@ -235,3 +235,39 @@ def test_max_config_s_cuts_repeats_and_says_so(tmp_path):
     for r in recs:
         assert len(r["timing"]["decode_tok_s"]["values"]) == 1 and r["config"]["repeats"] == 1
         assert any("cut to 1 of 3" in n for n in r["notes"])
+
+
+def test_first_eager_cuda_configuration_warms_up_every_decode_length(tmp_path, monkeypatch):
+    """Eager decode may compile per KV length: the first eager engine of a CUDA run warms up over the whole
+    decode length, later ones (same shapes) and graph-captured engines use the short warmup."""
+    import torch
+
+    seen = []
+
+    class Eager(FakeEngine):
+        use_graphs = False
+
+        def generate(self, prompts, *, max_new_tokens, temperature=0.0):
+            seen.append((self.c.id, max_new_tokens))
+            return super().generate(prompts, max_new_tokens=max_new_tokens, temperature=temperature)
+
+    spec = tiny_spec()
+    spec["groups"] = spec["groups"][2:3]
+    spec["groups"][0]["resident"] = [4, 6]
+    spec["groups"][0]["decode_len"] = 5
+    spec["defaults"].update(repeats=1, warmup=1, warmup_new_tokens=2)
+    monkeypatch.setattr(bench.bm, "resolve_device", lambda name: torch.device("cuda"))
+    monkeypatch.setattr(bench.bm, "sync", lambda device: None)
+    monkeypatch.setattr(bench.bm, "device_info", lambda device: {"type": "cuda", "name": "fake"})
+    monkeypatch.setattr(bench.bm.PeakMemory, "reset", lambda self: None)
+    monkeypatch.setattr(bench.bm.PeakMemory, "read", lambda self: {
+        "peak_allocated_bytes": bm.observed(1), "peak_reserved_bytes": bm.observed(2)})
+    bench._WARM_EAGER.clear()
+    bench.run_campaign(spec, tmp_path, engine_factory=lambda c, e, d: (Eager(c), {}), progress=False,
+                       measure_bandwidth=False, command="pytest")
+    warmups = [n for _, n in seen[0::2]]  # warmup, timed, warmup, timed, ...
+    assert warmups == [5, 2, 2, 2]
+    recs = {r["id"]: r for r in bench.load_records(tmp_path / "t")}
+    assert recs["m__engine__grouped__r4__b1__p4__d5"]["engine"]["full_length_warmup"] is True
+    assert recs["m__engine__grouped__r4__b2__p4__d5"]["engine"]["warmup_new_tokens"] == 2
+    bench._WARM_EAGER.clear()
