@@ -44,8 +44,6 @@ def run(args) -> int:
     if not records:
         print(f"runmap report: no bench records under {args.records}", file=sys.stderr)
         return 1
-    for r in records:
-        r.pop("_path", None)
     render(records, Path(args.out), Path(args.plots_dir) if args.plots_dir else None, sources=args.records)
     print(f"report: {len(records)} records -> {args.out}")
     if args.headline:

@@ -8,6 +8,7 @@ no comparison drawn), and the conformance findings of runmap.campaign_checks.
 """
 from __future__ import annotations
 
+import json
 import os
 import tempfile
 from pathlib import Path
@@ -98,6 +99,25 @@ def _pair_rows(pairs, what: str) -> list[str]:
             change = f"{a['executor']} -> {b['executor']} (resident {a['config']['resident']})"
         rows.append(f"| {a['config']['batch']} | {change} | {da:.1f} -> {db:.1f} | {db / da:.2f}x | {mem} |")
     return rows
+
+
+def _coverage(recs: list[dict]) -> list[str]:
+    """What the run summaries (campaign.json beside the records/ directories) say was not run."""
+    out = []
+    for d in sorted({str(Path(r["_path"]).parent.parent) for r in recs if r.get("_path")}):
+        f = Path(d) / "campaign.json"
+        try:
+            s = json.loads(f.read_text())
+        except (OSError, ValueError):
+            continue
+        out += [f"- run {s.get('run_id')}: {len(s.get('done', []))} of {s.get('configs')} configurations ran, "
+                f"{len(s.get('failed', []))} failed, {len(s.get('skipped', []))} not run ({f.name}):"]
+        by_reason: dict[str, list[str]] = {}
+        for x in s.get("skipped", []):
+            by_reason.setdefault(x["reason"], []).append(f"`{x['id']}`")
+        out += [f"  - {why}: {', '.join(ids)}" for why, ids in by_reason.items()]
+        out += [f"  - FAILED `{x['id']}`: {x['error']}" for x in s.get("failed", [])]
+    return out + ([""] if out else [])
 
 
 def _num(v: float) -> str:
@@ -194,6 +214,7 @@ def render(records: list[dict], out_md: Path, plots_dir: Path | None = None, sou
                   f"- run(s): {', '.join(runs)}; command: `{r0['command']}`",
                   f"- same-run device copy bandwidth (byte floor): {fmt_measure(r0['byte_floor']['copy_bandwidth_gb_s'], 1.0, 1, ' GB/s')}",
                   ""]
+        lines += _coverage(crecs)
         models: dict[str, list[dict]] = {}
         for r in crecs:
             models.setdefault(r["config"]["model"], []).append(r)
@@ -209,6 +230,10 @@ def render(records: list[dict], out_md: Path, plots_dir: Path | None = None, sou
                     lines += [f"![{model} {label}]({rel})", ""]
                 else:
                     lines += [f"*{label}: no OBSERVED value in these records (e.g. UNSUPPORTED on the CPU); no plot.*", ""]
+            noted = [r for r in sorted(mrecs, key=_sort_key) if r.get("notes")]
+            if noted:
+                lines += ["Notes written by the runner:", ""]
+                lines += [f"- `{r['id']}`: " + "; ".join(r["notes"]) for r in noted] + [""]
             mids = {r["id"] for r in mrecs}
             comp = [(a, b) for a, b in comparable if a["id"] in mids]
             exe = [(a, b) for a, b in cc.executor_pairs(mrecs)]
