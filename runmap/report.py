@@ -245,6 +245,9 @@ def render(records: list[dict], out_md: Path, plots_dir: Path | None = None, sou
                 lines += ["*Residency, executor fixed:*", ""] + hdr + _pair_rows(comp, "residency") + [""]
             if exe:
                 lines += ["*Executor, residency fixed:*", ""] + hdr + _pair_rows(exe, "executor") + [""]
+            if not (comp or exe or conf):
+                lines += ["*None in these records: no two configurations of one model, batch and lengths differ in "
+                          "residency or executor alone.*", ""]
             if conf:
                 lines += ["*Changes residency and executor at once: flagged, no causal comparison drawn:*", ""]
                 lines += [f"- {a['id']} -> {b['id']}" for a, b in conf] + [""]
