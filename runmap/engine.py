@@ -348,7 +348,11 @@ class Engine:
             return self._graphs[B].run(tokens, slot, pad)
         slots = torch.tensor([slot], device=self.device)
         pos = (slots - pad).unsqueeze(1)  # (B, 1)
-        return self.model.forward(tokens.view(B, 1), pos, self.kv, slots, pad, slot + 1, self.experts)
+        # On CUDA the fused decode attention takes the key count as a constexpr: attending a bucket (keys past
+        # the slot are masked, exactly as in graph mode) keeps it to a few compiled variants instead of one
+        # per KV length.
+        n_keys = self.bucket(slot + 1) if self.device.type == "cuda" else slot + 1
+        return self.model.forward(tokens.view(B, 1), pos, self.kv, slots, pad, n_keys, self.experts)
 
     def reset_graphs(self) -> None:
         """Drop every captured decode graph and its memory pool (after changing executor / fused ops)."""
