@@ -17,7 +17,9 @@ from __future__ import annotations
 
 import hashlib
 import mmap
+import os
 import warnings
+from concurrent.futures import ThreadPoolExecutor
 
 import numpy as np
 import torch
@@ -133,12 +135,17 @@ class HostSource:
             if len(sha256[layer]) != self.num_experts:
                 raise HostSourceError(f"host source: layer {layer} has {len(sha256[layer])} hashes for "
                                       f"{self.num_experts} experts")
-            for e in range(self.num_experts):
-                got = _sha256(arr[layer, e])
-                self.hash_ops_startup += 1
-                if got != sha256[layer][e]:
-                    raise HostSourceError(f"host source: layer {layer} expert {e} sha256 {got} does not match "
-                                          f"the manifest's {sha256[layer][e]}")
+        # hashlib releases the GIL on large buffers, so threads hash rows in parallel (startup of a real-size
+        # pack is dominated by this); results are checked in (layer, expert) order, so the error is the same.
+        cells = [(layer, e) for layer in range(self.num_layers) for e in range(self.num_experts)]
+        workers = max(1, min(16, os.cpu_count() or 1))
+        with ThreadPoolExecutor(max_workers=workers) as pool:
+            digests = list(pool.map(lambda c: _sha256(arr[c[0], c[1]]), cells))
+        for (layer, e), got in zip(cells, digests):
+            self.hash_ops_startup += 1
+            if got != sha256[layer][e]:
+                raise HostSourceError(f"host source: layer {layer} expert {e} sha256 {got} does not match "
+                                      f"the manifest's {sha256[layer][e]}")
 
     # --- read access --------------------------------------------------------------------------------
     @property
