@@ -24,11 +24,9 @@ import gc
 import inspect
 import itertools
 import json
-import os
 import re
 import shlex
 import sys
-import tempfile
 import time
 import uuid
 from pathlib import Path
@@ -39,6 +37,7 @@ import yaml
 
 from runmap import bench_metrics as bm
 from runmap.config import ModelConfig, load_preset
+from runmap.atomic import write_json
 
 RECORD_VERSION = "bench-record-v1"
 BASELINE_KINDS = ("hf-bf16", "engine-fp16")
@@ -458,19 +457,6 @@ def attach_ratios(records: list[dict]) -> list[dict]:
     return records
 
 
-def write_json_atomic(obj: Any, path: Path) -> None:
-    path.parent.mkdir(parents=True, exist_ok=True)
-    fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", suffix=".tmp", dir=path.parent)
-    try:
-        with os.fdopen(fd, "w") as fh:
-            json.dump(obj, fh, indent=1, sort_keys=False)
-            fh.write("\n")
-        os.replace(tmp, path)
-    except BaseException:
-        Path(tmp).unlink(missing_ok=True)
-        raise
-
-
 # ---- engines --------------------------------------------------------------------------------------
 
 EngineFactory = Callable[[BenchConfig, dict, torch.device], tuple[Any, dict]]
@@ -630,7 +616,7 @@ def run_campaign(spec: dict, out_root: Path, *, configs: list[BenchConfig] | Non
                 if not keep_going:
                     raise
                 continue
-            write_json_atomic(rec, rec_dir / f"{c.id}.json")
+            write_json(rec_dir / f"{c.id}.json", rec, indent=1)
             records.append(rec)
             done.append(c.id)
             if not progress:  # one line per configuration for logs
@@ -648,7 +634,7 @@ def run_campaign(spec: dict, out_root: Path, *, configs: list[BenchConfig] | Non
             _free_device(dev)
         # ratios need every record of the run: rewrite them once all configurations finished
         for r in attach_ratios(records):
-            write_json_atomic(r, rec_dir / f"{r['id']}.json")
+            write_json(rec_dir / f"{r['id']}.json", r, indent=1)
         accounted = set(done) | {f["id"] for f in failed} | {s["id"] for s in skipped}
         skipped += [{"id": c.id, "reason": "not run: the campaign was interrupted (deadline watchdog or Ctrl-C)"}
                     for c in configs if c.id not in accounted]
@@ -659,7 +645,7 @@ def run_campaign(spec: dict, out_root: Path, *, configs: list[BenchConfig] | Non
             "wall_s": time.perf_counter() - t_start, "configs": len(configs),
             "done": done, "failed": failed, "skipped": skipped,
         }
-        write_json_atomic(summary, camp_dir / "campaign.json")
+        write_json(camp_dir / "campaign.json", summary, indent=1)
     return summary
 
 

@@ -2,13 +2,12 @@
 from __future__ import annotations
 
 import datetime as _dt
-import json
 import os
 import shlex
 import sys
-import tempfile
 import time
 from pathlib import Path
+from runmap.atomic import write_json
 
 HELP = "check every W4A16 executor against the FP32 reference over expert shapes x token counts"
 DESCRIPTION = """\
@@ -43,20 +42,6 @@ def add_arguments(p) -> None:
     p.add_argument("--seed", type=int, default=0, help="base seed; each case derives its own (default 0)")
     p.add_argument("--out", default=None, help="output JSON (default results/kernels/<device>.json)")
     p.add_argument("--no-progress", action="store_true", help="no progress bar")
-
-
-def write_json_atomic(path: Path, doc: dict) -> None:
-    path.parent.mkdir(parents=True, exist_ok=True)
-    fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", suffix=".tmp", dir=path.parent)
-    try:
-        with os.fdopen(fd, "w") as f:
-            json.dump(doc, f, indent=2)
-            f.write("\n")
-        os.replace(tmp, path)
-    except BaseException:
-        if os.path.exists(tmp):
-            os.unlink(tmp)
-        raise
 
 
 def _command_line() -> str:
@@ -131,7 +116,7 @@ def run(args) -> int:
         "summary": {"cases": len(cases), "passed": len(cases) - len(failed), "failed": len(failed)},
         "pass": not failed,
     }
-    write_json_atomic(out, doc)
+    write_json(out, doc)
     width = max(len(e) for e in executors)
     print(f"{'executor':<{width}}  {'shape':<12} {'M':>4}  {'rel.err':>9}  result")
     for c in cases:

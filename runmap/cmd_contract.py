@@ -2,14 +2,12 @@
 from __future__ import annotations
 
 import datetime as _dt
-import json
-import os
 import platform
 import shlex
 import sys
-import tempfile
 import time
 from pathlib import Path
+from runmap.atomic import write_json
 
 HELP = "run the property suite of the expert cache contract (resident-qpacked-cache-v1) and write its report"
 DESCRIPTION = """\
@@ -73,20 +71,6 @@ def _device_info(device: str) -> dict:
     else:
         info["name"] = platform.processor() or platform.machine()
     return info
-
-
-def write_json_atomic(path: Path, doc: dict) -> None:
-    path.parent.mkdir(parents=True, exist_ok=True)
-    fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", suffix=".tmp", dir=path.parent)
-    try:
-        with os.fdopen(fd, "w") as f:
-            json.dump(doc, f, indent=2, sort_keys=False)
-            f.write("\n")
-        os.replace(tmp, path)
-    except BaseException:
-        if os.path.exists(tmp):
-            os.unlink(tmp)
-        raise
 
 
 def _first_line(exc: BaseException) -> str:
@@ -173,7 +157,7 @@ def run(args) -> int:
         "duration_s": round(duration, 2),
     }
     out = Path(args.out)
-    write_json_atomic(out, doc)
+    write_json(out, doc)
     print(f"\ncontract {'PASSED' if doc['passed'] else 'FAILED'}: {stats.examples} examples, {stats.steps} steps, "
           f"device {args.device}, seed {args.seed}, {duration:.1f} s -> {out}")
     print(f"{'invariant':36s} checks")

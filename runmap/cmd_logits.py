@@ -1,9 +1,8 @@
 """``runmap logits``: one prompt's logits at every position, for checking the engine against anything else."""
 from __future__ import annotations
 
-import os
-import tempfile
 from pathlib import Path
+from runmap.atomic import atomic_path
 
 HELP = "write a prompt's logits (every position) to a safetensors file"
 DESCRIPTION = """\
@@ -59,14 +58,9 @@ def run(args) -> int:
         return 1
     meta = {"executor": eng.executor, "regime": eng.regime, "resident": str(eng.resident),
             "pack": str(args.packed), "pack_identity": str(eng.pack_identity), "arch": eng.cfg.arch}
-    out.parent.mkdir(parents=True, exist_ok=True)
-    fd, tmp = tempfile.mkstemp(prefix=f".{out.name}.", dir=out.parent)
-    os.close(fd)
-    try:
-        save_file({"logits": logits.contiguous(), "tokens": torch.tensor(ids, dtype=torch.int64)}, tmp, metadata=meta)
-        os.replace(tmp, out)
-    finally:
-        Path(tmp).unlink(missing_ok=True)
+    with atomic_path(out) as tmp:
+        save_file({"logits": logits.contiguous(), "tokens": torch.tensor(ids, dtype=torch.int64)}, str(tmp),
+                  metadata=meta)
     tpath = Path(args.telemetry) if args.telemetry else out.parent / f"telemetry-{out.stem}.json"
     telemetry.write(tpath, eng.telemetry())
     print(f"wrote {out}: logits {tuple(logits.shape)} ({eng.executor}, {eng.regime}); telemetry {tpath}",

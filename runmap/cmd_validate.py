@@ -4,6 +4,7 @@ from __future__ import annotations
 import argparse
 import sys
 from pathlib import Path
+from runmap.atomic import write_json
 
 HELP = "validate artifacts and specs against schemas/ (and write a conformance summary)"
 DESCRIPTION = """\
@@ -124,7 +125,7 @@ def run(args: argparse.Namespace) -> int:
             for v in bad:
                 print(f"error: internal: summary does not match its schema: {v}", file=sys.stderr)
             return 1
-        conformance.write_json_atomic(summary, args.summary)
+        write_json(args.summary, summary)
 
     t = summary["totals"]
     verdict = "CONFORMANT" if summary["conformant"] else "NOT CONFORMANT"

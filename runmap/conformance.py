@@ -13,9 +13,6 @@ from __future__ import annotations
 
 import datetime as _dt
 import hashlib
-import json
-import os
-import tempfile
 from pathlib import Path
 from typing import Any, Iterable
 
@@ -125,18 +122,3 @@ def build_summary(report, schema_set, command: list[str]) -> dict:
         "observations": obs,
         "conformant": report.ok and not obs["violations"],
     }
-
-
-def write_json_atomic(obj: Any, path: str | Path) -> None:
-    """Write JSON to a temporary file in the same directory, then rename it over ``path``."""
-    path = Path(path)
-    path.parent.mkdir(parents=True, exist_ok=True)
-    fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", suffix=".tmp", dir=path.parent)
-    try:
-        with os.fdopen(fd, "w") as fh:
-            json.dump(obj, fh, indent=1)
-            fh.write("\n")
-        os.replace(tmp, path)
-    except BaseException:
-        Path(tmp).unlink(missing_ok=True)
-        raise

@@ -27,7 +27,6 @@ except ImportError:  # pragma: no cover
     get_state_machine_test = None
 
 from runmap.cache import CacheBusyError, CacheFaultedError, ExpertCache, TransactionAborted
-from runmap.host_source import HostSource
 from runmap.observations import REQUIRED_ZERO
 from runmap.qpack import RowLayout
 from runmap.transport import Event, Transport, TransferError, default_transport

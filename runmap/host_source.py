@@ -24,7 +24,7 @@ from concurrent.futures import ThreadPoolExecutor
 import numpy as np
 import torch
 
-from runmap.qpack import QPackError, RowLayout
+from runmap.qpack import RowLayout
 
 
 class HostSourceError(ValueError):

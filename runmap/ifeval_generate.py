@@ -25,10 +25,10 @@ import json
 import os
 import platform
 import sys
-import tempfile
 import time
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
+from runmap.atomic import write_json
 
 DEFAULT_INPUTS = Path(__file__).resolve().parent.parent / "data" / "ifeval" / "input_data.jsonl"
 META_KIND = "runmap.ifeval-generation"
@@ -71,23 +71,6 @@ def sha256_file(path: Path) -> str:
         for chunk in iter(lambda: f.read(1 << 20), b""):
             h.update(chunk)
     return h.hexdigest()
-
-
-def atomic_write_json(path: Path, obj) -> None:
-    path = Path(path)
-    path.parent.mkdir(parents=True, exist_ok=True)
-    fd, tmp = tempfile.mkstemp(prefix="." + path.name + ".", suffix=".tmp", dir=path.parent)
-    try:
-        with os.fdopen(fd, "w", encoding="utf-8") as f:
-            json.dump(obj, f, indent=2, ensure_ascii=False)
-            f.write("\n")
-            f.flush()
-            os.fsync(f.fileno())
-        os.replace(tmp, path)
-    except BaseException:
-        if os.path.exists(tmp):
-            os.unlink(tmp)
-        raise
 
 
 def read_prompts(path: Path, limit: int | None = None) -> list[Prompt]:
@@ -259,7 +242,7 @@ def _generate_into(f, prompts: list[Prompt], out: Path, engine, settings: Genera
                 meta["engine"] = {"telemetry": tel()}
             except Exception as e:  # telemetry must never lose answers; record why it is absent
                 meta["engine"] = {"telemetry": None, "telemetry_error": f"{type(e).__name__}: {e}"}
-        atomic_write_json(side, meta)
+        write_json(side, meta, ensure_ascii=False)
 
     publish("running")
     bar = None

@@ -25,11 +25,11 @@ import logging
 import os
 import random
 import sys
-import tempfile
 import types
 from collections import OrderedDict
 from dataclasses import dataclass
 from pathlib import Path
+from runmap.atomic import write_text
 
 CHECKER_PACKAGE = "lm-eval"
 CHECKER_MODULE = "lm_eval.tasks.ifeval"
@@ -415,29 +415,12 @@ def _generation_record(meta: dict | None, path) -> dict | None:
 # --------------------------------------------------------------------------- writing
 
 
-def atomic_write_text(path: Path, text: str) -> None:
-    """Write ``text`` to ``path`` through a temporary file in the same folder and ``os.replace``."""
-    path = Path(path)
-    path.parent.mkdir(parents=True, exist_ok=True)
-    fd, tmp = tempfile.mkstemp(prefix="." + path.name + ".", suffix=".tmp", dir=path.parent)
-    try:
-        with os.fdopen(fd, "w", encoding="utf-8") as f:
-            f.write(text)
-            f.flush()
-            os.fsync(f.fileno())
-        os.replace(tmp, path)
-    except BaseException:
-        if os.path.exists(tmp):
-            os.unlink(tmp)
-        raise
-
-
 def write_outputs(out_dir: Path, results: list[dict], summary: dict) -> tuple[Path, Path]:
     """``out_dir/results.jsonl`` (one line per prompt) and ``out_dir/summary.json``, each atomic."""
     out_dir = Path(out_dir)
     res_path, sum_path = out_dir / "results.jsonl", out_dir / "summary.json"
-    atomic_write_text(res_path, "".join(json.dumps(r, ensure_ascii=False) + "\n" for r in results))
-    atomic_write_text(sum_path, json.dumps(summary, indent=2, ensure_ascii=False) + "\n")
+    write_text(res_path, "".join(json.dumps(r, ensure_ascii=False) + "\n" for r in results))
+    write_text(sum_path, json.dumps(summary, indent=2, ensure_ascii=False) + "\n")
     return res_path, sum_path
 
 

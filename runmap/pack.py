@@ -41,6 +41,7 @@ from runmap.checkpoint import CheckpointReader
 from runmap.packfile import EXPERTS_TENSOR, FORMAT_NAME, FORMAT_VERSION, MANIFEST, NONROUTED_FILE, PackError, layer_file
 from runmap.qpack import DEFAULT_BLOCK_SIZE, PROJECTIONS, QUANT_RULE, RowLayout, dequantize, quantize
 from runmap.st_io import StreamingWriter
+from runmap.atomic import replace_dir
 
 COPY_FILES = ("config.json", "generation_config.json", "tokenizer.json", "tokenizer_config.json",
               "special_tokens_map.json", "vocab.json", "merges.txt", "tokenizer.model", "added_tokens.json",
@@ -267,21 +268,10 @@ def pack_checkpoint(
             os.fsync(f.fileno())
         os.replace(mtmp, tmp / MANIFEST)
         os.chmod(tmp, 0o755)
-        _publish(tmp, out)
+        replace_dir(tmp, out)
     except BaseException:
         shutil.rmtree(tmp, ignore_errors=True)
         raise
     finally:
         pool.shutdown(wait=True, cancel_futures=True)
     return out
-
-
-def _publish(tmp: Path, out: Path) -> None:
-    """Rename the finished temp dir to ``out``; an existing ``out`` (overwrite) is moved aside first."""
-    if out.exists():
-        trash = Path(tempfile.mkdtemp(prefix="." + out.name + ".old-", dir=out.parent))
-        os.replace(out, trash / out.name)
-        os.replace(tmp, out)
-        shutil.rmtree(trash, ignore_errors=True)
-    else:
-        os.replace(tmp, out)

@@ -10,10 +10,10 @@ from __future__ import annotations
 
 import json
 import os
-import tempfile
 from pathlib import Path
 
 from runmap import campaign_checks as cc
+from runmap.atomic import atomic_path, write_text
 
 GIB = 1024**3
 KIND_ORDER = {"hf-bf16": 0, "engine-fp16": 1, "engine": 2}
@@ -125,15 +125,8 @@ def _num(v: float) -> str:
 
 
 def _atomic_savefig(fig, path: Path) -> None:
-    path.parent.mkdir(parents=True, exist_ok=True)
-    fd, tmp = tempfile.mkstemp(prefix=f".{path.stem}.", suffix=".png", dir=path.parent)
-    os.close(fd)
-    try:
+    with atomic_path(path, suffix=".png") as tmp:  # savefig picks the format from the suffix
         fig.savefig(tmp, dpi=110, bbox_inches="tight")
-        os.replace(tmp, path)
-    except BaseException:
-        Path(tmp).unlink(missing_ok=True)
-        raise
 
 
 def plot_model(recs: list[dict], metric: str, path: Path, title: str) -> bool:
@@ -257,11 +250,7 @@ def render(records: list[dict], out_md: Path, plots_dir: Path | None = None, sou
               "required-zero, memory-status, full-no-misses, confounded-neighbour).", ""]
     lines += [f"- {f}" for f in findings] + [""]
     text = "\n".join(lines)
-    out_md.parent.mkdir(parents=True, exist_ok=True)
-    fd, tmp = tempfile.mkstemp(prefix=f".{out_md.name}.", dir=out_md.parent)
-    with os.fdopen(fd, "w") as fh:
-        fh.write(text)
-    os.replace(tmp, out_md)
+    write_text(out_md, text)
     return text
 
 

@@ -29,6 +29,7 @@ from runmap.checkpoint import EXPERT_LAYOUTS, INDEX_FILE, SINGLE_FILE, expected_
 from runmap.config import ModelConfig
 from runmap.st_io import StreamingWriter
 from runmap.synth_tokenizer import write_tokenizer
+from runmap.atomic import replace_dir
 
 WEIGHT_STD = 0.02  # the HF initializer_range of both architectures
 NORM_STD = 0.05  # norms are 1 + N(0, NORM_STD^2)
@@ -161,19 +162,8 @@ def write_synthetic(
         if tokenizer:
             write_tokenizer(cfg, tmp)
         os.chmod(tmp, 0o755)
-        _atomic_replace_dir(tmp, out)
+        replace_dir(tmp, out)
     except BaseException:
         shutil.rmtree(tmp, ignore_errors=True)
         raise
     return out
-
-
-def _atomic_replace_dir(tmp: Path, out: Path) -> None:
-    """Rename tmp to out; an existing out is first renamed aside, then removed."""
-    if out.exists():
-        trash = Path(tempfile.mkdtemp(prefix="." + out.name + ".old-", dir=out.parent))
-        os.replace(out, trash / out.name)
-        os.replace(tmp, out)
-        shutil.rmtree(trash, ignore_errors=True)
-    else:
-        os.replace(tmp, out)

@@ -13,10 +13,8 @@ effective host->device rate of the miss path, staging included.
 from __future__ import annotations
 
 import datetime as _dt
-import json
-import os
-import tempfile
 from pathlib import Path
+from runmap.atomic import write_json
 
 SCHEMA_VERSION = "runmap-telemetry-v1"
 OBS_NAMES = ("expert_d2h_bytes", "writebacks", "host_source_rewrites", "request_hash_work", "request_pack_reads")
@@ -77,15 +75,4 @@ def build(engine) -> dict:
 
 def write(path, doc: dict) -> Path:
     """Write ``doc`` as JSON to ``path`` atomically. Returns the path."""
-    p = Path(path)
-    p.parent.mkdir(parents=True, exist_ok=True)
-    fd, tmp = tempfile.mkstemp(prefix=f".{p.name}.", dir=p.parent)
-    try:
-        with os.fdopen(fd, "w") as f:
-            json.dump(doc, f, indent=2, default=str)
-            f.write("\n")
-        os.replace(tmp, p)
-    except BaseException:
-        Path(tmp).unlink(missing_ok=True)
-        raise
-    return p
+    return write_json(path, doc, default=str)

@@ -19,18 +19,17 @@ from __future__ import annotations
 
 import argparse
 import datetime as _dt
-import json
 import os
 import platform
 import statistics
 import sys
-import tempfile
 import time
 from pathlib import Path
 
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+from runmap.atomic import write_json  # noqa: E402
 from runmap.cache import ExpertCache  # noqa: E402
 from runmap.host_source import HostSource  # noqa: E402
 from runmap.qpack import RowLayout  # noqa: E402
@@ -199,15 +198,6 @@ def bench_group(host, chunk, group, reps, workers=0) -> dict:
             "observations_all_zero": tel["observations_all_zero"]}
 
 
-def write_atomic(path: Path, doc: dict) -> None:
-    path.parent.mkdir(parents=True, exist_ok=True)
-    fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", dir=path.parent)
-    with os.fdopen(fd, "w") as f:
-        json.dump(doc, f, indent=2)
-        f.write("\n")
-    os.replace(tmp, path)
-
-
 def main(argv=None) -> int:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--out", default="results/contract/bench-h200.json")
@@ -271,7 +261,7 @@ def main(argv=None) -> int:
         },
         "duration_s": round(time.time() - t0, 1),
     }
-    write_atomic(Path(args.out), doc)
+    write_json(Path(args.out), doc)
     c = ceilings
     print(f"\nceilings: pinned 1 GiB {gib_ceiling:.1f} GB/s | pinned row {row_ceiling:.1f} GB/s "
           f"({c['pinned_row']['event_median_us']:.1f} us event, {c['pinned_row']['wall_median_us']:.1f} us wall) | "

@@ -18,13 +18,10 @@ from __future__ import annotations
 
 import argparse
 import datetime as _dt
-import json
-import math
 import os
 import platform
 import shlex
 import sys
-import tempfile
 import traceback
 
 import torch
@@ -34,6 +31,7 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 from kernels.executors import moe_experts  # noqa: E402
 from kernels.reference import reference_moe_f32  # noqa: E402
+from runmap.atomic import write_json  # noqa: E402
 from runmap.qpack import RowLayout  # noqa: E402
 
 MODELS = {
@@ -276,16 +274,6 @@ def bench_prefill(model: str, spec: dict, layers: list, layout: RowLayout, gen, 
     }]
 
 
-def write_json_atomic(path: str, doc: dict) -> None:
-    d = os.path.dirname(os.path.abspath(path))
-    os.makedirs(d, exist_ok=True)
-    fd, tmp = tempfile.mkstemp(prefix=f".{os.path.basename(path)}.", suffix=".tmp", dir=d)
-    with os.fdopen(fd, "w") as f:
-        json.dump(doc, f, indent=2)
-        f.write("\n")
-    os.replace(tmp, path)
-
-
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--out", default="results/kernels/bench/h200.json", help="output JSON (default %(default)s)")
@@ -322,7 +310,7 @@ def main() -> int:
             "layers": LAYERS,
             "results": rows,
         }
-        write_json_atomic(args.out, doc)  # after every model, so a run cut short still leaves a record
+        write_json(args.out, doc)  # after every model, so a run cut short still leaves a record
 
     for model in args.models.split(","):
         spec = MODELS[model]
