@@ -30,6 +30,7 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 from runmap.atomic import write_json  # noqa: E402
+from runmap.cuda_timing import event_times_ms  # noqa: E402
 from runmap.cache import ExpertCache  # noqa: E402
 from runmap.host_source import HostSource  # noqa: E402
 from runmap.qpack import RowLayout  # noqa: E402
@@ -39,26 +40,11 @@ GIB = 1 << 30
 TARGET = 0.85
 
 
-def _events_ms(fn, iters: int, warmup: int = 3) -> list[float]:
-    for _ in range(warmup):
-        fn()
-    torch.cuda.synchronize()
-    out = []
-    for _ in range(iters):
-        a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        a.record()
-        fn()
-        b.record()
-        b.synchronize()
-        out.append(a.elapsed_time(b))
-    return out
-
-
 def pinned_h2d(nbytes: int, iters: int) -> dict:
     src = torch.empty(nbytes, dtype=torch.uint8, pin_memory=True)
     src.fill_(7)  # touch every page
     dst = torch.empty(nbytes, dtype=torch.uint8, device="cuda")
-    ms = _events_ms(lambda: dst.copy_(src, non_blocking=True), iters)
+    ms = event_times_ms(lambda: dst.copy_(src, non_blocking=True), iters)
     wall = []
     for _ in range(iters):
         t = time.perf_counter()

@@ -32,6 +32,7 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 from kernels.executors import moe_experts  # noqa: E402
 from kernels.reference import reference_moe_f32  # noqa: E402
 from runmap.atomic import write_json  # noqa: E402
+from runmap.cuda_timing import event_times_ms  # noqa: E402
 from runmap.qpack import RowLayout  # noqa: E402
 
 MODELS = {
@@ -65,22 +66,6 @@ GROUPED_PREFILL_CONFIGS = [
 ]
 
 
-def time_fn(fn, reps: int, warmup: int = 3) -> list[float]:
-    """Per-call milliseconds of ``fn`` measured with CUDA events, one pair per call."""
-    for _ in range(warmup):
-        fn()
-    torch.cuda.synchronize()
-    out = []
-    for _ in range(reps):
-        a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        a.record()
-        fn()
-        b.record()
-        b.synchronize()
-        out.append(a.elapsed_time(b))
-    return out
-
-
 def median(v):
     s = sorted(v)
     n = len(s)
@@ -99,7 +84,7 @@ def rel_err(executor, batch, storage, table, layout, cfg) -> float:
 def copy_bandwidth(nbytes: int) -> dict:
     src = torch.empty(nbytes, dtype=torch.uint8, device="cuda").random_()
     dst = torch.empty_like(src)
-    ms = time_fn(lambda: dst.copy_(src), reps=30)
+    ms = event_times_ms(lambda: dst.copy_(src), reps=30)
     m = median(ms)
     return {"buffer_bytes": nbytes, "moved_bytes": 2 * nbytes, "median_ms": m, "gbps": 2 * nbytes / m / 1e6}
 
@@ -156,8 +141,8 @@ def bench_decode(model: str, spec: dict, layers: list, layout: RowLayout, copy_g
                         moe_experts(executor, x, ids, w, st, table, layout, validate=False, config=cfg)
                 try:
                     replay = graph_of(step)
-                    graph_ms = median(time_fn(replay, reps=40, warmup=5)) / LAYERS
-                    eager_ms = median(time_fn(step, reps=10)) / LAYERS
+                    graph_ms = median(event_times_ms(replay, reps=40, warmup=5)) / LAYERS
+                    eager_ms = median(event_times_ms(step, reps=10)) / LAYERS
                 except Exception as exc:  # a config the compiler rejects is recorded, not fatal
                     log(f"  {model} decode T={tokens} {executor} {cfg}: FAILED {type(exc).__name__}: {exc}")
                     results.append({"config": cfg, "error": f"{type(exc).__name__}: {str(exc)[:300]}"})
@@ -227,7 +212,7 @@ def bench_prefill(model: str, spec: dict, layers: list, layout: RowLayout, gen, 
             for (x, ids, w), st in zip(batches, layers[:PREFILL_LAYERS]):
                 moe_experts("grouped", x, ids, w, st, table, layout, validate=False, config=cfg)
         try:
-            ms = median(time_fn(step, reps=15)) / PREFILL_LAYERS
+            ms = median(event_times_ms(step, reps=15)) / PREFILL_LAYERS
         except Exception as exc:
             log(f"  {model} prefill grouped {cfg}: FAILED {type(exc).__name__}: {exc}")
             results.append({"config": cfg, "error": f"{type(exc).__name__}: {str(exc)[:300]}"})
@@ -254,7 +239,7 @@ def bench_prefill(model: str, spec: dict, layers: list, layout: RowLayout, gen, 
                 bf16_grouped_layer(x, ids, w, a.transpose(1, 2), b.transpose(1, 2), e, use)
 
         try:
-            baseline[name] = median(time_fn(bstep, reps=15)) / PREFILL_LAYERS * 1e3
+            baseline[name] = median(event_times_ms(bstep, reps=15)) / PREFILL_LAYERS * 1e3
             log(f"  {model} prefill bf16 {name}: {baseline[name]:.1f} us/layer")
         except Exception as exc:
             log(f"  {model} prefill bf16 {name}: FAILED {type(exc).__name__}: {exc}")
