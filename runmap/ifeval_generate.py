@@ -29,6 +29,7 @@ import time
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from runmap.atomic import write_json
+from runmap.hashing import sha256_file
 
 DEFAULT_INPUTS = Path(__file__).resolve().parent.parent / "data" / "ifeval" / "input_data.jsonl"
 META_KIND = "runmap.ifeval-generation"
@@ -63,14 +64,6 @@ class GenerationSettings:
 def sidecar_path(out: Path) -> Path:
     out = Path(out)
     return out.with_name(out.name + ".meta.json")
-
-
-def sha256_file(path: Path) -> str:
-    h = hashlib.sha256()
-    with open(path, "rb") as f:
-        for chunk in iter(lambda: f.read(1 << 20), b""):
-            h.update(chunk)
-    return h.hexdigest()
 
 
 def read_prompts(path: Path, limit: int | None = None) -> list[Prompt]:

@@ -16,7 +16,6 @@ Determinism: the same input files give byte-identical outputs (no timestamps in 
 """
 from __future__ import annotations
 
-import hashlib
 import importlib
 import importlib.machinery
 import importlib.metadata
@@ -30,6 +29,7 @@ from collections import OrderedDict
 from dataclasses import dataclass
 from pathlib import Path
 from runmap.atomic import write_text
+from runmap.hashing import sha256_file
 
 CHECKER_PACKAGE = "lm-eval"
 CHECKER_MODULE = "lm_eval.tasks.ifeval"
@@ -152,14 +152,6 @@ def load_checkers() -> Checkers:
 
 
 # --------------------------------------------------------------------------- reading the files
-
-
-def sha256_file(path: Path) -> str:
-    h = hashlib.sha256()
-    with open(path, "rb") as f:
-        for chunk in iter(lambda: f.read(1 << 20), b""):
-            h.update(chunk)
-    return h.hexdigest()
 
 
 def _jsonl_objects(path: Path):

@@ -42,12 +42,12 @@ from runmap.packfile import EXPERTS_TENSOR, FORMAT_NAME, FORMAT_VERSION, MANIFES
 from runmap.qpack import DEFAULT_BLOCK_SIZE, PROJECTIONS, QUANT_RULE, RowLayout, dequantize, quantize
 from runmap.st_io import StreamingWriter
 from runmap.atomic import replace_dir
+from runmap.hashing import sha256_file
 
 COPY_FILES = ("config.json", "generation_config.json", "tokenizer.json", "tokenizer_config.json",
               "special_tokens_map.json", "vocab.json", "merges.txt", "tokenizer.model", "added_tokens.json",
               "chat_template.jinja")
 EXPERT_FILE_ALIGN = 4096  # expert data starts page-aligned in its file
-HASH_CHUNK = 16 * 1024 * 1024
 
 
 def resolve_device(device: str) -> torch.device:
@@ -70,14 +70,6 @@ def peak_rss_bytes() -> int:
     except OSError:
         pass
     return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
-
-
-def sha256_file(path: Path) -> str:
-    h = hashlib.sha256()
-    with open(path, "rb", buffering=0) as f:
-        while chunk := f.read(HASH_CHUNK):
-            h.update(chunk)
-    return h.hexdigest()
 
 
 CHUNK_VALUES = 1 << 24  # weight values quantized per step: bounds the FP32 temporaries (~0.5 GB)
