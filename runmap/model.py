@@ -360,18 +360,25 @@ class Transformer:
 # ---- torch reference for routed experts (tests and the fp16 baseline) -----------------------------
 
 def experts_dense_torch(x: torch.Tensor, ids: torch.Tensor, gw: torch.Tensor, get_expert) -> torch.Tensor:
-    """Routed experts by plain torch, one unique expert at a time (host sync; not for CUDA graphs).
+    """Routed experts by plain torch, one routed expert at a time (one host sync per call; not for CUDA graphs).
 
     x fp16 (N, H), ids int64 (N, k), gw fp32 (N, k),
     get_expert(e) -> (gate (I, H), up (I, H), down (H, I)) float tensors on x.device.
     Returns fp16 (N, H); accumulation in FP32 (dtype of the expert weights decides the matmul dtype)."""
+    n, k = ids.shape
     out = torch.zeros(x.shape, dtype=torch.float32, device=x.device)  # (N, H)
-    for e in torch.unique(ids).tolist():
-        rows, slot = torch.nonzero(ids == e, as_tuple=True)  # (n,), (n,)
+    flat = ids.reshape(-1)  # (N*k,) pair p = (row p // k, slot p % k)
+    order = torch.argsort(flat, stable=True)  # (N*k,) pairs grouped by expert
+    experts, counts = torch.unique_consecutive(flat[order], return_counts=True)
+    rows_sorted = order // k  # (N*k,)
+    w_sorted = gw.reshape(-1)[order]  # (N*k,)
+    start = 0
+    for e, c in zip(experts.tolist(), counts.tolist()):  # the one host sync
+        rows, w = rows_sorted[start:start + c], w_sorted[start:start + c]  # (c,), (c,)
+        start += c
         g, u, d = get_expert(e)
-        xe = x[rows].to(g.dtype)  # (n, H)
-        a = F.silu(F.linear(xe, g).float()) * F.linear(xe, u).float()  # (n, I) fp32
-        y = F.linear(a.to(d.dtype), d).float()  # (n, H)
-        out.index_add_(0, rows, y * gw[rows, slot, None])
+        xe = x[rows].to(g.dtype)  # (c, H)
+        a = F.silu(F.linear(xe, g).float()) * F.linear(xe, u).float()  # (c, I) fp32
+        y = F.linear(a.to(d.dtype), d).float()  # (c, H)
+        out.index_add_(0, rows, y * w[:, None])
     return out.to(x.dtype)
-
