@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import argparse
 import importlib
+import os
 import sys
 
 # subcommand -> module. Modules are imported lazily so `runmap --help` stays fast.
@@ -48,7 +49,20 @@ def build_parser() -> argparse.ArgumentParser:
     return parser
 
 
+def _select_triton_backend() -> None:
+    """Without a CUDA device the Triton kernels can only run in Triton's interpreter (same arithmetic, on
+    the CPU), which has to be chosen before any ``@triton.jit`` function is defined. An explicit
+    TRITON_INTERPRET in the environment is left alone."""
+    if "TRITON_INTERPRET" in os.environ:
+        return
+    import torch
+
+    if not torch.cuda.is_available():
+        os.environ["TRITON_INTERPRET"] = "1"
+
+
 def main(argv: list[str] | None = None) -> int:
+    _select_triton_backend()
     parser = build_parser()
     args = parser.parse_args(argv)
     if not getattr(args, "_run", None):

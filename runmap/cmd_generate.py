@@ -48,8 +48,8 @@ def run(args) -> int:
                                max_batch=1, max_seq_len=args.max_seq_len, expert_format=args.expert_format)
         res = eng.generate([args.prompt], max_new_tokens=args.max_new_tokens, temperature=args.temperature,
                            top_p=args.top_p, seed=args.seed, stop=args.stop, chat=args.chat, on_token=on_token)[0]
-    except (ValueError, FileNotFoundError) as e:
-        print(f"runmap generate: {e}", file=sys.stderr)
+    except (ValueError, FileNotFoundError, RuntimeError) as e:  # bad input, cache fault, kernel/device failure
+        print(f"runmap generate: {type(e).__name__}: {e}", file=sys.stderr)
         return 1
     sys.stdout.write("\n")
     t = eng.last_timing

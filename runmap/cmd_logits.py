@@ -53,8 +53,8 @@ def run(args) -> int:
         eng = Engine.from_pack(args.packed, executor=args.executor, resident=args.resident, device=args.device,
                                max_batch=1, max_seq_len=max(len(ids), 16), cuda_graphs=False)
         logits = eng.logits(ids)  # (T, V) fp32
-    except (ValueError, FileNotFoundError) as e:
-        print(f"runmap logits: {e}", file=sys.stderr)
+    except (ValueError, FileNotFoundError, RuntimeError) as e:  # bad input, cache fault, kernel/device failure
+        print(f"runmap logits: {type(e).__name__}: {e}", file=sys.stderr)
         return 1
     meta = {"executor": eng.executor, "regime": eng.regime, "resident": str(eng.resident),
             "pack": str(args.packed), "pack_identity": str(eng.pack_identity), "arch": eng.cfg.arch}

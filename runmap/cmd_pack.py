@@ -27,7 +27,7 @@ def add_arguments(p) -> None:
     p.add_argument("--block-size", type=int, default=256, help="values per FP16 scale block along K (even; default 256)")
     p.add_argument("--device", default="auto", choices=["auto", "cpu", "cuda"],
                    help="where the quantization arithmetic runs (auto: cuda if available); the bytes are identical")
-    p.add_argument("--force", action="store_true", help="replace an existing OUT_DIR (atomically)")
+    p.add_argument("--force", action="store_true", help="replace an existing OUT_DIR: the old one is moved aside, the finished new one renamed in, then the old one deleted")
     p.add_argument("--no-progress", action="store_true", help="no progress bar")
 
 

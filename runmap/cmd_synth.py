@@ -24,7 +24,7 @@ def add_arguments(p) -> None:
     p.add_argument("--shard-size", type=float, default=2.0, help="maximum shard size in GiB (default 2)")
     p.add_argument("--device", default="cpu", choices=["cpu", "cuda"],
                    help="random number generator device (values differ between cpu and cuda; default cpu)")
-    p.add_argument("--force", action="store_true", help="replace an existing OUT_DIR (atomically)")
+    p.add_argument("--force", action="store_true", help="replace an existing OUT_DIR: the old one is moved aside, the finished new one renamed in, then the old one deleted")
     p.add_argument("--no-progress", action="store_true", help="no progress bar")
 
 

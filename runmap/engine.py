@@ -62,6 +62,7 @@ FUSED_OPS = ("prologue", "norm", "router", "attn")
 # Default on CUDA. "router" is left out: its one-program Triton kernel measured 83 us per call on the H200
 # (results/engine/README.md), far slower than cuBLAS + softmax + topk.
 DEFAULT_FUSED = ("prologue", "norm", "attn")
+GRAPH_EXECUTORS = ("grouped", "topk-fused")  # no host sync, no data-dependent allocation (validate=False)
 
 
 class EngineError(ValueError):
@@ -239,13 +240,16 @@ class Engine:
                  expert_format: str, max_batch: int, max_seq_len: int, cuda_graphs: bool, prefill_chunk: int,
                  pack_dir: str, resident: int, load_s: float, pack_identity: str | None = None):
         self.cfg, self.model, self.experts, self.tokenizer = cfg, model, experts, tokenizer
-        self.device, self.executor, self.expert_format = device, executor, expert_format
+        # the fp16 baseline runs no executor: record what actually computes the experts
+        self.device, self.expert_format = device, expert_format
+        self.executor = "torch-fp16" if expert_format == "fp16" else executor
         self.max_batch, self.max_seq_len, self.prefill_chunk = max_batch, max_seq_len, prefill_chunk
         self.pack_dir, self.resident, self.load_s = pack_dir, resident, load_s
         self.pack_identity = pack_identity
         self.kv = KVCache(cfg, max_batch, max_seq_len, device)
+        # reference and scalar synchronize with the host on every call, so they cannot be captured
         self.use_graphs = bool(cuda_graphs and device.type == "cuda" and resident == cfg.num_experts
-                               and expert_format == "int4")
+                               and expert_format == "int4" and executor in GRAPH_EXECUTORS)
         self._graphs: dict[int, GraphDecoder] = {}
         self._pool = torch.cuda.graph_pool_handle() if self.use_graphs else None
         self.last_timing: dict | None = None
@@ -286,13 +290,16 @@ class Engine:
         tokenizer = Tokenizer(reader.tokenizer_dir, eos_token_id=cfg.eos_token_id)
         weights = load_weights(reader.nonrouted, cfg, device)  # before the cache closes the reader
         model = Transformer(cfg, weights)
-        if device.type == "cuda":
-            model.fused = frozenset(DEFAULT_FUSED if fused is True else (fused or ()))
-            unknown = model.fused - set(FUSED_OPS)
-            if unknown:
-                raise EngineError(f"unknown fused ops {sorted(unknown)}; choose from {list(FUSED_OPS)}")
+        fused_ops = frozenset(DEFAULT_FUSED if fused is True else (fused or ()))
+        unknown = fused_ops - set(FUSED_OPS)
+        if unknown:
+            raise EngineError(f"unknown fused ops {sorted(unknown)}; choose from {list(FUSED_OPS)}")
+        if device.type == "cuda":  # the fused ops are Triton kernels for the CUDA decode step only
+            model.fused = fused_ops
         if expert_format == "fp16":
             rows = [reader.read_expert_rows(l) for l in range(cfg.num_layers)]
+            for l, r in enumerate(rows):
+                reader.verify_expert_hashes(l, r)  # same startup check as the cache's host source
             reader.close()
             experts = DenseFp16Experts(rows, layout, device)
             del rows
@@ -304,6 +311,9 @@ class Engine:
             else:
                 group = max_group if max_group is not None else max(cfg.top_k, min(cfg.top_k * max_batch,
                                                                                      resident // 2))
+            if group < cfg.top_k:
+                raise EngineError(f"max_group={group} is below top_k={cfg.top_k}: a single token's routed group "
+                                  "could never be served")
             cache = ExpertCache.from_pack(reader, resident=resident, max_group=group, device=device, policy=policy)
             experts = CachedExperts(cache, executor, layout, cfg.top_k)
         if device.type == "cuda":
@@ -386,7 +396,10 @@ class Engine:
                 res, tim = generate_batch(
                     self, ids[g0:g0 + self.max_batch], max_new_tokens=max_new_tokens, pad_id=pad_id,
                     eos_ids=frozenset() if ignore_eos else self.tokenizer.eos_ids, decode=self.tokenizer.decode, stop=tuple(stop),
-                    temperature=temperature, top_p=top_p, seed=seed, on_token=on_token, row_offset=g0)
+                    temperature=temperature, top_p=top_p, on_token=on_token, row_offset=g0,
+                    # each group of max_batch prompts draws from its own stream, so equal prompts in
+                    # different groups do not repeat each other's samples
+                    seed=None if seed is None else seed + g0)
                 results += res
                 timings.append(tim)
         finally:
@@ -394,7 +407,7 @@ class Engine:
         t = {k: sum(getattr(x, k) for x in timings) for k in ("prefill_s", "decode_s", "prompt_tokens",
                                                               "new_tokens", "batch")}
         t["ttft_s"] = timings[0].ttft_s if timings else 0.0
-        dec_tokens = t["new_tokens"] - sum(x.batch for x in timings)
+        dec_tokens = max(t["new_tokens"] - sum(x.batch for x in timings), 0)
         t["decode_tok_s"] = dec_tokens / t["decode_s"] if t["decode_s"] > 0 else 0.0
         t["groups"] = len(timings)
         self.last_timing = t

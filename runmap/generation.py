@@ -127,6 +127,8 @@ def generate_batch(model: StepModel, prompts: Sequence[Sequence[int]], *, max_ne
         raise GenerationError(f"temperature must be >= 0 and top_p in (0, 1]; got {temperature}, {top_p}")
     if max_new_tokens < 1:
         raise GenerationError(f"max_new_tokens must be >= 1, got {max_new_tokens}")
+    if any(not s for s in stop):
+        raise GenerationError("an empty stop string would end every answer at once; give non-empty stop strings")
     if any(len(p) == 0 for p in prompts):
         raise GenerationError("an empty prompt cannot be generated from (no token to condition on)")
     B, P = len(prompts), max(len(p) for p in prompts)
@@ -155,13 +157,15 @@ def generate_batch(model: StepModel, prompts: Sequence[Sequence[int]], *, max_ne
         ev = torch.cuda.Event() if pinned else None
         if ev is not None:
             ev.record()
+        if ttft is None:  # first token: read it before queueing decode work, so TTFT holds only the prefill
+            if ev is not None:
+                ev.synchronize()
+            ttft = time.perf_counter() - t0
         nxt = None
         if s < max_new_tokens - 1:  # launch the next step before reading this token (see docstring)
             nxt = sample(model.decode(tok, P + s, pad_d), temperature, top_p, gen)
         if ev is not None:
             ev.synchronize()
-        if ttft is None:
-            ttft = time.perf_counter() - t0
         for r, tid in zip(rows, host.tolist()):
             if r.finish is None:
                 r.push(int(tid), max_new_tokens)

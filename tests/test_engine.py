@@ -125,6 +125,10 @@ def test_engine_rejects_bad_arguments(packs):
         Engine.from_pack(packs["tiny-olmoe"], resident=9, device="cpu")
     with pytest.raises(EngineError, match="fp16"):
         Engine.from_pack(packs["tiny-olmoe"], resident=4, expert_format="fp16", device="cpu")
+    with pytest.raises(EngineError, match="max_group=2 is below top_k=4"):
+        Engine.from_pack(packs["tiny-olmoe"], resident=6, max_group=2, device="cpu")
+    with pytest.raises(EngineError, match="unknown fused ops"):
+        Engine.from_pack(packs["tiny-olmoe"], fused=("bogus",), device="cpu")
 
 
 def test_fp16_baseline_matches_int4_reference(packs):
@@ -134,4 +138,22 @@ def test_fp16_baseline_matches_int4_reference(packs):
     la, lb = a.logits(prompt[0]), b.logits(prompt[0])
     close(lb, la, "fp16 baseline vs reference executor")
     assert b.telemetry()["expert_format"] == "fp16"
+    assert b.telemetry()["executor"] == "torch-fp16"  # what ran, not the executor argument it ignored
     assert json.dumps(b.telemetry())  # serializable
+
+
+def test_fp16_baseline_verifies_expert_hashes(packs, tmp_path):
+    import shutil
+
+    from runmap.packfile import PackError, PackReader
+
+    bad = tmp_path / "corrupt"
+    shutil.copytree(packs["tiny-olmoe"], bad)
+    with PackReader(bad) as r:
+        entry = r.manifest["layers"][1]
+    path = bad / entry["file"]
+    data = bytearray(path.read_bytes())
+    data[entry["offset"] + 5] ^= 0xFF  # one flipped byte inside expert 0 of layer 1
+    path.write_bytes(bytes(data))
+    with pytest.raises(PackError, match="layer 1"):
+        Engine.from_pack(bad, expert_format="fp16", device="cpu")

@@ -105,6 +105,36 @@ def test_bad_arguments_are_errors():
         generate_batch(m, [[2]], max_new_tokens=2, pad_id=0, decode=letters, temperature=1.0, top_p=0.0)
 
 
+def test_empty_stop_string_is_refused():
+    with pytest.raises(GenerationError, match="empty stop string"):
+        generate_batch(Scripted([[3, 4]]), [[2]], max_new_tokens=2, pad_id=0, decode=letters, stop=("",))
+
+
+def test_ttft_excludes_the_first_decode_step():
+    import time
+
+    class Slow(Scripted):
+        def prefill(self, tokens, pad):
+            time.sleep(0.05)
+            return super().prefill(tokens, pad)
+
+        def decode(self, tokens, slot, pad):
+            time.sleep(0.5)
+            return super().decode(tokens, slot, pad)
+
+    _, timing = generate_batch(Slow([[3, 4, 5]]), [[2]], max_new_tokens=2, pad_id=0, decode=letters)
+    assert 0.05 <= timing.ttft_s < 0.4  # the prefill, not the prefill plus the 0.5 s decode queued after it
+    assert timing.decode_s >= 0.5
+
+
+def test_seeded_groups_do_not_repeat_each_other(packs):
+    eng = Engine.from_pack(packs["tiny-olmoe"], executor="reference", device="cpu", max_batch=2, max_seq_len=48)
+    out = eng.generate([[5, 6, 7]] * 4, max_new_tokens=12, temperature=1.0, seed=3)
+    assert out[0].token_ids != out[2].token_ids  # group 2 starts from its own seed, not group 1's again
+    again = eng.generate([[5, 6, 7]] * 4, max_new_tokens=12, temperature=1.0, seed=3)
+    assert [r.token_ids for r in again] == [r.token_ids for r in out]  # still reproducible
+
+
 def test_batched_prompts_of_different_lengths_match_unbatched(olmoe):
     prompts = [[5, 6, 7, 8, 9, 10, 11], [300, 2], [40, 41, 42, 43]]
     batched = olmoe.generate(prompts, max_new_tokens=4, ignore_eos=True)
