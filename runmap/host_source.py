@@ -9,12 +9,15 @@ and is kept even under full residency.
 Instrumentation kept here (DESIGN.md §4 observations):
 
 * ``rewrite_attempts`` — every call of ``write_row`` (the one mutation entry point, which always
-  refuses) and every time ``check_frozen`` finds the array made writable again.
+  refuses) and every time ``check_frozen`` finds the array made writable again. Beyond that the pages are
+  ``mprotect``-ed read-only after sealing (``pages_protected``), so a write through any alias faults
+  instead of silently changing an expert.
 * ``hash_ops_after_seal`` / ``hash_bytes_after_seal`` — any hash computed after startup
   (request-time hash work).
 """
 from __future__ import annotations
 
+import ctypes
 import hashlib
 import mmap
 import os
@@ -37,6 +40,22 @@ class HostSourceRewriteError(RuntimeError):
 
 def _sha256(buf: np.ndarray) -> str:
     return hashlib.sha256(memoryview(buf)).hexdigest()
+
+
+_PROT_READ = 1
+
+
+def _protect_read_only(mm: mmap.mmap, arr: np.ndarray) -> bool:
+    """mprotect(PROT_READ) the anonymous mapping behind ``arr``. True when the kernel accepted it (Linux and
+    other POSIX systems); False where libc's mprotect is not reachable, which the observations report."""
+    try:
+        libc = ctypes.CDLL(None, use_errno=True)
+        mprotect = libc.mprotect
+    except (OSError, AttributeError):
+        return False
+    mprotect.argtypes = (ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int)
+    mprotect.restype = ctypes.c_int
+    return mprotect(ctypes.c_void_p(arr.ctypes.data), len(mm), _PROT_READ) == 0  # mmap memory is page-aligned
 
 
 class HostSource:
@@ -77,6 +96,9 @@ class HostSource:
         if sha256 is not None:
             self._verify(arr, sha256)
         arr.flags.writeable = False
+        # torch has no read-only tensors, so the numpy flag alone cannot stop a write through the torch alias
+        # below: the pages themselves are made read-only, and any write to the host source faults.
+        self.pages_protected = _protect_read_only(self._mm, arr)
         self._array = arr
         # Internal torch alias used only as the *source* of host -> staging copies (torch has no
         # read-only tensors; the public view is the frozen numpy array).

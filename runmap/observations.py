@@ -42,9 +42,15 @@ def cache_observations(transport, host, writebacks: int) -> dict:
         "writebacks": observed("writebacks", writebacks, "ExpertCache eviction path counter"),
     }
     frozen = host.check_frozen()
-    obs["host_source_rewrites"] = observed(
-        "host_source_rewrites", host.rewrite_attempts,
-        "HostSource.write_row refusals + read-only flag check" + ("" if frozen else " (array found writable)"))
+    if getattr(host, "pages_protected", False):
+        obs["host_source_rewrites"] = observed(
+            "host_source_rewrites", host.rewrite_attempts,
+            "HostSource.write_row refusals + read-only flag check; pages mprotect(PROT_READ), so a write "
+            "through any alias would have faulted" + ("" if frozen else " (array found writable)"))
+    else:
+        obs["host_source_rewrites"] = unknown(
+            "host_source_rewrites", "host pages could not be made read-only (no mprotect): a write through the "
+            "torch alias would not be seen")
     obs["request_hash_work"] = observed("request_hash_work", host.hash_bytes_after_seal,
                                         "HostSource hash counter after startup")
     reader = host.reader

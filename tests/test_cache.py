@@ -238,3 +238,25 @@ def test_real_pack_reader(tmp_path):
         _assert_lease_bytes(lease, want)
     obs = cache.telemetry()["observations"]
     assert all_zero(obs), obs
+
+
+def test_host_source_pages_are_read_only():
+    """torch has no read-only tensors: a write through the internal alias must fault, not change an expert."""
+    import subprocess
+    import sys
+
+    code = (
+        "import torch\n"
+        "from runmap.host_source import HostSource\n"
+        "from runmap.qpack import RowLayout\n"
+        "L = RowLayout.build(64, 32, 32)\n"
+        "h = HostSource.from_rows([torch.ones(4, L.row_bytes, dtype=torch.uint8)], L)\n"
+        "assert h.pages_protected\n"
+        "print('before', int(h.row_tensor(0, 0)[0]), flush=True)\n"
+        "h.row_tensor(0, 0)[0] = 7\n"
+        "print('wrote', flush=True)\n"
+    )
+    r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
+    assert "before 1" in r.stdout, r.stderr[-2000:]
+    assert "wrote" not in r.stdout
+    assert r.returncode != 0
