@@ -248,11 +248,20 @@ class CudaTransport(Transport):
             except RuntimeError as e:  # a CUDA error surfaced by the copy
                 raise TransferError(f"host -> device expert copy failed: {e}") from e
 
+    def _stream_owned_table(self, n: int, reader: torch.cuda.Stream) -> torch.Tensor:
+        """A device int32 (n,) allocated while the transfer stream is current, so the caching allocator
+        never hands it a block that kernels still queued on the compute stream may read; recorded on the
+        compute stream, which reads it, so it is not recycled before those reads either."""
+        out = torch.empty(n, dtype=torch.int32, device=self.device)
+        out.record_stream(reader)
+        return out
+
     def upload_table(self, table):
         self.table_uploads += 1
         t = torch.tensor(table, dtype=torch.int32).pin_memory()
-        out = torch.empty(len(table), dtype=torch.int32, device=self.device)
+        compute = torch.cuda.current_stream(self.device)
         with torch.cuda.stream(self.stream):
+            out = self._stream_owned_table(len(table), compute)
             out.copy_(t, non_blocking=True)  # (E,)
         self.stream.synchronize()  # the table must be complete before the generation is published
         return out
@@ -264,8 +273,9 @@ class CudaTransport(Transport):
         # safe to overwrite: the previous upload was waited for before its generation was published
         self._table_host.numpy()[:] = table
         t = self._table_host
-        out = torch.empty(len(table), dtype=torch.int32, device=self.device)
+        compute = torch.cuda.current_stream(self.device)
         with torch.cuda.stream(self.stream):
+            out = self._stream_owned_table(len(table), compute)
             out.copy_(t, non_blocking=True)  # (E,) behind the row copies on the same stream
             ev = torch.cuda.Event()
             ev.record(self.stream)
