@@ -16,7 +16,7 @@ from pathlib import Path
 import torch
 
 from runmap.config import ModelConfig
-from runmap.qpack import RowLayout
+from runmap.qpack import QUANT_RULE, RowLayout
 from runmap.st_io import DTYPE_FROM_STR, SafetensorsFormatError, read_header, read_into
 
 FORMAT_NAME = "runmap-qpack"
@@ -71,6 +71,7 @@ class PackReader:
             raise PackError(f"{mpath}: malformed manifest ({type(e).__name__}: {e})") from e
         self.num_layers = self.config.num_layers
         self.num_experts = self.config.num_experts
+        self._check_format(mpath)
         if sorted(self._layers) != list(range(self.num_layers)):
             raise PackError(f"{mpath}: layers {sorted(self._layers)} do not cover 0..{self.num_layers - 1}")
         self.tokenizer_dir = self.path
@@ -78,6 +79,28 @@ class PackReader:
         self.reads_after_close = 0
         self._closed = False
         self._nonrouted_header: tuple[dict, int] | None = None
+
+    def _check_format(self, mpath: Path) -> None:
+        """The quantization rule and the row layout must be the ones this reader (and the kernels) decode,
+        and must fit the model: a mismatch would be misread, not just fail later."""
+        rule = self.manifest.get("quant_rule") or {}
+        for key in ("name", "int_range", "nibble_offset", "nibble_order", "scale_dtype"):
+            if rule.get(key) != QUANT_RULE[key]:
+                raise PackError(f"{mpath}: quant_rule.{key} is {rule.get(key)!r}; this reader decodes "
+                                f"{QUANT_RULE[key]!r}")
+        cfg, lay = self.config, self.layout
+        if (lay.hidden_size, lay.intermediate_size) != (cfg.hidden_size, cfg.moe_intermediate_size):
+            raise PackError(f"{mpath}: row_layout is for hidden={lay.hidden_size}, intermediate="
+                            f"{lay.intermediate_size}, but the model has hidden={cfg.hidden_size}, "
+                            f"moe_intermediate={cfg.moe_intermediate_size}")
+        block = self.manifest.get("block_size", lay.block_size)
+        if block != lay.block_size:
+            raise PackError(f"{mpath}: block_size {block} differs from row_layout.block_size {lay.block_size}")
+        for layer, e in self._layers.items():
+            if int(e.get("row_bytes", -1)) != lay.row_bytes or int(e.get("num_experts", -1)) != self.num_experts:
+                raise PackError(f"{mpath}: layer {layer} records row_bytes={e.get('row_bytes')}, num_experts="
+                                f"{e.get('num_experts')}; the row layout and model give {lay.row_bytes}, "
+                                f"{self.num_experts}")
 
     # ---- lifecycle --------------------------------------------------------------------------------
     @property

@@ -234,6 +234,21 @@ def test_manifest_layout_mismatch_is_rejected(packs, tmp_path):
         PackReader(d)
 
 
+@pytest.mark.parametrize("edit, message", [
+    (lambda m: m["quant_rule"].update(int_range=[-8, 7]), r"quant_rule.int_range is \[-8, 7\]"),
+    (lambda m: m["quant_rule"].update(nibble_order="high-first"), "quant_rule.nibble_order"),
+    (lambda m: m["layers"][1].update(row_bytes=m["layers"][1]["row_bytes"] + 128), "layer 1 records row_bytes"),
+    (lambda m: m.update(block_size=128), "block_size 128 differs"),
+])
+def test_manifest_format_the_reader_cannot_decode_is_rejected(packs, tmp_path, edit, message):
+    d = _copy_pack(packs, tmp_path)
+    m = json.loads((d / "manifest.json").read_text())
+    edit(m)
+    (d / "manifest.json").write_text(json.dumps(m))
+    with pytest.raises(PackError, match=message):
+        PackReader(d)
+
+
 # ---- atomicity and CLI ----------------------------------------------------------------------------
 def test_interrupted_pack_leaves_nothing(packs, tmp_path, monkeypatch):
     ck, _ = packs["tiny-qwen2-moe", "per-expert"]
