@@ -6,12 +6,29 @@ ever fetched from a hub; a missing file is an error naming the directory.
 """
 from __future__ import annotations
 
+import json
 import os
 from pathlib import Path
 
 
 class TokenizerError(ValueError):
     """The tokenizer files are missing or unusable (e.g. --chat without a chat template)."""
+
+
+def _generation_config_eos(d: Path) -> list[int]:
+    """Every end-of-sequence id of generation_config.json (chat models often list several, e.g. an
+    end-of-turn token besides the end-of-text one); [] when the file is absent."""
+    path = d / "generation_config.json"
+    if not path.is_file():
+        return []
+    try:
+        eos = json.loads(path.read_text()).get("eos_token_id")
+    except json.JSONDecodeError as e:
+        raise TokenizerError(f"{path}: not valid JSON ({e})") from e
+    ids = eos if isinstance(eos, list) else [eos]
+    if any(t is not None and not isinstance(t, int) for t in ids):
+        raise TokenizerError(f"{path}: eos_token_id must be an integer or a list of integers, got {eos!r}")
+    return [t for t in ids if t is not None]
 
 
 class Tokenizer:
@@ -30,7 +47,7 @@ class Tokenizer:
         except Exception as e:  # surface which directory failed, keep the cause
             raise TokenizerError(f"{d}: cannot load the tokenizer ({type(e).__name__}: {e})") from e
         self.directory = d
-        eos = {eos_token_id, self.hf.eos_token_id}
+        eos = {eos_token_id, self.hf.eos_token_id, *_generation_config_eos(d)}
         self.eos_ids = frozenset(int(t) for t in eos if t is not None)
         self.pad_id = self.hf.pad_token_id
 

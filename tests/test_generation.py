@@ -207,3 +207,17 @@ def test_cli_logits_and_generate(packs, olmoe, tmp_path, capsys):
     assert json.loads(tel.read_text())["executor"] == "reference"
     assert main(cmd[:-2] + ["--executor", "nope"]) == 1
     assert "unknown executor" in capsys.readouterr().err
+
+
+def test_every_eos_id_of_generation_config_stops(packs, tmp_path):
+    import shutil
+
+    from runmap.tokenization import Tokenizer
+
+    d = tmp_path / "pack"
+    shutil.copytree(packs["tiny-olmoe"], d)
+    (d / "generation_config.json").write_text(json.dumps({"eos_token_id": [2, 7]}))
+    assert {2, 7} <= Tokenizer(d).eos_ids
+    (d / "generation_config.json").write_text(json.dumps({"eos_token_id": "2"}))
+    with pytest.raises(ValueError, match="eos_token_id must be an integer"):
+        Tokenizer(d)
