@@ -18,7 +18,8 @@ def add_arguments(p) -> None:
     p.add_argument("--chat", action="store_true", help="format the prompt with the pack's chat template")
     p.add_argument("--resident", type=int, default=None, metavar="N",
                    help="routed experts per layer on the device (default: all = full residency)")
-    p.add_argument("--executor", default="grouped", help="reference | scalar | grouped | topk-fused (default grouped)")
+    p.add_argument("--executor", default="grouped", choices=["reference", "scalar", "grouped", "topk-fused"],
+                   help="W4A16 executor (default grouped; on a machine without a GPU the Triton executors run in Triton's interpreter, slowly)")
     p.add_argument("--max-new-tokens", type=int, default=128, metavar="N", help="default 128")
     p.add_argument("--temperature", type=float, default=0.0, metavar="T", help="0 = greedy (default)")
     p.add_argument("--top-p", type=float, default=1.0, metavar="P", help="nucleus sampling mass (default 1.0)")

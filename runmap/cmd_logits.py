@@ -19,8 +19,8 @@ the output). Exit status: 0 ok, 1 bad input (the message names it), 2 usage."""
 def add_arguments(p) -> None:
     p.add_argument("--packed", required=True, metavar="DIR", help="pack directory (runmap pack)")
     p.add_argument("--tokens", required=True, metavar="IDS", help="comma-separated token ids, e.g. 1,2,3")
-    p.add_argument("--executor", default="reference",
-                   help="reference | scalar | grouped | topk-fused (default reference: the FP32 torch truth)")
+    p.add_argument("--executor", default="reference", choices=["reference", "scalar", "grouped", "topk-fused"],
+                   help="default reference: the FP32 torch truth")
     p.add_argument("--resident", type=int, default=None, metavar="N",
                    help="routed experts per layer kept on the device (default: all = full residency)")
     p.add_argument("--device", default=None, help="cuda | cpu (default: cuda when available)")
