@@ -205,8 +205,10 @@ def test_cli_logits_and_generate(packs, olmoe, tmp_path, capsys):
     want = olmoe.generate(["the"], max_new_tokens=5)[0]
     assert capsys.readouterr().out == want.text + "\n"
     assert json.loads(tel.read_text())["executor"] == "reference"
-    assert main(cmd[:-2] + ["--executor", "nope"]) == 1
-    assert "unknown executor" in capsys.readouterr().err
+    with pytest.raises(SystemExit) as exit_info:  # argparse: a usage error, exit status 2
+        main(cmd[:-2] + ["--executor", "nope"])
+    assert exit_info.value.code == 2
+    assert "invalid choice: 'nope'" in capsys.readouterr().err
 
 
 def test_every_eos_id_of_generation_config_stops(packs, tmp_path):
