@@ -38,6 +38,7 @@ import yaml
 from runmap import bench_metrics as bm
 from runmap.config import ModelConfig, load_preset
 from runmap.atomic import write_json
+from runmap.provenance import utc_timestamp
 
 RECORD_VERSION = "bench-record-v1"
 BASELINE_KINDS = ("hf-bf16", "engine-fp16")
@@ -389,7 +390,7 @@ def run_config(engine, c: BenchConfig, model_cfg: ModelConfig, ctx: RunContext, 
         "group": c.group,
         "run_id": ctx.run_id,
         "command": ctx.command,
-        "created_utc": _dt.datetime.now(_dt.timezone.utc).strftime("%Y-%m-%dT%H:%M:%SZ"),
+        "created_utc": utc_timestamp(),
         "kind": c.kind,
         "executor": c.executor,
         "regime": c.regime,

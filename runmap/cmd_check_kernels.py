@@ -1,13 +1,13 @@
 """`runmap check-kernels`: every W4A16 executor against the FP32 reference; writes results/kernels/<device>.json."""
 from __future__ import annotations
 
-import datetime as _dt
 import os
 import shlex
 import sys
 import time
 from pathlib import Path
 from runmap.atomic import write_json
+from runmap.provenance import utc_timestamp
 
 HELP = "check every W4A16 executor against the FP32 reference over expert shapes x token counts"
 DESCRIPTION = """\
@@ -103,7 +103,7 @@ def run(args) -> int:
     failed = [c for c in cases if not c["pass"]]
     doc = {
         "format": FORMAT,
-        "created": _dt.datetime.now(_dt.timezone.utc).strftime("%Y-%m-%dT%H:%M:%SZ"),
+        "created": utc_timestamp(),
         "command": _command_line(),
         "device": kc.device_info(device, interpreter),
         "versions": kc.versions(),

@@ -1,13 +1,13 @@
 """`runmap contract`: run the Hypothesis contract model of resident-qpacked-cache-v1 and write its report."""
 from __future__ import annotations
 
-import datetime as _dt
 import platform
 import shlex
 import sys
 import time
 from pathlib import Path
 from runmap.atomic import write_json
+from runmap.provenance import utc_timestamp
 
 HELP = "run the property suite of the expert cache contract (resident-qpacked-cache-v1) and write its report"
 DESCRIPTION = """\
@@ -138,7 +138,7 @@ def run(args) -> int:
         "report_version": REPORT_VERSION,
         "contract": "resident-qpacked-cache-v1",
         "command": _command_line(),
-        "created_utc": _dt.datetime.now(_dt.timezone.utc).strftime("%Y-%m-%dT%H:%M:%SZ"),
+        "created_utc": utc_timestamp(),
         "seed": args.seed,
         "device": _device_info(args.device),
         "library_versions": _versions(),

@@ -11,7 +11,6 @@ It states, for one set of validated paths:
 """
 from __future__ import annotations
 
-import datetime as _dt
 import hashlib
 from pathlib import Path
 from typing import Any, Iterable
@@ -19,6 +18,7 @@ from typing import Any, Iterable
 import yaml
 
 from runmap.config import REPO_ROOT
+from runmap.provenance import utc_timestamp
 
 ARCHITECTURE_SPEC = REPO_ROOT / "specs" / "architecture.yaml"
 SUMMARY_KIND = "runmap-conformance-summary"
@@ -96,7 +96,7 @@ def build_summary(report, schema_set, command: list[str]) -> dict:
     return {
         "kind": SUMMARY_KIND,
         "format_version": FORMAT_VERSION,
-        "created_utc": _dt.datetime.now(_dt.timezone.utc).strftime("%Y-%m-%dT%H:%M:%SZ"),
+        "created_utc": utc_timestamp(),
         "runmap_version": __version__,
         "command": command,
         "roots": report.roots,

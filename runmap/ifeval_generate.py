@@ -18,7 +18,6 @@ nltk or the scorer: it runs on the GPU machine, which has none of them.
 from __future__ import annotations
 
 import argparse
-import datetime as _dt
 import fcntl
 import hashlib
 import json
@@ -29,7 +28,7 @@ import time
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from runmap.atomic import write_json
-from runmap.hashing import sha256_file
+from runmap.provenance import sha256_file, utc_timestamp
 
 DEFAULT_INPUTS = Path(__file__).resolve().parent.parent / "data" / "ifeval" / "input_data.jsonl"
 META_KIND = "runmap.ifeval-generation"
@@ -175,10 +174,6 @@ def _sum_timing(acc: dict, timing) -> None:
             acc[k] = acc.get(k, 0) + v
 
 
-def _now() -> str:
-    return _dt.datetime.now(_dt.timezone.utc).strftime("%Y-%m-%dT%H:%M:%SZ")
-
-
 def generate_answers(prompts: list[Prompt], out: Path, engine, settings: GenerationSettings, meta: dict,
                      progress: bool = True) -> dict:
     """Answer every prompt not yet answered in ``out``; returns the final sidecar metadata.
@@ -213,7 +208,7 @@ def _generate_into(f, prompts: list[Prompt], out: Path, engine, settings: Genera
     _check_resume(meta_old, meta, out, len(answered))
     sessions = list(meta_old.get("sessions", [])) if meta_old and answered else []
     todo = sorted((p for p in prompts if p.prompt not in answered), key=lambda p: (-len(p.prompt), p.key))
-    session = {"started_at": _now(), "batch_size": settings.batch_size, "skipped_already_answered": len(answered),
+    session = {"started_at": utc_timestamp(), "batch_size": settings.batch_size, "skipped_already_answered": len(answered),
                "prompts": 0, "new_tokens": 0, "wall_s": 0.0, "batches": 0, "engine_timing": {},
                "finish_reasons": {}, "status": "running", "host": platform.node()}
     sessions.append(session)
@@ -289,7 +284,7 @@ def _generate_into(f, prompts: list[Prompt], out: Path, engine, settings: Genera
         if bar is not None:
             bar.close()
     session["wall_s"] = round(time.perf_counter() - t_session, 3)
-    session["finished_at"] = _now()
+    session["finished_at"] = utc_timestamp()
     publish("complete")
     return meta
 

@@ -29,7 +29,7 @@ from collections import OrderedDict
 from dataclasses import dataclass
 from pathlib import Path
 from runmap.atomic import write_text
-from runmap.hashing import sha256_file
+from runmap.provenance import sha256_file
 
 CHECKER_PACKAGE = "lm-eval"
 CHECKER_MODULE = "lm_eval.tasks.ifeval"

@@ -42,7 +42,7 @@ from runmap.packfile import EXPERTS_TENSOR, FORMAT_NAME, FORMAT_VERSION, MANIFES
 from runmap.qpack import DEFAULT_BLOCK_SIZE, PROJECTIONS, QUANT_RULE, RowLayout, dequantize, quantize
 from runmap.st_io import StreamingWriter
 from runmap.atomic import replace_dir
-from runmap.hashing import sha256_file
+from runmap.provenance import sha256_file, utc_timestamp
 
 COPY_FILES = ("config.json", "generation_config.json", "tokenizer.json", "tokenizer_config.json",
               "special_tokens_map.json", "vocab.json", "merges.txt", "tokenizer.model", "added_tokens.json",
@@ -236,7 +236,7 @@ def pack_checkpoint(
             "format": {"name": FORMAT_NAME, "version": FORMAT_VERSION},
             "tool": {"name": "horizon-runmap", "version": runmap.__version__, "torch": torch.__version__,
                      "python": platform.python_version()},
-            "created_utc": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
+            "created_utc": utc_timestamp(),
             "source": {"path": str(reader.path.resolve()), "architecture": cfg.hf_architecture,
                        "expert_layouts": sorted(set(reader.expert_layout.values())), "files": source},
             "model": dataclasses.asdict(cfg),

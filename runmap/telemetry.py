@@ -12,18 +12,14 @@ effective host->device rate of the miss path, staging included.
 """
 from __future__ import annotations
 
-import datetime as _dt
 from pathlib import Path
 from runmap.atomic import write_json
+from runmap.provenance import utc_timestamp
 
 SCHEMA_VERSION = "runmap-telemetry-v1"
 OBS_NAMES = ("expert_d2h_bytes", "writebacks", "host_source_rewrites", "request_hash_work", "request_pack_reads")
 OBS_UNITS = {"expert_d2h_bytes": "bytes", "writebacks": "count", "host_source_rewrites": "count",
              "request_hash_work": "bytes", "request_pack_reads": "bytes"}
-
-
-def _utc() -> str:
-    return _dt.datetime.now(_dt.timezone.utc).strftime("%Y-%m-%dT%H:%M:%SZ")
 
 
 def build(engine) -> dict:
@@ -32,7 +28,7 @@ def build(engine) -> dict:
     cache = engine.experts.telemetry()  # None for the fp16 baseline (no cache)
     doc = {
         "schema": SCHEMA_VERSION,
-        "created_utc": _utc(),
+        "created_utc": utc_timestamp(),
         "pack": {"path": str(engine.pack_dir), "identity": engine.pack_identity},
         "arch": cfg.arch,
         "executor": engine.executor,

@@ -18,7 +18,6 @@ Runs on CUDA only. Writes JSON (schemas/contract-bench.schema.json) atomically a
 from __future__ import annotations
 
 import argparse
-import datetime as _dt
 import os
 import platform
 import statistics
@@ -30,6 +29,7 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 from runmap.atomic import write_json  # noqa: E402
+from runmap.provenance import utc_timestamp  # noqa: E402
 from runmap.cuda_timing import event_times_ms  # noqa: E402
 from runmap.cache import ExpertCache  # noqa: E402
 from runmap.host_source import HostSource  # noqa: E402
@@ -228,7 +228,7 @@ def main(argv=None) -> int:
     doc = {
         "bench_version": "contract-bench-v1",
         "command": "PYTHONPATH=. python3 scripts/bench_cache.py " + " ".join(sys.argv[1:]),
-        "created_utc": _dt.datetime.now(_dt.timezone.utc).strftime("%Y-%m-%dT%H:%M:%SZ"),
+        "created_utc": utc_timestamp(),
         "device": {"name": torch.cuda.get_device_name(0), "torch": torch.__version__, "cuda": torch.version.cuda,
                    "cpu_count": os.cpu_count(), "python": platform.python_version()},
         "row_bytes": layout.row_bytes,

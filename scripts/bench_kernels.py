@@ -17,7 +17,6 @@ Method (everything compared within this one run, the GPU being shared):
 from __future__ import annotations
 
 import argparse
-import datetime as _dt
 import os
 import platform
 import shlex
@@ -32,6 +31,7 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 from kernels.executors import moe_experts  # noqa: E402
 from kernels.reference import reference_moe_f32  # noqa: E402
 from runmap.atomic import write_json  # noqa: E402
+from runmap.provenance import utc_timestamp  # noqa: E402
 from runmap.cuda_timing import event_times_ms  # noqa: E402
 from runmap.qpack import RowLayout  # noqa: E402
 
@@ -283,7 +283,7 @@ def main() -> int:
     def save(copy_after):
         doc = {
             "format": "kernel-bench-v1",
-            "created": _dt.datetime.now(_dt.timezone.utc).strftime("%Y-%m-%dT%H:%M:%SZ"),
+            "created": utc_timestamp(),
             "command": "PYTHONUNBUFFERED=1 PYTHONPATH=. python3 scripts/bench_kernels.py "
                        + " ".join(shlex.quote(a) for a in sys.argv[1:]),
             "device": {"type": "cuda", "name": torch.cuda.get_device_name(0)},

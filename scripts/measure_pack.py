@@ -138,10 +138,12 @@ def main() -> int:
 
     import torch  # after the children's argv is built; only for device facts
 
+    from runmap.provenance import utc_timestamp
+
     rec = {
         "kind": "runmap-pack-measurement",
         "command": "PYTHONUNBUFFERED=1 PYTHONPATH=. python3 scripts/measure_pack.py " + " ".join(sys.argv[1:]),
-        "created_utc": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
+        "created_utc": utc_timestamp(),
         "preset": a.preset, "layers_override": a.layers,
         "synth_device": a.synth_device, "pack_device": a.pack_device,
         "gpu": torch.cuda.get_device_name(0) if torch.cuda.is_available() else None,

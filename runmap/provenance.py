@@ -1,6 +1,7 @@
-"""File hashing for provenance records (source checkpoints, IFEval inputs and responses, manifests)."""
+"""Provenance fields shared by every record: file hashes and creation timestamps."""
 from __future__ import annotations
 
+import datetime as _dt
 import hashlib
 from pathlib import Path
 
@@ -14,3 +15,8 @@ def sha256_file(path: str | Path) -> str:
         while chunk := f.read(CHUNK_BYTES):
             h.update(chunk)
     return h.hexdigest()
+
+
+def utc_timestamp() -> str:
+    """Now, UTC, to the second: the ``created_utc`` form every schema expects (2026-11-29T23:59:41Z)."""
+    return _dt.datetime.now(_dt.timezone.utc).strftime("%Y-%m-%dT%H:%M:%SZ")
