@@ -17,6 +17,7 @@ import triton.language as tl
 
 from kernels import common
 from kernels.core import _scale_tile, gemv_tiles, nibbles_f32, resolve_row, silu_mul
+from kernels.gemv import _pair_gate_up_kernel, _token_down_kernel
 from runmap.qpack import RowLayout
 
 
@@ -89,11 +90,19 @@ def _topk_down_kernel(
 
 
 def default_config(device: torch.device) -> dict:
+    """KERNEL "blocks": kernels.gemv (whole scale blocks, SUB per iteration, slots vectorized in the down
+    launch); "tiles": the kernels of this module (K tiles of BLOCK_K values). "blocks" needs a power-of-two
+    quantization block; the wrappers use "tiles" otherwise (same arithmetic, other tiling)."""
     if common.interpreting(device):
-        return {"BLOCK_N": 512, "BLOCK_K": 256, "DOWN_BLOCK_N": 512, "DOWN_BLOCK_K": 256}
-    # Best of the H200 sweep (results/kernels/bench/h200.json): few, long rows per program, K tiles of
-    # several scale blocks, so each program keeps many bytes in flight per (non-pipelined) iteration.
-    return {"BLOCK_N": 16, "BLOCK_K": 512, "DOWN_BLOCK_N": 8, "DOWN_BLOCK_K": 1024, "num_warps": 4}
+        return {"KERNEL": "blocks", "BLOCK_N": 512, "BLOCK_K": 256, "SUB": 1,
+                "DOWN_BLOCK_N": 512, "DOWN_BLOCK_K": 256, "DOWN_SUB": 1}
+    return {"KERNEL": "blocks", "BLOCK_N": 16, "BLOCK_K": 512, "SUB": 2,
+            "DOWN_BLOCK_N": 8, "DOWN_BLOCK_K": 1024, "DOWN_SUB": 1, "num_warps": 4}
+
+
+def _use_blocks(cfg: dict, layout: RowLayout) -> bool:
+    q = layout.block_size
+    return cfg.get("KERNEL", "tiles") == "blocks" and q >= 16 and q & (q - 1) == 0
 
 
 def _check_common(storage, layout, topk_ids, row_table):
@@ -123,8 +132,17 @@ def topk_gate_up(x, topk_ids, storage, row_table, layout: RowLayout, config: dic
     h = common.empty((t * k, g.n), torch.float16, x.device)
     if t == 0:
         return h
-    bk, groups, tile = common.gemv_block_k(cfg["BLOCK_K"], layout.block_size)
     grid = (t * k, triton.cdiv(g.n, cfg["BLOCK_N"]))
+    if _use_blocks(cfg, layout):
+        _pair_gate_up_kernel[grid](
+            x, topk_ids, row_table, storage, storage.view(torch.float16), h,
+            row_table.numel(), storage.shape[0], layout.row_bytes, x.stride(0),
+            g.w_off, g.s_off, u.w_off, u.s_off,
+            N=g.n, K=g.k, NB=g.nb, QBLOCK=layout.block_size, TOPK=k,
+            BLOCK_N=cfg["BLOCK_N"], SUB=cfg["SUB"], **common.launch_opts(cfg),
+        )
+        return h
+    bk, groups, tile = common.gemv_block_k(cfg["BLOCK_K"], layout.block_size)
     _topk_gate_up_kernel[grid](
         x, topk_ids, row_table, storage, storage.view(torch.float16), h,
         row_table.numel(), storage.shape[0], layout.row_bytes, x.stride(0),
@@ -155,8 +173,16 @@ def topk_down(h, topk_ids, topk_weights, storage, row_table, layout: RowLayout,
     y = common.empty((t, d.n), torch.float16, dev)
     if t == 0:
         return y
-    bk, groups, tile = common.gemv_block_k(cfg["DOWN_BLOCK_K"], layout.block_size)
     grid = (t, triton.cdiv(d.n, cfg["DOWN_BLOCK_N"]))
+    if _use_blocks(cfg, layout):
+        _token_down_kernel[grid](
+            h, topk_ids, topk_weights, row_table, storage, storage.view(torch.float16), y,
+            row_table.numel(), storage.shape[0], layout.row_bytes, y.stride(0), d.w_off, d.s_off,
+            N=d.n, K=d.k, NB=d.nb, QBLOCK=layout.block_size, TOPK=k, TOPK_P2=common.next_pow2(k),
+            BLOCK_N=cfg["DOWN_BLOCK_N"], SUB=cfg["DOWN_SUB"], **common.launch_opts(cfg),
+        )
+        return y
+    bk, groups, tile = common.gemv_block_k(cfg["DOWN_BLOCK_K"], layout.block_size)
     _topk_down_kernel[grid](
         h, topk_ids, topk_weights, row_table, storage, storage.view(torch.float16), y,
         row_table.numel(), storage.shape[0], layout.row_bytes, y.stride(0), d.w_off, d.s_off,

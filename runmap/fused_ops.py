@@ -158,45 +158,63 @@ def add_rms_norm(x, y, w, eps):
 
 
 # ---- router: logits (FP32) + softmax + top-k ----------------------------------------------------------
+# Two launches: many programs stream the FP32 router weight (a single program reading all of it measured
+# 83 us per call on the H200), then one tiny program per token row does softmax + top-k.
 
 @triton.jit
-def _router_kernel(h_ptr, w_ptr, ids_ptr, wts_ptr, E,
-                   H: tl.constexpr, TOPK: tl.constexpr, NORM: tl.constexpr, E_P2: tl.constexpr, BLOCK_H: tl.constexpr):
+def _router_logits_kernel(h_ptr, w_ptr, logits_ptr, E, H: tl.constexpr, BLOCK_E: tl.constexpr, BLOCK_H: tl.constexpr):
     m = tl.program_id(0)
-    offs_e = tl.arange(0, E_P2)
+    offs_e = tl.program_id(1) * BLOCK_E + tl.arange(0, BLOCK_E)  # (BE,) experts of this program
+    e_mask = offs_e < E
     offs_h = tl.arange(0, BLOCK_H)
-    acc = tl.zeros((E_P2,), dtype=tl.float32)
+    acc = tl.zeros((BLOCK_E, BLOCK_H), dtype=tl.float32)
     for h0 in range(0, H, BLOCK_H):
         hm = (h0 + offs_h) < H
-        x = tl.load(h_ptr + m * H + h0 + offs_h, mask=hm, other=0.0).to(tl.float32)  # (BLOCK_H,)
-        w = tl.load(w_ptr + offs_e[:, None] * H + h0 + offs_h[None, :],
-                    mask=(offs_e[:, None] < E) & hm[None, :], other=0.0)  # (E_P2, BLOCK_H) fp32
-        acc += tl.sum(w * x[None, :], axis=1)
-    logits = tl.where(offs_e < E, acc, float("-inf"))
+        x = tl.load(h_ptr + m * H + h0 + offs_h, mask=hm, other=0.0).to(tl.float32)  # (BH,)
+        w = tl.load(w_ptr + offs_e[:, None] * H + h0 + offs_h[None, :], mask=e_mask[:, None] & hm[None, :],
+                    other=0.0)  # (BE, BH) fp32
+        acc += w * x[None, :]
+    tl.store(logits_ptr + m * E + offs_e, tl.sum(acc, axis=1), mask=e_mask)
+
+
+@triton.jit
+def _router_topk_kernel(logits_ptr, ids_ptr, wts_ptr, E, TOPK: tl.constexpr, NORM: tl.constexpr, E_P2: tl.constexpr):
+    m = tl.program_id(0)
+    offs_e = tl.arange(0, E_P2)
+    logits = tl.load(logits_ptr + m * E + offs_e, mask=offs_e < E, other=float("-inf"))
     p = tl.exp(logits - tl.max(logits, axis=0))
     p = p / tl.sum(p, axis=0)  # softmax over experts
-    total = 0.0
+    offs_k = tl.arange(0, TOPK)
+    ids = tl.zeros((TOPK,), tl.int64)
+    wts = tl.zeros((TOPK,), tl.float32)
     for j in tl.static_range(TOPK):
         best = tl.max(p, axis=0)
         idx = tl.min(tl.where(p == best, offs_e, E_P2), axis=0)  # lowest id among equal probabilities
-        tl.store(ids_ptr + m * TOPK + j, idx.to(tl.int64))
-        tl.store(wts_ptr + m * TOPK + j, best)
-        total += best
+        ids = tl.where(offs_k == j, idx.to(tl.int64), ids)
+        wts = tl.where(offs_k == j, best, wts)
         p = tl.where(offs_e == idx, -1.0, p)
     if NORM:
-        for j in tl.static_range(TOPK):
-            v = tl.load(wts_ptr + m * TOPK + j)
-            tl.store(wts_ptr + m * TOPK + j, v / total)
+        wts = wts / tl.sum(wts, axis=0)
+    tl.store(ids_ptr + m * TOPK + offs_k, ids)
+    tl.store(wts_ptr + m * TOPK + offs_k, wts)
 
 
 def route_fused(h, router32, top_k: int, norm_topk_prob: bool):
-    """h fp16 (N, H) contiguous, router32 fp32 (E, H) -> ids int64 (N, k), weights fp32 (N, k) (descending)."""
+    """h fp16 (N, H) contiguous, router32 fp32 (E, H) -> ids int64 (N, k), weights fp32 (N, k) (descending).
+    top_k must be a power of two (OLMoE 8, Qwen1.5-MoE 4); the model uses the torch router otherwise."""
     n, hid = h.shape
     e = router32.shape[0]
+    if top_k & (top_k - 1) or h.dtype != torch.float16 or not h.is_contiguous() or router32.dtype != torch.float32:
+        raise ValueError(f"route_fused: needs a power-of-two top_k ({top_k}), contiguous fp16 h ({h.dtype}) "
+                         f"and an fp32 router ({router32.dtype})")
     ids = torch.empty(n, top_k, dtype=torch.int64, device=h.device)
     wts = torch.empty(n, top_k, dtype=torch.float32, device=h.device)
-    _router_kernel[(n,)](h, router32, ids, wts, e, H=hid, TOPK=top_k, NORM=norm_topk_prob,
-                         E_P2=triton.next_power_of_2(e), BLOCK_H=min(128, triton.next_power_of_2(hid)))
+    logits = torch.empty(n, e, dtype=torch.float32, device=h.device)
+    block_e = 2
+    _router_logits_kernel[(n, triton.cdiv(e, block_e))](h, router32, logits, e, H=hid, BLOCK_E=block_e,
+                                                         BLOCK_H=min(1024, triton.next_power_of_2(hid)))
+    _router_topk_kernel[(n,)](logits, ids, wts, e, TOPK=top_k, NORM=norm_topk_prob,
+                              E_P2=triton.next_power_of_2(e))
     return ids, wts
 
 

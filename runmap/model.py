@@ -243,7 +243,7 @@ class Transformer:
         rows are left out of the batch union and get a zero routed output); None = all rows."""
         cfg, lw = self.cfg, self.w.layers[layer]
         hr = h if token_mask is None else h[token_mask]  # (n, H)
-        if "router" in self.fused:
+        if "router" in self.fused and cfg.top_k & (cfg.top_k - 1) == 0:  # the kernel tiles k as a power of two
             from runmap.fused_ops import route_fused
 
             ids, gw = route_fused(hr.contiguous(), lw.router32, cfg.top_k, cfg.norm_topk_prob)  # (n, k) each

@@ -168,8 +168,10 @@ def test_property_grouped_and_fused_agree_with_reference(h_blocks, i_half, b, m,
 
 
 @pytest.mark.parametrize("config", [
-    {"BLOCK_N": 16, "BLOCK_K": 512, "DOWN_BLOCK_N": 8, "DOWN_BLOCK_K": 1024},  # tiles spanning several scale blocks
-    {"BLOCK_N": 64, "BLOCK_K": 32, "DOWN_BLOCK_N": 16, "DOWN_BLOCK_K": 64},  # tiles inside one scale block
+    {"KERNEL": "tiles", "BLOCK_N": 16, "BLOCK_K": 512, "DOWN_BLOCK_N": 8, "DOWN_BLOCK_K": 1024},  # tiles spanning several scale blocks
+    {"KERNEL": "tiles", "BLOCK_N": 64, "BLOCK_K": 32, "DOWN_BLOCK_N": 16, "DOWN_BLOCK_K": 64},  # tiles inside one scale block
+    {"KERNEL": "blocks", "BLOCK_N": 16, "SUB": 3, "DOWN_BLOCK_N": 8, "DOWN_SUB": 2},  # SUB not dividing NB
+    {"KERNEL": "blocks", "BLOCK_N": 8, "SUB": 1, "DOWN_BLOCK_N": 32, "DOWN_SUB": 4},
 ])
 @pytest.mark.parametrize("shape_name", ["small-b64", "odd-b128"])
 def test_topk_fused_tile_configs(shape_name, config, device):

@@ -40,3 +40,27 @@ def test_fused_ops_match_torch(preset, fused):
         assert err <= bound, f"{preset} {name}: max |diff| {err:.3g} > {bound:.3g}"
     if fused == ("prologue",):
         assert torch.equal(v0[0], v1[0])  # layer 0: v is a pure copy of the same projection
+
+
+@pytest.mark.parametrize("n,e,hid,k,norm", [(1, 64, 2048, 8, False), (3, 60, 96, 4, True), (5, 7, 40, 2, False)])
+def test_route_fused_matches_torch_router(n, e, hid, k, norm):
+    """Same expert ids (descending probability) and weights as model.route, odd expert / hidden counts."""
+    from runmap.fused_ops import route_fused
+    from runmap.model import route
+
+    g = torch.Generator().manual_seed(n * 100 + e)
+    h = torch.randn(n, hid, generator=g).half()
+    router32 = (torch.randn(e, hid, generator=g) * 0.05).half().float()
+    ids, w = route_fused(h, router32, k, norm)
+    ids_ref, w_ref = route(h, router32, k, norm)
+    assert torch.equal(ids, ids_ref)
+    assert torch.allclose(w, w_ref, rtol=1e-5, atol=1e-6)
+    if norm:
+        assert torch.allclose(w.sum(-1), torch.ones(n), atol=1e-5)
+
+
+def test_route_fused_refuses_a_top_k_it_cannot_tile():
+    from runmap.fused_ops import route_fused
+
+    with pytest.raises(ValueError, match="power-of-two top_k"):
+        route_fused(torch.zeros(1, 8).half(), torch.zeros(4, 8), 3, False)

@@ -1,0 +1,115 @@
+"""Decode GEMV kernels of the ``topk-fused`` executor, organised around whole scale blocks.
+
+Why a second GEMV formulation (``kernels.core.gemv_tiles`` is the first): at batch 1 a layer's expert
+kernels are latency-bound, not bandwidth-bound. These kernels therefore
+
+* walk K one scale block (QBLOCK values = QBLOCK/2 bytes per weight row) at a time, SUB blocks per loop
+  iteration as independent loads, so that many bytes are in flight per program;
+* read the activation's even / odd columns with two strided loads (no register reshape / split, which
+  costs a shared-memory round trip per tile);
+* apply one scale per (row, block) to the block's partial products, accumulated in (BN, QBLOCK/2) fp32
+  registers and reduced across K once at the end;
+* (down) hold all k slots of a token as a leading tensor dimension, so the k experts' weight tiles are
+  loaded together instead of one expert after the other, and the gate-weighted sum over the slots is a
+  fixed-order register reduction: no atomics, no per-pair buffer, deterministic.
+
+Packed weights and scales as in ``kernels.core``: uint8 (N, K/2), byte j of a row = k 2j (low nibble) and
+2j + 1 (high nibble), value q + 8; fp16 scales (N, NB), NB = ceil(K / QBLOCK). QBLOCK must be a power of
+two (the wrappers check it); a partial last block is masked.
+"""
+from __future__ import annotations
+
+import triton
+import triton.language as tl
+
+from kernels.core import nibbles_f32, resolve_row, silu_mul
+
+
+@triton.jit
+def _pair_gate_up_kernel(
+    x_ptr, ids_ptr, row_table_ptr, w_ptr, s_ptr, h_ptr,  # x (T, H) fp16, ids (T*k,), h (T*k, I) fp16
+    n_experts, n_rows, row_bytes, stride_xm,
+    gate_w, gate_s, up_w, up_s,  # section offsets inside a row (bytes / fp16 elements)
+    N: tl.constexpr, K: tl.constexpr, NB: tl.constexpr, QBLOCK: tl.constexpr, TOPK: tl.constexpr,
+    BLOCK_N: tl.constexpr, SUB: tl.constexpr,
+):
+    """Program (p, n): h[p, n-tile] = fp16(silu(x[t] Wg^T) * (x[t] Wu^T)) for pair p = t*k + j."""
+    HALF: tl.constexpr = QBLOCK // 2
+    KB: tl.constexpr = K // 2
+    pid_p = tl.program_id(0)
+    offs_n = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)  # (BN,) over I
+    n_mask = offs_n < N
+    offs_j = tl.arange(0, HALF)  # (HALF,) byte within a scale block
+    expert = tl.load(ids_ptr + pid_p)
+    row, ok = resolve_row(expert, row_table_ptr, n_experts, n_rows)
+    w_row = w_ptr + row * row_bytes
+    s_row = s_ptr + row * (row_bytes // 2)
+    x_row = x_ptr + (pid_p // TOPK).to(tl.int64) * stride_xm
+    g_ptrs = w_row + gate_w + offs_n[:, None] * KB + offs_j[None, :]  # (BN, HALF)
+    u_ptrs = w_row + up_w + offs_n[:, None] * KB + offs_j[None, :]
+    part_g = tl.zeros((BLOCK_N, HALF), tl.float32)
+    part_u = tl.zeros((BLOCK_N, HALF), tl.float32)
+    for b0 in range(0, NB, SUB):
+        for u in tl.static_range(SUB):
+            blk = b0 + u
+            offs_kb = blk * HALF + offs_j  # (HALF,) byte index = k // 2
+            k_ok = offs_kb < KB
+            wm = (n_mask & ok)[:, None] & k_ok[None, :]
+            sm = n_mask & ok & (blk < NB)
+            xe = tl.load(x_row + 2 * offs_kb, mask=k_ok, other=0.0).to(tl.float32)  # (HALF,) even k
+            xo = tl.load(x_row + 2 * offs_kb + 1, mask=k_ok, other=0.0).to(tl.float32)  # (HALF,) odd k
+            sg = tl.load(s_row + gate_s + offs_n * NB + blk, mask=sm, other=0.0).to(tl.float32)  # (BN,)
+            su = tl.load(s_row + up_s + offs_n * NB + blk, mask=sm, other=0.0).to(tl.float32)
+            lo, hi = nibbles_f32(tl.load(g_ptrs + blk * HALF, mask=wm, other=0))  # (BN, HALF) fp32
+            part_g += (lo * xe[None, :] + hi * xo[None, :]) * sg[:, None]
+            lo, hi = nibbles_f32(tl.load(u_ptrs + blk * HALF, mask=wm, other=0))
+            part_u += (lo * xe[None, :] + hi * xo[None, :]) * su[:, None]
+    g = tl.sum(part_g, axis=1)  # (BN,)
+    up = tl.sum(part_u, axis=1)
+    h = tl.where(ok, silu_mul(g, up), float("nan"))  # NaN marks a non-resident expert, never a substitute
+    tl.store(h_ptr + pid_p.to(tl.int64) * N + offs_n, h.to(tl.float16), mask=n_mask)
+
+
+@triton.jit
+def _token_down_kernel(
+    h_ptr, ids_ptr, wts_ptr, row_table_ptr, w_ptr, s_ptr, y_ptr,  # h (T*k, I) fp16, wts (T*k,) fp32, y (T, H) fp16
+    n_experts, n_rows, row_bytes, stride_ym, down_w, down_s,
+    N: tl.constexpr, K: tl.constexpr, NB: tl.constexpr, QBLOCK: tl.constexpr, TOPK: tl.constexpr,
+    TOPK_P2: tl.constexpr, BLOCK_N: tl.constexpr, SUB: tl.constexpr,
+):
+    """Program (t, n): y[t, n-tile] = fp16(sum_j wts[t, j] * (h[t*k + j] Wd_e^T)), the k slots as one
+    (TOPK_P2, BN, QBLOCK/2) tile per scale block, summed over j in a fixed order."""
+    HALF: tl.constexpr = QBLOCK // 2
+    KB: tl.constexpr = K // 2
+    t = tl.program_id(0)
+    offs_n = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)  # (BN,) over H
+    n_mask = offs_n < N
+    offs_j = tl.arange(0, HALF)
+    offs_s = tl.arange(0, TOPK_P2)  # (S,) slots
+    s_ok = offs_s < TOPK
+    pairs = t * TOPK + offs_s  # (S,)
+    expert = tl.load(ids_ptr + pairs, mask=s_ok, other=-1)
+    row, ok = resolve_row(expert, row_table_ptr, n_experts, n_rows)  # (S,) each
+    gw = tl.load(wts_ptr + pairs, mask=s_ok, other=0.0)  # (S,) fp32 gate weights
+    w_base = w_ptr + row * row_bytes + down_w  # (S,) uint8 pointers
+    s_base = s_ptr + row * (row_bytes // 2) + down_s  # (S,) fp16 pointers
+    h_base = h_ptr + pairs.to(tl.int64) * K  # (S,)
+    w_ptrs = w_base[:, None, None] + (offs_n * KB)[None, :, None] + offs_j[None, None, :]  # (S, BN, HALF)
+    part = tl.zeros((TOPK_P2, BLOCK_N, HALF), tl.float32)
+    for b0 in range(0, NB, SUB):
+        for u in tl.static_range(SUB):
+            blk = b0 + u
+            offs_kb = blk * HALF + offs_j
+            k_ok = offs_kb < KB
+            hm = ok[:, None] & k_ok[None, :]  # (S, HALF)
+            he = tl.load(h_base[:, None] + 2 * offs_kb[None, :], mask=hm, other=0.0).to(tl.float32)
+            ho = tl.load(h_base[:, None] + 2 * offs_kb[None, :] + 1, mask=hm, other=0.0).to(tl.float32)
+            sm = ok[:, None] & (n_mask & (blk < NB))[None, :]  # (S, BN)
+            s = tl.load(s_base[:, None] + offs_n[None, :] * NB + blk, mask=sm, other=0.0).to(tl.float32)
+            wm = sm[:, :, None] & k_ok[None, None, :]
+            lo, hi = nibbles_f32(tl.load(w_ptrs + blk * HALF, mask=wm, other=0))  # (S, BN, HALF) fp32
+            part += (lo * he[:, None, :] + hi * ho[:, None, :]) * (s * gw[:, None])[:, :, None]
+    acc = tl.sum(tl.sum(part, axis=2), axis=0)  # (BN,)
+    missing = tl.sum((s_ok & ~ok).to(tl.int32), axis=0)  # slots whose expert is not resident
+    acc = tl.where(missing > 0, float("nan"), acc)
+    tl.store(y_ptr + t.to(tl.int64) * stride_ym + offs_n, acc.to(tl.float16), mask=n_mask)

@@ -1,0 +1,124 @@
+"""GPU exploration (not a test, not the official record): decode-time tile sweep of the topk-fused
+kernels ("tiles" = kernels/topk_fused.py, "blocks" = kernels/gemv.py), each launch timed alone, and the
+router (torch vs the two-launch Triton router). 16 layers of distinct weights captured in one CUDA graph.
+
+    PYTHONPATH=. python3 scripts/explore_decode.py --out $OUT/explore.json
+"""
+from __future__ import annotations
+
+import argparse
+import itertools
+import json
+import sys
+from pathlib import Path
+
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from bench_kernels import LAYERS, MODELS, copy_bandwidth, graph_of, median, random_layer, routing  # noqa: E402
+from kernels.reference import reference_moe_f32  # noqa: E402
+from kernels.topk_fused import topk_down, topk_gate_up  # noqa: E402
+from runmap.cuda_timing import event_times_ms  # noqa: E402
+from runmap.qpack import RowLayout  # noqa: E402
+
+
+def time_graph(fn) -> float:
+    replay = graph_of(fn)
+    return median(event_times_ms(replay, reps=30, warmup=3)) / LAYERS * 1e3  # us per layer
+
+
+def main():
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--out", required=True)
+    args = ap.parse_args()
+    gen = torch.Generator(device="cuda").manual_seed(0)
+    out = {"copy": copy_bandwidth(1 << 30), "rows": []}
+    copy = out["copy"]["gbps"]
+    print(f"copy {copy:.0f} GB/s", flush=True)
+    for model, spec in MODELS.items():
+        hdim, idim, e, k = spec["hidden"], spec["intermediate"], spec["experts"], spec["top_k"]
+        layout = RowLayout.build(hdim, idim)
+        layers = [random_layer(layout, e, gen) for _ in range(LAYERS)]
+        table = torch.arange(e, dtype=torch.int32, device="cuda")
+        gu_bytes = 2 * idim * (hdim // 2 + 2 * -(-hdim // 256))
+        dn_bytes = hdim * (idim // 2 + 2 * -(-idim // 256))
+        for tokens in (1, 8):
+            batches = []
+            for _ in range(LAYERS):
+                ids, w = routing(tokens, e, k, gen)
+                batches.append((torch.randn(tokens, hdim, device="cuda", generator=gen).half(), ids, w))
+            hs = [torch.randn(tokens * k, idim, device="cuda", generator=gen).half() for _ in range(LAYERS)]
+            pairs = tokens * k
+
+            def run(kind, cfg):
+                def gu():
+                    for (x, ids, w), st in zip(batches, layers):
+                        topk_gate_up(x, ids, st, table, layout, cfg)
+
+                def dn():
+                    for (x, ids, w), st, h in zip(batches, layers, hs):
+                        topk_down(h, ids, w, st, table, layout, cfg)
+
+                fn = gu if kind == "gate_up" else dn
+                try:
+                    us = time_graph(fn)
+                except Exception as exc:
+                    print(f"  {model} T={tokens} {kind} {cfg}: FAILED {type(exc).__name__}: {str(exc)[:200]}")
+                    return None
+                nbytes = pairs * (gu_bytes if kind == "gate_up" else dn_bytes)
+                gbps = nbytes / us / 1e3
+                row = {"model": model, "tokens": tokens, "kind": kind, "config": cfg, "us": us, "gbps": gbps,
+                       "fraction": gbps / copy}
+                out["rows"].append(row)
+                return row
+
+            # correctness of the whole topk-fused path with the first blocks config, against FP32 reference
+            x, ids, w = batches[0]
+            ref = reference_moe_f32(x, ids, w, layers[0], table, layout)
+            gu_cfgs = [{"KERNEL": "tiles", "BLOCK_N": 16, "BLOCK_K": 512, "num_warps": 4}]
+            gu_cfgs += [{"KERNEL": "blocks", "BLOCK_N": bn, "SUB": sub, "num_warps": nw}
+                        for bn, sub, nw in itertools.product((4, 8, 16, 32), (1, 2, 4), (4, 8))]
+            dn_cfgs = [{"KERNEL": "tiles", "DOWN_BLOCK_N": 8, "DOWN_BLOCK_K": 1024, "num_warps": 4}]
+            dn_cfgs += [{"KERNEL": "blocks", "DOWN_BLOCK_N": bn, "DOWN_SUB": sub, "num_warps": nw}
+                        for bn, sub, nw in itertools.product((2, 4, 8, 16), (1, 2), (4, 8))]
+            best = {}
+            for kind, cfgs in (("gate_up", gu_cfgs), ("down", dn_cfgs)):
+                res = [r for r in (run(kind, c) for c in cfgs) if r]
+                res.sort(key=lambda r: r["us"])
+                best[kind] = res[0]["config"] if res else None
+                for r in res[:4]:
+                    print(f"  {model} T={tokens} {kind:7s} {r['us']:7.2f} us {r['gbps']:6.0f} GB/s "
+                          f"{r['fraction']:.2f}  {r['config']}", flush=True)
+                tiles = [r for r in res if r["config"]["KERNEL"] == "tiles"]
+                if tiles:
+                    print(f"  {model} T={tokens} {kind:7s} tiles {tiles[0]['us']:.2f} us", flush=True)
+            cfg = dict(best["gate_up"] or {}, **{kk: v for kk, v in (best["down"] or {}).items() if kk.startswith("DOWN")})
+            cfg["KERNEL"] = "blocks"
+            from kernels.executors import moe_experts
+            y = moe_experts("topk-fused", x, ids, w, layers[0], table, layout, config=cfg)
+            err = float((y.float() - ref).norm() / ref.norm())
+            out.setdefault("checks", []).append({"model": model, "tokens": tokens, "config": cfg, "rel_err": err})
+            print(f"  {model} T={tokens} best-combo rel err {err:.2e}", flush=True)
+
+        # router: torch vs fused, 16 layers graph
+        from runmap.fused_ops import route_fused
+        from runmap.model import route
+        r32 = [torch.randn(e, hdim, device="cuda", generator=gen) * 0.02 for _ in range(LAYERS)]
+        for tokens in (1, 8):
+            hh = torch.randn(tokens, hdim, device="cuda", generator=gen).half()
+            a = route(hh, r32[0], k, False)
+            b = route_fused(hh, r32[0], k, False)
+            same = bool(torch.equal(a[0], b[0]))
+            for name, fn in (("torch", route), ("fused", route_fused)):
+                us = time_graph(lambda fn=fn: [fn(hh, r, k, False) for r in r32])
+                out["rows"].append({"model": model, "tokens": tokens, "kind": "router-" + name, "us": us,
+                                    "same_ids": same})
+                print(f"  {model} T={tokens} router {name}: {us:.2f} us/layer (same ids {same})", flush=True)
+        del layers
+        torch.cuda.empty_cache()
+    Path(args.out).write_text(json.dumps(out, indent=1))
+
+
+if __name__ == "__main__":
+    main()
