@@ -31,7 +31,7 @@ def _pair_gate_up_kernel(
     n_experts, n_rows, row_bytes, stride_xm,
     gate_w, gate_s, up_w, up_s,  # section offsets inside a row (bytes / fp16 elements)
     N: tl.constexpr, K: tl.constexpr, NB: tl.constexpr, QBLOCK: tl.constexpr, TOPK: tl.constexpr,
-    BLOCK_N: tl.constexpr, SUB: tl.constexpr,
+    BLOCK_N: tl.constexpr, SUB: tl.constexpr, EVEN: tl.constexpr,
 ):
     """Program (p, n): h[p, n-tile] = fp16(silu(x[t] Wg^T) * (x[t] Wu^T)) for pair p = t*k + j."""
     HALF: tl.constexpr = QBLOCK // 2
@@ -56,13 +56,25 @@ def _pair_gate_up_kernel(
             k_ok = offs_kb < KB
             wm = (n_mask & ok)[:, None] & k_ok[None, :]
             sm = n_mask & ok & (blk < NB)
-            xe = tl.load(x_row + 2 * offs_kb, mask=k_ok, other=0.0).to(tl.float32)  # (HALF,) even k
-            xo = tl.load(x_row + 2 * offs_kb + 1, mask=k_ok, other=0.0).to(tl.float32)  # (HALF,) odd k
-            sg = tl.load(s_row + gate_s + offs_n * NB + blk, mask=sm, other=0.0).to(tl.float32)  # (BN,)
-            su = tl.load(s_row + up_s + offs_n * NB + blk, mask=sm, other=0.0).to(tl.float32)
-            lo, hi = nibbles_f32(tl.load(g_ptrs + blk * HALF, mask=wm, other=0))  # (BN, HALF) fp32
+            if EVEN:
+                xe = tl.load(x_row + 2 * offs_kb).to(tl.float32)  # (HALF,) even k
+                xo = tl.load(x_row + 2 * offs_kb + 1).to(tl.float32)  # (HALF,) odd k
+            else:
+                xe = tl.load(x_row + 2 * offs_kb, mask=k_ok, other=0.0).to(tl.float32)
+                xo = tl.load(x_row + 2 * offs_kb + 1, mask=k_ok, other=0.0).to(tl.float32)
+            if EVEN:  # no partial block, tile or SUB group: unmasked loads (a non-resident expert reads row 0)
+                sg = tl.load(s_row + gate_s + offs_n * NB + blk).to(tl.float32)  # (BN,)
+                su = tl.load(s_row + up_s + offs_n * NB + blk).to(tl.float32)
+                pg = tl.load(g_ptrs + blk * HALF)  # (BN, HALF) uint8
+                pu = tl.load(u_ptrs + blk * HALF)
+            else:
+                sg = tl.load(s_row + gate_s + offs_n * NB + blk, mask=sm, other=0.0).to(tl.float32)
+                su = tl.load(s_row + up_s + offs_n * NB + blk, mask=sm, other=0.0).to(tl.float32)
+                pg = tl.load(g_ptrs + blk * HALF, mask=wm, other=0)
+                pu = tl.load(u_ptrs + blk * HALF, mask=wm, other=0)
+            lo, hi = nibbles_f32(pg)  # (BN, HALF) fp32
             part_g += (lo * xe[None, :] + hi * xo[None, :]) * sg[:, None]
-            lo, hi = nibbles_f32(tl.load(u_ptrs + blk * HALF, mask=wm, other=0))
+            lo, hi = nibbles_f32(pu)
             part_u += (lo * xe[None, :] + hi * xo[None, :]) * su[:, None]
     g = tl.sum(part_g, axis=1)  # (BN,)
     up = tl.sum(part_u, axis=1)
@@ -75,7 +87,7 @@ def _token_down_kernel(
     h_ptr, ids_ptr, wts_ptr, row_table_ptr, w_ptr, s_ptr, y_ptr,  # h (T*k, I) fp16, wts (T*k,) fp32, y (T, H) fp16
     n_experts, n_rows, row_bytes, stride_ym, down_w, down_s,
     N: tl.constexpr, K: tl.constexpr, NB: tl.constexpr, QBLOCK: tl.constexpr, TOPK: tl.constexpr,
-    TOPK_P2: tl.constexpr, BLOCK_N: tl.constexpr, SUB: tl.constexpr,
+    TOPK_P2: tl.constexpr, BLOCK_N: tl.constexpr, SUB: tl.constexpr, EVEN: tl.constexpr,
 ):
     """Program (t, n): y[t, n-tile] = fp16(sum_j wts[t, j] * (h[t*k + j] Wd_e^T)), the k slots as one
     (TOPK_P2, BN, QBLOCK/2) tile per scale block, summed over j in a fixed order."""
@@ -101,14 +113,21 @@ def _token_down_kernel(
             blk = b0 + u
             offs_kb = blk * HALF + offs_j
             k_ok = offs_kb < KB
-            hm = ok[:, None] & k_ok[None, :]  # (S, HALF)
-            he = tl.load(h_base[:, None] + 2 * offs_kb[None, :], mask=hm, other=0.0).to(tl.float32)
-            ho = tl.load(h_base[:, None] + 2 * offs_kb[None, :] + 1, mask=hm, other=0.0).to(tl.float32)
-            sm = ok[:, None] & (n_mask & (blk < NB))[None, :]  # (S, BN)
-            s = tl.load(s_base[:, None] + offs_n[None, :] * NB + blk, mask=sm, other=0.0).to(tl.float32)
-            wm = sm[:, :, None] & k_ok[None, None, :]
-            lo, hi = nibbles_f32(tl.load(w_ptrs + blk * HALF, mask=wm, other=0))  # (S, BN, HALF) fp32
+            if EVEN:  # k = TOPK_P2 slots, no partial block, tile or SUB group: unmasked loads
+                he = tl.load(h_base[:, None] + 2 * offs_kb[None, :]).to(tl.float32)  # (S, HALF)
+                ho = tl.load(h_base[:, None] + 2 * offs_kb[None, :] + 1).to(tl.float32)
+                s = tl.load(s_base[:, None] + offs_n[None, :] * NB + blk).to(tl.float32)  # (S, BN)
+                pw = tl.load(w_ptrs + blk * HALF)  # (S, BN, HALF) uint8
+            else:
+                hm = ok[:, None] & k_ok[None, :]  # (S, HALF)
+                he = tl.load(h_base[:, None] + 2 * offs_kb[None, :], mask=hm, other=0.0).to(tl.float32)
+                ho = tl.load(h_base[:, None] + 2 * offs_kb[None, :] + 1, mask=hm, other=0.0).to(tl.float32)
+                sm = ok[:, None] & (n_mask & (blk < NB))[None, :]  # (S, BN)
+                s = tl.load(s_base[:, None] + offs_n[None, :] * NB + blk, mask=sm, other=0.0).to(tl.float32)
+                pw = tl.load(w_ptrs + blk * HALF, mask=sm[:, :, None] & k_ok[None, None, :], other=0)
+            lo, hi = nibbles_f32(pw)  # (S, BN, HALF) fp32
             part += (lo * he[:, None, :] + hi * ho[:, None, :]) * (s * gw[:, None])[:, :, None]
+    # EVEN: a non-resident slot read row 0 with its real gate weight; the NaN below replaces the result
     acc = tl.sum(tl.sum(part, axis=2), axis=0)  # (BN,)
     missing = tl.sum((s_ok & ~ok).to(tl.int32), axis=0)  # slots whose expert is not resident
     acc = tl.where(missing > 0, float("nan"), acc)

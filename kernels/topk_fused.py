@@ -96,13 +96,27 @@ def default_config(device: torch.device) -> dict:
     if common.interpreting(device):
         return {"KERNEL": "blocks", "BLOCK_N": 512, "BLOCK_K": 256, "SUB": 1,
                 "DOWN_BLOCK_N": 512, "DOWN_BLOCK_K": 256, "DOWN_SUB": 1}
-    return {"KERNEL": "blocks", "BLOCK_N": 16, "BLOCK_K": 512, "SUB": 2,
-            "DOWN_BLOCK_N": 8, "DOWN_BLOCK_K": 1024, "DOWN_SUB": 1, "num_warps": 4}
+    # Best of the H200 sweeps (scripts/explore_decode.py, results/kernels/explore-h200.json)
+    return {"KERNEL": "blocks", "BLOCK_N": 16, "BLOCK_K": 512, "SUB": 2, "num_warps": 8,
+            "DOWN_BLOCK_N": 8, "DOWN_BLOCK_K": 1024, "DOWN_SUB": 2, "DOWN_num_warps": 8}
 
 
 def _use_blocks(cfg: dict, layout: RowLayout) -> bool:
     q = layout.block_size
     return cfg.get("KERNEL", "tiles") == "blocks" and q >= 16 and q & (q - 1) == 0
+
+
+def _even(k: int, n: int, nb: int, qblock: int, block_n: int, sub: int) -> bool:
+    """Whether the "blocks" kernels may skip every mask: whole scale blocks, whole N tiles, whole SUB groups."""
+    return k % qblock == 0 and n % block_n == 0 and nb % sub == 0
+
+
+def _down_launch_opts(cfg: dict) -> dict:
+    """The down launch may use its own warp count (DOWN_num_warps), else the config's."""
+    opts = common.launch_opts(cfg)
+    if "DOWN_num_warps" in cfg:
+        opts["num_warps"] = cfg["DOWN_num_warps"]
+    return opts
 
 
 def _check_common(storage, layout, topk_ids, row_table):
@@ -139,7 +153,8 @@ def topk_gate_up(x, topk_ids, storage, row_table, layout: RowLayout, config: dic
             row_table.numel(), storage.shape[0], layout.row_bytes, x.stride(0),
             g.w_off, g.s_off, u.w_off, u.s_off,
             N=g.n, K=g.k, NB=g.nb, QBLOCK=layout.block_size, TOPK=k,
-            BLOCK_N=cfg["BLOCK_N"], SUB=cfg["SUB"], **common.launch_opts(cfg),
+            BLOCK_N=cfg["BLOCK_N"], SUB=cfg["SUB"],
+            EVEN=_even(g.k, g.n, g.nb, layout.block_size, cfg["BLOCK_N"], cfg["SUB"]), **common.launch_opts(cfg),
         )
         return h
     bk, groups, tile = common.gemv_block_k(cfg["BLOCK_K"], layout.block_size)
@@ -179,7 +194,9 @@ def topk_down(h, topk_ids, topk_weights, storage, row_table, layout: RowLayout,
             h, topk_ids, topk_weights, row_table, storage, storage.view(torch.float16), y,
             row_table.numel(), storage.shape[0], layout.row_bytes, y.stride(0), d.w_off, d.s_off,
             N=d.n, K=d.k, NB=d.nb, QBLOCK=layout.block_size, TOPK=k, TOPK_P2=common.next_pow2(k),
-            BLOCK_N=cfg["DOWN_BLOCK_N"], SUB=cfg["DOWN_SUB"], **common.launch_opts(cfg),
+            BLOCK_N=cfg["DOWN_BLOCK_N"], SUB=cfg["DOWN_SUB"],
+            EVEN=_even(d.k, d.n, d.nb, layout.block_size, cfg["DOWN_BLOCK_N"], cfg["DOWN_SUB"]) and k == common.next_pow2(k),
+            **_down_launch_opts(cfg),
         )
         return y
     bk, groups, tile = common.gemv_block_k(cfg["DOWN_BLOCK_K"], layout.block_size)
@@ -187,7 +204,7 @@ def topk_down(h, topk_ids, topk_weights, storage, row_table, layout: RowLayout,
         h, topk_ids, topk_weights, row_table, storage, storage.view(torch.float16), y,
         row_table.numel(), storage.shape[0], layout.row_bytes, y.stride(0), d.w_off, d.s_off,
         N=d.n, K=d.k, NB=d.nb, QBLOCK=layout.block_size, TOPK=k,
-        BLOCK_N=cfg["DOWN_BLOCK_N"], BLOCK_K=bk, TILE_SCALE=tile, GROUPS=groups, **common.launch_opts(cfg),
+        BLOCK_N=cfg["DOWN_BLOCK_N"], BLOCK_K=bk, TILE_SCALE=tile, GROUPS=groups, **_down_launch_opts(cfg),
     )
     return y
 

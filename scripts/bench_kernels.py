@@ -46,12 +46,13 @@ PREFILL_LAYERS = 4
 TARGET_DECODE_FRACTION = 0.70
 TARGET_PREFILL_RATIO = 1.0
 
-TOPK_CONFIGS = [
-    {"BLOCK_N": 32, "BLOCK_K": 256, "DOWN_BLOCK_N": 16, "DOWN_BLOCK_K": 256, "num_warps": 4},
-    {"BLOCK_N": 16, "BLOCK_K": 512, "DOWN_BLOCK_N": 8, "DOWN_BLOCK_K": 1024, "num_warps": 4},
-    {"BLOCK_N": 16, "BLOCK_K": 1024, "DOWN_BLOCK_N": 16, "DOWN_BLOCK_K": 512, "num_warps": 8},
-    {"BLOCK_N": 8, "BLOCK_K": 1024, "DOWN_BLOCK_N": 8, "DOWN_BLOCK_K": 512, "num_warps": 4},
-    {"BLOCK_N": 32, "BLOCK_K": 512, "DOWN_BLOCK_N": 16, "DOWN_BLOCK_K": 1024, "num_warps": 8},
+TOPK_CONFIGS = [  # "blocks" = kernels/gemv.py (default), "tiles" = the first GEMV kernels of kernels/topk_fused.py
+    {"KERNEL": "blocks", "BLOCK_N": 16, "SUB": 2, "num_warps": 8, "DOWN_BLOCK_N": 8, "DOWN_SUB": 2, "DOWN_num_warps": 8},
+    {"KERNEL": "blocks", "BLOCK_N": 16, "SUB": 4, "num_warps": 4, "DOWN_BLOCK_N": 16, "DOWN_SUB": 1, "DOWN_num_warps": 4},
+    {"KERNEL": "blocks", "BLOCK_N": 8, "SUB": 1, "num_warps": 4, "DOWN_BLOCK_N": 4, "DOWN_SUB": 2, "DOWN_num_warps": 8},
+    {"KERNEL": "blocks", "BLOCK_N": 32, "SUB": 1, "num_warps": 8, "DOWN_BLOCK_N": 8, "DOWN_SUB": 1, "DOWN_num_warps": 8},
+    {"KERNEL": "tiles", "BLOCK_N": 16, "BLOCK_K": 512, "DOWN_BLOCK_N": 8, "DOWN_BLOCK_K": 1024, "num_warps": 4,
+     "DOWN_num_warps": 4},
 ]
 GROUPED_DECODE_CONFIGS = [
     {"BLOCK_M": 16, "BLOCK_N": 32, "BLOCK_K": 256, "DOWN_BLOCK_N": 32, "DOWN_BLOCK_K": 256, "num_warps": 4, "num_stages": 3},

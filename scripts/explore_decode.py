@@ -78,10 +78,10 @@ def main():
             ref = reference_moe_f32(x, ids, w, layers[0], table, layout)
             gu_cfgs = [{"KERNEL": "tiles", "BLOCK_N": 16, "BLOCK_K": 512, "num_warps": 4}]
             gu_cfgs += [{"KERNEL": "blocks", "BLOCK_N": bn, "SUB": sub, "num_warps": nw}
-                        for bn, sub, nw in itertools.product((4, 8, 16, 32), (1, 2, 4), (4, 8))]
-            dn_cfgs = [{"KERNEL": "tiles", "DOWN_BLOCK_N": 8, "DOWN_BLOCK_K": 1024, "num_warps": 4}]
-            dn_cfgs += [{"KERNEL": "blocks", "DOWN_BLOCK_N": bn, "DOWN_SUB": sub, "num_warps": nw}
-                        for bn, sub, nw in itertools.product((2, 4, 8, 16), (1, 2), (4, 8))]
+                        for bn, sub, nw in itertools.product((8, 16, 32), (1, 2, 4), (4, 8))]
+            dn_cfgs = [{"KERNEL": "tiles", "DOWN_BLOCK_N": 8, "DOWN_BLOCK_K": 1024, "DOWN_num_warps": 4}]
+            dn_cfgs += [{"KERNEL": "blocks", "DOWN_BLOCK_N": bn, "DOWN_SUB": sub, "DOWN_num_warps": nw}
+                        for bn, sub, nw in itertools.product((4, 8, 16), (1, 2, 4), (4, 8))]
             best = {}
             for kind, cfgs in (("gate_up", gu_cfgs), ("down", dn_cfgs)):
                 res = [r for r in (run(kind, c) for c in cfgs) if r]
