@@ -237,19 +237,21 @@ def _decode_attn_kernel(q_ptr, k_ptr, v_ptr, out_ptr, slot_ptr, pad_ptr,
     acc = tl.zeros((D,), dtype=tl.float32)
     base = b * stride_cb + hk * stride_ch
     for n0 in range(0, N_KEYS, BLOCK_N):  # N_KEYS: the KV bucket (a few values: one compile each)
-        j = n0 + offs_n
-        valid = (j >= pad) & (j <= slot)
-        kv_off = base + j[:, None] * stride_cs + offs_d[None, :]
-        k = tl.load(k_ptr + kv_off, mask=valid[:, None], other=0.0).to(tl.float32)  # (BLOCK_N, D)
-        s = tl.where(valid, tl.sum(k * q[None, :], axis=1), float("-inf"))  # (BLOCK_N,)
-        m_new = tl.maximum(m_i, tl.max(s, axis=0))
-        m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)  # a block with no valid key yet (left padding)
-        alpha = tl.exp(m_i - m_safe)
-        p = tl.exp(s - m_safe)
-        v = tl.load(v_ptr + kv_off, mask=valid[:, None], other=0.0).to(tl.float32)
-        acc = acc * alpha + tl.sum(p[:, None] * v, axis=0)
-        l_i = l_i * alpha + tl.sum(p, axis=0)
-        m_i = m_new
+        # blocks past the new token's slot hold no valid key: skip them (a bucket is up to 2x the keys)
+        if n0 <= slot:
+            j = n0 + offs_n
+            valid = (j >= pad) & (j <= slot)
+            kv_off = base + j[:, None] * stride_cs + offs_d[None, :]
+            k = tl.load(k_ptr + kv_off, mask=valid[:, None], other=0.0).to(tl.float32)  # (BLOCK_N, D)
+            s = tl.where(valid, tl.sum(k * q[None, :], axis=1), float("-inf"))  # (BLOCK_N,)
+            m_new = tl.maximum(m_i, tl.max(s, axis=0))
+            m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)  # a block with no valid key yet (left padding)
+            alpha = tl.exp(m_i - m_safe)
+            p = tl.exp(s - m_safe)
+            v = tl.load(v_ptr + kv_off, mask=valid[:, None], other=0.0).to(tl.float32)
+            acc = acc * alpha + tl.sum(p[:, None] * v, axis=0)
+            l_i = l_i * alpha + tl.sum(p, axis=0)
+            m_i = m_new
     tl.store(out_ptr + (b * NH + hq) * D + offs_d, (acc / l_i).to(tl.float16))
 
 

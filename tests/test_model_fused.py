@@ -64,3 +64,24 @@ def test_route_fused_refuses_a_top_k_it_cannot_tile():
 
     with pytest.raises(ValueError, match="power-of-two top_k"):
         route_fused(torch.zeros(1, 8).half(), torch.zeros(4, 8), 3, False)
+
+
+@pytest.mark.parametrize("slot,n_keys,pads", [(70, 256, (0, 5)), (0, 64, (0, 0)), (130, 256, (3, 129))])
+def test_decode_attention_attends_exactly_pad_to_slot(slot, n_keys, pads):
+    """Keys past the slot (the rest of the KV bucket, filled with garbage here) and left padding are ignored;
+    blocks wholly past the slot are skipped."""
+    from runmap.fused_ops import decode_attention
+
+    g = torch.Generator().manual_seed(slot)
+    B, nh, nkv, D = 2, 4, 2, 16
+    q = torch.randn(B, nh, 1, D, generator=g).half()
+    kc = (torch.randn(B, nkv, n_keys + 8, D, generator=g) * 3).half()
+    vc = torch.randn(B, nkv, n_keys + 8, D, generator=g).half()
+    pad = torch.tensor(pads)
+    out = decode_attention(q, kc, vc, torch.tensor([slot]), pad, n_keys)  # (B, 1, nh*D)
+    for b in range(B):
+        k = kc[b, :, pad[b]:slot + 1].float().repeat_interleave(nh // nkv, 0)  # (nh, n, D)
+        v = vc[b, :, pad[b]:slot + 1].float().repeat_interleave(nh // nkv, 0)
+        w = torch.softmax(q[b].float() @ k.transpose(1, 2) / D ** 0.5, dim=-1)  # (nh, 1, n)
+        ref = (w @ v).reshape(1, nh * D)
+        assert torch.allclose(out[b].float(), ref, atol=2e-3, rtol=2e-3)
