@@ -61,8 +61,10 @@ GROUPED_DECODE_CONFIGS = [
 ]
 GROUPED_PREFILL_CONFIGS = [
     {"BLOCK_M": 64, "BLOCK_N": 64, "BLOCK_K": 128, "DOWN_BLOCK_N": 64, "DOWN_BLOCK_K": 128, "num_warps": 4, "num_stages": 3},
-    {"BLOCK_M": 64, "BLOCK_N": 64, "BLOCK_K": 256, "DOWN_BLOCK_N": 64, "DOWN_BLOCK_K": 256, "num_warps": 4, "num_stages": 3},
-    {"BLOCK_M": 32, "BLOCK_N": 64, "BLOCK_K": 256, "DOWN_BLOCK_N": 64, "DOWN_BLOCK_K": 256, "num_warps": 4, "num_stages": 3},
+    {"BLOCK_M": 64, "BLOCK_N": 64, "BLOCK_K": 128, "DOWN_BLOCK_N": 64, "DOWN_BLOCK_K": 128, "num_warps": 4, "num_stages": 5},
+    {"BLOCK_M": 64, "BLOCK_N": 64, "BLOCK_K": 64, "DOWN_BLOCK_N": 64, "DOWN_BLOCK_K": 64, "num_warps": 4, "num_stages": 4},
+    {"BLOCK_M": 64, "BLOCK_N": 128, "BLOCK_K": 64, "DOWN_BLOCK_N": 128, "DOWN_BLOCK_K": 64, "num_warps": 8, "num_stages": 4},
+    {"BLOCK_M": 64, "BLOCK_N": 128, "BLOCK_K": 128, "DOWN_BLOCK_N": 128, "DOWN_BLOCK_K": 128, "num_warps": 8, "num_stages": 3},
     {"BLOCK_M": 64, "BLOCK_N": 32, "BLOCK_K": 128, "DOWN_BLOCK_N": 32, "DOWN_BLOCK_K": 128, "num_warps": 4, "num_stages": 4},
 ]
 
