@@ -96,7 +96,7 @@ def default_config(device: torch.device) -> dict:
     if common.interpreting(device):
         return {"KERNEL": "blocks", "BLOCK_N": 512, "BLOCK_K": 256, "SUB": 1,
                 "DOWN_BLOCK_N": 512, "DOWN_BLOCK_K": 256, "DOWN_SUB": 1}
-    # Best of the H200 sweeps (scripts/explore_decode.py, results/kernels/explore-h200.json)
+    # Best of the H200 sweeps (scripts/explore_decode.py, results/kernels/explore/h200-decode.json)
     return {"KERNEL": "blocks", "BLOCK_N": 16, "BLOCK_K": 512, "SUB": 2, "num_warps": 8,
             "DOWN_BLOCK_N": 8, "DOWN_BLOCK_K": 1024, "DOWN_SUB": 2, "DOWN_num_warps": 8}
 

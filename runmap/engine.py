@@ -60,7 +60,7 @@ EXECUTORS = ("reference", "scalar", "grouped", "topk-fused")
 EXPERT_FORMATS = ("int4", "fp16")
 FUSED_OPS = ("prologue", "norm", "router", "attn")
 # Default on CUDA. The router is two launches (logits over many programs, then softmax + top-k): 5.4 us per
-# layer vs 16.5 us for torch's linear + softmax + topk on the H200 (results/kernels/explore-h200.json).
+# layer vs 16.5 us for torch's linear + softmax + topk on the H200 (results/kernels/explore/h200-decode.json).
 DEFAULT_FUSED = ("prologue", "norm", "router", "attn")
 GRAPH_EXECUTORS = ("grouped", "topk-fused")  # no host sync, no data-dependent allocation (validate=False)
 

@@ -2,7 +2,7 @@
 kernels ("tiles" = kernels/topk_fused.py, "blocks" = kernels/gemv.py), each launch timed alone, and the
 router (torch vs the two-launch Triton router). 16 layers of distinct weights captured in one CUDA graph.
 
-    PYTHONPATH=. python3 scripts/explore_decode.py --out $OUT/explore.json
+    PYTHONPATH=. python3 scripts/explore_decode.py --out $OUT/explore.json   (committed: results/kernels/explore/h200-decode.json)
 """
 from __future__ import annotations
 
@@ -30,7 +30,7 @@ def time_graph(fn) -> float:
 
 def main():
     ap = argparse.ArgumentParser()
-    ap.add_argument("--out", required=True)
+    ap.add_argument("--out", required=True, help="JSON record (schemas/kernel-explore.schema.json), e.g. results/kernels/explore/h200-decode.json")
     args = ap.parse_args()
     gen = torch.Generator(device="cuda").manual_seed(0)
     out = {"copy": copy_bandwidth(1 << 30), "rows": []}
