@@ -254,6 +254,7 @@ class Engine:
         self._pool = torch.cuda.graph_pool_handle() if self.use_graphs else None
         self.last_timing: dict | None = None
         self._runs: list[dict] = []
+        self._closed = False
 
     @property
     def regime(self) -> str:
@@ -385,6 +386,7 @@ class Engine:
     def generate(self, prompts, *, max_new_tokens: int = 128, temperature: float = 0.0, top_p: float = 1.0,
                  seed: int | None = None, stop=(), chat: bool = False, on_token=None,
                  ignore_eos: bool = False) -> list[GenerationResult]:
+        self._check_open()
         if isinstance(prompts, str) or (prompts and isinstance(prompts[0], int)):
             raise GenerationError("prompts must be a list of strings or a list of token-id lists")
         ids = [self.encode(p, chat) for p in prompts]
@@ -417,6 +419,7 @@ class Engine:
     @torch.inference_mode()
     def logits(self, token_ids) -> torch.Tensor:
         """float32 (T, V) logits of every position of one prompt (token ids), computed by a prefill."""
+        self._check_open()
         ids = self.encode(token_ids)
         if not ids or len(ids) > self.max_seq_len:
             raise GenerationError(f"need 1..{self.max_seq_len} tokens, got {len(ids)}")
@@ -429,11 +432,28 @@ class Engine:
         return out[0].cpu()
 
     def telemetry(self) -> dict:
+        self._check_open()
         from runmap.telemetry import build
 
         return build(self)
 
     def close(self) -> None:
+        """Release the device memory the engine holds (expert rows, non-routed weights, KV cache, CUDA
+        graphs) by dropping every reference to it; later calls raise EngineError. Idempotent."""
+        if self._closed:
+            return
+        if self.experts is not None:
+            self.experts.end()  # a held full-residency request is released before its rows are dropped
+        if self.device.type == "cuda":
+            torch.cuda.synchronize(self.device)
         self._graphs.clear()
-        self.kv = None
+        self._pool = None
+        self.kv = self.model = self.experts = None
+        self._closed = True
+        if self.device.type == "cuda":
+            torch.cuda.empty_cache()
+
+    def _check_open(self) -> None:
+        if self._closed:
+            raise EngineError(f"engine on {self.pack_dir} is closed; build a new one with Engine.from_pack")
 

@@ -157,3 +157,20 @@ def test_fp16_baseline_verifies_expert_hashes(packs, tmp_path):
     path.write_bytes(bytes(data))
     with pytest.raises(PackError, match="layer 1"):
         Engine.from_pack(bad, expert_format="fp16", device="cpu")
+
+
+def test_close_releases_the_engine_and_later_calls_fail_clearly(packs):
+    import weakref
+
+    eng = Engine.from_pack(packs["tiny-olmoe"], executor="reference", device="cpu", max_batch=1, max_seq_len=16)
+    eng.generate([[5, 6, 7]], max_new_tokens=2)
+    cache = weakref.ref(eng.experts.cache)  # owns the device rows
+    eng.close()
+    eng.close()  # idempotent
+    import gc
+
+    gc.collect()
+    assert cache() is None, "the expert cache (and its device rows) is still referenced after close()"
+    for call in (lambda: eng.generate([[5, 6]], max_new_tokens=1), lambda: eng.logits([5, 6]), eng.telemetry):
+        with pytest.raises(EngineError, match="is closed"):
+            call()
