@@ -10,7 +10,6 @@ jsonschema/snakemake: it runs on the GPU machine too.
 from __future__ import annotations
 
 import dataclasses
-import importlib.metadata
 import os
 import platform
 import statistics
@@ -21,6 +20,7 @@ from pathlib import Path
 import torch
 
 from runmap.config import ModelConfig
+from runmap.provenance import package_version
 from runmap.qpack import DEFAULT_BLOCK_SIZE, RowLayout
 
 OBSERVED, UNKNOWN, UNSUPPORTED = "OBSERVED", "UNKNOWN", "UNSUPPORTED"
@@ -213,22 +213,15 @@ def device_info(device: torch.device) -> dict:
     return info
 
 
-def _version(pkg: str) -> str | None:
-    try:
-        return importlib.metadata.version(pkg)
-    except importlib.metadata.PackageNotFoundError:
-        return None
-
-
 def software_info() -> dict:
     return {
         "python": platform.python_version(),
         "torch": torch.__version__,
         "cuda": torch.version.cuda,
-        "triton": _version("triton"),
-        "transformers": _version("transformers"),
-        "safetensors": _version("safetensors"),
-        "runmap": _version("horizon-runmap"),
+        "triton": package_version("triton"),
+        "transformers": package_version("transformers"),
+        "safetensors": package_version("safetensors"),
+        "runmap": package_version("horizon-runmap"),
         "platform": platform.platform(),
     }
 

@@ -1,13 +1,12 @@
 """`runmap contract`: run the Hypothesis contract model of resident-qpacked-cache-v1 and write its report."""
 from __future__ import annotations
 
-import platform
 import shlex
 import sys
 import time
 from pathlib import Path
 from runmap.atomic import write_json
-from runmap.provenance import utc_timestamp
+from runmap.provenance import device_name, library_versions, package_version, utc_timestamp
 
 HELP = "run the property suite of the expert cache contract (resident-qpacked-cache-v1) and write its report"
 DESCRIPTION = """\
@@ -45,32 +44,14 @@ def add_arguments(p) -> None:
 
 
 def _versions() -> dict:
-    import hypothesis
-    import numpy
-    import torch
-
-    v = {"python": platform.python_version(), "torch": torch.__version__, "hypothesis": hypothesis.__version__,
-         "numpy": numpy.__version__}
-    try:
-        from importlib.metadata import version
-
-        v["horizon-runmap"] = version("horizon-runmap")
-    except Exception:  # running from a source tree without installation (the GPU machine)
-        v["horizon-runmap"] = "source-tree"
-    if torch.cuda.is_available():
-        v["cuda"] = torch.version.cuda
+    v = library_versions("hypothesis", "numpy")
+    v["horizon-runmap"] = package_version("horizon-runmap") or "source-tree"  # not installed on the GPU machine
     return v
 
 
 def _device_info(device: str) -> dict:
-    import torch
-
-    info = {"requested": device, "transport": "CpuTransport" if device == "cpu" else "CudaTransport"}
-    if device == "cuda":
-        info["name"] = torch.cuda.get_device_name(0)
-    else:
-        info["name"] = platform.processor() or platform.machine()
-    return info
+    return {"requested": device, "transport": "CpuTransport" if device == "cpu" else "CudaTransport",
+            "name": device_name("cuda:0" if device == "cuda" else device)}
 
 
 def _first_line(exc: BaseException) -> str:

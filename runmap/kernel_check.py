@@ -8,11 +8,11 @@ from __future__ import annotations
 
 import dataclasses
 import math
-import platform
 import time
 
 import torch
 
+from runmap.provenance import device_name, library_versions
 from runmap.qpack import RowLayout
 
 TOLERANCE = 2e-3  # relative Frobenius error ||y - ref|| / ||ref||
@@ -118,19 +118,8 @@ def run_case(executor: str, shape: ExpertShape, m: int, device: torch.device, se
 
 
 def versions() -> dict:
-    import numpy
-    import triton
-
-    v = {"python": platform.python_version(), "torch": torch.__version__, "triton": triton.__version__,
-         "numpy": numpy.__version__}
-    if torch.cuda.is_available():
-        v["cuda"] = torch.version.cuda
-    return v
+    return library_versions("triton", "numpy")
 
 
 def device_info(device: torch.device, interpreter: bool) -> dict:
-    if device.type == "cuda":
-        name = torch.cuda.get_device_name(device)
-    else:
-        name = platform.processor() or platform.machine() or "cpu"
-    return {"type": device.type, "name": name, "triton_interpreter": interpreter}
+    return {"type": device.type, "name": device_name(device), "triton_interpreter": interpreter}

@@ -115,7 +115,7 @@ def main():
                 out["rows"].append({"model": model, "tokens": tokens, "kind": "router-" + name, "us": us,
                                     "same_ids": same})
                 print(f"  {model} T={tokens} router {name}: {us:.2f} us/layer (same ids {same})", flush=True)
-        del layers
+        layers.clear()
         torch.cuda.empty_cache()
     Path(args.out).write_text(json.dumps(out, indent=1))
 

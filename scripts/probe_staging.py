@@ -10,8 +10,7 @@ pinned staging to the device, with torch CPU thread counts 16 / 8 / 1:
   interleaved_ctx_each  the same with a stream context and an event per row (the transport before this probe)
   one_row / one_row_np  a single row: torch copy / numpy copy into staging, then its DMA
 """
-import time, statistics, torch, threading
-from concurrent.futures import ThreadPoolExecutor
+import time, statistics, torch
 R = 3194880; N = 32
 src = [torch.empty(R, dtype=torch.uint8).fill_(i % 251) for i in range(N * 4)]  # pageable, 4 sets to stay cold-ish
 stg = [torch.empty(R, dtype=torch.uint8, pin_memory=True) for _ in range(N)]
