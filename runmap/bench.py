@@ -476,8 +476,8 @@ def shared_host_source(pack: str | Path):
     OLMoE, 6.3 GB for Qwen) takes 5-15 s, repeated for each of the campaign's residency/executor engines.
     The host source is immutable after startup (contract rule 1) and no cache writes to it, so a later
     cache over the same pack reads exactly the same bytes; everything else in Engine.from_pack (weights,
-    residency, spares, staging, max_group, executor) runs unchanged. The fresh reader is closed unused, and
-    the identities must agree."""
+    residency, spares, staging, max_group, executor) runs unchanged. The fresh reader is closed and watched by
+    the host source (its reads count in request_pack_reads), and the identities must agree."""
     from runmap import cache as cache_mod
     from runmap.host_source import HostSource
 
@@ -490,7 +490,7 @@ def shared_host_source(pack: str | Path):
             host = _HOST_SOURCES[key] = HostSource.from_pack(reader)
         else:
             ident = getattr(reader, "identity", None)
-            reader.close()
+            host.watch_reader(reader)  # closed, and observed by every cache over the shared host source
             if ident != host.identity:
                 raise BenchError(f"{pack}: pack identity {ident!r} differs from the shared host source's "
                                  f"{host.identity!r}; the pack changed during the campaign")

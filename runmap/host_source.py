@@ -84,6 +84,7 @@ class HostSource:
         self.hash_ops_after_seal = 0
         self.hash_bytes_after_seal = 0
         self.pack_bytes_at_seal = 0
+        self.watched_readers: list = []  # [(closed reader, bytes_read at close)]: see watch_reader
         self._sealed = False
         nbytes = self.num_layers * num_experts * self.row_bytes
         # Anonymous private mapping: memory owned by this process, not a view of the pack file.
@@ -141,6 +142,13 @@ class HostSource:
         return src
 
     reader = None
+
+    def watch_reader(self, reader) -> None:
+        """Close ``reader`` (another reader of the same pack, e.g. a later engine's when a benchmark reuses this
+        host source) and keep observing it: its bytes read after this point and its refused reads count in the
+        ``request_pack_reads`` observation of every cache over this host source."""
+        reader.close()
+        self.watched_readers.append((reader, int(getattr(reader, "bytes_read", 0))))
 
     # --- startup steps ----------------------------------------------------------------------------
     @staticmethod

@@ -61,11 +61,12 @@ def cache_observations(transport, host, writebacks: int) -> dict:
         obs["request_pack_reads"] = unsupported(
             "request_pack_reads", f"{type(reader).__name__} exposes no bytes_read counter")
     else:
-        after = int(reader.bytes_read) - int(host.pack_bytes_at_seal)
-        refused = int(getattr(reader, "reads_after_close", 0))
+        readers = [(reader, host.pack_bytes_at_seal)] + list(getattr(host, "watched_readers", ()))
+        after = sum(int(getattr(r, "bytes_read", 0)) - int(at) for r, at in readers)
+        refused = sum(int(getattr(r, "reads_after_close", 0)) for r, _ in readers)
         obs["request_pack_reads"] = observed(
             "request_pack_reads", after,
-            f"pack reader bytes_read after startup (closed reader; {refused} refused read attempts)")
+            f"pack reader bytes_read after startup ({len(readers)} closed reader(s); {refused} refused read attempts)")
     return obs
 
 

@@ -68,6 +68,20 @@ def test_shared_host_source_gives_the_same_tokens(tiny_pack):
     assert [r.token_ids for r in b.generate(prompts, max_new_tokens=4)] == want
     tel = b.telemetry()
     assert tel["misses"] > 0 and tel["observations"]["request_hash_work"]["value"] == 0
+    # the second engine's own (closed) reader is observed too: a read through it is seen, not lost
+    host = b.experts.cache.host
+    assert len(host.watched_readers) == 1
+    second, _ = host.watched_readers[0]
+    assert (tel["observations"]["request_pack_reads"]["status"], tel["observations"]["request_pack_reads"]["value"]) == \
+        ("OBSERVED", 0)
+    from runmap.packfile import PackClosedError
+
+    with pytest.raises(PackClosedError):
+        second.read_expert_rows(0)
+    obs = b.telemetry()["observations"]["request_pack_reads"]
+    assert "2 closed reader(s); 1 refused read attempts" in obs["source"]
+    second.bytes_read += 7  # a read that got through would be counted
+    assert b.telemetry()["observations"]["request_pack_reads"]["value"] == 7
     # outside the context the engine builds its own host source again
     c = Engine.from_pack(pk, executor="reference", resident=4, device="cpu", max_batch=2, max_seq_len=16)
     assert c.experts.cache.host is not b.experts.cache.host
