@@ -8,9 +8,12 @@ temporary is removed and the target is left as it was. Hidden names (leading dot
 from __future__ import annotations
 
 import contextlib
+import ctypes
+import errno
 import json
 import os
 import shutil
+import sys
 import tempfile
 from pathlib import Path
 from typing import Any, Iterator
@@ -49,13 +52,36 @@ def write_json(path: str | Path, obj: Any, *, indent: int = 2, default=None, ens
     return write_text(path, json.dumps(obj, indent=indent, default=default, ensure_ascii=ensure_ascii) + "\n")
 
 
+def exchange_paths(a: Path, b: Path) -> bool:
+    """Swap two existing paths in one atomic step (Linux ``renameat2(RENAME_EXCHANGE)``). Returns False where
+    the platform, C library or filesystem does not offer it; any other failure raises OSError."""
+    if not sys.platform.startswith("linux"):
+        return False
+    try:
+        renameat2 = ctypes.CDLL(None, use_errno=True).renameat2
+    except (OSError, AttributeError):  # C library without renameat2 (glibc < 2.28, some musl builds)
+        return False
+    at_fdcwd, rename_exchange = -100, 2
+    if renameat2(at_fdcwd, os.fsencode(a), at_fdcwd, os.fsencode(b), rename_exchange) == 0:
+        return True
+    err = ctypes.get_errno()
+    if err in (errno.EINVAL, errno.ENOSYS, errno.EOPNOTSUPP):  # flag or call not supported here
+        return False
+    raise OSError(err, os.strerror(err), str(a), None, str(b))
+
+
 def replace_dir(tmp: Path, out: Path) -> None:
-    """Rename the finished directory ``tmp`` to ``out``. An existing ``out`` is first renamed aside into a
-    hidden directory and removed only after the new one is in place, so ``out`` is never half-present."""
-    if out.exists():
-        trash = Path(tempfile.mkdtemp(prefix=f".{out.name}.old-", dir=out.parent))
-        os.replace(out, trash / out.name)
+    """Rename the finished directory ``tmp`` to ``out``. An existing ``out`` is swapped with ``tmp`` in one
+    atomic exchange where the platform has it (readers see the old or the new directory, never neither);
+    otherwise it is first renamed aside into a hidden directory, so ``out`` is never half-present (but absent
+    between the two renames). The old contents are removed afterwards."""
+    if not out.exists():
         os.replace(tmp, out)
-        shutil.rmtree(trash, ignore_errors=True)
-    else:
-        os.replace(tmp, out)
+        return
+    if exchange_paths(tmp, out):
+        shutil.rmtree(tmp, ignore_errors=True)  # tmp now holds the old directory
+        return
+    trash = Path(tempfile.mkdtemp(prefix=f".{out.name}.old-", dir=out.parent))
+    os.replace(out, trash / out.name)
+    os.replace(tmp, out)
+    shutil.rmtree(trash, ignore_errors=True)
