@@ -3,11 +3,14 @@
 Launch 1, grid (T*k, I/BLOCK_N): program (p, n) computes gate and up of pair p = t*k + j for one tile of
 the intermediate dimension (both weights stream through the same loop over H) and stores
 h[p, n-tile] = fp16(silu(gate) * up).
-Launch 2, grid (T, H/BLOCK_N): program (t, n) runs one flat loop over (slot j, K tile) of token t, j in
-order, accumulating topk_weights[t, j] * (h[t*k + j] . Wd_e row) in fp32 registers, then stores fp16
-y[t, n-tile]. The gate-weighted sum is done in registers in a fixed order: no atomics,
-no per-pair buffer, deterministic.
+Launch 2, grid (T, H/BLOCK_N): program (t, n) accumulates topk_weights[t, j] * (h[t*k + j] . Wd_e row) over
+the k slots of token t in fp32 registers, then stores fp16 y[t, n-tile]. The gate-weighted sum is done in
+registers in a fixed order: no atomics, no per-pair buffer, deterministic.
 Repeated experts across tokens are read once per pair (this path has no grouping; see ``grouped``).
+
+Two kernel families compute this, chosen by the config's KERNEL key (same arithmetic, other tiling):
+"blocks" (default, ``kernels.gemv``: whole scale blocks per step, the k slots of the down launch as one
+tile) and "tiles" (this module: K tiles of BLOCK_K values, the down launch one flat loop over (slot, K tile)).
 """
 from __future__ import annotations
 
