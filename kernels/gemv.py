@@ -53,21 +53,19 @@ def _pair_gate_up_kernel(
         for u in tl.static_range(SUB):
             blk = b0 + u
             offs_kb = blk * HALF + offs_j  # (HALF,) byte index = k // 2
-            k_ok = offs_kb < KB
-            wm = (n_mask & ok)[:, None] & k_ok[None, :]
-            sm = n_mask & ok & (blk < NB)
-            if EVEN:
+            if EVEN:  # no partial block, tile or SUB group: unmasked loads (a non-resident expert reads row 0)
                 xe = tl.load(x_row + 2 * offs_kb).to(tl.float32)  # (HALF,) even k
                 xo = tl.load(x_row + 2 * offs_kb + 1).to(tl.float32)  # (HALF,) odd k
-            else:
-                xe = tl.load(x_row + 2 * offs_kb, mask=k_ok, other=0.0).to(tl.float32)
-                xo = tl.load(x_row + 2 * offs_kb + 1, mask=k_ok, other=0.0).to(tl.float32)
-            if EVEN:  # no partial block, tile or SUB group: unmasked loads (a non-resident expert reads row 0)
                 sg = tl.load(s_row + gate_s + offs_n * NB + blk).to(tl.float32)  # (BN,)
                 su = tl.load(s_row + up_s + offs_n * NB + blk).to(tl.float32)
                 pg = tl.load(g_ptrs + blk * HALF)  # (BN, HALF) uint8
                 pu = tl.load(u_ptrs + blk * HALF)
             else:
+                k_ok = offs_kb < KB
+                wm = (n_mask & ok)[:, None] & k_ok[None, :]
+                sm = n_mask & ok & (blk < NB)
+                xe = tl.load(x_row + 2 * offs_kb, mask=k_ok, other=0.0).to(tl.float32)
+                xo = tl.load(x_row + 2 * offs_kb + 1, mask=k_ok, other=0.0).to(tl.float32)
                 sg = tl.load(s_row + gate_s + offs_n * NB + blk, mask=sm, other=0.0).to(tl.float32)
                 su = tl.load(s_row + up_s + offs_n * NB + blk, mask=sm, other=0.0).to(tl.float32)
                 pg = tl.load(g_ptrs + blk * HALF, mask=wm, other=0)
@@ -112,13 +110,13 @@ def _token_down_kernel(
         for u in tl.static_range(SUB):
             blk = b0 + u
             offs_kb = blk * HALF + offs_j
-            k_ok = offs_kb < KB
             if EVEN:  # k = TOPK_P2 slots, no partial block, tile or SUB group: unmasked loads
                 he = tl.load(h_base[:, None] + 2 * offs_kb[None, :]).to(tl.float32)  # (S, HALF)
                 ho = tl.load(h_base[:, None] + 2 * offs_kb[None, :] + 1).to(tl.float32)
                 s = tl.load(s_base[:, None] + offs_n[None, :] * NB + blk).to(tl.float32)  # (S, BN)
                 pw = tl.load(w_ptrs + blk * HALF)  # (S, BN, HALF) uint8
             else:
+                k_ok = offs_kb < KB
                 hm = ok[:, None] & k_ok[None, :]  # (S, HALF)
                 he = tl.load(h_base[:, None] + 2 * offs_kb[None, :], mask=hm, other=0.0).to(tl.float32)
                 ho = tl.load(h_base[:, None] + 2 * offs_kb[None, :] + 1, mask=hm, other=0.0).to(tl.float32)

@@ -442,8 +442,7 @@ class Engine:
         graphs) by dropping every reference to it; later calls raise EngineError. Idempotent."""
         if self._closed:
             return
-        if self.experts is not None:
-            self.experts.end()  # a held full-residency request is released before its rows are dropped
+        self.experts.end()  # a held full-residency request is released before its rows are dropped
         if self.device.type == "cuda":
             torch.cuda.synchronize(self.device)
         self._graphs.clear()

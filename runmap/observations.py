@@ -61,7 +61,7 @@ def cache_observations(transport, host, writebacks: int) -> dict:
         obs["request_pack_reads"] = unsupported(
             "request_pack_reads", f"{type(reader).__name__} exposes no bytes_read counter")
     else:
-        readers = [(reader, host.pack_bytes_at_seal)] + list(getattr(host, "watched_readers", ()))
+        readers = [(reader, host.pack_bytes_at_seal)] + host.watched_readers
         after = sum(int(getattr(r, "bytes_read", 0)) - int(at) for r, at in readers)
         refused = sum(int(getattr(r, "reads_after_close", 0)) for r, _ in readers)
         obs["request_pack_reads"] = observed(

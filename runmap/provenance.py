@@ -32,13 +32,15 @@ def package_version(name: str) -> str | None:
         return None
 
 
-def library_versions(*packages: str) -> dict:
-    """{"python", "torch", each named package, "cuda" (only where CUDA is available)}: the versions block of the
-    kernel-check and contract records (each schema pins its own package list)."""
+def library_versions(*modules: str) -> dict:
+    """{"python", "torch", each named module's ``__version__``, "cuda" (only where CUDA is available)}: the versions
+    block of the kernel-check and contract records (each schema pins its own module list)."""
+    import importlib
+
     import torch
 
     v = {"python": platform.python_version(), "torch": torch.__version__}
-    v.update({name: package_version(name) for name in packages})
+    v.update({name: importlib.import_module(name).__version__ for name in modules})
     if torch.cuda.is_available():
         v["cuda"] = torch.version.cuda
     return v
