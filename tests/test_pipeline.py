@@ -126,17 +126,20 @@ def test_pipeline_builds_then_is_idempotent_then_repacks_only(workdir):
     assert counts["synth_checkpoint"] == 2 and counts["pack"] == 2 and counts["conformance"] == 1, out[-3000:]
 
 
-def test_invalid_config_is_rejected_before_any_job(workdir):
+def dry_run(workdir, *config):
+    """``snakemake -n -c1 --config ...`` in ``workdir`` (the venv's bin first on PATH) -> CompletedProcess."""
     env = dict(os.environ, PATH=f"{Path(sys.executable).parent}{os.pathsep}{os.environ.get('PATH', '')}")
-    proc = subprocess.run([sys.executable, "-m", "snakemake", "-n", "-c1", "--config", "block_size=255"],
+    return subprocess.run([sys.executable, "-m", "snakemake", "-n", "-c1", "--config", *config],
                           cwd=workdir, env=env, capture_output=True, text=True, timeout=120)
+
+
+def test_invalid_config_is_rejected_before_any_job(workdir):
+    proc = dry_run(workdir, "block_size=255")
     assert proc.returncode != 0
     assert "block_size" in proc.stdout + proc.stderr and "multiple of 2" in proc.stdout + proc.stderr
 
 
 def test_real_model_without_local_checkpoint_is_a_clear_error(workdir):
-    env = dict(os.environ, PATH=f"{Path(sys.executable).parent}{os.pathsep}{os.environ.get('PATH', '')}")
-    proc = subprocess.run([sys.executable, "-m", "snakemake", "-n", "-c1", "--config", "models=[olmoe-1b-7b-0924]"],
-                          cwd=workdir, env=env, capture_output=True, text=True, timeout=120)
+    proc = dry_run(workdir, "models=[olmoe-1b-7b-0924]")
     assert proc.returncode != 0
     assert "olmoe-1b-7b-0924" in proc.stderr + proc.stdout and "local checkpoint directory" in proc.stderr + proc.stdout
