@@ -8,9 +8,14 @@ the k slots of token t in fp32 registers, then stores fp16 y[t, n-tile]. The gat
 registers in a fixed order: no atomics, no per-pair buffer, deterministic.
 Repeated experts across tokens are read once per pair (this path has no grouping; see ``grouped``).
 
-Two kernel families compute this, chosen by the config's KERNEL key (same arithmetic, other tiling):
-"blocks" (default, ``kernels.gemv``: whole scale blocks per step, the k slots of the down launch as one
-tile) and "tiles" (this module: K tiles of BLOCK_K values, the down launch one flat loop over (slot, K tile)).
+Three kernel families compute this, chosen by the config's KERNEL key (same quantized weights, FP32
+accumulation; only the tiling and the order of the fp32 additions differ):
+"words" (default, ``kernels.gemv_words``: weights and activations read as 32-bit words, fewest instructions
+per weight byte), "blocks" (``kernels.gemv``: whole scale blocks per step, the k slots of the down launch as
+one tile) and "tiles" (this module: K tiles of BLOCK_K values, the down launch one flat loop over (slot, K
+tile)). A family whose shape or alignment needs a problem does not meet is replaced by the next one:
+words -> blocks (needs K % 8 == 0 and 4-byte aligned rows, sections and activation rows) -> tiles (blocks
+needs a power-of-two quantization block of at least 16).
 """
 from __future__ import annotations
 
@@ -21,6 +26,7 @@ import triton.language as tl
 from kernels import common
 from kernels.core import _scale_tile, gemv_tiles, nibbles_f32, resolve_row, silu_mul
 from kernels.gemv import _pair_gate_up_kernel, _token_down_kernel
+from kernels.gemv_words import _words_down_kernel, _words_gate_up_kernel
 from runmap.qpack import RowLayout
 
 
@@ -92,21 +98,31 @@ def _topk_down_kernel(
     tl.store(y_ptr + t.to(tl.int64) * stride_ym + offs_n, acc.to(tl.float16), mask=n_mask)
 
 
+MAGIC_F32 = 0x4B000000  # fp32 bit pattern of 2^23 (kernels.gemv_words._nibble)
+
+
 def default_config(device: torch.device) -> dict:
-    """KERNEL "blocks": kernels.gemv (whole scale blocks, SUB per iteration, slots vectorized in the down
-    launch); "tiles": the kernels of this module (K tiles of BLOCK_K values). "blocks" needs a power-of-two
-    quantization block; the wrappers use "tiles" otherwise (same arithmetic, other tiling)."""
+    """KERNEL "words": kernels.gemv_words; "blocks": kernels.gemv (whole scale blocks, SUB per iteration,
+    slots vectorized in the down launch); "tiles": the kernels of this module (K tiles of BLOCK_K values).
+    BLOCK_N / SUB / num_warps (launch 1) and DOWN_* (launch 2) are the tile of the chosen family."""
     if common.interpreting(device):
-        return {"KERNEL": "blocks", "BLOCK_N": 512, "BLOCK_K": 256, "SUB": 1,
+        return {"KERNEL": "words", "BLOCK_N": 512, "BLOCK_K": 256, "SUB": 1,
                 "DOWN_BLOCK_N": 512, "DOWN_BLOCK_K": 256, "DOWN_SUB": 1}
     # Best of the H200 sweeps (scripts/explore_decode.py, results/kernels/explore/h200-decode.json)
     return {"KERNEL": "blocks", "BLOCK_N": 16, "BLOCK_K": 512, "SUB": 2, "num_warps": 8,
             "DOWN_BLOCK_N": 8, "DOWN_BLOCK_K": 1024, "DOWN_SUB": 2, "DOWN_num_warps": 8}
 
 
-def _use_blocks(cfg: dict, layout: RowLayout) -> bool:
+def _family(cfg: dict, layout: RowLayout, k: int, w_off: int, storage: torch.Tensor, act: torch.Tensor) -> str:
+    """The kernel family that runs: the config's KERNEL, or the next one down when the problem does not
+    meet its needs (see the module docstring). ``act`` is the activation the launch reads as rows of K."""
     q = layout.block_size
-    return cfg.get("KERNEL", "tiles") == "blocks" and q >= 16 and q & (q - 1) == 0
+    want = cfg.get("KERNEL", "tiles")
+    blocks_ok = q >= 16 and q & (q - 1) == 0
+    if want == "words" and blocks_ok and k % 8 == 0 and layout.row_bytes % 4 == 0 and w_off % 4 == 0 \
+            and storage.data_ptr() % 4 == 0 and act.data_ptr() % 4 == 0 and act.stride(0) % 2 == 0:
+        return "words"
+    return "blocks" if want in ("words", "blocks") and blocks_ok else "tiles"
 
 
 def _even(k: int, n: int, nb: int, qblock: int, block_n: int, sub: int) -> bool:
@@ -150,7 +166,18 @@ def topk_gate_up(x, topk_ids, storage, row_table, layout: RowLayout, config: dic
     if t == 0:
         return h
     grid = (t * k, triton.cdiv(g.n, cfg["BLOCK_N"]))
-    if _use_blocks(cfg, layout):
+    family = _family(cfg, layout, g.k, min(g.w_off, u.w_off), storage, x)
+    if family == "words":
+        _words_gate_up_kernel[grid](
+            x, topk_ids, row_table, storage, storage.view(torch.float16), h,
+            row_table.numel(), storage.shape[0], layout.row_bytes, x.stride(0),
+            g.w_off, g.s_off, u.w_off, u.s_off, MAGIC_F32,
+            N=g.n, K=g.k, NB=g.nb, QBLOCK=layout.block_size, TOPK=k,
+            BLOCK_N=cfg["BLOCK_N"], SUB=cfg["SUB"],
+            EVEN=_even(g.k, g.n, g.nb, layout.block_size, cfg["BLOCK_N"], cfg["SUB"]), **common.launch_opts(cfg),
+        )
+        return h
+    if family == "blocks":
         _pair_gate_up_kernel[grid](
             x, topk_ids, row_table, storage, storage.view(torch.float16), h,
             row_table.numel(), storage.shape[0], layout.row_bytes, x.stride(0),
@@ -192,14 +219,22 @@ def topk_down(h, topk_ids, topk_weights, storage, row_table, layout: RowLayout,
     if t == 0:
         return y
     grid = (t, triton.cdiv(d.n, cfg["DOWN_BLOCK_N"]))
-    if _use_blocks(cfg, layout):
+    family = _family(cfg, layout, d.k, d.w_off, storage, h)
+    even = _even(d.k, d.n, d.nb, layout.block_size, cfg["DOWN_BLOCK_N"], cfg["DOWN_SUB"]) and k == common.next_pow2(k)
+    if family == "words":
+        _words_down_kernel[grid](
+            h, topk_ids, topk_weights, row_table, storage, storage.view(torch.float16), y,
+            row_table.numel(), storage.shape[0], layout.row_bytes, y.stride(0), d.w_off, d.s_off, MAGIC_F32,
+            N=d.n, K=d.k, NB=d.nb, QBLOCK=layout.block_size, TOPK=k, TOPK_P2=common.next_pow2(k),
+            BLOCK_N=cfg["DOWN_BLOCK_N"], SUB=cfg["DOWN_SUB"], EVEN=even, **_down_launch_opts(cfg),
+        )
+        return y
+    if family == "blocks":
         _token_down_kernel[grid](
             h, topk_ids, topk_weights, row_table, storage, storage.view(torch.float16), y,
             row_table.numel(), storage.shape[0], layout.row_bytes, y.stride(0), d.w_off, d.s_off,
             N=d.n, K=d.k, NB=d.nb, QBLOCK=layout.block_size, TOPK=k, TOPK_P2=common.next_pow2(k),
-            BLOCK_N=cfg["DOWN_BLOCK_N"], SUB=cfg["DOWN_SUB"],
-            EVEN=_even(d.k, d.n, d.nb, layout.block_size, cfg["DOWN_BLOCK_N"], cfg["DOWN_SUB"]) and k == common.next_pow2(k),
-            **_down_launch_opts(cfg),
+            BLOCK_N=cfg["DOWN_BLOCK_N"], SUB=cfg["DOWN_SUB"], EVEN=even, **_down_launch_opts(cfg),
         )
         return y
     bk, groups, tile = common.gemv_block_k(cfg["DOWN_BLOCK_K"], layout.block_size)

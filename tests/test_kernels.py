@@ -172,6 +172,8 @@ def test_property_grouped_and_fused_agree_with_reference(h_blocks, i_half, b, m,
     {"KERNEL": "tiles", "BLOCK_N": 64, "BLOCK_K": 32, "DOWN_BLOCK_N": 16, "DOWN_BLOCK_K": 64},  # tiles inside one scale block
     {"KERNEL": "blocks", "BLOCK_N": 16, "SUB": 3, "DOWN_BLOCK_N": 8, "DOWN_SUB": 2},  # SUB not dividing NB
     {"KERNEL": "blocks", "BLOCK_N": 8, "SUB": 1, "DOWN_BLOCK_N": 32, "DOWN_SUB": 4},
+    {"KERNEL": "words", "BLOCK_N": 16, "SUB": 3, "DOWN_BLOCK_N": 8, "DOWN_SUB": 2},  # SUB not dividing NB
+    {"KERNEL": "words", "BLOCK_N": 64, "SUB": 1, "DOWN_BLOCK_N": 16, "DOWN_SUB": 4},
 ])
 @pytest.mark.parametrize("shape_name", ["small-b64", "odd-b128"])
 def test_topk_fused_tile_configs(shape_name, config, device):
@@ -182,6 +184,28 @@ def test_topk_fused_tile_configs(shape_name, config, device):
     ref = reference_moe_f32(x, ids, w, storage, row_table, layout)
     y = moe_experts("topk-fused", x, ids, w, storage, row_table, layout, config=config)
     assert torch.isfinite(y).all() and rel_err(y, ref) <= TOL
+
+
+def test_topk_fused_words_family_falls_back_when_unaligned(device, monkeypatch):
+    """An activation whose rows are not 4-byte aligned cannot be read as 32-bit words: the "blocks" kernels
+    run instead (same result within TOL); aligned inputs run the "words" kernels."""
+    import kernels.topk_fused as tf
+
+    shape = SMALL["small-b64"]
+    layout, storage, row_table, resident = make_layer(shape, device, 29)
+    x, ids, w = make_batch(shape, 3, resident, device, 29)
+    ref = reference_moe_f32(x, ids, w, storage, row_table, layout)
+    chosen = []
+    real = tf._family
+    monkeypatch.setattr(tf, "_family", lambda *a: chosen.append(real(*a)) or chosen[-1])
+    cfg = {"KERNEL": "words", "BLOCK_N": 16, "SUB": 1, "DOWN_BLOCK_N": 16, "DOWN_SUB": 1}
+    y = moe_experts("topk-fused", x, ids, w, storage, row_table, layout, config=cfg)
+    assert chosen == ["words", "words"] and rel_err(y, ref) <= TOL
+    shifted = torch.empty(x.numel() + 1, dtype=x.dtype, device=device)[1:].view_as(x)  # 2-byte aligned only
+    shifted.copy_(x)
+    chosen.clear()
+    y = moe_experts("topk-fused", shifted, ids, w, storage, row_table, layout, config=cfg)
+    assert chosen == ["blocks", "words"] and rel_err(y, ref) <= TOL
 
 
 # ------------------------------------------------------------------------------------------ errors
