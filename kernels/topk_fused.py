@@ -104,7 +104,8 @@ MAGIC_F32 = 0x4B000000  # fp32 bit pattern of 2^23 (kernels.gemv_words._nibble)
 def default_config(device: torch.device) -> dict:
     """KERNEL "words": kernels.gemv_words; "blocks": kernels.gemv (whole scale blocks, SUB per iteration,
     slots vectorized in the down launch); "tiles": the kernels of this module (K tiles of BLOCK_K values).
-    BLOCK_N / SUB / num_warps (launch 1) and DOWN_* (launch 2) are the tile of the chosen family."""
+    BLOCK_N / SUB / num_warps (launch 1) and DOWN_* (launch 2) are the tile of the chosen family; DOWN_KERNEL
+    (default KERNEL) picks the family of launch 2 on its own."""
     if common.interpreting(device):
         return {"KERNEL": "words", "BLOCK_N": 512, "BLOCK_K": 256, "SUB": 1,
                 "DOWN_BLOCK_N": 512, "DOWN_BLOCK_K": 256, "DOWN_SUB": 1}
@@ -219,7 +220,7 @@ def topk_down(h, topk_ids, topk_weights, storage, row_table, layout: RowLayout,
     if t == 0:
         return y
     grid = (t, triton.cdiv(d.n, cfg["DOWN_BLOCK_N"]))
-    family = _family(cfg, layout, d.k, d.w_off, storage, h)
+    family = _family(dict(cfg, KERNEL=cfg.get("DOWN_KERNEL", cfg.get("KERNEL"))), layout, d.k, d.w_off, storage, h)
     even = _even(d.k, d.n, d.nb, layout.block_size, cfg["DOWN_BLOCK_N"], cfg["DOWN_SUB"]) and k == common.next_pow2(k)
     if family == "words":
         _words_down_kernel[grid](

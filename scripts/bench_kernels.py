@@ -46,7 +46,10 @@ PREFILL_LAYERS = 4
 TARGET_DECODE_FRACTION = 0.70
 TARGET_PREFILL_RATIO = 1.0
 
-TOPK_CONFIGS = [  # "blocks" = kernels/gemv.py (default), "tiles" = the first GEMV kernels of kernels/topk_fused.py
+TOPK_CONFIGS = [  # "words" = kernels/gemv_words.py (default), "blocks" = kernels/gemv.py, "tiles" = kernels/topk_fused.py
+    {"KERNEL": "words", "BLOCK_N": 32, "SUB": 1, "num_warps": 4, "DOWN_BLOCK_N": 16, "DOWN_SUB": 1, "DOWN_num_warps": 4},
+    {"KERNEL": "words", "BLOCK_N": 64, "SUB": 1, "num_warps": 4, "DOWN_BLOCK_N": 16, "DOWN_SUB": 1, "DOWN_num_warps": 4},
+    {"KERNEL": "words", "BLOCK_N": 16, "SUB": 2, "num_warps": 8, "DOWN_BLOCK_N": 8, "DOWN_SUB": 2, "DOWN_num_warps": 8},
     {"KERNEL": "blocks", "BLOCK_N": 16, "SUB": 2, "num_warps": 8, "DOWN_BLOCK_N": 8, "DOWN_SUB": 2, "DOWN_num_warps": 8},
     {"KERNEL": "blocks", "BLOCK_N": 16, "SUB": 4, "num_warps": 4, "DOWN_BLOCK_N": 16, "DOWN_SUB": 1, "DOWN_num_warps": 4},
     {"KERNEL": "blocks", "BLOCK_N": 8, "SUB": 1, "num_warps": 4, "DOWN_BLOCK_N": 4, "DOWN_SUB": 2, "DOWN_num_warps": 8},

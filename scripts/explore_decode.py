@@ -1,5 +1,6 @@
 """GPU exploration (not a test, not the official record): decode-time tile sweep of the topk-fused
-kernels ("tiles" = kernels/topk_fused.py, "blocks" = kernels/gemv.py), each launch timed alone, and the
+kernels ("tiles" = kernels/topk_fused.py, "blocks" = kernels/gemv.py, "words" = kernels/gemv_words.py), each
+launch timed alone, and the
 router (torch vs the two-launch Triton router). 16 layers of distinct weights captured in one CUDA graph.
 
     PYTHONPATH=. python3 scripts/explore_decode.py --out $OUT/explore.json   (committed: results/kernels/explore/h200-decode.json)
@@ -76,12 +77,15 @@ def main():
             # correctness of the whole topk-fused path with the first blocks config, against FP32 reference
             x, ids, w = batches[0]
             ref = reference_moe_f32(x, ids, w, layers[0], table, layout)
-            gu_cfgs = [{"KERNEL": "tiles", "BLOCK_N": 16, "BLOCK_K": 512, "num_warps": 4}]
-            gu_cfgs += [{"KERNEL": "blocks", "BLOCK_N": bn, "SUB": sub, "num_warps": nw}
-                        for bn, sub, nw in itertools.product((8, 16, 32), (1, 2, 4), (4, 8))]
-            dn_cfgs = [{"KERNEL": "tiles", "DOWN_BLOCK_N": 8, "DOWN_BLOCK_K": 1024, "DOWN_num_warps": 4}]
-            dn_cfgs += [{"KERNEL": "blocks", "DOWN_BLOCK_N": bn, "DOWN_SUB": sub, "DOWN_num_warps": nw}
-                        for bn, sub, nw in itertools.product((4, 8, 16), (1, 2, 4), (4, 8))]
+            # "blocks": the previous sweep's best two per launch; "words": the full grid
+            gu_cfgs = [{"KERNEL": "blocks", "BLOCK_N": 16, "SUB": 2, "num_warps": 8},
+                       {"KERNEL": "blocks", "BLOCK_N": 16, "SUB": 4, "num_warps": 4}]
+            gu_cfgs += [{"KERNEL": "words", "BLOCK_N": bn, "SUB": sub, "num_warps": nw}
+                        for bn, sub, nw in itertools.product((16, 32, 64), (1, 2), (2, 4, 8))]
+            dn_cfgs = [{"KERNEL": "blocks", "DOWN_BLOCK_N": 8, "DOWN_SUB": 2, "DOWN_num_warps": 8},
+                       {"KERNEL": "blocks", "DOWN_BLOCK_N": 16, "DOWN_SUB": 1, "DOWN_num_warps": 4}]
+            dn_cfgs += [{"KERNEL": "words", "DOWN_BLOCK_N": bn, "DOWN_SUB": sub, "DOWN_num_warps": nw}
+                        for bn, sub, nw in itertools.product((8, 16, 32), (1, 2), (2, 4, 8))]
             best = {}
             for kind, cfgs in (("gate_up", gu_cfgs), ("down", dn_cfgs)):
                 res = [r for r in (run(kind, c) for c in cfgs) if r]
@@ -90,11 +94,13 @@ def main():
                 for r in res[:4]:
                     print(f"  {model} T={tokens} {kind:7s} {r['us']:7.2f} us {r['gbps']:6.0f} GB/s "
                           f"{r['fraction']:.2f}  {r['config']}", flush=True)
-                tiles = [r for r in res if r["config"]["KERNEL"] == "tiles"]
-                if tiles:
-                    print(f"  {model} T={tokens} {kind:7s} tiles {tiles[0]['us']:.2f} us", flush=True)
+                for fam in ("blocks", "words"):
+                    of = [r for r in res if r["config"]["KERNEL"] == fam]
+                    if of:
+                        print(f"  {model} T={tokens} {kind:7s} best {fam} {of[0]['us']:.2f} us "
+                              f"{of[0]['fraction']:.2f} of copy", flush=True)
             cfg = dict(best["gate_up"] or {}, **{kk: v for kk, v in (best["down"] or {}).items() if kk.startswith("DOWN")})
-            cfg["KERNEL"] = "blocks"
+            cfg["DOWN_KERNEL"] = (best["down"] or {}).get("KERNEL", cfg.get("KERNEL"))
             from kernels.executors import moe_experts
             y = moe_experts("topk-fused", x, ids, w, layers[0], table, layout, config=cfg)
             err = float((y.float() - ref).norm() / ref.norm())
