@@ -47,13 +47,10 @@ TARGET_DECODE_FRACTION = 0.70
 TARGET_PREFILL_RATIO = 1.0
 
 TOPK_CONFIGS = [  # "words" = kernels/gemv_words.py (default), "blocks" = kernels/gemv.py, "tiles" = kernels/topk_fused.py
-    {"KERNEL": "words", "BLOCK_N": 32, "SUB": 1, "num_warps": 4, "DOWN_BLOCK_N": 16, "DOWN_SUB": 1, "DOWN_num_warps": 4},
-    {"KERNEL": "words", "BLOCK_N": 64, "SUB": 1, "num_warps": 4, "DOWN_BLOCK_N": 16, "DOWN_SUB": 1, "DOWN_num_warps": 4},
     {"KERNEL": "words", "BLOCK_N": 16, "SUB": 2, "num_warps": 8, "DOWN_BLOCK_N": 8, "DOWN_SUB": 2, "DOWN_num_warps": 8},
+    {"KERNEL": "words", "BLOCK_N": 32, "SUB": 2, "num_warps": 4, "DOWN_BLOCK_N": 16, "DOWN_SUB": 2, "DOWN_num_warps": 2},
+    {"KERNEL": "words", "BLOCK_N": 16, "SUB": 2, "num_warps": 2, "DOWN_BLOCK_N": 16, "DOWN_SUB": 1, "DOWN_num_warps": 2},
     {"KERNEL": "blocks", "BLOCK_N": 16, "SUB": 2, "num_warps": 8, "DOWN_BLOCK_N": 8, "DOWN_SUB": 2, "DOWN_num_warps": 8},
-    {"KERNEL": "blocks", "BLOCK_N": 16, "SUB": 4, "num_warps": 4, "DOWN_BLOCK_N": 16, "DOWN_SUB": 1, "DOWN_num_warps": 4},
-    {"KERNEL": "blocks", "BLOCK_N": 8, "SUB": 1, "num_warps": 4, "DOWN_BLOCK_N": 4, "DOWN_SUB": 2, "DOWN_num_warps": 8},
-    {"KERNEL": "blocks", "BLOCK_N": 32, "SUB": 1, "num_warps": 8, "DOWN_BLOCK_N": 8, "DOWN_SUB": 1, "DOWN_num_warps": 8},
     {"KERNEL": "tiles", "BLOCK_N": 16, "BLOCK_K": 512, "DOWN_BLOCK_N": 8, "DOWN_BLOCK_K": 1024, "num_warps": 4,
      "DOWN_num_warps": 4},
 ]
@@ -69,6 +66,8 @@ GROUPED_PREFILL_CONFIGS = [
     {"BLOCK_M": 64, "BLOCK_N": 128, "BLOCK_K": 64, "DOWN_BLOCK_N": 128, "DOWN_BLOCK_K": 64, "num_warps": 8, "num_stages": 4},
     {"BLOCK_M": 64, "BLOCK_N": 128, "BLOCK_K": 128, "DOWN_BLOCK_N": 128, "DOWN_BLOCK_K": 128, "num_warps": 8, "num_stages": 3},
     {"BLOCK_M": 64, "BLOCK_N": 32, "BLOCK_K": 128, "DOWN_BLOCK_N": 32, "DOWN_BLOCK_K": 128, "num_warps": 4, "num_stages": 4},
+    {"BLOCK_M": 128, "BLOCK_N": 64, "BLOCK_K": 64, "DOWN_BLOCK_N": 64, "DOWN_BLOCK_K": 64, "num_warps": 8, "num_stages": 3},
+    {"BLOCK_M": 128, "BLOCK_N": 128, "BLOCK_K": 64, "DOWN_BLOCK_N": 128, "DOWN_BLOCK_K": 64, "num_warps": 8, "num_stages": 3},
 ]
 
 
