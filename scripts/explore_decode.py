@@ -32,7 +32,15 @@ def time_graph(fn) -> float:
 def main():
     ap = argparse.ArgumentParser()
     ap.add_argument("--out", required=True, help="JSON record (schemas/kernel-explore.schema.json), e.g. results/kernels/explore/h200-decode.json")
+    ap.add_argument("--tokens", default="1,8", help="decode batch sizes T to sweep (default 1,8)")
+    ap.add_argument("--words-gate-up", default="16,32,64:1,2:2,4,8",
+                    help="words grid of launch 1 as BLOCK_N list:SUB list:num_warps list (default %(default)s)")
+    ap.add_argument("--words-down", default="8,16,32:1,2:2,4,8",
+                    help="words grid of launch 2, same form (default %(default)s)")
     args = ap.parse_args()
+
+    def grid(spec):
+        return itertools.product(*([int(v) for v in part.split(",")] for part in spec.split(":")))
     gen = torch.Generator(device="cuda").manual_seed(0)
     out = {"copy": copy_bandwidth(1 << 30), "rows": []}
     copy = out["copy"]["gbps"]
@@ -44,7 +52,7 @@ def main():
         table = torch.arange(e, dtype=torch.int32, device="cuda")
         gu_bytes = 2 * idim * (hdim // 2 + 2 * -(-hdim // 256))
         dn_bytes = hdim * (idim // 2 + 2 * -(-idim // 256))
-        for tokens in (1, 8):
+        for tokens in [int(v) for v in args.tokens.split(",")]:
             batches = []
             for _ in range(LAYERS):
                 ids, w = routing(tokens, e, k, gen)
@@ -81,11 +89,11 @@ def main():
             gu_cfgs = [{"KERNEL": "blocks", "BLOCK_N": 16, "SUB": 2, "num_warps": 8},
                        {"KERNEL": "blocks", "BLOCK_N": 16, "SUB": 4, "num_warps": 4}]
             gu_cfgs += [{"KERNEL": "words", "BLOCK_N": bn, "SUB": sub, "num_warps": nw}
-                        for bn, sub, nw in itertools.product((16, 32, 64), (1, 2), (2, 4, 8))]
+                        for bn, sub, nw in grid(args.words_gate_up)]
             dn_cfgs = [{"KERNEL": "blocks", "DOWN_BLOCK_N": 8, "DOWN_SUB": 2, "DOWN_num_warps": 8},
                        {"KERNEL": "blocks", "DOWN_BLOCK_N": 16, "DOWN_SUB": 1, "DOWN_num_warps": 4}]
             dn_cfgs += [{"KERNEL": "words", "DOWN_BLOCK_N": bn, "DOWN_SUB": sub, "DOWN_num_warps": nw}
-                        for bn, sub, nw in itertools.product((8, 16, 32), (1, 2), (2, 4, 8))]
+                        for bn, sub, nw in grid(args.words_down)]
             best = {}
             for kind, cfgs in (("gate_up", gu_cfgs), ("down", dn_cfgs)):
                 res = [r for r in (run(kind, c) for c in cfgs) if r]
