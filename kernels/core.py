@@ -46,6 +46,40 @@ def resolve_row(expert, row_table_ptr, n_experts, n_rows):
 
 
 @triton.jit
+def store_pair_h(part_g, part_u, ok, h_ptr, pid_p, N: tl.constexpr, offs_n, n_mask):
+    """Epilogue of a decode gate/up GEMV program: h[pid_p, offs_n] = fp16(silu(g) * up), g / up the sums of
+    the (BN, X) fp32 partial products over X; NaN when the pair's expert is not resident (``ok`` False)."""
+    g = tl.sum(part_g, axis=1)  # (BN,)
+    up = tl.sum(part_u, axis=1)
+    h = tl.where(ok, silu_mul(g, up), float("nan"))  # NaN marks a non-resident expert, never a substitute
+    tl.store(h_ptr + pid_p.to(tl.int64) * N + offs_n, h.to(tl.float16), mask=n_mask)
+
+
+@triton.jit
+def token_slots(t, ids_ptr, wts_ptr, row_table_ptr, n_experts, n_rows, TOPK: tl.constexpr, TOPK_P2: tl.constexpr):
+    """The k slots of token t in a decode down program, padded to S = TOPK_P2: (pairs (S,), s_ok (S,) real
+    slot, row (S,) int64, ok (S,) resident, gate weights (S,) fp32, 0 on padding)."""
+    offs_s = tl.arange(0, TOPK_P2)  # (S,) slots
+    s_ok = offs_s < TOPK
+    pairs = t * TOPK + offs_s  # (S,)
+    expert = tl.load(ids_ptr + pairs, mask=s_ok, other=-1)
+    row, ok = resolve_row(expert, row_table_ptr, n_experts, n_rows)  # (S,) each
+    gw = tl.load(wts_ptr + pairs, mask=s_ok, other=0.0)  # (S,) fp32 gate weights
+    return pairs, s_ok, row, ok, gw
+
+
+@triton.jit
+def store_slot_sum(part, s_ok, ok, y_ptr, t, stride_ym, offs_n, n_mask):
+    """Epilogue of a decode down program: y[t, offs_n] = fp16 of the (S, BN, X) fp32 partials summed over X,
+    then over the slots in a fixed order (deterministic); NaN when any real slot's expert is not resident
+    (an unmasked program read row 0 for it with its real gate weight: the NaN replaces that result)."""
+    acc = tl.sum(tl.sum(part, axis=2), axis=0)  # (BN,)
+    missing = tl.sum((s_ok & ~ok).to(tl.int32), axis=0)  # slots whose expert is not resident
+    acc = tl.where(missing > 0, float("nan"), acc)
+    tl.store(y_ptr + t.to(tl.int64) * stride_ym + offs_n, acc.to(tl.float16), mask=n_mask)
+
+
+@triton.jit
 def dot_tiles(acc_a, acc_b, x_rows, m_mask, wa_base, sa_base, wb_base, sb_base, offs_n, n_mask,
               K: tl.constexpr, NB: tl.constexpr, BLOCK_K: tl.constexpr, QBLOCK: tl.constexpr,
               TILE_SCALE: tl.constexpr, DUAL: tl.constexpr):

@@ -22,7 +22,7 @@ from __future__ import annotations
 import triton
 import triton.language as tl
 
-from kernels.core import nibbles_f32, resolve_row, silu_mul
+from kernels.core import nibbles_f32, resolve_row, store_pair_h, store_slot_sum, token_slots
 
 
 @triton.jit
@@ -74,10 +74,7 @@ def _pair_gate_up_kernel(
             part_g += (lo * xe[None, :] + hi * xo[None, :]) * sg[:, None]
             lo, hi = nibbles_f32(pu)
             part_u += (lo * xe[None, :] + hi * xo[None, :]) * su[:, None]
-    g = tl.sum(part_g, axis=1)  # (BN,)
-    up = tl.sum(part_u, axis=1)
-    h = tl.where(ok, silu_mul(g, up), float("nan"))  # NaN marks a non-resident expert, never a substitute
-    tl.store(h_ptr + pid_p.to(tl.int64) * N + offs_n, h.to(tl.float16), mask=n_mask)
+    store_pair_h(part_g, part_u, ok, h_ptr, pid_p, N, offs_n, n_mask)
 
 
 @triton.jit
@@ -95,12 +92,7 @@ def _token_down_kernel(
     offs_n = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)  # (BN,) over H
     n_mask = offs_n < N
     offs_j = tl.arange(0, HALF)
-    offs_s = tl.arange(0, TOPK_P2)  # (S,) slots
-    s_ok = offs_s < TOPK
-    pairs = t * TOPK + offs_s  # (S,)
-    expert = tl.load(ids_ptr + pairs, mask=s_ok, other=-1)
-    row, ok = resolve_row(expert, row_table_ptr, n_experts, n_rows)  # (S,) each
-    gw = tl.load(wts_ptr + pairs, mask=s_ok, other=0.0)  # (S,) fp32 gate weights
+    pairs, s_ok, row, ok, gw = token_slots(t, ids_ptr, wts_ptr, row_table_ptr, n_experts, n_rows, TOPK, TOPK_P2)
     w_base = w_ptr + row * row_bytes + down_w  # (S,) uint8 pointers
     s_base = s_ptr + row * (row_bytes // 2) + down_s  # (S,) fp16 pointers
     h_base = h_ptr + pairs.to(tl.int64) * K  # (S,)
@@ -125,8 +117,4 @@ def _token_down_kernel(
                 pw = tl.load(w_ptrs + blk * HALF, mask=sm[:, :, None] & k_ok[None, None, :], other=0)
             lo, hi = nibbles_f32(pw)  # (S, BN, HALF) fp32
             part += (lo * he[:, None, :] + hi * ho[:, None, :]) * (s * gw[:, None])[:, :, None]
-    # EVEN: a non-resident slot read row 0 with its real gate weight; the NaN below replaces the result
-    acc = tl.sum(tl.sum(part, axis=2), axis=0)  # (BN,)
-    missing = tl.sum((s_ok & ~ok).to(tl.int32), axis=0)  # slots whose expert is not resident
-    acc = tl.where(missing > 0, float("nan"), acc)
-    tl.store(y_ptr + t.to(tl.int64) * stride_ym + offs_n, acc.to(tl.float16), mask=n_mask)
+    store_slot_sum(part, s_ok, ok, y_ptr, t, stride_ym, offs_n, n_mask)
