@@ -119,13 +119,15 @@ def default_config(device: torch.device, n_pairs: int = 1) -> dict:
             "DOWN_BLOCK_N": 16, "DOWN_SUB": 2, "DOWN_num_warps": 2, "BLOCK_K": 512, "DOWN_BLOCK_K": 1024}
 
 
-def _family(cfg: dict, layout: RowLayout, k: int, w_off: int, storage: torch.Tensor, act: torch.Tensor) -> str:
-    """The kernel family that runs: the config's KERNEL, or the next one down when the problem does not
-    meet its needs (see the module docstring). ``act`` is the activation the launch reads as rows of K."""
+def _family(want: str, layout: RowLayout, k: int, w_offs: tuple[int, ...], storage: torch.Tensor,
+            act: torch.Tensor) -> str:
+    """The kernel family that runs: ``want``, or the next one down when the problem does not meet its needs
+    (see the module docstring). ``w_offs``: byte offsets of every weight section the launch reads as words;
+    ``act``: the activation it reads as rows of K."""
     q = layout.block_size
-    want = cfg.get("KERNEL", "tiles")
     blocks_ok = q >= 16 and q & (q - 1) == 0
-    if want == "words" and blocks_ok and k % 8 == 0 and layout.row_bytes % 4 == 0 and w_off % 4 == 0 \
+    if want == "words" and blocks_ok and k % 8 == 0 and layout.row_bytes % 4 == 0 \
+            and all(off % 4 == 0 for off in w_offs) \
             and storage.data_ptr() % 4 == 0 and act.data_ptr() % 4 == 0 and act.stride(0) % 2 == 0:
         return "words"
     return "blocks" if want in ("words", "blocks") and blocks_ok else "tiles"
@@ -172,7 +174,7 @@ def topk_gate_up(x, topk_ids, storage, row_table, layout: RowLayout, config: dic
     if t == 0:
         return h
     grid = (t * k, triton.cdiv(g.n, cfg["BLOCK_N"]))
-    family = _family(cfg, layout, g.k, min(g.w_off, u.w_off), storage, x)
+    family = _family(cfg.get("KERNEL", "tiles"), layout, g.k, (g.w_off, u.w_off), storage, x)
     if family == "words":
         _words_gate_up_kernel[grid](
             x, topk_ids, row_table, storage, storage.view(torch.float16), h,
@@ -225,7 +227,7 @@ def topk_down(h, topk_ids, topk_weights, storage, row_table, layout: RowLayout,
     if t == 0:
         return y
     grid = (t, triton.cdiv(d.n, cfg["DOWN_BLOCK_N"]))
-    family = _family(dict(cfg, KERNEL=cfg.get("DOWN_KERNEL", cfg.get("KERNEL"))), layout, d.k, d.w_off, storage, h)
+    family = _family(cfg.get("DOWN_KERNEL", cfg.get("KERNEL", "tiles")), layout, d.k, (d.w_off,), storage, h)
     even = _even(d.k, d.n, d.nb, layout.block_size, cfg["DOWN_BLOCK_N"], cfg["DOWN_SUB"]) and k == common.next_pow2(k)
     if family == "words":
         _words_down_kernel[grid](

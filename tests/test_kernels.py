@@ -208,6 +208,19 @@ def test_topk_fused_words_family_falls_back_when_unaligned(device, monkeypatch):
     assert chosen == ["blocks", "words"] and rel_err(y, ref) <= TOL
 
 
+def test_topk_fused_words_family_needs_every_weight_section_word_aligned(device):
+    """Gate and up are both read as words: one section off a 4-byte boundary is enough to fall back."""
+    import kernels.topk_fused as tf
+
+    layout, storage, _table, _res = make_layer(SMALL["small-b64"], device, 31)
+    x = torch.zeros(2, layout.hidden_size, dtype=torch.float16, device=device)
+    k = layout.hidden_size
+    assert tf._family("words", layout, k, (0, 4096), storage, x) == "words"
+    assert tf._family("words", layout, k, (0, 4098), storage, x) == "blocks"
+    assert tf._family("words", layout, k, (4098, 0), storage, x) == "blocks"
+    assert tf._family("blocks", layout, k, (0, 4096), storage, x) == "blocks"
+
+
 # ------------------------------------------------------------------------------------------ errors
 
 
