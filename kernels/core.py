@@ -25,6 +25,39 @@ def nibbles_f16(packed):
     return lo, hi
 
 
+# Two fp16 per 32-bit register: a byte pair is spread to the low bytes of the two halves (PRMT), one LOP3
+# per plane puts the nibble into the mantissa of fp16 1024 (low nibble as n, high nibble as 16 n), and one
+# f16x2 op maps both values to q = n - 8 exactly: (1024 + n) - 1032, (1024 + 16 n) / 16 - 72. Output element
+# i of each plane comes from input byte i, as Triton's pack = 4 contract requires (tests/test_nibble_ptx.py
+# runs this text in an emulator). Triton's own lowering of ``nibbles_f16`` spends ~3 PRMT per byte packing
+# 16-bit values; this is 2.5 instructions per byte in all (scripts/sass_stats.py counts the loop).
+_NIBBLES_F16X2_PTX = tl.constexpr("""
+{
+.reg .b32 t0, t1, bias, scale, shift;
+prmt.b32 t0, $4, 0, 0x4140;
+prmt.b32 t1, $4, 0, 0x4342;
+lop3.b32 $0, t0, 0x000F000F, 0x64006400, 0xEA;
+lop3.b32 $1, t1, 0x000F000F, 0x64006400, 0xEA;
+lop3.b32 $2, t0, 0x00F000F0, 0x64006400, 0xEA;
+lop3.b32 $3, t1, 0x00F000F0, 0x64006400, 0xEA;
+mov.b32 bias, 0x64086408;
+sub.rn.f16x2 $0, $0, bias;
+sub.rn.f16x2 $1, $1, bias;
+mov.b32 scale, 0x2C002C00;
+mov.b32 shift, 0xD480D480;
+fma.rn.f16x2 $2, $2, scale, shift;
+fma.rn.f16x2 $3, $3, scale, shift;
+}
+""")
+
+
+@triton.jit
+def nibbles_f16_asm(packed):
+    """``nibbles_f16`` in inline PTX, four bytes per call (GPU only: the interpreter has no inline asm)."""
+    return tl.inline_asm_elementwise(_NIBBLES_F16X2_PTX, "=r,=r,=r,=r,r", [packed], dtype=(tl.float16, tl.float16),
+                                     is_pure=True, pack=4)
+
+
 @triton.jit
 def nibbles_f32(packed):
     """uint8 tile -> (low, high) fp32 tiles of q in [-8, 7] (0x4B000000 | n is the fp32 of 2^23 + n)."""
@@ -82,13 +115,14 @@ def store_slot_sum(part, s_ok, ok, y_ptr, t, stride_ym, offs_n, n_mask):
 @triton.jit
 def dot_tiles(acc_a, acc_b, x_rows, m_mask, wa_base, sa_base, wb_base, sb_base, offs_n, n_mask,
               K: tl.constexpr, NB: tl.constexpr, BLOCK_K: tl.constexpr, QBLOCK: tl.constexpr,
-              TILE_SCALE: tl.constexpr, DUAL: tl.constexpr):
+              TILE_SCALE: tl.constexpr, DUAL: tl.constexpr, DEQ_ASM: tl.constexpr = False):
     """Tensor-core inner loop: acc_a (BM, BN) fp32 += x[rows, :K] @ dequant(Wa[offs_n, :K])^T, and the same
     into acc_b for Wb when DUAL (gate and up share the activation tile).
 
     x_rows: (BM,) pointers to fp16 activation rows; m_mask: (BM,) valid rows.
     wa_base / wb_base: uint8 pointers to a packed (N, K/2) section; sa_base / sb_base: fp16 pointers to its
     (N, NB) scales. offs_n / n_mask: (BN,) output columns. Masked bytes decode to -8 but meet x = 0.
+    DEQ_ASM: decode nibbles with ``nibbles_f16_asm`` (GPU only; same values as ``nibbles_f16``).
     """
     HALF: tl.constexpr = BLOCK_K // 2
     KB: tl.constexpr = K // 2
@@ -103,7 +137,8 @@ def dot_tiles(acc_a, acc_b, x_rows, m_mask, wa_base, sa_base, wb_base, sb_base, 
         x_even, x_odd = tl.split(tl.reshape(xt, (xt.shape[0], HALF, 2)))  # (BM, HALF) fp16 each
         wm = k_mask[:, None] & n_mask[None, :]
         w_off = w_cols + offs_kb[:, None]  # (HALF, BN)
-        lo, hi = nibbles_f16(tl.load(wa_base + w_off, mask=wm, other=0))  # (HALF, BN) fp16 each
+        pa = tl.load(wa_base + w_off, mask=wm, other=0)  # (HALF, BN) uint8
+        lo, hi = nibbles_f16_asm(pa) if DEQ_ASM else nibbles_f16(pa)  # (HALF, BN) fp16 each
         if TILE_SCALE:
             s = tl.load(sa_base + offs_n * NB + k0 // QBLOCK, mask=n_mask, other=0.0).to(tl.float32)  # (BN,)
             acc_a += (tl.dot(x_even, lo) + tl.dot(x_odd, hi)) * s[None, :]
@@ -113,7 +148,8 @@ def dot_tiles(acc_a, acc_b, x_rows, m_mask, wa_base, sa_base, wb_base, sb_base, 
             acc_a = tl.dot(x_even, lo * s, acc_a)
             acc_a = tl.dot(x_odd, hi * s, acc_a)
         if DUAL:
-            lo, hi = nibbles_f16(tl.load(wb_base + w_off, mask=wm, other=0))
+            pb = tl.load(wb_base + w_off, mask=wm, other=0)
+            lo, hi = nibbles_f16_asm(pb) if DEQ_ASM else nibbles_f16(pb)
             if TILE_SCALE:
                 s = tl.load(sb_base + offs_n * NB + k0 // QBLOCK, mask=n_mask, other=0.0).to(tl.float32)
                 acc_b += (tl.dot(x_even, lo) + tl.dot(x_odd, hi)) * s[None, :]

@@ -34,7 +34,8 @@ DECODE_MAX_PAIRS = 128
 def _gate_up_group(pairs, lane_ok, expert, x_ptr, row_table_ptr, w_ptr, s_ptr, h_ptr, n_experts, n_rows, row_bytes,
                    stride_xm, gate_w, gate_s, up_w, up_s, offs_n, n_mask,
                    N: tl.constexpr, K: tl.constexpr, NB: tl.constexpr, QBLOCK: tl.constexpr, TOPK: tl.constexpr,
-                   BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, TILE_SCALE: tl.constexpr):
+                   BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, TILE_SCALE: tl.constexpr,
+                   DEQ_ASM: tl.constexpr):
     """h[pairs] = fp16(silu(x Wg^T) * (x Wu^T)) for up to BLOCK_M pairs routed to ``expert``."""
     row, ok = resolve_row(expert, row_table_ptr, n_experts, n_rows)
     w_row = w_ptr + row * row_bytes
@@ -43,7 +44,8 @@ def _gate_up_group(pairs, lane_ok, expert, x_ptr, row_table_ptr, w_ptr, s_ptr, h
     acc_g = tl.zeros((BLOCK_M, BLOCK_N), tl.float32)
     acc_u = tl.zeros((BLOCK_M, BLOCK_N), tl.float32)
     acc_g, acc_u = dot_tiles(acc_g, acc_u, x_rows, lane_ok & ok, w_row + gate_w, s_row + gate_s,
-                             w_row + up_w, s_row + up_s, offs_n, n_mask, K, NB, BLOCK_K, QBLOCK, TILE_SCALE, True)
+                             w_row + up_w, s_row + up_s, offs_n, n_mask, K, NB, BLOCK_K, QBLOCK, TILE_SCALE, True,
+                             DEQ_ASM)
     h = tl.where(ok, silu_mul(acc_g, acc_u), float("nan"))  # (BM, BN); NaN marks a non-resident expert
     h_ptrs = h_ptr + pairs.to(tl.int64)[:, None] * N + offs_n[None, :]
     tl.store(h_ptrs, h.to(tl.float16), mask=lane_ok[:, None] & n_mask[None, :])
@@ -53,14 +55,15 @@ def _gate_up_group(pairs, lane_ok, expert, x_ptr, row_table_ptr, w_ptr, s_ptr, h
 def _down_group(pairs, lane_ok, expert, h_ptr, wts_ptr, row_table_ptr, w_ptr, s_ptr, ypair_ptr, n_experts, n_rows,
                 row_bytes, down_w, down_s, offs_n, n_mask,
                 N: tl.constexpr, K: tl.constexpr, NB: tl.constexpr, QBLOCK: tl.constexpr,
-                BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, TILE_SCALE: tl.constexpr):
+                BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, TILE_SCALE: tl.constexpr,
+                DEQ_ASM: tl.constexpr):
     """ypair[pairs] = gate weight * (h Wd^T) in fp32 for up to BLOCK_M pairs routed to ``expert``."""
     row, ok = resolve_row(expert, row_table_ptr, n_experts, n_rows)
     h_rows = h_ptr + pairs.to(tl.int64) * K  # (BM,) rows of h
     acc = tl.zeros((BLOCK_M, BLOCK_N), tl.float32)
     acc, acc_unused = dot_tiles(acc, acc, h_rows, lane_ok & ok, w_ptr + row * row_bytes + down_w,
                                 s_ptr + row * (row_bytes // 2) + down_s, w_ptr, s_ptr, offs_n, n_mask,
-                                K, NB, BLOCK_K, QBLOCK, TILE_SCALE, False)
+                                K, NB, BLOCK_K, QBLOCK, TILE_SCALE, False, DEQ_ASM)
     gw = tl.load(wts_ptr + pairs, mask=lane_ok, other=0.0)  # (BM,) fp32 gate weights
     out = tl.where(ok, acc * gw[:, None], float("nan"))
     y_ptrs = ypair_ptr + pairs.to(tl.int64)[:, None] * N + offs_n[None, :]
@@ -110,6 +113,7 @@ def _grouped_gate_up_kernel(
     N: tl.constexpr, K: tl.constexpr, NB: tl.constexpr, QBLOCK: tl.constexpr, TOPK: tl.constexpr,
     SORTED: tl.constexpr, P_PAD: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, TILE_SCALE: tl.constexpr,
+    DEQ_ASM: tl.constexpr,
 ):
     pid0 = tl.program_id(0)
     offs_n = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)  # (BN,) over I
@@ -119,7 +123,7 @@ def _grouped_gate_up_kernel(
         if active:
             _gate_up_group(pairs, lane_ok, expert, x_ptr, row_table_ptr, w_ptr, s_ptr, h_ptr, n_experts, n_rows,
                            row_bytes, stride_xm, gate_w, gate_s, up_w, up_s, offs_n, n_mask,
-                           N, K, NB, QBLOCK, TOPK, BLOCK_M, BLOCK_N, BLOCK_K, TILE_SCALE)
+                           N, K, NB, QBLOCK, TOPK, BLOCK_M, BLOCK_N, BLOCK_K, TILE_SCALE, DEQ_ASM)
     else:
         expert, match, rank, count, owner = _match_group(ids_ptr, pid0, P, P_PAD)
         for c0 in range(0, P_PAD, BLOCK_M):
@@ -127,7 +131,7 @@ def _grouped_gate_up_kernel(
                 pairs, lane_ok = _chunk_pairs(match, rank, count, c0, P_PAD, BLOCK_M)
                 _gate_up_group(pairs, lane_ok, expert, x_ptr, row_table_ptr, w_ptr, s_ptr, h_ptr, n_experts,
                                n_rows, row_bytes, stride_xm, gate_w, gate_s, up_w, up_s, offs_n, n_mask,
-                               N, K, NB, QBLOCK, TOPK, BLOCK_M, BLOCK_N, BLOCK_K, TILE_SCALE)
+                               N, K, NB, QBLOCK, TOPK, BLOCK_M, BLOCK_N, BLOCK_K, TILE_SCALE, DEQ_ASM)
 
 
 @triton.jit
@@ -137,6 +141,7 @@ def _grouped_down_kernel(
     N: tl.constexpr, K: tl.constexpr, NB: tl.constexpr, QBLOCK: tl.constexpr,
     SORTED: tl.constexpr, P_PAD: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, TILE_SCALE: tl.constexpr,
+    DEQ_ASM: tl.constexpr,
 ):
     pid0 = tl.program_id(0)
     offs_n = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)  # (BN,) over H
@@ -146,7 +151,7 @@ def _grouped_down_kernel(
         if active:
             _down_group(pairs, lane_ok, expert, h_ptr, wts_ptr, row_table_ptr, w_ptr, s_ptr, ypair_ptr, n_experts,
                         n_rows, row_bytes, down_w, down_s, offs_n, n_mask,
-                        N, K, NB, QBLOCK, BLOCK_M, BLOCK_N, BLOCK_K, TILE_SCALE)
+                        N, K, NB, QBLOCK, BLOCK_M, BLOCK_N, BLOCK_K, TILE_SCALE, DEQ_ASM)
     else:
         expert, match, rank, count, owner = _match_group(ids_ptr, pid0, P, P_PAD)
         for c0 in range(0, P_PAD, BLOCK_M):
@@ -154,7 +159,7 @@ def _grouped_down_kernel(
                 pairs, lane_ok = _chunk_pairs(match, rank, count, c0, P_PAD, BLOCK_M)
                 _down_group(pairs, lane_ok, expert, h_ptr, wts_ptr, row_table_ptr, w_ptr, s_ptr, ypair_ptr,
                             n_experts, n_rows, row_bytes, down_w, down_s, offs_n, n_mask,
-                            N, K, NB, QBLOCK, BLOCK_M, BLOCK_N, BLOCK_K, TILE_SCALE)
+                            N, K, NB, QBLOCK, BLOCK_M, BLOCK_N, BLOCK_K, TILE_SCALE, DEQ_ASM)
 
 
 @triton.jit
@@ -170,17 +175,28 @@ def _sum_topk_kernel(ypair_ptr, y_ptr, H, TOPK: tl.constexpr, BLOCK_N: tl.conste
 
 
 def default_config(n_pairs: int, device: torch.device) -> dict:
+    """Tiles by the static pair count (never by data). DEQ_ASM: inline-PTX nibble decoding
+    (``kernels.core.nibbles_f16_asm``, same values), wherever kernels are compiled for a GPU."""
     decode = n_pairs <= DECODE_MAX_PAIRS
+    forms = {"DEQ_ASM": not common.interpreting(device)}
     if common.interpreting(device):  # few, large programs: the interpreter pays per program and per op
         return {"BLOCK_M": 32 if decode else 64, "BLOCK_N": 512, "BLOCK_K": 256,
-                "DOWN_BLOCK_N": 512, "DOWN_BLOCK_K": 256}
-    # Best configs of the H200 sweep (results/kernels/bench/h200.json).
+                "DOWN_BLOCK_N": 512, "DOWN_BLOCK_K": 256, **forms}
+    # Best configs of the H200 sweeps (results/kernels/bench/h200.json, explore/h200-prefill.json).
     if decode:
         bn = 32 if n_pairs <= 16 else 64
         return {"BLOCK_M": 16, "BLOCK_N": bn, "BLOCK_K": 256, "DOWN_BLOCK_N": bn, "DOWN_BLOCK_K": 256,
-                "num_warps": 4, "num_stages": 3}
-    return {"BLOCK_M": 64, "BLOCK_N": 32, "BLOCK_K": 128, "DOWN_BLOCK_N": 32, "DOWN_BLOCK_K": 128,
-            "num_warps": 4, "num_stages": 4}
+                "num_warps": 4, "num_stages": 3, **forms}
+    return {"BLOCK_M": 64, "BLOCK_N": 64, "BLOCK_K": 128, "DOWN_BLOCK_N": 64, "DOWN_BLOCK_K": 128,
+            "num_warps": 4, "num_stages": 3, **forms}
+
+
+def _deq_asm(cfg: dict, device: torch.device) -> bool:
+    """The config's DEQ_ASM, refusing inline PTX where it cannot run (never a silent substitute)."""
+    deq_asm = bool(cfg.get("DEQ_ASM", False))
+    if deq_asm and common.interpreting(device):
+        raise common.KernelInputError("config: DEQ_ASM (inline PTX) needs a CUDA device, not the Triton interpreter")
+    return deq_asm
 
 
 def sort_pairs(ids_flat: torch.Tensor, n_experts: int, block_m: int) -> torch.Tensor:
@@ -233,6 +249,7 @@ def grouped_gate_up(x, topk_ids, order, row_table, storage, layout: RowLayout, c
         x: float16 (T, H) contiguous. topk_ids: int32/int64 (T, k) contiguous.
         order: from ``_plan`` (int32 sorted slots for prefill; topk_ids itself for decode).
         row_table: int32 (E,). storage: uint8 (R, row_bytes). layout: RowLayout.
+        cfg: tiles and DEQ_ASM (``default_config``).
     Returns:
         float16 (T*k, I).
     """
@@ -245,6 +262,7 @@ def grouped_gate_up(x, topk_ids, order, row_table, storage, layout: RowLayout, c
         raise common.KernelInputError(f"topk_ids: {t} rows but x has {x.shape[0]} tokens")
     g, u = common.proj_sections(layout, "gate"), common.proj_sections(layout, "up")
     h = common.empty((t * k, g.n), torch.float16, dev)
+    deq_asm = _deq_asm(cfg, dev)
     _order, grid0, sorted_mode, p_pad = plan
     bk = common.pick_block_k(cfg["BLOCK_K"], layout.block_size)
     grid = (grid0, triton.cdiv(g.n, cfg["BLOCK_N"]))
@@ -255,7 +273,8 @@ def grouped_gate_up(x, topk_ids, order, row_table, storage, layout: RowLayout, c
         N=g.n, K=g.k, NB=g.nb, QBLOCK=layout.block_size, TOPK=k,
         SORTED=sorted_mode, P_PAD=p_pad,
         BLOCK_M=cfg["BLOCK_M"], BLOCK_N=cfg["BLOCK_N"], BLOCK_K=bk,
-        TILE_SCALE=common.tile_scale(bk, layout.block_size), **common.launch_opts(cfg),
+        TILE_SCALE=common.tile_scale(bk, layout.block_size), DEQ_ASM=deq_asm,
+        **common.launch_opts(cfg),
     )
     return h
 
@@ -278,6 +297,7 @@ def grouped_down(h, topk_ids, topk_weights, order, row_table, storage, layout: R
     common.check_tensor("topk_weights", topk_weights, torch.float32, 2, shape=(t, k), device=dev)
     d = common.proj_sections(layout, "down")
     ypair = common.empty((t * k, d.n), torch.float32, dev)
+    deq_asm = _deq_asm(cfg, dev)
     _order, grid0, sorted_mode, p_pad = plan
     bk = common.pick_block_k(cfg["DOWN_BLOCK_K"], layout.block_size)
     grid = (grid0, triton.cdiv(d.n, cfg["DOWN_BLOCK_N"]))
@@ -287,7 +307,8 @@ def grouped_down(h, topk_ids, topk_weights, order, row_table, storage, layout: R
         N=d.n, K=d.k, NB=d.nb, QBLOCK=layout.block_size,
         SORTED=sorted_mode, P_PAD=p_pad,
         BLOCK_M=cfg["BLOCK_M"], BLOCK_N=cfg["DOWN_BLOCK_N"], BLOCK_K=bk,
-        TILE_SCALE=common.tile_scale(bk, layout.block_size), **common.launch_opts(cfg),
+        TILE_SCALE=common.tile_scale(bk, layout.block_size), DEQ_ASM=deq_asm,
+        **common.launch_opts(cfg),
     )
     return ypair
 

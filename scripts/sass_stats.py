@@ -7,6 +7,9 @@ GEMVs is instructions per weight byte: at batch 1 they are bound by instruction 
     python scripts/sass_stats.py                       # words vs blocks, gate/up and down, a few tiles
     python scripts/sass_stats.py --dump /tmp/sass      # also keep the .ptx / .sass files
 
+Also the grouped executor's tensor-core gate/up loop (family "dot": Triton's nibble decoding; "dot-asm": the
+inline-PTX decoding of kernels/core.py) at a decode and a prefill tile; for these rows SUB is BLOCK_M.
+
 The loop is the first backward branch's body. Integer arguments that are multiples of 16 at run time (row
 bytes, section offsets, pointers) are marked divisible by 16, as Triton's launcher specializes them.
 """
@@ -27,7 +30,7 @@ from triton.backends.compiler import GPUTarget
 from triton.compiler import ASTSource
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
-from kernels import gemv, gemv_words  # noqa: E402
+from kernels import gemv, gemv_words, grouped  # noqa: E402
 
 TOOLS = Path(triton.__file__).parent / "backends" / "nvidia" / "bin"
 GATE_UP_SIG = {"x_ptr": "*fp16", "ids_ptr": "*i32", "row_table_ptr": "*i32", "w_ptr": "*u8", "s_ptr": "*fp16",
@@ -36,14 +39,19 @@ GATE_UP_SIG = {"x_ptr": "*fp16", "ids_ptr": "*i32", "row_table_ptr": "*i32", "w_
 DOWN_SIG = {"h_ptr": "*fp16", "ids_ptr": "*i32", "wts_ptr": "*fp32", "row_table_ptr": "*i32", "w_ptr": "*u8",
             "s_ptr": "*fp16", "y_ptr": "*fp16", "n_experts": "i32", "n_rows": "i32", "row_bytes": "i32",
             "stride_ym": "i32", "down_w": "i32", "down_s": "i32"}
-NOT_DIV16 = {"n_experts", "n_rows", "magic"}
+GROUPED_GATE_UP_SIG = {"x_ptr": "*fp16", "ids_ptr": "*i32", "order_ptr": "*i32", "row_table_ptr": "*i32",
+                       "w_ptr": "*u8", "s_ptr": "*fp16", "h_ptr": "*fp16", "P": "i32", "n_experts": "i32",
+                       "n_rows": "i32", "row_bytes": "i32", "stride_xm": "i32", "gate_w": "i32", "gate_s": "i32",
+                       "up_w": "i32", "up_s": "i32"}
+NOT_DIV16 = {"n_experts", "n_rows", "magic", "P"}
 
 
-def compile_sass(fn, signature: dict, constexprs: dict, num_warps: int, dump: Path | None, name: str) -> str:
+def compile_sass(fn, signature: dict, constexprs: dict, num_warps: int, dump: Path | None, name: str,
+                 num_stages: int = 3) -> str:
     sig = dict(signature, **{k: "constexpr" for k in constexprs})
     attrs = {(fn.arg_names.index(a),): [["tt.divisibility", 16]] for a in signature if a not in NOT_DIV16}
     kernel = triton.compile(ASTSource(fn=fn, signature=sig, constexprs=constexprs, attrs=attrs),
-                            target=GPUTarget("cuda", 90, 32), options={"num_warps": num_warps})
+                            target=GPUTarget("cuda", 90, 32), options={"num_warps": num_warps, "num_stages": num_stages})
     with tempfile.TemporaryDirectory() as tmp:
         cubin = Path(tmp) / f"{name}.cubin"
         cubin.write_bytes(kernel.asm["cubin"])
@@ -95,6 +103,15 @@ def main():
         rows.append(("down", "words", bn, sub, nw, loop_bytes,
                      compile_sass(gemv_words._words_down_kernel, dict(DOWN_SIG, magic="i32"), ce, nw, args.dump,
                                   f"words_dn_{bn}_{sub}_{nw}")))
+    # grouped tensor-core gate/up (kernels/core.py dot_tiles): Triton's nibble decoding vs the inline PTX one,
+    # at the decode tile (BLOCK_M 16, mma.sync) and the prefill tile (BLOCK_M 64, wgmma); SUB = BLOCK_M here
+    for bm, bn, bk, nw, ns in [(16, 32, 256, 4, 3), (64, 64, 128, 4, 3)]:
+        for fam, deq_asm in (("dot", False), ("dot-asm", True)):
+            ce = {"N": i, "K": h, "NB": h // q, "QBLOCK": q, "TOPK": topk, "SORTED": bm > 16, "P_PAD": 2 if bm > 16 else 8,
+                  "BLOCK_M": bm, "BLOCK_N": bn, "BLOCK_K": bk, "TILE_SCALE": True, "DEQ_ASM": deq_asm}
+            rows.append(("gate_up", fam, bn, bm, nw, 2 * bn * bk // 2,
+                         compile_sass(grouped._grouped_gate_up_kernel, GROUPED_GATE_UP_SIG, ce, nw, args.dump,
+                                      f"{fam}_gu_{bm}_{bn}_{bk}_{nw}", num_stages=ns)))
     table = []
     for launch, fam, bn, sub, nw, loop_bytes, sass in rows:
         c = loop_counts(sass)

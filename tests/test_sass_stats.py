@@ -1,5 +1,5 @@
-"""The words GEMV exists to issue fewer instructions per weight byte than the blocks GEMV: check that claim on
-the code compiled for sm_90 (Triton compiles for a GPU target without a GPU: scripts/sass_stats.py). Runs the
+"""The words GEMV exists to issue fewer instructions per weight byte than the blocks GEMV, and the inline-PTX
+nibble decoding to shrink the tensor-core loop: check both claims on the code compiled for sm_90 (Triton compiles for a GPU target without a GPU: scripts/sass_stats.py). Runs the
 script in a subprocess without TRITON_INTERPRET, which the other tests set."""
 import json
 import os
@@ -40,6 +40,15 @@ def test_words_decodes_a_nibble_with_one_logic_instruction(table):
     r = row(table, "gate_up", "words", 16, 2, 8)
     nibbles_per_thread = 2 * r["bytes_per_thread"]
     assert r["opcodes"]["LOP3"] <= nibbles_per_thread, r["opcodes"]
+
+
+@pytest.mark.parametrize("tile", [(32, 16, 4), (64, 64, 4)])
+def test_inline_ptx_decoding_cuts_the_tensor_core_loop(table, tile):
+    """kernels/core.py nibbles_f16_asm: 2.5 instructions per byte for the decode instead of Triton's
+    PRMT-heavy packing of 16-bit values; the whole gate/up loop must shrink by at least a quarter."""
+    asm, plain = row(table, "gate_up", "dot-asm", *tile), row(table, "gate_up", "dot", *tile)
+    assert asm["per_byte"] < 0.75 * plain["per_byte"], (asm["per_byte"], plain["per_byte"])
+    assert asm["opcodes"].get("HFMA2", 0) > 0, asm["opcodes"]  # the high-nibble fma.rn.f16x2 is really there
 
 
 def test_script_refuses_the_interpreter():

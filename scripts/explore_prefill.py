@@ -1,0 +1,205 @@
+"""GPU exploration (not a test, not the official record): the grouped executor's tensor-core path at
+prefill (512 tokens over all experts) and decode, per tile config and nibble-decoding form, against
+torch's bf16 grouped path in the same run.
+
+Forms: "plain" (Triton's nibble decoding) and "asm" (DEQ_ASM, the inline-PTX decoding of kernels/core.py).
+The committed records results/kernels/explore/h200-prefill*.json also hold two forms that were measured and
+then removed because they did not pay: SPLIT_X (x deinterleaved by one torch copy so even / odd columns load
+contiguously) and SPLIT_H (h stored deinterleaved for the down launch); "split" and "asm+split" rows.
+Every config is timed in two passes (the GPU is shared; the lower median is kept, both are recorded) and
+checked against the FP32 reference. Prefill is timed as a CUDA graph of 4 layers (ours and bf16 alike), so
+host launch overhead does not enter; --profile adds a per-kernel breakdown (torch.profiler) of the default
+config and the bf16 path.
+
+    PYTHONPATH=. python3 scripts/explore_prefill.py --out $OUT/explore-prefill.json
+"""
+from __future__ import annotations
+
+import argparse
+import itertools
+import json
+import sys
+from pathlib import Path
+
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from bench_kernels import (LAYERS, MODELS, PREFILL_LAYERS, PREFILL_TOKENS, bf16_grouped_layer, copy_bandwidth,  # noqa: E402
+                           graph_of, median, random_layer, routing)
+from kernels import grouped  # noqa: E402
+from kernels.executors import moe_experts  # noqa: E402
+from kernels.reference import reference_moe_f32  # noqa: E402
+from runmap.cuda_timing import event_times_ms  # noqa: E402
+from runmap.qpack import RowLayout  # noqa: E402
+
+FORMS = {"plain": {"DEQ_ASM": False}, "asm": {"DEQ_ASM": True}}
+PREFILL_TILES = [  # (BLOCK_M, BLOCK_N, BLOCK_K, num_warps, num_stages); down uses the same N / K tiles
+    (64, 32, 128, 4, 4), (64, 64, 128, 4, 3), (64, 128, 128, 8, 3), (128, 64, 64, 8, 3), (64, 64, 256, 4, 2),
+    (128, 128, 64, 8, 3), (64, 32, 256, 4, 3), (64, 64, 128, 8, 4), (128, 64, 128, 8, 3), (64, 128, 64, 4, 4),
+]
+
+
+def tile_cfg(bm, bn, bk, nw, ns, form):
+    return {"BLOCK_M": bm, "BLOCK_N": bn, "BLOCK_K": bk, "DOWN_BLOCK_N": bn, "DOWN_BLOCK_K": bk,
+            "num_warps": nw, "num_stages": ns, **FORMS[form]}
+
+
+def graph_us(fn, layers: int, reps: int = 15) -> float:
+    """Median microseconds per layer of ``fn`` (``layers`` layer calls) replayed as one CUDA graph."""
+    replay = graph_of(fn)
+    return median(event_times_ms(replay, reps=reps, warmup=3)) / layers * 1e3
+
+
+def kernel_breakdown(fn, layers: int) -> dict:
+    """{kernel name: microseconds per layer} of one call of ``fn`` from torch.profiler's CUDA activity."""
+    from torch.profiler import ProfilerActivity, profile
+    fn()
+    torch.cuda.synchronize()
+    with profile(activities=[ProfilerActivity.CUDA]) as prof:
+        fn()
+        torch.cuda.synchronize()
+    out = {}
+    for ev in prof.key_averages():
+        t = getattr(ev, "device_time_total", None) or getattr(ev, "cuda_time_total", 0)
+        if t > 0 and ev.count > 0:
+            out[ev.key[:80]] = round(t / layers, 2)
+    return dict(sorted(out.items(), key=lambda kv: -kv[1])[:12])
+
+
+def main():
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--out", required=True, help="JSON record (schemas/kernel-explore.schema.json)")
+    ap.add_argument("--models", default=",".join(MODELS), help="comma list of %(default)s")
+    ap.add_argument("--tiles", default="0,1,4,7,9",
+                    help="indices into PREFILL_TILES timed with every form (default %(default)s)")
+    ap.add_argument("--decode-grid", default="16,32,64:256,512:2,4:3",
+                    help="grouped decode tiles with asm as BLOCK_N list:BLOCK_K list:warps list:stages list")
+    ap.add_argument("--profile", action="store_true", help="add a per-kernel breakdown of the default configs")
+    args = ap.parse_args()
+    gen = torch.Generator(device="cuda").manual_seed(0)
+    out = {"copy": copy_bandwidth(1 << 30), "rows": [], "checks": []}
+    print(f"copy {out['copy']['gbps']:.0f} GB/s", flush=True)
+    summary = []
+    for model in args.models.split(","):
+        spec = MODELS[model]
+        h, i, e, k = spec["hidden"], spec["intermediate"], spec["experts"], spec["top_k"]
+        layout = RowLayout.build(h, i)
+        layers = [random_layer(layout, e, gen) for _ in range(LAYERS)]
+        table = torch.arange(e, dtype=torch.int32, device="cuda")
+        batches = []
+        for _ in range(PREFILL_LAYERS):
+            ids, w = routing(PREFILL_TOKENS, e, k, gen)
+            batches.append((torch.randn(PREFILL_TOKENS, h, device="cuda", generator=gen).half(), ids, w))
+        x0, ids0, w0 = batches[0]
+        ref = reference_moe_f32(x0, ids0, w0, layers[0], table, layout)
+
+        wgu = [torch.randn(e, 2 * i, h, device="cuda", dtype=torch.bfloat16, generator=gen) * 0.02
+               for _ in range(PREFILL_LAYERS)]
+        wd = [torch.randn(e, h, i, device="cuda", dtype=torch.bfloat16, generator=gen) * 0.02
+              for _ in range(PREFILL_LAYERS)]
+        xb = [(x.to(torch.bfloat16), ids, w) for x, ids, w in batches]
+
+        def bf16_us():
+            def bstep():
+                for (x, ids, w), a, b in zip(xb, wgu, wd):
+                    bf16_grouped_layer(x, ids, w, a.transpose(1, 2), b.transpose(1, 2), e, True)
+            return graph_us(bstep, PREFILL_LAYERS)
+
+        cfgs = [(PREFILL_TILES[int(n)], form) for n in args.tiles.split(",") for form in FORMS]
+        timings = {n: [] for n in range(len(cfgs))}
+        base = [bf16_us()]
+        for npass in range(2):
+            for n, (tiles, form) in enumerate(cfgs):
+                cfg = tile_cfg(*tiles, form)
+
+                def step(cfg=cfg):
+                    for (x, ids, w), st in zip(batches, layers[:PREFILL_LAYERS]):
+                        moe_experts("grouped", x, ids, w, st, table, layout, validate=False, config=cfg)
+                try:
+                    if npass == 0:
+                        y = moe_experts("grouped", x0, ids0, w0, layers[0], table, layout, validate=False, config=cfg)
+                        err = float((y.float() - ref).norm() / ref.norm())
+                        out["checks"].append({"model": model, "tokens": PREFILL_TOKENS, "config": cfg, "rel_err": err})
+                        if not err <= 2e-3:
+                            print(f"  {model} {tiles} {form}: WRONG rel err {err:.2e}", flush=True)
+                            timings[n] = None
+                            continue
+                    if timings[n] is None:
+                        continue
+                    timings[n].append(graph_us(step, PREFILL_LAYERS))
+                except Exception as exc:
+                    print(f"  {model} {tiles} {form}: FAILED {type(exc).__name__}: {str(exc)[:300]}", flush=True)
+                    timings[n] = None
+            base.append(bf16_us())
+        bf16 = min(base)
+        print(f"{model} prefill bf16 torch._grouped_mm: {[round(b, 1) for b in base]} us/layer", flush=True)
+        for n, (tiles, form) in enumerate(cfgs):
+            if not timings[n]:
+                continue
+            us = min(timings[n])
+            row = {"model": model, "tokens": PREFILL_TOKENS, "kind": "prefill-grouped", "config": tile_cfg(*tiles, form),
+                   "us": us, "passes_us": timings[n], "ratio_to_bf16": bf16 / us}
+            out["rows"].append(row)
+            summary.append((model, "prefill", tiles, form, us, bf16 / us))
+        out["rows"].append({"model": model, "tokens": PREFILL_TOKENS, "kind": "prefill-bf16", "us": bf16,
+                            "passes_us": base})
+        if args.profile:
+            dcfg = grouped.default_config(PREFILL_TOKENS * k, torch.device("cuda"))
+            for form in FORMS:
+                cfg = dict(dcfg, **FORMS[form])
+                bd = kernel_breakdown(lambda cfg=cfg: [moe_experts("grouped", x, ids, w, st, table, layout,
+                                                                    validate=False, config=cfg)
+                                                       for (x, ids, w), st in zip(batches, layers)], PREFILL_LAYERS)
+                out["rows"].append({"model": model, "tokens": PREFILL_TOKENS, "kind": "prefill-kernels",
+                                    "config": cfg, "us": sum(bd.values()), "kernels_us": bd})
+                print(f"{model} prefill kernels ({form}): {bd}", flush=True)
+            bd = kernel_breakdown(lambda: [bf16_grouped_layer(x, ids, w, a.transpose(1, 2), b.transpose(1, 2), e, True)
+                                           for (x, ids, w), a, b in zip(xb, wgu, wd)], PREFILL_LAYERS)
+            out["rows"].append({"model": model, "tokens": PREFILL_TOKENS, "kind": "prefill-kernels",
+                                "config": {"bf16": "torch._grouped_mm"}, "us": sum(bd.values()), "kernels_us": bd})
+            print(f"{model} prefill kernels (bf16): {bd}", flush=True)
+
+        # decode through the grouped executor: forms at the default tiles, 16 layers in one CUDA graph
+        for tokens in (1, 8):
+            dec = []
+            for _ in range(LAYERS):
+                ids, w = routing(tokens, e, k, gen)
+                dec.append((torch.randn(tokens, h, device="cuda", generator=gen).half(), ids, w))
+            dref = reference_moe_f32(*dec[0], layers[0], table, layout)
+            dcfgs = [("plain", dict(grouped.default_config(tokens * k, torch.device("cuda")), **FORMS["plain"]))]
+            for bn, bk, nw, ns in itertools.product(*([int(v) for v in part.split(",")]
+                                                      for part in args.decode_grid.split(":"))):
+                dcfgs.append(("asm", {"BLOCK_M": 16, "BLOCK_N": bn, "BLOCK_K": bk, "DOWN_BLOCK_N": bn,
+                                      "DOWN_BLOCK_K": bk, "num_warps": nw, "num_stages": ns, **FORMS["asm"]}))
+            for form, cfg in dcfgs:
+                try:
+                    y = moe_experts("grouped", *dec[0], layers[0], table, layout, validate=False, config=cfg)
+                    err = float((y.float() - dref).norm() / dref.norm())
+                    out["checks"].append({"model": model, "tokens": tokens, "config": cfg, "rel_err": err})
+                    replay = graph_of(lambda cfg=cfg: [moe_experts("grouped", x, ids, w, st, table, layout,
+                                                                   validate=False, config=cfg)
+                                                       for (x, ids, w), st in zip(dec, layers)])
+                    us = median(event_times_ms(replay, reps=30, warmup=3)) / LAYERS * 1e3
+                except Exception as exc:
+                    print(f"  {model} decode T={tokens} {form}: FAILED {type(exc).__name__}: {str(exc)[:300]}", flush=True)
+                    continue
+                out["rows"].append({"model": model, "tokens": tokens, "kind": "decode-grouped", "config": cfg, "us": us})
+                summary.append((model, f"decode T={tokens}", (cfg["BLOCK_N"], cfg["BLOCK_K"], cfg["num_warps"],
+                                                              cfg["num_stages"]), form, us, err))
+            # the topk-fused executor's default (words GEMV) on the same batches, for comparison
+            replay = graph_of(lambda: [moe_experts("topk-fused", x, ids, w, st, table, layout, validate=False)
+                                       for (x, ids, w), st in zip(dec, layers)])
+            us = median(event_times_ms(replay, reps=30, warmup=3)) / LAYERS * 1e3
+            out["rows"].append({"model": model, "tokens": tokens, "kind": "decode-topk-fused", "us": us})
+            summary.append((model, f"decode T={tokens}", "default", "topk-fused", us, 0.0))
+        layers.clear()
+        torch.cuda.empty_cache()
+    Path(args.out).write_text(json.dumps(out, indent=1))
+    print(f"\n{'model':12s} {'phase':12s} {'tiles (BM,BN,BK,nw,ns)':24s} {'form':10s} {'us':>8s} {'ratio/err':>10s}")
+    for model, phase, tiles, form, us, r in summary:
+        print(f"{model:12s} {phase:12s} {str(tiles):24s} {form:10s} {us:8.1f} {r:10.3g}")
+
+
+if __name__ == "__main__":
+    main()
