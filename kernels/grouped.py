@@ -199,32 +199,83 @@ def _deq_asm(cfg: dict, device: torch.device) -> bool:
     return deq_asm
 
 
+@triton.jit
+def _count_experts_kernel(ids_ptr, hist_ptr, P, n_experts, E_PAD: tl.constexpr, BLOCK_P: tl.constexpr):
+    """hist[c, b] = number of pairs of chunk c (pairs c*BLOCK_P ..) in bucket b (expert id; E = invalid id)."""
+    c = tl.program_id(0)
+    offs = c * BLOCK_P + tl.arange(0, BLOCK_P)  # (BP,) pair indices
+    ok = offs < P
+    ids = tl.load(ids_ptr + offs, mask=ok, other=0)
+    bucket = tl.where((ids >= 0) & (ids < n_experts), ids, n_experts)  # (BP,)
+    onehot = ((bucket[:, None] == tl.arange(0, E_PAD)[None, :]) & ok[:, None]).to(tl.int32)  # (BP, E_PAD)
+    tl.store(hist_ptr + c * E_PAD + tl.arange(0, E_PAD), tl.sum(onehot, axis=0))
+
+
+@triton.jit
+def _place_pairs_kernel(ids_ptr, hist_ptr, order_ptr, P, n_experts, n_chunks, n_slots,
+                        E_PAD: tl.constexpr, BLOCK_P: tl.constexpr, BLOCK_M: tl.constexpr,
+                        CHUNKS_PAD: tl.constexpr):
+    """Program c writes order slots: the sorted position of chunk c's pairs, the -1 tail slots
+    [c*BLOCK_P, (c+1)*BLOCK_P) beyond the last run, and (program 0) the -1 padding of every run."""
+    c = tl.program_id(0)
+    offs_e = tl.arange(0, E_PAD)
+    offs_c = tl.arange(0, CHUNKS_PAD)
+    h = tl.load(hist_ptr + offs_c[:, None] * E_PAD + offs_e[None, :], mask=(offs_c < n_chunks)[:, None], other=0)
+    counts = tl.sum(h, axis=0)  # (E_PAD,) pairs per bucket
+    before = tl.sum(tl.where((offs_c < c)[:, None], h, 0), axis=0)  # (E_PAD,) in earlier chunks
+    padded = (counts + BLOCK_M - 1) // BLOCK_M * BLOCK_M
+    start_pad = tl.cumsum(padded, axis=0) - padded  # (E_PAD,) first slot of each bucket's run
+    # this chunk's pairs, stable: slot = run start + pairs of the bucket in earlier chunks + rank in chunk
+    offs = c * BLOCK_P + tl.arange(0, BLOCK_P)  # (BP,)
+    ok = offs < P
+    ids = tl.load(ids_ptr + offs, mask=ok, other=0)
+    bucket = tl.where((ids >= 0) & (ids < n_experts), ids, n_experts)
+    onehot = (bucket[:, None] == offs_e[None, :]) & ok[:, None]  # (BP, E_PAD)
+    rank = tl.cumsum(onehot.to(tl.int32), axis=0) - 1  # (BP, E_PAD) inclusive count - 1
+    slot = tl.sum(tl.where(onehot, rank + (start_pad + before)[None, :], 0), axis=1)  # (BP,)
+    tl.store(order_ptr + slot, offs.to(tl.int32), mask=ok)
+    # slots after the last run (the buffer is sized for the worst case)
+    tail = c * BLOCK_P + tl.arange(0, BLOCK_P)
+    used = tl.sum(padded, axis=0)
+    tl.store(order_ptr + tail, tl.full((BLOCK_P,), -1, tl.int32), mask=(tail >= used) & (tail < n_slots))
+    if c == 0:  # padding inside each run: slots start_pad + counts .. start_pad + padded - 1
+        offs_j = tl.arange(0, BLOCK_M)
+        pad = (start_pad + counts)[:, None] + offs_j[None, :]  # (E_PAD, BM)
+        pad_ok = offs_j[None, :] < (padded - counts)[:, None]
+        tl.store(order_ptr + pad, tl.full((E_PAD, BLOCK_M), -1, tl.int32), mask=pad_ok)
+
+
 def sort_pairs(ids_flat: torch.Tensor, n_experts: int, block_m: int) -> torch.Tensor:
-    """Group pair indices by expert into runs padded to ``block_m`` slots, without a host sync.
+    """Group pair indices by expert into runs padded to ``block_m`` slots: two launches, no host sync.
+
+    A counting sort (per-chunk expert histograms, then each chunk places its pairs after the runs of lower
+    experts and the same expert's pairs of earlier chunks), so it is stable and deterministic. It replaced
+    ~25 torch ops (argsort, scatter_add, cumsums, index puts) whose host dispatch cost ~0.5 ms per layer on
+    the H200 host, longer than the layer's GPU time at prefill (scripts/probe_host_overhead.py).
 
     Args:
-        ids_flat: int32/int64 (P,) expert id of each pair. Ids outside [0, E) go to one extra run whose
-            block the kernels mark NaN (they never join a real expert's block).
+        ids_flat: int32/int64 (P,) contiguous expert id of each pair. Ids outside [0, E) go to one extra run
+            whose block the kernels mark NaN (they never join a real expert's block).
         n_experts: E. block_m: slots per program.
     Returns:
-        int32 (n_blocks * block_m,) pair index per slot, -1 for padding; n_blocks is the worst case
+        int32 (n_blocks * block_m,) pair index per slot, -1 for padding; runs in expert order (the invalid
+        run last), pairs ascending within a run; n_blocks is the worst case
         ceil((P + min(E + 1, P) * (block_m - 1)) / block_m), so the size depends only on P, E, block_m.
     """
+    common.check_tensor("ids_flat", ids_flat, (torch.int32, torch.int64), 1)
     p = ids_flat.numel()
     dev = ids_flat.device
-    ids = ids_flat.to(torch.int64)
-    ids = torch.where((ids >= 0) & (ids < n_experts), ids, n_experts)  # (P,) bucket E = invalid ids
-    counts = torch.zeros(n_experts + 1, dtype=torch.int64, device=dev).scatter_add_(0, ids, torch.ones_like(ids))
-    padded = (counts + block_m - 1) // block_m * block_m  # (E+1,)
-    start_pad = torch.cumsum(padded, 0) - padded  # (E+1,) first slot of each expert's run
-    start = torch.cumsum(counts, 0) - counts  # (E+1,) first sorted position of each expert
-    order = torch.argsort(ids, stable=True)  # (P,) pairs sorted by expert
-    sorted_ids = ids[order]
-    slot = start_pad[sorted_ids] + torch.arange(p, device=dev) - start[sorted_ids]  # (P,)
-    n_blocks = triton.cdiv(p + min(n_experts + 1, p) * (block_m - 1), block_m)
-    out = torch.full((n_blocks * block_m,), -1, dtype=torch.int32, device=dev)
-    out[slot] = order.to(torch.int32)
-    return out
+    e_pad = common.next_pow2(n_experts + 1)  # buckets 0 .. E-1 experts, E invalid ids
+    block_p = max(16, min(256, 16384 // e_pad))  # (BLOCK_P, E_PAD) one-hot tiles of at most 16 Ki values
+    n_chunks = triton.cdiv(p, block_p)
+    n_slots = triton.cdiv(p + min(n_experts + 1, p) * (block_m - 1), block_m) * block_m
+    hist = common.empty((n_chunks, e_pad), torch.int32, dev)
+    order = common.empty((n_slots,), torch.int32, dev)
+    _count_experts_kernel[(n_chunks,)](ids_flat, hist, p, n_experts, E_PAD=e_pad, BLOCK_P=block_p)
+    _place_pairs_kernel[(triton.cdiv(n_slots, block_p),)](
+        ids_flat, hist, order, p, n_experts, n_chunks, n_slots,
+        E_PAD=e_pad, BLOCK_P=block_p, BLOCK_M=block_m, CHUNKS_PAD=common.next_pow2(n_chunks))
+    return order
 
 
 def _plan(n_pairs: int, n_experts: int, cfg: dict, ids_flat: torch.Tensor):

@@ -152,6 +152,33 @@ def test_deterministic_and_independent_of_physical_rows(executor, device):
     assert torch.equal(y1, y3)
 
 
+def _sorted_slots_model(ids: list[int], n_experts: int, block_m: int) -> list[int]:
+    """Plain-Python model of grouped.sort_pairs: runs of pair indices per expert (invalid ids last), each
+    padded with -1 to a multiple of block_m, then -1 up to the worst-case size."""
+    runs = [[p for p, e in enumerate(ids) if e == x] for x in range(n_experts)]
+    runs.append([p for p, e in enumerate(ids) if not 0 <= e < n_experts])
+    out = []
+    for run in runs:
+        out += run + [-1] * (-len(run) % block_m)
+    size = -(-(len(ids) + min(n_experts + 1, len(ids)) * (block_m - 1)) // block_m) * block_m
+    return out + [-1] * (size - len(out))
+
+
+@settings(max_examples=25, deadline=None)
+@given(data=st.data(), n_experts=st.integers(1, 70), block_m=st.sampled_from([16, 64, 128]),
+       ids_dtype=st.sampled_from([torch.int32, torch.int64]))
+def test_sort_pairs_matches_a_counting_sort_model(data, n_experts, block_m, ids_dtype):
+    """The prefill grouping (two Triton launches) equals the model slot for slot: stable within a run,
+    invalid ids in their own last run, every slot written (its buffers are poisoned)."""
+    from kernels.grouped import sort_pairs
+    n = data.draw(st.integers(1, 700), label="pairs")
+    ids = data.draw(st.lists(st.integers(-3, n_experts + 2), min_size=n, max_size=n), label="ids")
+    dev = torch.device("cuda" if ON_GPU else "cpu")
+    got = sort_pairs(torch.tensor(ids, dtype=ids_dtype, device=dev), n_experts, block_m)
+    assert got.dtype == torch.int32
+    assert got.cpu().tolist() == _sorted_slots_model(ids, n_experts, block_m)
+
+
 @settings(max_examples=4 if not ON_GPU else 8)  # each new shape compiles new kernels on the GPU
 @given(h_blocks=st.integers(1, 3), i_half=st.integers(4, 12), b=st.sampled_from([32, 64, 128]),
        m=st.integers(1, 6), seed=st.integers(0, 2**16))
