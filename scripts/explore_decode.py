@@ -29,6 +29,60 @@ def time_graph(fn) -> float:
     return median(event_times_ms(replay, reps=30, warmup=3)) / LAYERS * 1e3  # us per layer
 
 
+def layer_sweep(args) -> None:
+    """Whole topk-fused layers (16 in one CUDA graph) per config of --layer-configs, two passes each."""
+    from kernels.executors import moe_experts
+    cfgs = json.loads(Path(args.layer_configs).read_text())
+    gen = torch.Generator(device="cuda").manual_seed(0)
+    out = {"copy": copy_bandwidth(1 << 30), "rows": [], "checks": []}
+    copy = out["copy"]["gbps"]
+    print(f"copy {copy:.0f} GB/s", flush=True)
+    for model, spec in MODELS.items():
+        hdim, idim, e, k = spec["hidden"], spec["intermediate"], spec["experts"], spec["top_k"]
+        layout = RowLayout.build(hdim, idim)
+        layers = [random_layer(layout, e, gen) for _ in range(LAYERS)]
+        table = torch.arange(e, dtype=torch.int32, device="cuda")
+        for tokens in [int(v) for v in args.tokens.split(",")]:
+            batches = []
+            for _ in range(LAYERS):
+                ids, w = routing(tokens, e, k, gen)
+                batches.append((torch.randn(tokens, hdim, device="cuda", generator=gen).half(), ids, w))
+            nbytes = sum(int(torch.unique(b[1]).numel()) for b in batches) * layout.row_bytes / LAYERS
+            ref = reference_moe_f32(*batches[0], layers[0], table, layout)
+            times = {n: [] for n in range(len(cfgs))}
+            for _pass in range(2):
+                for n, cfg in enumerate(cfgs):
+                    try:
+                        if _pass == 0:
+                            y = moe_experts("topk-fused", *batches[0], layers[0], table, layout, validate=False,
+                                            config=cfg)
+                            err = float((y.float() - ref).norm() / ref.norm())
+                            out["checks"].append({"model": model, "tokens": tokens, "config": cfg, "rel_err": err})
+                            if not err <= 2e-3:
+                                print(f"  {model} T={tokens} {cfg}: WRONG rel err {err:.2e}", flush=True)
+                                times[n] = None
+                        if times[n] is None:
+                            continue
+                        times[n].append(time_graph(lambda cfg=cfg: [
+                            moe_experts("topk-fused", x, ids, w, st, table, layout, validate=False, config=cfg)
+                            for (x, ids, w), st in zip(batches, layers)]))
+                    except Exception as exc:
+                        print(f"  {model} T={tokens} {cfg}: FAILED {type(exc).__name__}: {str(exc)[:300]}", flush=True)
+                        times[n] = None
+            for n, cfg in enumerate(cfgs):
+                if not times[n]:
+                    continue
+                us = min(times[n])
+                gbps = nbytes / us / 1e3
+                out["rows"].append({"model": model, "tokens": tokens, "kind": "layer-topk-fused", "config": cfg,
+                                    "us": us, "passes_us": times[n], "gbps": gbps, "fraction": gbps / copy})
+                print(f"  {model} T={tokens} {us:7.2f} us {gbps / copy:.2f} of copy {[round(t, 2) for t in times[n]]} {cfg}",
+                      flush=True)
+        layers.clear()
+        torch.cuda.empty_cache()
+    Path(args.out).write_text(json.dumps(out, indent=1))
+
+
 def main():
     ap = argparse.ArgumentParser()
     ap.add_argument("--out", required=True, help="JSON record (schemas/kernel-explore.schema.json), e.g. results/kernels/explore/h200-decode.json")
@@ -37,7 +91,11 @@ def main():
                     help="words grid of launch 1 as BLOCK_N list:SUB list:num_warps list (default %(default)s)")
     ap.add_argument("--words-down", default="8,16,32:1,2:2,4,8",
                     help="words grid of launch 2, same form (default %(default)s)")
+    ap.add_argument("--layer-configs", help="JSON list of topk-fused configs: time only whole layers (both launches) "
+                    "with each, checked against the FP32 reference (kind layer-topk-fused)")
     args = ap.parse_args()
+    if args.layer_configs:
+        return layer_sweep(args)
 
     def grid(spec):
         return itertools.product(*([int(v) for v in part.split(",")] for part in spec.split(":")))
