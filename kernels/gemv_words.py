@@ -21,8 +21,6 @@ from __future__ import annotations
 import triton
 import triton.language as tl
 
-from triton.language.extra.cuda import gdc_launch_dependents, gdc_wait
-
 from kernels.core import resolve_row, store_pair_h, store_slot_sum, token_slots
 
 
@@ -83,14 +81,9 @@ def _words_gate_up_kernel(
     gate_w, gate_s, up_w, up_s,  # section offsets inside a row (bytes / fp16 elements)
     magic,  # int32 0x4B000000 (see _nibble)
     N: tl.constexpr, K: tl.constexpr, NB: tl.constexpr, QBLOCK: tl.constexpr, TOPK: tl.constexpr,
-    BLOCK_N: tl.constexpr, SUB: tl.constexpr, EVEN: tl.constexpr, GDC: tl.constexpr = False,
+    BLOCK_N: tl.constexpr, SUB: tl.constexpr, EVEN: tl.constexpr,
 ):
-    """Program (p, n): h[p, n-tile] = fp16(silu(x[t] Wg^T) * (x[t] Wu^T)) for pair p = t*k + j.
-    GDC (launched with programmatic dependent launch, GPU only): wait for the previous kernel before reading
-    anything (the routing comes from it), then let the next launch start its programs."""
-    if GDC:
-        gdc_wait()
-        gdc_launch_dependents()
+    """Program (p, n): h[p, n-tile] = fp16(silu(x[t] Wg^T) * (x[t] Wu^T)) for pair p = t*k + j."""
     WPB: tl.constexpr = QBLOCK // 8  # words per scale block of one weight row
     KW: tl.constexpr = K // 8  # words per weight row
     pid_p = tl.program_id(0)
@@ -168,43 +161,4 @@ def _words_down_kernel(
                 pw = tl.load(w_ptrs + blk * WPB, mask=sm[:, :, None] & k_ok[None, None, :], other=0)
             part += word_dot(pw, magic, e0[:, None, :], o0[:, None, :], e1[:, None, :], o1[:, None, :],
                              e2[:, None, :], o2[:, None, :], e3[:, None, :], o3[:, None, :]) * (s * gw[:, None])[:, :, None]
-    store_slot_sum(part, s_ok, ok, y_ptr, t, stride_ym, offs_n, n_mask)
-
-
-@triton.jit
-def _words_down_preload_kernel(
-    h_ptr, ids_ptr, wts_ptr, row_table_ptr, w_ptr, s_ptr, y_ptr,  # h (T*k, I) fp16, wts (T*k,) fp32, y (T, H) fp16
-    n_experts, n_rows, row_bytes, stride_ym, down_w, down_s, magic,
-    N: tl.constexpr, K: tl.constexpr, NB: tl.constexpr, QBLOCK: tl.constexpr, TOPK: tl.constexpr,
-    TOPK_P2: tl.constexpr, BLOCK_N: tl.constexpr, NB_P2: tl.constexpr, GDC: tl.constexpr,
-):
-    """``_words_down_kernel`` with every weight word and scale of the program loaded before h is touched, as
-    one (TOPK_P2, BN, NB_P2, QBLOCK/8) tile: the routing, row table and weights do not depend on the launch
-    before (launch 1, which writes h), so with GDC (programmatic dependent launch, GPU only) these loads run
-    while launch 1 drains, and only the h loads wait for it (``gdc_wait``). Same sums, same NaN rule."""
-    WPB: tl.constexpr = QBLOCK // 8
-    KW: tl.constexpr = K // 8
-    t = tl.program_id(0)
-    offs_n = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)  # (BN,) over H
-    n_mask = offs_n < N
-    offs_b = tl.arange(0, NB_P2)  # (NB_P2,) scale block
-    offs_kw = offs_b[:, None] * WPB + tl.arange(0, WPB)[None, :]  # (NB_P2, WPB) word index within a row
-    k_ok = (offs_b[:, None] < NB) & (offs_kw < KW)
-    pairs, s_ok, row, ok, gw = token_slots(t, ids_ptr, wts_ptr, row_table_ptr, n_experts, n_rows, TOPK, TOPK_P2)
-    w_base = (w_ptr + row * row_bytes + down_w).to(tl.pointer_type(tl.int32))  # (S,) int32 pointers
-    s_base = s_ptr + row * (row_bytes // 2) + down_s  # (S,) fp16 pointers
-    sn_ok = ok[:, None] & n_mask[None, :]  # (S, BN)
-    pw = tl.load(w_base[:, None, None, None] + (offs_n * KW)[None, :, None, None] + offs_kw[None, None, :, :],
-                 mask=sn_ok[:, :, None, None] & k_ok[None, None, :, :], other=0)  # (S, BN, NB_P2, WPB) int32
-    s = tl.load(s_base[:, None, None] + offs_n[None, :, None] * NB + offs_b[None, None, :],
-                mask=sn_ok[:, :, None] & (offs_b < NB)[None, None, :], other=0.0).to(tl.float32)  # (S, BN, NB_P2)
-    if GDC:
-        gdc_wait()  # h is written by the launch before
-        gdc_launch_dependents()
-    h32 = (h_ptr + pairs.to(tl.int64) * K).to(tl.pointer_type(tl.int32))  # (S,) int32 pair pointers
-    e0, o0, e1, o1, e2, o2, e3, o3 = _load_pairs(h32[:, None, None], offs_kw[None, :, :],
-                                                 ok[:, None, None] & k_ok[None, :, :], False)  # (S, NB_P2, WPB)
-    prod = word_dot(pw, magic, e0[:, None], o0[:, None], e1[:, None], o1[:, None],
-                    e2[:, None], o2[:, None], e3[:, None], o3[:, None])  # (S, BN, NB_P2, WPB)
-    part = tl.sum(prod, axis=3) * (s * gw[:, None, None])  # (S, BN, NB_P2)
     store_slot_sum(part, s_ok, ok, y_ptr, t, stride_ym, offs_n, n_mask)

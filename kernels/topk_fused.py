@@ -26,7 +26,7 @@ import triton.language as tl
 from kernels import common
 from kernels.core import _scale_tile, gemv_tiles, nibbles_f32, resolve_row, silu_mul
 from kernels.gemv import _pair_gate_up_kernel, _token_down_kernel
-from kernels.gemv_words import _words_down_kernel, _words_down_preload_kernel, _words_gate_up_kernel
+from kernels.gemv_words import _words_down_kernel, _words_gate_up_kernel
 from runmap.qpack import RowLayout
 
 
@@ -106,10 +106,7 @@ def default_config(device: torch.device, n_pairs: int = 1) -> dict:
     slots vectorized in the down launch); "tiles": the kernels of this module (K tiles of BLOCK_K values).
     BLOCK_N / SUB / num_warps (launch 1) and DOWN_* (launch 2) are the tile of the chosen family; DOWN_KERNEL
     (default KERNEL) picks the family of launch 2 on its own. ``n_pairs`` = T * k (static per shape, never
-    read from data): few pairs want more warps per program, many pairs more programs.
-    Words only: DOWN_PRELOAD loads all of a down program's weights before h (``_words_down_preload_kernel``);
-    PDL launches both words kernels with programmatic dependent launch so that those loads overlap the end of
-    launch 1 (sm_90+, not in the interpreter)."""
+    read from data): few pairs want more warps per program, many pairs more programs."""
     if common.interpreting(device):
         return {"KERNEL": "words", "BLOCK_N": 512, "BLOCK_K": 256, "SUB": 1,
                 "DOWN_BLOCK_N": 512, "DOWN_BLOCK_K": 256, "DOWN_SUB": 1}
@@ -149,15 +146,6 @@ def _down_launch_opts(cfg: dict) -> dict:
     return opts
 
 
-def _pdl(cfg: dict, device: torch.device) -> bool:
-    """The config's PDL (programmatic dependent launch of the words kernels), refused where it cannot run:
-    the Triton interpreter (inline PTX) and GPUs before sm_90 (no grid dependency control)."""
-    pdl = bool(cfg.get("PDL", False))
-    if pdl and (common.interpreting(device) or torch.cuda.get_device_capability(device)[0] < 9):
-        raise common.KernelInputError("config: PDL needs a CUDA device of compute capability >= 9.0")
-    return pdl
-
-
 def _check_common(storage, layout, topk_ids, row_table):
     common.check_storage(storage, layout)
     dev = storage.device
@@ -188,15 +176,13 @@ def topk_gate_up(x, topk_ids, storage, row_table, layout: RowLayout, config: dic
     grid = (t * k, triton.cdiv(g.n, cfg["BLOCK_N"]))
     family = _family(cfg.get("KERNEL", "tiles"), layout, g.k, (g.w_off, u.w_off), storage, x)
     if family == "words":
-        pdl = _pdl(cfg, storage.device)
         _words_gate_up_kernel[grid](
             x, topk_ids, row_table, storage, storage.view(torch.float16), h,
             row_table.numel(), storage.shape[0], layout.row_bytes, x.stride(0),
             g.w_off, g.s_off, u.w_off, u.s_off, MAGIC_F32,
             N=g.n, K=g.k, NB=g.nb, QBLOCK=layout.block_size, TOPK=k,
             BLOCK_N=cfg["BLOCK_N"], SUB=cfg["SUB"],
-            EVEN=_even(g.k, g.n, g.nb, layout.block_size, cfg["BLOCK_N"], cfg["SUB"]), GDC=pdl,
-            **common.launch_opts(cfg), **({"launch_pdl": True} if pdl else {}),
+            EVEN=_even(g.k, g.n, g.nb, layout.block_size, cfg["BLOCK_N"], cfg["SUB"]), **common.launch_opts(cfg),
         )
         return h
     if family == "blocks":
@@ -243,16 +229,6 @@ def topk_down(h, topk_ids, topk_weights, storage, row_table, layout: RowLayout,
     grid = (t, triton.cdiv(d.n, cfg["DOWN_BLOCK_N"]))
     family = _family(cfg.get("DOWN_KERNEL", cfg.get("KERNEL", "tiles")), layout, d.k, (d.w_off,), storage, h)
     even = _even(d.k, d.n, d.nb, layout.block_size, cfg["DOWN_BLOCK_N"], cfg["DOWN_SUB"]) and k == common.next_pow2(k)
-    if family == "words" and cfg.get("DOWN_PRELOAD", False):
-        pdl = _pdl(cfg, dev)
-        _words_down_preload_kernel[grid](
-            h, topk_ids, topk_weights, row_table, storage, storage.view(torch.float16), y,
-            row_table.numel(), storage.shape[0], layout.row_bytes, y.stride(0), d.w_off, d.s_off, MAGIC_F32,
-            N=d.n, K=d.k, NB=d.nb, QBLOCK=layout.block_size, TOPK=k, TOPK_P2=common.next_pow2(k),
-            BLOCK_N=cfg["DOWN_BLOCK_N"], NB_P2=common.next_pow2(d.nb), GDC=pdl,
-            **_down_launch_opts(cfg), **({"launch_pdl": True} if pdl else {}),
-        )
-        return y
     if family == "words":
         _words_down_kernel[grid](
             h, topk_ids, topk_weights, row_table, storage, storage.view(torch.float16), y,
