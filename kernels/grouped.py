@@ -9,9 +9,9 @@ Two ways of forming the groups, chosen from the static pair count P = T * k (nev
 * decode (P <= DECODE_MAX_PAIRS): no host-side preparation. Program p owns expert ids[p] if p is its
   first occurrence; it finds the other pairs of that expert by comparing all P ids in registers
   (rank = prefix count) and processes them in chunks of BLOCK_M. Programs of repeated ids do nothing.
-* prefill: pairs are sorted by expert with torch ops (scatter_add / cumsum / argsort, no host sync) into
-  per-expert runs padded to BLOCK_M ("order", -1 = padding), sized for the worst case so nothing depends
-  on the data. One program per BLOCK_M slots; empty blocks do nothing.
+* prefill: pairs are sorted by expert with a two-launch Triton counting sort (``sort_pairs``, no host
+  sync) into per-expert runs padded to BLOCK_M ("order", -1 = padding), sized for the worst case so nothing
+  depends on the data. One program per BLOCK_M slots; empty blocks do nothing.
 
 Stages: (1) gate and up (two dots sharing each activation tile), h = fp16(silu(gate) * up), stored per
 pair; (2) down, times the pair's gate weight, stored per pair in fp32; (3) a fixed-order sum over the k
