@@ -79,6 +79,14 @@ def resolve_row(expert, row_table_ptr, n_experts, n_rows):
 
 
 @triton.jit
+def expert_row(expert, row_table_ptr, w_ptr, s_ptr, n_experts, n_rows, row_bytes):
+    """expert id(s) -> (uint8 pointer to its physical row, fp16 pointer to the same row in the fp16 view of
+    the storage, ok) as ``resolve_row``; an invalid id points at row 0 with ok False."""
+    row, ok = resolve_row(expert, row_table_ptr, n_experts, n_rows)
+    return w_ptr + row * row_bytes, s_ptr + row * (row_bytes // 2), ok
+
+
+@triton.jit
 def store_pair_h(part_g, part_u, ok, h_ptr, pid_p, N: tl.constexpr, offs_n, n_mask):
     """Epilogue of a decode gate/up GEMV program: h[pid_p, offs_n] = fp16(silu(g) * up), g / up the sums of
     the (BN, X) fp32 partial products over X; NaN when the pair's expert is not resident (``ok`` False)."""
@@ -89,16 +97,18 @@ def store_pair_h(part_g, part_u, ok, h_ptr, pid_p, N: tl.constexpr, offs_n, n_ma
 
 
 @triton.jit
-def token_slots(t, ids_ptr, wts_ptr, row_table_ptr, n_experts, n_rows, TOPK: tl.constexpr, TOPK_P2: tl.constexpr):
+def token_slots(t, ids_ptr, wts_ptr, row_table_ptr, w_ptr, s_ptr, n_experts, n_rows, row_bytes,
+                TOPK: tl.constexpr, TOPK_P2: tl.constexpr):
     """The k slots of token t in a decode down program, padded to S = TOPK_P2: (pairs (S,), s_ok (S,) real
-    slot, row (S,) int64, ok (S,) resident, gate weights (S,) fp32, 0 on padding)."""
+    slot, w_row / s_row (S,) row pointers as ``expert_row``, ok (S,) resident, gate weights (S,) fp32, 0 on
+    padding)."""
     offs_s = tl.arange(0, TOPK_P2)  # (S,) slots
     s_ok = offs_s < TOPK
     pairs = t * TOPK + offs_s  # (S,)
     expert = tl.load(ids_ptr + pairs, mask=s_ok, other=-1)
-    row, ok = resolve_row(expert, row_table_ptr, n_experts, n_rows)  # (S,) each
+    w_row, s_row, ok = expert_row(expert, row_table_ptr, w_ptr, s_ptr, n_experts, n_rows, row_bytes)  # (S,) each
     gw = tl.load(wts_ptr + pairs, mask=s_ok, other=0.0)  # (S,) fp32 gate weights
-    return pairs, s_ok, row, ok, gw
+    return pairs, s_ok, w_row, s_row, ok, gw
 
 
 @triton.jit

@@ -22,7 +22,7 @@ from __future__ import annotations
 import triton
 import triton.language as tl
 
-from kernels.core import nibbles_f32, resolve_row, store_pair_h, store_slot_sum, token_slots
+from kernels.core import expert_row, nibbles_f32, store_pair_h, store_slot_sum, token_slots
 
 
 @triton.jit
@@ -40,10 +40,7 @@ def _pair_gate_up_kernel(
     offs_n = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)  # (BN,) over I
     n_mask = offs_n < N
     offs_j = tl.arange(0, HALF)  # (HALF,) byte within a scale block
-    expert = tl.load(ids_ptr + pid_p)
-    row, ok = resolve_row(expert, row_table_ptr, n_experts, n_rows)
-    w_row = w_ptr + row * row_bytes
-    s_row = s_ptr + row * (row_bytes // 2)
+    w_row, s_row, ok = expert_row(tl.load(ids_ptr + pid_p), row_table_ptr, w_ptr, s_ptr, n_experts, n_rows, row_bytes)
     x_row = x_ptr + (pid_p // TOPK).to(tl.int64) * stride_xm
     g_ptrs = w_row + gate_w + offs_n[:, None] * KB + offs_j[None, :]  # (BN, HALF)
     u_ptrs = w_row + up_w + offs_n[:, None] * KB + offs_j[None, :]
@@ -92,9 +89,10 @@ def _token_down_kernel(
     offs_n = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)  # (BN,) over H
     n_mask = offs_n < N
     offs_j = tl.arange(0, HALF)
-    pairs, s_ok, row, ok, gw = token_slots(t, ids_ptr, wts_ptr, row_table_ptr, n_experts, n_rows, TOPK, TOPK_P2)
-    w_base = w_ptr + row * row_bytes + down_w  # (S,) uint8 pointers
-    s_base = s_ptr + row * (row_bytes // 2) + down_s  # (S,) fp16 pointers
+    pairs, s_ok, w_row, s_row, ok, gw = token_slots(t, ids_ptr, wts_ptr, row_table_ptr, w_ptr, s_ptr, n_experts,
+                                                    n_rows, row_bytes, TOPK, TOPK_P2)
+    w_base = w_row + down_w  # (S,) uint8 pointers
+    s_base = s_row + down_s  # (S,) fp16 pointers
     h_base = h_ptr + pairs.to(tl.int64) * K  # (S,)
     w_ptrs = w_base[:, None, None] + (offs_n * KB)[None, :, None] + offs_j[None, None, :]  # (S, BN, HALF)
     part = tl.zeros((TOPK_P2, BLOCK_N, HALF), tl.float32)

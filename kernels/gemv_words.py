@@ -21,7 +21,7 @@ from __future__ import annotations
 import triton
 import triton.language as tl
 
-from kernels.core import resolve_row, store_pair_h, store_slot_sum, token_slots
+from kernels.core import expert_row, store_pair_h, store_slot_sum, token_slots
 
 
 @triton.jit
@@ -90,10 +90,7 @@ def _words_gate_up_kernel(
     offs_n = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)  # (BN,) over I
     n_mask = offs_n < N
     offs_w = tl.arange(0, WPB)  # (WPB,) word within a scale block
-    expert = tl.load(ids_ptr + pid_p)
-    row, ok = resolve_row(expert, row_table_ptr, n_experts, n_rows)
-    w_row = w_ptr + row * row_bytes
-    s_row = s_ptr + row * (row_bytes // 2)
+    w_row, s_row, ok = expert_row(tl.load(ids_ptr + pid_p), row_table_ptr, w_ptr, s_ptr, n_experts, n_rows, row_bytes)
     x32 = (x_ptr + (pid_p // TOPK).to(tl.int64) * stride_xm).to(tl.pointer_type(tl.int32))
     g_ptrs = (w_row + gate_w).to(tl.pointer_type(tl.int32)) + offs_n[:, None] * KW + offs_w[None, :]  # (BN, WPB)
     u_ptrs = (w_row + up_w).to(tl.pointer_type(tl.int32)) + offs_n[:, None] * KW + offs_w[None, :]
@@ -139,9 +136,10 @@ def _words_down_kernel(
     offs_n = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)  # (BN,) over H
     n_mask = offs_n < N
     offs_w = tl.arange(0, WPB)
-    pairs, s_ok, row, ok, gw = token_slots(t, ids_ptr, wts_ptr, row_table_ptr, n_experts, n_rows, TOPK, TOPK_P2)
-    w_base = (w_ptr + row * row_bytes + down_w).to(tl.pointer_type(tl.int32))  # (S,) int32 pointers
-    s_base = s_ptr + row * (row_bytes // 2) + down_s  # (S,) fp16 pointers
+    pairs, s_ok, w_row, s_row, ok, gw = token_slots(t, ids_ptr, wts_ptr, row_table_ptr, w_ptr, s_ptr, n_experts,
+                                                    n_rows, row_bytes, TOPK, TOPK_P2)
+    w_base = (w_row + down_w).to(tl.pointer_type(tl.int32))  # (S,) int32 pointers
+    s_base = s_row + down_s  # (S,) fp16 pointers
     h32 = (h_ptr + pairs.to(tl.int64) * K).to(tl.pointer_type(tl.int32))  # (S,) int32 pair pointers
     w_ptrs = w_base[:, None, None] + (offs_n * KW)[None, :, None] + offs_w[None, None, :]  # (S, BN, WPB)
     part = tl.zeros((TOPK_P2, BLOCK_N, WPB), tl.float32)

@@ -24,7 +24,7 @@ import triton
 import triton.language as tl
 
 from kernels import common
-from kernels.core import dot_tiles, resolve_row, silu_mul
+from kernels.core import dot_tiles, expert_row, silu_mul
 from runmap.qpack import RowLayout
 
 DECODE_MAX_PAIRS = 128
@@ -37,9 +37,7 @@ def _gate_up_group(pairs, lane_ok, expert, x_ptr, row_table_ptr, w_ptr, s_ptr, h
                    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, TILE_SCALE: tl.constexpr,
                    DEQ_ASM: tl.constexpr):
     """h[pairs] = fp16(silu(x Wg^T) * (x Wu^T)) for up to BLOCK_M pairs routed to ``expert``."""
-    row, ok = resolve_row(expert, row_table_ptr, n_experts, n_rows)
-    w_row = w_ptr + row * row_bytes
-    s_row = s_ptr + row * (row_bytes // 2)
+    w_row, s_row, ok = expert_row(expert, row_table_ptr, w_ptr, s_ptr, n_experts, n_rows, row_bytes)
     x_rows = x_ptr + (pairs // TOPK).to(tl.int64) * stride_xm  # (BM,) token rows
     acc_g = tl.zeros((BLOCK_M, BLOCK_N), tl.float32)
     acc_u = tl.zeros((BLOCK_M, BLOCK_N), tl.float32)
@@ -58,11 +56,11 @@ def _down_group(pairs, lane_ok, expert, h_ptr, wts_ptr, row_table_ptr, w_ptr, s_
                 BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, TILE_SCALE: tl.constexpr,
                 DEQ_ASM: tl.constexpr):
     """ypair[pairs] = gate weight * (h Wd^T) in fp32 for up to BLOCK_M pairs routed to ``expert``."""
-    row, ok = resolve_row(expert, row_table_ptr, n_experts, n_rows)
+    w_row, s_row, ok = expert_row(expert, row_table_ptr, w_ptr, s_ptr, n_experts, n_rows, row_bytes)
     h_rows = h_ptr + pairs.to(tl.int64) * K  # (BM,) rows of h
     acc = tl.zeros((BLOCK_M, BLOCK_N), tl.float32)
-    acc, acc_unused = dot_tiles(acc, acc, h_rows, lane_ok & ok, w_ptr + row * row_bytes + down_w,
-                                s_ptr + row * (row_bytes // 2) + down_s, w_ptr, s_ptr, offs_n, n_mask,
+    acc, acc_unused = dot_tiles(acc, acc, h_rows, lane_ok & ok, w_row + down_w, s_row + down_s, w_ptr, s_ptr,
+                                offs_n, n_mask,
                                 K, NB, BLOCK_K, QBLOCK, TILE_SCALE, False, DEQ_ASM)
     gw = tl.load(wts_ptr + pairs, mask=lane_ok, other=0.0)  # (BM,) fp32 gate weights
     out = tl.where(ok, acc * gw[:, None], float("nan"))

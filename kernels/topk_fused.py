@@ -24,7 +24,7 @@ import triton
 import triton.language as tl
 
 from kernels import common
-from kernels.core import _scale_tile, gemv_tiles, nibbles_f32, resolve_row, silu_mul
+from kernels.core import _scale_tile, expert_row, gemv_tiles, nibbles_f32, silu_mul
 from kernels.gemv import _pair_gate_up_kernel, _token_down_kernel
 from kernels.gemv_words import _words_down_kernel, _words_gate_up_kernel
 from runmap.qpack import RowLayout
@@ -41,13 +41,10 @@ def _topk_gate_up_kernel(
     pid_p = tl.program_id(0)
     offs_n = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)  # (BN,) over I
     n_mask = offs_n < N
-    expert = tl.load(ids_ptr + pid_p)
-    row, ok = resolve_row(expert, row_table_ptr, n_experts, n_rows)
+    w_row, s_row, ok = expert_row(tl.load(ids_ptr + pid_p), row_table_ptr, w_ptr, s_ptr, n_experts, n_rows, row_bytes)
     acc_g = tl.zeros((BLOCK_N,), tl.float32)
     acc_u = tl.zeros((BLOCK_N,), tl.float32)
     if ok:
-        w_row = w_ptr + row * row_bytes
-        s_row = s_ptr + row * (row_bytes // 2)
         x_row = x_ptr + (pid_p // TOPK).to(tl.int64) * stride_xm
         acc_g, acc_u = gemv_tiles(acc_g, acc_u, x_row, w_row + gate_w, s_row + gate_s, w_row + up_w, s_row + up_s,
                                   offs_n, n_mask, K, NB, BLOCK_K, QBLOCK, TILE_SCALE, True, GROUPS)
@@ -78,20 +75,20 @@ def _topk_down_kernel(
         k0 = (it % KT) * BLOCK_K
         expert = tl.load(ids_ptr + p)
         gw = tl.load(wts_ptr + p)
-        row, ok = resolve_row(expert, row_table_ptr, n_experts, n_rows)
+        w_row, s_row, ok = expert_row(expert, row_table_ptr, w_ptr, s_ptr, n_experts, n_rows, row_bytes)
         offs_k = k0 + tl.arange(0, BLOCK_K)
         hk = tl.load(h_ptr + p.to(tl.int64) * K + offs_k, mask=offs_k < K, other=0.0).to(tl.float32)  # (BK,)
         h_even, h_odd = tl.split(tl.reshape(hk, (HALF, 2)))  # (HALF,)
         offs_kb = k0 // 2 + offs_j
         wm = n_mask[:, None] & (offs_kb < KB)[None, :] & ok
-        packed = tl.load(w_ptr + row * row_bytes + down_w + offs_n[:, None] * KB + offs_kb[None, :], mask=wm, other=0)
+        packed = tl.load(w_row + down_w + offs_n[:, None] * KB + offs_kb[None, :], mask=wm, other=0)
         lo, hi = nibbles_f32(packed)  # (BN, HALF)
         prod = lo * h_even[None, :] + hi * h_odd[None, :]
-        s_row = s_ptr + row * (row_bytes // 2) + down_s
+        s_base = s_row + down_s
         if TILE_SCALE:
-            part += _scale_tile(prod * gw, s_row, offs_n, n_mask & ok, k0, NB, QBLOCK, GROUPS)
+            part += _scale_tile(prod * gw, s_base, offs_n, n_mask & ok, k0, NB, QBLOCK, GROUPS)
         else:
-            s = tl.load(s_row + offs_n[:, None] * NB + (2 * offs_kb[None, :]) // QBLOCK, mask=wm, other=0.0)
+            s = tl.load(s_base + offs_n[:, None] * NB + (2 * offs_kb[None, :]) // QBLOCK, mask=wm, other=0.0)
             part += prod * (s.to(tl.float32) * gw)
         poison += tl.where(ok, 0.0, float("nan"))
     acc = tl.sum(part, axis=1) + poison
