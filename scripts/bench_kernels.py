@@ -114,6 +114,22 @@ def routing(tokens: int, n_experts: int, k: int, gen: torch.Generator):
     return ids, w
 
 
+def model_layers(spec: dict, gen: torch.Generator, n: int = LAYERS) -> tuple:
+    """(RowLayout, ``n`` random layers of every expert (``random_layer``), identity int32 row table (E,))."""
+    layout = RowLayout.build(spec["hidden"], spec["intermediate"], 256)
+    layers = [random_layer(layout, spec["experts"], gen) for _ in range(n)]
+    return layout, layers, torch.arange(spec["experts"], dtype=torch.int32, device="cuda")
+
+
+def random_batches(n: int, tokens: int, hidden: int, n_experts: int, k: int, gen: torch.Generator) -> list:
+    """``n`` layer inputs (x fp16 (T, H), ids (T, k), weights (T, k)), each routed as ``routing``."""
+    batches = []
+    for _ in range(n):
+        ids, w = routing(tokens, n_experts, k, gen)
+        batches.append((torch.randn(tokens, hidden, device="cuda", generator=gen).half(), ids, w))
+    return batches
+
+
 def graph_of(fn):
     """Capture ``fn`` (already warmed up) in a CUDA graph; returns the replay callable."""
     g = torch.cuda.CUDAGraph()
@@ -129,16 +145,18 @@ def graph_of(fn):
     return g.replay
 
 
+def graph_us(fn, layers: int, reps: int = 30, warmup: int = 3) -> float:
+    """Median microseconds per layer of ``fn`` (``layers`` layer calls) replayed as one CUDA graph."""
+    return median(event_times_ms(graph_of(fn), reps=reps, warmup=warmup)) / layers * 1e3
+
+
 def bench_decode(model: str, spec: dict, layers: list, layout: RowLayout, copy_gbps: float, gen, log) -> list[dict]:
     h, e, k = spec["hidden"], spec["experts"], spec["top_k"]
     table = torch.arange(e, dtype=torch.int32, device="cuda")
     rows = []
     best_cfg = {}
     for tokens in DECODE_TOKENS:
-        batches = []
-        for _ in range(LAYERS):
-            ids, w = routing(tokens, e, k, gen)
-            batches.append((torch.randn(tokens, h, device="cuda", generator=gen).half(), ids, w))
+        batches = random_batches(LAYERS, tokens, h, e, k, gen)
         distinct = sum(int(torch.unique(b[1]).numel()) for b in batches)
         expert_bytes = distinct * layout.row_bytes / LAYERS  # per layer, averaged
         for executor, configs in (("topk-fused", TOPK_CONFIGS), ("grouped", GROUPED_DECODE_CONFIGS)):
@@ -149,15 +167,14 @@ def bench_decode(model: str, spec: dict, layers: list, layout: RowLayout, copy_g
                     for (x, ids, w), st in zip(batches, layers):
                         moe_experts(executor, x, ids, w, st, table, layout, validate=False, config=cfg)
                 try:
-                    replay = graph_of(step)
-                    graph_ms = median(event_times_ms(replay, reps=40, warmup=5)) / LAYERS
+                    graph = graph_us(step, LAYERS, reps=40, warmup=5)
                     eager_ms = median(event_times_ms(step, reps=10)) / LAYERS
                 except Exception as exc:  # a config the compiler rejects is recorded, not fatal
                     log(f"  {model} decode T={tokens} {executor} {cfg}: FAILED {type(exc).__name__}: {exc}")
                     results.append({"config": cfg, "error": f"{type(exc).__name__}: {str(exc)[:300]}"})
                     continue
                 err = rel_err(executor, batches[0], layers[0], table, layout, cfg)
-                results.append({"config": cfg, "graph_us": graph_ms * 1e3, "eager_us": eager_ms * 1e3, "rel_err": err})
+                results.append({"config": cfg, "graph_us": graph, "eager_us": eager_ms * 1e3, "rel_err": err})
             ok = [r for r in results if "graph_us" in r and r["rel_err"] <= 2e-3]
             if not ok:
                 continue
@@ -211,17 +228,13 @@ def bf16_grouped_layer(x, ids, w, wgu_t, wd_t, n_experts, use_grouped_mm: bool):
 def bench_prefill(model: str, spec: dict, layers: list, layout: RowLayout, gen, log) -> list[dict]:
     h, i, e, k = spec["hidden"], spec["intermediate"], spec["experts"], spec["top_k"]
     table = torch.arange(e, dtype=torch.int32, device="cuda")
-    batches = []
-    for _ in range(PREFILL_LAYERS):
-        ids, w = routing(PREFILL_TOKENS, e, k, gen)
-        batches.append((torch.randn(PREFILL_TOKENS, h, device="cuda", generator=gen).half(), ids, w))
+    batches = random_batches(PREFILL_LAYERS, PREFILL_TOKENS, h, e, k, gen)
 
     def timings(step) -> dict:
         """{"graph_us", "eager_us"} per layer of ``step`` (4 layers); graph_us absent if capture fails."""
         out = {"eager_us": median(event_times_ms(step, reps=15)) / PREFILL_LAYERS * 1e3}
         try:
-            replay = graph_of(step)
-            out["graph_us"] = median(event_times_ms(replay, reps=15, warmup=3)) / PREFILL_LAYERS * 1e3
+            out["graph_us"] = graph_us(step, PREFILL_LAYERS, reps=15)
         except Exception as exc:  # e.g. a baseline that synchronizes with the host
             out["graph_error"] = f"{type(exc).__name__}: {str(exc)[:200]}"
         return out

@@ -17,16 +17,9 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from bench_kernels import LAYERS, MODELS, copy_bandwidth, graph_of, median, random_layer, routing  # noqa: E402
+from bench_kernels import LAYERS, MODELS, copy_bandwidth, graph_us, model_layers, random_batches  # noqa: E402
 from kernels.reference import reference_moe_f32  # noqa: E402
 from kernels.topk_fused import topk_down, topk_gate_up  # noqa: E402
-from runmap.cuda_timing import event_times_ms  # noqa: E402
-from runmap.qpack import RowLayout  # noqa: E402
-
-
-def time_graph(fn) -> float:
-    replay = graph_of(fn)
-    return median(event_times_ms(replay, reps=30, warmup=3)) / LAYERS * 1e3  # us per layer
 
 
 def layer_sweep(args) -> None:
@@ -38,15 +31,10 @@ def layer_sweep(args) -> None:
     copy = out["copy"]["gbps"]
     print(f"copy {copy:.0f} GB/s", flush=True)
     for model, spec in MODELS.items():
-        hdim, idim, e, k = spec["hidden"], spec["intermediate"], spec["experts"], spec["top_k"]
-        layout = RowLayout.build(hdim, idim)
-        layers = [random_layer(layout, e, gen) for _ in range(LAYERS)]
-        table = torch.arange(e, dtype=torch.int32, device="cuda")
+        hdim, e, k = spec["hidden"], spec["experts"], spec["top_k"]
+        layout, layers, table = model_layers(spec, gen)
         for tokens in [int(v) for v in args.tokens.split(",")]:
-            batches = []
-            for _ in range(LAYERS):
-                ids, w = routing(tokens, e, k, gen)
-                batches.append((torch.randn(tokens, hdim, device="cuda", generator=gen).half(), ids, w))
+            batches = random_batches(LAYERS, tokens, hdim, e, k, gen)
             nbytes = sum(int(torch.unique(b[1]).numel()) for b in batches) * layout.row_bytes / LAYERS
             ref = reference_moe_f32(*batches[0], layers[0], table, layout)
             times = {n: [] for n in range(len(cfgs))}
@@ -63,9 +51,9 @@ def layer_sweep(args) -> None:
                                 times[n] = None
                         if times[n] is None:
                             continue
-                        times[n].append(time_graph(lambda cfg=cfg: [
+                        times[n].append(graph_us(lambda cfg=cfg: [
                             moe_experts("topk-fused", x, ids, w, st, table, layout, validate=False, config=cfg)
-                            for (x, ids, w), st in zip(batches, layers)]))
+                            for (x, ids, w), st in zip(batches, layers)], LAYERS))
                     except Exception as exc:
                         print(f"  {model} T={tokens} {cfg}: FAILED {type(exc).__name__}: {str(exc)[:300]}", flush=True)
                         times[n] = None
@@ -105,16 +93,11 @@ def main():
     print(f"copy {copy:.0f} GB/s", flush=True)
     for model, spec in MODELS.items():
         hdim, idim, e, k = spec["hidden"], spec["intermediate"], spec["experts"], spec["top_k"]
-        layout = RowLayout.build(hdim, idim)
-        layers = [random_layer(layout, e, gen) for _ in range(LAYERS)]
-        table = torch.arange(e, dtype=torch.int32, device="cuda")
+        layout, layers, table = model_layers(spec, gen)
         gu_bytes = 2 * idim * (hdim // 2 + 2 * -(-hdim // 256))
         dn_bytes = hdim * (idim // 2 + 2 * -(-idim // 256))
         for tokens in [int(v) for v in args.tokens.split(",")]:
-            batches = []
-            for _ in range(LAYERS):
-                ids, w = routing(tokens, e, k, gen)
-                batches.append((torch.randn(tokens, hdim, device="cuda", generator=gen).half(), ids, w))
+            batches = random_batches(LAYERS, tokens, hdim, e, k, gen)
             hs = [torch.randn(tokens * k, idim, device="cuda", generator=gen).half() for _ in range(LAYERS)]
             pairs = tokens * k
 
@@ -129,7 +112,7 @@ def main():
 
                 fn = gu if kind == "gate_up" else dn
                 try:
-                    us = time_graph(fn)
+                    us = graph_us(fn, LAYERS)
                 except Exception as exc:
                     print(f"  {model} T={tokens} {kind} {cfg}: FAILED {type(exc).__name__}: {str(exc)[:200]}")
                     return None
@@ -183,7 +166,7 @@ def main():
             b = route_fused(hh, r32[0], k, False)
             same = bool(torch.equal(a[0], b[0]))
             for name, fn in (("torch", route), ("fused", route_fused)):
-                us = time_graph(lambda fn=fn: [fn(hh, r, k, False) for r in r32])
+                us = graph_us(lambda fn=fn: [fn(hh, r, k, False) for r in r32], LAYERS)
                 out["rows"].append({"model": model, "tokens": tokens, "kind": "router-" + name, "us": us,
                                     "same_ids": same})
                 print(f"  {model} T={tokens} router {name}: {us:.2f} us/layer (same ids {same})", flush=True)

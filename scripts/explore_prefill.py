@@ -26,12 +26,10 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from bench_kernels import (LAYERS, MODELS, PREFILL_LAYERS, PREFILL_TOKENS, bf16_grouped_layer, copy_bandwidth,  # noqa: E402
-                           graph_of, median, random_layer, routing)
+                           graph_us, model_layers, random_batches)
 from kernels import grouped  # noqa: E402
 from kernels.executors import moe_experts  # noqa: E402
 from kernels.reference import reference_moe_f32  # noqa: E402
-from runmap.cuda_timing import event_times_ms  # noqa: E402
-from runmap.qpack import RowLayout  # noqa: E402
 
 FORMS = {"plain": {"DEQ_ASM": False}, "asm": {"DEQ_ASM": True}}
 PREFILL_TILES = [  # (BLOCK_M, BLOCK_N, BLOCK_K, num_warps, num_stages); down uses the same N / K tiles
@@ -43,12 +41,6 @@ PREFILL_TILES = [  # (BLOCK_M, BLOCK_N, BLOCK_K, num_warps, num_stages); down us
 def tile_cfg(bm, bn, bk, nw, ns, form):
     return {"BLOCK_M": bm, "BLOCK_N": bn, "BLOCK_K": bk, "DOWN_BLOCK_N": bn, "DOWN_BLOCK_K": bk,
             "num_warps": nw, "num_stages": ns, **FORMS[form]}
-
-
-def graph_us(fn, layers: int, reps: int = 15) -> float:
-    """Median microseconds per layer of ``fn`` (``layers`` layer calls) replayed as one CUDA graph."""
-    replay = graph_of(fn)
-    return median(event_times_ms(replay, reps=reps, warmup=3)) / layers * 1e3
 
 
 def kernel_breakdown(fn, layers: int) -> dict:
@@ -84,13 +76,8 @@ def main():
     for model in args.models.split(","):
         spec = MODELS[model]
         h, i, e, k = spec["hidden"], spec["intermediate"], spec["experts"], spec["top_k"]
-        layout = RowLayout.build(h, i)
-        layers = [random_layer(layout, e, gen) for _ in range(LAYERS)]
-        table = torch.arange(e, dtype=torch.int32, device="cuda")
-        batches = []
-        for _ in range(PREFILL_LAYERS):
-            ids, w = routing(PREFILL_TOKENS, e, k, gen)
-            batches.append((torch.randn(PREFILL_TOKENS, h, device="cuda", generator=gen).half(), ids, w))
+        layout, layers, table = model_layers(spec, gen)
+        batches = random_batches(PREFILL_LAYERS, PREFILL_TOKENS, h, e, k, gen)
         x0, ids0, w0 = batches[0]
         ref = reference_moe_f32(x0, ids0, w0, layers[0], table, layout)
 
@@ -104,7 +91,7 @@ def main():
             def bstep():
                 for (x, ids, w), a, b in zip(xb, wgu, wd):
                     bf16_grouped_layer(x, ids, w, a.transpose(1, 2), b.transpose(1, 2), e, True)
-            return graph_us(bstep, PREFILL_LAYERS)
+            return graph_us(bstep, PREFILL_LAYERS, reps=15)
 
         cfgs = [(PREFILL_TILES[int(n)], form) for n in args.tiles.split(",") for form in FORMS]
         timings = {n: [] for n in range(len(cfgs))}
@@ -127,7 +114,7 @@ def main():
                             continue
                     if timings[n] is None:
                         continue
-                    timings[n].append(graph_us(step, PREFILL_LAYERS))
+                    timings[n].append(graph_us(step, PREFILL_LAYERS, reps=15))
                 except Exception as exc:
                     print(f"  {model} {tiles} {form}: FAILED {type(exc).__name__}: {str(exc)[:300]}", flush=True)
                     timings[n] = None
@@ -162,10 +149,7 @@ def main():
 
         # decode through the grouped executor: forms at the default tiles, 16 layers in one CUDA graph
         for tokens in (1, 8):
-            dec = []
-            for _ in range(LAYERS):
-                ids, w = routing(tokens, e, k, gen)
-                dec.append((torch.randn(tokens, h, device="cuda", generator=gen).half(), ids, w))
+            dec = random_batches(LAYERS, tokens, h, e, k, gen)
             dref = reference_moe_f32(*dec[0], layers[0], table, layout)
             dcfgs = [("plain", dict(grouped.default_config(tokens * k, torch.device("cuda")), **FORMS["plain"]))]
             for bn, bk, nw, ns in itertools.product(*([int(v) for v in part.split(",")]
@@ -177,10 +161,9 @@ def main():
                     y = moe_experts("grouped", *dec[0], layers[0], table, layout, validate=False, config=cfg)
                     err = float((y.float() - dref).norm() / dref.norm())
                     out["checks"].append({"model": model, "tokens": tokens, "config": cfg, "rel_err": err})
-                    replay = graph_of(lambda cfg=cfg: [moe_experts("grouped", x, ids, w, st, table, layout,
-                                                                   validate=False, config=cfg)
-                                                       for (x, ids, w), st in zip(dec, layers)])
-                    us = median(event_times_ms(replay, reps=30, warmup=3)) / LAYERS * 1e3
+                    us = graph_us(lambda cfg=cfg: [moe_experts("grouped", x, ids, w, st, table, layout, validate=False,
+                                                               config=cfg)
+                                                   for (x, ids, w), st in zip(dec, layers)], LAYERS)
                 except Exception as exc:
                     print(f"  {model} decode T={tokens} {form}: FAILED {type(exc).__name__}: {str(exc)[:300]}", flush=True)
                     continue
@@ -188,9 +171,8 @@ def main():
                 summary.append((model, f"decode T={tokens}", (cfg["BLOCK_N"], cfg["BLOCK_K"], cfg["num_warps"],
                                                               cfg["num_stages"]), form, us, err))
             # the topk-fused executor's default (words GEMV) on the same batches, for comparison
-            replay = graph_of(lambda: [moe_experts("topk-fused", x, ids, w, st, table, layout, validate=False)
-                                       for (x, ids, w), st in zip(dec, layers)])
-            us = median(event_times_ms(replay, reps=30, warmup=3)) / LAYERS * 1e3
+            us = graph_us(lambda: [moe_experts("topk-fused", x, ids, w, st, table, layout, validate=False)
+                                   for (x, ids, w), st in zip(dec, layers)], LAYERS)
             out["rows"].append({"model": model, "tokens": tokens, "kind": "decode-topk-fused", "us": us})
             summary.append((model, f"decode T={tokens}", "default", "topk-fused", us, 0.0))
         layers.clear()
