@@ -176,17 +176,17 @@ def default_config(n_pairs: int, device: torch.device) -> dict:
     """Tiles by the static pair count (never by data). DEQ_ASM: inline-PTX nibble decoding
     (``kernels.core.nibbles_f16_asm``, same values), wherever kernels are compiled for a GPU."""
     decode = n_pairs <= DECODE_MAX_PAIRS
-    forms = {"DEQ_ASM": not common.interpreting(device)}
+    asm = {"DEQ_ASM": not common.interpreting(device)}
     if common.interpreting(device):  # few, large programs: the interpreter pays per program and per op
         return {"BLOCK_M": 32 if decode else 64, "BLOCK_N": 512, "BLOCK_K": 256,
-                "DOWN_BLOCK_N": 512, "DOWN_BLOCK_K": 256, **forms}
+                "DOWN_BLOCK_N": 512, "DOWN_BLOCK_K": 256, **asm}
     # Best configs of the H200 sweeps (results/kernels/bench/h200.json, explore/h200-prefill.json).
     if decode:
         bn = 32 if n_pairs <= 16 else 64
         return {"BLOCK_M": 16, "BLOCK_N": bn, "BLOCK_K": 256, "DOWN_BLOCK_N": bn, "DOWN_BLOCK_K": 256,
-                "num_warps": 4, "num_stages": 3, **forms}
+                "num_warps": 4, "num_stages": 3, **asm}
     return {"BLOCK_M": 64, "BLOCK_N": 64, "BLOCK_K": 128, "DOWN_BLOCK_N": 64, "DOWN_BLOCK_K": 128,
-            "num_warps": 4, "num_stages": 3, **forms}
+            "num_warps": 4, "num_stages": 3, **asm}
 
 
 def _deq_asm(cfg: dict, device: torch.device) -> bool:
@@ -218,6 +218,7 @@ def _place_pairs_kernel(ids_ptr, hist_ptr, order_ptr, P, n_experts, n_chunks, n_
     c = tl.program_id(0)
     offs_e = tl.arange(0, E_PAD)
     offs_c = tl.arange(0, CHUNKS_PAD)
+    # every program reads all chunk histograms (n_chunks x E_PAD, small) instead of a third launch for the sums
     h = tl.load(hist_ptr + offs_c[:, None] * E_PAD + offs_e[None, :], mask=(offs_c < n_chunks)[:, None], other=0)
     counts = tl.sum(h, axis=0)  # (E_PAD,) pairs per bucket
     before = tl.sum(tl.where((offs_c < c)[:, None], h, 0), axis=0)  # (E_PAD,) in earlier chunks
