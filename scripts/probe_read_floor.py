@@ -1,0 +1,128 @@
+"""GPU probe (not a test): how fast can one decode layer's expert bytes be read at all, in one launch or two?
+
+    PYTHONPATH=. python3 scripts/probe_read_floor.py --out $OUT/read-floor.json
+
+For each model and T in {1, 8}, 16 layers of distinct weights routed as in ``bench_kernels.py``, each timed as
+one CUDA graph of the 16 layers (per-layer median):
+* ``touch-2``: a Triton kernel that only reads the weight bytes the topk-fused launches read (gate+up rows of
+  every (token, slot) pair, then down rows), in two launches per layer, each program reading 8 chunks of 4 KiB
+  and storing one xor of them; ``touch-1``: the same chunks in one launch per layer (the floor of a fused kernel);
+* ``copy-same``: ``dst.copy_(src)`` moving the same number of bytes (read + write) per layer;
+* ``empty-2``: two launches of a kernel that does nothing (the fixed cost of a launch in a graph);
+* ``topk-fused``: the executor's default two launches.
+Fractions are of the 1 GiB device copy measured in the same run.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from pathlib import Path
+
+import torch
+import triton
+import triton.language as tl
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from bench_kernels import LAYERS, MODELS, copy_bandwidth, graph_us, model_layers, random_batches  # noqa: E402
+from kernels import common  # noqa: E402
+from kernels.executors import moe_experts  # noqa: E402
+
+CHUNK = 4096  # bytes per chunk
+CHUNKS_PER_PROGRAM = 8
+
+
+@triton.jit
+def _touch_kernel(base_ptr, offs_ptr, out_ptr, CPP: tl.constexpr, WORDS: tl.constexpr):
+    """Program i: xor of the int32 words of its CPP chunks (byte offsets offs[i, :]) -> out[i]."""
+    pid = tl.program_id(0)
+    acc = tl.zeros((WORDS,), tl.int32)
+    for c in tl.static_range(CPP):
+        off = tl.load(offs_ptr + pid * CPP + c)
+        acc ^= tl.load((base_ptr + off).to(tl.pointer_type(tl.int32)) + tl.arange(0, WORDS))
+    tl.store(out_ptr + pid, tl.reduce(acc, 0, _xor))
+
+
+@triton.jit
+def _xor(a, b):
+    return a ^ b
+
+
+@triton.jit
+def _empty_kernel(out_ptr):
+    pass
+
+
+def chunk_offsets(ids: torch.Tensor, layout, k: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """int64 (programs, 8) byte offsets of the gate+up chunks and of the down chunks of one layer's routing."""
+    gu, dn = [], []
+    for name, out in (("gate", gu), ("up", gu), ("down", dn)):
+        s = common.proj_sections(layout, name)
+        nbytes = s.n * s.k // 2
+        for e in ids.flatten().tolist():
+            out.extend(e * layout.row_bytes + s.w_off + c for c in range(0, nbytes - CHUNK + 1, CHUNK))
+    def table(v):
+        v = v[: len(v) - len(v) % CHUNKS_PER_PROGRAM]
+        return torch.tensor(v, dtype=torch.int64, device="cuda").view(-1, CHUNKS_PER_PROGRAM)
+    return table(gu), table(dn)
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("--out", required=True, help="JSON written here")
+    args = ap.parse_args()
+    gen = torch.Generator(device="cuda").manual_seed(0)
+    copy = copy_bandwidth(1 << 30)
+    rows = []
+    print(f"copy {copy['gbps']:.0f} GB/s", flush=True)
+    empty_out = torch.empty(1, device="cuda")
+    rows.append({"kind": "empty-2", "us": graph_us(lambda: [(_empty_kernel[(1,)](empty_out), _empty_kernel[(1,)](empty_out))
+                                                           for _ in range(LAYERS)], LAYERS)})
+    for model, spec in MODELS.items():
+        hdim, e, k = spec["hidden"], spec["experts"], spec["top_k"]
+        layout, layers, table = model_layers(spec, gen)
+        for tokens in (1, 8):
+            batches = random_batches(LAYERS, tokens, hdim, e, k, gen)
+            offs = [chunk_offsets(b[1], layout, k) for b in batches]
+            both = [torch.cat(o) for o in offs]
+            outs = [torch.empty(t.shape[0], dtype=torch.int32, device="cuda") for t in both]
+            nbytes = both[0].numel() * CHUNK  # chunks per layer are the same count every layer
+
+            def touch2():
+                for (gu, dn), st, out in zip(offs, layers, outs):
+                    _touch_kernel[(gu.shape[0],)](st, gu, out, CPP=CHUNKS_PER_PROGRAM, WORDS=CHUNK // 4, num_warps=8)
+                    _touch_kernel[(dn.shape[0],)](st, dn, out, CPP=CHUNKS_PER_PROGRAM, WORDS=CHUNK // 4, num_warps=8)
+
+            def touch1():
+                for o, st, out in zip(both, layers, outs):
+                    _touch_kernel[(o.shape[0],)](st, o, out, CPP=CHUNKS_PER_PROGRAM, WORDS=CHUNK // 4, num_warps=8)
+
+            srcs = [torch.empty(nbytes // 2, dtype=torch.uint8, device="cuda") for _ in range(LAYERS)]
+            dsts = [torch.empty_like(s) for s in srcs]
+
+            def copy_same():
+                for s, d in zip(srcs, dsts):
+                    d.copy_(s)
+
+            def topk():
+                for (x, ids, w), st in zip(batches, layers):
+                    moe_experts("topk-fused", x, ids, w, st, table, layout, validate=False)
+
+            expert_bytes = sum(int(torch.unique(b[1]).numel()) for b in batches) * layout.row_bytes / LAYERS
+            for kind, fn, moved in (("touch-2", touch2, nbytes), ("touch-1", touch1, nbytes),
+                                    ("copy-same", copy_same, nbytes), ("topk-fused", topk, expert_bytes)):
+                us = min(graph_us(fn, LAYERS) for _ in range(2))
+                gbps = moved / us / 1e3
+                rows.append({"model": model, "tokens": tokens, "kind": kind, "us": us, "bytes": moved, "gbps": gbps,
+                             "fraction": gbps / copy["gbps"]})
+        layers.clear()
+        torch.cuda.empty_cache()
+    Path(args.out).write_text(json.dumps({"copy": copy, "rows": rows}, indent=1))
+    for r in rows:
+        print(f"{r.get('model', '-'):12s} T={r.get('tokens', '-')!s:2s} {r['kind']:11s} {r['us']:7.2f} us "
+              + (f"{r['bytes'] / 1e6:6.1f} MB {r['gbps']:6.0f} GB/s {r['fraction']:.2f}" if "bytes" in r else ""))
+
+
+if __name__ == "__main__":
+    main()
