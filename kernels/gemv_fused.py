@@ -28,6 +28,7 @@ import torch
 import triton
 import triton.language as tl
 
+from kernels import common
 from kernels.core import store_slot_sum, token_slots
 from kernels.gemv_words import _load_pairs, word_dot, words_down_tile, words_gate_up_tile
 
@@ -56,11 +57,24 @@ def workspace(device: torch.device, tokens: int) -> torch.Tensor:
 
 
 @triton.jit
-def _wait_at_least(ptr, target):
+def _load_acquire(ptr, ASM: tl.constexpr):
+    """The int32 at ``ptr`` with acquire semantics. ASM (GPU): a plain acquire load by every thread, after a
+    short sleep, so that waiting programs neither queue read-modify-writes on the counter the gate/up tiles
+    are adding to nor flood the memory system; else (interpreter) an atomic add of 0."""
+    if ASM:
+        v = tl.inline_asm_elementwise("nanosleep.u32 64;\n\tld.acquire.gpu.global.b32 $0, [$1];", "=r,l",
+                                      [ptr + tl.arange(0, 1)], dtype=tl.int32, is_pure=False, pack=1)  # (1,)
+        return tl.sum(v, axis=0)
+    else:
+        return tl.atomic_add(ptr, 0, sem="acquire", scope="gpu")
+
+
+@triton.jit
+def _wait_at_least(ptr, target, ASM: tl.constexpr):
     """Spin until the int32 at ``ptr`` is >= ``target`` (acquire: later loads see what its writers stored)."""
-    count = tl.atomic_add(ptr, 0, sem="acquire", scope="gpu")
+    count = _load_acquire(ptr, ASM)
     while count < target:
-        count = tl.atomic_add(ptr, 0, sem="acquire", scope="gpu")
+        count = _load_acquire(ptr, ASM)
 
 
 @triton.jit
@@ -69,7 +83,7 @@ def _down_tile_preloaded(
     h_ptr, ids_ptr, wts_ptr, row_table_ptr, w_ptr, s_ptr, y_ptr,
     n_experts, n_rows, row_bytes, stride_ym, down_w, down_s, magic,
     N: tl.constexpr, K: tl.constexpr, NB: tl.constexpr, QBLOCK: tl.constexpr, TOPK: tl.constexpr,
-    TOPK_P2: tl.constexpr, BLOCK_N: tl.constexpr, NB_P2: tl.constexpr,
+    TOPK_P2: tl.constexpr, BLOCK_N: tl.constexpr, NB_P2: tl.constexpr, ASM: tl.constexpr,
 ):
     """``words_down_tile`` with all of the tile's weight words and scales, as one (TOPK_P2, BN, NB_P2, QBLOCK/8)
     tile, loaded before waiting for h (done[t] >= done_target). Same products and sums as the looped tile."""
@@ -89,7 +103,7 @@ def _down_tile_preloaded(
                  mask=sn_ok[:, :, None, None] & k_ok[None, None, :, :], other=0)  # (S, BN, NB_P2, WPB) int32
     s = tl.load(s_base[:, None, None] + offs_n[None, :, None] * NB + offs_b[None, None, :],
                 mask=sn_ok[:, :, None] & (offs_b < NB)[None, None, :], other=0.0).to(tl.float32)  # (S, BN, NB_P2)
-    _wait_at_least(done_ptr, done_target)
+    _wait_at_least(done_ptr, done_target, ASM)
     h32 = (h_ptr + pairs.to(tl.int64) * K).to(tl.pointer_type(tl.int32))  # (S,) int32 pair pointers
     e0, o0, e1, o1, e2, o2, e3, o3 = _load_pairs(h32[:, None, None], offs_kw[None, :, :],
                                                  ok[:, None, None] & k_ok[None, :, :], False, True)  # (S, NB_P2, WPB)
@@ -109,7 +123,7 @@ def _words_fused_kernel(
     TOPK: tl.constexpr, TOPK_P2: tl.constexpr,
     BLOCK_N: tl.constexpr, SUB: tl.constexpr, EVEN: tl.constexpr,
     DOWN_BLOCK_N: tl.constexpr, DOWN_SUB: tl.constexpr, DOWN_EVEN: tl.constexpr,
-    DOWN_PRELOAD: tl.constexpr, NB_I_P2: tl.constexpr,
+    DOWN_PRELOAD: tl.constexpr, NB_I_P2: tl.constexpr, ASM: tl.constexpr,
 ):
     """One program = one work item, drawn from the ticket counter (module docstring)."""
     NT_UP: tl.constexpr = (I + BLOCK_N - 1) // BLOCK_N  # gate/up tiles per pair
@@ -133,9 +147,9 @@ def _words_fused_kernel(
         if DOWN_PRELOAD:
             _down_tile_preloaded(t, d % NT_DOWN, done_ptr, TOPK * NT_UP, h_ptr, ids_ptr, wts_ptr, row_table_ptr,
                                  w_ptr, s_ptr, y_ptr, n_experts, n_rows, row_bytes, stride_ym, down_w, down_s, magic,
-                                 H, I, NB_I, QBLOCK, TOPK, TOPK_P2, DOWN_BLOCK_N, NB_I_P2)
+                                 H, I, NB_I, QBLOCK, TOPK, TOPK_P2, DOWN_BLOCK_N, NB_I_P2, ASM)
         else:
-            _wait_at_least(done_ptr, TOPK * NT_UP)
+            _wait_at_least(done_ptr, TOPK * NT_UP, ASM)
             words_down_tile(t, d % NT_DOWN, h_ptr, ids_ptr, wts_ptr, row_table_ptr, w_ptr, s_ptr, y_ptr,
                             n_experts, n_rows, row_bytes, stride_ym, down_w, down_s, magic,
                             H, I, NB_I, QBLOCK, TOPK, TOPK_P2, DOWN_BLOCK_N, DOWN_SUB, DOWN_EVEN, True)
@@ -159,5 +173,6 @@ def launch_fused(x, topk_ids, topk_weights, storage, row_table, layout, cfg: dic
         BLOCK_N=cfg["BLOCK_N"], SUB=cfg["SUB"], EVEN=even_up,
         DOWN_BLOCK_N=cfg["DOWN_BLOCK_N"], DOWN_SUB=cfg["DOWN_SUB"], DOWN_EVEN=even_down,
         DOWN_PRELOAD=bool(cfg.get("DOWN_PRELOAD", False)), NB_I_P2=1 << max(0, (d.nb - 1).bit_length()),
+        ASM=not common.interpreting(x.device),
         **launch_opts,
     )
