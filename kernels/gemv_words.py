@@ -54,20 +54,19 @@ def word_dot(w, magic, e0, o0, e1, o1, e2, o2, e3, o3):
 
 
 @triton.jit
-def _load_pairs(x32, offs_kw, mask, EVEN: tl.constexpr, CG: tl.constexpr = False):
+def _load_pairs(x32, offs_kw, mask, EVEN: tl.constexpr):
     """Activation pairs of weight words ``offs_kw``: x32 points at int32 pairs; word w's byte i meets pair
-    4w + i. Returns eight fp32 tensors shaped like offs_kw (e0, o0, ..., e3, o3). CG: load through L2 only."""
-    CACHE: tl.constexpr = ".cg" if CG else ""
+    4w + i. Returns eight fp32 tensors shaped like offs_kw (e0, o0, ..., e3, o3)."""
     if EVEN:
-        w0 = tl.load(x32 + 4 * offs_kw, cache_modifier=CACHE)
-        w1 = tl.load(x32 + 4 * offs_kw + 1, cache_modifier=CACHE)
-        w2 = tl.load(x32 + 4 * offs_kw + 2, cache_modifier=CACHE)
-        w3 = tl.load(x32 + 4 * offs_kw + 3, cache_modifier=CACHE)
+        w0 = tl.load(x32 + 4 * offs_kw)
+        w1 = tl.load(x32 + 4 * offs_kw + 1)
+        w2 = tl.load(x32 + 4 * offs_kw + 2)
+        w3 = tl.load(x32 + 4 * offs_kw + 3)
     else:
-        w0 = tl.load(x32 + 4 * offs_kw, mask=mask, other=0, cache_modifier=CACHE)
-        w1 = tl.load(x32 + 4 * offs_kw + 1, mask=mask, other=0, cache_modifier=CACHE)
-        w2 = tl.load(x32 + 4 * offs_kw + 2, mask=mask, other=0, cache_modifier=CACHE)
-        w3 = tl.load(x32 + 4 * offs_kw + 3, mask=mask, other=0, cache_modifier=CACHE)
+        w0 = tl.load(x32 + 4 * offs_kw, mask=mask, other=0)
+        w1 = tl.load(x32 + 4 * offs_kw + 1, mask=mask, other=0)
+        w2 = tl.load(x32 + 4 * offs_kw + 2, mask=mask, other=0)
+        w3 = tl.load(x32 + 4 * offs_kw + 3, mask=mask, other=0)
     e0, o0 = pair_f32(w0)
     e1, o1 = pair_f32(w1)
     e2, o2 = pair_f32(w2)
@@ -76,8 +75,7 @@ def _load_pairs(x32, offs_kw, mask, EVEN: tl.constexpr, CG: tl.constexpr = False
 
 
 @triton.jit
-def words_gate_up_tile(
-    pid_p, tile_n,  # pair p = t*k + j, tile of BLOCK_N rows of I
+def _words_gate_up_kernel(
     x_ptr, ids_ptr, row_table_ptr, w_ptr, s_ptr, h_ptr,  # x (T, H) fp16, ids (T*k,), h (T*k, I) fp16
     n_experts, n_rows, row_bytes, stride_xm,
     gate_w, gate_s, up_w, up_s,  # section offsets inside a row (bytes / fp16 elements)
@@ -85,10 +83,11 @@ def words_gate_up_tile(
     N: tl.constexpr, K: tl.constexpr, NB: tl.constexpr, QBLOCK: tl.constexpr, TOPK: tl.constexpr,
     BLOCK_N: tl.constexpr, SUB: tl.constexpr, EVEN: tl.constexpr,
 ):
-    """h[p, n-tile] = fp16(silu(x[t] Wg^T) * (x[t] Wu^T)) for pair p = t*k + j."""
+    """Program (p, n): h[p, n-tile] = fp16(silu(x[t] Wg^T) * (x[t] Wu^T)) for pair p = t*k + j."""
     WPB: tl.constexpr = QBLOCK // 8  # words per scale block of one weight row
     KW: tl.constexpr = K // 8  # words per weight row
-    offs_n = tile_n * BLOCK_N + tl.arange(0, BLOCK_N)  # (BN,) over I
+    pid_p = tl.program_id(0)
+    offs_n = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)  # (BN,) over I
     n_mask = offs_n < N
     offs_w = tl.arange(0, WPB)  # (WPB,) word within a scale block
     w_row, s_row, ok = expert_row(tl.load(ids_ptr + pid_p), row_table_ptr, w_ptr, s_ptr, n_experts, n_rows, row_bytes)
@@ -123,19 +122,18 @@ def words_gate_up_tile(
 
 
 @triton.jit
-def words_down_tile(
-    t, tile_n,  # token, tile of BLOCK_N rows of H
+def _words_down_kernel(
     h_ptr, ids_ptr, wts_ptr, row_table_ptr, w_ptr, s_ptr, y_ptr,  # h (T*k, I) fp16, wts (T*k,) fp32, y (T, H) fp16
     n_experts, n_rows, row_bytes, stride_ym, down_w, down_s, magic,
     N: tl.constexpr, K: tl.constexpr, NB: tl.constexpr, QBLOCK: tl.constexpr, TOPK: tl.constexpr,
-    TOPK_P2: tl.constexpr, BLOCK_N: tl.constexpr, SUB: tl.constexpr, EVEN: tl.constexpr, H_CG: tl.constexpr = False,
+    TOPK_P2: tl.constexpr, BLOCK_N: tl.constexpr, SUB: tl.constexpr, EVEN: tl.constexpr,
 ):
-    """y[t, n-tile] = fp16(sum_j wts[t, j] * (h[t*k + j] Wd_e^T)), the k slots as one (TOPK_P2, BN, QBLOCK/8)
-    tile of words per scale block, summed over j in a fixed order. H_CG: read h around the L1 (h written by
-    other programs of the same launch, ``kernels.gemv_fused``)."""
+    """Program (t, n): y[t, n-tile] = fp16(sum_j wts[t, j] * (h[t*k + j] Wd_e^T)), the k slots as one
+    (TOPK_P2, BN, QBLOCK/8) tile of words per scale block, summed over j in a fixed order."""
     WPB: tl.constexpr = QBLOCK // 8
     KW: tl.constexpr = K // 8
-    offs_n = tile_n * BLOCK_N + tl.arange(0, BLOCK_N)  # (BN,) over H
+    t = tl.program_id(0)
+    offs_n = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)  # (BN,) over H
     n_mask = offs_n < N
     offs_w = tl.arange(0, WPB)
     pairs, s_ok, w_row, s_row, ok, gw = token_slots(t, ids_ptr, wts_ptr, row_table_ptr, w_ptr, s_ptr, n_experts,
@@ -151,7 +149,7 @@ def words_down_tile(
             offs_kw = blk * WPB + offs_w  # (WPB,)
             k_ok = offs_kw < KW
             hm = ok[:, None] & k_ok[None, :]  # (S, WPB)
-            e0, o0, e1, o1, e2, o2, e3, o3 = _load_pairs(h32[:, None], offs_kw[None, :], hm, EVEN, H_CG)  # (S, WPB)
+            e0, o0, e1, o1, e2, o2, e3, o3 = _load_pairs(h32[:, None], offs_kw[None, :], hm, EVEN)  # (S, WPB)
             if EVEN:  # k = TOPK_P2 slots, no partial block, tile or SUB group: unmasked loads
                 s = tl.load(s_base[:, None] + offs_n[None, :] * NB + blk).to(tl.float32)  # (S, BN)
                 pw = tl.load(w_ptrs + blk * WPB)  # (S, BN, WPB) int32
@@ -162,29 +160,3 @@ def words_down_tile(
             part += word_dot(pw, magic, e0[:, None, :], o0[:, None, :], e1[:, None, :], o1[:, None, :],
                              e2[:, None, :], o2[:, None, :], e3[:, None, :], o3[:, None, :]) * (s * gw[:, None])[:, :, None]
     store_slot_sum(part, s_ok, ok, y_ptr, t, stride_ym, offs_n, n_mask)
-
-
-@triton.jit
-def _words_gate_up_kernel(
-    x_ptr, ids_ptr, row_table_ptr, w_ptr, s_ptr, h_ptr, n_experts, n_rows, row_bytes, stride_xm,
-    gate_w, gate_s, up_w, up_s, magic,
-    N: tl.constexpr, K: tl.constexpr, NB: tl.constexpr, QBLOCK: tl.constexpr, TOPK: tl.constexpr,
-    BLOCK_N: tl.constexpr, SUB: tl.constexpr, EVEN: tl.constexpr,
-):
-    """Program (p, n): ``words_gate_up_tile`` of pair p, tile n."""
-    words_gate_up_tile(tl.program_id(0), tl.program_id(1), x_ptr, ids_ptr, row_table_ptr, w_ptr, s_ptr, h_ptr,
-                       n_experts, n_rows, row_bytes, stride_xm, gate_w, gate_s, up_w, up_s, magic,
-                       N, K, NB, QBLOCK, TOPK, BLOCK_N, SUB, EVEN)
-
-
-@triton.jit
-def _words_down_kernel(
-    h_ptr, ids_ptr, wts_ptr, row_table_ptr, w_ptr, s_ptr, y_ptr, n_experts, n_rows, row_bytes, stride_ym,
-    down_w, down_s, magic,
-    N: tl.constexpr, K: tl.constexpr, NB: tl.constexpr, QBLOCK: tl.constexpr, TOPK: tl.constexpr,
-    TOPK_P2: tl.constexpr, BLOCK_N: tl.constexpr, SUB: tl.constexpr, EVEN: tl.constexpr,
-):
-    """Program (t, n): ``words_down_tile`` of token t, tile n."""
-    words_down_tile(tl.program_id(0), tl.program_id(1), h_ptr, ids_ptr, wts_ptr, row_table_ptr, w_ptr, s_ptr, y_ptr,
-                    n_experts, n_rows, row_bytes, stride_ym, down_w, down_s, magic,
-                    N, K, NB, QBLOCK, TOPK, TOPK_P2, BLOCK_N, SUB, EVEN)

@@ -26,7 +26,6 @@ import triton.language as tl
 from kernels import common
 from kernels.core import _scale_tile, expert_row, gemv_tiles, nibbles_f32, silu_mul
 from kernels.gemv import _pair_gate_up_kernel, _token_down_kernel
-from kernels.gemv_fused import launch_fused
 from kernels.gemv_words import _words_down_kernel, _words_gate_up_kernel
 from runmap.qpack import RowLayout
 
@@ -255,37 +254,6 @@ def topk_down(h, topk_ids, topk_weights, storage, row_table, layout: RowLayout,
 
 def topk_fused_moe(x, topk_ids, topk_weights, storage, row_table, layout: RowLayout,
                    config: dict | None = None) -> torch.Tensor:
-    """Both stages. Arguments as ``kernels.executors.moe_experts``; returns float16 (T, H). No host sync.
-    KERNEL "fused" runs them as one launch (``kernels.gemv_fused``) where the "words" kernels could run both
-    stages, else as the two launches of the family ``_family`` picks."""
-    cfg = dict(default_config(storage.device, topk_ids.numel()), **(config or {}))
-    if cfg.get("KERNEL") == "fused":
-        y = _fused(x, topk_ids, topk_weights, storage, row_table, layout, cfg)
-        if y is not None:
-            return y
-        cfg["KERNEL"] = "words"  # the next family down, as for every other family
-    h = topk_gate_up(x, topk_ids, storage, row_table, layout, cfg)
-    return topk_down(h, topk_ids, topk_weights, storage, row_table, layout, cfg)
-
-
-def _fused(x, topk_ids, topk_weights, storage, row_table, layout: RowLayout, cfg: dict) -> torch.Tensor | None:
-    """The one-launch layer, or None when the problem does not meet the "words" needs of both stages."""
-    _check_common(storage, layout, topk_ids, row_table)
-    dev = storage.device
-    t, k = topk_ids.shape
-    common.check_tensor("x", x, torch.float16, 2, shape=(t, layout.hidden_size), device=dev)
-    common.check_tensor("topk_weights", topk_weights, torch.float32, 2, shape=(t, k), device=dev)
-    g, u, d = (common.proj_sections(layout, p) for p in ("gate", "up", "down"))
-    h = common.empty((t * k, g.n), torch.float16, dev)
-    y = common.empty((t, d.n), torch.float16, dev)
-    if _family("words", layout, g.k, (g.w_off, u.w_off), storage, x) != "words" \
-            or _family("words", layout, d.k, (d.w_off,), storage, h) != "words":
-        return None
-    if t == 0:
-        return y
-    q = layout.block_size
-    even_up = _even(g.k, g.n, g.nb, q, cfg["BLOCK_N"], cfg["SUB"])
-    even_down = _even(d.k, d.n, d.nb, q, cfg["DOWN_BLOCK_N"], cfg["DOWN_SUB"]) and k == common.next_pow2(k)
-    launch_fused(x, topk_ids, topk_weights, storage, row_table, layout, cfg, g, u, d, h, y, even_up, even_down,
-                 common.launch_opts(cfg), MAGIC_F32)
-    return y
+    """Both launches. Arguments as ``kernels.executors.moe_experts``; returns float16 (T, H). No host sync."""
+    h = topk_gate_up(x, topk_ids, storage, row_table, layout, config)
+    return topk_down(h, topk_ids, topk_weights, storage, row_table, layout, config)

@@ -1,21 +1,24 @@
 """GPU probe (not a test): how fast can one decode layer's expert bytes be read at all, in one launch or two?
 
-    PYTHONPATH=. python3 scripts/probe_read_floor.py --out $OUT/read-floor.json
+    PYTHONUNBUFFERED=1 PYTHONPATH=. python3 scripts/probe_read_floor.py --out $OUT/read-floor.json
+    (committed: results/kernels/explore/h200-read-floor.json, schema kernel-explore)
 
 For each model and T in {1, 8}, 16 layers of distinct weights routed as in ``bench_kernels.py``, each timed as
-one CUDA graph of the 16 layers (per-layer median):
-* ``touch-2``: a Triton kernel that only reads the weight bytes the topk-fused launches read (gate+up rows of
-  every (token, slot) pair, then down rows), in two launches per layer, each program reading 8 chunks of 4 KiB
-  and storing one xor of them; ``touch-1``: the same chunks in one launch per layer (the floor of a fused kernel);
-* ``copy-same``: ``dst.copy_(src)`` moving the same number of bytes (read + write) per layer;
-* ``empty-2``: two launches of a kernel that does nothing (the fixed cost of a launch in a graph);
-* ``topk-fused``: the executor's default two launches.
+one CUDA graph of the 16 layers (per-layer time, the lower median of two passes):
+* ``read-two-launches``: a Triton kernel that only reads the weight bytes the topk-fused launches read (the
+  gate+up rows of every (token, slot) pair, then the down rows), in two launches per layer, each program reading
+  8 chunks of 4 KiB and storing their xor; ``read-one-launch``: the same chunks in one launch per layer (the
+  floor of a one-launch layer). Bytes = the chunks read (per pair: experts repeated across tokens count again);
+* ``copy-same-bytes``: ``dst.copy_(src)`` moving that many bytes (read + write) per layer;
+* ``layer-topk-fused`` / ``decode-grouped``: the executors' default launches; bytes = the distinct experts' rows
+  (the benchmark's measure), checked against the FP32 reference (``checks``);
+* ``empty_launch_pair_us``: two launches of a kernel that does nothing, per layer (the fixed launch cost in a
+  graph).
 Fractions are of the 1 GiB device copy measured in the same run.
 """
 from __future__ import annotations
 
 import argparse
-import json
 import sys
 from pathlib import Path
 
@@ -27,7 +30,9 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from bench_kernels import LAYERS, MODELS, copy_bandwidth, graph_us, model_layers, random_batches  # noqa: E402
 from kernels import common  # noqa: E402
+from runmap.atomic import write_json  # noqa: E402
 from kernels.executors import moe_experts  # noqa: E402
+from kernels.reference import reference_moe_f32  # noqa: E402
 
 CHUNK = 4096  # bytes per chunk
 CHUNKS_PER_PROGRAM = 8
@@ -74,11 +79,11 @@ def main() -> None:
     args = ap.parse_args()
     gen = torch.Generator(device="cuda").manual_seed(0)
     copy = copy_bandwidth(1 << 30)
-    rows = []
+    rows, checks = [], []
     print(f"copy {copy['gbps']:.0f} GB/s", flush=True)
     empty_out = torch.empty(1, device="cuda")
-    rows.append({"kind": "empty-2", "us": graph_us(lambda: [(_empty_kernel[(1,)](empty_out), _empty_kernel[(1,)](empty_out))
-                                                           for _ in range(LAYERS)], LAYERS)})
+    empty_us = graph_us(lambda: [(_empty_kernel[(1,)](empty_out), _empty_kernel[(1,)](empty_out))
+                                 for _ in range(LAYERS)], LAYERS)
     for model, spec in MODELS.items():
         hdim, e, k = spec["hidden"], spec["experts"], spec["top_k"]
         layout, layers, table = model_layers(spec, gen)
@@ -87,14 +92,14 @@ def main() -> None:
             offs = [chunk_offsets(b[1], layout, k) for b in batches]
             both = [torch.cat(o) for o in offs]
             outs = [torch.empty(t.shape[0], dtype=torch.int32, device="cuda") for t in both]
-            nbytes = both[0].numel() * CHUNK  # chunks per layer are the same count every layer
+            nbytes = both[0].numel() * CHUNK  # the same chunk count every layer (k distinct experts per token)
 
-            def touch2():
+            def read2():
                 for (gu, dn), st, out in zip(offs, layers, outs):
                     _touch_kernel[(gu.shape[0],)](st, gu, out, CPP=CHUNKS_PER_PROGRAM, WORDS=CHUNK // 4, num_warps=8)
                     _touch_kernel[(dn.shape[0],)](st, dn, out, CPP=CHUNKS_PER_PROGRAM, WORDS=CHUNK // 4, num_warps=8)
 
-            def touch1():
+            def read1():
                 for o, st, out in zip(both, layers, outs):
                     _touch_kernel[(o.shape[0],)](st, o, out, CPP=CHUNKS_PER_PROGRAM, WORDS=CHUNK // 4, num_warps=8)
 
@@ -105,24 +110,34 @@ def main() -> None:
                 for s, d in zip(srcs, dsts):
                     d.copy_(s)
 
-            def topk():
-                for (x, ids, w), st in zip(batches, layers):
-                    moe_experts("topk-fused", x, ids, w, st, table, layout, validate=False)
+            def executor(name):
+                def step():
+                    for (x, ids, w), st in zip(batches, layers):
+                        moe_experts(name, x, ids, w, st, table, layout, validate=False)
+                return step
 
             expert_bytes = sum(int(torch.unique(b[1]).numel()) for b in batches) * layout.row_bytes / LAYERS
-            for kind, fn, moved in (("touch-2", touch2, nbytes), ("touch-1", touch1, nbytes),
-                                    ("copy-same", copy_same, nbytes), ("topk-fused", topk, expert_bytes)):
-                us = min(graph_us(fn, LAYERS) for _ in range(2))
+            for name in ("topk-fused", "grouped"):
+                y = moe_experts(name, *batches[0], layers[0], table, layout, validate=False)
+                ref = reference_moe_f32(*batches[0], layers[0], table, layout)
+                checks.append({"model": model, "tokens": tokens, "config": {"executor": name, "default": True},
+                               "rel_err": float((y.float() - ref).norm() / ref.norm())})
+            for kind, fn, moved in (("read-two-launches", read2, nbytes), ("read-one-launch", read1, nbytes),
+                                    ("copy-same-bytes", copy_same, nbytes),
+                                    ("layer-topk-fused", executor("topk-fused"), expert_bytes),
+                                    ("decode-grouped", executor("grouped"), expert_bytes)):
+                passes = [graph_us(fn, LAYERS) for _ in range(2)]
+                us = min(passes)
                 gbps = moved / us / 1e3
-                rows.append({"model": model, "tokens": tokens, "kind": kind, "us": us, "bytes": moved, "gbps": gbps,
-                             "fraction": gbps / copy["gbps"]})
+                rows.append({"model": model, "tokens": tokens, "kind": kind, "us": us, "passes_us": passes,
+                             "bytes": moved, "gbps": gbps, "fraction": gbps / copy["gbps"]})
         layers.clear()
         torch.cuda.empty_cache()
-    Path(args.out).write_text(json.dumps({"copy": copy, "rows": rows}, indent=1))
+    write_json(Path(args.out), {"copy": copy, "empty_launch_pair_us": empty_us, "rows": rows, "checks": checks})
+    print(f"two empty launches: {empty_us:.2f} us")
     for r in rows:
-        print(f"{r.get('model', '-'):12s} T={r.get('tokens', '-')!s:2s} {r['kind']:11s} {r['us']:7.2f} us "
-              + (f"{r['bytes'] / 1e6:6.1f} MB {r['gbps']:6.0f} GB/s {r['fraction']:.2f}" if "bytes" in r else ""))
-
+        print(f"{r['model']:12s} T={r['tokens']:<2d} {r['kind']:18s} {r['us']:7.2f} us {r['bytes'] / 1e6:6.1f} MB "
+              f"{r['gbps']:6.0f} GB/s {r['fraction']:.2f} of copy")
 
 if __name__ == "__main__":
     main()

@@ -201,8 +201,6 @@ def test_property_grouped_and_fused_agree_with_reference(h_blocks, i_half, b, m,
     {"KERNEL": "blocks", "BLOCK_N": 8, "SUB": 1, "DOWN_BLOCK_N": 32, "DOWN_SUB": 4},
     {"KERNEL": "words", "BLOCK_N": 16, "SUB": 3, "DOWN_BLOCK_N": 8, "DOWN_SUB": 2},  # SUB not dividing NB
     {"KERNEL": "words", "BLOCK_N": 64, "SUB": 1, "DOWN_BLOCK_N": 16, "DOWN_SUB": 4},
-    {"KERNEL": "fused", "BLOCK_N": 16, "SUB": 3, "DOWN_BLOCK_N": 8, "DOWN_SUB": 2},  # one launch (gemv_fused)
-    {"KERNEL": "fused", "BLOCK_N": 64, "SUB": 1, "DOWN_BLOCK_N": 16, "DOWN_SUB": 4, "DOWN_PRELOAD": True},
 ])
 @pytest.mark.parametrize("shape_name", ["small-b64", "odd-b128"])
 def test_topk_fused_tile_configs(shape_name, config, device):
@@ -256,74 +254,6 @@ def test_topk_fused_words_family_falls_back_when_unaligned(device, monkeypatch):
     chosen.clear()
     y = moe_experts("topk-fused", shifted, ids, w, storage, row_table, layout, config=cfg)
     assert chosen == ["blocks", "words"] and rel_err(y, ref) <= TOL
-
-
-FUSED_CFG = {"KERNEL": "fused", "BLOCK_N": 16, "SUB": 2, "DOWN_BLOCK_N": 32, "DOWN_SUB": 1}
-
-
-@pytest.mark.parametrize("preload", [False, True])
-@pytest.mark.parametrize("shape_name,m", [("small-b64", 1), ("odd-b128", 5), ("small-b256", 3)])
-def test_topk_fused_one_launch_matches_two_and_leaves_its_counters_zero(shape_name, m, preload, device):
-    """KERNEL "fused" (one launch, tiles drawn from a ticket counter, down tiles waiting for their token's h)
-    computes what the two "words" launches compute with the same tiles -- bit for bit when the down tile
-    loops like theirs -- and hands its workspace back all zeros, so the next call (or graph replay) starts
-    clean. Twice in a row on one workspace, with different routing, to catch a counter left behind."""
-    from kernels import gemv_fused
-
-    shape = SMALL[shape_name]
-    layout, storage, row_table, resident = make_layer(shape, device, 31)
-    cfg = dict(FUSED_CFG, DOWN_PRELOAD=preload)
-    for seed in (31, 32):
-        x, ids, w = make_batch(shape, m, resident, device, seed)
-        ref = reference_moe_f32(x, ids, w, storage, row_table, layout)
-        y = moe_experts("topk-fused", x, ids, w, storage, row_table, layout, config=cfg)
-        two = moe_experts("topk-fused", x, ids, w, storage, row_table, layout, config=dict(cfg, KERNEL="words"))
-        assert torch.isfinite(y).all() and rel_err(y, ref) <= TOL
-        if preload:
-            assert rel_err(y, two.float()) <= 1e-3  # same products; the fp32 sums run in another order
-        else:
-            assert torch.equal(y, two)
-        assert int(gemv_fused.workspace(device, m).abs().sum()) == 0
-
-
-def test_topk_fused_one_launch_nan_for_a_non_resident_expert(device):
-    """The one-launch kernel keeps the NaN rule (tokens routed to a -1 row come back NaN, the others are
-    right) and still counts those tiles, so its counters end at zero."""
-    from kernels import gemv_fused
-
-    shape = SMALL["small-b64"]
-    layout, storage, row_table, resident = make_layer(shape, device, 37)
-    x, ids, w = make_batch(shape, 4, resident, device, 37)
-    table = row_table.clone()
-    e = int(ids[0, 0])
-    table[e] = -1
-    y = moe_experts("topk-fused", x, ids, w, storage, table, layout, validate=False, config=FUSED_CFG)
-    hit = (ids == e).any(dim=1)
-    assert torch.isnan(y[hit]).all()
-    if (~hit).any():
-        ref = reference_moe_f32(x[~hit], ids[~hit], w[~hit], storage, row_table, layout)
-        assert rel_err(y[~hit], ref) <= TOL
-    assert int(gemv_fused.workspace(device, 4).abs().sum()) == 0
-
-
-def test_topk_fused_one_launch_falls_back_to_two_when_unaligned(device, monkeypatch):
-    """An activation whose rows are not 4-byte aligned cannot be read as words: KERNEL "fused" then runs the
-    two-launch families (blocks for gate/up, words for down), never a different computation."""
-    import kernels.topk_fused as tf
-
-    shape = SMALL["small-b64"]
-    layout, storage, row_table, resident = make_layer(shape, device, 41)
-    x, ids, w = make_batch(shape, 3, resident, device, 41)
-    ref = reference_moe_f32(x, ids, w, storage, row_table, layout)
-    shifted = torch.empty(x.numel() + 1, dtype=x.dtype, device=device)[1:].view_as(x)  # 2-byte aligned only
-    shifted.copy_(x)
-    launched = []
-    monkeypatch.setattr(tf, "launch_fused", lambda *a, **kw: launched.append(1))
-    chosen = []
-    real = tf._family
-    monkeypatch.setattr(tf, "_family", lambda *a: chosen.append(real(*a)) or chosen[-1])
-    y = moe_experts("topk-fused", shifted, ids, w, storage, row_table, layout, config=FUSED_CFG)
-    assert not launched and chosen[-2:] == ["blocks", "words"] and rel_err(y, ref) <= TOL
 
 
 def test_topk_fused_words_family_needs_every_weight_section_word_aligned(device):
