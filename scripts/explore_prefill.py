@@ -59,6 +59,80 @@ def kernel_breakdown(fn, layers: int) -> dict:
     return dict(sorted(out.items(), key=lambda kv: -kv[1])[:12])
 
 
+def prefill(args, model, spec, layout, layers, table, gen, out, summary) -> None:
+    """Prefill rows of one model: every form of each --tiles config against bf16 (and --profile breakdowns)."""
+    h, i, e, k = spec["hidden"], spec["intermediate"], spec["experts"], spec["top_k"]
+    batches = random_batches(PREFILL_LAYERS, PREFILL_TOKENS, h, e, k, gen)
+    x0, ids0, w0 = batches[0]
+    ref = reference_moe_f32(x0, ids0, w0, layers[0], table, layout)
+
+    wgu = [torch.randn(e, 2 * i, h, device="cuda", dtype=torch.bfloat16, generator=gen) * 0.02
+           for _ in range(PREFILL_LAYERS)]
+    wd = [torch.randn(e, h, i, device="cuda", dtype=torch.bfloat16, generator=gen) * 0.02
+          for _ in range(PREFILL_LAYERS)]
+    xb = [(x.to(torch.bfloat16), ids, w) for x, ids, w in batches]
+
+    def bf16_us():
+        def bstep():
+            for (x, ids, w), a, b in zip(xb, wgu, wd):
+                bf16_grouped_layer(x, ids, w, a.transpose(1, 2), b.transpose(1, 2), e, True)
+        return graph_us(bstep, PREFILL_LAYERS, reps=15)
+
+    cfgs = [(PREFILL_TILES[int(n)], form) for n in args.tiles.split(",") for form in FORMS]
+    timings = {n: [] for n in range(len(cfgs))}
+    base = [bf16_us()]
+    for npass in range(2):
+        for n, (tiles, form) in enumerate(cfgs):
+            cfg = tile_cfg(*tiles, form)
+
+            def step(cfg=cfg):
+                for (x, ids, w), st in zip(batches, layers[:PREFILL_LAYERS]):
+                    moe_experts("grouped", x, ids, w, st, table, layout, validate=False, config=cfg)
+            try:
+                if npass == 0:
+                    y = moe_experts("grouped", x0, ids0, w0, layers[0], table, layout, validate=False, config=cfg)
+                    err = float((y.float() - ref).norm() / ref.norm())
+                    out["checks"].append({"model": model, "tokens": PREFILL_TOKENS, "config": cfg, "rel_err": err})
+                    if not err <= 2e-3:
+                        print(f"  {model} {tiles} {form}: WRONG rel err {err:.2e}", flush=True)
+                        timings[n] = None
+                        continue
+                if timings[n] is None:
+                    continue
+                timings[n].append(graph_us(step, PREFILL_LAYERS, reps=15))
+            except Exception as exc:
+                print(f"  {model} {tiles} {form}: FAILED {type(exc).__name__}: {str(exc)[:300]}", flush=True)
+                timings[n] = None
+        base.append(bf16_us())
+    bf16 = min(base)
+    print(f"{model} prefill bf16 torch._grouped_mm: {[round(b, 1) for b in base]} us/layer", flush=True)
+    for n, (tiles, form) in enumerate(cfgs):
+        if not timings[n]:
+            continue
+        us = min(timings[n])
+        row = {"model": model, "tokens": PREFILL_TOKENS, "kind": "prefill-grouped", "config": tile_cfg(*tiles, form),
+               "us": us, "passes_us": timings[n], "ratio_to_bf16": bf16 / us}
+        out["rows"].append(row)
+        summary.append((model, "prefill", tiles, form, us, bf16 / us))
+    out["rows"].append({"model": model, "tokens": PREFILL_TOKENS, "kind": "prefill-bf16", "us": bf16,
+                        "passes_us": base})
+    if args.profile:
+        dcfg = grouped.default_config(PREFILL_TOKENS * k, torch.device("cuda"))
+        for form in FORMS:
+            cfg = dict(dcfg, **FORMS[form])
+            bd = kernel_breakdown(lambda cfg=cfg: [moe_experts("grouped", x, ids, w, st, table, layout,
+                                                                validate=False, config=cfg)
+                                                   for (x, ids, w), st in zip(batches, layers)], PREFILL_LAYERS)
+            out["rows"].append({"model": model, "tokens": PREFILL_TOKENS, "kind": "prefill-kernels",
+                                "config": cfg, "us": sum(bd.values()), "kernels_us": bd})
+            print(f"{model} prefill kernels ({form}): {bd}", flush=True)
+        bd = kernel_breakdown(lambda: [bf16_grouped_layer(x, ids, w, a.transpose(1, 2), b.transpose(1, 2), e, True)
+                                       for (x, ids, w), a, b in zip(xb, wgu, wd)], PREFILL_LAYERS)
+        out["rows"].append({"model": model, "tokens": PREFILL_TOKENS, "kind": "prefill-kernels",
+                            "config": {"bf16": "torch._grouped_mm"}, "us": sum(bd.values()), "kernels_us": bd})
+        print(f"{model} prefill kernels (bf16): {bd}", flush=True)
+
+
 def main():
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--out", required=True, help="JSON record (schemas/kernel-explore.schema.json)")
@@ -68,6 +142,8 @@ def main():
     ap.add_argument("--decode-grid", default="16,32,64:256,512:2,4:3",
                     help="grouped decode tiles with asm as BLOCK_N list:BLOCK_K list:warps list:stages list")
     ap.add_argument("--profile", action="store_true", help="add a per-kernel breakdown of the default configs")
+    ap.add_argument("--decode-only", action="store_true", help="skip prefill: only the grouped decode tiles")
+    ap.add_argument("--decode-tokens", default="1,8", help="decode batch sizes T (default %(default)s)")
     args = ap.parse_args()
     gen = torch.Generator(device="cuda").manual_seed(0)
     out = {"copy": copy_bandwidth(1 << 30), "rows": [], "checks": []}
@@ -75,80 +151,12 @@ def main():
     summary = []
     for model in args.models.split(","):
         spec = MODELS[model]
-        h, i, e, k = spec["hidden"], spec["intermediate"], spec["experts"], spec["top_k"]
+        h, e, k = spec["hidden"], spec["experts"], spec["top_k"]
         layout, layers, table = model_layers(spec, gen)
-        batches = random_batches(PREFILL_LAYERS, PREFILL_TOKENS, h, e, k, gen)
-        x0, ids0, w0 = batches[0]
-        ref = reference_moe_f32(x0, ids0, w0, layers[0], table, layout)
-
-        wgu = [torch.randn(e, 2 * i, h, device="cuda", dtype=torch.bfloat16, generator=gen) * 0.02
-               for _ in range(PREFILL_LAYERS)]
-        wd = [torch.randn(e, h, i, device="cuda", dtype=torch.bfloat16, generator=gen) * 0.02
-              for _ in range(PREFILL_LAYERS)]
-        xb = [(x.to(torch.bfloat16), ids, w) for x, ids, w in batches]
-
-        def bf16_us():
-            def bstep():
-                for (x, ids, w), a, b in zip(xb, wgu, wd):
-                    bf16_grouped_layer(x, ids, w, a.transpose(1, 2), b.transpose(1, 2), e, True)
-            return graph_us(bstep, PREFILL_LAYERS, reps=15)
-
-        cfgs = [(PREFILL_TILES[int(n)], form) for n in args.tiles.split(",") for form in FORMS]
-        timings = {n: [] for n in range(len(cfgs))}
-        base = [bf16_us()]
-        for npass in range(2):
-            for n, (tiles, form) in enumerate(cfgs):
-                cfg = tile_cfg(*tiles, form)
-
-                def step(cfg=cfg):
-                    for (x, ids, w), st in zip(batches, layers[:PREFILL_LAYERS]):
-                        moe_experts("grouped", x, ids, w, st, table, layout, validate=False, config=cfg)
-                try:
-                    if npass == 0:
-                        y = moe_experts("grouped", x0, ids0, w0, layers[0], table, layout, validate=False, config=cfg)
-                        err = float((y.float() - ref).norm() / ref.norm())
-                        out["checks"].append({"model": model, "tokens": PREFILL_TOKENS, "config": cfg, "rel_err": err})
-                        if not err <= 2e-3:
-                            print(f"  {model} {tiles} {form}: WRONG rel err {err:.2e}", flush=True)
-                            timings[n] = None
-                            continue
-                    if timings[n] is None:
-                        continue
-                    timings[n].append(graph_us(step, PREFILL_LAYERS, reps=15))
-                except Exception as exc:
-                    print(f"  {model} {tiles} {form}: FAILED {type(exc).__name__}: {str(exc)[:300]}", flush=True)
-                    timings[n] = None
-            base.append(bf16_us())
-        bf16 = min(base)
-        print(f"{model} prefill bf16 torch._grouped_mm: {[round(b, 1) for b in base]} us/layer", flush=True)
-        for n, (tiles, form) in enumerate(cfgs):
-            if not timings[n]:
-                continue
-            us = min(timings[n])
-            row = {"model": model, "tokens": PREFILL_TOKENS, "kind": "prefill-grouped", "config": tile_cfg(*tiles, form),
-                   "us": us, "passes_us": timings[n], "ratio_to_bf16": bf16 / us}
-            out["rows"].append(row)
-            summary.append((model, "prefill", tiles, form, us, bf16 / us))
-        out["rows"].append({"model": model, "tokens": PREFILL_TOKENS, "kind": "prefill-bf16", "us": bf16,
-                            "passes_us": base})
-        if args.profile:
-            dcfg = grouped.default_config(PREFILL_TOKENS * k, torch.device("cuda"))
-            for form in FORMS:
-                cfg = dict(dcfg, **FORMS[form])
-                bd = kernel_breakdown(lambda cfg=cfg: [moe_experts("grouped", x, ids, w, st, table, layout,
-                                                                    validate=False, config=cfg)
-                                                       for (x, ids, w), st in zip(batches, layers)], PREFILL_LAYERS)
-                out["rows"].append({"model": model, "tokens": PREFILL_TOKENS, "kind": "prefill-kernels",
-                                    "config": cfg, "us": sum(bd.values()), "kernels_us": bd})
-                print(f"{model} prefill kernels ({form}): {bd}", flush=True)
-            bd = kernel_breakdown(lambda: [bf16_grouped_layer(x, ids, w, a.transpose(1, 2), b.transpose(1, 2), e, True)
-                                           for (x, ids, w), a, b in zip(xb, wgu, wd)], PREFILL_LAYERS)
-            out["rows"].append({"model": model, "tokens": PREFILL_TOKENS, "kind": "prefill-kernels",
-                                "config": {"bf16": "torch._grouped_mm"}, "us": sum(bd.values()), "kernels_us": bd})
-            print(f"{model} prefill kernels (bf16): {bd}", flush=True)
-
+        if not args.decode_only:
+            prefill(args, model, spec, layout, layers, table, gen, out, summary)
         # decode through the grouped executor: forms at the default tiles, 16 layers in one CUDA graph
-        for tokens in (1, 8):
+        for tokens in [int(v) for v in args.decode_tokens.split(",")]:
             dec = random_batches(LAYERS, tokens, h, e, k, gen)
             dref = reference_moe_f32(*dec[0], layers[0], table, layout)
             dcfgs = [("plain", dict(grouped.default_config(tokens * k, torch.device("cuda")), **FORMS["plain"]))]
