@@ -98,20 +98,24 @@ def _topk_down_kernel(
 MAGIC_F32 = 0x4B000000  # fp32 bit pattern of 2^23 (kernels.gemv_words._nibble)
 
 
-def default_config(device: torch.device, n_pairs: int = 1) -> dict:
+def default_config(device: torch.device, n_pairs: int = 1, down_blocks: int = 4) -> dict:
     """KERNEL "words": kernels.gemv_words; "blocks": kernels.gemv (whole scale blocks, SUB per iteration,
     slots vectorized in the down launch); "tiles": the kernels of this module (K tiles of BLOCK_K values).
     BLOCK_N / SUB / num_warps (launch 1) and DOWN_* (launch 2) are the tile of the chosen family; DOWN_KERNEL
-    (default KERNEL) picks the family of launch 2 on its own. ``n_pairs`` = T * k (static per shape, never
-    read from data): few pairs want more warps per program, many pairs more programs."""
+    (default KERNEL) picks the family of launch 2 on its own. ``n_pairs`` = T * k and ``down_blocks`` = the
+    down projection's scale blocks per row (both static per shape, never read from data): few pairs want more
+    warps per program and fewer dependent rounds of loads, many pairs more programs."""
     if common.interpreting(device):
         return {"KERNEL": "words", "BLOCK_N": 512, "BLOCK_K": 256, "SUB": 1,
                 "DOWN_BLOCK_N": 512, "DOWN_BLOCK_K": 256, "DOWN_SUB": 1}
-    # Best of the H200 sweep (scripts/explore_decode.py, results/kernels/explore/h200-decode-words.json):
-    # T = 1 (8 / 4 pairs) and T = 8 (64 / 32 pairs) of OLMoE / Qwen1.5-MoE.
+    # Best of the H200 sweeps (scripts/explore_decode.py, results/kernels/explore/h200-decode-words.json,
+    # h200-decode-words-sub*.json): T = 1, 2 (8 / 4-8 pairs) and T = 8 (64 / 32 pairs) of OLMoE / Qwen1.5-MoE.
+    # Few pairs: the down launch reads its whole row in one round of loads (DOWN_SUB = the blocks rounded up
+    # to a power of two), the gate/up launch in two.
     if n_pairs <= 8:
-        return {"KERNEL": "words", "BLOCK_N": 16, "SUB": 2, "num_warps": 8,
-                "DOWN_BLOCK_N": 8, "DOWN_SUB": 2, "DOWN_num_warps": 8, "BLOCK_K": 512, "DOWN_BLOCK_K": 1024}
+        return {"KERNEL": "words", "BLOCK_N": 16, "SUB": 4, "num_warps": 8,
+                "DOWN_BLOCK_N": 8, "DOWN_SUB": common.next_pow2(down_blocks), "DOWN_num_warps": 4,
+                "BLOCK_K": 512, "DOWN_BLOCK_K": 1024}
     return {"KERNEL": "words", "BLOCK_N": 32, "SUB": 2, "num_warps": 4,
             "DOWN_BLOCK_N": 16, "DOWN_SUB": 2, "DOWN_num_warps": 2, "BLOCK_K": 512, "DOWN_BLOCK_K": 1024}
 
@@ -165,7 +169,7 @@ def topk_gate_up(x, topk_ids, storage, row_table, layout: RowLayout, config: dic
     common.check_tensor("x", x, torch.float16, 2, shape=(topk_ids.shape[0], layout.hidden_size),
                         device=storage.device)
     t, k = topk_ids.shape
-    cfg = dict(default_config(storage.device, t * k), **(config or {}))
+    cfg = dict(default_config(storage.device, t * k, common.proj_sections(layout, "down").nb), **(config or {}))
     g, u = common.proj_sections(layout, "gate"), common.proj_sections(layout, "up")
     h = common.empty((t * k, g.n), torch.float16, x.device)
     if t == 0:
@@ -218,8 +222,8 @@ def topk_down(h, topk_ids, topk_weights, storage, row_table, layout: RowLayout,
     t, k = topk_ids.shape
     common.check_tensor("h", h, torch.float16, 2, shape=(t * k, layout.intermediate_size), device=dev)
     common.check_tensor("topk_weights", topk_weights, torch.float32, 2, shape=(t, k), device=dev)
-    cfg = dict(default_config(dev, t * k), **(config or {}))
     d = common.proj_sections(layout, "down")
+    cfg = dict(default_config(dev, t * k, d.nb), **(config or {}))
     y = common.empty((t, d.n), torch.float16, dev)
     if t == 0:
         return y

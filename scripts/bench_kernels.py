@@ -50,6 +50,8 @@ TARGET_DECODE_FRACTION = 0.70
 TARGET_PREFILL_RATIO = 1.0
 
 TOPK_CONFIGS = [  # "words" = kernels/gemv_words.py (default), "blocks" = kernels/gemv.py, "tiles" = kernels/topk_fused.py
+    # the few-pairs default: DOWN_SUB left to topk_fused.default_config (one round of loads over the down row)
+    {"KERNEL": "words", "BLOCK_N": 16, "SUB": 4, "num_warps": 8, "DOWN_BLOCK_N": 8, "DOWN_num_warps": 4},
     {"KERNEL": "words", "BLOCK_N": 16, "SUB": 2, "num_warps": 8, "DOWN_BLOCK_N": 8, "DOWN_SUB": 2, "DOWN_num_warps": 8},
     {"KERNEL": "words", "BLOCK_N": 32, "SUB": 2, "num_warps": 4, "DOWN_BLOCK_N": 16, "DOWN_SUB": 2, "DOWN_num_warps": 2},
     {"KERNEL": "words", "BLOCK_N": 16, "SUB": 2, "num_warps": 2, "DOWN_BLOCK_N": 16, "DOWN_SUB": 1, "DOWN_num_warps": 2},
