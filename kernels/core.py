@@ -112,6 +112,19 @@ def token_slots(t, ids_ptr, wts_ptr, row_table_ptr, w_ptr, s_ptr, n_experts, n_r
 
 
 @triton.jit
+def slot_block_scales(s_base, offs_n, n_mask, ok, blk, NB: tl.constexpr, EVEN: tl.constexpr):
+    """Scales of scale block ``blk`` in a decode down program: (fp32 (S, BN) scales of the rows offs_n of each
+    slot's down section (s_base: (S,) fp16 pointers), (S, BN) mask of the loads). EVEN: every slot real and
+    resident-or-row-0, every row and block in range, so the load is unmasked (the mask is then unused)."""
+    sm = ok[:, None] & (n_mask & (blk < NB))[None, :]  # (S, BN)
+    if EVEN:
+        s = tl.load(s_base[:, None] + offs_n[None, :] * NB + blk).to(tl.float32)
+    else:
+        s = tl.load(s_base[:, None] + offs_n[None, :] * NB + blk, mask=sm, other=0.0).to(tl.float32)
+    return s, sm
+
+
+@triton.jit
 def store_slot_sum(part, s_ok, ok, y_ptr, t, stride_ym, offs_n, n_mask):
     """Epilogue of a decode down program: y[t, offs_n] = fp16 of the (S, BN, X) fp32 partials summed over X,
     then over the slots in a fixed order (deterministic); NaN when any real slot's expert is not resident

@@ -22,7 +22,7 @@ from __future__ import annotations
 import triton
 import triton.language as tl
 
-from kernels.core import expert_row, nibbles_f32, store_pair_h, store_slot_sum, token_slots
+from kernels.core import expert_row, nibbles_f32, slot_block_scales, store_pair_h, store_slot_sum, token_slots
 
 
 @triton.jit
@@ -100,18 +100,18 @@ def _token_down_kernel(
         for u in tl.static_range(SUB):
             blk = b0 + u
             offs_kb = blk * HALF + offs_j
+            k_ok = offs_kb < KB
             if EVEN:  # k = TOPK_P2 slots, no partial block, tile or SUB group: unmasked loads
                 he = tl.load(h_base[:, None] + 2 * offs_kb[None, :]).to(tl.float32)  # (S, HALF)
                 ho = tl.load(h_base[:, None] + 2 * offs_kb[None, :] + 1).to(tl.float32)
-                s = tl.load(s_base[:, None] + offs_n[None, :] * NB + blk).to(tl.float32)  # (S, BN)
-                pw = tl.load(w_ptrs + blk * HALF)  # (S, BN, HALF) uint8
             else:
-                k_ok = offs_kb < KB
                 hm = ok[:, None] & k_ok[None, :]  # (S, HALF)
                 he = tl.load(h_base[:, None] + 2 * offs_kb[None, :], mask=hm, other=0.0).to(tl.float32)
                 ho = tl.load(h_base[:, None] + 2 * offs_kb[None, :] + 1, mask=hm, other=0.0).to(tl.float32)
-                sm = ok[:, None] & (n_mask & (blk < NB))[None, :]  # (S, BN)
-                s = tl.load(s_base[:, None] + offs_n[None, :] * NB + blk, mask=sm, other=0.0).to(tl.float32)
+            s, sm = slot_block_scales(s_base, offs_n, n_mask, ok, blk, NB, EVEN)  # (S, BN) each
+            if EVEN:
+                pw = tl.load(w_ptrs + blk * HALF)  # (S, BN, HALF) uint8
+            else:
                 pw = tl.load(w_ptrs + blk * HALF, mask=sm[:, :, None] & k_ok[None, None, :], other=0)
             lo, hi = nibbles_f32(pw)  # (S, BN, HALF) fp32
             part += (lo * he[:, None, :] + hi * ho[:, None, :]) * (s * gw[:, None])[:, :, None]

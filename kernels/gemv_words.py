@@ -21,7 +21,7 @@ from __future__ import annotations
 import triton
 import triton.language as tl
 
-from kernels.core import expert_row, store_pair_h, store_slot_sum, token_slots
+from kernels.core import expert_row, slot_block_scales, store_pair_h, store_slot_sum, token_slots
 
 
 @triton.jit
@@ -150,12 +150,10 @@ def _words_down_kernel(
             k_ok = offs_kw < KW
             hm = ok[:, None] & k_ok[None, :]  # (S, WPB)
             e0, o0, e1, o1, e2, o2, e3, o3 = _load_pairs(h32[:, None], offs_kw[None, :], hm, EVEN)  # (S, WPB)
+            s, sm = slot_block_scales(s_base, offs_n, n_mask, ok, blk, NB, EVEN)  # (S, BN) each
             if EVEN:  # k = TOPK_P2 slots, no partial block, tile or SUB group: unmasked loads
-                s = tl.load(s_base[:, None] + offs_n[None, :] * NB + blk).to(tl.float32)  # (S, BN)
                 pw = tl.load(w_ptrs + blk * WPB)  # (S, BN, WPB) int32
             else:
-                sm = ok[:, None] & (n_mask & (blk < NB))[None, :]  # (S, BN)
-                s = tl.load(s_base[:, None] + offs_n[None, :] * NB + blk, mask=sm, other=0.0).to(tl.float32)
                 pw = tl.load(w_ptrs + blk * WPB, mask=sm[:, :, None] & k_ok[None, None, :], other=0)
             part += word_dot(pw, magic, e0[:, None, :], o0[:, None, :], e1[:, None, :], o1[:, None, :],
                              e2[:, None, :], o2[:, None, :], e3[:, None, :], o3[:, None, :]) * (s * gw[:, None])[:, :, None]

@@ -103,8 +103,9 @@ def default_config(device: torch.device, n_pairs: int = 1, down_blocks: int = 4)
     slots vectorized in the down launch); "tiles": the kernels of this module (K tiles of BLOCK_K values).
     BLOCK_N / SUB / num_warps (launch 1) and DOWN_* (launch 2) are the tile of the chosen family; DOWN_KERNEL
     (default KERNEL) picks the family of launch 2 on its own. ``n_pairs`` = T * k and ``down_blocks`` = the
-    down projection's scale blocks per row (both static per shape, never read from data): few pairs want more
-    warps per program and fewer dependent rounds of loads, many pairs more programs."""
+    down projection's scale blocks per row (both static per shape, never read from data; only launch 2 reads
+    the DOWN_* keys, so launch 1 may leave ``down_blocks`` at its default): few pairs want more warps per
+    program and fewer dependent rounds of loads, many pairs more programs."""
     if common.interpreting(device):
         return {"KERNEL": "words", "BLOCK_N": 512, "BLOCK_K": 256, "SUB": 1,
                 "DOWN_BLOCK_N": 512, "DOWN_BLOCK_K": 256, "DOWN_SUB": 1}
@@ -169,7 +170,7 @@ def topk_gate_up(x, topk_ids, storage, row_table, layout: RowLayout, config: dic
     common.check_tensor("x", x, torch.float16, 2, shape=(topk_ids.shape[0], layout.hidden_size),
                         device=storage.device)
     t, k = topk_ids.shape
-    cfg = dict(default_config(storage.device, t * k, common.proj_sections(layout, "down").nb), **(config or {}))
+    cfg = dict(default_config(storage.device, t * k), **(config or {}))  # launch 1 reads no DOWN_* key
     g, u = common.proj_sections(layout, "gate"), common.proj_sections(layout, "up")
     h = common.empty((t * k, g.n), torch.float16, x.device)
     if t == 0:

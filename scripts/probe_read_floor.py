@@ -59,7 +59,7 @@ def _empty_kernel(out_ptr):
     pass
 
 
-def chunk_offsets(ids: torch.Tensor, layout, k: int) -> tuple[torch.Tensor, torch.Tensor]:
+def chunk_offsets(ids: torch.Tensor, layout) -> tuple[torch.Tensor, torch.Tensor]:
     """int64 (programs, 8) byte offsets of the gate+up chunks and of the down chunks of one layer's routing."""
     gu, dn = [], []
     for name, out in (("gate", gu), ("up", gu), ("down", dn)):
@@ -89,7 +89,7 @@ def main() -> None:
         layout, layers, table = model_layers(spec, gen)
         for tokens in (1, 8):
             batches = random_batches(LAYERS, tokens, hdim, e, k, gen)
-            offs = [chunk_offsets(b[1], layout, k) for b in batches]
+            offs = [chunk_offsets(b[1], layout) for b in batches]
             both = [torch.cat(o) for o in offs]
             outs = [torch.empty(t.shape[0], dtype=torch.int32, device="cuda") for t in both]
             nbytes = both[0].numel() * CHUNK  # the same chunk count every layer (k distinct experts per token)
