@@ -12,18 +12,21 @@
 #   * append the stage's final outputs (a list of concrete paths) to FINAL_OUTPUTS. The conformance
 #     rule (90) depends on everything appended before it and validates it with `runmap validate`;
 #     `rule all` requests everything in FINAL_OUTPUTS, including what files > 90 append;
-#   * list the runmap modules a rule runs as inputs, `code=code("pack", "qpack")`, so that editing
-#     them reruns that rule and what depends on it (Snakemake only tracks the rule's own code);
+#   * list the runmap code a rule runs as inputs, `code=code("cli.pack", "format", "arch")` (a module or a
+#     whole subpackage, names relative to `runmap`; `kernels` is runmap.kernels), so that editing it reruns
+#     that rule and what depends on it (Snakemake only tracks the rule's own code);
+#   * rule files share one namespace: prefix every module-level name with the stage (BENCH_SPEC,
+#     ifeval_dir()) and keep loop variables inside functions.
 #   * a stage's config lives in its own top-level section (`bench: {...}`), validated at the top of its
 #     rule file: validate(config.setdefault("bench", {}), "../../schemas/pipeline-bench.schema.json")
 #     (paths in validate() are relative to the .smk file); defaults belong in that schema.
 import glob
+import importlib.util
 import os
 from pathlib import Path
 
 from snakemake.utils import validate
 
-import runmap as _runmap
 
 configfile: "specs/pipeline/default.yaml"
 
@@ -33,12 +36,22 @@ validate(config, "schemas/pipeline-config.schema.json")
 RESULTS = "results"
 LOGS = f"{RESULTS}/logs"
 FINAL_OUTPUTS = []
-RUNMAP_CODE = Path(_runmap.__file__).resolve().parent  # the installed (editable) package
 
 
-def code(*modules):
-    """Source files of runmap modules (names relative to the package) as rule inputs."""
-    return [str(RUNMAP_CODE / f"{m}.py") for m in modules]
+def code(*names):
+    """Source files of runmap modules or subpackages (names relative to ``runmap``: "cli.pack", "format",
+    "kernels") as rule inputs, wherever the package is installed (editable or not)."""
+    files = []
+    for name in names:
+        spec = importlib.util.find_spec(f"runmap.{name}")
+        if spec is None:
+            raise ValueError(f"Snakefile code(): no module runmap.{name}")
+        if spec.submodule_search_locations:  # a package: every module in it
+            for d in spec.submodule_search_locations:
+                files += sorted(str(f) for f in Path(d).glob("*.py"))
+        else:
+            files.append(str(spec.origin))
+    return files
 
 
 # Model names contain dots and dashes; block sizes are integers.

@@ -10,7 +10,7 @@ import os
 
 import torch
 
-from runmap.qpack import RowLayout
+from runmap.format.qpack import RowLayout
 
 
 class KernelInputError(ValueError):
@@ -103,7 +103,7 @@ def check_tensor(name: str, t, dtype=None, ndim: int | None = None, shape=None, 
 def check_storage(storage, layout: RowLayout, device=None) -> None:
     """storage: uint8 (R, row_bytes) contiguous, row_bytes == layout.row_bytes."""
     if not isinstance(layout, RowLayout):
-        raise KernelInputError(f"layout: expected runmap.qpack.RowLayout, got {type(layout).__name__}")
+        raise KernelInputError(f"layout: expected runmap.format.qpack.RowLayout, got {type(layout).__name__}")
     check_tensor("storage", storage, torch.uint8, 2, device=device)
     if storage.shape[1] != layout.row_bytes:
         raise KernelInputError(

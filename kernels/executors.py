@@ -15,14 +15,11 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-from kernels import common
-from kernels.grouped import grouped_moe
-from kernels.reference import reference_moe
-from kernels.scalar import w4a16_linear
-from kernels.topk_fused import topk_fused_moe
-from runmap.qpack import RowLayout
+from runmap.kernels import common
+from runmap.kernels.scalar import w4a16_linear
+from runmap.format.qpack import RowLayout
 
-EXECUTORS = ("reference", "scalar", "grouped", "topk-fused")
+from runmap.kernels.registry import EXECUTOR_NAMES, EXECUTORS
 
 
 class NotResidentError(ValueError):
@@ -91,10 +88,10 @@ def moe_experts(executor: str, x: torch.Tensor, topk_ids: torch.Tensor, topk_wei
     """Routed-expert MoE output of one layer.
 
     Args:
-        executor: one of EXECUTORS.
+        executor: a name of runmap.kernels.registry.EXECUTORS.
         x: float16 (T, H) contiguous. topk_ids: int32/int64 (T, k) contiguous, ids in [0, E).
         topk_weights: float32 (T, k) contiguous, final gate weights. storage: uint8 (R, row_bytes) contiguous.
-        row_table: int32 (E,) contiguous; -1 = not resident. layout: runmap.qpack.RowLayout.
+        row_table: int32 (E,) contiguous; -1 = not resident. layout: runmap.format.qpack.RowLayout.
         validate: True checks on the host that every routed id is resident (NotResidentError naming the
             expert) -- this synchronizes. False skips it and never synchronizes for grouped/topk-fused
             (CUDA-graph capturable); a non-resident id then yields NaN rows, never another expert.
@@ -103,14 +100,8 @@ def moe_experts(executor: str, x: torch.Tensor, topk_ids: torch.Tensor, topk_wei
         float16 (T, H).
     """
     if executor not in EXECUTORS:
-        raise common.KernelInputError(f"executor: {executor!r}, expected one of {EXECUTORS}")
+        raise common.KernelInputError(f"executor: {executor!r}, expected one of {EXECUTOR_NAMES}")
     check_inputs(x, topk_ids, topk_weights, storage, row_table, layout)
     if validate or executor in ("reference", "scalar"):
         check_routing(topk_ids, row_table, storage.shape[0])
-    if executor == "reference":
-        return reference_moe(x, topk_ids, topk_weights, storage, row_table, layout)
-    if executor == "scalar":
-        return scalar_moe(x, topk_ids, topk_weights, storage, row_table, layout, config)
-    if executor == "grouped":
-        return grouped_moe(x, topk_ids, topk_weights, storage, row_table, layout, config)
-    return topk_fused_moe(x, topk_ids, topk_weights, storage, row_table, layout, config)
+    return EXECUTORS[executor].load()(x, topk_ids, topk_weights, storage, row_table, layout, config)

@@ -1,6 +1,6 @@
 """Decode GEMV kernels of the ``topk-fused`` executor, organised around whole scale blocks.
 
-Why a second GEMV formulation (``kernels.core.gemv_tiles`` is the first): at batch 1 a layer's expert
+Why a second GEMV formulation (``runmap.kernels.core.gemv_tiles`` is the first): at batch 1 a layer's expert
 kernels are latency-bound, not bandwidth-bound. These kernels therefore
 
 * walk K one scale block (QBLOCK values = QBLOCK/2 bytes per weight row) at a time, SUB blocks per loop
@@ -13,7 +13,7 @@ kernels are latency-bound, not bandwidth-bound. These kernels therefore
   loaded together instead of one expert after the other, and the gate-weighted sum over the slots is a
   fixed-order register reduction: no atomics, no per-pair buffer, deterministic.
 
-Packed weights and scales as in ``kernels.core``: uint8 (N, K/2), byte j of a row = k 2j (low nibble) and
+Packed weights and scales as in ``runmap.kernels.core``: uint8 (N, K/2), byte j of a row = k 2j (low nibble) and
 2j + 1 (high nibble), value q + 8; fp16 scales (N, NB), NB = ceil(K / QBLOCK). QBLOCK must be a power of
 two (the wrappers check it); a partial last block is masked.
 """
@@ -22,7 +22,7 @@ from __future__ import annotations
 import triton
 import triton.language as tl
 
-from kernels.core import expert_row, nibbles_f32, slot_block_scales, store_pair_h, store_slot_sum, token_slots
+from runmap.kernels.core import expert_row, nibbles_f32, slot_block_scales, store_pair_h, store_slot_sum, token_slots
 
 
 @triton.jit

@@ -1,6 +1,6 @@
 """Decode GEMV kernels that read the packed weights as 32-bit words (``topk-fused``, KERNEL "words").
 
-Why: at batch 1 the "blocks" GEMV (``kernels.gemv``) is bound by instruction issue, not by memory. Its
+Why: at batch 1 the "blocks" GEMV (``runmap.kernels.gemv``) is bound by instruction issue, not by memory. Its
 compiled inner loop spends ~14 instructions per weight byte: a byte extract, a sign extension, a shift and
 three logic operations to decode each byte's two nibbles, two 16-bit activation loads and two fp16->fp32
 conversions per byte, then the FMAs. These kernels cut that by working on whole 32-bit words:
@@ -12,16 +12,16 @@ conversions per byte, then the FMAs. These kernels cut that by working on whole 
   byte j, so one load serves both nibbles of a byte.
 * a word's eight products are summed in registers, then scaled once (one FMA per word for the scale).
 
-Layout and semantics as ``kernels.gemv`` (same arguments, same NaN for a non-resident expert, fixed-order
+Layout and semantics as ``runmap.kernels.gemv`` (same arguments, same NaN for a non-resident expert, fixed-order
 slot sum in the down launch); in addition K must be a multiple of 8 and every row / section / activation row
-must start 4-byte aligned (the wrappers in ``kernels.topk_fused`` check this before choosing these kernels).
+must start 4-byte aligned (the wrappers in ``runmap.kernels.topk_fused`` check this before choosing these kernels).
 """
 from __future__ import annotations
 
 import triton
 import triton.language as tl
 
-from kernels.core import expert_row, slot_block_scales, store_pair_h, store_slot_sum, token_slots
+from runmap.kernels.core import expert_row, slot_block_scales, store_pair_h, store_slot_sum, token_slots
 
 
 @triton.jit

@@ -23,9 +23,9 @@ import torch
 import triton
 import triton.language as tl
 
-from kernels import common
-from kernels.core import dot_tiles, expert_row, silu_mul
-from runmap.qpack import RowLayout
+from runmap.kernels import common
+from runmap.kernels.core import dot_tiles, expert_row, silu_mul
+from runmap.format.qpack import RowLayout
 
 DECODE_MAX_PAIRS = 128
 
@@ -174,7 +174,7 @@ def _sum_topk_kernel(ypair_ptr, y_ptr, H, TOPK: tl.constexpr, BLOCK_N: tl.conste
 
 def default_config(n_pairs: int, device: torch.device) -> dict:
     """Tiles by the static pair count (never by data). DEQ_ASM: inline-PTX nibble decoding
-    (``kernels.core.nibbles_f16_asm``, same values), wherever kernels are compiled for a GPU."""
+    (``runmap.kernels.core.nibbles_f16_asm``, same values), wherever kernels are compiled for a GPU."""
     decode = n_pairs <= DECODE_MAX_PAIRS
     asm = {"DEQ_ASM": not common.interpreting(device)}
     if common.interpreting(device):  # few, large programs: the interpreter pays per program and per op
@@ -375,7 +375,7 @@ def sum_topk(ypair: torch.Tensor, t: int, k: int) -> torch.Tensor:
 
 def grouped_moe(x, topk_ids, topk_weights, storage, row_table, layout: RowLayout,
                 config: dict | None = None) -> torch.Tensor:
-    """All three stages. Arguments as ``kernels.executors.moe_experts``; returns float16 (T, H).
+    """All three stages. Arguments as ``runmap.kernels.executors.moe_experts``; returns float16 (T, H).
     Never synchronizes with the host; buffer sizes depend only on T, k, E and the config."""
     common.check_storage(storage, layout)
     _check_routing_args(topk_ids, row_table, storage.device)

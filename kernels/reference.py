@@ -1,4 +1,4 @@
-"""The ``reference`` executor: dequantize each routed expert to FP32 with runmap.qpack, matmul in FP32.
+"""The ``reference`` executor: dequantize each routed expert to FP32 with runmap.format.qpack, matmul in FP32.
 
 For checks only (slow, host-synchronizing). Nothing is rounded to fp16 until the final output, so it is
 the higher-precision truth every Triton path is compared against.
@@ -8,12 +8,12 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-from runmap.qpack import RowLayout
+from runmap.format.qpack import RowLayout
 
 
 def reference_moe_f32(x: torch.Tensor, topk_ids: torch.Tensor, topk_weights: torch.Tensor, storage: torch.Tensor,
                       row_table: torch.Tensor, layout: RowLayout) -> torch.Tensor:
-    """Same arguments as ``kernels.executors.moe_experts``; returns float32 (T, H) (not rounded).
+    """Same arguments as ``runmap.kernels.executors.moe_experts``; returns float32 (T, H) (not rounded).
 
     Every routed id must map to a row (row_table[e] >= 0); callers validate first.
     """

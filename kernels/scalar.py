@@ -9,9 +9,9 @@ import torch
 import triton
 import triton.language as tl
 
-from kernels import common
-from kernels.core import dot_tiles
-from runmap.qpack import PROJECTIONS, RowLayout
+from runmap.kernels import common
+from runmap.kernels.core import dot_tiles
+from runmap.format.qpack import PROJECTIONS, RowLayout
 
 
 @triton.jit
@@ -50,7 +50,7 @@ def w4a16_linear(x: torch.Tensor, storage: torch.Tensor, row: int, layout: RowLa
         x: float16 (M, K) contiguous, K = the projection's input size (H for gate/up, I for down).
         storage: uint8 (R, row_bytes) contiguous qpacked rows, same device as x.
         row: python int in [0, R): the physical row holding the expert (already resolved by the caller).
-        layout: runmap.qpack.RowLayout of the rows.
+        layout: runmap.format.qpack.RowLayout of the rows.
         proj: "gate", "up" or "down".
         config: optional tile override {BLOCK_M, BLOCK_N, BLOCK_K, num_warps, num_stages}.
     Returns:

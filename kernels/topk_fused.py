@@ -10,8 +10,8 @@ Repeated experts across tokens are read once per pair (this path has no grouping
 
 Three kernel families compute this, chosen by the config's KERNEL key (same quantized weights, FP32
 accumulation; only the tiling and the order of the fp32 additions differ):
-"words" (default, ``kernels.gemv_words``: weights and activations read as 32-bit words, fewest instructions
-per weight byte), "blocks" (``kernels.gemv``: whole scale blocks per step, the k slots of the down launch as
+"words" (default, ``runmap.kernels.gemv_words``: weights and activations read as 32-bit words, fewest instructions
+per weight byte), "blocks" (``runmap.kernels.gemv``: whole scale blocks per step, the k slots of the down launch as
 one tile) and "tiles" (this module: K tiles of BLOCK_K values, the down launch one flat loop over (slot, K
 tile)). A family whose shape or alignment needs a problem does not meet is replaced by the next one:
 words -> blocks (needs K % 8 == 0 and 4-byte aligned rows, sections and activation rows) -> tiles (blocks
@@ -23,11 +23,11 @@ import torch
 import triton
 import triton.language as tl
 
-from kernels import common
-from kernels.core import _scale_tile, expert_row, gemv_tiles, nibbles_f32, silu_mul
-from kernels.gemv import _pair_gate_up_kernel, _token_down_kernel
-from kernels.gemv_words import _words_down_kernel, _words_gate_up_kernel
-from runmap.qpack import RowLayout
+from runmap.kernels import common
+from runmap.kernels.core import _scale_tile, expert_row, gemv_tiles, nibbles_f32, silu_mul
+from runmap.kernels.gemv import _pair_gate_up_kernel, _token_down_kernel
+from runmap.kernels.gemv_words import _words_down_kernel, _words_gate_up_kernel
+from runmap.format.qpack import RowLayout
 
 
 @triton.jit
@@ -95,11 +95,11 @@ def _topk_down_kernel(
     tl.store(y_ptr + t.to(tl.int64) * stride_ym + offs_n, acc.to(tl.float16), mask=n_mask)
 
 
-MAGIC_F32 = 0x4B000000  # fp32 bit pattern of 2^23 (kernels.gemv_words._nibble)
+MAGIC_F32 = 0x4B000000  # fp32 bit pattern of 2^23 (runmap.kernels.gemv_words._nibble)
 
 
 def default_config(device: torch.device, n_pairs: int = 1, down_blocks: int = 4) -> dict:
-    """KERNEL "words": kernels.gemv_words; "blocks": kernels.gemv (whole scale blocks, SUB per iteration,
+    """KERNEL "words": runmap.kernels.gemv_words; "blocks": runmap.kernels.gemv (whole scale blocks, SUB per iteration,
     slots vectorized in the down launch); "tiles": the kernels of this module (K tiles of BLOCK_K values).
     BLOCK_N / SUB / num_warps (launch 1) and DOWN_* (launch 2) are the tile of the chosen family; DOWN_KERNEL
     (default KERNEL) picks the family of launch 2 on its own. ``n_pairs`` = T * k and ``down_blocks`` = the
@@ -259,6 +259,6 @@ def topk_down(h, topk_ids, topk_weights, storage, row_table, layout: RowLayout,
 
 def topk_fused_moe(x, topk_ids, topk_weights, storage, row_table, layout: RowLayout,
                    config: dict | None = None) -> torch.Tensor:
-    """Both launches. Arguments as ``kernels.executors.moe_experts``; returns float16 (T, H). No host sync."""
+    """Both launches. Arguments as ``runmap.kernels.executors.moe_experts``; returns float16 (T, H). No host sync."""
     h = topk_gate_up(x, topk_ids, storage, row_table, layout, config)
     return topk_down(h, topk_ids, topk_weights, storage, row_table, layout, config)

@@ -30,11 +30,11 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 from runmap.atomic import write_json  # noqa: E402
 from runmap.provenance import utc_timestamp  # noqa: E402
-from runmap.cuda_timing import event_times_ms  # noqa: E402
-from runmap.cache import ExpertCache  # noqa: E402
-from runmap.host_source import HostSource  # noqa: E402
-from runmap.qpack import RowLayout  # noqa: E402
-from runmap.transport import CudaTransport  # noqa: E402
+from runmap.bench.cuda_timing import event_times_ms  # noqa: E402
+from runmap.residency.cache import ExpertCache  # noqa: E402
+from runmap.residency.host_source import HostSource  # noqa: E402
+from runmap.format.qpack import RowLayout  # noqa: E402
+from runmap.residency.transport import CudaTransport  # noqa: E402
 
 GIB = 1 << 30
 TARGET = 0.85
@@ -100,7 +100,7 @@ def staging_bound(host: HostSource, rows: int, workers: int) -> dict:
     """CPU-only: stage `rows` distinct host rows into `rows` distinct pinned buffers (no DMA), cold-ish."""
     from concurrent.futures import ThreadPoolExecutor
 
-    from runmap.transport import _np_copy
+    from runmap.residency.transport import _np_copy
 
     bufs = [torch.empty(host.row_bytes, dtype=torch.uint8, pin_memory=True) for _ in range(rows)]
     for b in bufs:

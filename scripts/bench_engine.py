@@ -4,7 +4,7 @@
         --work /tmp/rmbench --out $OUT/h200-olmoe.json
 
 Stages (each recorded in the JSON even if a later one fails; the file is rewritten after every stage):
-  prepare   synthetic checkpoint with the preset's REAL dimensions and RANDOM weights (runmap.synthetic,
+  prepare   synthetic checkpoint with the preset's REAL dimensions and RANDOM weights (runmap.synth.checkpoint,
             labelled synthetic) + runmap pack, in a subprocess so its memory is not counted below
   copy_bw   device copy bandwidth measured in this run (read + write bytes / time)
   memory    full residency, batch 1, a 4,096-token context (prompt + decode): torch.cuda.max_memory_reserved
@@ -46,9 +46,9 @@ def sync():
 
 
 def prepare(preset: str, work: Path, device: str) -> dict:
-    from runmap.config import load_preset
-    from runmap.pack import pack_checkpoint
-    from runmap.synthetic import write_synthetic
+    from runmap.arch.config import load_preset
+    from runmap.format.pack import pack_checkpoint
+    from runmap.synth.checkpoint import write_synthetic
 
     cfg, _ = load_preset(preset)
     ck, pk = work / "ck", work / "pk"
@@ -145,13 +145,13 @@ def main() -> int:
         print(json.dumps(prepare(args.preset, work, dev)))
         return 0
 
-    from runmap.config import load_preset
-    from runmap.engine import Engine
+    from runmap.arch.config import load_preset
+    from runmap.engine.engine import Engine
 
     cfg, _ = load_preset(args.preset)
     stages = args.stages.split(",")
     doc = {"command": " ".join(["python3", "scripts/bench_engine.py"] + sys.argv[1:]),
-           "preset": args.preset, "weights": "synthetic: real dimensions, random weights (runmap.synthetic seed 0)",
+           "preset": args.preset, "weights": "synthetic: real dimensions, random weights (runmap.synth.checkpoint seed 0)",
            "device": torch.cuda.get_device_name() if dev == "cuda" else "cpu",
            "torch": torch.__version__, "executor": args.executor, "stages": {}, "errors": {}}
     S = doc["stages"]
@@ -265,7 +265,7 @@ def main() -> int:
             r[name] = best["decode_tok_s"]
             print(f"  variant {name}: {r[name]:.1f} tok/s", flush=True)
 
-        from runmap.engine import FUSED_OPS
+        from runmap.engine.engine import FUSED_OPS
 
         run("graphs, default fused ops (main)")
         for op in sorted(FUSED_OPS):

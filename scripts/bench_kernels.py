@@ -31,12 +31,12 @@ import torch.nn.functional as F
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
-from kernels.executors import moe_experts  # noqa: E402
-from kernels.reference import reference_moe_f32  # noqa: E402
+from runmap.kernels.executors import moe_experts  # noqa: E402
+from runmap.kernels.reference import reference_moe_f32  # noqa: E402
 from runmap.atomic import write_json  # noqa: E402
 from runmap.provenance import utc_timestamp  # noqa: E402
-from runmap.cuda_timing import event_times_ms  # noqa: E402
-from runmap.qpack import RowLayout  # noqa: E402
+from runmap.bench.cuda_timing import event_times_ms  # noqa: E402
+from runmap.format.qpack import RowLayout  # noqa: E402
 
 MODELS = {
     "olmoe": {"hidden": 2048, "intermediate": 1024, "experts": 64, "top_k": 8},

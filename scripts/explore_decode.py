@@ -18,13 +18,13 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from bench_kernels import LAYERS, MODELS, copy_bandwidth, graph_us, model_layers, random_batches  # noqa: E402
-from kernels.reference import reference_moe_f32  # noqa: E402
-from kernels.topk_fused import topk_down, topk_gate_up  # noqa: E402
+from runmap.kernels.reference import reference_moe_f32  # noqa: E402
+from runmap.kernels.topk_fused import topk_down, topk_gate_up  # noqa: E402
 
 
 def layer_sweep(args) -> None:
     """Whole topk-fused layers (16 in one CUDA graph) per config of --layer-configs, two passes each."""
-    from kernels.executors import moe_experts
+    from runmap.kernels.executors import moe_experts
     cfgs = json.loads(Path(args.layer_configs).read_text())
     gen = torch.Generator(device="cuda").manual_seed(0)
     out = {"copy": copy_bandwidth(1 << 30), "rows": [], "checks": []}
@@ -150,15 +150,15 @@ def main():
                               f"{of[0]['fraction']:.2f} of copy", flush=True)
             cfg = dict(best["gate_up"] or {}, **{kk: v for kk, v in (best["down"] or {}).items() if kk.startswith("DOWN")})
             cfg["DOWN_KERNEL"] = (best["down"] or {}).get("KERNEL", cfg.get("KERNEL"))
-            from kernels.executors import moe_experts
+            from runmap.kernels.executors import moe_experts
             y = moe_experts("topk-fused", x, ids, w, layers[0], table, layout, config=cfg)
             err = float((y.float() - ref).norm() / ref.norm())
             out.setdefault("checks", []).append({"model": model, "tokens": tokens, "config": cfg, "rel_err": err})
             print(f"  {model} T={tokens} best-combo rel err {err:.2e}", flush=True)
 
         # router: torch vs fused, 16 layers graph
-        from runmap.fused_ops import route_fused
-        from runmap.model import route
+        from runmap.kernels.fused_ops import route_fused
+        from runmap.engine.model import route
         r32 = [torch.randn(e, hdim, device="cuda", generator=gen) * 0.02 for _ in range(LAYERS)]
         for tokens in (1, 8):
             hh = torch.randn(tokens, hdim, device="cuda", generator=gen).half()

@@ -27,9 +27,9 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from bench_kernels import (LAYERS, MODELS, PREFILL_LAYERS, PREFILL_TOKENS, bf16_grouped_layer, copy_bandwidth,  # noqa: E402
                            graph_us, model_layers, random_batches)
-from kernels import grouped  # noqa: E402
-from kernels.executors import moe_experts  # noqa: E402
-from kernels.reference import reference_moe_f32  # noqa: E402
+from runmap.kernels import grouped  # noqa: E402
+from runmap.kernels.executors import moe_experts  # noqa: E402
+from runmap.kernels.reference import reference_moe_f32  # noqa: E402
 
 FORMS = {"plain": {"DEQ_ASM": False}, "asm": {"DEQ_ASM": True}}
 PREFILL_TILES = [  # (BLOCK_M, BLOCK_N, BLOCK_K, num_warps, num_stages); down uses the same N / K tiles

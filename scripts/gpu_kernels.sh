@@ -5,7 +5,7 @@ export PYTHONUNBUFFERED=1 PYTHONPATH=. OUT="${OUT:-/tmp/kernels-out}"
 mkdir -p "$OUT"
 nvidia-smi --query-gpu=name,memory.used,utilization.gpu --format=csv,noheader
 S=$(date +%s)
-timeout "${CHECK_S:-120}" python3 -m runmap.cmd_check_kernels --device cuda --shapes full --no-progress \
+timeout "${CHECK_S:-120}" python3 -m runmap.cli.check_kernels --device cuda --shapes full --no-progress \
   --out "$OUT/h200.json" > "$OUT/check.log" 2>&1; echo "check rc=$? $(( $(date +%s) - S ))s"
 timeout "${BENCH_S:-170}" python3 scripts/bench_kernels.py --out "$OUT/bench-h200.json" > "$OUT/bench.log" 2>&1
 echo "bench rc=$? $(( $(date +%s) - S ))s"

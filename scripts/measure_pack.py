@@ -7,7 +7,7 @@ Usage (H200 machine, repo root; no jsonschema there, none imported here):
 
 Steps, each in its own child process so each peak RSS (VmHWM) is that step's alone:
   1. synth: write the synthetic BF16 checkpoint (per-expert layout, 2 GiB shards) to --workdir.
-  2. pack:  pack it with ``runmap.pack.pack_checkpoint`` on --pack-device.
+  2. pack:  pack it with ``runmap.format.pack.pack_checkpoint`` on --pack-device.
   3. check: open the pack with PackReader, verify every layer's per-expert sha256, and compare layer 0
             expert 0 with a CPU ``RowLayout.pack_expert`` of the source weights (byte equality); pack
             a tiny preset on cpu and on --pack-device and compare every output tensor byte for byte.
@@ -34,14 +34,14 @@ def _vmhwm() -> int:
 
 
 def _cfg(preset: str, layers: int | None):
-    from runmap.config import load_preset
+    from runmap.arch.config import load_preset
 
     cfg, _ = load_preset(preset)
     return dataclasses.replace(cfg, num_layers=layers) if layers else cfg
 
 
 def child_synth(a) -> dict:
-    from runmap.synthetic import write_synthetic
+    from runmap.synth.checkpoint import write_synthetic
 
     t = time.perf_counter()
     write_synthetic(_cfg(a.preset, a.layers), a.ckpt, seed=0, device=a.synth_device, overwrite=True)
@@ -49,7 +49,7 @@ def child_synth(a) -> dict:
 
 
 def child_pack(a) -> dict:
-    from runmap.pack import pack_checkpoint
+    from runmap.format.pack import pack_checkpoint
 
     t = time.perf_counter()
     pack_checkpoint(a.ckpt, a.pack, device=a.pack_device, overwrite=True)
@@ -60,10 +60,10 @@ def child_pack(a) -> dict:
 def child_check(a) -> dict:
     import torch
 
-    from runmap.checkpoint import CheckpointReader
-    from runmap.pack import pack_checkpoint
-    from runmap.packfile import PackReader
-    from runmap.synthetic import write_synthetic
+    from runmap.format.checkpoint import CheckpointReader
+    from runmap.format.pack import pack_checkpoint
+    from runmap.format.packfile import PackReader
+    from runmap.synth.checkpoint import write_synthetic
 
     out = {}
     t = time.perf_counter()

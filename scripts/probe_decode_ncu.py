@@ -20,7 +20,7 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from bench_kernels import MODELS, model_layers, random_batches  # noqa: E402
-from kernels.executors import moe_experts  # noqa: E402
+from runmap.kernels.executors import moe_experts  # noqa: E402
 
 
 def main() -> None:

@@ -16,9 +16,9 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from bench_kernels import MODELS, graph_of, median, random_layer, routing  # noqa: E402
-from kernels.executors import moe_experts  # noqa: E402
-from runmap.cuda_timing import event_times_ms  # noqa: E402
-from runmap.qpack import RowLayout  # noqa: E402
+from runmap.kernels.executors import moe_experts  # noqa: E402
+from runmap.bench.cuda_timing import event_times_ms  # noqa: E402
+from runmap.format.qpack import RowLayout  # noqa: E402
 
 
 def main():

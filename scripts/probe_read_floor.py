@@ -29,10 +29,10 @@ import triton.language as tl
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from bench_kernels import LAYERS, MODELS, copy_bandwidth, graph_us, model_layers, random_batches  # noqa: E402
-from kernels import common  # noqa: E402
+from runmap.kernels import common  # noqa: E402
 from runmap.atomic import write_json  # noqa: E402
-from kernels.executors import moe_experts  # noqa: E402
-from kernels.reference import reference_moe_f32  # noqa: E402
+from runmap.kernels.executors import moe_experts  # noqa: E402
+from runmap.kernels.reference import reference_moe_f32  # noqa: E402
 
 CHUNK = 4096  # bytes per chunk
 CHUNKS_PER_PROGRAM = 8

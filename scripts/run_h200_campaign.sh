@@ -32,9 +32,9 @@ prepare() {  # NAME PRESET: synth -> pack -> delete checkpoint
   python3 - "$1" "$2" "$WORK" "$PREP_DEVICE" <<'EOF'
 import shutil, sys, time
 from pathlib import Path
-from runmap.config import load_preset
-from runmap.pack import pack_checkpoint
-from runmap.synthetic import write_synthetic
+from runmap.arch.config import load_preset
+from runmap.format.pack import pack_checkpoint
+from runmap.synth.checkpoint import write_synthetic
 name, preset, work, dev = sys.argv[1], sys.argv[2], Path(sys.argv[3]), sys.argv[4]
 ck, pk = work / f"ck-{name}", work / f"pk-{name}"
 t0 = time.perf_counter()
@@ -83,7 +83,7 @@ echo "[$(elapsed)s] bench deadline ${DEADLINE}s"
 if [ "${#PACKS[@]}" -gt 0 ] && [ "$DEADLINE" -gt 0 ]; then
   python3 - "$SPEC" "$WORK/campaigns" "$DEADLINE" "$ONLY" "${PACKS[@]}" > "$OUT/bench.log" 2>&1 <<'EOF' &
 import argparse, signal, sys
-from runmap import cmd_bench
+from runmap.cli import bench as cmd_bench
 
 def _stop(signum, frame):  # the watchdog: end now, still writing ratios and campaign.json (finally blocks)
     raise KeyboardInterrupt("deadline watchdog")

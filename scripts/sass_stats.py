@@ -30,7 +30,7 @@ from triton.backends.compiler import GPUTarget
 from triton.compiler import ASTSource
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
-from kernels import gemv, gemv_words, grouped  # noqa: E402
+from runmap.kernels import gemv, gemv_words, grouped  # noqa: E402
 
 TOOLS = Path(triton.__file__).parent / "backends" / "nvidia" / "bin"
 GATE_UP_SIG = {"x_ptr": "*fp16", "ids_ptr": "*i32", "row_table_ptr": "*i32", "w_ptr": "*u8", "s_ptr": "*fp16",

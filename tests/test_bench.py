@@ -9,9 +9,10 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from runmap import bench, bench_metrics as bm
-from runmap.config import load_preset
-from runmap.schemas import validate_document
+from runmap.bench import campaign as bench
+from runmap.bench import metrics as bm
+from runmap.arch.config import load_preset
+from runmap.conformance.schemas import validate_document
 from test_bench_fakes import FakeEngine, fake_factory, run_fake, tiny_spec
 
 REPO = Path(__file__).resolve().parent.parent
@@ -214,7 +215,7 @@ def test_measures_never_write_a_value_when_unmeasured():
 
 def test_hf_baseline_matches_transformers_greedy():
     import torch
-    from runmap.baselines import HFBaseline
+    from runmap.bench.baselines import HFBaseline
 
     b = HFBaseline(load_preset("tiny-olmoe")[0], torch.device("cpu"), seed=0)
     prompts = [[5, 9, 11, 40, 7], [8, 3, 300, 2, 17]]

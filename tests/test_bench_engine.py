@@ -4,11 +4,11 @@ from __future__ import annotations
 
 import pytest
 
-from runmap import bench
-from runmap.config import load_preset
-from runmap.pack import pack_checkpoint
-from runmap.synthetic import write_synthetic
-from runmap.schemas import validate_document
+from runmap.bench import campaign as bench
+from runmap.arch.config import load_preset
+from runmap.format.pack import pack_checkpoint
+from runmap.synth.checkpoint import write_synthetic
+from runmap.conformance.schemas import validate_document
 
 
 @pytest.fixture(scope="module")
@@ -53,7 +53,7 @@ def test_campaign_on_the_real_engine(tiny_pack, tmp_path):
 
 
 def test_shared_host_source_gives_the_same_tokens(tiny_pack):
-    from runmap.engine import Engine
+    from runmap.engine.engine import Engine
 
     _, pk = tiny_pack
     prompts = [[5, 6, 7, 8, 9], [40, 41, 42, 43, 44]]
@@ -74,7 +74,7 @@ def test_shared_host_source_gives_the_same_tokens(tiny_pack):
     second, _ = host.watched_readers[0]
     assert (tel["observations"]["request_pack_reads"]["status"], tel["observations"]["request_pack_reads"]["value"]) == \
         ("OBSERVED", 0)
-    from runmap.packfile import PackClosedError
+    from runmap.format.packfile import PackClosedError
 
     with pytest.raises(PackClosedError):
         second.read_expert_rows(0)

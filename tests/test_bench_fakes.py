@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import copy
 
-from runmap import bench
+from runmap.bench import campaign as bench
 
 OBS = ("expert_d2h_bytes", "writebacks", "host_source_rewrites", "request_hash_work", "request_pack_reads")
 

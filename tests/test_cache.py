@@ -1,14 +1,14 @@
-"""Unit tests of the expert cache (runmap/cache.py) and its host source, beyond the contract model."""
+"""Unit tests of the expert cache (runmap/residency/cache.py) and its host source, beyond the contract model."""
 import numpy as np
 import pytest
 import torch
 
-from runmap.cache import (CacheBusyError, CacheConfigError, CacheFaultedError, ExpertCache, TransactionAborted)
-from runmap.contract_model import ControlledTransport, InMemoryPack
-from runmap.host_source import HostSource, HostSourceError, HostSourceRewriteError
-from runmap.observations import all_zero
-from runmap.qpack import RowLayout
-from runmap.transport import CpuTransport
+from runmap.residency.cache import (CacheBusyError, CacheConfigError, CacheFaultedError, ExpertCache, TransactionAborted)
+from runmap.residency.contract_model import ControlledTransport, InMemoryPack
+from runmap.residency.host_source import HostSource, HostSourceError, HostSourceRewriteError
+from runmap.residency.observations import all_zero
+from runmap.format.qpack import RowLayout
+from runmap.residency.transport import CpuTransport
 
 LAYOUT = RowLayout.build(8, 4, 4)
 
@@ -219,10 +219,10 @@ def test_group_validation():
 
 
 def test_real_pack_reader(tmp_path):
-    from runmap.config import load_preset
-    from runmap.pack import pack_checkpoint
-    from runmap.packfile import PackReader
-    from runmap.synthetic import write_synthetic
+    from runmap.arch.config import load_preset
+    from runmap.format.pack import pack_checkpoint
+    from runmap.format.packfile import PackReader
+    from runmap.synth.checkpoint import write_synthetic
 
     cfg = load_preset("tiny-olmoe")[0]
     ck = write_synthetic(cfg, tmp_path / "ck", seed=3)
@@ -247,8 +247,8 @@ def test_host_source_pages_are_read_only():
 
     code = (
         "import torch\n"
-        "from runmap.host_source import HostSource\n"
-        "from runmap.qpack import RowLayout\n"
+        "from runmap.residency.host_source import HostSource\n"
+        "from runmap.format.qpack import RowLayout\n"
         "L = RowLayout.build(64, 32, 32)\n"
         "h = HostSource.from_rows([torch.ones(4, L.row_bytes, dtype=torch.uint8)], L)\n"
         "assert h.pages_protected\n"

@@ -6,7 +6,7 @@ import json
 
 import pytest
 
-from runmap import campaign_checks as cc
+from runmap.bench import checks as cc
 from test_bench_fakes import as_gpu, run_fake
 
 
@@ -142,7 +142,7 @@ def test_other_batch_is_another_series(records):
 
 
 def test_runmap_validate_runs_the_checks(tmp_path, records, capsys):
-    from runmap.cli import main
+    from runmap.cli.main import main
 
     d = tmp_path / "campaigns" / "t" / "records"
     d.mkdir(parents=True)

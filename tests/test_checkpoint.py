@@ -9,10 +9,10 @@ import pytest
 import torch
 from safetensors.torch import load_file, save_file
 
-from runmap.checkpoint import CheckpointError, CheckpointReader
-from runmap.config import load_preset
-from runmap.pack import pack_checkpoint
-from runmap.synthetic import write_synthetic
+from runmap.format.checkpoint import CheckpointError, CheckpointReader
+from runmap.arch.config import load_preset
+from runmap.format.pack import pack_checkpoint
+from runmap.synth.checkpoint import write_synthetic
 
 PRESETS = ["tiny-olmoe", "tiny-qwen2-moe"]
 
@@ -109,7 +109,7 @@ def test_save_pretrained_checkpoint_loads_and_packs(tmp_path, preset):
 def test_tokenizer_matches_model_vocab_and_specials(tmp_path, preset):
     from transformers import AutoTokenizer
 
-    from runmap.synth_tokenizer import write_tokenizer
+    from runmap.synth.tokenizer import write_tokenizer
 
     cfg, _ = load_preset(preset)
     write_tokenizer(cfg, tmp_path)
@@ -226,7 +226,7 @@ def test_unexpected_tensor_is_an_error(ckpts, tmp_path):
 
 
 def test_interrupted_synth_leaves_nothing(tmp_path, monkeypatch):
-    from runmap import synthetic
+    from runmap.synth import checkpoint as synthetic
 
     calls = []
     real = synthetic._generate

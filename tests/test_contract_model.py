@@ -1,4 +1,4 @@
-"""The Hypothesis contract model of resident-qpacked-cache-v1 (runmap/contract_model.py) and `runmap contract`.
+"""The Hypothesis contract model of resident-qpacked-cache-v1 (runmap/residency/contract_model.py) and `runmap contract`.
 
 The model must pass on the real cache and must catch every deliberately broken variant (MUTANTS); a
 model that cannot fail would prove nothing.
@@ -8,10 +8,10 @@ import json
 import pytest
 from jsonschema import Draft202012Validator
 
-from runmap import contract_model as cm
-from runmap.cache import ExpertCache
-from runmap.cli import main
-from runmap.schemas import load_schemas
+from runmap.residency import contract_model as cm
+from runmap.residency.cache import ExpertCache
+from runmap.cli.main import main
+from runmap.conformance.schemas import load_schemas
 
 DEVICE = "cpu"
 
@@ -41,7 +41,7 @@ def test_mutants_are_real_subclasses():
 
 def test_controlled_transport_defers_bytes_until_completion():
     import torch
-    from runmap.transport import CpuTransport
+    from runmap.residency.transport import CpuTransport
 
     tr = cm.ControlledTransport(CpuTransport())
     dst = torch.zeros(4, dtype=torch.uint8)
@@ -71,8 +71,8 @@ def test_cli_writes_a_valid_report(tmp_path):
 
 
 def test_telemetry_matches_its_schema():
-    from runmap.host_source import HostSource
-    from runmap.qpack import RowLayout
+    from runmap.residency.host_source import HostSource
+    from runmap.format.qpack import RowLayout
     import torch
 
     lay = RowLayout.build(8, 4, 4)

@@ -10,9 +10,9 @@ import json
 import pytest
 import torch
 
-from runmap.config import load_preset
-from runmap.engine import Engine, EngineError
-from runmap.packfile import PackReader
+from runmap.arch.config import load_preset
+from runmap.engine.engine import Engine, EngineError
+from runmap.format.packfile import PackReader
 from test_model import assert_same_routes, close
 from test_model_support import RouteRecorder, build_packs, hf_reference
 
@@ -145,7 +145,7 @@ def test_fp16_baseline_matches_int4_reference(packs):
 def test_fp16_baseline_verifies_expert_hashes(packs, tmp_path):
     import shutil
 
-    from runmap.packfile import PackError, PackReader
+    from runmap.format.packfile import PackError, PackReader
 
     bad = tmp_path / "corrupt"
     shutil.copytree(packs["tiny-olmoe"], bad)

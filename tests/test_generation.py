@@ -10,8 +10,8 @@ import torch
 from hypothesis import given
 from hypothesis import strategies as st
 
-from runmap.engine import Engine
-from runmap.generation import GenerationError, generate_batch, sample
+from runmap.engine.engine import Engine
+from runmap.engine.generation import GenerationError, generate_batch, sample
 from test_model_support import build_packs
 
 V = 16
@@ -170,8 +170,8 @@ def test_chat_template_comes_from_the_pack(olmoe):
 
 
 def test_telemetry_validates_against_its_schema(olmoe, tmp_path):
-    from runmap import telemetry
-    from runmap.schemas import validate_file
+    from runmap.engine import telemetry
+    from runmap.conformance.schemas import validate_file
 
     olmoe.generate(["a"], max_new_tokens=2)
     path = telemetry.write(tmp_path / "telemetry-run.json", olmoe.telemetry())
@@ -186,7 +186,7 @@ def test_telemetry_validates_against_its_schema(olmoe, tmp_path):
 def test_cli_logits_and_generate(packs, olmoe, tmp_path, capsys):
     from safetensors.torch import load_file
 
-    from runmap.cli import main
+    from runmap.cli.main import main
 
     out = tmp_path / "l.safetensors"
     cmd = ["logits", "--packed", str(packs["tiny-olmoe"]), "--tokens", "5,6,7",
@@ -214,7 +214,7 @@ def test_cli_logits_and_generate(packs, olmoe, tmp_path, capsys):
 def test_every_eos_id_of_generation_config_stops(packs, tmp_path):
     import shutil
 
-    from runmap.tokenization import Tokenizer
+    from runmap.engine.tokenization import Tokenizer
 
     d = tmp_path / "pack"
     shutil.copytree(packs["tiny-olmoe"], d)

@@ -3,11 +3,11 @@ import json
 
 import pytest
 
-from runmap import ifeval_generate as G
-from runmap.cli import main
-from runmap.schemas import validate_file
+from runmap.ifeval import generate as G
+from runmap.cli.main import main
+from runmap.conformance.schemas import validate_file
 
-pytest.importorskip("runmap.engine", reason="runmap/engine.py (the engine helper's module) not present")
+pytest.importorskip("runmap.engine.engine", reason="runmap/engine/engine.py (the engine helper's module) not present")
 
 
 @pytest.fixture(scope="module")
@@ -53,7 +53,7 @@ def test_generate_resume_and_score_with_the_engine(tiny_pack, tmp_path):
 
 
 def test_answers_are_the_engines_greedy_chat_output(tiny_pack, tmp_path):
-    from runmap.engine import Engine
+    from runmap.engine.engine import Engine
 
     out = tmp_path / "answers.jsonl"
     assert _generate(tiny_pack, out, "--limit", "1", "--batch-size", "1") == 0

@@ -12,8 +12,8 @@ from pathlib import Path
 
 import pytest
 
-from runmap import ifeval_generate as G
-from runmap.schemas import validate_file
+from runmap.ifeval import generate as G
+from runmap.conformance.schemas import validate_file
 
 INPUTS = G.DEFAULT_INPUTS
 
@@ -222,7 +222,7 @@ def test_read_prompts_limit_and_errors(tmp_path):
 
 def test_generated_answers_score_and_carry_generation_metadata(tmp_path):
     """Generate for a subset, write that subset as the inputs, score: the summary records the run."""
-    from runmap import ifeval_score as S
+    from runmap.ifeval import score as S
 
     out = tmp_path / "answers.jsonl"
     _run(out, FakeEngine(), n=10)
@@ -271,7 +271,7 @@ def test_pack_content_hash_ignores_timestamps_and_sees_expert_bytes():
 
 
 def test_score_refuses_incomplete_or_foreign_generation_metadata(tmp_path):
-    from runmap import ifeval_score as S
+    from runmap.ifeval import score as S
 
     out = tmp_path / "answers.jsonl"
     _run(out, FakeEngine(), n=10)

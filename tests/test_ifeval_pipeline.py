@@ -8,7 +8,8 @@ from pathlib import Path
 
 import pytest
 
-from runmap.config import REPO_ROOT
+REPO_ROOT = Path(__file__).resolve().parent.parent
+
 
 TARGET = "results/ifeval/tiny-olmoe-b256/score/summary.json"
 

@@ -10,8 +10,8 @@ from pathlib import Path
 import pytest
 from hypothesis import given, settings, strategies as st
 
-from runmap import ifeval_score as S
-from runmap.cli import main
+from runmap.ifeval import score as S
+from runmap.cli.main import main
 
 DATA = S.DATA_DIR
 GPT4_INPUTS = DATA / "input_data_gpt4_20231107_145030.jsonl"
@@ -49,7 +49,7 @@ def test_two_runs_give_identical_bytes(known_answer_runs):
 
 
 def test_outputs_conform_to_schemas(known_answer_runs):
-    from runmap.schemas import load_schemas, validate_file
+    from runmap.conformance.schemas import load_schemas, validate_file
 
     out = known_answer_runs[0]
     for name, schema in (("summary.json", "ifeval-summary"), ("results.jsonl", "ifeval-result")):
@@ -96,7 +96,7 @@ def test_scores_offline_without_any_download(tmp_path):
         nltk.download = no_download
         nltk.downloader.download = no_download
         nltk.downloader.Downloader.download = no_download
-        from runmap.cli import main
+        from runmap.cli.main import main
         sys.exit(main(["ifeval", "score", "--inputs", {str(GPT4_INPUTS)!r}, "--responses", {str(GPT4_RESPONSES)!r},
                        "--out", {str(tmp_path / "out")!r}, "--no-progress"]))
     """)

@@ -15,10 +15,10 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from kernels import common
-from kernels.executors import EXECUTORS, NotResidentError, moe_experts
-from kernels.reference import reference_moe_f32
-from runmap.qpack import RowLayout
+from runmap.kernels import common
+from runmap.kernels.executors import EXECUTORS, NotResidentError, moe_experts
+from runmap.kernels.reference import reference_moe_f32
+from runmap.format.qpack import RowLayout
 
 TOL = 2e-3  # relative Frobenius error against the FP32 reference
 ON_GPU = not (__import__("os").environ.get("RUNMAP_TEST_DEVICE", "cpu") == "cpu")
@@ -121,7 +121,7 @@ def test_executor_matches_reference(shape_name, m, executor, device, poison):
     y = moe_experts(executor, x, ids, w, storage, row_table, layout)
     assert y.dtype == torch.float16 and y.shape == x.shape
     if executor != "scalar":
-        assert poison, "the wrapper allocated nothing through kernels.common.empty: the poison hook is not effective"
+        assert poison, "the wrapper allocated nothing through runmap.kernels.common.empty: the poison hook is not effective"
     assert torch.isfinite(y).all(), "an output element was never written (NaN poison leaked)"
     err = rel_err(y, ref)
     assert err <= TOL, f"{executor} {shape_name} M={m}: relative error {err:.2e} > {TOL}"
@@ -170,7 +170,7 @@ def _sorted_slots_model(ids: list[int], n_experts: int, block_m: int) -> list[in
 def test_sort_pairs_matches_a_counting_sort_model(data, n_experts, block_m, ids_dtype):
     """The prefill grouping (two Triton launches) equals the model slot for slot: stable within a run,
     invalid ids in their own last run, every slot written (its buffers are poisoned)."""
-    from kernels.grouped import sort_pairs
+    from runmap.kernels.grouped import sort_pairs
     n = data.draw(st.integers(1, 700), label="pairs")
     ids = data.draw(st.lists(st.integers(-3, n_experts + 2), min_size=n, max_size=n), label="ids")
     dev = torch.device("cuda" if ON_GPU else "cpu")
@@ -237,7 +237,7 @@ def test_grouped_nibble_decoding_forms_agree(shape_name, m, device):
 def test_topk_fused_words_family_falls_back_when_unaligned(device, monkeypatch):
     """An activation whose rows are not 4-byte aligned cannot be read as 32-bit words: the "blocks" kernels
     run instead (same result within TOL); aligned inputs run the "words" kernels."""
-    import kernels.topk_fused as tf
+    import runmap.kernels.topk_fused as tf
 
     shape = SMALL["small-b64"]
     layout, storage, row_table, resident = make_layer(shape, device, 29)
@@ -258,7 +258,7 @@ def test_topk_fused_words_family_falls_back_when_unaligned(device, monkeypatch):
 
 def test_topk_fused_words_family_needs_every_weight_section_word_aligned(device):
     """Gate and up are both read as words: one section off a 4-byte boundary is enough to fall back."""
-    import kernels.topk_fused as tf
+    import runmap.kernels.topk_fused as tf
 
     layout, storage, _table, _res = make_layer(SMALL["small-b64"], device, 31)
     x = torch.zeros(2, layout.hidden_size, dtype=torch.float16, device=device)

@@ -1,11 +1,11 @@
-"""The fused Triton ops (runmap.fused_ops; interpreter on CPU) equal the torch path of runmap.model:
+"""The fused Triton ops (runmap.kernels.fused_ops; interpreter on CPU) equal the torch path of runmap.engine.model:
 same logits and the same KV cache contents, for prefill with left padding and for a decode step, with each
 op alone and all together."""
 import pytest
 import torch
 
-from runmap.config import load_preset
-from runmap.model import KVCache, Transformer
+from runmap.arch.config import load_preset
+from runmap.engine.model import KVCache, Transformer
 from test_model import our_model
 from test_model_support import random_case
 
@@ -45,8 +45,8 @@ def test_fused_ops_match_torch(preset, fused):
 @pytest.mark.parametrize("n,e,hid,k,norm", [(1, 64, 2048, 8, False), (3, 60, 96, 4, True), (5, 7, 40, 2, False)])
 def test_route_fused_matches_torch_router(n, e, hid, k, norm):
     """Same expert ids (descending probability) and weights as model.route, odd expert / hidden counts."""
-    from runmap.fused_ops import route_fused
-    from runmap.model import route
+    from runmap.kernels.fused_ops import route_fused
+    from runmap.engine.model import route
 
     g = torch.Generator().manual_seed(n * 100 + e)
     h = torch.randn(n, hid, generator=g).half()
@@ -60,7 +60,7 @@ def test_route_fused_matches_torch_router(n, e, hid, k, norm):
 
 
 def test_route_fused_refuses_a_top_k_it_cannot_tile():
-    from runmap.fused_ops import route_fused
+    from runmap.kernels.fused_ops import route_fused
 
     with pytest.raises(ValueError, match="power-of-two top_k"):
         route_fused(torch.zeros(1, 8).half(), torch.zeros(4, 8), 3, False)
@@ -70,7 +70,7 @@ def test_route_fused_refuses_a_top_k_it_cannot_tile():
 def test_decode_attention_attends_exactly_pad_to_slot(slot, n_keys, pads):
     """Keys past the slot (the rest of the KV bucket, filled with garbage here) and left padding are ignored;
     blocks wholly past the slot are skipped."""
-    from runmap.fused_ops import decode_attention
+    from runmap.kernels.fused_ops import decode_attention
 
     g = torch.Generator().manual_seed(slot)
     B, nh, nkv, D = 2, 4, 2, 16

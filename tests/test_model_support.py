@@ -9,8 +9,8 @@ from __future__ import annotations
 
 import torch
 
-from runmap.config import ModelConfig
-from runmap.qpack import RowLayout
+from runmap.arch.config import ModelConfig
+from runmap.format.qpack import RowLayout
 
 
 def hf_classes(cfg: ModelConfig):
@@ -111,9 +111,9 @@ def build_packs(tmp_path_factory) -> dict:
     """{preset: pack dir} of the tiny synthetic checkpoints (runmap synth + runmap pack), built once per
     session even when several test modules ask (the result is memoized here)."""
     if not _PACKS:
-        from runmap.config import load_preset
-        from runmap.pack import pack_checkpoint
-        from runmap.synthetic import write_synthetic
+        from runmap.arch.config import load_preset
+        from runmap.format.pack import pack_checkpoint
+        from runmap.synth.checkpoint import write_synthetic
 
         root = tmp_path_factory.mktemp("engine-packs")
         for name in PACK_PRESETS:

@@ -1,4 +1,4 @@
-"""The inline-PTX nibble decoder (kernels.core.nibbles_f16_asm) runs only on a GPU; its bit tricks are
+"""The inline-PTX nibble decoder (runmap.kernels.core.nibbles_f16_asm) runs only on a GPU; its bit tricks are
 checked here on the CPU by executing the PTX text itself with a small emulator of the five instructions it
 uses. Every byte value in every position of the packed 32-bit word must decode to q = nibble - 8, with
 output element i (of pack 4) belonging to input byte i, low nibbles in the first output and high nibbles in
@@ -10,7 +10,7 @@ import re
 import numpy as np
 import pytest
 
-from kernels.core import _NIBBLES_F16X2_PTX
+from runmap.kernels.core import _NIBBLES_F16X2_PTX
 
 PTX = getattr(_NIBBLES_F16X2_PTX, "value", _NIBBLES_F16X2_PTX)
 

@@ -8,15 +8,15 @@ import shutil
 import pytest
 import torch
 
-from runmap import pack as pack_mod
-from runmap.checkpoint import CheckpointReader
-from runmap.cli import main as cli_main
-from runmap.config import load_preset
-from runmap.pack import pack_checkpoint, quantize_layer
-from runmap.packfile import PackClosedError, PackError, PackReader
-from runmap.st_io import read_header
-from runmap.qpack import PROJECTIONS, RowLayout, dequantize, quantize
-from runmap.synthetic import write_synthetic
+from runmap.format import pack as pack_mod
+from runmap.format.checkpoint import CheckpointReader
+from runmap.cli.main import main as cli_main
+from runmap.arch.config import load_preset
+from runmap.format.pack import pack_checkpoint, quantize_layer
+from runmap.format.packfile import PackClosedError, PackError, PackReader
+from runmap.format.safetensors_io import read_header
+from runmap.format.qpack import PROJECTIONS, RowLayout, dequantize, quantize
+from runmap.synth.checkpoint import write_synthetic
 
 PRESETS = ["tiny-olmoe", "tiny-qwen2-moe"]
 
@@ -79,7 +79,7 @@ def test_layouts_pack_to_identical_rows(packs):
 
 
 def test_manifest_contents_and_schema(packs):
-    from runmap.schemas import validate_file
+    from runmap.conformance.schemas import validate_file
 
     ck, pk = packs["tiny-qwen2-moe", "fused"]
     m = json.loads((pk / "manifest.json").read_text())
@@ -101,7 +101,7 @@ def test_manifest_contents_and_schema(packs):
     for name in ("config.json", "tokenizer.json", "tokenizer_config.json"):
         assert (pk / name).read_bytes() == (ck / name).read_bytes()
     bad = dict(m, layers=[dict(m["layers"][0], offset=-1)])
-    from runmap.schemas import validate_document
+    from runmap.conformance.schemas import validate_document
     assert validate_document(bad, "manifest")  # the schema can fail
 
 

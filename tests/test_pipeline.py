@@ -11,8 +11,9 @@ from pathlib import Path
 
 import pytest
 
-from runmap.config import REPO_ROOT
-from runmap.schemas import load_schemas
+from runmap.conformance.schemas import load_schemas
+
+REPO_ROOT = Path(__file__).resolve().parent.parent
 
 MODELS = ["tiny-olmoe", "tiny-qwen2-moe"]
 

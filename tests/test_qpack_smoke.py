@@ -1,6 +1,6 @@
 import torch
 
-from runmap.qpack import RowLayout, dequantize, quantize
+from runmap.format.qpack import RowLayout, dequantize, quantize
 
 
 def test_roundtrip_within_half_step():

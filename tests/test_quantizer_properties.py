@@ -1,4 +1,4 @@
-"""Hypothesis properties of the INT4 quantizer (runmap.qpack.quantize, QUANT_RULE).
+"""Hypothesis properties of the INT4 quantizer (runmap.format.qpack.quantize, QUANT_RULE).
 
 Bound: with s the block's FP16 scale, exact arithmetic gives |w - q*s| <= s/2. The quantizer divides
 in FP32, so w/s carries a relative rounding error of at most 2^-24 and |w/s| <= 7; the checked bound
@@ -12,9 +12,9 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from runmap import pack as pack_mod
-from runmap.pack import quantize_layer
-from runmap.qpack import FP16_MAX, QPackError, RowLayout, dequantize, num_blocks, quantize, unpack_nibbles
+from runmap.format import pack as pack_mod
+from runmap.format.pack import quantize_layer
+from runmap.format.qpack import FP16_MAX, QPackError, RowLayout, dequantize, num_blocks, quantize, unpack_nibbles
 
 SLACK = 7 * 2.0**-24
 

@@ -7,8 +7,8 @@ import json
 
 import pytest
 
-from runmap import report
-from runmap.cli import main
+from runmap.bench import report
+from runmap.cli.main import main
 from test_bench_fakes import as_gpu, run_fake
 
 PNG_MAGIC = b"\x89PNG\r\n\x1a\n"

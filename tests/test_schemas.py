@@ -8,11 +8,12 @@ import pytest
 import yaml
 from hypothesis import given, strategies as st
 
-from runmap import config as runmap_config
-from runmap.config import REPO_ROOT
+from runmap.arch import config as runmap_config
 from pathlib import Path
 
-from runmap.schemas import ID_BASE, Schema, SchemaError, SchemaSet, glob_to_regex, load_schemas
+from runmap.conformance.schemas import ID_BASE, Schema, SchemaError, SchemaSet, glob_to_regex, load_schemas
+
+REPO_ROOT = Path(__file__).resolve().parent.parent
 
 SCHEMAS = sorted((REPO_ROOT / "schemas").glob("*.schema.json"))
 

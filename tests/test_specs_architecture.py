@@ -1,13 +1,15 @@
 """specs/architecture.yaml: valid, complete, and unable to drift from the shared schema enumerations."""
+from pathlib import Path
 import copy
 import json
 
 import pytest
 import yaml
 
-from runmap import qpack
-from runmap.config import REPO_ROOT
-from runmap.schemas import ID_BASE, SchemaSet, load_schemas
+from runmap.format import qpack
+from runmap.conformance.schemas import ID_BASE, SchemaSet, load_schemas
+
+REPO_ROOT = Path(__file__).resolve().parent.parent
 
 ARCH = REPO_ROOT / "specs" / "architecture.yaml"
 COMMON = REPO_ROOT / "schemas" / "common.schema.json"
@@ -69,13 +71,13 @@ def test_supported_models_have_presets(arch):
 
 
 def test_observation_units_agree_with_instrumentation(arch):
-    from runmap import observations as obs
+    from runmap.residency import observations as obs
 
     assert {o["id"]: o["unit"] for o in arch["observations"]["required_zero"]} == obs.REQUIRED_ZERO
 
 
 def test_implemented_executors_are_the_declared_ones(arch):
-    from kernels import executors
+    from runmap.kernels import executors
 
     assert tuple(executors.EXECUTORS) == tuple(e["id"] for e in arch["executors"])
 

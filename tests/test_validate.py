@@ -1,5 +1,6 @@
 """`runmap validate`: discovery by glob, error reports naming file / schema / JSON path / line, exit codes,
 and the conformance summary it writes."""
+from pathlib import Path
 import json
 import shutil
 import subprocess
@@ -7,9 +8,10 @@ import subprocess
 import pytest
 import yaml
 
-from runmap.cli import main
-from runmap.config import REPO_ROOT
-from runmap.schemas import ID_BASE, load_schemas, validate_file, validate_tree
+from runmap.cli.main import main
+from runmap.conformance.schemas import ID_BASE, load_schemas, validate_file, validate_tree
+
+REPO_ROOT = Path(__file__).resolve().parent.parent
 
 DEFAULT_CFG = yaml.safe_load((REPO_ROOT / "specs/pipeline/default.yaml").read_text())
 

@@ -1,22 +1,26 @@
 # Stage: checkpoint. A Hugging Face checkpoint directory per model: synthetic (built from the seed)
 # for presets with `synthetic: true`, or a local directory named in config["checkpoints"].
-import yaml
+import yaml as _checkpoint_yaml
 
 
-def _preset(model):
+def checkpoint_preset(model):
     path = f"specs/models/{model}.yaml"
     if not os.path.isfile(path):
         raise ValueError(f"pipeline config: model {model!r} has no preset {path}")
     with open(path) as fh:
-        return yaml.safe_load(fh)
+        return _checkpoint_yaml.safe_load(fh)
 
 
-for _m in config["models"]:
-    if not _preset(_m)["synthetic"] and _m not in config["checkpoints"]:
-        raise ValueError(
-            f"pipeline config: {_m!r} is a real model; give its local checkpoint directory in "
-            f"checkpoints: {{{_m}: /path/to/hf/checkpoint}} (nothing is downloaded)"
-        )
+def _checkpoint_check_models():
+    for model in config["models"]:
+        if not checkpoint_preset(model)["synthetic"] and model not in config["checkpoints"]:
+            raise ValueError(
+                f"pipeline config: {model!r} is a real model; give its local checkpoint directory in "
+                f"checkpoints: {{{model}: /path/to/hf/checkpoint}} (nothing is downloaded)"
+            )
+
+
+_checkpoint_check_models()
 
 
 def checkpoint_dir(model):
@@ -30,7 +34,7 @@ rule synth_checkpoint:
         directory(f"{RESULTS}/checkpoints/{{model}}"),
     input:
         preset="specs/models/{model}.yaml",
-        code=code("cmd_synth", "synthetic", "synth_tokenizer", "synth_corpus", "checkpoint", "st_io", "config"),
+        code=code("cli.synth", "synth", "format", "arch", "resources", "atomic"),
     params:
         seed=config["seed"],
     log:

@@ -11,7 +11,7 @@ rule pack:
         directory(f"{RESULTS}/packs/{{model}}-b{{block}}"),
     input:
         checkpoint=lambda wc: checkpoint_dir(wc.model),
-        code=code("cmd_pack", "pack", "packfile", "qpack", "checkpoint", "st_io", "config"),
+        code=code("cli.pack", "format", "arch", "conformance", "resources", "atomic"),
     params:
         extra=config["pack_args"],
     log:

@@ -11,7 +11,7 @@ rule contract:
     output:
         CONTRACT_REPORT,
     input:
-        code=code("cache", "host_source", "transport", "eviction", "observations", "contract_model", "cmd_contract"),
+        code=code("cli.contract", "residency", "format.qpack"),
     params:
         examples=config["contract"]["examples"],
         steps=config["contract"]["steps"],

@@ -11,8 +11,7 @@ rule check_kernels:
     output:
         KERNEL_CHECK,
     input:
-        code=[*sorted(glob.glob("kernels/*.py")), "runmap/kernel_check.py", "runmap/cmd_check_kernels.py",
-              "runmap/qpack.py"],
+        code=code("cli.check_kernels", "kernels", "format.qpack"),
     log:
         f"{LOGS}/kernels/cpu.log",
     shell:

@@ -4,23 +4,30 @@
 # pack / checkpoint stages, overriding the paths written in the spec.
 # Outputs: results/campaigns/<name>/records/*.json (schemas/bench-record.schema.json) and
 # results/campaigns/<name>/campaign.json (schemas/bench-campaign.schema.json).
-import yaml as _yaml
+import yaml as _bench_yaml
 
 CAMPAIGN_SPEC = config.get("campaign", "specs/campaigns/default.yaml")
-with open(CAMPAIGN_SPEC) as _fh:
-    _CAMPAIGN = _yaml.safe_load(_fh)
-CAMPAIGN_NAME = _CAMPAIGN["name"]
+
+
+def _bench_campaign_presets():
+    """campaign model name -> preset, each preset one the pipeline packs."""
+    with open(CAMPAIGN_SPEC) as fh:
+        spec = _bench_yaml.safe_load(fh)
+    presets = {name: m["preset"] for name, m in spec["models"].items()}
+    for name, preset in presets.items():
+        if preset not in config["models"]:
+            raise ValueError(f"pipeline config: campaign {CAMPAIGN_SPEC} model {name!r} uses preset {preset!r}, "
+                             f"which is not in models {config['models']} (the pipeline packs only those)")
+    return spec["name"], presets
+
+
+CAMPAIGN_NAME, BENCH_PRESETS = _bench_campaign_presets()
 CAMPAIGN_DIR = f"{RESULTS}/campaigns/{CAMPAIGN_NAME}"
-_CAMPAIGN_PRESETS = {name: m["preset"] for name, m in _CAMPAIGN["models"].items()}
-for _name, _preset in _CAMPAIGN_PRESETS.items():
-    if _preset not in config["models"]:
-        raise ValueError(f"pipeline config: campaign {CAMPAIGN_SPEC} model {_name!r} uses preset {_preset!r}, "
-                         f"which is not in models {config['models']} (the pipeline packs only those)")
 
 
 def _bench_overrides():
     args = []
-    for name, preset in sorted(_CAMPAIGN_PRESETS.items()):
+    for name, preset in sorted(BENCH_PRESETS.items()):
         args += [f"--pack {name}={pack_dir(preset)}", f"--checkpoint {name}={checkpoint_dir(preset)}"]
     return " ".join(args)
 
@@ -32,10 +39,9 @@ rule bench:
         records=directory(f"{CAMPAIGN_DIR}/records"),
     input:
         spec=CAMPAIGN_SPEC,
-        packs=sorted({pack_dir(p) for p in _CAMPAIGN_PRESETS.values()}),
-        checkpoints=sorted({checkpoint_dir(p) for p in _CAMPAIGN_PRESETS.values()}),
-        code=code("cmd_bench", "bench", "bench_metrics", "baselines", "engine", "model", "cache", "generation",
-                  "telemetry"),
+        packs=sorted({pack_dir(p) for p in BENCH_PRESETS.values()}),
+        checkpoints=sorted({checkpoint_dir(p) for p in BENCH_PRESETS.values()}),
+        code=code("cli.bench", "bench", "engine", "residency", "kernels", "format", "arch", "conformance"),
     params:
         overrides=_bench_overrides(),
         out=f"{RESULTS}/campaigns",

@@ -7,21 +7,19 @@
 # a GPU config sets executor: grouped, limit: 541, max_new_tokens: 1280.
 # Snakemake deletes a job's outputs before it runs, so inside the pipeline every run generates afresh;
 # resuming an interrupted long run is a property of `runmap ifeval generate` itself (see README / --help).
-from pathlib import Path as _Path
-
-import runmap as _runmap
+from runmap.resources import data_dir as _ifeval_data_dir
 
 validate(config.setdefault("ifeval", {}), "../../schemas/ifeval-pipeline.schema.json")
 
 IFEVAL = config["ifeval"]
-_IFEVAL_CODE = _Path(_runmap.__file__).resolve().parent
 # Inputs default to the prompts vendored with the installed package (absolute: the workflow may run in a
 # scratch directory that holds no data/).
-IFEVAL_INPUTS = IFEVAL["inputs"] or str(_IFEVAL_CODE.parent / "data" / "ifeval" / "input_data.jsonl")
+IFEVAL_INPUTS = IFEVAL["inputs"] or str(_ifeval_data_dir() / "ifeval" / "input_data.jsonl")
 IFEVAL_MODELS = (IFEVAL["models"] or config["models"][:1]) if IFEVAL["enabled"] else []
-for _m in IFEVAL_MODELS:
-    if _m not in config["models"]:
-        raise ValueError(f"pipeline config: ifeval.models names {_m!r}, which is not in models {config['models']}")
+_ifeval_unknown = [m for m in IFEVAL_MODELS if m not in config["models"]]
+if _ifeval_unknown:
+    raise ValueError(f"pipeline config: ifeval.models names {_ifeval_unknown[0]!r}, which is not in models "
+                     f"{config['models']}")
 
 
 def ifeval_dir(model, block=None):
@@ -64,7 +62,7 @@ rule ifeval_generate:
     input:
         pack=lambda wc: pack_dir(wc.model, wc.block),
         inputs=f"{RESULTS}/ifeval/{{model}}-b{{block}}/inputs.jsonl",
-        code=[str(_IFEVAL_CODE / "ifeval_generate.py")],
+        code=code("cli.ifeval", "ifeval", "engine", "residency", "kernels", "format", "arch"),
     params:
         opts=_ifeval_generate_options(),
     log:
@@ -82,7 +80,7 @@ rule ifeval_score:
         answers=f"{RESULTS}/ifeval/{{model}}-b{{block}}/answers.jsonl",
         meta=f"{RESULTS}/ifeval/{{model}}-b{{block}}/answers.jsonl.meta.json",
         inputs=f"{RESULTS}/ifeval/{{model}}-b{{block}}/inputs.jsonl",
-        code=[str(_IFEVAL_CODE / "ifeval_score.py")],
+        code=code("cli.ifeval", "ifeval.score"),
     params:
         out=lambda wc: f"{ifeval_dir(wc.model, wc.block)}/score",
     log:
@@ -92,7 +90,5 @@ rule ifeval_score:
         "--meta {input.meta} --out {params.out} > {log} 2>&1"
 
 
-for _m in IFEVAL_MODELS:
-    _d = ifeval_dir(_m)
-    FINAL_OUTPUTS.extend([f"{_d}/inputs.jsonl", f"{_d}/answers.jsonl", f"{_d}/answers.jsonl.meta.json",
-                          f"{_d}/score/results.jsonl", f"{_d}/score/summary.json"])
+FINAL_OUTPUTS.extend(f"{ifeval_dir(m)}/{name}" for m in IFEVAL_MODELS for name in (
+    "inputs.jsonl", "answers.jsonl", "answers.jsonl.meta.json", "score/results.jsonl", "score/summary.json"))

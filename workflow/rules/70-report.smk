@@ -13,7 +13,7 @@ rule report:
     input:
         records=f"{CAMPAIGN_DIR}/records",
         summary=f"{CAMPAIGN_DIR}/campaign.json",
-        code=code("cmd_report", "report", "campaign_checks", "bench"),
+        code=code("cli.report", "bench"),
     log:
         f"{LOGS}/report.log",
     shell:

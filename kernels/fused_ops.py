@@ -1,0 +1,273 @@
+"""Fused Triton ops for the CUDA forward pass (a batch-1 decode step is launch-bound):
+
+* ``qk_norm_rope_kv``: attention prologue, q/k RMSNorm + RoPE + KV-cache write in one launch;
+* ``add_rms_norm``: residual add + RMSNorm in one launch;
+* ``route_fused``: router logits (FP32) + softmax + top-k in one launch;
+* ``decode_attention``: attention of one new token per row over its KV slots (masks from slot / pad).
+
+Each computes what the torch path of ``runmap.engine.model`` computes (tests/test_model_fused.py compares them).
+
+Why the prologue: a batch-1 decode step is launch-bound. In plain torch the prologue of one attention layer (two
+RMSNorms over the full q and k projections, RoPE on q and k, two index_copy_ into the KV cache) is ~35
+small kernels; 16 layers make it the largest share of the step. This kernel does it in one launch per
+layer with the same arithmetic as ``runmap.engine.model`` (FP32 math; the RMSNorm output rounded to FP16 before
+RoPE, as the torch path does; RoPE in the rotate-half form).
+
+One program per token row m = b * T + t of the fused qkv projection.
+"""
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+
+@triton.jit
+def _norm_rope_rows(base_ptr, w_ptr, offs_h, offs_d, n_heads, HALF: tl.constexpr, cos, sin, eps,
+                    HAS_NORM: tl.constexpr):
+    """Load (n_heads, D) of one projection as two halves, RMSNorm over all of it (optional), rotate."""
+    mask = (offs_h[:, None] < n_heads) & (offs_d[None, :] < HALF)
+    idx = offs_h[:, None] * (2 * HALF) + offs_d[None, :]  # first half of each head
+    x1 = tl.load(base_ptr + idx, mask=mask, other=0.0).to(tl.float32)
+    x2 = tl.load(base_ptr + idx + HALF, mask=mask, other=0.0).to(tl.float32)
+    if HAS_NORM:
+        ss = tl.sum(tl.sum(x1 * x1 + x2 * x2, axis=1), axis=0)
+        r = 1.0 / tl.sqrt(ss / (n_heads * 2 * HALF) + eps)
+        w1 = tl.load(w_ptr + idx, mask=mask, other=0.0).to(tl.float32)
+        w2 = tl.load(w_ptr + idx + HALF, mask=mask, other=0.0).to(tl.float32)
+        x1 = (x1 * r * w1).to(tl.float16).to(tl.float32)  # the torch path stores the norm output as fp16
+        x2 = (x2 * r * w2).to(tl.float16).to(tl.float32)
+    o1 = x1 * cos - x2 * sin
+    o2 = x2 * cos + x1 * sin
+    return o1.to(tl.float16), o2.to(tl.float16), mask
+
+
+@triton.jit
+def _qk_norm_rope_kv_kernel(
+    qkv_ptr, stride_qkv_m,
+    qw_ptr, kw_ptr,
+    pos_ptr, slots_ptr, inv_freq_ptr,
+    q_out_ptr,
+    k_cache_ptr, v_cache_ptr, stride_cb, stride_ch, stride_cs,
+    T, eps,
+    NH: tl.constexpr, NKV: tl.constexpr, HALF: tl.constexpr,
+    NH_P2: tl.constexpr, NKV_P2: tl.constexpr, HALF_P2: tl.constexpr, HAS_NORM: tl.constexpr,
+):
+    m = tl.program_id(0)
+    b = m // T
+    t = m % T
+    pos = tl.load(pos_ptr + m).to(tl.float32)
+    slot = tl.load(slots_ptr + t)
+    offs_d = tl.arange(0, HALF_P2)
+    freq = tl.load(inv_freq_ptr + offs_d, mask=offs_d < HALF, other=0.0)
+    ang = pos * freq
+    cos = tl.cos(ang)[None, :]
+    sin = tl.sin(ang)[None, :]
+    row = qkv_ptr + m * stride_qkv_m
+
+    offs_h = tl.arange(0, NH_P2)
+    q1, q2, mq = _norm_rope_rows(row, qw_ptr, offs_h, offs_d, NH, HALF, cos, sin, eps, HAS_NORM)
+    q_dst = q_out_ptr + ((b * NH + offs_h[:, None]) * T + t) * (2 * HALF) + offs_d[None, :]  # (B, nh, T, D)
+    tl.store(q_dst, q1, mask=mq)
+    tl.store(q_dst + HALF, q2, mask=mq)
+
+    offs_k = tl.arange(0, NKV_P2)
+    k1, k2, mk = _norm_rope_rows(row + NH * 2 * HALF, kw_ptr, offs_k, offs_d, NKV, HALF, cos, sin, eps, HAS_NORM)
+    c_off = b * stride_cb + offs_k[:, None] * stride_ch + slot * stride_cs + offs_d[None, :]
+    tl.store(k_cache_ptr + c_off, k1, mask=mk)
+    tl.store(k_cache_ptr + c_off + HALF, k2, mask=mk)
+
+    v_src = row + (NH + NKV) * 2 * HALF + offs_k[:, None] * (2 * HALF) + offs_d[None, :]
+    tl.store(v_cache_ptr + c_off, tl.load(v_src, mask=mk, other=0.0), mask=mk)
+    tl.store(v_cache_ptr + c_off + HALF, tl.load(v_src + HALF, mask=mk, other=0.0), mask=mk)
+
+
+def qk_norm_rope_kv(qkv, q_norm, k_norm, positions, slots, inv_freq, k_cache, v_cache, *, num_heads, num_kv_heads,
+                    eps):
+    """Fused attention prologue.
+
+    qkv       float16 (B, T, (nh + 2 nkv) * D), last dim contiguous: the fused q|k|v projection (bias added)
+    q_norm    float16 (nh * D,) or None; k_norm float16 (nkv * D,) or None (both or neither: OLMoE q/k norm)
+    positions int64 (B, T) RoPE positions; slots int64 (T,) KV slots of the T tokens
+    inv_freq  float32 (D / 2,)
+    k_cache, v_cache  float16 (B, nkv, S, D) views of one layer of the KV cache (last dim contiguous)
+    Returns q float16 (B, nh, T, D) (normed, rotated); k (normed, rotated) and v are written into the caches.
+    """
+    B, T, width = qkv.shape
+    D = width // (num_heads + 2 * num_kv_heads)
+    if (num_heads + 2 * num_kv_heads) * D != width or D % 2:
+        raise ValueError(f"qkv: width {width} is not (nh + 2 nkv) * D for nh={num_heads}, nkv={num_kv_heads}")
+    if qkv.dtype != torch.float16 or qkv.stride(-1) != 1 or qkv.stride(0) != T * qkv.stride(1):
+        raise ValueError(f"qkv: expected float16 with contiguous rows, got {qkv.dtype} strides {qkv.stride()}")
+    if (q_norm is None) != (k_norm is None):
+        raise ValueError("q_norm and k_norm: give both or neither")
+    if k_cache.shape != v_cache.shape or k_cache.stride() != v_cache.stride() or k_cache.stride(-1) != 1:
+        raise ValueError(f"k_cache / v_cache: same shape and strides with a contiguous last dim required, got "
+                         f"{tuple(k_cache.shape)} {k_cache.stride()} / {tuple(v_cache.shape)} {v_cache.stride()}")
+    if k_cache.shape[0] < B or k_cache.shape[1] != num_kv_heads or k_cache.shape[3] != D:
+        raise ValueError(f"k_cache: shape {tuple(k_cache.shape)} does not fit B={B}, nkv={num_kv_heads}, D={D}")
+    positions = positions.contiguous()
+    q = torch.empty(B, num_heads, T, D, dtype=torch.float16, device=qkv.device)
+    has_norm = q_norm is not None
+    half = D // 2
+    _qk_norm_rope_kv_kernel[(B * T,)](
+        qkv, qkv.stride(1),
+        q_norm if has_norm else qkv, k_norm if has_norm else qkv,
+        positions, slots, inv_freq,
+        q,
+        k_cache, v_cache, k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
+        T, eps,
+        NH=num_heads, NKV=num_kv_heads, HALF=half,
+        NH_P2=triton.next_power_of_2(num_heads), NKV_P2=triton.next_power_of_2(num_kv_heads),
+        HALF_P2=triton.next_power_of_2(half), HAS_NORM=has_norm,
+    )
+    return q
+
+
+# ---- residual add + RMSNorm -------------------------------------------------------------------------
+
+@triton.jit
+def _add_rms_norm_kernel(x_ptr, y_ptr, w_ptr, x_out_ptr, h_out_ptr, N, eps,
+                         HAS_Y: tl.constexpr, BLOCK_N: tl.constexpr):
+    m = tl.program_id(0)
+    offs_n = tl.arange(0, BLOCK_N)
+    mask = offs_n < N
+    x = tl.load(x_ptr + m * N + offs_n, mask=mask, other=0.0)
+    if HAS_Y:
+        x = x + tl.load(y_ptr + m * N + offs_n, mask=mask, other=0.0)  # fp16 add, as the torch path
+        tl.store(x_out_ptr + m * N + offs_n, x, mask=mask)
+    x32 = x.to(tl.float32)
+    r = 1.0 / tl.sqrt(tl.sum(x32 * x32, axis=0) / N + eps)
+    w = tl.load(w_ptr + offs_n, mask=mask, other=0.0).to(tl.float32)
+    tl.store(h_out_ptr + m * N + offs_n, (x32 * r * w).to(tl.float16), mask=mask)
+
+
+def add_rms_norm(x, y, w, eps):
+    """x fp16 (..., N) contiguous, y fp16 like x or None, w fp16 (N,).
+    Returns (x + y fp16, rms_norm(x + y) * w fp16); with y None returns (x, rms_norm(x) * w)."""
+    n = x.shape[-1]
+    if x.dtype != torch.float16 or not x.is_contiguous() or (y is not None and (y.shape != x.shape or
+                                                                               not y.is_contiguous())):
+        raise ValueError(f"add_rms_norm: x / y must be contiguous float16 of one shape, got {x.dtype} {tuple(x.shape)}")
+    m = x.numel() // n
+    h = torch.empty_like(x)
+    x_out = torch.empty_like(x) if y is not None else x
+    _add_rms_norm_kernel[(m,)](x, y if y is not None else x, w, x_out, h, n, eps, HAS_Y=y is not None,
+                               BLOCK_N=triton.next_power_of_2(n))
+    return x_out, h
+
+
+# ---- router: logits (FP32) + softmax + top-k ----------------------------------------------------------
+# Two launches: many programs stream the FP32 router weight (a single program reading all of it measured
+# 83 us per call on the H200), then one tiny program per token row does softmax + top-k.
+
+@triton.jit
+def _router_logits_kernel(h_ptr, w_ptr, logits_ptr, E, H: tl.constexpr, BLOCK_E: tl.constexpr, BLOCK_H: tl.constexpr):
+    m = tl.program_id(0)
+    offs_e = tl.program_id(1) * BLOCK_E + tl.arange(0, BLOCK_E)  # (BE,) experts of this program
+    e_mask = offs_e < E
+    offs_h = tl.arange(0, BLOCK_H)
+    acc = tl.zeros((BLOCK_E, BLOCK_H), dtype=tl.float32)
+    for h0 in range(0, H, BLOCK_H):
+        hm = (h0 + offs_h) < H
+        x = tl.load(h_ptr + m * H + h0 + offs_h, mask=hm, other=0.0).to(tl.float32)  # (BH,)
+        w = tl.load(w_ptr + offs_e[:, None] * H + h0 + offs_h[None, :], mask=e_mask[:, None] & hm[None, :],
+                    other=0.0)  # (BE, BH) fp32
+        acc += w * x[None, :]
+    tl.store(logits_ptr + m * E + offs_e, tl.sum(acc, axis=1), mask=e_mask)
+
+
+@triton.jit
+def _router_topk_kernel(logits_ptr, ids_ptr, wts_ptr, E, TOPK: tl.constexpr, NORM: tl.constexpr, E_P2: tl.constexpr):
+    m = tl.program_id(0)
+    offs_e = tl.arange(0, E_P2)
+    logits = tl.load(logits_ptr + m * E + offs_e, mask=offs_e < E, other=float("-inf"))
+    p = tl.exp(logits - tl.max(logits, axis=0))
+    p = p / tl.sum(p, axis=0)  # softmax over experts
+    offs_k = tl.arange(0, TOPK)
+    ids = tl.zeros((TOPK,), tl.int64)
+    wts = tl.zeros((TOPK,), tl.float32)
+    for j in tl.static_range(TOPK):
+        best = tl.max(p, axis=0)
+        idx = tl.min(tl.where(p == best, offs_e, E_P2), axis=0)  # lowest id among equal probabilities
+        ids = tl.where(offs_k == j, idx.to(tl.int64), ids)
+        wts = tl.where(offs_k == j, best, wts)
+        p = tl.where(offs_e == idx, -1.0, p)
+    if NORM:
+        wts = wts / tl.sum(wts, axis=0)
+    tl.store(ids_ptr + m * TOPK + offs_k, ids)
+    tl.store(wts_ptr + m * TOPK + offs_k, wts)
+
+
+def route_fused(h, router32, top_k: int, norm_topk_prob: bool):
+    """h fp16 (N, H) contiguous, router32 fp32 (E, H) -> ids int64 (N, k), weights fp32 (N, k) (descending).
+    top_k must be a power of two (OLMoE 8, Qwen1.5-MoE 4); the model uses the torch router otherwise."""
+    n, hid = h.shape
+    e = router32.shape[0]
+    if top_k & (top_k - 1) or h.dtype != torch.float16 or not h.is_contiguous() or router32.dtype != torch.float32:
+        raise ValueError(f"route_fused: needs a power-of-two top_k ({top_k}), contiguous fp16 h ({h.dtype}) "
+                         f"and an fp32 router ({router32.dtype})")
+    ids = torch.empty(n, top_k, dtype=torch.int64, device=h.device)
+    wts = torch.empty(n, top_k, dtype=torch.float32, device=h.device)
+    logits = torch.empty(n, e, dtype=torch.float32, device=h.device)
+    block_e = 2
+    _router_logits_kernel[(n, triton.cdiv(e, block_e))](h, router32, logits, e, H=hid, BLOCK_E=block_e,
+                                                         BLOCK_H=min(1024, triton.next_power_of_2(hid)))
+    _router_topk_kernel[(n,)](logits, ids, wts, e, TOPK=top_k, NORM=norm_topk_prob,
+                              E_P2=triton.next_power_of_2(e))
+    return ids, wts
+
+
+# ---- decode attention (one new token per row) -----------------------------------------------------------
+
+@triton.jit
+def _decode_attn_kernel(q_ptr, k_ptr, v_ptr, out_ptr, slot_ptr, pad_ptr,
+                        stride_cb, stride_ch, stride_cs, scale,
+                        N_KEYS: tl.constexpr, NH: tl.constexpr, NKV: tl.constexpr, D: tl.constexpr, BLOCK_N: tl.constexpr):
+    b = tl.program_id(0)
+    hq = tl.program_id(1)
+    hk = hq // (NH // NKV)
+    slot = tl.load(slot_ptr)
+    pad = tl.load(pad_ptr + b)
+    offs_d = tl.arange(0, D)
+    offs_n = tl.arange(0, BLOCK_N)
+    q = tl.load(q_ptr + (b * NH + hq) * D + offs_d).to(tl.float32) * scale  # (D,)
+    m_i = tl.full((), float("-inf"), dtype=tl.float32)
+    l_i = tl.zeros((), dtype=tl.float32)
+    acc = tl.zeros((D,), dtype=tl.float32)
+    base = b * stride_cb + hk * stride_ch
+    for n0 in range(0, N_KEYS, BLOCK_N):  # N_KEYS: the KV bucket (a few values: one compile each)
+        # blocks past the new token's slot hold no valid key: skip them (a bucket is up to 2x the keys)
+        if n0 <= slot:
+            j = n0 + offs_n
+            valid = (j >= pad) & (j <= slot)
+            kv_off = base + j[:, None] * stride_cs + offs_d[None, :]
+            k = tl.load(k_ptr + kv_off, mask=valid[:, None], other=0.0).to(tl.float32)  # (BLOCK_N, D)
+            s = tl.where(valid, tl.sum(k * q[None, :], axis=1), float("-inf"))  # (BLOCK_N,)
+            m_new = tl.maximum(m_i, tl.max(s, axis=0))
+            m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)  # a block with no valid key yet (left padding)
+            alpha = tl.exp(m_i - m_safe)
+            p = tl.exp(s - m_safe)
+            v = tl.load(v_ptr + kv_off, mask=valid[:, None], other=0.0).to(tl.float32)
+            acc = acc * alpha + tl.sum(p[:, None] * v, axis=0)
+            l_i = l_i * alpha + tl.sum(p, axis=0)
+            m_i = m_new
+    tl.store(out_ptr + (b * NH + hq) * D + offs_d, (acc / l_i).to(tl.float16))
+
+
+def decode_attention(q, k_cache, v_cache, slot, pad, n_keys: int):
+    """q fp16 (B, nh, 1, D) contiguous; k_cache / v_cache fp16 (B, nkv, S, D) (last dim contiguous);
+    slot int64 (1,) the new token's KV slot; pad int64 (B,); attends to slots pad[b] .. slot within [0, n_keys).
+    Returns fp16 (B, 1, nh * D) (heads concatenated, ready for o_proj)."""
+    B, nh, T, D = q.shape
+    nkv = k_cache.shape[1]
+    if T != 1 or not q.is_contiguous() or nh % nkv or k_cache.stride() != v_cache.stride():
+        raise ValueError(f"decode_attention: q {tuple(q.shape)} (T must be 1, contiguous), nh % nkv, "
+                         f"k/v strides {k_cache.stride()} / {v_cache.stride()}")
+    if D & (D - 1):
+        raise ValueError(f"decode_attention: head dim {D} must be a power of two")
+    out = torch.empty(B, 1, nh * D, dtype=torch.float16, device=q.device)
+    _decode_attn_kernel[(B, nh)](q, k_cache, v_cache, out, slot, pad,
+                                 k_cache.stride(0), k_cache.stride(1), k_cache.stride(2), D ** -0.5,
+                                 N_KEYS=n_keys, NH=nh, NKV=nkv, D=D, BLOCK_N=64)
+    return out

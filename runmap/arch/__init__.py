@@ -1,0 +1,1 @@
+"""Model architectures: the config dataclass, presets and one adapter per model family."""

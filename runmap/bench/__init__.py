@@ -1,0 +1,1 @@
+"""Benchmarks: campaigns (spec -> one record per configuration), metrics, baselines, checks and reports."""

@@ -1,0 +1,279 @@
+"""The campaign report, rendered from the bench records alone (no engine, no GPU).
+
+``render(records, out_md, plots_dir)`` writes a Markdown report: per campaign and model a table of
+every configuration, PNG plots (matplotlib, Agg) of decode tok/s and peak memory against resident experts
+per layer with the baselines drawn on the same axes, the comparisons that vary one factor at a time
+(residency with the executor fixed; executor with the residency fixed), the pairs that change both (flagged,
+no comparison drawn), and the conformance findings of runmap.bench.checks.
+"""
+from __future__ import annotations
+
+import json
+import os
+from pathlib import Path
+
+from runmap.bench import checks as cc
+from runmap.atomic import atomic_path, write_text
+
+GIB = 1024**3
+KIND_ORDER = {"hf-bf16": 0, "engine-fp16": 1, "engine": 2}
+KIND_LABEL = {"hf-bf16": "transformers bf16", "engine-fp16": "engine, FP16 experts", "engine": "engine, INT4 experts"}
+
+
+def _val(m):
+    return m.get("value") if isinstance(m, dict) and m.get("status") == "OBSERVED" else None
+
+
+def _status(m) -> str:
+    return m.get("status", "?") if isinstance(m, dict) else "?"
+
+
+def fmt_measure(m, scale: float = 1.0, digits: int = 2, suffix: str = "") -> str:
+    """An OBSERVED value formatted; otherwise the status word (never a zero for an unmeasured value)."""
+    v = _val(m)
+    if v is None:
+        return _status(m)
+    return f"{v / scale:.{digits}f}{suffix}"
+
+
+def fmt_ratio(m) -> str:
+    v = _val(m)
+    return f"{v:.2f}x" if v is not None else _status(m)
+
+
+def _sort_key(r: dict):
+    c = r["config"]
+    return (KIND_ORDER.get(r["kind"], 9), c["batch"], c["prompt_len"], c["decode_len"], c["resident"], r["executor"])
+
+
+def _obs_summary(r: dict) -> str:
+    obs = r.get("observations") or {}
+    zero = sum(1 for n in cc.REQUIRED_ZERO if _status(obs.get(n)) == "OBSERVED" and _val(obs.get(n)) == 0)
+    other = {}
+    for n in cc.REQUIRED_ZERO:
+        o = obs.get(n)
+        if not (_status(o) == "OBSERVED" and _val(o) == 0):
+            other[_status(o)] = other.get(_status(o), 0) + 1
+    parts = [f"{zero} zero"] + [f"{k.lower()} {v}" for k, v in sorted(other.items())]
+    return ", ".join(parts)
+
+
+def model_table(recs: list[dict], flagged: set[str]) -> list[str]:
+    head = ("| kind | executor | regime | resident | batch | prompt/decode | decode tok/s median [min-max] | "
+            "prefill tok/s | TTFT ms | peak alloc GiB | peak reserved GiB | hit rate | H2D MB/token | H2D GB/s | "
+            "vs hf-bf16 | vs fp16 experts | of byte floor | required-zero obs | flag |")
+    lines = [head, "|" + "|".join("---" for _ in range(head.count("|") - 1)) + "|"]
+    for r in sorted(recs, key=_sort_key):
+        c, t = r["config"], r["timing"]
+        d = t["decode_tok_s"]
+        rat = r.get("ratios", {})
+        lines.append("| " + " | ".join([
+            r["kind"], r["executor"], r["regime"], f"{c['resident']}/{c['experts_per_layer']}", str(c["batch"]),
+            f"{c['prompt_len']}/{c['decode_len']}",
+            f"{d['median']:.1f} [{d['min']:.1f}-{d['max']:.1f}]",
+            f"{t['prefill_tok_s']['median']:.1f}",
+            f"{t['ttft_s']['median'] * 1e3:.1f}",
+            fmt_measure(r["memory"]["peak_allocated_bytes"], GIB),
+            fmt_measure(r["memory"]["peak_reserved_bytes"], GIB),
+            fmt_measure(r["cache_stats"]["hit_rate"], 0.01, 1, "%"),
+            fmt_measure(r["h2d"].get("bytes_per_token", {}), 1e6, 2),
+            fmt_measure(r["h2d"]["gb_s"], 1.0, 1),
+            "-" if r["kind"] == "hf-bf16" else fmt_ratio(rat.get("decode_vs_hf-bf16")),
+            "-" if r["kind"] == "engine-fp16" else fmt_ratio(rat.get("decode_vs_engine-fp16")),
+            fmt_ratio(rat.get("decode_vs_byte_floor")),
+            _obs_summary(r),
+            "confounded" if r["id"] in flagged else "",
+        ]) + " |")
+    return lines
+
+
+def _pair_rows(pairs, what: str) -> list[str]:
+    rows = []
+    for a, b in pairs:
+        da, db = a["timing"]["decode_tok_s"]["median"], b["timing"]["decode_tok_s"]["median"]
+        ma, mb = _val(a["memory"]["peak_allocated_bytes"]), _val(b["memory"]["peak_allocated_bytes"])
+        mem = f"{(mb - ma) / GIB:+.2f}" if ma is not None and mb is not None else "UNSUPPORTED"
+        if what == "residency":
+            change = f"{a['config']['resident']} -> {b['config']['resident']} ({a['executor']})"
+        else:
+            change = f"{a['executor']} -> {b['executor']} (resident {a['config']['resident']})"
+        rows.append(f"| {a['config']['batch']} | {change} | {da:.1f} -> {db:.1f} | {db / da:.2f}x | {mem} |")
+    return rows
+
+
+def _coverage(recs: list[dict]) -> list[str]:
+    """What the run summaries (campaign.json beside the records/ directories) say was not run."""
+    out = []
+    for d in sorted({str(Path(r["_path"]).parent.parent) for r in recs if r.get("_path")}):
+        f = Path(d) / "campaign.json"
+        try:
+            s = json.loads(f.read_text())
+        except (OSError, ValueError):
+            continue
+        out += [f"- run {s.get('run_id')}: {len(s.get('done', []))} of {s.get('configs')} configurations ran, "
+                f"{len(s.get('failed', []))} failed, {len(s.get('skipped', []))} not run ({f.name}):"]
+        by_reason: dict[str, list[str]] = {}
+        for x in s.get("skipped", []):
+            by_reason.setdefault(x["reason"], []).append(f"`{x['id']}`")
+        out += [f"  - {why}: {', '.join(ids)}" for why, ids in by_reason.items()]
+        out += [f"  - FAILED `{x['id']}`: {x['error']}" for x in s.get("failed", [])]
+    return out + ([""] if out else [])
+
+
+def _num(v: float) -> str:
+    return f"{v:,.0f}" if v >= 100 else f"{v:.3g}"
+
+
+def _atomic_savefig(fig, path: Path) -> None:
+    with atomic_path(path, suffix=".png") as tmp:  # savefig picks the format from the suffix
+        fig.savefig(tmp, dpi=110, bbox_inches="tight")
+
+
+def plot_model(recs: list[dict], metric: str, path: Path, title: str) -> bool:
+    """One panel per batch size: metric against resident experts per layer, one line per executor,
+    baselines as horizontal lines on the same axes. Returns False when no value was OBSERVED."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    def y(r):
+        if metric == "decode":
+            return r["timing"]["decode_tok_s"]["median"], r["timing"]["decode_tok_s"]["min"], r["timing"]["decode_tok_s"]["max"]
+        v = _val(r["memory"]["peak_allocated_bytes"])
+        return (v / GIB, v / GIB, v / GIB) if v is not None else None
+
+    batches = sorted({r["config"]["batch"] for r in recs})
+    if not any(y(r) is not None for r in recs):
+        return False
+    fig, axes = plt.subplots(1, len(batches), figsize=(5.2 * len(batches), 4.0), squeeze=False)
+    e = recs[0]["config"]["experts_per_layer"]
+    colors = {"reference": "tab:gray", "scalar": "tab:orange", "grouped": "tab:blue", "topk-fused": "tab:green"}
+    markers = {"reference": "D", "scalar": "^", "grouped": "o", "topk-fused": "s"}  # overlapping lines stay visible
+    for ax, b in zip(axes[0], batches):
+        engine = [r for r in recs if r["kind"] == "engine" and r["config"]["batch"] == b and y(r) is not None]
+        for ex in sorted({r["executor"] for r in engine}):
+            pts = sorted((r["config"]["resident"], *y(r)) for r in engine if r["executor"] == ex)
+            xs = [p[0] for p in pts]
+            ys = [p[1] for p in pts]
+            err = [[p[1] - p[2] for p in pts], [p[3] - p[1] for p in pts]]
+            ax.errorbar(xs, ys, yerr=err if metric == "decode" else None, marker=markers.get(ex, "o"), capsize=3,
+                        color=colors.get(ex), mfc="none" if ex == "topk-fused" else None, ms=7,
+                        label=f"INT4, {ex}")
+        styles = {"hf-bf16": ("tab:red", "--"), "engine-fp16": ("tab:purple", ":")}
+        for r in recs:
+            if r["kind"] in styles and r["config"]["batch"] == b and y(r) is not None:
+                col, ls = styles[r["kind"]]
+                ax.axhline(y(r)[0], color=col, ls=ls, lw=1.6,
+                           label=f"{KIND_LABEL[r['kind']]} (baseline): {_num(y(r)[0])}")
+        levels = sorted({r["config"]["resident"] for r in engine} | {e})
+        ax.set_xticks(levels)
+        ax.set_xlabel(f"resident experts per layer (of {e})")
+        ax.set_ylabel("decode tok/s (median, min-max)" if metric == "decode" else "peak allocated GiB")
+        ax.set_title(f"batch {b}")
+        ax.set_ylim(bottom=0)
+        ax.grid(alpha=0.3)
+        ax.legend(fontsize=7, loc="best")
+    fig.suptitle(title, fontsize=10)
+    _atomic_savefig(fig, path)
+    plt.close(fig)
+    return True
+
+
+def render(records: list[dict], out_md: Path, plots_dir: Path | None = None, sources: list[str] | None = None) -> str:
+    """Write the report (and its PNGs) and return the Markdown text."""
+    out_md = Path(out_md)
+    plots_dir = Path(plots_dir) if plots_dir else out_md.parent / f"{out_md.stem}-plots"
+    findings = cc.check_records(records)
+    comparable, confounded = cc.residency_pairs(records)
+    flagged = {f.record for f in findings if f.severity == cc.FLAG} | {f.other for f in findings if f.severity == cc.FLAG}
+    lines = ["# Benchmark report", "",
+             f"Rendered by `runmap report` from {len(records)} records"
+             + (f" ({', '.join(sources)})" if sources else "") + ". Every figure below comes from those records; "
+             "UNSUPPORTED / UNKNOWN mean the run did not (or could not) measure the value.", ""]
+    lines += ["## Headline", "", "Median decode tok/s over the timed repeats and peak allocated GPU memory, per model and "
+              "configuration (all campaigns below).", ""] + headline_table(records) + [""]
+    campaigns: dict[str, list[dict]] = {}
+    for r in records:
+        campaigns.setdefault(r["campaign"], []).append(r)
+    for camp, crecs in sorted(campaigns.items()):
+        r0 = crecs[0]
+        runs = sorted({r["run_id"] for r in crecs})
+        lines += [f"## Campaign `{camp}`", "",
+                  f"- device: {r0['device'].get('name')} ({r0['device']['type']}); software: torch {r0['software']['torch']}, "
+                  f"triton {r0['software'].get('triton')}, transformers {r0['software'].get('transformers')}, "
+                  f"python {r0['software']['python']}",
+                  f"- git commit: `{r0['git'].get('commit')}`" + (" (dirty tree)" if r0["git"].get("dirty") else ""),
+                  f"- run(s): {', '.join(runs)}; command: `{r0['command']}`",
+                  f"- same-run device copy bandwidth (byte floor): {fmt_measure(r0['byte_floor']['copy_bandwidth_gb_s'], 1.0, 1, ' GB/s')}",
+                  ""]
+        lines += _coverage(crecs)
+        models: dict[str, list[dict]] = {}
+        for r in crecs:
+            models.setdefault(r["config"]["model"], []).append(r)
+        for model, mrecs in sorted(models.items()):
+            c0 = mrecs[0]["config"]
+            lines += [f"### {model} (preset `{c0['preset']}`, {c0['arch']}, {c0['num_layers']} layers, "
+                      f"{c0['experts_per_layer']} experts per layer, top-{c0['top_k']})", ""]
+            lines += model_table(mrecs, flagged) + [""]
+            for metric, label in (("decode", "decode tok/s"), ("memory", "peak allocated memory")):
+                png = plots_dir / f"{camp}-{model}-{metric}.png"
+                if plot_model(mrecs, metric, png, f"{camp} / {model}: {label} vs resident experts per layer"):
+                    rel = os.path.relpath(png, out_md.parent)
+                    lines += [f"![{model} {label}]({rel})", ""]
+                else:
+                    lines += [f"*{label}: no OBSERVED value in these records (e.g. UNSUPPORTED on the CPU); no plot.*", ""]
+            noted = [r for r in sorted(mrecs, key=_sort_key) if r.get("notes")]
+            if noted:
+                lines += ["Notes written by the runner:", ""]
+                lines += [f"- `{r['id']}`: " + "; ".join(r["notes"]) for r in noted] + [""]
+            mids = {r["id"] for r in mrecs}
+            comp = [(a, b) for a, b in comparable if a["id"] in mids]
+            exe = [(a, b) for a, b in cc.executor_pairs(mrecs)]
+            conf = [(a, b) for a, b in confounded if a["id"] in mids]
+            lines += ["Comparisons that change one factor (ratio = right over left decode tok/s; memory = change of "
+                      "peak allocated GiB):", ""]
+            hdr = ["| batch | change | decode tok/s | ratio | peak alloc GiB change |", "|---|---|---|---|---|"]
+            if comp:
+                lines += ["*Residency, executor fixed:*", ""] + hdr + _pair_rows(comp, "residency") + [""]
+            if exe:
+                lines += ["*Executor, residency fixed:*", ""] + hdr + _pair_rows(exe, "executor") + [""]
+            if not (comp or exe or conf):
+                lines += ["*None in these records: no two configurations of one model, batch and lengths differ in "
+                          "residency or executor alone.*", ""]
+            if conf:
+                lines += ["*Changes residency and executor at once: flagged, no causal comparison drawn:*", ""]
+                lines += [f"- {a['id']} -> {b['id']}" for a, b in conf] + [""]
+    errs = cc.errors(findings)
+    lines += ["## Conformance of the records", "",
+              f"{len(errs)} errors, {len(findings) - len(errs)} flags (runmap.bench.checks: executor-regime, "
+              "required-zero, memory-status, full-no-misses, confounded-neighbour).", ""]
+    lines += [f"- {f}" for f in findings] + [""]
+    text = "\n".join(lines)
+    write_text(out_md, text)
+    return text
+
+
+def headline_table(records: list[dict], batch: int | None = None) -> list[str]:
+    """A compact table for the README: one row per (model, kind, executor, resident), one decode tok/s and
+    one peak-memory column per batch size, and the decode ratio to transformers bf16 per batch size."""
+    recs = [r for r in records if batch is None or r["config"]["batch"] == batch]
+    batches = sorted({r["config"]["batch"] for r in recs})
+    rows: dict[tuple, dict[int, dict]] = {}
+    for r in recs:
+        c = r["config"]
+        key = (c["preset"], KIND_ORDER.get(r["kind"], 9), r["kind"], r["executor"], -c["resident"], c["experts_per_layer"])
+        rows.setdefault(key, {})[c["batch"]] = r
+    head = ("| model | path | executor | resident | " + " | ".join(f"decode tok/s b{b}" for b in batches) + " | "
+            + " | ".join(f"peak GiB b{b}" for b in batches) + " | "
+            + " | ".join(f"vs hf-bf16 b{b}" for b in batches) + " |")
+    lines = [head, "|" + "|".join("---" for _ in range(head.count("|") - 1)) + "|"]
+    for key in sorted(rows):
+        preset, _, kind, ex, negres, e = key
+        by_b = rows[key]
+        dec = [f"{by_b[b]['timing']['decode_tok_s']['median']:.1f}" if b in by_b else "-" for b in batches]
+        mem = [fmt_measure(by_b[b]["memory"]["peak_allocated_bytes"], GIB) if b in by_b else "-" for b in batches]
+        rat = ["-" if kind == "hf-bf16" or b not in by_b else fmt_ratio(by_b[b]["ratios"].get("decode_vs_hf-bf16"))
+               for b in batches]
+        lines.append(f"| {preset} | {KIND_LABEL.get(kind, kind)} | {ex} | {-negres}/{e} | " + " | ".join(dec + mem + rat) + " |")
+    return lines

@@ -1,0 +1,163 @@
+"""`runmap contract`: run the Hypothesis contract model of resident-qpacked-cache-v1 and write its report."""
+from __future__ import annotations
+
+import shlex
+import sys
+import time
+from pathlib import Path
+from runmap.atomic import write_json
+from runmap.provenance import device_name, library_versions, package_version, utc_timestamp
+
+HELP = "run the property suite of the expert cache contract (resident-qpacked-cache-v1) and write its report"
+DESCRIPTION = """\
+Drives the expert cache with a Hypothesis RuleBasedStateMachine (runmap/residency/contract_model.py) through a
+controllable transport: copies complete late and out of order, failures are injected before and after
+publication, requests are admitted and released in any order. After every step the cache is compared with
+a plain-Python reference model (row contents of every readable row, capacity, row conservation, staging
+reuse, generations, FAULTED state, required-zero observations, leases get exactly their group).
+
+Then, unless --no-mutants, each deliberately broken cache variant (runmap.residency.contract_model.MUTANTS) is run
+until the model catches it; an uncaught mutant is a failure of the suite.
+
+The report (schemas/contract-report.schema.json) is written atomically. Exit status 1 when the cache
+violates the contract, a mutant goes uncaught, or an invariant / injected failure kind was never exercised.
+
+  runmap contract                                   # CPU, default budget (< 1 min)
+  runmap contract --examples 1000 --seed 7
+  runmap contract --device cuda --out results/contract/h200.json
+"""
+
+REPORT_VERSION = "contract-report-v1"
+
+
+def add_arguments(p) -> None:
+    p.add_argument("--examples", type=int, default=300, help="Hypothesis examples (state machine runs); default 300")
+    p.add_argument("--steps", type=int, default=30, help="rules per example (stateful_step_count); default 30")
+    p.add_argument("--seed", type=int, default=0, help="Hypothesis seed; default 0")
+    p.add_argument("--device", choices=("cpu", "cuda"), default="cpu",
+                   help="where the cache's device rows live: cpu tensors, or cuda (pinned staging, streams, events)")
+    p.add_argument("--out", default="results/contract/report.json", help="report path (JSON); default %(default)s")
+    p.add_argument("--mutant-examples", type=int, default=400,
+                   help="example budget per mutant before it counts as uncaught; default 400")
+    p.add_argument("--no-mutants", action="store_true", help="skip the mutation check")
+    p.add_argument("--no-progress", action="store_true", help="no progress bar")
+
+
+def _versions() -> dict:
+    v = library_versions("hypothesis", "numpy")
+    v["horizon-runmap"] = package_version("horizon-runmap") or "source-tree"  # not installed on the GPU machine
+    return v
+
+
+def _device_info(device: str) -> dict:
+    return {"requested": device, "transport": "CpuTransport" if device == "cpu" else "CudaTransport",
+            "name": device_name("cuda:0" if device == "cuda" else device)}
+
+
+def _first_line(exc: BaseException) -> str:
+    s = str(exc).strip().splitlines()
+    return f"{type(exc).__name__}: {s[0] if s else ''}"[:500]
+
+
+def _command_line() -> str:
+    argv = sys.argv
+    if argv and argv[0].endswith("cmd_contract.py"):
+        return "python -m runmap.cli.contract " + " ".join(shlex.quote(a) for a in argv[1:])
+    args = argv[1:]
+    if args and args[0] == "contract":
+        args = args[1:]
+    return " ".join(["runmap contract"] + [shlex.quote(a) for a in args])
+
+
+def run(args) -> int:
+    import torch
+
+    from runmap.residency import contract_model as cm
+
+    if args.examples < 1 or args.steps < 1:
+        print("runmap contract: --examples and --steps must be positive", file=sys.stderr)
+        return 2
+    if args.device == "cuda" and not torch.cuda.is_available():
+        print("runmap contract: --device cuda requested but CUDA is not available", file=sys.stderr)
+        return 2
+    progress = None
+    if not args.no_progress:
+        from tqdm import tqdm
+
+        progress = tqdm(desc="contract examples", unit="ex", file=sys.stderr)  # Hypothesis may run more than asked
+    t0 = time.time()
+    stats, exc = cm.run_contract(args.examples, args.steps, args.seed, args.device, progress=progress)
+    if progress is not None:
+        progress.close()
+    duration = time.time() - t0
+    failures = [] if exc is None else [{"kind": "contract", "message": _first_line(exc)}]
+    if exc is not None:
+        import traceback
+
+        traceback.print_exception(exc, file=sys.stderr)
+
+    unexercised = [n for n in cm.INVARIANTS if stats.invariants[n] == 0]
+    unexercised += [f"inject_{k}" for k in cm.FAIL_KINDS if stats.rules[f"inject_{k}"] == 0]
+    mutants = {}
+    if not args.no_mutants:
+        for name, cls in cm.MUTANTS.items():
+            t = time.time()
+            mstats, mexc = cm.run_contract(args.mutant_examples, args.steps, args.seed, args.device, cache_cls=cls,
+                                           shrink=False)
+            caught = isinstance(mexc, cm.ContractViolation)
+            mutants[name] = {"caught": caught, "examples": mstats.examples, "seconds": round(time.time() - t, 2),
+                             "violation": _first_line(mexc) if mexc is not None else None}
+            if not caught:
+                failures.append({"kind": "mutant-uncaught", "message": f"mutant {name}: "
+                                 + (_first_line(mexc) if mexc else f"no violation in {mstats.examples} examples")})
+            print(f"mutant {name:28s} {'caught' if caught else 'NOT CAUGHT'} after {mstats.examples} examples",
+                  file=sys.stderr)
+    for n in unexercised:
+        failures.append({"kind": "unexercised", "message": f"{n} was never exercised; raise --examples"})
+
+    doc = {
+        "report_version": REPORT_VERSION,
+        "contract": "resident-qpacked-cache-v1",
+        "command": _command_line(),
+        "created_utc": utc_timestamp(),
+        "seed": args.seed,
+        "device": _device_info(args.device),
+        "library_versions": _versions(),
+        "examples_requested": args.examples,
+        "examples_run": stats.examples,
+        "steps_per_example": args.steps,
+        "steps_run": stats.steps,
+        "rules": dict(sorted(stats.rules.items())),
+        "outcomes": dict(sorted(stats.outcomes.items())),
+        "configurations": dict(sorted(stats.configs.items())),
+        "invariants": {n: stats.invariants[n] for n in cm.INVARIANTS},
+        "mutants": mutants,
+        "failures": len(failures),
+        "failure_details": failures,
+        "passed": not failures,
+        "duration_s": round(duration, 2),
+    }
+    out = Path(args.out)
+    write_json(out, doc)
+    print(f"\ncontract {'PASSED' if doc['passed'] else 'FAILED'}: {stats.examples} examples, {stats.steps} steps, "
+          f"device {args.device}, seed {args.seed}, {duration:.1f} s -> {out}")
+    print(f"{'invariant':36s} checks")
+    for n, c in doc["invariants"].items():
+        print(f"{n:36s} {c}")
+    for f in failures:
+        print(f"FAILURE [{f['kind']}] {f['message']}", file=sys.stderr)
+    return 0 if doc["passed"] else 1
+
+
+def main(argv: list[str] | None = None) -> int:
+    """Standalone entry (``python -m runmap.cli.contract``) for machines without the package's CLI deps."""
+    import argparse
+
+    p = argparse.ArgumentParser(prog="python -m runmap.cli.contract", description=DESCRIPTION,
+                                formatter_class=argparse.RawDescriptionHelpFormatter)
+    add_arguments(p)
+    return run(p.parse_args(argv))
+
+
+if __name__ == "__main__":
+    sys.exit(main())

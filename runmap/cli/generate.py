@@ -1,0 +1,63 @@
+"""``runmap generate``: stream a completion of one prompt to stdout."""
+from __future__ import annotations
+
+from runmap.kernels.registry import EXECUTOR_NAMES
+
+HELP = "generate text from a pack, streaming tokens to stdout"
+DESCRIPTION = """\
+Build the engine from the pack --packed (its tokenizer and chat template are read from the pack
+directory, never from the network) and stream the completion of --prompt to stdout as it is generated.
+Greedy by default; --temperature > 0 samples (with --top-p nucleus filtering; --seed makes it
+reproducible). Stops at the end-of-sequence token, at any --stop string, or after --max-new-tokens.
+Timing goes to stderr; telemetry (schemas/telemetry.schema.json: executor, regime, resident experts,
+hits, misses, host->device bytes, generations, contract observations) to --telemetry
+(default ./telemetry.json). Exit status: 0 ok, 1 bad input (the message names it), 2 usage."""
+
+
+def add_arguments(p) -> None:
+    p.add_argument("--packed", required=True, metavar="DIR", help="pack directory (runmap pack)")
+    p.add_argument("--prompt", required=True, help="prompt text")
+    p.add_argument("--chat", action="store_true", help="format the prompt with the pack's chat template")
+    p.add_argument("--resident", type=int, default=None, metavar="N",
+                   help="routed experts per layer on the device (default: all = full residency)")
+    p.add_argument("--executor", default="grouped", choices=EXECUTOR_NAMES,
+                   help="W4A16 executor (default grouped; on a machine without a GPU the Triton executors run in Triton's interpreter, slowly)")
+    p.add_argument("--max-new-tokens", type=int, default=128, metavar="N", help="default 128")
+    p.add_argument("--temperature", type=float, default=0.0, metavar="T", help="0 = greedy (default)")
+    p.add_argument("--top-p", type=float, default=1.0, metavar="P", help="nucleus sampling mass (default 1.0)")
+    p.add_argument("--seed", type=int, default=None, metavar="S", help="sampling seed")
+    p.add_argument("--stop", action="append", default=[], metavar="TEXT", help="stop string (repeatable)")
+    p.add_argument("--device", default=None, help="cuda | cpu (default: cuda when available)")
+    p.add_argument("--max-seq-len", type=int, default=None, metavar="N",
+                   help="KV cache length (default: min(max_position_embeddings, 4096))")
+    p.add_argument("--expert-format", default="int4", choices=["int4", "fp16"],
+                   help="int4 (default, the product) or fp16 (baseline: dequantized experts, no cache)")
+    p.add_argument("--telemetry", default="telemetry.json", metavar="FILE", help="telemetry JSON path")
+
+
+def run(args) -> int:
+    import sys
+
+    from runmap.engine import telemetry
+    from runmap.engine.engine import Engine
+
+    def on_token(row, token_id, delta):
+        if delta:
+            sys.stdout.write(delta)
+            sys.stdout.flush()
+
+    try:
+        eng = Engine.from_pack(args.packed, executor=args.executor, resident=args.resident, device=args.device,
+                               max_batch=1, max_seq_len=args.max_seq_len, expert_format=args.expert_format)
+        res = eng.generate([args.prompt], max_new_tokens=args.max_new_tokens, temperature=args.temperature,
+                           top_p=args.top_p, seed=args.seed, stop=args.stop, chat=args.chat, on_token=on_token)[0]
+    except (ValueError, FileNotFoundError, RuntimeError) as e:  # bad input, cache fault, kernel/device failure
+        print(f"runmap generate: {type(e).__name__}: {e}", file=sys.stderr)
+        return 1
+    sys.stdout.write("\n")
+    t = eng.last_timing
+    telemetry.write(args.telemetry, eng.telemetry())
+    print(f"[{res.finish_reason}] {t['prompt_tokens']} prompt + {t['new_tokens']} new tokens; ttft {t['ttft_s']:.3f} s, "
+          f"decode {t['decode_tok_s']:.1f} tok/s ({eng.executor}, {eng.regime}); telemetry {args.telemetry}",
+          file=sys.stderr)
+    return 0

@@ -1,0 +1,83 @@
+"""``runmap ifeval``: generate IFEval answers with the engine, and score response files."""
+from __future__ import annotations
+
+import argparse
+import sys
+from pathlib import Path
+
+HELP = "IFEval: generate answers with a packed model (generate) and score response files (score)"
+DESCRIPTION = """\
+IFEval (instruction-following evaluation), two steps:
+
+  runmap ifeval generate --packed DIR --out answers.jsonl [--inputs FILE] [--limit N]
+      Greedy answers with the model's chat template, batched, resumable: every finished answer is
+      appended to --out and synced to disk; a rerun skips prompts already answered. Writes the
+      metadata sidecar answers.jsonl.meta.json (model, pack, executor, regime, settings, timing).
+
+  runmap ifeval score --inputs FILE --responses answers.jsonl --out DIR
+      Checks every instruction (lm-eval's IFEval checks, deterministic), writes DIR/results.jsonl
+      (one line per prompt: strict and loose follow lists) and DIR/summary.json (prompt- and
+      instruction-level accuracy, strict and loose, per-instruction breakdown, generation metadata).
+
+Data (prompts, GPT-4 reference responses, NLTK punkt_tab) is vendored in data/ifeval/; nothing is downloaded.
+"""
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    from runmap.ifeval.generate import add_generate_arguments
+    from runmap.ifeval.score import DEFAULT_INPUTS
+
+    sub = parser.add_subparsers(dest="ifeval_command", metavar="STEP")
+    sc = sub.add_parser(
+        "score", help="score a response file against IFEval inputs",
+        description="Score a response JSONL (fields 'prompt' and 'response') against IFEval inputs. Every "
+                    "input prompt needs exactly one response; a missing, extra or malformed line is an "
+                    "error naming the line.")
+    sc.add_argument("--inputs", type=Path, default=DEFAULT_INPUTS,
+                    help=f"IFEval input JSONL (key, prompt, instruction_id_list, kwargs); default {DEFAULT_INPUTS}")
+    sc.add_argument("--responses", type=Path, required=True, help="response JSONL: 'prompt' and 'response' per line")
+    sc.add_argument("--out", type=Path, required=True, help="output folder for results.jsonl and summary.json")
+    sc.add_argument("--meta", type=Path, default=None,
+                    help="generation metadata JSON (default: RESPONSES.meta.json when it exists)")
+    sc.add_argument("--no-progress", action="store_true", help="no progress bar")
+    sc.set_defaults(_ifeval_run=_run_score)
+
+    gen = sub.add_parser(
+        "generate", help="generate answers to IFEval prompts with a packed model (resumable)",
+        description="Greedy generation of IFEval answers with the packed model's chat template. Batched; "
+                    "each finished answer is appended to --out with flush+fsync, so an interruption loses "
+                    "no written answer and a rerun continues where it stopped.")
+    add_generate_arguments(gen)
+    gen.set_defaults(_ifeval_run=_run_generate)
+
+
+def _run_score(args) -> int:
+    from runmap.ifeval.score import IFEvalError, format_table, score_files, write_outputs
+
+    try:
+        results, summary = score_files(args.inputs, args.responses, meta=args.meta, progress=not args.no_progress)
+    except IFEvalError as e:
+        print(f"runmap ifeval score: error: {e}", file=sys.stderr)
+        return 2
+    res_path, sum_path = write_outputs(args.out, results, summary)
+    print(format_table(summary))
+    print(f"wrote {res_path} and {sum_path}")
+    return 0
+
+
+def _run_generate(args) -> int:
+    from runmap.ifeval.generate import IFEvalGenerateError, run_cli
+
+    try:
+        return run_cli(args)
+    except IFEvalGenerateError as e:
+        print(f"runmap ifeval generate: error: {e}", file=sys.stderr)
+        return 2
+
+
+def run(args) -> int:
+    fn = getattr(args, "_ifeval_run", None)
+    if fn is None:
+        print("runmap ifeval: choose a step: generate or score (see runmap ifeval --help)", file=sys.stderr)
+        return 2
+    return fn(args)

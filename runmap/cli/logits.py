@@ -1,0 +1,69 @@
+"""``runmap logits``: one prompt's logits at every position, for checking the engine against anything else."""
+from __future__ import annotations
+
+from pathlib import Path
+from runmap.atomic import atomic_path
+from runmap.kernels.registry import EXECUTOR_NAMES
+
+HELP = "write a prompt's logits (every position) to a safetensors file"
+DESCRIPTION = """\
+Run one prefill of the token ids given by --tokens through the engine built from the pack --packed and
+write FILE.safetensors with
+  logits  float32 (T, vocab_size)   the logits of every position
+  tokens  int64 (T,)                the prompt
+and metadata (executor, regime, resident experts per layer, pack identity). Anyone can compare these
+logits with another implementation of the same checkpoint (e.g. transformers with the dequantized experts).
+Telemetry (schemas/telemetry.schema.json) goes to --telemetry (default: telemetry-<FILE stem>.json beside
+the output). Exit status: 0 ok, 1 bad input (the message names it), 2 usage."""
+
+
+def add_arguments(p) -> None:
+    p.add_argument("--packed", required=True, metavar="DIR", help="pack directory (runmap pack)")
+    p.add_argument("--tokens", required=True, metavar="IDS", help="comma-separated token ids, e.g. 1,2,3")
+    p.add_argument("--executor", default="reference", choices=EXECUTOR_NAMES,
+                   help="default reference: the FP32 torch truth")
+    p.add_argument("--resident", type=int, default=None, metavar="N",
+                   help="routed experts per layer kept on the device (default: all = full residency)")
+    p.add_argument("--device", default=None, help="cuda | cpu (default: cuda when available)")
+    p.add_argument("--out", required=True, metavar="FILE.safetensors", help="output file (written atomically)")
+    p.add_argument("--telemetry", default=None, metavar="FILE", help="telemetry JSON path")
+
+
+def parse_tokens(text: str) -> list[int]:
+    try:
+        ids = [int(t) for t in text.replace(" ", "").split(",") if t != ""]
+    except ValueError as e:
+        raise ValueError(f"--tokens: expected comma-separated integers, got {text!r}") from e
+    if not ids:
+        raise ValueError("--tokens: no token ids given")
+    return ids
+
+
+def run(args) -> int:
+    import sys
+
+    import torch
+    from safetensors.torch import save_file
+
+    from runmap.engine import telemetry
+    from runmap.engine.engine import Engine
+
+    try:
+        ids = parse_tokens(args.tokens)
+        out = Path(args.out)
+        eng = Engine.from_pack(args.packed, executor=args.executor, resident=args.resident, device=args.device,
+                               max_batch=1, max_seq_len=max(len(ids), 16), cuda_graphs=False)
+        logits = eng.logits(ids)  # (T, V) fp32
+    except (ValueError, FileNotFoundError, RuntimeError) as e:  # bad input, cache fault, kernel/device failure
+        print(f"runmap logits: {type(e).__name__}: {e}", file=sys.stderr)
+        return 1
+    meta = {"executor": eng.executor, "regime": eng.regime, "resident": str(eng.resident),
+            "pack": str(args.packed), "pack_identity": str(eng.pack_identity), "arch": eng.cfg.arch}
+    with atomic_path(out) as tmp:
+        save_file({"logits": logits.contiguous(), "tokens": torch.tensor(ids, dtype=torch.int64)}, str(tmp),
+                  metadata=meta)
+    tpath = Path(args.telemetry) if args.telemetry else out.parent / f"telemetry-{out.stem}.json"
+    telemetry.write(tpath, eng.telemetry())
+    print(f"wrote {out}: logits {tuple(logits.shape)} ({eng.executor}, {eng.regime}); telemetry {tpath}",
+          file=sys.stderr)
+    return 0

@@ -1,0 +1,1 @@
+"""Conformance: JSON Schema discovery and validation of every artifact, and the conformance summary."""

@@ -1,0 +1,459 @@
+"""The inference engine: a pack, the expert cache, an executor and the model, wired for generation.
+
+Stable Python API (the IFEval and campaign code call exactly this)::
+
+    from runmap.engine.engine import Engine
+    eng = Engine.from_pack(pack_dir, *, executor="grouped", resident=None, device=None, max_batch=8,
+                           max_seq_len=None, policy="lru", expert_format="int4", max_group=None,
+                           cuda_graphs=True, prefill_chunk=1024, fused=True)
+    results = eng.generate(prompts, *, max_new_tokens=128, temperature=0.0, top_p=1.0, seed=None,
+                           stop=(), chat=False, on_token=None)
+    eng.last_timing   # dict: prefill_s, decode_s, ttft_s, prompt_tokens, new_tokens, decode_tok_s, batch
+    eng.telemetry()   # dict valid under schemas/telemetry.schema.json (write it with runmap.engine.telemetry.write)
+    eng.logits(token_ids) -> float32 (T, V) logits of every position of one prompt
+    eng.close()
+
+Arguments:
+    pack_dir       a directory written by ``runmap pack`` (manifest.json, safetensors, tokenizer files)
+    executor       "reference" | "scalar" | "grouped" | "topk-fused" (runmap.kernels.executors); recorded in telemetry
+    resident       routed experts per layer kept on the device; None = all (full residency)
+    device         "cuda" / "cpu" / torch.device; None = cuda if available else cpu
+    max_batch      rows decoded together; longer prompt lists are processed in groups of max_batch
+    max_seq_len    KV cache length (prompt + new tokens); None = min(max_position_embeddings, 4096).
+                   The KV cache (max_batch x max_seq_len) is allocated once at startup.
+    policy         eviction policy of the cache (partial residency)
+    expert_format  "int4" (the product: qpacked experts through the cache and an executor) or "fp16"
+                   (BASELINE ONLY: every expert dequantized once to FP16 on the device, torch matmuls,
+                   no cache; exists so that the effect of compression can be isolated)
+    max_group      largest batch union leased at once (partial residency; default min(top_k x max_batch,
+                   resident // 2), at least top_k); larger unions are split into token groups
+    cuda_graphs    capture the decode step in CUDA graphs (full residency on CUDA only)
+    prefill_chunk  prompt tokens per prefill forward pass (bounds activation memory of long prompts)
+    fused          CUDA: fused Triton ops replacing torch sequences (runmap.kernels.fused_ops): True = DEFAULT_FUSED
+                   (prologue, norm, attn), or an iterable of FUSED_OPS names; False = pure torch. Ignored on CPU.
+    prompts        list[str] (tokenized with the pack's tokenizer; ``chat=True`` applies its chat template)
+                   or list[list[int]] (token ids, used as they are)
+    stop           stop strings; a row also stops on the tokenizer's / config's EOS id
+    on_token       streaming callback ``on_token(row, token_id, text_delta)`` (see runmap.engine.generation)
+    ignore_eos     benchmarks only: do not stop at EOS (every row generates max_new_tokens unless a stop string hits)
+    returns        list of GenerationResult(text, token_ids, finish_reason, prompt_tokens), in prompt order
+
+Residency: under full residency every expert row is published once at startup; the decode step reads
+static row tables and calls the executor with validate=False, so it is captured whole in a CUDA graph
+(one graph per (batch, KV-length bucket); attention reads only the bucket's KV prefix). Under partial
+residency every MoE call admits a request, leases the batch union of the routed ids (split into groups of at
+most max_group experts), runs the executor on the lease's rows, waits for the compute stream and releases,
+so no row is recycled while a queued kernel may still read it.
+"""
+from __future__ import annotations
+
+import time
+
+import torch
+
+from runmap.arch.config import ModelConfig
+from runmap.engine.generation import GenerationError, GenerationResult, generate_batch
+from runmap.engine.model import KVCache, Transformer, experts_dense_torch, load_weights
+
+from runmap.kernels.registry import EXECUTOR_NAMES as EXECUTORS, GRAPH_SAFE_EXECUTORS as GRAPH_EXECUTORS
+EXPERT_FORMATS = ("int4", "fp16")
+FUSED_OPS = ("prologue", "norm", "router", "attn")
+# Default on CUDA. The router is two launches (logits over many programs, then softmax + top-k): 5.4 us per
+# layer vs 16.5 us for torch's linear + softmax + topk on the H200 (results/kernels/explore/h200-decode.json).
+DEFAULT_FUSED = ("prologue", "norm", "router", "attn")
+
+
+class EngineError(ValueError):
+    """Bad engine arguments (executor, residency, format, device)."""
+
+
+def _moe_experts():
+    """The executors' entry point, imported on first use: it pulls in Triton, which must not be loaded
+    before the CLI has chosen its backend (TRITON_INTERPRET on a machine without CUDA)."""
+    from runmap.kernels.executors import moe_experts
+
+    return moe_experts
+
+
+# ---- routed-experts backends -------------------------------------------------------------------------
+
+class CachedExperts:
+    """Routed experts from the ExpertCache through an executor (the product path)."""
+
+    def __init__(self, cache, executor: str, layout, top_k: int):
+        self.cache, self.executor, self.layout, self.top_k = cache, executor, layout, top_k
+        self.full = cache.full_residency
+        self.num_layers = cache.num_layers
+        self.validate = True
+        self.moe = _moe_experts()
+        self._req = None
+        self.h2d_seconds = 0.0  # host wall time of acquisitions that ran a miss transaction
+        if self.full:
+            self.tables = [cache.static_row_table(l) for l in range(self.num_layers)]  # int32 (E,) each
+            self.storage = [cache.storage(l) for l in range(self.num_layers)]  # uint8 (R, row_bytes) each
+
+    # Full residency: one request per generate call, every layer leased whole (no miss can happen).
+    def begin(self):
+        if self.full and self._req is None:
+            self._req = self.cache.admit()
+            for layer in range(self.num_layers):
+                self._req.acquire_all(layer)
+
+    def end(self):
+        if self._req is not None:
+            if self.cache.device.type == "cuda":
+                torch.cuda.current_stream(self.cache.device).synchronize()
+            self._req.release()
+            self._req = None
+
+    def __call__(self, layer, x, ids, gw):
+        """x fp16 (N, H), ids int64 (N, k), gw fp32 (N, k) -> fp16 (N, H)."""
+        if self.full:
+            return self.moe(self.executor, x, ids, gw, self.storage[layer], self.tables[layer], self.layout,
+                            validate=self.validate)
+        out = torch.empty_like(x)
+        ids_h = ids.cpu()  # host decision: which experts to lease (partial residency only)
+        for rows in self._groups(ids_h):
+            req = self.cache.admit()
+            try:
+                sel = torch.as_tensor(rows, device=x.device)
+                misses0, t0 = self.cache.counters["misses"], time.perf_counter()
+                lease = req.acquire(layer, ids_h[rows])
+                if self.cache.counters["misses"] != misses0:
+                    self.h2d_seconds += time.perf_counter() - t0
+                out[sel] = self.moe(self.executor, x[sel].contiguous(), ids[sel], gw[sel], lease.storage,
+                                    lease.row_table, self.layout, validate=self.validate)
+                if x.is_cuda:  # the lease's rows must not be recycled while the kernel may still read them
+                    torch.cuda.current_stream(x.device).synchronize()
+            finally:
+                req.release()
+        return out
+
+    def _groups(self, ids_h: torch.Tensor) -> list[list[int]]:
+        """Split token rows so that each group's union of expert ids has at most max_group members."""
+        cap = self.cache.max_group
+        groups, cur, union = [], [], set()
+        for t, row in enumerate(ids_h.tolist()):
+            new = union | set(row)
+            if cur and len(new) > cap:
+                groups.append(cur)
+                cur, new = [], set(row)
+            cur.append(t)
+            union = new
+        if cur:
+            groups.append(cur)
+        return groups
+
+    def telemetry(self) -> dict:
+        return self.cache.telemetry()
+
+
+class DenseFp16Experts:
+    """BASELINE: every expert dequantized once to FP16 on the device; torch matmuls per unique expert.
+    No cache and no executor: used only to isolate what compression changes (never the product default)."""
+
+    def __init__(self, rows_per_layer, layout, device):
+        self.layout, self.device = layout, torch.device(device)
+        wdtype = torch.float16 if self.device.type == "cuda" else torch.float32  # CPU: see model.linear
+        self.w = []
+        for rows in rows_per_layer:  # uint8 (E, row_bytes) host
+            layer = []
+            for e in range(rows.shape[0]):
+                d = layout.dequantize_expert(rows[e].to(self.device))
+                layer.append(tuple(d[p].to(wdtype) for p in ("gate", "up", "down")))
+            self.w.append(layer)
+        self.validate = True
+        self.h2d_seconds = 0.0
+
+    def begin(self):
+        pass
+
+    def end(self):
+        pass
+
+    def __call__(self, layer, x, ids, gw):
+        return experts_dense_torch(x, ids, gw, lambda e: self.w[layer][e])
+
+    def nbytes(self) -> int:
+        return sum(t.numel() * t.element_size() for layer in self.w for exp in layer for t in exp)
+
+    def telemetry(self) -> None:
+        return None
+
+
+# ---- CUDA graph decode ----------------------------------------------------------------------------------
+
+class GraphDecoder:
+    """Decode steps of batch B captured as CUDA graphs, one per KV-length bucket.
+
+    Static inputs: tok int64 (B, 1), slot int64 (1,), pad int64 (B,); positions = slot - pad and the
+    attention mask are computed inside the graph, so a step costs two tiny copies and one replay."""
+
+    def __init__(self, engine: "Engine", batch: int, pool):
+        self.e, self.B, self.pool = engine, batch, pool
+        dev = engine.device
+        self.tok = torch.zeros(batch, 1, dtype=torch.long, device=dev)
+        self.slot = torch.zeros(1, dtype=torch.long, device=dev)
+        self.pad = torch.zeros(batch, dtype=torch.long, device=dev)
+        self.graphs: dict[int, tuple[torch.cuda.CUDAGraph, torch.Tensor]] = {}
+
+    def _step(self, n_keys):
+        e = self.e
+        pos = (self.slot - self.pad).unsqueeze(1)  # (B, 1)
+        e.experts.validate = False  # no host sync inside a graph: static tables of full residency
+        try:
+            return e.model.forward(self.tok, pos, e.kv, self.slot, self.pad, n_keys, e.experts)
+        finally:
+            e.experts.validate = True
+
+    def _capture(self, n_keys):
+        side = torch.cuda.Stream(self.e.device)
+        side.wait_stream(torch.cuda.current_stream())
+        with torch.cuda.stream(side):  # warm-up outside capture (cuBLAS handles, Triton compilation)
+            for _ in range(2):
+                self._step(n_keys)
+        torch.cuda.current_stream().wait_stream(side)
+        g = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(g, pool=self.pool):
+            out = self._step(n_keys)
+        self.graphs[n_keys] = (g, out)
+
+    def run(self, tok, slot: int, pad) -> torch.Tensor:
+        """tok int64 (B,), slot: KV slot of the new tokens, pad int64 (B,) -> float32 logits (B, V) (a static
+        buffer, valid until the next call)."""
+        n_keys = self.e.bucket(slot + 1)
+        self.tok.copy_(tok.view(self.B, 1))
+        self.slot.fill_(slot)
+        self.pad.copy_(pad)
+        if n_keys not in self.graphs:
+            self._capture(n_keys)
+        g, out = self.graphs[n_keys]
+        g.replay()
+        return out
+
+
+# ---- the engine -------------------------------------------------------------------------------------
+
+class Engine:
+    """See the module docstring for the API."""
+
+    def __init__(self, *, cfg: ModelConfig, model: Transformer, experts, tokenizer, device, executor: str,
+                 expert_format: str, max_batch: int, max_seq_len: int, cuda_graphs: bool, prefill_chunk: int,
+                 pack_dir: str, resident: int, load_s: float, pack_identity: str | None = None):
+        self.cfg, self.model, self.experts, self.tokenizer = cfg, model, experts, tokenizer
+        # the fp16 baseline runs no executor: record what actually computes the experts
+        self.device, self.expert_format = device, expert_format
+        self.executor = "torch-fp16" if expert_format == "fp16" else executor
+        self.max_batch, self.max_seq_len, self.prefill_chunk = max_batch, max_seq_len, prefill_chunk
+        self.pack_dir, self.resident, self.load_s = pack_dir, resident, load_s
+        self.pack_identity = pack_identity
+        self.kv = KVCache(cfg, max_batch, max_seq_len, device)
+        # reference and scalar synchronize with the host on every call, so they cannot be captured
+        self.use_graphs = bool(cuda_graphs and device.type == "cuda" and resident == cfg.num_experts
+                               and expert_format == "int4" and executor in GRAPH_EXECUTORS)
+        self._graphs: dict[int, GraphDecoder] = {}
+        self._pool = torch.cuda.graph_pool_handle() if self.use_graphs else None
+        self.last_timing: dict | None = None
+        self._runs: list[dict] = []
+        self._closed = False
+
+    @property
+    def regime(self) -> str:
+        return "full" if self.resident == self.cfg.num_experts else "partial"
+
+    @classmethod
+    def from_pack(cls, pack_dir, *, executor: str = "grouped", resident: int | None = None, device=None,
+                  max_batch: int = 8, max_seq_len: int | None = None, policy: str = "lru",
+                  expert_format: str = "int4", max_group: int | None = None, cuda_graphs: bool = True,
+                  prefill_chunk: int = 1024, fused=True) -> "Engine":
+        from runmap.format.packfile import PackReader
+        from runmap.engine.tokenization import Tokenizer
+
+        t0 = time.perf_counter()
+        if executor not in EXECUTORS:
+            raise EngineError(f"unknown executor {executor!r}; choose one of {list(EXECUTORS)}")
+        if expert_format not in EXPERT_FORMATS:
+            raise EngineError(f"unknown expert_format {expert_format!r}; choose one of {list(EXPERT_FORMATS)}")
+        device = torch.device(device if device is not None else ("cuda" if torch.cuda.is_available() else "cpu"))
+        if device.type == "cuda" and device.index is None:
+            device = torch.device("cuda", torch.cuda.current_device())
+        if max_batch < 1 or prefill_chunk < 1:
+            raise EngineError(f"max_batch ({max_batch}) and prefill_chunk ({prefill_chunk}) must be >= 1")
+        reader = PackReader(pack_dir)
+        cfg, layout, identity = reader.config, reader.layout, reader.identity
+        E = cfg.num_experts
+        resident = E if resident is None else int(resident)
+        if not 1 <= resident <= E:
+            raise EngineError(f"resident={resident} must be in [1, {E}] (experts per layer)")
+        if expert_format == "fp16" and resident != E:
+            raise EngineError("expert_format='fp16' is a full-residency baseline; it cannot be combined with resident")
+        if max_seq_len is None:
+            max_seq_len = min(cfg.max_position_embeddings, 4096)
+        tokenizer = Tokenizer(reader.tokenizer_dir, eos_token_id=cfg.eos_token_id)
+        weights = load_weights(reader.nonrouted, cfg, device)  # before the cache closes the reader
+        model = Transformer(cfg, weights)
+        fused_ops = frozenset(DEFAULT_FUSED if fused is True else (fused or ()))
+        unknown = fused_ops - set(FUSED_OPS)
+        if unknown:
+            raise EngineError(f"unknown fused ops {sorted(unknown)}; choose from {list(FUSED_OPS)}")
+        if device.type == "cuda":  # the fused ops are Triton kernels for the CUDA decode step only
+            model.fused = fused_ops
+        if expert_format == "fp16":
+            rows = [reader.read_expert_rows(l) for l in range(cfg.num_layers)]
+            for l, r in enumerate(rows):
+                reader.verify_expert_hashes(l, r)  # same startup check as the cache's host source
+            reader.close()
+            experts = DenseFp16Experts(rows, layout, device)
+            del rows
+        else:
+            from runmap.residency.cache import ExpertCache
+
+            if resident == E:
+                group = min(cfg.top_k * max_batch, E)
+            else:
+                group = max_group if max_group is not None else max(cfg.top_k, min(cfg.top_k * max_batch,
+                                                                                     resident // 2))
+            if group < cfg.top_k:
+                raise EngineError(f"max_group={group} is below top_k={cfg.top_k}: a single token's routed group "
+                                  "could never be served")
+            cache = ExpertCache.from_pack(reader, resident=resident, max_group=group, device=device, policy=policy)
+            experts = CachedExperts(cache, executor, layout, cfg.top_k)
+        if device.type == "cuda":
+            torch.cuda.synchronize(device)
+        return cls(cfg=cfg, model=model, experts=experts, tokenizer=tokenizer, device=device, executor=executor,
+                   expert_format=expert_format, max_batch=max_batch, max_seq_len=max_seq_len,
+                   cuda_graphs=cuda_graphs, prefill_chunk=prefill_chunk, pack_dir=str(pack_dir),
+                   resident=resident, load_s=time.perf_counter() - t0, pack_identity=identity)
+
+    # ---- StepModel (runmap.engine.generation) ----------------------------------------------------------------
+    def bucket(self, n: int) -> int:
+        """KV prefix length attended by a decode step that needs n keys (powers of two from 256; graphs)."""
+        b = 256
+        while b < n:
+            b *= 2
+        return min(b, self.max_seq_len)
+
+    def prefill(self, tokens: torch.Tensor, pad: torch.Tensor, all_logits: bool = False) -> torch.Tensor:
+        """tokens int64 (B, P), pad int64 (B,) (device) -> float32 (B, V) (or (B, P, V) with all_logits).
+        Chunks of ``prefill_chunk`` tokens bound the activation memory of long prompts."""
+        B, P = tokens.shape
+        padded = bool(pad.any().item())
+        outs = []
+        for s0 in range(0, P, self.prefill_chunk):
+            s1 = min(P, s0 + self.prefill_chunk)
+            slots = torch.arange(s0, s1, device=self.device)  # (t,)
+            pos = (slots[None, :] - pad[:, None]).clamp_(min=0)  # (B, t)
+            mask = (slots[None, :] >= pad[:, None]).reshape(-1) if padded else None  # (B*t,) real tokens
+            out = self.model.forward(tokens[:, s0:s1], pos, self.kv, slots, pad, s1, self.experts,
+                                     token_mask=mask, causal_fresh=(s0 == 0 and not padded),
+                                     all_logits=all_logits)
+            if all_logits or s1 == P:
+                outs.append(out)
+        return torch.cat(outs, dim=1) if all_logits else outs[-1]
+
+    def decode(self, tokens: torch.Tensor, slot: int, pad: torch.Tensor) -> torch.Tensor:
+        """tokens int64 (B,), slot int, pad int64 (B,) -> float32 (B, V)."""
+        B = tokens.shape[0]
+        if self.use_graphs:
+            if B not in self._graphs:
+                self._graphs[B] = GraphDecoder(self, B, self._pool)
+            return self._graphs[B].run(tokens, slot, pad)
+        slots = torch.tensor([slot], device=self.device)
+        pos = (slots - pad).unsqueeze(1)  # (B, 1)
+        # On CUDA the fused decode attention takes the key count as a constexpr: attending a bucket (keys past
+        # the slot are masked, exactly as in graph mode) keeps it to a few compiled variants instead of one
+        # per KV length.
+        n_keys = self.bucket(slot + 1) if self.device.type == "cuda" else slot + 1
+        return self.model.forward(tokens.view(B, 1), pos, self.kv, slots, pad, n_keys, self.experts)
+
+    def reset_graphs(self) -> None:
+        """Drop every captured decode graph and its memory pool (after changing executor / fused ops)."""
+        if self.device.type == "cuda":
+            torch.cuda.synchronize(self.device)
+        self._graphs.clear()
+        if self.use_graphs:
+            self._pool = torch.cuda.graph_pool_handle()
+
+    # ---- public API ---------------------------------------------------------------------------------------
+    def encode(self, prompt, chat: bool = False) -> list[int]:
+        if isinstance(prompt, str):
+            return self.tokenizer.encode_chat(prompt) if chat else self.tokenizer.encode(prompt)
+        ids = [int(t) for t in prompt]
+        if any(not 0 <= t < self.cfg.vocab_size for t in ids):
+            raise GenerationError(f"token ids must be in [0, {self.cfg.vocab_size}); got {ids}")
+        return ids
+
+    @torch.inference_mode()
+    def generate(self, prompts, *, max_new_tokens: int = 128, temperature: float = 0.0, top_p: float = 1.0,
+                 seed: int | None = None, stop=(), chat: bool = False, on_token=None,
+                 ignore_eos: bool = False) -> list[GenerationResult]:
+        self._check_open()
+        if isinstance(prompts, str) or (prompts and isinstance(prompts[0], int)):
+            raise GenerationError("prompts must be a list of strings or a list of token-id lists")
+        ids = [self.encode(p, chat) for p in prompts]
+        pad_id = self.cfg.pad_token_id if self.cfg.pad_token_id is not None else 0
+        results, timings = [], []
+        self.experts.begin()
+        try:
+            for g0 in range(0, len(ids), self.max_batch):
+                res, tim = generate_batch(
+                    self, ids[g0:g0 + self.max_batch], max_new_tokens=max_new_tokens, pad_id=pad_id,
+                    eos_ids=frozenset() if ignore_eos else self.tokenizer.eos_ids, decode=self.tokenizer.decode, stop=tuple(stop),
+                    temperature=temperature, top_p=top_p, on_token=on_token, row_offset=g0,
+                    # each group of max_batch prompts draws from its own stream, so equal prompts in
+                    # different groups do not repeat each other's samples
+                    seed=None if seed is None else seed + g0)
+                results += res
+                timings.append(tim)
+        finally:
+            self.experts.end()
+        t = {k: sum(getattr(x, k) for x in timings) for k in ("prefill_s", "decode_s", "prompt_tokens",
+                                                              "new_tokens", "batch")}
+        t["ttft_s"] = timings[0].ttft_s if timings else 0.0
+        dec_tokens = max(t["new_tokens"] - sum(x.batch for x in timings), 0)
+        t["decode_tok_s"] = dec_tokens / t["decode_s"] if t["decode_s"] > 0 else 0.0
+        t["groups"] = len(timings)
+        self.last_timing = t
+        self._runs.append(t)
+        return results
+
+    @torch.inference_mode()
+    def logits(self, token_ids) -> torch.Tensor:
+        """float32 (T, V) logits of every position of one prompt (token ids), computed by a prefill."""
+        self._check_open()
+        ids = self.encode(token_ids)
+        if not ids or len(ids) > self.max_seq_len:
+            raise GenerationError(f"need 1..{self.max_seq_len} tokens, got {len(ids)}")
+        tokens = torch.tensor([ids], device=self.device)
+        self.experts.begin()
+        try:
+            out = self.prefill(tokens, torch.zeros(1, dtype=torch.long, device=self.device), all_logits=True)
+        finally:
+            self.experts.end()
+        return out[0].cpu()
+
+    def telemetry(self) -> dict:
+        self._check_open()
+        from runmap.engine.telemetry import build
+
+        return build(self)
+
+    def close(self) -> None:
+        """Release the device memory the engine holds (expert rows, non-routed weights, KV cache, CUDA
+        graphs) by dropping every reference to it; later calls raise EngineError. Idempotent."""
+        if self._closed:
+            return
+        self.experts.end()  # a held full-residency request is released before its rows are dropped
+        if self.device.type == "cuda":
+            torch.cuda.synchronize(self.device)
+        self._graphs.clear()
+        self._pool = None
+        self.kv = self.model = self.experts = None
+        self._closed = True
+        if self.device.type == "cuda":
+            torch.cuda.empty_cache()
+
+    def _check_open(self) -> None:
+        if self._closed:
+            raise EngineError(f"engine on {self.pack_dir} is closed; build a new one with Engine.from_pack")
+

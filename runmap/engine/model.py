@@ -1,0 +1,384 @@
+"""The whole model in one file: OLMoE and Qwen2-MoE decoder stacks over qpacked routed experts.
+
+What runs where (DESIGN.md §1):
+
+* Non-routed path (embeddings, attention, norms, router, the Qwen shared expert and its gate, lm_head):
+  FP16 weights. On CUDA every matmul is a true FP16 matmul (FP32 accumulation inside cuBLAS). On CPU,
+  FP16 matmuls are slow and imprecise in torch, so there each matmul computes in FP32 from the FP16
+  weights and rounds the result back to FP16: activations between ops are FP16 on both devices.
+* RMSNorm, RoPE, softmax (attention and router) compute in FP32 and store FP16.
+* Router logits are computed in FP32 from the FP16 router weight (a 64 x 2048 GEMV: negligible cost),
+  so routing decisions match an FP32 reference as closely as possible; top-k is never renormalised
+  unless the config says ``norm_topk_prob``.
+* Routed experts are NOT computed here: every MoE layer calls ``experts(layer, x, topk_ids, topk_weights)``,
+  which the engine wires to the expert cache and an executor (runmap.kernels.executors.moe_experts).
+
+Architecture facts mirrored from transformers' modeling_olmoe / modeling_qwen2_moe:
+
+* OLMoE: q_norm / k_norm are RMSNorms over the FULL projected q (H) and k (Hkv * D), applied before the
+  heads are split and before RoPE. No biases. Router: softmax over experts, top-8.
+* Qwen2-MoE: q/k/v projections have biases, o_proj has none. Shared expert = SiLU-gated MLP scaled by
+  sigmoid(shared_expert_gate(x)) (a (1, H) weight), added to the routed output.
+* RoPE: rotate-half convention, inv_freq = theta^(-2i/D), cos/sin of (position * inv_freq) duplicated.
+
+KV cache layout: ``k``, ``v`` float16 (L, B, Hkv, S, D), written at slot indices given as a device tensor
+(so a decode step can be captured in a CUDA graph); attention masks are built on the device from
+``slots`` and per-row ``pad`` counts (left padding).
+"""
+from __future__ import annotations
+
+import dataclasses
+from typing import Callable
+
+import torch
+import torch.nn.functional as F
+
+from runmap.arch.config import ModelConfig
+
+# experts(layer, x fp16 (N, H), topk_ids int64 (N, k), topk_weights fp32 (N, k)) -> fp16 (N, H)
+ExpertsFn = Callable[[int, torch.Tensor, torch.Tensor, torch.Tensor], torch.Tensor]
+
+
+# The fused decode attention runs one program per (row, head) over the KV prefix: right for short
+# prefixes; longer ones go to SDPA (at 4,096 keys the fused kernel measured 158 tok/s vs 486 with SDPA).
+DECODE_ATTN_MAX_KEYS = 512
+
+
+class ModelError(ValueError):
+    """A pack is missing a non-routed tensor or a tensor has the wrong shape."""
+
+
+# ---- numerics helpers --------------------------------------------------------------------------
+
+def linear(x: torch.Tensor, w: torch.Tensor, b: torch.Tensor | None = None) -> torch.Tensor:
+    """x fp16 (..., K) @ w fp16 (N, K)^T (+ b fp16 (N,)) -> fp16 (..., N).
+    CUDA: FP16 matmul. CPU: FP32 compute from the FP16 values, FP16 result (see module docstring)."""
+    if x.is_cuda:
+        return F.linear(x, w, b)
+    return F.linear(x.float(), w.float(), None if b is None else b.float()).to(x.dtype)
+
+
+def rms_norm(x: torch.Tensor, w: torch.Tensor, eps: float) -> torch.Tensor:
+    """x fp16 (..., N), w fp16 (N,) -> fp16 (..., N); statistics in FP32.
+    CUDA: torch's fused rms_norm (one launch; FP32 math inside for FP16 inputs)."""
+    if x.is_cuda:
+        return F.rms_norm(x, (x.shape[-1],), w, eps)
+    x32 = x.float()
+    y = x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + eps)  # (..., N) fp32
+    return (y * w.float()).to(x.dtype)
+
+
+def rope_cos_sin(positions: torch.Tensor, inv_freq: torch.Tensor):
+    """positions int64 (B, T), inv_freq fp32 (D/2,) -> cos, sin fp32 (B, 1, T, D)."""
+    freqs = positions.float().unsqueeze(-1) * inv_freq  # (B, T, D/2)
+    emb = torch.cat((freqs, freqs), dim=-1)  # (B, T, D)
+    return emb.cos().unsqueeze(1), emb.sin().unsqueeze(1)
+
+
+def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    """x fp16 (B, nh, T, D), cos/sin fp32 (B, 1, T, D) -> fp16 (B, nh, T, D) (rotate-half form)."""
+    x32 = x.float()
+    half = x32.shape[-1] // 2
+    rot = torch.cat((-x32[..., half:], x32[..., :half]), dim=-1)  # (B, nh, T, D)
+    return (x32 * cos + rot * sin).to(x.dtype)
+
+
+def route(h: torch.Tensor, router32: torch.Tensor, top_k: int, norm_topk_prob: bool):
+    """h fp16 (N, H), router32 fp32 (E, H) -> topk_ids int64 (N, k), topk_weights fp32 (N, k)."""
+    logits = F.linear(h.float(), router32)  # (N, E) fp32
+    probs = torch.softmax(logits, dim=-1)  # (N, E)
+    w, ids = torch.topk(probs, top_k, dim=-1)  # (N, k), (N, k)
+    if norm_topk_prob:
+        w = w / w.sum(dim=-1, keepdim=True)
+    return ids, w
+
+
+# ---- weights ----------------------------------------------------------------------------------
+
+@dataclasses.dataclass
+class LayerWeights:
+    attn_norm: torch.Tensor  # (H,)
+    qkv: torch.Tensor  # (nh*D + 2*nkv*D, H) fused q, k, v projections
+    qkv_bias: torch.Tensor | None  # (nh*D + 2*nkv*D,) Qwen2-MoE only
+    o: torch.Tensor  # (H, nh*D)
+    q_norm: torch.Tensor | None  # (nh*D,) OLMoE only
+    k_norm: torch.Tensor | None  # (nkv*D,) OLMoE only
+    mlp_norm: torch.Tensor  # (H,)
+    router32: torch.Tensor  # (E, H) fp32 copy of the fp16 router weight (see module docstring)
+    shared_gate_up: torch.Tensor | None  # (2*Is, H) Qwen2-MoE shared expert gate|up
+    shared_down: torch.Tensor | None  # (H, Is)
+    shared_expert_gate: torch.Tensor | None  # (1, H)
+
+
+@dataclasses.dataclass
+class Weights:
+    embed: torch.Tensor  # (V, H)
+    layers: list[LayerWeights]
+    final_norm: torch.Tensor  # (H,)
+    lm_head: torch.Tensor  # (V, H) (the embedding when tied)
+    inv_freq: torch.Tensor  # (D/2,) fp32
+
+    def nbytes(self) -> int:
+        seen, total = set(), 0
+        tensors = [self.embed, self.final_norm, self.lm_head, self.inv_freq]
+        for lw in self.layers:
+            tensors += [t for t in dataclasses.astuple(lw) if isinstance(t, torch.Tensor)]
+        for t in tensors:
+            if t.data_ptr() not in seen:
+                seen.add(t.data_ptr())
+                total += t.numel() * t.element_size()
+        return total
+
+
+def nonrouted_names(cfg: ModelConfig) -> list[str]:
+    """The HF tensor names the model needs from a pack (lm_head omitted when tied)."""
+    names = ["model.embed_tokens.weight", "model.norm.weight"]
+    if not cfg.tie_word_embeddings:
+        names.append("lm_head.weight")
+    for i in range(cfg.num_layers):
+        p = f"model.layers.{i}."
+        names += [p + "input_layernorm.weight", p + "post_attention_layernorm.weight", p + "mlp.gate.weight"]
+        names += [p + f"self_attn.{n}_proj.weight" for n in "qkvo"]
+        if cfg.qkv_bias:
+            names += [p + f"self_attn.{n}_proj.bias" for n in "qkv"]
+        if cfg.qk_norm:
+            names += [p + "self_attn.q_norm.weight", p + "self_attn.k_norm.weight"]
+        if cfg.shared_expert_intermediate_size:
+            names += [p + f"mlp.shared_expert.{n}_proj.weight" for n in ("gate", "up", "down")]
+            names.append(p + "mlp.shared_expert_gate.weight")
+    return names
+
+
+def load_weights(get: Callable[[str], torch.Tensor], cfg: ModelConfig, device) -> Weights:
+    """Build ``Weights`` from ``get(hf_name) -> fp16 tensor`` (e.g. PackReader.nonrouted).
+    Each tensor is checked for dtype and shape; fused tensors (qkv, shared gate|up) are built on device."""
+    H, D, nh, nkv = cfg.hidden_size, cfg.head_dim, cfg.num_heads, cfg.num_kv_heads
+    Is, E, V = cfg.shared_expert_intermediate_size, cfg.num_experts, cfg.vocab_size
+
+    def t(name, shape):
+        x = get(name)
+        if x.dtype != torch.float16:
+            raise ModelError(f"{name}: expected float16, got {x.dtype}")
+        if tuple(x.shape) != tuple(shape):
+            raise ModelError(f"{name}: shape {tuple(x.shape)}, expected {tuple(shape)}")
+        return x.to(device)
+
+    layers = []
+    for i in range(cfg.num_layers):
+        p = f"model.layers.{i}."
+        a = p + "self_attn."
+        qkv = torch.cat([t(a + "q_proj.weight", (nh * D, H)), t(a + "k_proj.weight", (nkv * D, H)),
+                         t(a + "v_proj.weight", (nkv * D, H))], dim=0)  # (nh*D + 2*nkv*D, H)
+        qkv_bias = None
+        if cfg.qkv_bias:
+            qkv_bias = torch.cat([t(a + "q_proj.bias", (nh * D,)), t(a + "k_proj.bias", (nkv * D,)),
+                                  t(a + "v_proj.bias", (nkv * D,))])
+        sg = sd = sgate = None
+        if Is:
+            m = p + "mlp.shared_expert."
+            sg = torch.cat([t(m + "gate_proj.weight", (Is, H)), t(m + "up_proj.weight", (Is, H))], dim=0)
+            sd = t(m + "down_proj.weight", (H, Is))
+            sgate = t(p + "mlp.shared_expert_gate.weight", (1, H))
+        layers.append(LayerWeights(
+            attn_norm=t(p + "input_layernorm.weight", (H,)),
+            qkv=qkv, qkv_bias=qkv_bias,
+            o=t(a + "o_proj.weight", (H, nh * D)),
+            q_norm=t(a + "q_norm.weight", (nh * D,)) if cfg.qk_norm else None,
+            k_norm=t(a + "k_norm.weight", (nkv * D,)) if cfg.qk_norm else None,
+            mlp_norm=t(p + "post_attention_layernorm.weight", (H,)),
+            router32=t(p + "mlp.gate.weight", (E, H)).float(),
+            shared_gate_up=sg, shared_down=sd, shared_expert_gate=sgate,
+        ))
+    embed = t("model.embed_tokens.weight", (V, H))
+    lm_head = embed if cfg.tie_word_embeddings else t("lm_head.weight", (V, H))
+    inv_freq = 1.0 / (cfg.rope_theta ** (torch.arange(0, D, 2, dtype=torch.float32, device=device) / D))
+    return Weights(embed, layers, t("model.norm.weight", (H,)), lm_head, inv_freq)
+
+
+# ---- KV cache -----------------------------------------------------------------------------------
+
+class KVCache:
+    """Preallocated keys and values: float16 (L, B, Hkv, S, D) each, allocated once per engine."""
+
+    def __init__(self, cfg: ModelConfig, max_batch: int, max_seq_len: int, device, dtype=torch.float16):
+        shape = (cfg.num_layers, max_batch, cfg.num_kv_heads, max_seq_len, cfg.head_dim)
+        self.k = torch.zeros(shape, dtype=dtype, device=device)
+        self.v = torch.zeros(shape, dtype=dtype, device=device)
+        self.max_batch, self.max_seq_len = max_batch, max_seq_len
+
+    def nbytes(self) -> int:
+        return 2 * self.k.numel() * self.k.element_size()
+
+
+def attention_mask(slots: torch.Tensor, pad: torch.Tensor, n_keys: int) -> torch.Tensor:
+    """Boolean mask (B, 1, T, n_keys): query at slot s of row b sees key slot j iff pad[b] <= j <= s.
+    A padding query (s < pad[b]) sees only itself, so its softmax is never empty (its output is unused).
+    slots int64 (T,) query slots, pad int64 (B,) left-padding counts."""
+    j = torch.arange(n_keys, device=slots.device)  # (S,)
+    causal = j[None, :] <= slots[:, None]  # (T, S)
+    valid = j[None, :] >= pad[:, None]  # (B, S)
+    m = causal[None] & valid[:, None, :]  # (B, T, S)
+    m = m | (j[None, None, :] == slots[None, :, None])  # (B, T, S) every query sees its own slot
+    return m.unsqueeze(1)
+
+
+# ---- the model --------------------------------------------------------------------------------
+
+class Transformer:
+    """Decoder stack for OLMoE / Qwen2-MoE. Stateless apart from the weights; the KV cache and the
+    routed-experts function are passed in, so the engine owns residency and CUDA graphs."""
+
+    def __init__(self, cfg: ModelConfig, weights: Weights):
+        if cfg.arch not in ("olmoe", "qwen2_moe"):
+            raise ModelError(f"unsupported architecture {cfg.arch!r}")
+        self.cfg, self.w = cfg, weights
+        self.route_log: list | None = None  # set to [] to record (layer, topk_ids cpu) per MoE call
+        # CUDA only: which fused Triton ops (runmap.kernels.fused_ops) replace torch sequences; empty = pure torch.
+        # "prologue": q/k norm + RoPE + KV write; "norm": residual add + RMSNorm; "router": logits + softmax
+        # + top-k; "attn": decode attention (T = 1)
+        self.fused: frozenset = frozenset()
+
+    def moe_block(self, layer: int, h: torch.Tensor, experts: ExpertsFn, token_mask: torch.Tensor | None):
+        """h fp16 (N, H) -> fp16 (N, H). token_mask bool (N,) selects the rows that are routed (padding
+        rows are left out of the batch union and get a zero routed output); None = all rows."""
+        cfg, lw = self.cfg, self.w.layers[layer]
+        hr = h if token_mask is None else h[token_mask]  # (n, H)
+        if "router" in self.fused and cfg.top_k & (cfg.top_k - 1) == 0:  # the kernel tiles k as a power of two
+            from runmap.kernels.fused_ops import route_fused
+
+            ids, gw = route_fused(hr.contiguous(), lw.router32, cfg.top_k, cfg.norm_topk_prob)  # (n, k) each
+        else:
+            ids, gw = route(hr, lw.router32, cfg.top_k, cfg.norm_topk_prob)  # (n, k) each
+        if self.route_log is not None:
+            self.route_log.append((layer, ids.cpu()))
+        y = experts(layer, hr.contiguous(), ids, gw)  # (n, H) fp16
+        if token_mask is not None:
+            full = torch.zeros_like(h)
+            full[token_mask] = y
+            y = full
+        if lw.shared_gate_up is not None:
+            gu = linear(h, lw.shared_gate_up)  # (N, 2*Is)
+            g, u = gu.chunk(2, dim=-1)
+            s = linear((F.silu(g.float()) * u.float()).to(h.dtype), lw.shared_down)  # (N, H)
+            gate = torch.sigmoid(linear(h, lw.shared_expert_gate).float())  # (N, 1) fp32
+            y = (y.float() + gate * s.float()).to(h.dtype)
+        return y
+
+    def attention(self, layer, h, positions, rope, kv: KVCache, slots, pad, mask, n_keys):
+        """h fp16 (B, T, H) -> fp16 (B, T, H); writes k, v at ``slots`` (int64 (T,)) of rows 0..B-1.
+        rope: (cos, sin) fp32 (B, 1, T, D) for the torch prologue; mask: bool (B, 1, T, n_keys), or None for
+        plain causal attention (prefill from slot 0 without padding)."""
+        cfg, lw = self.cfg, self.w.layers[layer]
+        B, T, _ = h.shape
+        nh, nkv, D = cfg.num_heads, cfg.num_kv_heads, cfg.head_dim
+        qkv = linear(h, lw.qkv, lw.qkv_bias)  # (B, T, (nh + 2 nkv) D)
+        kc, vc = kv.k[layer, :B], kv.v[layer, :B]  # (B, nkv, S, D) views
+        if "prologue" in self.fused:
+            from runmap.kernels.fused_ops import qk_norm_rope_kv
+
+            q = qk_norm_rope_kv(qkv, lw.q_norm, lw.k_norm, positions, slots, self.w.inv_freq, kc, vc,
+                                num_heads=nh, num_kv_heads=nkv, eps=cfg.rms_norm_eps)  # (B, nh, T, D)
+        else:
+            q, k, v = qkv.split([nh * D, nkv * D, nkv * D], dim=-1)
+            if lw.q_norm is not None:  # OLMoE: RMSNorm over the whole projection, before head split and RoPE
+                q = rms_norm(q, lw.q_norm, cfg.rms_norm_eps)
+                k = rms_norm(k, lw.k_norm, cfg.rms_norm_eps)
+            q = q.reshape(B, T, nh, D).transpose(1, 2)  # (B, nh, T, D)
+            k = k.reshape(B, T, nkv, D).transpose(1, 2)  # (B, nkv, T, D)
+            v = v.reshape(B, T, nkv, D).transpose(1, 2)
+            cos, sin = rope
+            q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
+            kc.index_copy_(2, slots, k)
+            vc.index_copy_(2, slots, v)
+        if T == 1 and "attn" in self.fused and n_keys <= DECODE_ATTN_MAX_KEYS:
+            from runmap.kernels.fused_ops import decode_attention
+
+            o = decode_attention(q.contiguous(), kc, vc, slots, pad, n_keys)  # (B, 1, nh*D)
+            return linear(o, lw.o)
+        keys, vals = kc[:, :, :n_keys], vc[:, :, :n_keys]  # (B, nkv, n_keys, D)
+        gqa = nkv != nh
+        if q.is_cuda:
+            if mask is None:  # prefill from slot 0 without padding: plain causal (flash) attention
+                o = F.scaled_dot_product_attention(q, keys, vals, is_causal=True, enable_gqa=gqa)
+            else:
+                o = F.scaled_dot_product_attention(q, keys, vals, attn_mask=mask, enable_gqa=gqa)
+        else:
+            if mask is None:
+                mask = attention_mask(slots, torch.zeros(B, dtype=torch.long), n_keys)
+            o = F.scaled_dot_product_attention(q.float(), keys.float(), vals.float(), attn_mask=mask,
+                                               enable_gqa=gqa).to(h.dtype)
+        o = o.transpose(1, 2).reshape(B, T, nh * D)  # (B, T, nh*D)
+        return linear(o, lw.o)
+
+    def forward(self, tokens, positions, kv: KVCache, slots, pad, n_keys: int, experts: ExpertsFn, *,
+                token_mask=None, causal_fresh=False, all_logits=False):
+        """One forward pass over T new tokens per row.
+
+        tokens     int64 (B, T) token ids (any id at padding positions)
+        positions  int64 (B, T) RoPE positions (per row: slot - pad)
+        kv         KVCache; rows 0..B-1 used, new keys written at ``slots``
+        slots      int64 (T,) KV slots of the new tokens (same for every row: left padding)
+        pad        int64 (B,) left-padding count of each row
+        n_keys     attend to KV slots [0, n_keys) (>= max(slots) + 1); a Python int
+        experts    routed-experts function (see ExpertsFn)
+        token_mask bool (B*T,) rows routed to experts (None = all)
+        causal_fresh  True when slots = 0..T-1 and no row is padded (allows causal flash attention)
+        all_logits return logits for every position (B, T, V) instead of the last (B, V)
+        returns    float32 logits
+        """
+        cfg, w = self.cfg, self.w
+        B, T = tokens.shape
+        x = w.embed[tokens]  # (B, T, H) fp16
+        rope = None if "prologue" in self.fused else rope_cos_sin(positions, w.inv_freq)  # (B, 1, T, D) x2
+        need_mask = not causal_fresh and not (T == 1 and "attn" in self.fused and n_keys <= DECODE_ATTN_MAX_KEYS)
+        mask = attention_mask(slots, pad, n_keys) if need_mask else None  # (B, 1, T, n_keys), once per pass
+        eps = cfg.rms_norm_eps
+        if "norm" in self.fused:
+            from runmap.kernels.fused_ops import add_rms_norm
+
+            norms = [lw.attn_norm for lw in w.layers] + [w.final_norm]
+            _, h = add_rms_norm(x, None, norms[0], eps)
+            for layer, lw in enumerate(w.layers):
+                a = self.attention(layer, h, positions, rope, kv, slots, pad, mask, n_keys)  # (B, T, H)
+                x, h = add_rms_norm(x, a, lw.mlp_norm, eps)
+                y = self.moe_block(layer, h.reshape(B * T, -1), experts, token_mask).reshape(B, T, -1)
+                x, h = add_rms_norm(x, y, norms[layer + 1], eps)  # next layer's input norm, or the final norm
+            if not all_logits:
+                h = h[:, -1]  # (B, H): only the last position is sampled from
+            return linear(h, w.lm_head).float()
+        for layer, lw in enumerate(w.layers):
+            h = rms_norm(x, lw.attn_norm, eps)
+            x = x + self.attention(layer, h, positions, rope, kv, slots, pad, mask, n_keys)
+            h = rms_norm(x, lw.mlp_norm, eps).reshape(B * T, -1)  # (B*T, H)
+            x = x + self.moe_block(layer, h, experts, token_mask).reshape(B, T, -1)
+        if not all_logits:
+            x = x[:, -1]  # (B, H): only the last position is sampled from
+        x = rms_norm(x, w.final_norm, eps)
+        return linear(x, w.lm_head).float()  # (B, V) or (B, T, V)
+
+
+# ---- torch reference for routed experts (tests and the fp16 baseline) -----------------------------
+
+def experts_dense_torch(x: torch.Tensor, ids: torch.Tensor, gw: torch.Tensor, get_expert) -> torch.Tensor:
+    """Routed experts by plain torch, one routed expert at a time (one host sync per call; not for CUDA graphs).
+
+    x fp16 (N, H), ids int64 (N, k), gw fp32 (N, k),
+    get_expert(e) -> (gate (I, H), up (I, H), down (H, I)) float tensors on x.device.
+    Returns fp16 (N, H); accumulation in FP32 (dtype of the expert weights decides the matmul dtype)."""
+    n, k = ids.shape
+    out = torch.zeros(x.shape, dtype=torch.float32, device=x.device)  # (N, H)
+    flat = ids.reshape(-1)  # (N*k,) pair p = (row p // k, slot p % k)
+    order = torch.argsort(flat, stable=True)  # (N*k,) pairs grouped by expert
+    experts, counts = torch.unique_consecutive(flat[order], return_counts=True)
+    rows_sorted = order // k  # (N*k,)
+    w_sorted = gw.reshape(-1)[order]  # (N*k,)
+    start = 0
+    for e, c in zip(experts.tolist(), counts.tolist()):  # the one host sync
+        rows, w = rows_sorted[start:start + c], w_sorted[start:start + c]  # (c,), (c,)
+        start += c
+        g, u, d = get_expert(e)
+        xe = x[rows].to(g.dtype)  # (c, H)
+        a = F.silu(F.linear(xe, g).float()) * F.linear(xe, u).float()  # (c, I) fp32
+        y = F.linear(a.to(d.dtype), d).float()  # (c, H)
+        out.index_add_(0, rows, y * w[:, None])
+    return out.to(x.dtype)

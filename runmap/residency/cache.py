@@ -1,0 +1,563 @@
+"""resident-qpacked-cache-v1: the expert residency cache (DESIGN.md §4; every rule there holds here).
+
+Vocabulary
+----------
+* **Storage**: per layer one device tensor uint8 (R, row_bytes), R = resident + spares, fixed at startup.
+  A row is *published* (mapped in the current generation), a *free spare*, *fenced* (a spare whose last
+  copy may still be in flight after an aborted transaction), or *retiring* (dropped from the mapping
+  while a live request may still read it through an older generation).
+* **Generation**: an immutable, numbered mapping (layer, expert) -> row plus one int32 (E,) device
+  row table per layer (-1 = not mapped). Publication is one reference assignment.
+* **Request** (``cache.admit()``): pins the generation current at admission (and every newer one it
+  leases from) until ``release()``. **Lease** (``req.acquire(layer, ids)``): the batch union of one
+  layer, all mapped in the lease's generation.
+* **Miss transaction** (serialized): reserve free spares and staging buffers, host -> staging ->
+  device row per missing expert (event per copy), wait for every event, upload the new row table,
+  publish the complete group atomically. Eviction only drops mappings; victim rows become spares when
+  no live request pins a generation that maps them.
+* **Failures**: before publication -> ``TransactionAborted`` (spares and staging back, rows with an
+  unfinished copy fenced until its event completes, the old generation stays authoritative); after
+  publication -> FAULTED, every later admission or acquisition raises ``CacheFaultedError``.
+
+The same code runs with CPU tensors (``CpuTransport``) and on CUDA (``CudaTransport``).
+"""
+from __future__ import annotations
+
+import dataclasses
+import threading
+from collections import Counter
+from types import MappingProxyType
+
+import torch
+
+from runmap.residency.eviction import make_policy
+from runmap.residency.host_source import HostSource
+from runmap.residency.observations import all_zero, cache_observations
+from runmap.residency.transport import Transport, TransferError, default_transport
+
+CONTRACT_ID = "resident-qpacked-cache-v1"
+
+
+class CacheError(RuntimeError):
+    """Base class of cache runtime errors."""
+
+
+class CacheConfigError(ValueError):
+    """Startup refused: capacity, budget or arguments cannot satisfy the contract."""
+
+
+class CacheFaultedError(CacheError):
+    """The cache is FAULTED after an ambiguous failure following a publication; nothing is admitted."""
+
+
+class CacheBusyError(CacheError):
+    """A miss cannot proceed now (spare rows or evictable experts are held by live requests).
+    Nothing changed; release requests and retry."""
+
+
+class TransactionAborted(CacheError):
+    """A miss transaction failed before publication; the previous generation is still authoritative."""
+
+
+@dataclasses.dataclass(frozen=True)
+class Generation:
+    number: int
+    maps: tuple  # per layer: MappingProxyType {expert: row}
+    tables: tuple  # per layer: int32 (E,) device tensor, -1 where unmapped
+
+
+@dataclasses.dataclass(frozen=True)
+class Lease:
+    """A layer's routed group on one generation. ``row_table`` int32 (E,) device tensor, ``storage``
+    uint8 (R, row_bytes) device tensor, ``rows`` {expert: row} for the group only."""
+
+    layer: int
+    experts: tuple
+    generation: int
+    row_table: torch.Tensor
+    storage: torch.Tensor
+    rows: MappingProxyType
+
+
+_RESERVED = object()  # staging buffer taken by the running transaction, copy not issued yet
+
+
+class _Staging:
+    __slots__ = ("index", "tensor", "event", "uses")
+
+    def __init__(self, index, tensor):
+        self.index, self.tensor, self.event, self.uses = index, tensor, None, 0
+
+
+class Request:
+    """One admitted request: a context manager; ``acquire`` per layer, ``release`` at the end."""
+
+    def __init__(self, cache: "ExpertCache", gen: Generation, rid: int):
+        self._cache = cache
+        self.id = rid
+        self.generation = gen.number  # latest generation this request captured
+        self._gen = gen
+        self.pins: set[int] = {gen.number}
+        self.leases: list[Lease] = []
+        self.released = False
+
+    def acquire(self, layer: int, expert_ids) -> Lease:
+        """Lease the batch union of ``expert_ids`` (int tensor of any shape, or iterable) in ``layer``."""
+        return self._cache._acquire(self, layer, expert_ids)
+
+    def acquire_all(self, layer: int) -> Lease:
+        """Lease every expert of ``layer`` (full residency only: no miss can happen)."""
+        if not self._cache.full_residency:
+            raise CacheError("acquire_all needs full residency (resident == experts per layer)")
+        return self._cache._acquire(self, layer, range(self._cache.num_experts))
+
+    def release(self) -> None:
+        self._cache._release(self)
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc):
+        self.release()
+        return False
+
+
+class ExpertCache:
+    """See the module docstring. Build with ``from_pack`` or ``from_host``."""
+
+    def __init__(self, host: HostSource, *, resident: int, spares: int | None = None, staging: int | None = None,
+                 max_group: int, device="cpu", policy="lru", budget_bytes: int | None = None,
+                 transport: Transport | None = None, prefill: bool = True):
+        self.host = host
+        self.num_layers, self.num_experts, self.row_bytes = host.num_layers, host.num_experts, host.row_bytes
+        self.layout = host.layout
+        self.transport = transport if transport is not None else default_transport(device)
+        self.device = self.transport.device
+        self.policy = make_policy(policy)
+        self._configure(resident, spares, staging, max_group, budget_bytes)
+        self._lock = threading.RLock()
+        self._faulted: BaseException | None = None
+        self._in_txn = False
+        self._tick = 0
+        self._next_rid = 0
+        self._pins: Counter = Counter()  # generation number -> live requests pinning it
+        self._leased: list[Counter] = [Counter() for _ in range(self.num_layers)]  # expert -> live leases
+        self._requests: dict[int, Request] = {}
+        self.counters = Counter({k: 0 for k in (
+            "requests_admitted", "requests_released", "leases", "hits", "misses", "all_hit_leases",
+            "transactions", "transactions_aborted", "busy_refusals", "bytes_h2d", "staging_reuses",
+            "staging_waits", "evictions", "rows_recycled", "rows_fenced", "faults", "writebacks")})
+        self._storage = [self.transport.alloc_storage(self.rows_per_layer, self.row_bytes)
+                         for _ in range(self.num_layers)]  # per layer (R, row_bytes)
+        self._staging = [_Staging(i, self.transport.alloc_staging(self.row_bytes)) for i in range(self.staging)]
+        self._free: list[list[int]] = [list(range(self.rows_per_layer - 1, -1, -1)) for _ in range(self.num_layers)]
+        self._fenced: list[list[tuple[int, object]]] = [[] for _ in range(self.num_layers)]
+        self._retiring: list[list[tuple[int, int, int, int]]] = [[] for _ in range(self.num_layers)]
+        self._since: list[dict[int, int]] = [{} for _ in range(self.num_layers)]  # row -> first gen mapping it
+        empty = tuple(MappingProxyType({}) for _ in range(self.num_layers))
+        self._current = Generation(0, empty, tuple(self.transport.upload_table([-1] * self.num_experts)
+                                                   for _ in range(self.num_layers)))
+        n0 = self.num_experts if self.full_residency else (self.resident if prefill else 0)
+        if n0:
+            self._startup_publish(n0)
+
+    # --- construction -----------------------------------------------------------------------------
+    @classmethod
+    def from_pack(cls, reader, **kw) -> "ExpertCache":
+        """Read the whole pack into the host source (reader closed afterwards), then build the cache."""
+        return cls(HostSource.from_pack(reader), **kw)
+
+    @classmethod
+    def from_host(cls, host: HostSource, **kw) -> "ExpertCache":
+        return cls(host, **kw)
+
+    def _configure(self, resident, spares, staging, max_group, budget_bytes):
+        e = self.num_experts
+        if not isinstance(max_group, int) or max_group < 1:
+            raise CacheConfigError(f"max_group must be a positive int (top_k x max batch), got {max_group!r}")
+        group = min(max_group, e)  # a routed group never exceeds the experts of a layer
+        if not (1 <= resident <= e):
+            raise CacheConfigError(f"resident={resident} must be in [1, {e}] (experts per layer)")
+        full = resident == e
+        if spares is None:
+            spares = 0 if full else group
+        if staging is None:
+            staging = min(group, 8) if full else group
+        if resident < group:
+            raise CacheConfigError(
+                f"resident={resident} rows per layer cannot publish the largest routed group of {group} experts "
+                f"(top_k x batch = {max_group}, capped at {e}); need resident >= {group}")
+        if not full and spares < group:
+            raise CacheConfigError(f"spares={spares} per layer cannot receive the largest routed group of {group} "
+                                   f"missing experts; need spares >= {group}")
+        if not full and staging < group:
+            raise CacheConfigError(f"staging={staging} pinned buffers cannot stage the largest routed group of "
+                                   f"{group} missing experts; need staging >= {group}")
+        if staging < 1 or spares < 0:
+            raise CacheConfigError(f"staging={staging} must be >= 1 and spares={spares} >= 0")
+        self.resident, self.spares, self.staging, self.max_group = resident, spares, staging, group
+        self.full_residency = full
+        self.rows_per_layer = resident + spares
+        dev_need = self.num_layers * (self.rows_per_layer * self.row_bytes + 2 * 4 * e)
+        self.device_bytes = dev_need
+        self.staging_bytes = staging * self.row_bytes
+        if budget_bytes is None and self.device.type == "cuda":
+            budget_bytes, _ = torch.cuda.mem_get_info(self.device)
+        self.budget_bytes = budget_bytes
+        if budget_bytes is not None and dev_need > budget_bytes:
+            raise CacheConfigError(
+                f"device budget too small: {self.num_layers} layers x (resident {resident} + spares {spares}) rows x "
+                f"{self.row_bytes} bytes (+ row tables) = {dev_need} bytes needed ({dev_need / 2**30:.3f} GiB), "
+                f"{budget_bytes} bytes available ({budget_bytes / 2**30:.3f} GiB)")
+
+    # --- public API -----------------------------------------------------------------------------------
+    def storage(self, layer: int) -> torch.Tensor:
+        """uint8 (R, row_bytes) device tensor of ``layer``; rows are addressed through a lease's row table."""
+        return self._storage[layer]
+
+    @property
+    def generation(self) -> int:
+        """Number of the authoritative (current) generation."""
+        return self._current.number
+
+    @property
+    def faulted(self) -> bool:
+        return self._faulted is not None
+
+    @property
+    def state(self) -> str:
+        return "FAULTED" if self._faulted is not None else "READY"
+
+    def mapping(self, layer: int) -> dict[int, int]:
+        """{expert: row} of the current generation (a copy)."""
+        return dict(self._current.maps[layer])
+
+    def static_row_table(self, layer: int) -> torch.Tensor:
+        """int32 (E,) row table that never changes (full residency only), for CUDA graph capture."""
+        if not self.full_residency:
+            raise CacheError("static_row_table is only valid under full residency (resident == experts per layer)")
+        self._check_faulted()
+        return self._current.tables[layer]
+
+    def admit(self) -> Request:
+        """Admit a request on the current generation. Raises CacheFaultedError when FAULTED."""
+        with self._lock:
+            self._check_faulted()
+            gen = self._current
+            rid = self._next_rid
+            self._next_rid += 1
+            req = Request(self, gen, rid)
+            self._pins[gen.number] += 1
+            self._requests[rid] = req
+            self.counters["requests_admitted"] += 1
+            return req
+
+    # --- internals: acquisition ----------------------------------------------------------------------
+    def _check_faulted(self):
+        if self._faulted is not None:
+            raise CacheFaultedError(
+                f"expert cache is FAULTED after an ambiguous failure following publication of generation "
+                f"{self._current.number} ({type(self._faulted).__name__}: {self._faulted}); no request can be "
+                f"admitted or served; restart the engine")
+
+    def _group(self, layer, expert_ids) -> tuple:
+        if not (0 <= layer < self.num_layers):
+            raise IndexError(f"layer {layer} out of range [0, {self.num_layers})")
+        if isinstance(expert_ids, torch.Tensor):
+            ids = expert_ids.detach().reshape(-1).to("cpu").tolist()  # (T*k,) the batch's routed ids
+        else:
+            ids = list(expert_ids)
+        group = tuple(sorted({int(i) for i in ids}))
+        if group and not (0 <= group[0] and group[-1] < self.num_experts):
+            raise IndexError(f"layer {layer}: expert ids {group} outside [0, {self.num_experts})")
+        if len(group) > self.max_group and not self.full_residency:  # full residency never misses
+            raise CacheError(f"layer {layer}: routed group of {len(group)} experts exceeds the configured "
+                             f"max_group {self.max_group}")
+        return group
+
+    def _acquire(self, req: Request, layer: int, expert_ids) -> Lease:
+        with self._lock:
+            if req.released:
+                raise CacheError(f"request {req.id} was released; admit a new one")
+            self._check_faulted()
+            group = self._group(layer, expert_ids)
+            self._tick += 1
+            gen = req._gen
+            missing = [e for e in group if e not in gen.maps[layer]]
+            if missing and gen is not self._current:
+                cur = self._current
+                cur_missing = [e for e in group if e not in cur.maps[layer]]
+                if not cur_missing:
+                    gen, missing = cur, []
+            if missing:
+                cur = self._current
+                txn_missing = [e for e in group if e not in cur.maps[layer]]
+                gen = self._transaction(layer, group, cur, txn_missing)
+                nmiss = len(txn_missing)
+            else:
+                nmiss = 0
+                self.counters["all_hit_leases"] += 1
+            if gen.number not in req.pins:
+                req.pins.add(gen.number)
+                self._pins[gen.number] += 1
+            if gen.number > req.generation:
+                req.generation, req._gen = gen.number, gen
+            self.counters["hits"] += len(group) - nmiss
+            self.counters["misses"] += nmiss
+            self.counters["leases"] += 1
+            self.policy.touch(layer, group, self._tick)
+            self._leased[layer].update(group)
+            m = gen.maps[layer]
+            lease = Lease(layer, group, gen.number, gen.tables[layer], self._storage[layer],
+                          MappingProxyType({e: m[e] for e in group}))
+            req.leases.append(lease)
+            return lease
+
+    def _release(self, req: Request) -> None:
+        with self._lock:
+            if req.released:
+                return
+            req.released = True
+            self.transport.note_release()
+            for lease in req.leases:
+                self._leased[lease.layer].subtract(lease.experts)
+                self._leased[lease.layer] += Counter()  # drop zero counts
+            for g in req.pins:
+                self._pins[g] -= 1
+                if self._pins[g] <= 0:
+                    del self._pins[g]
+            req.leases = []
+            self._requests.pop(req.id, None)
+            self.counters["requests_released"] += 1
+            for layer in range(self.num_layers):
+                self._reclaim_retiring(layer)
+
+    # --- internals: row bookkeeping -------------------------------------------------------------------
+    def _visible(self, since: int, until: int) -> bool:
+        """True when a live request pins a generation in [since, until) (one that maps the row)."""
+        return any(since <= g < until for g in self._pins)
+
+    def _reclaim_retiring(self, layer: int) -> None:
+        keep = []
+        for item in self._retiring[layer]:
+            row, _expert, since, until = item
+            if self._visible(since, until):
+                keep.append(item)
+            else:
+                self._free[layer].append(row)
+                self.counters["rows_recycled"] += 1
+        self._retiring[layer] = keep
+
+    def _reclaim_fenced(self, layer: int) -> None:
+        keep = []
+        for row, ev in self._fenced[layer]:
+            if self.transport.query(ev):
+                self._free[layer].append(row)
+            else:
+                keep.append((row, ev))
+        self._fenced[layer] = keep
+
+    def _protected(self, layer: int, group: tuple) -> set[int]:
+        """Experts that must not be evicted: the group being published and every live lease's group."""
+        return set(group) | {e for e, c in self._leased[layer].items() if c > 0}
+
+    def _retire(self, layer: int, row: int, expert: int, until: int) -> None:
+        self._retiring[layer].append((row, expert, self._since[layer].pop(row), until))
+
+    def _take_staging(self) -> _Staging:
+        """A staging buffer whose last copy has completed (waits for the oldest if none is ready)."""
+        for buf in self._staging:
+            if buf.event is _RESERVED:
+                continue
+            if buf.event is None or self.transport.query(buf.event):
+                return self._use_staging(buf)
+        self.counters["staging_waits"] += 1
+        buf = next((b for b in self._staging if b.event is not _RESERVED), None)
+        if buf is None:
+            raise CacheError("every staging buffer is reserved by this transaction")
+        try:
+            self.transport.wait(buf.event)
+        except TransferError:
+            pass  # that copy belonged to an aborted transaction: it has ended, the buffer is free
+        return self._use_staging(buf)
+
+    def _use_staging(self, buf: _Staging) -> _Staging:
+        if buf.uses:
+            self.counters["staging_reuses"] += 1
+        buf.uses += 1
+        buf.event = _RESERVED
+        # rotate so that the next take prefers buffers idle for longest
+        self._staging.remove(buf)
+        self._staging.append(buf)
+        return buf
+
+    # --- internals: transactions ----------------------------------------------------------------------
+    def _copy_rows(self, layer: int, experts: list[int], rows: list[int], submitted: list) -> None:
+        """host (pageable) -> pinned staging -> device spare rows, one event per row, in batches of at
+        most the staging pool; a buffer is taken only once its previous copy's event has completed."""
+        todo = list(zip(experts, rows))
+        for lo in range(0, len(todo), len(self._staging)):
+            batch = todo[lo: lo + len(self._staging)]
+            bufs = [self._take_staging() for _ in batch]
+            jobs = [(self._storage[layer][row], buf.tensor, self.host.row_tensor(layer, e))
+                    for (e, row), buf in zip(batch, bufs)]
+
+            def on_submit(j, ev, bufs=bufs, batch=batch):
+                bufs[j].event = ev
+                submitted.append((batch[j][1], ev))
+                self.counters["bytes_h2d"] += self.row_bytes
+
+            try:
+                self.transport.copy_rows(jobs, on_submit)
+            finally:
+                for buf in bufs:
+                    if buf.event is _RESERVED:  # staged but never copied: nothing reads it
+                        buf.event = None
+
+    def _wait_all(self, submitted: list) -> None:
+        for _row, ev in submitted:
+            self.transport.wait(ev)
+
+    def _transaction(self, layer: int, group: tuple, cur: Generation, missing: list[int]) -> Generation:
+        if self._in_txn:
+            raise CacheError("miss transactions are serialized in v1; a transaction is already running")
+        self._in_txn = True
+        try:
+            self._reclaim_fenced(layer)
+            self._reclaim_retiring(layer)
+            mapped = cur.maps[layer]
+            n_evict = len(mapped) + len(missing) - self.resident
+            protected = self._protected(layer, group)
+            candidates = [e for e in mapped if e not in protected]
+            free = self._free[layer]
+            if n_evict > len(candidates) or len(missing) > len(free):
+                self.counters["busy_refusals"] += 1
+                raise CacheBusyError(
+                    f"layer {layer}: {len(missing)} missing experts need {len(missing)} free spare rows "
+                    f"({len(free)} free, {len(self._retiring[layer])} retiring behind live requests, "
+                    f"{len(self._fenced[layer])} fenced) and {max(n_evict, 0)} evictable experts "
+                    f"({len(candidates)} not leased); release requests and retry")
+            victims = self.policy.choose(layer, candidates, n_evict, self._tick) if n_evict > 0 else []
+            rows = [free.pop() for _ in missing]
+            submitted: list = []
+            new_map = dict(mapped)
+            for v in victims:
+                del new_map[v]
+            new_map.update(zip(missing, rows))
+            table = [-1] * self.num_experts
+            for e, r in new_map.items():
+                table[e] = r
+            try:
+                self._copy_rows(layer, missing, rows, submitted)
+                # the table goes behind the rows on the transfer stream; publication waits for all
+                dev_table, table_ev = self.transport.upload_table_async(table)  # (E,) int32
+                self._wait_all(submitted)
+                if table_ev is not None:
+                    self.transport.wait(table_ev)
+            except Exception as exc:
+                self._abort(layer, rows, submitted)
+                raise TransactionAborted(
+                    f"layer {layer}: miss transaction for experts {missing} failed before publication "
+                    f"({type(exc).__name__}: {exc}); generation {cur.number} remains authoritative") from exc
+            gen = Generation(cur.number + 1,
+                             cur.maps[:layer] + (MappingProxyType(new_map),) + cur.maps[layer + 1:],
+                             cur.tables[:layer] + (dev_table,) + cur.tables[layer + 1:])
+            self._current = gen  # publication: one reference assignment
+            self.counters["transactions"] += 1
+            for v in victims:
+                self._retire(layer, mapped[v], v, gen.number)
+            for e, r in zip(missing, rows):
+                self._since[layer][r] = gen.number
+            self.counters["evictions"] += len(victims)
+            try:
+                self.transport.after_publish()
+            except Exception as exc:
+                self._fault(exc)
+                raise CacheFaultedError(
+                    f"layer {layer}: failure after publishing generation {gen.number} "
+                    f"({type(exc).__name__}: {exc}); the cache is FAULTED") from exc
+            self._reclaim_retiring(layer)
+            return gen
+        finally:
+            self._in_txn = False
+
+    def _abort(self, layer: int, rows: list[int], submitted: list) -> None:
+        """Return reserved spares; a row whose copy may still be running stays fenced by its event."""
+        self.counters["transactions_aborted"] += 1
+        events = {row: ev for row, ev in submitted}
+        for row in rows:
+            ev = events.get(row)
+            if ev is not None and not self.transport.query(ev):
+                self._fenced[layer].append((row, ev))
+                self.counters["rows_fenced"] += 1
+            else:
+                self._free[layer].append(row)
+
+    def _fault(self, exc: BaseException) -> None:
+        self._faulted = exc
+        self.counters["faults"] += 1
+
+    def _startup_publish(self, n: int) -> None:
+        """Publish generation 1 holding experts [0, n) of every layer (all of them under full residency)."""
+        maps, tables, submitted = [], [], []
+        try:
+            for layer in range(self.num_layers):
+                experts = list(range(n))
+                rows = [self._free[layer].pop() for _ in experts]
+                self._copy_rows(layer, experts, rows, submitted)
+                maps.append(dict(zip(experts, rows)))
+            self._wait_all(submitted)
+            for layer in range(self.num_layers):
+                table = [-1] * self.num_experts
+                for e, r in maps[layer].items():
+                    table[e] = r
+                tables.append(self.transport.upload_table(table))
+            self.transport.after_publish()
+        except Exception as exc:
+            raise CacheConfigError(f"startup: loading the first generation failed ({type(exc).__name__}: {exc})") \
+                from exc
+        self._current = Generation(1, tuple(MappingProxyType(m) for m in maps), tuple(tables))
+        for layer in range(self.num_layers):
+            for r in maps[layer].values():
+                self._since[layer][r] = 1
+            self.policy.touch(layer, maps[layer], 0)
+
+    # --- inspection -------------------------------------------------------------------------------------
+    def row_states(self, layer: int) -> dict[str, list[int]]:
+        """Rows of ``layer`` by state (published, free, fenced, retiring); used by checks and tests."""
+        return {
+            "published": sorted(self._current.maps[layer].values()),
+            "free": sorted(self._free[layer]),
+            "fenced": sorted(r for r, _ in self._fenced[layer]),
+            "retiring": sorted(r for r, *_ in self._retiring[layer]),
+        }
+
+    def leased_experts(self, layer: int) -> set[int]:
+        return {e for e, c in self._leased[layer].items() if c > 0}
+
+    def telemetry(self) -> dict:
+        """Counters, capacity and the required-zero observations (schemas/observations.schema.json
+        ``$defs/cache_telemetry``)."""
+        with self._lock:
+            obs = cache_observations(self.transport, self.host, self.counters["writebacks"])
+            c = dict(self.counters)
+            c["generations"] = self._current.number
+            c["bytes_h2d_transport"] = self.transport.h2d_bytes
+            return {
+                "contract": CONTRACT_ID,
+                "state": self.state,
+                "regime": "full" if self.full_residency else "partial",
+                "device": str(self.device),
+                "transport": self.transport.describe(),
+                "policy": self.policy.name,
+                "capacity": {
+                    "num_layers": self.num_layers, "num_experts": self.num_experts, "row_bytes": self.row_bytes,
+                    "resident": self.resident, "spares": self.spares, "staging": self.staging,
+                    "max_group": self.max_group, "device_bytes": self.device_bytes,
+                    "staging_bytes": self.staging_bytes, "host_source_bytes": self.host.nbytes,
+                },
+                "counters": c,
+                "observations": obs,
+                "observations_all_zero": all_zero(obs),
+                "fault": None if self._faulted is None else f"{type(self._faulted).__name__}: {self._faulted}",
+            }

@@ -1,0 +1,321 @@
+"""Transport seam of the expert cache: host (pageable) -> staging -> device spare row.
+
+The cache only ever moves expert bytes through a ``Transport``. Two real implementations:
+
+* ``CpuTransport``: device rows are CPU tensors, copies are synchronous, events are born complete.
+* ``CudaTransport``: staging buffers are pinned, the staging -> device copy is issued on a dedicated
+  transfer stream and an event is recorded after each copy.
+
+Tests and the contract model substitute ``runmap.residency.contract_model.ControlledTransport``, which defers
+completions and injects failures at every step. Every transport counts the bytes it moves by
+direction; no method copies device -> host, so ``d2h_bytes`` is an instrumented zero.
+"""
+from __future__ import annotations
+
+from concurrent.futures import ThreadPoolExecutor
+
+import numpy as np
+import torch
+
+
+class TransferError(RuntimeError):
+    """A host -> device expert copy (or its staging) failed."""
+
+
+class Event:
+    """Completion marker of one staging -> device copy."""
+
+    __slots__ = ("raw", "nbytes")
+
+    def __init__(self, raw, nbytes: int):
+        self.raw = raw  # torch.cuda.Event, or None when the copy completed synchronously
+        self.nbytes = nbytes
+
+
+class Transport:
+    """Base class: the operations the cache needs. Subclasses override the marked methods."""
+
+    device: torch.device
+
+    def __init__(self, device: torch.device):
+        self.device = torch.device(device)
+        self.h2d_bytes = 0  # staging -> device, expert rows
+        self.stage_bytes = 0  # host source -> staging
+        self.d2h_bytes = 0  # never incremented: there is no device -> host path
+        self.table_uploads = 0
+
+    # allocation -----------------------------------------------------------------------------------
+    def alloc_storage(self, rows: int, row_bytes: int) -> torch.Tensor:
+        """uint8 (rows, row_bytes) on the device, zero-filled."""
+        return torch.zeros(rows, row_bytes, dtype=torch.uint8, device=self.device)
+
+    def alloc_staging(self, row_bytes: int) -> torch.Tensor:
+        """uint8 (row_bytes,) host buffer (pinned on CUDA)."""
+        return torch.empty(row_bytes, dtype=torch.uint8)
+
+    # data movement ----------------------------------------------------------------------------------
+    def stage(self, staging: torch.Tensor, host_row: torch.Tensor) -> None:
+        """Copy one host-source row (uint8 (row_bytes,), CPU) into a staging buffer (CPU memcpy)."""
+        staging.copy_(host_row)
+        self.stage_bytes += host_row.numel()
+
+    def h2d(self, dst_row: torch.Tensor, staging: torch.Tensor) -> Event:
+        """Start the staging -> device row copy; returns its completion event."""
+        raise NotImplementedError
+
+    def stage_and_copy(self, dst_row: torch.Tensor, staging: torch.Tensor, host_row: torch.Tensor) -> Event:
+        """host row -> staging -> device row; returns the event of the device copy. Transports may
+        pipeline the two steps in chunks (CudaTransport(chunk_bytes=...))."""
+        self.stage(staging, host_row)
+        return self.h2d(dst_row, staging)
+
+    def copy_rows(self, jobs: list, on_submit) -> None:
+        """Move several rows: jobs = [(dst_row, staging, host_row)]; ``on_submit(j, event)`` is called as
+        soon as job j's device copy is issued, so that a failure part-way leaves every issued copy known."""
+        for j, (dst, stg, src) in enumerate(jobs):
+            on_submit(j, self.stage_and_copy(dst, stg, src))
+
+    def query(self, ev: Event) -> bool:
+        """True once the copy behind ``ev`` has completed (successfully or not)."""
+        raise NotImplementedError
+
+    def wait(self, ev: Event) -> None:
+        """Block until ``ev`` completed; raise TransferError if the copy failed."""
+        raise NotImplementedError
+
+    def upload_table(self, table: list[int]) -> torch.Tensor:
+        """int32 (E,) row table on the device (the generation's mapping of one layer)."""
+        self.table_uploads += 1
+        return torch.tensor(table, dtype=torch.int32, device=self.device)
+
+    def note_release(self) -> None:
+        """A request was released: rows it could read may be recycled after work issued so far."""
+
+    def upload_table_async(self, table: list[int]) -> tuple[torch.Tensor, Event | None]:
+        """Like ``upload_table`` but may return before the copy completed, with its event (or None
+        when the table is already complete). The caller waits for the event before publishing."""
+        return self.upload_table(table), None
+
+    def after_publish(self) -> None:
+        """Order later compute after the published copies; a failure here is ambiguous (FAULTED)."""
+
+    def describe(self) -> dict:
+        return {"kind": type(self).__name__, "device": str(self.device)}
+
+
+class CpuTransport(Transport):
+    """Device rows are ordinary CPU tensors; every copy completes before ``h2d`` returns."""
+
+    def __init__(self):
+        super().__init__(torch.device("cpu"))
+
+    def h2d(self, dst_row, staging):
+        dst_row.copy_(staging)  # (row_bytes,)
+        self.h2d_bytes += staging.numel()
+        return Event(None, staging.numel())
+
+    def query(self, ev):
+        return True
+
+    def wait(self, ev):
+        return None
+
+
+class CudaTransport(Transport):
+    """Pinned staging, a dedicated transfer stream, one event per staging -> device copy."""
+
+    def __init__(self, device="cuda", chunk_bytes: int | None = None, stage_workers: int = 0):
+        dev = torch.device(device)
+        if chunk_bytes is not None and chunk_bytes <= 0:
+            raise ValueError(f"chunk_bytes must be positive, got {chunk_bytes}")
+        if stage_workers < 0:
+            raise ValueError(f"stage_workers must be >= 0, got {stage_workers}")
+        self.chunk_bytes = chunk_bytes
+        self.stage_workers = stage_workers
+        # numpy copies release the GIL, so worker threads copy host rows into staging in parallel
+        self._pool = ThreadPoolExecutor(stage_workers, thread_name_prefix="runmap-stage") if stage_workers else None
+        self._table_host = None  # one pinned int32 buffer; transactions are serialized and wait for it
+        if dev.type != "cuda":
+            raise ValueError(f"CudaTransport needs a cuda device, got {dev}")
+        if not torch.cuda.is_available():
+            raise RuntimeError("CudaTransport: CUDA is not available in this process")
+        if dev.index is None:
+            dev = torch.device("cuda", torch.cuda.current_device())
+        super().__init__(dev)
+        self.stream = torch.cuda.Stream(device=dev)
+        self._release_event = None  # compute-stream event recorded at the latest request release
+
+    def alloc_storage(self, rows, row_bytes):
+        t = super().alloc_storage(rows, row_bytes)  # zero-filled on the current stream
+        self.stream.wait_stream(torch.cuda.current_stream(self.device))  # copies land after the fill
+        return t
+
+    def note_release(self):
+        # Kernels of the released request may still be queued on the compute stream; a recycled row
+        # must not be overwritten before they ran (write-after-read across streams).
+        ev = torch.cuda.Event()
+        ev.record(torch.cuda.current_stream(self.device))
+        self._release_event = ev
+
+    def _order_after_releases(self):
+        if self._release_event is not None:
+            self.stream.wait_event(self._release_event)
+
+    def alloc_staging(self, row_bytes):
+        return torch.empty(row_bytes, dtype=torch.uint8, pin_memory=True)
+
+    def stage_and_copy(self, dst_row, staging, host_row):
+        if not self.chunk_bytes or self.chunk_bytes >= host_row.numel():
+            return super().stage_and_copy(dst_row, staging, host_row)
+        # Pipeline within the row: the CPU copies chunk i+1 into staging while the DMA engine moves
+        # chunk i. Each chunk of staging is written once per row, so no chunk is rewritten in flight.
+        n = host_row.numel()
+        self._order_after_releases()
+        with torch.cuda.stream(self.stream):
+            for lo in range(0, n, self.chunk_bytes):
+                hi = min(n, lo + self.chunk_bytes)
+                staging[lo:hi].copy_(host_row[lo:hi])  # (chunk,) pageable -> pinned, CPU
+                dst_row[lo:hi].copy_(staging[lo:hi], non_blocking=True)  # (chunk,) pinned -> device
+            ev = torch.cuda.Event()
+            ev.record(self.stream)
+        self.stage_bytes += n
+        self.h2d_bytes += n
+        return Event(ev, n)
+
+    def copy_rows(self, jobs, on_submit):
+        if self._pool is None and not self.chunk_bytes:
+            # One stream context for the whole batch: entering torch.cuda.stream() and recording an event
+            # per row measured ~50 us per row on the H200 (scripts/probe_staging.py), which serialised the
+            # CPU staging of row i+1 behind the bookkeeping of row i instead of overlapping it with row i's DMA.
+            self._order_after_releases()
+            with torch.cuda.stream(self.stream):
+                for j, (dst, stg, src) in enumerate(jobs):
+                    n = src.numel()
+                    stg.copy_(src)  # (row_bytes,) pageable -> pinned, CPU
+                    self.stage_bytes += n
+                    dst.copy_(stg, non_blocking=True)  # (row_bytes,) pinned -> device, transfer stream
+                    ev = torch.cuda.Event()
+                    ev.record(self.stream)
+                    self.h2d_bytes += n
+                    on_submit(j, Event(ev, n))
+            return None
+        if self._pool is None:
+            return super().copy_rows(jobs, on_submit)
+        self._order_after_releases()
+        if len(jobs) == 1:
+            dst, stg, src = jobs[0]
+            n = src.numel()
+            step = -(-n // self.stage_workers)
+            step = -(-step // 4096) * 4096  # page-aligned pieces
+            spans = [(lo, min(n, lo + step)) for lo in range(0, n, step)]
+            futs = [self._pool.submit(_np_copy, stg[lo:hi], src[lo:hi]) for lo, hi in spans]
+            try:
+                with torch.cuda.stream(self.stream):
+                    for (lo, hi), f in zip(spans, futs):
+                        f.result()
+                        dst[lo:hi].copy_(stg[lo:hi], non_blocking=True)  # (piece,) as soon as it is staged
+                    ev = torch.cuda.Event()
+                    ev.record(self.stream)
+            except BaseException:
+                for f in futs:
+                    f.cancel() or f.exception()
+                self.stream.synchronize()  # no piece of this row stays in flight behind an error
+                raise
+            self.stage_bytes += n
+            self.h2d_bytes += n
+            on_submit(0, Event(ev, n))
+            return None
+        # Several rows: workers stage rows in parallel; each row's DMA starts once its staging is done.
+        futs = [self._pool.submit(_np_copy, stg, src) for _dst, stg, src in jobs]
+        try:
+            for j, ((dst, stg, src), f) in enumerate(zip(jobs, futs)):
+                f.result()
+                self.stage_bytes += src.numel()
+                with torch.cuda.stream(self.stream):
+                    dst.copy_(stg, non_blocking=True)  # (row_bytes,) pinned -> device
+                    ev = torch.cuda.Event()
+                    ev.record(self.stream)
+                self.h2d_bytes += src.numel()
+                on_submit(j, Event(ev, src.numel()))
+        except BaseException:
+            for f in futs:  # never return while a worker may still write a staging buffer
+                f.cancel() or f.exception()
+            raise
+        return None
+
+    def h2d(self, dst_row, staging):
+        # Spare rows are read by nothing published; a recycled victim row may still be read by kernels
+        # queued before the release that freed it, hence the wait on the latest release event.
+        self._order_after_releases()
+        with torch.cuda.stream(self.stream):
+            dst_row.copy_(staging, non_blocking=True)  # (row_bytes,) pinned -> device
+            ev = torch.cuda.Event()
+            ev.record(self.stream)
+        self.h2d_bytes += staging.numel()
+        return Event(ev, staging.numel())
+
+    def query(self, ev):
+        return ev.raw is None or ev.raw.query()
+
+    def wait(self, ev):
+        if ev.raw is not None:
+            try:
+                ev.raw.synchronize()
+            except RuntimeError as e:  # a CUDA error surfaced by the copy
+                raise TransferError(f"host -> device expert copy failed: {e}") from e
+
+    def _stream_owned_table(self, n: int, reader: torch.cuda.Stream) -> torch.Tensor:
+        """A device int32 (n,) allocated while the transfer stream is current, so the caching allocator
+        never hands it a block that kernels still queued on the compute stream may read; recorded on the
+        compute stream, which reads it, so it is not recycled before those reads either."""
+        out = torch.empty(n, dtype=torch.int32, device=self.device)
+        out.record_stream(reader)
+        return out
+
+    def upload_table(self, table):
+        self.table_uploads += 1
+        t = torch.tensor(table, dtype=torch.int32).pin_memory()
+        compute = torch.cuda.current_stream(self.device)
+        with torch.cuda.stream(self.stream):
+            out = self._stream_owned_table(len(table), compute)
+            out.copy_(t, non_blocking=True)  # (E,)
+        self.stream.synchronize()  # the table must be complete before the generation is published
+        return out
+
+    def upload_table_async(self, table):
+        self.table_uploads += 1
+        if self._table_host is None or self._table_host.numel() != len(table):
+            self._table_host = torch.empty(len(table), dtype=torch.int32, pin_memory=True)
+        # safe to overwrite: the previous upload was waited for before its generation was published
+        self._table_host.numpy()[:] = table
+        t = self._table_host
+        compute = torch.cuda.current_stream(self.device)
+        with torch.cuda.stream(self.stream):
+            out = self._stream_owned_table(len(table), compute)
+            out.copy_(t, non_blocking=True)  # (E,) behind the row copies on the same stream
+            ev = torch.cuda.Event()
+            ev.record(self.stream)
+        return out, Event(ev, 4 * len(table))
+
+    def after_publish(self):
+        # Later kernels on the compute stream must observe the copies (already complete on the host
+        # side; this also orders them for graph capture / multi-stream users).
+        torch.cuda.current_stream(self.device).wait_stream(self.stream)
+
+    def describe(self):
+        return {"kind": "CudaTransport", "device": str(self.device), "chunk_bytes": self.chunk_bytes,
+                "stage_workers": self.stage_workers, "device_name": torch.cuda.get_device_name(self.device)}
+
+
+def _np_copy(dst: torch.Tensor, src: torch.Tensor) -> None:
+    """uint8 (n,) CPU copy outside the GIL (numpy), for staging worker threads."""
+    np.copyto(dst.numpy(), src.numpy())
+
+
+def default_transport(device, chunk_bytes: int | None = None, stage_workers: int = 0) -> Transport:
+    dev = torch.device(device)
+    if dev.type == "cpu":
+        return CpuTransport()
+    if dev.type == "cuda":
+        return CudaTransport(dev, chunk_bytes=chunk_bytes, stage_workers=stage_workers)
+    raise ValueError(f"no transport for device {dev}")

@@ -1,0 +1,169 @@
+"""Synthetic Hugging Face MoE checkpoints (OLMoE / Qwen2-MoE), deterministic from a seed.
+
+The output is exactly the on-disk format of a hub checkpoint: ``config.json``, BF16 safetensors with
+HF tensor names (one ``model.safetensors``, or shards plus ``model.safetensors.index.json`` when the
+total exceeds ``shard_bytes``), a ``generation_config.json`` and a tokenizer (``synth_tokenizer``).
+
+Determinism: every tensor is drawn from its own ``torch.Generator`` seeded by sha256(seed, tensor
+key), so a tensor's values depend only on (seed, key, generator device), never on write order. An
+expert's key is its per-expert HF name in both layouts, so a ``fused`` and a ``per-expert`` checkpoint
+with the same seed hold identical values. Same seed and device -> same bytes (CPU and CUDA generators
+draw different streams; the device is recorded in the safetensors metadata).
+
+Streaming: tensors are generated and written one at a time (``st_io.StreamingWriter``), so peak
+memory is about one tensor (one layer's fused expert tensor in the fused layout) even for the real
+OLMoE-1B-7B dimensions (~7B parameters, ~14 GB BF16).
+"""
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import shutil
+import tempfile
+from pathlib import Path
+
+import torch
+
+from runmap.format.checkpoint import EXPERT_LAYOUTS, INDEX_FILE, SINGLE_FILE, expected_nonrouted, expert_names
+from runmap.arch.config import ModelConfig
+from runmap.format.safetensors_io import StreamingWriter
+from runmap.synth.tokenizer import write_tokenizer
+from runmap.atomic import replace_dir
+
+WEIGHT_STD = 0.02  # the HF initializer_range of both architectures
+NORM_STD = 0.05  # norms are 1 + N(0, NORM_STD^2)
+DEFAULT_SHARD_BYTES = 2 * 1024**3
+
+
+def _seed_for(seed: int, key: str) -> int:
+    return int.from_bytes(hashlib.sha256(f"{seed}:{key}".encode()).digest()[:8], "little") & ((1 << 63) - 1)
+
+
+def _draw(seed: int, key: str, shape, device) -> torch.Tensor:
+    """BF16 tensor of ``shape`` for HF tensor ``key`` with a realistic scale; float32 draw, BF16 round."""
+    g = torch.Generator(device=device).manual_seed(_seed_for(seed, key))
+    x = torch.randn(shape, generator=g, device=device, dtype=torch.float32)
+    if key.endswith("norm.weight") or key.endswith("layernorm.weight"):
+        x = 1.0 + NORM_STD * x
+    else:
+        x = WEIGHT_STD * x
+    return x.to(torch.bfloat16)
+
+
+def tensor_plan(cfg: ModelConfig, expert_layout: str) -> list[tuple[str, tuple[int, ...]]]:
+    """(HF name, shape) of every tensor in write order: embeddings, then per layer its non-routed
+    tensors and its experts, then the final norm and lm_head."""
+    nonrouted = expected_nonrouted(cfg)
+    plan = [("model.embed_tokens.weight", nonrouted["model.embed_tokens.weight"])]
+    for l in range(cfg.num_layers):
+        p = f"model.layers.{l}."
+        plan += [(n, s) for n, s in nonrouted.items() if n.startswith(p)]
+        plan += list(expert_names(cfg, l, expert_layout).items())
+    plan += [(n, nonrouted[n]) for n in ("model.norm.weight", "lm_head.weight") if n in nonrouted]
+    return plan
+
+
+def _generate(cfg: ModelConfig, name: str, shape, seed: int, device) -> torch.Tensor:
+    """The BF16 CPU tensor for ``name``; fused expert tensors are assembled from per-expert draws."""
+    i = cfg.moe_intermediate_size
+    if name.endswith("mlp.experts.gate_up_proj") or name.endswith("mlp.experts.down_proj"):
+        p = name.rsplit("experts.", 1)[0] + "experts."
+        out = torch.empty(shape, dtype=torch.bfloat16)  # (E, 2I, H) or (E, H, I)
+        for e in range(cfg.num_experts):
+            if name.endswith("gate_up_proj"):
+                out[e, :i] = _draw(seed, f"{p}{e}.gate_proj.weight", (i, shape[2]), device).cpu()
+                out[e, i:] = _draw(seed, f"{p}{e}.up_proj.weight", (i, shape[2]), device).cpu()
+            else:
+                out[e] = _draw(seed, f"{p}{e}.down_proj.weight", tuple(shape[1:]), device).cpu()
+        return out
+    return _draw(seed, name, shape, device).cpu()
+
+
+def _shards(plan, shard_bytes: int) -> list[list[tuple[str, tuple[int, ...]]]]:
+    """Greedy split of the plan into shards of at most shard_bytes (a tensor larger than that alone)."""
+    shards, cur, size = [], [], 0
+    for name, shape in plan:
+        nbytes = 2 * int(torch.Size(shape).numel())
+        if cur and size + nbytes > shard_bytes:
+            shards.append(cur)
+            cur, size = [], 0
+        cur.append((name, shape))
+        size += nbytes
+    if cur:
+        shards.append(cur)
+    return shards
+
+
+def write_synthetic(
+    cfg: ModelConfig,
+    out_dir: str | Path,
+    seed: int = 0,
+    expert_layout: str = "per-expert",
+    shard_bytes: int = DEFAULT_SHARD_BYTES,
+    device: str = "cpu",
+    tokenizer: bool = True,
+    overwrite: bool = False,
+    progress: bool = False,
+) -> Path:
+    """Write a synthetic checkpoint of ``cfg`` to ``out_dir`` atomically (temp dir, then rename).
+
+    Args:
+        cfg: model dimensions (e.g. ``load_preset("tiny-olmoe")[0]``).
+        seed: values depend only on (seed, tensor name, device).
+        expert_layout: "per-expert" or "fused" (see runmap.format.checkpoint).
+        shard_bytes: above this total, write shards + model.safetensors.index.json.
+        device: where random numbers are drawn ("cpu" or "cuda"); part of the identity of the values.
+        overwrite: replace an existing out_dir (still atomically).
+    Returns the output path.
+    """
+    if expert_layout not in EXPERT_LAYOUTS:
+        raise ValueError(f"expert_layout must be one of {EXPERT_LAYOUTS}, got {expert_layout!r}")
+    out = Path(out_dir)
+    if out.exists() and not overwrite:
+        raise FileExistsError(f"{out}: already exists (use overwrite)")
+    out.parent.mkdir(parents=True, exist_ok=True)
+    tmp = Path(tempfile.mkdtemp(prefix="." + out.name + ".tmp-", dir=out.parent))
+    try:
+        plan = tensor_plan(cfg, expert_layout)
+        shards = _shards(plan, shard_bytes)
+        names = [SINGLE_FILE] if len(shards) == 1 else [
+            f"model-{k + 1:05d}-of-{len(shards):05d}.safetensors" for k in range(len(shards))]
+        meta = {"format": "pt", "runmap_synthetic_seed": str(seed), "runmap_generator_device": device,
+                "runmap_expert_layout": expert_layout}
+        bar = None
+        if progress:
+            from tqdm import tqdm
+            bar = tqdm(total=len(plan), desc=f"synth {out.name}", unit="tensor")
+        weight_map, total = {}, 0
+        for fname, shard in zip(names, shards):
+            w = StreamingWriter(tmp / fname, [(n, torch.bfloat16, s) for n, s in shard], meta)
+            try:
+                for name, shape in shard:
+                    w.write(name, _generate(cfg, name, shape, seed, device))
+                    weight_map[name] = fname
+                    total += 2 * int(torch.Size(shape).numel())
+                    if bar:
+                        bar.update(1)
+                w.close()
+            except BaseException:
+                w.abort()
+                raise
+        if bar:
+            bar.close()
+        if len(shards) > 1:
+            (tmp / INDEX_FILE).write_text(json.dumps({"metadata": {"total_size": total}, "weight_map": weight_map}, indent=2))
+        hf = cfg.to_hf_dict()
+        hf["runmap_synthetic"] = {"seed": seed, "expert_layout": expert_layout, "generator_device": device}
+        (tmp / "config.json").write_text(json.dumps(hf, indent=2) + "\n")
+        gen = {k: v for k, v in (("bos_token_id", cfg.bos_token_id), ("eos_token_id", cfg.eos_token_id),
+                                 ("pad_token_id", cfg.pad_token_id)) if v is not None}
+        (tmp / "generation_config.json").write_text(json.dumps(gen, indent=2) + "\n")
+        if tokenizer:
+            write_tokenizer(cfg, tmp)
+        os.chmod(tmp, 0o755)
+        replace_dir(tmp, out)
+    except BaseException:
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise
+    return out
