@@ -1,6 +1,7 @@
 """The words GEMV exists to issue fewer instructions per weight byte than the blocks GEMV, and the inline-PTX
-nibble decoding to shrink the tensor-core loop: check both claims on the code compiled for sm_90 (Triton compiles for a GPU target without a GPU: scripts/sass_stats.py). Runs the
-script in a subprocess without TRITON_INTERPRET, which the other tests set."""
+nibble decoding to shrink the tensor-core loop: check both claims on the code compiled for sm_90 (Triton
+compiles for a GPU target without a GPU: tools/explore/sass_stats.py). Runs the script in a subprocess
+without TRITON_INTERPRET, which the other tests set."""
 import json
 import os
 import subprocess
@@ -10,12 +11,14 @@ from pathlib import Path
 import pytest
 
 ROOT = Path(__file__).resolve().parent.parent
-SCRIPT = ROOT / "scripts" / "sass_stats.py"
+SCRIPT = ROOT / "tools" / "explore" / "sass_stats.py"
 
 
 @pytest.fixture(scope="module")
 def table():
     env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    # runmap from this checkout even where it is not installed (a bare copy of the tree)
+    env["PYTHONPATH"] = os.pathsep.join(p for p in (str(ROOT), env.get("PYTHONPATH")) if p)
     out = subprocess.run([sys.executable, str(SCRIPT), "--json"], capture_output=True, text=True, env=env,
                          cwd=ROOT, timeout=600)
     assert out.returncode == 0, out.stderr[-2000:]

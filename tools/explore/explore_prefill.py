@@ -11,25 +11,22 @@ checked against the FP32 reference. Prefill is timed as a CUDA graph of 4 layers
 host launch overhead does not enter; --profile adds a per-kernel breakdown (torch.profiler) of the default
 config and the bf16 path.
 
-    PYTHONPATH=. python3 scripts/explore_prefill.py --out $OUT/explore-prefill.json
+    PYTHONPATH=. python3 tools/explore/explore_prefill.py --out $OUT/explore-prefill.json
 """
 from __future__ import annotations
 
 import argparse
 import itertools
 import json
-import sys
 from pathlib import Path
 
 import torch
 
-sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-from bench_kernels import (LAYERS, MODELS, PREFILL_LAYERS, PREFILL_TOKENS, bf16_grouped_layer, copy_bandwidth,  # noqa: E402
-                           graph_us, model_layers, random_batches)
-from runmap.kernels import grouped  # noqa: E402
-from runmap.kernels.executors import moe_experts  # noqa: E402
-from runmap.kernels.reference import reference_moe_f32  # noqa: E402
+from runmap.bench.kernel_workload import (LAYERS, MODELS, PREFILL_LAYERS, PREFILL_TOKENS, bf16_grouped_layer,
+                                          copy_bandwidth, graph_us, model_layers, random_batches)
+from runmap.kernels import grouped
+from runmap.kernels.executors import moe_experts
+from runmap.kernels.reference import reference_moe_f32
 
 FORMS = {"plain": {"DEQ_ASM": False}, "asm": {"DEQ_ASM": True}}
 PREFILL_TILES = [  # (BLOCK_M, BLOCK_N, BLOCK_K, num_warps, num_stages); down uses the same N / K tiles

@@ -1,10 +1,11 @@
 """GPU probe (not a test): how fast can one decode layer's expert bytes be read at all, in one launch or two?
 
-    PYTHONUNBUFFERED=1 PYTHONPATH=. python3 scripts/probe_read_floor.py --out $OUT/read-floor.json
+    PYTHONUNBUFFERED=1 PYTHONPATH=. python3 tools/explore/probe_read_floor.py --out $OUT/read-floor.json
     (committed: results/kernels/explore/h200-read-floor.json, schema kernel-explore)
 
-For each model and T in {1, 8}, 16 layers of distinct weights routed as in ``bench_kernels.py``, each timed as
-one CUDA graph of the 16 layers (per-layer time, the lower median of two passes):
+For each model and T in {1, 8}, 16 layers of distinct weights routed as in the kernel benchmark
+(``runmap.bench.kernel_workload``), each timed as one CUDA graph of the 16 layers (per-layer time, the lower
+median of two passes):
 * ``read-two-launches``: a Triton kernel that only reads the weight bytes the topk-fused launches read (the
   gate+up rows of every (token, slot) pair, then the down rows), in two launches per layer, each program reading
   8 chunks of 4 KiB and storing their xor; ``read-one-launch``: the same chunks in one launch per layer (the
@@ -19,20 +20,17 @@ Fractions are of the 1 GiB device copy measured in the same run.
 from __future__ import annotations
 
 import argparse
-import sys
 from pathlib import Path
 
 import torch
 import triton
 import triton.language as tl
 
-sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-from bench_kernels import LAYERS, MODELS, copy_bandwidth, graph_us, model_layers, random_batches  # noqa: E402
-from runmap.kernels import common  # noqa: E402
-from runmap.atomic import write_json  # noqa: E402
-from runmap.kernels.executors import moe_experts  # noqa: E402
-from runmap.kernels.reference import reference_moe_f32  # noqa: E402
+from runmap.atomic import write_json
+from runmap.bench.kernel_workload import LAYERS, MODELS, copy_bandwidth, graph_us, model_layers, random_batches
+from runmap.kernels import common
+from runmap.kernels.executors import moe_experts
+from runmap.kernels.reference import reference_moe_f32
 
 CHUNK = 4096  # bytes per chunk
 CHUNKS_PER_PROGRAM = 8

@@ -1,6 +1,8 @@
 """GPU benchmark of the W4A16 executors (not a test): decode and prefill at OLMoE and Qwen1.5-MoE expert shapes.
 
-  PYTHONUNBUFFERED=1 PYTHONPATH=. python3 scripts/bench_kernels.py --out results/kernels/bench/h200.json
+  PYTHONUNBUFFERED=1 PYTHONPATH=. python3 benchmarks/bench_kernels.py --out $OUT/bench-h200.json
+
+(committed record: results/kernels/bench/h200.json, schema kernel-bench; see benchmarks/README.md)
 
 Method (everything compared within this one run, the GPU being shared):
 * Device-copy bandwidth: dst.copy_(src) of a 1 GiB buffer (bytes = read + write), CUDA events, median.
@@ -20,32 +22,23 @@ Method (everything compared within this one run, the GPU being shared):
 from __future__ import annotations
 
 import argparse
-import os
 import platform
 import shlex
 import sys
 import traceback
 
 import torch
-import torch.nn.functional as F
 
-sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+from runmap.atomic import write_json
+from runmap.bench.cuda_timing import event_times_ms
+from runmap.bench.kernel_workload import (LAYERS, MODELS, PREFILL_LAYERS, PREFILL_TOKENS, bf16_grouped_layer,
+                                          copy_bandwidth, graph_us, median, random_batches, random_layer)
+from runmap.format.qpack import RowLayout
+from runmap.kernels.executors import moe_experts
+from runmap.kernels.reference import reference_moe_f32
+from runmap.provenance import utc_timestamp
 
-from runmap.kernels.executors import moe_experts  # noqa: E402
-from runmap.kernels.reference import reference_moe_f32  # noqa: E402
-from runmap.atomic import write_json  # noqa: E402
-from runmap.provenance import utc_timestamp  # noqa: E402
-from runmap.bench.cuda_timing import event_times_ms  # noqa: E402
-from runmap.format.qpack import RowLayout  # noqa: E402
-
-MODELS = {
-    "olmoe": {"hidden": 2048, "intermediate": 1024, "experts": 64, "top_k": 8},
-    "qwen1.5-moe": {"hidden": 2048, "intermediate": 1408, "experts": 60, "top_k": 4},
-}
-LAYERS = 16
 DECODE_TOKENS = (1, 2, 4, 8)
-PREFILL_TOKENS = 512
-PREFILL_LAYERS = 4
 TARGET_DECODE_FRACTION = 0.70
 TARGET_PREFILL_RATIO = 1.0
 
@@ -77,12 +70,6 @@ GROUPED_PREFILL_CONFIGS = [  # the best of results/kernels/explore/h200-prefill.
 ]
 
 
-def median(v):
-    s = sorted(v)
-    n = len(s)
-    return s[n // 2] if n % 2 else 0.5 * (s[n // 2 - 1] + s[n // 2])
-
-
 def rel_err(executor, batch, storage, table, layout, cfg) -> float:
     """Relative error of one layer call with ``cfg`` against the FP32 reference (every timed config is
     also checked for correctness on the GPU)."""
@@ -90,66 +77,6 @@ def rel_err(executor, batch, storage, table, layout, cfg) -> float:
     y = moe_experts(executor, x, ids, w, storage, table, layout, validate=False, config=cfg)
     ref = reference_moe_f32(x, ids, w, storage, table, layout)
     return float((y.float() - ref).norm() / ref.norm())
-
-
-def copy_bandwidth(nbytes: int) -> dict:
-    src = torch.empty(nbytes, dtype=torch.uint8, device="cuda").random_()
-    dst = torch.empty_like(src)
-    ms = event_times_ms(lambda: dst.copy_(src), reps=30)
-    m = median(ms)
-    return {"buffer_bytes": nbytes, "moved_bytes": 2 * nbytes, "median_ms": m, "gbps": 2 * nbytes / m / 1e6}
-
-
-def random_layer(layout: RowLayout, n_experts: int, gen: torch.Generator) -> torch.Tensor:
-    """uint8 (E, row_bytes) with random nibbles and small positive fp16 scales (timing needs no packing)."""
-    storage = torch.randint(0, 256, (n_experts, layout.row_bytes), dtype=torch.uint8, device="cuda", generator=gen)
-    for s in layout.sections:
-        if s.dtype == "float16":
-            view = storage[:, s.offset:s.offset + s.nbytes].view(torch.float16)  # (E, n * nb)
-            view.copy_(torch.rand(view.shape, device="cuda", generator=gen) * 0.01 + 0.001)
-    return storage
-
-
-def routing(tokens: int, n_experts: int, k: int, gen: torch.Generator):
-    ids = torch.rand(tokens, n_experts, device="cuda", generator=gen).argsort(dim=1)[:, :k].contiguous()  # (T, k)
-    w = torch.softmax(torch.randn(tokens, k, device="cuda", generator=gen), dim=1).contiguous()
-    return ids, w
-
-
-def model_layers(spec: dict, gen: torch.Generator, n: int = LAYERS) -> tuple:
-    """(RowLayout, ``n`` random layers of every expert (``random_layer``), identity int32 row table (E,))."""
-    layout = RowLayout.build(spec["hidden"], spec["intermediate"], 256)
-    layers = [random_layer(layout, spec["experts"], gen) for _ in range(n)]
-    return layout, layers, torch.arange(spec["experts"], dtype=torch.int32, device="cuda")
-
-
-def random_batches(n: int, tokens: int, hidden: int, n_experts: int, k: int, gen: torch.Generator) -> list:
-    """``n`` layer inputs (x fp16 (T, H), ids (T, k), weights (T, k)), each routed as ``routing``."""
-    batches = []
-    for _ in range(n):
-        ids, w = routing(tokens, n_experts, k, gen)
-        batches.append((torch.randn(tokens, hidden, device="cuda", generator=gen).half(), ids, w))
-    return batches
-
-
-def graph_of(fn):
-    """Capture ``fn`` (already warmed up) in a CUDA graph; returns the replay callable."""
-    g = torch.cuda.CUDAGraph()
-    s = torch.cuda.Stream()
-    s.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(s):
-        fn()
-        torch.cuda.synchronize()
-        with torch.cuda.graph(g):
-            fn()
-    torch.cuda.current_stream().wait_stream(s)
-    torch.cuda.synchronize()
-    return g.replay
-
-
-def graph_us(fn, layers: int, reps: int = 30, warmup: int = 3) -> float:
-    """Median microseconds per layer of ``fn`` (``layers`` layer calls) replayed as one CUDA graph."""
-    return median(event_times_ms(graph_of(fn), reps=reps, warmup=warmup)) / layers * 1e3
 
 
 def bench_decode(model: str, spec: dict, layers: list, layout: RowLayout, copy_gbps: float, gen, log) -> list[dict]:
@@ -194,37 +121,6 @@ def bench_decode(model: str, spec: dict, layers: list, layout: RowLayout, copy_g
             log(f"  {model} decode T={tokens} {executor}: {best['graph_us']:.1f} us/layer, {gbps:.0f} GB/s, "
                 f"{gbps / copy_gbps:.2f} of copy; tried " + ", ".join(f"{r.get('graph_us', float('nan')):.1f}" for r in results))
     return rows
-
-
-def bf16_grouped_layer(x, ids, w, wgu_t, wd_t, n_experts, use_grouped_mm: bool):
-    """torch bf16 MoE layer on the same problem. wgu_t: (E, H, 2I) view of (E, 2I, H); wd_t: (E, I, H) view
-    of (E, H, I). Returns (T, H) bf16."""
-    t, k = ids.shape
-    flat = ids.reshape(-1)
-    order = torch.argsort(flat, stable=True)  # (P,)
-    tok = order // k
-    xs = x[tok]  # (P, H)
-    counts = torch.bincount(flat, minlength=n_experts) if not use_grouped_mm else \
-        torch.zeros(n_experts, dtype=torch.int64, device=x.device).scatter_add_(0, flat, torch.ones_like(flat))
-    if use_grouped_mm:
-        offs = torch.cumsum(counts, 0).to(torch.int32)
-        gu = torch._grouped_mm(xs, wgu_t, offs=offs)  # (P, 2I)
-        inter = gu.shape[1] // 2
-        hh = F.silu(gu[:, :inter]) * gu[:, inter:]
-        d = torch._grouped_mm(hh, wd_t, offs=offs)  # (P, H)
-    else:
-        bounds = torch.cumsum(counts, 0).tolist()
-        parts, lo = [], 0
-        for e, hi in enumerate(bounds):
-            if hi > lo:
-                gu = xs[lo:hi] @ wgu_t[e]
-                inter = gu.shape[1] // 2
-                parts.append((F.silu(gu[:, :inter]) * gu[:, inter:]) @ wd_t[e])
-            lo = hi
-        d = torch.cat(parts)
-    y = torch.zeros(t, x.shape[1], dtype=torch.float32, device=x.device)
-    y.index_add_(0, tok, d.float() * w.reshape(-1)[order][:, None])
-    return y.to(torch.bfloat16)
 
 
 def bench_prefill(model: str, spec: dict, layers: list, layout: RowLayout, gen, log) -> list[dict]:
@@ -325,7 +221,7 @@ def main() -> int:
         doc = {
             "format": "kernel-bench-v1",
             "created": utc_timestamp(),
-            "command": "PYTHONUNBUFFERED=1 PYTHONPATH=. python3 scripts/bench_kernels.py "
+            "command": "PYTHONUNBUFFERED=1 PYTHONPATH=. python3 benchmarks/bench_kernels.py "
                        + " ".join(shlex.quote(a) for a in sys.argv[1:]),
             "device": {"type": "cuda", "name": torch.cuda.get_device_name(0)},
             "versions": {"python": platform.python_version(), "torch": torch.__version__,

@@ -2,9 +2,9 @@
 
     ncu --clock-control none --profile-from-start off --section SpeedOfLight --section Occupancy \\
         --section LaunchStats --section WarpStateStats --section SchedulerStats \\
-        python3 scripts/probe_decode_ncu.py > $OUT/ncu-decode.log
+        python3 tools/explore/probe_decode_ncu.py > $OUT/ncu-decode.log
 
-Builds one random layer per model (``bench_kernels.model_layers``), compiles and warms both executors up
+Builds one random layer per model (``runmap.bench.kernel_workload.model_layers``), compiles and warms both executors up
 outside the profiled range, then runs one layer call of topk-fused and of grouped for each model and T in
 ``--tokens`` inside ``torch.cuda.profiler.start() / stop()`` (ncu replays each kernel with its caches flushed,
 so the weights come from HBM as in a real decode step). Prints which call is which, in launch order.
@@ -12,15 +12,11 @@ so the weights come from HBM as in a real decode step). Prints which call is whi
 from __future__ import annotations
 
 import argparse
-import sys
-from pathlib import Path
 
 import torch
 
-sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-from bench_kernels import MODELS, model_layers, random_batches  # noqa: E402
-from runmap.kernels.executors import moe_experts  # noqa: E402
+from runmap.bench.kernel_workload import MODELS, model_layers, random_batches
+from runmap.kernels.executors import moe_experts
 
 
 def main() -> None:

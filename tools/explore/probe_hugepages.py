@@ -1,7 +1,7 @@
 """GPU probe (not a test): does backing the host source (and the pinned staging) with transparent huge pages
 speed up the miss path's CPU staging copy, which bounds issue 4's targets?
 
-    python3 scripts/probe_hugepages.py        (CUDA only; prints a table and a JSON line, ~30 s)
+    python3 tools/explore/probe_hugepages.py        (CUDA only; prints a table and a JSON line, ~30 s)
 
 Host source: 4 sets x 32 OLMoE rows (3,194,880 B) in one anonymous mapping, rotated so rows are not
 cache-hot, with 4 KiB pages or madvise(MADV_HUGEPAGE) before the first touch. Staging: torch pinned buffers

@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # The H200 benchmark campaign (specs/campaigns/h200.yaml) in ONE device call, inside a time budget.
 #
-#   RUNMAP_GIT_COMMIT=<sha> bash scripts/run_h200_campaign.sh [BUDGET_S]      (from the repo root, $OUT set)
+#   RUNMAP_GIT_COMMIT=<sha> bash benchmarks/run_h200_campaign.sh [BUDGET_S]      (from the repo root, $OUT set)
 #
 # 1. builds the two synthetic checkpoints (real OLMoE-1B-7B-0924 and Qwen1.5-MoE-A2.7B dimensions, random
 #    weights, seed 0, drawn on the GPU) on the machine's local disk and packs them (INT4, block 256, GPU

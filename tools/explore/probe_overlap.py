@@ -1,7 +1,7 @@
 """GPU probe (not a test): why the pipelined miss path (stage row i on the CPU, then its DMA) reaches only
 ~35 GB/s when the staging copy alone runs at ~70 GB/s and the DMA alone at ~52 GB/s.
 
-    python3 scripts/probe_overlap.py         (CUDA only; ~30 s; prints a table)
+    python3 tools/explore/probe_overlap.py         (CUDA only; ~30 s; prints a table)
 
 Measured on 32 cold OLMoE rows (3,194,880 B; 4 sets rotated):
   stage_alone / stage_under_dma   the 32-row staging copy alone, and while a 1 GiB DMA is in flight

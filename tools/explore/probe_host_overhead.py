@@ -1,24 +1,20 @@
 """GPU probe (not a test): host time of one eager executor call (Python checks, torch ops, Triton launch
 overhead) against the GPU time of the same call, and a cProfile of where the host time goes.
 
-    PYTHONPATH=. python3 scripts/probe_host_overhead.py      (CUDA only; ~20 s)
+    PYTHONPATH=. python3 tools/explore/probe_host_overhead.py      (CUDA only; ~20 s)
 """
 import cProfile
 import io
 import pstats
 import statistics
-import sys
 import time
-from pathlib import Path
 
 import torch
 
-sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-from bench_kernels import MODELS, graph_of, median, random_layer, routing  # noqa: E402
-from runmap.kernels.executors import moe_experts  # noqa: E402
-from runmap.bench.cuda_timing import event_times_ms  # noqa: E402
-from runmap.format.qpack import RowLayout  # noqa: E402
+from runmap.bench.cuda_timing import event_times_ms
+from runmap.bench.kernel_workload import MODELS, graph_of, median, random_layer, routing
+from runmap.format.qpack import RowLayout
+from runmap.kernels.executors import moe_experts
 
 
 def main():

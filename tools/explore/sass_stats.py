@@ -4,8 +4,8 @@ Triton compiles for a GPU target on any machine (``triton.compile`` with a ``GPU
 ``cuobjdump``, so the SASS of the main loop can be read and counted here. The figure of merit for the decode
 GEMVs is instructions per weight byte: at batch 1 they are bound by instruction issue, not by memory.
 
-    python scripts/sass_stats.py                       # words vs blocks, gate/up and down, a few tiles
-    python scripts/sass_stats.py --dump /tmp/sass      # also keep the .ptx / .sass files
+    python tools/explore/sass_stats.py                       # words vs blocks, gate/up and down, a few tiles
+    python tools/explore/sass_stats.py --dump /tmp/sass      # also keep the .ptx / .sass files
 
 Also the grouped executor's tensor-core gate/up loop (family "dot": Triton's nibble decoding; "dot-asm": the
 inline-PTX decoding of kernels/core.py) at a decode and a prefill tile; for these rows SUB is BLOCK_M.
@@ -29,8 +29,7 @@ import triton
 from triton.backends.compiler import GPUTarget
 from triton.compiler import ASTSource
 
-sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
-from runmap.kernels import gemv, gemv_words, grouped  # noqa: E402
+from runmap.kernels import gemv, gemv_words, grouped
 
 TOOLS = Path(triton.__file__).parent / "backends" / "nvidia" / "bin"
 GATE_UP_SIG = {"x_ptr": "*fp16", "ids_ptr": "*i32", "row_table_ptr": "*i32", "w_ptr": "*u8", "s_ptr": "*fp16",

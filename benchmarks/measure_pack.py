@@ -2,7 +2,7 @@
 
 Usage (H200 machine, repo root; no jsonschema there, none imported here):
 
-    PYTHONUNBUFFERED=1 PYTHONPATH=. python3 scripts/measure_pack.py --preset olmoe-1b-7b-0924 \
+    PYTHONUNBUFFERED=1 PYTHONPATH=. python3 benchmarks/measure_pack.py --preset olmoe-1b-7b-0924 \
         --synth-device cuda --pack-device cuda --out $OUT/h200-olmoe-1b-7b.json
 
 Steps, each in its own child process so each peak RSS (VmHWM) is that step's alone:
@@ -142,7 +142,7 @@ def main() -> int:
 
     rec = {
         "kind": "runmap-pack-measurement",
-        "command": "PYTHONUNBUFFERED=1 PYTHONPATH=. python3 scripts/measure_pack.py " + " ".join(sys.argv[1:]),
+        "command": "PYTHONUNBUFFERED=1 PYTHONPATH=. python3 benchmarks/measure_pack.py " + " ".join(sys.argv[1:]),
         "created_utc": utc_timestamp(),
         "preset": a.preset, "layers_override": a.layers,
         "synth_device": a.synth_device, "pack_device": a.pack_device,

@@ -11,7 +11,9 @@ Ceilings (same run, same process):
 Cache measurements (host clock around ``req.acquire``: staging memcpy, DMA, events, row table upload,
 publication) for transport variants: whole-row staging, and staging pipelined with the DMA in chunks.
 
-  PYTHONPATH=. python3 scripts/bench_cache.py --out results/contract/bench-h200.json
+  PYTHONPATH=. python3 benchmarks/bench_cache.py --out $OUT/bench-h200.json
+
+(committed record: results/contract/bench-h200.json)
 
 Runs on CUDA only. Writes JSON (schemas/contract-bench.schema.json) atomically and prints a table.
 """
@@ -27,14 +29,13 @@ from pathlib import Path
 
 import torch
 
-sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
-from runmap.atomic import write_json  # noqa: E402
-from runmap.provenance import utc_timestamp  # noqa: E402
-from runmap.bench.cuda_timing import event_times_ms  # noqa: E402
-from runmap.residency.cache import ExpertCache  # noqa: E402
-from runmap.residency.host_source import HostSource  # noqa: E402
-from runmap.format.qpack import RowLayout  # noqa: E402
-from runmap.residency.transport import CudaTransport  # noqa: E402
+from runmap.atomic import write_json
+from runmap.bench.cuda_timing import event_times_ms
+from runmap.format.qpack import RowLayout
+from runmap.provenance import utc_timestamp
+from runmap.residency.cache import ExpertCache
+from runmap.residency.host_source import HostSource
+from runmap.residency.transport import CudaTransport
 
 GIB = 1 << 30
 TARGET = 0.85
@@ -227,7 +228,7 @@ def main(argv=None) -> int:
     group_frac = max(g["fraction_of_1gib_ceiling"] for v in variants for g in v["groups"] if g["group"] == largest)
     doc = {
         "bench_version": "contract-bench-v1",
-        "command": "PYTHONPATH=. python3 scripts/bench_cache.py " + " ".join(sys.argv[1:]),
+        "command": "PYTHONPATH=. python3 benchmarks/bench_cache.py " + " ".join(sys.argv[1:]),
         "created_utc": utc_timestamp(),
         "device": {"name": torch.cuda.get_device_name(0), "torch": torch.__version__, "cuda": torch.version.cuda,
                    "cpu_count": os.cpu_count(), "python": platform.python_version()},

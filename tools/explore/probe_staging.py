@@ -1,6 +1,6 @@
 """GPU probe (not a test): where the miss path's time goes when rows are staged and copied.
 
-    python3 scripts/probe_staging.py        (CUDA only; prints a table, ~10 s)
+    python3 tools/explore/probe_staging.py        (CUDA only; prints a table, ~10 s)
 
 32 distinct pageable OLMoE-sized rows (3,194,880 B; 4 sets rotated so the source is not cache-hot) through
 pinned staging to the device, with torch CPU thread counts 16 / 8 / 1:

@@ -3,23 +3,20 @@ kernels ("tiles" = kernels/topk_fused.py, "blocks" = kernels/gemv.py, "words" = 
 launch timed alone, and the
 router (torch vs the two-launch Triton router). 16 layers of distinct weights captured in one CUDA graph.
 
-    PYTHONPATH=. python3 scripts/explore_decode.py --out $OUT/explore.json   (committed: results/kernels/explore/h200-decode.json)
+    PYTHONPATH=. python3 tools/explore/explore_decode.py --out $OUT/explore.json   (committed: results/kernels/explore/h200-decode.json)
 """
 from __future__ import annotations
 
 import argparse
 import itertools
 import json
-import sys
 from pathlib import Path
 
 import torch
 
-sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-from bench_kernels import LAYERS, MODELS, copy_bandwidth, graph_us, model_layers, random_batches  # noqa: E402
-from runmap.kernels.reference import reference_moe_f32  # noqa: E402
-from runmap.kernels.topk_fused import topk_down, topk_gate_up  # noqa: E402
+from runmap.bench.kernel_workload import LAYERS, MODELS, copy_bandwidth, graph_us, model_layers, random_batches
+from runmap.kernels.reference import reference_moe_f32
+from runmap.kernels.topk_fused import topk_down, topk_gate_up
 
 
 def layer_sweep(args) -> None:
