@@ -30,7 +30,7 @@ def nibbles_f16(packed):
 # f16x2 op maps both values to q = n - 8 exactly: (1024 + n) - 1032, (1024 + 16 n) / 16 - 72. Output element
 # i of each plane comes from input byte i, as Triton's pack = 4 contract requires (tests/test_nibble_ptx.py
 # runs this text in an emulator). Triton's own lowering of ``nibbles_f16`` spends ~3 PRMT per byte packing
-# 16-bit values; this is 2.5 instructions per byte in all (scripts/sass_stats.py counts the loop).
+# 16-bit values; this is 2.5 instructions per byte in all (tools/explore/sass_stats.py counts the loop).
 _NIBBLES_F16X2_PTX = tl.constexpr("""
 {
 .reg .b32 t0, t1, bias, scale, shift;

@@ -250,7 +250,7 @@ def sort_pairs(ids_flat: torch.Tensor, n_experts: int, block_m: int) -> torch.Te
     A counting sort (per-chunk expert histograms, then each chunk places its pairs after the runs of lower
     experts and the same expert's pairs of earlier chunks), so it is stable and deterministic. It replaced
     ~25 torch ops (argsort, scatter_add, cumsums, index puts) whose host dispatch cost ~0.5 ms per layer on
-    the H200 host, longer than the layer's GPU time at prefill (scripts/probe_host_overhead.py).
+    the H200 host, longer than the layer's GPU time at prefill (tools/explore/probe_host_overhead.py).
 
     Args:
         ids_flat: int32/int64 (P,) contiguous expert id of each pair. Ids outside [0, E) go to one extra run

@@ -109,7 +109,7 @@ def default_config(device: torch.device, n_pairs: int = 1, down_blocks: int = 4)
     if common.interpreting(device):
         return {"KERNEL": "words", "BLOCK_N": 512, "BLOCK_K": 256, "SUB": 1,
                 "DOWN_BLOCK_N": 512, "DOWN_BLOCK_K": 256, "DOWN_SUB": 1}
-    # Best of the H200 sweeps (scripts/explore_decode.py, results/kernels/explore/h200-decode-words.json,
+    # Best of the H200 sweeps (tools/explore/explore_decode.py, results/kernels/explore/h200-decode-words.json,
     # h200-decode-words-sub*.json): T = 1, 2 (8 / 4-8 pairs) and T = 8 (64 / 32 pairs) of OLMoE / Qwen1.5-MoE.
     # Few pairs: the down launch reads its whole row in one round of loads (DOWN_SUB = the blocks rounded up
     # to a power of two), the gate/up launch in two.

@@ -185,7 +185,7 @@ class CudaTransport(Transport):
     def copy_rows(self, jobs, on_submit):
         if self._pool is None and not self.chunk_bytes:
             # One stream context for the whole batch: entering torch.cuda.stream() and recording an event
-            # per row measured ~50 us per row on the H200 (scripts/probe_staging.py), which serialised the
+            # per row measured ~50 us per row on the H200 (tools/explore/probe_staging.py), which serialised the
             # CPU staging of row i+1 behind the bookkeeping of row i instead of overlapping it with row i's DMA.
             self._order_after_releases()
             with torch.cuda.stream(self.stream):
