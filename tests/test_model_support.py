@@ -14,11 +14,8 @@ from runmap.format.qpack import RowLayout
 
 
 def hf_classes(cfg: ModelConfig):
-    if cfg.arch == "olmoe":
-        from transformers import OlmoeConfig, OlmoeForCausalLM
-        return OlmoeConfig, OlmoeForCausalLM
-    from transformers import Qwen2MoeConfig, Qwen2MoeForCausalLM
-    return Qwen2MoeConfig, Qwen2MoeForCausalLM
+    """(transformers config class, causal-LM class) of the family, as its adapter names them."""
+    return cfg.adapter.hf_config_class(), cfg.adapter.hf_model_class()
 
 
 def hf_reference(cfg: ModelConfig, get_nonrouted, expert_rows, layout: RowLayout):

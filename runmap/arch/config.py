@@ -1,7 +1,10 @@
-"""Model configuration: one dataclass for both supported architectures, plus named presets.
+"""Model configuration: one dataclass for every supported model family, plus named presets.
 
 Presets live in ``specs/models/<name>.yaml`` (schema ``schemas/model-preset.schema.json``); this module
-turns a preset or a Hugging Face ``config.json`` into a ``ModelConfig`` and back.
+turns a preset or a Hugging Face ``config.json`` into a ``ModelConfig`` and back. What differs between
+families (config.json spelling, tensor names, attention and MLP features) is the family's adapter
+(``runmap/arch/<family>.py``, found through ``ARCHITECTURES`` in runmap/arch/registry.py);
+``ModelConfig.adapter`` is the one for ``arch``.
 """
 from __future__ import annotations
 
@@ -11,21 +14,14 @@ from pathlib import Path
 
 import yaml
 
+from runmap.arch.base import QK_NORM_NONE, ArchAdapter, ConfigError, UnsupportedLayerError  # noqa: F401  (re-exported)
+from runmap.arch.registry import ARCHITECTURES, adapter_for  # noqa: F401  (re-exported)
 from runmap.resources import PRESET_DIR
-
-ARCHITECTURES = {
-    "olmoe": "OlmoeForCausalLM",
-    "qwen2_moe": "Qwen2MoeForCausalLM",
-}
-
-
-class ConfigError(ValueError):
-    """A config.json or preset is missing a field or names an unsupported architecture."""
 
 
 @dataclasses.dataclass(frozen=True)
 class ModelConfig:
-    arch: str  # "olmoe" | "qwen2_moe" (HF model_type)
+    arch: str  # HF model_type, a key of ARCHITECTURES ("olmoe" | "qwen2_moe")
     vocab_size: int
     hidden_size: int
     num_layers: int
@@ -35,8 +31,8 @@ class ModelConfig:
     num_experts: int
     top_k: int
     norm_topk_prob: bool = False
-    shared_expert_intermediate_size: int = 0  # Qwen2-MoE only; 0 = no shared expert
-    intermediate_size: int = 0  # dense MLP size (unused by the all-MoE presets; kept for HF round trip)
+    shared_expert_intermediate_size: int = 0  # 0 = no shared expert (families with adapter.shared_expert only)
+    intermediate_size: int = 0  # dense MLP size (used by dense_layers only; kept for the HF round trip)
     rms_norm_eps: float = 1e-5
     rope_theta: float = 10000.0
     max_position_embeddings: int = 4096
@@ -44,6 +40,19 @@ class ModelConfig:
     bos_token_id: int | None = None
     eos_token_id: int | None = None
     pad_token_id: int | None = None
+    # layers whose MLP is one dense SiLU-gated MLP instead of routed experts (ascending, no repeats); the
+    # packer and engine refuse them (UnsupportedLayerError naming the layer) until they can run one
+    dense_layers: tuple[int, ...] = ()
+
+    def __post_init__(self):
+        # presets and manifests give a JSON list; a frozen dataclass keeps a hashable sorted tuple
+        object.__setattr__(self, "dense_layers", tuple(sorted({int(l) for l in self.dense_layers})))
+        adapter_for(self.arch, "ModelConfig.arch").validate(self)
+
+    @property
+    def adapter(self) -> ArchAdapter:
+        """This family's adapter (runmap/arch/<family>.py)."""
+        return adapter_for(self.arch, "ModelConfig.arch")
 
     @property
     def head_dim(self) -> int:
@@ -51,15 +60,32 @@ class ModelConfig:
 
     @property
     def qkv_bias(self) -> bool:
-        return self.arch == "qwen2_moe"
+        return self.adapter.qkv_bias
 
     @property
     def qk_norm(self) -> bool:
-        return self.arch == "olmoe"
+        """Whether q and k are RMS-normalized at all (``qk_norm_kind`` says how)."""
+        return self.adapter.qk_norm != QK_NORM_NONE
+
+    @property
+    def qk_norm_kind(self) -> str:
+        """One of runmap.arch.base.QK_NORM_KINDS: "none", "projection" (OLMoE) or "per-head"."""
+        return self.adapter.qk_norm
 
     @property
     def hf_architecture(self) -> str:
-        return ARCHITECTURES[self.arch]
+        return self.adapter.hf_architecture
+
+    def to_manifest_dict(self) -> dict:
+        """The fields as a JSON-ready dict for a pack manifest. ``dense_layers`` is left out while empty,
+        so manifests of all-MoE models stay byte-identical to those written before the field existed
+        (and readable by a PackReader that does not know it)."""
+        d = dataclasses.asdict(self)
+        if not d["dense_layers"]:
+            del d["dense_layers"]
+        else:
+            d["dense_layers"] = list(d["dense_layers"])
+        return d
 
     # ---- Hugging Face config.json round trip ----------------------------------------------------
     @classmethod
@@ -70,45 +96,7 @@ class ModelConfig:
                 f"{source}: unsupported model_type {arch!r} (architectures {d.get('architectures')}); "
                 f"supported: {sorted(ARCHITECTURES)}"
             )
-
-        def need(key):
-            if key not in d:
-                raise ConfigError(f"{source}: missing field {key!r}")
-            return d[key]
-
-        if arch == "olmoe":
-            inter, n_exp, shared = need("intermediate_size"), need("num_experts"), 0
-            dense = 0  # OLMoE has no dense MLP; its intermediate_size is the expert size
-        else:
-            inter, n_exp = need("moe_intermediate_size"), need("num_experts")
-            shared = d.get("shared_expert_intermediate_size", 0)
-            dense = d.get("intermediate_size", 0)
-            if d.get("mlp_only_layers") or d.get("decoder_sparse_step", 1) != 1:
-                raise ConfigError(f"{source}: dense (non-MoE) layers are not supported (mlp_only_layers / decoder_sparse_step)")
-        eos = d.get("eos_token_id")
-        if isinstance(eos, list):
-            eos = eos[0] if eos else None
-        return cls(
-            arch=arch,
-            vocab_size=need("vocab_size"),
-            hidden_size=need("hidden_size"),
-            num_layers=need("num_hidden_layers"),
-            num_heads=need("num_attention_heads"),
-            num_kv_heads=d.get("num_key_value_heads") or need("num_attention_heads"),
-            moe_intermediate_size=inter,
-            num_experts=n_exp,
-            top_k=need("num_experts_per_tok"),
-            norm_topk_prob=bool(d.get("norm_topk_prob", False)),
-            shared_expert_intermediate_size=shared,
-            intermediate_size=dense,
-            rms_norm_eps=float(d.get("rms_norm_eps", 1e-5)),
-            rope_theta=float(d.get("rope_theta", (d.get("rope_parameters") or {}).get("rope_theta", 10000.0))),
-            max_position_embeddings=int(d.get("max_position_embeddings", 4096)),
-            tie_word_embeddings=bool(d.get("tie_word_embeddings", False)),
-            bos_token_id=d.get("bos_token_id"),
-            eos_token_id=eos,
-            pad_token_id=d.get("pad_token_id"),
-        )
+        return ARCHITECTURES[arch].config_from_hf(d, source)
 
     @classmethod
     def from_checkpoint_dir(cls, path: str | Path) -> "ModelConfig":
@@ -122,42 +110,8 @@ class ModelConfig:
         return cls.from_hf_dict(d, source=str(p))
 
     def to_hf_dict(self) -> dict:
-        """A config.json dict that transformers' OlmoeConfig / Qwen2MoeConfig accepts."""
-        common = dict(
-            architectures=[self.hf_architecture],
-            model_type=self.arch,
-            vocab_size=self.vocab_size,
-            hidden_size=self.hidden_size,
-            num_hidden_layers=self.num_layers,
-            num_attention_heads=self.num_heads,
-            num_key_value_heads=self.num_kv_heads,
-            num_experts=self.num_experts,
-            num_experts_per_tok=self.top_k,
-            norm_topk_prob=self.norm_topk_prob,
-            rms_norm_eps=self.rms_norm_eps,
-            rope_theta=self.rope_theta,
-            max_position_embeddings=self.max_position_embeddings,
-            tie_word_embeddings=self.tie_word_embeddings,
-            bos_token_id=self.bos_token_id,
-            eos_token_id=self.eos_token_id,
-            pad_token_id=self.pad_token_id,
-            hidden_act="silu",
-            torch_dtype="bfloat16",
-        )
-        if self.arch == "olmoe":
-            common.update(intermediate_size=self.moe_intermediate_size, clip_qkv=None, output_router_logits=False)
-        else:
-            common.update(
-                intermediate_size=self.intermediate_size or self.moe_intermediate_size,
-                moe_intermediate_size=self.moe_intermediate_size,
-                shared_expert_intermediate_size=self.shared_expert_intermediate_size,
-                decoder_sparse_step=1,
-                mlp_only_layers=[],
-                use_sliding_window=False,
-                qkv_bias=True,
-                output_router_logits=False,
-            )
-        return common
+        """A config.json dict that the family's transformers config class (OlmoeConfig, Qwen2MoeConfig) accepts."""
+        return self.adapter.config_to_hf(self)
 
     # ---- presets ---------------------------------------------------------------------------------
     @classmethod

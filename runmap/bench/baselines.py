@@ -1,4 +1,4 @@
-"""Baseline: transformers' own OLMoE / Qwen2-MoE model in bfloat16, timed like the engine.
+"""Baseline: transformers' own model of the family (the adapter's ``hf_architecture``) in bfloat16, timed like the engine.
 
 It duck-types the engine surface the campaign runner uses: ``generate(prompts, max_new_tokens)``,
 ``last_timing`` and ``telemetry()``. Greedy decoding with transformers' KV cache, one forward per step;
@@ -29,21 +29,22 @@ class HFBaseline:
     regime = "full"
 
     def __init__(self, cfg: ModelConfig, device: torch.device, checkpoint: str | None = None, seed: int = 0):
-        from transformers import AutoConfig, AutoModelForCausalLM
-
+        # the family's own transformers classes, as its adapter names them (runmap/arch/<family>.py)
+        config_class, model_class = cfg.adapter.hf_config_class(), cfg.adapter.hf_model_class()
         self.cfg, self.device = cfg, torch.device(device)
         t0 = time.perf_counter()
         if checkpoint:
             if not (Path(checkpoint) / "config.json").is_file():
                 raise FileNotFoundError(f"{checkpoint}: HF checkpoint directory without config.json")
             # no device_map: that path needs `accelerate`, which neither machine has
-            model = AutoModelForCausalLM.from_pretrained(checkpoint, dtype=torch.bfloat16).to(self.device)
+            model = model_class.from_pretrained(checkpoint, dtype=torch.bfloat16).to(self.device)
             self.weights_source = f"checkpoint {checkpoint}"
         else:
-            hf = AutoConfig.for_model(**cfg.to_hf_dict())
+            hf = config_class(**cfg.to_hf_dict())
             torch.manual_seed(seed)
             with self.device:  # initialise directly on the device: no 14-28 GB host round trip
-                model = AutoModelForCausalLM.from_config(hf, dtype=torch.bfloat16)
+                # what AutoModelForCausalLM.from_config(hf, dtype=...) calls once it has picked the class
+                model = model_class._from_config(hf, dtype=torch.bfloat16)
             self.weights_source = f"transformers random init (seed {seed})"
         self.model = model.eval()
         _sync(self.device)

@@ -33,6 +33,7 @@ from typing import Callable
 import torch
 import torch.nn.functional as F
 
+from runmap.arch.base import QK_NORM_PER_HEAD
 from runmap.arch.config import ModelConfig
 
 # experts(layer, x fp16 (N, H), topk_ids int64 (N, k), topk_weights fp32 (N, k)) -> fp16 (N, H)
@@ -99,13 +100,13 @@ def route(h: torch.Tensor, router32: torch.Tensor, top_k: int, norm_topk_prob: b
 class LayerWeights:
     attn_norm: torch.Tensor  # (H,)
     qkv: torch.Tensor  # (nh*D + 2*nkv*D, H) fused q, k, v projections
-    qkv_bias: torch.Tensor | None  # (nh*D + 2*nkv*D,) Qwen2-MoE only
+    qkv_bias: torch.Tensor | None  # (nh*D + 2*nkv*D,) families with adapter.qkv_bias (Qwen2-MoE)
     o: torch.Tensor  # (H, nh*D)
-    q_norm: torch.Tensor | None  # (nh*D,) OLMoE only
-    k_norm: torch.Tensor | None  # (nkv*D,) OLMoE only
+    q_norm: torch.Tensor | None  # (nh*D,) whole-projection norm (OLMoE) or (D,) per-head norm; None without
+    k_norm: torch.Tensor | None  # (nkv*D,) or (D,), like q_norm
     mlp_norm: torch.Tensor  # (H,)
     router32: torch.Tensor  # (E, H) fp32 copy of the fp16 router weight (see module docstring)
-    shared_gate_up: torch.Tensor | None  # (2*Is, H) Qwen2-MoE shared expert gate|up
+    shared_gate_up: torch.Tensor | None  # (2*Is, H) shared expert gate|up (routed+shared layers, Qwen2-MoE)
     shared_down: torch.Tensor | None  # (H, Is)
     shared_expert_gate: torch.Tensor | None  # (1, H)
 
@@ -131,31 +132,22 @@ class Weights:
 
 
 def nonrouted_names(cfg: ModelConfig) -> list[str]:
-    """The HF tensor names the model needs from a pack (lm_head omitted when tied)."""
-    names = ["model.embed_tokens.weight", "model.norm.weight"]
-    if not cfg.tie_word_embeddings:
-        names.append("lm_head.weight")
-    for i in range(cfg.num_layers):
-        p = f"model.layers.{i}."
-        names += [p + "input_layernorm.weight", p + "post_attention_layernorm.weight", p + "mlp.gate.weight"]
-        names += [p + f"self_attn.{n}_proj.weight" for n in "qkvo"]
-        if cfg.qkv_bias:
-            names += [p + f"self_attn.{n}_proj.bias" for n in "qkv"]
-        if cfg.qk_norm:
-            names += [p + "self_attn.q_norm.weight", p + "self_attn.k_norm.weight"]
-        if cfg.shared_expert_intermediate_size:
-            names += [p + f"mlp.shared_expert.{n}_proj.weight" for n in ("gate", "up", "down")]
-            names.append(p + "mlp.shared_expert_gate.weight")
-    return names
+    """The HF tensor names the model needs from a pack (lm_head omitted when tied), as the family's
+    adapter names them (runmap/arch/<family>.py)."""
+    return list(cfg.adapter.nonrouted_tensors(cfg))
 
 
 def load_weights(get: Callable[[str], torch.Tensor], cfg: ModelConfig, device) -> Weights:
     """Build ``Weights`` from ``get(hf_name) -> fp16 tensor`` (e.g. PackReader.nonrouted).
-    Each tensor is checked for dtype and shape; fused tensors (qkv, shared gate|up) are built on device."""
-    H, D, nh, nkv = cfg.hidden_size, cfg.head_dim, cfg.num_heads, cfg.num_kv_heads
-    Is, E, V = cfg.shared_expert_intermediate_size, cfg.num_experts, cfg.vocab_size
+    Tensors are found by role in the adapter's inventory (names and shapes); each is checked for dtype
+    and shape; fused tensors (qkv, shared gate|up) are built on device. A dense layer is refused
+    (UnsupportedLayerError naming it): the forward pass runs routed MoE layers only."""
+    adapter = cfg.adapter
+    adapter.require_routed_layers(cfg, "runmap engine")
+    D = cfg.head_dim
 
-    def t(name, shape):
+    def t(named, role):
+        name, shape = named[role]
         x = get(name)
         if x.dtype != torch.float16:
             raise ModelError(f"{name}: expected float16, got {x.dtype}")
@@ -163,36 +155,36 @@ def load_weights(get: Callable[[str], torch.Tensor], cfg: ModelConfig, device) -
             raise ModelError(f"{name}: shape {tuple(x.shape)}, expected {tuple(shape)}")
         return x.to(device)
 
+    def opt(named, role):
+        return t(named, role) if role in named else None
+
     layers = []
     for i in range(cfg.num_layers):
-        p = f"model.layers.{i}."
-        a = p + "self_attn."
-        qkv = torch.cat([t(a + "q_proj.weight", (nh * D, H)), t(a + "k_proj.weight", (nkv * D, H)),
-                         t(a + "v_proj.weight", (nkv * D, H))], dim=0)  # (nh*D + 2*nkv*D, H)
+        lt = adapter.layer_tensors(cfg, i)
+        qkv = torch.cat([t(lt, "q_proj"), t(lt, "k_proj"), t(lt, "v_proj")], dim=0)  # (nh*D + 2*nkv*D, H)
         qkv_bias = None
         if cfg.qkv_bias:
-            qkv_bias = torch.cat([t(a + "q_proj.bias", (nh * D,)), t(a + "k_proj.bias", (nkv * D,)),
-                                  t(a + "v_proj.bias", (nkv * D,))])
+            qkv_bias = torch.cat([t(lt, "q_bias"), t(lt, "k_bias"), t(lt, "v_bias")])  # (nh*D + 2*nkv*D,)
         sg = sd = sgate = None
-        if Is:
-            m = p + "mlp.shared_expert."
-            sg = torch.cat([t(m + "gate_proj.weight", (Is, H)), t(m + "up_proj.weight", (Is, H))], dim=0)
-            sd = t(m + "down_proj.weight", (H, Is))
-            sgate = t(p + "mlp.shared_expert_gate.weight", (1, H))
+        if "shared_gate" in lt:
+            sg = torch.cat([t(lt, "shared_gate"), t(lt, "shared_up")], dim=0)  # (2*Is, H)
+            sd = t(lt, "shared_down")
+            sgate = t(lt, "shared_expert_gate")
         layers.append(LayerWeights(
-            attn_norm=t(p + "input_layernorm.weight", (H,)),
+            attn_norm=t(lt, "attn_norm"),
             qkv=qkv, qkv_bias=qkv_bias,
-            o=t(a + "o_proj.weight", (H, nh * D)),
-            q_norm=t(a + "q_norm.weight", (nh * D,)) if cfg.qk_norm else None,
-            k_norm=t(a + "k_norm.weight", (nkv * D,)) if cfg.qk_norm else None,
-            mlp_norm=t(p + "post_attention_layernorm.weight", (H,)),
-            router32=t(p + "mlp.gate.weight", (E, H)).float(),
+            o=t(lt, "o_proj"),
+            q_norm=opt(lt, "q_norm"),
+            k_norm=opt(lt, "k_norm"),
+            mlp_norm=t(lt, "mlp_norm"),
+            router32=t(lt, "router").float(),
             shared_gate_up=sg, shared_down=sd, shared_expert_gate=sgate,
         ))
-    embed = t("model.embed_tokens.weight", (V, H))
-    lm_head = embed if cfg.tie_word_embeddings else t("lm_head.weight", (V, H))
+    head, tail = adapter.head_tensors(cfg), adapter.tail_tensors(cfg)
+    embed = t(head, "embed")
+    lm_head = embed if cfg.tie_word_embeddings else t(tail, "lm_head")
     inv_freq = 1.0 / (cfg.rope_theta ** (torch.arange(0, D, 2, dtype=torch.float32, device=device) / D))
-    return Weights(embed, layers, t("model.norm.weight", (H,)), lm_head, inv_freq)
+    return Weights(embed, layers, t(tail, "final_norm"), lm_head, inv_freq)
 
 
 # ---- KV cache -----------------------------------------------------------------------------------
@@ -229,9 +221,11 @@ class Transformer:
     routed-experts function are passed in, so the engine owns residency and CUDA graphs."""
 
     def __init__(self, cfg: ModelConfig, weights: Weights):
-        if cfg.arch not in ("olmoe", "qwen2_moe"):
-            raise ModelError(f"unsupported architecture {cfg.arch!r}")
+        cfg.adapter.require_routed_layers(cfg, "Transformer")  # dense layers have no forward path yet
         self.cfg, self.w = cfg, weights
+        # q/k norm over each head (width D) instead of over the whole projection; the fused prologue
+        # kernel implements only the whole-projection form
+        self.per_head_qk_norm = cfg.qk_norm_kind == QK_NORM_PER_HEAD
         self.route_log: list | None = None  # set to [] to record (layer, topk_ids cpu) per MoE call
         # CUDA only: which fused Triton ops (runmap.kernels.fused_ops) replace torch sequences; empty = pure torch.
         # "prologue": q/k norm + RoPE + KV write; "norm": residual add + RMSNorm; "router": logits + softmax
@@ -274,13 +268,19 @@ class Transformer:
         qkv = linear(h, lw.qkv, lw.qkv_bias)  # (B, T, (nh + 2 nkv) D)
         kc, vc = kv.k[layer, :B], kv.v[layer, :B]  # (B, nkv, S, D) views
         if "prologue" in self.fused:
+            if self.per_head_qk_norm:
+                raise ModelError(f"{cfg.arch}: the fused 'prologue' op normalizes q/k over the whole projection; "
+                                 "this family normalizes per head (leave 'prologue' out of Transformer.fused)")
             from runmap.kernels.fused_ops import qk_norm_rope_kv
 
             q = qk_norm_rope_kv(qkv, lw.q_norm, lw.k_norm, positions, slots, self.w.inv_freq, kc, vc,
                                 num_heads=nh, num_kv_heads=nkv, eps=cfg.rms_norm_eps)  # (B, nh, T, D)
         else:
             q, k, v = qkv.split([nh * D, nkv * D, nkv * D], dim=-1)
-            if lw.q_norm is not None:  # OLMoE: RMSNorm over the whole projection, before head split and RoPE
+            if lw.q_norm is not None and self.per_head_qk_norm:  # RMSNorm of width D over each head, before RoPE
+                q = rms_norm(q.reshape(B, T, nh, D), lw.q_norm, cfg.rms_norm_eps).reshape(B, T, nh * D)
+                k = rms_norm(k.reshape(B, T, nkv, D), lw.k_norm, cfg.rms_norm_eps).reshape(B, T, nkv * D)
+            elif lw.q_norm is not None:  # OLMoE: RMSNorm over the whole projection, before head split and RoPE
                 q = rms_norm(q, lw.q_norm, cfg.rms_norm_eps)
                 k = rms_norm(k, lw.k_norm, cfg.rms_norm_eps)
             q = q.reshape(B, T, nh, D).transpose(1, 2)  # (B, nh, T, D)

@@ -1,8 +1,8 @@
-"""Read a local Hugging Face checkpoint of OlmoeForCausalLM / Qwen2MoeForCausalLM, tensor by tensor.
+"""Read a local Hugging Face checkpoint of a supported MoE family (OLMoE, Qwen2-MoE), tensor by tensor.
 
 A checkpoint directory holds ``config.json`` and either one ``model.safetensors`` or several shards
 listed in ``model.safetensors.index.json``. Routed experts come in one of two on-disk layouts, chosen
-per layer:
+per layer (the names below are the llama-like defaults; each family's adapter in runmap/arch/ states its own):
 
 * ``per-expert`` (the hub checkpoints, and what transformers 5.x ``save_pretrained`` writes after
   reversing its in-memory fusion): ``model.layers.{l}.mlp.experts.{e}.{gate,up,down}_proj.weight``
@@ -23,14 +23,15 @@ from pathlib import Path
 
 import torch
 
-from runmap.arch.config import ARCHITECTURES, ConfigError, ModelConfig
+from runmap.arch.base import EXPERT_LAYOUTS
+from runmap.arch.config import ConfigError, ModelConfig
+from runmap.arch.registry import hf_architecture_names
 from runmap.format.qpack import FP16_MAX, PROJECTIONS
 from runmap.format.safetensors_io import DTYPE_FROM_STR, ITEMSIZE, SafetensorsFormatError, read_header, read_into
 
 INDEX_FILE = "model.safetensors.index.json"
 SINGLE_FILE = "model.safetensors"
 IGNORED_SUFFIXES = ("rotary_emb.inv_freq",)  # buffers some old exports store; recomputed from config
-EXPERT_LAYOUTS = ("per-expert", "fused")
 
 
 class CheckpointError(ValueError):
@@ -38,50 +39,15 @@ class CheckpointError(ValueError):
 
 
 def expected_nonrouted(cfg: ModelConfig) -> dict[str, tuple[int, ...]]:
-    """HF name -> shape of every non-routed tensor, in a fixed order (embeddings, layers, norm, lm_head)."""
-    h, hd, v = cfg.hidden_size, cfg.head_dim, cfg.vocab_size
-    q_out, kv_out = cfg.num_heads * hd, cfg.num_kv_heads * hd
-    out = {"model.embed_tokens.weight": (v, h)}
-    for l in range(cfg.num_layers):
-        p = f"model.layers.{l}."
-        out[p + "input_layernorm.weight"] = (h,)
-        out[p + "self_attn.q_proj.weight"] = (q_out, h)
-        out[p + "self_attn.k_proj.weight"] = (kv_out, h)
-        out[p + "self_attn.v_proj.weight"] = (kv_out, h)
-        if cfg.qkv_bias:
-            out[p + "self_attn.q_proj.bias"] = (q_out,)
-            out[p + "self_attn.k_proj.bias"] = (kv_out,)
-            out[p + "self_attn.v_proj.bias"] = (kv_out,)
-        out[p + "self_attn.o_proj.weight"] = (h, q_out)
-        if cfg.qk_norm:
-            out[p + "self_attn.q_norm.weight"] = (q_out,)
-            out[p + "self_attn.k_norm.weight"] = (kv_out,)
-        out[p + "post_attention_layernorm.weight"] = (h,)
-        out[p + "mlp.gate.weight"] = (cfg.num_experts, h)
-        if cfg.shared_expert_intermediate_size:
-            s = cfg.shared_expert_intermediate_size
-            out[p + "mlp.shared_expert.gate_proj.weight"] = (s, h)
-            out[p + "mlp.shared_expert.up_proj.weight"] = (s, h)
-            out[p + "mlp.shared_expert.down_proj.weight"] = (h, s)
-            out[p + "mlp.shared_expert_gate.weight"] = (1, h)
-    out["model.norm.weight"] = (h,)
-    if not cfg.tie_word_embeddings:
-        out["lm_head.weight"] = (v, h)
-    return out
+    """HF name -> shape of every non-routed tensor, in a fixed order (embeddings, layers, norm, lm_head),
+    as the family's adapter names them."""
+    return cfg.adapter.nonrouted_tensors(cfg)
 
 
 def expert_names(cfg: ModelConfig, layer: int, layout: str) -> dict[str, tuple[int, ...]]:
-    """HF name -> shape of the routed expert tensors of one layer in the given on-disk layout."""
-    h, i, e_n = cfg.hidden_size, cfg.moe_intermediate_size, cfg.num_experts
-    p = f"model.layers.{layer}.mlp.experts."
-    if layout == "fused":
-        return {p + "gate_up_proj": (e_n, 2 * i, h), p + "down_proj": (e_n, h, i)}
-    out = {}
-    for e in range(e_n):
-        out[f"{p}{e}.gate_proj.weight"] = (i, h)
-        out[f"{p}{e}.up_proj.weight"] = (i, h)
-        out[f"{p}{e}.down_proj.weight"] = (h, i)
-    return out
+    """HF name -> shape of the routed expert tensors of one layer in the given on-disk layout
+    (empty for a dense layer)."""
+    return cfg.adapter.routed_expert_tensors(cfg, layer, layout)
 
 
 CHECK_CHUNK = 1 << 22  # values per step of the value check: no full-size temporaries
@@ -125,7 +91,7 @@ class CheckpointReader:
         config: ModelConfig parsed from config.json.
         hf_config: the raw config.json dict.
         files: shard file names (relative to path), sorted.
-        expert_layout: {layer: "per-expert" | "fused"}.
+        expert_layout: {layer: "per-expert" | "fused"} for every routed (MoE) layer; dense layers are absent.
     """
 
     def __init__(self, path: str | Path):
@@ -139,10 +105,9 @@ class CheckpointReader:
             raise CheckpointError(str(e)) from e
         self.hf_config = json.loads(cfg_path.read_text())
         archs = self.hf_config.get("architectures") or []
-        if archs and any(a not in ARCHITECTURES.values() for a in archs):
-            raise CheckpointError(
-                f"{cfg_path}: unsupported architectures {archs}; supported: {sorted(ARCHITECTURES.values())}"
-            )
+        known = hf_architecture_names()
+        if archs and any(a not in known for a in archs):
+            raise CheckpointError(f"{cfg_path}: unsupported architectures {archs}; supported: {sorted(known)}")
         self._weight_map = self._load_weight_map()  # tensor name -> file name
         self.files = sorted(set(self._weight_map.values()))
         self._headers: dict[str, tuple[dict, int]] = {}
@@ -153,7 +118,8 @@ class CheckpointReader:
             except (SafetensorsFormatError, OSError) as e:
                 raise CheckpointError(f"{fpath}: unreadable safetensors file: {e}") from e
         self._check_index_agrees()
-        self.expert_layout = {l: self._detect_layout(l) for l in range(self.config.num_layers)}
+        self.adapter = self.config.adapter
+        self.expert_layout = {l: self._detect_layout(l) for l in self.adapter.routed_layers(self.config)}
         self._check_inventory()
 
     # ---- discovery --------------------------------------------------------------------------------
@@ -183,16 +149,16 @@ class CheckpointReader:
                 raise CheckpointError(f"{self.path / fname}: tensor {name!r} listed in {INDEX_FILE} is not in this shard")
 
     def _detect_layout(self, layer: int) -> str:
-        fused = f"model.layers.{layer}.mlp.experts.gate_up_proj"
+        fused = self.adapter.fused_expert_names(layer)["gate_up"]
         return "fused" if fused in self._weight_map else "per-expert"
 
     def _check_inventory(self) -> None:
         want = dict(expected_nonrouted(self.config))
-        for l in range(self.config.num_layers):
-            want.update(expert_names(self.config, l, self.expert_layout[l]))
+        for l, layout in self.expert_layout.items():
+            want.update(expert_names(self.config, l, layout))
         for name, shape in want.items():
             if name not in self._weight_map:
-                kind = "expert tensor" if ".mlp.experts." in name else "tensor"
+                kind = "expert tensor" if self.adapter.is_routed_expert_tensor(name) else "tensor"
                 raise CheckpointError(f"{self.path}: missing {kind} {name!r} (no shard contains it)")
             entry = self._entry(name)
             if tuple(entry["shape"]) != shape:
@@ -260,9 +226,10 @@ class CheckpointReader:
         in the fused (E, 2I, H) gate_up tensor the gate rows of expert e are rows [0, I) of slice e and
         the up rows are [I, 2I); in (E, H, I) down_proj slice e is contiguous."""
         i = self.config.moe_intermediate_size
-        p = f"model.layers.{layer}.mlp.experts."
+        if layer not in self.expert_layout:
+            raise CheckpointError(f"{self.path}: layer {layer} has no routed experts (a dense MLP layer)")
         if self.expert_layout[layer] == "fused":
-            name = p + ("down_proj" if proj == "down" else "gate_up_proj")
+            name = self.adapter.fused_expert_names(layer)["down" if proj == "down" else "gate_up"]
             entry = self._entry(name)
             _, d1, d2 = entry["shape"]
             item = ITEMSIZE[entry["dtype"]]
@@ -272,7 +239,7 @@ class CheckpointReader:
             shown = f"{name}[{e}]" + ("" if proj == "down" else f"[{proj} half]")
             shape = (rows, d2)
         else:
-            name = f"{p}{e}.{proj}_proj.weight"
+            name = self.adapter.expert_tensor_name(layer, e, proj)
             entry = self._entry(name)
             off, shown, shape = entry["data_offsets"][0], name, tuple(entry["shape"])
         fname = self._weight_map[name]

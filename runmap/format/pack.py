@@ -23,7 +23,6 @@ any error or interrupt the temporary directory is removed. A killed process leav
 from __future__ import annotations
 
 import concurrent.futures as cf
-import dataclasses
 import hashlib
 import json
 import os
@@ -155,8 +154,9 @@ def pack_checkpoint(
 ) -> Path:
     """Pack ``checkpoint_dir`` into ``out_dir`` (layout in the module docstring). Returns out_dir.
 
-    Raises CheckpointError (bad input, before anything is written), QPackError (bad block size),
-    PackError (device, existing output). On any failure no ``out_dir`` is created or changed.
+    Raises CheckpointError (bad input, before anything is written), UnsupportedLayerError (a dense
+    layer, naming it, before anything is written), QPackError (bad block size), PackError (device,
+    existing output). On any failure no ``out_dir`` is created or changed.
     """
     t0 = time.perf_counter()
     dev = resolve_device(device)
@@ -165,6 +165,8 @@ def pack_checkpoint(
         raise PackError(f"{out}: already exists (pass --force to replace it)")
     reader = CheckpointReader(checkpoint_dir)  # validates the whole inventory from headers
     cfg = reader.config
+    # a dense layer has no experts to qpack and the engine cannot run one yet: refuse before writing anything
+    cfg.adapter.require_routed_layers(cfg, f"{reader.path}: runmap pack")
     layout = RowLayout.build(cfg.hidden_size, cfg.moe_intermediate_size, block_size)
     out.parent.mkdir(parents=True, exist_ok=True)
     tmp = Path(tempfile.mkdtemp(prefix="." + out.name + ".tmp-", dir=out.parent))
@@ -239,7 +241,7 @@ def pack_checkpoint(
             "created_utc": utc_timestamp(),
             "source": {"path": str(reader.path.resolve()), "architecture": cfg.hf_architecture,
                        "expert_layouts": sorted(set(reader.expert_layout.values())), "files": source},
-            "model": dataclasses.asdict(cfg),
+            "model": cfg.to_manifest_dict(),
             "quant_rule": QUANT_RULE,
             "block_size": block_size,
             "row_layout": layout.to_dict(),

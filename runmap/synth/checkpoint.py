@@ -1,4 +1,4 @@
-"""Synthetic Hugging Face MoE checkpoints (OLMoE / Qwen2-MoE), deterministic from a seed.
+"""Synthetic Hugging Face MoE checkpoints of any supported family, deterministic from a seed.
 
 The output is exactly the on-disk format of a hub checkpoint: ``config.json``, BF16 safetensors with
 HF tensor names (one ``model.safetensors``, or shards plus ``model.safetensors.index.json`` when the
@@ -6,7 +6,7 @@ total exceeds ``shard_bytes``), a ``generation_config.json`` and a tokenizer (``
 
 Determinism: every tensor is drawn from its own ``torch.Generator`` seeded by sha256(seed, tensor
 key), so a tensor's values depend only on (seed, key, generator device), never on write order. An
-expert's key is its per-expert HF name in both layouts, so a ``fused`` and a ``per-expert`` checkpoint
+expert's key is its per-expert HF name (as the family's adapter spells it) in both layouts, so a ``fused`` and a ``per-expert`` checkpoint
 with the same seed hold identical values. Same seed and device -> same bytes (CPU and CUDA generators
 draw different streams; the device is recorded in the safetensors metadata).
 
@@ -25,8 +25,9 @@ from pathlib import Path
 
 import torch
 
-from runmap.format.checkpoint import EXPERT_LAYOUTS, INDEX_FILE, SINGLE_FILE, expected_nonrouted, expert_names
+from runmap.arch.base import EXPERT_LAYOUTS
 from runmap.arch.config import ModelConfig
+from runmap.format.checkpoint import INDEX_FILE, SINGLE_FILE
 from runmap.format.safetensors_io import StreamingWriter
 from runmap.synth.tokenizer import write_tokenizer
 from runmap.atomic import replace_dir
@@ -53,31 +54,41 @@ def _draw(seed: int, key: str, shape, device) -> torch.Tensor:
 
 def tensor_plan(cfg: ModelConfig, expert_layout: str) -> list[tuple[str, tuple[int, ...]]]:
     """(HF name, shape) of every tensor in write order: embeddings, then per layer its non-routed
-    tensors and its experts, then the final norm and lm_head."""
-    nonrouted = expected_nonrouted(cfg)
-    plan = [("model.embed_tokens.weight", nonrouted["model.embed_tokens.weight"])]
+    tensors and its experts, then the final norm and lm_head (names and shapes from the adapter)."""
+    a = cfg.adapter
+    plan = list(a.head_tensors(cfg).values())
     for l in range(cfg.num_layers):
-        p = f"model.layers.{l}."
-        plan += [(n, s) for n, s in nonrouted.items() if n.startswith(p)]
-        plan += list(expert_names(cfg, l, expert_layout).items())
-    plan += [(n, nonrouted[n]) for n in ("model.norm.weight", "lm_head.weight") if n in nonrouted]
-    return plan
+        plan += list(a.layer_tensors(cfg, l).values())
+        plan += list(a.routed_expert_tensors(cfg, l, expert_layout).items())
+    return plan + list(a.tail_tensors(cfg).values())
+
+
+def _fused_expert_part(cfg: ModelConfig, name: str) -> tuple[int, str] | None:
+    """(layer, "gate_up" | "down") when ``name`` is a fused-layout expert tensor, else None."""
+    a = cfg.adapter
+    for l in a.routed_layers(cfg):
+        for part, fused in a.fused_expert_names(l).items():
+            if fused == name:
+                return l, part
+    return None
 
 
 def _generate(cfg: ModelConfig, name: str, shape, seed: int, device) -> torch.Tensor:
     """The BF16 CPU tensor for ``name``; fused expert tensors are assembled from per-expert draws."""
+    fused = _fused_expert_part(cfg, name)
+    if fused is None:
+        return _draw(seed, name, shape, device).cpu()
+    layer, part = fused
+    key = lambda e, proj: cfg.adapter.expert_tensor_name(layer, e, proj)  # noqa: E731  the per-expert draw key
     i = cfg.moe_intermediate_size
-    if name.endswith("mlp.experts.gate_up_proj") or name.endswith("mlp.experts.down_proj"):
-        p = name.rsplit("experts.", 1)[0] + "experts."
-        out = torch.empty(shape, dtype=torch.bfloat16)  # (E, 2I, H) or (E, H, I)
-        for e in range(cfg.num_experts):
-            if name.endswith("gate_up_proj"):
-                out[e, :i] = _draw(seed, f"{p}{e}.gate_proj.weight", (i, shape[2]), device).cpu()
-                out[e, i:] = _draw(seed, f"{p}{e}.up_proj.weight", (i, shape[2]), device).cpu()
-            else:
-                out[e] = _draw(seed, f"{p}{e}.down_proj.weight", tuple(shape[1:]), device).cpu()
-        return out
-    return _draw(seed, name, shape, device).cpu()
+    out = torch.empty(shape, dtype=torch.bfloat16)  # (E, 2I, H) or (E, H, I)
+    for e in range(cfg.num_experts):
+        if part == "gate_up":
+            out[e, :i] = _draw(seed, key(e, "gate"), (i, shape[2]), device).cpu()
+            out[e, i:] = _draw(seed, key(e, "up"), (i, shape[2]), device).cpu()
+        else:
+            out[e] = _draw(seed, key(e, "down"), tuple(shape[1:]), device).cpu()
+    return out
 
 
 def _shards(plan, shard_bytes: int) -> list[list[tuple[str, tuple[int, ...]]]]:
