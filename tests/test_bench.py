@@ -13,6 +13,7 @@ from runmap.bench import campaign as bench
 from runmap.bench import metrics as bm
 from runmap.arch.config import load_preset
 from runmap.conformance.schemas import validate_document
+from runmap.engine.engine import DEFAULT_FUSED
 from test_bench_fakes import FakeEngine, fake_factory, run_fake, tiny_spec
 
 REPO = Path(__file__).resolve().parent.parent
@@ -31,7 +32,7 @@ def test_campaign_specs_validate_and_expand(name):
 
 def test_h200_spec_has_the_issue_configurations():
     spec = bench.load_spec(REPO / "specs" / "campaigns" / "h200.yaml")
-    configs = bench.expand(spec)
+    configs = [c for c in bench.expand(spec) if (c.prompt_len, c.decode_len) == (128, 128)]
     by_model = {}
     for c in configs:
         if c.kind == "engine":
@@ -39,7 +40,30 @@ def test_h200_spec_has_the_issue_configurations():
     assert by_model["olmoe-1b-7b-0924"] == {30, 40, 50, 60, 64}
     assert by_model["qwen1.5-moe-a2.7b"] == {20, 30, 39, 60}
     assert {c.batch for c in configs} == {1, 8}
-    assert {(c.prompt_len, c.decode_len) for c in configs} == {(128, 128)}
+    assert all(c.variant == "default" and not c.p["check"] for c in configs)
+
+
+HEADLINE_ONLY = r"^olmoe__(engine__grouped|hf-bf16__hf-bf16)__r64__b1__p32__d256$"
+
+
+def test_h200_spec_expresses_the_headline_run():
+    """One `--only` selects the README's headline record (OLMoE, full residency, batch 1, grouped, CUDA graphs,
+    logits check) and the transformers baseline it is divided by; the variants and the 4k-context memory
+    run are their own configurations, and the issue sweep keeps its run order in front."""
+    spec = bench.load_spec(REPO / "specs" / "campaigns" / "h200.yaml")
+    configs = bench.expand(spec)
+    sel = bench.filter_configs(configs, HEADLINE_ONLY)
+    assert [c.kind for c in sel] == ["engine", "hf-bf16"]
+    head = sel[0]
+    assert (head.model, head.executor, head.regime, head.batch, head.variant) == ("olmoe", "grouped", "full", 1, "default")
+    assert head.p["check"] and head.p["cuda_graphs"] and head.p["fused"] == tuple(sorted(DEFAULT_FUSED))
+    variants = {c.variant for c in configs if c.prompt_len == 32 and c.kind == "engine"}
+    assert variants >= {"default", "nographs", "torchops", "skipexperts"}
+    assert any(c.executor == "topk-fused" for c in configs if c.prompt_len == 32)
+    mem = [c for c in configs if c.prompt_len + c.decode_len == 4096]
+    assert mem and mem[0].engine_key() == head.engine_key(), "the 4k-context memory run shares the headline engine"
+    ids = [c.id for c in configs]
+    assert ids.index(head.id) > max(i for i, c in enumerate(configs) if c.prompt_len == 128)
 
 
 def test_spec_schema_rejects_bad_specs():
@@ -178,7 +202,7 @@ def test_engine_reporting_another_executor_is_an_error(tmp_path):
 
     spec = tiny_spec()
     spec["groups"] = spec["groups"][2:]
-    with pytest.raises(bench.BenchError, match="engine telemetry says 'scalar'"):
+    with pytest.raises(bench.BenchError, match="engine stats say 'scalar'"):
         bench.run_campaign(spec, tmp_path, engine_factory=factory, progress=False, measure_bandwidth=False,
                            command="pytest")
 
@@ -186,7 +210,7 @@ def test_engine_reporting_another_executor_is_an_error(tmp_path):
 def test_byte_floor_matches_design_anchor():
     cfg = load_preset("olmoe-1b-7b-0924")[0]
     f = bm.byte_floor(cfg, "int4", 1, bm.observed(4200.0))
-    assert f["expert_bytes_per_step"] / 1e9 == pytest.approx(0.41, abs=0.01)  # DESIGN.md section 7
+    assert f["expert_bytes_per_step"] / 1e9 == pytest.approx(0.41, abs=0.01)  # docs/architecture.md#measured-anchors-and-the-byte-floor
     assert f["nonrouted_bytes_per_step"] / 1e9 == pytest.approx(0.74, abs=0.01)
     assert f["floor_decode_tok_s"]["value"] == pytest.approx(3600, rel=0.03)
     fp16 = bm.byte_floor(cfg, "fp16", 1, bm.observed(4200.0))
@@ -248,9 +272,9 @@ def test_first_eager_cuda_configuration_warms_up_every_decode_length(tmp_path, m
     class Eager(FakeEngine):
         use_graphs = False
 
-        def generate(self, prompts, *, max_new_tokens, temperature=0.0):
+        def run(self, prompts, *, max_new_tokens, ignore_eos=False):
             seen.append((self.c.id, max_new_tokens))
-            return super().generate(prompts, max_new_tokens=max_new_tokens, temperature=temperature)
+            return super().run(prompts, max_new_tokens=max_new_tokens, ignore_eos=ignore_eos)
 
     spec = tiny_spec()
     spec["groups"] = spec["groups"][2:3]

@@ -1,20 +1,26 @@
 """(No tests here.) A fake engine and helpers shared by the bench / report / campaign-check tests.
 
-The fake follows the Engine surface the runner uses (generate, last_timing, telemetry) with
-deterministic figures that depend on the configuration, so tests can assert what the runner derives
-(medians, deltas over the timed runs, ratios) without running a model.
+The fake implements the engine interface the runner drives (run -> GenerationRun, stats -> EngineStats,
+logits, close) with deterministic figures that depend on the configuration, so tests can assert what the
+runner derives (medians, deltas over the timed runs, ratios) without running a model.
 """
 from __future__ import annotations
 
 import copy
+from types import MappingProxyType
+
+import torch
 
 from runmap.bench import campaign as bench
+from runmap.engine.generation import GenerationResult, GenerationRun
+from runmap.engine.telemetry import EngineStats
 
 OBS = ("expert_d2h_bytes", "writebacks", "host_source_rewrites", "request_hash_work", "request_pack_reads")
 
 
 class FakeEngine:
     ROW_BYTES = 1000
+    use_graphs = True
 
     def __init__(self, c: bench.BenchConfig):
         self.c = c
@@ -22,15 +28,16 @@ class FakeEngine:
         self.calls = 0
         self.hits = self.misses = self.h2d = 0
         self.h2d_s = 0.0
-        self.last_timing = None
+        self.logit_calls = []
+        self.closed = False
 
     def decode_rate(self, batch: int) -> float:
         base = {"reference": 10.0, "scalar": 20.0, "grouped": 40.0, "topk-fused": 50.0,
                 "hf-bf16": 30.0, "torch-fp16": 35.0}[self.c.executor]
         return batch * base * (1.0 + self.c.resident / self.c.experts_per_layer)
 
-    def generate(self, prompts, *, max_new_tokens, temperature=0.0):
-        assert temperature == 0.0
+    def run(self, prompts, *, max_new_tokens, ignore_eos=False):
+        assert ignore_eos, "the bench always decodes exactly max_new_tokens per row"
         b = len(prompts)
         self.calls += 1
         wobble = 1.0 + 0.1 * (self.calls % 3)  # repeats differ: median/min/max are distinguishable
@@ -42,19 +49,33 @@ class FakeEngine:
         self.misses += miss
         self.h2d += miss * self.ROW_BYTES
         self.h2d_s += miss * 1e-6
-        self.last_timing = {"prefill_s": 0.01 * len(prompts[0]), "decode_s": decode_s, "ttft_s": 0.02,
-                            "prompt_tokens": b * len(prompts[0]), "new_tokens": b * max_new_tokens,
-                            "decode_tok_s": b * (max_new_tokens - 1) / decode_s, "batch": b}
-        return [[7] * max_new_tokens for _ in prompts]
+        results = tuple(GenerationResult("", [7] * max_new_tokens, "length", len(p)) for p in prompts)
+        return GenerationRun(results=results, prefill_s=0.01 * len(prompts[0]), decode_s=decode_s, ttft_s=0.02,
+                             prompt_tokens=b * len(prompts[0]), new_tokens=b * max_new_tokens,
+                             decode_tok_s=b * (max_new_tokens - 1) / decode_s, batch=b, groups=1)
 
-    def telemetry(self) -> dict:
-        return {
-            "executor": self.executor, "regime": self.c.regime, "hits": self.hits, "misses": self.misses,
-            "bytes_h2d": self.h2d, "h2d_seconds": self.h2d_s,
-            "resident_bytes": self.c.resident * self.ROW_BYTES, "spare_bytes": 2 * self.ROW_BYTES,
-            "staging_bytes": self.ROW_BYTES,
-            "observations": {n: {"status": "OBSERVED", "value": 0, "unit": "bytes", "source": "fake"} for n in OBS},
-        }
+    def logits(self, token_ids, *, executor=None, fused=None):
+        self.logit_calls.append((executor, fused))
+        g = torch.Generator().manual_seed(len(token_ids))
+        out = torch.randn(len(token_ids), 50, generator=g)  # (T, V)
+        if executor is not None and executor != self.executor:
+            out = out + 1e-4  # another executor rounds a little differently
+        return out
+
+    def stats(self) -> EngineStats:
+        p = self.c.p
+        return EngineStats(
+            executor=self.executor, expert_format=self.c.expert_format, regime=self.c.regime, device="cpu",
+            cuda_graphs=self.use_graphs, fused=(), skip_experts=bool(p.get("skip_experts")),
+            resident=self.c.resident, has_cache=self.c.kind == "engine", policy="lru", hits=self.hits,
+            misses=self.misses, evictions=0, bytes_h2d=self.h2d, h2d_seconds=self.h2d_s, generations=1,
+            runs=self.calls, resident_bytes=self.c.resident * self.ROW_BYTES, spare_bytes=2 * self.ROW_BYTES,
+            staging_bytes=self.ROW_BYTES, nonrouted_bytes=0, kv_cache_bytes=0,
+            observations=MappingProxyType(
+                {n: {"status": "OBSERVED", "value": 0, "unit": "bytes", "source": "fake"} for n in OBS}))
+
+    def close(self) -> None:
+        self.closed = True
 
 
 def fake_factory(built: list | None = None):

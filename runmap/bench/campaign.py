@@ -8,46 +8,75 @@ executor, residency) run back to back on one engine instance, so the host source
 
 What one configuration measures (all on the campaign's device, figures of the same run only):
   warmup runs (untimed: kernel compilation, cache fill), then `repeats` timed runs of
-  generate(prompts (batch, prompt_len), max_new_tokens=decode_len); decode tok/s is the median with
-  min and max; peak memory spans warmup + timed runs on an engine that is already built; cache hits,
-  misses and host->device bytes are the telemetry deltas over the timed runs only.
+  Engine.run(prompts (batch, prompt_len), max_new_tokens=decode_len, ignore_eos=True); decode tok/s is the
+  median with min and max; peak memory spans warmup + timed runs on an engine that is already built; cache
+  hits, misses and host->device bytes are EngineStats deltas over the timed runs only; the byte floor uses
+  the device copy bandwidth measured at the start of the same run. With `check: true` the logits of one
+  prompt are compared with the reference executor's (and, on CUDA, with torch ops instead of the fused ones).
+
+Variants (run parameters cuda_graphs, fused, skip_experts) are engine construction options; a
+configuration with non-default ones carries a suffix in its id (``__nographs``, ``__torchops``,
+``__skipexperts``, ``__fused-<ops>``) and ``config.variant`` names it.
+
+The bench talks to the engine only through its typed interface (``Engine.from_pack`` arguments,
+``Engine.run`` -> GenerationRun, ``Engine.stats`` -> EngineStats, ``Engine.logits``); the transformers
+baseline is wrapped to the same interface here. Output is written to a hidden directory beside the
+campaign directory and moved into place at the end; an existing campaign is never overwritten without
+``overwrite=True``, and never by a run that failed.
 
 This module imports neither jsonschema nor snakemake (it runs on the GPU machine); spec validation
 happens in ``load_spec`` only when jsonschema is importable.
 """
 from __future__ import annotations
 
-import contextlib
 import dataclasses
 import datetime as _dt
 import gc
-import inspect
 import itertools
 import json
+import os
 import re
 import shlex
+import shutil
 import sys
+import tempfile
 import time
 import uuid
 from pathlib import Path
-from typing import Any, Callable
+from types import MappingProxyType
+from typing import Any, Callable, Protocol
 
 import torch
 import yaml
 
 from runmap.bench import metrics as bm
 from runmap.arch.config import ModelConfig, load_preset
-from runmap.atomic import write_json
+from runmap.atomic import replace_dir, write_json
+from runmap.bench.registry import BASELINE_KINDS
+from runmap.engine.engine import DEFAULT_FUSED, FUSED_OPS
+from runmap.engine.generation import GenerationResult, GenerationRun
+from runmap.engine.telemetry import EngineStats
 from runmap.provenance import utc_timestamp
+from runmap.residency.observations import OBSERVATION_NAMES as REQUIRED_ZERO
 
 RECORD_VERSION = "bench-record-v1"
-from runmap.bench.registry import BASELINE_KINDS
-from runmap.residency.observations import OBSERVATION_NAMES as REQUIRED_ZERO
-DEFAULT_PARAMS = {"repeats": 3, "warmup": 1, "warmup_new_tokens": 4, "policy": "lru", "seed": 0}
+DEFAULT_PARAMS = {"repeats": 3, "warmup": 1, "warmup_new_tokens": 4, "policy": "lru", "seed": 0,
+                  "cuda_graphs": True, "fused": True, "skip_experts": False, "check": False,
+                  "check_prompt_len": 24, "check_tolerance": 0.01}
+VARIANT_PARAMS = ("cuda_graphs", "fused", "skip_experts")
+CHECK_EXECUTOR = "reference"
 
 
 class BenchError(RuntimeError):
     """A campaign spec or a configuration cannot be run as written."""
+
+
+class UsageError(BenchError):
+    """A command-line argument does not fit the spec (bad --only regex, --pack of an unknown model)."""
+
+
+class OutputExistsError(BenchError):
+    """The campaign directory already holds a campaign; nothing was written (pass overwrite to replace it)."""
 
 
 # ---- spec ---------------------------------------------------------------------------------------
@@ -111,15 +140,46 @@ class BenchConfig:
     def expert_format(self) -> str:
         return {"engine": "int4", "engine-fp16": "fp16", "hf-bf16": "bf16"}[self.kind]
 
+    @property
+    def variant(self) -> str:
+        return variant_tag(self.p)
+
     def engine_key(self) -> tuple:
         """Configurations with equal keys can share one engine instance."""
         p = self.p
         return (self.model, self.kind, self.executor, self.resident, p.get("max_batch"), p.get("max_seq_len"),
-                p.get("policy"))
+                p.get("policy")) + tuple(p.get(k) for k in VARIANT_PARAMS)
 
 
-def config_id(model: str, kind: str, executor: str, resident: int, batch: int, prompt_len: int, decode_len: int) -> str:
-    return f"{model}__{kind}__{executor}__r{resident}__b{batch}__p{prompt_len}__d{decode_len}"
+def _fused_tuple(v) -> tuple:
+    """The fused-ops run parameter (true = the engine default, false = none, or a list) as a sorted tuple."""
+    if v is True:
+        return tuple(sorted(DEFAULT_FUSED))
+    if v is False or v is None:
+        return ()
+    bad = sorted(set(v) - set(FUSED_OPS))
+    if bad:
+        raise BenchError(f"fused ops {bad} unknown; choose from {list(FUSED_OPS)}")
+    return tuple(sorted(set(v)))
+
+
+def variant_tag(p: dict) -> str:
+    """'default', or the non-default engine options of a configuration joined by '.' (also its id suffix)."""
+    parts = []
+    if p.get("cuda_graphs") is False:
+        parts.append("nographs")
+    fused = p.get("fused", tuple(sorted(DEFAULT_FUSED)))
+    if tuple(fused) != tuple(sorted(DEFAULT_FUSED)):
+        parts.append("-".join(("fused",) + tuple(fused)) if fused else "torchops")
+    if p.get("skip_experts"):
+        parts.append("skipexperts")
+    return ".".join(parts) or "default"
+
+
+def config_id(model: str, kind: str, executor: str, resident: int, batch: int, prompt_len: int, decode_len: int,
+              variant: str = "default") -> str:
+    cid = f"{model}__{kind}__{executor}__r{resident}__b{batch}__p{prompt_len}__d{decode_len}"
+    return cid if variant == "default" else f"{cid}__{variant}"
 
 
 def expand(spec: dict) -> list[BenchConfig]:
@@ -140,13 +200,27 @@ def expand(spec: dict) -> list[BenchConfig]:
             for r in residents:
                 if r > e:
                     raise BenchError(f"group {g['name']!r}: resident {r} > {e} experts per layer of {model}")
+                if r < cfg.top_k:
+                    raise BenchError(f"group {g['name']!r}: resident {r} < top_k {cfg.top_k} of {model} (one token's "
+                                     f"routed experts must fit); resident must be in [{cfg.top_k}, {e}]")
+            gp = dict(params)
+            gp["fused"] = _fused_tuple(gp["fused"])
+            if g["kind"] != "engine":
+                odd = [k for k in VARIANT_PARAMS + ("check",) if gp[k] != DEFAULT_PARAMS.get(k)
+                       and not (k == "fused" and gp[k] == _fused_tuple(True))]
+                if odd:
+                    raise BenchError(f"group {g['name']!r}: {odd} are engine options; a {g['kind']} baseline "
+                                     "runs its own path")
+            if gp["check"] and gp["skip_experts"]:
+                raise BenchError(f"group {g['name']!r}: check with skip_experts compares zeroed experts with the "
+                                 "reference; drop one of them")
             # spec order is run order (put what matters most first: a --deadline-s run skips the tail)
             for r, ex, b, pl, dl in itertools.product(residents, executors, _as_list(g["batch"]),
                                                       _as_list(g["prompt_len"]), _as_list(g["decode_len"])):
-                p = dict(params)
+                p = dict(gp)
                 p.setdefault("max_batch", None)
                 p.setdefault("max_seq_len", None)
-                cid = config_id(model, g["kind"], ex, r, b, pl, dl)
+                cid = config_id(model, g["kind"], ex, r, b, pl, dl, variant_tag(p))
                 if cid not in out:
                     out[cid] = BenchConfig(cid, g["name"], g["kind"], model, spec["models"][model]["preset"], ex, r, e,
                                            b, pl, dl, tuple(sorted(p.items())))
@@ -178,72 +252,74 @@ def expand(spec: dict) -> list[BenchConfig]:
 def filter_configs(configs: list[BenchConfig], only: str | None) -> list[BenchConfig]:
     if not only:
         return configs
-    rx = re.compile(only)
+    try:
+        rx = re.compile(only)
+    except re.error as e:
+        raise UsageError(f"--only {only!r} is not a regular expression: {e}") from None
     return [c for c in configs if rx.search(c.id)]
 
 
-# ---- telemetry helpers ----------------------------------------------------------------------------
-
-def _total(x) -> int | float | None:
-    """A counter that may be an int, a per-layer list or a dict of per-layer values -> one number."""
-    if x is None:
-        return None
-    if isinstance(x, bool):
-        raise BenchError(f"telemetry counter is a bool ({x!r})")
-    if isinstance(x, (int, float)):
-        return x
-    if isinstance(x, dict):
-        if "status" in x:  # already a measure
-            return x.get("value") if x.get("status") == bm.OBSERVED else None
-        vals = [_total(v) for v in x.values()]
-    elif isinstance(x, (list, tuple)):
-        vals = [_total(v) for v in x]
-    else:
-        raise BenchError(f"telemetry counter of unexpected type {type(x).__name__}")
-    return None if any(v is None for v in vals) else sum(vals)
+def check_model_names(spec: dict, names, flag: str) -> None:
+    """Every NAME of --pack / --checkpoint NAME=DIR must be a model of the spec."""
+    bad = sorted(set(names) - set(spec["models"]))
+    if bad:
+        raise UsageError(f"{flag} names {bad}, not models of campaign {spec['name']!r} "
+                         f"(its models: {sorted(spec['models'])})")
 
 
-def _find(tel: dict, *names: str):
-    """First of `names` at the top level of the telemetry dict or one level down."""
-    for n in names:
-        if n in tel:
-            return tel[n]
-    for v in tel.values():
-        if isinstance(v, dict):
-            for n in names:
-                if n in v:
-                    return v[n]
-    return None
+def existing_campaign(camp_dir: Path) -> list[str]:
+    """What in a campaign directory a new run would replace: campaign.json and records/*.json."""
+    camp_dir = Path(camp_dir)
+    found = [str(camp_dir / "campaign.json")] if (camp_dir / "campaign.json").exists() else []
+    rec = camp_dir / "records"
+    if rec.is_dir():
+        n = sum(1 for f in rec.iterdir() if f.suffix == ".json" and not f.name.startswith("."))
+        if n:
+            found.append(f"{rec}/ ({n} records)")
+    return found
 
 
-def _delta(before: dict, after: dict, *names: str) -> dict:
-    a, b = _total(_find(after, *names)), _total(_find(before, *names))
-    if a is None or b is None:
-        return bm.unknown(f"engine telemetry reports no {names[0]}")
-    return bm.observed(a - b)
+# ---- the engine interface the bench drives ---------------------------------------------------------
+
+class BenchEngine(Protocol):
+    """What the runner calls: runmap.engine.engine.Engine implements it; the transformers baseline is
+    wrapped to it (HFTarget). ``logits`` is called only for configurations with ``check: true``."""
+
+    def run(self, prompts, *, max_new_tokens: int, ignore_eos: bool = False) -> GenerationRun: ...
+
+    def stats(self) -> EngineStats: ...
+
+    def close(self) -> None: ...
 
 
-def _measure_from(tel: dict, *names: str) -> dict:
-    v = _find(tel, *names)
-    if isinstance(v, dict) and "status" in v:
-        return {k: v[k] for k in ("status", "value", "reason", "unit", "source") if k in v}
-    v = _total(v)
-    return bm.observed(v) if v is not None else bm.unknown(f"engine telemetry reports no {names[0]}")
+class HFTarget:
+    """runmap.bench.baselines.HFBaseline (transformers bf16, greedy) behind the bench's engine interface."""
 
+    def __init__(self, hf, cfg: ModelConfig, device: torch.device):
+        self.hf, self.cfg, self.device = hf, cfg, device
+        self.runs = 0
 
-def _observations(tel: dict, kind: str) -> dict:
-    if kind == "hf-bf16":  # nothing in transformers' model is instrumented for the cache contract
-        return {n: bm.unsupported("transformers' model has no expert cache to instrument") for n in REQUIRED_ZERO}
-    obs = tel.get("observations") or {}
-    out = {}
-    for n in REQUIRED_ZERO:
-        o = obs.get(n)
-        if o is None:
-            out[n] = bm.unknown("engine telemetry has no such observation")
-        else:
-            # pass through exactly what instrumentation said; the conformance checks judge it
-            out[n] = dict(o) if isinstance(o, dict) else o
-    return out
+    def run(self, prompts, *, max_new_tokens: int, ignore_eos: bool = False) -> GenerationRun:
+        # transformers' loop here never stops early (no EOS check): ignore_eos holds by construction
+        rows = self.hf.generate(prompts, max_new_tokens=max_new_tokens)
+        t = self.hf.last_timing
+        self.runs += 1
+        results = tuple(GenerationResult("", list(r), "length", len(p)) for r, p in zip(rows, prompts))
+        return GenerationRun(results=results, prefill_s=t["prefill_s"], decode_s=t["decode_s"], ttft_s=t["ttft_s"],
+                             prompt_tokens=t["prompt_tokens"], new_tokens=t["new_tokens"],
+                             decode_tok_s=t["decode_tok_s"], batch=len(prompts), groups=1)
+
+    def stats(self) -> EngineStats:
+        why = "transformers' model has no expert cache to instrument"
+        return EngineStats(
+            executor="hf-bf16", expert_format="bf16", regime="full", device=str(self.device), cuda_graphs=False,
+            fused=(), skip_experts=False, resident=self.cfg.num_experts, has_cache=False, policy=None, hits=0,
+            misses=0, evictions=0, bytes_h2d=0, h2d_seconds=0.0, generations=0, runs=self.runs,
+            resident_bytes=None, spare_bytes=None, staging_bytes=None, nonrouted_bytes=None, kv_cache_bytes=None,
+            observations=MappingProxyType({n: bm.unsupported(why) for n in REQUIRED_ZERO}))
+
+    def close(self) -> None:
+        self.hf = None
 
 
 # ---- running ----------------------------------------------------------------------------------------
@@ -255,35 +331,12 @@ def make_prompts(vocab_size: int, batch: int, prompt_len: int, seed: int) -> lis
     return ids.tolist()
 
 
-def _generate_kwargs(engine) -> dict:
-    """Ask for exactly max_new_tokens per row when the engine can be told to ignore EOS."""
-    try:
-        params = inspect.signature(engine.generate).parameters
-    except (TypeError, ValueError):
-        return {}
-    kw = {}
-    if "temperature" in params:
-        kw["temperature"] = 0.0
-    if "ignore_eos" in params:
-        kw["ignore_eos"] = True
-    elif "stop_at_eos" in params:
-        kw["stop_at_eos"] = False
-    return kw
-
-
-def _timing_values(t: dict, batch: int, prompt_len: int) -> tuple[float, float, float, int, int]:
-    """(prefill tok/s, decode tok/s, ttft s, prompt tokens, new tokens) from engine.last_timing."""
-    for k in ("prefill_s", "decode_s", "ttft_s", "new_tokens"):
-        if k not in t:
-            raise BenchError(f"engine.last_timing lacks {k!r}: {sorted(t)}")
-    prompt_tokens = int(t.get("prompt_tokens", batch * prompt_len))
-    new_tokens = int(t["new_tokens"])
-    if t["prefill_s"] <= 0 or t["decode_s"] <= 0:
-        raise BenchError(f"engine.last_timing has a non-positive duration: {t}")
-    decode = t.get("decode_tok_s")
-    if decode is None:
-        decode = new_tokens / t["decode_s"]
-    return prompt_tokens / t["prefill_s"], float(decode), float(t["ttft_s"]), prompt_tokens, new_tokens
+def _timing_values(run: GenerationRun, cid: str) -> tuple[float, float, float, int, int]:
+    """(prefill tok/s, decode tok/s, ttft s, prompt tokens, new tokens) of one timed run."""
+    if not (run.prefill_s > 0 and run.decode_s > 0):
+        raise BenchError(f"{cid}: a timed run has a non-positive duration (prefill {run.prefill_s} s, "
+                         f"decode {run.decode_s} s)")
+    return run.prefill_tok_s, float(run.decode_tok_s), float(run.ttft_s), int(run.prompt_tokens), int(run.new_tokens)
 
 
 @dataclasses.dataclass
@@ -306,18 +359,50 @@ class RunContext:
         return cls(campaign, rid, command, device, bm.device_info(device), bm.software_info(), bm.git_info(), bw)
 
 
-def run_config(engine, c: BenchConfig, model_cfg: ModelConfig, ctx: RunContext, engine_info: dict) -> dict:
+def _bytes_measure(v: int | None, why: str) -> dict:
+    return bm.observed(v) if v is not None else bm.unsupported(why)
+
+
+def logits_check(engine, c: BenchConfig, model_cfg: ModelConfig, stats: EngineStats) -> dict:
+    """Logits of one prompt: the engine's executor against the reference executor (same engine, same pack),
+    and on CUDA the engine's fused ops against torch ops. Recorded as measures; ``passed`` when the largest
+    difference is within check_tolerance x the logit scale (the reference's largest |logit|)."""
+    p = c.p
+    prompt = make_prompts(model_cfg.vocab_size, 1, p["check_prompt_len"], p["seed"] + 1)[0]
+    mine = engine.logits(prompt).float()  # (T, V)
+    ref = engine.logits(prompt, executor=CHECK_EXECUTOR).float()
+    diff = (mine - ref).abs().max().item()
+    scale = ref.abs().max().item()
+    agree = (mine.argmax(-1) == ref.argmax(-1)).float().mean().item()
+    if stats.device.startswith("cuda") and stats.fused:
+        fused = bm.observed((mine - engine.logits(prompt, fused=False).float()).abs().max().item())
+    elif stats.device.startswith("cuda"):
+        fused = bm.unsupported("this engine runs no fused ops (torch ops already)")
+    else:
+        fused = bm.unsupported(f"device {stats.device}: the fused ops run on CUDA only")
+    tol = float(p["check_tolerance"])
+    return {
+        "reference_executor": CHECK_EXECUTOR, "prompt_tokens": len(prompt),
+        "executor_vs_reference_max_abs": bm.observed(diff), "logit_scale": bm.observed(scale),
+        "argmax_agreement": bm.observed(agree), "fused_vs_torch_max_abs": fused,
+        "tolerance": tol, "passed": bool(diff <= tol * scale),
+        "method": f"max |logits - reference logits| over every position of a {len(prompt)}-token prompt, "
+                  "passed when <= tolerance x the largest |reference logit|",
+    }
+
+
+def run_config(engine: BenchEngine, c: BenchConfig, model_cfg: ModelConfig, ctx: RunContext, engine_info: dict) -> dict:
     """Warm up, time `repeats` runs and build the record of one configuration."""
     p = c.p
     prompts = make_prompts(model_cfg.vocab_size, c.batch, c.prompt_len, p["seed"])
-    kw = _generate_kwargs(engine)
     peak = bm.PeakMemory(ctx.device)
     peak.reset()
+    s_pre = engine.stats()
     warm_tokens = min(p["warmup_new_tokens"], c.decode_len)
     warm_key = (ctx.device.type, model_cfg.num_heads, model_cfg.num_kv_heads, model_cfg.head_dim, c.prompt_len,
                 c.decode_len, p["max_batch"], p["max_seq_len"])
     eager_first = (p["warmup"] > 0 and ctx.device.type == "cuda" and c.kind != "hf-bf16"
-                   and getattr(engine, "use_graphs", True) is False and warm_key not in _WARM_EAGER)
+                   and s_pre.cuda_graphs is False and warm_key not in _WARM_EAGER)
     if eager_first:
         # Eager decode (no CUDA graph: partial residency, the fp16 baseline) may compile a kernel variant per
         # KV length on first use (H200 campaign of 2026-11-29: the fused decode-attention kernel takes the
@@ -326,16 +411,16 @@ def run_config(engine, c: BenchConfig, model_cfg: ModelConfig, ctx: RunContext, 
         warm_tokens = c.decode_len
         _WARM_EAGER.add(warm_key)
     for _ in range(p["warmup"]):
-        engine.generate(prompts, max_new_tokens=warm_tokens, **kw)
-    tel0 = engine.telemetry()
+        engine.run(prompts, max_new_tokens=warm_tokens, ignore_eos=True)
+    s0 = engine.stats()
     prefill, decode, ttft = [], [], []
     prompt_tokens = new_tokens = 0
     cap = p.get("max_config_s")
     notes = []
     with bm.Stopwatch(ctx.device) as sw:
         for i in range(p["repeats"]):
-            engine.generate(prompts, max_new_tokens=c.decode_len, **kw)
-            pf, dc, tt, prompt_tokens, new_tokens = _timing_values(dict(engine.last_timing), c.batch, c.prompt_len)
+            run = engine.run(prompts, max_new_tokens=c.decode_len, ignore_eos=True)
+            pf, dc, tt, prompt_tokens, new_tokens = _timing_values(run, c.id)
             prefill.append(pf)
             decode.append(dc)
             ttft.append(tt)
@@ -343,46 +428,53 @@ def run_config(engine, c: BenchConfig, model_cfg: ModelConfig, ctx: RunContext, 
                 notes.append(f"timed repeats cut to {i + 1} of {p['repeats']}: {time.perf_counter() - sw.t0:.1f} s "
                              f"> max_config_s {cap} (the campaign's time budget)")
                 break
-    tel1 = engine.telemetry()
+    s1 = engine.stats()
     mem = peak.read()
     if new_tokens != c.batch * c.decode_len:
         notes.append(f"a timed run generated {new_tokens} tokens, not batch x decode_len = {c.batch * c.decode_len} "
-                     "(the engine stopped rows at EOS); tok/s use the tokens actually generated")
+                     "(a row stopped early); tok/s use the tokens actually generated")
 
-    reported_exec = tel1.get("executor")
-    if c.kind == "engine" and reported_exec is not None and reported_exec != c.executor:
-        raise BenchError(f"{c.id}: asked for executor {c.executor!r}, engine telemetry says {reported_exec!r}")
-    reported_regime = tel1.get("regime")
-    if reported_regime is not None and reported_regime != c.regime:
-        raise BenchError(f"{c.id}: configuration regime {c.regime!r}, engine telemetry says {reported_regime!r}")
+    if c.kind == "engine" and s1.executor != c.executor:
+        raise BenchError(f"{c.id}: asked for executor {c.executor!r}, engine stats say {s1.executor!r}")
+    if s1.regime != c.regime:
+        raise BenchError(f"{c.id}: configuration regime {c.regime!r}, engine stats say {s1.regime!r}")
+    if c.kind == "engine" and s1.skip_experts != bool(p["skip_experts"]):
+        raise BenchError(f"{c.id}: skip_experts={p['skip_experts']} asked, engine stats say {s1.skip_experts}")
 
-    hits, misses = _delta(tel0, tel1, "hits"), _delta(tel0, tel1, "misses")
-    if bm.is_observed(hits) and bm.is_observed(misses) and hits["value"] + misses["value"] > 0:
-        hit_rate = bm.observed(hits["value"] / (hits["value"] + misses["value"]))
-    else:
-        hit_rate = bm.unknown("no expert lookups observed" if bm.is_observed(hits) else "hits/misses not reported")
-    h2d = _delta(tel0, tel1, "bytes_h2d", "h2d_bytes")
-    h2d_s = _delta(tel0, tel1, "h2d_seconds", "h2d_s", "transfer_s")
-    if bm.is_observed(h2d) and bm.is_observed(h2d_s) and h2d_s["value"] > 0:
-        h2d_rate = bm.observed(h2d["value"] / h2d_s["value"] / 1e9)
-    elif bm.is_observed(h2d) and h2d["value"] == 0:
-        h2d_rate = bm.unknown("no host->device expert bytes in the timed runs")
-    else:
-        h2d_rate = bm.unknown("engine telemetry reports no host->device transfer time")
-    gen_tokens = new_tokens * len(decode)
-    h2d_per_tok = bm.observed(h2d["value"] / gen_tokens) if bm.is_observed(h2d) and gen_tokens else bm.unknown("no h2d bytes")
+    d = s1.since(s0)
     if c.kind in BASELINE_KINDS:
         no_cache = bm.unsupported("transformers' model has no expert cache" if c.kind == "hf-bf16" else
                                   "the fp16-expert baseline runs no expert cache (experts dequantized on the device)")
         hits = misses = hit_rate = h2d = h2d_rate = h2d_per_tok = no_cache
         cache = {k: no_cache for k in ("resident_bytes", "spare_bytes", "staging_bytes")}
-        if c.kind == "engine-fp16":
-            cache["resident_bytes"] = _measure_from(tel1, "resident_bytes")  # the dequantized fp16 experts
+        if c.kind == "engine-fp16":  # the dequantized fp16 experts
+            cache["resident_bytes"] = _bytes_measure(s1.resident_bytes, "engine reports no expert bytes")
+    elif not s1.has_cache:
+        raise BenchError(f"{c.id}: an INT4 engine without an expert cache")
     else:
-        cache = {k: _measure_from(tel1, k) for k in ("resident_bytes", "spare_bytes", "staging_bytes")}
+        hits, misses = bm.observed(d.hits), bm.observed(d.misses)
+        looked = d.hits + d.misses
+        hit_rate = bm.observed(d.hits / looked) if looked else bm.unknown("no expert lookups observed")
+        h2d = bm.observed(d.bytes_h2d)
+        if d.h2d_seconds > 0:
+            h2d_rate = bm.observed(d.bytes_h2d / d.h2d_seconds / 1e9)
+        elif d.bytes_h2d == 0:
+            h2d_rate = bm.unknown("no host->device expert bytes in the timed runs")
+        else:
+            h2d_rate = bm.unknown("host->device bytes without a measured transfer time")
+        gen_tokens = new_tokens * len(decode)
+        h2d_per_tok = bm.observed(d.bytes_h2d / gen_tokens) if gen_tokens else bm.unknown("no tokens generated")
+        cache = {k: _bytes_measure(getattr(s1, k), f"engine reports no {k}")
+                 for k in ("resident_bytes", "spare_bytes", "staging_bytes")}
+    if c.kind == "hf-bf16":  # nothing in transformers' model is instrumented for the cache contract
+        obs = {n: bm.unsupported("transformers' model has no expert cache to instrument") for n in REQUIRED_ZERO}
+    else:  # exactly what instrumentation said; the conformance checks judge it
+        obs = {n: dict(s1.observations[n]) if n in s1.observations else
+               bm.unknown("engine stats have no such observation") for n in REQUIRED_ZERO}
 
     floor = bm.byte_floor(model_cfg, c.expert_format, c.batch, ctx.copy_bw)
     dec_stats = bm.repeat_stats(decode)
+    is_engine = c.kind == "engine"
     rec = {
         "record_version": RECORD_VERSION,
         "id": c.id,
@@ -400,8 +492,12 @@ def run_config(engine, c: BenchConfig, model_cfg: ModelConfig, ctx: RunContext, 
             "expert_format": c.expert_format, "block_size": engine_info.get("block_size"),
             "batch": c.batch, "prompt_len": c.prompt_len, "decode_len": c.decode_len,
             "repeats": len(decode), "warmup": p["warmup"], "max_batch": p["max_batch"],
-            "max_seq_len": p["max_seq_len"], "policy": p["policy"] if c.kind == "engine" else None,
+            "max_seq_len": p["max_seq_len"], "policy": p["policy"] if is_engine else None,
             "seed": p["seed"], "pack": engine_info.get("pack"), "checkpoint": engine_info.get("checkpoint"),
+            "variant": c.variant,
+            "cuda_graphs": bool(p["cuda_graphs"]) if is_engine else None,
+            "fused": list(p["fused"]) if c.kind != "hf-bf16" else None,
+            "skip_experts": bool(p["skip_experts"]),
         },
         "device": ctx.device_info,
         "software": ctx.software,
@@ -417,15 +513,21 @@ def run_config(engine, c: BenchConfig, model_cfg: ModelConfig, ctx: RunContext, 
         },
         "cache_stats": {"hits": hits, "misses": misses, "hit_rate": hit_rate},
         "h2d": {"bytes": h2d, "gb_s": h2d_rate, "bytes_per_token": h2d_per_tok},
-        "observations": _observations(tel1, c.kind),
+        "observations": obs,
         "byte_floor": floor,
         "ratios": {"decode_vs_byte_floor": bm.ratio(bm.observed(dec_stats["median"]), floor["floor_decode_tok_s"],
                                                     "decode tok/s over byte floor")},
         "engine": {**{k: v for k, v in engine_info.items() if k not in ("pack", "checkpoint")},
-                   "timed_wall_s": sw.seconds, "reported_executor": reported_exec,
+                   "timed_wall_s": sw.seconds, "reported_executor": s1.executor,
+                   "cuda_graphs": s1.cuda_graphs, "fused_ops": list(s1.fused), "skip_experts": s1.skip_experts,
                    "warmup_new_tokens": warm_tokens if p["warmup"] else 0,
                    "full_length_warmup": eager_first},
     }
+    if p["skip_experts"]:
+        notes.append("profiling variant: routed experts return zeros (decode time without the expert GEMVs); "
+                     "outputs are not the model's")
+    if p["check"]:
+        rec["check"] = logits_check(engine, c, model_cfg, s1)
     if notes:
         rec["notes"] = notes
     return rec
@@ -464,96 +566,70 @@ EngineFactory = Callable[[BenchConfig, dict, torch.device], tuple[Any, dict]]
 
 
 _WARM_EAGER: set[tuple] = set()  # eager-decode shapes already warmed up over the full decode length
-_HOST_SOURCES: dict[str, Any] = {}  # resolved pack dir -> HostSource built (and hash-verified) once
 
 
-@contextlib.contextmanager
-def shared_host_source(pack: str | Path):
-    """While active, ExpertCache.from_pack reuses the HostSource already built from this pack in this
-    process instead of reading and hash-verifying every expert again.
-
-    Why: building the host source of a real-size pack (read, page-touch, per-expert sha256 of 3.3 GB for
-    OLMoE, 6.3 GB for Qwen) takes 5-15 s, repeated for each of the campaign's residency/executor engines.
-    The host source is immutable after startup (contract rule 1) and no cache writes to it, so a later
-    cache over the same pack reads exactly the same bytes; everything else in Engine.from_pack (weights,
-    residency, spares, staging, max_group, executor) runs unchanged. The fresh reader is closed and watched by
-    the host source (its reads count in request_pack_reads), and the identities must agree."""
-    from runmap.residency import cache as cache_mod
-    from runmap.residency.host_source import HostSource
-
-    key = str(Path(pack).resolve())
-    original = cache_mod.ExpertCache.__dict__["from_pack"]
-
-    def from_pack(cls, reader, **kw):
-        host = _HOST_SOURCES.get(key)
-        if host is None:
-            host = _HOST_SOURCES[key] = HostSource.from_pack(reader)
-        else:
-            ident = getattr(reader, "identity", None)
-            host.watch_reader(reader)  # closed, and observed by every cache over the shared host source
-            if ident != host.identity:
-                raise BenchError(f"{pack}: pack identity {ident!r} differs from the shared host source's "
-                                 f"{host.identity!r}; the pack changed during the campaign")
-        return cls(host, **kw)
-
-    cache_mod.ExpertCache.from_pack = classmethod(from_pack)
+def _block_size(pack: Path) -> int | None:
+    man = Path(pack) / "manifest.json"
+    if not man.is_file():
+        return None
     try:
-        yield
-    finally:
-        cache_mod.ExpertCache.from_pack = original
+        m = json.loads(man.read_text())
+    except (OSError, ValueError):
+        return None
+    return m.get("block_size", (m.get("quantization") or {}).get("block_size"))
+
+
+class EngineBuilder:
+    """The default engine factory: builds the engine (or baseline) of a configuration through
+    Engine.from_pack's explicit arguments.
+
+    Host sources are shared within one builder (one campaign run): building the host source of a
+    real-size pack (read, page-touch, per-expert sha256 of 3.3 GB for OLMoE, 6.3 GB for Qwen) takes
+    5-15 s, and it is immutable after startup (contract rule 1), so a later engine of the same pack is
+    given the first one's (``host_source=``); the engine checks the pack identity and watches its own
+    closed reader."""
+
+    def __init__(self):
+        self.host_sources: dict[str, Any] = {}  # resolved pack dir -> HostSource
+
+    def __call__(self, c: BenchConfig, model_entry: dict, device: torch.device) -> tuple[BenchEngine, dict]:
+        p = c.p
+        if c.kind == "hf-bf16":
+            from runmap.bench.baselines import HFBaseline
+
+            cfg = load_preset(c.preset)[0]
+            hf = HFBaseline(cfg, device=device, checkpoint=model_entry.get("checkpoint"), seed=p["seed"])
+            return HFTarget(hf, cfg, device), {"checkpoint": model_entry.get("checkpoint"), "pack": None,
+                                               "block_size": None, "load_s": hf.load_s, "weights": hf.weights_source}
+        from runmap.engine.engine import Engine
+
+        pack = model_entry.get("pack")
+        if not pack or not Path(pack).is_dir():
+            raise BenchError(f"{c.id}: model {c.model!r} has no pack directory ({pack!r}); give --pack {c.model}=DIR")
+        key = str(Path(pack).resolve())
+        shared = self.host_sources.get(key) if c.kind == "engine" else None
+        t0 = time.perf_counter()
+        eng = Engine.from_pack(
+            pack, executor=c.executor if c.kind == "engine" else "grouped",
+            resident=None if c.regime == "full" else c.resident, device=device, max_batch=p["max_batch"],
+            max_seq_len=p["max_seq_len"], policy=p["policy"], expert_format="int4" if c.kind == "engine" else "fp16",
+            cuda_graphs=bool(p["cuda_graphs"]), fused=tuple(p["fused"]), skip_experts=bool(p["skip_experts"]),
+            host_source=shared)
+        bm.sync(device)
+        load_s = time.perf_counter() - t0
+        if eng.host_source is not None:
+            self.host_sources.setdefault(key, eng.host_source)
+        info = {"pack": str(pack), "checkpoint": model_entry.get("checkpoint"), "block_size": _block_size(pack),
+                "load_s": load_s,
+                "host_source": ("reused: built and hash-verified by an earlier engine of this run" if shared is not None
+                                else "built by this engine"),
+                "eos_stopping": "off (Engine.run ignore_eos: every row decodes decode_len tokens)"}
+        return eng, info
 
 
 def default_engine_factory(c: BenchConfig, model_entry: dict, device: torch.device):
-    """Build the engine (or baseline) of a configuration. Returns (engine, info for the record)."""
-    p = c.p
-    if c.kind == "hf-bf16":
-        from runmap.bench.baselines import HFBaseline
-
-        cfg = load_preset(c.preset)[0]
-        eng = HFBaseline(cfg, device=device, checkpoint=model_entry.get("checkpoint"), seed=p["seed"])
-        return eng, {"checkpoint": model_entry.get("checkpoint"), "pack": None, "block_size": None,
-                     "load_s": eng.load_s, "weights": eng.weights_source}
-    from runmap.engine.engine import Engine
-
-    pack = model_entry.get("pack")
-    if not pack or not Path(pack).is_dir():
-        raise BenchError(f"{c.id}: model {c.model!r} has no pack directory ({pack!r}); give --pack {c.model}=DIR")
-    kw = dict(executor=c.executor if c.kind == "engine" else "grouped",
-              resident=None if c.regime == "full" else c.resident, device=device,
-              max_batch=p["max_batch"], max_seq_len=p["max_seq_len"], policy=p["policy"],
-              expert_format="int4" if c.kind == "engine" else "fp16")
-    t0 = time.perf_counter()
-    shared = str(Path(pack).resolve()) in _HOST_SOURCES
-    with shared_host_source(pack):
-        eng = Engine.from_pack(pack, **kw)
-    bm.sync(device)
-    load_s = time.perf_counter() - t0
-    block = None
-    man = Path(pack) / "manifest.json"
-    if man.is_file():
-        try:
-            m = json.loads(man.read_text())
-            block = m.get("block_size", (m.get("quantization") or {}).get("block_size"))
-        except (OSError, ValueError):
-            block = None
-    info = {"pack": str(pack), "checkpoint": model_entry.get("checkpoint"), "block_size": block, "load_s": load_s,
-            "cuda_graphs": bool(getattr(eng, "use_graphs", False)),
-            "host_source": ("reused: built and hash-verified by an earlier engine of this run" if shared
-                            and c.kind == "engine" else "built by this engine")}
-    tok = getattr(eng, "tokenizer", None)
-    if tok is not None and hasattr(tok, "eos_ids"):
-        # Synthetic weights emit EOS at random; a row that stops early still occupies the batch but its
-        # tokens stop counting. Stopping is a sampling-loop decision, not model arithmetic, so the bench
-        # disables it: every row decodes exactly decode_len tokens.
-        tok.eos_ids = frozenset()
-        info["eos_stopping"] = "disabled by the bench (every row decodes decode_len tokens)"
-    return eng, info
-
-
-def _close(engine) -> None:
-    close = getattr(engine, "close", None)
-    if callable(close):
-        close()
+    """One configuration's engine with no host source shared (run_campaign uses an EngineBuilder per run)."""
+    return EngineBuilder()(c, model_entry, device)
 
 
 def _free_device(device: torch.device) -> None:
@@ -564,32 +640,58 @@ def _free_device(device: torch.device) -> None:
         torch.cuda.empty_cache()
 
 
+def _publish(tmp: Path, camp_dir: Path) -> None:
+    """Move a finished run's records/ and campaign.json from its temp directory into the campaign directory:
+    records/ in one atomic swap (runmap.atomic.replace_dir), then campaign.json by one rename, so a reader
+    sees either the old campaign or the new one. Other files there (README.md, report.md) are kept."""
+    camp_dir.mkdir(parents=True, exist_ok=True)
+    replace_dir(tmp / "records", camp_dir / "records")
+    os.replace(tmp / "campaign.json", camp_dir / "campaign.json")
+    shutil.rmtree(tmp, ignore_errors=True)
+
+
 def run_campaign(spec: dict, out_root: Path, *, configs: list[BenchConfig] | None = None,
                  device: str | None = None, packs: dict | None = None, checkpoints: dict | None = None,
                  engine_factory: EngineFactory | None = None, command: str | None = None,
                  deadline_s: float | None = None, keep_going: bool = False, progress: bool = True,
-                 measure_bandwidth: bool = True) -> dict:
+                 measure_bandwidth: bool = True, overwrite: bool = False) -> dict:
     """Run the configurations (default: all of the spec) and write records + campaign.json under
-    out_root/<name>/. Returns the campaign summary (also written)."""
+    out_root/<name>/. Returns the campaign summary (also written).
+
+    Raises OutputExistsError, before writing anything, when out_root/<name>/ already holds campaign.json or
+    records and ``overwrite`` is False. Everything is written to a hidden temp directory in out_root and
+    moved into place at the end (``_publish``); a run that failed (an exception, or a failed configuration
+    under keep_going) does not replace an existing campaign: its output stays in the temp directory,
+    whose path is printed."""
     from tqdm import tqdm
 
     t_start = time.perf_counter()
+    check_model_names(spec, (packs or {}).keys(), "--pack")
+    check_model_names(spec, (checkpoints or {}).keys(), "--checkpoint")
+    out_root = Path(out_root)
+    camp_dir = out_root / spec["name"]
+    existing = existing_campaign(camp_dir)
+    if existing and not overwrite:
+        raise OutputExistsError(f"{camp_dir} already holds a campaign ({', '.join(existing)}); nothing written "
+                                "(pass --overwrite to replace it, or choose another --out)")
     configs = expand(spec) if configs is None else configs
     dev = bm.resolve_device(device or spec["device"])
     models = {k: dict(v) for k, v in spec["models"].items()}
     for k, v in (packs or {}).items():
-        models.setdefault(k, {})["pack"] = v
+        models[k]["pack"] = v
     for k, v in (checkpoints or {}).items():
-        models.setdefault(k, {})["checkpoint"] = v
-    factory = engine_factory or default_engine_factory
-    camp_dir = Path(out_root) / spec["name"]
-    rec_dir = camp_dir / "records"
-    rec_dir.mkdir(parents=True, exist_ok=True)
+        models[k]["checkpoint"] = v
+    factory = engine_factory or EngineBuilder()
     ctx = RunContext.create(spec["name"], dev, command or shlex.join(["runmap", *sys.argv[1:]]), measure_bandwidth)
     presets = {m: load_preset(models[m]["preset"])[0] for m in {c.model for c in configs}}
+    out_root.mkdir(parents=True, exist_ok=True)
+    tmp = Path(tempfile.mkdtemp(prefix=f".{spec['name']}.partial-", dir=out_root))
+    rec_dir = tmp / "records"
+    rec_dir.mkdir()
 
     done, failed, skipped, records = [], [], [], []
     engine, key, info = None, None, {}
+    raised = True
     bar = tqdm(configs, desc=f"bench {spec['name']}", unit="cfg", disable=not progress, dynamic_ncols=True)
     try:
         for c in bar:
@@ -600,7 +702,7 @@ def run_campaign(spec: dict, out_root: Path, *, configs: list[BenchConfig] | Non
             try:
                 if key != c.engine_key():
                     if engine is not None:
-                        _close(engine)
+                        engine.close()
                         engine = None
                         _free_device(dev)
                     key = None
@@ -611,7 +713,7 @@ def run_campaign(spec: dict, out_root: Path, *, configs: list[BenchConfig] | Non
             except Exception as e:  # noqa: BLE001 - recorded, then re-raised unless --keep-going
                 failed.append({"id": c.id, "error": f"{type(e).__name__}: {e}"})
                 if engine is not None:
-                    _close(engine)
+                    engine.close()
                 engine, key = None, None
                 _free_device(dev)
                 if not keep_going:
@@ -628,9 +730,10 @@ def run_campaign(spec: dict, out_root: Path, *, configs: list[BenchConfig] | Non
                       f"{mem['value'] / 2**30:.2f} GiB" if bm.is_observed(mem) else f"{c.id}: decode "
                       f"{rec['timing']['decode_tok_s']['median']:.1f} tok/s", flush=True)
             bar.set_postfix_str(f"{c.id[-32:]} {rec['timing']['decode_tok_s']['median']:.1f} tok/s")
+        raised = False
     finally:
         if engine is not None:
-            _close(engine)
+            engine.close()
             engine = None
             _free_device(dev)
         # ratios need every record of the run: rewrite them once all configurations finished
@@ -646,16 +749,24 @@ def run_campaign(spec: dict, out_root: Path, *, configs: list[BenchConfig] | Non
             "wall_s": time.perf_counter() - t_start, "configs": len(configs),
             "done": done, "failed": failed, "skipped": skipped,
         }
-        write_json(camp_dir / "campaign.json", summary, indent=1)
+        write_json(tmp / "campaign.json", summary, indent=1)
+        if existing and (raised or failed):
+            print(f"runmap bench: the run failed; {camp_dir} is left as it was; this run's output is in {tmp}",
+                  file=sys.stderr)
+        else:
+            _publish(tmp, camp_dir)
     return summary
 
 
 def load_records(*dirs: str | Path) -> list[dict]:
-    """Every record (*.json) below the given directories (a records/ dir or any parent of one)."""
+    """Every record (*.json) below the given directories (a records/ dir or any parent of one); hidden
+    directories (a run's temp output) are skipped."""
     out = []
     for d in dirs:
         d = Path(d)
-        files = [d] if d.is_file() else sorted(p for p in d.rglob("*.json") if p.parent.name == "records")
+        files = [d] if d.is_file() else sorted(
+            p for p in d.rglob("*.json") if p.parent.name == "records"
+            and not any(part.startswith(".") for part in p.relative_to(d).parts))
         for f in files:
             try:
                 doc = json.loads(f.read_text())

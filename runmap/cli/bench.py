@@ -17,21 +17,33 @@ Each configuration: `warmup` untimed runs, then `repeats` timed generate() calls
 prompts; decode tok/s is their median (min, max kept). Peak GPU memory, cache hits/misses, host->device
 bytes, the cache contract's observations and the byte floor (from the model config and the device
 copy bandwidth measured at the start of the same run) are recorded; ratios to each baseline are filled
-in once every configuration has run. On the CPU the Triton executors run in the interpreter.
+in once every configuration has run. With the run parameter `check: true` a record also holds the logits
+check against the reference executor. On the CPU the Triton executors run in the interpreter.
+
+Output is written to a hidden directory in OUT and moved into place at the end. An OUT/<campaign>/ that
+already holds campaign.json or records is refused (nothing written) unless --overwrite; a run that fails
+never replaces an existing campaign (its output stays in the hidden directory, whose path is printed).
 
 Examples:
   runmap bench specs/campaigns/default.yaml
   runmap bench specs/campaigns/h200.yaml --out $OUT --pack olmoe=/data/olmoe-pack --only 'olmoe.*b1_'
-Exit status: 0 all configurations ran, 1 a configuration failed (or a bad spec), 3 the deadline skipped some.
+  runmap bench specs/campaigns/h200.yaml --out $OUT --pack olmoe=/data/olmoe-pack \
+      --only '^olmoe__(engine__grouped|hf-bf16__hf-bf16)__r64__b1__p32__d256$'    (the README's headline)
+Exit status: 0 all configurations ran; 1 a configuration failed, or a bad spec; 2 a bad argument (--only is
+not a regular expression, --pack/--checkpoint names no model of the spec); 3 the deadline skipped some;
+4 refused: the campaign directory already holds a campaign (nothing written; --overwrite replaces it).
 """
+EXIT_FAILED, EXIT_USAGE, EXIT_DEADLINE, EXIT_EXISTS = 1, 2, 3, 4
 
 
 def _pairs(items: list[str] | None, flag: str) -> dict:
+    from runmap.bench.campaign import UsageError
+
     out = {}
     for it in items or []:
-        if "=" not in it:
-            raise SystemExit(f"{flag} {it!r}: expected NAME=DIR")
-        k, v = it.split("=", 1)
+        k, sep, v = it.partition("=")
+        if not sep or not k or not v:
+            raise UsageError(f"{flag} {it!r}: expected NAME=DIR")
         out[k] = v
     return out
 
@@ -52,24 +64,40 @@ def add_arguments(p) -> None:
                    "and continue (default: stop at the first failure)")
     p.add_argument("--list", action="store_true", help="print the configuration ids and exit")
     p.add_argument("--no-progress", action="store_true", help="no progress bar")
+    p.add_argument("--overwrite", action="store_true", help="replace the records and campaign.json of an "
+                   "existing OUT/<campaign>/ (default: refuse, exit 4)")
 
 
 def run(args) -> int:
-    from runmap.bench.campaign import BenchError, expand, filter_configs, load_spec
+    from runmap.bench.campaign import (BenchError, OutputExistsError, UsageError, check_model_names, existing_campaign,
+                                       expand, filter_configs, load_spec)
+
+    def fail(e: BenchError, code: int) -> int:
+        print(f"runmap bench: {e}", file=sys.stderr)
+        return code
 
     try:
         spec = load_spec(args.spec)
+        packs, checkpoints = _pairs(args.pack, "--pack"), _pairs(args.checkpoint, "--checkpoint")
+        check_model_names(spec, packs, "--pack")
+        check_model_names(spec, checkpoints, "--checkpoint")
         configs = filter_configs(expand(spec), args.only)
+    except UsageError as e:
+        return fail(e, EXIT_USAGE)
     except BenchError as e:
-        print(f"runmap bench: {e}", file=sys.stderr)
-        return 1
+        return fail(e, EXIT_FAILED)
     if args.list:
         for c in configs:
             print(c.id)
         return 0
     if not configs:
         print(f"runmap bench: no configuration of {args.spec} matches --only {args.only!r}", file=sys.stderr)
-        return 1
+        return EXIT_USAGE
+    found = existing_campaign(Path(args.out) / spec["name"])
+    if found and not args.overwrite:
+        return fail(OutputExistsError(f"{Path(args.out) / spec['name']} already holds a campaign "
+                                      f"({', '.join(found)}); nothing written (pass --overwrite to replace it, "
+                                      "or choose another --out)"), EXIT_EXISTS)
     device = args.device or spec["device"]
     if device == "cpu" or (device == "auto" and not _cuda()):
         # Triton kernels run on the CPU only in the interpreter; set before kernels are imported.
@@ -79,20 +107,22 @@ def run(args) -> int:
     command = shlex.join(["runmap", "bench", *sys.argv[2:]]) if len(sys.argv) > 1 and sys.argv[1] == "bench" \
         else shlex.join(["runmap", "bench", args.spec])
     try:
-        summary = run_campaign(spec, Path(args.out), configs=configs, device=args.device,
-                               packs=_pairs(args.pack, "--pack"), checkpoints=_pairs(args.checkpoint, "--checkpoint"),
-                               command=command, deadline_s=args.deadline_s, keep_going=args.keep_going,
-                               progress=not args.no_progress)
+        summary = run_campaign(spec, Path(args.out), configs=configs, device=args.device, packs=packs,
+                               checkpoints=checkpoints, command=command, deadline_s=args.deadline_s,
+                               keep_going=args.keep_going, progress=not args.no_progress, overwrite=args.overwrite)
+    except OutputExistsError as e:
+        return fail(e, EXIT_EXISTS)
+    except UsageError as e:
+        return fail(e, EXIT_USAGE)
     except BenchError as e:
-        print(f"runmap bench: {e}", file=sys.stderr)
-        return 1
+        return fail(e, EXIT_FAILED)
     print(f"{spec['name']}: {len(summary['done'])} done, {len(summary['failed'])} failed, "
           f"{len(summary['skipped'])} skipped in {summary['wall_s']:.1f} s -> {Path(args.out) / spec['name']}")
     for f in summary["failed"]:
         print(f"  FAILED {f['id']}: {f['error']}", file=sys.stderr)
     if summary["failed"]:
-        return 1
-    return 3 if summary["skipped"] else 0
+        return EXIT_FAILED
+    return EXIT_DEADLINE if summary["skipped"] else 0
 
 
 def _cuda() -> bool:

@@ -5,18 +5,23 @@ Stable Python API (the IFEval and campaign code call exactly this)::
     from runmap.engine.engine import Engine
     eng = Engine.from_pack(pack_dir, *, executor="grouped", resident=None, device=None, max_batch=8,
                            max_seq_len=None, policy="lru", expert_format="int4", max_group=None,
-                           cuda_graphs=True, prefill_chunk=1024, fused=True)
+                           cuda_graphs=True, prefill_chunk=1024, fused=True, host_source=None,
+                           skip_experts=False)
     results = eng.generate(prompts, *, max_new_tokens=128, temperature=0.0, top_p=1.0, seed=None,
-                           stop=(), chat=False, on_token=None)
+                           stop=(), chat=False, on_token=None, ignore_eos=False)
+    run = eng.run(prompts, **same)   # GenerationRun: results + prefill/decode seconds, token counts, tok/s
     eng.last_timing   # dict: prefill_s, decode_s, ttft_s, prompt_tokens, new_tokens, decode_tok_s, batch
+    eng.stats()       # EngineStats (runmap.engine.telemetry): typed counters, memory, observations
     eng.telemetry()   # dict valid under schemas/telemetry.schema.json (write it with runmap.engine.telemetry.write)
-    eng.logits(token_ids) -> float32 (T, V) logits of every position of one prompt
+    eng.logits(token_ids, *, executor=None, fused=None) -> float32 (T, V) logits of every position of one
+                      prompt; executor / fused override the engine's for this call only (checks)
+    eng.host_source   # the HostSource of the expert cache (None for the fp16 baseline), for reuse
     eng.close()
 
 Arguments:
     pack_dir       a directory written by ``runmap pack`` (manifest.json, safetensors, tokenizer files)
     executor       "reference" | "scalar" | "grouped" | "topk-fused" (runmap.kernels.executors); recorded in telemetry
-    resident       routed experts per layer kept on the device; None = all (full residency)
+    resident       routed experts per layer kept on the device, top_k..E; None = all (full residency)
     device         "cuda" / "cpu" / torch.device; None = cuda if available else cpu
     max_batch      rows decoded together; longer prompt lists are processed in groups of max_batch
     max_seq_len    KV cache length (prompt + new tokens); None = min(max_position_embeddings, 4096).
@@ -31,6 +36,12 @@ Arguments:
     prefill_chunk  prompt tokens per prefill forward pass (bounds activation memory of long prompts)
     fused          CUDA: fused Triton ops replacing torch sequences (runmap.kernels.fused_ops): True = DEFAULT_FUSED
                    (prologue, norm, attn), or an iterable of FUSED_OPS names; False = pure torch. Ignored on CPU.
+    host_source    a runmap.residency.host_source.HostSource already built from this pack (another engine's
+                   ``host_source``): the cache reuses it instead of reading and hash-verifying every expert again.
+                   Its identity must equal the pack's; this engine's reader is closed and watched by it (its
+                   reads count in request_pack_reads). int4 only (the fp16 baseline reads its own rows).
+    skip_experts   PROFILING ONLY: routed experts return zeros (router and everything else still run), so the
+                   decode time without the expert GEMVs can be measured; outputs are wrong by design
     prompts        list[str] (tokenized with the pack's tokenizer; ``chat=True`` applies its chat template)
                    or list[list[int]] (token ids, used as they are)
     stop           stop strings; a row also stops on the tokenizer's / config's EOS id
@@ -52,7 +63,7 @@ import time
 import torch
 
 from runmap.arch.config import ModelConfig
-from runmap.engine.generation import GenerationError, GenerationResult, generate_batch
+from runmap.engine.generation import GenerationError, GenerationResult, GenerationRun, generate_batch
 from runmap.engine.model import KVCache, Transformer, experts_dense_torch, load_weights
 
 from runmap.kernels.registry import EXECUTOR_NAMES as EXECUTORS, GRAPH_SAFE_EXECUTORS as GRAPH_EXECUTORS
@@ -148,6 +159,30 @@ class CachedExperts:
         return self.cache.telemetry()
 
 
+class SkipExperts:
+    """Profiling stand-in (``skip_experts=True``): routed experts return zeros; the cache underneath is kept
+    (full residency leases, telemetry) so everything but the expert arithmetic runs as usual."""
+
+    def __init__(self, inner):
+        self.inner, self.validate = inner, True
+        self.h2d_seconds = 0.0
+
+    def begin(self):
+        self.inner.begin()
+
+    def end(self):
+        self.inner.end()
+
+    def __call__(self, layer, x, ids, gw):
+        return torch.zeros_like(x)
+
+    def telemetry(self):
+        return self.inner.telemetry()
+
+    def nbytes(self) -> int:
+        return self.inner.nbytes()
+
+
 class DenseFp16Experts:
     """BASELINE: every expert dequantized once to FP16 on the device; torch matmuls per unique expert.
     No cache and no executor: used only to isolate what compression changes (never the product default)."""
@@ -239,7 +274,8 @@ class Engine:
 
     def __init__(self, *, cfg: ModelConfig, model: Transformer, experts, tokenizer, device, executor: str,
                  expert_format: str, max_batch: int, max_seq_len: int, cuda_graphs: bool, prefill_chunk: int,
-                 pack_dir: str, resident: int, load_s: float, pack_identity: str | None = None):
+                 pack_dir: str, resident: int, load_s: float, pack_identity: str | None = None,
+                 skip_experts: bool = False):
         self.cfg, self.model, self.experts, self.tokenizer = cfg, model, experts, tokenizer
         # the fp16 baseline runs no executor: record what actually computes the experts
         self.device, self.expert_format = device, expert_format
@@ -247,6 +283,9 @@ class Engine:
         self.max_batch, self.max_seq_len, self.prefill_chunk = max_batch, max_seq_len, prefill_chunk
         self.pack_dir, self.resident, self.load_s = pack_dir, resident, load_s
         self.pack_identity = pack_identity
+        self.skip_experts = bool(skip_experts)
+        if self.skip_experts:
+            self.experts = SkipExperts(experts)
         self.kv = KVCache(cfg, max_batch, max_seq_len, device)
         # reference and scalar synchronize with the host on every call, so they cannot be captured
         self.use_graphs = bool(cuda_graphs and device.type == "cuda" and resident == cfg.num_experts
@@ -261,11 +300,19 @@ class Engine:
     def regime(self) -> str:
         return "full" if self.resident == self.cfg.num_experts else "partial"
 
+    @property
+    def host_source(self):
+        """The expert cache's HostSource (pass it to another Engine.from_pack of the same pack to reuse it);
+        None for the fp16 baseline."""
+        inner = self.experts.inner if isinstance(self.experts, SkipExperts) else self.experts
+        return inner.cache.host if isinstance(inner, CachedExperts) else None
+
     @classmethod
     def from_pack(cls, pack_dir, *, executor: str = "grouped", resident: int | None = None, device=None,
                   max_batch: int = 8, max_seq_len: int | None = None, policy: str = "lru",
                   expert_format: str = "int4", max_group: int | None = None, cuda_graphs: bool = True,
-                  prefill_chunk: int = 1024, fused=True) -> "Engine":
+                  prefill_chunk: int = 1024, fused=True, host_source=None,
+                  skip_experts: bool = False) -> "Engine":
         from runmap.format.packfile import PackReader
         from runmap.engine.tokenization import Tokenizer
 
@@ -283,8 +330,14 @@ class Engine:
         cfg, layout, identity = reader.config, reader.layout, reader.identity
         E = cfg.num_experts
         resident = E if resident is None else int(resident)
-        if not 1 <= resident <= E:
-            raise EngineError(f"resident={resident} must be in [1, {E}] (experts per layer)")
+        if not cfg.top_k <= resident <= E:
+            reader.close()
+            raise EngineError(f"resident={resident} must be in [{cfg.top_k}, {E}]: at least top_k={cfg.top_k} "
+                              f"(one token's routed experts) and at most the {E} experts per layer")
+        if host_source is not None and host_source.identity != identity:
+            reader.close()
+            raise EngineError(f"{pack_dir}: pack identity {identity!r} differs from the given host source's "
+                              f"{host_source.identity!r} (built from another pack, or the pack changed)")
         if expert_format == "fp16" and resident != E:
             raise EngineError("expert_format='fp16' is a full-residency baseline; it cannot be combined with resident")
         if max_seq_len is None:
@@ -316,14 +369,393 @@ class Engine:
             if group < cfg.top_k:
                 raise EngineError(f"max_group={group} is below top_k={cfg.top_k}: a single token's routed group "
                                   "could never be served")
-            cache = ExpertCache.from_pack(reader, resident=resident, max_group=group, device=device, policy=policy)
+            kw = dict(resident=resident, max_group=group, device=device, policy=policy)
+            if host_source is not None:
+                host_source.watch_reader(reader)  # closed; a read through it is still observed
+                cache = ExpertCache.from_host(host_source, **kw)
+            else:
+                cache = ExpertCache.from_pack(reader, **kw)
             experts = CachedExperts(cache, executor, layout, cfg.top_k)
         if device.type == "cuda":
             torch.cuda.synchronize(device)
         return cls(cfg=cfg, model=model, experts=experts, tokenizer=tokenizer, device=device, executor=executor,
                    expert_format=expert_format, max_batch=max_batch, max_seq_len=max_seq_len,
                    cuda_graphs=cuda_graphs, prefill_chunk=prefill_chunk, pack_dir=str(pack_dir),
-                   resident=resident, load_s=time.perf_counter() - t0, pack_identity=identity)
+                   resident=resident, load_s=time.perf_counter() - t0, pack_identity=identity,
+                   skip_experts=skip_experts)
+
+    # ---- StepModel (runmap.engine.generation) ----------------------------------------------------------------
+    def bucket(self, n: int) -> int:
+        """KV prefix length attended by a decode step that needs n keys (powers of two from 256; graphs)."""
+        b = 256
+        while b < n:
+            b *= 2
+        return min(b, self.max_seq_len)
+
+    def prefill(self, tokens: torch.Tensor, pad: torch.Tensor, all_logits: bool = False) -> torch.Tensor:
+        """tokens int64 (B, P), pad int64 (B,) (device) -> float32 (B, V) (or (B, P, V) with all_logits).
+        Chunks of ``prefill_chunk`` tokens bound the activation memory of long prompts."""
+        B, P = tokens.shape
+        padded = bool(pad.any().item())
+        outs = []
+        for s0 in range(0, P, self.prefill_chunk):
+            s1 = min(P, s0 + self.prefill_chunk)
+            slots = torch.arange(s0, s1, device=self.device)  # (t,)
+            pos = (slots[None, :] - pad[:, None]).clamp_(min=0)  # (B, t)
+            mask = (slots[None, :] >= pad[:, None]).reshape(-1) if padded else None  # (B*t,) real tokens
+            out = self.model.forward(tokens[:, s0:s1], pos, self.kv, slots, pad, s1, self.experts,
+                                     token_mask=mask, causal_fresh=(s0 == 0 and not padded),
+                                     all_logits=all_logits)
+            if all_logits or s1 == P:
+                outs.append(out)
+        return torch.cat(outs, dim=1) if all_logits else outs[-1]
+
+    def decode(self, tokens: torch.Tensor, slot: int, pad: torch.Tensor) -> torch.Tensor:
+        """tokens int64 (B,), slot int, pad int64 (B,) -> float32 (B, V)."""
+        B = tokens.shape[0]
+        if self.use_graphs:
+            if B not in self._graphs:
+                self._graphs[B] = GraphDecoder(self, B, self._pool)
+            return self._graphs[B].run(tokens, slot, pad)
+        slots = torch.tensor([slot], device=self.device)
+        pos = (slots - pad).unsqueeze(1)  # (B, 1)
+        # On CUDA the fused decode attention takes the key count as a constexpr: attending a bucket (keys past
+        # the slot are masked, exactly as in graph mode) keeps it to a few compiled variants instead of one
+        # per KV length.
+        n_keys = self.bucket(slot + 1) if self.device.type == "cuda" else slot + 1
+        return self.model.forward(tokens.view(B, 1), pos, self.kv, slots, pad, n_keys, self.experts)
+
+    def reset_graphs(self) -> None:
+        """Drop every captured decode graph and its memory pool (after changing executor / fused ops)."""
+        if self.device.type == "cuda":
+            torch.cuda.synchronize(self.device)
+        self._graphs.clear()
+        if self.use_graphs:
+            self._pool = torch.cuda.graph_pool_handle()
+
+    # ---- public API ---------------------------------------------------------------------------------------
+    def encode(self, prompt, chat: bool = False) -> list[int]:
+        if isinstance(prompt, str):
+            return self.tokenizer.encode_chat(prompt) if chat else self.tokenizer.encode(prompt)
+        ids = [int(t) for t in prompt]
+        if any(not 0 <= t < self.cfg.vocab_size for t in ids):
+            raise GenerationError(f"token ids must be in [0, {self.cfg.vocab_size}); got {ids}")
+        return ids
+
+    def generate(self, prompts, *, max_new_tokens: int = 128, temperature: float = 0.0, top_p: float = 1.0,
+                 seed: int | None = None, stop=(), chat: bool = False, on_token=None,
+                 ignore_eos: bool = False) -> list[GenerationResult]:
+        return list(self.run(prompts, max_new_tokens=max_new_tokens, temperature=temperature, top_p=top_p, seed=seed,
+                             stop=stop, chat=chat, on_token=on_token, ignore_eos=ignore_eos).results)
+
+    @torch.inference_mode()
+    def run(self, prompts, *, max_new_tokens: int = 128, temperature: float = 0.0, top_p: float = 1.0,
+            seed: int | None = None, stop=(), chat: bool = False, on_token=None,
+            ignore_eos: bool = False) -> GenerationRun:
+        """``generate`` returning a typed GenerationRun (results, prefill / decode seconds, token counts)."""
+        self._check_open()
+        if isinstance(prompts, str) or (prompts and isinstance(prompts[0], int)):
+            raise GenerationError("prompts must be a list of strings or a list of token-id lists")
+        ids = [self.encode(p, chat) for p in prompts]
+        pad_id = self.cfg.pad_token_id if self.cfg.pad_token_id is not None else 0
+        results, timings = [], []
+        self.experts.begin()
+        try:
+            for g0 in range(0, len(ids), self.max_batch):
+                res, tim = generate_batch(
+                    self, ids[g0:g0 + self.max_batch], max_new_tokens=max_new_tokens, pad_id=pad_id,
+                    eos_ids=frozenset() if ignore_eos else self.tokenizer.eos_ids, decode=self.tokenizer.decode,
+                    stop=tuple(stop), temperature=temperature, top_p=top_p, on_token=on_token, row_offset=g0,
+                    # each group of max_batch prompts draws from its own stream, so equal prompts in
+                    # different groups do not repeat each other's samples
+                    seed=None if seed is None else seed + g0)
+                results += res
+                timings.append(tim)
+        finally:
+            self.experts.end()
+        out = GenerationRun.combine(results, timings)
+        self.last_timing = out.timing_dict()
+        self._runs.append(self.last_timing)
+        return out
+
+    @torch.inference_mode()
+    def logits(self, token_ids, *, executor: str | None = None, fused=None) -> torch.Tensor:
+        """float32 (T, V) logits of every position of one prompt (token ids), computed by a prefill.
+
+        executor: another INT4 executor for this call only (e.g. "reference", to check the engine's against
+        it); fused: the fused ops for this call only (as in from_pack; False = pure torch). Both are
+        restored afterwards; captured decode graphs are not touched (a prefill replays none)."""
+        self._check_open()
+        ids = self.encode(token_ids)
+        if not ids or len(ids) > self.max_seq_len:
+            raise GenerationError(f"need 1..{self.max_seq_len} tokens, got {len(ids)}")
+        if executor is not None:
+            if not isinstance(self.experts, CachedExperts):
+                raise EngineError(f"executor override needs the INT4 expert path (this engine: "
+                                  f"{'skip_experts' if self.skip_experts else self.executor})")
+            if executor not in EXECUTORS:
+                raise EngineError(f"unknown executor {executor!r}; choose one of {list(EXECUTORS)}")
+        ops = None
+        if fused is not None:
+            ops = frozenset(DEFAULT_FUSED if fused is True else (fused or ()))
+            if ops - set(FUSED_OPS):
+                raise EngineError(f"unknown fused ops {sorted(ops - set(FUSED_OPS))}; choose from {list(FUSED_OPS)}")
+            if self.device.type != "cuda":
+                ops = None  # ignored on the CPU, as in from_pack
+        tokens = torch.tensor([ids], device=self.device)
+        saved_ex = self.experts.executor if executor is not None else None
+        saved_ops = self.model.fused
+        try:
+            if executor is not None:
+                self.experts.executor = executor
+            if ops is not None:
+                self.model.fused = ops
+            self.experts.begin()
+            try:
+                out = self.prefill(tokens, torch.zeros(1, dtype=torch.long, device=self.device), all_logits=True)
+            finally:
+                self.experts.end()
+        finally:
+            if executor is not None:
+                self.experts.executor = saved_ex
+            self.model.fused = saved_ops
+        return out[0].cpu()
+
+    def stats(self):
+        """Typed snapshot (runmap.engine.telemetry.EngineStats): counters since startup, memory, observations."""
+        self._check_open()
+        from runmap.engine.telemetry import snapshot
+
+        return snapshot(self)
+
+    def telemetry(self) -> dict:
+        return self.cache.telemetry()
+
+
+class SkipExperts:
+    """Profiling stand-in (``skip_experts=True``): routed experts return zeros; the cache underneath is kept
+    (full residency leases, telemetry) so everything but the expert arithmetic runs as usual."""
+
+    def __init__(self, inner):
+        self.inner, self.validate = inner, True
+        self.h2d_seconds = 0.0
+
+    def begin(self):
+        self.inner.begin()
+
+    def end(self):
+        self.inner.end()
+
+    def __call__(self, layer, x, ids, gw):
+        return torch.zeros_like(x)
+
+    def telemetry(self):
+        return self.inner.telemetry()
+
+    def nbytes(self) -> int:
+        return self.inner.nbytes()
+
+
+class DenseFp16Experts:
+    """BASELINE: every expert dequantized once to FP16 on the device; torch matmuls per unique expert.
+    No cache and no executor: used only to isolate what compression changes (never the product default)."""
+
+    def __init__(self, rows_per_layer, layout, device):
+        self.layout, self.device = layout, torch.device(device)
+        wdtype = torch.float16 if self.device.type == "cuda" else torch.float32  # CPU: see model.linear
+        self.w = []
+        for rows in rows_per_layer:  # uint8 (E, row_bytes) host
+            layer = []
+            for e in range(rows.shape[0]):
+                d = layout.dequantize_expert(rows[e].to(self.device))
+                layer.append(tuple(d[p].to(wdtype) for p in ("gate", "up", "down")))
+            self.w.append(layer)
+        self.validate = True
+        self.h2d_seconds = 0.0
+
+    def begin(self):
+        pass
+
+    def end(self):
+        pass
+
+    def __call__(self, layer, x, ids, gw):
+        return experts_dense_torch(x, ids, gw, lambda e: self.w[layer][e])
+
+    def nbytes(self) -> int:
+        return sum(t.numel() * t.element_size() for layer in self.w for exp in layer for t in exp)
+
+    def telemetry(self) -> None:
+        return None
+
+
+# ---- CUDA graph decode ----------------------------------------------------------------------------------
+
+class GraphDecoder:
+    """Decode steps of batch B captured as CUDA graphs, one per KV-length bucket.
+
+    Static inputs: tok int64 (B, 1), slot int64 (1,), pad int64 (B,); positions = slot - pad and the
+    attention mask are computed inside the graph, so a step costs two tiny copies and one replay."""
+
+    def __init__(self, engine: "Engine", batch: int, pool):
+        self.e, self.B, self.pool = engine, batch, pool
+        dev = engine.device
+        self.tok = torch.zeros(batch, 1, dtype=torch.long, device=dev)
+        self.slot = torch.zeros(1, dtype=torch.long, device=dev)
+        self.pad = torch.zeros(batch, dtype=torch.long, device=dev)
+        self.graphs: dict[int, tuple[torch.cuda.CUDAGraph, torch.Tensor]] = {}
+
+    def _step(self, n_keys):
+        e = self.e
+        pos = (self.slot - self.pad).unsqueeze(1)  # (B, 1)
+        e.experts.validate = False  # no host sync inside a graph: static tables of full residency
+        try:
+            return e.model.forward(self.tok, pos, e.kv, self.slot, self.pad, n_keys, e.experts)
+        finally:
+            e.experts.validate = True
+
+    def _capture(self, n_keys):
+        side = torch.cuda.Stream(self.e.device)
+        side.wait_stream(torch.cuda.current_stream())
+        with torch.cuda.stream(side):  # warm-up outside capture (cuBLAS handles, Triton compilation)
+            for _ in range(2):
+                self._step(n_keys)
+        torch.cuda.current_stream().wait_stream(side)
+        g = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(g, pool=self.pool):
+            out = self._step(n_keys)
+        self.graphs[n_keys] = (g, out)
+
+    def run(self, tok, slot: int, pad) -> torch.Tensor:
+        """tok int64 (B,), slot: KV slot of the new tokens, pad int64 (B,) -> float32 logits (B, V) (a static
+        buffer, valid until the next call)."""
+        n_keys = self.e.bucket(slot + 1)
+        self.tok.copy_(tok.view(self.B, 1))
+        self.slot.fill_(slot)
+        self.pad.copy_(pad)
+        if n_keys not in self.graphs:
+            self._capture(n_keys)
+        g, out = self.graphs[n_keys]
+        g.replay()
+        return out
+
+
+# ---- the engine -------------------------------------------------------------------------------------
+
+class Engine:
+    """See the module docstring for the API."""
+
+    def __init__(self, *, cfg: ModelConfig, model: Transformer, experts, tokenizer, device, executor: str,
+                 expert_format: str, max_batch: int, max_seq_len: int, cuda_graphs: bool, prefill_chunk: int,
+                 pack_dir: str, resident: int, load_s: float, pack_identity: str | None = None,
+                 skip_experts: bool = False):
+        self.cfg, self.model, self.experts, self.tokenizer = cfg, model, experts, tokenizer
+        # the fp16 baseline runs no executor: record what actually computes the experts
+        self.device, self.expert_format = device, expert_format
+        self.executor = "torch-fp16" if expert_format == "fp16" else executor
+        self.max_batch, self.max_seq_len, self.prefill_chunk = max_batch, max_seq_len, prefill_chunk
+        self.pack_dir, self.resident, self.load_s = pack_dir, resident, load_s
+        self.pack_identity = pack_identity
+        self.skip_experts = bool(skip_experts)
+        if self.skip_experts:
+            self.experts = SkipExperts(experts)
+        self.kv = KVCache(cfg, max_batch, max_seq_len, device)
+        # reference and scalar synchronize with the host on every call, so they cannot be captured
+        self.use_graphs = bool(cuda_graphs and device.type == "cuda" and resident == cfg.num_experts
+                               and expert_format == "int4" and executor in GRAPH_EXECUTORS)
+        self._graphs: dict[int, GraphDecoder] = {}
+        self._pool = torch.cuda.graph_pool_handle() if self.use_graphs else None
+        self.last_timing: dict | None = None
+        self._runs: list[dict] = []
+        self._closed = False
+
+    @property
+    def regime(self) -> str:
+        return "full" if self.resident == self.cfg.num_experts else "partial"
+
+    @property
+    def host_source(self):
+        """The expert cache's HostSource (pass it to another Engine.from_pack of the same pack to reuse it);
+        None for the fp16 baseline."""
+        inner = self.experts.inner if isinstance(self.experts, SkipExperts) else self.experts
+        return inner.cache.host if isinstance(inner, CachedExperts) else None
+
+    @classmethod
+    def from_pack(cls, pack_dir, *, executor: str = "grouped", resident: int | None = None, device=None,
+                  max_batch: int = 8, max_seq_len: int | None = None, policy: str = "lru",
+                  expert_format: str = "int4", max_group: int | None = None, cuda_graphs: bool = True,
+                  prefill_chunk: int = 1024, fused=True, host_source=None,
+                  skip_experts: bool = False) -> "Engine":
+        from runmap.format.packfile import PackReader
+        from runmap.engine.tokenization import Tokenizer
+
+        t0 = time.perf_counter()
+        if executor not in EXECUTORS:
+            raise EngineError(f"unknown executor {executor!r}; choose one of {list(EXECUTORS)}")
+        if expert_format not in EXPERT_FORMATS:
+            raise EngineError(f"unknown expert_format {expert_format!r}; choose one of {list(EXPERT_FORMATS)}")
+        device = torch.device(device if device is not None else ("cuda" if torch.cuda.is_available() else "cpu"))
+        if device.type == "cuda" and device.index is None:
+            device = torch.device("cuda", torch.cuda.current_device())
+        if max_batch < 1 or prefill_chunk < 1:
+            raise EngineError(f"max_batch ({max_batch}) and prefill_chunk ({prefill_chunk}) must be >= 1")
+        reader = PackReader(pack_dir)
+        cfg, layout, identity = reader.config, reader.layout, reader.identity
+        E = cfg.num_experts
+        resident = E if resident is None else int(resident)
+        if not cfg.top_k <= resident <= E:
+            reader.close()
+            raise EngineError(f"resident={resident} must be in [{cfg.top_k}, {E}]: at least top_k={cfg.top_k} "
+                              f"(one token's routed experts) and at most the {E} experts per layer")
+        if host_source is not None and host_source.identity != identity:
+            reader.close()
+            raise EngineError(f"{pack_dir}: pack identity {identity!r} differs from the given host source's "
+                              f"{host_source.identity!r} (built from another pack, or the pack changed)")
+        if expert_format == "fp16" and resident != E:
+            raise EngineError("expert_format='fp16' is a full-residency baseline; it cannot be combined with resident")
+        if max_seq_len is None:
+            max_seq_len = min(cfg.max_position_embeddings, 4096)
+        tokenizer = Tokenizer(reader.tokenizer_dir, eos_token_id=cfg.eos_token_id)
+        weights = load_weights(reader.nonrouted, cfg, device)  # before the cache closes the reader
+        model = Transformer(cfg, weights)
+        fused_ops = frozenset(DEFAULT_FUSED if fused is True else (fused or ()))
+        unknown = fused_ops - set(FUSED_OPS)
+        if unknown:
+            raise EngineError(f"unknown fused ops {sorted(unknown)}; choose from {list(FUSED_OPS)}")
+        if device.type == "cuda":  # the fused ops are Triton kernels for the CUDA decode step only
+            model.fused = fused_ops
+        if expert_format == "fp16":
+            rows = [reader.read_expert_rows(l) for l in range(cfg.num_layers)]
+            for l, r in enumerate(rows):
+                reader.verify_expert_hashes(l, r)  # same startup check as the cache's host source
+            reader.close()
+            experts = DenseFp16Experts(rows, layout, device)
+            del rows
+        else:
+            from runmap.residency.cache import ExpertCache
+
+            if resident == E:
+                group = min(cfg.top_k * max_batch, E)
+            else:
+                group = max_group if max_group is not None else max(cfg.top_k, min(cfg.top_k * max_batch,
+                                                                                     resident // 2))
+            if group < cfg.top_k:
+                raise EngineError(f"max_group={group} is below top_k={cfg.top_k}: a single token's routed group "
+                                  "could never be served")
+            kw = dict(resident=resident, max_group=group, device=device, policy=policy)
+            if host_source is not None:
+                host_source.watch_reader(reader)  # closed; a read through it is still observed
+                cache = ExpertCache.from_host(host_source, **kw)
+            else:
+                cache = ExpertCache.from_pack(reader, **kw)
+            experts = CachedExperts(cache, executor, layout, cfg.top_k)
+        if device.type == "cuda":
+            torch.cuda.synchronize(device)
+        return cls(cfg=cfg, model=model, experts=experts, tokenizer=tokenizer, device=device, executor=executor,
+                   expert_format=expert_format, max_batch=max_batch, max_seq_len=max_seq_len,
+                   cuda_graphs=cuda_graphs, prefill_chunk=prefill_chunk, pack_dir=str(pack_dir),
+                   resident=resident, load_s=time.perf_counter() - t0, pack_identity=identity,
+                   skip_experts=skip_experts)
 
     # ---- StepModel (runmap.engine.generation) ----------------------------------------------------------------
     def bucket(self, n: int) -> int:

@@ -61,6 +61,41 @@ class Timing:
         return dataclasses.asdict(self)
 
 
+@dataclasses.dataclass(frozen=True)
+class GenerationRun:
+    """One timed ``Engine.run`` call: the per-prompt results and the timing of the whole call (every group of
+    max_batch prompts summed; ttft is the first group's). Token counts are over all rows."""
+
+    results: tuple  # GenerationResult per prompt, in prompt order
+    prefill_s: float  # prompt forward passes until each group's first token is on the host
+    decode_s: float  # from each group's first token on the host until its last
+    ttft_s: float
+    prompt_tokens: int  # real (unpadded) prompt tokens, all rows
+    new_tokens: int  # kept generated tokens, all rows
+    decode_tok_s: float  # tokens produced by decode steps (new_tokens - rows) / decode_s
+    batch: int  # rows
+    groups: int  # groups of max_batch prompts
+
+    @property
+    def prefill_tok_s(self) -> float:
+        return self.prompt_tokens / self.prefill_s if self.prefill_s > 0 else 0.0
+
+    def timing_dict(self) -> dict:
+        """The timing fields as a dict (``Engine.last_timing``; schemas/telemetry.schema.json ``last_timing``)."""
+        return {k: getattr(self, k) for k in ("prefill_s", "decode_s", "prompt_tokens", "new_tokens", "batch",
+                                              "ttft_s", "decode_tok_s", "groups")}
+
+    @classmethod
+    def combine(cls, results, timings: "Sequence[Timing]") -> "GenerationRun":
+        """Sum the timings of the groups of one call."""
+        tot = {k: sum(getattr(t, k) for t in timings) for k in ("prefill_s", "decode_s", "prompt_tokens",
+                                                                "new_tokens", "batch")}
+        dec_tokens = max(tot["new_tokens"] - tot["batch"], 0)
+        return cls(results=tuple(results), ttft_s=timings[0].ttft_s if timings else 0.0,
+                   decode_tok_s=dec_tokens / tot["decode_s"] if tot["decode_s"] > 0 else 0.0,
+                   groups=len(timings), **tot)
+
+
 def sample(logits: torch.Tensor, temperature: float, top_p: float, gen: torch.Generator | None) -> torch.Tensor:
     """logits float32 (B, V) -> int64 (B,). temperature 0 = greedy (argmax). Otherwise softmax(logits / T)
     restricted to the smallest set of tokens whose probability reaches top_p (nucleus), then a draw

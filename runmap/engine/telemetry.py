@@ -9,10 +9,16 @@ Counters are cumulative since engine startup (the cache's own counters); ``runs`
 ``h2d_seconds`` is the host wall time of the lease acquisitions that had misses (each miss transaction
 is synchronous: pageable -> pinned staging -> device, waited on), so bytes_h2d / h2d_seconds is the
 effective host->device rate of the miss path, staging included.
+
+``snapshot(engine)`` returns the same figures as a typed ``EngineStats`` (what a benchmark reads: no dict
+keys to guess); ``EngineStats.since(earlier)`` gives the counter deltas between two snapshots.
 """
 from __future__ import annotations
 
+import dataclasses
 from pathlib import Path
+from types import MappingProxyType
+
 from runmap.atomic import write_json
 from runmap.provenance import utc_timestamp
 
@@ -20,50 +26,118 @@ SCHEMA_VERSION = "runmap-telemetry-v1"
 from runmap.residency.observations import OBSERVATION_NAMES as OBS_NAMES, REQUIRED_ZERO as OBS_UNITS
 
 
+FP16_NO_CACHE = "expert_format fp16 baseline: experts are dequantized device tensors, no expert cache runs"
+
+
+@dataclasses.dataclass(frozen=True)
+class EngineStats:
+    """Typed snapshot of what an engine ran and what its cache observed (cumulative since startup).
+
+    has_cache is False for the fp16 baseline: its counters are zero and its observations UNKNOWN with a
+    reason. observations: name -> measure dict (status, value/reason, unit, source) as instrumentation
+    wrote it. Memory figures are bytes the engine holds, not allocator peaks."""
+
+    executor: str
+    expert_format: str
+    regime: str
+    device: str
+    cuda_graphs: bool
+    fused: tuple  # fused ops active in the decode step (empty on the CPU)
+    skip_experts: bool  # profiling variant: routed experts return zeros
+    resident: int
+    has_cache: bool
+    policy: str | None
+    hits: int
+    misses: int
+    evictions: int
+    bytes_h2d: int
+    h2d_seconds: float
+    generations: int
+    runs: int
+    resident_bytes: int
+    spare_bytes: int
+    staging_bytes: int
+    nonrouted_bytes: int
+    kv_cache_bytes: int
+    observations: MappingProxyType
+
+    @property
+    def hit_rate(self) -> float | None:
+        looked = self.hits + self.misses
+        return self.hits / looked if looked else None
+
+    def since(self, earlier: "EngineStats") -> "CounterDelta":
+        """Counter deltas from ``earlier`` (a snapshot of the same engine) to this snapshot."""
+        return CounterDelta(**{f.name: getattr(self, f.name) - getattr(earlier, f.name)
+                               for f in dataclasses.fields(CounterDelta)})
+
+
+@dataclasses.dataclass(frozen=True)
+class CounterDelta:
+    hits: int
+    misses: int
+    evictions: int
+    bytes_h2d: int
+    h2d_seconds: float
+    runs: int
+
+
+def snapshot(engine, cache: dict | None = None) -> EngineStats:
+    """EngineStats of an ``runmap.engine.engine.Engine`` (``cache``: its cache's telemetry, when already read)."""
+    if cache is None:
+        cache = engine.experts.telemetry()  # None for the fp16 baseline (no cache)
+    common = dict(
+        executor=engine.executor, expert_format=engine.expert_format, regime=engine.regime, device=str(engine.device),
+        cuda_graphs=engine.use_graphs, fused=tuple(sorted(engine.model.fused)), skip_experts=engine.skip_experts,
+        resident=engine.resident, runs=len(engine._runs), nonrouted_bytes=engine.model.w.nbytes(),
+        kv_cache_bytes=engine.kv.nbytes() if engine.kv is not None else 0)
+    if cache is None:
+        return EngineStats(**common, has_cache=False, policy=None, hits=0, misses=0, evictions=0, bytes_h2d=0,
+                           h2d_seconds=0.0, generations=0, resident_bytes=engine.experts.nbytes(), spare_bytes=0,
+                           staging_bytes=0, observations=MappingProxyType(
+                               {n: {"status": "UNKNOWN", "unit": OBS_UNITS[n], "reason": FP16_NO_CACHE}
+                                for n in OBS_NAMES}))
+    c, cap = cache["counters"], cache["capacity"]
+    return EngineStats(**common, has_cache=True, policy=cache["policy"], hits=c["hits"], misses=c["misses"],
+                       evictions=c["evictions"], bytes_h2d=c["bytes_h2d"], h2d_seconds=engine.experts.h2d_seconds,
+                       generations=c["generations"],
+                       resident_bytes=cap["num_layers"] * cap["resident"] * cap["row_bytes"],
+                       spare_bytes=cap["num_layers"] * cap["spares"] * cap["row_bytes"],
+                       staging_bytes=cap["staging_bytes"], observations=MappingProxyType(dict(cache["observations"])))
+
+
 def build(engine) -> dict:
     """Telemetry dict of an ``runmap.engine.engine.Engine`` (see the schema for every field)."""
     cfg = engine.cfg
     cache = engine.experts.telemetry()  # None for the fp16 baseline (no cache)
+    st = snapshot(engine, cache)
     doc = {
         "schema": SCHEMA_VERSION,
         "created_utc": utc_timestamp(),
         "pack": {"path": str(engine.pack_dir), "identity": engine.pack_identity},
         "arch": cfg.arch,
-        "executor": engine.executor,
-        "expert_format": engine.expert_format,
-        "regime": engine.regime,
-        "device": str(engine.device),
-        "cuda_graphs": engine.use_graphs,
+        "executor": st.executor,
+        "expert_format": st.expert_format,
+        "regime": st.regime,
+        "device": st.device,
+        "cuda_graphs": st.cuda_graphs,
         "num_layers": cfg.num_layers,
         "num_experts": cfg.num_experts,
         "top_k": cfg.top_k,
-        "resident_per_layer": [engine.resident] * cfg.num_layers,
+        "resident_per_layer": [st.resident] * cfg.num_layers,
         "max_batch": engine.max_batch,
         "max_seq_len": engine.max_seq_len,
         "load_s": engine.load_s,
-        "runs": len(engine._runs),
+        "runs": st.runs,
         "last_timing": engine.last_timing,
-        "nonrouted_bytes": engine.model.w.nbytes(),
-        "kv_cache_bytes": engine.kv.nbytes() if engine.kv is not None else 0,
+        "nonrouted_bytes": st.nonrouted_bytes,
+        "kv_cache_bytes": st.kv_cache_bytes,
+        "hits": st.hits, "misses": st.misses, "bytes_h2d": st.bytes_h2d, "generations": st.generations,
+        "hit_rate": st.hit_rate, "h2d_seconds": st.h2d_seconds, "resident_bytes": st.resident_bytes,
+        "spare_bytes": st.spare_bytes, "staging_bytes": st.staging_bytes,
+        "cache": cache,
+        "observations": dict(st.observations),
     }
-    if cache is None:
-        reason = "expert_format fp16 baseline: experts are dequantized device tensors, no expert cache runs"
-        doc.update(hits=0, misses=0, bytes_h2d=0, generations=0, hit_rate=None, h2d_seconds=0.0,
-                   resident_bytes=engine.experts.nbytes(), spare_bytes=0, staging_bytes=0, cache=None,
-                   observations={n: {"status": "UNKNOWN", "unit": OBS_UNITS[n], "reason": reason} for n in OBS_NAMES})
-        return doc
-    c, cap = cache["counters"], cache["capacity"]
-    looked = c["hits"] + c["misses"]
-    doc.update(
-        hits=c["hits"], misses=c["misses"], bytes_h2d=c["bytes_h2d"], generations=c["generations"],
-        hit_rate=(c["hits"] / looked) if looked else None,
-        h2d_seconds=engine.experts.h2d_seconds,
-        resident_bytes=cap["num_layers"] * cap["resident"] * cap["row_bytes"],
-        spare_bytes=cap["num_layers"] * cap["spares"] * cap["row_bytes"],
-        staging_bytes=cap["staging_bytes"],
-        cache=cache,
-        observations=cache["observations"],
-    )
     return doc
 
 
