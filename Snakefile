@@ -1,4 +1,4 @@
-# Horizon RunMap pipeline (DESIGN.md §6). Thin on purpose: config + validation + rule includes.
+# Horizon RunMap pipeline (docs/architecture.md#pipeline-stages). Thin on purpose: config + validation + rule includes.
 #
 #   snakemake -c2                                   # embedded default: specs/pipeline/default.yaml
 #   snakemake -c2 --config block_size=128           # override a parameter; only dependents rerun

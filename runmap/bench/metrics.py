@@ -110,7 +110,7 @@ def byte_floor(cfg: ModelConfig, expert_format: str, batch: int, copy_bw: dict,
                block_size: int = DEFAULT_BLOCK_SIZE) -> dict:
     """Lower bound on decode step time from bytes alone: (expert bytes of the batch union + 16-bit
     non-routed bytes) / the device copy bandwidth measured in the same run. KV-cache reads are left out
-    (as in DESIGN.md section 7), so the floor is optimistic at long contexts."""
+    (as in docs/architecture.md, the byte floor), so the floor is optimistic at long contexts."""
     union = expected_distinct_experts(cfg.num_experts, cfg.top_k, batch)
     eb = expert_bytes(cfg, expert_format, block_size)
     experts_step = int(round(union * cfg.num_layers * eb))

@@ -1,6 +1,6 @@
 """The whole model in one file: OLMoE and Qwen2-MoE decoder stacks over qpacked routed experts.
 
-What runs where (DESIGN.md §1):
+What runs where (docs/architecture.md#route-to-result):
 
 * Non-routed path (embeddings, attention, norms, router, the Qwen shared expert and its gate, lm_head):
   FP16 weights. On CUDA every matmul is a true FP16 matmul (FP32 accumulation inside cuBLAS). On CPU,

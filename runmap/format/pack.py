@@ -1,4 +1,4 @@
-"""Pack a local HF MoE checkpoint into the qpack format (DESIGN.md §3).
+"""Pack a local HF MoE checkpoint into the qpack format (docs/architecture.md#the-qpack-format).
 
 Pack directory layout (format ``runmap-qpack`` v1)::
 

@@ -1,4 +1,4 @@
-"""resident-qpacked-cache-v1: the expert residency cache (DESIGN.md §4; every rule there holds here).
+"""resident-qpacked-cache-v1: the expert residency cache (docs/cache-contract.md; every rule there holds here).
 
 Vocabulary
 ----------

@@ -1,4 +1,4 @@
-"""Hypothesis contract model of resident-qpacked-cache-v1 (DESIGN.md §4).
+"""Hypothesis contract model of resident-qpacked-cache-v1 (docs/cache-contract.md).
 
 A ``RuleBasedStateMachine`` drives an ``ExpertCache`` through a ``ControlledTransport`` (copy
 completions deferred, completed late and out of order, failures injected at every step) and checks

@@ -1,4 +1,4 @@
-"""Eviction policies of the expert cache (DESIGN.md §4 rule 7).
+"""Eviction policies of the expert cache (docs/cache-contract.md, rule 7 `eviction`).
 
 A policy only ranks candidates; the cache decides which experts are candidates (published in the
 current generation, outside the group being published, not readable by a live lease) and only drops

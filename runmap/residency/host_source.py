@@ -1,4 +1,4 @@
-"""The immutable host source of resident-qpacked-cache-v1 (DESIGN.md §4 rule 1).
+"""The immutable host source of resident-qpacked-cache-v1 (docs/cache-contract.md, rule 1 `host-source`).
 
 At startup every routed expert row of every layer is copied into one process-owned host array,
 every page is touched, the per-expert hashes are verified once, and the array is then frozen
@@ -6,7 +6,7 @@ every page is touched, the per-expert hashes are verified once, and the array is
 later read (``reads_after_close``). The host source is the only origin of expert bytes for misses
 and is kept even under full residency.
 
-Instrumentation kept here (DESIGN.md §4 observations):
+Instrumentation kept here (docs/cache-contract.md#observations):
 
 * ``rewrite_attempts`` — every call of ``write_row`` (the one mutation entry point, which always
   refuses) and every time ``check_frozen`` finds the array made writable again. Beyond that the pages are

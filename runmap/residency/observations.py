@@ -1,4 +1,5 @@
-"""The five required-zero observations of resident-qpacked-cache-v1 (DESIGN.md §4), from instrumentation.
+"""The five required-zero observations of resident-qpacked-cache-v1, from instrumentation
+(docs/cache-contract.md#observations).
 
 Names, units and statuses mirror ``specs/architecture.yaml`` observations and
 ``schemas/common.schema.json#/$defs/observation``. A value is written only when instrumentation

@@ -1,4 +1,4 @@
-"""The residency regimes (DESIGN: one contract, two regimes): every compact expert on the GPU, or a fixed
+"""The residency regimes (docs/architecture.md#residency-regimes): every compact expert on the GPU, or a fixed
 number per layer with the rest fetched through the cache contract. Mirrors ``specs/architecture.yaml``
 ``regimes`` and ``schemas/common.schema.json#/$defs/regime``."""
 REGIMES: dict[str, str] = {

@@ -1,4 +1,5 @@
-# Stage: pack. INT4 qpack of the routed experts + FP16 non-routed tensors + manifest.json (DESIGN.md §3).
+# Stage: pack. INT4 qpack of the routed experts + FP16 non-routed tensors + manifest.json
+# (docs/architecture.md#the-qpack-format).
 # The block size is part of the output path, so changing it makes a new pack and leaves the checkpoint alone.
 
 

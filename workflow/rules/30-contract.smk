@@ -1,4 +1,4 @@
-# Stage: contract. The Hypothesis property run of the expert cache (resident-qpacked-cache-v1, DESIGN.md §4)
+# Stage: contract. The Hypothesis property run of the expert cache (resident-qpacked-cache-v1, docs/cache-contract.md)
 # on the CPU, with the mutation check; report schema: schemas/contract-report.schema.json.
 # The cache's source files are inputs, so editing the cache or its model reruns this stage (and only it).
 # Independent of the packs: the model builds its own tiny host sources.

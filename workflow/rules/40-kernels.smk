@@ -1,5 +1,5 @@
 # Stage: kernel checks. Every W4A16 executor (reference, scalar, grouped, topk-fused) against the FP32
-# reference on the CPU through Triton's interpreter, tiny expert shapes (DESIGN.md §5; record schema
+# reference on the CPU through Triton's interpreter, tiny expert shapes (docs/architecture.md#executors; record schema
 # schemas/kernel-check.schema.json). Independent of the packs: the check builds its own random experts.
 # The kernels' source files are inputs, so editing a kernel reruns this stage (and only it).
 # The H200 record (full OLMoE / Qwen shapes) is committed as results/kernels/h200.json, not produced here.

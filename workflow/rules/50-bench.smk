@@ -1,4 +1,5 @@
-# Stage: bench (DESIGN.md §6, issue 6). Runs the campaign the pipeline config names (`campaign:`, default
+# Stage: bench (docs/architecture.md#pipeline-stages, issue 6).
+# Runs the campaign the pipeline config names (`campaign:`, default
 # specs/campaigns/default.yaml) on the packs this pipeline built: every campaign model's preset must be
 # one of the pipeline's `models`; its pack (and checkpoint, for the transformers baseline) come from the
 # pack / checkpoint stages, overriding the paths written in the spec.

@@ -1,4 +1,4 @@
-# Stage: IFEval (DESIGN.md §6: pack -> ... -> IFEval generate -> IFEval score -> conformance).
+# Stage: IFEval (docs/architecture.md#pipeline-stages: pack -> ... -> IFEval generate -> IFEval score -> conformance).
 # Per model: the first `limit` prompts of the inputs -> greedy answers from the packed model (runmap ifeval
 # generate, sidecar with model / pack / executor / regime / settings / timing) -> strict and loose scores
 # (runmap ifeval score). Section `ifeval` of the config, schema schemas/ifeval-pipeline.schema.json.
