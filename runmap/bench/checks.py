@@ -15,7 +15,7 @@ report (which draws no causal comparison from a flagged pair). Checks:
 * ``confounded-neighbour`` (a flag, not an error): along the residency axis of one series (same
   campaign, model, kind, batch and lengths), a record whose neighbour at the adjacent residency level
   runs a different executor, with no same-executor record there: that transition changes residency
-  and executor at once, so neither effect can be read from it (DESIGN.md section 5).
+  and executor at once, so neither effect can be read from it (docs/architecture.md#executors).
 """
 from __future__ import annotations
 
