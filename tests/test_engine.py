@@ -121,8 +121,11 @@ def test_partial_residency_gives_the_same_tokens_and_reports_misses(packs, prese
 def test_engine_rejects_bad_arguments(packs):
     with pytest.raises(EngineError, match="unknown executor"):
         Engine.from_pack(packs["tiny-olmoe"], executor="fast", device="cpu")
-    with pytest.raises(EngineError, match=r"resident=9 must be in \[1, 8\]"):
+    with pytest.raises(EngineError, match=r"resident=9 must be in \[4, 8\]"):
         Engine.from_pack(packs["tiny-olmoe"], resident=9, device="cpu")
+    # the real lower bound is top_k (one token's routed experts), not 1
+    with pytest.raises(EngineError, match=r"resident=3 must be in \[4, 8\]: at least top_k=4"):
+        Engine.from_pack(packs["tiny-olmoe"], resident=3, device="cpu")
     with pytest.raises(EngineError, match="fp16"):
         Engine.from_pack(packs["tiny-olmoe"], resident=4, expert_format="fp16", device="cpu")
     with pytest.raises(EngineError, match="max_group=2 is below top_k=4"):
@@ -174,3 +177,93 @@ def test_close_releases_the_engine_and_later_calls_fail_clearly(packs):
     for call in (lambda: eng.generate([[5, 6]], max_new_tokens=1), lambda: eng.logits([5, 6]), eng.telemetry):
         with pytest.raises(EngineError, match="is closed"):
             call()
+
+
+# ---- the typed interface the benchmark drives -----------------------------------------------------------
+
+def test_run_returns_a_typed_generation_and_stats_are_typed(packs):
+    from runmap.engine.generation import GenerationRun
+    from runmap.engine.telemetry import EngineStats
+
+    cfg = load_preset("tiny-olmoe")[0]
+    eng = Engine.from_pack(packs["tiny-olmoe"], executor="reference", resident=cfg.top_k, device="cpu", max_batch=2,
+                           max_seq_len=32)
+    s0 = eng.stats()
+    assert isinstance(s0, EngineStats) and s0.has_cache and s0.regime == "partial" and s0.executor == "reference"
+    run = eng.run([[5, 6, 7], [8, 9, 10, 11]], max_new_tokens=4, ignore_eos=True)
+    assert isinstance(run, GenerationRun)
+    assert run.batch == 2 and run.groups == 1 and run.new_tokens == 8 and run.prompt_tokens == 7
+    assert [len(r.token_ids) for r in run.results] == [4, 4]
+    assert run.prefill_tok_s == pytest.approx(7 / run.prefill_s)
+    assert run.decode_tok_s == pytest.approx((8 - 2) / run.decode_s)
+    assert eng.last_timing == run.timing_dict()
+    s1 = eng.stats()
+    d = s1.since(s0)
+    assert d.runs == 1 and d.misses > 0 and d.bytes_h2d == d.misses * eng.experts.cache.row_bytes
+    assert d.h2d_seconds > 0
+    # the telemetry document is built from the same figures, schema unchanged
+    tel = eng.telemetry()
+    assert (tel["hits"], tel["misses"], tel["bytes_h2d"]) == (s1.hits, s1.misses, s1.bytes_h2d)
+    assert tel["resident_bytes"] == s1.resident_bytes and tel["observations"] == dict(s1.observations)
+    from runmap.conformance.schemas import validate_document
+
+    assert validate_document(json.loads(json.dumps(tel)), "telemetry") == []
+
+
+def test_fp16_stats_have_no_cache(packs):
+    eng = Engine.from_pack(packs["tiny-olmoe"], expert_format="fp16", device="cpu", max_batch=1, max_seq_len=16)
+    st = eng.stats()
+    assert not st.has_cache and st.executor == "torch-fp16" and st.misses == 0 and st.resident_bytes > 0
+    assert {o["status"] for o in st.observations.values()} == {"UNKNOWN"}
+    assert eng.host_source is None
+    with pytest.raises(EngineError, match="executor override"):
+        eng.logits([5, 6, 7], executor="reference")
+
+
+def test_shared_host_source_gives_the_same_tokens(packs):
+    """host_source=: a second engine of the same pack reuses the first one's host source (no second read and
+    hash pass), decodes the same tokens, and still observes its own closed reader."""
+    from runmap.format.packfile import PackClosedError
+
+    pk = packs["tiny-olmoe"]
+    prompts = [[5, 6, 7, 8, 9], [40, 41, 42, 43, 44]]
+    fresh = Engine.from_pack(pk, executor="reference", resident=4, device="cpu", max_batch=2, max_seq_len=16)
+    want = [r.token_ids for r in fresh.generate(prompts, max_new_tokens=4)]
+    a = Engine.from_pack(pk, executor="reference", device="cpu", max_batch=2, max_seq_len=16)
+    b = Engine.from_pack(pk, executor="reference", resident=4, device="cpu", max_batch=2, max_seq_len=16,
+                         host_source=a.host_source)
+    assert b.host_source is a.host_source and fresh.host_source is not a.host_source
+    assert [r.token_ids for r in b.generate(prompts, max_new_tokens=4)] == want
+    st = b.stats()
+    assert st.misses > 0 and st.observations["request_hash_work"]["value"] == 0
+    host = b.host_source
+    assert len(host.watched_readers) == 1
+    second, _ = host.watched_readers[0]
+    assert st.observations["request_pack_reads"]["value"] == 0
+    with pytest.raises(PackClosedError):
+        second.read_expert_rows(0)
+    assert "1 refused read attempts" in b.stats().observations["request_pack_reads"]["source"]
+    second.bytes_read += 7  # a read that got through would be counted
+    assert b.stats().observations["request_pack_reads"]["value"] == 7
+
+
+def test_host_source_of_another_pack_is_refused(packs):
+    other = Engine.from_pack(packs["tiny-qwen2-moe"], executor="reference", device="cpu", max_batch=1, max_seq_len=8)
+    with pytest.raises(EngineError, match="pack identity"):
+        Engine.from_pack(packs["tiny-olmoe"], executor="reference", device="cpu", host_source=other.host_source)
+
+
+def test_logits_overrides_are_for_one_call_and_skip_experts_zeroes_the_experts(packs):
+    pk = packs["tiny-olmoe"]
+    eng = Engine.from_pack(pk, executor="topk-fused", device="cpu", max_batch=1, max_seq_len=16)
+    prompt = [5, 9, 300, 2]
+    ref = Engine.from_pack(pk, executor="reference", device="cpu", max_batch=1, max_seq_len=16).logits(prompt)
+    assert torch.equal(eng.logits(prompt, executor="reference"), ref)
+    assert eng.experts.executor == "topk-fused" and eng.stats().executor == "topk-fused"
+    close(eng.logits(prompt), ref, "topk-fused vs reference")
+    with pytest.raises(EngineError, match="unknown executor"):
+        eng.logits(prompt, executor="fast")
+    skip = Engine.from_pack(pk, executor="reference", device="cpu", max_batch=1, max_seq_len=16, skip_experts=True)
+    assert skip.stats().skip_experts and not eng.stats().skip_experts
+    assert not torch.equal(skip.logits(prompt), ref)
+    assert skip.stats().misses == 0 and skip.host_source is not None

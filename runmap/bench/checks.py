@@ -12,8 +12,11 @@ report (which draws no causal comparison from a flagged pair). Checks:
   peak is a run that did not measure), and a CPU run says UNSUPPORTED.
 * ``full-no-misses``: a full-residency engine record (kind engine: the baselines run no cache) observed
   zero misses and zero host->device expert bytes.
+* ``logits-check``: a record that carries the logits check against the reference executor has it
+  OBSERVED, and its largest difference is within its tolerance x the logit scale (recomputed here, not
+  read from ``passed``); a ``passed`` that disagrees with the figures is an error too.
 * ``confounded-neighbour`` (a flag, not an error): along the residency axis of one series (same
-  campaign, model, kind, batch and lengths), a record whose neighbour at the adjacent residency level
+  campaign, model, kind, engine variant, batch and lengths), a record whose neighbour at the adjacent residency level
   runs a different executor, with no same-executor record there: that transition changes residency
   and executor at once, so neither effect can be read from it (docs/architecture.md#executors).
 """
@@ -145,12 +148,36 @@ def check_full_no_misses(rec: dict) -> list[Finding]:
     return out
 
 
-RECORD_CHECKS = (check_executor_regime, check_required_zero, check_memory_status, check_full_no_misses)
+def check_logits(rec: dict) -> list[Finding]:
+    chk = rec.get("check")
+    if chk is None:
+        return []
+    if not isinstance(chk, dict):
+        return [Finding("logits-check", ERROR, _rid(rec), f"check is {chk!r}, not an object")]
+    diff, scale, tol = _value(chk.get("executor_vs_reference_max_abs")), _value(chk.get("logit_scale")), chk.get("tolerance")
+    if diff is None or scale is None or not isinstance(tol, (int, float)):
+        return [Finding("logits-check", ERROR, _rid(rec), "logits check without an OBSERVED difference, logit scale "
+                        "and tolerance")]
+    ok = diff <= tol * scale
+    out = []
+    if not ok:
+        out.append(Finding("logits-check", ERROR, _rid(rec),
+                           f"executor {rec.get('executor')} vs {chk.get('reference_executor')}: max |diff| {diff:.4g} > "
+                           f"tolerance {tol} x logit scale {scale:.4g}"))
+    if chk.get("passed") is not ok:
+        out.append(Finding("logits-check", ERROR, _rid(rec), f"passed={chk.get('passed')!r} but the figures say {ok}"))
+    return out
+
+
+RECORD_CHECKS = (check_executor_regime, check_required_zero, check_memory_status, check_full_no_misses, check_logits)
 
 
 def series_key(rec: dict) -> tuple:
+    """Records that differ only in residency and executor: engine variants (no graphs, torch ops, experts
+    skipped) are series of their own."""
     c = rec.get("config") or {}
-    return (rec.get("campaign"), c.get("model"), rec.get("kind"), c.get("batch"), c.get("prompt_len"), c.get("decode_len"))
+    return (rec.get("campaign"), c.get("model"), rec.get("kind"), c.get("variant", "default"), c.get("batch"),
+            c.get("prompt_len"), c.get("decode_len"))
 
 
 def residency_pairs(records: list[dict]) -> tuple[list[tuple[dict, dict]], list[tuple[dict, dict]]]:

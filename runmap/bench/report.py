@@ -41,9 +41,20 @@ def fmt_ratio(m) -> str:
     return f"{v:.2f}x" if v is not None else _status(m)
 
 
+def path_label(r: dict) -> str:
+    """The executor, with the engine variant (nographs, torchops, skipexperts, ...) when not the default."""
+    v = (r.get("config") or {}).get("variant", "default")
+    return r["executor"] if v == "default" else f"{r['executor']} [{v}]"
+
+
+def _lengths(r: dict) -> tuple:
+    return r["config"]["prompt_len"], r["config"]["decode_len"]
+
+
 def _sort_key(r: dict):
     c = r["config"]
-    return (KIND_ORDER.get(r["kind"], 9), c["batch"], c["prompt_len"], c["decode_len"], c["resident"], r["executor"])
+    return (KIND_ORDER.get(r["kind"], 9), c["batch"], c["prompt_len"], c["decode_len"], c["resident"], r["executor"],
+            c.get("variant", "default"))
 
 
 def _obs_summary(r: dict) -> str:
@@ -68,7 +79,7 @@ def model_table(recs: list[dict], flagged: set[str]) -> list[str]:
         d = t["decode_tok_s"]
         rat = r.get("ratios", {})
         lines.append("| " + " | ".join([
-            r["kind"], r["executor"], r["regime"], f"{c['resident']}/{c['experts_per_layer']}", str(c["batch"]),
+            r["kind"], path_label(r), r["regime"], f"{c['resident']}/{c['experts_per_layer']}", str(c["batch"]),
             f"{c['prompt_len']}/{c['decode_len']}",
             f"{d['median']:.1f} [{d['min']:.1f}-{d['max']:.1f}]",
             f"{t['prefill_tok_s']['median']:.1f}",
@@ -150,22 +161,29 @@ def plot_model(recs: list[dict], metric: str, path: Path, title: str) -> bool:
     e = recs[0]["config"]["experts_per_layer"]
     colors = {"reference": "tab:gray", "scalar": "tab:orange", "grouped": "tab:blue", "topk-fused": "tab:green"}
     markers = {"reference": "D", "scalar": "^", "grouped": "o", "topk-fused": "s"}  # overlapping lines stay visible
+    many = len({_lengths(r) for r in recs}) > 1  # name the lengths only when they differ
+
+    def line(r):
+        return path_label(r) + (" p{}/d{}".format(*_lengths(r)) if many else "")
+
     for ax, b in zip(axes[0], batches):
         engine = [r for r in recs if r["kind"] == "engine" and r["config"]["batch"] == b and y(r) is not None]
-        for ex in sorted({r["executor"] for r in engine}):
-            pts = sorted((r["config"]["resident"], *y(r)) for r in engine if r["executor"] == ex)
+        for name in sorted({line(r) for r in engine}):
+            ex = next(r["executor"] for r in engine if line(r) == name)
+            pts = sorted((r["config"]["resident"], *y(r)) for r in engine if line(r) == name)
             xs = [p[0] for p in pts]
             ys = [p[1] for p in pts]
             err = [[p[1] - p[2] for p in pts], [p[3] - p[1] for p in pts]]
             ax.errorbar(xs, ys, yerr=err if metric == "decode" else None, marker=markers.get(ex, "o"), capsize=3,
                         color=colors.get(ex), mfc="none" if ex == "topk-fused" else None, ms=7,
-                        label=f"INT4, {ex}")
+                        label=f"INT4, {name}")
         styles = {"hf-bf16": ("tab:red", "--"), "engine-fp16": ("tab:purple", ":")}
         for r in recs:
             if r["kind"] in styles and r["config"]["batch"] == b and y(r) is not None:
                 col, ls = styles[r["kind"]]
                 ax.axhline(y(r)[0], color=col, ls=ls, lw=1.6,
-                           label=f"{KIND_LABEL[r['kind']]} (baseline): {_num(y(r)[0])}")
+                           label=f"{KIND_LABEL[r['kind']]} (baseline{' p{}/d{}'.format(*_lengths(r)) if many else ''}): "
+                                 f"{_num(y(r)[0])}")
         levels = sorted({r["config"]["resident"] for r in engine} | {e})
         ax.set_xticks(levels)
         ax.set_xlabel(f"resident experts per layer (of {e})")
@@ -247,7 +265,7 @@ def render(records: list[dict], out_md: Path, plots_dir: Path | None = None, sou
     errs = cc.errors(findings)
     lines += ["## Conformance of the records", "",
               f"{len(errs)} errors, {len(findings) - len(errs)} flags (runmap.bench.checks: executor-regime, "
-              "required-zero, memory-status, full-no-misses, confounded-neighbour).", ""]
+              "required-zero, memory-status, full-no-misses, logits-check, confounded-neighbour).", ""]
     lines += [f"- {f}" for f in findings] + [""]
     text = "\n".join(lines)
     write_text(out_md, text)
@@ -262,14 +280,15 @@ def headline_table(records: list[dict], batch: int | None = None) -> list[str]:
     rows: dict[tuple, dict[int, dict]] = {}
     for r in recs:
         c = r["config"]
-        key = (c["preset"], KIND_ORDER.get(r["kind"], 9), r["kind"], r["executor"], -c["resident"], c["experts_per_layer"])
+        key = (c["preset"], KIND_ORDER.get(r["kind"], 9), r["kind"], path_label(r), -c["resident"], c["experts_per_layer"],
+               _lengths(r))
         rows.setdefault(key, {})[c["batch"]] = r
     head = ("| model | path | executor | resident | " + " | ".join(f"decode tok/s b{b}" for b in batches) + " | "
             + " | ".join(f"peak GiB b{b}" for b in batches) + " | "
             + " | ".join(f"vs hf-bf16 b{b}" for b in batches) + " |")
     lines = [head, "|" + "|".join("---" for _ in range(head.count("|") - 1)) + "|"]
     for key in sorted(rows):
-        preset, _, kind, ex, negres, e = key
+        preset, _, kind, ex, negres, e, _lens = key
         by_b = rows[key]
         dec = [f"{by_b[b]['timing']['decode_tok_s']['median']:.1f}" if b in by_b else "-" for b in batches]
         mem = [fmt_measure(by_b[b]["memory"]["peak_allocated_bytes"], GIB) if b in by_b else "-" for b in batches]

@@ -5,25 +5,45 @@
 # pack / checkpoint stages, overriding the paths written in the spec.
 # Outputs: results/campaigns/<name>/records/*.json (schemas/bench-record.schema.json) and
 # results/campaigns/<name>/campaign.json (schemas/bench-campaign.schema.json).
+# Snakemake deletes a job's outputs before it runs, so the rule passes --overwrite for its own output; a
+# campaign directory holding a README.md is committed evidence and is refused at parse time unless the
+# config sets `bench: {overwrite_evidence: true}` (schemas/pipeline-bench.schema.json).
+import os as _bench_os
+
 import yaml as _bench_yaml
 
-CAMPAIGN_SPEC = config.get("campaign", "specs/campaigns/default.yaml")
+validate(config.setdefault("bench", {}), "../../schemas/pipeline-bench.schema.json")
+
+BENCH_SPEC = config.get("campaign", "specs/campaigns/default.yaml")
 
 
 def _bench_campaign_presets():
     """campaign model name -> preset, each preset one the pipeline packs."""
-    with open(CAMPAIGN_SPEC) as fh:
+    with open(BENCH_SPEC) as fh:
         spec = _bench_yaml.safe_load(fh)
     presets = {name: m["preset"] for name, m in spec["models"].items()}
     for name, preset in presets.items():
         if preset not in config["models"]:
-            raise ValueError(f"pipeline config: campaign {CAMPAIGN_SPEC} model {name!r} uses preset {preset!r}, "
+            raise ValueError(f"pipeline config: campaign {BENCH_SPEC} model {name!r} uses preset {preset!r}, "
                              f"which is not in models {config['models']} (the pipeline packs only those)")
     return spec["name"], presets
 
 
-CAMPAIGN_NAME, BENCH_PRESETS = _bench_campaign_presets()
-CAMPAIGN_DIR = f"{RESULTS}/campaigns/{CAMPAIGN_NAME}"
+BENCH_CAMPAIGN, BENCH_PRESETS = _bench_campaign_presets()
+BENCH_DIR = f"{RESULTS}/campaigns/{BENCH_CAMPAIGN}"
+CAMPAIGN_DIR = BENCH_DIR  # the name 70-report.smk still reads; drop once it reads BENCH_DIR
+
+
+def _bench_refuse_evidence():
+    """A campaign directory with a README.md holds committed evidence: the run would replace its records."""
+    readme = _bench_os.path.join(BENCH_DIR, "README.md")
+    if _bench_os.path.exists(readme) and not config["bench"]["overwrite_evidence"]:
+        raise ValueError(f"pipeline config: the bench stage would overwrite the committed evidence in {BENCH_DIR} "
+                         f"(it holds {readme}); choose another campaign, or set bench: {{overwrite_evidence: true}} "
+                         "(config key bench.overwrite_evidence) to replace it")
+
+
+_bench_refuse_evidence()
 
 
 def _bench_overrides():
@@ -36,10 +56,10 @@ def _bench_overrides():
 rule bench:
     """One JSON record per campaign configuration (progress bar in the log)."""
     output:
-        summary=f"{CAMPAIGN_DIR}/campaign.json",
-        records=directory(f"{CAMPAIGN_DIR}/records"),
+        summary=f"{BENCH_DIR}/campaign.json",
+        records=directory(f"{BENCH_DIR}/records"),
     input:
-        spec=CAMPAIGN_SPEC,
+        spec=BENCH_SPEC,
         packs=sorted({pack_dir(p) for p in BENCH_PRESETS.values()}),
         checkpoints=sorted({checkpoint_dir(p) for p in BENCH_PRESETS.values()}),
         code=code("cli.bench", "bench", "engine", "residency", "kernels", "format", "arch", "conformance"),
@@ -47,9 +67,9 @@ rule bench:
         overrides=_bench_overrides(),
         out=f"{RESULTS}/campaigns",
     log:
-        f"{LOGS}/campaigns/{CAMPAIGN_NAME}.log",
+        f"{LOGS}/campaigns/{BENCH_CAMPAIGN}.log",
     shell:
-        "runmap bench {input.spec} --out {params.out} {params.overrides} > {log} 2>&1"
+        "runmap bench {input.spec} --out {params.out} --overwrite {params.overrides} > {log} 2>&1"
 
 
-FINAL_OUTPUTS.extend([f"{CAMPAIGN_DIR}/campaign.json", f"{CAMPAIGN_DIR}/records"])
+FINAL_OUTPUTS.extend([f"{BENCH_DIR}/campaign.json", f"{BENCH_DIR}/records"])
