@@ -1,35 +1,27 @@
 """The ``runmap`` command. Each subcommand lives in its own module exposing
 ``HELP`` (one line), ``add_arguments(parser)`` and ``run(args) -> int``; this file only dispatches,
-so adding a subcommand is one line in ``SUBCOMMANDS``."""
+so adding a subcommand is one import and one line in ``SUBCOMMANDS``. The subcommand modules import
+torch, Triton and the engine inside ``run`` only, so building the parser (``runmap --help``) stays fast."""
 from __future__ import annotations
 
 import argparse
-import importlib
 import os
 import sys
 
-# subcommand -> module. Modules are imported lazily so `runmap --help` stays fast.
+from runmap.cli import bench, check_kernels, contract, generate, ifeval, logits, pack, report, synth, validate
+
 SUBCOMMANDS = {
-    "synth": "runmap.cli.synth",
-    "pack": "runmap.cli.pack",
-    "validate": "runmap.cli.validate",
-    "check-kernels": "runmap.cli.check_kernels",
-    "contract": "runmap.cli.contract",
-    "logits": "runmap.cli.logits",
-    "generate": "runmap.cli.generate",
-    "bench": "runmap.cli.bench",
-    "report": "runmap.cli.report",
-    "ifeval": "runmap.cli.ifeval",
+    "synth": synth,
+    "pack": pack,
+    "validate": validate,
+    "check-kernels": check_kernels,
+    "contract": contract,
+    "logits": logits,
+    "generate": generate,
+    "bench": bench,
+    "report": report,
+    "ifeval": ifeval,
 }
-
-
-def _available():
-    for name, mod in SUBCOMMANDS.items():
-        try:
-            yield name, importlib.import_module(mod)
-        except ModuleNotFoundError as e:
-            if e.name != mod:  # a real missing dependency inside an existing module: surface it
-                raise
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -41,7 +33,7 @@ def build_parser() -> argparse.ArgumentParser:
         ),
     )
     sub = parser.add_subparsers(dest="command", metavar="COMMAND")
-    for name, mod in _available():
+    for name, mod in SUBCOMMANDS.items():
         p = sub.add_parser(name, help=mod.HELP, description=getattr(mod, "DESCRIPTION", mod.HELP),
                            formatter_class=argparse.RawDescriptionHelpFormatter)
         mod.add_arguments(p)
@@ -62,12 +54,12 @@ def _select_triton_backend() -> None:
 
 
 def main(argv: list[str] | None = None) -> int:
-    _select_triton_backend()
     parser = build_parser()
-    args = parser.parse_args(argv)
+    args = parser.parse_args(argv)  # --help and usage errors end here, before torch is imported
     if not getattr(args, "_run", None):
         parser.print_help()
         return 2
+    _select_triton_backend()
     try:
         return int(args._run(args) or 0)
     except KeyboardInterrupt:
