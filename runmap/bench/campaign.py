@@ -231,7 +231,8 @@ def expand(spec: dict) -> list[BenchConfig]:
     need_s: dict[str, int] = {}
     for c in configs:
         need_b[c.model] = max(need_b.get(c.model, 1), c.batch)
-        need_s[c.model] = max(need_s.get(c.model, 2), c.prompt_len + c.decode_len)
+        need_s[c.model] = max(need_s.get(c.model, 2), c.prompt_len + c.decode_len,
+                              c.p["check_prompt_len"] if c.p["check"] else 0)  # the check's prompt fits too
     done = []
     for c in configs:
         p = c.p
@@ -241,6 +242,8 @@ def expand(spec: dict) -> list[BenchConfig]:
             p["max_seq_len"] = need_s[c.model]
         if c.batch > p["max_batch"] or c.prompt_len + c.decode_len > p["max_seq_len"]:
             raise BenchError(f"{c.id}: batch/lengths exceed max_batch={p['max_batch']} / max_seq_len={p['max_seq_len']}")
+        if p["check"] and p["check_prompt_len"] > p["max_seq_len"]:
+            raise BenchError(f"{c.id}: check_prompt_len {p['check_prompt_len']} exceeds max_seq_len={p['max_seq_len']}")
         done.append(dataclasses.replace(c, params=tuple(sorted(p.items()))))
     # Group configurations sharing an engine together (stable within a key): first-appearance order.
     order: dict[tuple, int] = {}
