@@ -23,8 +23,6 @@ ROOT = Path(__file__).resolve().parent.parent
 CODE_DIRS = ("runmap", "kernels", "benchmarks", "tools")
 SKIP_DIRS = {".git", ".venv", "venv", "__pycache__", ".pytest_cache", ".hypothesis", ".snakemake", "node_modules",
              "build", "dist", ".whl", ".gl", "work"}
-# scripts/ is being emptied: its engine benchmark moves into `runmap bench`. Nothing else may live there.
-SCRIPTS_LEAVING = {"bench_engine.py"}
 # Top-level names a Markdown path may start with even while the folder is absent (a path under one of them
 # is still checked, and fails if it does not exist).
 KNOWN_TOP = {"runmap", "kernels", "benchmarks", "tools", "docs", "results", "specs", "schemas", "tests",
@@ -94,8 +92,7 @@ def test_no_scripts_folder_with_probes_or_benchmarks():
     scripts = ROOT / "scripts"
     if not scripts.is_dir():
         return
-    stray = sorted(p.name for p in scripts.iterdir()
-                   if p.name not in SCRIPTS_LEAVING and p.name != "__pycache__")
+    stray = sorted(p.name for p in scripts.iterdir() if p.name != "__pycache__")
     assert not stray, (f"scripts/ holds {stray}: a run that writes a committed record goes to benchmarks/, a "
                        "probe or study to tools/explore/ (each listed in that folder's README.md)")
 
