@@ -139,7 +139,11 @@ def test_block_size_parameter_and_determinism(packs, tmp_path):
 # ---- reader ---------------------------------------------------------------------------------------
 def test_reader_counts_bytes_and_refuses_reads_after_close(packs):
     _, pk = packs["tiny-olmoe", "per-expert"]
-    r = PackReader(pk)
+    verified = PackReader(pk)
+    small = sum(e["bytes"] for n, e in verified.files.items() if not n.startswith("experts-layer-"))
+    assert verified.bytes_verified == verified.bytes_read == small  # hashing on open is a read, counted
+    r = PackReader(pk, verify=False)
+    assert r.bytes_read == 0
     rows = r.read_expert_rows(1)
     header = r.manifest["layers"][1]["offset"]  # the safetensors header before the rows is read too
     assert r.bytes_read == header + rows.numel()

@@ -9,7 +9,8 @@ Pack CHECKPOINT_DIR (config.json + model.safetensors or shards with model.safete
 OlmoeForCausalLM or Qwen2MoeForCausalLM, per-expert or fused expert tensors) into OUT_DIR:
 
   manifest.json                  source identity (file sizes + sha256), config, quantization rule,
-                                 row layout, per-layer file/offset, per-expert sha256, quantization error
+                                 row layout, per-layer file/offset, per-expert sha256, quantization error,
+                                 size + sha256 of every other file of the pack; written last
   nonrouted.safetensors          embeddings, attention, norms, router, shared expert, lm_head as FP16
   experts-layer-LLL.safetensors  uint8 (num_experts, row_bytes): one contiguous INT4 row per expert
   config.json, tokenizer files   copied from the checkpoint
@@ -17,8 +18,9 @@ OlmoeForCausalLM or Qwen2MoeForCausalLM, per-expert or fused expert tensors) int
 Routed experts are quantized to symmetric INT4 with one FP16 scale per BLOCK_SIZE values along K
 (the last block of a row may be partial). Streams layer by layer; uses the GPU for the arithmetic
 when --device is auto and one is present. The output appears atomically: a failed or interrupted
-pack leaves no OUT_DIR (only a hidden .OUT_DIR.tmp-* directory if the process is killed).
-Exit status: 0 ok, 1 bad input (message names the file and tensor), 2 usage."""
+pack leaves no OUT_DIR (only a hidden .OUT_DIR.tmp-* directory if the process is killed; the next pack
+of OUT_DIR removes it). --force replaces OUT_DIR only when it is a pack directory.
+Exit status: 0 ok, 1 bad input (message names the file and tensor), 2 usage, 130 interrupted."""
 
 
 def add_arguments(p) -> None:
@@ -27,7 +29,8 @@ def add_arguments(p) -> None:
     p.add_argument("--block-size", type=int, default=256, help="values per FP16 scale block along K (even; default 256)")
     p.add_argument("--device", default="auto", choices=["auto", "cpu", "cuda"],
                    help="where the quantization arithmetic runs (auto: cuda if available); the bytes are identical")
-    p.add_argument("--force", action="store_true", help="replace an existing OUT_DIR: the old one is moved aside, the finished new one renamed in, then the old one deleted")
+    p.add_argument("--force", action="store_true", help="replace an existing OUT_DIR that is a pack (never a file or another directory): the finished new "
+                   "one is swapped in, then the old one deleted")
     p.add_argument("--no-progress", action="store_true", help="no progress bar")
 
 
@@ -44,7 +47,7 @@ def run(args) -> int:
     except (CheckpointError, ConfigError, PackError, QPackError, FileExistsError) as e:
         print(f"runmap pack: error: {e}", file=sys.stderr)
         return 1
-    with PackReader(out) as r:
+    with PackReader(out, verify=False) as r:  # just written and hashed
         m = r.manifest
         total = sum(l["nbytes"] for l in m["layers"]) + m["nonrouted"]["file_bytes"]
         worst = max(max(v["rel_fro"]) for l in m["layers"] for v in l["quant_error"].values())

@@ -1,9 +1,10 @@
 """Pack a local HF MoE checkpoint into the qpack format (docs/architecture.md#the-qpack-format).
 
-Pack directory layout (format ``runmap-qpack`` v1)::
+Pack directory layout (format ``runmap-qpack`` v2)::
 
     OUT_DIR/
-      manifest.json                    schemas/manifest.schema.json; written last
+      manifest.json                    schemas/manifest.schema.json; written last (the completion marker):
+                                       records size + sha256 of every other file ("files")
       nonrouted.safetensors            every non-routed tensor, FP16, under its HF name
       experts-layer-000.safetensors    one tensor "experts": uint8 (E, row_bytes), one qpacked row per expert
       ...                              (data section page-aligned; absolute byte offset in the manifest)
@@ -16,9 +17,12 @@ BF16 -> FP16 after a finite / FP16-range check.
 
 Streaming: one non-routed tensor at a time, then per layer one projection of all experts at a time
 (quantized in chunks of ``CHUNK_VALUES``); peak host memory is about one layer of source experts,
-whatever the model size. Atomic: everything is written into ``.OUT_DIR.tmp-XXXX`` in the same parent
-directory (dot-prefixed so ``runmap validate`` skips it), manifest last, then renamed to OUT_DIR; on
-any error or interrupt the temporary directory is removed. A killed process leaves only that dir.
+whatever the model size. Atomic: everything is written into ``.OUT_DIR.tmp-PID-XXXX`` in the same parent
+directory (dot-prefixed), manifest last, then renamed to OUT_DIR; on any error or interrupt the temporary
+directory is removed. A killed process leaves only that dir (``runmap validate`` reports it as a half-written
+pack); the next pack of the same OUT_DIR removes such leftovers whose process is gone. ``overwrite`` only
+ever replaces a directory that is a pack (a manifest.json naming the format): a regular file or any other
+directory is refused before anything is written.
 """
 from __future__ import annotations
 
@@ -37,7 +41,8 @@ import torch
 
 import runmap
 from runmap.format.checkpoint import CheckpointReader
-from runmap.format.packfile import EXPERTS_TENSOR, FORMAT_NAME, FORMAT_VERSION, MANIFEST, NONROUTED_FILE, PackError, layer_file
+from runmap.format.packfile import (EXPERTS_TENSOR, FORMAT_NAME, FORMAT_VERSION, MANIFEST, NONROUTED_FILE, PackError,
+                                    file_sha256, is_pack_dir, layer_file)
 from runmap.format.qpack import DEFAULT_BLOCK_SIZE, PROJECTIONS, QUANT_RULE, RowLayout, dequantize, quantize
 from runmap.format.safetensors_io import StreamingWriter
 from runmap.atomic import replace_dir
@@ -139,6 +144,48 @@ def pack_layer(reader: CheckpointReader, layer: int, layout: RowLayout, dev: tor
     return rows, errors
 
 
+def check_output(out: Path, overwrite: bool) -> None:
+    """Refuse an existing ``out`` unless ``overwrite`` and it is a pack directory (never a file, a symlink or
+    a directory that is not a pack: --force must not delete what ``runmap pack`` did not make)."""
+    if not (out.exists() or out.is_symlink()):
+        return
+    if not overwrite:
+        raise PackError(f"{out}: already exists (pass --force to replace it)")
+    if out.is_symlink() or not out.is_dir():
+        raise PackError(f"{out}: exists and is not a directory; --force replaces only a pack directory, "
+                        "refusing to delete it")
+    if not is_pack_dir(out):
+        raise PackError(f"{out}: exists and is not a pack (no {MANIFEST} of format {FORMAT_NAME}); --force "
+                        "replaces only a pack directory, refusing to delete it")
+
+
+def remove_stale_temporaries(out: Path) -> list[Path]:
+    """Remove ``.OUT.tmp-PID-*`` siblings left by a pack of ``out`` that was killed (its PID is gone).
+    Returns what was removed."""
+    removed = []
+    prefix = f".{out.name}.tmp-"
+    try:
+        names = os.listdir(out.parent)
+    except OSError:
+        return removed
+    for name in names:
+        if not name.startswith(prefix):
+            continue
+        pid = name[len(prefix):].split("-", 1)[0]
+        if not pid.isdigit() or int(pid) == os.getpid():
+            continue
+        try:
+            os.kill(int(pid), 0)
+            continue  # still running: another pack of the same output
+        except ProcessLookupError:
+            pass
+        except OSError:
+            continue  # exists under another user, or cannot tell: leave it
+        shutil.rmtree(out.parent / name, ignore_errors=True)
+        removed.append(out.parent / name)
+    return removed
+
+
 def _row_hashes(rows_cpu: torch.Tensor, pool: cf.Executor) -> list[str]:
     data = rows_cpu.numpy()
     return list(pool.map(lambda e: hashlib.sha256(memoryview(data[e])).hexdigest(), range(data.shape[0])))
@@ -161,15 +208,15 @@ def pack_checkpoint(
     t0 = time.perf_counter()
     dev = resolve_device(device)
     out = Path(out_dir)
-    if out.exists() and not overwrite:
-        raise PackError(f"{out}: already exists (pass --force to replace it)")
+    check_output(out, overwrite)
     reader = CheckpointReader(checkpoint_dir)  # validates the whole inventory from headers
     cfg = reader.config
     # a dense layer has no experts to qpack and the engine cannot run one yet: refuse before writing anything
     cfg.adapter.require_routed_layers(cfg, f"{reader.path}: runmap pack")
     layout = RowLayout.build(cfg.hidden_size, cfg.moe_intermediate_size, block_size)
     out.parent.mkdir(parents=True, exist_ok=True)
-    tmp = Path(tempfile.mkdtemp(prefix="." + out.name + ".tmp-", dir=out.parent))
+    remove_stale_temporaries(out)
+    tmp = Path(tempfile.mkdtemp(prefix=f".{out.name}.tmp-{os.getpid()}-", dir=out.parent))
     pool = cf.ThreadPoolExecutor(max_workers=max(2, min(8, os.cpu_count() or 2)))
     try:
         src_files = reader.source_files()
@@ -188,6 +235,7 @@ def pack_checkpoint(
         except BaseException:
             w.abort()
             raise
+        file_hashes = {NONROUTED_FILE: pool.submit(file_sha256, tmp / NONROUTED_FILE)}
         timing["nonrouted_s"] = time.perf_counter() - t
 
         # -- routed experts, one layer at a time ---------------------------------------------------
@@ -210,6 +258,7 @@ def pack_checkpoint(
             except BaseException:
                 w.abort()
                 raise
+            file_hashes[fname] = pool.submit(file_sha256, tmp / fname)
             layers.append({
                 "layer": l, "file": fname, "tensor": EXPERTS_TENSOR, "offset": w.offsets[EXPERTS_TENSOR],
                 "row_bytes": layout.row_bytes, "num_experts": cfg.num_experts,
@@ -227,6 +276,11 @@ def pack_checkpoint(
             if (reader.path / fname).is_file():
                 shutil.copyfile(reader.path / fname, tmp / fname)
                 copied.append(fname)
+                file_hashes[fname] = pool.submit(file_sha256, tmp / fname)
+        files = []
+        for fname in sorted(file_hashes):
+            nbytes, digest = file_hashes[fname].result()
+            files.append({"file": fname, "bytes": nbytes, "sha256": digest})
 
         t = time.perf_counter()
         source = [{"file": p.name, "bytes": p.stat().st_size, "sha256": f.result()} for p, f in src_hashes.items()]
@@ -249,6 +303,7 @@ def pack_checkpoint(
                           "file_bytes": (tmp / NONROUTED_FILE).stat().st_size},
             "layers": layers,
             "copied_files": copied,
+            "files": files,
             "compute_device": str(dev) if dev.type == "cpu" else f"cuda ({torch.cuda.get_device_name(dev)})",
             "timing": timing,
             "memory": {"peak_rss_bytes": peak_rss_bytes(), "largest_layer_source_bytes": largest_src_layer,

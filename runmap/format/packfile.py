@@ -6,11 +6,21 @@ is counted in ``bytes_read``. After ``close()`` every data read raises ``PackClo
 counted in ``reads_after_close``: the cache uses these counters to *observe* that requests never
 read the pack. Offsets and sizes come from the manifest and are checked against the file before
 reading; an overrun is a ``PackError`` naming the file and the layer.
+
+Integrity (format v2): the manifest's ``files`` lists every file of the pack with its size and sha256.
+Opening a reader checks that every file name in the manifest is a plain name inside the pack directory
+(no separator, no ``..``, not absolute) and, unless ``verify=False`` (or ``RUNMAP_PACK_VERIFY=0`` in the
+environment, for callers that cannot pass the argument), hashes the non-routed file and every small file
+(config, tokenizer) before any of them is used. Expert files are not hashed here: their rows are checked
+against the per-expert sha256 where they are read from host storage (``verify_expert_hashes``; the host
+source does it once at startup). ``check_pack`` recomputes everything, for ``runmap validate``.
 """
 from __future__ import annotations
 
 import hashlib
 import json
+import os
+import re
 from pathlib import Path
 
 import torch
@@ -20,8 +30,11 @@ from runmap.format.qpack import QUANT_RULE, RowLayout
 from runmap.format.safetensors_io import DTYPE_FROM_STR, SafetensorsFormatError, read_header, read_into
 
 FORMAT_NAME = "runmap-qpack"
-FORMAT_VERSION = 1
+FORMAT_VERSION = 2  # v2: the manifest records a sha256 of every file (v1 packs must be repacked)
 MANIFEST = "manifest.json"
+VERIFY_ENV = "RUNMAP_PACK_VERIFY"  # "0": PackReader skips hashing the non-routed and small files
+LAYER_FILE_RE = re.compile(r"experts-layer-\d{3,}\.safetensors")
+HASH_CHUNK = 8 << 20
 NONROUTED_FILE = "nonrouted.safetensors"
 EXPERTS_TENSOR = "experts"
 
@@ -38,6 +51,155 @@ class PackClosedError(PackError):
     """A read was attempted on a closed PackReader."""
 
 
+def member_path(pack_dir: Path, name, where: str) -> Path:
+    """``pack_dir / name`` for a file name taken from the manifest (``where`` says which field), refusing
+    anything that is not one plain file name inside the pack directory."""
+    if not isinstance(name, str) or not name or name in (".", "..") or "/" in name or "\\" in name \
+            or "\0" in name or os.path.isabs(name):
+        raise PackError(f"{pack_dir / MANIFEST}: {where} is {name!r}; a pack file must be a plain file name "
+                        "inside the pack directory (no path separator, no '..', not absolute)")
+    return pack_dir / name
+
+
+def file_sha256(path: Path) -> tuple[int, str]:
+    """(size in bytes, sha256 hex) of a file, read in chunks."""
+    h = hashlib.sha256()
+    buf = bytearray(HASH_CHUNK)
+    view = memoryview(buf)
+    n = 0
+    with open(path, "rb", buffering=0) as f:
+        while True:
+            k = f.readinto(buf)
+            if not k:
+                break
+            h.update(view[:k])
+            n += k
+    return n, h.hexdigest()
+
+
+def is_pack_dir(path: Path) -> bool:
+    """True when ``path`` is a directory whose manifest.json says it is a runmap pack (any format version)."""
+    m = Path(path) / MANIFEST
+    if not Path(path).is_dir() or not m.is_file():
+        return False
+    try:
+        fmt = json.loads(m.read_bytes()).get("format") or {}
+    except (OSError, ValueError, AttributeError):
+        return False
+    return isinstance(fmt, dict) and fmt.get("name") == FORMAT_NAME
+
+
+def looks_half_written(path: Path) -> bool:
+    """A directory holding pack data files (or a manifest being written) but no manifest.json: a pack whose
+    writer stopped before its last step (the manifest is written last, atomically)."""
+    path = Path(path)
+    if not path.is_dir() or (path / MANIFEST).exists():
+        return False
+    try:
+        names = os.listdir(path)
+    except OSError:
+        return False
+    return any(n == NONROUTED_FILE or n == MANIFEST + ".part" or LAYER_FILE_RE.fullmatch(n) for n in names)
+
+
+def check_format_version(mpath: Path, manifest) -> None:
+    fmt = manifest.get("format") if isinstance(manifest, dict) else None
+    fmt = fmt if isinstance(fmt, dict) else {}
+    if fmt.get("name") == FORMAT_NAME and isinstance(fmt.get("version"), int) and fmt["version"] < FORMAT_VERSION:
+        raise PackError(f"{mpath}: pack format v{fmt['version']} was written by an older runmap and records no "
+                        f"digest of its files; this runmap reads v{FORMAT_VERSION}: repack it "
+                        "(runmap pack CHECKPOINT_DIR OUT_DIR --force)")
+    if fmt.get("name") != FORMAT_NAME or fmt.get("version") != FORMAT_VERSION:
+        raise PackError(f"{mpath}: format {fmt!r}, this reader reads {FORMAT_NAME} v{FORMAT_VERSION}")
+
+
+def recorded_files(pack_dir: Path, manifest: dict) -> dict[str, dict]:
+    """The manifest's ``files`` as {name: {"bytes", "sha256"}}, every name checked by ``member_path``, and
+    every file the manifest refers to elsewhere (non-routed, layer files, copied files) present in it."""
+    mpath = pack_dir / MANIFEST
+    files = manifest.get("files")
+    if not isinstance(files, list) or not files:
+        raise PackError(f"{mpath}: malformed manifest: 'files' must be a non-empty list of "
+                        "{file, bytes, sha256}")
+    out: dict[str, dict] = {}
+    for i, e in enumerate(files):
+        if not isinstance(e, dict) or not isinstance(e.get("bytes"), int) or \
+                not isinstance(e.get("sha256"), str) or not re.fullmatch(r"[0-9a-f]{64}", e["sha256"]):
+            raise PackError(f"{mpath}: malformed manifest: files[{i}] must be {{file, bytes, sha256}}, got {e!r}")
+        member_path(pack_dir, e.get("file"), f"files[{i}].file")
+        if e["file"] in out or e["file"] == MANIFEST:
+            raise PackError(f"{mpath}: files[{i}].file {e['file']!r} is listed twice or is the manifest itself")
+        out[e["file"]] = e
+    nonrouted, layers, copied = manifest.get("nonrouted"), manifest.get("layers"), manifest.get("copied_files")
+    if not isinstance(nonrouted, dict) or not isinstance(layers, list) or not isinstance(copied, list):
+        raise PackError(f"{mpath}: malformed manifest: 'nonrouted' must be an object, 'layers' and "
+                        "'copied_files' lists")
+    refs = [("nonrouted.file", nonrouted.get("file"))]
+    refs += [(f"layers[{i}].file", l.get("file") if isinstance(l, dict) else None) for i, l in enumerate(layers)]
+    refs += [(f"copied_files[{i}]", c) for i, c in enumerate(copied)]
+    for where, name in refs:
+        member_path(pack_dir, name, where)
+        if name not in out:
+            raise PackError(f"{mpath}: {where} {name!r} has no entry in 'files' (no digest to verify it by)")
+    return out
+
+
+def verify_file(pack_dir: Path, entry: dict) -> int:
+    """Hash one recorded file; PackError naming it on a missing file, a size or a sha256 mismatch.
+    Returns the bytes read."""
+    path = member_path(pack_dir, entry["file"], "file")
+    if not path.is_file():
+        raise PackError(f"{path}: missing (the manifest records it)")
+    try:
+        n, digest = file_sha256(path)
+    except OSError as e:
+        raise PackError(f"{path}: cannot read: {e}") from e
+    if n != entry["bytes"]:
+        raise PackError(f"{path}: {n} bytes, the manifest records {entry['bytes']} (truncated or replaced)")
+    if digest != entry["sha256"]:
+        raise PackError(f"{path}: sha256 {digest[:16]}... does not match the manifest's {entry['sha256'][:16]}... "
+                        "(the file is corrupt or was changed after packing)")
+    return n
+
+
+def check_pack(pack_dir: str | Path) -> list[tuple[str, str]]:
+    """Every integrity problem of a pack, as (file, message): the manifest's format and file names, each
+    recorded file's size and sha256, each expert row's sha256, and files in the directory the manifest does
+    not record. Empty when the pack is intact. Never raises for a bad pack."""
+    pack_dir = Path(pack_dir)
+    mpath = pack_dir / MANIFEST
+    try:
+        manifest = json.loads(mpath.read_bytes())
+    except (OSError, ValueError) as e:
+        return [(str(mpath), f"cannot read the manifest: {e}")]
+    try:
+        check_format_version(mpath, manifest)
+        files = recorded_files(pack_dir, manifest)
+    except PackError as e:
+        return [(str(mpath), str(e))]
+    problems = []
+    for name, entry in files.items():
+        try:
+            verify_file(pack_dir, entry)
+        except PackError as e:
+            problems.append((str(pack_dir / name), str(e)))
+    try:
+        listed = set(files) | {MANIFEST}
+        extra = sorted(n for n in os.listdir(pack_dir) if not n.startswith(".") and n not in listed)
+    except OSError as e:
+        extra, problems = [], problems + [(str(pack_dir), f"cannot list: {e}")]
+    for n in extra:
+        problems.append((str(pack_dir / n), "not recorded in the manifest's 'files' (no digest covers it)"))
+    if not problems:
+        try:
+            with PackReader(pack_dir, verify=False) as r:
+                for layer in range(r.num_layers):
+                    r.verify_expert_hashes(layer, r.read_expert_rows(layer))
+        except PackError as e:
+            problems.append((str(pack_dir), str(e)))
+    return problems
+
+
 class PackReader:
     """Reader of one pack directory. Use as a context manager or call ``close()``.
 
@@ -46,7 +208,7 @@ class PackReader:
     Counters: bytes_read (every byte read from pack data files), reads_after_close.
     """
 
-    def __init__(self, pack_dir: str | Path):
+    def __init__(self, pack_dir: str | Path, verify: bool | None = None):
         self.path = Path(pack_dir)
         mpath = self.path / MANIFEST
         if not mpath.is_file():
@@ -58,16 +220,19 @@ class PackReader:
             raise PackError(f"{mpath}: not valid JSON ({e})") from e
         self.identity = hashlib.sha256(raw).hexdigest()
         m = self.manifest
-        fmt = m.get("format") or {}
-        if fmt.get("name") != FORMAT_NAME or fmt.get("version") != FORMAT_VERSION:
-            raise PackError(f"{mpath}: format {fmt!r}, this reader reads {FORMAT_NAME} v{FORMAT_VERSION}")
+        if not isinstance(m, dict):
+            raise PackError(f"{mpath}: malformed manifest (a JSON object expected, got {type(m).__name__})")
+        check_format_version(mpath, m)
+        self.files = recorded_files(self.path, m)  # every name checked to lie inside the pack
         try:
             self.config = ModelConfig(**m["model"])
             self.layout = RowLayout.from_dict(m["row_layout"])
             self._layers = {int(e["layer"]): e for e in m["layers"]}
             self._nonrouted_names = list(m["nonrouted"]["tensors"])
             self._nonrouted_file = self.path / m["nonrouted"]["file"]
-        except (KeyError, TypeError, ValueError) as e:
+            for e in self._layers.values():
+                int(e["offset"]), int(e["num_experts"]), int(e["row_bytes"])
+        except (KeyError, TypeError, ValueError, AttributeError) as e:
             raise PackError(f"{mpath}: malformed manifest ({type(e).__name__}: {e})") from e
         self.num_layers = self.config.num_layers
         self.num_experts = self.config.num_experts
@@ -79,6 +244,28 @@ class PackReader:
         self.reads_after_close = 0
         self._closed = False
         self._nonrouted_header: tuple[dict, int] | None = None
+        self.bytes_verified = 0
+        self.verify_s = 0.0
+        if verify is None:
+            verify = os.environ.get(VERIFY_ENV, "1") != "0"
+        self.verified = bool(verify)
+        if self.verified:
+            self._verify_files()
+
+    def _verify_files(self) -> None:
+        """Hash the non-routed file and every recorded file that is not an expert-layer file (config,
+        tokenizer, generation config) against the manifest, before any of them is used."""
+        import time
+
+        t = time.perf_counter()
+        layer_files = {e["file"] for e in self._layers.values()}
+        for name, entry in sorted(self.files.items()):
+            if name in layer_files:
+                continue  # rows are checked by sha256 where they are read (verify_expert_hashes)
+            n = verify_file(self.path, entry)
+            self.bytes_verified += n
+            self.bytes_read += n
+        self.verify_s = time.perf_counter() - t
 
     def _check_format(self, mpath: Path) -> None:
         """The quantization rule and the row layout must be the ones this reader (and the kernels) decode,
