@@ -23,6 +23,7 @@ The same code runs with CPU tensors (``CpuTransport``) and on CUDA (``CudaTransp
 """
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import threading
 from collections import Counter
@@ -32,6 +33,7 @@ import torch
 
 from runmap.residency.eviction import make_policy
 from runmap.residency.host_source import HostSource
+from runmap.residency.instruments import ExpertCopyMonitor
 from runmap.residency.observations import all_zero, cache_observations
 from runmap.residency.transport import Transport, TransferError, default_transport
 
@@ -127,7 +129,10 @@ class ExpertCache:
 
     def __init__(self, host: HostSource, *, resident: int, spares: int | None = None, staging: int | None = None,
                  max_group: int, device="cpu", policy="lru", budget_bytes: int | None = None,
-                 transport: Transport | None = None, prefill: bool = True):
+                 transport: Transport | None = None, prefill: bool = True, copy_monitor: bool = True):
+        """``copy_monitor``: watch every copy out of expert storage made by the cache (and inside
+        ``monitored()`` blocks) with a TorchDispatchMode; without it the ``expert_d2h_bytes`` and
+        ``writebacks`` observations are UNKNOWN."""
         self.host = host
         self.num_layers, self.num_experts, self.row_bytes = host.num_layers, host.num_experts, host.row_bytes
         self.layout = host.layout
@@ -146,9 +151,14 @@ class ExpertCache:
         self.counters = Counter({k: 0 for k in (
             "requests_admitted", "requests_released", "leases", "hits", "misses", "all_hit_leases",
             "transactions", "transactions_aborted", "busy_refusals", "bytes_h2d", "staging_reuses",
-            "staging_waits", "evictions", "rows_recycled", "rows_fenced", "faults", "writebacks")})
+            "staging_waits", "evictions", "rows_recycled", "rows_fenced", "faults")})
         self._storage = [self.transport.alloc_storage(self.rows_per_layer, self.row_bytes)
                          for _ in range(self.num_layers)]  # per layer (R, row_bytes)
+        self.copy_monitor = ExpertCopyMonitor() if copy_monitor else None
+        if self.copy_monitor is not None:
+            for t in self._storage:
+                self.copy_monitor.watch_storage(t)
+            self.copy_monitor.watch_host(host.row_tensor(0, 0))
         self._staging = [_Staging(i, self.transport.alloc_staging(self.row_bytes)) for i in range(self.staging)]
         self._free: list[list[int]] = [list(range(self.rows_per_layer - 1, -1, -1)) for _ in range(self.num_layers)]
         self._fenced: list[list[tuple[int, object]]] = [[] for _ in range(self.num_layers)]
@@ -241,7 +251,7 @@ class ExpertCache:
 
     def admit(self) -> Request:
         """Admit a request on the current generation. Raises CacheFaultedError when FAULTED."""
-        with self._lock:
+        with self._lock, self._watch():
             self._check_faulted()
             gen = self._current
             rid = self._next_rid
@@ -251,6 +261,18 @@ class ExpertCache:
             self._requests[rid] = req
             self.counters["requests_admitted"] += 1
             return req
+
+    def monitored(self):
+        """Context manager: copies out of expert storage made inside the block (e.g. by the code that reads
+        a lease's rows) count in the ``expert_d2h_bytes`` and ``writebacks`` observations."""
+        if self.copy_monitor is None:
+            return contextlib.nullcontext()
+        return self.copy_monitor.scope(caller=True)
+
+    def _watch(self, transaction: bool = False):
+        if self.copy_monitor is None:
+            return contextlib.nullcontext()
+        return self.copy_monitor.scope(transaction=transaction)
 
     # --- internals: acquisition ----------------------------------------------------------------------
     def _check_faulted(self):
@@ -276,7 +298,7 @@ class ExpertCache:
         return group
 
     def _acquire(self, req: Request, layer: int, expert_ids) -> Lease:
-        with self._lock:
+        with self._lock, self._watch():
             if req.released:
                 raise CacheError(f"request {req.id} was released; admit a new one")
             self._check_faulted()
@@ -314,23 +336,34 @@ class ExpertCache:
             return lease
 
     def _release(self, req: Request) -> None:
-        with self._lock:
+        with self._lock, self._watch():
             if req.released:
                 return
             req.released = True
-            self.transport.note_release()
-            for lease in req.leases:
-                self._leased[lease.layer].subtract(lease.experts)
-                self._leased[lease.layer] += Counter()  # drop zero counts
-            for g in req.pins:
-                self._pins[g] -= 1
-                if self._pins[g] <= 0:
-                    del self._pins[g]
-            req.leases = []
-            self._requests.pop(req.id, None)
-            self.counters["requests_released"] += 1
+            try:
+                self.transport.note_release()
+            except BaseException as exc:
+                # Without the release marker later copies cannot be ordered after this request's reads:
+                # drop its leases and pins (nothing leaks) but recycle nothing, and fault the cache.
+                self._fault(exc)
+                self._drop_request(req)
+                raise
+            self._drop_request(req)
             for layer in range(self.num_layers):
                 self._reclaim_retiring(layer)
+
+    def _drop_request(self, req: Request) -> None:
+        """Give back everything a released request held: its leases and its generation pins."""
+        for lease in req.leases:
+            self._leased[lease.layer].subtract(lease.experts)
+            self._leased[lease.layer] += Counter()  # drop zero counts
+        for g in req.pins:
+            self._pins[g] -= 1
+            if self._pins[g] <= 0:
+                del self._pins[g]
+        req.leases = []
+        self._requests.pop(req.id, None)
+        self.counters["requests_released"] += 1
 
     # --- internals: row bookkeeping -------------------------------------------------------------------
     def _visible(self, since: int, until: int) -> bool:
@@ -448,14 +481,19 @@ class ExpertCache:
             for e, r in new_map.items():
                 table[e] = r
             try:
-                self._copy_rows(layer, missing, rows, submitted)
-                # the table goes behind the rows on the transfer stream; publication waits for all
-                dev_table, table_ev = self.transport.upload_table_async(table)  # (E,) int32
-                self._wait_all(submitted)
-                if table_ev is not None:
-                    self.transport.wait(table_ev)
-            except Exception as exc:
+                with self._watch(transaction=True):
+                    self._copy_rows(layer, missing, rows, submitted)
+                    # the table goes behind the rows on the transfer stream; publication waits for all
+                    dev_table, table_ev = self.transport.upload_table_async(table)  # (E,) int32
+                    self._wait_all(submitted)
+                    if table_ev is not None:
+                        self.transport.wait(table_ev)
+            except BaseException as exc:
+                # any failure before publication, an interrupt (KeyboardInterrupt, cancellation) included,
+                # gives the spares and staging back; an interrupt then propagates as itself
                 self._abort(layer, rows, submitted)
+                if not isinstance(exc, Exception):
+                    raise
                 raise TransactionAborted(
                     f"layer {layer}: miss transaction for experts {missing} failed before publication "
                     f"({type(exc).__name__}: {exc}); generation {cur.number} remains authoritative") from exc
@@ -471,8 +509,10 @@ class ExpertCache:
             self.counters["evictions"] += len(victims)
             try:
                 self.transport.after_publish()
-            except Exception as exc:
+            except BaseException as exc:  # published, outcome unknown: FAULTED, whatever was raised
                 self._fault(exc)
+                if not isinstance(exc, Exception):
+                    raise
                 raise CacheFaultedError(
                     f"layer {layer}: failure after publishing generation {gen.number} "
                     f"({type(exc).__name__}: {exc}); the cache is FAULTED") from exc
@@ -535,14 +575,39 @@ class ExpertCache:
     def leased_experts(self, layer: int) -> set[int]:
         return {e for e, c in self._leased[layer].items() if c > 0}
 
+    def outstanding_leases(self) -> int:
+        """Leases held by admitted requests that were not released yet."""
+        with self._lock:
+            return sum(len(r.leases) for r in self._requests.values())
+
+    def live_requests(self) -> int:
+        with self._lock:
+            return len(self._requests)
+
+    def staging_free(self) -> int:
+        """Staging buffers a transaction could take now without waiting: not reserved, last copy complete."""
+        with self._lock:
+            return sum(1 for b in self._staging
+                       if b.event is not _RESERVED and (b.event is None or self.transport.query(b.event)))
+
+    def staging_reserved(self) -> int:
+        """Staging buffers held by a running transaction (0 whenever no transaction runs)."""
+        with self._lock:
+            return sum(1 for b in self._staging if b.event is _RESERVED)
+
     def telemetry(self) -> dict:
         """Counters, capacity and the required-zero observations (schemas/observations.schema.json
         ``$defs/cache_telemetry``)."""
         with self._lock:
-            obs = cache_observations(self.transport, self.host, self.counters["writebacks"])
+            obs = cache_observations(self.transport, self.host, self.copy_monitor)
             c = dict(self.counters)
             c["generations"] = self._current.number
             c["bytes_h2d_transport"] = self.transport.h2d_bytes
+            c["leases_outstanding"] = sum(len(r.leases) for r in self._requests.values())
+            c["staging_free"] = self.staging_free()
+            if self.copy_monitor is not None:  # counted only where an instrument would have seen one
+                c["writebacks"] = self.copy_monitor.writebacks
+                c["bytes_d2h"] = self.copy_monitor.d2h_bytes
             return {
                 "contract": CONTRACT_ID,
                 "state": self.state,

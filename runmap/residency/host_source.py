@@ -11,16 +11,22 @@ Instrumentation kept here (docs/cache-contract.md#observations):
 * ``rewrite_attempts`` — every call of ``write_row`` (the one mutation entry point, which always
   refuses) and every time ``check_frozen`` finds the array made writable again. Beyond that the pages are
   ``mprotect``-ed read-only after sealing (``pages_protected``), so a write through any alias faults
-  instead of silently changing an expert.
+  instead of silently changing an expert. That the protection holds is *verified*, not assumed
+  (``verify_protection``): a forked child writes one byte at pages spread over the whole range (first and
+  last page included) and must die of SIGSEGV/SIGBUS at each, and, where ``/proc/self/maps`` exists, every
+  page of the range must lie in a mapping without write permission. Only a verified host source makes the
+  ``host_source_rewrites`` observation OBSERVED.
 * ``hash_ops_after_seal`` / ``hash_bytes_after_seal`` — any hash computed after startup
   (request-time hash work).
 """
 from __future__ import annotations
 
 import ctypes
+import faulthandler
 import hashlib
 import mmap
 import os
+import signal
 import warnings
 from concurrent.futures import ThreadPoolExecutor
 
@@ -56,6 +62,68 @@ def _protect_read_only(mm: mmap.mmap, arr: np.ndarray) -> bool:
     mprotect.argtypes = (ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int)
     mprotect.restype = ctypes.c_int
     return mprotect(ctypes.c_void_p(arr.ctypes.data), len(mm), _PROT_READ) == 0  # mmap memory is page-aligned
+
+
+PROBE_PAGES = 8  # pages written by the child-process probe (first, last and evenly spread between)
+
+
+def _probe_pages(nbytes: int, page: int, n: int = PROBE_PAGES) -> list[int]:
+    """Byte offsets of up to ``n`` page starts spread over [0, nbytes), first and last page included."""
+    pages = max(1, -(-nbytes // page))
+    if pages <= n:
+        return [i * page for i in range(pages)]
+    return sorted({round(i * (pages - 1) / (n - 1)) * page for i in range(n)})
+
+
+def _child_write_faults(addr: int) -> bool | None:
+    """Fork; the child writes one byte at ``addr`` and exits 0 if the write went through. True when the child
+    died of SIGSEGV/SIGBUS (the page is read-only), False when it wrote, None when no child could be run.
+    The parent's memory is never written (the mapping is private: a write lands in the child's copy)."""
+    if not hasattr(os, "fork"):
+        return None
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", DeprecationWarning)  # fork in a threaded process: the child only writes
+        try:
+            pid = os.fork()
+        except OSError:
+            return None
+    if pid == 0:  # child: no Python-level work beyond the one store
+        try:
+            faulthandler.disable()
+            try:
+                import resource
+                resource.setrlimit(resource.RLIMIT_CORE, (0, 0))
+            except (ImportError, ValueError, OSError):
+                pass
+            ctypes.memset(ctypes.c_void_p(addr), 0x5A, 1)
+        finally:
+            os._exit(0)
+    _, status = os.waitpid(pid, 0)
+    if os.WIFSIGNALED(status):
+        return os.WTERMSIG(status) in (signal.SIGSEGV, signal.SIGBUS)
+    return False
+
+
+def _maps_read_only(lo: int, hi: int) -> bool | None:
+    """True when every byte of [lo, hi) lies in mappings of /proc/self/maps without write permission; None
+    where the file does not exist."""
+    try:
+        with open("/proc/self/maps") as f:
+            lines = f.readlines()
+    except OSError:
+        return None
+    covered = lo
+    for line in lines:
+        span, perms = line.split()[:2]
+        a, b = (int(x, 16) for x in span.split("-"))
+        if b <= covered or a >= hi:
+            continue
+        if a > covered or "w" in perms:
+            return False  # a gap in the range, or a writable piece of it
+        covered = b
+        if covered >= hi:
+            return True
+    return covered >= hi
 
 
 class HostSource:
@@ -101,6 +169,8 @@ class HostSource:
         # below: the pages themselves are made read-only, and any write to the host source faults.
         self.pages_protected = _protect_read_only(self._mm, arr)
         self._array = arr
+        self.protection_verified, self.protection_detail = self.verify_protection() if self.pages_protected else (
+            False, "mprotect(PROT_READ) of the host source failed or is not available")
         # Internal torch alias used only as the *source* of host -> staging copies (torch has no
         # read-only tensors; the public view is the frozen numpy array).
         with warnings.catch_warnings():
@@ -176,6 +246,34 @@ class HostSource:
             if got != sha256[layer][e]:
                 raise HostSourceError(f"host source: layer {layer} expert {e} sha256 {got} does not match "
                                       f"the manifest's {sha256[layer][e]}")
+
+    def verify_protection(self, probes: int = PROBE_PAGES) -> tuple[bool, str]:
+        """Check from outside the interpreter that the whole host source is read-only (module docstring).
+        Returns (verified, what was checked or why it failed)."""
+        base, nbytes = self._array.ctypes.data, self._array.nbytes
+        if nbytes == 0:
+            return False, "empty host source: nothing to protect"
+        offsets = _probe_pages(nbytes, mmap.PAGESIZE, probes)
+        for off in offsets:
+            r = _child_write_faults(base + off)
+            if r is None:
+                return False, "no child process could be forked to probe the protection"
+            if not r:
+                return False, (f"a child process wrote byte {off} of the host source without a fault: "
+                               f"that page is writable")
+        maps = _maps_read_only(base, base + nbytes)
+        if maps is False:
+            return False, "/proc/self/maps shows a writable part of the host source range"
+        return True, (f"write probes in child processes faulted at {len(offsets)} pages spread over "
+                      f"{nbytes} bytes" + ("" if maps is None else "; /proc/self/maps: the whole range read-only"))
+
+    def protection_holds(self) -> bool:
+        """Cheap re-check (telemetry time): verified at startup, array still read-only and, where
+        /proc/self/maps exists, no page of the range writable now."""
+        if not self.protection_verified or self._array.flags.writeable:
+            return False
+        base = self._array.ctypes.data
+        return _maps_read_only(base, base + self._array.nbytes) is not False
 
     # --- read access --------------------------------------------------------------------------------
     @property

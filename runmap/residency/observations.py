@@ -32,28 +32,50 @@ def unsupported(name: str, reason: str) -> dict:
     return {"status": UNSUPPORTED, "unit": REQUIRED_ZERO[name], "reason": reason}
 
 
-def cache_observations(transport, host, writebacks: int) -> dict:
-    """Build the observation block from the cache's instrumented counters.
+def cache_observations(transport, host, monitor) -> dict:
+    """Build the observation block from the cache's instruments.
 
-    transport: the cache's Transport (counts bytes by direction; it has no device -> host path).
-    host: the HostSource (rewrite attempts, hash bytes after startup, the closed pack reader).
-    writebacks: the cache's count of evicted rows copied anywhere (eviction only drops mappings).
+    transport: the cache's Transport (its byte counters, reported alongside).
+    host: the HostSource (verified page protection, rewrite refusals, hash bytes after startup, the closed
+      pack reader).
+    monitor: the cache's ExpertCopyMonitor (runmap/residency/instruments.py), a TorchDispatchMode that sees
+      every copy out of expert storage made by the cache and inside ``ExpertCache.monitored()`` blocks; None
+      when the cache runs without it, which makes ``expert_d2h_bytes`` and ``writebacks`` UNKNOWN.
     """
-    obs = {
-        "expert_d2h_bytes": observed("expert_d2h_bytes", transport.d2h_bytes,
-                                     f"{type(transport).__name__} byte counters (the only path touching expert rows)"),
-        "writebacks": observed("writebacks", writebacks, "ExpertCache eviction path counter"),
-    }
+    obs = {}
+    if monitor is None:
+        why = "cache built with copy_monitor=False: no instrument watched copies out of expert storage"
+        obs["expert_d2h_bytes"] = unknown("expert_d2h_bytes", why)
+        obs["writebacks"] = unknown("writebacks", why)
+    else:
+        scope = (f"TorchDispatchMode over {monitor.cache_scopes} cache entry points (admit, acquire with its miss "
+                 f"transaction, release) and {monitor.caller_scopes} caller blocks (ExpertCache.monitored())")
+        seen = f"; first copies: {monitor.events}" if monitor.events else ""
+        obs["expert_d2h_bytes"] = observed(
+            "expert_d2h_bytes", monitor.d2h_bytes,
+            f"{scope}: bytes of expert storage copied into host memory ({monitor.d2h_copies} copies{seen}; "
+            f"{type(transport).__name__} moved {transport.h2d_bytes} bytes host -> device)")
+        obs["writebacks"] = observed(
+            "writebacks", monitor.writebacks,
+            f"{scope}: copies out of expert storage inside a miss transaction (the eviction path) or into the "
+            "host source")
     frozen = host.check_frozen()
-    if getattr(host, "pages_protected", False):
+    if frozen and host.protection_holds():
         obs["host_source_rewrites"] = observed(
             "host_source_rewrites", host.rewrite_attempts,
-            "HostSource.write_row refusals + read-only flag check; pages mprotect(PROT_READ), so a write "
-            "through any alias would have faulted" + ("" if frozen else " (array found writable)"))
+            f"HostSource.write_row refusals; the whole host source is read-only, verified: {host.protection_detail}, "
+            "so a write through any alias would have faulted")
+    elif not frozen:
+        obs["host_source_rewrites"] = unknown(
+            "host_source_rewrites", "the host source array was found writable again: a write through it would "
+            "not be seen")
+    elif not host.protection_verified:
+        obs["host_source_rewrites"] = unknown(
+            "host_source_rewrites", f"host source protection not verified ({host.protection_detail}): a write "
+            "through the torch alias would not be seen")
     else:
         obs["host_source_rewrites"] = unknown(
-            "host_source_rewrites", "host pages could not be made read-only (no mprotect): a write through the "
-            "torch alias would not be seen")
+            "host_source_rewrites", "part of the host source became writable after startup (/proc/self/maps)")
     obs["request_hash_work"] = observed("request_hash_work", host.hash_bytes_after_seal,
                                         "HostSource hash counter after startup")
     reader = host.reader

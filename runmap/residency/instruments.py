@@ -1,0 +1,146 @@
+"""Instruments behind the required-zero observations (docs/cache-contract.md#observations).
+
+``ExpertCopyMonitor`` sees every aten operation issued while it is active (a ``TorchDispatchMode``) and
+counts the ones that copy bytes *out of* the cache's expert storage into host memory:
+
+* ``d2h_bytes`` / ``d2h_copies``: a copy whose source aliases a registered expert storage tensor and whose
+  destination is a CPU tensor outside every registered storage (``Tensor.cpu()``, ``.to("cpu")``,
+  ``copy_`` into a host buffer, ``.item()`` / ``.tolist()`` of a row, ...). With the CPU transport the
+  "device" rows are themselves CPU tensors; a copy of them into other host memory counts the same way.
+* ``writebacks``: such a copy made inside a miss transaction (where an eviction would write a victim back)
+  or whose destination lies inside the host source.
+
+The cache activates the monitor around everything it does for a request (admission, acquisition with its
+miss transaction, release); callers extend it to their own code that reads leased rows with
+``ExpertCache.monitored()`` (the contract model runs its expert kernels inside it). The observations
+state which scopes were covered.
+"""
+from __future__ import annotations
+
+import contextlib
+
+import torch
+from torch.utils._python_dispatch import TorchDispatchMode
+
+_aten = torch.ops.aten
+# operations that move bytes from their first tensor argument into a new tensor or into ``dst``
+_COPY_OUT = {_aten._to_copy.default, _aten.clone.default, _aten._local_scalar_dense.default}
+_COPY_INTO = {_aten.copy_.default: (1, 0)}  # op -> (source arg, destination arg)
+_COPY_FROM = {_aten._copy_from.default: (0, 1), _aten._copy_from_and_resize.default: (0, 1)}
+
+
+def _span(t: torch.Tensor) -> tuple[int, int]:
+    """[first byte, last byte + 1) of the memory a tensor can address (its untyped storage)."""
+    s = t.untyped_storage()
+    return s.data_ptr(), s.data_ptr() + s.nbytes()
+
+
+class ExpertCopyMonitor:
+    """Counts copies of expert storage into host memory while active (see the module docstring)."""
+
+    def __init__(self):
+        self.d2h_bytes = 0
+        self.d2h_copies = 0
+        self.writebacks = 0
+        self.cache_scopes = 0  # cache entry points run under the monitor
+        self.caller_scopes = 0  # ExpertCache.monitored() blocks entered by callers
+        self.events: list[tuple[str, int]] = []  # (op, bytes) of the first few copies seen, for error messages
+        self._storage: list[tuple[int, int]] = []
+        self._host: list[tuple[int, int]] = []
+        self._depth = 0
+        self._in_transaction = 0
+
+    # registration -------------------------------------------------------------------------------------
+    def watch_storage(self, t: torch.Tensor) -> None:
+        self._storage.append(_span(t))
+
+    def watch_host(self, t: torch.Tensor) -> None:
+        self._host.append(_span(t))
+
+    # scopes ---------------------------------------------------------------------------------------------
+    @contextlib.contextmanager
+    def scope(self, caller: bool = False, transaction: bool = False):
+        """Run a block under the monitor (nested scopes share one dispatch mode)."""
+        if caller:
+            self.caller_scopes += 1
+        else:
+            self.cache_scopes += 1
+        self._in_transaction += transaction
+        try:
+            if self._depth:
+                self._depth += 1
+                try:
+                    yield self
+                finally:
+                    self._depth -= 1
+            else:
+                self._depth = 1
+                try:
+                    with _Mode(self):
+                        yield self
+                finally:
+                    self._depth = 0
+        finally:
+            self._in_transaction -= transaction
+
+    # classification -------------------------------------------------------------------------------------
+    @staticmethod
+    def _inside(t, spans) -> bool:
+        if not isinstance(t, torch.Tensor) or t.is_sparse:
+            return False
+        try:
+            p = t.untyped_storage().data_ptr()
+        except (RuntimeError, NotImplementedError):  # tensors without storage (meta, functional wrappers)
+            return False
+        return any(lo <= p < hi for lo, hi in spans)
+
+    def _count(self, name: str, dst: torch.Tensor | None, nbytes: int | None = None) -> None:
+        """Count one copy into ``dst`` (None: a Python scalar of ``nbytes``) if it lands in host memory."""
+        if dst is not None:
+            if dst.device.type != "cpu" or self._inside(dst, self._storage):
+                return
+            nbytes = dst.numel() * dst.element_size()
+        n = int(nbytes)
+        self.d2h_bytes += n
+        self.d2h_copies += 1
+        if self._in_transaction or (dst is not None and self._inside(dst, self._host)):
+            self.writebacks += 1
+        if len(self.events) < 8:
+            self.events.append((name, n))
+
+    def see(self, func, args, kwargs, out) -> None:
+        if not self._storage:
+            return
+        if func in _COPY_INTO:
+            s, d = _COPY_INTO[func]
+            if self._inside(args[s], self._storage):
+                self._count(func.__name__, args[d])
+        elif func in _COPY_FROM:
+            s, d = _COPY_FROM[func]
+            if self._inside(args[s], self._storage):
+                self._count(func.__name__, out if isinstance(out, torch.Tensor) else args[d])
+        elif func in _COPY_OUT:
+            src = args[0] if args else None
+            if self._inside(src, self._storage):
+                if func is _aten._local_scalar_dense.default:
+                    if src.device.type != "cpu":  # .item() of a device row: the scalar crosses to the host
+                        self._count(func.__name__, None, src.element_size())
+                elif isinstance(out, torch.Tensor):
+                    self._count(func.__name__, out)
+        elif isinstance(out, torch.Tensor) and out.device.type == "cpu":
+            # any other op that reads a device-resident expert row and produces a host tensor
+            for a in args:
+                if isinstance(a, torch.Tensor) and a.device.type != "cpu" and self._inside(a, self._storage):
+                    self._count(func.__name__, out)
+                    break
+
+
+class _Mode(TorchDispatchMode):
+    def __init__(self, monitor: ExpertCopyMonitor):
+        super().__init__()
+        self.monitor = monitor
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        out = func(*args, **(kwargs or {}))
+        self.monitor.see(func, args, kwargs or {}, out)
+        return out
