@@ -4,6 +4,7 @@ Fast properties run against a fake StepModel (logits scripted per step); end-to-
 tiny packed checkpoints with the reference executor.
 """
 import json
+import os
 
 import pytest
 import torch
@@ -205,6 +206,15 @@ def test_cli_logits_and_generate(packs, olmoe, tmp_path, capsys):
     want = olmoe.generate(["the"], max_new_tokens=5)[0]
     assert capsys.readouterr().out == want.text + "\n"
     assert json.loads(tel.read_text())["executor"] == "reference"
+    run_dir = tmp_path / "cwd"
+    run_dir.mkdir()
+    cwd = os.getcwd()
+    os.chdir(run_dir)
+    try:  # without --telemetry nothing is written (not into the current directory either)
+        assert main(cmd[:-2]) == 0
+    finally:
+        os.chdir(cwd)
+    assert list(run_dir.iterdir()) == []
     with pytest.raises(SystemExit) as exit_info:  # argparse: a usage error, exit status 2
         main(cmd[:-2] + ["--executor", "nope"])
     assert exit_info.value.code == 2

@@ -62,9 +62,22 @@ def test_parse_errors_name_the_line(tree, capsys):
     assert "specs/pipeline/broken.yaml: $: cannot read:" in out and "line" in out
 
 
-def test_missing_path_is_usage_error(tree, capsys):
-    rc, out = run_cli(capsys, "nowhere")
-    assert rc == 2 and "nowhere" in out
+def test_missing_path_is_bad_input(tree, capsys):
+    rc, out = run_cli(capsys, "nowhere")  # exit-code convention: 1 bad input, 2 only for argparse usage errors
+    assert rc == 1 and "nowhere" in out and "Traceback" not in out
+
+
+def test_nothing_to_check_is_not_success(tmp_path, capsys, monkeypatch):
+    monkeypatch.chdir(tmp_path)
+    (tmp_path / "empty").mkdir()
+    (tmp_path / "other").mkdir()
+    (tmp_path / "other/notes.txt").write_text("no artifact here")
+    for d in ("empty", "other"):
+        rc, out = run_cli(capsys, d, "--summary", tmp_path / f"{d}.json")
+        assert rc == 1 and "zero files checked is not success" in out and "NOT CONFORMANT" in out
+        s = json.loads((tmp_path / f"{d}.json").read_text())
+        assert s["conformant"] is False and s["totals"]["files_checked"] == 0
+        assert validate_file(tmp_path / f"{d}.json", "conformance") == []
 
 
 @pytest.fixture

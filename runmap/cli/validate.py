@@ -1,7 +1,9 @@
-"""``runmap validate``: check every artifact and spec below some paths against its JSON Schema."""
+"""``runmap validate``: check every artifact and spec below some paths against its JSON Schema, and every
+pack's bytes against the digests its manifest records."""
 from __future__ import annotations
 
 import argparse
+import os
 import sys
 from pathlib import Path
 from runmap.atomic import write_json
@@ -22,7 +24,15 @@ Each violation is printed as
 An OBSERVED non-zero value of a required-zero cache-contract observation (expert_d2h_bytes, writebacks,
 host_source_rewrites, request_hash_work, request_pack_reads) is a contract violation.
 
-exit status: 0 every checked file conforms and no contract violation; 1 otherwise; 2 bad usage.
+Packs: for every pack manifest found (format runmap-qpack), every file of the pack is hashed and compared
+with the size and sha256 the manifest records, every expert row with its recorded sha256; a mismatch, a
+missing file, a file the manifest does not record, or a manifest file name outside the pack directory
+fails, naming the file. A directory holding pack data files but no manifest.json (the manifest is written
+last, so this is a pack whose writer was killed), including a hidden .NAME.tmp-* directory left by a
+killed `runmap pack`, fails as half-written. Finding no file to check at all fails: zero is not success.
+
+exit status: 0 at least one file checked, every checked file and pack conforms, no contract violation;
+1 otherwise (also a PATH that does not exist); 2 bad usage.
 
 examples:
   runmap validate results specs
@@ -42,6 +52,75 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--list-schemas", action="store_true", help="print each schema with its artifact globs and exit")
     p.add_argument("-q", "--quiet", action="store_true", help="print only violations, warnings and the final line")
     p.add_argument("-v", "--verbose", action="store_true", help="also list every file that passed")
+
+
+NOTHING_CHECKED = ("no artifact or spec found that a schema claims: zero files checked is not success "
+                   "(wrong directory, or an empty or unfinished output?)")
+MANIFEST_SCHEMA = "manifest.schema.json"
+
+
+def _strip_prefix(message: str, path: str) -> str:
+    return message[len(path) + 2:] if message.startswith(path + ": ") else message
+
+
+def _check_packs(report) -> None:
+    """Recompute every digest of every pack whose manifest was validated; each problem becomes a violation of
+    that manifest's file result, naming the file at fault."""
+    from runmap.conformance.schemas import Violation, display_path
+    from runmap.format.packfile import FORMAT_NAME, MANIFEST, check_pack
+
+    results = {f.path: f for f in report.checked}
+    for label, _line, doc in report.documents:
+        fmt = doc.get("format") if isinstance(doc, dict) else None
+        if Path(label).name != MANIFEST or not isinstance(fmt, dict) or fmt.get("name") != FORMAT_NAME:
+            continue
+        res = results.get(label)
+        if res is None:
+            continue
+        pack = Path(label).parent
+        for file, message in check_pack(pack):
+            res.violations.append(Violation(display_path(Path(file)), MANIFEST_SCHEMA, "$.files", "",
+                                            "pack integrity: " + _strip_prefix(message, file)))
+        # the files the manifest records are checked by their digests: no longer "unchecked"
+        files = doc.get("files") if isinstance(doc.get("files"), list) else []
+        covered = {display_path(pack / e["file"]) for e in files
+                   if isinstance(e, dict) and isinstance(e.get("file"), str) and "/" not in e["file"]}
+        report.unchecked[:] = [u for u in report.unchecked if u not in covered]
+
+
+def _candidate_dirs(paths: list[Path]):
+    """Directories that may hold a pack: every walked directory (validate's walk skips dot-directories), the
+    roots themselves, and the hidden ``.NAME.tmp-*`` directories an interrupted atomic writer leaves."""
+    from runmap.conformance.schemas import SKIP_DIRS
+
+    for root in paths:
+        if not root.is_dir():
+            continue
+        yield root
+        for dirpath, dirnames, _ in os.walk(root):
+            for d in sorted(dirnames):
+                if d.startswith(".") and ".tmp-" in d:
+                    yield Path(dirpath) / d
+            dirnames[:] = sorted(d for d in dirnames if not d.startswith(".") and d not in SKIP_DIRS)
+            for d in dirnames:
+                yield Path(dirpath) / d
+
+
+def _half_written_packs(report, paths: list[Path]) -> None:
+    from runmap.conformance.schemas import FileResult, Violation, display_path
+    from runmap.format.packfile import MANIFEST, looks_half_written
+
+    seen = set()
+    for d in _candidate_dirs(paths):
+        key = os.path.abspath(d)
+        if key in seen or not looks_half_written(d):
+            continue
+        seen.add(key)
+        label = display_path(d / MANIFEST)
+        msg = (f"missing: {display_path(d)} holds pack data files but no {MANIFEST}, which `runmap pack` writes "
+               "last: a half-written pack (its writer was killed or failed); rerun runmap pack and remove this "
+               "directory")
+        report.checked.append(FileResult(label, [MANIFEST_SCHEMA], [Violation(label, MANIFEST_SCHEMA, "$", "", msg)]))
 
 
 def _list_schemas(ss) -> int:
@@ -66,7 +145,7 @@ def run(args: argparse.Namespace) -> int:
     missing = [str(p) for p in paths if not p.exists()]
     if missing:
         print(f"error: no such file or directory: {', '.join(missing)}", file=sys.stderr)
-        return 2
+        return 1
 
     if args.schema:
         try:
@@ -84,6 +163,8 @@ def run(args: argparse.Namespace) -> int:
             report.documents.extend((display_path(p), line, d) for line, d in docs)
     else:
         report = validate_tree(*paths, schema_set=ss, keep_documents=True)
+        _half_written_packs(report, paths)
+    _check_packs(report)
 
     command = ["runmap", "validate", *map(str, args.paths)]
     for flag, value in (("--schema", args.schema), ("--schemas-dir", args.schemas_dir), ("--summary", args.summary)):
@@ -97,6 +178,10 @@ def run(args: argparse.Namespace) -> int:
 
     campaign_findings = campaign_checks.check_documents(report.documents)
     summary["warnings"] = summary["warnings"] + [f"campaign check: {f}" for f in campaign_findings]
+    nothing = not report.checked
+    if nothing:
+        summary["warnings"].append(NOTHING_CHECKED)
+        summary["conformant"] = False
     summary["totals"]["warnings"] = len(summary["warnings"])
     if campaign_checks.errors(campaign_findings):
         summary["conformant"] = False
@@ -117,6 +202,8 @@ def run(args: argparse.Namespace) -> int:
             print(f"unchecked {u}")
     for w in report.warnings:
         print(f"warning   {w}")
+    if nothing:
+        print(f"error: {', '.join(map(str, args.paths or ['.']))}: {NOTHING_CHECKED}", file=sys.stderr)
 
     if args.summary:
         # The summary must itself conform: a bug here should fail loudly, not write a bad artifact.

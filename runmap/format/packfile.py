@@ -197,6 +197,8 @@ def check_pack(pack_dir: str | Path) -> list[tuple[str, str]]:
                     r.verify_expert_hashes(layer, r.read_expert_rows(layer))
         except PackError as e:
             problems.append((str(pack_dir), str(e)))
+        except (ValueError, TypeError, KeyError, OSError) as e:  # a manifest the reader cannot make sense of
+            problems.append((str(mpath), f"cannot open the pack: {type(e).__name__}: {e}"))
     return problems
 
 
