@@ -64,16 +64,16 @@ def test_answers_are_the_engines_greedy_chat_output(tiny_pack, tmp_path):
 
 
 def test_max_seq_len_too_small_is_refused(tiny_pack, tmp_path, capsys):
-    assert _generate(tiny_pack, tmp_path / "a.jsonl", "--limit", "1", "--max-seq-len", "3") == 2
+    assert _generate(tiny_pack, tmp_path / "a.jsonl", "--limit", "1", "--max-seq-len", "3") == 1  # bad input: exit 1 (2 is for usage errors)
     assert "--max-seq-len 3 <" in capsys.readouterr().err
 
 
 def test_prompt_plus_answer_beyond_the_models_positions_is_refused(tiny_pack, tmp_path, capsys):
     # the tiny preset has max_position_embeddings 1024
-    assert _generate(tiny_pack, tmp_path / "a.jsonl", "--limit", "1", "--max-new-tokens", "1100") == 2
+    assert _generate(tiny_pack, tmp_path / "a.jsonl", "--limit", "1", "--max-new-tokens", "1100") == 1
     assert "exceeds the model's max_position_embeddings (1024)" in capsys.readouterr().err
 
 
 def test_not_a_pack_is_refused(tmp_path, capsys):
-    assert _generate(tmp_path, tmp_path / "a.jsonl", "--limit", "1") == 2
+    assert _generate(tmp_path, tmp_path / "a.jsonl", "--limit", "1") == 1
     assert "no manifest.json" in capsys.readouterr().err

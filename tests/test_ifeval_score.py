@@ -171,7 +171,7 @@ def _score_error(inputs, responses_path, tmp_path, capsys) -> str:
     out = tmp_path / "out"
     rc = main(["ifeval", "score", "--inputs", str(inputs), "--responses", str(responses_path), "--out", str(out),
                "--no-progress"])
-    assert rc == 2
+    assert rc == 1  # a bad input file is exit 1 like every subcommand (2: usage errors)
     assert not out.exists()  # nothing is written for a file that does not match
     return capsys.readouterr().err
 

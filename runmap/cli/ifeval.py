@@ -20,6 +20,8 @@ IFEval (instruction-following evaluation), two steps:
       instruction-level accuracy, strict and loose, per-instruction breakdown, generation metadata).
 
 Data (prompts, GPT-4 reference responses, NLTK punkt_tab) is vendored in data/ifeval/; nothing is downloaded.
+Exit status: 0 ok, 1 bad input (a missing or malformed file, naming it and the line) or a failed run,
+2 usage (no STEP, unknown option), 130 interrupted.
 """
 
 
@@ -56,10 +58,10 @@ def _run_score(args) -> int:
 
     try:
         results, summary = score_files(args.inputs, args.responses, meta=args.meta, progress=not args.no_progress)
-    except IFEvalError as e:
+        res_path, sum_path = write_outputs(args.out, results, summary)
+    except (IFEvalError, OSError) as e:  # bad input file or unwritable output: exit 1 (2 is for usage errors)
         print(f"runmap ifeval score: error: {e}", file=sys.stderr)
-        return 2
-    res_path, sum_path = write_outputs(args.out, results, summary)
+        return 1
     print(format_table(summary))
     print(f"wrote {res_path} and {sum_path}")
     return 0
@@ -70,9 +72,9 @@ def _run_generate(args) -> int:
 
     try:
         return run_cli(args)
-    except IFEvalGenerateError as e:
+    except (IFEvalGenerateError, OSError) as e:
         print(f"runmap ifeval generate: error: {e}", file=sys.stderr)
-        return 2
+        return 1
 
 
 def run(args) -> int:

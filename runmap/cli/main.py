@@ -24,6 +24,20 @@ SUBCOMMANDS = {
 }
 
 
+EXIT_STATUS = """\
+exit status (the same for every subcommand):
+  0    success
+  1    bad input (a missing, malformed or corrupt file, a value out of range: one line naming it and
+       what is allowed), a failed check, or a failed run
+  2    usage error: unknown subcommand or option, missing or malformed argument (argparse)
+  130  interrupted (Ctrl-C)
+No input makes runmap end in a Python traceback; RUNMAP_TRACEBACK=1 shows the traceback of an
+unexpected error instead of its one-line report. Nothing is written into the current directory
+unless a path given on the command line (or a subcommand's documented default) says so."""
+
+UNEXPECTED_HINT = "set RUNMAP_TRACEBACK=1 to see the traceback"
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
         prog="runmap",
@@ -31,6 +45,8 @@ def build_parser() -> argparse.ArgumentParser:
             "Horizon RunMap: run Mixture-of-Experts models (OLMoE, Qwen2-MoE) on one GPU with routed experts "
             "compressed to INT4 qpacked rows, W4A16 Triton kernels and a strict expert-residency cache."
         ),
+        epilog=EXIT_STATUS,
+        formatter_class=argparse.RawDescriptionHelpFormatter,
     )
     sub = parser.add_subparsers(dest="command", metavar="COMMAND")
     for name, mod in SUBCOMMANDS.items():
@@ -59,12 +75,17 @@ def main(argv: list[str] | None = None) -> int:
     if not getattr(args, "_run", None):
         parser.print_help()
         return 2
-    _select_triton_backend()
     try:
+        _select_triton_backend()
         return int(args._run(args) or 0)
     except KeyboardInterrupt:
         print("interrupted", file=sys.stderr)
         return 130
+    except Exception as e:  # an error no subcommand turned into a message: one line, exit 1, no traceback
+        if os.environ.get("RUNMAP_TRACEBACK", "0") not in ("", "0"):
+            raise
+        print(f"runmap {args.command}: error: {type(e).__name__}: {e} ({UNEXPECTED_HINT})", file=sys.stderr)
+        return 1
 
 
 if __name__ == "__main__":

@@ -323,7 +323,7 @@ def pack_content_sha256(manifest: dict) -> str:
     The manifest's own sha256 changes whenever the same checkpoint is packed again (created_utc, timing),
     so answers generated on one machine could not be resumed on another with a re-made pack; this hash
     covers the source files' hashes, model config, quantization rule, block size, row layout, the
-    non-routed tensor list and every expert row's sha256.
+    non-routed tensor list, every expert row's sha256 and (format v2) the sha256 of every file of the pack.
     """
     src = manifest.get("source") or {}
     content = {
@@ -336,6 +336,8 @@ def pack_content_sha256(manifest: dict) -> str:
         "nonrouted": {k: (manifest.get("nonrouted") or {}).get(k) for k in ("dtype", "tensors")},
         "experts": [(e.get("layer"), e.get("expert_sha256")) for e in manifest.get("layers") or []],
     }
+    if "files" in manifest:  # v2: the non-routed, config and tokenizer bytes too
+        content["files"] = manifest["files"]
     return hashlib.sha256(json.dumps(content, sort_keys=True).encode()).hexdigest()
 
 
