@@ -301,3 +301,35 @@ def test_cli_synth(tmp_path):
     assert set(r.expert_layout.values()) == {"fused"} and r.config == load_preset("tiny-qwen2-moe")[0]
     assert cli_main(["synth", "--preset", "tiny-qwen2-moe", str(tmp_path / "s")]) == 1
     assert cli_main(["synth", "--preset", "no-such-model", str(tmp_path / "t")]) == 1
+
+
+@pytest.mark.parametrize("kind", ["file", "empty-dir", "other-dir", "half-written-pack"])
+def test_force_replaces_only_a_pack(packs, tmp_path, capsys, kind):
+    ck, pk = packs["tiny-olmoe", "per-expert"]
+    out = tmp_path / "target"
+    if kind == "file":
+        out.write_text("precious")
+    else:
+        out.mkdir()
+        if kind == "other-dir":
+            (out / "notes.txt").write_text("precious")
+        if kind == "half-written-pack":
+            shutil.copy(pk / "nonrouted.safetensors", out)
+    before = {p.name: p.read_bytes() for p in out.iterdir()} if out.is_dir() else out.read_bytes()
+    rc = cli_main(["pack", str(ck), str(out), "--device", "cpu", "--no-progress", "--force"])
+    err = capsys.readouterr().err
+    assert rc == 1 and "--force replaces only a pack directory" in err and "Traceback" not in err
+    after = {p.name: p.read_bytes() for p in out.iterdir()} if out.is_dir() else out.read_bytes()
+    assert after == before
+    assert sorted(os.listdir(tmp_path)) == ["target"]  # no temporary directory left behind
+
+
+def test_stale_temporary_of_a_killed_pack_is_removed(packs, tmp_path):
+    ck, _ = packs["tiny-olmoe", "per-expert"]
+    dead = tmp_path / ".p.tmp-999999999-abcd"  # no such PID
+    dead.mkdir()
+    (dead / "nonrouted.safetensors").write_bytes(b"partial")
+    alive = tmp_path / f".p.tmp-{os.getppid()}-abcd"  # a live process: another pack still writing
+    alive.mkdir()
+    pack_checkpoint(ck, tmp_path / "p", device="cpu")
+    assert sorted(os.listdir(tmp_path)) == sorted([".p.tmp-%d-abcd" % os.getppid(), "p"])
