@@ -5,7 +5,7 @@
 # grouped (with the logits check), transformers' bf16 model at the same lengths, the 4,096-token memory
 # run and the variants (topk-fused, torch ops, routed experts skipped, no graphs).
 #   RUNMAP_GIT_COMMIT=<sha> bash benchmarks/engine_headline_h200.sh      (repository root, $OUT set)
-# Writes $OUT/headline/{campaign.json,records/*.json} and logs. GPU_TESTS=1 also runs the GPU kernel tests.
+# Writes $OUT/headline/campaign.tar.gz (campaign.json + records/*.json) and logs. GPU_TESTS=1 also runs the GPU kernel tests.
 set -uo pipefail
 : "${OUT:?set OUT to the directory whose files come back}"
 export PYTHONUNBUFFERED=1 PYTHONPATH=.
@@ -31,11 +31,12 @@ echo "[$(elapsed)s] prepare rc=$?"; tail -2 "$OUT/headline/prepare.log"
 rm -rf "$WORK/campaigns"
 timeout "${BENCH_S:-330}" python3 -m runmap bench specs/campaigns/h200.yaml --out "$WORK/campaigns" --no-progress \
   --keep-going --pack olmoe="$WORK/pk-olmoe" --checkpoint olmoe="$WORK/ck-olmoe" \
-  --only '^olmoe__(engine__(grouped|topk-fused)|hf-bf16__hf-bf16)__r64__b1__p(32__d256|4032__d64)' \
+  --only "${ONLY:-^olmoe__(engine__(grouped|topk-fused)|hf-bf16__hf-bf16)__r64__b1__p(32__d256|4032__d64)}" \
   > "$OUT/headline/bench.log" 2>&1
 echo "[$(elapsed)s] bench rc=$?"
+# records as one archive (the device tool brings back a bounded number of files)
 for d in "$WORK"/campaigns/h200 "$WORK"/campaigns/.h200.partial-*; do
-  [ -d "$d" ] && cp -r "$d"/. "$OUT/headline/" && echo "copied $d"
+  [ -d "$d" ] && tar -czf "$OUT/headline/campaign.tar.gz" -C "$d" . && echo "archived $d"
 done
 tail -n 25 "$OUT/headline/bench.log"
 if [ "${GPU_TESTS:-0}" = 1 ]; then
