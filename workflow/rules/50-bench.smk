@@ -31,7 +31,6 @@ def _bench_campaign_presets():
 
 BENCH_CAMPAIGN, BENCH_PRESETS = _bench_campaign_presets()
 BENCH_DIR = f"{RESULTS}/campaigns/{BENCH_CAMPAIGN}"
-CAMPAIGN_DIR = BENCH_DIR  # the name 70-report.smk still reads; drop once it reads BENCH_DIR
 
 
 def _bench_refuse_evidence():

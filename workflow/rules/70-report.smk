@@ -11,8 +11,8 @@ rule report:
         md=REPORT_MD,
         plots=directory(REPORT_PLOTS),
     input:
-        records=f"{CAMPAIGN_DIR}/records",
-        summary=f"{CAMPAIGN_DIR}/campaign.json",
+        records=f"{BENCH_DIR}/records",
+        summary=f"{BENCH_DIR}/campaign.json",
         code=code("cli.report", "bench"),
     log:
         f"{LOGS}/report.log",
