@@ -210,7 +210,7 @@ def test_engine_reporting_another_executor_is_an_error(tmp_path):
 def test_byte_floor_matches_design_anchor():
     cfg = load_preset("olmoe-1b-7b-0924")[0]
     f = bm.byte_floor(cfg, "int4", 1, bm.observed(4200.0))
-    assert f["expert_bytes_per_step"] / 1e9 == pytest.approx(0.41, abs=0.01)  # docs/architecture.md#measured-anchors-and-the-byte-floor
+    assert f["expert_bytes_per_step"] / 1e9 == pytest.approx(0.41, abs=0.01)  # the byte floor, docs/architecture.md
     assert f["nonrouted_bytes_per_step"] / 1e9 == pytest.approx(0.74, abs=0.01)
     assert f["floor_decode_tok_s"]["value"] == pytest.approx(3600, rel=0.03)
     fp16 = bm.byte_floor(cfg, "fp16", 1, bm.observed(4200.0))
@@ -296,3 +296,24 @@ def test_first_eager_cuda_configuration_warms_up_every_decode_length(tmp_path, m
     assert recs["m__engine__grouped__r4__b1__p4__d5"]["engine"]["full_length_warmup"] is True
     assert recs["m__engine__grouped__r4__b2__p4__d5"]["engine"]["warmup_new_tokens"] == 2
     bench._WARM_EAGER.clear()
+
+
+def test_nonrouted_bytes_follow_the_adapter_inventory():
+    """The byte floor's non-routed bytes: OLMoE-1B-7B by hand (q/k/v/o, two norms, q/k norms over the
+    projection, router per layer; final norm, lm_head, one embedding row), and a dense layer adds its MLP."""
+    import dataclasses
+
+    from runmap.arch.config import load_preset
+    from runmap.bench.metrics import nonrouted_bytes_per_step
+
+    cfg = load_preset("olmoe-1b-7b-0924")[0]
+    h, layers, v, e = 2048, 16, cfg.vocab_size, 64
+    per_layer = 4 * h * h + 2 * h + 2 * h + e * h
+    assert nonrouted_bytes_per_step(cfg, 1) == 2 * (layers * per_layer + h + v * h + h)
+    assert nonrouted_bytes_per_step(cfg, 8) - nonrouted_bytes_per_step(cfg, 1) == 2 * 7 * h
+    qwen = load_preset("qwen1.5-moe-a2.7b")[0]
+    dense = dataclasses.replace(qwen, dense_layers=(0,), intermediate_size=5632)
+    extra = nonrouted_bytes_per_step(dense, 1) - nonrouted_bytes_per_step(qwen, 1)
+    h, shared = qwen.hidden_size, qwen.shared_expert_intermediate_size
+    # layer 0 reads a dense MLP (gate, up, down of 5632) instead of the shared expert, its gate and the router
+    assert extra == 2 * 3 * h * 5632 - 2 * (3 * h * shared + h + qwen.num_experts * h)

@@ -10,6 +10,7 @@ jsonschema/snakemake: it runs on the GPU machine too.
 from __future__ import annotations
 
 import dataclasses
+import math
 import os
 import platform
 import statistics
@@ -80,21 +81,15 @@ def expert_bytes(cfg: ModelConfig, expert_format: str, block_size: int = DEFAULT
 
 
 def nonrouted_bytes_per_step(cfg: ModelConfig, batch: int) -> int:
-    """16-bit bytes every decode step reads outside the routed experts: attention, norms, router, the
-    Qwen shared expert and its gate, final norm, lm_head, and `batch` embedding rows (the embedding table
-    itself is gathered, not streamed)."""
-    h, hd = cfg.hidden_size, cfg.head_dim
-    q_out, kv_out = cfg.num_heads * hd, cfg.num_kv_heads * hd
-    per_layer = h * q_out + 2 * h * kv_out + q_out * h  # q, k, v, o weights
-    per_layer += 2 * h  # input + post-attention RMSNorm
-    per_layer += cfg.num_experts * h  # router
-    if cfg.qkv_bias:
-        per_layer += q_out + 2 * kv_out
-    if cfg.qk_norm:  # OLMoE normalizes q and k over the full projection width
-        per_layer += q_out + kv_out
-    if cfg.shared_expert_intermediate_size:
-        per_layer += 3 * h * cfg.shared_expert_intermediate_size + h  # shared expert + its sigmoid gate
-    elems = cfg.num_layers * per_layer + h + cfg.vocab_size * h + batch * h
+    """16-bit bytes every decode step reads outside the routed experts: every non-routed tensor the
+    family's adapter names (attention, norms, router, shared expert, dense MLPs, final norm, lm_head),
+    except that the embedding table is gathered, not streamed: `batch` rows of it. A tied lm_head reads
+    the whole table once."""
+    layers = [cfg.adapter.layer_tensors(cfg, l) for l in range(cfg.num_layers)]
+    elems = sum(math.prod(shape) for named in (*layers, cfg.adapter.tail_tensors(cfg)) for _, shape in named.values())
+    elems += batch * cfg.hidden_size  # the embedding rows of this step's tokens
+    if cfg.tie_word_embeddings:
+        elems += cfg.vocab_size * cfg.hidden_size
     return 2 * elems
 
 
