@@ -19,12 +19,18 @@ reuse, generations, FAULTED state, required-zero observations, leases get exactl
 Then, unless --no-mutants, each deliberately broken cache variant (runmap.residency.contract_model.MUTANTS) is run
 until the model catches it; an uncaught mutant is a failure of the suite.
 
+--events cuda (with --device cuda) lets the real CUDA transport's events alone decide completion: 6.5 MB rows, a
+copy stream kept busy, every row compared with its expert's bytes the moment its event reports completion, on a
+stream not ordered after the copies. Its mutants include a broken CUDA transport that records each event before
+its copy (TRANSPORT_MUTANTS); mutants whose fault needs injected failures are listed as not applicable.
+
 The report (schemas/contract-report.schema.json) is written atomically. Exit status 1 when the cache
 violates the contract, a mutant goes uncaught, or an invariant / injected failure kind was never exercised.
 
   runmap contract                                   # CPU, default budget (< 1 min)
   runmap contract --examples 1000 --seed 7
   runmap contract --device cuda --out results/contract/h200.json
+  runmap contract --device cuda --events cuda --examples 60 --out results/contract/h200-cuda-events.json
 """
 
 REPORT_VERSION = "contract-report-v1"
@@ -36,6 +42,9 @@ def add_arguments(p) -> None:
     p.add_argument("--seed", type=int, default=0, help="Hypothesis seed; default 0")
     p.add_argument("--device", choices=("cpu", "cuda"), default="cpu",
                    help="where the cache's device rows live: cpu tensors, or cuda (pinned staging, streams, events)")
+    p.add_argument("--events", choices=("controlled", "cuda"), default="controlled",
+                   help="who decides copy completion: the test's controlled transport (failures injected), or the "
+                        "real CUDA events (needs --device cuda); default %(default)s")
     p.add_argument("--out", default="results/contract/report.json", help="report path (JSON); default %(default)s")
     p.add_argument("--mutant-examples", type=int, default=400,
                    help="example budget per mutant before it counts as uncaught; default 400")
@@ -49,9 +58,9 @@ def _versions() -> dict:
     return v
 
 
-def _device_info(device: str) -> dict:
+def _device_info(device: str, events: str) -> dict:
     return {"requested": device, "transport": "CpuTransport" if device == "cpu" else "CudaTransport",
-            "name": device_name("cuda:0" if device == "cuda" else device)}
+            "name": device_name("cuda:0" if device == "cuda" else device), "events": events}
 
 
 def _first_line(exc: BaseException) -> str:
@@ -80,13 +89,18 @@ def run(args) -> int:
     if args.device == "cuda" and not torch.cuda.is_available():
         print("runmap contract: --device cuda requested but CUDA is not available", file=sys.stderr)
         return 2
+    if args.events == "cuda" and args.device != "cuda":
+        print("runmap contract: --events cuda needs --device cuda (the real CUDA transport and its events)",
+              file=sys.stderr)
+        return 2
     progress = None
     if not args.no_progress:
         from tqdm import tqdm
 
         progress = tqdm(desc="contract examples", unit="ex", file=sys.stderr)  # Hypothesis may run more than asked
     t0 = time.time()
-    stats, exc = cm.run_contract(args.examples, args.steps, args.seed, args.device, progress=progress)
+    stats, exc = cm.run_contract(args.examples, args.steps, args.seed, args.device, progress=progress,
+                                 events=args.events)
     if progress is not None:
         progress.close()
     duration = time.time() - t0
@@ -96,14 +110,24 @@ def run(args) -> int:
 
         traceback.print_exception(exc, file=sys.stderr)
 
-    unexercised = [n for n in cm.INVARIANTS if stats.invariants[n] == 0]
-    unexercised += [f"inject_{k}" for k in cm.FAIL_KINDS if stats.rules[f"inject_{k}"] == 0]
-    mutants = {}
+    unexercised = []
+    for n in cm.required_exercise(args.events):
+        kind, name = n.split(":", 1)
+        if (stats.invariants if kind == "invariant" else stats.rules)[name] == 0:
+            unexercised.append(name)
+    mutants, not_applicable = {}, {}
+    candidates = [(name, cls, None) for name, cls in cm.MUTANTS.items()]
+    candidates += [(name, None, cls) for name, cls in cm.TRANSPORT_MUTANTS.items()]
     if not args.no_mutants:
-        for name, cls in cm.MUTANTS.items():
+        for name, cls, tcls in candidates:
+            modes = cm.mutant_modes(tcls or cls)
+            if args.events not in modes:
+                not_applicable[name] = f"its fault shows only in events mode(s) {', '.join(modes)}"
+                continue
             t = time.time()
-            mstats, mexc = cm.run_contract(args.mutant_examples, args.steps, args.seed, args.device, cache_cls=cls,
-                                           shrink=False)
+            mstats, mexc = cm.run_contract(args.mutant_examples, args.steps, args.seed, args.device,
+                                           cache_cls=cls or cm.ExpertCache, transport_cls=tcls, shrink=False,
+                                           events=args.events)
             caught = isinstance(mexc, cm.ContractViolation)
             mutants[name] = {"caught": caught, "examples": mstats.examples, "seconds": round(time.time() - t, 2),
                              "violation": _first_line(mexc) if mexc is not None else None}
@@ -121,7 +145,7 @@ def run(args) -> int:
         "command": _command_line(),
         "created_utc": utc_timestamp(),
         "seed": args.seed,
-        "device": _device_info(args.device),
+        "device": _device_info(args.device, args.events),
         "library_versions": _versions(),
         "examples_requested": args.examples,
         "examples_run": stats.examples,
@@ -132,6 +156,7 @@ def run(args) -> int:
         "configurations": dict(sorted(stats.configs.items())),
         "invariants": {n: stats.invariants[n] for n in cm.INVARIANTS},
         "mutants": mutants,
+        "mutants_not_applicable": not_applicable,
         "failures": len(failures),
         "failure_details": failures,
         "passed": not failures,

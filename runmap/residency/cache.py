@@ -127,6 +127,8 @@ class Request:
 class ExpertCache:
     """See the module docstring. Build with ``from_pack`` or ``from_host``."""
 
+    request_cls = Request  # what ``admit`` hands out
+
     def __init__(self, host: HostSource, *, resident: int, spares: int | None = None, staging: int | None = None,
                  max_group: int, device="cpu", policy="lru", budget_bytes: int | None = None,
                  transport: Transport | None = None, prefill: bool = True, copy_monitor: bool = True):
@@ -256,7 +258,7 @@ class ExpertCache:
             gen = self._current
             rid = self._next_rid
             self._next_rid += 1
-            req = Request(self, gen, rid)
+            req = self.request_cls(self, gen, rid)
             self._pins[gen.number] += 1
             self._requests[rid] = req
             self.counters["requests_admitted"] += 1
@@ -431,16 +433,18 @@ class ExpertCache:
         todo = list(zip(experts, rows))
         for lo in range(0, len(todo), len(self._staging)):
             batch = todo[lo: lo + len(self._staging)]
-            bufs = [self._take_staging() for _ in batch]
-            jobs = [(self._storage[layer][row], buf.tensor, self.host.row_tensor(layer, e))
-                    for (e, row), buf in zip(batch, bufs)]
+            bufs: list[_Staging] = []
 
             def on_submit(j, ev, bufs=bufs, batch=batch):
                 bufs[j].event = ev
                 submitted.append((batch[j][1], ev))
                 self.counters["bytes_h2d"] += self.row_bytes
 
-            try:
+            try:  # a failure (or an interrupt) while taking buffers gives back the ones already taken
+                for _ in batch:
+                    bufs.append(self._take_staging())
+                jobs = [(self._storage[layer][row], buf.tensor, self.host.row_tensor(layer, e))
+                        for (e, row), buf in zip(batch, bufs)]
                 self.transport.copy_rows(jobs, on_submit)
             finally:
                 for buf in bufs:

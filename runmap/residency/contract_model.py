@@ -7,14 +7,31 @@ states. ``make_machine`` builds the machine for a cache class (the real one or a
 mutant from ``MUTANTS``) and a device; ``run_contract`` runs it with an example budget and returns
 statistics for ``runmap contract``.
 
+Two modes (``events``):
+
+* ``"controlled"`` (default): the ``ControlledTransport`` decides when each copy completes and injects a
+  failure (or a ``BaseException`` interrupt) at each step of a miss transaction.
+* ``"cuda"``: the real ``CudaTransport`` and its CUDA events alone decide completion; rows are large
+  (6.5 MB) and the copy stream is kept busy, and ``EventCheckingTransport`` compares each row with its
+  expert's bytes the moment its event reports completion, on a stream that is not ordered after the copy
+  stream. An event recorded before its copy, or a row read before its event, returns wrong bytes.
+
+After every step the reference model's prediction of the cache's counters (hits, misses, H2D bytes,
+evictions, transactions, aborts, outstanding leases, free staging buffers, ...) is compared exactly. The
+``request_block`` rule runs a whole request (``with cache.admit()``) whose expert calls may raise at each
+point (transport, event wait, publication, the kernel, as an ``Exception`` or a ``BaseException``) and
+checks that nothing it held is left behind.
+
 Used by ``runmap contract`` and by tests/test_contract_model.py (which also asserts that every
 mutant is caught).
 """
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import hashlib
 import random
+import sys
 from collections import Counter
 
 import torch
@@ -26,10 +43,14 @@ try:  # lets the seed be set on the generated test; fall back to the public runn
 except ImportError:  # pragma: no cover
     get_state_machine_test = None
 
-from runmap.residency.cache import CacheBusyError, CacheFaultedError, ExpertCache, TransactionAborted
+from runmap.residency.cache import (CacheBusyError, CacheError, CacheFaultedError, ExpertCache, Request,
+                                    TransactionAborted)
+from runmap.residency.host_source import HostSource
 from runmap.residency.observations import REQUIRED_ZERO
 from runmap.format.qpack import RowLayout
-from runmap.residency.transport import Event, Transport, TransferError, default_transport
+from runmap.residency.transport import CudaTransport, Event, Transport, TransferError, default_transport
+
+EVENT_MODES = ("controlled", "cuda")
 
 
 class ContractViolation(AssertionError):
@@ -39,6 +60,14 @@ class ContractViolation(AssertionError):
 def check(cond: bool, msg: str) -> None:
     if not cond:
         raise ContractViolation(msg)
+
+
+class InjectedError(RuntimeError):
+    """An injected failure that is not a transfer error (an event wait or a kernel that raised)."""
+
+
+class InjectedInterrupt(BaseException):
+    """An injected ``BaseException`` (what a KeyboardInterrupt or a cancellation looks like to the cache)."""
 
 
 # ---------------------------------------------------------------------------------------------------
@@ -80,7 +109,8 @@ class InMemoryPack:
 # The controllable transport
 # ---------------------------------------------------------------------------------------------------
 GARBAGE = 0xA5
-FAIL_KINDS = ("stage", "submit", "copy", "table", "after_publish")
+FAIL_KINDS = ("stage", "submit", "copy", "wait", "table", "after_publish")
+INTERRUPTIBLE = ("stage", "submit", "wait", "table", "after_publish")  # may raise a BaseException instead
 
 
 class _FakeEvent(Event):
@@ -98,7 +128,9 @@ class ControlledTransport(Transport):
     early publication). deferred=False: the real copy is issued at once (CUDA: on the real transfer
     stream) and the event completes when the test releases it *and* the real event has completed.
     ``arm(kind, k)`` makes the k-th operation of ``kind`` after arming fail: "stage", "submit",
-    "copy" (the k-th copy completes with an error and garbage in its row), "table", "after_publish".
+    "copy" (the k-th copy completes with an error and garbage in its row), "wait" (the k-th event wait
+    raises while its copy is still in flight), "table", "after_publish". ``interrupt=True`` raises
+    ``InjectedInterrupt`` (a BaseException) instead, for every kind but "copy".
     """
 
     def __init__(self, inner: Transport, deferred: bool = True, rng: random.Random | None = None):
@@ -112,10 +144,15 @@ class ControlledTransport(Transport):
         self.armed: tuple[str, int] | None = None
         self.counts = Counter()
         self.fired: str | None = None
+        self.interrupt = False
 
     # failure control ---------------------------------------------------------------------------------
-    def arm(self, kind: str | None, k: int = 0) -> None:
+    def arm(self, kind: str | None, k: int = 0, interrupt: bool = False) -> None:
         self.armed, self.counts, self.fired = ((kind, k) if kind else None), Counter(), None
+        self.interrupt = bool(interrupt and kind in INTERRUPTIBLE)
+
+    def _fail(self, exc_type, msg: str):
+        raise (InjectedInterrupt(f"injected interrupt: {msg}") if self.interrupt else exc_type(f"injected failure: {msg}"))
 
     def _hit(self, kind: str) -> bool:
         if self.armed is None or self.armed[0] != kind:
@@ -140,13 +177,13 @@ class ControlledTransport(Transport):
         if any(ev.staging.data_ptr() == ptr for ev in self.pending):
             self.staging_violations += 1  # rewriting a buffer a copy has not finished reading
         if self._hit("stage"):
-            raise TransferError("injected failure: host -> staging copy")
+            self._fail(TransferError, "host -> staging copy")
         self.inner.stage(staging, host_row)
         self.stage_bytes += host_row.numel()
 
     def h2d(self, dst_row, staging):
         if self._hit("submit"):
-            raise TransferError("injected failure: submitting the staging -> device copy")
+            self._fail(TransferError, "submitting the staging -> device copy")
         ev = _FakeEvent(len(self.events), dst_row, staging, staging.numel())
         ev.fail = self._hit("copy")
         if not self.deferred:
@@ -178,6 +215,8 @@ class ControlledTransport(Transport):
         return ev.state != "pending"
 
     def wait(self, ev):
+        if self._hit("wait"):  # before anything completes: the copy stays in flight
+            self._fail(InjectedError, f"waiting for copy {ev.id}")
         if ev.state == "pending":
             others = [o for o in self.pending if o is not ev]
             for o in self.rng.sample(others, self.rng.randint(0, len(others))):
@@ -192,13 +231,13 @@ class ControlledTransport(Transport):
 
     def upload_table(self, table):
         if self._hit("table"):
-            raise TransferError("injected failure: uploading the row table")
+            self._fail(TransferError, "uploading the row table")
         self.table_uploads += 1
         return self.inner.upload_table(table)
 
     def after_publish(self):
         if self._hit("after_publish"):
-            raise TransferError("injected ambiguous failure after publication")
+            self._fail(TransferError, "ambiguous failure after publication")
         self.inner.after_publish()
 
     def describe(self):
@@ -206,13 +245,123 @@ class ControlledTransport(Transport):
 
 
 # ---------------------------------------------------------------------------------------------------
+# CUDA-events mode: the real transport's events decide, the test checks the bytes they claim
+# ---------------------------------------------------------------------------------------------------
+CUDA_EVENTS_LAYOUT = (2048, 2048, 128)  # RowLayout.build args: 6,488,064-byte rows, slow enough to race
+BUSY_MS = 5.0  # GPU time kept queued on the copy stream ahead of every batch of row copies
+
+
+class EventCheckingTransport(Transport):
+    """Wraps a real CUDA transport without deciding anything: ``query`` and ``wait`` are the real events'.
+    Before each batch of copies the copy stream is kept busy for ``busy_ms`` (``torch.cuda._sleep``); the
+    moment an event reports completion, the row it fences is compared with its expert's bytes on
+    ``reader``, a stream that is not ordered after the copy stream. A mismatch is recorded (the machine
+    fails on it); the comparison makes no device -> host copy of expert storage."""
+
+    def __init__(self, inner: Transport, host: HostSource, expected: torch.Tensor, busy_ms: float = BUSY_MS):
+        super().__init__(inner.device)
+        self.inner, self.host, self.expected = inner, host, expected  # expected (L, E, row_bytes) on the device
+        self.busy_cycles = int(busy_ms * 2.0e6)  # ~2 GHz SM clock
+        self.reader = torch.cuda.Stream(device=inner.device)
+        self._base = host.row_tensor(0, 0).data_ptr()
+        self._fences: dict[int, tuple] = {}  # id(event) -> (event, dst row, layer, expert)
+        self.mismatches: list[str] = []
+        self.checked = 0
+
+    def _sync_counters(self):
+        self.h2d_bytes, self.stage_bytes = self.inner.h2d_bytes, self.inner.stage_bytes
+
+    def alloc_storage(self, rows, row_bytes):
+        return self.inner.alloc_storage(rows, row_bytes)
+
+    def alloc_staging(self, row_bytes):
+        return self.inner.alloc_staging(row_bytes)
+
+    def copy_rows(self, jobs, on_submit):
+        if self.busy_cycles:
+            with torch.cuda.stream(self.inner.stream):
+                torch.cuda._sleep(self.busy_cycles)
+
+        def submitted(j, ev):
+            dst, _stg, src = jobs[j]
+            idx = (src.data_ptr() - self._base) // self.host.row_bytes
+            self._fences[id(ev)] = (ev, dst, idx // self.host.num_experts, idx % self.host.num_experts)
+            on_submit(j, ev)
+
+        try:
+            self.inner.copy_rows(jobs, submitted)
+        finally:
+            self._sync_counters()
+
+    def _check(self, ev):
+        item = self._fences.pop(id(ev), None)
+        if item is None:
+            return
+        _ev, dst, layer, expert = item
+        with torch.cuda.stream(self.reader):
+            same = torch.equal(dst, self.expected[layer, expert])  # (row_bytes,) on the reader stream
+        self.checked += 1
+        if not same:
+            self.mismatches.append(f"layer {layer} expert {expert}: its event reported the copy complete but the "
+                                   "row does not hold the expert's bytes yet")
+
+    def query(self, ev):
+        done = self.inner.query(ev)
+        if done:
+            self._check(ev)
+        return done
+
+    def wait(self, ev):
+        self.inner.wait(ev)
+        self._check(ev)
+
+    def upload_table(self, table):
+        self.table_uploads += 1
+        return self.inner.upload_table(table)
+
+    def upload_table_async(self, table):
+        self.table_uploads += 1
+        return self.inner.upload_table_async(table)
+
+    def note_release(self):
+        self.inner.note_release()
+
+    def after_publish(self):
+        self.inner.after_publish()
+
+    def describe(self):
+        return {"kind": "EventCheckingTransport", "busy_cycles": self.busy_cycles, "inner": self.inner.describe()}
+
+
+class EventBeforeCopyTransport(CudaTransport):
+    """Broken on purpose: records each row's completion event *before* the copy it is meant to fence."""
+
+    def copy_rows(self, jobs, on_submit):
+        self._order_after_releases()
+        with torch.cuda.stream(self.stream):
+            for j, (dst, stg, src) in enumerate(jobs):
+                n = src.numel()
+                stg.copy_(src)  # (row_bytes,) pageable -> pinned
+                self.stage_bytes += n
+                ev = torch.cuda.Event()
+                ev.record(self.stream)  # the bug: the event precedes the copy
+                dst.copy_(stg, non_blocking=True)
+                self.h2d_bytes += n
+                on_submit(j, Event(ev, n))
+
+
+# ---------------------------------------------------------------------------------------------------
 # Deliberately broken caches: the model must catch every one (tests/test_contract_model.py)
+# ``modes``: the event modes in which the fault can show (the others cannot exercise it)
 # ---------------------------------------------------------------------------------------------------
 class PublishBeforeTransfer(ExpertCache):
     """Publishes the group without waiting for its copies."""
 
     def _wait_all(self, submitted):
         return None
+
+
+PublishBeforeTransfer.modes = ("controlled",)  # cuda: the row-table upload queued behind the rows is waited for
 
 
 class RecycleWithLiveLease(ExpertCache):
@@ -225,12 +374,16 @@ class RecycleWithLiveLease(ExpertCache):
 class ReuseStagingEarly(ExpertCache):
     """Reuses a staging buffer without waiting for the copy that reads it."""
 
+    modes = ("controlled",)  # needs a copy left in flight by an aborted transaction
+
     def _take_staging(self):
         return self._use_staging(self._staging[-1])
 
 
 class NoFenceOnAbort(ExpertCache):
     """Returns an aborted transaction's rows to the spares while their copies are still running."""
+
+    modes = ("controlled",)
 
     def _abort(self, layer, rows, submitted):
         self.counters["transactions_aborted"] += 1
@@ -247,8 +400,70 @@ class EvictLeased(ExpertCache):
 class IgnoreAmbiguousFailure(ExpertCache):
     """Reports the failure after publication but keeps admitting requests."""
 
+    modes = ("controlled",)
+
     def _fault(self, exc):
         self.counters["faults"] += 1
+
+
+class _KeepOnRaise(Request):
+    def __exit__(self, exc_type, *exc):
+        if exc_type is None:
+            self.release()
+        return False
+
+
+class LeakLeaseOnRaise(ExpertCache):
+    """A request block whose body raises keeps its leases and pins (``__exit__`` releases only on success)."""
+
+    request_cls = _KeepOnRaise
+
+
+class NoAbortOnInterrupt(ExpertCache):
+    """An interrupt (BaseException) during a miss transaction skips the abort: spares and staging leak."""
+
+    modes = ("controlled",)
+
+    def _abort(self, layer, rows, submitted):
+        if not isinstance(sys.exc_info()[1], Exception):
+            return
+        super()._abort(layer, rows, submitted)
+
+
+class OvercountH2DOnAbort(ExpertCache):
+    """Counts the rows an aborted transaction never copied as moved host -> device."""
+
+    modes = ("controlled",)
+
+    def _abort(self, layer, rows, submitted):
+        self.counters["bytes_h2d"] += self.row_bytes * (len(rows) - len(submitted))
+        super()._abort(layer, rows, submitted)
+
+
+class CountGroupAsMisses(ExpertCache):
+    """Counts every expert of a group that missed as a miss, the resident ones included."""
+
+    def _transaction(self, layer, group, cur, missing):
+        gen = super()._transaction(layer, group, cur, missing)
+        self.counters["misses"] += len(group) - len(missing)
+        return gen
+
+
+class ReadBackOnMiss(ExpertCache):
+    """Reads a newly copied row back to the host after each miss transaction (a device -> host copy)."""
+
+    def _transaction(self, layer, group, cur, missing):
+        gen = super()._transaction(layer, group, cur, missing)
+        self._storage[layer][gen.maps[layer][missing[0]]].to("cpu", copy=True)  # (row_bytes,) the read-back
+        return gen
+
+
+class WritebackOnEvict(ExpertCache):
+    """Copies each victim's row to a host buffer when it is evicted (a writeback)."""
+
+    def _retire(self, layer, row, expert, until):
+        self._victim_copy = self._storage[layer][row].to("cpu", copy=True)  # (row_bytes,) written back
+        super()._retire(layer, row, expert, until)
 
 
 MUTANTS = {
@@ -258,7 +473,19 @@ MUTANTS = {
     "no-fence-on-abort": NoFenceOnAbort,
     "evict-leased": EvictLeased,
     "ignore-ambiguous-failure": IgnoreAmbiguousFailure,
+    "leak-lease-on-raise": LeakLeaseOnRaise,
+    "no-abort-on-interrupt": NoAbortOnInterrupt,
+    "overcount-h2d-on-abort": OvercountH2DOnAbort,
+    "count-group-as-misses": CountGroupAsMisses,
+    "read-back-on-miss": ReadBackOnMiss,
+    "writeback-on-evict": WritebackOnEvict,
 }
+# broken transports, run with the real cache (CUDA-events mode only: a controlled transport would hide them)
+TRANSPORT_MUTANTS = {"event-before-copy": EventBeforeCopyTransport}
+
+
+def mutant_modes(cls) -> tuple:
+    return getattr(cls, "modes", EVENT_MODES) if cls not in TRANSPORT_MUTANTS.values() else ("cuda",)
 
 
 # ---------------------------------------------------------------------------------------------------
@@ -279,8 +506,13 @@ INVARIANTS = (
     "leased_rows_hold_expert_bytes", "published_within_capacity", "rows_conserved", "no_early_staging_reuse",
     "generations_strictly_increase", "abort_keeps_generation", "faulted_admits_nothing",
     "required_zero_observations", "lease_gets_exactly_its_group", "eviction_respects_leases",
-    "spares_only_from_free_rows",
+    "spares_only_from_free_rows", "counters_match_model", "request_block_gives_everything_back",
 )
+CUDA_INVARIANTS = ("events_fence_their_copies",)  # checked in the cuda mode only
+MODEL_COUNTERS = ("hits", "misses", "bytes_h2d", "bytes_h2d_transport", "evictions", "leases_outstanding",
+                  "staging_free", "transactions", "transactions_aborted", "busy_refusals", "faults",
+                  "requests_admitted", "requests_released", "leases", "all_hit_leases", "rows_fenced")
+BLOCK_RAISES = (None, "kernel", "kernel-interrupt")  # where a request block's body raises (besides acquire)
 
 
 # ---------------------------------------------------------------------------------------------------
@@ -293,7 +525,10 @@ class _Req:
 
 class CacheContractMachine(RuleBasedStateMachine):
     cache_cls = ExpertCache
+    transport_cls = None  # cuda mode: the real transport class (a broken one for a transport mutant)
     device = "cpu"
+    events = "controlled"
+    kernel_readback = False  # the expert kernel reads a row back to the host (tests: the observation sees it)
     stats: ContractStats = ContractStats()
 
     def __init__(self):
@@ -303,12 +538,17 @@ class CacheContractMachine(RuleBasedStateMachine):
         if self.stats.progress is not None:
             self.stats.progress.update(1)
 
+    @property
+    def controlled(self) -> bool:
+        return self.events == "controlled"
+
     # --- setup --------------------------------------------------------------------------------------------
     @initialize(data=st.data())
     def setup(self, data):
         d = data.draw
+        cuda_events = not self.controlled
         layers = d(st.integers(1, 2), label="layers")
-        experts = d(st.integers(2, 8), label="experts")
+        experts = d(st.integers(2, 6 if cuda_events else 8), label="experts")
         max_group = d(st.integers(1, min(4, experts)), label="max_group")
         if max_group == 1 and experts > 2:  # groups of one expert cannot leave copies in flight; keep them rare
             max_group = d(st.integers(1, min(4, experts)), label="max_group_again")
@@ -321,18 +561,27 @@ class CacheContractMachine(RuleBasedStateMachine):
                                                                       label="staging")
         self.policy = d(st.sampled_from(["lru", "lfu-decay"]), label="policy")
         prefill = d(st.booleans(), label="prefill")
-        deferred = d(st.booleans(), label="deferred") if self.device != "cpu" else True
+        deferred = d(st.booleans(), label="deferred") if self.device != "cpu" and not cuda_events else True
         rng = d(st.randoms(use_true_random=False), label="rng")
-        self.layout = RowLayout.build(8, 4, 4)  # 6 sections x 128-byte alignment: 768-byte rows
+        # 6 sections x 128-byte alignment: 768-byte rows; the cuda mode uses 6.5 MB rows (slow copies)
+        self.layout = RowLayout.build(*CUDA_EVENTS_LAYOUT) if cuda_events else RowLayout.build(8, 4, 4)
         g = torch.Generator().manual_seed(d(st.integers(0, 2**16), label="bytes_seed"))
         rows = [torch.randint(0, 256, (experts, self.layout.row_bytes), dtype=torch.uint8, generator=g)
                 for _ in range(layers)]
         self.pack = InMemoryPack(rows, self.layout)
-        self.transport = ControlledTransport(default_transport(self.device), deferred=deferred, rng=rng)
-        self.cache = self.cache_cls.from_pack(self.pack, resident=resident, spares=spares, staging=staging,
+        host = HostSource.from_pack(self.pack)
+        self.expected = torch.stack(rows).to(self.device)  # (L, E, row_bytes) reference bytes
+        if cuda_events:
+            inner = (self.transport_cls or CudaTransport)(self.device)
+            self.transport = EventCheckingTransport(inner, host, self.expected)
+            self.reader = self.transport.reader
+        else:
+            self.transport = ControlledTransport(default_transport(self.device), deferred=deferred, rng=rng)
+            self.reader = None
+        self.staging_n = staging
+        self.cache = self.cache_cls.from_host(host, resident=resident, spares=spares, staging=staging,
                                               max_group=max_group, device=self.device, policy=self.policy,
                                               transport=self.transport, prefill=prefill)
-        self.expected = torch.stack(rows).to(self.cache.device)  # (L, E, row_bytes) reference bytes
         self.L, self.E, self.R = layers, experts, resident + spares
         self.resident, self.max_group = resident, max_group
         # reference model ------------------------------------------------------------------------------
@@ -345,14 +594,19 @@ class CacheContractMachine(RuleBasedStateMachine):
         self.faulted = False
         self.last_use = {(lay, e): 0 for lay in range(layers) for e in self.history[self.gen][lay]}
         self.clock = 0
+        n0 = experts if full else (resident if prefill else 0)
+        self.m = Counter({k: 0 for k in MODEL_COUNTERS})  # the model's prediction of the cache's counters
+        self.m["bytes_h2d"] = self.m["bytes_h2d_transport"] = layers * n0 * self.layout.row_bytes
+        self.m["staging_free"] = staging
         self.stats.configs["full" if full else "partial"] += 1
         self.stats.configs[self.policy] += 1
-        self.stats.configs["deferred" if deferred else "immediate"] += 1
+        self.stats.configs["cuda-events" if cuda_events else ("deferred" if deferred else "immediate")] += 1
         if full or prefill:
             check(self.gen == 1, f"startup published generation {self.gen}, expected 1")
         if full:
             check(all(len(self.history[1][lay]) == experts for lay in range(layers)),
                   "full residency: generation 1 does not map every expert")
+        self._check_events()
 
     # --- model helpers ------------------------------------------------------------------------------------
     def _live_pins(self):
@@ -371,6 +625,11 @@ class CacheContractMachine(RuleBasedStateMachine):
         used |= {row for row, _ in self._pending_fenced(layer)}
         return set(range(self.R)) - used
 
+    def _model_staging_free(self):
+        """Staging buffers whose last copy has completed: all but those of copies aborted in flight."""
+        busy = {ev.staging.data_ptr() for lay in range(self.L) for _r, ev in self._pending_fenced(lay)}
+        return self.staging_n - len(busy)
+
     def _leased(self, layer):
         return {e for r in self.reqs.values() for lay, grp, _g in r.leases if lay == layer for e in grp}
 
@@ -380,6 +639,16 @@ class CacheContractMachine(RuleBasedStateMachine):
     def _step(self, name):
         self.stats.rules[name] += 1
         self.stats.steps += 1
+
+    def _reading(self):
+        """Where the test reads device rows: the cuda mode reads on a stream not ordered after the copies."""
+        return torch.cuda.stream(self.reader) if self.reader is not None else contextlib.nullcontext()
+
+    def _check_events(self):
+        if self.controlled:
+            return
+        check(not self.transport.mismatches, "; ".join(self.transport.mismatches[:3]))
+        self._note("events_fence_their_copies")
 
     # --- rules --------------------------------------------------------------------------------------------
     @precondition(lambda self: self.cache is not None and len(self.reqs) < 3)
@@ -395,6 +664,7 @@ class CacheContractMachine(RuleBasedStateMachine):
                 return
             raise ContractViolation("a FAULTED cache admitted a request")
         req = self.cache.admit()
+        self.m["requests_admitted"] += 1
         check(req.generation == self.gen, f"admission captured generation {req.generation}, current is {self.gen}")
         self.reqs[req.id] = _Req(req, self.gen)
 
@@ -402,9 +672,15 @@ class CacheContractMachine(RuleBasedStateMachine):
     @rule(data=st.data())
     def acquire(self, data):
         self._step("acquire")
+        rid = data.draw(st.sampled_from(sorted(self.reqs)), label="request")
+        got, exc, _lease = self._acquire_step(self.reqs[rid], data)
+        if isinstance(exc, InjectedInterrupt):
+            self.stats.outcomes["interrupt_outside_block"] += 1  # the request stays live, as a caller may keep it
+
+    def _acquire_step(self, r: _Req, data):
+        """One acquisition by request ``r`` with its prediction, failure injection and checks.
+        Returns (outcome, the exception the cache raised or None, the lease or None)."""
         d = data.draw
-        rid = d(st.sampled_from(sorted(self.reqs)), label="request")
-        r = self.reqs[rid]
         layer = d(st.integers(0, self.L - 1), label="layer")
         top_k = d(st.integers(1, self.max_group), label="top_k")
         batch = d(st.lists(st.lists(st.integers(0, self.E - 1), min_size=top_k, max_size=top_k, unique=True),
@@ -413,9 +689,13 @@ class CacheContractMachine(RuleBasedStateMachine):
         group = tuple(sorted(order[: self.max_group]))  # the engine sizes max_group = top_k x batch
         ids = [e for row in batch for e in row if e in group]
         gen_before = self.cache.generation
+        rb = self.layout.row_bytes
+        interrupt = False
+        moved = 0  # rows the transaction is predicted to submit host -> device
         # predict --------------------------------------------------------------------------------------
         cur_map = self.history[self.gen][layer]
         req_map = self.history[r.gen][layer]
+        missing, n_evict = [], 0
         if self.faulted:
             expect = "faulted"
         elif all(e in req_map for e in group):
@@ -430,71 +710,118 @@ class CacheContractMachine(RuleBasedStateMachine):
             if n_evict > len(candidates) or len(missing) > len(free):
                 expect = "busy"
             else:
-                expect = "miss"
-                # a failure is drawn only for a transaction, so every injection meets a transaction
-                fail = d(st.one_of(st.none(), st.sampled_from(FAIL_KINDS)), label="fail")
+                expect, moved = "miss", len(missing)
+                fail = None
+                if self.controlled:  # a failure is drawn only for a transaction, so every injection meets one
+                    fail = d(st.one_of(st.none(), st.sampled_from(FAIL_KINDS)), label="fail")
                 if fail is not None:  # k-th operation of that kind; table and after_publish happen once
-                    fail = (fail, d(st.sampled_from([0, 1, 1, 2]), label="k") if fail in ("stage", "submit", "copy")
-                            else 0)
-                self.transport.arm(*(fail or (None,)))
-                if fail:
+                    fail = (fail, d(st.sampled_from([0, 1, 1, 2]), label="k")
+                            if fail in ("stage", "submit", "copy", "wait") else 0)
+                    interrupt = fail[0] in INTERRUPTIBLE and d(st.integers(0, 2), label="interrupt") == 0
+                    self.transport.arm(*fail, interrupt=interrupt)
                     self.stats.rules[f"inject_{fail[0]}"] += 1
+                    if interrupt:
+                        self.stats.rules["inject_interrupt"] += 1
+                elif self.controlled:
+                    self.transport.arm(None)
                 kind, k = fail if fail else (None, 0)
-                if kind in ("stage", "submit", "copy") and k < len(missing):
+                n = len(missing)
+                if kind in ("stage", "submit") and k < n:
+                    expect, moved = "abort", k
+                elif kind == "copy" and k < n:
                     expect = "abort"
+                elif kind == "wait":
+                    # Buffers still busy with aborted copies are waited for while they are taken (before any
+                    # copy), and each such wait may complete other copies first, in an order the model does not
+                    # draw: whether the k-th wait falls there, in the final waits, or never, is read afterwards.
+                    expect = "wait?"
                 elif kind == "table" and k == 0:
                     expect = "abort"
                 elif kind == "after_publish" and k == 0:
                     expect = "fault"
-        n_events = len(self.transport.events)
+                if expect not in ("abort", "fault", "wait?"):
+                    interrupt = False
+        n_events = len(self.transport.events) if self.controlled else 0
         # act ------------------------------------------------------------------------------------------
+        lease, exc = None, None
         try:
             lease = r.handle.acquire(layer, torch.tensor(ids))
             got = "ok"
-        except CacheFaultedError:
-            got = "faulted" if expect == "faulted" else "fault"
-        except TransactionAborted:
-            got = "abort"
-        except CacheBusyError:
-            got = "busy"
+        except CacheFaultedError as e:
+            got, exc = ("faulted" if expect == "faulted" else "fault"), e
+        except TransactionAborted as e:
+            got, exc = "abort", e
+        except CacheBusyError as e:
+            got, exc = "busy", e
+        except InjectedInterrupt as e:
+            got, exc = "interrupt", e
         except ContractViolation:
             raise
-        except Exception as exc:  # anything else is a contract violation, not a test error
-            raise ContractViolation(f"acquire raised {type(exc).__name__}: {exc}") from exc
-        self.transport.arm(None)
+        except Exception as e:  # anything else is a contract violation, not a test error
+            raise ContractViolation(f"acquire raised {type(e).__name__}: {e}") from e
+        if expect == "wait?":
+            if self.transport.fired == "wait":
+                moved = len(self.transport.events) - n_events  # 0: it fired while taking staging, else all
+                check(moved in (0, len(missing)), f"an event wait failed after {moved} of {len(missing)} copies")
+                expect = "abort"
+            else:
+                expect, interrupt = "miss", False
+        if self.controlled:
+            self.transport.arm(None)
+        self._check_events()
         self.stats.outcomes[got if got != "ok" else expect] += 1
         if expect in ("hit", "miss"):
             check(got == "ok", f"layer {layer} group {group}: expected a lease ({expect}), got {got} "
                                "(a request lost its experts)")
+        elif interrupt:
+            check(got == "interrupt", f"layer {layer} group {group}: an injected interrupt ({expect} point) "
+                                      f"surfaced as {got}")
+            self.stats.outcomes[f"interrupt_{expect}"] += 1
         else:
             check(got == expect, f"layer {layer} group {group}: expected {expect}, got {got}")
-        if got in ("busy", "abort", "faulted"):
+        # counters the model predicts --------------------------------------------------------------------
+        self.m["bytes_h2d"] += moved * rb
+        self.m["bytes_h2d_transport"] += moved * rb
+        if expect == "busy":
+            self.m["busy_refusals"] += 1
+        outcome = "fault" if expect == "fault" else ("abort" if expect == "abort" else got)
+        if outcome in ("busy", "abort", "faulted"):
             check(self.cache.generation == gen_before, f"{got}: generation moved {gen_before} -> "
                                                        f"{self.cache.generation}")
-            if got == "abort":
+            if outcome == "abort":
+                self.m["transactions_aborted"] += 1
                 self._note("abort_keeps_generation")
                 left = [ev for ev in self.transport.events[n_events:] if ev.state == "pending"]
                 for ev in left:
                     self.fenced[layer].append((self._row_of(layer, ev.dst), ev))
+                self.m["rows_fenced"] += len(left)
                 if left:
                     self.stats.outcomes["abort_with_copies_in_flight"] += 1
-            return
+            return got, exc, None
         # the transaction published (miss or fault): check the transition -------------------------------
         if expect in ("miss", "fault"):
             self._check_publication(layer, group, missing, n_evict, cur_map)
-        if got == "fault":
+            self.m["transactions"] += 1
+            self.m["evictions"] += max(n_evict, 0)
+        if outcome == "fault":
+            self.m["faults"] += 1
             self.faulted = True
-            return
+            return got, exc, None
         check(lease.experts == group, f"lease experts {lease.experts} != requested group {group}")
         lease_gen = lease_gen if expect == "hit" else self.gen
         check(lease.generation == lease_gen, f"lease on generation {lease.generation}, expected {lease_gen}")
         gmap = self.history[lease_gen][layer]
         check(dict(lease.rows) == {e: gmap[e] for e in group},
               f"lease rows {dict(lease.rows)} differ from generation {lease_gen}'s mapping of {group}")
-        table = lease.row_table.to("cpu").tolist()
+        with self._reading():
+            table = lease.row_table.to("cpu").tolist()
         check(table == [gmap.get(e, -1) for e in range(self.E)],
               f"row table {table} != generation {lease_gen} mapping {gmap}")
         self._note("lease_gets_exactly_its_group")
+        self.m["hits"] += len(group) - len(missing)
+        self.m["misses"] += len(missing)
+        self.m["leases"] += 1
+        self.m["all_hit_leases"] += expect == "hit"
         if lease_gen > r.gen:
             r.gen = lease_gen
         r.pins.add(lease_gen)
@@ -502,6 +829,7 @@ class CacheContractMachine(RuleBasedStateMachine):
         self.clock += 1
         for e in group:
             self.last_use[(layer, e)] = self.clock
+        return got, None, lease
 
     def _row_of(self, layer, dst):
         base = self.cache.storage(layer)
@@ -538,6 +866,71 @@ class CacheContractMachine(RuleBasedStateMachine):
                                       for lay in range(self.L))
         self.gen = new_gen
 
+    def _kernel(self, lease, layer):
+        """The expert call's read of its lease: every leased row holds its expert's bytes."""
+        rows = torch.tensor([lease.rows[e] for e in lease.experts], device=lease.storage.device)
+        experts = torch.tensor(lease.experts, device=lease.storage.device)
+        with self._reading():
+            ok = torch.equal(lease.storage.index_select(0, rows), self.expected[layer].index_select(0, experts))
+            if self.kernel_readback:
+                lease.storage[lease.rows[lease.experts[0]]].to("cpu", copy=True)  # a deliberate read-back
+        check(ok, f"layer {layer}: an expert call read rows that do not hold its experts {lease.experts}")
+
+    @precondition(lambda self: self.cache is not None and len(self.reqs) < 3)
+    @rule(data=st.data())
+    def request_block(self, data):
+        """A whole request: ``with cache.admit()`` around 1-2 expert calls (acquire, then the kernel), any of
+        which may raise (the acquisition through the injected failures, the kernel as an Exception or a
+        BaseException). Afterwards nothing the request held may be left behind."""
+        self._step("request_block")
+        calls = data.draw(st.integers(1, 2), label="calls")
+        raises = data.draw(st.sampled_from(BLOCK_RAISES), label="raises")
+        if self.faulted:
+            try:
+                with self.cache.admit():
+                    pass
+            except CacheFaultedError:
+                self._note("faulted_admits_nothing")
+                return
+            raise ContractViolation("a FAULTED cache admitted a request")
+        before = {lay: set(self.cache.leased_experts(lay)) for lay in range(self.L)}
+        rid, ended = None, "completed"
+        try:
+            with self.cache.monitored(), self.cache.admit() as h:
+                self.m["requests_admitted"] += 1
+                rid = h.id
+                self.reqs[rid] = r = _Req(h, self.gen)
+                for i in range(calls):
+                    got, exc, lease = self._acquire_step(r, data)
+                    if exc is not None:
+                        ended = f"acquire_{got}"
+                        raise exc
+                    self._kernel(lease, lease.layer)
+                    if raises and i == calls - 1:
+                        ended = raises
+                        self.stats.rules[f"inject_{raises}"] += 1
+                        if raises == "kernel-interrupt":
+                            raise InjectedInterrupt("injected interrupt inside the expert kernel")
+                        raise InjectedError("injected failure inside the expert kernel")
+        except ContractViolation:
+            raise
+        except (CacheError, InjectedError, InjectedInterrupt) as exc:
+            check(ended != "completed", f"request block raised {type(exc).__name__} at no injected point: {exc}")
+        finally:
+            if rid is not None:
+                self.reqs.pop(rid, None)
+                self.m["requests_released"] += 1
+        self.stats.outcomes[f"block_{ended}"] += 1
+        check(h.released, f"request block ({ended}): its request was not released")
+        check(self.cache.live_requests() == len(self.reqs),
+              f"request block ({ended}): {self.cache.live_requests()} live requests, model has {len(self.reqs)}")
+        for lay in range(self.L):
+            check(self.cache.leased_experts(lay) == self._leased(lay),
+                  f"request block ({ended}): layer {lay} leases {sorted(self.cache.leased_experts(lay))} left, "
+                  f"model {sorted(self._leased(lay))} (before the block {sorted(before[lay])})")
+        check(self.cache.staging_reserved() == 0, f"request block ({ended}): staging buffers still reserved")
+        self._note("request_block_gives_everything_back")
+
     @precondition(lambda self: self.cache is not None and self.cache.full_residency and bool(self.reqs))
     @rule(data=st.data())
     def acquire_all(self, data):
@@ -556,6 +949,9 @@ class CacheContractMachine(RuleBasedStateMachine):
               f"full residency acquire_all: experts {lease.experts} generation {lease.generation}")
         check(torch.equal(self.cache.static_row_table(layer), lease.row_table), "static row table differs")
         self._note("lease_gets_exactly_its_group")
+        self.m["hits"] += self.E
+        self.m["leases"] += 1
+        self.m["all_hit_leases"] += 1
         r.leases.append((layer, lease.experts, lease.generation))
 
     @precondition(lambda self: bool(self.reqs))
@@ -564,8 +960,9 @@ class CacheContractMachine(RuleBasedStateMachine):
         self._step("release")
         rid = data.draw(st.sampled_from(sorted(self.reqs)), label="request")
         self.reqs.pop(rid).handle.release()
+        self.m["requests_released"] += 1
 
-    @precondition(lambda self: self.cache is not None and bool(self.transport.pending))
+    @precondition(lambda self: self.cache is not None and self.controlled and bool(self.transport.pending))
     @rule(n=st.integers(1, 4), fail=st.booleans())
     def complete_late(self, n, fail):
         """Copies of aborted transactions finish later, in any order, possibly with an error."""
@@ -589,10 +986,13 @@ class CacheContractMachine(RuleBasedStateMachine):
                     continue
                 experts = torch.tensor(sorted(m), device=self.expected.device)
                 rows = torch.tensor([m[e] for e in sorted(m)], device=self.expected.device)
-                got = self.cache.storage(layer).index_select(0, rows)  # (n, row_bytes)
-                want = self.expected[layer].index_select(0, experts)  # (n, row_bytes)
-                if not torch.equal(got, want):
-                    bad = [e for e, ok in zip(sorted(m), (got == want).all(dim=1).tolist()) if not ok]
+                with self._reading():
+                    got = self.cache.storage(layer).index_select(0, rows)  # (n, row_bytes)
+                    want = self.expected[layer].index_select(0, experts)  # (n, row_bytes)
+                    same = torch.equal(got, want)
+                    if not same:
+                        bad = [e for e, ok in zip(sorted(m), (got == want).all(dim=1).tolist()) if not ok]
+                if not same:
                     raise ContractViolation(f"generation {g} layer {layer}: rows of experts {bad} do not hold "
                                             "their expert's bytes")
         self._note("leased_rows_hold_expert_bytes")
@@ -622,9 +1022,11 @@ class CacheContractMachine(RuleBasedStateMachine):
     def staging_and_observations(self):
         if self.cache is None:
             return
-        check(self.transport.staging_violations == 0,
-              f"{self.transport.staging_violations} staging buffers rewritten before their copy completed")
-        self._note("no_early_staging_reuse")
+        if self.controlled:
+            check(self.transport.staging_violations == 0,
+                  f"{self.transport.staging_violations} staging buffers rewritten before their copy completed")
+            self._note("no_early_staging_reuse")
+        self._check_events()
         tel = self.cache.telemetry()
         for name in REQUIRED_ZERO:
             o = tel["observations"][name]
@@ -636,12 +1038,36 @@ class CacheContractMachine(RuleBasedStateMachine):
         if self.faulted:
             self._note("faulted_admits_nothing")
         check(tel["counters"]["generations"] == self.gen, "generation counter differs from the model")
+        # every counter against the model ----------------------------------------------------------------
+        self.m["leases_outstanding"] = sum(len(r.leases) for r in self.reqs.values())
+        self.m["staging_free"] = self._model_staging_free() if self.controlled else self.staging_n
+        c = tel["counters"]
+        wrong = {k: (c.get(k), self.m[k]) for k in MODEL_COUNTERS if c.get(k) != self.m[k]}
+        check(not wrong, "cache counters differ from the model (cache, model): "
+                         + ", ".join(f"{k} {a} != {b}" for k, (a, b) in sorted(wrong.items())))
+        check(self.cache.outstanding_leases() == self.m["leases_outstanding"]
+              and self.cache.staging_reserved() == 0 and self.cache.live_requests() == len(self.reqs),
+              f"outstanding leases {self.cache.outstanding_leases()} (model {self.m['leases_outstanding']}), "
+              f"reserved staging {self.cache.staging_reserved()}, live requests {self.cache.live_requests()} "
+              f"(model {len(self.reqs)})")
+        for layer in range(self.L):
+            check(self.cache.leased_experts(layer) == self._leased(layer),
+                  f"layer {layer}: leased experts {sorted(self.cache.leased_experts(layer))}, model "
+                  f"{sorted(self._leased(layer))}")
+        self._note("counters_match_model")
 
 
-def make_machine(cache_cls=ExpertCache, device: str = "cpu", stats: ContractStats | None = None):
-    """A CacheContractMachine subclass bound to a cache class, a device and a stats object."""
-    return type(f"CacheContract_{cache_cls.__name__}", (CacheContractMachine,),
-                {"cache_cls": cache_cls, "device": device, "stats": stats or ContractStats()})
+def make_machine(cache_cls=ExpertCache, device: str = "cpu", stats: ContractStats | None = None,
+                 events: str = "controlled", transport_cls=None, kernel_readback: bool = False):
+    """A CacheContractMachine subclass bound to a cache class, a device, an event mode and a stats object."""
+    if events not in EVENT_MODES:
+        raise ValueError(f"events must be one of {EVENT_MODES}, got {events!r}")
+    if events == "cuda" and torch.device(device).type != "cuda":
+        raise ValueError("the cuda event mode needs device='cuda' (the real CUDA transport and its events)")
+    name = f"CacheContract_{cache_cls.__name__}" + (f"_{transport_cls.__name__}" if transport_cls else "")
+    return type(name, (CacheContractMachine,),
+                {"cache_cls": cache_cls, "device": device, "stats": stats or ContractStats(), "events": events,
+                 "transport_cls": transport_cls, "kernel_readback": kernel_readback})
 
 
 def contract_settings(examples: int, steps: int, **kw) -> settings:
@@ -650,10 +1076,11 @@ def contract_settings(examples: int, steps: int, **kw) -> settings:
 
 
 def run_contract(examples: int = 100, steps: int = 30, seed: int = 0, device: str = "cpu",
-                 cache_cls=ExpertCache, shrink: bool = True, progress=None) -> tuple[ContractStats, BaseException | None]:
+                 cache_cls=ExpertCache, shrink: bool = True, progress=None, events: str = "controlled",
+                 transport_cls=None, kernel_readback: bool = False) -> tuple[ContractStats, BaseException | None]:
     """Run the state machine; returns (stats, the failure or None)."""
     stats = ContractStats(progress=progress)
-    machine = make_machine(cache_cls, device, stats)
+    machine = make_machine(cache_cls, device, stats, events, transport_cls, kernel_readback)
     phases = [Phase.generate] + ([Phase.shrink] if shrink else [])
     cfg = contract_settings(examples, steps, phases=phases)
     if get_state_machine_test is not None:
@@ -672,5 +1099,18 @@ def run_contract(examples: int = 100, steps: int = 30, seed: int = 0, device: st
     return stats, None
 
 
-__all__ = ["CacheContractMachine", "ControlledTransport", "ContractStats", "ContractViolation", "InMemoryPack",
-           "INVARIANTS", "MUTANTS", "make_machine", "run_contract"]
+def required_exercise(events: str = "controlled") -> list[str]:
+    """Invariants and rule counters a run must have exercised for its report to pass."""
+    names = [f"invariant:{n}" for n in INVARIANTS if not (events == "cuda" and n == "no_early_staging_reuse")]
+    if events == "cuda":
+        names += [f"invariant:{n}" for n in CUDA_INVARIANTS]
+        names += ["rule:inject_kernel", "rule:inject_kernel-interrupt"]
+    else:
+        names += [f"rule:inject_{k}" for k in FAIL_KINDS] + ["rule:inject_interrupt", "rule:inject_kernel",
+                                                            "rule:inject_kernel-interrupt"]
+    return names
+
+
+__all__ = ["CacheContractMachine", "ControlledTransport", "ContractStats", "ContractViolation", "EVENT_MODES",
+           "EventBeforeCopyTransport", "EventCheckingTransport", "InMemoryPack", "INVARIANTS", "MUTANTS",
+           "TRANSPORT_MUTANTS", "make_machine", "mutant_modes", "required_exercise", "run_contract"]
