@@ -193,6 +193,7 @@ def check_pack(pack_dir: str | Path) -> list[tuple[str, str]]:
     if not problems:
         try:
             with PackReader(pack_dir, verify=False) as r:
+                r.check_nonrouted_tensors()
                 for layer in range(r.num_layers):
                     r.verify_expert_hashes(layer, r.read_expert_rows(layer))
         except PackError as e:
@@ -231,6 +232,8 @@ class PackReader:
             self.layout = RowLayout.from_dict(m["row_layout"])
             self._layers = {int(e["layer"]): e for e in m["layers"]}
             self._nonrouted_names = list(m["nonrouted"]["tensors"])
+            if not all(isinstance(n, str) for n in self._nonrouted_names):
+                raise TypeError("nonrouted.tensors must be a list of tensor names (strings)")
             self._nonrouted_file = self.path / m["nonrouted"]["file"]
             for e in self._layers.values():
                 int(e["offset"]), int(e["num_experts"]), int(e["row_bytes"])
@@ -253,6 +256,21 @@ class PackReader:
         self.verified = bool(verify)
         if self.verified:
             self._verify_files()
+        self._check_config_json(mpath)
+
+    def _check_config_json(self, mpath: Path) -> None:
+        """The manifest's model config is what the engine uses; it must be the one of the pack's config.json
+        (covered by its digest), so an edited manifest cannot silently change the model."""
+        from runmap.arch.config import ConfigError
+
+        try:
+            on_disk = ModelConfig.from_checkpoint_dir(self.path)
+        except (ConfigError, OSError, ValueError, TypeError, KeyError) as e:
+            raise PackError(f"{self.path / 'config.json'}: cannot read the pack's model config: {e}") from e
+        if on_disk != self.config:
+            diff = sorted(k for k in vars(on_disk) if getattr(on_disk, k) != getattr(self.config, k))
+            raise PackError(f"{mpath}: model config differs from the pack's config.json in {diff} (manifest edited "
+                            "or files mixed from two packs)")
 
     def _verify_files(self) -> None:
         """Hash the non-routed file and every recorded file that is not an expert-layer file (config,
@@ -267,6 +285,7 @@ class PackReader:
             n = verify_file(self.path, entry)
             self.bytes_verified += n
             self.bytes_read += n
+        self.check_nonrouted_tensors()
         self.verify_s = time.perf_counter() - t
 
     def _check_format(self, mpath: Path) -> None:
@@ -316,18 +335,35 @@ class PackReader:
         """HF names of every non-routed tensor (embeddings, attention, norms, router, shared expert, lm_head)."""
         return list(self._nonrouted_names)
 
-    def nonrouted(self, name: str) -> torch.Tensor:
-        """One non-routed tensor: torch.float16, its HF shape, a fresh CPU copy."""
-        self._check_open(f"non-routed tensor {name!r}")
-        if name not in self._nonrouted_names:
-            raise PackError(f"{self.path / MANIFEST}: no non-routed tensor {name!r}")
+    def _nonrouted_index(self) -> tuple[dict, int]:
         if self._nonrouted_header is None:
             try:
                 self._nonrouted_header = read_header(self._nonrouted_file)
                 self.bytes_read += self._nonrouted_header[1]  # header bytes, read once
             except (SafetensorsFormatError, OSError) as e:
                 raise PackError(f"{self._nonrouted_file}: {e}") from e
-        header, data_start = self._nonrouted_header
+        return self._nonrouted_header
+
+    def check_nonrouted_tensors(self) -> None:
+        """The manifest's non-routed tensor list must be exactly the F16 tensors of the file's header (a name
+        dropped from the manifest would make a complete file unusable; an extra one, a missing tensor)."""
+        header, _ = self._nonrouted_index()
+        in_file = {k for k in header if k != "__metadata__"}
+        listed = set(self._nonrouted_names)
+        if in_file != listed or len(listed) != len(self._nonrouted_names):
+            raise PackError(f"{self.path / MANIFEST}: nonrouted.tensors does not list the tensors of "
+                            f"{self._nonrouted_file.name}: missing {sorted(in_file - listed)[:5]}, extra "
+                            f"{sorted(listed - in_file)[:5]}, {len(self._nonrouted_names) - len(listed)} repeated")
+        bad = sorted(k for k in in_file if header[k].get("dtype") != "F16")
+        if bad:
+            raise PackError(f"{self._nonrouted_file}: tensors {bad[:5]} are not F16")
+
+    def nonrouted(self, name: str) -> torch.Tensor:
+        """One non-routed tensor: torch.float16, its HF shape, a fresh CPU copy."""
+        self._check_open(f"non-routed tensor {name!r}")
+        if name not in self._nonrouted_names:
+            raise PackError(f"{self.path / MANIFEST}: no non-routed tensor {name!r}")
+        header, data_start = self._nonrouted_index()
         e = header.get(name)
         if e is None or e["dtype"] != "F16":
             raise PackError(f"{self._nonrouted_file}: tensor {name!r} missing or not F16")

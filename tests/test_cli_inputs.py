@@ -1,0 +1,262 @@
+"""Bad input never ends in a traceback, and every subcommand follows one exit-code convention.
+
+Hypothesis draws argument vectors for `runmap pack`, `validate`, `synth`, `generate`, `logits`,
+`ifeval score` and `report` from each subcommand's own parser (random subsets of its flags, random values
+of the wrong type or range, nonexistent paths, files where directories are expected and the reverse),
+runs them in-process in an empty temporary working directory and asserts: the exit status is 0, 1 or 2
+(the convention in `runmap --help`), no traceback is printed, and nothing is created or changed in the
+working directory except at a path named on the command line; the shared fixtures are never changed.
+Random corruptions of a pack manifest (a key deleted, a value of another type, a file name pointing
+outside the pack) go to `runmap validate` and Engine.from_pack, which must refuse them with an error of
+the kinds the CLI reports in one line (never TypeError, KeyError, AttributeError, IndexError, ...).
+
+`runmap bench` is tested by its owners (tests/test_bench*.py).
+"""
+import contextlib
+import io
+import json
+import os
+import shutil
+import tempfile
+from pathlib import Path
+
+import pytest
+import torch
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+
+from runmap.arch.config import load_preset
+from runmap.cli.main import build_parser, main
+from runmap.format.pack import pack_checkpoint
+from runmap.synth.checkpoint import write_synthetic
+
+SUBCOMMANDS = [("pack",), ("validate",), ("synth",), ("generate",), ("logits",), ("ifeval", "score"), ("report",)]
+EXAMPLES = int(os.environ.get("RUNMAP_CLI_EXAMPLES", "12"))  # per subcommand; 12 keeps the module well under 40 s
+CLI_SETTINGS = settings(max_examples=EXAMPLES, deadline=None,
+                        suppress_health_check=[HealthCheck.too_slow, HealthCheck.function_scoped_fixture])
+
+
+@pytest.fixture(scope="module")
+def fixtures(tmp_path_factory):
+    """A tiny checkpoint and its pack, outside every example's working directory (read-only for them)."""
+    base = tmp_path_factory.mktemp("cli-inputs")
+    ck = write_synthetic(load_preset("tiny-olmoe")[0], base / "ck", seed=1)
+    pk = pack_checkpoint(ck, base / "pack", device="cpu")
+    return {"checkpoint": ck, "pack": pk}
+
+
+def _snapshot(root: Path) -> dict:
+    out = {}
+    for dirpath, dirnames, filenames in os.walk(root):
+        for n in dirnames + filenames:
+            p = Path(dirpath) / n
+            st_ = p.lstat()
+            out[p.relative_to(root).as_posix()] = (p.is_dir(), st_.st_size, st_.st_mtime_ns)
+    return out
+
+
+def _parser_actions(path: tuple[str, ...]):
+    """(optionals, positionals) of a subcommand's parser."""
+    parser = build_parser()
+    for name in path:
+        sub = next(a for a in parser._actions if a.__class__.__name__ == "_SubParsersAction")
+        parser = sub.choices[name]
+    opts = [a for a in parser._actions if a.option_strings and a.dest != "help"]
+    pos = [a for a in parser._actions if not a.option_strings and a.__class__.__name__ != "_SubParsersAction"]
+    return opts, pos
+
+
+# Values for one argument. "@pack" / "@checkpoint" are replaced by the fixture paths (read-only inputs);
+# every other path is relative to the example's empty working directory.
+SAFE_TEXT = st.text(alphabet=st.characters(codec="utf-8", exclude_categories=["Cs", "Cc"]), max_size=12)
+PATHS = st.sampled_from(["missing", "missing/deeper/x.json", "afile.txt", "adir", "adir/", "out/new",
+                         "out.safetensors", "../escape-attempt-not-used", ".", "@pack", "@checkpoint"])
+NUMBERS = st.one_of(st.integers(-(2 ** 70), 2 ** 70).map(str), st.sampled_from(["0", "-1", "1", "3", "1e9", "nan",
+                                                                                 "inf", "-0.5", "0x10", ""]))
+VALUES = st.one_of(PATHS, NUMBERS, SAFE_TEXT, st.sampled_from(["5,6,7", "1,,x", "tiny-olmoe", "nosuch=x"]))
+# inputs that would make a valid run long or large are kept out: the real OLMoE preset (a 14 GB synth)
+FORBIDDEN = {"olmoe-1b-7b-0924", "qwen1.5-moe-a2.7b"}
+
+
+def _value_for(action, draw):
+    """Mostly a value of the right kind (a choice, a number for a typed option), sometimes anything."""
+    if draw(st.integers(0, 4)) == 0:
+        return draw(VALUES)
+    if action.choices:
+        return draw(st.sampled_from(sorted(map(str, action.choices))))
+    if action.type in (int, float):
+        return draw(NUMBERS)
+    if action.dest == "preset":
+        return draw(st.sampled_from(["tiny-olmoe", "tiny-qwen2-moe", "no-such-preset"]))
+    return draw(VALUES)
+
+
+@st.composite
+def argvs(draw, path):
+    opts, pos = _parser_actions(path)
+    argv = list(path)
+    chosen = draw(st.lists(st.sampled_from(opts), max_size=len(opts), unique_by=lambda a: a.dest)) if opts else []
+    # required options are given most of the time, so most vectors get past argparse
+    chosen += [a for a in opts if a.required and a not in chosen and draw(st.integers(0, 9)) > 0]
+    for a in chosen:
+        flag = draw(st.sampled_from(a.option_strings))
+        if a.nargs == 0:
+            argv.append(flag)
+        else:
+            argv += [flag, _value_for(a, draw)]
+    for a in pos:
+        n = draw(st.integers(0, 2)) if a.nargs in ("*", "?") else 1
+        if draw(st.integers(0, 9)) == 0:
+            n = 0  # a missing positional: a usage error
+        argv += [_value_for(a, draw) for _ in range(n)]
+    if draw(st.integers(0, 9)) == 0:
+        argv.insert(draw(st.integers(1, len(argv))), draw(st.sampled_from(["--no-such-flag", "-x", "--", "-"])))
+    return argv
+
+
+def _resolve(argv, fixtures, path):
+    out = [str(fixtures["pack"]) if v == "@pack" else str(fixtures["checkpoint"]) if v == "@checkpoint" else v
+           for v in argv]
+    if path == ("pack",):
+        # the pack output (second positional) must never be a fixture: --force would replace the shared pack
+        out = [v if v not in (str(fixtures["pack"]),) or "--packed" in out else "out/p" for v in out]
+    if path == ("synth",):
+        out = ["tiny-olmoe" if v in FORBIDDEN else v for v in out]
+    if path in (("generate",), ("logits",)):
+        # a valid pack would run the engine (slow in Triton's interpreter): these see bad packs only
+        out = ["adir" if v == str(fixtures["pack"]) else v for v in out]
+    return out
+
+
+def _run_in_empty_cwd(argv):
+    with tempfile.TemporaryDirectory() as d:
+        cwd = Path(d) / "cwd"
+        cwd.mkdir()
+        (cwd / "afile.txt").write_text("not what any subcommand expects\n")
+        (cwd / "adir").mkdir()
+        (cwd / "adir/junk.bin").write_bytes(b"\x00\xff")
+        before = _snapshot(cwd)
+        old = os.getcwd()
+        out, err = io.StringIO(), io.StringIO()
+        os.chdir(cwd)
+        try:
+            with contextlib.redirect_stdout(out), contextlib.redirect_stderr(err):
+                try:
+                    rc = main(argv)
+                except SystemExit as e:  # argparse: --help (0) or a usage error (2)
+                    rc = e.code
+        finally:
+            os.chdir(old)
+        after = _snapshot(cwd)
+    return rc, out.getvalue(), err.getvalue(), before, after
+
+
+def _named(rel: str, argv) -> bool:
+    """True when ``rel`` (a path below the working directory) is, or lies below, a path named in argv."""
+    for v in argv:
+        v = v.rstrip("/")
+        if v and (rel == v or rel.startswith(v + "/")):  # an option's value may start with "-" too
+            return True
+        if v.startswith("--") and "=" in v and rel.startswith(v.split("=", 1)[1]):
+            return True
+    return False
+
+
+def _check(argv, fixtures):
+    fx_before = {k: _snapshot(p) for k, p in fixtures.items()}
+    rc, out, err, before, after = _run_in_empty_cwd(argv)
+    assert rc in (0, 1, 2), (argv, rc, err)
+    assert "Traceback" not in out + err, (argv, err)
+    changed = sorted(k for k in set(before) | set(after) if before.get(k) != after.get(k))
+    stray = [k for k in changed if not _named(k, argv)]
+    # a subcommand's documented default output path (report: results/report.md) counts as named
+    stray = [k for k in stray if not (argv[0] == "report" and k.split("/")[0] == "results")]
+    assert not stray, (argv, stray)
+    assert {k: _snapshot(p) for k, p in fixtures.items()} == fx_before, argv
+    if rc == 1:
+        assert err.strip() or out.strip(), argv  # a failure says why
+
+
+@pytest.mark.parametrize("path", SUBCOMMANDS, ids=" ".join)
+def test_random_argument_vectors(fixtures, path):
+    @CLI_SETTINGS
+    @given(argvs(path))
+    def prop(argv):
+        _check(_resolve(argv, fixtures, path), fixtures)
+
+    prop()
+
+
+# ---- manifest corruptions -------------------------------------------------------------------------
+def _paths(node, prefix=()):
+    yield prefix
+    if isinstance(node, dict):
+        for k, v in node.items():
+            yield from _paths(v, prefix + (k,))
+    elif isinstance(node, list):
+        for i, v in enumerate(node[:3]):
+            yield from _paths(v, prefix + (i,))
+
+
+OTHER_VALUES = st.one_of(st.none(), st.booleans(), st.integers(-3, 2 ** 40), st.floats(allow_nan=True),
+                         st.text(max_size=5), st.just([]), st.just({}), st.just([1, "a"]),
+                         st.sampled_from(["../nonrouted.safetensors", "/etc/passwd", "..", "sub/x", "nonrouted.safetensors"]))
+
+
+@st.composite
+def corruptions(draw, manifest):
+    paths = [p for p in _paths(manifest) if p]
+    where = draw(st.sampled_from(paths))
+    op = draw(st.sampled_from(["delete", "replace"]))
+    return where, op, (None if op == "delete" else draw(OTHER_VALUES))
+
+
+def _apply(manifest, where, op, value):
+    m = json.loads(json.dumps(manifest))
+    parent = m
+    for k in where[:-1]:
+        parent = parent[k]
+    if op == "delete":
+        del parent[where[-1]]
+    else:
+        parent[where[-1]] = value
+    return m
+
+
+PROMPT = [5, 6, 7, 8]
+
+
+def test_random_manifest_corruptions(fixtures, tmp_path_factory):
+    from runmap.engine.engine import Engine
+
+    manifest = json.loads((fixtures["pack"] / "manifest.json").read_text())
+    work = tmp_path_factory.mktemp("corrupt")
+    ref = Engine.from_pack(fixtures["pack"], executor="reference", device="cpu", max_batch=1, max_seq_len=16)
+    want = ref.logits(PROMPT)
+    ref.close()
+    allowed = (ValueError, RuntimeError, OSError)  # what `runmap generate`/`logits` report in one line
+
+    @settings(max_examples=25, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+    @given(corruptions(manifest))
+    def prop(c):
+        where, op, value = c
+        d = work / "pack"
+        shutil.rmtree(d, ignore_errors=True)
+        shutil.copytree(fixtures["pack"], d)
+        m = _apply(manifest, where, op, value)
+        (d / "manifest.json").write_text(json.dumps(m))
+        rc, out, err, *_ = _run_in_empty_cwd(["validate", str(d)])
+        assert rc in (0, 1) and "Traceback" not in out + err, (where, op, value, err)
+        try:
+            eng = Engine.from_pack(d, executor="reference", device="cpu", max_batch=1, max_seq_len=16)
+        except allowed as e:
+            assert str(e), (where, op, value)
+            assert type(e).__name__ not in ("KeyError", "IndexError"), (where, op, value, e)
+            assert rc == 1, (where, op, value, e)  # what the engine refuses, validate fails too
+        else:  # an accepted manifest edit (a field nothing computes with) never changes the answer
+            try:
+                assert torch.equal(eng.logits(PROMPT), want), (where, op, value)
+            finally:
+                eng.close()
+
+    prop()
