@@ -4,8 +4,10 @@ The model must pass on the real cache and must catch every deliberately broken v
 model that cannot fail would prove nothing.
 """
 import json
+import os
 
 import pytest
+import torch
 from jsonschema import Draft202012Validator
 
 from runmap.residency import contract_model as cm
@@ -14,20 +16,27 @@ from runmap.cli.main import main
 from runmap.conformance.schemas import load_schemas
 
 DEVICE = "cpu"
+SHRINK = not os.environ.get("RUNMAP_MUTATION")  # benchmarks/mutation.sh: a killed mutant needs no minimal example
 
 
 def test_contract_holds_for_the_cache(test_device):
-    stats, exc = cm.run_contract(examples=80, steps=25, seed=0, device=test_device)
+    stats, exc = cm.run_contract(examples=80, steps=25, seed=0, device=test_device, shrink=SHRINK)
     assert exc is None, exc
     assert stats.examples >= 80
-    for name in ("leased_rows_hold_expert_bytes", "rows_conserved", "generations_strictly_increase",
-                 "eviction_respects_leases", "spares_only_from_free_rows", "abort_keeps_generation"):
-        assert stats.invariants[name] > 0, name
+    for name in cm.INVARIANTS:
+        if name != "faulted_admits_nothing":
+            assert stats.invariants[name] > 0, name
     assert stats.outcomes["miss"] > 0 and stats.outcomes["hit"] > 0 and stats.outcomes["abort"] > 0
+    # every injection point was met, both as an Exception and as a BaseException
+    for kind in cm.FAIL_KINDS + ("interrupt", "kernel", "kernel-interrupt"):
+        assert stats.rules[f"inject_{kind}"] > 0, kind
+    assert stats.outcomes["block_kernel-interrupt"] > 0 and stats.outcomes["interrupt_abort"] > 0
 
 
 @pytest.mark.parametrize("name", sorted(cm.MUTANTS))
 def test_model_catches_mutant(name, test_device):
+    if "controlled" not in cm.mutant_modes(cm.MUTANTS[name]):
+        pytest.skip(f"{name} shows only in the cuda events mode")
     stats, exc = cm.run_contract(examples=800, steps=30, seed=0, device=test_device, cache_cls=cm.MUTANTS[name],
                                  shrink=False)
     assert isinstance(exc, cm.ContractViolation), f"mutant {name} not caught in {stats.examples} examples: {exc!r}"
@@ -62,6 +71,7 @@ def test_cli_writes_a_valid_report(tmp_path):
     assert rc == 0, doc["failure_details"]
     assert doc["passed"] and doc["failures"] == 0 and doc["device"]["requested"] == DEVICE
     assert all(m["caught"] for m in doc["mutants"].values()) and len(doc["mutants"]) == len(cm.MUTANTS)
+    assert doc["device"]["events"] == "controlled" and set(doc["mutants_not_applicable"]) == set(cm.TRANSPORT_MUTANTS)
     schemas = load_schemas()
     assert [s.name for s in schemas.matching(out)] == ["contract-report.schema.json"]
     assert schemas.validate_document(doc, "contract-report") == []
@@ -87,3 +97,32 @@ def test_telemetry_matches_its_schema():
     tel = cache.telemetry()
     tel["observations"]["writebacks"] = {"status": "UNKNOWN", "value": 0, "reason": "x"}  # a zero with no measurement
     assert list(v.iter_errors(tel))
+
+
+def test_cli_refuses_cuda_events_without_cuda(tmp_path, capsys):
+    rc = main(["contract", "--events", "cuda", "--no-progress", "--out", str(tmp_path / "r.json")])
+    assert rc == 2 and not (tmp_path / "r.json").exists()
+    with pytest.raises(ValueError, match="cuda event mode needs device='cuda'"):
+        cm.make_machine(events="cuda")
+
+
+def test_counter_mutants_are_caught_by_the_counter_comparison():
+    for name in ("overcount-h2d-on-abort", "count-group-as-misses"):
+        _stats, exc = cm.run_contract(examples=800, steps=30, seed=0, cache_cls=cm.MUTANTS[name], shrink=False)
+        assert isinstance(exc, cm.ContractViolation) and "differ from the model" in str(exc), (name, exc)
+
+
+def test_a_leaky_request_block_is_caught():
+    _stats, exc = cm.run_contract(examples=800, steps=30, seed=0, cache_cls=cm.MUTANTS["leak-lease-on-raise"],
+                                  shrink=False)
+    assert isinstance(exc, cm.ContractViolation) and "request block" in str(exc), exc
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="the cuda events mode needs a GPU (benchmarks/contract_cuda_h200.sh)")
+def test_cuda_events_mode_holds_and_catches_an_early_event():
+    stats, exc = cm.run_contract(examples=10, steps=15, seed=0, device="cuda", events="cuda", shrink=False)
+    assert exc is None, exc
+    assert stats.invariants["events_fence_their_copies"] > 0
+    _s, exc = cm.run_contract(examples=40, steps=15, seed=0, device="cuda", events="cuda", shrink=False,
+                              transport_cls=cm.TRANSPORT_MUTANTS["event-before-copy"])
+    assert isinstance(exc, cm.ContractViolation), exc

@@ -316,7 +316,8 @@ class ExpertCache:
             if missing:
                 cur = self._current
                 txn_missing = [e for e in group if e not in cur.maps[layer]]
-                gen = self._transaction(layer, group, cur, txn_missing)
+                with self._watch(transaction=True):  # the copy monitor counts any copy out here as a writeback
+                    gen = self._transaction(layer, group, cur, txn_missing)
                 nmiss = len(txn_missing)
             else:
                 nmiss = 0
@@ -485,13 +486,12 @@ class ExpertCache:
             for e, r in new_map.items():
                 table[e] = r
             try:
-                with self._watch(transaction=True):
-                    self._copy_rows(layer, missing, rows, submitted)
-                    # the table goes behind the rows on the transfer stream; publication waits for all
-                    dev_table, table_ev = self.transport.upload_table_async(table)  # (E,) int32
-                    self._wait_all(submitted)
-                    if table_ev is not None:
-                        self.transport.wait(table_ev)
+                self._copy_rows(layer, missing, rows, submitted)
+                # the table goes behind the rows on the transfer stream; publication waits for all
+                dev_table, table_ev = self.transport.upload_table_async(table)  # (E,) int32
+                self._wait_all(submitted)
+                if table_ev is not None:
+                    self.transport.wait(table_ev)
             except BaseException as exc:
                 # any failure before publication, an interrupt (KeyboardInterrupt, cancellation) included,
                 # gives the spares and staging back; an interrupt then propagates as itself
