@@ -4,6 +4,10 @@ A file is written to a hidden temporary name in its destination directory (same 
 final ``os.replace`` is a rename), flushed and fsync'd, then renamed over the target. On any failure the
 temporary is removed and the target is left as it was. Hidden names (leading dot) are skipped by
 ``runmap validate``, so a half-written file is never mistaken for an artifact.
+
+A process killed outright (SIGKILL, power loss) cannot remove its temporary, so temporaries carry the
+writer's PID (``.NAME.PID-XXXX.tmp``): the next atomic write of the same target removes those whose process
+is gone (``remove_stale_temporaries``), and a rerun after a crash leaves nothing behind.
 """
 from __future__ import annotations
 
@@ -19,6 +23,42 @@ from pathlib import Path
 from typing import Any, Iterator
 
 
+def pid_gone(pid: int) -> bool:
+    """True when no process has this PID (a PID we cannot signal, another user's, counts as alive)."""
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return True
+    except OSError:
+        return False
+    return False
+
+
+def remove_stale_temporaries(path: str | Path, marker: str = ".") -> list[Path]:
+    """Remove the siblings ``.NAME{marker}PID-*`` of ``path`` (temporaries of an atomic write of it) whose writer
+    process is gone; this process's own and live processes' are kept. Returns what was removed."""
+    path = Path(path)
+    prefix = f".{path.name}{marker}"
+    removed = []
+    try:
+        names = os.listdir(path.parent)
+    except OSError:
+        return removed
+    for name in names:
+        if not name.startswith(prefix):
+            continue
+        pid, sep, _ = name[len(prefix):].partition("-")
+        if not sep or not pid.isdigit() or int(pid) == os.getpid() or not pid_gone(int(pid)):
+            continue
+        stale = path.parent / name
+        if stale.is_dir() and not stale.is_symlink():
+            shutil.rmtree(stale, ignore_errors=True)
+        else:
+            stale.unlink(missing_ok=True)
+        removed.append(stale)
+    return removed
+
+
 @contextlib.contextmanager
 def atomic_path(path: str | Path, suffix: str = ".tmp") -> Iterator[Path]:
     """Yield a temporary path beside ``path``; on normal exit it is renamed to ``path``.
@@ -27,7 +67,8 @@ def atomic_path(path: str | Path, suffix: str = ".tmp") -> Iterator[Path]:
     must have closed the file before the block ends."""
     path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)
-    fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", suffix=suffix, dir=path.parent)
+    remove_stale_temporaries(path)
+    fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.{os.getpid()}-", suffix=suffix, dir=path.parent)
     os.close(fd)
     try:
         yield Path(tmp)

@@ -44,3 +44,18 @@ def test_exchange_paths_is_atomic_swap_on_linux(tmp_path):
     assert (a / "f").read_text() == "B" and (b / "f").read_text() == "A"
     with pytest.raises(OSError):
         atomic.exchange_paths(a, tmp_path / "missing")
+
+
+def test_a_killed_writers_temporary_is_removed_by_the_next_write(tmp_path):
+    import os
+
+    target = tmp_path / "summary.json"
+    dead = tmp_path / ".summary.json.999999999-abcd.tmp"  # no such PID: a writer killed mid-write
+    dead.write_text("{half")
+    live = tmp_path / f".summary.json.{os.getppid()}-abcd.tmp"  # a live writer's: kept
+    live.write_text("{")
+    other = tmp_path / ".other.json.999999999-abcd.tmp"  # another target's: not this write's business
+    other.write_text("{")
+    atomic.write_json(target, {"a": 1})
+    assert sorted(p.name for p in tmp_path.iterdir()) == sorted([target.name, live.name, other.name])
+    assert target.read_text() == '{\n  "a": 1\n}\n'

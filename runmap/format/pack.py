@@ -45,7 +45,7 @@ from runmap.format.packfile import (EXPERTS_TENSOR, FORMAT_NAME, FORMAT_VERSION,
                                     file_sha256, is_pack_dir, layer_file)
 from runmap.format.qpack import DEFAULT_BLOCK_SIZE, PROJECTIONS, QUANT_RULE, RowLayout, dequantize, quantize
 from runmap.format.safetensors_io import StreamingWriter
-from runmap.atomic import replace_dir
+from runmap.atomic import remove_stale_temporaries, replace_dir
 from runmap.provenance import sha256_file, utc_timestamp
 
 COPY_FILES = ("config.json", "generation_config.json", "tokenizer.json", "tokenizer_config.json",
@@ -159,33 +159,6 @@ def check_output(out: Path, overwrite: bool) -> None:
                         "replaces only a pack directory, refusing to delete it")
 
 
-def remove_stale_temporaries(out: Path) -> list[Path]:
-    """Remove ``.OUT.tmp-PID-*`` siblings left by a pack of ``out`` that was killed (its PID is gone).
-    Returns what was removed."""
-    removed = []
-    prefix = f".{out.name}.tmp-"
-    try:
-        names = os.listdir(out.parent)
-    except OSError:
-        return removed
-    for name in names:
-        if not name.startswith(prefix):
-            continue
-        pid = name[len(prefix):].split("-", 1)[0]
-        if not pid.isdigit() or int(pid) == os.getpid():
-            continue
-        try:
-            os.kill(int(pid), 0)
-            continue  # still running: another pack of the same output
-        except ProcessLookupError:
-            pass
-        except OSError:
-            continue  # exists under another user, or cannot tell: leave it
-        shutil.rmtree(out.parent / name, ignore_errors=True)
-        removed.append(out.parent / name)
-    return removed
-
-
 def _row_hashes(rows_cpu: torch.Tensor, pool: cf.Executor) -> list[str]:
     data = rows_cpu.numpy()
     return list(pool.map(lambda e: hashlib.sha256(memoryview(data[e])).hexdigest(), range(data.shape[0])))
@@ -215,7 +188,7 @@ def pack_checkpoint(
     cfg.adapter.require_routed_layers(cfg, f"{reader.path}: runmap pack")
     layout = RowLayout.build(cfg.hidden_size, cfg.moe_intermediate_size, block_size)
     out.parent.mkdir(parents=True, exist_ok=True)
-    remove_stale_temporaries(out)
+    remove_stale_temporaries(out, ".tmp-")  # what a killed pack of the same OUT_DIR left
     tmp = Path(tempfile.mkdtemp(prefix=f".{out.name}.tmp-{os.getpid()}-", dir=out.parent))
     pool = cf.ThreadPoolExecutor(max_workers=max(2, min(8, os.cpu_count() or 2)))
     try:
