@@ -312,7 +312,7 @@ class Engine:
                   max_batch: int = 8, max_seq_len: int | None = None, policy: str = "lru",
                   expert_format: str = "int4", max_group: int | None = None, cuda_graphs: bool = True,
                   prefill_chunk: int = 1024, fused=True, host_source=None,
-                  skip_experts: bool = False) -> "Engine":
+                  skip_experts: bool = False, verify_pack: bool | None = None) -> "Engine":
         from runmap.format.packfile import PackReader
         from runmap.engine.tokenization import Tokenizer
 
@@ -326,7 +326,7 @@ class Engine:
             device = torch.device("cuda", torch.cuda.current_device())
         if max_batch < 1 or prefill_chunk < 1:
             raise EngineError(f"max_batch ({max_batch}) and prefill_chunk ({prefill_chunk}) must be >= 1")
-        reader = PackReader(pack_dir)
+        reader = PackReader(pack_dir, verify=verify_pack)
         cfg, layout, identity = reader.config, reader.layout, reader.identity
         E = cfg.num_experts
         resident = E if resident is None else int(resident)
