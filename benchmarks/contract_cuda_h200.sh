@@ -22,7 +22,7 @@ rc=0
 timeout 200 python3 -m runmap.cli.contract --device cuda --events cuda --no-progress --examples 40 --steps 20 \
     --mutant-examples 30 --out "$DIR/h200-cuda-events.json" > "$DIR/h200-cuda-events.log" 2>&1 || rc=1
 tail -25 "$DIR/h200-cuda-events.log"
-timeout 130 python3 -m runmap.cli.contract --device cuda --events controlled --no-progress --examples 120 \
-    --steps 30 --mutant-examples 300 --out "$DIR/h200-controlled.json" > "$DIR/h200-controlled.log" 2>&1 || rc=1
+timeout 130 python3 -m runmap.cli.contract --device cuda --events controlled --no-progress --examples 80 \
+    --steps 30 --mutant-examples 200 --out "$DIR/h200-controlled.json" > "$DIR/h200-controlled.log" 2>&1 || rc=1
 tail -25 "$DIR/h200-controlled.log"
 exit $rc
