@@ -260,3 +260,13 @@ def test_host_source_pages_are_read_only():
     assert "before 1" in r.stdout, r.stderr[-2000:]
     assert "wrote" not in r.stdout
     assert r.returncode != 0
+
+
+def test_a_released_request_holds_nothing():
+    cache, _, _ = _cache()
+    r = cache.admit()
+    r.acquire(0, [5])
+    r.release()
+    assert r.released and r.leases == [] and cache.outstanding_leases() == 0 and cache.live_requests() == 0
+    r.release()  # a second release is a no-op
+    assert cache.telemetry()["counters"]["requests_released"] == 1

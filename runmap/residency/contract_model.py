@@ -511,7 +511,7 @@ INVARIANTS = (
 CUDA_INVARIANTS = ("events_fence_their_copies",)  # checked in the cuda mode only
 MODEL_COUNTERS = ("hits", "misses", "bytes_h2d", "bytes_h2d_transport", "evictions", "leases_outstanding",
                   "staging_free", "transactions", "transactions_aborted", "busy_refusals", "faults",
-                  "requests_admitted", "requests_released", "leases", "all_hit_leases", "rows_fenced")
+                  "requests_admitted", "requests_released", "leases", "all_hit_leases", "rows_fenced", "rows_recycled")
 BLOCK_RAISES = (None, "kernel", "kernel-interrupt")  # where a request block's body raises (besides acquire)
 
 
@@ -1041,6 +1041,8 @@ class CacheContractMachine(RuleBasedStateMachine):
         # every counter against the model ----------------------------------------------------------------
         self.m["leases_outstanding"] = sum(len(r.leases) for r in self.reqs.values())
         self.m["staging_free"] = self._model_staging_free() if self.controlled else self.staging_n
+        # a retired row is recycled once no live request pins a generation that maps it (never visible again)
+        self.m["rows_recycled"] = sum(len(self.retiring[lay]) - len(self._visible_retiring(lay)) for lay in range(self.L))
         c = tel["counters"]
         wrong = {k: (c.get(k), self.m[k]) for k in MODEL_COUNTERS if c.get(k) != self.m[k]}
         check(not wrong, "cache counters differ from the model (cache, model): "
