@@ -1103,7 +1103,11 @@ def run_contract(examples: int = 100, steps: int = 30, seed: int = 0, device: st
 
 def required_exercise(events: str = "controlled") -> list[str]:
     """Invariants and rule counters a run must have exercised for its report to pass."""
-    names = [f"invariant:{n}" for n in INVARIANTS if not (events == "cuda" and n == "no_early_staging_reuse")]
+    # In the cuda mode the real transport decides completion and only kernel failures are injected, so no
+    # transaction aborts and the cache never faults there: those invariants are exercised by the controlled
+    # mode (on the CPU and on CUDA), and the staging-reuse check belongs to the controlled transport.
+    cuda_only_untestable = ("no_early_staging_reuse", "abort_keeps_generation", "faulted_admits_nothing")
+    names = [f"invariant:{n}" for n in INVARIANTS if not (events == "cuda" and n in cuda_only_untestable)]
     if events == "cuda":
         names += [f"invariant:{n}" for n in CUDA_INVARIANTS]
         names += ["rule:inject_kernel", "rule:inject_kernel-interrupt"]
