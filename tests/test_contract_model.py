@@ -126,3 +126,34 @@ def test_cuda_events_mode_holds_and_catches_an_early_event():
     _s, exc = cm.run_contract(examples=40, steps=15, seed=0, device="cuda", events="cuda", shrink=False,
                               transport_cls=cm.TRANSPORT_MUTANTS["event-before-copy"])
     assert isinstance(exc, cm.ContractViolation), exc
+
+
+def test_a_violation_that_did_not_recur_on_replay_still_catches_the_mutant():
+    """On a GPU a copy-timing race can break the contract once and pass on Hypothesis' replay; the
+    FlakyFailure group it raises holds the ContractViolation, which counts as the mutant caught."""
+    from hypothesis.errors import FlakyFailure
+
+    from runmap.cli.contract import _contract_violation
+    from runmap.residency.contract_model import ContractViolation
+
+    v = ContractViolation("row 3 read before its copy completed")
+    assert _contract_violation(v) is v
+    assert _contract_violation(FlakyFailure("Inconsistent results", [v])) is v
+    assert _contract_violation(FlakyFailure("Inconsistent results", [ValueError("other")])) is None
+    assert _contract_violation(RuntimeError("no")) is None and _contract_violation(None) is None
+
+
+@pytest.mark.parametrize("report, rule", [("h200-controlled.json", "inject_copy"), ("h200-cuda-events.json", "inject_kernel")])
+def test_contract_report_schema_requires_the_injections_of_its_mode(report, rule):
+    """The controlled mode must have injected every transport failure; the cuda events mode kernel failures."""
+    import copy
+    import json
+    from pathlib import Path
+
+    from runmap.conformance.schemas import load_schemas
+
+    doc = json.loads((Path(__file__).resolve().parent.parent / "results" / "contract" / report).read_text())
+    assert load_schemas().validate_document(doc, "contract-report") == []
+    broken = copy.deepcopy(doc)
+    broken["rules"].pop(rule)
+    assert load_schemas().validate_document(broken, "contract-report") != []
