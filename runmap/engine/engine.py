@@ -132,8 +132,9 @@ class CachedExperts:
                 lease = req.acquire(layer, ids_h[rows])
                 if self.cache.counters["misses"] != misses0:
                     self.h2d_seconds += time.perf_counter() - t0
-                out[sel] = self.moe(self.executor, x[sel].contiguous(), ids[sel], gw[sel], lease.storage,
-                                    lease.row_table, self.layout, validate=self.validate)
+                with self.cache.monitored():  # a copy out of the leased rows would count in expert_d2h_bytes
+                    out[sel] = self.moe(self.executor, x[sel].contiguous(), ids[sel], gw[sel], lease.storage,
+                                        lease.row_table, self.layout, validate=self.validate)
                 if x.is_cuda:  # the lease's rows must not be recycled while the kernel may still read them
                     torch.cuda.current_stream(x.device).synchronize()
             finally:
