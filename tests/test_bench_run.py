@@ -266,7 +266,7 @@ def test_cli_unknown_model_name_is_refused_at_once(tmp_path, capsys, flag):
 def test_cli_refuses_an_existing_campaign(tmp_path, capsys):
     run_fake(tmp_path / "o")
     before = (tmp_path / "o" / "t" / "campaign.json").read_bytes()
-    assert main(["bench", str(_spec_file(tmp_path)), "--out", str(tmp_path / "o"), "--no-progress"]) == 4
+    assert main(["bench", str(_spec_file(tmp_path)), "--out", str(tmp_path / "o"), "--no-progress"]) == 1
     line = _one_line(capsys)
     assert "already holds a campaign" in line and "--overwrite" in line
     assert (tmp_path / "o" / "t" / "campaign.json").read_bytes() == before

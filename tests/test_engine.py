@@ -269,17 +269,18 @@ def test_logits_overrides_are_for_one_call_and_skip_experts_zeroes_the_experts(p
     assert skip.stats().misses == 0 and skip.host_source is not None
 
 
-def test_a_read_back_of_leased_rows_during_a_request_is_observed(packs):
-    """Partial residency: the executor runs inside the cache's copy monitor, so an executor that copied a
-    leased expert row to the host would make expert_d2h_bytes non-zero (and the clean run observes 0)."""
+@pytest.mark.parametrize("resident", [4, None])
+def test_a_read_back_of_leased_rows_during_a_request_is_observed(packs, resident):
+    """Partial and full residency: the executor runs inside the cache's copy monitor, so an executor that
+    copied an expert row to the host would make expert_d2h_bytes non-zero (and the clean run observes 0)."""
     pack = packs["tiny-olmoe"]
-    clean = Engine.from_pack(pack, executor="reference", resident=4, device="cpu")
+    clean = Engine.from_pack(pack, executor="reference", resident=resident, device="cpu")
     clean.generate([[1, 2, 3]], max_new_tokens=2)
     obs = clean.stats().observations["expert_d2h_bytes"]
     assert obs["status"] == "OBSERVED" and obs["value"] == 0
     clean.close()
 
-    eng = Engine.from_pack(pack, executor="reference", resident=4, device="cpu")
+    eng = Engine.from_pack(pack, executor="reference", resident=resident, device="cpu")
     real = eng.experts.moe
 
     def leaky(executor, x, ids, gw, storage, table, layout, **kw):

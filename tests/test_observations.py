@@ -204,3 +204,47 @@ def test_transaction_abort_counts_only_submitted_bytes():
     with cache.admit() as r, pytest.raises(TransactionAborted):
         r.acquire(0, [4, 5])
     assert cache.counters["bytes_h2d"] - before == LAYOUT.row_bytes  # one copy was issued, not two
+
+
+@pytest.mark.parametrize("grad_mode", ["enable_grad", "no_grad", "inference_mode"])
+def test_copy_monitor_counts_byte_copies_alike_in_every_autograd_mode(grad_mode):
+    """Tensor.to dispatches as aten.to.* under inference_mode (the engine's mode) and as _to_copy
+    elsewhere: a copy of a row's bytes counts in both; a dtype conversion on the CPU is arithmetic, not a
+    copy out of expert storage, and the reference executor's dequantization never counts."""
+    import torch
+
+    from runmap.format.qpack import RowLayout
+    from runmap.kernels.executors import moe_experts
+    from runmap.residency.instruments import ExpertCopyMonitor
+
+    mode = getattr(torch, grad_mode)
+    rows = torch.randint(0, 256, (3, 64), dtype=torch.uint8)
+    for copy, expected in [(lambda: rows[1].to("cpu", copy=True), 64), (lambda: rows[2].clone(), 64),
+                           (lambda: rows[1].to(torch.int16), 0), (lambda: rows[0].float(), 0)]:
+        monitor = ExpertCopyMonitor()
+        monitor.watch_storage(rows)
+        with mode(), monitor.scope(caller=True):
+            copy()
+        assert monitor.d2h_bytes == expected
+
+    layout = RowLayout.build(64, 96, 64)
+    experts = 3
+    storage = torch.stack([_qpacked_row(layout, seed) for seed in range(experts)])  # (E, row_bytes) uint8
+    monitor = ExpertCopyMonitor()
+    monitor.watch_storage(storage)
+    x = torch.randn(2, 64).half()
+    ids = torch.tensor([[0, 2], [1, 2]])
+    w = torch.full((2, 2), 0.5)
+    with mode(), monitor.scope(caller=True):
+        moe_experts("reference", x, ids, w, storage, torch.arange(experts, dtype=torch.int32), layout)
+    assert monitor.d2h_bytes == 0
+
+
+def _qpacked_row(layout, seed):
+    """One expert's qpacked row of random weights (uint8 (row_bytes,))."""
+    import torch
+
+    g = torch.Generator().manual_seed(seed)
+    h, i = layout.hidden_size, layout.intermediate_size
+    return layout.pack_expert({"gate": torch.randn(i, h, generator=g), "up": torch.randn(i, h, generator=g),
+                               "down": torch.randn(h, i, generator=g)})

@@ -630,11 +630,6 @@ class EngineBuilder:
         return eng, info
 
 
-def default_engine_factory(c: BenchConfig, model_entry: dict, device: torch.device):
-    """One configuration's engine with no host source shared (run_campaign uses an EngineBuilder per run)."""
-    return EngineBuilder()(c, model_entry, device)
-
-
 def _free_device(device: torch.device) -> None:
     """After the last reference to an engine is dropped: collect cycles and hand cached blocks back, so
     the next configuration's reserved-memory peak does not include a previous engine's cache."""

@@ -29,11 +29,12 @@ Examples:
   runmap bench specs/campaigns/h200.yaml --out $OUT --pack olmoe=/data/olmoe-pack --only 'olmoe.*b1_'
   runmap bench specs/campaigns/h200.yaml --out $OUT --pack olmoe=/data/olmoe-pack \
       --only '^olmoe__(engine__grouped|hf-bf16__hf-bf16)__r64__b1__p32__d256$'    (the README's headline)
-Exit status: 0 all configurations ran; 1 a configuration failed, or a bad spec; 2 a bad argument (--only is
-not a regular expression, --pack/--checkpoint names no model of the spec); 3 the deadline skipped some;
-4 refused: the campaign directory already holds a campaign (nothing written; --overwrite replaces it).
+Exit status: 0 all configurations ran; 1 a configuration failed, a bad spec, or refused because the campaign
+directory already holds a campaign (nothing written; --overwrite replaces it); 2 a bad argument (--only is
+not a regular expression, --pack/--checkpoint names no model of the spec); 3 the deadline skipped some.
 """
-EXIT_FAILED, EXIT_USAGE, EXIT_DEADLINE, EXIT_EXISTS = 1, 2, 3, 4
+EXIT_FAILED, EXIT_USAGE, EXIT_DEADLINE = 1, 2, 3
+EXIT_EXISTS = EXIT_FAILED  # an output that already exists is bad input (runmap --help: exit status)
 
 
 def _pairs(items: list[str] | None, flag: str) -> dict:
@@ -65,7 +66,7 @@ def add_arguments(p) -> None:
     p.add_argument("--list", action="store_true", help="print the configuration ids and exit")
     p.add_argument("--no-progress", action="store_true", help="no progress bar")
     p.add_argument("--overwrite", action="store_true", help="replace the records and campaign.json of an "
-                   "existing OUT/<campaign>/ (default: refuse, exit 4)")
+                   "existing OUT/<campaign>/ (default: refuse, exit 1)")
 
 
 def run(args) -> int:

@@ -7,6 +7,7 @@ import sys
 import time
 from pathlib import Path
 from runmap.atomic import write_json
+from runmap.kernels.registry import EXECUTOR_NAMES
 from runmap.provenance import utc_timestamp
 
 HELP = "check every W4A16 executor against the FP32 reference over expert shapes x token counts"
@@ -37,7 +38,7 @@ def add_arguments(p) -> None:
     p.add_argument("--shapes", choices=("tiny", "full"), default="tiny", help="expert shape set (default tiny)")
     p.add_argument("--m", default=None,
                    help="comma-separated token counts; default 1,3,17,64 on cpu and 1,2,3,8,17,64,300 on cuda")
-    p.add_argument("--executors", default="reference,scalar,grouped,topk-fused",
+    p.add_argument("--executors", default=",".join(EXECUTOR_NAMES),
                    help="comma-separated subset of executors (default: all)")
     p.add_argument("--seed", type=int, default=0, help="base seed; each case derives its own (default 0)")
     p.add_argument("--out", default=None, help="output JSON (default results/kernels/<device>.json)")
@@ -61,7 +62,7 @@ def run(args) -> int:
 
     if args.device == "cuda" and not torch.cuda.is_available():
         print("runmap check-kernels: --device cuda requested but CUDA is not available", file=sys.stderr)
-        return 2
+        return 1
     executors = [e.strip() for e in args.executors.split(",") if e.strip()]
     unknown = [e for e in executors if e not in kc.EXECUTORS]
     if unknown or not executors:

@@ -84,7 +84,7 @@ def _first_line(exc: BaseException) -> str:
 
 def _command_line() -> str:
     argv = sys.argv
-    if argv and argv[0].endswith("cmd_contract.py"):
+    if argv and Path(argv[0]).resolve() == Path(__file__).resolve():  # python -m runmap.cli.contract
         return "python -m runmap.cli.contract " + " ".join(shlex.quote(a) for a in argv[1:])
     args = argv[1:]
     if args and args[0] == "contract":
@@ -102,7 +102,7 @@ def run(args) -> int:
         return 2
     if args.device == "cuda" and not torch.cuda.is_available():
         print("runmap contract: --device cuda requested but CUDA is not available", file=sys.stderr)
-        return 2
+        return 1
     if args.events == "cuda" and args.device != "cuda":
         print("runmap contract: --events cuda needs --device cuda (the real CUDA transport and its events)",
               file=sys.stderr)

@@ -1,7 +1,7 @@
 """``runmap generate``: stream a completion of one prompt to stdout."""
 from __future__ import annotations
 
-from runmap.kernels.registry import EXECUTOR_NAMES
+from runmap.kernels.registry import EXECUTOR_NAMES, executor_help
 
 HELP = "generate text from a pack, streaming tokens to stdout"
 DESCRIPTION = """\
@@ -24,7 +24,8 @@ def add_arguments(p) -> None:
     p.add_argument("--resident", type=int, default=None, metavar="N",
                    help="routed experts per layer on the device (default: all = full residency)")
     p.add_argument("--executor", default="grouped", choices=EXECUTOR_NAMES,
-                   help="W4A16 executor (default grouped; on a machine without a GPU the Triton executors run in Triton's interpreter, slowly)")
+                   help="W4A16 executor (default grouped; on a machine without a GPU the Triton executors run in "
+                        "Triton's interpreter, slowly). " + executor_help())
     p.add_argument("--max-new-tokens", type=int, default=128, metavar="N", help="default 128")
     p.add_argument("--temperature", type=float, default=0.0, metavar="T", help="0 = greedy (default)")
     p.add_argument("--top-p", type=float, default=1.0, metavar="P", help="nucleus sampling mass (default 1.0)")

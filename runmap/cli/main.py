@@ -27,9 +27,11 @@ SUBCOMMANDS = {
 EXIT_STATUS = """\
 exit status (the same for every subcommand):
   0    success
-  1    bad input (a missing, malformed or corrupt file, a value out of range: one line naming it and
-       what is allowed), a failed check, or a failed run
-  2    usage error: unknown subcommand or option, missing or malformed argument (argparse)
+  1    bad input (a missing, malformed or corrupt file, an output that already exists: one line naming
+       it and what is allowed), a failed check, a failed run, or a requested device that is missing
+  2    usage error: unknown subcommand or option, a missing, malformed or out-of-range argument value,
+       options that exclude each other
+  3    runmap bench only: the run ended at --deadline-s with configurations skipped (listed in campaign.json)
   130  interrupted (Ctrl-C)
 No input makes runmap end in a Python traceback; RUNMAP_TRACEBACK=1 shows the traceback of an
 unexpected error instead of its one-line report. Nothing is written into the current directory

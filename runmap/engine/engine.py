@@ -120,8 +120,11 @@ class CachedExperts:
     def __call__(self, layer, x, ids, gw):
         """x fp16 (N, H), ids int64 (N, k), gw fp32 (N, k) -> fp16 (N, H)."""
         if self.full:
-            return self.moe(self.executor, x, ids, gw, self.storage[layer], self.tables[layer], self.layout,
-                            validate=self.validate)
+            # inside the copy monitor too: an eager call is seen each time, a CUDA-graph step when it is captured
+            # (a copy out of expert rows in the step would show then), so expert_d2h_bytes covers this path
+            with self.cache.monitored():
+                return self.moe(self.executor, x, ids, gw, self.storage[layer], self.tables[layer], self.layout,
+                                validate=self.validate)
         out = torch.empty_like(x)
         ids_h = ids.cpu()  # host decision: which experts to lease (partial residency only)
         for rows in self._groups(ids_h):
@@ -340,6 +343,7 @@ class Engine:
             raise EngineError(f"{pack_dir}: pack identity {identity!r} differs from the given host source's "
                               f"{host_source.identity!r} (built from another pack, or the pack changed)")
         if expert_format == "fp16" and resident != E:
+            reader.close()
             raise EngineError("expert_format='fp16' is a full-residency baseline; it cannot be combined with resident")
         if max_seq_len is None:
             max_seq_len = min(cfg.max_position_embeddings, 4096)
@@ -350,6 +354,13 @@ class Engine:
         unknown = fused_ops - set(FUSED_OPS)
         if unknown:
             raise EngineError(f"unknown fused ops {sorted(unknown)}; choose from {list(FUSED_OPS)}")
+        if model.per_head_qk_norm and "prologue" in fused_ops:
+            # the fused prologue normalizes q/k over the whole projection only: by default a per-head family
+            # takes the torch prologue; asking for the fused one explicitly is an error, never a wrong result
+            if fused is not True:
+                reader.close()
+                raise EngineError(f"fused op 'prologue' cannot run {cfg.arch}'s per-head q/k norms; leave it out")
+            fused_ops = fused_ops - {"prologue"}
         if device.type == "cuda":  # the fused ops are Triton kernels for the CUDA decode step only
             model.fused = fused_ops
         if expert_format == "fp16":

@@ -119,13 +119,17 @@ class ExpertCopyMonitor:
             s, d = _COPY_FROM[func]
             if self._inside(args[s], self._storage):
                 self._count(func.__name__, out if isinstance(out, torch.Tensor) else args[d])
-        elif func in _COPY_OUT:
+        elif func in _COPY_OUT or func.overloadpacket is _aten.to:
+            # aten.to.* is what Tensor.to dispatches to under inference_mode (the engine's mode); elsewhere
+            # it decomposes into _to_copy. Counted: a new tensor holding the row's bytes (same dtype), or any
+            # host tensor made from a row on a GPU; a dtype conversion on the CPU is arithmetic on host memory.
             src = args[0] if args else None
             if self._inside(src, self._storage):
                 if func is _aten._local_scalar_dense.default:
                     if src.device.type != "cpu":  # .item() of a device row: the scalar crosses to the host
                         self._count(func.__name__, None, src.element_size())
-                elif isinstance(out, torch.Tensor):
+                elif isinstance(out, torch.Tensor) and not self._inside(out, self._storage) and (
+                        src.device.type != "cpu" or out.dtype == src.dtype):
                     self._count(func.__name__, out)
         elif isinstance(out, torch.Tensor) and out.device.type == "cpu":
             # any other op that reads a device-resident expert row and produces a host tensor

@@ -11,7 +11,7 @@ rule contract:
     output:
         CONTRACT_REPORT,
     input:
-        code=code("cli.contract", "residency", "format.qpack"),
+        code=code("cli.contract", "residency", "format.qpack", "atomic", "provenance"),
     params:
         examples=config["contract"]["examples"],
         steps=config["contract"]["steps"],

@@ -11,7 +11,7 @@ rule check_kernels:
     output:
         KERNEL_CHECK,
     input:
-        code=code("cli.check_kernels", "kernels", "format.qpack"),
+        code=code("cli.check_kernels", "kernels", "format.qpack", "atomic", "provenance"),
     log:
         f"{LOGS}/kernels/cpu.log",
     shell:

@@ -13,7 +13,8 @@ rule conformance:
         artifacts=_CONFORMANCE_INPUTS,
         specs=sorted(glob.glob("specs/**/*.yaml", recursive=True)),
         schemas=sorted(glob.glob("schemas/*.schema.json")),
-        code=code("cli.validate", "conformance", "format", "bench.checks", "residency.observations"),
+        code=code("cli.validate", "conformance", "format", "arch", "bench.checks", "bench.registry", "kernels.registry",
+                  "residency.observations", "residency.regimes", "resources", "atomic", "provenance"),
     log:
         f"{LOGS}/conformance.log",
     shell:
