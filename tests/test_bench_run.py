@@ -213,7 +213,7 @@ def test_a_failing_run_never_rewrites_an_existing_campaign(tmp_path, capsys):
     assert {p: p.read_bytes() for p in camp.rglob("*") if p.is_file()} == before
     err = capsys.readouterr().err
     assert "left as it was" in err
-    kept = [p for p in tmp_path.iterdir() if p.name.startswith(".t.partial-")]
+    kept = [p for p in tmp_path.iterdir() if p.name.startswith(".t.failed-")]
     assert len(kept) == 2 and all((p / "campaign.json").is_file() for p in kept)
     assert len(bench.load_records(tmp_path)) == len(before) - 1, "hidden partial output is not read as records"
 

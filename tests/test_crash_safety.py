@@ -19,6 +19,7 @@ import shutil
 import signal
 import subprocess
 import sys
+from pathlib import Path
 
 import pytest
 
@@ -171,3 +172,118 @@ def test_ifeval_generate_killed_at_random_points_resumes_without_repeating_or_lo
                                                                    "remaining": 0}
         # nothing else: a temporary sidecar the kill left is removed by the rerun's next atomic write
         assert sorted(os.listdir(work)) == ["answers.jsonl", "answers.jsonl.meta.json"], n
+
+
+# ---- runmap bench ----------------------------------------------------------------------------------
+# What differs between two runs of the same campaign: timing, timestamps, the run id (also quoted in the
+# ratios' reasons), memory peaks and the same-run measured bandwidth with what is derived from it.
+BENCH_VOLATILE = {
+    "record": [("run_id",), ("created_utc",), ("timing",), ("memory",), ("h2d", "gb_s"),
+               ("byte_floor", "copy_bandwidth_gb_s"), ("byte_floor", "floor_step_s"),
+               ("byte_floor", "floor_decode_tok_s"), ("ratios", "decode_vs_byte_floor"),
+               ("engine", "load_s"), ("engine", "timed_wall_s")],
+    "campaign": [("run_id",), ("wall_s",), ("copy_bandwidth_gb_s",)],
+}
+
+
+def _normalised(doc, kind):
+    doc = json.loads(json.dumps(doc).replace(doc["run_id"], "RUN_ID"))
+    for path in BENCH_VOLATILE[kind]:
+        *parent, last = path
+        d = doc
+        for k in parent:
+            d = d[k]
+        assert last in d, (kind, path)  # a volatile key the record no longer has: update the list
+        d[last] = "VOLATILE"
+    return doc
+
+
+def _campaign_files(camp):
+    return {str(p.relative_to(camp)): p.read_bytes() for p in sorted(camp.rglob("*")) if p.is_file()}
+
+
+def _normalised_campaign(camp):
+    recs = {p.name: _normalised(json.loads(p.read_text()), "record") for p in (camp / "records").iterdir()}
+    return recs, _normalised(json.loads((camp / "campaign.json").read_text()), "campaign")
+
+
+def test_bench_killed_at_random_points_then_rerun_equals_an_uninterrupted_campaign(tmp_path, monkeypatch, capsys):
+    """A fresh output, then one holding an earlier campaign (killed during --overwrite runs): after every kill
+    campaign.json is absent or the earlier campaign's, byte for byte, beside its own records; the killed runs'
+    temp directories accumulate without breaking the rerun, which removes them; the rerun equals an
+    uninterrupted run apart from the volatile keys."""
+    import yaml
+
+    from runmap.bench import campaign as bench
+
+    ck = write_synthetic(load_preset("tiny-olmoe")[0], tmp_path / "ck", seed=3)
+    pk = pack_checkpoint(ck, tmp_path / "pk", device="cpu")
+    group = {"kind": "engine", "models": ["m"], "resident": ["full"], "executors": ["reference"], "prompt_len": 4,
+             "decode_len": 2}
+    spec = {"name": "crash", "description": "crash safety", "device": "cpu", "defaults": {"repeats": 1, "warmup": 0},
+            "models": {"m": {"preset": "tiny-olmoe", "pack": str(pk)}},
+            "groups": [{"name": "b", "batch": [1, 2], **group}]}
+    (tmp_path / "spec.yaml").write_text(yaml.safe_dump(spec))
+    monkeypatch.setenv("TRITON_INTERPRET", "1")
+    argv = ["bench", str(tmp_path / "spec.yaml"), "--out", "out", "--device", "cpu", "--no-progress"]
+    ref_dir = tmp_path / "reference"
+    ref_dir.mkdir()
+    with monkeypatch.context() as m:
+        count = _install_counting(m)
+        m.chdir(ref_dir)
+        assert main(argv) == 0
+        total = count[0]
+    assert total >= 6  # record writes (each rewritten with its ratios), campaign.json, the publishing rename
+    want = _normalised_campaign(ref_dir / "out" / "crash")
+    assert sorted(want[0]) == ["m__engine__reference__r8__b1__p4__d2.json", "m__engine__reference__r8__b2__p4__d2.json"]
+    work = tmp_path / "work"
+    work.mkdir()
+    out, camp = work / "out", work / "out" / "crash"
+
+    def partials():
+        return sorted(p.name for p in out.iterdir() if p.name.startswith(".crash.partial-")) if out.exists() else []
+
+    for overwrite in (False, True):
+        before = _campaign_files(camp) if overwrite else None
+        cmd = argv + ["--overwrite"] * overwrite
+        for n in _kill_points(total):  # the kills accumulate: each starts from what the last one left
+            _killed_run(n, cmd, work)
+            if before is None:  # a fresh output: the campaign appears whole (one rename) or not at all
+                assert not camp.exists(), (n, os.listdir(camp))
+            elif (camp / "campaign.json").exists():  # never beside another run's records
+                assert _campaign_files(camp) == before, n
+            else:  # killed while publishing: the new records are there, but no campaign.json claims them
+                assert sorted(os.listdir(camp)) == ["records"], n
+            # hidden temp directories are never read as records: only a published records/ is
+            assert all(Path(r["_path"]).parent == camp / "records" for r in bench.load_records(work)), n
+            assert len(partials()) <= 1, (n, partials())  # a killed run's temp dir: removed by the next run
+        monkeypatch.chdir(work)
+        assert main(cmd) == 0, overwrite  # the same command, rerun
+        assert partials() == [], overwrite  # the killed runs' leftovers are gone
+        assert sorted(p.name for p in out.iterdir()) == ["crash"]
+        assert _normalised_campaign(camp) == want, overwrite
+        assert sorted(os.listdir(camp / "records")) == sorted(want[0])
+    capsys.readouterr()
+
+
+def test_bench_removes_only_dead_writers_temp_directories(tmp_path):
+    """Leftover `.NAME.partial-PID-*` directories of dead processes are removed by the next run; a live
+    process's, a failed run's kept output and other hidden files are not."""
+    from runmap.bench import campaign as bench
+    from test_bench_fakes import fake_factory, tiny_spec
+
+    dead = subprocess.run([sys.executable, "-c", "import os; print(os.getpid())"], capture_output=True,
+                          text=True, check=True)
+    dead_pid = int(dead.stdout)
+    stale = tmp_path / f".t.partial-{dead_pid}-abc"
+    (stale / "records").mkdir(parents=True)
+    (stale / "records" / "x.json").write_text("{}")
+    live = tmp_path / f".t.partial-{os.getppid()}-def"
+    live.mkdir()
+    failed = tmp_path / ".t.failed-ghi"
+    failed.mkdir()
+    other = tmp_path / ".tt.partial-1-xyz"
+    other.mkdir()
+    bench.run_campaign(tiny_spec(), tmp_path, engine_factory=fake_factory(), command="t", progress=False,
+                       measure_bandwidth=False)
+    assert sorted(p.name for p in tmp_path.iterdir()) == sorted([live.name, failed.name, other.name, "t"])

@@ -51,7 +51,7 @@ import yaml
 
 from runmap.bench import metrics as bm
 from runmap.arch.config import ModelConfig, load_preset
-from runmap.atomic import replace_dir, write_json
+from runmap.atomic import remove_stale_temporaries, replace_dir, write_json
 from runmap.bench.registry import BASELINE_KINDS
 from runmap.engine.engine import DEFAULT_FUSED, FUSED_OPS
 from runmap.engine.generation import GenerationResult, GenerationRun
@@ -642,7 +642,12 @@ def _publish(tmp: Path, camp_dir: Path) -> None:
     """Move a finished run's records/ and campaign.json from its temp directory into the campaign directory:
     records/ in one atomic swap (runmap.atomic.replace_dir), then campaign.json by one rename, so a reader
     sees either the old campaign or the new one. Other files there (README.md, report.md) are kept."""
-    camp_dir.mkdir(parents=True, exist_ok=True)
+    if not camp_dir.exists():  # a new campaign: records/ and campaign.json appear together, in one rename
+        os.replace(tmp, camp_dir)
+        return
+    # campaign.json is the commit mark: the old one goes first, so it never stands beside the new records
+    # (a run killed between the steps leaves no campaign.json, never an old one over new records)
+    (camp_dir / "campaign.json").unlink(missing_ok=True)
     replace_dir(tmp / "records", camp_dir / "records")
     os.replace(tmp / "campaign.json", camp_dir / "campaign.json")
     shutil.rmtree(tmp, ignore_errors=True)
@@ -683,7 +688,10 @@ def run_campaign(spec: dict, out_root: Path, *, configs: list[BenchConfig] | Non
     ctx = RunContext.create(spec["name"], dev, command or shlex.join(["runmap", *sys.argv[1:]]), measure_bandwidth)
     presets = {m: load_preset(models[m]["preset"])[0] for m in {c.model for c in configs}}
     out_root.mkdir(parents=True, exist_ok=True)
-    tmp = Path(tempfile.mkdtemp(prefix=f".{spec['name']}.partial-", dir=out_root))
+    # a killed run cannot remove its temp directory: it carries the writer's PID, and the next run removes
+    # those whose process is gone (runmap.atomic); a failed run's kept output is renamed out of that pattern
+    remove_stale_temporaries(camp_dir, marker=".partial-")
+    tmp = Path(tempfile.mkdtemp(prefix=f".{spec['name']}.partial-{os.getpid()}-", dir=out_root))
     rec_dir = tmp / "records"
     rec_dir.mkdir()
 
@@ -749,7 +757,9 @@ def run_campaign(spec: dict, out_root: Path, *, configs: list[BenchConfig] | Non
         }
         write_json(tmp / "campaign.json", summary, indent=1)
         if existing and (raised or failed):
-            print(f"runmap bench: the run failed; {camp_dir} is left as it was; this run's output is in {tmp}",
+            kept = Path(tempfile.mkdtemp(prefix=f".{spec['name']}.failed-", dir=out_root))
+            os.replace(tmp, kept)  # kept for inspection: not a stale temporary of a killed run
+            print(f"runmap bench: the run failed; {camp_dir} is left as it was; this run's output is in {kept}",
                   file=sys.stderr)
         else:
             _publish(tmp, camp_dir)
