@@ -1,5 +1,7 @@
-"""Crash safety, tested by killing: `runmap pack` and `runmap ifeval generate` are SIGKILLed at seeded random
-points, then rerun with the same command.
+"""Crash safety, tested by killing: `runmap pack`, `runmap ifeval generate` and `runmap bench` are SIGKILLed
+at seeded random points, then rerun with the same command (bench: a campaign is either absent or a whole
+published one, the earlier campaign of an interrupted `--overwrite` run survives byte for byte, and the rerun's
+records equal an uninterrupted run's but for the volatile keys listed in BENCH_VOLATILE).
 
 A kill point is the N-th call of one of the steps that make output durable (a tensor write, an fsync, a
 copy, an atomic rename); the child process sends itself SIGKILL on entering that call, so every step before
