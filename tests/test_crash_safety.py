@@ -81,6 +81,17 @@ def _install_counting(monkeypatch):
     return count
 
 
+def _uninterrupted_run(monkeypatch, argv, cwd) -> int:
+    """Run ``runmap ARGV`` in a new folder ``cwd`` in this process, uninterrupted; returns how many durable
+    steps it took (the range the kill points are drawn from)."""
+    cwd.mkdir()
+    with monkeypatch.context() as m:
+        count = _install_counting(m)
+        m.chdir(cwd)
+        assert main(argv) == 0
+        return count[0]
+
+
 def _killed_run(n_kill, argv, cwd):
     hooks = ",".join(f"{m}:{a}" for m, a in HOOKS)
     p = subprocess.run([sys.executable, "-c", CHILD, str(n_kill), hooks, *argv], cwd=cwd,
@@ -145,12 +156,7 @@ def test_ifeval_generate_killed_at_random_points_resumes_without_repeating_or_lo
     inputs = tmp_path / "inputs.jsonl"
     inputs.write_text("".join(G.DEFAULT_INPUTS.read_text().splitlines(keepends=True)[:limit]))
     ref_dir = tmp_path / "reference"
-    ref_dir.mkdir()
-    with monkeypatch.context() as m:
-        count = _install_counting(m)
-        m.chdir(ref_dir)
-        assert main(argv) == 0
-        total = count[0]
+    total = _uninterrupted_run(monkeypatch, argv, ref_dir)
     want = (ref_dir / "answers.jsonl").read_bytes()
     prompts = [p.prompt for p in G.read_prompts(G.DEFAULT_INPUTS, limit)]
     assert sorted(json.loads(l)["prompt"] for l in want.decode().splitlines()) == sorted(prompts)
@@ -229,12 +235,7 @@ def test_bench_killed_at_random_points_then_rerun_equals_an_uninterrupted_campai
     monkeypatch.setenv("TRITON_INTERPRET", "1")
     argv = ["bench", str(tmp_path / "spec.yaml"), "--out", "out", "--device", "cpu", "--no-progress"]
     ref_dir = tmp_path / "reference"
-    ref_dir.mkdir()
-    with monkeypatch.context() as m:
-        count = _install_counting(m)
-        m.chdir(ref_dir)
-        assert main(argv) == 0
-        total = count[0]
+    total = _uninterrupted_run(monkeypatch, argv, ref_dir)
     assert total >= 6  # record writes (each rewritten with its ratios), campaign.json, the publishing rename
     want = _normalised_campaign(ref_dir / "out" / "crash")
     assert sorted(want[0]) == ["m__engine__reference__r8__b1__p4__d2.json", "m__engine__reference__r8__b2__p4__d2.json"]
