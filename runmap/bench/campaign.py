@@ -58,6 +58,7 @@ from runmap.engine.generation import GenerationResult, GenerationRun
 from runmap.engine.telemetry import EngineStats
 from runmap.provenance import utc_timestamp
 from runmap.residency.observations import OBSERVATION_NAMES as REQUIRED_ZERO
+from runmap.residency.regimes import regime_of
 
 RECORD_VERSION = "bench-record-v1"
 DEFAULT_PARAMS = {"repeats": 3, "warmup": 1, "warmup_new_tokens": 4, "policy": "lru", "seed": 0,
@@ -89,17 +90,14 @@ def load_spec(path: str | Path, validate: bool = True) -> dict:
     except (OSError, yaml.YAMLError) as e:
         raise BenchError(f"{path}: cannot read campaign spec: {e}") from e
     if validate:
+        from runmap.conformance.schemas import validate_document
+
         try:
-            from runmap.conformance.schemas import validate_document
-        except ImportError:  # the GPU machine has no jsonschema; the spec was validated in CI
-            validate_document = None
-        if validate_document is not None:
-            try:
-                bad = validate_document(spec, "campaign-spec", file=str(path))
-            except ModuleNotFoundError:
-                bad = []
-            if bad:
-                raise BenchError(f"{path}: not a valid campaign spec:\n  " + "\n  ".join(map(str, bad)))
+            bad = validate_document(spec, "campaign-spec", file=str(path))
+        except ModuleNotFoundError:  # jsonschema (imported on first use) is absent on the GPU machine; CI validated the spec
+            bad = []
+        if bad:
+            raise BenchError(f"{path}: not a valid campaign spec:\n  " + "\n  ".join(map(str, bad)))
     for g in spec["groups"]:
         for m in g["models"]:
             if m not in spec["models"]:
@@ -134,7 +132,7 @@ class BenchConfig:
 
     @property
     def regime(self) -> str:
-        return "full" if self.resident == self.experts_per_layer else "partial"
+        return regime_of(self.resident, self.experts_per_layer)
 
     @property
     def expert_format(self) -> str:
@@ -639,9 +637,11 @@ def _free_device(device: torch.device) -> None:
 
 
 def _publish(tmp: Path, camp_dir: Path) -> None:
-    """Move a finished run's records/ and campaign.json from its temp directory into the campaign directory:
-    records/ in one atomic swap (runmap.atomic.replace_dir), then campaign.json by one rename, so a reader
-    sees either the old campaign or the new one. Other files there (README.md, report.md) are kept."""
+    """Move a finished run's records/ and campaign.json from its temp directory into the campaign directory.
+    A new directory appears in one rename. Into an existing one: the old campaign.json is removed, records/
+    swapped in atomically (runmap.atomic.replace_dir), then the new campaign.json renamed in; campaign.json
+    marks a complete campaign, so a reader (or a kill between the steps) sees the old campaign, no campaign,
+    or the new one, never a mix. Other files there (README.md, report.md) are kept."""
     if not camp_dir.exists():  # a new campaign: records/ and campaign.json appear together, in one rename
         os.replace(tmp, camp_dir)
         return
@@ -664,8 +664,8 @@ def run_campaign(spec: dict, out_root: Path, *, configs: list[BenchConfig] | Non
     Raises OutputExistsError, before writing anything, when out_root/<name>/ already holds campaign.json or
     records and ``overwrite`` is False. Everything is written to a hidden temp directory in out_root and
     moved into place at the end (``_publish``); a run that failed (an exception, or a failed configuration
-    under keep_going) does not replace an existing campaign: its output stays in the temp directory,
-    whose path is printed."""
+    under keep_going) does not replace an existing campaign: its output is kept in a hidden ``.NAME.failed-*``
+    directory, whose path is printed."""
     from tqdm import tqdm
 
     t_start = time.perf_counter()

@@ -28,7 +28,7 @@ from typing import Any, Iterable
 RECORD_VERSION = "bench-record-v1"
 from runmap.bench.registry import RECORD_EXECUTORS as EXECUTORS
 from runmap.residency.observations import OBSERVATION_NAMES as REQUIRED_ZERO, STATUSES
-from runmap.residency.regimes import REGIME_NAMES as REGIMES
+from runmap.residency.regimes import REGIME_NAMES as REGIMES, regime_of
 
 ERROR, FLAG = "error", "flag"
 
@@ -69,7 +69,7 @@ def check_executor_regime(rec: dict) -> list[Finding]:
     cfg = rec.get("config") or {}
     r, e = cfg.get("resident"), cfg.get("experts_per_layer")
     if isinstance(r, int) and isinstance(e, int):
-        want = "full" if r == e else "partial"
+        want = regime_of(r, e)
         if reg != want:
             out.append(Finding("executor-regime", ERROR, _rid(rec),
                                f"regime {reg!r} but resident {r} of {e} experts per layer is {want!r}"))

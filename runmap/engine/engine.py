@@ -6,7 +6,7 @@ Stable Python API (the IFEval and campaign code call exactly this)::
     eng = Engine.from_pack(pack_dir, *, executor="grouped", resident=None, device=None, max_batch=8,
                            max_seq_len=None, policy="lru", expert_format="int4", max_group=None,
                            cuda_graphs=True, prefill_chunk=1024, fused=True, host_source=None,
-                           skip_experts=False)
+                           skip_experts=False, verify_pack=None)
     results = eng.generate(prompts, *, max_new_tokens=128, temperature=0.0, top_p=1.0, seed=None,
                            stop=(), chat=False, on_token=None, ignore_eos=False)
     run = eng.run(prompts, **same)   # GenerationRun: results + prefill/decode seconds, token counts, tok/s
@@ -20,7 +20,7 @@ Stable Python API (the IFEval and campaign code call exactly this)::
 
 Arguments:
     pack_dir       a directory written by ``runmap pack`` (manifest.json, safetensors, tokenizer files)
-    executor       "reference" | "scalar" | "grouped" | "topk-fused" (runmap.kernels.executors); recorded in telemetry
+    executor       a name of runmap.kernels.registry.EXECUTORS; recorded in telemetry
     resident       routed experts per layer kept on the device, top_k..E; None = all (full residency)
     device         "cuda" / "cpu" / torch.device; None = cuda if available else cpu
     max_batch      rows decoded together; longer prompt lists are processed in groups of max_batch
@@ -35,11 +35,14 @@ Arguments:
     cuda_graphs    capture the decode step in CUDA graphs (full residency on CUDA only)
     prefill_chunk  prompt tokens per prefill forward pass (bounds activation memory of long prompts)
     fused          CUDA: fused Triton ops replacing torch sequences (runmap.kernels.fused_ops): True = DEFAULT_FUSED
-                   (prologue, norm, attn), or an iterable of FUSED_OPS names; False = pure torch. Ignored on CPU.
+                   (prologue, norm, router, attn; the prologue left out for a per-head q/k-norm family), or an
+                   iterable of FUSED_OPS names; False = pure torch. Ignored on CPU.
     host_source    a runmap.residency.host_source.HostSource already built from this pack (another engine's
                    ``host_source``): the cache reuses it instead of reading and hash-verifying every expert again.
                    Its identity must equal the pack's; this engine's reader is closed and watched by it (its
                    reads count in request_pack_reads). int4 only (the fp16 baseline reads its own rows).
+    verify_pack    hash the pack's non-routed and small files before use (None: unless RUNMAP_PACK_VERIFY=0;
+                   runmap.format.packfile.PackReader); expert rows are always verified by the host source
     skip_experts   PROFILING ONLY: routed experts return zeros (router and everything else still run), so the
                    decode time without the expert GEMVs can be measured; outputs are wrong by design
     prompts        list[str] (tokenized with the pack's tokenizer; ``chat=True`` applies its chat template)
@@ -65,8 +68,9 @@ import torch
 from runmap.arch.config import ModelConfig
 from runmap.engine.generation import GenerationError, GenerationResult, GenerationRun, generate_batch
 from runmap.engine.model import KVCache, Transformer, experts_dense_torch, load_weights
-
 from runmap.kernels.registry import EXECUTOR_NAMES as EXECUTORS, GRAPH_SAFE_EXECUTORS as GRAPH_EXECUTORS
+from runmap.residency.regimes import regime_of
+
 EXPERT_FORMATS = ("int4", "fp16")
 FUSED_OPS = ("prologue", "norm", "router", "attn")
 # Default on CUDA. The router is two launches (logits over many programs, then softmax + top-k): 5.4 us per
@@ -302,7 +306,7 @@ class Engine:
 
     @property
     def regime(self) -> str:
-        return "full" if self.resident == self.cfg.num_experts else "partial"
+        return regime_of(self.resident, self.cfg.num_experts)
 
     @property
     def host_source(self):

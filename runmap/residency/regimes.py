@@ -6,3 +6,8 @@ REGIMES: dict[str, str] = {
     "partial": "a fixed number of experts per layer resident; the rest fetched from host RAM on demand",
 }
 REGIME_NAMES: tuple[str, ...] = tuple(REGIMES)
+
+
+def regime_of(resident: int, experts_per_layer: int) -> str:
+    """The regime of a configuration with ``resident`` of ``experts_per_layer`` experts on the GPU."""
+    return "full" if resident == experts_per_layer else "partial"
