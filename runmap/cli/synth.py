@@ -3,6 +3,8 @@ from __future__ import annotations
 
 import sys
 
+from runmap.arch.base import EXPERT_LAYOUTS
+
 HELP = "write a deterministic synthetic HF checkpoint (BF16 safetensors + tokenizer) of a model preset"
 DESCRIPTION = """\
 Write OUT_DIR as a Hugging Face checkpoint of preset NAME (specs/models/NAME.yaml) with random BF16
@@ -18,7 +20,7 @@ def add_arguments(p) -> None:
     p.add_argument("out_dir", metavar="OUT_DIR", help="checkpoint directory to create")
     p.add_argument("--preset", required=True, help="model preset name, e.g. tiny-olmoe, tiny-qwen2-moe, olmoe-1b-7b-0924")
     p.add_argument("--seed", type=int, default=0, help="random seed (default 0)")
-    p.add_argument("--expert-layout", default="per-expert", choices=["per-expert", "fused"],
+    p.add_argument("--expert-layout", default="per-expert", choices=EXPERT_LAYOUTS,
                    help="per-expert: experts.{e}.{gate,up,down}_proj.weight (hub layout); "
                         "fused: experts.gate_up_proj (E,2I,H) + experts.down_proj (E,H,I)")
     p.add_argument("--shard-size", type=float, default=2.0, help="maximum shard size in GiB (default 2)")

@@ -45,6 +45,7 @@ except ImportError:  # pragma: no cover
 
 from runmap.residency.cache import (CacheBusyError, CacheError, CacheFaultedError, ExpertCache, Request,
                                     TransactionAborted)
+from runmap.residency.eviction import POLICIES
 from runmap.residency.host_source import HostSource
 from runmap.residency.observations import REQUIRED_ZERO
 from runmap.format.qpack import RowLayout
@@ -559,7 +560,7 @@ class CacheContractMachine(RuleBasedStateMachine):
                                                                     label="spares")
         staging = d(st.integers(1, 3), label="staging") if full else d(st.integers(max_group, max_group + 2),
                                                                       label="staging")
-        self.policy = d(st.sampled_from(["lru", "lfu-decay"]), label="policy")
+        self.policy = d(st.sampled_from(list(POLICIES)), label="policy")
         prefill = d(st.booleans(), label="prefill")
         deferred = d(st.booleans(), label="deferred") if self.device != "cpu" and not cuda_events else True
         rng = d(st.randoms(use_true_random=False), label="rng")
