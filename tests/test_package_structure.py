@@ -18,7 +18,7 @@ RANKS = {
     "": 0, "resources": 0, "atomic": 0, "provenance": 0,  # the package root and its plain utilities
     "arch": 1, "conformance": 1,
     "format": 2,
-    "kernels": 3, "residency": 3,
+    "kernels": 3, "residency": 3, "workload": 3,
     "engine": 4, "synth": 4,
     "bench": 5, "ifeval": 5,
     "cli": 6, "__main__": 7,

@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 from runmap.kernels.registry import EXECUTOR_NAMES, executor_help
+from runmap.workload.routing import ROUTING_HELP, routing_argument
 
 HELP = "generate text from a pack, streaming tokens to stdout"
 DESCRIPTION = """\
@@ -38,6 +39,11 @@ def add_arguments(p) -> None:
                    help="int4 (default, the product) or fp16 (baseline: dequantized experts, no cache)")
     p.add_argument("--telemetry", default=None, metavar="FILE",
                    help="write the run's telemetry JSON here (default: no telemetry file)")
+    p.add_argument("--routing", default="model", type=routing_argument, metavar="NAME", help=ROUTING_HELP)
+    p.add_argument("--routing-seed", type=int, default=0, metavar="S", help="seed of the calibrated routing (default 0)")
+    p.add_argument("--trace", default=None, metavar="FILE",
+                   help="write the routed experts of every layer and step here (schemas/route-trace.schema.json; "
+                        "read it with `runmap replay FILE` or `--routing trace:FILE`)")
 
 
 def run(args) -> int:
@@ -53,7 +59,9 @@ def run(args) -> int:
 
     try:
         eng = Engine.from_pack(args.packed, executor=args.executor, resident=args.resident, device=args.device,
-                               max_batch=1, max_seq_len=args.max_seq_len, expert_format=args.expert_format)
+                               max_batch=1, max_seq_len=args.max_seq_len, expert_format=args.expert_format,
+                               routing=args.routing, routing_seed=args.routing_seed,
+                               record_routes=args.trace is not None)
         res = eng.generate([args.prompt], max_new_tokens=args.max_new_tokens, temperature=args.temperature,
                            top_p=args.top_p, seed=args.seed, stop=args.stop, chat=args.chat, on_token=on_token)[0]
     except (ValueError, FileNotFoundError, RuntimeError) as e:  # bad input, cache fault, kernel/device failure
@@ -63,7 +71,12 @@ def run(args) -> int:
     t = eng.last_timing
     if args.telemetry:
         telemetry.write(args.telemetry, eng.telemetry())
+    if args.trace:
+        from runmap.workload.trace import write_trace
+
+        write_trace(args.trace, eng.routes.trace())
     print(f"[{res.finish_reason}] {t['prompt_tokens']} prompt + {t['new_tokens']} new tokens; ttft {t['ttft_s']:.3f} s, "
           f"decode {t['decode_tok_s']:.1f} tok/s ({eng.executor}, {eng.regime})"
-          + (f"; telemetry {args.telemetry}" if args.telemetry else ""), file=sys.stderr)
+          + (f"; telemetry {args.telemetry}" if args.telemetry else "")
+          + (f"; routes {args.trace}" if args.trace else ""), file=sys.stderr)
     return 0

@@ -8,7 +8,8 @@ import argparse
 import os
 import sys
 
-from runmap.cli import bench, check_kernels, contract, generate, ifeval, logits, pack, report, synth, validate
+from runmap.cli import (bench, check_kernels, contract, generate, ifeval, logits, pack, replay, report, synth,
+                        validate)
 
 SUBCOMMANDS = {
     "synth": synth,
@@ -18,6 +19,7 @@ SUBCOMMANDS = {
     "contract": contract,
     "logits": logits,
     "generate": generate,
+    "replay": replay,
     "bench": bench,
     "report": report,
     "ifeval": ifeval,

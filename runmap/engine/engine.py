@@ -6,7 +6,8 @@ Stable Python API (the IFEval and campaign code call exactly this)::
     eng = Engine.from_pack(pack_dir, *, executor="grouped", resident=None, device=None, max_batch=8,
                            max_seq_len=None, policy="lru", expert_format="int4", max_group=None,
                            cuda_graphs=True, prefill_chunk=1024, fused=True, host_source=None,
-                           skip_experts=False, verify_pack=None)
+                           skip_experts=False, verify_pack=None, routing="model", routing_seed=0,
+                           record_routes=False)
     results = eng.generate(prompts, *, max_new_tokens=128, temperature=0.0, top_p=1.0, seed=None,
                            stop=(), chat=False, on_token=None, ignore_eos=False)
     run = eng.run(prompts, **same)   # GenerationRun: results + prefill/decode seconds, token counts, tok/s
@@ -43,6 +44,11 @@ Arguments:
                    reads count in request_pack_reads). int4 only (the fp16 baseline reads its own rows).
     verify_pack    hash the pack's non-routed and small files before use (None: unless RUNMAP_PACK_VERIFY=0;
                    runmap.format.packfile.PackReader); expert rows are always verified by the host source
+    routing        the routing workload (runmap.workload.routing): "model" (the router's own top-k),
+                   "calibrated[:FAMILY]" or "trace:FILE" (ids imposed per layer; the router still weighs them)
+    routing_seed   seed of the calibrated workload's draws (batch n of a run draws from (seed, n))
+    record_routes  keep the routed ids of every layer and pass: ``eng.routes`` (RouteRecorder) gives the trace
+                   and replayed hit rates. On CUDA graphs it adds one small copy per MoE layer to the step.
     skip_experts   PROFILING ONLY: routed experts return zeros (router and everything else still run), so the
                    decode time without the expert GEMVs can be measured; outputs are wrong by design
     prompts        list[str] (tokenized with the pack's tokenizer; ``chat=True`` applies its chat template)
@@ -61,8 +67,10 @@ so no row is recycled while a queued kernel may still read it.
 """
 from __future__ import annotations
 
+import contextlib
 import time
 
+import numpy as np
 import torch
 
 from runmap.arch.config import ModelConfig
@@ -70,6 +78,7 @@ from runmap.engine.generation import GenerationError, GenerationResult, Generati
 from runmap.engine.model import KVCache, Transformer, experts_dense_torch, load_weights
 from runmap.kernels.registry import EXECUTOR_NAMES as EXECUTORS, GRAPH_SAFE_EXECUTORS as GRAPH_EXECUTORS
 from runmap.residency.regimes import regime_of
+from runmap.workload.routing import ImposedRouting, RoutingError, parse_routing
 
 EXPERT_FORMATS = ("int4", "fp16")
 FUSED_OPS = ("prologue", "norm", "router", "attn")
@@ -238,16 +247,24 @@ class GraphDecoder:
         self.tok = torch.zeros(batch, 1, dtype=torch.long, device=dev)
         self.slot = torch.zeros(1, dtype=torch.long, device=dev)
         self.pad = torch.zeros(batch, dtype=torch.long, device=dev)
+        L, k = engine.cfg.num_layers, engine.cfg.top_k
+        # imposed routes are copied in before each replay; recorded routes are copied out by the graph itself
+        self.imposed = torch.zeros(L, batch, k, dtype=torch.long, device=dev) if engine.imposed is not None else None
+        self.recorded = torch.zeros(L, batch, k, dtype=torch.long, device=dev) if engine.routes is not None else None
         self.graphs: dict[int, tuple[torch.cuda.CUDAGraph, torch.Tensor]] = {}
 
     def _step(self, n_keys):
         e = self.e
         pos = (self.slot - self.pad).unsqueeze(1)  # (B, 1)
         e.experts.validate = False  # no host sync inside a graph: static tables of full residency
+        e.model.imposed = self.imposed
+        if self.recorded is not None:
+            e.model.route_sink = lambda layer, ids: self.recorded[layer].copy_(ids)
         try:
             return e.model.forward(self.tok, pos, e.kv, self.slot, self.pad, n_keys, e.experts)
         finally:
             e.experts.validate = True
+            e.model.imposed = e.model.route_sink = None
 
     def _capture(self, n_keys):
         side = torch.cuda.Stream(self.e.device)
@@ -268,11 +285,25 @@ class GraphDecoder:
         self.tok.copy_(tok.view(self.B, 1))
         self.slot.fill_(slot)
         self.pad.copy_(pad)
+        real = np.ones((self.B, 1), dtype=bool)
+        if self.imposed is not None:
+            self.imposed.copy_(_to_device(self.e.imposed.draw(real), self.e.device), non_blocking=True)
         if n_keys not in self.graphs:
             self._capture(n_keys)
         g, out = self.graphs[n_keys]
         g.replay()
+        if self.recorded is not None:
+            self.e.routes.end_pass(real, self.recorded, decode=True)
         return out
+
+
+def _to_device(a: np.ndarray, device) -> torch.Tensor:
+    """A host array on ``device`` without a host sync: through pinned memory and an asynchronous copy (torch's
+    pinned-memory allocator does not reuse the buffer before the copy is done)."""
+    t = torch.from_numpy(a)
+    if device.type != "cuda":
+        return t
+    return t.pin_memory().to(device, non_blocking=True)
 
 
 # ---- the engine -------------------------------------------------------------------------------------
@@ -283,7 +314,8 @@ class Engine:
     def __init__(self, *, cfg: ModelConfig, model: Transformer, experts, tokenizer, device, executor: str,
                  expert_format: str, max_batch: int, max_seq_len: int, cuda_graphs: bool, prefill_chunk: int,
                  pack_dir: str, resident: int, load_s: float, pack_identity: str | None = None,
-                 skip_experts: bool = False):
+                 skip_experts: bool = False, imposed: ImposedRouting | None = None, routing: str = "model",
+                 routes=None):
         self.cfg, self.model, self.experts, self.tokenizer = cfg, model, experts, tokenizer
         # the fp16 baseline runs no executor: record what actually computes the experts
         self.device, self.expert_format = device, expert_format
@@ -295,6 +327,7 @@ class Engine:
         if self.skip_experts:
             self.experts = SkipExperts(experts)
         self.kv = KVCache(cfg, max_batch, max_seq_len, device)
+        self.routing, self.imposed, self.routes = routing, imposed, routes  # name, ImposedRouting, RouteRecorder
         # reference and scalar synchronize with the host on every call, so they cannot be captured
         self.use_graphs = bool(cuda_graphs and device.type == "cuda" and resident == cfg.num_experts
                                and expert_format == "int4" and executor in GRAPH_EXECUTORS)
@@ -320,7 +353,8 @@ class Engine:
                   max_batch: int = 8, max_seq_len: int | None = None, policy: str = "lru",
                   expert_format: str = "int4", max_group: int | None = None, cuda_graphs: bool = True,
                   prefill_chunk: int = 1024, fused=True, host_source=None,
-                  skip_experts: bool = False, verify_pack: bool | None = None) -> "Engine":
+                  skip_experts: bool = False, verify_pack: bool | None = None, routing: str = "model",
+                  routing_seed: int = 0, record_routes: bool = False) -> "Engine":
         from runmap.format.packfile import PackReader
         from runmap.engine.tokenization import Tokenizer
 
@@ -336,6 +370,19 @@ class Engine:
             raise EngineError(f"max_batch ({max_batch}) and prefill_chunk ({prefill_chunk}) must be >= 1")
         reader = PackReader(pack_dir, verify=verify_pack)
         cfg, layout, identity = reader.config, reader.layout, reader.identity
+        try:
+            spec = parse_routing(routing, default_family=cfg.arch)
+            imposed = None if spec.kind == "model" else ImposedRouting(
+                spec, num_layers=cfg.num_layers, num_experts=cfg.num_experts, top_k=cfg.top_k, seed=routing_seed)
+        except (RoutingError, ValueError) as e:
+            reader.close()
+            raise EngineError(str(e)) from None
+        routes = None
+        if record_routes:
+            from runmap.engine.routes import RouteRecorder
+
+            routes = RouteRecorder(arch=cfg.arch, num_layers=cfg.num_layers, num_experts=cfg.num_experts,
+                                   top_k=cfg.top_k, routing=spec.name, pack_identity=identity)
         E = cfg.num_experts
         resident = E if resident is None else int(resident)
         if not cfg.top_k <= resident <= E:
@@ -398,7 +445,7 @@ class Engine:
                    expert_format=expert_format, max_batch=max_batch, max_seq_len=max_seq_len,
                    cuda_graphs=cuda_graphs, prefill_chunk=prefill_chunk, pack_dir=str(pack_dir),
                    resident=resident, load_s=time.perf_counter() - t0, pack_identity=identity,
-                   skip_experts=skip_experts)
+                   skip_experts=skip_experts, imposed=imposed, routing=spec.name, routes=routes)
 
     # ---- StepModel (runmap.engine.generation) ----------------------------------------------------------------
     def bucket(self, n: int) -> int:
@@ -413,15 +460,18 @@ class Engine:
         Chunks of ``prefill_chunk`` tokens bound the activation memory of long prompts."""
         B, P = tokens.shape
         padded = bool(pad.any().item())
+        pad_h = pad.cpu().numpy() if self.imposed is not None or self.routes is not None else None
         outs = []
         for s0 in range(0, P, self.prefill_chunk):
             s1 = min(P, s0 + self.prefill_chunk)
             slots = torch.arange(s0, s1, device=self.device)  # (t,)
             pos = (slots[None, :] - pad[:, None]).clamp_(min=0)  # (B, t)
             mask = (slots[None, :] >= pad[:, None]).reshape(-1) if padded else None  # (B*t,) real tokens
-            out = self.model.forward(tokens[:, s0:s1], pos, self.kv, slots, pad, s1, self.experts,
-                                     token_mask=mask, causal_fresh=(s0 == 0 and not padded),
-                                     all_logits=all_logits)
+            real = None if pad_h is None else np.arange(s0, s1)[None, :] >= pad_h[:, None]  # (B, t) host
+            with self._routing(real):
+                out = self.model.forward(tokens[:, s0:s1], pos, self.kv, slots, pad, s1, self.experts,
+                                         token_mask=mask, causal_fresh=(s0 == 0 and not padded),
+                                         all_logits=all_logits)
             if all_logits or s1 == P:
                 outs.append(out)
         return torch.cat(outs, dim=1) if all_logits else outs[-1]
@@ -439,7 +489,33 @@ class Engine:
         # the slot are masked, exactly as in graph mode) keeps it to a few compiled variants instead of one
         # per KV length.
         n_keys = self.bucket(slot + 1) if self.device.type == "cuda" else slot + 1
-        return self.model.forward(tokens.view(B, 1), pos, self.kv, slots, pad, n_keys, self.experts)
+        with self._routing(np.ones((B, 1), dtype=bool), decode=True):
+            return self.model.forward(tokens.view(B, 1), pos, self.kv, slots, pad, n_keys, self.experts)
+
+    @contextlib.contextmanager
+    def _routing(self, real: np.ndarray | None, decode: bool = False):
+        """Around one eager forward pass: impose the workload's routes of the ``real`` (B, T) positions and
+        record what was routed; nothing when the routing is the model's own and no trace is kept."""
+        if real is None or (self.imposed is None and self.routes is None):
+            yield
+            return
+        if self.imposed is not None:
+            self.model.imposed = _to_device(self.imposed.draw(real), self.device)  # (L, n, k)
+        if self.routes is not None:
+            self.model.route_sink = self.routes.sink
+        try:
+            yield
+        finally:
+            self.model.imposed = self.model.route_sink = None
+        if self.routes is not None:
+            self.routes.end_pass(real, decode=decode)
+
+    def _begin_group(self, prompts) -> None:
+        """A new group of rows: the workload opens one stream per row, the recorder one stream per row."""
+        if self.imposed is not None:
+            self.imposed.begin(len(prompts))
+        if self.routes is not None:
+            self.routes.begin_group([len(p) for p in prompts])
 
     def reset_graphs(self) -> None:
         """Drop every captured decode graph and its memory pool (after changing executor / fused ops)."""
@@ -478,6 +554,7 @@ class Engine:
         self.experts.begin()
         try:
             for g0 in range(0, len(ids), self.max_batch):
+                self._begin_group(ids[g0:g0 + self.max_batch])
                 res, tim = generate_batch(
                     self, ids[g0:g0 + self.max_batch], max_new_tokens=max_new_tokens, pad_id=pad_id,
                     eos_ids=frozenset() if ignore_eos else self.tokenizer.eos_ids, decode=self.tokenizer.decode,
@@ -527,6 +604,7 @@ class Engine:
             if ops is not None:
                 self.model.fused = ops
             self.experts.begin()
+            self._begin_group([ids])
             try:
                 out = self.prefill(tokens, torch.zeros(1, dtype=torch.long, device=self.device), all_logits=True)
             finally:

@@ -94,6 +94,17 @@ def route(h: torch.Tensor, router32: torch.Tensor, top_k: int, norm_topk_prob: b
     return ids, w
 
 
+def imposed_weights(h: torch.Tensor, router32: torch.Tensor, ids: torch.Tensor, top_k: int,
+                    norm_topk_prob: bool) -> torch.Tensor:
+    """Gate weights of imposed expert ids: the router's own probabilities of ``ids``, rescaled so that they sum
+    to what the router's own top-k weights sum to (1 under norm_topk_prob), keeping the routed output's scale.
+    h fp16 (N, H), router32 fp32 (E, H), ids int64 (N, k) -> fp32 (N, k)."""
+    probs = torch.softmax(F.linear(h.float(), router32), dim=-1)  # (N, E)
+    w = probs.gather(1, ids)  # (N, k)
+    own = 1.0 if norm_topk_prob else torch.topk(probs, top_k, dim=-1).values.sum(-1, keepdim=True)  # (N, 1)
+    return w * (own / w.sum(-1, keepdim=True))
+
+
 # ---- weights ----------------------------------------------------------------------------------
 
 @dataclasses.dataclass
@@ -227,6 +238,11 @@ class Transformer:
         # kernel implements only the whole-projection form
         self.per_head_qk_norm = cfg.qk_norm_kind == QK_NORM_PER_HEAD
         self.route_log: list | None = None  # set to [] to record (layer, topk_ids cpu) per MoE call
+        # Routing workloads (runmap.workload.routing): imposed int64 (L, n, k) device ids replace the router's
+        # top-k of the n routed rows of the next forward pass (the router still runs and weighs them);
+        # route_sink(layer, ids) sees every MoE layer's ids (device tensors, no host sync) for route traces.
+        self.imposed: torch.Tensor | None = None
+        self.route_sink: Callable[[int, torch.Tensor], None] | None = None
         # CUDA only: which fused Triton ops (runmap.kernels.fused_ops) replace torch sequences; empty = pure torch.
         # "prologue": q/k norm + RoPE + KV write; "norm": residual add + RMSNorm; "router": logits + softmax
         # + top-k; "attn": decode attention (T = 1)
@@ -237,7 +253,10 @@ class Transformer:
         rows are left out of the batch union and get a zero routed output); None = all rows."""
         cfg, lw = self.cfg, self.w.layers[layer]
         hr = h if token_mask is None else h[token_mask]  # (n, H)
-        if "router" in self.fused and cfg.top_k & (cfg.top_k - 1) == 0:  # the kernel tiles k as a power of two
+        if self.imposed is not None:
+            ids = self.imposed[layer]  # (n, k) int64: the workload's experts for these rows
+            gw = imposed_weights(hr, lw.router32, ids, cfg.top_k, cfg.norm_topk_prob)  # (n, k) fp32
+        elif "router" in self.fused and cfg.top_k & (cfg.top_k - 1) == 0:  # the kernel tiles k as a power of two
             from runmap.kernels.fused_ops import route_fused
 
             ids, gw = route_fused(hr.contiguous(), lw.router32, cfg.top_k, cfg.norm_topk_prob)  # (n, k) each
@@ -245,6 +264,8 @@ class Transformer:
             ids, gw = route(hr, lw.router32, cfg.top_k, cfg.norm_topk_prob)  # (n, k) each
         if self.route_log is not None:
             self.route_log.append((layer, ids.cpu()))
+        if self.route_sink is not None:
+            self.route_sink(layer, ids)
         y = experts(layer, hr.contiguous(), ids, gw)  # (n, H) fp16
         if token_mask is not None:
             full = torch.zeros_like(h)

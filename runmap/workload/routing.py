@@ -1,0 +1,141 @@
+"""Routing workloads: where each MoE layer's top-k expert ids come from during a run.
+
+``model``              the checkpoint's own router (the default): what a real checkpoint computes
+``calibrated:<family>`` a seeded stochastic routing model per layer (runmap.workload.calibration) whose cache
+                        hit-rate curve matches published measurements of the trained family; ``calibrated`` alone
+                        takes the pack's family
+``trace:FILE``          the routes of a recorded run (runmap.workload.trace), replayed stream by stream
+
+Under ``calibrated`` and ``trace`` only the ids are imposed: the engine still runs the router (its gate
+weights are the router's own probabilities of the imposed ids, rescaled to the total weight of the router's
+own top-k), looks the ids up in the cache, transfers misses and runs the kernels. Imposed ids reach the
+layer as a device tensor like the router's, so the host learns them the same way (no shortcut a real router
+would not have).
+
+Streams: row b of a batch is one stream; a new batch starts new streams (``begin``). Each stream draws one
+step per real token, prompt tokens included, as a real router would route them.
+"""
+from __future__ import annotations
+
+import dataclasses
+
+import numpy as np
+
+from runmap.workload import calibration
+
+ROUTING_KINDS = ("model", "calibrated", "trace")
+
+
+class RoutingError(ValueError):
+    """A routing name that is not one of ROUTING_KINDS, an unknown family, or a trace that does not fit."""
+
+
+@dataclasses.dataclass(frozen=True)
+class RoutingSpec:
+    kind: str  # one of ROUTING_KINDS
+    family: str | None = None  # calibrated
+    path: str | None = None  # trace
+
+    @property
+    def name(self) -> str:
+        if self.kind == "calibrated":
+            return f"calibrated:{self.family}"
+        if self.kind == "trace":
+            return f"trace:{self.path}"
+        return "model"
+
+
+def parse_routing(text: str, default_family: str | None = None) -> RoutingSpec:
+    """``model`` | ``calibrated[:FAMILY]`` | ``trace:FILE`` -> RoutingSpec; RoutingError naming what is allowed."""
+    kind, sep, arg = str(text).partition(":")
+    if kind == "model" and not sep:
+        return RoutingSpec("model")
+    if kind == "calibrated":
+        family = arg or default_family
+        if family not in calibration.FAMILIES:
+            raise RoutingError(f"routing {text!r}: unknown family {family!r}; calibrated families: "
+                               f"{sorted(calibration.FAMILIES)}")
+        return RoutingSpec("calibrated", family=family)
+    if kind == "trace" and arg:
+        return RoutingSpec("trace", path=arg)
+    raise RoutingError(f"routing {text!r}: expected 'model', 'calibrated[:FAMILY]' (families "
+                       f"{sorted(calibration.FAMILIES)}) or 'trace:FILE'")
+
+
+def routing_argument(text: str) -> str:
+    """argparse ``type=`` of ``--routing``: the name checked at parse time (``calibrated`` alone is resolved to
+    the pack's family once the pack is open)."""
+    import argparse
+
+    try:
+        parse_routing(text, default_family=next(iter(calibration.FAMILIES)))
+    except RoutingError as e:
+        raise argparse.ArgumentTypeError(str(e)) from None
+    return text
+
+
+ROUTING_HELP = ("routing workload: 'model' (default: the checkpoint's own router), 'calibrated[:FAMILY]' (a seeded "
+                "routing model fitted to published cache hit rates of the trained family; FAMILY defaults to the "
+                f"pack's; families: {', '.join(calibration.FAMILIES)}) or 'trace:FILE' (replay a route trace). "
+                "Only the expert ids are imposed: the router still weighs them and the cache, transfers and "
+                "kernels do all their work.")
+
+
+class ImposedRouting:
+    """Draws imposed top-k ids for the engine's forward passes (``calibrated`` and ``trace`` workloads)."""
+
+    def __init__(self, spec: RoutingSpec, *, num_layers: int, num_experts: int, top_k: int, seed: int = 0):
+        self.spec, self.L, self.E, self.k, self.seed = spec, num_layers, num_experts, top_k, seed
+        self.batches = 0
+        self.trace = None
+        if spec.kind == "calibrated":
+            self.params = calibration.family_params(spec.family).params
+        elif spec.kind == "trace":
+            from runmap.workload.trace import read_trace
+
+            self.trace = read_trace(spec.path)
+            t = self.trace
+            if (t.num_layers, t.num_experts, t.top_k) != (num_layers, num_experts, top_k):
+                raise RoutingError(f"{spec.path}: trace of {t.num_layers} layers x {t.num_experts} experts, top-"
+                                   f"{t.top_k}; this model has {num_layers} x {num_experts}, top-{top_k}")
+            if not t.streams:
+                raise RoutingError(f"{spec.path}: the trace has no streams")
+        else:
+            raise RoutingError(f"routing {spec.name!r} is the model's own; nothing to impose")
+        self._streams: list = []
+
+    def begin(self, batch: int) -> None:
+        """New streams for the ``batch`` rows of the next generate group (or one prefill)."""
+        n = self.batches
+        self.batches += 1
+        if self.trace is not None:  # row b replays trace stream (n * batch + b) mod streams, from its start
+            S = len(self.trace.streams)
+            self._streams = [[self.trace.streams[(n * batch + b) % S], 0] for b in range(batch)]
+            return
+        rng = np.random.default_rng([self.seed, n])
+        pops = [calibration.popularity(self.params, self.E, np.random.default_rng([self.seed, 10_000 + layer]))
+                for layer in range(self.L)]  # a layer's popularity is the same in every batch
+        self._streams = [[calibration.LayerStream(self.params, self.E, self.k, pops[layer], rng)
+                          for layer in range(self.L)] for _ in range(batch)]
+
+    def draw(self, real: np.ndarray) -> np.ndarray:
+        """real bool (B, T): the real tokens of a forward pass. Returns int64 (L, n, k): the imposed ids of the
+        real tokens in row-major order (the rows a MoE layer routes), each stream advanced by its real tokens."""
+        B, T = real.shape
+        if B > len(self._streams):
+            raise RoutingError(f"a forward pass of {B} rows, but begin() opened {len(self._streams)} streams")
+        out = []
+        for b in range(B):
+            for t in range(T):
+                if real[b, t]:
+                    out.append(self._step(b))
+        ids = np.asarray(out, dtype=np.int64).reshape(len(out), self.L, self.k)  # (n, L, k)
+        return np.ascontiguousarray(ids.transpose(1, 0, 2))  # (L, n, k)
+
+    def _step(self, b: int) -> list[list[int]]:
+        s = self._streams[b]
+        if self.trace is not None:
+            stream, pos = s
+            s[1] = pos + 1
+            return stream[pos % len(stream)].tolist()  # (L, k); a stream shorter than the run wraps around
+        return [layer.next() for layer in s]

@@ -1,0 +1,205 @@
+"""Routing workloads (runmap/workload): the calibrated model against its published hit rates, the replay
+simulators, route traces, and the engine imposing and recording routes."""
+import json
+import random
+
+import numpy as np
+import pytest
+import torch
+from hypothesis import given, settings, strategies as st
+
+from runmap.cli.main import main as cli
+from runmap.engine.engine import Engine, EngineError
+from runmap.engine.model import imposed_weights
+from runmap.workload import calibration, replay
+from runmap.workload.routing import RoutingError, parse_routing
+from runmap.workload.trace import RouteTrace, TraceError, read_trace, write_trace
+from test_model_support import build_packs
+
+
+@pytest.fixture(scope="module")
+def packs(tmp_path_factory):
+    return build_packs(tmp_path_factory)
+
+
+# ---- the calibrated model ---------------------------------------------------------------------------------
+
+@pytest.mark.parametrize("family", sorted(calibration.PUBLISHED_LRU))
+def test_calibrated_lru_curve_matches_published_points(family):
+    """On seeds other than the fit's, every published point is met within the fit's tolerance."""
+    f = calibration.family_params(family)
+    pts = calibration.PUBLISHED_LRU[family]
+    curve = calibration.lru_curve(f.params, f.num_experts, f.top_k, list(pts), layers=8, streams=2, seed=2)
+    for c, v in pts.items():
+        assert abs(curve[c] - v) <= calibration.TOLERANCE, f"{family} at {c}: {curve[c]:.3f} vs published {v}"
+
+
+def test_calibrated_streams_route_distinct_valid_experts_and_are_seeded():
+    f = calibration.family_params("olmoe")
+    a = calibration.simulate(f.params, 64, 8, layers=2, tokens=50, streams=1, seed=5)
+    b = calibration.simulate(f.params, 64, 8, layers=2, tokens=50, streams=1, seed=5)
+    c = calibration.simulate(f.params, 64, 8, layers=2, tokens=50, streams=1, seed=6)
+    assert a == b and a != c
+    for steps in a:
+        for s in steps:
+            assert len(s) == 8 == len(set(s)) and all(0 <= e < 64 for e in s)
+
+
+def test_more_reuse_means_more_hits():
+    base = calibration.RoutingParams(sigma=0.3, reuse=0.1, recall=0.1, window=8)
+    more = calibration.RoutingParams(sigma=0.3, reuse=0.7, recall=0.1, window=8)
+    lo = calibration.lru_curve(base, 64, 8, [16], layers=2, streams=1)[16]
+    hi = calibration.lru_curve(more, 64, 8, [16], layers=2, streams=1)[16]
+    assert hi > lo + 0.1
+
+
+# ---- replay ------------------------------------------------------------------------------------------------
+
+def test_replay_by_hand():
+    steps = [[1, 2], [2, 3], [1, 4], [2, 3]]
+    # LRU of 2: [1,2] miss miss; [2,3] hit, miss (evict 1); [1,4] miss miss; [2,3] miss miss
+    assert replay.lru_hits(steps, 2) == (1, 8)
+    # Belady of 3: [1,2] m m; [2,3] hit, miss -> {1,2,3}; [1,4] hit, miss 4, which must evict 2 or 3 (both
+    # needed next, 1 and 4 being in use); [2,3] one hit, one miss: 3 hits. LRU of 3 is as good here: it evicts 2
+    # at [1,4] (2 and 3 were last used together; the tie goes to the lower id) and hits 3 at the end.
+    assert replay.belady_hits(steps, 3) == (3, 8)
+    assert replay.lru_hits(steps, 3) == (3, 8)
+    assert replay.lru_hits(steps, 4) == (4, 8)  # only cold misses: 4 distinct experts
+    assert replay.lru_hits(steps, 4, warmup=2) == (3, 4)  # {1,2,3} warm: [1,4] hit miss, [2,3] hit hit
+
+
+step_lists = st.lists(st.lists(st.integers(0, 11), min_size=1, max_size=4, unique=True), min_size=1, max_size=40)
+
+
+@settings(max_examples=60, deadline=None)
+@given(steps=step_lists, cap=st.integers(4, 12))
+def test_belady_is_never_beaten(steps, cap):
+    b, n = replay.belady_hits(steps, cap)
+    for fn in (replay.lru_hits, replay.lfu_decay_hits):
+        h, n2 = fn(steps, cap)
+        assert n2 == n and h <= b
+    distinct = len({e for s in steps for e in s})
+    if cap >= 12:  # everything fits: only cold misses
+        assert b == n - distinct == replay.lru_hits(steps, cap)[0]
+
+
+# ---- traces -------------------------------------------------------------------------------------------------
+
+def _trace(E=10, steps=(5, 3)):
+    rng = np.random.default_rng(0)
+    streams = [np.stack([np.stack([rng.permutation(E)[:2] for _ in range(3)]) for _ in range(n)]) for n in steps]
+    return RouteTrace("olmoe", 3, E, 2, "model", streams, [2, 1])
+
+
+@pytest.mark.parametrize("E", [10, 300])
+def test_trace_round_trip(tmp_path, E):
+    t = _trace(E)
+    p = write_trace(tmp_path / "t.routes.json", t)
+    r = read_trace(p)
+    assert (r.num_layers, r.num_experts, r.top_k, r.prompt_tokens) == (3, E, 2, [2, 1])
+    assert all(np.array_equal(a, b) for a, b in zip(r.streams, t.streams))
+
+
+@pytest.mark.parametrize("corrupt, needle", [
+    (lambda d: d["streams"][0].update(steps=9), "holds"),
+    (lambda d: d.update(num_experts=3), "names expert"),
+    (lambda d: d.update(schema="other"), "schema"),
+    (lambda d: d["streams"][1].update(prompt_tokens=7), "prompt_tokens"),
+])
+def test_bad_trace_is_one_clear_error(tmp_path, corrupt, needle):
+    d = _trace().to_dict()
+    corrupt(d)
+    p = tmp_path / "bad.routes.json"
+    p.write_text(json.dumps(d))
+    with pytest.raises(TraceError, match=needle):
+        read_trace(p)
+
+
+def test_routing_names():
+    assert parse_routing("model").kind == "model"
+    assert parse_routing("calibrated", default_family="olmoe").family == "olmoe"
+    assert parse_routing("calibrated:mixtral").name == "calibrated:mixtral"
+    assert parse_routing("trace:x.json").path == "x.json"
+    for bad in ("", "calibrated:nope", "trace:", "modelx", "model:1"):
+        with pytest.raises(RoutingError):
+            parse_routing(bad)
+
+
+# ---- the engine -----------------------------------------------------------------------------------------------
+
+def test_imposed_weights_keep_the_routers_total():
+    torch.manual_seed(0)
+    h, r = torch.randn(5, 16).half(), torch.randn(12, 16)
+    ids = torch.stack([torch.randperm(12)[:3] for _ in range(5)])
+    for norm in (False, True):
+        w = imposed_weights(h, r, ids, 3, norm)
+        probs = torch.softmax(h.float() @ r.T, -1)
+        own = torch.ones(5) if norm else torch.topk(probs, 3).values.sum(-1)
+        assert torch.allclose(w.sum(-1), own, atol=1e-6)
+        ratio = w / probs.gather(1, ids)  # proportional to the router's probabilities
+        assert torch.allclose(ratio, ratio[:, :1].expand_as(ratio), rtol=1e-5)
+
+
+@pytest.mark.parametrize("preset", ["tiny-olmoe", "tiny-qwen2-moe"])
+def test_calibrated_routing_is_imposed_recorded_and_residency_invariant(packs, preset):
+    prompts = [[5, 9, 1, 4, 7, 2], [8, 3]]
+    kw = dict(executor="reference", device="cpu", max_batch=2, max_seq_len=32, routing="calibrated",
+              routing_seed=4, record_routes=True)
+    full = Engine.from_pack(packs[preset], **kw)
+    E, k, L = full.cfg.num_experts, full.cfg.top_k, full.cfg.num_layers
+    part = Engine.from_pack(packs[preset], resident=k, **kw)
+    own = Engine.from_pack(packs[preset], executor="reference", device="cpu", max_batch=2, max_seq_len=32,
+                           record_routes=True)
+    outs = [e.generate(prompts, max_new_tokens=5) for e in (full, part, own)]
+    assert [r.token_ids for r in outs[0]] == [r.token_ids for r in outs[1]]  # same draws, any residency
+    tf, tp, to = full.routes.trace(), part.routes.trace(), own.routes.trace()
+    assert tf.routing == f"calibrated:{full.cfg.arch}" and to.routing == "model"
+    for a, b in zip(tf.streams, tp.streams):
+        assert np.array_equal(a, b)
+    # steps per stream: its real prompt tokens, then one per decode forward pass (4 after the first token)
+    assert [s.shape for s in tf.streams] == [(6 + 4, L, k), (2 + 4, L, k)]
+    assert tf.prompt_tokens == [6, 2]
+    # the workload, not the router, chose them: the calibrated trace differs from the model's own routes
+    assert any(not np.array_equal(np.sort(a, -1), np.sort(b, -1)) for a, b in zip(tf.streams, to.streams))
+    # the same workload drawn again directly gives the same ids
+    from runmap.workload.routing import ImposedRouting
+
+    w = ImposedRouting(parse_routing("calibrated", default_family=full.cfg.arch), num_layers=L, num_experts=E,
+                       top_k=k, seed=4)
+    w.begin(2)
+    real = np.array([[True] * 6, [False] * 4 + [True] * 2])
+    first = w.draw(real)  # (L, 8, k): row 0's six prompt tokens, then row 1's two
+    assert np.array_equal(first[:, :6].transpose(1, 0, 2), tf.streams[0][:6])
+    assert np.array_equal(first[:, 6:].transpose(1, 0, 2), tf.streams[1][:2])
+    # partial residency saw misses; the replay of what ran is reported
+    rp = part.routes.replay_decode(part.resident)
+    assert 0 < rp["lru"] <= rp["belady"] <= 1 and rp["decode_steps"] == 4
+
+
+def test_trace_routing_replays_a_trace(packs, tmp_path):
+    kw = dict(executor="reference", device="cpu", max_batch=1, max_seq_len=32, record_routes=True)
+    a = Engine.from_pack(packs["tiny-olmoe"], routing="calibrated", **kw)
+    a.generate([[5, 9, 1, 4]], max_new_tokens=4)
+    p = write_trace(tmp_path / "a.routes.json", a.routes.trace())
+    b = Engine.from_pack(packs["tiny-olmoe"], routing=f"trace:{p}", resident=4, **kw)
+    b.generate([[5, 9, 1, 4]], max_new_tokens=4)
+    assert np.array_equal(b.routes.trace().streams[0], a.routes.trace().streams[0])
+    with pytest.raises(EngineError, match="trace of"):
+        Engine.from_pack(packs["tiny-qwen2-moe"], routing=f"trace:{p}", **kw)
+
+
+def test_cli_trace_then_replay(packs, tmp_path, capsys):
+    tr, js = tmp_path / "g.routes.json", tmp_path / "replay.json"
+    rc = cli(["generate", "--packed", str(packs["tiny-olmoe"]), "--prompt", "hello", "--max-new-tokens", "4",
+              "--executor", "reference", "--device", "cpu", "--routing", "calibrated", "--resident", "4",
+              "--trace", str(tr)])
+    assert rc == 0 and read_trace(tr).routing == "calibrated:olmoe"
+    assert cli(["replay", str(tr), "--json", str(js)]) == 0
+    rows = json.loads(js.read_text())["rows"]
+    assert [r["resident"] for r in rows] == [4, 8]
+    assert all(r["lru"] <= r["belady"] for r in rows)
+    assert cli(["replay", str(tr), "--resident", "2"]) == 2  # below top_k
+    assert cli(["replay", str(tmp_path / "missing.json")]) == 1
+    with pytest.raises(SystemExit) as e:
+        cli(["generate", "--packed", "x", "--prompt", "y", "--routing", "calibrated:nope"])
+    assert e.value.code == 2
