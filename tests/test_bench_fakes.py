@@ -21,6 +21,11 @@ OBS = ("expert_d2h_bytes", "writebacks", "host_source_rewrites", "request_hash_w
 class FakeEngine:
     ROW_BYTES = 1000
     use_graphs = True
+    routes = None  # no routes recorded: partial records say their replay is UNSUPPORTED
+
+    @property
+    def routing(self) -> str:
+        return self.c.p.get("routing", "model")
 
     def __init__(self, c: bench.BenchConfig):
         self.c = c

@@ -203,3 +203,51 @@ def test_cli_trace_then_replay(packs, tmp_path, capsys):
     with pytest.raises(SystemExit) as e:
         cli(["generate", "--packed", "x", "--prompt", "y", "--routing", "calibrated:nope"])
     assert e.value.code == 2
+
+
+# ---- the bench --------------------------------------------------------------------------------------------------
+
+def test_bench_records_name_their_routing_and_replay_what_ran(packs, tmp_path):
+    from runmap.bench import campaign as bench
+    from runmap.conformance.schemas import validate_document
+
+    spec = {"name": "rt", "description": "routing", "device": "cpu",
+            "defaults": {"repeats": 1, "warmup": 0, "routing": "calibrated"},
+            "models": {"m": {"preset": "tiny-olmoe", "pack": str(packs["tiny-olmoe"])}},
+            "groups": [{"name": "r", "kind": "engine", "models": ["m"], "resident": [4, "full"],
+                        "executors": ["reference"], "batch": [2], "prompt_len": 4, "decode_len": 4}]}
+    summary = bench.run_campaign(spec, tmp_path, progress=False, measure_bandwidth=False, command="pytest")
+    assert not summary["failed"], summary["failed"]
+    recs = {r["regime"]: r for r in bench.load_records(tmp_path / "rt")}
+    for r in recs.values():
+        assert validate_document({k: v for k, v in r.items() if k != "_path"}, "bench-record.schema.json") == []
+        assert r["config"]["routing"] == "calibrated:olmoe" and r["routing"]["workload"] == "calibrated:olmoe"
+        assert r["id"].endswith("__routing-calibrated-olmoe")
+    part, full = recs["partial"]["routing"], recs["full"]["routing"]
+    assert full["replay_lru_hit_rate"]["status"] == "UNSUPPORTED"
+    assert part["replay_decode_steps"] == 3  # decode_len 4: three decode forward passes
+    lru, bel = part["replay_lru_hit_rate"]["value"], part["replay_belady_hit_rate"]["value"]
+    assert 0 < lru <= bel <= 1
+    assert part["misses_per_token"]["value"] > 0
+    # on the CPU there is no H2D link: the transfer bound says why it is unknown
+    assert recs["partial"]["timing"]["transfer_bound_tok_s"]["status"] == "UNKNOWN"
+
+
+def test_transfer_bound_formula():
+    from runmap.bench import campaign as bench
+
+    def rec(regime, tok_s, per_tok=None, link=None, routing="calibrated:olmoe"):
+        obs = lambda v: {"status": "OBSERVED", "value": v}  # noqa: E731
+        return {"run_id": "x", "kind": "engine", "regime": regime, "executor": "grouped",
+                "config": {"model": "m", "batch": 1, "prompt_len": 4, "decode_len": 8, "routing": routing,
+                           "skip_experts": False},
+                "timing": {"decode_tok_s": {"median": tok_s}},
+                "h2d": {"bytes_per_token": obs(per_tok) if per_tok is not None else {"status": "UNKNOWN"},
+                        "link_gb_s": obs(link) if link else {"status": "UNSUPPORTED"}}, "ratios": {}}
+
+    full, part, other = rec("full", 1000.0), rec("partial", 100.0, 50e6, 50.0), rec("partial", 10.0, 1e6, 50.0, "model")
+    bench.attach_transfer_bounds([full, part, other])
+    # 1 / (1 ms + 50 MB / 50 GB/s = 1 ms) = 500 tok/s; measured 100 -> 0.2 of it
+    assert part["timing"]["transfer_bound_tok_s"]["value"] == pytest.approx(500.0)
+    assert part["ratios"]["decode_vs_transfer_bound"]["value"] == pytest.approx(0.2)
+    assert other["timing"]["transfer_bound_tok_s"]["status"] == "UNKNOWN"  # no full-residency twin with its routing

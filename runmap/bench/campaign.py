@@ -50,8 +50,10 @@ import torch
 import yaml
 
 from runmap.bench import metrics as bm
+from runmap.workload.routing import RoutingError, parse_routing
 from runmap.arch.config import ModelConfig, load_preset
-from runmap.atomic import remove_stale_temporaries, replace_dir, write_json
+from runmap import atomic
+from runmap.atomic import remove_stale_temporaries, write_json
 from runmap.bench.registry import BASELINE_KINDS
 from runmap.engine.engine import DEFAULT_FUSED, FUSED_OPS
 from runmap.engine.generation import GenerationResult, GenerationRun
@@ -63,8 +65,8 @@ from runmap.residency.regimes import regime_of
 RECORD_VERSION = "bench-record-v1"
 DEFAULT_PARAMS = {"repeats": 3, "warmup": 1, "warmup_new_tokens": 4, "policy": "lru", "seed": 0,
                   "cuda_graphs": True, "fused": True, "skip_experts": False, "check": False,
-                  "check_prompt_len": 24, "check_tolerance": 0.01}
-VARIANT_PARAMS = ("cuda_graphs", "fused", "skip_experts")
+                  "check_prompt_len": 24, "check_tolerance": 0.01, "routing": "model"}
+VARIANT_PARAMS = ("cuda_graphs", "fused", "skip_experts", "routing")
 CHECK_EXECUTOR = "reference"
 
 
@@ -171,6 +173,10 @@ def variant_tag(p: dict) -> str:
         parts.append("-".join(("fused",) + tuple(fused)) if fused else "torchops")
     if p.get("skip_experts"):
         parts.append("skipexperts")
+    routing = p.get("routing", "model")
+    if routing != "model":  # calibrated:qwen2_moe -> routing-calibrated-qwen2-moe; trace:dir/a.json -> routing-trace-a
+        name = routing if not routing.startswith("trace:") else "trace:" + Path(routing[6:]).stem
+        parts.append("routing-" + re.sub(r"[^a-z0-9]+", "-", name.lower()).strip("-"))
     return ".".join(parts) or "default"
 
 
@@ -203,6 +209,10 @@ def expand(spec: dict) -> list[BenchConfig]:
                                      f"routed experts must fit); resident must be in [{cfg.top_k}, {e}]")
             gp = dict(params)
             gp["fused"] = _fused_tuple(gp["fused"])
+            try:  # 'calibrated' alone means the model's family: resolved here so ids and records name it
+                gp["routing"] = parse_routing(gp["routing"], default_family=cfg.arch).name
+            except RoutingError as e:
+                raise BenchError(f"group {g['name']!r}: {e}") from None
             if g["kind"] != "engine":
                 odd = [k for k in VARIANT_PARAMS + ("check",) if gp[k] != DEFAULT_PARAMS.get(k)
                        and not (k == "fused" and gp[k] == _fused_tuple(True))]
@@ -286,6 +296,9 @@ class BenchEngine(Protocol):
     """What the runner calls: runmap.engine.engine.Engine implements it; the transformers baseline is
     wrapped to it (HFTarget). ``logits`` is called only for configurations with ``check: true``."""
 
+    routing: str  # the routing workload's name (runmap.workload.routing)
+    routes: Any  # runmap.engine.routes.RouteRecorder of the routes that ran, or None when not recorded
+
     def run(self, prompts, *, max_new_tokens: int, ignore_eos: bool = False) -> GenerationRun: ...
 
     def stats(self) -> EngineStats: ...
@@ -295,6 +308,9 @@ class BenchEngine(Protocol):
 
 class HFTarget:
     """runmap.bench.baselines.HFBaseline (transformers bf16, greedy) behind the bench's engine interface."""
+
+    routing = "model"  # transformers' model routes with its own router
+    routes = None
 
     def __init__(self, hf, cfg: ModelConfig, device: torch.device):
         self.hf, self.cfg, self.device = hf, cfg, device
@@ -352,12 +368,14 @@ class RunContext:
     software: dict
     git: dict
     copy_bw: dict
+    h2d_bw: dict
 
     @classmethod
     def create(cls, campaign: str, device: torch.device, command: str, measure_bandwidth: bool = True) -> "RunContext":
         rid = _dt.datetime.now(_dt.timezone.utc).strftime("%Y%m%dT%H%M%SZ") + "-" + uuid.uuid4().hex[:6]
         bw = bm.copy_bandwidth(device) if measure_bandwidth else bm.unknown("copy bandwidth not measured (--no-bandwidth)")
-        return cls(campaign, rid, command, device, bm.device_info(device), bm.software_info(), bm.git_info(), bw)
+        h2d = bm.h2d_bandwidth(device) if measure_bandwidth else bm.unknown("H2D bandwidth not measured (--no-bandwidth)")
+        return cls(campaign, rid, command, device, bm.device_info(device), bm.software_info(), bm.git_info(), bw, h2d)
 
 
 def _bytes_measure(v: int | None, why: str) -> dict:
@@ -414,6 +432,8 @@ def run_config(engine: BenchEngine, c: BenchConfig, model_cfg: ModelConfig, ctx:
     for _ in range(p["warmup"]):
         engine.run(prompts, max_new_tokens=warm_tokens, ignore_eos=True)
     s0 = engine.stats()
+    routes = engine.routes
+    route_mark = routes.mark() if routes is not None else 0
     prefill, decode, ttft = [], [], []
     prompt_tokens = new_tokens = 0
     cap = p.get("max_config_s")
@@ -473,6 +493,21 @@ def run_config(engine: BenchEngine, c: BenchConfig, model_cfg: ModelConfig, ctx:
         obs = {n: dict(s1.observations[n]) if n in s1.observations else
                bm.unknown("engine stats have no such observation") for n in REQUIRED_ZERO}
 
+    routing_rec = None
+    if c.kind == "engine":
+        routing_rec = {"workload": engine.routing}
+        if routes is not None:
+            rp = routes.replay_decode(c.resident, since=route_mark)
+            routing_rec.update(replay_lru_hit_rate=bm.observed(rp["lru"]), replay_belady_hit_rate=bm.observed(rp["belady"]),
+                               replay_decode_steps=rp["decode_steps"])
+        else:
+            why = "full residency: every expert is resident, nothing to replay" if c.regime == "full" else \
+                "the routes were not recorded"
+            routing_rec.update(replay_lru_hit_rate=bm.unsupported(why), replay_belady_hit_rate=bm.unsupported(why))
+        if s1.has_cache:
+            gen_tokens = new_tokens * len(decode)
+            routing_rec["misses_per_token"] = (bm.observed(d.misses / gen_tokens) if gen_tokens else
+                                               bm.unknown("no tokens generated"))
     floor = bm.byte_floor(model_cfg, c.expert_format, c.batch, ctx.copy_bw)
     dec_stats = bm.repeat_stats(decode)
     is_engine = c.kind == "engine"
@@ -499,6 +534,7 @@ def run_config(engine: BenchEngine, c: BenchConfig, model_cfg: ModelConfig, ctx:
             "cuda_graphs": bool(p["cuda_graphs"]) if is_engine else None,
             "fused": list(p["fused"]) if c.kind != "hf-bf16" else None,
             "skip_experts": bool(p["skip_experts"]),
+            "routing": engine.routing if c.kind != "hf-bf16" else None,
         },
         "device": ctx.device_info,
         "software": ctx.software,
@@ -513,7 +549,7 @@ def run_config(engine: BenchEngine, c: BenchConfig, model_cfg: ModelConfig, ctx:
             "new_tokens": new_tokens,
         },
         "cache_stats": {"hits": hits, "misses": misses, "hit_rate": hit_rate},
-        "h2d": {"bytes": h2d, "gb_s": h2d_rate, "bytes_per_token": h2d_per_tok},
+        "h2d": {"bytes": h2d, "gb_s": h2d_rate, "bytes_per_token": h2d_per_tok, "link_gb_s": ctx.h2d_bw},
         "observations": obs,
         "byte_floor": floor,
         "ratios": {"decode_vs_byte_floor": bm.ratio(bm.observed(dec_stats["median"]), floor["floor_decode_tok_s"],
@@ -524,6 +560,8 @@ def run_config(engine: BenchEngine, c: BenchConfig, model_cfg: ModelConfig, ctx:
                    "warmup_new_tokens": warm_tokens if p["warmup"] else 0,
                    "full_length_warmup": eager_first},
     }
+    if routing_rec is not None:
+        rec["routing"] = routing_rec
     if p["skip_experts"]:
         notes.append("profiling variant: routed experts return zeros (decode time without the expert GEMVs); "
                      "outputs are not the model's")
@@ -558,7 +596,35 @@ def attach_ratios(records: list[dict]) -> list[dict]:
                 f"decode tok/s over {kind}")
             r["ratios"][f"peak_allocated_vs_{kind}"] = bm.ratio(
                 r["memory"]["peak_allocated_bytes"], b["memory"]["peak_allocated_bytes"], f"peak allocated over {kind}")
+    attach_transfer_bounds(records)
     return records
+
+
+def attach_transfer_bounds(records: list[dict]) -> None:
+    """Partial-residency records: timing.transfer_bound_tok_s = 1 / (full-residency seconds per token + missed
+    bytes per token / same-run pinned H2D rate), the full-residency record being the same run's with the same
+    model, executor, batch, lengths and routing; and ratios.decode_vs_transfer_bound."""
+    def key(r):
+        c = r["config"]
+        return (r["run_id"], c["model"], r["executor"], c["batch"], c["prompt_len"], c["decode_len"], c.get("routing"),
+                c.get("skip_experts"))
+
+    full = {key(r): r for r in records if r["kind"] == "engine" and r["regime"] == "full"}
+    for r in records:
+        if r["kind"] != "engine" or r["regime"] == "full":
+            continue
+        f, link, per_tok = full.get(key(r)), r["h2d"].get("link_gb_s"), r["h2d"].get("bytes_per_token")
+        if f is None:
+            bound = bm.unknown(f"no full-residency record with the same model, executor, batch, lengths and routing "
+                               f"in run {r['run_id']}")
+        elif not (link and bm.is_observed(link)) or not bm.is_observed(per_tok):
+            bound = bm.unknown("no same-run pinned H2D rate or no observed bytes per token")
+        else:
+            t_full = 1.0 / f["timing"]["decode_tok_s"]["median"]
+            bound = bm.observed(1.0 / (t_full + per_tok["value"] / (link["value"] * 1e9)))
+        r["timing"]["transfer_bound_tok_s"] = bound
+        r["ratios"]["decode_vs_transfer_bound"] = bm.ratio(bm.observed(r["timing"]["decode_tok_s"]["median"]), bound,
+                                                           "decode tok/s over the transfer bound")
 
 
 # ---- engines --------------------------------------------------------------------------------------
@@ -615,7 +681,9 @@ class EngineBuilder:
             resident=None if c.regime == "full" else c.resident, device=device, max_batch=p["max_batch"],
             max_seq_len=p["max_seq_len"], policy=p["policy"], expert_format="int4" if c.kind == "engine" else "fp16",
             cuda_graphs=bool(p["cuda_graphs"]), fused=tuple(p["fused"]), skip_experts=bool(p["skip_experts"]),
-            host_source=shared)
+            host_source=shared, routing=p["routing"], routing_seed=p["seed"],
+            # the replayed hit rates of partial residency need the routes that ran (full residency has no misses)
+            record_routes=c.kind == "engine" and c.regime != "full")
         bm.sync(device)
         load_s = time.perf_counter() - t0
         if eng.host_source is not None:

@@ -173,6 +173,31 @@ def copy_bandwidth(device: torch.device, nbytes: int = 1 << 30, iters: int = 5) 
         return unknown(f"copy bandwidth measurement failed: {e}")
 
 
+def h2d_bandwidth(device: torch.device, nbytes: int = 256 << 20, iters: int = 5) -> dict:
+    """Pinned host -> device copy rate in GB/s (best of ``iters`` copies of ``nbytes``): the link a miss
+    crosses, measured in the same run as the records that divide by it. UNSUPPORTED on the CPU."""
+    if device.type != "cuda":
+        return unsupported("a CPU run has no host -> device link")
+    try:
+        src = torch.empty(nbytes, dtype=torch.uint8, pin_memory=True)
+        src.random_(0, 255)
+        dst = torch.empty(nbytes, dtype=torch.uint8, device=device)
+        dst.copy_(src, non_blocking=True)
+        best = float("inf")
+        for _ in range(iters):
+            sync(device)
+            t0 = time.perf_counter()
+            dst.copy_(src, non_blocking=True)
+            sync(device)
+            best = min(best, time.perf_counter() - t0)
+        del src, dst
+        torch.cuda.empty_cache()
+        return {**observed(nbytes / best / 1e9), "unit": "GB/s",
+                "source": f"best of {iters} pinned host->device copies of {nbytes} bytes"}
+    except RuntimeError as e:
+        return unknown(f"host->device bandwidth measurement failed: {e}")
+
+
 class PeakMemory:
     """Peak allocated/reserved device memory over a region. On the CPU the figures are UNSUPPORTED
     (torch keeps no allocator statistics for host memory), never zero."""

@@ -6,6 +6,8 @@ import shlex
 import sys
 from pathlib import Path
 
+from runmap.workload.routing import ROUTING_HELP, routing_argument
+
 HELP = "run a benchmark campaign (specs/campaigns/*.yaml): one JSON record per configuration"
 DESCRIPTION = """Run every configuration of a campaign spec (model x resident experts per layer x executor x
 batch x prompt/decode lengths, plus the transformers-bf16 and fp16-expert baselines) and write
@@ -59,6 +61,8 @@ def add_arguments(p) -> None:
     p.add_argument("--checkpoint", action="append", metavar="NAME=DIR", help="HF checkpoint of model NAME for the "
                    "hf-bf16 baseline (overrides the spec; repeatable)")
     p.add_argument("--device", choices=["cpu", "cuda", "auto"], help="override the spec's device")
+    p.add_argument("--routing", type=routing_argument, metavar="NAME", help="routing workload of every engine group "
+                   "(overrides the spec's run parameter; records carry config.routing). " + ROUTING_HELP)
     p.add_argument("--deadline-s", type=float, help="start no configuration after this many seconds (the rest is "
                    "listed as skipped in campaign.json)")
     p.add_argument("--keep-going", action="store_true", help="record a failing configuration in campaign.json "
@@ -79,6 +83,10 @@ def run(args) -> int:
 
     try:
         spec = load_spec(args.spec)
+        if args.routing:
+            for g in spec["groups"]:
+                if g["kind"] == "engine":
+                    g["params"] = {**g.get("params", {}), "routing": args.routing}
         packs, checkpoints = _pairs(args.pack, "--pack"), _pairs(args.checkpoint, "--checkpoint")
         check_model_names(spec, packs, "--pack")
         check_model_names(spec, checkpoints, "--checkpoint")

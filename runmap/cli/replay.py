@@ -3,7 +3,7 @@ from __future__ import annotations
 
 HELP = "replay a route trace: LRU, LFU-decay and Belady hit rates at each residency"
 DESCRIPTION = """\
-Read a route trace (written by `runmap generate --trace FILE` or `runmap bench --trace FILE`;
+Read a route trace (written by `runmap generate --trace FILE`;
 schemas/route-trace.schema.json) and replay each stream's routes, layer by layer, through a cache of N experts
 per layer for every N in --resident (default: top_k, 2 x top_k, 4 x top_k, ... up to the expert count), under
 LRU, LFU with decay (the engine's lfu-decay policy) and Belady's clairvoyant optimum, which no online policy

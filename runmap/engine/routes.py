@@ -58,11 +58,15 @@ class RouteRecorder:
                 prompts.append(min(g["prompt"][b], len(rows[b])))
         return RouteTrace(streams=streams, prompt_tokens=prompts, **self.meta)
 
-    def cache_steps(self) -> tuple[list[list[list[int]]], list[int]]:
+    def mark(self) -> int:
+        """A point in the recording: ``cache_steps(since=mark)`` and ``replay_decode(since=mark)`` start there."""
+        return len(self._groups)
+
+    def cache_steps(self, since: int = 0) -> tuple[list[list[list[int]]], list[int]]:
         """What the cache was asked for, per (group, layer): one step per forward pass (the union of the pass's
         rows; a prefill chunk is one step), and per sequence the number of leading prefill steps."""
         routes, warmup = [], []
-        for g in self._groups:
+        for g in self._groups[since:]:
             per_layer: list[list[list[int]]] = [[] for _ in range(self.L)]
             n_prefill = 0
             for real, ids, decode in g["passes"]:
@@ -74,10 +78,10 @@ class RouteRecorder:
             warmup += [n_prefill] * self.L
         return routes, warmup
 
-    def replay_decode(self, capacity: int) -> dict:
+    def replay_decode(self, capacity: int, since: int = 0) -> dict:
         """LRU and Belady hit rates of the recorded decode steps at ``capacity`` experts per layer, the prefill of
         each group filling the cache first as it did in the run."""
-        routes, warmup = self.cache_steps()
+        routes, warmup = self.cache_steps(since)
         steps = sum(len(s) - w for s, w in zip(routes, warmup)) // max(self.L, 1)
         return {"lru": replay.hit_rate(routes, capacity, "lru", warmup),
                 "belady": replay.hit_rate(routes, capacity, "belady", warmup), "decode_steps": steps}
