@@ -286,7 +286,10 @@ def existing_campaign(camp_dir: Path) -> list[str]:
     if rec.is_dir():
         n = sum(1 for f in rec.iterdir() if f.suffix == ".json" and not f.name.startswith("."))
         if n:
-            found.append(f"{rec}/ ({n} records)")
+            # records no campaign.json describes are no complete campaign (copied by hand, or a publish
+            # killed under an earlier version, which removed the old campaign.json first): named as such
+            found.append(f"{rec}/ ({n} records" + ("" if found else ", and no campaign.json: not a complete campaign")
+                         + ")")
     return found
 
 
@@ -704,21 +707,91 @@ def _free_device(device: torch.device) -> None:
         torch.cuda.empty_cache()
 
 
+PUBLISHED = ("records", "campaign.json")  # what a run replaces; anything else in a campaign directory is kept
+OLD_MARKER = ".old-"  # the fallback publish parks the previous campaign directory as .NAME.old-PID-*
+
+
+def _carry_over(src: Path, dst: Path) -> None:
+    """Put ``src`` (a file, link or folder the campaign directory holds besides records/ and campaign.json)
+    at ``dst`` inside the new campaign directory: hard links where the filesystem allows (no bytes copied,
+    and the old directory is removed right after), copies otherwise."""
+    def link_or_copy(a, b):
+        try:
+            os.link(a, b, follow_symlinks=False)
+        except OSError:
+            shutil.copy2(a, b, follow_symlinks=False)
+
+    if src.is_dir() and not src.is_symlink():
+        shutil.copytree(src, dst, symlinks=True, copy_function=link_or_copy)
+    else:
+        link_or_copy(src, dst)
+
+
 def _publish(tmp: Path, camp_dir: Path) -> None:
-    """Move a finished run's records/ and campaign.json from its temp directory into the campaign directory.
-    A new directory appears in one rename. Into an existing one: the old campaign.json is removed, records/
-    swapped in atomically (runmap.atomic.replace_dir), then the new campaign.json renamed in; campaign.json
-    marks a complete campaign, so a reader (or a kill between the steps) sees the old campaign, no campaign,
-    or the new one, never a mix. Other files there (README.md, report.md) are kept."""
+    """Move a finished run's directory (records/ and campaign.json) into place as the campaign directory.
+
+    Every state a kill can leave is the old campaign or the new one, never records without the
+    campaign.json that describes them: a new directory appears in one rename; into an existing one, the
+    files a run does not own (README.md, report.md, ...) are first linked into the new directory, which is
+    then swapped with the old one in one atomic exchange (``renameat2(RENAME_EXCHANGE)``), and the old
+    one, now at the temporary name, is removed. Where the filesystem has no exchange, the old directory is
+    renamed aside to ``.NAME.old-PID-*`` and the new one renamed in: a kill between the two renames leaves
+    no campaign directory, and ``recover_interrupted_publish`` (the next run's first step) puts the old
+    one back."""
+    if camp_dir.is_symlink():  # publish into the directory the link names, beside it (renames stay on one fs)
+        target = camp_dir.resolve()
+        if target.parent != tmp.parent:
+            moved = Path(tempfile.mkdtemp(prefix=f".{target.name}.partial-{os.getpid()}-", dir=target.parent))
+            os.rmdir(moved)
+            shutil.move(tmp, moved)
+            tmp = moved
+        camp_dir = target
     if not camp_dir.exists():  # a new campaign: records/ and campaign.json appear together, in one rename
         os.replace(tmp, camp_dir)
         return
-    # campaign.json is the commit mark: the old one goes first, so it never stands beside the new records
-    # (a run killed between the steps leaves no campaign.json, never an old one over new records)
-    (camp_dir / "campaign.json").unlink(missing_ok=True)
-    replace_dir(tmp / "records", camp_dir / "records")
-    os.replace(tmp / "campaign.json", camp_dir / "campaign.json")
-    shutil.rmtree(tmp, ignore_errors=True)
+    os.chmod(tmp, camp_dir.stat().st_mode & 0o7777)  # the campaign directory keeps its mode (mkdtemp's is 0700)
+    for entry in sorted(camp_dir.iterdir()):
+        if entry.name not in PUBLISHED:
+            _carry_over(entry, tmp / entry.name)
+    if atomic.exchange_paths(tmp, camp_dir):
+        shutil.rmtree(tmp, ignore_errors=True)  # tmp now holds the old campaign (a leftover is a stale temp dir)
+        return
+    old = Path(tempfile.mkdtemp(prefix=f".{camp_dir.name}{OLD_MARKER}{os.getpid()}-", dir=camp_dir.parent))
+    os.replace(camp_dir, old)  # a directory renamed over an empty one
+    os.replace(tmp, camp_dir)
+    shutil.rmtree(old, ignore_errors=True)
+
+
+def recover_interrupted_publish(camp_dir: Path) -> Path | None:
+    """Undo what a publish killed between its two renames (filesystems without an atomic exchange) left:
+    no campaign directory, and the previous one parked as ``.NAME.old-PID-*`` by a process that is gone.
+    The newest such directory is renamed back (the killed run's own output stays in its temp directory,
+    removed as stale). Only once a campaign directory exists are parked directories of dead processes
+    removed: they are then the remains of a publish that completed. Returns the restored directory, or None."""
+    camp_dir = Path(camp_dir)
+    restored = None
+    if not camp_dir.exists() and not camp_dir.is_symlink():
+        prefix = f".{camp_dir.name}{OLD_MARKER}"
+        try:
+            names = os.listdir(camp_dir.parent)
+        except OSError:
+            names = []
+        parked = []
+        for n in names:
+            pid, sep, _ = n[len(prefix):].partition("-")
+            p = camp_dir.parent / n
+            if n.startswith(prefix) and sep and pid.isdigit() and atomic.pid_gone(int(pid)) and p.is_dir() \
+                    and not p.is_symlink():
+                parked.append(p)
+        if parked:
+            newest = max(parked, key=lambda p: p.stat().st_mtime_ns)
+            os.replace(newest, camp_dir)
+            restored = camp_dir
+            print(f"runmap bench: {camp_dir} restored from {newest.name} (a run was killed while publishing "
+                  "over it; that run's output is discarded)", file=sys.stderr)
+    if camp_dir.exists():
+        remove_stale_temporaries(camp_dir, marker=OLD_MARKER)
+    return restored
 
 
 def run_campaign(spec: dict, out_root: Path, *, configs: list[BenchConfig] | None = None,
@@ -741,6 +814,7 @@ def run_campaign(spec: dict, out_root: Path, *, configs: list[BenchConfig] | Non
     check_model_names(spec, (checkpoints or {}).keys(), "--checkpoint")
     out_root = Path(out_root)
     camp_dir = out_root / spec["name"]
+    recover_interrupted_publish(camp_dir)  # a campaign parked by a publish that was killed is put back first
     existing = existing_campaign(camp_dir)
     if existing and not overwrite:
         raise OutputExistsError(f"{camp_dir} already holds a campaign ({', '.join(existing)}); nothing written "
