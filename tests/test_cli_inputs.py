@@ -1,16 +1,24 @@
 """Bad input never ends in a traceback, and every subcommand follows one exit-code convention.
 
 Hypothesis draws argument vectors for `runmap pack`, `validate`, `synth`, `generate`, `logits`,
-`ifeval score` and `report` from each subcommand's own parser (random subsets of its flags, random values
-of the wrong type or range, nonexistent paths, files where directories are expected and the reverse),
-runs them in-process in an empty temporary working directory and asserts: the exit status is 0, 1 or 2
-(the convention in `runmap --help`), no traceback is printed, and nothing is created or changed in the
-working directory except at a path named on the command line; the shared fixtures are never changed.
+`ifeval score`, `report` and `bench` from each subcommand's own parser (random subsets of its flags, random
+values of the wrong type or range, nonexistent paths, files where directories are expected and the
+reverse), runs them in-process in an empty temporary working directory and asserts: the exit status is one
+of the convention in `runmap --help` (0, 1, 2; 3 only from `bench`, whose --deadline-s can skip
+configurations; 130 is Ctrl-C's, which no vector sends), no traceback is printed, and nothing is created
+or changed in the working directory except at a path named on the command line or a subcommand's
+documented default output; the shared fixtures are never changed.
 Random corruptions of a pack manifest (a key deleted, a value of another type, a file name pointing
 outside the pack) go to `runmap validate` and Engine.from_pack, which must refuse them with an error of
 the kinds the CLI reports in one line (never TypeError, KeyError, AttributeError, IndexError, ...).
 
-`runmap bench` is tested by its owners (tests/test_bench*.py).
+`runmap bench` gets campaign specs made for it: a tiny valid one (one configuration of the tiny pack with
+the reference executor, 2 prompt and 2 decode tokens, no warmup, one repeat: a real run of a few seconds),
+one whose pack is missing (the configuration fails), and the wrong files every subcommand gets; its
+--pack/--checkpoint values name the spec's model or not, its --only values are regular expressions or
+not. Its run-start copy-bandwidth probe is shrunk from 256 MiB to 1 MiB (on the CPU the 256 MiB fill alone
+takes about 2 s per run, and the probe's figure is not what this test checks), which keeps the bench
+examples within about 30 s.
 """
 import contextlib
 import io
@@ -30,19 +38,47 @@ from runmap.cli.main import build_parser, main
 from runmap.format.pack import pack_checkpoint
 from runmap.synth.checkpoint import write_synthetic
 
-SUBCOMMANDS = [("pack",), ("validate",), ("synth",), ("generate",), ("logits",), ("ifeval", "score"), ("report",)]
+SUBCOMMANDS = [("pack",), ("validate",), ("synth",), ("generate",), ("logits",), ("ifeval", "score"), ("report",),
+               ("bench",)]
+# runmap --help: 0 success, 1 bad input / failed check or run, 2 usage, 3 bench's deadline skipped some
+EXIT_CODES = {path: {0, 1, 2, 3} if path == ("bench",) else {0, 1, 2} for path in SUBCOMMANDS}
+# a subcommand's documented default output (report: results/report.md, bench: results/campaigns/)
+DEFAULT_OUTPUTS = {"report": "results", "bench": "results/campaigns"}
 EXAMPLES = int(os.environ.get("RUNMAP_CLI_EXAMPLES", "12"))  # per subcommand; 12 keeps the module well under 40 s
 CLI_SETTINGS = settings(max_examples=EXAMPLES, deadline=None,
                         suppress_health_check=[HealthCheck.too_slow, HealthCheck.function_scoped_fixture])
 
 
+def _bench_spec(pack: str) -> dict:
+    return {"name": "tiny", "description": "argument-vector test", "device": "cpu",
+            "defaults": {"repeats": 1, "warmup": 0},
+            "models": {"m": {"preset": "tiny-olmoe", "pack": pack}},
+            "groups": [{"name": "g", "kind": "engine", "models": ["m"], "resident": ["full"],
+                        "executors": ["reference"], "batch": 1, "prompt_len": 2, "decode_len": 2}]}
+
+
 @pytest.fixture(scope="module")
 def fixtures(tmp_path_factory):
-    """A tiny checkpoint and its pack, outside every example's working directory (read-only for them)."""
+    """A tiny checkpoint, its pack and two campaign specs, outside every example's working directory
+    (read-only for them)."""
+    import yaml
+
     base = tmp_path_factory.mktemp("cli-inputs")
     ck = write_synthetic(load_preset("tiny-olmoe")[0], base / "ck", seed=1)
     pk = pack_checkpoint(ck, base / "pack", device="cpu")
-    return {"checkpoint": ck, "pack": pk}
+    spec, nopack = base / "spec.yaml", base / "spec-nopack.yaml"
+    spec.write_text(yaml.safe_dump(_bench_spec(str(pk))))
+    nopack.write_text(yaml.safe_dump(_bench_spec("missing-pack")))  # relative: never there in the empty cwd
+    return {"checkpoint": ck, "pack": pk, "spec": spec, "spec-nopack": nopack}
+
+
+@pytest.fixture()
+def small_bandwidth_probe(monkeypatch):
+    import functools
+
+    from runmap.bench import metrics
+
+    monkeypatch.setattr(metrics, "copy_bandwidth", functools.partial(metrics.copy_bandwidth, nbytes=1 << 20))
 
 
 def _snapshot(root: Path) -> dict:
@@ -74,6 +110,10 @@ PATHS = st.sampled_from(["missing", "missing/deeper/x.json", "afile.txt", "adir"
 NUMBERS = st.one_of(st.integers(-(2 ** 70), 2 ** 70).map(str), st.sampled_from(["0", "-1", "1", "3", "1e9", "nan",
                                                                                  "inf", "-0.5", "0x10", ""]))
 VALUES = st.one_of(PATHS, NUMBERS, SAFE_TEXT, st.sampled_from(["5,6,7", "1,,x", "tiny-olmoe", "nosuch=x"]))
+# bench: NAME=DIR pairs (m is the specs' model) and --only expressions, well-formed or not
+PAIRS = st.sampled_from(["m=@pack", "m=@checkpoint", "m=adir", "m=afile.txt", "m=missing", "nosuch=@pack", "m",
+                         "=adir", "m=", "m=@pack=x"])
+REGEXES = st.sampled_from(["(", "[a-", "*", "b1", "^m__engine", "nomatch", ".*", "", "(?P<x>"])
 # inputs that would make a valid run long or large are kept out: the real OLMoE preset (a 14 GB synth)
 FORBIDDEN = {"olmoe-1b-7b-0924", "qwen1.5-moe-a2.7b"}
 
@@ -88,6 +128,12 @@ def _value_for(action, draw):
         return draw(NUMBERS)
     if action.dest == "preset":
         return draw(st.sampled_from(["tiny-olmoe", "tiny-qwen2-moe", "no-such-preset"]))
+    if action.dest == "spec":  # bench's campaign spec
+        return draw(st.sampled_from(["@spec", "@spec", "@spec-nopack"]))
+    if action.dest in ("pack", "checkpoint") and action.metavar == "NAME=DIR":
+        return draw(PAIRS)
+    if action.dest == "only":
+        return draw(REGEXES)
     return draw(VALUES)
 
 
@@ -114,9 +160,19 @@ def argvs(draw, path):
     return argv
 
 
+def _fixture_path(v: str, fixtures) -> str:
+    """'@NAME' (alone, or as the DIR of a NAME=DIR pair) -> the fixture's path."""
+    head, sep, tail = v.rpartition("=") if "=@" in v else ("", "", v)
+    if tail.startswith("@") and tail[1:] in fixtures:
+        return head + sep + str(fixtures[tail[1:]])
+    return v
+
+
 def _resolve(argv, fixtures, path):
-    out = [str(fixtures["pack"]) if v == "@pack" else str(fixtures["checkpoint"]) if v == "@checkpoint" else v
-           for v in argv]
+    if path == ("bench",):
+        # the output root is never a fixture's folder (a run would write its campaign into it)
+        argv = ["out" if a == "--out" and b.startswith("@") else b for a, b in zip([""] + argv, argv)]
+    out = [_fixture_path(v, fixtures) for v in argv]
     if path == ("pack",):
         # the pack output (second positional) must never be a fixture: --force would replace the shared pack
         out = [v if v not in (str(fixtures["pack"]),) or "--packed" in out else "out/p" for v in out]
@@ -154,6 +210,8 @@ def _run_in_empty_cwd(argv):
 def _named(rel: str, argv) -> bool:
     """True when ``rel`` (a path below the working directory) is, or lies below, a path named in argv."""
     for v in argv:
+        if v in (".", "./"):  # the working directory itself
+            return True
         v = v.rstrip("/")
         if v and (rel == v or rel.startswith(v + "/")):  # an option's value may start with "-" too
             return True
@@ -162,29 +220,55 @@ def _named(rel: str, argv) -> bool:
     return False
 
 
-def _check(argv, fixtures):
-    fx_before = {k: _snapshot(p) for k, p in fixtures.items()}
+def _fixture_state(fixtures) -> dict:
+    return {k: _snapshot(p) if p.is_dir() else p.read_bytes() for k, p in fixtures.items()}
+
+
+def _check(argv, fixtures, path):
+    fx_before = _fixture_state(fixtures)
     rc, out, err, before, after = _run_in_empty_cwd(argv)
-    assert rc in (0, 1, 2), (argv, rc, err)
+    assert rc in EXIT_CODES[path], (argv, rc, err)
     assert "Traceback" not in out + err, (argv, err)
     changed = sorted(k for k in set(before) | set(after) if before.get(k) != after.get(k))
     stray = [k for k in changed if not _named(k, argv)]
-    # a subcommand's documented default output path (report: results/report.md) counts as named
-    stray = [k for k in stray if not (argv[0] == "report" and k.split("/")[0] == "results")]
+    # a subcommand's documented default output path counts as named
+    default = DEFAULT_OUTPUTS.get(argv[0])
+    stray = [k for k in stray if not default or not (k == default or k.startswith(default + "/")
+                                                     or default.startswith(k + "/"))]
     assert not stray, (argv, stray)
-    assert {k: _snapshot(p) for k, p in fixtures.items()} == fx_before, argv
+    assert _fixture_state(fixtures) == fx_before, argv
     if rc == 1:
         assert err.strip() or out.strip(), argv  # a failure says why
+    return rc
 
 
 @pytest.mark.parametrize("path", SUBCOMMANDS, ids=" ".join)
-def test_random_argument_vectors(fixtures, path):
+def test_random_argument_vectors(fixtures, small_bandwidth_probe, path):
     @CLI_SETTINGS
     @given(argvs(path))
     def prop(argv):
-        _check(_resolve(argv, fixtures, path), fixtures)
+        _check(_resolve(argv, fixtures, path), fixtures, path)
 
     prop()
+
+
+# Each exit status bench can give, reached on purpose (the random vectors above reach them only by chance).
+BENCH_CASES = {
+    "run": (["bench", "@spec", "--out", "out", "--no-progress"], 0),  # a real run of the tiny configuration
+    "default-out": (["bench", "@spec", "--no-progress"], 0),  # into the documented default, results/campaigns/
+    "failing-config": (["bench", "@spec-nopack", "--out", "out", "--no-progress"], 1),  # no pack
+    "not-a-spec": (["bench", "afile.txt"], 1),
+    "bad-regex": (["bench", "@spec", "--only", "("], 2),
+    "unknown-model": (["bench", "@spec", "--pack", "nosuch=@pack"], 2),
+    "deadline": (["bench", "@spec", "--out", "out", "--deadline-s", "0", "--no-progress"], 3),  # all skipped
+}
+
+
+@pytest.mark.parametrize("argv,want", BENCH_CASES.values(), ids=BENCH_CASES.keys())
+def test_bench_exit_statuses(fixtures, small_bandwidth_probe, argv, want):
+    argv = _resolve(argv, fixtures, ("bench",))
+    rc = _check(argv, fixtures, ("bench",))
+    assert rc == want, argv
 
 
 # ---- manifest corruptions -------------------------------------------------------------------------
