@@ -65,8 +65,9 @@ from runmap.residency.regimes import regime_of
 RECORD_VERSION = "bench-record-v1"
 DEFAULT_PARAMS = {"repeats": 3, "warmup": 1, "warmup_new_tokens": 4, "policy": "lru", "seed": 0,
                   "cuda_graphs": True, "fused": True, "skip_experts": False, "check": False,
-                  "check_prompt_len": 24, "check_tolerance": 0.01, "routing": "model"}
-VARIANT_PARAMS = ("cuda_graphs", "fused", "skip_experts", "routing")
+                  "check_prompt_len": 24, "check_tolerance": 0.01, "routing": "model",
+                  "cache_contract": "v1"}
+VARIANT_PARAMS = ("cuda_graphs", "fused", "skip_experts", "routing", "cache_contract")
 CHECK_EXECUTOR = "reference"
 
 
@@ -173,6 +174,8 @@ def variant_tag(p: dict) -> str:
         parts.append("-".join(("fused",) + tuple(fused)) if fused else "torchops")
     if p.get("skip_experts"):
         parts.append("skipexperts")
+    if p.get("cache_contract", "v1") != "v1":
+        parts.append("contract-" + p["cache_contract"])
     routing = p.get("routing", "model")
     if routing != "model":  # calibrated:qwen2_moe -> routing-calibrated-qwen2-moe; trace:dir/a.json -> routing-trace-a
         name = routing if not routing.startswith("trace:") else "trace:" + Path(routing[6:]).stem
@@ -538,6 +541,7 @@ def run_config(engine: BenchEngine, c: BenchConfig, model_cfg: ModelConfig, ctx:
             "fused": list(p["fused"]) if c.kind != "hf-bf16" else None,
             "skip_experts": bool(p["skip_experts"]),
             "routing": engine.routing if c.kind != "hf-bf16" else None,
+            "cache_contract": p["cache_contract"] if is_engine else None,
         },
         "device": ctx.device_info,
         "software": ctx.software,
@@ -684,7 +688,7 @@ class EngineBuilder:
             resident=None if c.regime == "full" else c.resident, device=device, max_batch=p["max_batch"],
             max_seq_len=p["max_seq_len"], policy=p["policy"], expert_format="int4" if c.kind == "engine" else "fp16",
             cuda_graphs=bool(p["cuda_graphs"]), fused=tuple(p["fused"]), skip_experts=bool(p["skip_experts"]),
-            host_source=shared, routing=p["routing"], routing_seed=p["seed"],
+            host_source=shared, routing=p["routing"], routing_seed=p["seed"], cache_contract=p["cache_contract"],
             # the replayed hit rates of partial residency need the routes that ran (full residency has no misses)
             record_routes=c.kind == "engine" and c.regime != "full")
         bm.sync(device)

@@ -45,6 +45,9 @@ def add_arguments(p) -> None:
     p.add_argument("--events", choices=("controlled", "cuda"), default="controlled",
                    help="who decides copy completion: the test's controlled transport (failures injected), or the "
                         "real CUDA events (needs --device cuda); default %(default)s")
+    p.add_argument("--contract", choices=("v1", "v2"), default="v1",
+                   help="v1 (default): pageable host source -> pinned staging -> device; v2: the host source "
+                        "registered (pinned) once and copied straight into spare rows (docs/cache-contract.md)")
     p.add_argument("--out", default="results/contract/report.json", help="report path (JSON); default %(default)s")
     p.add_argument("--mutant-examples", type=int, default=400,
                    help="example budget per mutant before it counts as uncaught; default 400")
@@ -58,8 +61,10 @@ def _versions() -> dict:
     return v
 
 
-def _device_info(device: str, events: str) -> dict:
-    return {"requested": device, "transport": "CpuTransport" if device == "cpu" else "CudaTransport",
+def _device_info(device: str, events: str, contract: str = "v1") -> dict:
+    names = {("cpu", "v1"): "CpuTransport", ("cuda", "v1"): "CudaTransport", ("cpu", "v2"): "CpuDirectTransport",
+             ("cuda", "v2"): "PinnedSourceTransport"}
+    return {"requested": device, "transport": names[(device, contract)],
             "name": device_name("cuda:0" if device == "cuda" else device), "events": events}
 
 
@@ -95,6 +100,8 @@ def _command_line() -> str:
 def run(args) -> int:
     import torch
 
+    from runmap.residency.transport import CACHE_CONTRACTS
+
     from runmap.residency import contract_model as cm
 
     if args.examples < 1 or args.steps < 1:
@@ -114,7 +121,7 @@ def run(args) -> int:
         progress = tqdm(desc="contract examples", unit="ex", file=sys.stderr)  # Hypothesis may run more than asked
     t0 = time.time()
     stats, exc = cm.run_contract(args.examples, args.steps, args.seed, args.device, progress=progress,
-                                 events=args.events)
+                                 events=args.events, contract=args.contract)
     if progress is not None:
         progress.close()
     duration = time.time() - t0
@@ -131,7 +138,8 @@ def run(args) -> int:
             unexercised.append(name)
     mutants, not_applicable = {}, {}
     candidates = [(name, cls, None) for name, cls in cm.MUTANTS.items()]
-    candidates += [(name, None, cls) for name, cls in cm.TRANSPORT_MUTANTS.items()]
+    candidates += [(name, None, cls) for name, cls in
+                   (cm.TRANSPORT_MUTANTS_V2 if args.contract == "v2" else cm.TRANSPORT_MUTANTS).items()]
     if not args.no_mutants:
         for name, cls, tcls in candidates:
             modes = cm.mutant_modes(tcls or cls)
@@ -141,7 +149,7 @@ def run(args) -> int:
             t = time.time()
             mstats, mexc = cm.run_contract(args.mutant_examples, args.steps, args.seed, args.device,
                                            cache_cls=cls or cm.ExpertCache, transport_cls=tcls, shrink=False,
-                                           events=args.events)
+                                           events=args.events, contract=args.contract)
             violation = _contract_violation(mexc)
             caught = violation is not None
             seen = _first_line(violation if caught else mexc) if mexc is not None else None
@@ -159,11 +167,11 @@ def run(args) -> int:
 
     doc = {
         "report_version": REPORT_VERSION,
-        "contract": "resident-qpacked-cache-v1",
+        "contract": CACHE_CONTRACTS[args.contract],
         "command": _command_line(),
         "created_utc": utc_timestamp(),
         "seed": args.seed,
-        "device": _device_info(args.device, args.events),
+        "device": _device_info(args.device, args.events, args.contract),
         "library_versions": _versions(),
         "examples_requested": args.examples,
         "examples_run": stats.examples,

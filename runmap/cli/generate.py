@@ -39,6 +39,9 @@ def add_arguments(p) -> None:
                    help="int4 (default, the product) or fp16 (baseline: dequantized experts, no cache)")
     p.add_argument("--telemetry", default=None, metavar="FILE",
                    help="write the run's telemetry JSON here (default: no telemetry file)")
+    p.add_argument("--cache-contract", choices=("v1", "v2"), default="v1",
+                   help="v1 (default): host source -> pinned staging -> GPU; v2: the host source pinned once and "
+                        "copied straight into spare rows (docs/cache-contract.md)")
     p.add_argument("--routing", default="model", type=routing_argument, metavar="NAME", help=ROUTING_HELP)
     p.add_argument("--routing-seed", type=int, default=0, metavar="S", help="seed of the calibrated routing (default 0)")
     p.add_argument("--trace", default=None, metavar="FILE",
@@ -61,7 +64,7 @@ def run(args) -> int:
         eng = Engine.from_pack(args.packed, executor=args.executor, resident=args.resident, device=args.device,
                                max_batch=1, max_seq_len=args.max_seq_len, expert_format=args.expert_format,
                                routing=args.routing, routing_seed=args.routing_seed,
-                               record_routes=args.trace is not None)
+                               record_routes=args.trace is not None, cache_contract=args.cache_contract)
         res = eng.generate([args.prompt], max_new_tokens=args.max_new_tokens, temperature=args.temperature,
                            top_p=args.top_p, seed=args.seed, stop=args.stop, chat=args.chat, on_token=on_token)[0]
     except (ValueError, FileNotFoundError, RuntimeError) as e:  # bad input, cache fault, kernel/device failure

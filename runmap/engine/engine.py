@@ -7,7 +7,7 @@ Stable Python API (the IFEval and campaign code call exactly this)::
                            max_seq_len=None, policy="lru", expert_format="int4", max_group=None,
                            cuda_graphs=True, prefill_chunk=1024, fused=True, host_source=None,
                            skip_experts=False, verify_pack=None, routing="model", routing_seed=0,
-                           record_routes=False)
+                           record_routes=False, cache_contract="v1")
     results = eng.generate(prompts, *, max_new_tokens=128, temperature=0.0, top_p=1.0, seed=None,
                            stop=(), chat=False, on_token=None, ignore_eos=False)
     run = eng.run(prompts, **same)   # GenerationRun: results + prefill/decode seconds, token counts, tok/s
@@ -49,6 +49,8 @@ Arguments:
     routing_seed   seed of the calibrated workload's draws (batch n of a run draws from (seed, n))
     record_routes  keep the routed ids of every layer and pass: ``eng.routes`` (RouteRecorder) gives the trace
                    and replayed hit rates. On CUDA graphs it adds one small copy per MoE layer to the step.
+    cache_contract "v1" (default: pageable host source -> pinned staging -> device) or "v2" (the host source
+                   registered as pinned memory once, rows copied straight into spare rows; docs/cache-contract.md)
     skip_experts   PROFILING ONLY: routed experts return zeros (router and everything else still run), so the
                    decode time without the expert GEMVs can be measured; outputs are wrong by design
     prompts        list[str] (tokenized with the pack's tokenizer; ``chat=True`` applies its chat template)
@@ -354,13 +356,15 @@ class Engine:
                   expert_format: str = "int4", max_group: int | None = None, cuda_graphs: bool = True,
                   prefill_chunk: int = 1024, fused=True, host_source=None,
                   skip_experts: bool = False, verify_pack: bool | None = None, routing: str = "model",
-                  routing_seed: int = 0, record_routes: bool = False) -> "Engine":
+                  routing_seed: int = 0, record_routes: bool = False, cache_contract: str = "v1") -> "Engine":
         from runmap.format.packfile import PackReader
         from runmap.engine.tokenization import Tokenizer
 
         t0 = time.perf_counter()
         if executor not in EXECUTORS:
             raise EngineError(f"unknown executor {executor!r}; choose one of {list(EXECUTORS)}")
+        if cache_contract not in ("v1", "v2"):
+            raise EngineError(f"unknown cache_contract {cache_contract!r}; choose 'v1' or 'v2'")
         if expert_format not in EXPERT_FORMATS:
             raise EngineError(f"unknown expert_format {expert_format!r}; choose one of {list(EXPERT_FORMATS)}")
         device = torch.device(device if device is not None else ("cuda" if torch.cuda.is_available() else "cpu"))
@@ -432,7 +436,10 @@ class Engine:
             if group < cfg.top_k:
                 raise EngineError(f"max_group={group} is below top_k={cfg.top_k}: a single token's routed group "
                                   "could never be served")
-            kw = dict(resident=resident, max_group=group, device=device, policy=policy)
+            from runmap.residency.transport import default_transport
+
+            kw = dict(resident=resident, max_group=group, device=device, policy=policy,
+                      transport=default_transport(device, contract=cache_contract))
             if host_source is not None:
                 host_source.watch_reader(reader)  # closed; a read through it is still observed
                 cache = ExpertCache.from_host(host_source, **kw)

@@ -140,6 +140,8 @@ class ExpertCache:
         self.layout = host.layout
         self.transport = transport if transport is not None else default_transport(device)
         self.device = self.transport.device
+        self.contract = self.transport.contract
+        self.transport.attach_host(host)  # v2 registers (pins) the host source here, before any copy
         self.policy = make_policy(policy)
         self._configure(resident, spares, staging, max_group, budget_bytes)
         self._lock = threading.RLock()
@@ -162,6 +164,7 @@ class ExpertCache:
                 self.copy_monitor.watch_storage(t)
             self.copy_monitor.watch_host(host.row_tensor(0, 0))
         self._staging = [_Staging(i, self.transport.alloc_staging(self.row_bytes)) for i in range(self.staging)]
+        self.staging_bytes = sum(b.tensor.numel() for b in self._staging)  # v2's slots are one-byte tokens
         self._free: list[list[int]] = [list(range(self.rows_per_layer - 1, -1, -1)) for _ in range(self.num_layers)]
         self._fenced: list[list[tuple[int, object]]] = [[] for _ in range(self.num_layers)]
         self._retiring: list[list[tuple[int, int, int, int]]] = [[] for _ in range(self.num_layers)]
@@ -613,7 +616,7 @@ class ExpertCache:
                 c["writebacks"] = self.copy_monitor.writebacks
                 c["bytes_d2h"] = self.copy_monitor.d2h_bytes
             return {
-                "contract": CONTRACT_ID,
+                "contract": self.contract,
                 "state": self.state,
                 "regime": "full" if self.full_residency else "partial",
                 "device": str(self.device),

@@ -49,7 +49,8 @@ from runmap.residency.eviction import POLICIES
 from runmap.residency.host_source import HostSource
 from runmap.residency.observations import REQUIRED_ZERO
 from runmap.format.qpack import RowLayout
-from runmap.residency.transport import CudaTransport, Event, Transport, TransferError, default_transport
+from runmap.residency.transport import (CACHE_CONTRACTS, CudaTransport, Event, PinnedSourceTransport, Transport,
+                                        TransferError, default_transport)
 
 EVENT_MODES = ("controlled", "cuda")
 
@@ -115,11 +116,12 @@ INTERRUPTIBLE = ("stage", "submit", "wait", "table", "after_publish")  # may rai
 
 
 class _FakeEvent(Event):
-    __slots__ = ("id", "dst", "staging", "state", "inner", "fail")
+    __slots__ = ("id", "dst", "staging", "src", "state", "inner", "fail")
 
-    def __init__(self, eid, dst, staging, nbytes):
+    def __init__(self, eid, dst, staging, nbytes, src=None):
         super().__init__(None, nbytes)
         self.id, self.dst, self.staging, self.state, self.inner, self.fail = eid, dst, staging, "pending", None, False
+        self.src = staging if src is None else src  # what the copy reads: the staging buffer (v1), the host row (v2)
 
 
 class ControlledTransport(Transport):
@@ -137,6 +139,8 @@ class ControlledTransport(Transport):
     def __init__(self, inner: Transport, deferred: bool = True, rng: random.Random | None = None):
         super().__init__(inner.device)
         self.inner, self.deferred = inner, deferred
+        self.contract, self.direct = inner.contract, inner.direct
+        self._direct_src: dict[int, torch.Tensor] = {}  # v2: slot token ptr -> the host row its copy reads
         self.rng = rng or random.Random(0)
         self.pending: list[_FakeEvent] = []
         self.events: list[_FakeEvent] = []
@@ -172,8 +176,16 @@ class ControlledTransport(Transport):
     def alloc_staging(self, row_bytes):
         return self.inner.alloc_staging(row_bytes)
 
+    def attach_host(self, host):
+        self.inner.attach_host(host)
+
     # data movement ---------------------------------------------------------------------------------------
     def stage(self, staging, host_row):
+        if self.direct:  # v2: nothing is staged; the copy reads the host row itself (a "stage" failure is still
+            if self._hit("stage"):  # injected here: the point before the copy is submitted)
+                self._fail(TransferError, "preparing the direct host -> device copy")
+            self._direct_src[staging.data_ptr()] = host_row
+            return
         ptr = staging.data_ptr()
         if any(ev.staging.data_ptr() == ptr for ev in self.pending):
             self.staging_violations += 1  # rewriting a buffer a copy has not finished reading
@@ -183,22 +195,23 @@ class ControlledTransport(Transport):
         self.stage_bytes += host_row.numel()
 
     def h2d(self, dst_row, staging):
+        src = self._direct_src.pop(staging.data_ptr()) if self.direct else staging
         if self._hit("submit"):
             self._fail(TransferError, "submitting the staging -> device copy")
-        ev = _FakeEvent(len(self.events), dst_row, staging, staging.numel())
+        ev = _FakeEvent(len(self.events), dst_row, staging, src.numel(), src)
         ev.fail = self._hit("copy")
         if not self.deferred:
-            ev.inner = self.inner.h2d(dst_row, staging)
+            ev.inner = self.inner.h2d(dst_row, src)
         self.events.append(ev)
         self.pending.append(ev)
-        self.h2d_bytes += staging.numel()
+        self.h2d_bytes += src.numel()
         return ev
 
     def _complete(self, ev: _FakeEvent) -> None:
         if ev.state != "pending":
             return
         if self.deferred:
-            ev.inner = self.inner.h2d(ev.dst, ev.staging)
+            ev.inner = self.inner.h2d(ev.dst, ev.src)
         self.inner.wait(ev.inner)
         if ev.fail:
             ev.dst.fill_(GARBAGE)  # a failed copy leaves undefined bytes behind
@@ -261,6 +274,7 @@ class EventCheckingTransport(Transport):
 
     def __init__(self, inner: Transport, host: HostSource, expected: torch.Tensor, busy_ms: float = BUSY_MS):
         super().__init__(inner.device)
+        self.contract, self.direct = inner.contract, inner.direct
         self.inner, self.host, self.expected = inner, host, expected  # expected (L, E, row_bytes) on the device
         self.busy_cycles = int(busy_ms * 2.0e6)  # ~2 GHz SM clock
         self.reader = torch.cuda.Stream(device=inner.device)
@@ -277,6 +291,9 @@ class EventCheckingTransport(Transport):
 
     def alloc_staging(self, row_bytes):
         return self.inner.alloc_staging(row_bytes)
+
+    def attach_host(self, host):
+        self.inner.attach_host(host)
 
     def copy_rows(self, jobs, on_submit):
         if self.busy_cycles:
@@ -347,6 +364,21 @@ class EventBeforeCopyTransport(CudaTransport):
                 ev = torch.cuda.Event()
                 ev.record(self.stream)  # the bug: the event precedes the copy
                 dst.copy_(stg, non_blocking=True)
+                self.h2d_bytes += n
+                on_submit(j, Event(ev, n))
+
+
+class EventBeforeCopyPinnedTransport(PinnedSourceTransport):
+    """The same bug in contract v2's direct transport: the event is recorded before the DMA it fences."""
+
+    def copy_rows(self, jobs, on_submit):
+        self._order_after_releases()
+        with torch.cuda.stream(self.stream):
+            for j, (dst, _slot, src) in enumerate(jobs):
+                n = src.numel()
+                ev = torch.cuda.Event()
+                ev.record(self.stream)  # the bug: the event precedes the copy
+                dst.copy_(src, non_blocking=True)
                 self.h2d_bytes += n
                 on_submit(j, Event(ev, n))
 
@@ -483,10 +515,12 @@ MUTANTS = {
 }
 # broken transports, run with the real cache (CUDA-events mode only: a controlled transport would hide them)
 TRANSPORT_MUTANTS = {"event-before-copy": EventBeforeCopyTransport}
+TRANSPORT_MUTANTS_V2 = {"event-before-copy": EventBeforeCopyPinnedTransport}  # the same faults, contract v2
 
 
 def mutant_modes(cls) -> tuple:
-    return getattr(cls, "modes", EVENT_MODES) if cls not in TRANSPORT_MUTANTS.values() else ("cuda",)
+    transports = set(TRANSPORT_MUTANTS.values()) | set(TRANSPORT_MUTANTS_V2.values())
+    return getattr(cls, "modes", EVENT_MODES) if cls not in transports else ("cuda",)
 
 
 # ---------------------------------------------------------------------------------------------------
@@ -527,6 +561,7 @@ class _Req:
 class CacheContractMachine(RuleBasedStateMachine):
     cache_cls = ExpertCache
     transport_cls = None  # cuda mode: the real transport class (a broken one for a transport mutant)
+    contract = "v1"  # "v2": the direct transports (registered host source straight into spare rows)
     device = "cpu"
     events = "controlled"
     kernel_readback = False  # the expert kernel reads a row back to the host (tests: the observation sees it)
@@ -573,11 +608,12 @@ class CacheContractMachine(RuleBasedStateMachine):
         host = HostSource.from_pack(self.pack)
         self.expected = torch.stack(rows).to(self.device)  # (L, E, row_bytes) reference bytes
         if cuda_events:
-            inner = (self.transport_cls or CudaTransport)(self.device)
+            inner = (self.transport_cls or (PinnedSourceTransport if self.contract == "v2" else CudaTransport))(self.device)
             self.transport = EventCheckingTransport(inner, host, self.expected)
             self.reader = self.transport.reader
         else:
-            self.transport = ControlledTransport(default_transport(self.device), deferred=deferred, rng=rng)
+            self.transport = ControlledTransport(default_transport(self.device, contract=self.contract),
+                                                 deferred=deferred, rng=rng)
             self.reader = None
         self.staging_n = staging
         self.cache = self.cache_cls.from_host(host, resident=resident, spares=spares, staging=staging,
@@ -1061,16 +1097,18 @@ class CacheContractMachine(RuleBasedStateMachine):
 
 
 def make_machine(cache_cls=ExpertCache, device: str = "cpu", stats: ContractStats | None = None,
-                 events: str = "controlled", transport_cls=None, kernel_readback: bool = False):
+                 events: str = "controlled", transport_cls=None, kernel_readback: bool = False, contract: str = "v1"):
     """A CacheContractMachine subclass bound to a cache class, a device, an event mode and a stats object."""
     if events not in EVENT_MODES:
         raise ValueError(f"events must be one of {EVENT_MODES}, got {events!r}")
     if events == "cuda" and torch.device(device).type != "cuda":
         raise ValueError("the cuda event mode needs device='cuda' (the real CUDA transport and its events)")
-    name = f"CacheContract_{cache_cls.__name__}" + (f"_{transport_cls.__name__}" if transport_cls else "")
+    if contract not in CACHE_CONTRACTS:
+        raise ValueError(f"contract must be one of {list(CACHE_CONTRACTS)}, got {contract!r}")
+    name = f"CacheContract_{cache_cls.__name__}" + (f"_{transport_cls.__name__}" if transport_cls else "") + f"_{contract}"
     return type(name, (CacheContractMachine,),
                 {"cache_cls": cache_cls, "device": device, "stats": stats or ContractStats(), "events": events,
-                 "transport_cls": transport_cls, "kernel_readback": kernel_readback})
+                 "transport_cls": transport_cls, "kernel_readback": kernel_readback, "contract": contract})
 
 
 def contract_settings(examples: int, steps: int, **kw) -> settings:
@@ -1080,10 +1118,11 @@ def contract_settings(examples: int, steps: int, **kw) -> settings:
 
 def run_contract(examples: int = 100, steps: int = 30, seed: int = 0, device: str = "cpu",
                  cache_cls=ExpertCache, shrink: bool = True, progress=None, events: str = "controlled",
-                 transport_cls=None, kernel_readback: bool = False) -> tuple[ContractStats, BaseException | None]:
+                 transport_cls=None, kernel_readback: bool = False,
+                 contract: str = "v1") -> tuple[ContractStats, BaseException | None]:
     """Run the state machine; returns (stats, the failure or None)."""
     stats = ContractStats(progress=progress)
-    machine = make_machine(cache_cls, device, stats, events, transport_cls, kernel_readback)
+    machine = make_machine(cache_cls, device, stats, events, transport_cls, kernel_readback, contract)
     phases = [Phase.generate] + ([Phase.shrink] if shrink else [])
     cfg = contract_settings(examples, steps, phases=phases)
     if get_state_machine_test is not None:
@@ -1120,4 +1159,4 @@ def required_exercise(events: str = "controlled") -> list[str]:
 
 __all__ = ["CacheContractMachine", "ControlledTransport", "ContractStats", "ContractViolation", "EVENT_MODES",
            "EventBeforeCopyTransport", "EventCheckingTransport", "InMemoryPack", "INVARIANTS", "MUTANTS",
-           "TRANSPORT_MUTANTS", "make_machine", "mutant_modes", "required_exercise", "run_contract"]
+           "TRANSPORT_MUTANTS", "TRANSPORT_MUTANTS_V2", "make_machine", "mutant_modes", "required_exercise", "run_contract"]

@@ -6,6 +6,11 @@ The cache only ever moves expert bytes through a ``Transport``. Two real impleme
 * ``CudaTransport``: staging buffers are pinned, the staging -> device copy is issued on a dedicated
   transfer stream and an event is recorded after each copy.
 
+Contract v2 (``resident-qpacked-cache-v2``, opt-in) skips the staging copy: the host source is registered
+(pinned) once and rows are copied straight into spare rows (``PinnedSourceTransport``; ``CpuDirectTransport``
+is its CPU analogue for the contract tests). Publication, leases, failures and observations are v1's: the cache
+still takes a staging slot per in-flight row (a one-byte token that bounds the copies in flight).
+
 Tests and the contract model substitute ``runmap.residency.contract_model.ControlledTransport``, which defers
 completions and injects failures at every step. Every transport counts the bytes it moves by
 direction; no method copies device -> host, so ``d2h_bytes`` is an instrumented zero.
@@ -32,10 +37,17 @@ class Event:
         self.nbytes = nbytes
 
 
+CONTRACT_V1 = "resident-qpacked-cache-v1"
+CONTRACT_V2 = "resident-qpacked-cache-v2"
+CACHE_CONTRACTS = {"v1": CONTRACT_V1, "v2": CONTRACT_V2}
+
+
 class Transport:
     """Base class: the operations the cache needs. Subclasses override the marked methods."""
 
     device: torch.device
+    contract = CONTRACT_V1  # the cache contract this transport implements
+    direct = False  # True: rows go host source -> device row with no staging copy (v2)
 
     def __init__(self, device: torch.device):
         self.device = torch.device(device)
@@ -98,6 +110,9 @@ class Transport:
 
     def after_publish(self) -> None:
         """Order later compute after the published copies; a failure here is ambiguous (FAULTED)."""
+
+    def attach_host(self, host) -> None:
+        """Called once by the cache with its HostSource before any copy (v2 registers it here)."""
 
     def describe(self) -> dict:
         return {"kind": type(self).__name__, "device": str(self.device)}
@@ -307,15 +322,100 @@ class CudaTransport(Transport):
                 "stage_workers": self.stage_workers, "device_name": torch.cuda.get_device_name(self.device)}
 
 
+class CpuDirectTransport(CpuTransport):
+    """Contract v2 on the CPU: rows are copied from the host source straight into the device rows (no staging).
+    Exists so that the contract tests run v2's cache paths without a GPU."""
+
+    contract = CONTRACT_V2
+    direct = True
+
+    def alloc_staging(self, row_bytes):
+        return torch.empty(1, dtype=torch.uint8)  # a slot token: v2 stages nothing
+
+    def stage(self, staging, host_row):
+        raise TransferError("contract v2 has no staging copy")
+
+    def h2d(self, dst_row, src_row):
+        """Copy ``src_row`` (the host-source row itself under v2) into ``dst_row``."""
+        dst_row.copy_(src_row)  # (row_bytes,)
+        self.h2d_bytes += src_row.numel()
+        return Event(None, src_row.numel())
+
+    def stage_and_copy(self, dst_row, staging, host_row):
+        return self.h2d(dst_row, host_row)
+
+
+# cudaHostRegister flags (CUDA runtime API): the pages stay read-only (the host source is mprotect-ed), and
+# the registration is usable from every CUDA context of the process.
+_HOST_REGISTER_PORTABLE, _HOST_REGISTER_READ_ONLY = 0x01, 0x08
+
+
+class PinnedSourceTransport(CudaTransport):
+    """Contract v2 on CUDA: the whole host source is registered as pinned memory once (``attach_host``), and
+    each miss copies its row by DMA straight into the spare row on the transfer stream, one event per row.
+    No CPU staging copy, so the copy runs at the link's rate instead of the host's memcpy rate."""
+
+    contract = CONTRACT_V2
+    direct = True
+
+    def __init__(self, device="cuda"):
+        super().__init__(device)
+        self.registered_bytes = 0
+
+    def attach_host(self, host) -> None:
+        arr = host.array
+        if getattr(host, "pinned_registration", None):
+            self.registered_bytes = arr.nbytes  # another engine of this process registered it already
+            return
+        err = torch.cuda.cudart().cudaHostRegister(arr.ctypes.data, arr.nbytes,
+                                                    _HOST_REGISTER_PORTABLE | _HOST_REGISTER_READ_ONLY)
+        code = int(getattr(err, "value", err))
+        if code != 0:
+            raise TransferError(f"resident-qpacked-cache-v2: pinning the {arr.nbytes / 2**30:.2f} GiB host source "
+                                f"failed (cudaHostRegister error {code}); use contract v1 or free host memory")
+        host.pinned_registration = (arr.ctypes.data, arr.nbytes)
+        self.registered_bytes = arr.nbytes
+
+    def alloc_staging(self, row_bytes):
+        return torch.empty(1, dtype=torch.uint8)  # a slot token: v2 stages nothing
+
+    def stage(self, staging, host_row):
+        raise TransferError("contract v2 has no staging copy")
+
+    def stage_and_copy(self, dst_row, staging, host_row):
+        return self.h2d(dst_row, host_row)
+
+    def copy_rows(self, jobs, on_submit):
+        self._order_after_releases()
+        with torch.cuda.stream(self.stream):
+            for j, (dst, _slot, src) in enumerate(jobs):
+                n = src.numel()
+                dst.copy_(src, non_blocking=True)  # (row_bytes,) registered host source -> device row, DMA
+                ev = torch.cuda.Event()
+                ev.record(self.stream)
+                self.h2d_bytes += n
+                on_submit(j, Event(ev, n))
+
+    def describe(self):
+        return {**super().describe(), "kind": "PinnedSourceTransport", "registered_bytes": self.registered_bytes}
+
+
 def _np_copy(dst: torch.Tensor, src: torch.Tensor) -> None:
     """uint8 (n,) CPU copy outside the GIL (numpy), for staging worker threads."""
     np.copyto(dst.numpy(), src.numpy())
 
 
-def default_transport(device, chunk_bytes: int | None = None, stage_workers: int = 0) -> Transport:
+def default_transport(device, chunk_bytes: int | None = None, stage_workers: int = 0,
+                      contract: str = "v1") -> Transport:
+    """The transport of ``contract`` ("v1": pageable host source -> pinned staging -> device, the default;
+    "v2": the registered host source straight into device rows) on ``device``."""
     dev = torch.device(device)
+    if contract not in CACHE_CONTRACTS:
+        raise ValueError(f"unknown cache contract {contract!r}; choose one of {list(CACHE_CONTRACTS)}")
     if dev.type == "cpu":
-        return CpuTransport()
+        return CpuDirectTransport() if contract == "v2" else CpuTransport()
     if dev.type == "cuda":
+        if contract == "v2":
+            return PinnedSourceTransport(dev)
         return CudaTransport(dev, chunk_bytes=chunk_bytes, stage_workers=stage_workers)
     raise ValueError(f"no transport for device {dev}")
