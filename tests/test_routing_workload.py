@@ -43,6 +43,7 @@ def test_calibrated_streams_route_distinct_valid_experts_and_are_seeded():
     for steps in a:
         for s in steps:
             assert len(s) == 8 == len(set(s)) and all(0 <= e < 64 for e in s)
+    assert len(a) == 2 and len(a[0]) == 50
 
 
 def test_more_reuse_means_more_hits():

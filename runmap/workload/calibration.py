@@ -7,9 +7,9 @@ The model of one layer, for one sequence of tokens (a stream):
   (trained routers are load-balanced but not uniform; ``sigma`` sets the spread);
 * **reuse**: each expert of the previous token's top-k is kept by the next token with probability ``reuse``
   (consecutive tokens share experts: the local routing consistency that caches live on);
-* **recall**: each remaining slot is, with probability ``recall``, an expert used in the last ``window``
-  tokens (a segment's topic keeps a working set), otherwise a fresh draw by popularity;
-* no expert twice in one token (draws are without replacement).
+* **recall**: of the remaining slots, Binomial(slots, ``recall``) are drawn by popularity among the experts
+  used in the last ``window`` tokens (a segment's topic keeps a working set), the rest by popularity among all;
+* no expert twice in one token (draws are without replacement, Gumbel-top-k over log popularity).
 
 Parameters are dimensionless, so a family's parameters apply to a checkpoint of any size; they were fitted at
 the family's real expert count and top-k (``FAMILIES``).
@@ -71,40 +71,49 @@ def family_params(name: str) -> Family:
     return FAMILIES[name]
 
 
-class LayerStream:
-    """The routing model of one layer for one stream: ``next()`` draws the next token's top-k expert ids."""
+class StreamSampler:
+    """The routing model of one stream, every layer at once: ``next()`` draws the next token's top-k ids of all
+    layers, int64 (L, k). Vectorised over layers (a decode step of OLMoE's 16 layers costs tens of
+    microseconds of host time): fresh draws without replacement are Gumbel-top-k over log popularity."""
 
-    def __init__(self, params: RoutingParams, num_experts: int, top_k: int, popularity: np.ndarray,
-                 rng: np.random.Generator):
-        if not 1 <= top_k <= num_experts:
-            raise ValueError(f"top_k={top_k} must be in [1, num_experts={num_experts}]")
-        self.p, self.E, self.k, self.rng = params, num_experts, top_k, rng
-        self.weights = popularity  # float64 (E,) sums to 1
-        self.prev: list[int] = []
-        self.recent: list[list[int]] = []  # the last ``window`` tokens' experts
+    def __init__(self, params: RoutingParams, popularity: np.ndarray, top_k: int, rng: np.random.Generator):
+        L, E = popularity.shape
+        if not 1 <= top_k <= E:
+            raise ValueError(f"top_k={top_k} must be in [1, num_experts={E}]")
+        self.p, self.L, self.E, self.k, self.rng = params, L, E, top_k, rng
+        self.logw = np.log(popularity)  # (L, E)
+        self.prev: np.ndarray | None = None  # (L, k)
+        self.recent = np.zeros((params.window, L, E), dtype=bool)  # ring of the last tokens' experts
+        self.t = 0
 
-    def next(self) -> list[int]:
-        rng, k = self.rng, self.k
-        chosen = [e for e in self.prev if rng.random() < self.p.reuse]
-        taken = set(chosen)
-        while len(chosen) < k:
-            e = -1
-            if self.recent and rng.random() < self.p.recall:
-                pool = [x for x in {x for tok in self.recent for x in tok} if x not in taken]
-                if pool:
-                    w = self.weights[pool]
-                    e = int(pool[rng.choice(len(pool), p=w / w.sum())])
-            if e < 0:
-                w = self.weights.copy()
-                w[list(taken)] = 0.0
-                e = int(rng.choice(self.E, p=w / w.sum()))
-            chosen.append(e)
-            taken.add(e)
-        self.prev = chosen
-        self.recent.append(chosen)
-        if len(self.recent) > self.p.window:
-            self.recent.pop(0)
-        return chosen
+    def _pick(self, allowed: np.ndarray, n: np.ndarray) -> np.ndarray:
+        """bool (L, E): for each layer l, n[l] experts among ``allowed`` drawn by popularity without replacement."""
+        keys = self.logw - np.log(-np.log(self.rng.random((self.L, self.E))))  # log w + Gumbel noise
+        keys[~allowed] = -np.inf
+        order = np.argsort(-keys, axis=1)  # (L, E) best first
+        n = np.minimum(n, allowed.sum(1))
+        take = np.arange(self.E)[None, :] < n[:, None]  # (L, E) the first n[l] of each row
+        out = np.zeros((self.L, self.E), dtype=bool)
+        np.put_along_axis(out, order, take, axis=1)
+        return out
+
+    def next(self) -> np.ndarray:
+        L, k, rng, p = self.L, self.k, self.rng, self.p
+        chosen = np.zeros((L, self.E), dtype=bool)
+        if self.prev is not None:
+            keep = rng.random((L, k)) < p.reuse  # (L, k)
+            rows = np.repeat(np.arange(L)[:, None], k, axis=1)
+            chosen[rows[keep], self.prev[keep]] = True
+        need = k - chosen.sum(1)  # (L,)
+        if self.t:
+            pool = self.recent[:min(self.t, p.window)].any(0) & ~chosen  # (L, E) used lately, not yet taken
+            chosen |= self._pick(pool, rng.binomial(need, p.recall))
+        chosen |= self._pick(~chosen, k - chosen.sum(1))
+        ids = np.argsort(~chosen, axis=1, kind="stable")[:, :k]  # (L, k) the chosen ids, ascending
+        self.prev = ids
+        self.recent[self.t % p.window] = chosen
+        self.t += 1
+        return ids
 
 
 def popularity(params: RoutingParams, num_experts: int, rng: np.random.Generator) -> np.ndarray:
@@ -118,12 +127,12 @@ def simulate(params: RoutingParams, num_experts: int, top_k: int, *, layers: int
     """Routes of ``streams`` independent sequences: a list (layer, stream) of step lists, each step one token's
     experts (the layout replay.hit_rate takes; each stream replays from an empty cache)."""
     rng = np.random.default_rng(seed)
+    pop = np.stack([popularity(params, num_experts, rng) for _ in range(layers)])  # (L, E)
     out = []
-    for _ in range(layers):
-        pop = popularity(params, num_experts, rng)
-        for _ in range(streams):
-            s = LayerStream(params, num_experts, top_k, pop, rng)
-            out.append([s.next() for _ in range(tokens)])
+    for _ in range(streams):
+        s = StreamSampler(params, pop, top_k, rng)
+        steps = np.stack([s.next() for _ in range(tokens)])  # (T, L, k)
+        out += [steps[:, layer].tolist() for layer in range(layers)]
     return out
 
 

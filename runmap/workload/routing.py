@@ -113,10 +113,9 @@ class ImposedRouting:
             self._streams = [[self.trace.streams[(n * batch + b) % S], 0] for b in range(batch)]
             return
         rng = np.random.default_rng([self.seed, n])
-        pops = [calibration.popularity(self.params, self.E, np.random.default_rng([self.seed, 10_000 + layer]))
-                for layer in range(self.L)]  # a layer's popularity is the same in every batch
-        self._streams = [[calibration.LayerStream(self.params, self.E, self.k, pops[layer], rng)
-                          for layer in range(self.L)] for _ in range(batch)]
+        pops = np.stack([calibration.popularity(self.params, self.E, np.random.default_rng([self.seed, 10_000 + layer]))
+                         for layer in range(self.L)])  # (L, E): a layer's popularity is the same in every batch
+        self._streams = [calibration.StreamSampler(self.params, pops, self.k, rng) for _ in range(batch)]
 
     def draw(self, real: np.ndarray) -> np.ndarray:
         """real bool (B, T): the real tokens of a forward pass. Returns int64 (L, n, k): the imposed ids of the
@@ -129,13 +128,16 @@ class ImposedRouting:
             for t in range(T):
                 if real[b, t]:
                     out.append(self._step(b))
-        ids = np.asarray(out, dtype=np.int64).reshape(len(out), self.L, self.k)  # (n, L, k)
+        if not out:
+            return np.zeros((self.L, 0, self.k), dtype=np.int64)
+        ids = np.stack(out).astype(np.int64, copy=False)  # (n, L, k)
         return np.ascontiguousarray(ids.transpose(1, 0, 2))  # (L, n, k)
 
-    def _step(self, b: int) -> list[list[int]]:
+    def _step(self, b: int) -> np.ndarray:
+        """int64 (L, k): the next step of row b's stream."""
         s = self._streams[b]
         if self.trace is not None:
             stream, pos = s
             s[1] = pos + 1
-            return stream[pos % len(stream)].tolist()  # (L, k); a stream shorter than the run wraps around
-        return [layer.next() for layer in s]
+            return stream[pos % len(stream)]  # a stream shorter than the run wraps around
+        return s.next()
