@@ -115,7 +115,7 @@ def test_no_runmap_module_is_reached_through_importlib():
     """Imports are written as imports (ifeval's scorer may load the third-party checker package)."""
     offenders = []
     for path in _sources():
-        # third-party modules only: lm_eval's IFEval checkers, and the libraries whose versions a record names
+        # third-party modules only: if-verifiable's IFEval checkers, and the libraries whose versions a record names
         if path in (REPO_ROOT / "runmap" / "ifeval" / "score.py", REPO_ROOT / "runmap" / "provenance.py"):
             continue
         text = path.read_text()

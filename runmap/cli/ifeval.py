@@ -15,7 +15,7 @@ IFEval (instruction-following evaluation), two steps:
       metadata sidecar answers.jsonl.meta.json (model, pack, executor, regime, settings, timing).
 
   runmap ifeval score --inputs FILE --responses answers.jsonl --out DIR
-      Checks every instruction (lm-eval's IFEval checks, deterministic), writes DIR/results.jsonl
+      Checks every instruction (if-verifiable's IFEval checks, deterministic), writes DIR/results.jsonl
       (one line per prompt: strict and loose follow lists) and DIR/summary.json (prompt- and
       instruction-level accuracy, strict and loose, per-instruction breakdown, generation metadata).
 

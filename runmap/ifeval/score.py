@@ -1,11 +1,14 @@
-"""IFEval scoring on top of a maintained checker package (lm-eval's ``lm_eval/tasks/ifeval``).
+"""IFEval scoring on top of a maintained checker package (if-verifiable's ``if_verifiable/ifeval``).
 
-The checks themselves are the package's; this module only
+The checks themselves are the package's (Google's IFEval instruction checks, the same code lm-eval ships;
+on the 541 GPT-4 reference responses both give the same strict and loose result for every instruction,
+and if-verifiable installs 26 fewer packages: no evaluate, scikit-learn, scipy, sacrebleu or harness); this
+module only
 
 * points NLTK at the vendored ``data/ifeval/nltk_data`` before any check is imported, so nothing is
-  downloaded (the package's import-time ``download_nltk_resources`` then finds the tokenizer here);
-* imports the three checker submodules without ``lm_eval/tasks/__init__.py``, which pulls in the task
-  manager, ``datasets`` and the rest of the harness that the checks never use;
+  downloaded (the checks load the punkt tokenizer from NLTK's search path);
+* imports the checker submodules without ``if_verifiable/__init__.py``, which imports the package's
+  dataset API and with it ``datasets`` (pyarrow, pandas), which the checks never use;
 * makes the two random parts deterministic: langdetect is seeded (``DetectorFactory.seed = 0``) and
   ``keywords:letter_frequency`` counts the given character as it is when it lies outside a-z (the
   package would replace it with a random letter; the reference counts it as given);
@@ -19,6 +22,7 @@ from __future__ import annotations
 import importlib
 import importlib.machinery
 import importlib.metadata
+import importlib.util
 import json
 import logging
 import os
@@ -32,8 +36,8 @@ from runmap.resources import data_dir
 from runmap.atomic import write_text
 from runmap.provenance import sha256_file
 
-CHECKER_PACKAGE = "lm-eval"
-CHECKER_MODULE = "lm_eval.tasks.ifeval"
+CHECKER_PACKAGE = "if-verifiable"
+CHECKER_MODULE = "if_verifiable.ifeval"
 LANGDETECT_SEED = 0
 DATA_DIR = data_dir() / "ifeval"
 NLTK_DATA_DIR = DATA_DIR / "nltk_data"
@@ -72,19 +76,22 @@ def configure_nltk(data_dir: Path = NLTK_DATA_DIR) -> Path:
 
 
 def _import_checker_modules() -> tuple[types.ModuleType, types.ModuleType]:
-    """Import ``instructions`` and ``instructions_registry`` of lm-eval's IFEval task only.
+    """Import ``instructions`` and ``instructions_registry`` of if-verifiable's IFEval checks only.
 
-    ``lm_eval/tasks/__init__.py`` imports the whole task manager (and ``datasets``, ...), which the
-    checks do not need, so while the submodules load, ``lm_eval.tasks`` is a bare package object
-    pointing at the same folder. If the full ``lm_eval.tasks`` is already imported, it is used as is.
+    ``if_verifiable/__init__.py`` imports the package's dataset API (``datasets``, pyarrow, pandas: about
+    a second and a half of imports), which the checks do not need, so while the submodules load,
+    ``if_verifiable`` is a bare package object pointing at the installed folder. If the full package is
+    already imported, it is used as is.
     """
-    import lm_eval  # the top-level __init__ is light (version string, lazy attributes)
-
-    name = "lm_eval.tasks"
+    name = CHECKER_MODULE.split(".")[0]
     stub = None
     if name not in sys.modules:
+        spec = importlib.util.find_spec(name)
+        if spec is None or not spec.submodule_search_locations:
+            raise IFEvalError(f"the IFEval checker package {CHECKER_PACKAGE} is not installed "
+                              f"(pip install -e . installs it)")
         stub = types.ModuleType(name)
-        stub.__path__ = [str(Path(lm_eval.__file__).parent / "tasks")]
+        stub.__path__ = list(spec.submodule_search_locations)
         stub.__spec__ = importlib.machinery.ModuleSpec(name, None, is_package=True)
         stub.__spec__.submodule_search_locations = list(stub.__path__)
         sys.modules[name] = stub
@@ -93,7 +100,8 @@ def _import_checker_modules() -> tuple[types.ModuleType, types.ModuleType]:
         registry = importlib.import_module(CHECKER_MODULE + ".instructions_registry")
     finally:
         if stub is not None and sys.modules.get(name) is stub:
-            # leave no half package behind: a later `import lm_eval.tasks` gets the real one
+            # leave no half package behind: a later `import if_verifiable` gets the real one (the loaded
+            # submodules stay registered under their names and are reused by it)
             del sys.modules[name]
     return instructions, registry
 
@@ -121,6 +129,18 @@ def _letter_as_given(base: type) -> type:
     return LetterFrequencyAsGiven
 
 
+def _quiet_language_errors(instructions: types.ModuleType) -> None:
+    """A response whose language cannot be detected is logged at ERROR once per check by the package (and
+    counted as followed, as in the reference); thousands of such lines only hide real errors. The package
+    logs through the root logger (``logging.error``), which would also install a stderr handler on the
+    root logger on first use, so its module-level ``logging`` is pointed at a logger of its own, silenced."""
+    quiet = logging.getLogger(instructions.__name__)
+    quiet.setLevel(logging.CRITICAL)
+    quiet.propagate = False
+    instructions.logging = types.SimpleNamespace(debug=quiet.debug, info=quiet.info, warning=quiet.warning,
+                                                 error=quiet.error, exception=quiet.exception)
+
+
 @dataclass(frozen=True)
 class Checkers:
     """Instruction id -> checker class, plus where they came from (recorded in every summary)."""
@@ -142,9 +162,7 @@ def load_checkers() -> Checkers:
 
         langdetect.DetectorFactory.seed = LANGDETECT_SEED
         instructions, registry = _import_checker_modules()
-        # A response whose language cannot be detected is logged at ERROR once per call by the package
-        # (and counted as followed, as in the reference); thousands of such lines only hide real errors.
-        logging.getLogger(instructions.__name__).setLevel(logging.CRITICAL)
+        _quiet_language_errors(instructions)
         classes = dict(registry.INSTRUCTION_DICT)
         lf = "keywords:letter_frequency"
         classes[lf] = _letter_as_given(classes[lf])
