@@ -31,25 +31,47 @@ def _obs(cache):
     return cache.telemetry()["observations"]
 
 
-# --- expert_d2h_bytes and writebacks: a TorchDispatchMode sees copies out of expert storage ------------------
-def test_clean_requests_observe_zero():
-    cache = _cache()
+# --- expert_d2h_bytes and writebacks: a torch function / dispatch mode sees copies out of expert storage -------
+MODE_NAMES = {"function": "TorchFunctionMode", "dispatch": "TorchDispatchMode"}
+
+
+@pytest.mark.parametrize("level", sorted(MODE_NAMES))
+def test_clean_requests_observe_zero(level):
+    cache = _cache(copy_monitor=level)
     with cache.monitored(), cache.admit() as r:
         lease = r.acquire(0, [4, 5])
         assert torch.equal(lease.storage[lease.rows[4]], torch.as_tensor(cache.host.expected_row(0, 4)))
     obs = _obs(cache)
     assert all_zero(obs), obs
-    assert "TorchDispatchMode" in obs["expert_d2h_bytes"]["source"]
+    assert MODE_NAMES[level] in obs["expert_d2h_bytes"]["source"]
 
 
-def test_a_deliberate_read_back_during_a_request_is_counted():
-    cache = _cache()
+@pytest.mark.parametrize("level", sorted(MODE_NAMES))
+@pytest.mark.parametrize("read_back", [
+    lambda row: row.to("cpu", copy=True), lambda row: row.clone(), lambda row: torch.empty_like(row).copy_(row),
+    lambda row: row.contiguous().cpu().clone()])
+def test_a_deliberate_read_back_during_a_request_is_counted(level, read_back):
+    cache = _cache(copy_monitor=level)
     with cache.monitored(), cache.admit() as r:
         lease = r.acquire(1, [3])
-        lease.storage[lease.rows[3]].to("cpu", copy=True)  # the read-back
+        read_back(lease.storage[lease.rows[3]])  # the read-back
     obs = _obs(cache)
-    assert obs["expert_d2h_bytes"] == {**obs["expert_d2h_bytes"], "status": "OBSERVED", "value": LAYOUT.row_bytes}
+    assert obs["expert_d2h_bytes"]["status"] == "OBSERVED" and obs["expert_d2h_bytes"]["value"] >= LAYOUT.row_bytes
     assert obs["writebacks"]["value"] == 0 and not all_zero(obs)
+
+
+def test_the_default_monitor_is_the_function_level():
+    assert _cache().copy_monitor.level == "function"
+    with pytest.raises(ValueError, match="level"):
+        _cache(copy_monitor="aten")
+
+
+@pytest.mark.parametrize("level", sorted(MODE_NAMES))
+def test_a_read_back_in_the_miss_path_is_counted_at_each_level(level):
+    cache = _cache(cm.ReadBackOnMiss, copy_monitor=level)
+    with cache.admit() as r:
+        r.acquire(0, [5])
+    assert _obs(cache)["expert_d2h_bytes"]["value"] == LAYOUT.row_bytes
 
 
 def test_a_read_back_in_the_miss_path_is_counted():
@@ -206,8 +228,9 @@ def test_transaction_abort_counts_only_submitted_bytes():
     assert cache.counters["bytes_h2d"] - before == LAYOUT.row_bytes  # one copy was issued, not two
 
 
+@pytest.mark.parametrize("level", sorted(MODE_NAMES))
 @pytest.mark.parametrize("grad_mode", ["enable_grad", "no_grad", "inference_mode"])
-def test_copy_monitor_counts_byte_copies_alike_in_every_autograd_mode(grad_mode):
+def test_copy_monitor_counts_byte_copies_alike_in_every_autograd_mode(grad_mode, level):
     """Tensor.to dispatches as aten.to.* under inference_mode (the engine's mode) and as _to_copy
     elsewhere: a copy of a row's bytes counts in both; a dtype conversion on the CPU is arithmetic, not a
     copy out of expert storage, and the reference executor's dequantization never counts."""
@@ -221,7 +244,7 @@ def test_copy_monitor_counts_byte_copies_alike_in_every_autograd_mode(grad_mode)
     rows = torch.randint(0, 256, (3, 64), dtype=torch.uint8)
     for copy, expected in [(lambda: rows[1].to("cpu", copy=True), 64), (lambda: rows[2].clone(), 64),
                            (lambda: rows[1].to(torch.int16), 0), (lambda: rows[0].float(), 0)]:
-        monitor = ExpertCopyMonitor()
+        monitor = ExpertCopyMonitor(level)
         monitor.watch_storage(rows)
         with mode(), monitor.scope(caller=True):
             copy()
@@ -230,7 +253,7 @@ def test_copy_monitor_counts_byte_copies_alike_in_every_autograd_mode(grad_mode)
     layout = RowLayout.build(64, 96, 64)
     experts = 3
     storage = torch.stack([_qpacked_row(layout, seed) for seed in range(experts)])  # (E, row_bytes) uint8
-    monitor = ExpertCopyMonitor()
+    monitor = ExpertCopyMonitor(level)
     monitor.watch_storage(storage)
     x = torch.randn(2, 64).half()
     ids = torch.tensor([[0, 2], [1, 2]])

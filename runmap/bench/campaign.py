@@ -435,8 +435,9 @@ def run_config(engine: BenchEngine, c: BenchConfig, model_cfg: ModelConfig, ctx:
         # up over every decode length the timed runs will reach, so they measure steady state.
         warm_tokens = c.decode_len
         _WARM_EAGER.add(warm_key)
+    warm_ttft = []
     for _ in range(p["warmup"]):
-        engine.run(prompts, max_new_tokens=warm_tokens, ignore_eos=True)
+        warm_ttft.append(engine.run(prompts, max_new_tokens=warm_tokens, ignore_eos=True).ttft_s)
     s0 = engine.stats()
     routes = engine.routes
     route_mark = routes.mark() if routes is not None else 0
@@ -554,6 +555,9 @@ def run_config(engine: BenchEngine, c: BenchConfig, model_cfg: ModelConfig, ctx:
             "ttft_s": bm.repeat_stats(ttft),
             "prompt_tokens": prompt_tokens,
             "new_tokens": new_tokens,
+            # the first warmup request's time to first token: an engine's first request when the engine is new
+            # (engine.fresh: the configuration that built it), against the timed (warm) requests' ttft_s
+            "first_request_ttft_s": bm.observed(warm_ttft[0]) if warm_ttft else bm.unknown("no warmup run"),
         },
         "cache_stats": {"hits": hits, "misses": misses, "hit_rate": hit_rate},
         "h2d": {"bytes": h2d, "gb_s": h2d_rate, "bytes_per_token": h2d_per_tok, "link_gb_s": ctx.h2d_bw},
@@ -861,6 +865,9 @@ def run_campaign(spec: dict, out_root: Path, *, configs: list[BenchConfig] | Non
                     engine, info = factory(c, models[c.model], dev)
                     _free_device(dev)  # load-time temporaries must not count in the run's reserved peak
                     key = c.engine_key()
+                    info = {**info, "fresh": True}
+                else:
+                    info = {**info, "fresh": False}
                 rec = run_config(engine, c, presets[c.model], ctx, info)
             except Exception as e:  # noqa: BLE001 - recorded, then re-raised unless --keep-going
                 failed.append({"id": c.id, "error": f"{type(e).__name__}: {e}"})

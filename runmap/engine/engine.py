@@ -64,8 +64,9 @@ Residency: under full residency every expert row is published once at startup; t
 static row tables and calls the executor with validate=False, so it is captured whole in a CUDA graph
 (one graph per (batch, KV-length bucket); attention reads only the bucket's KV prefix). Under partial
 residency every MoE call admits a request, leases the batch union of the routed ids (split into groups of at
-most max_group experts), runs the executor on the lease's rows, waits for the compute stream and releases,
-so no row is recycled while a queued kernel may still read it.
+most max_group experts), runs the executor on the lease's rows and releases without a host wait: the release
+records an event on the compute stream that every later copy into a freed row waits for (the transport's
+release fence), so no row is rewritten while a queued kernel may still read it.
 """
 from __future__ import annotations
 
@@ -140,22 +141,31 @@ class CachedExperts:
             with self.cache.monitored():
                 return self.moe(self.executor, x, ids, gw, self.storage[layer], self.tables[layer], self.layout,
                                 validate=self.validate)
-        out = torch.empty_like(x)
         ids_h = ids.cpu()  # host decision: which experts to lease (partial residency only)
-        for rows in self._groups(ids_h):
+        groups = self._groups(ids_h)
+        out = x if len(groups) == 1 else torch.empty_like(x)  # one group (the usual decode case): no gather
+        for rows in groups:
             req = self.cache.admit()
             try:
-                sel = torch.as_tensor(rows, device=x.device)
+                whole = len(groups) == 1
                 misses0, t0 = self.cache.counters["misses"], time.perf_counter()
-                lease = req.acquire(layer, ids_h[rows])
+                lease = req.acquire(layer, ids_h if whole else ids_h[rows])
                 if self.cache.counters["misses"] != misses0:
                     self.h2d_seconds += time.perf_counter() - t0
+                # The lease is the routing check: its group is the union of exactly these ids, every one mapped
+                # to a published row, so the executor's own host check (validate) is not repeated here.
                 with self.cache.monitored():  # a copy out of the leased rows would count in expert_d2h_bytes
-                    out[sel] = self.moe(self.executor, x[sel].contiguous(), ids[sel], gw[sel], lease.storage,
-                                        lease.row_table, self.layout, validate=self.validate)
-                if x.is_cuda:  # the lease's rows must not be recycled while the kernel may still read them
-                    torch.cuda.current_stream(x.device).synchronize()
+                    if whole:
+                        out = self.moe(self.executor, x, ids, gw, lease.storage, lease.row_table, self.layout,
+                                       validate=False)
+                    else:
+                        sel = torch.as_tensor(rows, device=x.device)
+                        out[sel] = self.moe(self.executor, x[sel].contiguous(), ids[sel], gw[sel], lease.storage,
+                                            lease.row_table, self.layout, validate=False)
             finally:
+                # Released without waiting for the kernel: the release records an event on the compute stream
+                # and any later copy into a row it frees waits for that event on the transfer stream
+                # (CudaTransport.note_release), so no row is rewritten while a queued kernel may still read it.
                 req.release()
         return out
 

@@ -131,10 +131,11 @@ class ExpertCache:
 
     def __init__(self, host: HostSource, *, resident: int, spares: int | None = None, staging: int | None = None,
                  max_group: int, device="cpu", policy="lru", budget_bytes: int | None = None,
-                 transport: Transport | None = None, prefill: bool = True, copy_monitor: bool = True):
+                 transport: Transport | None = None, prefill: bool = True, copy_monitor: bool | str = True):
         """``copy_monitor``: watch every copy out of expert storage made by the cache (and inside
-        ``monitored()`` blocks) with a TorchDispatchMode; without it the ``expert_d2h_bytes`` and
-        ``writebacks`` observations are UNKNOWN."""
+        ``monitored()`` blocks): True or "function" = a TorchFunctionMode, "dispatch" = a TorchDispatchMode
+        (sees aten operations too, ~20x the cost; runmap/residency/instruments.py); False = no instrument, and
+        the ``expert_d2h_bytes`` and ``writebacks`` observations are UNKNOWN."""
         self.host = host
         self.num_layers, self.num_experts, self.row_bytes = host.num_layers, host.num_experts, host.row_bytes
         self.layout = host.layout
@@ -158,7 +159,8 @@ class ExpertCache:
             "staging_waits", "evictions", "rows_recycled", "rows_fenced", "faults")})
         self._storage = [self.transport.alloc_storage(self.rows_per_layer, self.row_bytes)
                          for _ in range(self.num_layers)]  # per layer (R, row_bytes)
-        self.copy_monitor = ExpertCopyMonitor() if copy_monitor else None
+        self.copy_monitor = (ExpertCopyMonitor("function" if copy_monitor is True else copy_monitor)
+                             if copy_monitor else None)
         if self.copy_monitor is not None:
             for t in self._storage:
                 self.copy_monitor.watch_storage(t)

@@ -1,7 +1,17 @@
 """Instruments behind the required-zero observations (docs/cache-contract.md#observations).
 
-``ExpertCopyMonitor`` sees every aten operation issued while it is active (a ``TorchDispatchMode``) and
-counts the ones that copy bytes *out of* the cache's expert storage into host memory:
+``ExpertCopyMonitor`` sees every torch call issued while it is active and counts the ones that copy bytes
+*out of* the cache's expert storage into host memory. It watches at one of two levels:
+
+* ``level="function"`` (the default): a ``TorchFunctionMode``, which sees every torch function and Tensor
+  method called from Python (``Tensor.cpu``, ``.to``, ``copy_``, ``clone``, ``.item()``, ``.tolist()``,
+  indexing, ...), about 2 us per call;
+* ``level="dispatch"``: a ``TorchDispatchMode``, which sees every aten operation, including those issued by
+  C++ code on behalf of one Python call; it costs ~45 us per operation on the H200 host (measured:
+  ``results/residency/probe-partial-h200.log``), which made it half of a partial-residency decode step.
+
+Both count the same copies for every Python-level way of making one (tests/test_observations.py runs the same
+cases at both levels); the dispatch level also sees a copy made inside a C++ extension's own code.
 
 * ``d2h_bytes`` / ``d2h_copies``: a copy whose source aliases a registered expert storage tensor and whose
   destination is a CPU tensor outside every registered storage (``Tensor.cpu()``, ``.to("cpu")``,
@@ -20,6 +30,7 @@ from __future__ import annotations
 import contextlib
 
 import torch
+from torch.overrides import TorchFunctionMode
 from torch.utils._python_dispatch import TorchDispatchMode
 
 _aten = torch.ops.aten
@@ -27,6 +38,11 @@ _aten = torch.ops.aten
 _COPY_OUT = {_aten._to_copy.default, _aten.clone.default, _aten._local_scalar_dense.default}
 _COPY_INTO = {_aten.copy_.default: (1, 0)}  # op -> (source arg, destination arg)
 _COPY_FROM = {_aten._copy_from.default: (0, 1), _aten._copy_from_and_resize.default: (0, 1)}
+# function level: calls that make a new tensor holding their input's bytes (same dtype: a copy, not arithmetic)
+_F_COPY_OUT = {torch.Tensor.to, torch.Tensor.cpu, torch.Tensor.clone, torch.clone, torch.Tensor.contiguous,
+               torch.Tensor.__deepcopy__, torch.Tensor.new_tensor}
+_F_SCALARS = {torch.Tensor.item: False, torch.Tensor.tolist: True}  # -> whole tensor (True) or one element
+LEVELS = ("function", "dispatch")
 
 
 def _span(t: torch.Tensor) -> tuple[int, int]:
@@ -38,7 +54,10 @@ def _span(t: torch.Tensor) -> tuple[int, int]:
 class ExpertCopyMonitor:
     """Counts copies of expert storage into host memory while active (see the module docstring)."""
 
-    def __init__(self):
+    def __init__(self, level: str = "function"):
+        if level not in LEVELS:
+            raise ValueError(f"copy monitor level {level!r}: choose one of {list(LEVELS)}")
+        self.level = level
         self.d2h_bytes = 0
         self.d2h_copies = 0
         self.writebacks = 0
@@ -76,7 +95,7 @@ class ExpertCopyMonitor:
             else:
                 self._depth = 1
                 try:
-                    with _Mode(self):
+                    with (_Mode(self) if self.level == "dispatch" else _FunctionMode(self)):
                         yield self
                 finally:
                     self._depth = 0
@@ -137,6 +156,43 @@ class ExpertCopyMonitor:
                 if isinstance(a, torch.Tensor) and a.device.type != "cpu" and self._inside(a, self._storage):
                     self._count(func.__name__, out)
                     break
+
+
+    def see_call(self, func, args, kwargs, out) -> None:
+        """Function level: classify one torch call (func, its arguments, its result)."""
+        storage = self._storage
+        if not storage or not args:
+            return
+        if func is torch.Tensor.copy_:
+            if len(args) > 1 and self._inside(args[1], storage):
+                self._count("copy_", args[0])
+            return
+        src = None
+        for a in args:
+            if isinstance(a, torch.Tensor) and self._inside(a, storage):
+                src = a
+                break
+        if src is None:
+            return
+        if func in _F_SCALARS:
+            if src.device.type != "cpu":  # .item() / .tolist() of a device row: the values cross to the host
+                self._count(func.__name__, None, src.element_size() * (src.numel() if _F_SCALARS[func] else 1))
+            return
+        if isinstance(out, torch.Tensor) and out.device.type == "cpu" and not self._inside(out, storage):
+            # any host tensor made from a device row; on the CPU, a same-dtype copy of a row's bytes
+            if src.device.type != "cpu" or (func in _F_COPY_OUT and out.dtype == src.dtype):
+                self._count(getattr(func, "__name__", str(func)), out)
+
+
+class _FunctionMode(TorchFunctionMode):
+    def __init__(self, monitor: ExpertCopyMonitor):
+        super().__init__()
+        self.monitor = monitor
+
+    def __torch_function__(self, func, types, args=(), kwargs=None):
+        out = func(*args, **(kwargs or {}))
+        self.monitor.see_call(func, args, kwargs or {}, out)
+        return out
 
 
 class _Mode(TorchDispatchMode):

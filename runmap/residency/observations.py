@@ -38,8 +38,8 @@ def cache_observations(transport, host, monitor) -> dict:
     transport: the cache's Transport (its byte counters, reported alongside).
     host: the HostSource (verified page protection, rewrite refusals, hash bytes after startup, the closed
       pack reader).
-    monitor: the cache's ExpertCopyMonitor (runmap/residency/instruments.py), a TorchDispatchMode that sees
-      every copy out of expert storage made by the cache and inside ``ExpertCache.monitored()`` blocks; None
+    monitor: the cache's ExpertCopyMonitor (runmap/residency/instruments.py), a torch function or dispatch mode
+      that sees every copy out of expert storage made by the cache and inside ``ExpertCache.monitored()`` blocks; None
       when the cache runs without it, which makes ``expert_d2h_bytes`` and ``writebacks`` UNKNOWN.
     """
     obs = {}
@@ -48,7 +48,9 @@ def cache_observations(transport, host, monitor) -> dict:
         obs["expert_d2h_bytes"] = unknown("expert_d2h_bytes", why)
         obs["writebacks"] = unknown("writebacks", why)
     else:
-        scope = (f"TorchDispatchMode over {monitor.cache_scopes} cache entry points (admit, acquire with its miss "
+        mode = "TorchDispatchMode (aten operations)" if monitor.level == "dispatch" else \
+            "TorchFunctionMode (torch calls from Python)"
+        scope = (f"{mode} over {monitor.cache_scopes} cache entry points (admit, acquire with its miss "
                  f"transaction, release) and {monitor.caller_scopes} caller blocks (ExpertCache.monitored())")
         seen = f"; first copies: {monitor.events}" if monitor.events else ""
         obs["expert_d2h_bytes"] = observed(

@@ -39,6 +39,7 @@ def main():
     ap.add_argument("--routing", default="calibrated,model")
     ap.add_argument("--decode", type=int, default=64)
     ap.add_argument("--batch", type=int, default=1)
+    ap.add_argument("--contracts", default="v1,v2")
     ap.add_argument("--out", default=None)
     a = ap.parse_args()
     from runmap.bench.metrics import h2d_bandwidth
@@ -52,10 +53,13 @@ def main():
     print("pinned H2D", link, flush=True)
     rows, host = [], None
     prompts = [[(17 * i + 3 * b) % 1000 + 5 for i in range(32)] for b in range(a.batch)]
-    for routing in a.routing.split(","):
-        for r in [int(x) for x in a.resident.split(",")]:
+    combos = [(routing, r, "v1") for routing in a.routing.split(",") for r in [int(x) for x in a.resident.split(",")]]
+    combos += [("calibrated", r, c) for c in a.contracts.split(",") if c != "v1"
+               for r in [int(x) for x in a.resident.split(",")] if r < 64]
+    for routing, r, contract in combos:
+        if True:
             eng = Engine.from_pack(pk, resident=r, device=dev, max_batch=a.batch, max_seq_len=512, routing=routing,
-                                   host_source=host)
+                                   host_source=host, cache_contract=contract)
             host = host or eng.host_source
             t0 = time.perf_counter()
             eng.run(prompts, max_new_tokens=4, ignore_eos=True)
@@ -65,7 +69,7 @@ def main():
             s1 = eng.stats()
             d = s1.since(s0)
             toks = run.new_tokens
-            row = {"routing": eng.routing, "resident": r, "batch": a.batch, "decode_tok_s": run.decode_tok_s,
+            row = {"routing": eng.routing, "contract": contract, "resident": r, "batch": a.batch, "decode_tok_s": run.decode_tok_s,
                    "ttft_s": run.ttft_s, "first_run_s": first, "misses_per_token": d.misses / toks,
                    "h2d_bytes_per_token": d.bytes_h2d / toks, "h2d_seconds": d.h2d_seconds}
             if r < eng.cfg.num_experts and routing == "calibrated" and "profile" not in [x.get("kind") for x in rows]:
