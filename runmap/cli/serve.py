@@ -1,0 +1,211 @@
+"""``runmap serve``: the OpenAI-compatible server and the local page (runmap.serve)."""
+from __future__ import annotations
+
+import argparse
+
+from runmap.kernels.registry import EXECUTOR_NAMES, executor_help
+
+HELP = "serve a pack over an OpenAI-compatible HTTP API (streaming, batching, metrics) with a local page"
+DESCRIPTION = """\
+Load the engine from --packed once, warm it up (first prefill, a decode step for every batch size and,
+on CUDA, every KV-length bucket: Triton compilation and CUDA-graph capture happen here, not in the first
+request), and serve on http://HOST:PORT/ (HOST 127.0.0.1 unless --host says otherwise):
+
+  GET  /health                503 while loading and warming up, then 200
+  GET  /v1/models             the model (--model-name; default the pack directory's name)
+  POST /v1/chat/completions   the pack's chat template; "stream": true gives server-sent events
+  POST /v1/completions        a plain prompt (text or token ids)
+  GET  /metrics               Prometheus text: requests, tokens, time to first token and inter-token
+                              latency histograms, running / waiting requests, expert-cache hits, misses,
+                              host->device bytes, the cache contract observations with their status
+  GET  /                      the page: chat, what is loaded, live telemetry, IFEval, campaign reports
+
+Concurrent requests share the engine: between decode steps waiting requests join the running batch
+(up to --max-batch rows); a client that disconnects frees its row at the next step. Bad requests get an
+OpenAI error object with a 4xx status. Nothing is written to the pack; IFEval runs started from the page
+write under --ifeval-dir (default results/serve/ifeval, created on the first run).
+
+Examples:
+  runmap serve --packed /data/olmoe-pack
+  runmap serve --packed /data/olmoe-pack --resident 32 --max-batch 16 --port 8080
+  runmap serve --packed /data/olmoe-pack --gpu-budget 6GiB
+Stop with Ctrl-C (or SIGTERM): running requests end, a running IFEval run is interrupted (resumable).
+Exit status: 0 stopped, 1 bad input (a missing pack, a port in use, an engine that cannot load: one line),
+2 usage."""
+
+DEFAULT_IFEVAL_DIR = "results/serve/ifeval"
+DEFAULT_CAMPAIGNS = "results/campaigns"
+
+
+def _port(text: str) -> int:
+    try:
+        p = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"not a port number: {text!r}") from None
+    if not 0 <= p <= 65535:
+        raise argparse.ArgumentTypeError(f"port must be in [0, 65535] (0: any free port), got {p}")
+    return p
+
+
+def _positive(text: str) -> int:
+    try:
+        v = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"not an integer: {text!r}") from None
+    if v < 1:
+        raise argparse.ArgumentTypeError(f"must be at least 1, got {v}")
+    return v
+
+
+def _size(text: str) -> int:
+    from runmap.serve.budget import BudgetError, parse_size
+
+    try:
+        return parse_size(text)
+    except BudgetError as e:
+        raise argparse.ArgumentTypeError(str(e)) from None
+
+
+def add_arguments(p) -> None:
+    p.add_argument("--packed", required=True, metavar="DIR", help="pack directory (runmap pack)")
+    p.add_argument("--host", default="127.0.0.1", help="address to bind (default 127.0.0.1: this machine only)")
+    p.add_argument("--port", type=_port, default=8000, help="port (default 8000; 0: any free port, printed at start)")
+    p.add_argument("--executor", default="grouped", choices=EXECUTOR_NAMES,
+                   help="W4A16 executor (default grouped). " + executor_help())
+    res = p.add_mutually_exclusive_group()
+    res.add_argument("--resident", type=int, default=None, metavar="N",
+                     help="routed experts per layer on the device (default: all = full residency)")
+    res.add_argument("--gpu-budget", type=_size, default=None, metavar="SIZE",
+                     help="instead of --resident: the most experts per layer whose weights, KV cache and expert "
+                          "rows fit SIZE (e.g. 6GiB; activations and CUDA graphs come on top)")
+    p.add_argument("--max-batch", type=_positive, default=8, metavar="B", help="rows decoded together (default 8)")
+    p.add_argument("--max-seq-len", type=_positive, default=None, metavar="N",
+                   help="context: prompt + completion tokens per request (default min(max_position_embeddings, 4096))")
+    p.add_argument("--device", default=None, help="cuda | cpu (default: cuda when available)")
+    p.add_argument("--model-name", default=None, metavar="NAME",
+                   help="the model id clients send (default: the pack directory's name)")
+    p.add_argument("--ifeval-dir", default=DEFAULT_IFEVAL_DIR, metavar="DIR",
+                   help=f"where the page's IFEval runs write (default {DEFAULT_IFEVAL_DIR})")
+    p.add_argument("--campaigns", action="append", default=None, metavar="DIR",
+                   help=f"campaign roots the page lists (repeatable; default {DEFAULT_CAMPAIGNS})")
+    p.add_argument("--access-log", action="store_true", help="log every HTTP request (uvicorn's access log)")
+
+
+def _command(pack, args) -> str:
+    """The command line as recorded in IFEval sidecars (what a rerun needs)."""
+    import shlex
+
+    parts = ["runmap", "serve", "--packed", str(pack), "--executor", args.executor, "--max-batch", str(args.max_batch)]
+    for flag, v in (("--resident", args.resident), ("--max-seq-len", args.max_seq_len), ("--device", args.device),
+                    ("--model-name", args.model_name)):
+        if v is not None:
+            parts += [flag, str(v)]
+    if args.gpu_budget is not None:
+        parts += ["--gpu-budget", str(args.gpu_budget)]
+    return " ".join(shlex.quote(p) for p in parts)
+
+
+def run(args) -> int:
+    import signal
+    import socket
+    import sys
+    import threading
+    from pathlib import Path
+
+    def fail(msg: str) -> int:
+        print(f"runmap serve: {msg}", file=sys.stderr)
+        return 1
+
+    from runmap.format.packfile import is_pack_dir
+
+    pack = Path(args.packed)
+    if not is_pack_dir(pack):
+        return fail(f"{pack}: not a runmap pack (no manifest.json of a pack; make one with `runmap pack`)")
+    resident = args.resident
+    if args.gpu_budget is not None:
+        from runmap.serve.budget import BudgetError, resident_for_budget
+
+        try:
+            resident, need = resident_for_budget(pack, args.gpu_budget, max_batch=args.max_batch,
+                                                 max_seq_len=args.max_seq_len)
+        except BudgetError as e:
+            return fail(str(e))
+        print(f"runmap serve: --gpu-budget {args.gpu_budget / 2**30:.2f} GiB -> --resident {resident} "
+              f"({need['total'] / 2**30:.2f} GiB counted)", file=sys.stderr, flush=True)
+    try:
+        family = socket.getaddrinfo(args.host, args.port, type=socket.SOCK_STREAM)[0][0]
+        sock = socket.socket(family, socket.SOCK_STREAM)
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        sock.bind((args.host, args.port))
+    except OSError as e:
+        return fail(f"cannot listen on {args.host}:{args.port}: {e.strerror or e}")
+    host, port = sock.getsockname()[:2]
+
+    import uvicorn
+
+    from runmap.engine.engine import Engine
+    from runmap.serve.app import Server, create_app
+
+    def load():
+        return Engine.from_pack(pack, executor=args.executor, resident=resident, device=args.device,
+                                max_batch=args.max_batch, max_seq_len=args.max_seq_len)
+
+    failure: list[str] = []
+    uv: list = []
+
+    def on_failure(msg: str) -> None:
+        failure.append(msg)
+        print(f"runmap serve: cannot load the engine: {msg}", file=sys.stderr, flush=True)
+        if uv:
+            uv[0].should_exit = True
+
+    model_id = args.model_name or pack.resolve().name
+    server = Server(load, model_id=model_id, pack_dir=pack, ifeval_dir=args.ifeval_dir,
+                    campaign_roots=args.campaigns or [DEFAULT_CAMPAIGNS], command=_command(pack, args),
+                    on_failure=on_failure)
+    shown = f"[{host}]" if family == socket.AF_INET6 else host
+    url = f"http://{shown}:{port}/"
+    class _Uvicorn(uvicorn.Server):
+        """uvicorn re-raises a captured SIGTERM after its shutdown, which would end the process before the
+        engine is closed and before the exit status is returned: remember the signal instead, and start
+        draining (requests end with an error event, an IFEval run is interrupted) at once."""
+
+        stop_signal = None
+
+        def handle_exit(self, sig, frame):
+            if self.stop_signal is None:
+                self.stop_signal = sig
+                threading.Thread(target=server.shutdown, name="runmap-drain", daemon=True).start()
+            if self.should_exit and sig == signal.SIGINT:
+                self.force_exit = True
+            self.should_exit = True
+
+    config = uvicorn.Config(create_app(server), log_level="warning", access_log=args.access_log,
+                            timeout_graceful_shutdown=5)
+    uv.append(_Uvicorn(config))
+    print(f"runmap serve: listening on {url} (loading {pack})", file=sys.stderr, flush=True)
+
+    def announce():
+        while server.phase in ("loading", "warming"):
+            if uv[0].should_exit:
+                return
+            threading.Event().wait(0.1)
+        if server.phase == "ready":
+            i = server.info
+            print(f"runmap serve: ready: {model_id} ({i['arch']}, {i['executor']}, {i['regime']} residency "
+                  f"{i['resident']}/{i['num_experts']} experts per layer, {i['device']}, max batch {i['max_batch']}, "
+                  f"context {i['max_seq_len']}); load {i['load_s']:.1f} s, warm-up {server.scheduler.warmup_s:.1f} s; "
+                  f"{url}", file=sys.stderr, flush=True)
+        elif server.scheduler is not None and server.scheduler.failed:
+            on_failure(server.scheduler.failed)
+
+    server.start()
+    threading.Thread(target=announce, name="runmap-announce", daemon=True).start()
+    try:
+        uv[0].run(sockets=[sock])
+    finally:
+        server.shutdown()
+    if failure:
+        return 1
+    print("runmap serve: stopped", file=sys.stderr)
+    return 130 if uv[0].stop_signal == signal.SIGINT else 0

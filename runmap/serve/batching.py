@@ -1,0 +1,309 @@
+"""Continuous batching on top of the engine's step methods (``Engine.prefill`` / ``Engine.decode``).
+
+The engine's KV cache is one tensor pair (L, max_batch, Hkv, S, D) whose rows share KV slots: row b of a
+batch is left-padded by ``pad[b]`` and every decode step writes the new token of every row at the same
+slot ``slot`` (runmap.engine.generation). ``generate_batch`` fills the rows once per call; here rows join
+and leave a running batch between decode steps:
+
+* **Join.** A new request is prefilled alone (batch 1, no padding: exactly the prefill it would get if it
+  ran alone) into a one-row scratch KV cache, and its keys and values are copied into the next free row
+  of the engine's cache so that its prompt ends just before the shared slot: slots [slot - P, slot),
+  ``pad = slot - P``. RoPE positions are ``slot - pad`` for every row, so the joined row sees positions
+  0..P-1 as it would alone, and the attention mask (keys pad..slot) hides whatever the row held before.
+  When the prompt is longer than the shared slot, the running rows are moved right first (their keys and
+  values shifted to later slots, their pads grown by the same amount: positions and masks unchanged).
+* **Room.** A row that has generated k of its m tokens still needs m - 1 - k decode steps, i.e. slots
+  slot .. slot + m - 2 - k. A request joins only when every row (it included) has that room before
+  ``max_seq_len``; when it does not, the slots left of the earliest prompt (min pad) are reclaimed by
+  moving every row left, and if that is still not enough the request waits for rows to finish.
+* **Leave.** A finished or cancelled row's place is taken by the last row (its keys and values copied
+  over), so the batch stays rows 0..B-1 and a cancelled request stops costing compute at the next step.
+
+Each row samples with its own settings (greedy rows take the argmax; a sampling row draws from its own
+``torch.Generator`` seeded as ``generate_batch`` seeds a batch of one), and stop rules, held-back text and
+streaming callbacks are the engine's own (``runmap.engine.generation._Row``), so a greedy request yields the
+tokens it yields alone whenever the engine's step arithmetic does not depend on the other rows of the
+batch (the tests compare with ``Engine.generate``).
+
+On CUDA the step is pipelined as in ``generate_batch``: the decode step for the next token is launched
+before the current token is read back on the host, so the device does not wait for stop checks and
+admission; a row that finishes has that one speculative token dropped. On the CPU the decode call is
+synchronous, so the tokens are read first and the step is run after admission (no wasted step).
+
+Everything here runs on one thread (the scheduler's); nothing is thread-safe by itself.
+"""
+from __future__ import annotations
+
+import dataclasses
+import time
+from typing import Callable
+
+import torch
+
+from runmap.engine.generation import GenerationError, _Row, sample
+from runmap.engine.model import KVCache
+
+
+@dataclasses.dataclass(frozen=True)
+class SamplingParams:
+    max_new_tokens: int
+    temperature: float = 0.0
+    top_p: float = 1.0
+    seed: int | None = None
+    stop: tuple = ()
+    ignore_eos: bool = False
+
+
+class Sequence:
+    """One request's row: prompt ids, sampling settings, its stop / streaming state.
+
+    on_token(token_id | None, text_delta) is called for each kept token (as the engine's streaming callback
+    without the row index); on_finish(sequence) once, when the row has left the batch. ``cancel()`` may be
+    called from any thread: the row leaves at the next step with finish_reason "cancelled"."""
+
+    def __init__(self, prompt_ids, params: SamplingParams, *, on_token=None, on_finish=None):
+        self.prompt_ids = [int(t) for t in prompt_ids]
+        self.params = params
+        self.on_token, self.on_finish = on_token, on_finish
+        self.row: _Row | None = None  # made on admission (needs the tokenizer's decode and EOS ids)
+        self.gen: torch.Generator | None = None
+        self.cancelled = False
+        self.finish_reason: str | None = None
+        self.t_first: float | None = None  # perf_counter of the first kept token
+        self.t_last: float | None = None
+
+    def cancel(self) -> None:
+        self.cancelled = True
+
+    @property
+    def token_ids(self) -> list[int]:
+        return list(self.row.ids) if self.row is not None else []
+
+    @property
+    def text(self) -> str:
+        return self.row.text if self.row is not None else ""
+
+
+class BatchRunner:
+    """The running batch over one engine (see the module docstring). ``admit`` adds a row, ``step`` runs one
+    decode step for every row; rows that finish leave the batch inside ``step``."""
+
+    def __init__(self, engine, *, decode: Callable[[list[int]], str] | None = None, pipelined: bool | None = None):
+        self.eng = engine
+        self.dev = engine.device
+        self.max_batch, self.max_seq_len = engine.max_batch, engine.max_seq_len
+        self.decode_text = decode or engine.tokenizer.decode
+        self.eos_ids = frozenset(engine.tokenizer.eos_ids)
+        self.scratch = KVCache(engine.cfg, 1, engine.max_seq_len, engine.device)
+        self.seqs: list[Sequence] = []
+        self.pad: list[int] = []
+        self.slot = 0  # the next KV slot a decode step writes (shared by every row)
+        self.cur: torch.Tensor | None = None  # int64 (B,) device: each row's sampled token not yet read
+        # pipelined=True on the CPU runs the CUDA order of operations synchronously (the tests use it)
+        self.pipelined = self.dev.type == "cuda" if pipelined is None else bool(pipelined)
+        self.counters = {"admitted": 0, "joined_running": 0, "shifts": 0, "row_moves": 0, "steps": 0,
+                         "speculative_dropped": 0}
+        self._lead: bool = False  # the cache's full-residency request is held (Engine.experts.begin)
+
+    # ---- capacity --------------------------------------------------------------------------------------
+    def check(self, prompt_len: int, max_new_tokens: int) -> None:
+        """GenerationError unless a request of this size could ever run (alone, from slot 0)."""
+        if prompt_len < 1:
+            raise GenerationError("an empty prompt cannot be generated from (no token to condition on)")
+        if max_new_tokens < 1:
+            raise GenerationError(f"max_new_tokens must be >= 1, got {max_new_tokens}")
+        if prompt_len + max_new_tokens - 1 > self.max_seq_len:
+            raise GenerationError(f"prompt length {prompt_len} + max_new_tokens {max_new_tokens} - 1 exceeds the "
+                                  f"context (max_seq_len {self.max_seq_len})")
+
+    def _steps_left(self, s: Sequence) -> int:
+        """Decode steps (KV slots) the row may still need: m - 1 minus the tokens sampled after its first."""
+        return s.params.max_new_tokens - 1 - len(s.row.ids)
+
+    @property
+    def rows(self) -> int:
+        return len(self.seqs)
+
+    # ---- KV moves -----------------------------------------------------------------------------------------
+    def _shift(self, delta: int) -> None:
+        """Move every row's keys and values by ``delta`` slots (negative: left); pads follow, so positions
+        (slot - pad) and masks are unchanged."""
+        if delta == 0 or not self.seqs:
+            self.slot += delta
+            return
+        B, lo, hi = len(self.seqs), min(self.pad), self.slot
+        for t in (self.eng.kv.k, self.eng.kv.v):
+            for layer in range(t.shape[0]):  # one layer at a time bounds the temporary copy
+                src = t[layer, :B, :, lo:hi].clone()
+                t[layer, :B, :, lo + delta:hi + delta].copy_(src)
+        self.pad = [p + delta for p in self.pad]
+        self.slot += delta
+        self.counters["shifts"] += 1
+
+    def _move_row(self, src: int, dst: int) -> None:
+        lo = self.pad[src]
+        for t in (self.eng.kv.k, self.eng.kv.v):
+            t[:, dst, :, lo:self.slot].copy_(t[:, src, :, lo:self.slot])
+        self.counters["row_moves"] += 1
+
+    # ---- admission ------------------------------------------------------------------------------------------
+    def admit(self, seq: Sequence) -> bool:
+        """Add ``seq`` as a new row if there is a free row and KV room for it and every running row; False
+        (nothing changed) otherwise. Runs its prefill; its first token is sampled but read at the next step."""
+        L, need = len(seq.prompt_ids), seq.params.max_new_tokens - 1
+        self.check(L, seq.params.max_new_tokens)
+        if len(self.seqs) >= self.max_batch:
+            return False
+        left = [self._steps_left(s) for s in self.seqs]
+        fits = lambda at: at + max([need, *left]) <= self.max_seq_len  # noqa: E731
+        target = max(self.slot, L)
+        if not fits(target):
+            reclaim = min(self.pad) if self.pad else self.slot
+            target = max(self.slot - reclaim, L)
+            if not fits(target):
+                return False
+        running = bool(self.seqs)
+        self._shift(target - self.slot)
+        seq.row = _Row(0, L, self.decode_text, tuple(seq.params.stop),
+                       frozenset() if seq.params.ignore_eos else self.eos_ids, self._emitter(seq))
+        if seq.params.temperature > 0:
+            seq.gen = torch.Generator(device=self.dev)
+            seed = seq.params.seed if seq.params.seed is not None else int(torch.randint(0, 2**62, ()).item())
+            seq.gen.manual_seed(seed)
+        if not self._lead:
+            self.eng.experts.begin()  # what Engine.run does around its groups (full residency: lease every row)
+            self._lead = True
+        tokens = torch.tensor([seq.prompt_ids], dtype=torch.long, device=self.dev)
+        zero = torch.zeros(1, dtype=torch.long, device=self.dev)
+        b = len(self.seqs)
+        if not running:  # an empty batch: the prompt goes straight into row 0 at slots 0..L-1
+            logits = self.eng.prefill(tokens, zero)
+        else:
+            main = self.eng.kv
+            self.eng.kv = self.scratch  # the same prefill as alone, into a cache of one row
+            try:
+                logits = self.eng.prefill(tokens, zero)
+            finally:
+                self.eng.kv = main
+            for t, s in ((main.k, self.scratch.k), (main.v, self.scratch.v)):
+                t[:, b, :, target - L:target].copy_(s[:, 0, :, :L])
+            self.counters["joined_running"] += 1
+        tok = self._sample(logits, [seq])
+        self.seqs.append(seq)
+        self.pad.append(target - L)
+        self.cur = tok if self.cur is None else torch.cat([self.cur, tok])
+        self.counters["admitted"] += 1
+        return True
+
+    def _emitter(self, seq: Sequence):
+        def emit(_row, tid, delta):
+            # the callback sees t_first / t_last of the tokens before this one (None: this is the first)
+            if seq.on_token is not None:
+                seq.on_token(tid, delta)
+            if tid is not None:
+                now = time.perf_counter()
+                if seq.t_first is None:
+                    seq.t_first = now
+                seq.t_last = now
+        return emit
+
+    # ---- the step ----------------------------------------------------------------------------------------
+    def _sample(self, logits: torch.Tensor, seqs: list[Sequence]) -> torch.Tensor:
+        """float32 (B, V) -> int64 (B,): argmax for greedy rows, each sampling row from its own generator."""
+        tok = logits.argmax(dim=-1)
+        for b, s in enumerate(seqs):
+            if s.params.temperature > 0:
+                tok[b] = sample(logits[b:b + 1], s.params.temperature, s.params.top_p, s.gen)[0]
+        return tok
+
+    def _decode(self, tok: torch.Tensor) -> torch.Tensor:
+        pad = torch.tensor(self.pad, dtype=torch.long, device=self.dev)
+        logits = self.eng.decode(tok, self.slot, pad)
+        self.slot += 1
+        self.counters["steps"] += 1
+        return self._sample(logits, self.seqs)
+
+    def step(self) -> list[Sequence]:
+        """Read every row's pending token, run one decode step; returns the rows that left the batch."""
+        if not self.seqs:
+            return []
+        B = len(self.seqs)
+        cuda = self.dev.type == "cuda"
+        host = torch.empty(B, dtype=torch.long, pin_memory=cuda)
+        host.copy_(self.cur, non_blocking=cuda)
+        ev = torch.cuda.Event() if cuda else None
+        if ev is not None:
+            ev.record()
+        nxt = None
+        if self.pipelined:
+            # queued behind the copy: the device runs it while the host reads. Not when every row is at its
+            # last token by length: that step could write past the last KV slot and would be dropped anyway.
+            if any(self._steps_left(s) > 0 for s in self.seqs):
+                nxt = self._decode(self.cur)
+        if ev is not None:
+            ev.synchronize()
+        for s, tid in zip(self.seqs, host.tolist()):
+            if s.row.finish is None and not s.cancelled:
+                s.row.push(int(tid), s.params.max_new_tokens)
+        gone = [b for b, s in enumerate(self.seqs) if s.cancelled or s.row.finish is not None]
+        keep = [b for b in range(B) if b not in set(gone)]
+        if nxt is not None and not keep:
+            self.counters["speculative_dropped"] += 1
+        if nxt is None:  # CPU (nothing launched yet), or no row needed another step
+            nxt = self.cur
+        left = self._remove(gone)
+        if keep:
+            nxt = nxt[torch.tensor(self._order(B, gone), device=self.dev)]
+        self.cur = nxt if keep else None
+        if not self.pipelined and self.seqs:
+            self.cur = self._decode(self.cur)
+        return left
+
+    def _order(self, B: int, gone: list[int]) -> list[int]:
+        """Old row index of each new row 0..B'-1 after ``_remove(gone)`` (the same moves, replayed)."""
+        idx = list(range(B))
+        for b in sorted(gone, reverse=True):
+            last = idx.pop()
+            if b < len(idx):
+                idx[b] = last
+        return idx
+
+    def _remove(self, gone: list[int]) -> list[Sequence]:
+        """Drop rows ``gone``; each hole (highest first) is filled by the current last row."""
+        left = []
+        for b in sorted(gone, reverse=True):
+            s = self.seqs[b]
+            last = len(self.seqs) - 1
+            if b < last:
+                self._move_row(last, b)
+                self.seqs[b], self.pad[b] = self.seqs[last], self.pad[last]
+            self.seqs.pop()
+            self.pad.pop()
+            if s.cancelled and s.row.finish is None:
+                s.finish_reason = "cancelled"
+            else:
+                s.finish_reason = s.row.finish or "length"
+            left.append(s)
+        if not self.seqs:
+            self.slot = 0
+            self._release()
+        for s in left:
+            if s.on_finish is not None:
+                s.on_finish(s)
+        return left
+
+    def _release(self) -> None:
+        if self._lead:
+            self.eng.experts.end()
+            self._lead = False
+
+    def abort_all(self, reason: str = "cancelled") -> list[Sequence]:
+        """Every row leaves now (shutdown, or after an engine failure): finish_reason ``reason``."""
+        left = list(self.seqs)
+        self.seqs, self.pad, self.cur, self.slot = [], [], None, 0
+        self._release()
+        for s in left:
+            s.finish_reason = reason
+            if s.on_finish is not None:
+                s.on_finish(s)
+        return left

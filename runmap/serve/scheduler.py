@@ -1,0 +1,362 @@
+"""The engine thread: it owns the engine and the running batch; HTTP handlers and the IFEval job only
+submit requests and receive events.
+
+* ``submit`` queues a request (FIFO) and returns its ``Ticket``; between decode steps the thread admits
+  waiting requests into the running batch (runmap.serve.batching) while a row is free and the KV cache
+  has room, so a request joins a batch that is already decoding (continuous batching, up to max_batch).
+* ``Ticket.cancel()`` (a client that went away) takes its row out at the next step, or drops it from the
+  queue if it never started.
+* Events go to the ticket's ``sink`` from this thread: ``("token", text_delta)``, then exactly one of
+  ``("done", Sequence)`` or ``("error", ApiError)``. The HTTP side turns them into SSE chunks.
+* The thread loads nothing: it is handed a built engine, warms it up (the first prefill and a decode step
+  for every batch size, and on CUDA every KV-length bucket, so Triton compilation and CUDA-graph capture
+  happen before ``ready``), then serves.
+* Engine figures for /metrics and the page (``stats``: an ``EngineStats``) are snapshotted here, between
+  steps, at most every ``STATS_EVERY_S`` while busy and once when the batch drains.
+"""
+from __future__ import annotations
+
+import collections
+import concurrent.futures
+import dataclasses
+import logging
+import threading
+import time
+from typing import Callable
+
+import torch
+
+from runmap.serve.batching import BatchRunner, SamplingParams, Sequence
+from runmap.serve.protocol import ApiError
+
+log = logging.getLogger("runmap.serve")
+STATS_EVERY_S = 0.5
+RATE_WINDOW_S = 5.0
+
+
+@dataclasses.dataclass(eq=False)
+class Ticket:
+    """A submitted request. ``endpoint`` labels its metrics."""
+
+    prompt_ids: list
+    params: SamplingParams
+    sink: Callable
+    endpoint: str = "chat"
+    t_arrival: float = dataclasses.field(default_factory=time.perf_counter)
+    seq: Sequence | None = None
+    cancelled: bool = False
+    done: bool = False
+    error: ApiError | None = None  # set when the engine failed under this request
+
+    def cancel(self) -> None:
+        self.cancelled = True
+        if self.seq is not None:
+            self.seq.cancel()
+
+
+class Scheduler:
+    def __init__(self, engine, *, metrics=None, info: dict | None = None, decode=None, pipelined=None):
+        self.eng, self.metrics = engine, metrics
+        self.info = dict(info or {})
+        self.max_batch = engine.max_batch
+        self.decode_text = decode
+        self.pipelined = pipelined
+        self.runner: BatchRunner | None = None
+        self._cv = threading.Condition()
+        self._waiting: collections.deque[Ticket] = collections.deque()
+        self._running: dict[int, Ticket] = {}
+        self._stop = False
+        self._thread: threading.Thread | None = None
+        self.ready = False
+        self.failed: str | None = None
+        self.warmup_s: float | None = None
+        self.stats = None  # EngineStats, refreshed by the engine thread
+        self.batch_counters: dict = {}
+        self._stats_t = 0.0
+        self._stats_steps = -1  # decode steps at the last snapshot: an idle engine is not re-read
+        self._rate: collections.deque = collections.deque()  # (time, tokens) per step, last RATE_WINDOW_S
+        self.totals = {"requests": 0, "generated_tokens": 0, "prompt_tokens": 0, "cancelled": 0, "errors": 0}
+        self.max_rows_seen = 0
+        self._calls: collections.deque = collections.deque()  # (fn, Future) to run on the engine thread
+
+    # ---- the HTTP side --------------------------------------------------------------------------------
+    def start(self) -> None:
+        self._thread = threading.Thread(target=self._main, name="runmap-engine", daemon=True)
+        self._thread.start()
+
+    def check(self, prompt_len: int, max_new_tokens: int) -> None:
+        """ApiError (400) unless the request fits the context."""
+        if prompt_len < 1:
+            raise ApiError(400, "the prompt is empty (no token to condition on)", param="prompt")
+        msl = self.eng.max_seq_len
+        if prompt_len > msl:
+            raise ApiError(400, f"This model's maximum context length is {msl} tokens. However, your prompt has "
+                           f"{prompt_len} tokens.", param="messages", code="context_length_exceeded")
+        if prompt_len + max_new_tokens - 1 > msl:
+            raise ApiError(400, f"This model's maximum context length is {msl} tokens. However, you requested "
+                           f"{prompt_len + max_new_tokens} tokens ({prompt_len} in the prompt, {max_new_tokens} for "
+                           f"the completion; the last token needs no KV slot). Reduce max_tokens to at most "
+                           f"{msl - prompt_len + 1}.", param="max_tokens", code="context_length_exceeded")
+
+    def submit(self, ticket: Ticket) -> Ticket:
+        if not self.ready:
+            raise ApiError(503, "the engine is still loading and warming up; retry when /health says ok",
+                           type="server_error", code="not_ready")
+        self.check(len(ticket.prompt_ids), ticket.params.max_new_tokens)
+        with self._cv:
+            if self._stop:
+                raise ApiError(503, "the server is shutting down", type="server_error")
+            self._waiting.append(ticket)
+            if self.metrics is not None:
+                self.metrics.waiting.set(len(self._waiting))
+            self._cv.notify()
+        return ticket
+
+    def cancel(self, ticket: Ticket) -> None:
+        ticket.cancel()
+        with self._cv:
+            self._cv.notify()
+
+    def call(self, fn, timeout: float | None = 60.0):
+        """Run ``fn()`` on the engine thread between two steps and return its result (for reads of engine
+        state that must not race the step, e.g. ``Engine.telemetry``)."""
+        fut: concurrent.futures.Future = concurrent.futures.Future()
+        with self._cv:
+            if self._stop or self.failed:
+                raise ApiError(503, "the engine thread is not running", type="server_error")
+            self._calls.append((fn, fut))
+            self._cv.notify()
+        return fut.result(timeout)
+
+    def stop(self, timeout: float = 30.0) -> None:
+        with self._cv:
+            self._stop = True
+            self.ready = False
+            self._cv.notify()
+        if self._thread is not None:
+            self._thread.join(timeout)
+
+    @property
+    def alive(self) -> bool:
+        return self._thread is not None and self._thread.is_alive()
+
+    @property
+    def waiting(self) -> int:
+        return len(self._waiting)
+
+    @property
+    def running(self) -> int:
+        return len(self._running)
+
+    def tok_per_s(self) -> float:
+        """Generated tokens per second over the last RATE_WINDOW_S (0 when idle)."""
+        now = time.perf_counter()
+        pts = [(t, n) for t, n in list(self._rate) if now - t <= RATE_WINDOW_S]
+        if not pts:
+            return 0.0
+        span = max(now - pts[0][0], 1e-3) if len(pts) > 1 else RATE_WINDOW_S
+        return sum(n for _, n in pts) / min(span, RATE_WINDOW_S)
+
+    # ---- the engine thread ----------------------------------------------------------------------------
+    def _main(self) -> None:
+        try:
+            with torch.inference_mode():
+                self.runner = BatchRunner(self.eng, decode=self.decode_text, pipelined=self.pipelined)
+                t0 = time.perf_counter()
+                self._warmup()
+                self.warmup_s = time.perf_counter() - t0
+                self._refresh_stats(force=True)
+                self.ready = True
+                log.info("engine warm in %.1f s", self.warmup_s)
+                self._serve()
+        except BaseException as e:  # noqa: BLE001 - reported on /health and in the log, never silently
+            self.failed = f"{type(e).__name__}: {e}"
+            log.error("engine thread stopped: %s", self.failed)
+            self._fail_all(ApiError(500, f"engine failure: {self.failed}", type="server_error"))
+            self.ready = False
+
+    def _warmup(self) -> None:
+        """One prefill, then a decode step at every batch size (and on CUDA at every KV-length bucket the
+        decode step attends, the key of its CUDA graphs), so no request pays for compilation or capture."""
+        eng = self.eng
+        dev = eng.device
+        ids = eng.tokenizer.encode("Hello") or [0]
+        ids = ids[: max(1, eng.max_seq_len // 2)]
+        eng.experts.begin()
+        try:
+            zero1 = torch.zeros(1, dtype=torch.long, device=dev)
+            eng.prefill(torch.tensor([ids], dtype=torch.long, device=dev), zero1)
+            slots = [len(ids)]
+            if dev.type == "cuda":
+                slots, b = [], 256
+                while True:
+                    slots.append(min(b, eng.max_seq_len) - 1)
+                    if b >= eng.max_seq_len:
+                        break
+                    b *= 2
+            for B in range(1, eng.max_batch + 1):
+                tok = torch.zeros(B, dtype=torch.long, device=dev)
+                pad = torch.zeros(B, dtype=torch.long, device=dev)
+                for s in slots:
+                    eng.decode(tok, s, pad)
+            if dev.type == "cuda":
+                torch.cuda.synchronize(dev)
+        finally:
+            eng.experts.end()
+        # the first real request also goes through the batching path (prefill into a running batch included)
+        r = self.runner
+        for k in range(min(2, eng.max_batch)):
+            r.admit(Sequence(ids, SamplingParams(max_new_tokens=2, temperature=0.0)))
+        while r.rows:
+            r.step()
+
+    def _serve(self) -> None:
+        r = self.runner
+        while True:
+            with self._cv:
+                while not self._stop and not self._waiting and not r.rows and not self._calls:
+                    self._drop_cancelled_waiting()
+                    if not self._cv.wait(timeout=STATS_EVERY_S) and self._stats_steps != r.counters["steps"]:
+                        self._refresh_stats(force=True)
+                if self._stop:
+                    break
+                self._drop_cancelled_waiting()
+                calls, self._calls = list(self._calls), collections.deque()
+            for fn, fut in calls:
+                try:
+                    fut.set_result(fn())
+                except BaseException as e:  # noqa: BLE001 - handed to the caller
+                    fut.set_exception(e)
+            try:
+                self._admit()
+                if r.rows:
+                    self.max_rows_seen = max(self.max_rows_seen, r.rows)
+                    t, n0 = time.perf_counter(), self.totals["generated_tokens"]
+                    r.step()
+                    self._rate.append((t, self.totals["generated_tokens"] - n0))
+                    while self._rate and t - self._rate[0][0] > RATE_WINDOW_S:
+                        self._rate.popleft()
+            except Exception as e:  # noqa: BLE001 - an engine failure fails the batch, not the server
+                log.exception("engine step failed")
+                self._fail_batch(ApiError(500, f"engine failure: {type(e).__name__}: {e}", type="server_error"))
+            self._update_gauges()
+            self._refresh_stats(force=not r.rows)
+        down = ApiError(503, "the server is shutting down", type="server_error")
+        self._fail_batch(down)
+        self._fail_all(down)
+
+    def _fail_batch(self, err: ApiError) -> None:
+        """Every running row gets ``err``; the KV rows are dropped (the engine stays up for new requests)."""
+        with self._cv:
+            tickets = list(self._running.values())
+            self._running.clear()
+        for t in tickets:
+            t.error = err
+        self.runner.abort_all("error")
+        self.totals["errors"] += len(tickets)
+
+    def _drop_cancelled_waiting(self) -> None:
+        keep = collections.deque()
+        for t in self._waiting:
+            if t.cancelled:
+                self._finish_cancelled_waiting(t)
+            else:
+                keep.append(t)
+        self._waiting = keep
+
+    def _finish_cancelled_waiting(self, t: Ticket) -> None:
+        t.done = True
+        self.totals["requests"] += 1
+        self.totals["cancelled"] += 1
+        if self.metrics is not None:
+            self.metrics.requests.labels(t.endpoint, "cancelled").inc()
+
+    def _admit(self) -> None:
+        r = self.runner
+        while r.rows < self.max_batch:
+            with self._cv:
+                if not self._waiting:
+                    break
+                t = self._waiting[0]
+                if t.cancelled:
+                    self._waiting.popleft()
+                    self._finish_cancelled_waiting(t)
+                    continue
+            seq = Sequence(t.prompt_ids, t.params, on_token=self._on_token(t), on_finish=self._on_finish(t))
+            t.seq = seq
+            if t.cancelled:
+                seq.cancel()
+            if not r.admit(seq):  # no KV room until running rows finish: the queue keeps its order
+                t.seq = None
+                break
+            with self._cv:
+                self._waiting.popleft()
+                self._running[id(t)] = t
+            if self.metrics is not None:
+                self.metrics.prompt_tokens.inc(len(t.prompt_ids))
+            self.totals["prompt_tokens"] += len(t.prompt_ids)
+        self._update_gauges()
+
+    def _on_token(self, t: Ticket):
+        def on_token(tid, delta):
+            now = time.perf_counter()
+            seq = t.seq
+            if tid is not None:
+                if seq.t_first is None:  # this is the first token (t_first is set after this call returns)
+                    if self.metrics is not None:
+                        self.metrics.ttft.observe(now - t.t_arrival)
+                elif self.metrics is not None and seq.t_last is not None:
+                    self.metrics.itl.observe(now - seq.t_last)
+                if self.metrics is not None:
+                    self.metrics.generation_tokens.inc()
+                self.totals["generated_tokens"] += 1
+            if delta:
+                t.sink(("token", delta))
+        return on_token
+
+    def _on_finish(self, t: Ticket):
+        def on_finish(seq: Sequence):
+            with self._cv:
+                self._running.pop(id(t), None)
+            if t.done:
+                return
+            t.done = True
+            if t.error is not None:
+                if self.metrics is not None:
+                    self.metrics.requests.labels(t.endpoint, "error").inc()
+                t.sink(("error", t.error))
+                return
+            self.totals["requests"] += 1
+            if seq.finish_reason == "cancelled":
+                self.totals["cancelled"] += 1
+            if self.metrics is not None:
+                self.metrics.requests.labels(t.endpoint, seq.finish_reason).inc()
+                if seq.t_last is not None:
+                    self.metrics.e2e.observe(seq.t_last - t.t_arrival)
+            t.sink(("done", seq))
+        return on_finish
+
+    def _fail_all(self, err: ApiError) -> None:
+        with self._cv:
+            tickets = list(self._waiting) + list(self._running.values())
+            self._waiting.clear()
+            self._running.clear()
+        for t in tickets:
+            if not t.done:
+                t.done = True
+                t.sink(("error", err))
+
+    def _update_gauges(self) -> None:
+        if self.metrics is not None:
+            self.metrics.running.set(self.runner.rows if self.runner is not None else 0)
+            self.metrics.waiting.set(len(self._waiting))
+
+    def _refresh_stats(self, force: bool = False) -> None:
+        now = time.perf_counter()
+        if not force and now - self._stats_t < STATS_EVERY_S:
+            return
+        self._stats_t = now
+        self.stats = self.eng.stats()
+        if self.runner is not None:
+            self.batch_counters = dict(self.runner.counters)
+            self._stats_steps = self.runner.counters["steps"]

@@ -1,0 +1,153 @@
+"""Continuous batching (runmap.serve.batching) against the engine's own generation, and --gpu-budget.
+
+Rows join a running batch between decode steps (prefilled alone into a scratch cache, copied into the
+shared-slot KV cache, the running rows shifted when the new prompt is longer than the shared slot or
+when slots must be reclaimed), leave it when they finish or are cancelled (the last row moved into the
+hole), and wait when the KV cache has no room. Whatever the schedule, each request's tokens must be those
+of ``Engine.generate`` on that request alone: greedy and seeded sampling, both model families, the CPU
+order of operations and the pipelined (CUDA) one.
+"""
+from __future__ import annotations
+
+import random
+
+import pytest
+import torch
+
+from test_model_support import build_packs
+
+from runmap.serve.batching import BatchRunner, SamplingParams, Sequence
+from runmap.serve.budget import BudgetError, device_bytes, parse_size, resident_for_budget
+
+MAX_SEQ_LEN = 72
+WORDS = "the sea sky river mountain poem write tell name three quick brown fox".split()
+
+
+@pytest.fixture(scope="module")
+def packs(tmp_path_factory):
+    return build_packs(tmp_path_factory)
+
+
+@pytest.fixture(scope="module")
+def engines(packs):
+    from runmap.engine.engine import Engine
+
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        yield {name: Engine.from_pack(pk, executor="reference", device="cpu", max_batch=3, max_seq_len=MAX_SEQ_LEN)
+               for name, pk in packs.items()}
+    finally:
+        torch.set_num_threads(threads)
+
+
+def _requests(eng, seed: int, n: int = 9):
+    rng = random.Random(seed)
+    out = []
+    for k in range(n):
+        ids = eng.tokenizer.encode(" ".join(rng.choice(WORDS) for _ in range(rng.randint(1, 7))))
+        m = rng.randint(1, min(24, MAX_SEQ_LEN - len(ids) + 1))
+        out.append((ids, SamplingParams(max_new_tokens=m, temperature=0.8 if k % 3 == 0 else 0.0, top_p=0.9,
+                                        seed=100 + k)))
+    return out
+
+
+def _alone(eng, reqs):
+    return [eng.generate([ids], max_new_tokens=p.max_new_tokens, temperature=p.temperature, top_p=p.top_p,
+                         seed=p.seed)[0] for ids, p in reqs]
+
+
+def _run_schedule(eng, reqs, *, pipelined: bool, seed: int, cancel: int | None = None):
+    """Admit requests at random step boundaries (FIFO, as the scheduler does); returns (seqs, runner, refusals)."""
+    rng = random.Random(seed)
+    seqs = [Sequence(ids, p) for ids, p in reqs]
+    waiting, refused, steps = list(seqs), 0, 0
+    with torch.inference_mode():
+        r = BatchRunner(eng, pipelined=pipelined)
+        while waiting or r.rows:
+            while waiting and (not r.rows or rng.random() < 0.5):
+                if not r.admit(waiting[0]):
+                    refused += 1
+                    break
+                waiting.pop(0)
+            if cancel is not None and steps == 3:
+                seqs[cancel].cancel()
+            r.step()
+            steps += 1
+            assert steps < 2000
+    return seqs, r, refused
+
+
+@pytest.mark.parametrize("pipelined", [False, True], ids=["cpu-order", "pipelined"])
+@pytest.mark.parametrize("preset", ["tiny-olmoe", "tiny-qwen2-moe"])
+def test_every_request_gets_its_tokens_alone_whatever_the_schedule(engines, preset, pipelined):
+    eng = engines[preset]
+    totals = {"joined_running": 0, "shifts": 0, "row_moves": 0, "refused": 0}
+    for seed in (1, 2):
+        reqs = _requests(eng, seed)
+        alone = _alone(eng, reqs)
+        seqs, r, refused = _run_schedule(eng, reqs, pipelined=pipelined, seed=seed)
+        for k, (a, s) in enumerate(zip(alone, seqs)):
+            assert s.token_ids == a.token_ids and s.text == a.text, f"seed {seed} request {k}"
+            assert s.finish_reason == a.finish_reason
+        for key in ("joined_running", "shifts", "row_moves"):
+            totals[key] += r.counters[key]
+        totals["refused"] += refused
+        assert r.rows == 0 and r.slot == 0 and not r._lead  # the full-residency lease is given back when idle
+    # the schedules did exercise every path: joins, KV shifts, row moves and requests waiting for room
+    assert all(v > 0 for v in totals.values()), totals
+
+
+def test_a_cancelled_row_leaves_at_the_next_step_and_the_others_are_unaffected(engines):
+    eng = engines["tiny-olmoe"]
+    reqs = [(ids, SamplingParams(max_new_tokens=20)) for ids, _ in _requests(eng, 5, n=3)]
+    alone = _alone(eng, reqs)
+    seqs, r, _ = _run_schedule(eng, reqs, pipelined=False, seed=0, cancel=0)
+    assert seqs[0].finish_reason == "cancelled" and len(seqs[0].token_ids) < 20
+    assert seqs[0].token_ids == alone[0].token_ids[:len(seqs[0].token_ids)]
+    for a, s in zip(alone[1:], seqs[1:]):
+        assert s.token_ids == a.token_ids
+
+
+def test_a_request_that_can_never_fit_is_refused(engines):
+    from runmap.engine.generation import GenerationError
+
+    r = BatchRunner(engines["tiny-olmoe"])
+    with pytest.raises(GenerationError, match="exceeds the context"):
+        r.check(MAX_SEQ_LEN, 2)
+    with pytest.raises(GenerationError):
+        r.check(0, 4)
+    r.check(MAX_SEQ_LEN, 1)  # the last token needs no KV slot
+
+
+@pytest.mark.parametrize("text,want", [("123456", 123456), ("6GiB", 6 * 2**30), ("6G", 6 * 2**30), ("6.5GB", 6_500_000_000),
+                                       ("800MiB", 800 * 2**20), ("2 mb", 2_000_000)])
+def test_sizes_parse(text, want):
+    assert parse_size(text) == want
+
+
+@pytest.mark.parametrize("text", ["", "six", "6 parsecs", "-1G", "0", "1e9"])
+def test_bad_sizes_are_refused(text):
+    with pytest.raises(BudgetError):
+        parse_size(text)
+
+
+def test_the_budget_picks_the_most_experts_that_fit(packs):
+    import json
+
+    from runmap.arch.config import ModelConfig
+
+    pk = packs["tiny-olmoe"]
+    man = json.loads((pk / "manifest.json").read_text())
+    cfg = ModelConfig(**man["model"])
+    row, nonrouted = man["row_layout"]["row_bytes"], man["nonrouted"]["file_bytes"]
+    need = {r: device_bytes(cfg, row, nonrouted, r, 2, 64)["total"] for r in range(cfg.top_k, cfg.num_experts + 1)}
+    r_full, _ = resident_for_budget(pk, need[cfg.num_experts], max_batch=2, max_seq_len=64)
+    assert r_full == cfg.num_experts
+    partial = [r for r in need if r < cfg.num_experts]
+    for r in partial:
+        got, counted = resident_for_budget(pk, need[r], max_batch=2, max_seq_len=64)
+        assert counted["total"] <= need[r]
+        assert got >= r and all(need[q] > need[r] for q in range(got + 1, cfg.num_experts + 1))
+    with pytest.raises(BudgetError, match="below the least this pack needs"):
+        resident_for_budget(pk, min(need.values()) - 1, max_batch=2, max_seq_len=64)
