@@ -44,6 +44,7 @@ def test_regular_install_holds_the_namespace_and_the_package_data(regular_instal
     assert (target / "runmap" / "specs" / "models" / "tiny-olmoe.yaml").is_file()
     assert (target / "runmap" / "schemas" / "manifest.schema.json").is_file()
     assert (target / "runmap" / "data" / "ifeval" / "input_data.jsonl").is_file()
+    assert all((target / "runmap" / "serve" / "static" / f).is_file() for f in ("index.html", "app.js", "style.css"))
 
 
 def test_regular_install_synth_pack_validate_generate_from_an_unrelated_directory(regular_install, tmp_path):

@@ -21,7 +21,8 @@ RANKS = {
     "kernels": 3, "residency": 3, "workload": 3,
     "engine": 4, "synth": 4,
     "bench": 5, "ifeval": 5,
-    "cli": 6, "__main__": 7,
+    "serve": 6,  # the server runs the engine, IFEval (generate, score) and campaign reports (bench.report)
+    "cli": 7, "__main__": 8,
 }
 
 
@@ -191,7 +192,7 @@ def test_bench_record_executors_are_the_registry_plus_the_baselines():
         assert f'"{name}"' in text, f"bench-record schema does not allow baseline executor {name!r}"
 
 
-@pytest.mark.parametrize("argv", [["generate"], ["logits"], ["ifeval", "generate"]])
+@pytest.mark.parametrize("argv", [["generate"], ["logits"], ["ifeval", "generate"], ["serve", "--packed", "x"]])
 def test_cli_executor_choices_come_from_the_registry(argv, capsys):
     from runmap.cli.main import main
     from runmap.kernels.registry import EXECUTOR_NAMES
@@ -211,7 +212,8 @@ def test_help_does_not_import_torch():
 
     code = ("import sys; from runmap.cli.main import main\n"
             "try:\n    main(['--help'])\nexcept SystemExit:\n    pass\n"
-            "heavy = [m for m in ('torch', 'triton', 'transformers', 'jsonschema') if m in sys.modules]\n"
+            "heavy = [m for m in ('torch', 'triton', 'transformers', 'jsonschema', 'fastapi', 'uvicorn', 'pydantic',\n"
+            "                     'prometheus_client') if m in sys.modules]\n"
             "print('HEAVY', heavy)")
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60).stdout
     assert "HEAVY []" in out, out[-500:]

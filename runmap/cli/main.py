@@ -8,8 +8,8 @@ import argparse
 import os
 import sys
 
-from runmap.cli import (bench, check_kernels, contract, generate, ifeval, logits, pack, replay, report, synth,
-                        validate)
+from runmap.cli import (bench, check_kernels, contract, generate, ifeval, logits, pack, replay, report, serve,
+                        synth, validate)
 
 SUBCOMMANDS = {
     "synth": synth,
@@ -23,6 +23,7 @@ SUBCOMMANDS = {
     "bench": bench,
     "report": report,
     "ifeval": ifeval,
+    "serve": serve,
 }
 
 
