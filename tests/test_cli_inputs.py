@@ -271,6 +271,25 @@ def test_bench_exit_statuses(fixtures, small_bandwidth_probe, argv, want):
     assert rc == want, argv
 
 
+def test_ctrl_c_during_a_bench_run_exits_130_without_a_traceback(fixtures, small_bandwidth_probe, monkeypatch):
+    """Ctrl-C (KeyboardInterrupt in the main thread) while a configuration runs: exit status 130, the line
+    'interrupted', no traceback, and nothing written outside the output path."""
+    from runmap.bench import campaign
+
+    def interrupted(*a, **k):
+        raise KeyboardInterrupt
+
+    monkeypatch.setattr(campaign, "run_config", interrupted)
+    argv = _resolve(["bench", "@spec", "--out", "out", "--no-progress"], fixtures, ("bench",))
+    try:
+        rc, out, err, before, after = _run_in_empty_cwd(argv)
+    except KeyboardInterrupt:  # escaping main() would also stop this pytest session: fail instead
+        pytest.fail("KeyboardInterrupt escaped runmap's main()")
+    assert rc == 130 and "interrupted" in err and "Traceback" not in out + err, (rc, err)
+    changed = sorted(k for k in set(before) | set(after) if before.get(k) != after.get(k))
+    assert changed and all(k == "out" or k.startswith("out/") for k in changed), changed
+
+
 # ---- manifest corruptions -------------------------------------------------------------------------
 def _paths(node, prefix=()):
     yield prefix
