@@ -13,6 +13,8 @@
 # 3. writes $OUT/h200-campaign.tar.gz (campaigns/h200/records/*.json + campaign.json) and the logs, and
 #    prints a short table.
 # Runs with PYTHONPATH=. (the package is not installed there) and imports no jsonschema/snakemake.
+# RUNMAP_SPEC=<spec> runs another campaign spec; RUNMAP_MODELS=olmoe prepares only OLMoE; RUNMAP_ONLY=<regex>
+# passes --only to the bench.
 set -uo pipefail
 BUDGET=${1:-565}
 T0=$(date +%s)
@@ -55,7 +57,10 @@ df -h "$WORK" | tail -1
 # after the other ~40 GiB. A machine left warm by an earlier call may hold other files: check first.
 FREE_GB=$(df --output=avail -B1G "$WORK" | tail -1 | tr -d ' ')
 echo "free disk in $WORK: ${FREE_GB} GB"
-if [ "${FREE_GB:-0}" -ge 56 ] || [ -n "${RUNMAP_PRESET_OLMOE:-}" ]; then
+if [ "${RUNMAP_MODELS:-both}" = olmoe ]; then  # one model only (a shorter call): OLMoE
+  prepare olmoe "$PRESET_OLMOE" > "$OUT/prepare-olmoe.log" 2>&1; R1=$?; R2=1
+  echo "qwen: not prepared (RUNMAP_MODELS=olmoe)" > "$OUT/prepare-qwen.log"
+elif [ "${FREE_GB:-0}" -ge 56 ] || [ -n "${RUNMAP_PRESET_OLMOE:-}" ]; then
   prepare olmoe "$PRESET_OLMOE" > "$OUT/prepare-olmoe.log" 2>&1 &
   P1=$!
   prepare qwen "$PRESET_QWEN" > "$OUT/prepare-qwen.log" 2>&1 &
@@ -73,9 +78,9 @@ echo "[$(elapsed)s] prepare exit codes: olmoe $R1, qwen $R2"
 PACKS=()
 [ "$R1" = 0 ] && PACKS+=(--pack "olmoe=$WORK/pk-olmoe")
 [ "$R2" = 0 ] && PACKS+=(--pack "qwen=$WORK/pk-qwen")
-ONLY=""
-if [ "$R1" != 0 ] && [ "$R2" = 0 ]; then ONLY="^qwen__"; fi
-if [ "$R2" != 0 ] && [ "$R1" = 0 ]; then ONLY="^olmoe__"; fi
+ONLY="${RUNMAP_ONLY:-}"
+if [ -z "$ONLY" ] && [ "$R1" != 0 ] && [ "$R2" = 0 ]; then ONLY="^qwen__"; fi
+if [ -z "$ONLY" ] && [ "$R2" != 0 ] && [ "$R1" = 0 ]; then ONLY="^olmoe__"; fi
 # Leave ~40 s after the deadline: the last configuration started (an engine build + its runs), the ratio
 # pass and the archive.
 DEADLINE=$(( BUDGET - $(elapsed) - 40 ))

@@ -7,7 +7,7 @@ Stable Python API (the IFEval and campaign code call exactly this)::
                            max_seq_len=None, policy="lru", expert_format="int4", max_group=None,
                            cuda_graphs=True, prefill_chunk=1024, fused=True, host_source=None,
                            skip_experts=False, verify_pack=None, routing="model", routing_seed=0,
-                           record_routes=False, cache_contract="v1")
+                           record_routes=False, cache_contract="v1", segments=True)
     results = eng.generate(prompts, *, max_new_tokens=128, temperature=0.0, top_p=1.0, seed=None,
                            stop=(), chat=False, on_token=None, ignore_eos=False)
     run = eng.run(prompts, **same)   # GenerationRun: results + prefill/decode seconds, token counts, tok/s
@@ -33,7 +33,10 @@ Arguments:
                    no cache; exists so that the effect of compression can be isolated)
     max_group      largest batch union leased at once (partial residency; default min(top_k x max_batch,
                    resident // 2), at least top_k); larger unions are split into token groups
-    cuda_graphs    capture the decode step in CUDA graphs (full residency on CUDA only)
+    cuda_graphs    capture the decode step in CUDA graphs: whole under full residency, as segments cut at each
+                   routing decision under partial residency (SegmentDecoder; batches whose union fits one lease)
+    segments       partial residency: decode in CUDA-graph segments (True, with cuda_graphs); "eager" also runs the
+                   segment chain on the CPU, without graphs (tests); False: the per-call eager path
     prefill_chunk  prompt tokens per prefill forward pass (bounds activation memory of long prompts)
     fused          CUDA: fused Triton ops replacing torch sequences (runmap.kernels.fused_ops): True = DEFAULT_FUSED
                    (prologue, norm, router, attn; the prologue left out for a per-head q/k-norm family), or an
@@ -117,7 +120,10 @@ class CachedExperts:
         self.h2d_seconds = 0.0  # host wall time of acquisitions that ran a miss transaction
         if self.full:
             self.tables = [cache.static_row_table(l) for l in range(self.num_layers)]  # int32 (E,) each
-            self.storage = [cache.storage(l) for l in range(self.num_layers)]  # uint8 (R, row_bytes) each
+        self.storage = [cache.storage(l) for l in range(self.num_layers)]  # uint8 (R, row_bytes) each
+        # partial residency, segment decode: per-layer row tables at fixed addresses, refreshed from each lease
+        self.static_tables = None if self.full else [
+            torch.full((cache.num_experts,), -1, dtype=torch.int32, device=cache.device) for _ in range(self.num_layers)]
 
     # Full residency: one request per generate call, every layer leased whole (no miss can happen).
     def begin(self):
@@ -168,6 +174,13 @@ class CachedExperts:
                 # (CudaTransport.note_release), so no row is rewritten while a queued kernel may still read it.
                 req.release()
         return out
+
+    def static_experts(self, layer, x, ids, gw):
+        """Segment decode: the executor on the layer's whole storage through its static row table (refreshed from
+        the lease before the segment runs); validate=False, so it can be captured."""
+        with self.cache.monitored():  # a copy out of expert rows in the segment would show when it is captured
+            return self.moe(self.executor, x, ids, gw, self.storage[layer], self.static_tables[layer], self.layout,
+                            validate=False)
 
     def _groups(self, ids_h: torch.Tensor) -> list[list[int]]:
         """Split token rows so that each group's union of expert ids has at most max_group members."""
@@ -309,6 +322,147 @@ class GraphDecoder:
         return out
 
 
+class SegmentDecoder:
+    """Partial-residency decode steps of batch B as CUDA-graph segments, one chain per KV-length bucket.
+
+    A decode step is cut at every MoE layer's routing decision: segment 0 runs the embedding, layer 0's
+    attention and router and copies layer 0's routed ids into pinned host memory; segment l (1..L-1) runs layer
+    l-1's routed experts (through a static per-layer row table), the residual, layer l's attention and router,
+    and copies layer l's ids out; segment L runs the last layer's experts and the logits. Between segments the
+    host waits for one event, reads the ids from pinned memory, leases the layer's group (a miss transaction if
+    needed, under the cache contract as always), copies the lease's row table into the static table on the
+    compute stream and replays the next segment; a request is released once the segment reading its rows is
+    queued (the transport's release fence orders any later copy into those rows after it).
+
+    Used when every layer's batch union fits one lease (top_k x B <= max_group); a larger batch decodes eagerly.
+    ``capture=False`` runs the same chain without graphs (the CPU, and the warm-up before a capture)."""
+
+    def __init__(self, engine: "Engine", batch: int, pool, capture: bool):
+        self.e, self.B, self.pool, self.capture = engine, batch, pool, capture
+        cfg, dev = engine.cfg, engine.device
+        self.L, self.k = cfg.num_layers, cfg.top_k
+        self.tok = torch.zeros(batch, 1, dtype=torch.long, device=dev)
+        self.slot = torch.zeros(1, dtype=torch.long, device=dev)
+        self.pad = torch.zeros(batch, dtype=torch.long, device=dev)
+        self.imposed = (torch.zeros(self.L, batch, self.k, dtype=torch.long, device=dev)
+                        if engine.imposed is not None else None)
+        self.recorded = (torch.zeros(self.L, batch, self.k, dtype=torch.long, device=dev)
+                         if engine.routes is not None else None)
+        self.host_ids = torch.zeros(self.L, batch, self.k, dtype=torch.long, pin_memory=dev.type == "cuda")
+        self.chains: dict[int, tuple[list, torch.Tensor]] = {}  # n_keys -> (graphs, logits)
+        self._keep: list = []  # tensors living across segment boundaries (kept out of the pool's reuse)
+        self.capture_graphs: list | None = None  # the chain being captured
+        self._held: list = []  # requests whose leased rows a queued segment may still read
+
+    # the routed-experts callback of Transformer.forward in segment mode ---------------------------------------
+    def _experts(self, layer, x, ids, gw):
+        ex = self.e.experts
+        if self.capture_graphs is not None:  # capturing: end this segment after the ids are copied out
+            self.host_ids[layer].copy_(ids, non_blocking=True)
+            self._keep += [x, ids, gw]
+            g = self.capture_graphs[-1]
+            g.capture_end()
+            nxt = torch.cuda.CUDAGraph()
+            nxt.capture_begin(pool=self.pool)
+            self.capture_graphs.append(nxt)
+        else:  # eager chain: the host decision right here
+            self.host_ids[layer].copy_(ids)
+            self._lease(layer)
+        return ex.static_experts(layer, x, ids, gw)
+
+    def _lease(self, layer):
+        ex = self.e.experts
+        req = ex.cache.admit()
+        try:
+            lease = req.acquire(layer, self.host_ids[layer])
+            ex.static_tables[layer].copy_(lease.row_table, non_blocking=True)  # (E,) on the compute stream
+        except BaseException:
+            req.release()
+            raise
+        self._held.append(req)
+
+    def _release_held(self, keep_last: int = 0):
+        while len(self._held) > keep_last:
+            self._held.pop(0).release()
+
+    def _forward(self, n_keys):
+        e = self.e
+        pos = (self.slot - self.pad).unsqueeze(1)  # (B, 1)
+        e.model.imposed = self.imposed
+        if self.recorded is not None:
+            e.model.route_sink = lambda layer, ids: self.recorded[layer].copy_(ids)
+        try:
+            return e.model.forward(self.tok, pos, e.kv, self.slot, self.pad, n_keys, self._experts)
+        finally:
+            e.model.imposed = e.model.route_sink = None
+
+    def _run_eager(self, n_keys):
+        self.capture_graphs, self._held = None, []
+        try:
+            out = self._forward(n_keys)
+        finally:
+            self._release_held()
+        return out
+
+    def _capture(self, n_keys):
+        side = torch.cuda.Stream(self.e.device)
+        side.wait_stream(torch.cuda.current_stream())
+        with torch.cuda.stream(side):  # warm-up outside capture (Triton compilation, cuBLAS handles)
+            for _ in range(2):
+                self._run_eager(n_keys)
+        torch.cuda.current_stream().wait_stream(side)
+        torch.cuda.synchronize(self.e.device)
+        self._held = []
+        with torch.cuda.stream(side):
+            g = torch.cuda.CUDAGraph()
+            g.capture_begin(pool=self.pool)
+            self.capture_graphs = [g]
+            try:
+                out = self._forward(n_keys)
+                self.capture_graphs[-1].capture_end()
+            finally:
+                graphs, self.capture_graphs = self.capture_graphs, None
+        torch.cuda.current_stream().wait_stream(side)
+        if len(graphs) != self.L + 1:
+            raise EngineError(f"segment capture made {len(graphs)} graphs for {self.L} MoE layers (expected L + 1)")
+        self.chains[n_keys] = (graphs, out)
+
+    def run(self, tok, slot: int, pad) -> torch.Tensor:
+        """tok int64 (B,), slot int, pad int64 (B,) -> float32 logits (B, V) (a static buffer when captured)."""
+        e = self.e
+        n_keys = e.bucket(slot + 1) if e.device.type == "cuda" else slot + 1
+        self.tok.copy_(tok.view(self.B, 1))
+        self.slot.fill_(slot)
+        self.pad.copy_(pad)
+        real = np.ones((self.B, 1), dtype=bool)
+        if self.imposed is not None:
+            self.imposed.copy_(_to_device(e.imposed.draw(real), e.device), non_blocking=True)
+        if not self.capture:
+            out = self._run_eager(n_keys)
+        else:
+            if n_keys not in self.chains:
+                self._capture(n_keys)
+            graphs, out = self.chains[n_keys]
+            self._held = []
+            ev = torch.cuda.Event()
+            try:
+                for layer, g in enumerate(graphs):
+                    g.replay()
+                    self._release_held()  # the segment reading the previous lease's rows is queued
+                    if layer == self.L:
+                        break
+                    ev.record()
+                    ev.synchronize()  # this layer's routed ids are in pinned memory
+                    self._lease(layer)
+            finally:
+                if self._held:  # a failure between segments: no kernel of this chain reads those rows any more
+                    torch.cuda.current_stream(e.device).synchronize()
+                self._release_held()
+        if self.recorded is not None:
+            e.routes.end_pass(real, self.recorded, decode=True)
+        return out
+
+
 def _to_device(a: np.ndarray, device) -> torch.Tensor:
     """A host array on ``device`` without a host sync: through pinned memory and an asynchronous copy (torch's
     pinned-memory allocator does not reuse the buffer before the copy is done)."""
@@ -327,7 +481,7 @@ class Engine:
                  expert_format: str, max_batch: int, max_seq_len: int, cuda_graphs: bool, prefill_chunk: int,
                  pack_dir: str, resident: int, load_s: float, pack_identity: str | None = None,
                  skip_experts: bool = False, imposed: ImposedRouting | None = None, routing: str = "model",
-                 routes=None):
+                 routes=None, segments=True):
         self.cfg, self.model, self.experts, self.tokenizer = cfg, model, experts, tokenizer
         # the fp16 baseline runs no executor: record what actually computes the experts
         self.device, self.expert_format = device, expert_format
@@ -343,8 +497,15 @@ class Engine:
         # reference and scalar synchronize with the host on every call, so they cannot be captured
         self.use_graphs = bool(cuda_graphs and device.type == "cuda" and resident == cfg.num_experts
                                and expert_format == "int4" and executor in GRAPH_EXECUTORS)
+        # partial residency: decode steps as CUDA-graph segments cut at each routing decision (SegmentDecoder);
+        # on the CPU the same chain runs without graphs when segments=True (tests)
+        self.use_segments = bool(segments and isinstance(experts, CachedExperts) and not experts.full
+                                 and not self.skip_experts
+                                 and ((device.type == "cuda" and executor in GRAPH_EXECUTORS) or segments == "eager"))
         self._graphs: dict[int, GraphDecoder] = {}
-        self._pool = torch.cuda.graph_pool_handle() if self.use_graphs else None
+        self._segments: dict[int, SegmentDecoder] = {}
+        self._pool = torch.cuda.graph_pool_handle() if (self.use_graphs or self.use_segments) and \
+            device.type == "cuda" else None
         self.last_timing: dict | None = None
         self._runs: list[dict] = []
         self._closed = False
@@ -366,7 +527,8 @@ class Engine:
                   expert_format: str = "int4", max_group: int | None = None, cuda_graphs: bool = True,
                   prefill_chunk: int = 1024, fused=True, host_source=None,
                   skip_experts: bool = False, verify_pack: bool | None = None, routing: str = "model",
-                  routing_seed: int = 0, record_routes: bool = False, cache_contract: str = "v1") -> "Engine":
+                  routing_seed: int = 0, record_routes: bool = False, cache_contract: str = "v1",
+                  segments=True) -> "Engine":
         from runmap.format.packfile import PackReader
         from runmap.engine.tokenization import Tokenizer
 
@@ -462,7 +624,8 @@ class Engine:
                    expert_format=expert_format, max_batch=max_batch, max_seq_len=max_seq_len,
                    cuda_graphs=cuda_graphs, prefill_chunk=prefill_chunk, pack_dir=str(pack_dir),
                    resident=resident, load_s=time.perf_counter() - t0, pack_identity=identity,
-                   skip_experts=skip_experts, imposed=imposed, routing=spec.name, routes=routes)
+                   skip_experts=skip_experts, imposed=imposed, routing=spec.name, routes=routes,
+                   segments=cuda_graphs and segments)
 
     # ---- StepModel (runmap.engine.generation) ----------------------------------------------------------------
     def bucket(self, n: int) -> int:
@@ -500,6 +663,10 @@ class Engine:
             if B not in self._graphs:
                 self._graphs[B] = GraphDecoder(self, B, self._pool)
             return self._graphs[B].run(tokens, slot, pad)
+        if self.use_segments and self.cfg.top_k * B <= self.experts.cache.max_group:
+            if B not in self._segments:
+                self._segments[B] = SegmentDecoder(self, B, self._pool, capture=self.device.type == "cuda")
+            return self._segments[B].run(tokens, slot, pad)
         slots = torch.tensor([slot], device=self.device)
         pos = (slots - pad).unsqueeze(1)  # (B, 1)
         # On CUDA the fused decode attention takes the key count as a constexpr: attending a bucket (keys past
@@ -539,7 +706,8 @@ class Engine:
         if self.device.type == "cuda":
             torch.cuda.synchronize(self.device)
         self._graphs.clear()
-        if self.use_graphs:
+        self._segments.clear()
+        if self._pool is not None:
             self._pool = torch.cuda.graph_pool_handle()
 
     # ---- public API ---------------------------------------------------------------------------------------
@@ -654,6 +822,7 @@ class Engine:
         if self.device.type == "cuda":
             torch.cuda.synchronize(self.device)
         self._graphs.clear()
+        self._segments.clear()
         self._pool = None
         self.kv = self.model = self.experts = None
         self._closed = True

@@ -17,6 +17,7 @@ direction; no method copies device -> host, so ``d2h_bytes`` is an instrumented 
 """
 from __future__ import annotations
 
+import weakref
 from concurrent.futures import ThreadPoolExecutor
 
 import numpy as np
@@ -374,6 +375,9 @@ class PinnedSourceTransport(CudaTransport):
             raise TransferError(f"resident-qpacked-cache-v2: pinning the {arr.nbytes / 2**30:.2f} GiB host source "
                                 f"failed (cudaHostRegister error {code}); use contract v1 or free host memory")
         host.pinned_registration = (arr.ctypes.data, arr.nbytes)
+        # Unregister before the host source's mapping goes away: a later mapping at the same address would
+        # otherwise find the range still registered (cudaErrorHostMemoryAlreadyRegistered).
+        weakref.finalize(host, _unregister_host, arr.ctypes.data)
         self.registered_bytes = arr.nbytes
 
     def alloc_staging(self, row_bytes):
@@ -398,6 +402,15 @@ class PinnedSourceTransport(CudaTransport):
 
     def describe(self):
         return {**super().describe(), "kind": "PinnedSourceTransport", "registered_bytes": self.registered_bytes}
+
+
+def _unregister_host(ptr: int) -> None:
+    """cudaHostUnregister of a host source range (weakref finalizer of the HostSource; runs before its mmap closes)."""
+    try:
+        torch.cuda.synchronize()  # no copy from the range may still be in flight
+        torch.cuda.cudart().cudaHostUnregister(ptr)
+    except Exception:  # interpreter shutdown: the process is ending, its mappings with it
+        pass
 
 
 def _np_copy(dst: torch.Tensor, src: torch.Tensor) -> None:
