@@ -17,7 +17,7 @@ import torch
 from test_model_support import build_packs
 
 from runmap.serve.batching import BatchRunner, SamplingParams, Sequence
-from runmap.serve.budget import BudgetError, device_bytes, parse_size, resident_for_budget
+from runmap.engine.budget import BudgetError, parse_size, plan, plan_for_pack
 
 MAX_SEQ_LEN = 72
 WORDS = "the sea sky river mountain poem write tell name three quick brown fox".split()
@@ -140,14 +140,23 @@ def test_the_budget_picks_the_most_experts_that_fit(packs):
     pk = packs["tiny-olmoe"]
     man = json.loads((pk / "manifest.json").read_text())
     cfg = ModelConfig(**man["model"])
-    row, nonrouted = man["row_layout"]["row_bytes"], man["nonrouted"]["file_bytes"]
-    need = {r: device_bytes(cfg, row, nonrouted, r, 2, 64)["total"] for r in range(cfg.top_k, cfg.num_experts + 1)}
-    r_full, _ = resident_for_budget(pk, need[cfg.num_experts], max_batch=2, max_seq_len=64)
-    assert r_full == cfg.num_experts
-    partial = [r for r in need if r < cfg.num_experts]
-    for r in partial:
-        got, counted = resident_for_budget(pk, need[r], max_batch=2, max_seq_len=64)
-        assert counted["total"] <= need[r]
-        assert got >= r and all(need[q] > need[r] for q in range(got + 1, cfg.num_experts + 1))
+    row, nonrouted = man["row_layout"]["row_bytes"], (pk / man["nonrouted"]["file"]).stat().st_size
+    big = plan(cfg, row, nonrouted, 1 << 40, max_batch=2, max_seq_len=64, kv_rows=3)
+    assert big.resident == cfg.num_experts and big.regime == "full"
+    # the counted bytes of every residency, from budgets that fit exactly
+    need = {}
+    for r in range(cfg.top_k, cfg.num_experts + 1):
+        lo, hi = 1, 1 << 40
+        while lo < hi:  # the smallest budget that plans r or more experts
+            mid = (lo + hi) // 2
+            try:
+                ok = plan(cfg, row, nonrouted, mid, max_batch=2, max_seq_len=64, kv_rows=3).resident >= r
+            except BudgetError:
+                ok = False
+            lo, hi = (lo, mid) if ok else (mid + 1, hi)
+        need[r] = lo
+    for r, b in need.items():
+        p = plan_for_pack(pk, b, max_batch=2, max_seq_len=64, kv_rows=3)
+        assert p.resident >= r and p.total <= b
     with pytest.raises(BudgetError, match="below the least this pack needs"):
-        resident_for_budget(pk, min(need.values()) - 1, max_batch=2, max_seq_len=64)
+        plan_for_pack(pk, need[cfg.top_k] - 1, max_batch=2, max_seq_len=64, kv_rows=3)

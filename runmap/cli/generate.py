@@ -1,6 +1,7 @@
 """``runmap generate``: stream a completion of one prompt to stdout."""
 from __future__ import annotations
 
+from runmap.engine.budget import size_argument
 from runmap.kernels.registry import EXECUTOR_NAMES, executor_help
 from runmap.workload.routing import ROUTING_HELP, routing_argument
 
@@ -22,8 +23,13 @@ def add_arguments(p) -> None:
     p.add_argument("--packed", required=True, metavar="DIR", help="pack directory (runmap pack)")
     p.add_argument("--prompt", required=True, help="prompt text")
     p.add_argument("--chat", action="store_true", help="format the prompt with the pack's chat template")
-    p.add_argument("--resident", type=int, default=None, metavar="N",
-                   help="routed experts per layer on the device (default: all = full residency)")
+    res = p.add_mutually_exclusive_group()
+    res.add_argument("--resident", type=int, default=None, metavar="N",
+                     help="routed experts per layer on the device (default: all = full residency)")
+    res.add_argument("--gpu-budget", type=size_argument, default=None, metavar="SIZE",
+                     help="instead of --resident: plan the GPU memory (non-routed weights, KV cache, workspaces, spare "
+                          "rows), keep as many experts per layer as fit SIZE (e.g. 8GiB) and cap torch's allocator at "
+                          "SIZE; the plan is printed. A budget below the minimum is refused")
     p.add_argument("--executor", default="grouped", choices=EXECUTOR_NAMES,
                    help="W4A16 executor (default grouped; on a machine without a GPU the Triton executors run in "
                         "Triton's interpreter, slowly). " + executor_help())
@@ -61,7 +67,8 @@ def run(args) -> int:
             sys.stdout.flush()
 
     try:
-        eng = Engine.from_pack(args.packed, executor=args.executor, resident=args.resident, device=args.device,
+        eng = Engine.from_pack(args.packed, executor=args.executor, resident=args.resident, gpu_budget=args.gpu_budget,
+                               device=args.device,
                                max_batch=1, max_seq_len=args.max_seq_len, expert_format=args.expert_format,
                                routing=args.routing, routing_seed=args.routing_seed,
                                record_routes=args.trace is not None, cache_contract=args.cache_contract)
@@ -71,6 +78,8 @@ def run(args) -> int:
         print(f"runmap generate: {type(e).__name__}: {e}", file=sys.stderr)
         return 1
     sys.stdout.write("\n")
+    if eng.budget_plan is not None:
+        print(eng.budget_plan.describe(), file=sys.stderr)
     t = eng.last_timing
     if args.telemetry:
         telemetry.write(args.telemetry, eng.telemetry())

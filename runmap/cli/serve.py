@@ -58,12 +58,9 @@ def _positive(text: str) -> int:
 
 
 def _size(text: str) -> int:
-    from runmap.serve.budget import BudgetError, parse_size
+    from runmap.engine.budget import size_argument
 
-    try:
-        return parse_size(text)
-    except BudgetError as e:
-        raise argparse.ArgumentTypeError(str(e)) from None
+    return size_argument(text)
 
 
 def add_arguments(p) -> None:
@@ -76,8 +73,9 @@ def add_arguments(p) -> None:
     res.add_argument("--resident", type=int, default=None, metavar="N",
                      help="routed experts per layer on the device (default: all = full residency)")
     res.add_argument("--gpu-budget", type=_size, default=None, metavar="SIZE",
-                     help="instead of --resident: the most experts per layer whose weights, KV cache and expert "
-                          "rows fit SIZE (e.g. 6GiB; activations and CUDA graphs come on top)")
+                     help="instead of --resident: plan the GPU memory (non-routed weights, KV cache, workspaces, "
+                          "spare rows) and keep the most experts per layer that fit SIZE (e.g. 6GiB); the plan is "
+                          "printed (runmap/engine/budget.py)")
     p.add_argument("--max-batch", type=_positive, default=8, metavar="B", help="rows decoded together (default 8)")
     p.add_argument("--max-seq-len", type=_positive, default=None, metavar="N",
                    help="context: prompt + completion tokens per request (default min(max_position_embeddings, 4096))")
@@ -123,15 +121,15 @@ def run(args) -> int:
         return fail(f"{pack}: not a runmap pack (no manifest.json of a pack; make one with `runmap pack`)")
     resident = args.resident
     if args.gpu_budget is not None:
-        from runmap.serve.budget import BudgetError, resident_for_budget
+        from runmap.engine.budget import BudgetError, plan_for_pack
 
-        try:
-            resident, need = resident_for_budget(pack, args.gpu_budget, max_batch=args.max_batch,
-                                                 max_seq_len=args.max_seq_len)
+        try:  # the server's KV cache keeps one more row, where a joining request is prefilled
+            plan = plan_for_pack(pack, args.gpu_budget, max_batch=args.max_batch, max_seq_len=args.max_seq_len,
+                                 kv_rows=args.max_batch + 1)
         except BudgetError as e:
             return fail(str(e))
-        print(f"runmap serve: --gpu-budget {args.gpu_budget / 2**30:.2f} GiB -> --resident {resident} "
-              f"({need['total'] / 2**30:.2f} GiB counted)", file=sys.stderr, flush=True)
+        resident = plan.resident
+        print(f"runmap serve: {plan.describe()}", file=sys.stderr, flush=True)
     try:
         family = socket.getaddrinfo(args.host, args.port, type=socket.SOCK_STREAM)[0][0]
         sock = socket.socket(family, socket.SOCK_STREAM)

@@ -7,7 +7,7 @@ Stable Python API (the IFEval and campaign code call exactly this)::
                            max_seq_len=None, policy="lru", expert_format="int4", max_group=None,
                            cuda_graphs=True, prefill_chunk=1024, fused=True, host_source=None,
                            skip_experts=False, verify_pack=None, routing="model", routing_seed=0,
-                           record_routes=False, cache_contract="v1", segments=True)
+                           record_routes=False, cache_contract="v1", segments=True, gpu_budget=None)
     results = eng.generate(prompts, *, max_new_tokens=128, temperature=0.0, top_p=1.0, seed=None,
                            stop=(), chat=False, on_token=None, ignore_eos=False)
     run = eng.run(prompts, **same)   # GenerationRun: results + prefill/decode seconds, token counts, tok/s
@@ -52,6 +52,9 @@ Arguments:
     routing_seed   seed of the calibrated workload's draws (batch n of a run draws from (seed, n))
     record_routes  keep the routed ids of every layer and pass: ``eng.routes`` (RouteRecorder) gives the trace
                    and replayed hit rates. On CUDA graphs it adds one small copy per MoE layer to the step.
+    gpu_budget     bytes (runmap.engine.budget.parse_size("8GiB")): instead of resident, plan the device memory
+                   (non-routed weights, KV cache, workspaces, spare rows) and keep as many experts per layer as fit;
+                   ``eng.budget_plan`` says how; on CUDA torch's allocator is capped at the budget
     cache_contract "v1" (default: pageable host source -> pinned staging -> device) or "v2" (the host source
                    registered as pinned memory once, rows copied straight into spare rows; docs/cache-contract.md)
     skip_experts   PROFILING ONLY: routed experts return zeros (router and everything else still run), so the
@@ -507,6 +510,7 @@ class Engine:
         self._pool = torch.cuda.graph_pool_handle() if (self.use_graphs or self.use_segments) and \
             device.type == "cuda" else None
         self.last_timing: dict | None = None
+        self.budget_plan = None  # runmap.engine.budget.BudgetPlan when built with gpu_budget
         self._runs: list[dict] = []
         self._closed = False
 
@@ -528,7 +532,7 @@ class Engine:
                   prefill_chunk: int = 1024, fused=True, host_source=None,
                   skip_experts: bool = False, verify_pack: bool | None = None, routing: str = "model",
                   routing_seed: int = 0, record_routes: bool = False, cache_contract: str = "v1",
-                  segments=True) -> "Engine":
+                  segments=True, gpu_budget: int | None = None) -> "Engine":
         from runmap.format.packfile import PackReader
         from runmap.engine.tokenization import Tokenizer
 
@@ -560,6 +564,21 @@ class Engine:
             routes = RouteRecorder(arch=cfg.arch, num_layers=cfg.num_layers, num_experts=cfg.num_experts,
                                    top_k=cfg.top_k, routing=spec.name, pack_identity=identity)
         E = cfg.num_experts
+        budget_plan = None
+        if gpu_budget is not None:
+            from runmap.engine.budget import BudgetError, plan
+
+            if resident is not None:
+                reader.close()
+                raise EngineError("give resident or gpu_budget, not both (the budget decides the residency)")
+            msl = max_seq_len if max_seq_len is not None else min(cfg.max_position_embeddings, 4096)
+            try:
+                budget_plan = plan(cfg, layout.row_bytes, reader.nonrouted_file_bytes, int(gpu_budget),
+                                   max_batch=max_batch, max_seq_len=msl, prefill_chunk=prefill_chunk)
+            except BudgetError as e:
+                reader.close()
+                raise EngineError(str(e)) from None
+            resident = budget_plan.resident
         resident = E if resident is None else int(resident)
         if not cfg.top_k <= resident <= E:
             reader.close()
@@ -574,6 +593,10 @@ class Engine:
             raise EngineError("expert_format='fp16' is a full-residency baseline; it cannot be combined with resident")
         if max_seq_len is None:
             max_seq_len = min(cfg.max_position_embeddings, 4096)
+        if budget_plan is not None and device.type == "cuda":
+            # the plan is an estimate; the cap makes it a bound: past the budget torch raises out-of-memory
+            total = torch.cuda.get_device_properties(device).total_memory
+            torch.cuda.set_per_process_memory_fraction(min(1.0, budget_plan.budget / total), device)
         tokenizer = Tokenizer(reader.tokenizer_dir, eos_token_id=cfg.eos_token_id)
         weights = load_weights(reader.nonrouted, cfg, device)  # before the cache closes the reader
         model = Transformer(cfg, weights)
@@ -620,12 +643,14 @@ class Engine:
             experts = CachedExperts(cache, executor, layout, cfg.top_k)
         if device.type == "cuda":
             torch.cuda.synchronize(device)
-        return cls(cfg=cfg, model=model, experts=experts, tokenizer=tokenizer, device=device, executor=executor,
+        eng = cls(cfg=cfg, model=model, experts=experts, tokenizer=tokenizer, device=device, executor=executor,
                    expert_format=expert_format, max_batch=max_batch, max_seq_len=max_seq_len,
                    cuda_graphs=cuda_graphs, prefill_chunk=prefill_chunk, pack_dir=str(pack_dir),
                    resident=resident, load_s=time.perf_counter() - t0, pack_identity=identity,
                    skip_experts=skip_experts, imposed=imposed, routing=spec.name, routes=routes,
                    segments=cuda_graphs and segments)
+        eng.budget_plan = budget_plan
+        return eng
 
     # ---- StepModel (runmap.engine.generation) ----------------------------------------------------------------
     def bucket(self, n: int) -> int:

@@ -211,6 +211,11 @@ class PackReader:
     Counters: bytes_read (every byte read from pack data files), reads_after_close.
     """
 
+    @property
+    def nonrouted_file_bytes(self) -> int:
+        """Size of the non-routed weights file (what the device holds of it: the budget planner's input)."""
+        return self._nonrouted_file.stat().st_size
+
     def __init__(self, pack_dir: str | Path, verify: bool | None = None):
         self.path = Path(pack_dir)
         mpath = self.path / MANIFEST

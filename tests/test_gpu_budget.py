@@ -1,0 +1,85 @@
+"""--gpu-budget (runmap/engine/budget.py): the plan, the residency it picks, and clear refusals."""
+import pytest
+from hypothesis import given, strategies as st
+
+from runmap.arch.config import load_preset
+from runmap.cli.main import main as cli
+from runmap.engine.budget import BudgetError, parse_size, plan
+from runmap.engine.engine import Engine, EngineError
+from test_model_support import build_packs
+
+
+@pytest.fixture(scope="module")
+def packs(tmp_path_factory):
+    return build_packs(tmp_path_factory)
+
+
+@pytest.mark.parametrize("text, n", [("6GiB", 6 << 30), ("6G", 6 << 30), ("6.5GB", 6_500_000_000), ("800MiB", 800 << 20),
+                                     ("123456", 123456), (" 2 gib ", 2 << 30)])
+def test_sizes_parse(text, n):
+    assert parse_size(text) == n
+
+
+@given(st.text(max_size=12))
+def test_any_text_parses_or_is_refused_in_one_line(text):
+    try:
+        assert parse_size(text) > 0
+    except BudgetError as e:
+        assert "\n" not in str(e) and repr(text) in str(e)
+
+
+@pytest.mark.parametrize("preset", ["olmoe-1b-7b-0924", "qwen1.5-moe-a2.7b"])
+def test_more_budget_never_means_fewer_experts_and_the_plan_fits(preset):
+    cfg, _ = load_preset(preset)
+    row = 3 * cfg.hidden_size * cfg.moe_intermediate_size // 2 + 4096  # about an INT4 expert row
+    last = 0
+    for gib in (3, 4, 6, 8, 10, 12, 16, 24):
+        try:
+            p = plan(cfg, row, 1 << 30, gib << 30, max_batch=8, max_seq_len=2048)
+        except BudgetError as e:
+            assert last == 0, "a larger budget was refused after a smaller one fitted"
+            assert "below the least" in str(e) and "GiB" in str(e)
+            continue
+        assert p.total <= p.budget and p.resident >= last and cfg.top_k <= p.resident <= cfg.num_experts
+        assert (p.spares == 0) == (p.regime == "full")
+        last = p.resident
+    assert last == cfg.num_experts  # 24 GiB holds every compact expert of either model
+
+
+def test_the_engine_takes_its_residency_from_the_budget(packs):
+    pk = packs["tiny-qwen2-moe"]  # 6 experts, top-2: top_k resident + their spares cost less than all six
+    kw = dict(executor="reference", device="cpu", max_batch=1, max_seq_len=32)
+    full = Engine.from_pack(pk, gpu_budget=1 << 40, **kw)
+    assert full.resident == full.cfg.num_experts and full.budget_plan.regime == "full"
+    # the smallest budget that still plans top_k experts per layer
+    lo, hi = 1, 1 << 40
+    while lo < hi:
+        mid = (lo + hi) // 2
+        try:
+            Engine.from_pack(pk, gpu_budget=mid, **kw)
+            hi = mid
+        except EngineError:
+            lo = mid + 1
+    eng = Engine.from_pack(pk, gpu_budget=lo, **kw)
+    assert eng.resident == eng.cfg.top_k and eng.budget_plan.total <= lo
+    assert eng.generate([[5, 3, 9]], max_new_tokens=3)[0].token_ids  # runs, with misses, inside the plan
+    assert eng.stats().misses > 0
+    with pytest.raises(EngineError, match="below the least"):
+        Engine.from_pack(pk, gpu_budget=lo - 1, **kw)
+    with pytest.raises(EngineError, match="not both"):
+        Engine.from_pack(pk, gpu_budget=lo, resident=2, **kw)
+
+
+def test_the_cli_prints_the_plan_and_refuses_bad_budgets(packs, capsys):
+    pk = str(packs["tiny-olmoe"])
+    base = ["generate", "--packed", pk, "--prompt", "hi", "--max-new-tokens", "2", "--executor", "reference",
+            "--device", "cpu"]
+    assert cli(base + ["--gpu-budget", "1TiB"]) == 0
+    assert "gpu budget 1024.00 GiB" in capsys.readouterr().err
+    assert cli(base + ["--gpu-budget", "1KiB"]) == 1
+    err = capsys.readouterr().err
+    assert "below the least" in err and err.count("\n") == 1
+    for bad in (["--gpu-budget", "lots"], ["--gpu-budget", "1GiB", "--resident", "4"]):
+        with pytest.raises(SystemExit) as e:
+            cli(base + bad)
+        assert e.value.code == 2
