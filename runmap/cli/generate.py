@@ -1,7 +1,7 @@
 """``runmap generate``: stream a completion of one prompt to stdout."""
 from __future__ import annotations
 
-from runmap.engine.budget import size_argument
+from runmap.cli.options import add_residency_arguments
 from runmap.kernels.registry import EXECUTOR_NAMES, executor_help
 from runmap.workload.routing import ROUTING_HELP, routing_argument
 
@@ -23,13 +23,7 @@ def add_arguments(p) -> None:
     p.add_argument("--packed", required=True, metavar="DIR", help="pack directory (runmap pack)")
     p.add_argument("--prompt", required=True, help="prompt text")
     p.add_argument("--chat", action="store_true", help="format the prompt with the pack's chat template")
-    res = p.add_mutually_exclusive_group()
-    res.add_argument("--resident", type=int, default=None, metavar="N",
-                     help="routed experts per layer on the device (default: all = full residency)")
-    res.add_argument("--gpu-budget", type=size_argument, default=None, metavar="SIZE",
-                     help="instead of --resident: plan the GPU memory (non-routed weights, KV cache, workspaces, spare "
-                          "rows), keep as many experts per layer as fit SIZE (e.g. 8GiB) and cap torch's allocator at "
-                          "SIZE; the plan is printed. A budget below the minimum is refused")
+    add_residency_arguments(p)
     p.add_argument("--executor", default="grouped", choices=EXECUTOR_NAMES,
                    help="W4A16 executor (default grouped; on a machine without a GPU the Triton executors run in "
                         "Triton's interpreter, slowly). " + executor_help())

@@ -3,7 +3,7 @@ from __future__ import annotations
 
 from pathlib import Path
 from runmap.atomic import atomic_path
-from runmap.engine.budget import size_argument
+from runmap.cli.options import add_residency_arguments
 from runmap.kernels.registry import EXECUTOR_NAMES
 
 HELP = "write a prompt's logits (every position) to a safetensors file"
@@ -23,13 +23,7 @@ def add_arguments(p) -> None:
     p.add_argument("--tokens", required=True, metavar="IDS", help="comma-separated token ids, e.g. 1,2,3")
     p.add_argument("--executor", default="reference", choices=EXECUTOR_NAMES,
                    help="default reference: the FP32 torch truth")
-    res = p.add_mutually_exclusive_group()
-    res.add_argument("--resident", type=int, default=None, metavar="N",
-                     help="routed experts per layer kept on the device (default: all = full residency)")
-    res.add_argument("--gpu-budget", type=size_argument, default=None, metavar="SIZE",
-                     help="instead of --resident: plan the GPU memory (non-routed weights, KV cache, workspaces, spare "
-                          "rows), keep as many experts per layer as fit SIZE (e.g. 8GiB) and cap torch's allocator at "
-                          "SIZE; the plan is printed. A budget below the minimum is refused")
+    add_residency_arguments(p)
     p.add_argument("--device", default=None, help="cuda | cpu (default: cuda when available)")
     p.add_argument("--out", required=True, metavar="FILE.safetensors", help="output file (written atomically)")
     p.add_argument("--telemetry", default=None, metavar="FILE", help="telemetry JSON path")

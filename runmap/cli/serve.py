@@ -3,6 +3,7 @@ from __future__ import annotations
 
 import argparse
 
+from runmap.cli.options import add_residency_arguments
 from runmap.kernels.registry import EXECUTOR_NAMES, executor_help
 
 HELP = "serve a pack over an OpenAI-compatible HTTP API (streaming, batching, metrics) with a local page"
@@ -57,25 +58,13 @@ def _positive(text: str) -> int:
     return v
 
 
-def _size(text: str) -> int:
-    from runmap.engine.budget import size_argument
-
-    return size_argument(text)
-
-
 def add_arguments(p) -> None:
     p.add_argument("--packed", required=True, metavar="DIR", help="pack directory (runmap pack)")
     p.add_argument("--host", default="127.0.0.1", help="address to bind (default 127.0.0.1: this machine only)")
     p.add_argument("--port", type=_port, default=8000, help="port (default 8000; 0: any free port, printed at start)")
     p.add_argument("--executor", default="grouped", choices=EXECUTOR_NAMES,
                    help="W4A16 executor (default grouped). " + executor_help())
-    res = p.add_mutually_exclusive_group()
-    res.add_argument("--resident", type=int, default=None, metavar="N",
-                     help="routed experts per layer on the device (default: all = full residency)")
-    res.add_argument("--gpu-budget", type=_size, default=None, metavar="SIZE",
-                     help="instead of --resident: plan the GPU memory (non-routed weights, KV cache, workspaces, "
-                          "spare rows) and keep the most experts per layer that fit SIZE (e.g. 6GiB); the plan is "
-                          "printed (runmap/engine/budget.py)")
+    add_residency_arguments(p)
     p.add_argument("--max-batch", type=_positive, default=8, metavar="B", help="rows decoded together (default 8)")
     p.add_argument("--max-seq-len", type=_positive, default=None, metavar="N",
                    help="context: prompt + completion tokens per request (default min(max_position_embeddings, 4096))")

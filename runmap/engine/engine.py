@@ -263,22 +263,40 @@ class DenseFp16Experts:
 
 # ---- CUDA graph decode ----------------------------------------------------------------------------------
 
-class GraphDecoder:
+class _StaticStepInputs:
+    """The fixed-address inputs of a captured decode step of batch B: tok int64 (B, 1), slot int64 (1,), pad int64
+    (B,), and when the engine has them, the imposed routes and the recorded routes, int64 (L, B, k) each."""
+
+    def __init__(self, engine: "Engine", batch: int):
+        self.e, self.B = engine, batch
+        dev, L, k = engine.device, engine.cfg.num_layers, engine.cfg.top_k
+        self.tok = torch.zeros(batch, 1, dtype=torch.long, device=dev)
+        self.slot = torch.zeros(1, dtype=torch.long, device=dev)
+        self.pad = torch.zeros(batch, dtype=torch.long, device=dev)
+        # imposed routes are copied in before each step; recorded routes are copied out by the step itself
+        self.imposed = torch.zeros(L, batch, k, dtype=torch.long, device=dev) if engine.imposed is not None else None
+        self.recorded = torch.zeros(L, batch, k, dtype=torch.long, device=dev) if engine.routes is not None else None
+
+    def _load(self, tok, slot: int, pad) -> np.ndarray:
+        """Copy one step's inputs in (and its imposed routes); returns the step's real-token mask (B, 1)."""
+        self.tok.copy_(tok.view(self.B, 1))
+        self.slot.fill_(slot)
+        self.pad.copy_(pad)
+        real = np.ones((self.B, 1), dtype=bool)
+        if self.imposed is not None:
+            self.imposed.copy_(_to_device(self.e.imposed.draw(real), self.e.device), non_blocking=True)
+        return real
+
+
+class GraphDecoder(_StaticStepInputs):
     """Decode steps of batch B captured as CUDA graphs, one per KV-length bucket.
 
     Static inputs: tok int64 (B, 1), slot int64 (1,), pad int64 (B,); positions = slot - pad and the
     attention mask are computed inside the graph, so a step costs two tiny copies and one replay."""
 
     def __init__(self, engine: "Engine", batch: int, pool):
-        self.e, self.B, self.pool = engine, batch, pool
-        dev = engine.device
-        self.tok = torch.zeros(batch, 1, dtype=torch.long, device=dev)
-        self.slot = torch.zeros(1, dtype=torch.long, device=dev)
-        self.pad = torch.zeros(batch, dtype=torch.long, device=dev)
-        L, k = engine.cfg.num_layers, engine.cfg.top_k
-        # imposed routes are copied in before each replay; recorded routes are copied out by the graph itself
-        self.imposed = torch.zeros(L, batch, k, dtype=torch.long, device=dev) if engine.imposed is not None else None
-        self.recorded = torch.zeros(L, batch, k, dtype=torch.long, device=dev) if engine.routes is not None else None
+        super().__init__(engine, batch)
+        self.pool = pool
         self.graphs: dict[int, tuple[torch.cuda.CUDAGraph, torch.Tensor]] = {}
 
     def _step(self, n_keys):
@@ -310,12 +328,7 @@ class GraphDecoder:
         """tok int64 (B,), slot: KV slot of the new tokens, pad int64 (B,) -> float32 logits (B, V) (a static
         buffer, valid until the next call)."""
         n_keys = self.e.bucket(slot + 1)
-        self.tok.copy_(tok.view(self.B, 1))
-        self.slot.fill_(slot)
-        self.pad.copy_(pad)
-        real = np.ones((self.B, 1), dtype=bool)
-        if self.imposed is not None:
-            self.imposed.copy_(_to_device(self.e.imposed.draw(real), self.e.device), non_blocking=True)
+        real = self._load(tok, slot, pad)
         if n_keys not in self.graphs:
             self._capture(n_keys)
         g, out = self.graphs[n_keys]
@@ -325,7 +338,7 @@ class GraphDecoder:
         return out
 
 
-class SegmentDecoder:
+class SegmentDecoder(_StaticStepInputs):
     """Partial-residency decode steps of batch B as CUDA-graph segments, one chain per KV-length bucket.
 
     A decode step is cut at every MoE layer's routing decision: segment 0 runs the embedding, layer 0's
@@ -341,16 +354,10 @@ class SegmentDecoder:
     ``capture=False`` runs the same chain without graphs (the CPU, and the warm-up before a capture)."""
 
     def __init__(self, engine: "Engine", batch: int, pool, capture: bool):
-        self.e, self.B, self.pool, self.capture = engine, batch, pool, capture
+        super().__init__(engine, batch)
+        self.pool, self.capture = pool, capture
         cfg, dev = engine.cfg, engine.device
         self.L, self.k = cfg.num_layers, cfg.top_k
-        self.tok = torch.zeros(batch, 1, dtype=torch.long, device=dev)
-        self.slot = torch.zeros(1, dtype=torch.long, device=dev)
-        self.pad = torch.zeros(batch, dtype=torch.long, device=dev)
-        self.imposed = (torch.zeros(self.L, batch, self.k, dtype=torch.long, device=dev)
-                        if engine.imposed is not None else None)
-        self.recorded = (torch.zeros(self.L, batch, self.k, dtype=torch.long, device=dev)
-                         if engine.routes is not None else None)
         self.host_ids = torch.zeros(self.L, batch, self.k, dtype=torch.long, pin_memory=dev.type == "cuda")
         self.chains: dict[int, tuple[list, torch.Tensor]] = {}  # n_keys -> (graphs, logits)
         self._keep: list = []  # tensors living across segment boundaries (kept out of the pool's reuse)
@@ -434,12 +441,7 @@ class SegmentDecoder:
         """tok int64 (B,), slot int, pad int64 (B,) -> float32 logits (B, V) (a static buffer when captured)."""
         e = self.e
         n_keys = e.bucket(slot + 1) if e.device.type == "cuda" else slot + 1
-        self.tok.copy_(tok.view(self.B, 1))
-        self.slot.fill_(slot)
-        self.pad.copy_(pad)
-        real = np.ones((self.B, 1), dtype=bool)
-        if self.imposed is not None:
-            self.imposed.copy_(_to_device(e.imposed.draw(real), e.device), non_blocking=True)
+        real = self._load(tok, slot, pad)
         if not self.capture:
             out = self._run_eager(n_keys)
         else:
