@@ -261,6 +261,10 @@ BENCH_CASES = {
     "bad-regex": (["bench", "@spec", "--only", "("], 2),
     "unknown-model": (["bench", "@spec", "--pack", "nosuch=@pack"], 2),
     "deadline": (["bench", "@spec", "--out", "out", "--deadline-s", "0", "--no-progress"], 3),  # all skipped
+    "negative-deadline": (["bench", "@spec", "--deadline-s", "-1"], 2),
+    "nan-deadline": (["bench", "@spec", "--deadline-s", "nan"], 2),
+    "out-is-a-file": (["bench", "@spec", "--out", "afile.txt", "--no-progress"], 1),
+    "pack-is-not-a-pack": (["bench", "@spec", "--pack", "m=adir", "--out", "out", "--no-progress"], 1),
 }
 
 

@@ -51,6 +51,20 @@ def _pairs(items: list[str] | None, flag: str) -> dict:
     return out
 
 
+def _seconds(text: str) -> float:
+    """argparse ``type=`` of --deadline-s: a finite number of seconds >= 0 (0: start nothing, list all as skipped)."""
+    import argparse
+    import math
+
+    try:
+        v = float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected a number of seconds, got {text!r}") from None
+    if not math.isfinite(v) or v < 0:
+        raise argparse.ArgumentTypeError(f"must be a finite number of seconds >= 0, got {text!r}")
+    return v
+
+
 def add_arguments(p) -> None:
     p.add_argument("spec", help="campaign spec YAML (schemas/campaign-spec.schema.json)")
     p.add_argument("--out", default="results/campaigns", help="output root; records go to OUT/<name>/records/ "
@@ -63,7 +77,7 @@ def add_arguments(p) -> None:
     p.add_argument("--device", choices=["cpu", "cuda", "auto"], help="override the spec's device")
     p.add_argument("--routing", type=routing_argument, metavar="NAME", help="routing workload of every engine group "
                    "(overrides the spec's run parameter; records carry config.routing). " + ROUTING_HELP)
-    p.add_argument("--deadline-s", type=float, help="start no configuration after this many seconds (the rest is "
+    p.add_argument("--deadline-s", type=_seconds, help="start no configuration after this many seconds (the rest is "
                    "listed as skipped in campaign.json)")
     p.add_argument("--keep-going", action="store_true", help="record a failing configuration in campaign.json "
                    "and continue (default: stop at the first failure)")
@@ -107,7 +121,23 @@ def run(args) -> int:
         return fail(OutputExistsError(f"{Path(args.out) / spec['name']} already holds a campaign "
                                       f"({', '.join(found)}); nothing written (pass --overwrite to replace it, "
                                       "or choose another --out)"), EXIT_EXISTS)
+    out = Path(args.out)
+    if out.exists() and not out.is_dir():
+        print(f"runmap bench: --out {out}: exists and is not a directory (the output root holds one folder per "
+              "campaign)", file=sys.stderr)
+        return EXIT_FAILED
+    from runmap.format.packfile import is_pack_dir
+
+    for name, d in packs.items():
+        if not is_pack_dir(Path(d)):
+            print(f"runmap bench: --pack {name}={d}: not a runmap pack (no complete manifest.json; make one with "
+                  "`runmap pack`)", file=sys.stderr)
+            return EXIT_FAILED
     device = args.device or spec["device"]
+    if device == "cuda" and not _cuda():
+        print("runmap bench: --device cuda (or the spec's device: cuda) but CUDA is not available on this machine; "
+              "use --device cpu or auto", file=sys.stderr)
+        return EXIT_FAILED
     if device == "cpu" or (device == "auto" and not _cuda()):
         # Triton kernels run on the CPU only in the interpreter; set before kernels are imported.
         os.environ.setdefault("TRITON_INTERPRET", "1")
