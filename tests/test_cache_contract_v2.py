@@ -22,9 +22,19 @@ def test_contract_v2_holds_under_the_state_machine(test_device):
         assert stats.rules[f"inject_{kind}"] > 0, kind
 
 
-@pytest.mark.parametrize("name", sorted(n for n, c in cm.MUTANTS.items() if "controlled" in cm.mutant_modes(c)))
-def test_v2_catches_every_mutant(name, test_device):
-    stats, exc = cm.run_contract(examples=600, steps=30, seed=0, device=test_device, cache_cls=cm.MUTANTS[name],
+# The mutants whose fault lives on the miss path v2 changes (copies, their completion, aborts, byte counts,
+# read-backs); the others concern leases and eviction, which v2 leaves as they are (v1's tests cover them).
+V2_MUTANTS = ("publish-before-transfer", "reuse-staging-early", "no-fence-on-abort", "overcount-h2d-on-abort",
+              "read-back-on-miss", "ignore-ambiguous-failure")
+
+
+def test_the_v2_mutants_exist():
+    assert set(V2_MUTANTS) <= set(cm.MUTANTS)
+
+
+@pytest.mark.parametrize("name", V2_MUTANTS)
+def test_v2_catches_the_miss_path_mutants(name, test_device):
+    stats, exc = cm.run_contract(examples=500, steps=30, seed=0, device=test_device, cache_cls=cm.MUTANTS[name],
                                  shrink=False, contract="v2")
     assert isinstance(exc, cm.ContractViolation), f"mutant {name} not caught under v2 in {stats.examples}: {exc!r}"
 

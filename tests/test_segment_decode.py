@@ -14,8 +14,7 @@ def packs(tmp_path_factory):
     return build_packs(tmp_path_factory)
 
 
-@pytest.mark.parametrize("preset", ["tiny-olmoe", "tiny-qwen2-moe"])
-@pytest.mark.parametrize("routing", ["calibrated", "model"])
+@pytest.mark.parametrize("preset, routing", [("tiny-olmoe", "calibrated"), ("tiny-qwen2-moe", "model")])
 def test_segment_chain_equals_the_per_call_path(packs, preset, routing, test_device):
     seg_mode = True if test_device == "cuda" else "eager"  # the CPU runs the chain without graphs
     executor = "grouped" if test_device == "cuda" else "reference"  # the interpreter is slow; the chain is the same
