@@ -38,10 +38,16 @@ SHAPES = {
     "tiny": (
         ExpertShape("small-b256", 256, 320, 256, 8, 4),  # down K=320: partial last block
         ExpertShape("small-b64", 256, 192, 64, 6, 2),
+        # the new families' block structure at interpreter size: Qwen3-MoE many experts, top-8, K = 3 blocks
+        # (768 / 256); Mixtral few wide experts, top-2, I / H = 3.5 in whole blocks (14336 / 256 = 56)
+        ExpertShape("small-qwen3-moe", 128, 192, 64, 16, 8),
+        ExpertShape("small-mixtral", 128, 448, 64, 8, 2),
     ),
     "full": (
         ExpertShape("olmoe", 2048, 1024, 256, 64, 8),
         ExpertShape("qwen1.5-moe", 2048, 1408, 256, 60, 4),  # down K=1408 = 5.5 blocks
+        ExpertShape("qwen3-moe", 2048, 768, 256, 128, 8),  # Qwen3-30B-A3B: whole blocks, no partial one
+        ExpertShape("mixtral", 4096, 14336, 256, 8, 2),  # Mixtral-8x7B: 14336 x 4096, whole blocks
     ),
 }
 M_DEFAULT = {"cpu": (1, 3, 17, 64), "cuda": (1, 2, 3, 8, 17, 64, 300)}

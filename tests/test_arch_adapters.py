@@ -24,7 +24,7 @@ from runmap.format.safetensors_io import read_header
 from runmap.synth.checkpoint import write_synthetic
 
 REPO_ROOT = Path(__file__).resolve().parent.parent
-TINY = ["tiny-olmoe", "tiny-qwen2-moe"]
+TINY = ["tiny-olmoe", "tiny-qwen2-moe", "tiny-qwen3-moe", "tiny-mixtral"]
 
 
 def hf_config(cfg: ModelConfig):
@@ -44,7 +44,9 @@ def meta_state_shapes(cfg: ModelConfig) -> dict[str, tuple[int, ...]]:
 
 
 def inventory(cfg: ModelConfig, layout: str) -> dict[str, tuple[int, ...]]:
-    out = dict(expected_nonrouted(cfg))
+    """Every tensor of a checkpoint whose layers all have ``layout`` (fused: transformers' in-memory names)."""
+    rename = cfg.adapter.fused_layout_name if layout == "fused" else (lambda n: n)
+    out = {rename(n): s for n, s in expected_nonrouted(cfg).items()}
     for l in range(cfg.num_layers):
         out.update(expert_names(cfg, l, layout))
     return out
@@ -75,11 +77,12 @@ def test_adapter_states_its_facts(model_type):
 
 def test_unknown_arch_is_one_clear_error():
     cfg, _ = load_preset("tiny-olmoe")
-    d = cfg.to_hf_dict() | {"model_type": "mixtral"}
-    with pytest.raises(ConfigError, match=r"x/config\.json: unsupported model_type 'mixtral'.*supported: \['olmoe', 'qwen2_moe'\]"):
+    d = cfg.to_hf_dict() | {"model_type": "deepseek_v2"}
+    with pytest.raises(ConfigError, match=r"x/config\.json: unsupported model_type 'deepseek_v2'.*"
+                                          r"supported: \['mixtral', 'olmoe', 'qwen2_moe', 'qwen3_moe'\]"):
         ModelConfig.from_hf_dict(d, source="x/config.json")
-    with pytest.raises(ConfigError, match=r"ModelConfig\.arch: unsupported model_type 'mixtral'"):
-        ModelConfig(**{**_fields(cfg), "arch": "mixtral"})
+    with pytest.raises(ConfigError, match=r"ModelConfig\.arch: unsupported model_type 'deepseek_v2'"):
+        ModelConfig(**{**_fields(cfg), "arch": "deepseek_v2"})
 
 
 def _fields(cfg: ModelConfig) -> dict:
@@ -117,7 +120,8 @@ small_configs = st.builds(
         arch=arch, vocab_size=64, hidden_size=kv * group * hd, num_layers=layers, num_heads=kv * group,
         num_kv_heads=kv, moe_intermediate_size=inter, num_experts=experts, top_k=min(k, experts),
         shared_expert_intermediate_size=shared if ARCHITECTURES[arch].shared_expert else 0,
-        intermediate_size=2 * inter, tie_word_embeddings=tie),
+        intermediate_size=2 * inter, tie_word_embeddings=tie,
+        norm_topk_prob=ARCHITECTURES[arch].hf_defaults.get("norm_topk_prob", False)),
     st.sampled_from(sorted(ARCHITECTURES)), st.integers(1, 3), st.integers(1, 3), st.integers(1, 3),
     st.sampled_from([2, 4, 8]), st.integers(1, 6), st.integers(1, 3), st.sampled_from([2, 4, 6]),
     st.sampled_from([2, 8]), st.booleans())
@@ -223,36 +227,32 @@ def test_a_registered_adapter_is_used_everywhere(toy, tmp_path):
     assert tuple(w.layers[0].q_norm.shape) == (cfg.head_dim,)
 
 
-def test_per_head_qk_norm_matches_transformers_qwen3_moe(monkeypatch):
-    """The per-head q/k norm kind against transformers' Qwen3-MoE (a family not yet registered): one
-    adapter in the registry is all the engine needs to reproduce its logits."""
-    from test_model import close, our_model
-    from test_model_support import hf_reference, random_case
+# ---- the families added by adapters: Qwen3-MoE and Mixtral -----------------------------------------
 
-    class Qwen3MoeLike(ArchAdapter):
-        model_type, hf_architecture, qk_norm = "qwen3_moe", "Qwen3MoeForCausalLM", QK_NORM_PER_HEAD
+def test_qwen3_moe_reads_both_expert_count_spellings_and_its_head_dim():
+    cfg, _ = load_preset("qwen3-30b-a3b")
+    assert cfg.head_dim == 128 != cfg.hidden_size // cfg.num_heads
+    names = expected_nonrouted(cfg)
+    assert names["model.layers.0.self_attn.q_proj.weight"] == (32 * 128, 2048)
+    assert names["model.layers.0.self_attn.o_proj.weight"] == (2048, 32 * 128)
+    assert names["model.layers.0.self_attn.q_norm.weight"] == (128,)  # per head
+    d = cfg.to_hf_dict()
+    # transformers 5.x saves the count as num_local_experts (num_experts is its alias)
+    renamed = {k: v for k, v in d.items() if k != "num_experts"} | {"num_local_experts": 128}
+    assert ModelConfig.from_hf_dict(renamed) == cfg
+    with pytest.raises(ConfigError, match=r"q\.json: missing field 'num_local_experts'"):
+        ModelConfig.from_hf_dict({k: v for k, v in d.items() if k != "num_experts"}, source="q.json")
+    dense = ModelConfig.from_hf_dict(load_preset("tiny-qwen3-moe")[0].to_hf_dict() | {"mlp_only_layers": [0]})
+    assert dense.dense_layers == (0,) and inventory(dense, "fused") == meta_state_shapes(dense)
 
-        def mlp_fields_from_hf(self, d, source):
-            return dict(moe_intermediate_size=self.need(d, "moe_intermediate_size", source),
-                        num_experts=self.need(d, "num_experts", source))
 
-        def family_fields_to_hf(self, cfg):
-            return dict(moe_intermediate_size=cfg.moe_intermediate_size, intermediate_size=cfg.moe_intermediate_size,
-                        head_dim=cfg.head_dim, attention_bias=False, decoder_sparse_step=1, mlp_only_layers=[])
-
-    monkeypatch.setitem(registry.ARCHITECTURES, "qwen3_moe", Qwen3MoeLike())
-    base, _ = load_preset("tiny-olmoe")
-    cfg = ModelConfig(**{**_fields(base), "arch": "qwen3_moe", "num_kv_heads": 2})
-    assert inventory(cfg, "fused") == meta_state_shapes(cfg)
-    nonrouted, rows, layout = random_case(cfg, seed=3)
-    ref = hf_reference(cfg, nonrouted.__getitem__, rows.__getitem__, layout)
-    model, experts = our_model(cfg, nonrouted, rows, layout)
-    from runmap.engine.model import KVCache
-
-    tokens = torch.randint(0, cfg.vocab_size, (1, 12), generator=torch.Generator().manual_seed(5))
-    kv = KVCache(cfg, 1, 16, "cpu")
-    ours = model.forward(tokens, torch.arange(12)[None], kv, torch.arange(12), torch.zeros(1, dtype=torch.long), 12,
-                         experts, causal_fresh=True, all_logits=True)
-    with torch.no_grad():
-        theirs = ref(input_ids=tokens).logits.float()
-    close(ours, theirs, "qwen3_moe-like prefill logits")
+def test_mixtral_refuses_what_the_engine_would_compute_differently():
+    cfg, _ = load_preset("tiny-mixtral")
+    d = cfg.to_hf_dict()
+    # MixtralConfig has no norm_topk_prob: a config.json without it (or with false) is still renormalized
+    assert ModelConfig.from_hf_dict({k: v for k, v in d.items() if k != "norm_topk_prob"}).norm_topk_prob
+    with pytest.raises(ConfigError, match=r"m\.json: sliding_window=256 is shorter than max_position_embeddings=1024"):
+        ModelConfig.from_hf_dict(d | {"sliding_window": 256}, source="m.json")
+    assert ModelConfig.from_hf_dict(d | {"sliding_window": 4096}) == cfg  # longer than any context: no effect
+    with pytest.raises(ConfigError, match=r"mixtral: norm_topk_prob must be true"):
+        ModelConfig(**{**_fields(cfg), "norm_topk_prob": False})

@@ -14,7 +14,7 @@ from runmap.arch.config import load_preset
 from runmap.format.pack import pack_checkpoint
 from runmap.synth.checkpoint import write_synthetic
 
-PRESETS = ["tiny-olmoe", "tiny-qwen2-moe"]
+PRESETS = ["tiny-olmoe", "tiny-qwen2-moe", "tiny-qwen3-moe", "tiny-mixtral"]
 
 
 def _digest_dir(d: Path) -> dict:
@@ -83,8 +83,8 @@ def test_transformers_loads_synthetic_checkpoint(ckpts, preset, layout):
     assert torch.equal(gu[:, :i], r.expert_projection(1, "gate"))
     assert torch.equal(gu[:, i:], r.expert_projection(1, "up"))
     assert torch.equal(sd["model.layers.1.mlp.experts.down_proj"], r.expert_projection(1, "down"))
-    for n in r.nonrouted_names():
-        assert torch.equal(sd[n], r.tensor(n)), n
+    for n in r.nonrouted_names():  # transformers' names are the fused layout's (Mixtral: router at mlp.gate)
+        assert torch.equal(sd[r.config.adapter.fused_layout_name(n)], r.tensor(n)), n
 
 
 @pytest.mark.parametrize("preset", PRESETS)
@@ -105,7 +105,8 @@ def test_save_pretrained_checkpoint_loads_and_packs(tmp_path, preset):
     assert (pack / "manifest.json").is_file()
 
 
-@pytest.mark.parametrize("preset", ["tiny-olmoe", "tiny-qwen2-moe", "olmoe-1b-7b-0924", "qwen1.5-moe-a2.7b-chat"])
+@pytest.mark.parametrize("preset", ["tiny-olmoe", "tiny-qwen2-moe", "olmoe-1b-7b-0924", "qwen1.5-moe-a2.7b-chat",
+                                    "qwen3-30b-a3b", "mixtral-8x7b-v0.1"])
 def test_tokenizer_matches_model_vocab_and_specials(tmp_path, preset):
     from transformers import AutoTokenizer
 
@@ -183,9 +184,9 @@ def test_wrong_shape(ckpts, tmp_path):
 def test_unsupported_architecture(ckpts, tmp_path):
     d = _copy(ckpts, ("tiny-olmoe", "per-expert"), tmp_path)
     cfg = json.loads((d / "config.json").read_text())
-    cfg.update(model_type="mixtral", architectures=["MixtralForCausalLM"])
+    cfg.update(model_type="deepseek_v2", architectures=["DeepseekV2ForCausalLM"])
     (d / "config.json").write_text(json.dumps(cfg))
-    _assert_pack_fails(d, tmp_path, str(d / "config.json"), "mixtral")
+    _assert_pack_fails(d, tmp_path, str(d / "config.json"), "deepseek_v2")
 
 
 @pytest.mark.parametrize("value", [float("nan"), float("inf")])

@@ -16,7 +16,7 @@ from runmap.format.packfile import PackReader
 from test_model import assert_same_routes, close
 from test_model_support import RouteRecorder, build_packs, hf_reference
 
-PRESETS = ["tiny-olmoe", "tiny-qwen2-moe"]
+PRESETS = ["tiny-olmoe", "tiny-qwen2-moe", "tiny-qwen3-moe", "tiny-mixtral"]
 
 
 @pytest.fixture(scope="session")

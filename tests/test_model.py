@@ -1,4 +1,4 @@
-"""runmap.engine.model against transformers' own OLMoE / Qwen2-MoE on random tiny models held in memory.
+"""runmap.engine.model against transformers' own OLMoE / Qwen2-MoE / Qwen3-MoE / Mixtral on random tiny models held in memory.
 
 transformers runs in FP32 with the FP16-rounded non-routed weights and the dequantized experts; our model
 runs its FP16 path with a torch routed-experts function over the same dequantized weights. Checked: prefill
@@ -12,7 +12,7 @@ from runmap.arch.config import load_preset
 from runmap.engine.model import KVCache, Transformer, attention_mask, experts_dense_torch, load_weights, nonrouted_names
 from test_model_support import RouteRecorder, hf_reference, random_case
 
-PRESETS = ["tiny-olmoe", "tiny-qwen2-moe"]
+PRESETS = ["tiny-olmoe", "tiny-qwen2-moe", "tiny-qwen3-moe", "tiny-mixtral"]
 
 
 def close(ours, ref, what):

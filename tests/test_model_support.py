@@ -26,13 +26,15 @@ def hf_reference(cfg: ModelConfig, get_nonrouted, expert_rows, layout: RowLayout
     hf_cfg._attn_implementation = "eager"
     model = M(hf_cfg).float().eval()
     sd = model.state_dict()
+    # transformers' in-memory names are the fused layout's; the adapter renames some there (Mixtral's router)
+    ours = {cfg.adapter.fused_layout_name(n): n for n in cfg.adapter.nonrouted_tensors(cfg)}
     new = {}
     for name in sd:
         if ".mlp.experts." in name:
             continue
         if name == "lm_head.weight" and cfg.tie_word_embeddings:
             continue
-        new[name] = get_nonrouted(name).float()
+        new[name] = get_nonrouted(ours.get(name, name)).float()
     for layer in range(cfg.num_layers):
         rows = expert_rows(layer)
         deq = [layout.dequantize_expert(rows[e]) for e in range(cfg.num_experts)]
@@ -71,6 +73,7 @@ def random_case(cfg: ModelConfig, seed: int = 0, block_size: int = 256):
     g = torch.Generator().manual_seed(seed)
     C, M = hf_classes(cfg)
     names_shapes = {k: tuple(v.shape) for k, v in M(C(**cfg.to_hf_dict())).state_dict().items()}
+    ours = {cfg.adapter.fused_layout_name(n): n for n in cfg.adapter.nonrouted_tensors(cfg)}  # stored under runmap's names
     H = cfg.hidden_size
     nonrouted = {}
     for name, shape in names_shapes.items():
@@ -86,7 +89,7 @@ def random_case(cfg: ModelConfig, seed: int = 0, block_size: int = 256):
             t = torch.randn(shape, generator=g)
         else:
             t = torch.randn(shape, generator=g) / shape[-1] ** 0.5
-        nonrouted[name] = t.to(torch.float16)
+        nonrouted[ours.get(name, name)] = t.to(torch.float16)
     layout = RowLayout.build(H, cfg.moe_intermediate_size, block_size)
     I = cfg.moe_intermediate_size
     rows = []
@@ -100,7 +103,7 @@ def random_case(cfg: ModelConfig, seed: int = 0, block_size: int = 256):
     return nonrouted, rows, layout
 
 
-PACK_PRESETS = ("tiny-olmoe", "tiny-qwen2-moe")
+PACK_PRESETS = ("tiny-olmoe", "tiny-qwen2-moe", "tiny-qwen3-moe", "tiny-mixtral")
 _PACKS: dict = {}
 
 

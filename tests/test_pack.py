@@ -18,7 +18,7 @@ from runmap.format.safetensors_io import read_header
 from runmap.format.qpack import PROJECTIONS, RowLayout, dequantize, quantize
 from runmap.synth.checkpoint import write_synthetic
 
-PRESETS = ["tiny-olmoe", "tiny-qwen2-moe"]
+PRESETS = ["tiny-olmoe", "tiny-qwen2-moe", "tiny-qwen3-moe", "tiny-mixtral"]
 
 
 @pytest.fixture(scope="module")
@@ -302,6 +302,25 @@ def test_cli_synth(tmp_path):
     assert set(r.expert_layout.values()) == {"fused"} and r.config == load_preset("tiny-qwen2-moe")[0]
     assert cli_main(["synth", "--preset", "tiny-qwen2-moe", str(tmp_path / "s")]) == 1
     assert cli_main(["synth", "--preset", "no-such-model", str(tmp_path / "t")]) == 1
+
+
+@pytest.mark.parametrize("preset", ["tiny-qwen3-moe", "tiny-mixtral"])
+def test_cli_synth_pack_validate_new_families(tmp_path, preset, capsys):
+    """runmap synth -> runmap pack -> runmap validate for the families added after the seed models, in
+    the layout transformers keeps in memory (fused; Mixtral's router then sits at mlp.gate)."""
+    from runmap.conformance.schemas import validate_file
+
+    ck, pk = tmp_path / "ck", tmp_path / "pk"
+    assert cli_main(["synth", "--preset", preset, "--seed", "2", "--expert-layout", "fused", "--no-progress", str(ck)]) == 0
+    assert cli_main(["pack", str(ck), str(pk), "--device", "cpu"]) == 0
+    assert validate_file(pk / "manifest.json", "manifest") == []
+    capsys.readouterr()
+    assert cli_main(["validate", str(pk)]) == 0, capsys.readouterr()
+    cfg = load_preset(preset)[0]
+    with PackReader(pk) as r:
+        assert r.config == cfg and r.nonrouted_names() == list(cfg.adapter.nonrouted_tensors(cfg))
+        router = cfg.adapter.router_tensors(cfg, 0)["router"][0]  # runmap's name in the pack, whatever the source
+        assert torch.equal(r.nonrouted(router), CheckpointReader(ck).tensor(router).to(torch.float16))
 
 
 @pytest.mark.parametrize("kind", ["file", "empty-dir", "other-dir", "half-written-pack"])

@@ -134,7 +134,7 @@ def test_tiny_presets_exercise_partial_blocks():
 
 
 @pytest.mark.parametrize("mutate, json_path", [
-    (lambda d: d["config"].update(arch="mixtral"), "$.config.arch"),
+    (lambda d: d["config"].update(arch="deepseek_v2"), "$.config.arch"),
     (lambda d: d["config"].update(hidden_size=255), "$.config.hidden_size"),
     (lambda d: d["config"].update(num_expert=8), "$.config"),
     (lambda d: d["config"].pop("top_k"), "$.config"),

@@ -108,7 +108,9 @@ class ArchAdapter:
         if isinstance(eos, list):  # several stop ids: the engine stops on the first
             eos = eos[0] if eos else None
         rope = d.get("rope_theta", (d.get("rope_parameters") or {}).get("rope_theta", 10000.0))
+        heads = need("num_attention_heads")
         return dict(
+            head_dim=int(d.get("head_dim") or need("hidden_size") // heads),  # Mixtral writes null: implied
             vocab_size=need("vocab_size"),
             hidden_size=need("hidden_size"),
             num_layers=need("num_hidden_layers"),
@@ -289,6 +291,12 @@ class ArchAdapter:
         shapes = {"gate": (i, h), "up": (i, h), "down": (h, i)}
         return {self.expert_tensor_name(layer, e, proj): shapes[proj]
                 for e in range(n_exp) for proj in EXPERT_PROJECTIONS}
+
+    def fused_layout_name(self, name: str) -> str:
+        """The name non-routed tensor ``name`` has in a layer whose experts are in the fused layout (the
+        transformers 5.x in-memory names). The same for every family whose router already sits in
+        ``fused_moe_module``; Mixtral renames its router there (block_sparse_moe.gate -> mlp.gate)."""
+        return name
 
     def is_routed_expert_tensor(self, name: str) -> bool:
         """Whether ``name`` belongs to the routed experts (either layout); used to word error messages."""

@@ -21,7 +21,7 @@ from runmap.resources import PRESET_DIR
 
 @dataclasses.dataclass(frozen=True)
 class ModelConfig:
-    arch: str  # HF model_type, a key of ARCHITECTURES ("olmoe" | "qwen2_moe")
+    arch: str  # HF model_type, a key of ARCHITECTURES ("olmoe" | "qwen2_moe" | "qwen3_moe" | "mixtral")
     vocab_size: int
     hidden_size: int
     num_layers: int
@@ -43,20 +43,21 @@ class ModelConfig:
     # layers whose MLP is one dense SiLU-gated MLP instead of routed experts (ascending, no repeats); the
     # packer and engine refuse them (UnsupportedLayerError naming the layer) until they can run one
     dense_layers: tuple[int, ...] = ()
+    # attention head width D; 0 = hidden_size // num_heads. Qwen3-MoE states its own (2048 / 32 heads, D = 128),
+    # so q/o projections are nh*D wide rather than H
+    head_dim: int = 0
 
     def __post_init__(self):
         # presets and manifests give a JSON list; a frozen dataclass keeps a hashable sorted tuple
         object.__setattr__(self, "dense_layers", tuple(sorted({int(l) for l in self.dense_layers})))
+        if not self.head_dim:
+            object.__setattr__(self, "head_dim", self.hidden_size // self.num_heads)
         adapter_for(self.arch, "ModelConfig.arch").validate(self)
 
     @property
     def adapter(self) -> ArchAdapter:
         """This family's adapter (runmap/arch/<family>.py)."""
         return adapter_for(self.arch, "ModelConfig.arch")
-
-    @property
-    def head_dim(self) -> int:
-        return self.hidden_size // self.num_heads
 
     @property
     def qkv_bias(self) -> bool:
@@ -78,9 +79,12 @@ class ModelConfig:
 
     def to_manifest_dict(self) -> dict:
         """The fields as a JSON-ready dict for a pack manifest. ``dense_layers`` is left out while empty,
-        so manifests of all-MoE models stay byte-identical to those written before the field existed
+        so manifests of all-MoE models stay byte-identical (``head_dim`` likewise while it is the implied
+        hidden_size // num_heads) to those written before the field existed
         (and readable by a PackReader that does not know it)."""
         d = dataclasses.asdict(self)
+        if d["head_dim"] == self.hidden_size // self.num_heads:  # the implied width: left out, as for dense_layers
+            del d["head_dim"]
         if not d["dense_layers"]:
             del d["dense_layers"]
         else:

@@ -7,10 +7,13 @@ specs/architecture.yaml ``models.architectures`` (docs/adding-an-architecture.md
 from __future__ import annotations
 
 from runmap.arch.base import ArchAdapter, ConfigError
+from runmap.arch.mixtral import MixtralAdapter
 from runmap.arch.olmoe import OlmoeAdapter
 from runmap.arch.qwen2_moe import Qwen2MoeAdapter
+from runmap.arch.qwen3_moe import Qwen3MoeAdapter
 
-ARCHITECTURES: dict[str, ArchAdapter] = {a.model_type: a for a in (OlmoeAdapter(), Qwen2MoeAdapter())}
+ARCHITECTURES: dict[str, ArchAdapter] = {
+    a.model_type: a for a in (OlmoeAdapter(), Qwen2MoeAdapter(), Qwen3MoeAdapter(), MixtralAdapter())}
 
 
 def adapter_for(model_type: str, source: str = "config") -> ArchAdapter:

@@ -6,7 +6,8 @@ import sys
 HELP = "pack a local HF checkpoint into INT4 qpacked expert rows + FP16 non-routed tensors + manifest.json"
 DESCRIPTION = """\
 Pack CHECKPOINT_DIR (config.json + model.safetensors or shards with model.safetensors.index.json, an
-OlmoeForCausalLM or Qwen2MoeForCausalLM, per-expert or fused expert tensors) into OUT_DIR:
+OlmoeForCausalLM, Qwen2MoeForCausalLM, Qwen3MoeForCausalLM or MixtralForCausalLM, per-expert or fused
+expert tensors) into OUT_DIR:
 
   manifest.json                  source identity (file sizes + sha256), config, quantization rule,
                                  row layout, per-layer file/offset, per-expert sha256, quantization error,

@@ -120,6 +120,14 @@ class CheckpointReader:
         self._check_index_agrees()
         self.adapter = self.config.adapter
         self.expert_layout = {l: self._detect_layout(l) for l in self.adapter.routed_layers(self.config)}
+        # runmap's name of a non-routed tensor -> its name in this checkpoint, where they differ (Mixtral's
+        # router in a fused layer); everything outside the reader uses runmap's names
+        self._on_disk = {}
+        for l, layout in self.expert_layout.items():
+            if layout == "fused":
+                for name, _ in self.adapter.layer_tensors(self.config, l).values():
+                    if self.adapter.fused_layout_name(name) != name:
+                        self._on_disk[name] = self.adapter.fused_layout_name(name)
         self._check_inventory()
 
     # ---- discovery --------------------------------------------------------------------------------
@@ -153,7 +161,7 @@ class CheckpointReader:
         return "fused" if fused in self._weight_map else "per-expert"
 
     def _check_inventory(self) -> None:
-        want = dict(expected_nonrouted(self.config))
+        want = {self._on_disk.get(n, n): s for n, s in expected_nonrouted(self.config).items()}
         for l, layout in self.expert_layout.items():
             want.update(expert_names(self.config, l, layout))
         for name, shape in want.items():
@@ -177,10 +185,12 @@ class CheckpointReader:
 
     # ---- metadata ---------------------------------------------------------------------------------
     def _entry(self, name: str) -> dict:
+        name = self._on_disk.get(name, name)
         return self._headers[self._weight_map[name]][0][name]
 
     def file_of(self, name: str) -> Path:
         """The shard that holds tensor ``name``."""
+        name = self._on_disk.get(name, name)
         if name not in self._weight_map:
             raise CheckpointError(f"{self.path}: no tensor {name!r}")
         return self.path / self._weight_map[name]
@@ -204,8 +214,9 @@ class CheckpointReader:
     def tensor(self, name: str) -> torch.Tensor:
         """Tensor ``name`` as stored (dtype and shape of the file), a fresh CPU copy. Values unchecked."""
         path = self.file_of(name)
-        header, data_start = self._headers[self._weight_map[name]]
-        e = header[name]
+        disk = self._on_disk.get(name, name)
+        header, data_start = self._headers[self._weight_map[disk]]
+        e = header[disk]
         out = torch.empty(e["shape"], dtype=DTYPE_FROM_STR[e["dtype"]])
         try:
             read_into(path, data_start + e["data_offsets"][0], out)

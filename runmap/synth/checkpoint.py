@@ -16,6 +16,7 @@ OLMoE-1B-7B dimensions (~7B parameters, ~14 GB BF16).
 """
 from __future__ import annotations
 
+import functools
 import hashlib
 import json
 import os
@@ -58,7 +59,10 @@ def tensor_plan(cfg: ModelConfig, expert_layout: str) -> list[tuple[str, tuple[i
     a = cfg.adapter
     plan = list(a.head_tensors(cfg).values())
     for l in range(cfg.num_layers):
-        plan += list(a.layer_tensors(cfg, l).values())
+        layer = list(a.layer_tensors(cfg, l).values())
+        if expert_layout == "fused" and l in a.routed_layers(cfg):  # transformers' in-memory names (Mixtral's router)
+            layer = [(a.fused_layout_name(n), s) for n, s in layer]
+        plan += layer
         plan += list(a.routed_expert_tensors(cfg, l, expert_layout).items())
     return plan + list(a.tail_tensors(cfg).values())
 
@@ -73,11 +77,18 @@ def _fused_expert_part(cfg: ModelConfig, name: str) -> tuple[int, str] | None:
     return None
 
 
+@functools.lru_cache(maxsize=8)
+def _fused_renames(cfg: ModelConfig) -> dict[str, str]:
+    """Fused-layout name -> runmap's name for the non-routed tensors a family renames there (Mixtral's router)."""
+    a = cfg.adapter
+    return {a.fused_layout_name(n): n for n in a.nonrouted_tensors(cfg) if a.fused_layout_name(n) != n}
+
+
 def _generate(cfg: ModelConfig, name: str, shape, seed: int, device) -> torch.Tensor:
     """The BF16 CPU tensor for ``name``; fused expert tensors are assembled from per-expert draws."""
     fused = _fused_expert_part(cfg, name)
-    if fused is None:
-        return _draw(seed, name, shape, device).cpu()
+    if fused is None:  # drawn under runmap's name, so both layouts hold the same values
+        return _draw(seed, _fused_renames(cfg).get(name, name), shape, device).cpu()
     layer, part = fused
     key = lambda e, proj: cfg.adapter.expert_tensor_name(layer, e, proj)  # noqa: E731  the per-expert draw key
     i = cfg.moe_intermediate_size
