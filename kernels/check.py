@@ -38,9 +38,10 @@ SHAPES = {
     "tiny": (
         ExpertShape("small-b256", 256, 320, 256, 8, 4),  # down K=320: partial last block
         ExpertShape("small-b64", 256, 192, 64, 6, 2),
-        # the new families' block structure at interpreter size: Qwen3-MoE many experts, top-8, K = 3 blocks
-        # (768 / 256); Mixtral few wide experts, top-2, I / H = 3.5 in whole blocks (14336 / 256 = 56)
-        ExpertShape("small-qwen3-moe", 128, 192, 64, 16, 8),
+        # the new families' block structure at interpreter size: Qwen3-MoE narrow experts, K = 3 blocks (768 / 256),
+        # top-8 of 12 (the interpreter's cost grows with the routed pairs); Mixtral few wide experts, top-2,
+        # I / H = 3.5 in whole blocks (14336 / 256 = 56)
+        ExpertShape("small-qwen3-moe", 128, 192, 64, 12, 8),
         ExpertShape("small-mixtral", 128, 448, 64, 8, 2),
     ),
     "full": (
