@@ -127,6 +127,14 @@ class ArchAdapter:
             pad_token_id=d.get("pad_token_id"),
         )
 
+    def sparse_step_dense_layers(self, d: dict, source: str) -> tuple:
+        """The dense (non-MoE) layers of the Qwen families' config.json: those in ``mlp_only_layers`` and those off
+        the ``decoder_sparse_step`` grid (layer l is MoE iff (l + 1) % step == 0)."""
+        n_layers = self.need(d, "num_hidden_layers", source)
+        step = int(d.get("decoder_sparse_step", 1) or 1)
+        only_mlp = set(d.get("mlp_only_layers") or [])
+        return tuple(l for l in range(n_layers) if l in only_mlp or (l + 1) % step != 0)
+
     def mlp_fields_from_hf(self, d: dict, source: str) -> dict:
         """moe_intermediate_size, num_experts, shared_expert_intermediate_size, intermediate_size and
         dense_layers from config.json. Every adapter states this: the families name these differently."""

@@ -21,10 +21,7 @@ class Qwen3MoeAdapter(ArchAdapter):
     dense_layers_possible = True
 
     def mlp_fields_from_hf(self, d: dict, source: str) -> dict:
-        n_layers = self.need(d, "num_hidden_layers", source)
-        step = int(d.get("decoder_sparse_step", 1) or 1)
-        only_mlp = set(d.get("mlp_only_layers") or [])
-        dense = tuple(l for l in range(n_layers) if l in only_mlp or (l + 1) % step != 0)
+        dense = self.sparse_step_dense_layers(d, source)
         experts = d["num_experts"] if "num_experts" in d else self.need(d, "num_local_experts", source)
         return dict(moe_intermediate_size=self.need(d, "moe_intermediate_size", source), num_experts=experts,
                     shared_expert_intermediate_size=0, intermediate_size=d.get("intermediate_size", 0),
