@@ -1,14 +1,18 @@
 """Unit tests of the expert cache (runmap/residency/cache.py) and its host source, beyond the contract model."""
+import random
+
 import numpy as np
 import pytest
 import torch
 
-from runmap.residency.cache import (CacheBusyError, CacheConfigError, CacheFaultedError, ExpertCache, TransactionAborted)
+from runmap.residency.cache import (CacheBusyError, CacheConfigError, CacheError, CacheFaultedError, ExpertCache,
+                                    TransactionAborted)
 from runmap.residency.contract_model import ControlledTransport, InMemoryPack
+from runmap.residency.eviction import LFUDecayPolicy, LRUPolicy, make_policy
 from runmap.residency.host_source import HostSource, HostSourceError, HostSourceRewriteError
 from runmap.residency.observations import all_zero
 from runmap.format.qpack import RowLayout
-from runmap.residency.transport import CpuTransport
+from runmap.residency.transport import CpuDirectTransport, CpuTransport, Event, TransferError
 
 LAYOUT = RowLayout.build(8, 4, 4)
 
@@ -101,6 +105,36 @@ def test_full_residency_one_generation_no_misses():
     assert tel["regime"] == "full" and all_zero(tel["observations"])
 
 
+# --- the CPU transports ------------------------------------------------------------------------------------
+@pytest.mark.parametrize("cls", [CpuTransport, CpuDirectTransport])
+def test_cpu_transports_move_the_host_rows_and_count_what_they_move(cls):
+    """v1 (CpuTransport) stages each row and copies it; v2 (CpuDirectTransport) copies the host-source row itself
+    and its staging slots are one-byte tokens. Either counts the bytes it moves and the row tables it uploads
+    (int32, -1 where unmapped); every CPU copy is complete when it returns."""
+    tr = cls()
+    cache, _, rows = _cache(transport=tr)  # 2 layers of 6 experts, 3 resident (prefilled), groups of 2
+    startup = 2 * 3 * LAYOUT.row_bytes
+    assert tr.h2d_bytes == startup and tr.stage_bytes == (0 if tr.direct else startup)
+    assert tr.table_uploads == 2 + 2  # per layer: generation 0's empty table, generation 1's
+    assert cache.staging_bytes == (cache.staging if tr.direct else cache.staging * LAYOUT.row_bytes)
+    with cache.admit() as r:
+        lease = r.acquire(1, [4, 5])
+        _assert_lease_bytes(lease, rows)
+        table = [-1] * 6
+        for e, row in cache.mapping(1).items():
+            table[e] = row
+        assert lease.row_table.dtype == torch.int32 and lease.row_table.tolist() == table
+    moved = startup + 2 * LAYOUT.row_bytes
+    assert tr.h2d_bytes == moved == cache.telemetry()["counters"]["bytes_h2d_transport"]
+    assert tr.stage_bytes == (0 if tr.direct else moved) and tr.table_uploads == 5
+    assert cache.staging_free() == cache.staging and cache.row_states(1)["fenced"] == []
+    if tr.direct:
+        slot = tr.alloc_staging(LAYOUT.row_bytes)
+        assert slot.dtype == torch.uint8 and slot.nbytes == 1  # a one-byte token, not a buffer
+        with pytest.raises(TransferError, match="^contract v2 has no staging copy$"):
+            tr.stage(tr.alloc_staging(LAYOUT.row_bytes), rows[0][0])
+
+
 # --- partial residency ---------------------------------------------------------------------------------------
 def test_miss_then_all_hit_moves_bytes_once():
     cache, _, rows = _cache()
@@ -142,6 +176,118 @@ def test_lfu_decay_keeps_the_frequent_expert():
     assert 0 in cache.mapping(0) and 1 not in cache.mapping(0)
 
 
+def test_lru_evicts_the_least_recent_expert_not_the_lowest_id():
+    cache, _, _ = _cache(resident=3, max_group=1)  # experts 0, 1, 2 prefilled (all used at tick 0)
+    with cache.admit() as r:
+        r.acquire(0, [0])  # 0 is now the most recent; 1 and 2 tie, the lower id goes first
+    with cache.admit() as r:
+        r.acquire(0, [3])
+    assert set(cache.mapping(0)) == {0, 2, 3}
+    with cache.admit() as r:
+        r.acquire(0, [2])  # use order now 0, 3, 2
+    with cache.admit() as r:
+        r.acquire(0, [0])  # use order 3, 2, 0
+    with cache.admit() as r:
+        r.acquire(0, [4])  # evicts 3, the least recent; every acquisition is a later tick
+    assert set(cache.mapping(0)) == {0, 2, 4}
+
+
+def test_lru_policy_ranks_a_never_used_expert_first():
+    p = LRUPolicy()
+    p.touch(0, [1], 0)
+    p.touch(0, [2], 3)
+    p.touch(1, [3], 9)  # another layer's history does not count
+    assert p.choose(0, [2, 1, 3], 2, 4) == [3, 1]
+
+
+@pytest.mark.parametrize("tick, victim", [(100, 1), (102, 0)])
+def test_lfu_decay_halves_a_score_every_64_ticks(tick, victim):
+    """Expert 0 used 3 times at tick 0, expert 1 once at ``tick``: 3 * 2**(-tick/64) drops below 1 once tick
+    passes 64 * log2(3) = 101.4, so the frequent expert is kept at tick 100 and evicted at tick 102."""
+    p = LFUDecayPolicy()
+    for _ in range(3):
+        p.touch(0, [0], 0)
+    p.touch(0, [1], tick)
+    assert p.choose(0, [0, 1], 1, tick) == [victim]
+
+
+def test_lfu_decay_breaks_ties_by_least_recent_use():
+    p = LFUDecayPolicy(half_life=float("inf"))  # no decay: plain use counts
+    p.touch(0, [0], 5)
+    p.touch(0, [1], 1)
+    assert p.choose(0, [0, 1], 1, 6) == [1]  # equal counts: expert 1 was used longer ago
+    assert p.choose(0, [0, 1, 7], 1, 6) == [7]  # never used: the lowest score
+    fast = LFUDecayPolicy(half_life=1e-3)  # a used expert's score underflows to 0.0: a tie with a never-used one
+    fast.touch(0, [0], 0)
+    assert fast.choose(0, [0, 7], 1, 10) == [7]  # the never-used expert counts as the least recent
+
+
+def test_policy_arguments_are_checked():
+    for bad in (0, -1.0):
+        with pytest.raises(ValueError, match="half_life must be positive"):
+            LFUDecayPolicy(bad)
+    assert LFUDecayPolicy(0.5).choose(0, [4, 2], 1, 0) == [2]
+    with pytest.raises(ValueError, match=r"unknown eviction policy 'mru'; choose one of \['lfu-decay', 'lru'\]"):
+        make_policy("mru")
+    mine = LRUPolicy()
+    assert make_policy(mine) is mine
+
+
+def test_lfu_decay_counts_time_in_acquisitions():
+    """The cache's clock advances by one per acquisition: with a half-life of 2 acquisitions, at the miss (tick 5)
+    expert 1 (used at ticks 0, 3) scores 0.68, expert 0 (ticks 0, 1, 2) 0.78 and expert 2 (ticks 0, 4) 0.88, so 1
+    is evicted. A clock running twice as fast would evict 0."""
+    cache, _, _ = _cache(resident=3, max_group=1, policy=LFUDecayPolicy(half_life=2.0))
+    for e in (0, 0, 1, 2):
+        with cache.admit() as r:
+            r.acquire(0, [e])
+    with cache.admit() as r:
+        r.acquire(0, [3])
+    assert set(cache.mapping(0)) == {0, 2, 3}
+
+
+def test_a_row_stays_retiring_while_any_request_pins_its_generation():
+    """Two requests admitted on generation 1 both lease from generation 2; a row mapped only from generation 2
+    on is evicted; after one of them is released the other still pins generation 2, so the row is not recycled
+    and a later lease of that expert on generation 2 reads its bytes."""
+    cache, _, rows = _cache(resident=3, spares=5, max_group=2)
+    a, b = cache.admit(), cache.admit()  # generation 1: experts 0, 1, 2
+    with cache.admit() as w:
+        row4 = w.acquire(0, [3, 4]).rows[4]  # generation 2: 2, 3, 4
+    a.acquire(0, [3])
+    b.acquire(0, [3])  # both now pin generation 2
+    with cache.admit() as v:
+        v.acquire(0, [0, 1])  # generation 3: evicts 2 and 4; 4's row was mapped only from generation 2
+    assert row4 in cache.row_states(0)["retiring"]
+    a.release()
+    assert row4 in cache.row_states(0)["retiring"]  # b still pins generation 2
+    with cache.admit() as c:
+        c.acquire(0, [5])  # a miss takes a free spare, never the retiring row
+    _assert_lease_bytes(b.acquire(0, [4]), rows)  # expert 4 on generation 2: its row was not overwritten
+    b.release()
+    assert row4 not in cache.row_states(0)["retiring"]
+
+
+def test_staging_waits_and_reuses_are_counted():
+    """A transaction aborted with both copies in flight leaves both staging buffers busy: the next transaction
+    waits for each of them (2 staging waits) and reuses both (2 staging reuses)."""
+    class OneAtATime(random.Random):
+        def randint(self, a, b):  # a wait completes only the copy waited for, none of the others
+            return a
+
+    tr = ControlledTransport(CpuTransport(), rng=OneAtATime(0))
+    cache, _, rows = _cache(transport=tr, staging=2, max_group=2)
+    with cache.admit() as r:
+        tr.arm("wait", 0)
+        with pytest.raises(TransactionAborted):
+            r.acquire(0, [4, 5])
+        tr.arm(None)
+        waits, reuses = cache.counters["staging_waits"], cache.counters["staging_reuses"]
+        assert cache.staging_free() == 0
+        _assert_lease_bytes(r.acquire(1, [4, 5]), rows)
+    assert cache.counters["staging_waits"] - waits == 2 and cache.counters["staging_reuses"] - reuses == 2
+
+
 def test_victim_rows_wait_for_old_generation_readers():
     cache, _, rows = _cache(resident=2, spares=2, max_group=2)
     old = cache.admit()
@@ -170,7 +316,8 @@ def test_failure_before_publication_aborts_and_keeps_generation(kind, k):
     before, mapping = cache.generation, cache.mapping(0)
     with cache.admit() as r:
         tr.arm(kind, k)
-        with pytest.raises(TransactionAborted, match="generation 1 remains authoritative"):
+        with pytest.raises(TransactionAborted, match=r"\(TransferError: injected failure.*\); generation 1 remains "
+                                                     "authoritative"):
             r.acquire(0, [4, 5])
         assert tr.fired == kind
         assert cache.generation == before and cache.mapping(0) == mapping and cache.state == "READY"
@@ -180,12 +327,40 @@ def test_failure_before_publication_aborts_and_keeps_generation(kind, k):
     assert cache.counters["transactions_aborted"] == 1
 
 
+def test_publication_waits_for_the_row_table_upload():
+    """A transport whose table upload completes later returns its event; the cache waits for it before it
+    publishes the new generation."""
+    class AsyncTable(CpuTransport):
+        def __init__(self):
+            super().__init__()
+            self.table_events, self.waited, self.cache = [], [], None
+
+        def upload_table_async(self, table):
+            ev = Event(None, 4 * len(table))
+            self.table_events.append(ev)
+            return self.upload_table(table), ev
+
+        def wait(self, ev):
+            if self.cache is not None:
+                self.waited.append((ev, self.cache.generation))
+
+    tr = AsyncTable()
+    cache, _, rows = _cache(transport=tr)
+    tr.cache = cache
+    with cache.admit() as r:
+        _assert_lease_bytes(r.acquire(0, [4]), rows)
+    assert len(tr.table_events) == 1 and (tr.table_events[0], 1) in tr.waited  # waited while generation 1 was current
+    assert cache.generation == 2
+
+
 def test_ambiguous_failure_after_publication_faults_the_cache():
     tr = ControlledTransport(CpuTransport())
     cache, _, _ = _cache(transport=tr)
     r = cache.admit()
     tr.arm("after_publish", 0)
-    with pytest.raises(CacheFaultedError):
+    with pytest.raises(CacheFaultedError, match=r"layer 0: failure after publishing generation 2 \(TransferError: "
+                                                r"injected failure: ambiguous failure after publication\); the cache "
+                                                r"is FAULTED"):
         r.acquire(0, [4])
     assert cache.state == "FAULTED" and cache.generation == 2
     with pytest.raises(CacheFaultedError, match="FAULTED"):
@@ -262,6 +437,66 @@ def test_host_source_pages_are_read_only():
     assert r.returncode != 0
 
 
+def test_acquire_all_needs_full_residency():
+    cache, _, _ = _cache()
+    with cache.admit() as r, pytest.raises(CacheError, match=r"^acquire_all needs full residency \(resident == experts "
+                                                              r"per layer\)$"):
+        r.acquire_all(0)
+
+
+def test_a_request_block_lets_what_its_body_raises_propagate():
+    cache, _, _ = _cache()
+    with pytest.raises(KeyError, match="from the body"):
+        with cache.admit() as r:
+            r.acquire(0, [4])
+            raise KeyError("from the body")
+    assert r.released and cache.live_requests() == 0 and cache.outstanding_leases() == 0
+
+
+def test_miss_transactions_are_serialized():
+    """A miss started while another transaction runs (here from inside the transport's copy) is refused and
+    changes nothing; the running transaction completes."""
+    class Reentrant(CpuTransport):
+        inner = None
+        refused: list = []
+
+        def copy_rows(self, jobs, on_submit):
+            call, Reentrant.inner = Reentrant.inner, None
+            if call is not None:
+                try:
+                    call()
+                except CacheError as exc:
+                    Reentrant.refused.append(str(exc))
+            super().copy_rows(jobs, on_submit)
+
+    cache, _, rows = _cache(transport=Reentrant())
+    a, b = cache.admit(), cache.admit()
+    Reentrant.inner = lambda: b.acquire(1, [4])
+    _assert_lease_bytes(a.acquire(0, [5]), rows)
+    assert Reentrant.refused == ["miss transactions are serialized in v1; a transaction is already running"]
+    assert cache.generation == 2 and 4 not in cache.mapping(1) and cache.counters["transactions"] == 1
+    a.release()
+    _assert_lease_bytes(b.acquire(1, [4]), rows)  # once it has ended, the next miss runs
+    b.release()
+
+
+def test_a_refusal_for_want_of_spares_needs_no_eviction():
+    """Without prefill nothing has to be evicted; spares fenced behind two aborted transactions' copies still in
+    flight leave too few free rows, and the refusal says that no eviction is needed."""
+    tr = ControlledTransport(CpuTransport())
+    cache, _, _ = _cache(transport=tr, prefill=False, resident=3, spares=2, staging=4, max_group=2)
+    with cache.admit() as r:
+        for group in ([0, 1], [2, 3]):
+            tr.arm("wait", 0)  # the wait fails while both copies are in flight: their rows are fenced
+            with pytest.raises(TransactionAborted):
+                r.acquire(0, group)
+        tr.arm(None)
+        assert len(cache.row_states(0)["fenced"]) == 4
+        with pytest.raises(CacheBusyError,
+                           match=r"\(1 free, 0 retiring behind live requests, 4 fenced\) and 0 evictable experts"):
+            r.acquire(0, [4, 5])
+
+
 def test_a_released_request_holds_nothing():
     cache, _, _ = _cache()
     r = cache.admit()
@@ -270,3 +505,5 @@ def test_a_released_request_holds_nothing():
     assert r.released and r.leases == [] and cache.outstanding_leases() == 0 and cache.live_requests() == 0
     r.release()  # a second release is a no-op
     assert cache.telemetry()["counters"]["requests_released"] == 1
+    with pytest.raises(CacheError, match=f"request {r.id} was released; admit a new one"):
+        r.acquire(0, [5])

@@ -931,7 +931,7 @@ class CacheContractMachine(RuleBasedStateMachine):
                 return
             raise ContractViolation("a FAULTED cache admitted a request")
         before = {lay: set(self.cache.leased_experts(lay)) for lay in range(self.L)}
-        rid, ended = None, "completed"
+        rid, ended, propagated = None, "completed", False
         try:
             with self.cache.monitored(), self.cache.admit() as h:
                 self.m["requests_admitted"] += 1
@@ -952,11 +952,13 @@ class CacheContractMachine(RuleBasedStateMachine):
         except ContractViolation:
             raise
         except (CacheError, InjectedError, InjectedInterrupt) as exc:
+            propagated = True
             check(ended != "completed", f"request block raised {type(exc).__name__} at no injected point: {exc}")
         finally:
             if rid is not None:
                 self.reqs.pop(rid, None)
                 self.m["requests_released"] += 1
+        check(propagated or ended == "completed", f"request block ({ended}): what its body raised did not propagate")
         self.stats.outcomes[f"block_{ended}"] += 1
         check(h.released, f"request block ({ended}): its request was not released")
         check(self.cache.live_requests() == len(self.reqs),

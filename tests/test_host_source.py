@@ -1,0 +1,163 @@
+"""The host source's own instruments (runmap/residency/host_source.py): the protection check behind the
+``host_source_rewrites`` observation (write probes in child processes and /proc/self/maps, each able to find an
+unprotected page alone), the rewrite and hash counters, and ``all_zero`` over an incomplete observation block."""
+import ctypes
+import hashlib
+import mmap
+
+import pytest
+import torch
+
+from runmap.format.qpack import RowLayout
+from runmap.residency import host_source as hs
+from runmap.residency.cache import ExpertCache
+from runmap.residency.host_source import HostSource, HostSourceRewriteError
+from runmap.residency.observations import OBSERVATION_NAMES, all_zero, observed
+
+LAYOUT = RowLayout.build(64, 32, 32)  # 3,456-byte rows: 2 layers x 6 experts span 11 pages
+PAGE = mmap.PAGESIZE
+PROT_READ, PROT_RW = 1, 3
+
+
+def _rows(layers=2, experts=6, seed=0):
+    g = torch.Generator().manual_seed(seed)
+    return [torch.randint(0, 256, (experts, LAYOUT.row_bytes), dtype=torch.uint8, generator=g) for _ in range(layers)]
+
+
+def _mprotect(addr: int, length: int, prot: int) -> None:
+    libc = ctypes.CDLL(None, use_errno=True)
+    libc.mprotect.argtypes = (ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int)
+    assert libc.mprotect(ctypes.c_void_p(addr), length, prot) == 0, ctypes.get_errno()
+
+
+def _protect_all_but(page_index):
+    """A _protect_read_only that leaves one page of the host source writable (``None``: protects all of it)."""
+    def protect(mm, arr):
+        _mprotect(arr.ctypes.data, len(mm), PROT_READ)
+        if page_index is not None:
+            _mprotect(arr.ctypes.data + page_index * PAGE, PAGE, PROT_RW)
+        return True
+    return protect
+
+
+# --- the protection check -------------------------------------------------------------------------------------------
+def test_a_verified_host_source_names_both_checks():
+    src = HostSource.from_rows(_rows(), LAYOUT)
+    n = len(hs._probe_pages(src.nbytes, PAGE))
+    assert src.protection_verified and src.protection_holds()
+    assert src.protection_detail == (f"write probes in child processes faulted at {n} pages spread over {src.nbytes} "
+                                     "bytes; /proc/self/maps: the whole range read-only")
+    assert src.verify_protection(probes=3) == (True, f"write probes in child processes faulted at 3 pages spread over "
+                                                     f"{src.nbytes} bytes; /proc/self/maps: the whole range read-only")
+
+
+def test_without_proc_self_maps_the_write_probes_decide(monkeypatch):
+    """Where /proc/self/maps does not exist the child-process write probes alone verify the protection, and they
+    alone find a page left writable."""
+    monkeypatch.setattr(hs, "_maps_read_only", lambda lo, hi: None)
+    src = HostSource.from_rows(_rows(), LAYOUT)
+    n = len(hs._probe_pages(src.nbytes, PAGE))
+    assert src.protection_verified and src.protection_holds()
+    assert src.protection_detail == f"write probes in child processes faulted at {n} pages spread over {src.nbytes} " \
+                                    "bytes"
+    last = hs._probe_pages(src.nbytes, PAGE)[-1] // PAGE
+    monkeypatch.setattr(hs, "_protect_read_only", _protect_all_but(last))
+    src = HostSource.from_rows(_rows(), LAYOUT)
+    assert not src.protection_verified and not src.protection_holds()
+    assert src.protection_detail == (f"a child process wrote byte {last * PAGE} of the host source without a fault: "
+                                     "that page is writable")
+
+
+def test_a_writable_page_between_the_probes_is_found_in_proc_self_maps(monkeypatch):
+    src = HostSource.from_rows(_rows(), LAYOUT)
+    probed = {off // PAGE for off in hs._probe_pages(src.nbytes, PAGE)}
+    pages = -(-src.nbytes // PAGE)
+    unprobed = min(set(range(pages)) - probed)  # the write probes cannot see this page
+    monkeypatch.setattr(hs, "_protect_read_only", _protect_all_but(unprobed))
+    src = HostSource.from_rows(_rows(), LAYOUT)
+    assert not src.protection_verified and not src.protection_holds()
+    assert src.protection_detail == "/proc/self/maps shows a writable part of the host source range"
+
+
+def test_without_a_child_process_protection_is_not_verified(monkeypatch):
+    monkeypatch.setattr(hs, "_child_write_faults", lambda addr: None)
+    src = HostSource.from_rows(_rows(), LAYOUT)
+    assert src.pages_protected and not src.protection_verified and not src.protection_holds()
+    assert src.protection_detail == "no child process could be forked to probe the protection"
+    o = ExpertCache(src, resident=3, max_group=2).telemetry()["observations"]["host_source_rewrites"]
+    assert o["status"] == "UNKNOWN" and "no child process" in o["reason"]
+
+
+def test_an_empty_host_source_is_never_verified():
+    src = HostSource.from_rows([torch.zeros(0, LAYOUT.row_bytes, dtype=torch.uint8)], LAYOUT)
+    assert src.nbytes == 0 and not src.protection_verified and not src.protection_holds()
+    assert src.protection_detail == "empty host source: nothing to protect"
+
+
+def test_probe_pages_of_a_host_source_within_one_page():
+    assert hs._probe_pages(100, PAGE) == [0] and hs._probe_pages(PAGE, PAGE) == [0]
+    assert hs._probe_pages(8 * PAGE, PAGE) == [i * PAGE for i in range(8)]  # exactly PROBE_PAGES pages: all of them
+
+
+def test_maps_read_only_reads_the_mappings_of_the_process():
+    """Five pages of our own: read-only pages 1-3 between two writable ones, then page 2 unmapped (a gap). Mapped
+    and unmapped with libc directly, so that nothing later unmaps the gap (whatever the process maps there)."""
+    libc = ctypes.CDLL(None, use_errno=True)
+    libc.mmap.restype = ctypes.c_void_p
+    libc.mmap.argtypes = (ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int, ctypes.c_int, ctypes.c_int, ctypes.c_long)
+    libc.munmap.argtypes = (ctypes.c_void_p, ctypes.c_size_t)
+    base = libc.mmap(None, 5 * PAGE, PROT_RW, mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS, -1, 0)
+    assert base not in (None, ctypes.c_void_p(-1).value), ctypes.get_errno()
+    p = [base + i * PAGE for i in range(6)]
+    try:
+        _mprotect(p[1], 3 * PAGE, PROT_READ)  # mappings: [p0, p1) rw, [p1, p4) r, [p4, p5) rw
+        assert hs._maps_read_only(p[1], p[4]) is True  # exactly the read-only mapping
+        assert hs._maps_read_only(p[2], p[3]) is True  # inside it
+        assert hs._maps_read_only(p[1] + 100, p[4] - 100) is True
+        assert hs._maps_read_only(p[0], p[4]) is False  # a writable page before
+        assert hs._maps_read_only(p[1], p[5]) is False  # a writable page after
+        assert hs._maps_read_only(p[3], p[4] + 1) is False  # one byte of the writable page
+        assert libc.munmap(ctypes.c_void_p(p[2]), PAGE) == 0  # [p1, p2) r, gap, [p3, p4) r
+        assert hs._maps_read_only(p[1], p[2]) is True and hs._maps_read_only(p[3], p[4]) is True
+        assert hs._maps_read_only(p[1], p[4]) is False  # the gap is not read-only memory of the range
+    finally:
+        libc.munmap(ctypes.c_void_p(p[0]), 2 * PAGE)
+        libc.munmap(ctypes.c_void_p(p[3]), 2 * PAGE)
+
+
+# --- the counters behind host_source_rewrites and request_hash_work -------------------------------------------------
+def test_every_refused_rewrite_counts():
+    src = HostSource.from_rows(_rows(), LAYOUT)
+    for n in (1, 2):
+        with pytest.raises(HostSourceRewriteError, match=f"refused a rewrite of layer 1 expert {n}"):
+            src.write_row(1, n, b"x")
+        assert src.rewrite_attempts == n
+
+
+def test_an_array_made_writable_again_counts_as_a_rewrite_attempt_each_time_it_is_seen():
+    src = HostSource.from_rows(_rows(), LAYOUT)
+    cache = ExpertCache(src, resident=3, max_group=2)
+    assert src.check_frozen() and src.rewrite_attempts == 0
+    src.array.flags.writeable = True  # nothing is written (the pages are still read-only)
+    assert not src.check_frozen() and src.rewrite_attempts == 1
+    assert not src.check_frozen() and src.rewrite_attempts == 2
+    assert not src.protection_holds()
+    o = cache.telemetry()["observations"]["host_source_rewrites"]
+    assert o["status"] == "UNKNOWN" and "writable again" in o["reason"] and src.rewrite_attempts == 3
+
+
+def test_every_hash_after_startup_counts():
+    src = HostSource.from_rows(_rows(), LAYOUT)
+    assert src.hash_ops_after_seal == 0 and src.hash_bytes_after_seal == 0
+    for n, (layer, e) in enumerate([(0, 1), (1, 5)], start=1):
+        assert src.hash_row(layer, e) == hashlib.sha256(src.expected_row(layer, e).tobytes()).hexdigest()
+        assert src.hash_ops_after_seal == n and src.hash_bytes_after_seal == n * LAYOUT.row_bytes
+
+
+# --- all_zero ----------------------------------------------------------------------------------------------------
+def test_all_zero_needs_every_observation():
+    full = {n: observed(n, 0, "test") for n in OBSERVATION_NAMES}
+    assert all_zero(full)
+    for missing in OBSERVATION_NAMES:
+        assert not all_zero({n: o for n, o in full.items() if n != missing}), missing
+    assert not all_zero({})
