@@ -17,14 +17,14 @@ from collections.abc import Sequence
 REPLAY_POLICIES = ("lru", "lfu-decay", "belady")
 
 
-def _check(steps, capacity):
+def _check(capacity):
     if capacity < 1:
         raise ValueError(f"capacity must be >= 1, got {capacity}")
 
 
 def lru_hits(steps: Sequence[Sequence[int]], capacity: int, warmup: int = 0) -> tuple[int, int]:
     """(hits, requests) of an LRU cache of ``capacity`` experts over ``steps`` of one layer."""
-    _check(steps, capacity)
+    _check(capacity)
     last_use: dict[int, int] = {}  # expert -> step it was last requested (the cache, in recency order)
     hits = requests = 0
     for t, step in enumerate(steps):
@@ -35,7 +35,7 @@ def lru_hits(steps: Sequence[Sequence[int]], capacity: int, warmup: int = 0) -> 
         for e in step:
             last_use[e] = t
         if len(last_use) > capacity:
-            keep = set(step[-capacity:]) if len(step) >= capacity else set(step)
+            keep = set(step[-capacity:])  # the whole step when it fits
             victims = sorted((u, e) for e, u in last_use.items() if e not in keep)
             for _, e in victims[:len(last_use) - capacity]:
                 del last_use[e]
@@ -45,7 +45,7 @@ def lru_hits(steps: Sequence[Sequence[int]], capacity: int, warmup: int = 0) -> 
 def lfu_decay_hits(steps: Sequence[Sequence[int]], capacity: int, warmup: int = 0, half_life: float = 64.0) -> tuple[int, int]:
     """(hits, requests) of an LFU cache whose use counts halve every ``half_life`` steps (the engine's
     ``lfu-decay`` eviction policy); ties go to the least recently used."""
-    _check(steps, capacity)
+    _check(capacity)
     decay = 0.5 ** (1.0 / half_life)
     score: dict[int, float] = {}  # expert -> decayed use count
     last: dict[int, int] = {}
@@ -63,7 +63,7 @@ def lfu_decay_hits(steps: Sequence[Sequence[int]], capacity: int, warmup: int = 
             last[e] = t
             cached.add(e)
         if len(cached) > capacity:
-            keep = set(step[-capacity:]) if len(step) >= capacity else set(step)
+            keep = set(step[-capacity:])  # the whole step when it fits
             victims = sorted((score[e], last[e], e) for e in cached if e not in keep)
             for _, _, e in victims[:len(cached) - capacity]:
                 cached.discard(e)
@@ -72,7 +72,7 @@ def lfu_decay_hits(steps: Sequence[Sequence[int]], capacity: int, warmup: int = 
 
 def belady_hits(steps: Sequence[Sequence[int]], capacity: int, warmup: int = 0) -> tuple[int, int]:
     """(hits, requests) of Belady's clairvoyant cache: evict the expert needed furthest in the future."""
-    _check(steps, capacity)
+    _check(capacity)
     steps = [list(dict.fromkeys(int(e) for e in s)) for s in steps]
     never = len(steps) + 1
     next_use: list[dict[int, int]] = [dict() for _ in steps]  # step t: expert -> next step > t that needs it
