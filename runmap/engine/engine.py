@@ -152,11 +152,11 @@ class CachedExperts:
                                 validate=self.validate)
         ids_h = ids.cpu()  # host decision: which experts to lease (partial residency only)
         groups = self._groups(ids_h)
-        out = x if len(groups) == 1 else torch.empty_like(x)  # one group (the usual decode case): no gather
+        whole = len(groups) == 1  # one group (the usual decode case): no gather / scatter
+        out = x if whole else torch.empty_like(x)
         for rows in groups:
             req = self.cache.admit()
             try:
-                whole = len(groups) == 1
                 misses0, t0 = self.cache.counters["misses"], time.perf_counter()
                 lease = req.acquire(layer, ids_h if whole else ids_h[rows])
                 if self.cache.counters["misses"] != misses0:
