@@ -1,6 +1,7 @@
 #!/usr/bin/env bash
 # Mutation testing of the expert cache (resident-qpacked-cache-v1) with mutmut: mutates the modules listed in
-# pyproject.toml [tool.mutmut] only_mutate (runmap/residency/{cache,transport,host_source,observations,eviction}.py)
+# pyproject.toml [tool.mutmut] only_mutate (runmap/residency/{cache,transport,host_source,observations,eviction,
+# instruments}.py)
 # and runs the tests of pytest_add_cli_args_test_selection against each mutant.
 #
 #   benchmarks/mutation.sh [LABEL] [REV]
@@ -23,6 +24,10 @@
 #                         CpuDirectTransport), the host source's protection checks, rewrite and hash counters,
 #                         and all_zero (~190; after-transport-observations.json)
 #   eviction              both eviction policies (61; after-eviction.json)
+#   observations          the observation block (cache_observations, observed, unknown, unsupported; all_zero is in
+#                         transport-observations) and the copy monitor behind expert_d2h_bytes and writebacks
+#                         (instruments.py, all but the @contextmanager scope, which mutmut skips) (~466;
+#                         after-observations.json)
 # MUTATION_RERUN=1 benchmarks/mutation.sh LABEL: re-run the survivors (and the mutants no test reached) of an
 # earlier run of LABEL that no re-run has killed yet (MUTATION_NAMES: only those matching these patterns), in its
 # scratch copy against the working tree (refused if a function they mutate changed since, so the mutants are the
@@ -138,6 +143,8 @@ transport-observations) SCOPE="${T}ǁTransportǁstage__mutmut_* ${T}ǁTransport�
  $R.host_source.xǁHostSourceǁcheck_frozen__mutmut_* $R.host_source.xǁHostSourceǁwrite_row__mutmut_*
  $R.host_source.xǁHostSourceǁhash_row__mutmut_* $R.observations.x_all_zero__mutmut_*" ;;
 eviction) SCOPE="$R.eviction.x*" ;;
+observations) SCOPE="$R.observations.x_cache_observations__mutmut_* $R.observations.x_observed__mutmut_*
+ $R.observations.x_unknown__mutmut_* $R.observations.x_unsupported__mutmut_* $R.instruments.x*" ;;
 *) SCOPE=$MUTATION_SCOPE ;;
 esac
 [ "$SCOPE" = all ] && SCOPE=""
