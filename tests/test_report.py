@@ -80,3 +80,42 @@ def test_fmt_never_prints_zero_for_unmeasured():
     assert report.fmt_measure({"status": "OBSERVED", "value": 2 * 1024**3}, report.GIB) == "2.00"
     assert report.fmt_ratio({"status": "UNKNOWN", "reason": "x"}) == "UNKNOWN"
     json.dumps(report.headline_table([]))
+
+
+def _partial_rows(text: str) -> list[list[str]]:
+    body = text.split(report.PARTIAL_HEAD, 1)[1].split("\n\n", 1)[0]
+    return [[c.strip() for c in l.strip("|").split("|")] for l in body.strip().splitlines()[1:]]
+
+
+def test_partial_table_puts_engine_hit_rate_beside_replay(cpu_records, tmp_path):
+    _, recs = cpu_records
+    recs = copy.deepcopy(recs)
+    part = [r for r in recs if r["regime"] == "partial"]
+    assert len(part) == 4  # r4 and r6 at batch 1 and 2
+    r4b1 = next(r for r in part if r["config"]["resident"] == 4 and r["config"]["batch"] == 1)
+    r4b1["cache_stats"]["hit_rate"] = {"status": "OBSERVED", "value": 0.8125}
+    r4b1["routing"]["replay_lru_hit_rate"] = {"status": "OBSERVED", "value": 0.8}
+    r4b1["routing"]["replay_belady_hit_rate"] = {"status": "OBSERVED", "value": 0.9375}
+    r4b1["routing"]["misses_per_token"] = {"status": "OBSERVED", "value": 33.88}
+    r4b1["timing"]["transfer_bound_tok_s"] = {"status": "OBSERVED", "value": 297.46}
+    r4b1["ratios"]["decode_vs_transfer_bound"] = {"status": "OBSERVED", "value": 0.0723}
+    # a record written before routing existed: no routing block, no bound, no ratio
+    r6b2 = next(r for r in part if r["config"]["resident"] == 6 and r["config"]["batch"] == 2)
+    del r6b2["routing"], r6b2["timing"]["transfer_bound_tok_s"], r6b2["ratios"]["decode_vs_transfer_bound"]
+    text = report.render(recs, tmp_path / "r.md")
+    rows = _partial_rows(text)
+    assert len(rows) == 4 and all(r[2] in ("4/8", "6/8") for r in rows)  # only partial records, no full ones
+    by = {(r[2], r[3]): r for r in rows}
+    assert by[("4/8", "1")][4:] == ["66.0", "0.812", "0.800", "0.938", "33.9", "297.5", "0.072"]
+    # present but not measured: the status word, never a number
+    assert by[("6/8", "1")][5:11] == ["0.750", "UNSUPPORTED", "UNSUPPORTED", "1.0", "UNKNOWN", "UNKNOWN"]
+    # absent: blank cells (the engine's own hit rate is still there)
+    assert by[("6/8", "2")][5:] == ["0.750", "", "", "", "", ""]
+    assert by[("6/8", "2")][1] == "model"  # the workload still read from config.routing
+
+
+def test_no_partial_table_without_partial_records(cpu_records, tmp_path):
+    _, recs = cpu_records
+    full = [r for r in copy.deepcopy(recs) if r["regime"] == "full"]
+    text = report.render(full, tmp_path / "r.md")
+    assert report.PARTIAL_HEAD not in text and report.partial_table(full) == []

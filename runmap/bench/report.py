@@ -4,7 +4,8 @@
 every configuration, PNG plots (matplotlib, Agg) of decode tok/s and peak memory against resident experts
 per layer with the baselines drawn on the same axes, the comparisons that vary one factor at a time
 (residency with the executor fixed; executor with the residency fixed), the pairs that change both (flagged,
-no comparison drawn), and the conformance findings of runmap.bench.checks.
+no comparison drawn), for partial residency the engine's hit rate beside the replayed LRU / Belady hit rates
+and the transfer bound, and the conformance findings of runmap.bench.checks.
 """
 from __future__ import annotations
 
@@ -94,6 +95,43 @@ def model_table(recs: list[dict], flagged: set[str]) -> list[str]:
             fmt_ratio(rat.get("decode_vs_byte_floor")),
             _obs_summary(r),
             "confounded" if r["id"] in flagged else "",
+        ]) + " |")
+    return lines
+
+
+def _cell(m, scale: float = 1.0, digits: int = 2, suffix: str = "") -> str:
+    """Like fmt_measure, but blank where the record has no such field at all (records written before the
+    field existed, or by a path that never carries it): an empty cell says "not recorded", a status word
+    says "recorded as not measured"."""
+    return "" if m is None else fmt_measure(m, scale, digits, suffix)
+
+
+PARTIAL_HEAD = ("| executor | routing | resident | batch | decode tok/s | engine hit rate | replay LRU | replay Belady | "
+                "misses/token | transfer bound tok/s | of transfer bound |")
+
+
+def partial_table(recs: list[dict]) -> list[str]:
+    """The partial-residency records of one model: the engine's measured hit rate beside the LRU and Belady
+    hit rates replayed over the routes that actually ran, so the distance to the optimum of the cache policy
+    reads off one row, and decode tok/s beside the transfer bound of its misses. Empty when no record is
+    partial."""
+    part = [r for r in sorted(recs, key=_sort_key) if r.get("regime") == "partial"]
+    if not part:
+        return []
+    lines = [PARTIAL_HEAD, "|" + "|".join("---" for _ in range(PARTIAL_HEAD.count("|") - 1)) + "|"]
+    for r in part:
+        c, t = r["config"], r["timing"]
+        rt = r.get("routing") or {}
+        lines.append("| " + " | ".join([
+            path_label(r), str(c.get("routing") or rt.get("workload") or ""),
+            f"{c['resident']}/{c['experts_per_layer']}", str(c["batch"]),
+            f"{t['decode_tok_s']['median']:.1f}",
+            _cell((r.get("cache_stats") or {}).get("hit_rate"), 1.0, 3),
+            _cell(rt.get("replay_lru_hit_rate"), 1.0, 3),
+            _cell(rt.get("replay_belady_hit_rate"), 1.0, 3),
+            _cell(rt.get("misses_per_token"), 1.0, 1),
+            _cell(t.get("transfer_bound_tok_s"), 1.0, 1),
+            _cell((r.get("ratios") or {}).get("decode_vs_transfer_bound"), 1.0, 3),
         ]) + " |")
     return lines
 
@@ -234,6 +272,12 @@ def render(records: list[dict], out_md: Path, plots_dir: Path | None = None, sou
             lines += [f"### {model} (preset `{c0['preset']}`, {c0['arch']}, {c0['num_layers']} layers, "
                       f"{c0['experts_per_layer']} experts per layer, top-{c0['top_k']})", ""]
             lines += model_table(mrecs, flagged) + [""]
+            part = partial_table(mrecs)
+            if part:
+                lines += ["Partial residency: the engine's hit rate beside LRU and Belady (the optimum) replayed over "
+                          "the routes that ran, misses per token, and decode tok/s against the transfer bound "
+                          "(full-residency step + missed bytes / same-run pinned H2D rate). A blank cell: the record "
+                          "has no such field.", ""] + part + [""]
             for metric, label in (("decode", "decode tok/s"), ("memory", "peak allocated memory")):
                 png = plots_dir / f"{camp}-{model}-{metric}.png"
                 if plot_model(mrecs, metric, png, f"{camp} / {model}: {label} vs resident experts per layer"):

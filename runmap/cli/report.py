@@ -9,8 +9,10 @@ DESCRIPTION = """Read every bench record (records/*.json below the given directo
 conformance checks on them, and write a Markdown report: per campaign and model a table of every
 configuration (decode/prefill tok/s, TTFT, peak memory, hit rate, host->device traffic, ratios to the
 baselines and to the byte floor, required-zero observations), PNG plots of decode tok/s and peak memory
-against resident experts per layer with the baselines on the same axes, and the one-factor comparisons
-(residency with the executor fixed, executor with the residency fixed). Pairs that change residency and
+against resident experts per layer with the baselines on the same axes, for partial residency a table of
+the engine's hit rate beside the LRU and Belady hit rates replayed over the routes that ran, misses per
+token and decode tok/s against the transfer bound (blank where a record has no such field), and the
+one-factor comparisons (residency with the executor fixed, executor with the residency fixed). Pairs that change residency and
 executor at once are listed as flagged, with no comparison drawn. Nothing is re-measured.
 
 Examples:
