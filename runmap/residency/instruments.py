@@ -161,14 +161,16 @@ class ExpertCopyMonitor:
     def see_call(self, func, args, kwargs, out) -> None:
         """Function level: classify one torch call (func, its arguments, its result)."""
         storage = self._storage
-        if not storage or not args:
+        # a row passed by keyword is read like a positional one (buf.copy_(other=row), torch.clone(input=row)); the
+        # dispatch level needs no such step: the aten op gets both as arguments of its schema
+        if not storage or not (args or kwargs):
             return
         if func is torch.Tensor.copy_:
-            if len(args) > 1 and self._inside(args[1], storage):
+            if self._inside(args[1] if len(args) > 1 else kwargs.get("other"), storage):
                 self._count("copy_", args[0])
             return
         src = None
-        for a in args:
+        for a in (*args, *kwargs.values()):
             if isinstance(a, torch.Tensor) and self._inside(a, storage):
                 src = a
                 break
