@@ -92,8 +92,9 @@ class StreamingWriter:
         self._f.write(memoryview(data))
         self._next += 1
 
-    def close(self) -> None:
-        """Finish the file (fsync'd). Raises if not every declared tensor was written."""
+    def close(self, fsync: bool = True) -> None:
+        """Finish the file (fsync'd unless ``fsync=False``: a writer whose files are checked by digest later may
+        leave write-back to the kernel). Raises if not every declared tensor was written."""
         if self._f is None:
             return
         try:
@@ -101,7 +102,8 @@ class StreamingWriter:
                 missing = [n for n, *_ in self._order[self._next:]]
                 raise SafetensorsFormatError(f"{self.path}: closed before writing {missing[:3]}...")
             self._f.flush()
-            os.fsync(self._f.fileno())
+            if fsync:
+                os.fsync(self._f.fileno())
         finally:
             self._f.close()
             self._f = None
