@@ -10,7 +10,8 @@ from runmap.residency import contract_model as cm
 from runmap.residency import host_source as hs
 from runmap.residency.cache import CacheFaultedError, ExpertCache, TransactionAborted
 from runmap.residency.host_source import HostSource
-from runmap.residency.observations import all_zero
+from runmap.residency.instruments import ExpertCopyMonitor
+from runmap.residency.observations import all_zero, cache_observations
 from runmap.residency.transport import CpuTransport
 
 LAYOUT = RowLayout.build(64, 32, 32)  # a few KB per row: the host source spans several pages
@@ -271,3 +272,305 @@ def _qpacked_row(layout, seed):
     h, i = layout.hidden_size, layout.intermediate_size
     return layout.pack_expert({"gate": torch.randn(i, h, generator=g), "up": torch.randn(i, h, generator=g),
                                "down": torch.randn(h, i, generator=g)})
+
+
+# --- the observation block itself: each status and value under the conditions that decide it -----------------
+# cache_observations reads its instruments' counters and flags; these stand-ins give each a distinct value, so a
+# value taken from the wrong counter, a branch taken under the wrong condition or a changed text shows.
+class _StubTransport:
+    h2d_bytes = 12288
+
+
+class _StubMonitor:
+    def __init__(self, level, events=()):
+        self.level, self.events = level, list(events)
+        self.d2h_bytes, self.d2h_copies, self.writebacks = 4096, 3, 2
+        self.cache_scopes, self.caller_scopes = 5, 7
+
+
+class _StubHost:
+    def __init__(self, frozen=True, holds=True, verified=True, reader=None, at_seal=0, watched=()):
+        self.frozen, self.holds, self.protection_verified = frozen, holds, verified
+        self.reader, self.pack_bytes_at_seal, self.watched_readers = reader, at_seal, list(watched)
+        self.rewrite_attempts, self.hash_bytes_after_seal, self.protection_detail = 3, 96, "maps and probes agree"
+
+    def check_frozen(self):
+        return self.frozen
+
+    def protection_holds(self):
+        return self.holds
+
+
+class _CountingReader:
+    def __init__(self, bytes_read, reads_after_close):
+        self.bytes_read, self.reads_after_close = bytes_read, reads_after_close
+
+
+class _BareReader:  # a pack reader without counters
+    pass
+
+
+def _observe(monitor=None, **host):
+    return cache_observations(_StubTransport(), _StubHost(**host), monitor)
+
+
+def test_without_a_monitor_the_copy_observations_are_unknown_and_the_rest_observed():
+    why = "cache built with copy_monitor=False: no instrument watched copies out of expert storage"
+    assert _observe() == {
+        "expert_d2h_bytes": {"status": "UNKNOWN", "unit": "bytes", "reason": why},
+        "writebacks": {"status": "UNKNOWN", "unit": "count", "reason": why},
+        "host_source_rewrites": {
+            "status": "OBSERVED", "value": 3, "unit": "count",
+            "source": "HostSource.write_row refusals; the whole host source is read-only, verified: maps and probes "
+                      "agree, so a write through any alias would have faulted"},
+        "request_hash_work": {"status": "OBSERVED", "value": 96, "unit": "bytes",
+                              "source": "HostSource hash counter after startup"},
+        "request_pack_reads": {"status": "UNKNOWN", "unit": "bytes",
+                               "reason": "host source built from in-memory rows; no pack reader to instrument"},
+    }
+
+
+@pytest.mark.parametrize("level,events,mode,seen", [
+    ("dispatch", [("copy_.default", 4096)], "TorchDispatchMode (aten operations)",
+     "; first copies: [('copy_.default', 4096)]"),
+    ("function", [], "TorchFunctionMode (torch calls from Python)", ""),
+])
+def test_the_copy_observations_report_the_monitor_counters_and_what_it_watched(level, events, mode, seen):
+    obs = _observe(_StubMonitor(level, events))
+    scope = (f"{mode} over 5 cache entry points (admit, acquire with its miss transaction, release) and 7 caller "
+             "blocks (ExpertCache.monitored())")
+    assert obs["expert_d2h_bytes"] == {
+        "status": "OBSERVED", "value": 4096, "unit": "bytes",
+        "source": f"{scope}: bytes of expert storage copied into host memory (3 copies{seen}; _StubTransport moved "
+                  "12288 bytes host -> device)"}
+    assert obs["writebacks"] == {
+        "status": "OBSERVED", "value": 2, "unit": "count",
+        "source": f"{scope}: copies out of expert storage inside a miss transaction (the eviction path) or into the "
+                  "host source"}
+
+
+@pytest.mark.parametrize("frozen,holds,verified,reason", [
+    (False, True, True, "the host source array was found writable again: a write through it would not be seen"),
+    (False, False, False, "the host source array was found writable again: a write through it would not be seen"),
+    (True, False, False, "host source protection not verified (maps and probes agree): a write through the torch "
+                         "alias would not be seen"),
+    (True, False, True, "part of the host source became writable after startup (/proc/self/maps)"),
+])
+def test_rewrites_are_unknown_unless_the_array_is_frozen_and_its_protection_holds(frozen, holds, verified, reason):
+    assert _observe(frozen=frozen, holds=holds, verified=verified)["host_source_rewrites"] == {
+        "status": "UNKNOWN", "unit": "count", "reason": reason}
+
+
+def test_rewrites_are_observed_whenever_the_array_is_frozen_and_its_protection_holds():
+    # protection_holds re-checks the whole range now; the startup verification flag does not decide then
+    assert _observe(verified=False)["host_source_rewrites"]["status"] == "OBSERVED"
+
+
+def test_a_pack_reader_without_a_counter_is_unsupported():
+    assert _observe(reader=_BareReader())["request_pack_reads"] == {
+        "status": "UNSUPPORTED", "unit": "bytes", "reason": "_BareReader exposes no bytes_read counter"}
+
+
+def test_pack_reads_after_startup_sum_every_reader_from_its_count_at_close():
+    # the pack's reader read 400 bytes after it was sealed, a watched reader 300 after its close; a watched reader
+    # without counters adds nothing; refused reads are summed over the readers that count them
+    obs = _observe(reader=_CountingReader(1000, 2), at_seal=600,
+                   watched=[(_CountingReader(500, 2), 200), (_BareReader(), 0)])
+    assert obs["request_pack_reads"] == {
+        "status": "OBSERVED", "value": 700, "unit": "bytes",
+        "source": "pack reader bytes_read after startup (3 closed reader(s); 4 refused read attempts)"}
+    assert _observe(reader=_CountingReader(600, 0), at_seal=600)["request_pack_reads"]["value"] == 0
+
+
+# --- the copy monitor: what counts as a copy out of expert storage, and how it is counted ----------------------
+_aten = torch.ops.aten
+
+
+def _float_rows():
+    return torch.arange(24, dtype=torch.float32).reshape(3, 8)  # 3 rows of 32 bytes: bytes != elements
+
+
+def _watching(level, rows, host=None):
+    m = ExpertCopyMonitor(level)
+    m.watch_storage(rows)
+    if host is not None:
+        m.watch_host(host)
+    return m
+
+
+def test_a_new_monitor_has_counted_nothing_and_checks_its_level():
+    m = ExpertCopyMonitor()
+    assert m.level == "function" and ExpertCopyMonitor("dispatch").level == "dispatch"
+    assert (m.d2h_bytes, m.d2h_copies, m.writebacks, m.cache_scopes, m.caller_scopes, m.events) == (0, 0, 0, 0, 0, [])
+    with pytest.raises(ValueError) as e:
+        ExpertCopyMonitor("aten")
+    assert str(e.value) == "copy monitor level 'aten': choose one of ['function', 'dispatch']"
+
+
+@pytest.mark.parametrize("level,suffix", [("function", ""), ("dispatch", ".default")])
+def test_the_monitor_counts_bytes_copies_and_names_the_first_eight(level, suffix):
+    rows = _float_rows()
+    m = _watching(level, rows)
+    buf = torch.empty(8)
+    with m.scope(), m.scope(caller=True):  # nested: one mode, both scopes counted
+        rows[0].clone()
+        rows[1:3].clone()
+        buf.copy_(rows[2])
+    assert (m.d2h_bytes, m.d2h_copies, m.writebacks) == (128, 3, 0)
+    assert m.events == [(f"clone{suffix}", 32), (f"clone{suffix}", 64), (f"copy_{suffix}", 32)]
+    assert (m.cache_scopes, m.caller_scopes) == (1, 1)
+    with m.scope(caller=True):
+        for _ in range(7):
+            rows[1].clone()
+    assert m.d2h_copies == 10 and m.d2h_bytes == 128 + 7 * 32 and len(m.events) == 8
+    assert m.events[3:] == [(f"clone{suffix}", 32)] * 5
+
+
+@pytest.mark.parametrize("level", sorted(MODE_NAMES))
+def test_copies_in_a_transaction_or_into_the_host_source_are_writebacks(level):
+    rows, host = _float_rows(), torch.zeros(2, 8)
+    m = _watching(level, rows, host)
+    with m.scope(transaction=True):
+        rows[0].clone()
+        rows[1].clone()
+    assert (m.writebacks, m.d2h_copies) == (2, 2)
+    with m.scope():
+        host[1].copy_(rows[0])  # into the last row of the host source
+        torch.empty(8).copy_(rows[0])  # into other host memory: a read-back, not a writeback
+    assert (m.writebacks, m.d2h_copies) == (3, 4)
+
+
+@pytest.mark.parametrize("level", sorted(MODE_NAMES))
+def test_what_is_not_a_copy_out_of_expert_storage_is_not_counted(level):
+    rows, other = _float_rows(), torch.ones(2, 8)
+    m = _watching(level, rows)
+    with m.scope(caller=True):
+        rows[0].copy_(rows[1])  # within expert storage
+        torch.empty(8, device="meta").copy_(rows[1])  # into memory that is not the host's
+        torch.empty(8).copy_(other[0])  # from outside expert storage
+        other[0].clone()
+        rows[0].contiguous()  # already contiguous: the row itself, no copy
+        rows[0] * 2  # arithmetic on host rows (same dtype) makes new values, not a copy of the row's bytes
+        rows[0, 1].item()  # a host row's element is host memory already
+        rows[0].tolist()
+        rows[0].to(torch.float64)  # a conversion on the host is arithmetic
+        torch.equal(rows[0], other[0])
+    assert (m.d2h_bytes, m.d2h_copies, m.events) == (0, 0, [])
+    with torch.inference_mode(), m.scope(caller=True):
+        rows[0].to(torch.float32)  # aten.to.dtype returns the row itself
+        rows[0].to("cpu", copy=True)  # aten.to.* that does copy
+    assert m.events == [("to" if level == "function" else "to.dtype_layout", 32)]
+
+
+@pytest.mark.parametrize("level", sorted(MODE_NAMES))
+def test_a_row_passed_by_keyword_is_counted(level):
+    rows = _float_rows()
+    m = _watching(level, rows)
+    buf = torch.empty(8)
+    with m.scope(caller=True):
+        buf.copy_(other=rows[2])
+        buf.copy_(non_blocking=False, other=rows[1])
+        torch.clone(input=rows[0])
+    assert m.d2h_copies == 3 and m.d2h_bytes == 96
+
+
+def test_a_storage_span_ends_where_the_next_allocation_begins():
+    import numpy as np
+
+    buf = np.zeros(64, np.float32)
+    watched, neighbour = torch.from_numpy(buf[:32]), torch.from_numpy(buf[32:])  # adjacent: 128 bytes each
+    assert watched.untyped_storage().data_ptr() + 128 == neighbour.untyped_storage().data_ptr()
+    m = _watching("function", watched.view(4, 8))
+    with m.scope(caller=True):
+        neighbour.clone()
+        torch.empty(8).copy_(neighbour[:8])
+    assert m.d2h_copies == 0
+    with m.scope(caller=True):
+        watched[:8].clone()  # a view at the start of the watched span
+    assert (m.d2h_copies, m.d2h_bytes) == (1, 32)
+    spans = [(watched.untyped_storage().data_ptr(), neighbour.untyped_storage().data_ptr())]
+    assert ExpertCopyMonitor._inside(watched[24:], spans) and not ExpertCopyMonitor._inside(neighbour, spans)
+
+
+@pytest.mark.filterwarnings("ignore:Sparse CSR tensor support is in beta")
+def test_only_tensors_with_storage_can_be_inside_expert_storage():
+    everything = [(0, 2 ** 64)]
+    inside = ExpertCopyMonitor._inside
+    assert inside(torch.zeros(3), everything)
+    assert not inside(None, everything) and not inside(3, everything) and not inside([torch.zeros(3)], everything)
+    assert not inside(torch.eye(3).to_sparse(), everything)  # no storage to locate
+    assert not inside(torch.eye(3).to_sparse_csr(), everything)  # its storage raises NotImplementedError
+
+
+# A row on a device: on this CPU-only machine a meta tensor stands in (its storage spans [0, nbytes)), and the
+# classifiers are called as the modes call them, with the result a device op would return to the host.
+def _device_rows():
+    rows = torch.empty(3, 8, dtype=torch.float32, device="meta")
+    assert rows.untyped_storage().data_ptr() == 0
+    return rows
+
+
+def test_function_level_values_of_a_device_row_that_reach_the_host_are_counted():
+    rows = _device_rows()
+    m = _watching("function", rows)
+    m.see_call(torch.Tensor.item, (rows[0, 0],), {}, 1.0)  # one element
+    m.see_call(torch.Tensor.tolist, (rows[1],), {}, [0.0] * 8)  # the whole row
+    m.see_call(torch.Tensor.to, (rows[2],), {"dtype": torch.float64}, torch.zeros(8, dtype=torch.float64))
+    m.see_call(torch.add, (rows[2], 1), {}, torch.zeros(8, dtype=torch.float16))  # any host tensor made from it
+    m.see_call(torch.Tensor.to, (rows[2],), {}, torch.empty(8, device="meta"))  # stays on the device
+    assert m.events == [("item", 4), ("tolist", 32), ("to", 64), ("add", 16)]
+    assert (m.d2h_bytes, m.d2h_copies) == (116, 4)
+
+
+def test_function_level_names_a_call_without_a_name_by_its_text():
+    class Op:
+        def __str__(self):
+            return "custom-op"
+
+    rows = _device_rows()
+    m = _watching("function", rows)
+    m.see_call(Op(), (rows[0],), {}, torch.zeros(8))
+    assert m.events == [("custom-op", 32)]
+
+
+def test_dispatch_level_values_of_a_device_row_that_reach_the_host_are_counted():
+    rows = _device_rows()
+    m = _watching("dispatch", rows)
+    m.see(_aten._local_scalar_dense.default, (rows[0, 0],), {}, 1.0)
+    m.see(_aten._to_copy.default, (rows[1],), {"dtype": torch.float64}, torch.zeros(8, dtype=torch.float64))
+    m.see(_aten.add.Tensor, (rows[2], rows[1]), {}, torch.zeros(8))  # counted once, though two rows are read
+    m.see(_aten.add.Tensor, (rows[2], 1), {}, torch.empty(8, device="meta"))  # stays on the device
+    m.see(_aten._local_scalar_dense.default, (torch.zeros(()),), {}, 0.0)  # not a row
+    assert m.events == [("_local_scalar_dense.default", 4), ("_to_copy.default", 64), ("add.Tensor", 32)]
+    assert (m.d2h_bytes, m.d2h_copies) == (100, 3)
+
+
+def test_dispatch_level_copy_from_counts_its_destination():
+    # aten._copy_from(self, dst) is how backends other than the CPU's copy across devices
+    rows = _float_rows()
+    m = _watching("dispatch", rows)
+    dst = torch.empty(2, 8)
+    m.see(_aten._copy_from.default, (rows[1:3], dst), {}, dst)
+    m.see(_aten._copy_from_and_resize.default, (torch.ones(8), dst), {}, dst)  # not from expert storage
+    assert m.events == [("_copy_from.default", 64)]
+
+
+def test_dispatch_level_item_and_arithmetic_of_host_rows_are_not_counted():
+    rows = _float_rows()
+    m = _watching("dispatch", rows)
+    with m.scope(caller=True):
+        rows[0, 0].item()
+        rows[0] + 1
+        rows[0].add(rows[1])
+    assert m.events == []
+
+
+def test_the_modes_run_each_call_as_made():
+    rows = _float_rows()
+    for level in sorted(MODE_NAMES):
+        m = _watching(level, rows)
+        with m.scope(caller=True):
+            assert rows[0].to(dtype=torch.float64).dtype == torch.float64
+            assert torch.full((2,), 3.0, dtype=torch.float16).dtype == torch.float16
+            assert torch.equal(rows[1].clone(), rows[1])
+        assert m.d2h_copies == 1
