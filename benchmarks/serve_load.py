@@ -1,0 +1,681 @@
+"""Load benchmark of `runmap serve` (issue 17, item 6): concurrent streaming clients against the real server,
+compared in the same run with the engine's offline batch throughput at the same batch size.
+
+Run from the repository root (PYTHONPATH=. where the package is not installed):
+
+    python3 benchmarks/serve_load.py --packed PACK --out results/serve/load/NAME.json [--resident N]
+        [--clients 1,8,32,64] [--duration-s 60] [--max-tokens 128] [--plot FILE.png]
+
+See --help (DESCRIPTION below) for what is measured and how.
+"""
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import math
+import os
+import sys
+import time
+from pathlib import Path
+
+REPO = Path(__file__).resolve().parent.parent
+if str(REPO) not in sys.path:  # run as a script from a checkout where the package is not installed
+    sys.path.insert(0, str(REPO))
+
+RECORD_VERSION = 1
+DEFAULT_PROMPTS = REPO / "data" / "ifeval" / "input_data.jsonl"
+TARGET_RATIO, TARGET_CLIENTS = 0.8, (8, 32)  # issue 17 item 6: >= 0.8 of offline at 8 and 32 clients
+ERROR_SAMPLES = 5
+
+DESCRIPTION = f"""\
+Start `runmap serve`'s server in this process (FastAPI on uvicorn, 127.0.0.1, a free port) over --packed with
+the given residency, wait until /health says ok (the engine is loaded and warm), send one request alone (the first request's
+time to first token and duration are recorded apart from the windows), then for each client count of --clients:
+
+  1. run that many concurrent streaming clients (the official openai client, AsyncOpenAI, spread over
+     --client-procs worker processes so that parsing the streams does not compete with the server for this
+     process's GIL) for --duration-s seconds. Each client loops: one request with the next prompt of a fixed
+     prompt set (the first --num-prompts prompts of --prompts, the IFEval prompts by default, in an order drawn
+     with --seed, that fit --max-seq-len with --max-tokens; client c starts at prompt c), max_tokens --max-tokens, temperature 0, stream with include_usage. No request is
+     started after the window; those running at its end finish (bounded by max_tokens).
+  2. measure: generated tok/s over the window (the server's own token counter read at the window's start and
+     end; the clients' count, from the usage chunks, is kept beside it), p50/p99 time to first token (request
+     sent -> first content chunk), p50/p99 inter-token latency (between content chunks of a request), requests
+     completed in the window, errors, mean running / waiting rows of the scheduler;
+  3. once the server is idle, time the engine's own batched decode at batch min(clients, --max-batch) on the
+     same engine, between scheduler steps: Engine.run on the first prompts of the set, max_new_tokens
+     --max-tokens, EOS ignored (every row decodes), --offline-warmup untimed then --offline-repeats timed
+     runs; decode tok/s as `runmap bench` reports it (GenerationRun.decode_tok_s, median of the repeats).
+     ratio_to_offline = served tok/s / offline decode tok/s (target: >= {TARGET_RATIO} at {TARGET_CLIENTS[0]} and
+     {TARGET_CLIENTS[1]} clients).
+
+The record (schemas/serve-load.schema.json) names the machine, the software, the pack, the residency, the
+workload and this command; it is written atomically to --out after every client count ("complete": false until
+the last one, so a run stopped by a time limit keeps what it measured). A short table is printed; --plot also writes a
+PNG of tok/s and latency against clients.
+
+Bounds: every window lasts --duration-s (each client also stops after --max-requests requests), every request
+has a timeout, the server must be ready within --ready-timeout-s, an offline measurement within
+--offline-timeout-s. Exit status: 0 record written (even when a target is missed), 1 bad input or a failure
+(one line), 2 usage.
+
+Examples:
+  python3 benchmarks/serve_load.py --packed /data/olmoe-pack --out results/serve/load/olmoe-full.json --plot olmoe.png
+  python3 benchmarks/serve_load.py --packed /data/olmoe-pack --resident 30 --clients 8 --duration-s 30 \\
+      --out results/serve/load/olmoe-r30.json"""
+
+
+class BenchFailure(Exception):
+    """A failure the benchmark reports in one line (exit status 1)."""
+
+
+# ---- arguments ---------------------------------------------------------------------------------------------
+
+def _positive_int(text: str) -> int:
+    try:
+        v = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"not an integer: {text!r}") from None
+    if v < 1:
+        raise argparse.ArgumentTypeError(f"must be at least 1, got {v}")
+    return v
+
+
+def _nonneg_int(text: str) -> int:
+    try:
+        v = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"not an integer: {text!r}") from None
+    if v < 0:
+        raise argparse.ArgumentTypeError(f"must be at least 0, got {v}")
+    return v
+
+
+def _seconds(text: str) -> float:
+    try:
+        v = float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"not a number of seconds: {text!r}") from None
+    if not math.isfinite(v) or v <= 0:
+        raise argparse.ArgumentTypeError(f"must be a finite number of seconds > 0, got {text!r}")
+    return v
+
+
+def _client_counts(text: str) -> list[int]:
+    try:
+        counts = [int(t) for t in text.split(",") if t.strip()]
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected comma-separated client counts like 1,8,32, got {text!r}") from None
+    if not counts or any(c < 1 for c in counts):
+        raise argparse.ArgumentTypeError(f"client counts must be integers >= 1, got {text!r}")
+    if len(set(counts)) != len(counts):
+        raise argparse.ArgumentTypeError(f"client counts repeat: {text!r}")
+    return counts
+
+
+def build_parser() -> argparse.ArgumentParser:
+    from runmap.cli.options import add_residency_arguments
+
+    p = argparse.ArgumentParser(prog="serve_load.py", description=DESCRIPTION,
+                                formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--packed", required=True, metavar="DIR", help="pack directory (runmap pack)")
+    p.add_argument("--out", required=True, metavar="FILE", help="the JSON record to write (e.g. results/serve/load/X.json)")
+    p.add_argument("--executor", default="grouped", help="W4A16 executor of the engine (default grouped)")
+    add_residency_arguments(p)
+    p.add_argument("--device", default=None, help="cuda | cpu (default: cuda when available)")
+    p.add_argument("--clients", type=_client_counts, default=[1, 8, 32, 64], metavar="N,N,...",
+                   help="concurrent client counts, one window each (default 1,8,32,64)")
+    p.add_argument("--duration-s", type=_seconds, default=60.0, metavar="S", help="window per client count (default 60)")
+    p.add_argument("--max-batch", type=_positive_int, default=None, metavar="B",
+                   help="the server's --max-batch (default: the largest client count)")
+    p.add_argument("--max-seq-len", type=_positive_int, default=1024, metavar="N",
+                   help="the server's context (default 1024: an IFEval prompt and --max-tokens fit; fewer KV-length "
+                        "buckets to capture at warm-up than the server's default)")
+    p.add_argument("--max-tokens", type=_positive_int, default=128, metavar="N", help="max_tokens of every request (default 128)")
+    p.add_argument("--endpoint", choices=["chat", "completions"], default="chat",
+                   help="chat: /v1/chat/completions with the pack's chat template (default); completions: /v1/completions")
+    p.add_argument("--prompts", default=str(DEFAULT_PROMPTS), metavar="JSONL",
+                   help="prompt source: JSONL with a 'prompt' field per line (default: the IFEval prompts)")
+    p.add_argument("--num-prompts", type=_positive_int, default=64, metavar="N", help="prompts drawn from --prompts (default 64)")
+    p.add_argument("--seed", type=_nonneg_int, default=0, help="seed of the prompt draw (default 0)")
+    p.add_argument("--offline-warmup", type=_nonneg_int, default=1, metavar="N", help="untimed offline runs per batch (default 1)")
+    p.add_argument("--offline-repeats", type=_positive_int, default=3, metavar="N", help="timed offline runs per batch (default 3)")
+    p.add_argument("--client-procs", type=_positive_int, default=4, metavar="N",
+                   help="worker processes the clients are spread over (default 4; at most one per client)")
+    p.add_argument("--max-requests", type=_positive_int, default=100_000, metavar="N",
+                   help="requests per client and window at most (default 100000: the window ends first)")
+    p.add_argument("--request-timeout-s", type=_seconds, default=600.0, metavar="S", help="per request (default 600)")
+    p.add_argument("--ready-timeout-s", type=_seconds, default=900.0, metavar="S",
+                   help="loading + warm-up of the server at most (default 900)")
+    p.add_argument("--offline-timeout-s", type=_seconds, default=600.0, metavar="S",
+                   help="one offline measurement at most (default 600)")
+    p.add_argument("--plot", default=None, metavar="PNG", help="also plot tok/s and latency against clients (matplotlib)")
+    p.add_argument("--label", default=None, help="a free-text label stored in the record (e.g. the campaign name)")
+    return p
+
+
+# ---- prompts -----------------------------------------------------------------------------------------------
+
+def load_prompts(path: Path, n: int, seed: int) -> list[str]:
+    """Every prompt of a JSONL file of {"prompt": ...} lines in a seeded order (the set is its first prompts
+    that fit the context, chosen once the tokenizer is loaded: select_prompts); at least n of them."""
+    import random
+
+    try:
+        lines = [ln for ln in path.read_text(encoding="utf-8").splitlines() if ln.strip()]
+    except OSError as e:
+        raise BenchFailure(f"--prompts {path}: cannot read: {e.strerror or e}") from None
+    prompts = []
+    for i, ln in enumerate(lines, 1):
+        try:
+            doc = json.loads(ln)
+        except json.JSONDecodeError as e:
+            raise BenchFailure(f"--prompts {path}: line {i}: not JSON ({e.msg})") from None
+        if not isinstance(doc, dict) or not isinstance(doc.get("prompt"), str) or not doc["prompt"]:
+            raise BenchFailure(f"--prompts {path}: line {i}: no non-empty string field 'prompt'")
+        prompts.append(doc["prompt"])
+    if len(prompts) < n:
+        raise BenchFailure(f"--num-prompts {n}: {path} has only {len(prompts)} prompts")
+    random.Random(seed).shuffle(prompts)
+    return prompts
+
+
+def select_prompts(srv, ordered: list[str], n: int, *, chat: bool, max_tokens: int, max_seq_len: int):
+    """The first n prompts (in the seeded order) whose tokens and max_tokens fit the context, as the server
+    counts them (a longer one would be refused with a 400 every time a client sends it); their token counts;
+    how many were passed over."""
+    chosen, lengths, skipped = [], [], 0
+    for p in ordered:
+        k = len(srv.server.encode_prompt(p, chat))
+        if k + max_tokens - 1 > max_seq_len:
+            skipped += 1
+            continue
+        chosen.append(p)
+        lengths.append(k)
+        if len(chosen) == n:
+            return chosen, lengths, skipped
+    raise BenchFailure(f"only {len(chosen)} of the prompts fit --max-seq-len {max_seq_len} with --max-tokens "
+                       f"{max_tokens}, --num-prompts asks for {n}")
+
+
+# ---- the clients (worker processes) ------------------------------------------------------------------------
+
+async def _one_client(client, cid: int, job: dict, out: list) -> None:
+    prompts, t_end = job["prompts"], job["t_end"]
+    k = 0
+    while time.monotonic() < t_end and k < job["max_requests"]:
+        idx = (cid + k * job["clients"]) % len(prompts)  # clients walk the set in interleaved, fixed order
+        k += 1
+        rec = {"client": cid, "prompt": idx, "t_send": time.monotonic(), "chunks": [], "tokens": None,
+               "finish": None, "error": None}
+        try:
+            if job["endpoint"] == "chat":
+                stream = await client.chat.completions.create(
+                    model=job["model"], messages=[{"role": "user", "content": prompts[idx]}],
+                    max_tokens=job["max_tokens"], temperature=0, stream=True, stream_options={"include_usage": True})
+            else:
+                stream = await client.completions.create(
+                    model=job["model"], prompt=prompts[idx], max_tokens=job["max_tokens"], temperature=0,
+                    stream=True, stream_options={"include_usage": True})
+            async for ch in stream:
+                now = time.monotonic()
+                if ch.usage is not None:
+                    rec["tokens"] = ch.usage.completion_tokens
+                if ch.choices:
+                    c = ch.choices[0]
+                    text = c.delta.content if job["endpoint"] == "chat" else c.text
+                    if text:
+                        rec["chunks"].append(now)
+                    if c.finish_reason:
+                        rec["finish"] = c.finish_reason
+            if rec["tokens"] is None:
+                rec["error"] = "the stream ended without a usage chunk"
+        except Exception as e:  # noqa: BLE001 - counted and sampled in the record, the client goes on
+            rec["error"] = f"{type(e).__name__}: {e}"[:300]
+        rec["t_done"] = time.monotonic()
+        out.append(rec)
+        if rec["error"] is not None:
+            await asyncio.sleep(0.05)  # a refused request must not turn into a busy loop
+
+
+async def _run_clients(job: dict) -> list:
+    from openai import AsyncOpenAI
+
+    import httpx
+
+    out: list = []
+    limits = httpx.Limits(max_connections=len(job["client_ids"]) + 4, max_keepalive_connections=len(job["client_ids"]) + 4)
+    async with AsyncOpenAI(base_url=job["url"] + "v1", api_key="none", max_retries=0, timeout=job["timeout_s"],
+                           http_client=httpx.AsyncClient(limits=limits, timeout=job["timeout_s"])) as client:
+        delay = job["t_start"] - time.monotonic()
+        if delay > 0:  # every worker starts its clients at the same instant (CLOCK_MONOTONIC is system-wide)
+            await asyncio.sleep(delay)
+        await asyncio.gather(*(_one_client(client, cid, job, out) for cid in job["client_ids"]))
+    return out
+
+
+def client_worker(job: dict) -> list:
+    """Entry point of a worker process: run job['client_ids'] clients, return their request records."""
+    return asyncio.run(_run_clients(job))
+
+
+def _warm_worker() -> str:
+    import openai  # noqa: F401 - imported before the first window so that it does not delay the start
+
+    return openai.__version__
+
+
+# ---- statistics --------------------------------------------------------------------------------------------
+
+def _dist(values: list[float]) -> dict:
+    """p50 / p99 / mean / max of seconds (linear interpolation between order statistics), n = sample count."""
+    if not values:
+        return {"n": 0, "p50": None, "p99": None, "mean": None, "max": None}
+    v = sorted(values)
+
+    def q(p):
+        x = p * (len(v) - 1)
+        lo = math.floor(x)
+        hi = min(lo + 1, len(v) - 1)
+        return v[lo] + (v[hi] - v[lo]) * (x - lo)
+
+    return {"n": len(v), "p50": q(0.50), "p99": q(0.99), "mean": sum(v) / len(v), "max": v[-1]}
+
+
+def summarize_window(records: list, *, clients: int, t_start: float, t_end: float, server_tokens: int,
+                     samples: list) -> dict:
+    """One client count's point: throughput over [t_start, t_end], latencies, requests and errors."""
+    dur = t_end - t_start
+    ok = [r for r in records if r["error"] is None]
+    errors = [r for r in records if r["error"] is not None]
+    done_in_window = [r for r in ok if r["t_done"] <= t_end]
+    # the clients' count: a request's usage tokens, the share of its content chunks that arrived in the window
+    client_tokens = 0.0
+    for r in ok:
+        n = len(r["chunks"])
+        if n:
+            client_tokens += r["tokens"] * sum(1 for t in r["chunks"] if t <= t_end) / n
+    ttft = [r["chunks"][0] - r["t_send"] for r in ok if r["chunks"]]
+    itl = [b - a for r in ok for a, b in zip(r["chunks"], r["chunks"][1:])]
+    msgs = []
+    for r in errors:
+        if r["error"] not in msgs and len(msgs) < ERROR_SAMPLES:
+            msgs.append(r["error"])
+    running = [s[0] for s in samples]
+    waiting = [s[1] for s in samples]
+    return {
+        "clients": clients, "duration_s": dur,
+        "generated_tokens": server_tokens, "tok_s": server_tokens / dur,
+        "client_tokens": client_tokens, "client_tok_s": client_tokens / dur,
+        "requests": len(done_in_window), "requests_started": len(records), "requests_ok": len(ok),
+        "errors": len(errors), "error_samples": msgs,
+        "finish_reasons": {k: sum(1 for r in ok if r["finish"] == k) for k in sorted({str(r["finish"]) for r in ok})},
+        "completion_tokens_per_request": _dist([float(r["tokens"]) for r in ok]),
+        "ttft_s": _dist(ttft), "itl_s": _dist(itl),
+        "mean_running_rows": sum(running) / len(running) if running else None,
+        "mean_waiting_requests": sum(waiting) / len(waiting) if waiting else None,
+        "drain_s": max((r["t_done"] for r in records), default=t_end) - t_end,
+    }
+
+
+# ---- the server in this process ----------------------------------------------------------------------------
+
+class InProcessServer:
+    """`runmap serve`'s Server and FastAPI application on uvicorn, in a thread of this process, bound to
+    127.0.0.1 on a free port: the offline measurement then runs on the very engine the server serves with, on
+    the engine thread between scheduler steps (Scheduler.call)."""
+
+    def __init__(self, pack: Path, *, executor: str, resident, device, max_batch: int, max_seq_len: int,
+                 ifeval_dir: Path, command: str):
+        import socket
+        import threading
+
+        import uvicorn
+
+        from runmap.engine.engine import Engine
+        from runmap.serve.app import Server, create_app
+
+        def load():
+            return Engine.from_pack(pack, executor=executor, resident=resident, device=device, max_batch=max_batch,
+                                    max_seq_len=max_seq_len)
+
+        self.model_id = "bench"
+        self.server = Server(load, model_id=self.model_id, pack_dir=pack, ifeval_dir=ifeval_dir, campaign_roots=[],
+                             command=command)
+        self.sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
+        self.sock.bind(("127.0.0.1", 0))
+        self.url = f"http://127.0.0.1:{self.sock.getsockname()[1]}/"
+        cfg = uvicorn.Config(create_app(self.server), log_level="warning", access_log=False, timeout_graceful_shutdown=5)
+        self.uv = uvicorn.Server(cfg)
+        self.thread = threading.Thread(target=self.uv.run, kwargs={"sockets": [self.sock]}, name="bench-uvicorn",
+                                       daemon=True)
+
+    def start(self, timeout_s: float) -> float:
+        """Start loading and serving; return the seconds until /health said ok."""
+        import httpx
+
+        t0 = time.monotonic()
+        self.server.start()
+        self.thread.start()
+        while True:
+            phase = self.server.phase
+            if phase == "failed":
+                why = self.server.load_error or (self.server.scheduler.failed if self.server.scheduler else "unknown")
+                raise BenchFailure(f"the server could not start the engine: {why}")
+            if not self.thread.is_alive():
+                raise BenchFailure("uvicorn stopped before the server was ready")
+            if time.monotonic() - t0 > timeout_s:
+                raise BenchFailure(f"the server was not ready within --ready-timeout-s {timeout_s:g} (phase {phase})")
+            try:
+                if httpx.get(self.url + "health", timeout=5).status_code == 200:
+                    return time.monotonic() - t0
+            except httpx.TransportError:
+                pass
+            time.sleep(0.1)
+
+    @property
+    def scheduler(self):
+        return self.server.scheduler
+
+    def wait_idle(self, timeout_s: float = 120.0) -> None:
+        """Until no request runs or waits (clients that went away are dropped at the next step)."""
+        t0 = time.monotonic()
+        while self.scheduler.running or self.scheduler.waiting:
+            if time.monotonic() - t0 > timeout_s:
+                raise BenchFailure(f"the server still had {self.scheduler.running} running and "
+                                   f"{self.scheduler.waiting} waiting requests {timeout_s:g} s after the clients ended")
+            time.sleep(0.05)
+
+    def stop(self) -> None:
+        self.uv.should_exit = True
+        self.thread.join(30)
+        self.server.shutdown()
+
+
+def offline_throughput(srv: InProcessServer, prompts: list[str], *, batch: int, max_tokens: int, chat: bool,
+                       warmup: int, repeats: int, timeout_s: float) -> dict:
+    """The engine's own batched decode at `batch` rows, timed by the engine (as `runmap bench` reads it)."""
+    import concurrent.futures
+
+    from runmap.bench import metrics as bm
+    from runmap.bench.campaign import _timing_values
+
+    rows = [prompts[i % len(prompts)] for i in range(batch)]
+    eng = srv.server.engine
+
+    def measure():
+        for _ in range(warmup):
+            eng.run(rows, max_new_tokens=max_tokens, chat=chat, ignore_eos=True)
+        out = []
+        for _ in range(repeats):
+            run = eng.run(rows, max_new_tokens=max_tokens, chat=chat, ignore_eos=True)
+            pf, dc, tt, pt, nt = _timing_values(run, f"offline batch {batch}")
+            out.append({"decode_tok_s": dc, "ttft_s": tt, "new_tokens": nt, "prompt_tokens": pt,
+                        "e2e_tok_s": nt / (run.prefill_s + run.decode_s)})
+        return out
+
+    srv.wait_idle()
+    try:
+        runs = srv.scheduler.call(measure, timeout=timeout_s)
+    except concurrent.futures.TimeoutError:
+        raise BenchFailure(f"the offline measurement at batch {batch} took longer than --offline-timeout-s "
+                           f"{timeout_s:g}") from None
+    except Exception as e:  # noqa: BLE001 - an engine failure ends the benchmark in one line
+        raise BenchFailure(f"the offline measurement at batch {batch} failed: {type(e).__name__}: {e}") from None
+    dec = bm.repeat_stats([r["decode_tok_s"] for r in runs])
+    return {"batch": batch, "warmup": warmup, "repeats": repeats, "max_new_tokens": max_tokens, "ignore_eos": True,
+            "prompts": f"the first {batch} prompts of the set (cycled)", "decode_tok_s": dec,
+            "e2e_tok_s": bm.repeat_stats([r["e2e_tok_s"] for r in runs]),
+            "ttft_s": bm.repeat_stats([r["ttft_s"] for r in runs]),
+            "new_tokens": runs[-1]["new_tokens"], "prompt_tokens": runs[-1]["prompt_tokens"]}
+
+
+def run_window(srv: InProcessServer, pool, *, clients: int, procs: int, job: dict, duration_s: float) -> dict:
+    """One client count: start the clients on the workers, read the server's token counter at the window's
+    start and end, sample the scheduler's rows, collect the request records once every client finished."""
+    procs = min(procs, clients)
+    t_start = time.monotonic() + 1.0  # time for the workers to receive their jobs before the common start
+    t_end = t_start + duration_s
+    futs = [pool.submit(client_worker, dict(job, clients=clients, client_ids=list(range(w, clients, procs)),
+                                            t_start=t_start, t_end=t_end)) for w in range(procs)]
+    sched = srv.scheduler
+    while time.monotonic() < t_start:
+        time.sleep(0.001)
+    n0 = sched.totals["generated_tokens"]
+    samples = []
+    while (now := time.monotonic()) < t_end:
+        samples.append((sched.running, sched.waiting))
+        time.sleep(min(0.25, max(0.0, t_end - now)))
+    n1 = sched.totals["generated_tokens"]
+    records = []
+    for f in futs:
+        try:
+            records += f.result(timeout=job["timeout_s"] + 120)
+        except Exception as e:  # noqa: BLE001 - a worker that died or hung: one line, no partial point
+            raise BenchFailure(f"a client worker failed at {clients} clients: {type(e).__name__}: {e}") from None
+    return summarize_window(records, clients=clients, t_start=t_start, t_end=t_end, server_tokens=n1 - n0,
+                            samples=samples)
+
+
+# ---- record, table, plot ------------------------------------------------------------------------------------
+
+def machine_info(device) -> dict:
+    import platform
+
+    from runmap.bench import metrics as bm
+
+    return {"hostname": platform.node(), "platform": platform.platform(), "cpu_count": os.cpu_count(),
+            "device": bm.device_info(device), "software": bm.software_info(), "git": bm.git_info()}
+
+
+def print_table(rec: dict) -> None:
+    def f(v, spec=".1f"):
+        return "-" if v is None else format(v, spec)
+
+    print(f"{rec['pack']['name']} {rec['residency']['regime']} residency "
+          f"{rec['residency']['resident']}/{rec['residency']['num_experts']}, max batch {rec['server']['max_batch']}, "
+          f"max_tokens {rec['workload']['max_tokens']}, {rec['workload']['duration_s']:g} s windows")
+    print(f"{'clients':>7} {'tok/s':>9} {'offline':>9} {'ratio':>6} {'ttft p50':>9} {'ttft p99':>9} "
+          f"{'itl p50':>8} {'itl p99':>8} {'reqs':>6} {'errors':>6} {'rows':>5}")
+    for pt in rec["points"]:
+        ms = lambda d, k: None if d[k] is None else d[k] * 1e3  # noqa: E731
+        print(f"{pt['clients']:>7} {pt['tok_s']:>9.1f} {pt['offline']['decode_tok_s']['median']:>9.1f} "
+              f"{pt['ratio_to_offline']:>6.2f} {f(ms(pt['ttft_s'], 'p50')):>7}ms {f(ms(pt['ttft_s'], 'p99')):>7}ms "
+              f"{f(ms(pt['itl_s'], 'p50')):>6}ms {f(ms(pt['itl_s'], 'p99')):>6}ms {pt['requests']:>6} {pt['errors']:>6} "
+              f"{f(pt['mean_running_rows']):>5}")
+    for t in rec["targets"]["checks"]:
+        print(f"target ratio >= {rec['targets']['ratio_to_offline_min']} at {t['clients']} clients: "
+              f"{'met' if t['met'] else 'NOT met'} ({t['ratio']:.2f})")
+
+
+def plot(rec: dict, path: Path) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    pts = rec["points"]
+    x = [p["clients"] for p in pts]
+    fig, (a, b) = plt.subplots(1, 2, figsize=(10, 4))
+    a.plot(x, [p["tok_s"] for p in pts], "o-", label="served (streaming clients)")
+    a.plot(x, [p["offline"]["decode_tok_s"]["median"] for p in pts], "s--", label="offline batch decode")
+    a.set_xlabel("concurrent clients")
+    a.set_ylabel("generated tok/s")
+    a.set_xscale("log", base=2)
+    a.set_xticks(x, [str(c) for c in x])
+    a.legend()
+    a.grid(alpha=0.3)
+    for key, label, color in (("ttft_s", "time to first token", "tab:blue"), ("itl_s", "inter-token latency", "tab:red")):
+        for q, ls in (("p50", "o-"), ("p99", "s:")):
+            ys = [float("nan") if p[key][q] is None else p[key][q] * 1e3 for p in pts]
+            b.plot(x, ys, ls, color=color, label=f"{label} {q}")
+    b.set_xlabel("concurrent clients")
+    b.set_ylabel("ms")
+    b.set_xscale("log", base=2)
+    b.set_xticks(x, [str(c) for c in x])
+    b.set_yscale("log")
+    b.legend(fontsize=8)
+    b.grid(alpha=0.3)
+    r = rec["residency"]
+    fig.suptitle(f"runmap serve load: {rec['pack']['name']}, {r['regime']} residency {r['resident']}/{r['num_experts']}, "
+                 f"max_tokens {rec['workload']['max_tokens']}")
+    fig.tight_layout()
+    from runmap.atomic import atomic_path
+
+    with atomic_path(path) as tmp:
+        fig.savefig(tmp, format="png", dpi=110)
+    plt.close(fig)
+
+
+# ---- main ----------------------------------------------------------------------------------------------------
+
+def run(args, argv: list[str]) -> int:
+    import concurrent.futures
+    import multiprocessing
+    import shlex
+    import tempfile
+
+    from runmap.format.packfile import is_pack_dir
+
+    pack = Path(args.packed)
+    if not is_pack_dir(pack):
+        raise BenchFailure(f"--packed {pack}: not a runmap pack (no manifest.json of a pack; make one with `runmap pack`)")
+    out = Path(args.out)
+    if out.is_dir():
+        raise BenchFailure(f"--out {out}: is a directory (give the JSON file to write)")
+    max_batch = args.max_batch or max(args.clients)
+    ordered = load_prompts(Path(args.prompts), args.num_prompts, args.seed)
+    resident = args.resident
+    if args.gpu_budget is not None:
+        from runmap.engine.budget import BudgetError, plan_for_pack
+
+        try:  # the server's KV cache keeps one more row, where a joining request is prefilled (as runmap serve)
+            plan = plan_for_pack(pack, args.gpu_budget, max_batch=max_batch, max_seq_len=args.max_seq_len,
+                                 kv_rows=max_batch + 1)
+        except BudgetError as e:
+            raise BenchFailure(str(e)) from None
+        resident = plan.resident
+        print(f"serve_load: {plan.describe()}", flush=True)
+    command = " ".join(shlex.quote(a) for a in ["python3", "benchmarks/serve_load.py", *argv])
+
+    # spawn, not fork: this process holds CUDA (and torch's thread pools) once the engine is loaded
+    workers = min(args.client_procs, max(args.clients))
+    pool = concurrent.futures.ProcessPoolExecutor(max_workers=workers, mp_context=multiprocessing.get_context("spawn"))
+    with tempfile.TemporaryDirectory(prefix="serve-load-") as scratch:
+        srv = InProcessServer(pack, executor=args.executor, resident=resident, device=args.device, max_batch=max_batch,
+                              max_seq_len=args.max_seq_len, ifeval_dir=Path(scratch) / "ifeval",
+                              command=f"runmap serve (in {command})")
+        try:
+            # the workers import the client while the engine loads
+            warm = [pool.submit(_warm_worker) for _ in range(workers)]
+            print(f"serve_load: starting the server on {srv.url} ({pack})", flush=True)
+            ready_s = srv.start(args.ready_timeout_s)
+            client_version = warm[0].result(timeout=120)
+            for w in warm:
+                w.result(timeout=120)
+            info = dict(srv.server.info)
+            sched = srv.scheduler
+            prompts, prompt_tokens, skipped = select_prompts(srv, ordered, args.num_prompts, chat=args.endpoint == "chat",
+                                                             max_tokens=args.max_tokens, max_seq_len=info["max_seq_len"])
+            print(f"serve_load: ready in {ready_s:.1f} s ({info['regime']} residency {info['resident']}/"
+                  f"{info['num_experts']}, {info['executor']}, {info['device']}, max batch {info['max_batch']})",
+                  flush=True)
+            job = {"url": srv.url, "model": srv.model_id, "prompts": prompts, "endpoint": args.endpoint,
+                   "max_tokens": args.max_tokens, "max_requests": args.max_requests, "timeout_s": args.request_timeout_s}
+            machine = machine_info(srv.server.engine.device)
+            from runmap.atomic import write_json
+            from runmap.provenance import utc_timestamp
+
+            def record(points: list, first: dict, complete: bool) -> dict:
+                stats = sched.stats
+                checks = [{"clients": p["clients"], "ratio": p["ratio_to_offline"],
+                           "met": p["ratio_to_offline"] >= TARGET_RATIO} for p in points if p["clients"] in TARGET_CLIENTS]
+                return {
+                    "record_version": RECORD_VERSION, "kind": "serve-load", "label": args.label,
+                    "created_utc": utc_timestamp(), "complete": complete, "command": command, "machine": machine,
+                    "pack": {"dir": str(pack), "name": pack.resolve().name, "identity": info["pack_identity"],
+                             "arch": info["arch"], "num_layers": info["num_layers"], "num_experts": info["num_experts"],
+                             "top_k": info["top_k"]},
+                    "residency": {"regime": info["regime"], "resident": info["resident"], "num_experts": info["num_experts"],
+                                  "asked": ("--gpu-budget " + str(args.gpu_budget)) if args.gpu_budget is not None else
+                                  (f"--resident {args.resident}" if args.resident is not None else "full")},
+                    "server": {"host": "127.0.0.1", "executor": info["executor"], "device": info["device"],
+                               "cuda_graphs": info["cuda_graphs"], "max_batch": info["max_batch"],
+                               "max_seq_len": info["max_seq_len"], "load_s": info["load_s"], "warmup_s": sched.warmup_s,
+                               "ready_s": ready_s, "first_request": first,
+                               "expert_cache": {"hits": stats.hits, "misses": stats.misses, "bytes_h2d": stats.bytes_h2d}
+                               if stats is not None else None,
+                               "totals": dict(sched.totals)},
+                    "workload": {"endpoint": args.endpoint, "prompt_source": os.path.relpath(args.prompts, REPO)
+                                 if Path(args.prompts).resolve().is_relative_to(REPO) else str(args.prompts),
+                                 "num_prompts": len(prompts), "seed": args.seed,
+                                 "prompt_tokens": {"min": min(prompt_tokens), "mean": sum(prompt_tokens) / len(prompt_tokens),
+                                                   "max": max(prompt_tokens)},
+                                 "prompts_skipped_too_long": skipped, "max_tokens": args.max_tokens, "temperature": 0.0,
+                                 "stream": True, "include_usage": True, "duration_s": args.duration_s,
+                                 "clients": list(args.clients), "client": f"openai {client_version} AsyncOpenAI",
+                                 "client_procs": args.client_procs, "max_requests_per_client": args.max_requests},
+                    "points": points,
+                    "targets": {"ratio_to_offline_min": TARGET_RATIO, "at_clients": list(TARGET_CLIENTS), "checks": checks},
+                }
+
+            # The first request after ready, alone and untimed by the windows: what a server's first user waits
+            # (a cost left out of warm-up shows here instead of in the first window)
+            now = time.monotonic()
+            r = pool.submit(client_worker, dict(job, clients=1, client_ids=[0], max_requests=1, t_start=now,
+                                                t_end=now + args.request_timeout_s)).result(args.request_timeout_s + 60)[0]
+            first = {"ttft_s": r["chunks"][0] - r["t_send"] if r["chunks"] else None, "e2e_s": r["t_done"] - r["t_send"],
+                     "completion_tokens": r["tokens"], "error": r["error"]}
+            print(f"serve_load: first request: {first['e2e_s']:.2f} s"
+                  + (f", first token after {first['ttft_s']:.3f} s" if first["ttft_s"] is not None else "")
+                  + (f", error {first['error']}" if first["error"] else ""), flush=True)
+            out.parent.mkdir(parents=True, exist_ok=True)
+            points = []
+            for c in args.clients:
+                srv.wait_idle()
+                pt = run_window(srv, pool, clients=c, procs=args.client_procs, job=job, duration_s=args.duration_s)
+                pt["offline"] = offline_throughput(srv, prompts, batch=min(c, max_batch), max_tokens=args.max_tokens,
+                                                   chat=args.endpoint == "chat", warmup=args.offline_warmup,
+                                                   repeats=args.offline_repeats, timeout_s=args.offline_timeout_s)
+                pt["ratio_to_offline"] = pt["tok_s"] / pt["offline"]["decode_tok_s"]["median"]
+                points.append(pt)
+                print(f"serve_load: {c} clients: {pt['tok_s']:.1f} tok/s served, offline batch "
+                      f"{pt['offline']['batch']} {pt['offline']['decode_tok_s']['median']:.1f} tok/s "
+                      f"(ratio {pt['ratio_to_offline']:.2f}), {pt['requests']} requests, {pt['errors']} errors",
+                      flush=True)
+                # written after every client count: a run stopped by its time limit keeps the points it measured
+                write_json(out, record(points, first, complete=c == args.clients[-1]))
+            rec = record(points, first, complete=True)
+        finally:
+            pool.shutdown(wait=True, cancel_futures=True)
+            srv.stop()
+
+    write_json(out, rec)
+    print_table(rec)
+    print(f"serve_load: wrote {out}", flush=True)
+    if args.plot:
+        plot(rec, Path(args.plot))
+        print(f"serve_load: wrote {args.plot}", flush=True)
+    return 0
+
+
+def main(argv: list[str] | None = None) -> int:
+    argv = list(sys.argv[1:] if argv is None else argv)
+    args = build_parser().parse_args(argv)
+    try:
+        return run(args, argv)
+    except BenchFailure as e:
+        print(f"serve_load: {e}", file=sys.stderr)
+        return 1
+    except ModuleNotFoundError as e:  # the server's or the client's dependencies are not installed here
+        print(f"serve_load: missing Python package {e.name!r} (runmap serve needs fastapi, uvicorn, pydantic, "
+              f"prometheus-client, markdown-it-py; the clients need openai and httpx)", file=sys.stderr)
+        return 1
+    except KeyboardInterrupt:
+        print("serve_load: interrupted", file=sys.stderr)
+        return 130
+
+
+if __name__ == "__main__":
+    sys.exit(main())
