@@ -3,7 +3,7 @@ compared in the same run with the engine's offline batch throughput at the same 
 
 Run from the repository root (PYTHONPATH=. where the package is not installed):
 
-    python3 benchmarks/serve_load.py --packed PACK --out results/serve/load/NAME.json [--resident N]
+    PYTHONPATH=. python3 benchmarks/serve_load.py --packed PACK --out results/serve/load/NAME.json [--resident N]
         [--clients 1,8,32,64] [--duration-s 60] [--max-tokens 128] [--plot FILE.png]
 
 See --help (DESCRIPTION below) for what is measured and how.
@@ -20,8 +20,6 @@ import time
 from pathlib import Path
 
 REPO = Path(__file__).resolve().parent.parent
-if str(REPO) not in sys.path:  # run as a script from a checkout where the package is not installed
-    sys.path.insert(0, str(REPO))
 
 RECORD_VERSION = 1
 DEFAULT_PROMPTS = REPO / "data" / "ifeval" / "input_data.jsonl"

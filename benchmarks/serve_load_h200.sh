@@ -14,7 +14,7 @@
 # 4. partial residency (30 of 64 experts per layer): 8 clients x 30 s (max batch 8)
 #    -> $OUT/serve-load-olmoe-r30.{json,png,log}; skipped with a message when the budget has no room left.
 #
-# Settings (environment): BUDGET_S (default 530: the whole script), RUNMAP_WORK (default /tmp/runmap-h200),
+# Settings (environment): BUDGET_S (default 535: the whole script), RUNMAP_WORK (default /tmp/runmap-h200),
 # FULL_CLIENTS (1,8,32,64), FULL_DURATION_S (60), PARTIAL_RESIDENT (30), PARTIAL_CLIENTS (8),
 # PARTIAL_DURATION_S (30), MAX_TOKENS (128), OFFLINE_REPEATS (2), OFFLINE_WARMUP (1), CLIENT_PROCS (4),
 # RUN_PARTIAL (1; 0 skips step 4), SERVE_LOAD_ARGS (more arguments of both runs). Runs with PYTHONPATH=. (the
@@ -26,7 +26,7 @@
 set -uo pipefail
 T0=$(date +%s)
 : "${OUT:?set OUT to the directory the results are written to}"
-BUDGET=${BUDGET_S:-530}
+BUDGET=${BUDGET_S:-535}
 WORK=${RUNMAP_WORK:-/tmp/runmap-h200}
 FULL_CLIENTS=${FULL_CLIENTS:-1,8,32,64}
 FULL_DURATION=${FULL_DURATION_S:-60}
@@ -88,8 +88,10 @@ echo "[$(elapsed)s] pack ready"
 COMMON=(--packed "$PACK" --max-tokens "$MAX_TOKENS" --offline-repeats "$REPEATS" --offline-warmup "$WARMUP"
         --client-procs "$PROCS" ${SERVE_LOAD_ARGS:-})
 # --- 3. full residency -----------------------------------------------------------------------------------------
-# what the partial run needs at least (load, warm-up, its window, its offline runs): kept out of the full run's limit
-PARTIAL_NEED=$(( ${RUN_PARTIAL:-1} == 1 ? PARTIAL_DURATION + 90 : 0 ))
+# what the partial run needs at least (load ~15 s, warm-up, its window, its offline runs): kept out of the full run's
+# limit. Expected on the H200: pack ~75 s, full run ~330 s (load + warm-up ~50, 4 x ~63 s windows, offline ~25 s),
+# partial ~80 s. The records are rewritten after every client count, so a run cut by its limit keeps its points.
+PARTIAL_NEED=$(( ${RUN_PARTIAL:-1} == 1 ? PARTIAL_DURATION + 60 : 0 ))
 LIMIT=$(( BUDGET - $(elapsed) - PARTIAL_NEED ))
 echo "[$(elapsed)s] full residency: clients $FULL_CLIENTS x ${FULL_DURATION} s (limit ${LIMIT} s)"
 timeout --signal=INT --kill-after=15 "$LIMIT" python3 benchmarks/serve_load.py "${COMMON[@]}" \
