@@ -35,7 +35,8 @@ time to first token and duration are recorded apart from the windows), then for 
      --client-procs worker processes so that parsing the streams does not compete with the server for this
      process's GIL) for --duration-s seconds. Each client loops: one request with the next prompt of a fixed
      prompt set (the first --num-prompts prompts of --prompts, the IFEval prompts by default, in an order drawn
-     with --seed, that fit --max-seq-len with --max-tokens; client c starts at prompt c), max_tokens --max-tokens, temperature 0, stream with include_usage. No request is
+     with --seed, of at most --max-prompt-tokens tokens that fit --max-seq-len with --max-tokens; client c
+     starts at prompt c), max_tokens --max-tokens, temperature 0, stream with include_usage. No request is
      started after the window; those running at its end finish (bounded by max_tokens).
   2. measure: generated tok/s over the window (the server's own token counter read at the window's start and
      end; the clients' count, from the usage chunks, is kept beside it), p50/p99 time to first token (request
@@ -135,6 +136,9 @@ def build_parser() -> argparse.ArgumentParser:
                    help="chat: /v1/chat/completions with the pack's chat template (default); completions: /v1/completions")
     p.add_argument("--prompts", default=str(DEFAULT_PROMPTS), metavar="JSONL",
                    help="prompt source: JSONL with a 'prompt' field per line (default: the IFEval prompts)")
+    p.add_argument("--max-prompt-tokens", type=_positive_int, default=512, metavar="N",
+                   help="leave out prompts longer than this (default 512): rows of a running batch share KV slots, so "
+                        "a few very long prompts would make requests wait for room rather than measure the batch")
     p.add_argument("--num-prompts", type=_positive_int, default=64, metavar="N", help="prompts drawn from --prompts (default 64)")
     p.add_argument("--seed", type=_nonneg_int, default=0, help="seed of the prompt draw (default 0)")
     p.add_argument("--offline-warmup", type=_nonneg_int, default=1, metavar="N", help="untimed offline runs per batch (default 1)")
@@ -179,22 +183,23 @@ def load_prompts(path: Path, n: int, seed: int) -> list[str]:
     return prompts
 
 
-def select_prompts(srv, ordered: list[str], n: int, *, chat: bool, max_tokens: int, max_seq_len: int):
-    """The first n prompts (in the seeded order) whose tokens and max_tokens fit the context, as the server
-    counts them (a longer one would be refused with a 400 every time a client sends it); their token counts;
-    how many were passed over."""
+def select_prompts(srv, ordered: list[str], n: int, *, chat: bool, max_tokens: int, max_seq_len: int,
+                   max_prompt_tokens: int):
+    """The first n prompts (in the seeded order) of at most max_prompt_tokens tokens whose tokens and max_tokens
+    fit the context, as the server counts them (a longer one would be refused with a 400 every time a client
+    sends it); their token counts; how many were passed over."""
     chosen, lengths, skipped = [], [], 0
     for p in ordered:
         k = len(srv.server.encode_prompt(p, chat))
-        if k + max_tokens - 1 > max_seq_len:
+        if k > max_prompt_tokens or k + max_tokens - 1 > max_seq_len:
             skipped += 1
             continue
         chosen.append(p)
         lengths.append(k)
         if len(chosen) == n:
             return chosen, lengths, skipped
-    raise BenchFailure(f"only {len(chosen)} of the prompts fit --max-seq-len {max_seq_len} with --max-tokens "
-                       f"{max_tokens}, --num-prompts asks for {n}")
+    raise BenchFailure(f"only {len(chosen)} of the prompts have at most --max-prompt-tokens {max_prompt_tokens} tokens and "
+                       f"fit --max-seq-len {max_seq_len} with --max-tokens {max_tokens}; --num-prompts asks for {n}")
 
 
 # ---- the clients (worker processes) ------------------------------------------------------------------------
@@ -225,6 +230,8 @@ async def _one_client(client, cid: int, job: dict, out: list) -> None:
                     text = c.delta.content if job["endpoint"] == "chat" else c.text
                     if text:
                         rec["chunks"].append(now)
+                        if job.get("keep_text"):
+                            rec["text"] = rec.get("text", "") + text
                     if c.finish_reason:
                         rec["finish"] = c.finish_reason
             if rec["tokens"] is None:
@@ -575,7 +582,8 @@ def run(args, argv: list[str]) -> int:
             info = dict(srv.server.info)
             sched = srv.scheduler
             prompts, prompt_tokens, skipped = select_prompts(srv, ordered, args.num_prompts, chat=args.endpoint == "chat",
-                                                             max_tokens=args.max_tokens, max_seq_len=info["max_seq_len"])
+                                                             max_tokens=args.max_tokens, max_seq_len=info["max_seq_len"],
+                                                             max_prompt_tokens=args.max_prompt_tokens)
             print(f"serve_load: ready in {ready_s:.1f} s ({info['regime']} residency {info['resident']}/"
                   f"{info['num_experts']}, {info['executor']}, {info['device']}, max batch {info['max_batch']})",
                   flush=True)
@@ -610,7 +618,8 @@ def run(args, argv: list[str]) -> int:
                                  "num_prompts": len(prompts), "seed": args.seed,
                                  "prompt_tokens": {"min": min(prompt_tokens), "mean": sum(prompt_tokens) / len(prompt_tokens),
                                                    "max": max(prompt_tokens)},
-                                 "prompts_skipped_too_long": skipped, "max_tokens": args.max_tokens, "temperature": 0.0,
+                                 "prompts_skipped_too_long": skipped,
+                                 "max_prompt_tokens": args.max_prompt_tokens, "max_tokens": args.max_tokens, "temperature": 0.0,
                                  "stream": True, "include_usage": True, "duration_s": args.duration_s,
                                  "clients": list(args.clients), "client": f"openai {client_version} AsyncOpenAI",
                                  "client_procs": args.client_procs, "max_requests_per_client": args.max_requests},
@@ -620,11 +629,15 @@ def run(args, argv: list[str]) -> int:
 
             # The first request after ready, alone and untimed by the windows: what a server's first user waits
             # (a cost left out of warm-up shows here instead of in the first window)
-            now = time.monotonic()
-            r = pool.submit(client_worker, dict(job, clients=1, client_ids=[0], max_requests=1, t_start=now,
-                                                t_end=now + args.request_timeout_s)).result(args.request_timeout_s + 60)[0]
+            def alone() -> dict:
+                now = time.monotonic()
+                return pool.submit(client_worker, dict(job, clients=1, client_ids=[0], max_requests=1, keep_text=True,
+                                                       t_start=now, t_end=now + args.request_timeout_s)
+                                   ).result(args.request_timeout_s + 60)[0]
+
+            r = alone()
             first = {"ttft_s": r["chunks"][0] - r["t_send"] if r["chunks"] else None, "e2e_s": r["t_done"] - r["t_send"],
-                     "completion_tokens": r["tokens"], "error": r["error"]}
+                     "completion_tokens": r["tokens"], "error": r["error"], "answer_unchanged_at_end": None}
             print(f"serve_load: first request: {first['e2e_s']:.2f} s"
                   + (f", first token after {first['ttft_s']:.3f} s" if first["ttft_s"] is not None else "")
                   + (f", error {first['error']}" if first["error"] else ""), flush=True)
@@ -644,6 +657,15 @@ def run(args, argv: list[str]) -> int:
                       flush=True)
                 # written after every client count: a run stopped by its time limit keeps the points it measured
                 write_json(out, record(points, first, complete=c == args.clients[-1]))
+            # The offline runs used the served engine (its KV cache, its expert cache) between scheduler steps: the
+            # first request, sent again alone and greedy, must get the same answer
+            srv.wait_idle()
+            again = alone()
+            first["answer_unchanged_at_end"] = (r["error"] is None and again["error"] is None
+                                                and again.get("text") == r.get("text"))
+            if not first["answer_unchanged_at_end"]:
+                print("serve_load: WARNING: the first request, sent again at the end, got a different answer "
+                      f"({again.get('error') or 'text differs'})", flush=True)
             rec = record(points, first, complete=True)
         finally:
             pool.shutdown(wait=True, cancel_futures=True)
