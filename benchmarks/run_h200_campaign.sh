@@ -15,6 +15,10 @@
 # Runs with PYTHONPATH=. (the package is not installed there) and imports no jsonschema/snakemake.
 # RUNMAP_SPEC=<spec> runs another campaign spec; RUNMAP_MODELS=olmoe prepares only OLMoE; RUNMAP_ONLY=<regex>
 # passes --only to the bench.
+# RUNMAP_DIRECT="NAME=PRESET ..." replaces step 1: for each pair it synthesizes a pack directly, without a
+# checkpoint (`runmap synth --direct-pack`: random INT4 codes, labelled in the manifest and in every record; speed
+# runs at real dimensions) as $WORK/pk-NAME, unless a machine left warm still holds it, and passes
+# --pack NAME=$WORK/pk-NAME. Used with specs/campaigns/h200-families.yaml (benchmarks/README.md has the calls).
 set -uo pipefail
 BUDGET=${1:-565}
 T0=$(date +%s)
@@ -51,6 +55,36 @@ else:
 EOF
 }
 
+PACKS=()
+if [ -n "${RUNMAP_DIRECT:-}" ]; then
+  echo "[$(elapsed)s] synthesizing packs directly in $WORK: $RUNMAP_DIRECT"
+  FREE_GB=$(df --output=avail -B1G "$WORK" | tail -1 | tr -d ' ')
+  if [ "${FREE_GB:-0}" -lt 30 ]; then  # Mixtral's pack is ~26 GB: drop this script's packs that this call does not use
+    for d in "$WORK"/pk-*; do
+      [ -d "$d" ] || continue
+      case " $RUNMAP_DIRECT " in *" ${d##*/pk-}="*) ;; *) echo "removing $d (disk)"; rm -rf "$d";; esac
+    done
+  fi
+  df -h "$WORK" | tail -1
+  R1=0; R2=0
+  for pair in $RUNMAP_DIRECT; do
+    name=${pair%%=*}; preset=${pair#*=}
+    if [ -f "$WORK/pk-$name/manifest.json" ] && python3 -c '
+import json, sys
+m = json.load(open(sys.argv[1] + "/manifest.json"))
+sys.exit(0 if (m.get("synthesized") or {}).get("preset") == sys.argv[2] else 1)' "$WORK/pk-$name" "$preset"; then
+      echo "$name: pack already present ($WORK/pk-$name, $preset)" | tee "$OUT/prepare-$name.log"
+      PACKS+=(--pack "$name=$WORK/pk-$name")
+    elif python3 -m runmap synth "$WORK/pk-$name" --preset "$preset" --direct-pack --force --no-progress \
+        > "$OUT/prepare-$name.log" 2>&1; then
+      tail -1 "$OUT/prepare-$name.log"
+      PACKS+=(--pack "$name=$WORK/pk-$name")
+    else
+      echo "$name: direct synthesis failed:"; tail -3 "$OUT/prepare-$name.log"
+    fi
+    echo "[$(elapsed)s] $name prepared"
+  done
+else
 echo "[$(elapsed)s] preparing checkpoints and packs in $WORK"
 df -h "$WORK" | tail -1
 # Both chains at once need ~53 GiB of disk at peak (12.9 + 26.7 GiB checkpoints, 3.9 + 9.3 GiB packs); one
@@ -75,9 +109,9 @@ fi
 tail -2 "$OUT/prepare-olmoe.log" "$OUT/prepare-qwen.log"
 echo "[$(elapsed)s] prepare exit codes: olmoe $R1, qwen $R2"
 
-PACKS=()
 [ "$R1" = 0 ] && PACKS+=(--pack "olmoe=$WORK/pk-olmoe")
 [ "$R2" = 0 ] && PACKS+=(--pack "qwen=$WORK/pk-qwen")
+fi
 ONLY="${RUNMAP_ONLY:-}"
 if [ -z "$ONLY" ] && [ "$R1" != 0 ] && [ "$R2" = 0 ]; then ONLY="^qwen__"; fi
 if [ -z "$ONLY" ] && [ "$R2" != 0 ] && [ "$R1" = 0 ]; then ONLY="^olmoe__"; fi
@@ -126,12 +160,15 @@ s = json.loads((d / "campaign.json").read_text())
 print(f"done {len(s['done'])}, failed {len(s['failed'])}, skipped {len(s['skipped'])}, copy bw {s['copy_bandwidth_gb_s'].get('value')}")
 for f in s["failed"]:
     print("FAILED", f["id"], f["error"][:300])
-print(f"{'config':58s} {'dec tok/s':>9s} {'peak GiB':>8s} {'hit':>5s} {'xfloor':>6s}")
+print(f"{'config':58s} {'dec tok/s':>9s} {'peak GiB':>8s} {'hit':>5s} {'xfloor':>6s} {'xbound':>6s} {'h2d GB/s':>8s}")
+nan = float("nan")
 for p in sorted((d / "records").glob("*.json")):
     r = json.loads(p.read_text())
     m, h, fl = r["memory"]["peak_allocated_bytes"], r["cache_stats"]["hit_rate"], r["ratios"]["decode_vs_byte_floor"]
+    xb = r["ratios"].get("decode_vs_transfer_bound", {})
     print(f"{r['id']:58s} {r['timing']['decode_tok_s']['median']:9.1f} "
-          f"{m.get('value', 0) / 2**30 if m['status'] == 'OBSERVED' else float('nan'):8.2f} "
-          f"{h.get('value', float('nan')):5.2f} {fl.get('value', float('nan')):6.3f}")
+          f"{m.get('value', 0) / 2**30 if m['status'] == 'OBSERVED' else nan:8.2f} "
+          f"{h.get('value', nan):5.2f} {fl.get('value', nan):6.3f} {xb.get('value', nan):6.3f} "
+          f"{r['h2d']['gb_s'].get('value', nan):8.2f}")
 EOF
 echo "[$(elapsed)s] end"

@@ -66,7 +66,7 @@ RECORD_VERSION = "bench-record-v1"
 DEFAULT_PARAMS = {"repeats": 3, "warmup": 1, "warmup_new_tokens": 4, "policy": "lru", "seed": 0,
                   "cuda_graphs": True, "fused": True, "skip_experts": False, "check": False,
                   "check_prompt_len": 24, "check_tolerance": 0.01, "routing": "model",
-                  "cache_contract": "v1"}
+                  "cache_contract": "v1", "gpu_budget": None}
 VARIANT_PARAMS = ("cuda_graphs", "fused", "skip_experts", "routing", "cache_contract")
 CHECK_EXECUTOR = "reference"
 
@@ -149,7 +149,7 @@ class BenchConfig:
         """Configurations with equal keys can share one engine instance."""
         p = self.p
         return (self.model, self.kind, self.executor, self.resident, p.get("max_batch"), p.get("max_seq_len"),
-                p.get("policy")) + tuple(p.get(k) for k in VARIANT_PARAMS)
+                p.get("policy"), p.get("gpu_budget")) + tuple(p.get(k) for k in VARIANT_PARAMS)
 
 
 def _fused_tuple(v) -> tuple:
@@ -183,14 +183,62 @@ def variant_tag(p: dict) -> str:
     return ".".join(parts) or "default"
 
 
-def config_id(model: str, kind: str, executor: str, resident: int, batch: int, prompt_len: int, decode_len: int,
+def config_id(model: str, kind: str, executor: str, resident: int | str, batch: int, prompt_len: int, decode_len: int,
               variant: str = "default") -> str:
-    cid = f"{model}__{kind}__{executor}__r{resident}__b{batch}__p{prompt_len}__d{decode_len}"
+    """resident: experts per layer (``r<N>``), or the tag of a GPU budget (``budget-16gib``: the plan decides N,
+    which the record's config.resident then gives)."""
+    res = f"r{resident}" if isinstance(resident, int) else resident
+    cid = f"{model}__{kind}__{executor}__{res}__b{batch}__p{prompt_len}__d{decode_len}"
     return cid if variant == "default" else f"{cid}__{variant}"
 
 
-def expand(spec: dict) -> list[BenchConfig]:
-    """Every configuration of the spec in run order, duplicates (same id) dropped."""
+BUDGET_RESIDENT = "budget"  # a group's `resident` when its run parameter gpu_budget decides the residency
+
+
+def budget_tag(nbytes: int) -> str:
+    """'budget-16gib' for 16 GiB (binary units when exact, else bytes): the id part of a budget configuration."""
+    for shift, unit in ((40, "tib"), (30, "gib"), (20, "mib")):
+        if nbytes % (1 << shift) == 0:
+            return f"budget-{nbytes >> shift}{unit}"
+    return f"budget-{nbytes}b"
+
+
+def _budgets(v, group: str) -> list[int]:
+    """The gpu_budget run parameter (a size, e.g. "16GiB", or a list of sizes) as bytes."""
+    from runmap.engine.budget import BudgetError, parse_size
+
+    try:
+        return [parse_size(x) if isinstance(x, str) else int(x) for x in _as_list(v)]
+    except (BudgetError, TypeError, ValueError) as e:
+        raise BenchError(f"group {group!r}: gpu_budget: {e}") from None
+
+
+def nonrouted_fp16_bytes(cfg: ModelConfig) -> int:
+    """FP16 bytes of the non-routed tensors (a pack's non-routed file less its small header)."""
+    return sum(2 * int(torch.Size(s).numel()) for s in cfg.adapter.nonrouted_tensors(cfg).values())
+
+
+def plan_budget(cfg: ModelConfig, budget: int, max_batch: int, max_seq_len: int, pack: str | None = None):
+    """The engine's GPU-budget plan (runmap.engine.budget) of a configuration: from the pack's manifest when the
+    pack is at hand, else from the preset (block 256, the non-routed FP16 bytes without the file's header; the
+    engine builder checks that the pack's own plan agrees)."""
+    from runmap.engine.budget import BudgetError, plan, plan_for_pack
+    from runmap.format.packfile import is_pack_dir
+    from runmap.format.qpack import DEFAULT_BLOCK_SIZE, RowLayout
+
+    try:
+        if pack and is_pack_dir(Path(pack)):
+            return plan_for_pack(pack, budget, max_batch=max_batch, max_seq_len=max_seq_len)
+        row_bytes = RowLayout.build(cfg.hidden_size, cfg.moe_intermediate_size, DEFAULT_BLOCK_SIZE).row_bytes
+        return plan(cfg, row_bytes, nonrouted_fp16_bytes(cfg), budget, max_batch=max_batch, max_seq_len=max_seq_len)
+    except BudgetError as e:
+        raise BenchError(str(e)) from None
+
+
+def expand(spec: dict, packs: dict | None = None) -> list[BenchConfig]:
+    """Every configuration of the spec in run order, duplicates (same id) dropped. ``packs`` (model -> pack
+    directory, the spec's own ``pack`` entries otherwise) lets a gpu_budget configuration take its residency from
+    the pack's manifest; without one it comes from the preset."""
     defaults = {**DEFAULT_PARAMS, **spec.get("defaults", {})}
     presets = {name: load_preset(m["preset"])[0] for name, m in spec["models"].items()}
     out: dict[str, BenchConfig] = {}
@@ -199,11 +247,22 @@ def expand(spec: dict) -> list[BenchConfig]:
         for model in g["models"]:
             cfg = presets[model]
             e = cfg.num_experts
+            budgets = _budgets(params["gpu_budget"], g["name"]) if params.get("gpu_budget") is not None else []
             if g["kind"] == "engine":
                 residents = [e if r == "full" else r for r in _as_list(g["resident"])]
                 executors = g["executors"]
+                if budgets or BUDGET_RESIDENT in residents:
+                    if residents != [BUDGET_RESIDENT] or not budgets:
+                        raise BenchError(f"group {g['name']!r}: a GPU budget decides the residency: give resident: "
+                                         f"{BUDGET_RESIDENT} together with the run parameter gpu_budget (and no other "
+                                         f"resident), got resident {g['resident']!r}, gpu_budget "
+                                         f"{params.get('gpu_budget')!r}")
+                    residents = []
             else:
                 residents, executors = [e], ["hf-bf16" if g["kind"] == "hf-bf16" else "torch-fp16"]
+                if budgets:
+                    raise BenchError(f"group {g['name']!r}: gpu_budget is an engine option; a {g['kind']} baseline "
+                                     "runs its own path")
             for r in residents:
                 if r > e:
                     raise BenchError(f"group {g['name']!r}: resident {r} > {e} experts per layer of {model}")
@@ -225,13 +284,16 @@ def expand(spec: dict) -> list[BenchConfig]:
             if gp["check"] and gp["skip_experts"]:
                 raise BenchError(f"group {g['name']!r}: check with skip_experts compares zeroed experts with the "
                                  "reference; drop one of them")
-            # spec order is run order (put what matters most first: a --deadline-s run skips the tail)
-            for r, ex, b, pl, dl in itertools.product(residents, executors, _as_list(g["batch"]),
-                                                      _as_list(g["prompt_len"]), _as_list(g["decode_len"])):
+            # spec order is run order (put what matters most first: a --deadline-s run skips the tail); a budget
+            # entry's residency is planned below, once the engine's capacity (max_batch, max_seq_len) is known
+            entries = [(r, None) for r in residents] + [(-1, nb) for nb in budgets]
+            for (r, nb), ex, b, pl, dl in itertools.product(entries, executors, _as_list(g["batch"]),
+                                                            _as_list(g["prompt_len"]), _as_list(g["decode_len"])):
                 p = dict(gp)
+                p["gpu_budget"] = nb
                 p.setdefault("max_batch", None)
                 p.setdefault("max_seq_len", None)
-                cid = config_id(model, g["kind"], ex, r, b, pl, dl, variant_tag(p))
+                cid = config_id(model, g["kind"], ex, r if nb is None else budget_tag(nb), b, pl, dl, variant_tag(p))
                 if cid not in out:
                     out[cid] = BenchConfig(cid, g["name"], g["kind"], model, spec["models"][model]["preset"], ex, r, e,
                                            b, pl, dl, tuple(sorted(p.items())))
@@ -255,7 +317,14 @@ def expand(spec: dict) -> list[BenchConfig]:
             raise BenchError(f"{c.id}: batch/lengths exceed max_batch={p['max_batch']} / max_seq_len={p['max_seq_len']}")
         if p["check"] and p["check_prompt_len"] > p["max_seq_len"]:
             raise BenchError(f"{c.id}: check_prompt_len {p['check_prompt_len']} exceeds max_seq_len={p['max_seq_len']}")
-        done.append(dataclasses.replace(c, params=tuple(sorted(p.items()))))
+        resident = c.resident
+        if p["gpu_budget"] is not None:
+            pack = (packs or {}).get(c.model) or spec["models"][c.model].get("pack")
+            try:
+                resident = plan_budget(presets[c.model], p["gpu_budget"], p["max_batch"], p["max_seq_len"], pack).resident
+            except BenchError as e:
+                raise BenchError(f"{c.id}: {e}") from None
+        done.append(dataclasses.replace(c, resident=resident, params=tuple(sorted(p.items()))))
     # Group configurations sharing an engine together (stable within a key): first-appearance order.
     order: dict[tuple, int] = {}
     for c in done:
@@ -543,6 +612,11 @@ def run_config(engine: BenchEngine, c: BenchConfig, model_cfg: ModelConfig, ctx:
             "skip_experts": bool(p["skip_experts"]),
             "routing": engine.routing if c.kind != "hf-bf16" else None,
             "cache_contract": p["cache_contract"] if is_engine else None,
+            # --gpu-budget: the budget asked for (bytes) and the engine's plan of it, which set `resident`
+            "gpu_budget": p.get("gpu_budget"),
+            "budget_plan": engine_info.get("budget_plan"),
+            # where the weights came from: a packed checkpoint, a pack synthesized directly, transformers' init
+            "weights": engine_info.get("weights"),
         },
         "device": ctx.device_info,
         "software": ctx.software,
@@ -565,7 +639,7 @@ def run_config(engine: BenchEngine, c: BenchConfig, model_cfg: ModelConfig, ctx:
         "byte_floor": floor,
         "ratios": {"decode_vs_byte_floor": bm.ratio(bm.observed(dec_stats["median"]), floor["floor_decode_tok_s"],
                                                     "decode tok/s over byte floor")},
-        "engine": {**{k: v for k, v in engine_info.items() if k not in ("pack", "checkpoint")},
+        "engine": {**{k: v for k, v in engine_info.items() if k not in ("pack", "checkpoint", "budget_plan")},
                    "timed_wall_s": sw.seconds, "reported_executor": s1.executor,
                    "cuda_graphs": s1.cuda_graphs, "fused_ops": list(s1.fused), "skip_experts": s1.skip_experts,
                    "warmup_new_tokens": warm_tokens if p["warmup"] else 0,
@@ -573,6 +647,8 @@ def run_config(engine: BenchEngine, c: BenchConfig, model_cfg: ModelConfig, ctx:
     }
     if routing_rec is not None:
         rec["routing"] = routing_rec
+    if engine_info.get("weights_note"):
+        notes.append(engine_info["weights_note"])
     if p["skip_experts"]:
         notes.append("profiling variant: routed experts return zeros (decode time without the expert GEMVs); "
                      "outputs are not the model's")
@@ -672,13 +748,22 @@ class EngineBuilder:
 
     def __call__(self, c: BenchConfig, model_entry: dict, device: torch.device) -> tuple[BenchEngine, dict]:
         p = c.p
+        budget = p.get("gpu_budget")
+        if budget is None and device.type == "cuda":
+            # an engine built with a GPU budget capped torch's allocator for the whole process: lift the cap,
+            # or a later configuration of the same run (full residency, the transformers baseline) would inherit it
+            torch.cuda.set_per_process_memory_fraction(1.0, device)
         if c.kind == "hf-bf16":
             from runmap.bench.baselines import HFBaseline
 
             cfg = load_preset(c.preset)[0]
             hf = HFBaseline(cfg, device=device, checkpoint=model_entry.get("checkpoint"), seed=p["seed"])
-            return HFTarget(hf, cfg, device), {"checkpoint": model_entry.get("checkpoint"), "pack": None,
-                                               "block_size": None, "load_s": hf.load_s, "weights": hf.weights_source}
+            info = {"checkpoint": model_entry.get("checkpoint"), "pack": None, "block_size": None, "load_s": hf.load_s,
+                    "weights": hf.weights_source}
+            if not model_entry.get("checkpoint"):
+                info["weights_note"] = (f"speed only: {hf.weights_source} on the device, not the pack's weights "
+                                        "(its speed depends on shapes, not on values)")
+            return HFTarget(hf, cfg, device), info
         from runmap.engine.engine import Engine
 
         pack = model_entry.get("pack")
@@ -689,14 +774,24 @@ class EngineBuilder:
         t0 = time.perf_counter()
         eng = Engine.from_pack(
             pack, executor=c.executor if c.kind == "engine" else "grouped",
-            resident=None if c.regime == "full" else c.resident, device=device, max_batch=p["max_batch"],
+            resident=None if (c.regime == "full" or budget is not None) else c.resident, gpu_budget=budget,
+            device=device, max_batch=p["max_batch"],
             max_seq_len=p["max_seq_len"], policy=p["policy"], expert_format="int4" if c.kind == "engine" else "fp16",
-            cuda_graphs=bool(p["cuda_graphs"]), fused=tuple(p["fused"]), skip_experts=bool(p["skip_experts"]),
+            cuda_graphs=bool(p["cuda_graphs"]),
+            # the default set as True, not as its list: the engine then drops what a family cannot fuse (the
+            # prologue of per-head q/k norms, Qwen3), where an explicit list naming it is refused
+            fused=True if tuple(p["fused"]) == _fused_tuple(True) else tuple(p["fused"]),
+            skip_experts=bool(p["skip_experts"]),
             host_source=shared, routing=p["routing"], routing_seed=p["seed"], cache_contract=p["cache_contract"],
             # the replayed hit rates of partial residency need the routes that ran (full residency has no misses)
             record_routes=c.kind == "engine" and c.regime != "full")
         bm.sync(device)
         load_s = time.perf_counter() - t0
+        if budget is not None and eng.budget_plan.resident != c.resident:
+            eng.close()
+            raise BenchError(f"{c.id}: the pack's GPU-budget plan keeps {eng.budget_plan.resident} experts per layer, "
+                             f"the configuration was planned with {c.resident} (give --pack so that both read the "
+                             "pack's manifest)")
         if eng.host_source is not None:
             self.host_sources.setdefault(key, eng.host_source)
         info = {"pack": str(pack), "checkpoint": model_entry.get("checkpoint"), "block_size": _block_size(pack),
@@ -706,6 +801,15 @@ class EngineBuilder:
                 "host_source": ("reused: built and hash-verified by an earlier engine of this run" if shared is not None
                                 else "built by this engine"),
                 "eos_stopping": "off (Engine.run ignore_eos: every row decodes decode_len tokens)"}
+        if eng.budget_plan is not None:
+            info["budget_plan"] = eng.budget_plan.to_dict()
+        from runmap.synth.direct_pack import synthesized_label
+
+        label = synthesized_label(pack)
+        info["weights"] = "packed checkpoint"
+        if label is not None:  # never mistaken for a packed checkpoint
+            info["weights"] = f"synthesized-direct pack (seed {label.get('seed')})"
+            info["weights_note"] = f"speed only: {label.get('note')}"
         return eng, info
 
 
@@ -829,7 +933,7 @@ def run_campaign(spec: dict, out_root: Path, *, configs: list[BenchConfig] | Non
     if existing and not overwrite:
         raise OutputExistsError(f"{camp_dir} already holds a campaign ({', '.join(existing)}); nothing written "
                                 "(pass --overwrite to replace it, or choose another --out)")
-    configs = expand(spec) if configs is None else configs
+    configs = expand(spec, packs) if configs is None else configs
     dev = bm.resolve_device(device or spec["device"])
     models = {k: dict(v) for k, v in spec["models"].items()}
     for k, v in (packs or {}).items():

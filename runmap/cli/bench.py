@@ -6,6 +6,7 @@ import shlex
 import sys
 from pathlib import Path
 
+from runmap.engine.budget import size_argument
 from runmap.workload.routing import ROUTING_HELP, routing_argument
 
 HELP = "run a benchmark campaign (specs/campaigns/*.yaml): one JSON record per configuration"
@@ -29,6 +30,7 @@ never replaces an existing campaign (its output stays in the hidden directory, w
 Examples:
   runmap bench specs/campaigns/default.yaml
   runmap bench specs/campaigns/h200.yaml --out $OUT --pack olmoe=/data/olmoe-pack --only 'olmoe.*b1_'
+  runmap bench specs/campaigns/h200-partial.yaml --pack olmoe=/data/olmoe-pack --gpu-budget 6GiB --only '^olmoe'
   runmap bench specs/campaigns/h200.yaml --out $OUT --pack olmoe=/data/olmoe-pack \
       --only '^olmoe__(engine__grouped|hf-bf16__hf-bf16)__r64__b1__p32__d256$'    (the README's headline)
 Exit status: 0 all configurations ran; 1 a configuration failed, a bad spec, or refused because the campaign
@@ -77,6 +79,11 @@ def add_arguments(p) -> None:
     p.add_argument("--device", choices=["cpu", "cuda", "auto"], help="override the spec's device")
     p.add_argument("--routing", type=routing_argument, metavar="NAME", help="routing workload of every engine group "
                    "(overrides the spec's run parameter; records carry config.routing). " + ROUTING_HELP)
+    p.add_argument("--gpu-budget", action="append", type=size_argument, metavar="SIZE",
+                   help="engine groups whose resident is not just `full` run under this GPU budget instead (e.g. 16GiB; "
+                        "repeatable: one configuration per budget): the engine's plan (runmap.engine.budget) decides the "
+                        "resident experts per layer, the record's config carries gpu_budget, budget_plan and resident; "
+                        "full-residency groups stay (the transfer bound's reference). Overrides the spec's gpu_budget")
     p.add_argument("--deadline-s", type=_seconds, help="start no configuration after this many seconds (the rest is "
                    "listed as skipped in campaign.json)")
     p.add_argument("--keep-going", action="store_true", help="record a failing configuration in campaign.json "
@@ -101,10 +108,15 @@ def run(args) -> int:
             for g in spec["groups"]:
                 if g["kind"] == "engine":
                     g["params"] = {**g.get("params", {}), "routing": args.routing}
+        if args.gpu_budget:
+            for g in spec["groups"]:
+                if g["kind"] == "engine" and g["resident"] not in ("full", ["full"]):
+                    g["resident"] = "budget"
+                    g["params"] = {**g.get("params", {}), "gpu_budget": list(args.gpu_budget)}
         packs, checkpoints = _pairs(args.pack, "--pack"), _pairs(args.checkpoint, "--checkpoint")
         check_model_names(spec, packs, "--pack")
         check_model_names(spec, checkpoints, "--checkpoint")
-        configs = filter_configs(expand(spec), args.only)
+        configs = filter_configs(expand(spec, packs), args.only)
     except UsageError as e:
         return fail(e, EXIT_USAGE)
     except BenchError as e:
