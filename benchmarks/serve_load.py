@@ -549,6 +549,12 @@ def run(args, argv: list[str]) -> int:
     out = Path(args.out)
     if out.is_dir():
         raise BenchFailure(f"--out {out}: is a directory (give the JSON file to write)")
+    try:  # before the engine loads: an output that cannot be written fails now, not after the windows
+        out.parent.mkdir(parents=True, exist_ok=True)
+    except OSError as e:
+        raise BenchFailure(f"--out {out}: cannot create {out.parent}: {e.strerror or e}") from None
+    if not os.access(out.parent, os.W_OK):
+        raise BenchFailure(f"--out {out}: {out.parent} is not writable")
     max_batch = args.max_batch or max(args.clients)
     ordered = load_prompts(Path(args.prompts), args.num_prompts, args.seed)
     resident = args.resident
@@ -641,7 +647,6 @@ def run(args, argv: list[str]) -> int:
             print(f"serve_load: first request: {first['e2e_s']:.2f} s"
                   + (f", first token after {first['ttft_s']:.3f} s" if first["ttft_s"] is not None else "")
                   + (f", error {first['error']}" if first["error"] else ""), flush=True)
-            out.parent.mkdir(parents=True, exist_ok=True)
             points = []
             for c in args.clients:
                 srv.wait_idle()
@@ -692,8 +697,12 @@ def main(argv: list[str] | None = None) -> int:
         print(f"serve_load: missing Python package {e.name!r} (runmap serve needs fastapi, uvicorn, pydantic, "
               f"prometheus-client, markdown-it-py; the clients need openai and httpx)", file=sys.stderr)
         return 1
+    except OSError as e:  # writing the record or the plot
+        print(f"serve_load: {getattr(e, 'filename', None) or args.out}: {e.strerror or e}", file=sys.stderr)
+        return 1
     except KeyboardInterrupt:
-        print("serve_load: interrupted", file=sys.stderr)
+        print(f"serve_load: interrupted (the record at {args.out}, if any, holds the client counts measured)",
+              file=sys.stderr)
         return 130
 
 

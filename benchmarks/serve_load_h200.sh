@@ -10,9 +10,9 @@
 #    seed 0 then `runmap pack`, both on the GPU; the checkpoint is deleted once packed; ~75 s), or reuses
 #    $WORK/pk-olmoe when a warm machine already has it (the campaign script's path);
 # 3. full residency: 1, 8, 32 and 64 concurrent streaming clients x 60 s (max batch 64), each compared with
-#    the engine's offline batch decode at the same batch -> $OUT/serve-load-olmoe-full.{json,png,log};
+#    the engine's offline batch decode at the same batch -> $OUT/serve/load/h200-olmoe-full.{json,png,log};
 # 4. partial residency (30 of 64 experts per layer): 8 clients x 30 s (max batch 8)
-#    -> $OUT/serve-load-olmoe-r30.{json,png,log}; skipped with a message when the budget has no room left.
+#    -> $OUT/serve/load/h200-olmoe-r30.{json,png,log}; skipped with a message when the budget has no room left.
 #
 # Settings (environment): BUDGET_S (default 535: the whole script), RUNMAP_WORK (default /tmp/runmap-h200),
 # FULL_CLIENTS (1,8,32,64), FULL_DURATION_S (60), PARTIAL_RESIDENT (30), PARTIAL_CLIENTS (8),
@@ -22,7 +22,8 @@
 #   OUT=/tmp/o RUNMAP_WORK=/tmp/w RUNMAP_PRESET_OLMOE=tiny-olmoe RUNMAP_PREP_DEVICE=cpu TRITON_INTERPRET=1 \
 #   SERVE_LOAD_ARGS="--executor reference --device cpu --max-seq-len 256" FULL_CLIENTS=1,2 FULL_DURATION_S=2 \
 #   PARTIAL_RESIDENT=4 PARTIAL_CLIENTS=2 PARTIAL_DURATION_S=2 MAX_TOKENS=4 bash benchmarks/serve_load_h200.sh
-# Commit the records under results/serve/load/ (schemas/serve-load.schema.json) with the command they name.
+# Commit the records: cp $OUT/serve/load/h200-olmoe-*.json (and the plots) results/serve/load/ (`runmap validate
+# $OUT` checks them in place).
 set -uo pipefail
 T0=$(date +%s)
 : "${OUT:?set OUT to the directory the results are written to}"
@@ -42,12 +43,13 @@ PREP_DEVICE=${RUNMAP_PREP_DEVICE:-cuda}
 export PYTHONUNBUFFERED=1 PYTHONPATH=${PYTHONPATH:-.}
 elapsed() { echo $(( $(date +%s) - T0 )); }
 [ -f benchmarks/serve_load.py ] || { echo "serve_load_h200.sh: run it from the repository root"; exit 1; }
-mkdir -p "$OUT" "$WORK"
+REC="$OUT/serve/load"  # as results/serve/load/ (schemas/serve-load.schema.json claims serve/load/*.json)
+mkdir -p "$OUT" "$WORK" "$REC"
 
 # --- 1. packages -------------------------------------------------------------------------------------------
 # the pins of pyproject.toml (runmap serve and its tests); pip takes their dependencies from wheels/ too
 PINS="fastapi==0.165.0 uvicorn==0.54.0 pydantic==2.14.4 prometheus-client==0.26.0 openai==3.57.0 httpx==0.28.1"
-MODULES="fastapi uvicorn pydantic prometheus_client openai httpx matplotlib"
+MODULES="fastapi uvicorn pydantic prometheus_client openai httpx"
 missing() {
   python3 - $MODULES <<'EOF'
 import importlib.util, sys
@@ -65,6 +67,14 @@ fi
 if [ -n "$MISSING" ]; then
   echo "serve_load_h200.sh: missing Python packages: $MISSING ($(python3 -V)); put their wheels (and their dependencies') in ./wheels/ or install $PINS"
   exit 1
+fi
+
+# the plots are optional: without matplotlib the records are still written
+PLOT_FULL=() PLOT_PARTIAL=()
+if python3 -c "import matplotlib" 2>/dev/null; then
+  PLOT_FULL=(--plot "$REC/h200-olmoe-full.png") PLOT_PARTIAL=(--plot "$REC/h200-olmoe-r$PARTIAL_RESIDENT.png")
+else
+  echo "matplotlib not installed: records without plots"
 fi
 
 # --- 2. the pack ---------------------------------------------------------------------------------------------
@@ -96,8 +106,8 @@ LIMIT=$(( BUDGET - $(elapsed) - PARTIAL_NEED ))
 echo "[$(elapsed)s] full residency: clients $FULL_CLIENTS x ${FULL_DURATION} s (limit ${LIMIT} s)"
 timeout --signal=INT --kill-after=15 "$LIMIT" python3 benchmarks/serve_load.py "${COMMON[@]}" \
   --clients "$FULL_CLIENTS" --duration-s "$FULL_DURATION" \
-  --out "$OUT/serve-load-olmoe-full.json" --plot "$OUT/serve-load-olmoe-full.png" --label "h200 olmoe full residency" \
-  2>&1 | tee "$OUT/serve-load-olmoe-full.log"
+  --out "$REC/h200-olmoe-full.json" "${PLOT_FULL[@]}" --label "h200 olmoe full residency" \
+  2>&1 | tee "$REC/h200-olmoe-full.log"
 echo "[$(elapsed)s] full residency: exit ${PIPESTATUS[0]}"
 
 # --- 4. partial residency --------------------------------------------------------------------------------------
@@ -110,10 +120,10 @@ else
   echo "[$(elapsed)s] partial residency $PARTIAL_RESIDENT: $PARTIAL_CLIENTS clients x ${PARTIAL_DURATION} s (limit ${LEFT} s)"
   timeout --signal=INT --kill-after=15 "$LEFT" python3 benchmarks/serve_load.py "${COMMON[@]}" \
     --resident "$PARTIAL_RESIDENT" --clients "$PARTIAL_CLIENTS" --duration-s "$PARTIAL_DURATION" \
-    --max-batch "$PARTIAL_CLIENTS" --out "$OUT/serve-load-olmoe-r$PARTIAL_RESIDENT.json" \
-    --plot "$OUT/serve-load-olmoe-r$PARTIAL_RESIDENT.png" --label "h200 olmoe partial residency $PARTIAL_RESIDENT" \
-    2>&1 | tee "$OUT/serve-load-olmoe-r$PARTIAL_RESIDENT.log"
+    --max-batch "$PARTIAL_CLIENTS" --out "$REC/h200-olmoe-r$PARTIAL_RESIDENT.json" \
+    "${PLOT_PARTIAL[@]}" --label "h200 olmoe partial residency $PARTIAL_RESIDENT" \
+    2>&1 | tee "$REC/h200-olmoe-r$PARTIAL_RESIDENT.log"
   echo "[$(elapsed)s] partial residency: exit ${PIPESTATUS[0]}"
 fi
-ls -l "$OUT"
+ls -l "$OUT" "$REC"
 echo "[$(elapsed)s] end"

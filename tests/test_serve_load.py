@@ -142,12 +142,14 @@ def test_help_explains_what_is_measured():
     (["--packed", "{pack}", "--out", "{tmp}"], 1, "is a directory"),
     (["--packed", "{pack}", "--out", "{tmp}/r.json", "--prompts", "{tmp}/none.jsonl"], 1, "cannot read"),
     (["--packed", "{pack}", "--out", "{tmp}/r.json", "--num-prompts", "100000"], 1, "has only"),
+    (["--packed", "{pack}", "--out", "{tmp}/file/r.json"], 1, "cannot create"),
     (["--packed", "{pack}", "--out", "{tmp}/r.json", "--clients", "1,x"], 2, "comma-separated client counts"),
     (["--packed", "{pack}", "--out", "{tmp}/r.json", "--clients", "8,8"], 2, "repeat"),
     (["--packed", "{pack}", "--out", "{tmp}/r.json", "--duration-s", "0"], 2, "> 0"),
 ])
 def test_bad_input_gets_one_line(pack, tmp_path, args, status, message, capsys):
-    mod = _module()  # in this process: a subprocess per case would import torch seven times
+    mod = _module()  # in this process: a subprocess per case would import torch each time
+    (tmp_path / "file").write_text("a file, not a folder")
     argv = [a.format(tmp=tmp_path, pack=pack) for a in args]
     try:
         rc = mod.main(argv)
