@@ -210,6 +210,24 @@ def test_run_returns_a_typed_generation_and_stats_are_typed(packs):
     assert validate_document(json.loads(json.dumps(tel)), "telemetry") == []
 
 
+def test_stats_copy_no_weights(packs, monkeypatch):
+    # a snapshot reads sizes, never tensors: dataclasses.astuple once deep-copied the whole non-routed model per
+    # call (on the GPU that cost its size in device memory, and an out-of-memory error under --gpu-budget)
+    import copy
+
+    eng = Engine.from_pack(packs["tiny-olmoe"], executor="reference", device="cpu", max_batch=1, max_seq_len=16)
+    w = eng.model.w
+    expected = sum(t.numel() * t.element_size() for t in {t.data_ptr(): t for t in [
+        w.embed, w.final_norm, w.lm_head, w.inv_freq,
+        *(getattr(lw, f) for lw in w.layers for f in vars(lw) if isinstance(getattr(lw, f), torch.Tensor))]}.values())
+
+    def no_copy(*a, **k):
+        raise AssertionError("deepcopy during stats()")
+
+    monkeypatch.setattr(copy, "deepcopy", no_copy)
+    assert eng.stats().nonrouted_bytes == w.nbytes() == expected
+
+
 def test_fp16_stats_have_no_cache(packs):
     eng = Engine.from_pack(packs["tiny-olmoe"], expert_format="fp16", device="cpu", max_batch=1, max_seq_len=16)
     st = eng.stats()

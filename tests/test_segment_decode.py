@@ -65,3 +65,32 @@ def test_teacher_forced_logits_of_the_chain_equal_full_residency(packs, test_dev
         logits[resident] = torch.stack(steps)
     full, part = logits[None], logits[4]
     assert torch.allclose(full, part, atol=1e-3 * full.abs().max().item(), rtol=0), (full - part).abs().max()
+
+
+def test_the_chain_holds_one_request_per_step_and_gives_every_one_back(packs, test_device, monkeypatch):
+    # one admission and one release per decode step (not per layer): the lease/release cost of a step is paid once
+    from runmap.engine.engine import SegmentDecoder
+
+    seg_mode = True if test_device == "cuda" else "eager"
+    executor = "grouped" if test_device == "cuda" else "reference"
+    eng = Engine.from_pack(packs["tiny-olmoe"], executor=executor, device=test_device, resident=6, max_batch=1,
+                           max_seq_len=48, routing="calibrated", segments=seg_mode)
+    cache = eng.experts.cache
+    per_step, run = [], SegmentDecoder.run
+
+    def counted(self, *a, **k):
+        before = (cache.counters["requests_admitted"], cache.counters["requests_released"])
+        out = run(self, *a, **k)
+        per_step.append((cache.counters["requests_admitted"] - before[0],
+                         cache.counters["requests_released"] - before[1]))
+        return out
+
+    eng.generate([[5, 9, 1, 4, 7]], max_new_tokens=7, ignore_eos=True)  # on CUDA: captures (warm-up chains) first
+    monkeypatch.setattr(SegmentDecoder, "run", counted)
+    eng.generate([[5, 9, 1, 4, 7]], max_new_tokens=7, ignore_eos=True)
+    assert per_step == [(1, 1)] * 6  # six decode steps after the prefill's token, each one request in and out
+    assert cache.counters["requests_released"] == cache.counters["requests_admitted"]
+    assert not cache._requests and all(not sum(c.values()) for c in cache._leased)
+    # each static table holds exactly the row table of the current generation's layer
+    for layer in range(eng.cfg.num_layers):
+        assert torch.equal(eng.experts.static_tables[layer].cpu(), cache._current.tables[layer].cpu())

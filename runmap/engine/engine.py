@@ -127,6 +127,9 @@ class CachedExperts:
         # partial residency, segment decode: per-layer row tables at fixed addresses, refreshed from each lease
         self.static_tables = None if self.full else [
             torch.full((cache.num_experts,), -1, dtype=torch.int32, device=cache.device) for _ in range(self.num_layers)]
+        # the published row table each static table was last refreshed from: a generation's tables are immutable
+        # and a layer's is replaced only when that layer publishes, so an unchanged one needs no copy
+        self.static_sources: list | None = None if self.full else [None] * self.num_layers
 
     # Full residency: one request per generate call, every layer leased whole (no miss can happen).
     def begin(self):
@@ -347,8 +350,9 @@ class SegmentDecoder(_StaticStepInputs):
     and copies layer l's ids out; segment L runs the last layer's experts and the logits. Between segments the
     host waits for one event, reads the ids from pinned memory, leases the layer's group (a miss transaction if
     needed, under the cache contract as always), copies the lease's row table into the static table on the
-    compute stream and replays the next segment; a request is released once the segment reading its rows is
-    queued (the transport's release fence orders any later copy into those rows after it).
+    compute stream when it changed since the last refresh, and replays the next segment. One request holds the
+    step's leases (one per layer) and is released once the last segment is queued (the transport's release fence
+    orders any later copy into those rows after it): one admission and one release per step, not per layer.
 
     Used when every layer's batch union fits one lease (top_k x B <= max_group); a larger batch decodes eagerly.
     ``capture=False`` runs the same chain without graphs (the CPU, and the warm-up before a capture)."""
@@ -359,10 +363,11 @@ class SegmentDecoder(_StaticStepInputs):
         cfg, dev = engine.cfg, engine.device
         self.L, self.k = cfg.num_layers, cfg.top_k
         self.host_ids = torch.zeros(self.L, batch, self.k, dtype=torch.long, pin_memory=dev.type == "cuda")
+        self.host_ids_np = self.host_ids.numpy()  # (L, B, k) the same pinned memory, read without a torch call
         self.chains: dict[int, tuple[list, torch.Tensor]] = {}  # n_keys -> (graphs, logits)
         self._keep: list = []  # tensors living across segment boundaries (kept out of the pool's reuse)
         self.capture_graphs: list | None = None  # the chain being captured
-        self._held: list = []  # requests whose leased rows a queued segment may still read
+        self._req = None  # the step's request: its leases' rows may be read by queued segments until released
 
     # the routed-experts callback of Transformer.forward in segment mode ---------------------------------------
     def _experts(self, layer, x, ids, gw):
@@ -382,18 +387,15 @@ class SegmentDecoder(_StaticStepInputs):
 
     def _lease(self, layer):
         ex = self.e.experts
-        req = ex.cache.admit()
-        try:
-            lease = req.acquire(layer, self.host_ids[layer])
+        lease = self._req.acquire(layer, self.host_ids_np[layer])
+        if ex.static_sources[layer] is not lease.row_table:
             ex.static_tables[layer].copy_(lease.row_table, non_blocking=True)  # (E,) on the compute stream
-        except BaseException:
-            req.release()
-            raise
-        self._held.append(req)
+            ex.static_sources[layer] = lease.row_table
 
-    def _release_held(self, keep_last: int = 0):
-        while len(self._held) > keep_last:
-            self._held.pop(0).release()
+    def _release(self):
+        req, self._req = self._req, None
+        if req is not None:
+            req.release()
 
     def _forward(self, n_keys):
         e = self.e
@@ -407,11 +409,12 @@ class SegmentDecoder(_StaticStepInputs):
             e.model.imposed = e.model.route_sink = None
 
     def _run_eager(self, n_keys):
-        self.capture_graphs, self._held = None, []
+        self.capture_graphs = None
+        self._req = self.e.experts.cache.admit()
         try:
             out = self._forward(n_keys)
         finally:
-            self._release_held()
+            self._release()
         return out
 
     def _capture(self, n_keys):
@@ -422,7 +425,6 @@ class SegmentDecoder(_StaticStepInputs):
                 self._run_eager(n_keys)
         torch.cuda.current_stream().wait_stream(side)
         torch.cuda.synchronize(self.e.device)
-        self._held = []
         with torch.cuda.stream(side):
             g = torch.cuda.CUDAGraph()
             g.capture_begin(pool=self.pool)
@@ -448,21 +450,22 @@ class SegmentDecoder(_StaticStepInputs):
             if n_keys not in self.chains:
                 self._capture(n_keys)
             graphs, out = self.chains[n_keys]
-            self._held = []
             ev = torch.cuda.Event()
+            self._req = e.experts.cache.admit()
+            done = False
             try:
                 for layer, g in enumerate(graphs):
                     g.replay()
-                    self._release_held()  # the segment reading the previous lease's rows is queued
                     if layer == self.L:
                         break
                     ev.record()
                     ev.synchronize()  # this layer's routed ids are in pinned memory
                     self._lease(layer)
+                done = True
             finally:
-                if self._held:  # a failure between segments: no kernel of this chain reads those rows any more
+                if not done:  # a failure between segments: no kernel of this chain reads those rows any more
                     torch.cuda.current_stream(e.device).synchronize()
-                self._release_held()
+                self._release()  # every segment reading the step's rows is queued
         if self.recorded is not None:
             e.routes.end_pass(real, self.recorded, decode=True)
         return out

@@ -134,7 +134,8 @@ class Weights:
         seen, total = set(), 0
         tensors = [self.embed, self.final_norm, self.lm_head, self.inv_freq]
         for lw in self.layers:
-            tensors += [t for t in dataclasses.astuple(lw) if isinstance(t, torch.Tensor)]
+            # fields, not dataclasses.astuple: astuple deep-copies every tensor (the whole model, on its device)
+            tensors += [t for t in (getattr(lw, f.name) for f in dataclasses.fields(lw)) if isinstance(t, torch.Tensor)]
         for t in tensors:
             if t.data_ptr() not in seen:
                 seen.add(t.data_ptr())

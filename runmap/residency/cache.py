@@ -29,6 +29,7 @@ import threading
 from collections import Counter
 from types import MappingProxyType
 
+import numpy as np
 import torch
 
 from runmap.residency.eviction import make_policy
@@ -294,6 +295,8 @@ class ExpertCache:
             raise IndexError(f"layer {layer} out of range [0, {self.num_layers})")
         if isinstance(expert_ids, torch.Tensor):
             ids = expert_ids.detach().reshape(-1).to("cpu").tolist()  # (T*k,) the batch's routed ids
+        elif isinstance(expert_ids, np.ndarray):  # a host array (the segment decoder's pinned ids): no torch call
+            ids = expert_ids.reshape(-1).tolist()
         else:
             ids = list(expert_ids)
         group = tuple(sorted({int(i) for i in ids}))
