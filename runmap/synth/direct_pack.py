@@ -60,7 +60,9 @@ EXPERT_STD = WEIGHT_STD
 CODE_MASK = 0x11  # forces both nibbles of a byte odd: stored 1..15 odd, q = stored - 8 in {-7, -5, ..., 7}
 CODE_RMS = math.sqrt(sum(q * q for q in range(-7, 8, 2)) / 8)  # sqrt(E[q^2]) of those codes = sqrt(21)
 SCALE_JITTER = 0.15
-CHUNK_VALUES = 1 << 24  # non-routed values per drawn chunk (chunks of one tensor are drawn in parallel)
+# non-routed values per drawn chunk: the chunks of one tensor are drawn in parallel, so a chunk is small enough
+# that one attention projection (Mixtral's q_proj: 16.8 M values) keeps every worker busy
+CHUNK_VALUES = 1 << 20
 NOTE = ("synthesized directly for speed runs: random INT4 codes and FP16 scales, random FP16 non-routed weights; "
         "no checkpoint was packed, outputs are not any model's")
 
