@@ -247,12 +247,10 @@ async def _one_client(client, cid: int, job: dict, out: list) -> None:
 async def _run_clients(job: dict) -> list:
     from openai import AsyncOpenAI
 
-    import httpx
-
     out: list = []
-    limits = httpx.Limits(max_connections=len(job["client_ids"]) + 4, max_keepalive_connections=len(job["client_ids"]) + 4)
-    async with AsyncOpenAI(base_url=job["url"] + "v1", api_key="none", max_retries=0, timeout=job["timeout_s"],
-                           http_client=httpx.AsyncClient(limits=limits, timeout=job["timeout_s"])) as client:
+    # the client's own HTTP transport and connection pool, as a user's program has them (its default pool is far
+    # above the clients of one worker); no retries: a refused request counts as an error
+    async with AsyncOpenAI(base_url=job["url"] + "v1", api_key="none", max_retries=0, timeout=job["timeout_s"]) as client:
         delay = job["t_start"] - time.monotonic()
         if delay > 0:  # every worker starts its clients at the same instant (CLOCK_MONOTONIC is system-wide)
             await asyncio.sleep(delay)
@@ -262,6 +260,9 @@ async def _run_clients(job: dict) -> list:
 
 def client_worker(job: dict) -> list:
     """Entry point of a worker process: run job['client_ids'] clients, return their request records."""
+    # the server is on this machine: an http_proxy of the environment must not carry the requests
+    for var in ("NO_PROXY", "no_proxy"):  # urllib's reading of the environment prefers the lowercase one
+        os.environ[var] = ",".join(filter(None, [os.environ.get(var), "127.0.0.1", "localhost"]))
     return asyncio.run(_run_clients(job))
 
 
@@ -358,8 +359,10 @@ class InProcessServer:
 
     def start(self, timeout_s: float) -> float:
         """Start loading and serving; return the seconds until /health said ok."""
-        import httpx
+        import urllib.error
+        import urllib.request
 
+        direct = urllib.request.build_opener(urllib.request.ProxyHandler({}))  # never through an http_proxy
         t0 = time.monotonic()
         self.server.start()
         self.thread.start()
@@ -372,10 +375,11 @@ class InProcessServer:
                 raise BenchFailure("uvicorn stopped before the server was ready")
             if time.monotonic() - t0 > timeout_s:
                 raise BenchFailure(f"the server was not ready within --ready-timeout-s {timeout_s:g} (phase {phase})")
-            try:
-                if httpx.get(self.url + "health", timeout=5).status_code == 200:
-                    return time.monotonic() - t0
-            except httpx.TransportError:
+            try:  # the standard library: the server answers 503 (an HTTPError) until it is warm
+                with direct.open(self.url + "health", timeout=5) as r:
+                    if r.status == 200:
+                        return time.monotonic() - t0
+            except (urllib.error.URLError, OSError):
                 pass
             time.sleep(0.1)
 
@@ -695,7 +699,7 @@ def main(argv: list[str] | None = None) -> int:
         return 1
     except ModuleNotFoundError as e:  # the server's or the client's dependencies are not installed here
         print(f"serve_load: missing Python package {e.name!r} (runmap serve needs fastapi, uvicorn, pydantic, "
-              f"prometheus-client, markdown-it-py; the clients need openai and httpx)", file=sys.stderr)
+              f"prometheus-client; the clients need openai)", file=sys.stderr)
         return 1
     except OSError as e:  # writing the record or the plot
         print(f"serve_load: {getattr(e, 'filename', None) or args.out}: {e.strerror or e}", file=sys.stderr)

@@ -4,7 +4,7 @@
 #   OUT=/path/to/out bash benchmarks/serve_load_h200.sh          (from the repository root)
 #
 # 1. checks that the server's and the clients' packages import (fastapi, uvicorn, pydantic, prometheus-client,
-#    openai, httpx); when one is missing and ./wheels/ exists, installs them from there only
+#    openai); when one is missing and ./wheels/ exists, installs them from there only
 #    (pip --no-index --find-links wheels/), else stops with one line naming what is missing;
 # 2. builds the OLMoE real-dimension synthetic pack as benchmarks/run_h200_campaign.sh does (`runmap synth`
 #    seed 0 then `runmap pack`, both on the GPU; the checkpoint is deleted once packed; ~75 s), or reuses
@@ -48,8 +48,8 @@ mkdir -p "$OUT" "$WORK" "$REC"
 
 # --- 1. packages -------------------------------------------------------------------------------------------
 # the pins of pyproject.toml (runmap serve and its tests); pip takes their dependencies from wheels/ too
-PINS="fastapi==0.165.0 uvicorn==0.54.0 pydantic==2.14.4 prometheus-client==0.26.0 openai==3.57.0 httpx==0.28.1"
-MODULES="fastapi uvicorn pydantic prometheus_client openai httpx"
+PINS="fastapi==0.165.0 uvicorn==0.54.0 pydantic==2.14.4 prometheus-client==0.26.0 openai==3.57.0"
+MODULES="fastapi uvicorn pydantic prometheus_client openai"
 missing() {
   python3 - $MODULES <<'EOF'
 import importlib.util, sys
