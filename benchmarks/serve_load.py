@@ -28,7 +28,7 @@ ERROR_SAMPLES = 5
 
 DESCRIPTION = f"""\
 Start `runmap serve`'s server in this process (FastAPI on uvicorn, 127.0.0.1, a free port) over --packed with
-the given residency, wait until /health says ok (the engine is loaded and warm), send one request alone (the first request's
+the given residency, wait until /health says ok (the engine is loaded and warm), send one request alone (its
 time to first token and duration are recorded apart from the windows), then for each client count of --clients:
 
   1. run that many concurrent streaming clients (the official openai client, AsyncOpenAI, spread over
@@ -51,17 +51,18 @@ time to first token and duration are recorded apart from the windows), then for 
 
 The record (schemas/serve-load.schema.json) names the machine, the software, the pack, the residency, the
 workload and this command; it is written atomically to --out after every client count ("complete": false until
-the last one, so a run stopped by a time limit keeps what it measured). A short table is printed; --plot also writes a
-PNG of tok/s and latency against clients.
+the last one, so a run stopped by a time limit keeps what it measured). At the end the first request is sent
+again alone: the record says whether its greedy answer is unchanged after the offline runs on the served engine.
+A short table is printed; --plot also writes a PNG of tok/s and latency against clients.
 
 Bounds: every window lasts --duration-s (each client also stops after --max-requests requests), every request
 has a timeout, the server must be ready within --ready-timeout-s, an offline measurement within
 --offline-timeout-s. Exit status: 0 record written (even when a target is missed), 1 bad input or a failure
-(one line), 2 usage.
+(one line), 2 usage, 130 interrupted (SIGINT; the record keeps the client counts measured).
 
 Examples:
-  python3 benchmarks/serve_load.py --packed /data/olmoe-pack --out results/serve/load/olmoe-full.json --plot olmoe.png
-  python3 benchmarks/serve_load.py --packed /data/olmoe-pack --resident 30 --clients 8 --duration-s 30 \\
+  PYTHONPATH=. python3 benchmarks/serve_load.py --packed /data/olmoe-pack --out results/serve/load/olmoe-full.json
+  PYTHONPATH=. python3 benchmarks/serve_load.py --packed /data/olmoe-pack --resident 30 --clients 8 --duration-s 30 \\
       --out results/serve/load/olmoe-r30.json"""
 
 
