@@ -36,7 +36,7 @@ def main(argv=None) -> int:
     ap.add_argument("--budgets", action="append", required=True, metavar="NAME=G1,G2",
                     help="budgets in GiB for the pack NAME")
     ap.add_argument("--batches", default="1,8", help="max_batch values (a plan that refuses one is recorded)")
-    ap.add_argument("--prompt", type=int, default=2048, help="prompt tokens per row (prefill in chunks)")
+    ap.add_argument("--prompt", type=int, default=1024, help="prompt tokens per row (prefill in chunks)")
     ap.add_argument("--decode", type=int, default=32, help="decode steps after the prefill")
     ap.add_argument("--routing", default="calibrated", help="routing workload of the decode (runmap --routing)")
     ap.add_argument("--contract", default="v1", choices=("v1", "v2"))
@@ -53,6 +53,16 @@ def main(argv=None) -> int:
     dev = torch.device("cuda", torch.cuda.current_device())
     total = torch.cuda.get_device_properties(dev).total_memory
     rows = []
+    rec = {"schema": "runmap-gpu-budget-v1", "created_utc": utc_timestamp(), "device": device_name(dev),
+           "device_total_bytes": total, "libraries": library_versions("torch", "triton"),
+           "command": "PYTHONPATH=. python3 benchmarks/gpu_budget.py " + " ".join(sys.argv[1:] if argv is None else argv),
+           "workload": {"prompt_tokens": a.prompt, "decode_steps": a.decode, "routing": a.routing,
+                        "weights": "synthetic (runmap synth, seed 0) at the preset's real dimensions"},
+           "complete": False, "rows": rows}
+
+    def publish():  # after every row, atomically: a run cut by its time limit keeps the rows it measured
+        write_json(Path(a.out), rec)
+
     for name, pack in packs.items():
         for g in [float(x) for x in budgets.get(name, "").split(",") if x]:
             for batch in [int(x) for x in a.batches.split(",")]:
@@ -64,6 +74,7 @@ def main(argv=None) -> int:
                 except BudgetError as e:
                     row.update(refused=True, error=str(e))
                     rows.append(row)
+                    publish()
                     print(f"{name} {g:g} GiB batch {batch}: refused: {e}", flush=True)
                     continue
                 print(p.describe(), flush=True)
@@ -92,6 +103,7 @@ def main(argv=None) -> int:
                            load_s=load_s, decode_tok_s=run.decode_tok_s, hit_rate=d.hits / max(d.hits + d.misses, 1),
                            misses_per_token=d.misses / max(run.new_tokens, 1))
                 rows.append(row)
+                publish()
                 print(f"{name} {g:g} GiB batch {batch}: {p.resident}/{p.num_experts} resident, peak reserved "
                       f"{peak_reserved / 2**30:.2f} GiB ({'within' if row['within_budget'] else 'OVER'} budget), "
                       f"device used +{(free0 - free1) / 2**30:.2f} GiB, decode {run.decode_tok_s:.1f} tok/s, "
@@ -101,13 +113,8 @@ def main(argv=None) -> int:
                 gc.collect()
                 torch.cuda.empty_cache()
                 torch.cuda.set_per_process_memory_fraction(1.0, dev)  # the next engine sets its own cap
-    rec = {"schema": "runmap-gpu-budget-v1", "created_utc": utc_timestamp(), "device": device_name(dev),
-           "device_total_bytes": total, "libraries": library_versions("torch", "triton"),
-           "command": "PYTHONPATH=. python3 benchmarks/gpu_budget.py " + " ".join(sys.argv[1:] if argv is None else argv),
-           "workload": {"prompt_tokens": a.prompt, "decode_steps": a.decode, "routing": a.routing,
-                        "weights": "synthetic (runmap synth, seed 0) at the preset's real dimensions"},
-           "rows": rows}
-    write_json(Path(a.out), rec)
+    rec["complete"] = True
+    publish()
     bad = [r for r in rows if not r.get("refused") and not r["within_budget"]]
     print(f"{len(rows)} rows, {len(bad)} over budget -> {a.out}")
     return 1 if bad else 0
