@@ -45,7 +45,8 @@ name, preset, work, dev = sys.argv[1], sys.argv[2], Path(sys.argv[3]), sys.argv[
 ck, pk = work / f"ck-{name}", work / f"pk-{name}"
 t0 = time.perf_counter()
 if not (pk / "manifest.json").is_file():
-    write_synthetic(load_preset(preset)[0], ck, seed=0, device=dev, overwrite=True)
+    # the routing init: the checkpoints' own routing ("model" rows) is not near-constant (docs/routing-workloads.md)
+    write_synthetic(load_preset(preset)[0], ck, seed=0, device=dev, overwrite=True, init="routing")
     t1 = time.perf_counter()
     pack_checkpoint(ck, pk, device=dev, overwrite=True)
     shutil.rmtree(ck)

@@ -12,7 +12,7 @@ from safetensors.torch import load_file, save_file
 from runmap.format.checkpoint import CheckpointError, CheckpointReader
 from runmap.arch.config import load_preset
 from runmap.format.pack import pack_checkpoint
-from runmap.synth.checkpoint import write_synthetic
+from runmap.synth.checkpoint import DEFAULT_INIT, EMBED_RATIO, WEIGHT_STD, embedding_std, write_synthetic
 
 PRESETS = ["tiny-olmoe", "tiny-qwen2-moe", "tiny-qwen3-moe", "tiny-mixtral"]
 
@@ -50,8 +50,51 @@ def test_synthetic_tensors_are_bf16_with_realistic_scales(ckpts):
     emb = r.tensor("model.embed_tokens.weight")
     norm = r.tensor("model.layers.0.input_layernorm.weight")
     assert emb.dtype == torch.bfloat16 and norm.dtype == torch.bfloat16
+    # the default init is transformers' initializer, embeddings included (the tests' checkpoints keep their bytes)
+    assert DEFAULT_INIT == "hf" and embedding_std(load_preset("tiny-olmoe")[0]) == WEIGHT_STD
     assert 0.015 < emb.float().std() < 0.025
+    w = r.tensor("model.layers.0.self_attn.q_proj.weight")
+    assert 0.015 < w.float().std() < 0.025
     assert abs(norm.float().mean() - 1) < 0.02 and norm.float().std() < 0.1
+
+
+def test_inits_differ_only_in_the_embedding_scale(tmp_path):
+    cfg, _ = load_preset("tiny-qwen2-moe")
+    hf = write_synthetic(cfg, tmp_path / "hf", seed=5, init="hf")
+    ro = write_synthetic(cfg, tmp_path / "ro", seed=5, init="routing")
+    a, b = load_file(hf / "model.safetensors"), load_file(ro / "model.safetensors")
+    assert a.keys() == b.keys()
+    for name in a:
+        if name != "model.embed_tokens.weight":
+            assert torch.equal(a[name], b[name]), name
+    # the same draw, scaled: embeddings at EMBED_RATIO x one attention layer's output RMS, from dimensions alone
+    attn = WEIGHT_STD**2 * (cfg.hidden_size * cfg.num_heads * cfg.head_dim) ** 0.5
+    assert embedding_std(cfg, "routing") == pytest.approx(EMBED_RATIO * attn)
+    scaled = a["model.embed_tokens.weight"].float() * (embedding_std(cfg, "routing") / WEIGHT_STD)
+    torch.testing.assert_close(b["model.embed_tokens.weight"].float(), scaled, rtol=1e-2, atol=0)
+    # config.json says which init wrote it; an "hf" checkpoint keeps the config written before inits existed
+    assert json.loads((ro / "config.json").read_text())["runmap_synthetic"]["init"] == "routing"
+    assert "init" not in json.loads((hf / "config.json").read_text())["runmap_synthetic"]
+
+
+def test_synth_cli_init(tmp_path, capsys):
+    from runmap.cli.main import main
+
+    assert main(["synth", str(tmp_path / "r"), "--preset", "tiny-olmoe", "--init", "routing", "--no-progress"]) == 0
+    assert "init routing" in capsys.readouterr().out
+    cfg, _ = load_preset("tiny-olmoe")
+    emb = CheckpointReader(tmp_path / "r").tensor("model.embed_tokens.weight").float()
+    assert abs(emb.std().item() / embedding_std(cfg, "routing") - 1) < 0.05 and embedding_std(cfg, "routing") > 0.04
+    # a direct pack draws its own weights: the init of a checkpoint is refused there, in one line
+    assert main(["synth", str(tmp_path / "d"), "--preset", "tiny-olmoe", "--direct-pack", "--init", "routing"]) == 1
+    assert "--init" in capsys.readouterr().err and not (tmp_path / "d").exists()
+
+
+def test_unknown_init_is_refused_before_writing(tmp_path):
+    cfg, _ = load_preset("tiny-olmoe")
+    with pytest.raises(ValueError, match="init must be one of"):
+        write_synthetic(cfg, tmp_path / "x", init="xavier")
+    assert not (tmp_path / "x").exists() and not list(tmp_path.iterdir())
 
 
 @pytest.mark.parametrize("preset", PRESETS)

@@ -41,6 +41,10 @@ def add_arguments(p) -> None:
     p.add_argument("--shard-size", type=float, default=2.0, help="maximum shard size in GiB (default 2)")
     p.add_argument("--device", default=None, choices=["cpu", "cuda"],
                    help="random number generator device (values differ between cpu and cuda; default cpu)")
+    p.add_argument("--init", default=None, choices=["hf", "routing"],
+                   help="hf (default): every weight N(0, 0.02^2), embeddings included; its routing is nearly "
+                        "constant at real dimensions. routing: embeddings scaled against the layers' outputs so "
+                        "the checkpoint's own router routes like a trained model's (docs/routing-workloads.md)")
     p.add_argument("--force", action="store_true", help="replace an existing OUT_DIR: the old one is moved aside, the finished new one renamed in, then the old one deleted")
     p.add_argument("--no-progress", action="store_true", help="no progress bar")
 
@@ -53,7 +57,8 @@ def run(args) -> int:
         return 1
 
     if args.direct_pack:
-        odd = [f for f, v in (("--expert-layout", args.expert_layout), ("--device", args.device)) if v is not None]
+        odd = [f for f, v in (("--expert-layout", args.expert_layout), ("--device", args.device),
+                              ("--init", args.init)) if v is not None]
         if odd:
             return fail(f"{', '.join(odd)}: options of a checkpoint; a --direct-pack has no expert layout and is "
                         "drawn on the CPU")
@@ -78,15 +83,15 @@ def run(args) -> int:
         return 0
     if args.workers is not None or args.block_size is not None:
         return fail("--workers and --block-size are options of --direct-pack")
-    from runmap.synth.checkpoint import write_synthetic
+    from runmap.synth.checkpoint import DEFAULT_INIT, write_synthetic
 
     layout, device = args.expert_layout or "per-expert", args.device or "cpu"
     try:
         cfg, _ = load_preset(args.preset)
         out = write_synthetic(cfg, args.out_dir, seed=args.seed, expert_layout=layout,
                               shard_bytes=int(args.shard_size * 1024**3), device=device,
-                              overwrite=args.force, progress=not args.no_progress)
+                              overwrite=args.force, progress=not args.no_progress, init=args.init or DEFAULT_INIT)
     except (ConfigError, FileExistsError, ValueError) as e:
         return fail(e)
-    print(f"wrote {out} ({args.preset}, seed {args.seed}, {layout})")
+    print(f"wrote {out} ({args.preset}, seed {args.seed}, {layout}, init {args.init or DEFAULT_INIT})")
     return 0
