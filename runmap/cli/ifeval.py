@@ -5,7 +5,7 @@ import argparse
 import sys
 from pathlib import Path
 
-HELP = "IFEval: generate answers with a packed model (generate) and score response files (score)"
+HELP = "IFEval: generate answers with a packed model (generate, optionally one shard), merge shards, score"
 DESCRIPTION = """\
 IFEval (instruction-following evaluation), two steps:
 
@@ -13,6 +13,13 @@ IFEval (instruction-following evaluation), two steps:
       Greedy answers with the model's chat template, batched, resumable: every finished answer is
       appended to --out and synced to disk; a rerun skips prompts already answered. Writes the
       metadata sidecar answers.jsonl.meta.json (model, pack, executor, regime, settings, timing).
+
+  runmap ifeval generate ... --shard I/N --out shard-I.jsonl      (one job per shard, any machines)
+  runmap ifeval merge --inputs FILE [--limit N] --out answers.jsonl shard-1.jsonl ... shard-N.jsonl
+      Joins the N shard files into one answers file + sidecar of the unsharded format (input order),
+      after checking they are shards 1..N of one split, complete, from the same inputs, pack and settings,
+      answering every selected prompt exactly once; anything else is refused with one line. Greedy answers
+      do not depend on the batch, so the merged file scores prompt by prompt as the unsharded run does.
 
   runmap ifeval score --inputs FILE --responses answers.jsonl --out DIR
       Checks every instruction (if-verifiable's IFEval checks, deterministic), writes DIR/results.jsonl
@@ -43,6 +50,20 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                     help="generation metadata JSON (default: RESPONSES.meta.json when it exists)")
     sc.add_argument("--no-progress", action="store_true", help="no progress bar")
     sc.set_defaults(_ifeval_run=_run_score)
+
+    mg = sub.add_parser(
+        "merge", help="join `generate --shard I/N` answer files into one answers file + sidecar",
+        description="Merge the answer files of `runmap ifeval generate --shard I/N` (I = 1..N) into one answers "
+                    "JSONL (input order) and its sidecar OUT.meta.json, both written atomically, then score OUT as "
+                    "an unsharded run. Refused (exit 1, one line) if a shard is missing, given twice, incomplete, "
+                    "or made from other inputs, pack or settings, or if a prompt is answered twice or not at all.")
+    mg.add_argument("shards", nargs="+", type=Path, metavar="SHARD.jsonl",
+                    help="shard answer files (each with its SHARD.jsonl.meta.json), any order")
+    mg.add_argument("--inputs", type=Path, default=DEFAULT_INPUTS,
+                    help=f"the IFEval input JSONL the shards were generated from (default {DEFAULT_INPUTS})")
+    mg.add_argument("--limit", type=int, default=None, help="the --limit the shards were generated with")
+    mg.add_argument("--out", type=Path, required=True, help="merged answers JSONL; sidecar OUT.meta.json")
+    mg.set_defaults(_ifeval_run=_run_merge)
 
     gen = sub.add_parser(
         "generate", help="generate answers to IFEval prompts with a packed model (resumable)",
@@ -77,9 +98,23 @@ def _run_generate(args) -> int:
         return 1
 
 
+def _run_merge(args) -> int:
+    from runmap.ifeval.generate import IFEvalGenerateError, sidecar_path
+    from runmap.ifeval.shard import merge_shards
+
+    try:
+        meta = merge_shards(args.shards, args.inputs, args.out, limit=args.limit)
+    except (IFEvalGenerateError, OSError) as e:
+        print(f"runmap ifeval merge: error: {e}", file=sys.stderr)
+        return 1
+    print(f"merged {len(meta['merged_from'])} shards: {meta['counts']['answered']} answers")
+    print(f"wrote {args.out} and {sidecar_path(args.out)}")
+    return 0
+
+
 def run(args) -> int:
     fn = getattr(args, "_ifeval_run", None)
     if fn is None:
-        print("runmap ifeval: choose a step: generate or score (see runmap ifeval --help)", file=sys.stderr)
+        print("runmap ifeval: choose a step: generate, merge or score (see runmap ifeval --help)", file=sys.stderr)
         return 2
     return fn(args)

@@ -153,7 +153,7 @@ def _check_resume(meta_old: dict | None, meta_new: dict, out: Path, n_answered: 
     for k in RESUME_KEYS:
         if meta_old.get("generation", {}).get(k) != meta_new["generation"].get(k):
             diffs.append(f"generation.{k}: {meta_old.get('generation', {}).get(k)!r} -> {meta_new['generation'].get(k)!r}")
-    for k in ("executor", "regime", "resident"):
+    for k in ("executor", "regime", "resident", "shard"):
         if meta_old.get(k) != meta_new.get(k):
             diffs.append(f"{k}: {meta_old.get(k)!r} -> {meta_new.get(k)!r}")
     for outer, inner in (("pack", "content_sha256"), ("inputs", "sha256"), ("model", "name")):
@@ -312,6 +312,9 @@ def add_generate_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--max-seq-len", type=int, default=None,
                    help="KV-cache length; default: longest chat-formatted prompt + --max-new-tokens")
     p.add_argument("--stop", action="append", default=[], help="stop string (repeatable); default: EOS only")
+    p.add_argument("--shard", default=None, metavar="I/N",
+                   help="answer only shard I of N (1 <= I <= N) of the selected prompts: those whose rank in key order "
+                        "is I-1 mod N; the sidecar records the shard, `runmap ifeval merge` joins the N files")
     p.add_argument("--model-name", default=None, help="model name recorded in the metadata (default: the pack "
                                                         "directory's name)")
     p.add_argument("--no-progress", action="store_true", help="no progress bar")
@@ -376,11 +379,28 @@ def _max_prompt_tokens(packed: Path, prompts: list[Prompt], chat: bool) -> int:
 def run_cli(args) -> int:
     if args.batch_size < 1 or args.max_new_tokens < 1:
         raise IFEvalGenerateError("--batch-size and --max-new-tokens must be at least 1")
+    shard = None
+    if getattr(args, "shard", None):
+        from runmap.ifeval.shard import parse_shard
+
+        shard = parse_shard(args.shard)
     prompts = read_prompts(args.inputs, args.limit)
     model, pack = _pack_records(args.packed, args.model_name)
     settings = GenerationSettings(max_new_tokens=args.max_new_tokens, batch_size=args.batch_size,
                                   stop=list(args.stop))
+    # the KV-cache length comes from all selected prompts, not the shard's: every shard then runs the engine
+    # the unsharded run would build
     longest = _max_prompt_tokens(args.packed, prompts, settings.chat)
+    selected = len(prompts)
+    shard_rec = None
+    if shard is not None:
+        from runmap.ifeval.shard import select_shard, shard_record
+
+        prompts = select_shard(prompts, *shard)
+        if not prompts:
+            raise IFEvalGenerateError(f"--shard {args.shard}: no prompt falls in this shard ({selected} selected "
+                                      f"prompts for {shard[1]} shards)")
+        shard_rec = shard_record(shard[0], shard[1], prompts)
     need = longest + settings.max_new_tokens
     max_seq_len = args.max_seq_len or need
     if max_seq_len < need:
@@ -404,12 +424,14 @@ def run_cli(args) -> int:
         "regime": getattr(engine, "regime", "full" if args.resident is None else "partial"),
         "resident": getattr(engine, "resident", args.resident),
         "inputs": {"path": str(args.inputs), "sha256": sha256_file(args.inputs), "limit": args.limit,
-                   "prompts": len(prompts)},
+                   "prompts": selected},
         "max_seq_len": max_seq_len,
         "device": str(getattr(engine, "device", args.device)),
         "engine_load_s": round(load_s, 3),
         "command": " ".join(sys.argv),
     }
+    if shard_rec is not None:
+        meta["shard"] = shard_rec
     meta = generate_answers(prompts, args.out, engine, settings, meta, progress=not args.no_progress)
     t = meta["timing"]
     print(f"answered {meta['counts']['answered']}/{meta['counts']['prompts']} prompts; this run "
