@@ -134,8 +134,11 @@ def run(args) -> int:
     from runmap.serve.app import Server, create_app
 
     def load():
-        return Engine.from_pack(pack, executor=args.executor, resident=resident, device=args.device,
-                                max_batch=args.max_batch, max_seq_len=args.max_seq_len)
+        # under --gpu-budget the engine plans again (the same plan as printed) and caps torch's allocator at it
+        return Engine.from_pack(pack, executor=args.executor, device=args.device, max_batch=args.max_batch,
+                                max_seq_len=args.max_seq_len, **(
+                                    {"gpu_budget": args.gpu_budget, "budget_kv_rows": args.max_batch + 1}
+                                    if args.gpu_budget is not None else {"resident": resident}))
 
     failure: list[str] = []
     uv: list = []
