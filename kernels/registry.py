@@ -20,12 +20,16 @@ class Executor:
         a full-residency decode step that uses it can be captured in a CUDA graph.
     load: returns the implementation, ``f(x, topk_ids, topk_weights, storage, row_table, layout, config)``
         (imported on first use: the kernels pull in Triton, whose backend is chosen at CLI start).
+    site: where the arithmetic runs and what it reads. "device": the engine's device, from the expert rows
+        the cache holds there. "cpu": the host CPU, from the immutable host source
+        (runmap.kernels.cpu_int4.CpuExpertSite; its registry form takes CPU storage only).
     """
 
     name: str
     description: str
     graph_safe: bool
     load: Callable[[], Callable]
+    site: str = "device"
 
 
 def _reference():
@@ -46,6 +50,12 @@ def _grouped():
     return grouped_moe
 
 
+def _cpu_int4():
+    from runmap.kernels.cpu_int4 import cpu_int4_moe
+
+    return cpu_int4_moe
+
+
 def _topk_fused():
     from runmap.kernels.topk_fused import topk_fused_moe
 
@@ -58,9 +68,12 @@ EXECUTORS: dict[str, Executor] = {e.name: e for e in (
     Executor("grouped", "one launch per projection over every (token, expert) pair of a layer", True, _grouped),
     Executor("topk-fused", "decode: gate+up+SiLU*up for all top-k experts in one launch, down + weighted sum "
              "in a second", True, _topk_fused),
+    Executor("cpu-int4", "CPU site: torch's CPU int4 matmul over the host source, repacked once per expert "
+             "(bf16 arithmetic)", False, _cpu_int4, site="cpu"),
 )}
 EXECUTOR_NAMES: tuple[str, ...] = tuple(EXECUTORS)
 GRAPH_SAFE_EXECUTORS: tuple[str, ...] = tuple(n for n, e in EXECUTORS.items() if e.graph_safe)
+CPU_SITE_EXECUTORS: tuple[str, ...] = tuple(n for n, e in EXECUTORS.items() if e.site == "cpu")
 
 
 def executor_help() -> str:

@@ -38,8 +38,9 @@ def add_arguments(p) -> None:
     p.add_argument("--shapes", choices=("tiny", "full"), default="tiny", help="expert shape set (default tiny)")
     p.add_argument("--m", default=None,
                    help="comma-separated token counts; default 1,3,17,64 on cpu and 1,2,3,8,17,64,300 on cuda")
-    p.add_argument("--executors", default=",".join(EXECUTOR_NAMES),
-                   help="comma-separated subset of executors (default: all)")
+    p.add_argument("--executors", default=None,
+                   help=f"comma-separated subset of {','.join(EXECUTOR_NAMES)} (default: all on cpu; on cuda all but "
+                        "the CPU sites, which never read device rows)")
     p.add_argument("--seed", type=int, default=0, help="base seed; each case derives its own (default 0)")
     p.add_argument("--out", default=None, help="output JSON (default results/kernels/<device>.json)")
     p.add_argument("--no-progress", action="store_true", help="no progress bar")
@@ -63,10 +64,18 @@ def run(args) -> int:
     if args.device == "cuda" and not torch.cuda.is_available():
         print("runmap check-kernels: --device cuda requested but CUDA is not available", file=sys.stderr)
         return 1
-    executors = [e.strip() for e in args.executors.split(",") if e.strip()]
+    if args.executors is None:
+        executors = [e for e in kc.EXECUTORS if args.device == "cpu" or kc.REGISTRY[e].site != "cpu"]
+    else:
+        executors = [e.strip() for e in args.executors.split(",") if e.strip()]
     unknown = [e for e in executors if e not in kc.EXECUTORS]
     if unknown or not executors:
         print(f"runmap check-kernels: unknown executor(s) {unknown}; choose from {kc.EXECUTORS}", file=sys.stderr)
+        return 2
+    cpu_sites = [e for e in executors if kc.REGISTRY[e].site == "cpu"]
+    if args.device == "cuda" and cpu_sites:
+        print(f"runmap check-kernels: {cpu_sites} compute on the CPU from host rows; check them with --device cpu",
+              file=sys.stderr)
         return 2
     try:
         ms = tuple(int(v) for v in args.m.split(",")) if args.m else kc.M_DEFAULT[args.device]

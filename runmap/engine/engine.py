@@ -86,7 +86,7 @@ import torch
 from runmap.arch.config import ModelConfig
 from runmap.engine.generation import GenerationError, GenerationResult, GenerationRun, generate_batch
 from runmap.engine.model import KVCache, Transformer, experts_dense_torch, load_weights
-from runmap.kernels.registry import EXECUTOR_NAMES as EXECUTORS, GRAPH_SAFE_EXECUTORS as GRAPH_EXECUTORS
+from runmap.kernels.registry import CPU_SITE_EXECUTORS, EXECUTOR_NAMES as EXECUTORS, GRAPH_SAFE_EXECUTORS as GRAPH_EXECUTORS
 from runmap.residency.regimes import regime_of
 from runmap.workload.routing import ImposedRouting, RoutingError, parse_routing
 
@@ -122,6 +122,7 @@ class CachedExperts:
         self.moe = _moe_experts()
         self._req = None
         self.h2d_seconds = 0.0  # host wall time of acquisitions that ran a miss transaction
+        self.cpu_site = None  # a CPU-site executor's repacked experts (runmap.kernels.cpu_int4), built on first use
         if self.full:
             self.tables = [cache.static_row_table(l) for l in range(self.num_layers)]  # int32 (E,) each
         self.storage = [cache.storage(l) for l in range(self.num_layers)]  # uint8 (R, row_bytes) each
@@ -148,6 +149,12 @@ class CachedExperts:
 
     def __call__(self, layer, x, ids, gw):
         """x fp16 (N, H), ids int64 (N, k), gw fp32 (N, k) -> fp16 (N, H)."""
+        if self.full and self.executor in CPU_SITE_EXECUTORS:  # computed from the host source, not the cache's rows
+            if self.cpu_site is None:
+                from runmap.kernels.cpu_int4 import CpuExpertSite
+
+                self.cpu_site = CpuExpertSite(self.cache.host)
+            return self.cpu_site.moe(layer, x, ids, gw)
         if self.full:
             # inside the copy monitor too: an eager call is seen each time, a CUDA-graph step when it is captured
             # (a copy out of expert rows in the step would show then), so expert_d2h_bytes covers this path
@@ -550,6 +557,9 @@ class Engine:
         if expert_format not in EXPERT_FORMATS:
             raise EngineError(f"unknown expert_format {expert_format!r}; choose one of {list(EXPERT_FORMATS)}")
         device = torch.device(device if device is not None else ("cuda" if torch.cuda.is_available() else "cpu"))
+        if executor in CPU_SITE_EXECUTORS and device.type != "cpu":
+            raise EngineError(f"executor {executor!r} computes on the CPU from the host source: use device='cpu' "
+                              "(a mixed device/CPU placement is not implemented yet)")
         if device.type == "cuda" and device.index is None:
             device = torch.device("cuda", torch.cuda.current_device())
         if max_batch < 1 or prefill_chunk < 1:
@@ -630,6 +640,10 @@ class Engine:
         else:
             from runmap.residency.cache import ExpertCache
 
+            if executor in CPU_SITE_EXECUTORS and resident != E:
+                reader.close()
+                raise EngineError(f"executor {executor!r} reads every expert from the host source: leave resident "
+                                  f"at all {E} experts (partial residency has nothing to lease for it)")
             if resident == E:
                 group = min(cfg.top_k * max_batch, E)
             else:

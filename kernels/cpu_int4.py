@@ -1,0 +1,289 @@
+"""The ``cpu-int4`` execution site: routed experts computed on the host CPU from the immutable host source,
+through torch's CPU int4 matmul (``aten._weight_int4pack_mm_for_cpu``) after a one-time repack per expert.
+
+Why: when a cold expert's bytes cost more to move over the link than to multiply where they lie (issue 25),
+the CPU computes with the host copy. Nothing here reads or writes device rows.
+
+Repack (``repack_expert``), one time per (layer, expert), from a qpacked row (runmap.format.qpack):
+
+* torch's format stores unsigned nibbles u in 0..15 and dequantizes w = (u - 8) * scale + zero per group of
+  ``g`` values along K. Our nibbles are already u = q + 8, so the nibbles are passed unchanged with zero = 0:
+  (u - 8) * s = q * s, the qpack dequantization, exactly (``tests/test_cpu_experts.py`` proves it with the
+  identity matrix as activations in the FP32 mode).
+* torch accepts g in {32, 64, 128, 256} with K % g == 0; our scales are per ``block_size`` values with a
+  partial last block. g is the largest accepted size dividing the block size and K, each group taking its
+  block's scale (a 256-block with K = 1408 becomes 11 groups of 128); where none divides K, K is padded with
+  zero-weight columns (nibble 8) and the activations with zeros. N is padded to a multiple of 16 (the
+  kernel's requirement) with zero rows that are sliced off.
+* gate and up share their input, so they are stacked into one (2I, H) matrix: one call instead of two.
+
+Precision: torch's kernel is vectorised only for bfloat16 activations (FP16 and FP32 activations run a
+path ~40-100x slower on this machine's AVX-512 build), and its scales take the activation dtype. So the
+default ``precision="bf16"`` rounds the FP16 scales and activations to bfloat16 (8 significant bits: up to
+2^-8 relative each; the kernel's weight is exactly bf16(q * bf16(s))) and returns bfloat16 per projection: a
+stated approximation, checked at ``TOLERANCE`` against the FP32 reference. ``precision="fp32"`` keeps every scale exact (FP32 scales and
+activations, FP32 output): the exactness proof and a slow fallback, not the runtime path.
+
+Two entry points:
+
+* ``CpuExpertSite(host_source)``: the runtime site. Repacks each expert once, on first use, from
+  ``host_source.row_tensor(layer, expert)`` (CPU memory only; a non-CPU row is refused), keeps the repacked
+  copy (``nbytes`` records its memory) and computes a layer's routed experts (``moe``) or one expert's output
+  (``expert_output``, for a mixed placement that computes some experts here and others on the device).
+* ``cpu_int4_moe``: the registry form with every executor's arguments (kernels/__init__.py), over a CPU
+  ``storage``. Its rows may be rewritten between calls (partial residency), so it repacks the routed rows on
+  every call: checks and one-off calls only. The engine on device="cpu" uses a ``CpuExpertSite``.
+"""
+from __future__ import annotations
+
+import dataclasses
+import threading
+
+import torch
+import torch.nn.functional as F
+
+from runmap.format.qpack import NIBBLE_OFFSET, RowLayout
+from runmap.kernels import common
+
+GROUP_SIZES = (256, 128, 64, 32)  # what aten._weight_int4pack_mm_for_cpu accepts, largest first
+N_ALIGN = 16  # aten._convert_weight_to_int4pack_for_cpu requires N % 16 == 0
+PRECISIONS = {"bf16": torch.bfloat16, "fp32": torch.float32}
+# Relative Frobenius error ||y - ref|| / ||ref|| against the FP32 reference (kernels/reference.py). bf16:
+# activations, scales, both projection outputs and the intermediate rounded to bfloat16, measured 4.4-6.0e-3
+# on random experts (tests/test_cpu_experts.py sweeps the shapes); the Triton paths' bound is 2e-3 (FP16
+# intermediates). fp32: only the final FP16 output is rounded (~2e-4 measured).
+TOLERANCE = {"bf16": 1e-2, "fp32": 5e-4}
+
+
+class CpuSiteError(ValueError):
+    """The CPU site was given something it cannot compute from (a device row, an unsupported block size)."""
+
+
+def _have_kernel() -> bool:
+    ops = torch.ops.aten
+    return hasattr(ops, "_weight_int4pack_mm_for_cpu") and hasattr(ops, "_convert_weight_to_int4pack_for_cpu")
+
+
+def group_size(k: int, block_size: int) -> tuple[int, int]:
+    """(g, K padded) for a projection with K inputs: the largest accepted g that divides the block size
+    (so that no group straddles two scale blocks) and, where possible, K itself."""
+    fits = [g for g in GROUP_SIZES if block_size % g == 0]
+    if not fits:
+        raise CpuSiteError(f"block_size {block_size}: torch's CPU int4 kernel takes groups of {GROUP_SIZES}, "
+                           "none of which divides the block, so the block scales cannot be represented")
+    for g in fits:
+        if k % g == 0:
+            return g, k
+    g = fits[0]
+    return g, -(-k // g) * g
+
+
+@dataclasses.dataclass(frozen=True)
+class PackedProjection:
+    """One (stacked) projection in torch's CPU int4 format.
+
+    weight: uint8 (n_pad, k_pad / 2), torch's packing. scale_zero: (k_pad / g, n_pad, 2) in the activation
+    dtype, [..., 0] the scale of (row, group), [..., 1] = 0. n / k: the real output / input sizes.
+    """
+
+    weight: torch.Tensor
+    scale_zero: torch.Tensor
+    n: int
+    k: int
+    k_pad: int
+    group: int
+
+    @property
+    def nbytes(self) -> int:
+        return self.weight.nbytes + self.scale_zero.nbytes
+
+    def matmul(self, x: torch.Tensor) -> torch.Tensor:
+        """x (M, k) in the activation dtype -> (M, n) in the activation dtype."""
+        if self.k_pad != self.k:
+            x = F.pad(x, (0, self.k_pad - self.k))  # zero activations meet the zero-weight padding columns
+        y = torch.ops.aten._weight_int4pack_mm_for_cpu(x.contiguous(), self.weight, self.group, self.scale_zero)
+        return y[:, : self.n]
+
+
+def _pack_projection(packed: list[torch.Tensor], scales: list[torch.Tensor], k: int, block_size: int,
+                     dtype: torch.dtype) -> PackedProjection:
+    """packed: uint8 (N_i, K/2) qpack sections, scales: fp16 (N_i, nb), stacked along N in the given order."""
+    g, k_pad = group_size(k, block_size)
+    p = torch.cat(packed).to(torch.int32)  # (N, K/2)
+    n = p.shape[0]
+    n_pad = -(-n // N_ALIGN) * N_ALIGN
+    u = torch.full((n_pad, k_pad), NIBBLE_OFFSET, dtype=torch.int32)  # nibble 8 = q 0 in the padding
+    u[:n, 0:k:2] = p & 0xF  # low nibble holds the even k (qpack's low-first order)
+    u[:n, 1:k:2] = p >> 4
+    weight = torch.ops.aten._convert_weight_to_int4pack_for_cpu(u, 1)
+    block_of_group = torch.arange(k_pad // g) * g // block_size  # (G,) the scale block of each group
+    s = torch.zeros(n_pad, k_pad // g, dtype=torch.float32)
+    s[:n] = torch.cat(scales).to(torch.float32)[:, block_of_group]  # fp16 -> fp32 is exact
+    sz = torch.stack((s.T, torch.zeros_like(s.T)), dim=2).to(dtype).contiguous()  # (G, n_pad, 2)
+    return PackedProjection(weight, sz, n, k, k_pad, g)
+
+
+@dataclasses.dataclass(frozen=True)
+class RepackedExpert:
+    """gate and up stacked into one (2I, H) projection, down (H, I)."""
+
+    gate_up: PackedProjection
+    down: PackedProjection
+    intermediate: int
+
+    @property
+    def nbytes(self) -> int:
+        return self.gate_up.nbytes + self.down.nbytes
+
+
+def repack_expert(row: torch.Tensor, layout: RowLayout, precision: str = "bf16") -> RepackedExpert:
+    """One qpacked expert row -> torch's CPU int4 format.
+
+    Args:
+        row: uint8 (row_bytes,) CPU tensor (read only, never written).
+        layout: its runmap.format.qpack.RowLayout.
+        precision: "bf16" (fast kernel path) or "fp32" (exact scales).
+    """
+    if precision not in PRECISIONS:
+        raise CpuSiteError(f"precision {precision!r}, expected one of {tuple(PRECISIONS)}")
+    if not isinstance(row, torch.Tensor) or row.device.type != "cpu":
+        where = row.device if isinstance(row, torch.Tensor) else type(row).__name__
+        raise CpuSiteError(f"expert row on {where}: the CPU site reads host rows only, never device rows")
+    if row.dtype != torch.uint8 or row.dim() != 1 or row.numel() != layout.row_bytes:
+        raise CpuSiteError(f"expert row: uint8 ({layout.row_bytes},) expected, got {row.dtype} {tuple(row.shape)}")
+    dtype = PRECISIONS[precision]
+    h, i, b = layout.hidden_size, layout.intermediate_size, layout.block_size
+    view = layout.view
+    gate_up = _pack_projection([view(row, "gate.weight"), view(row, "up.weight")],
+                               [view(row, "gate.scale"), view(row, "up.scale")], h, b, dtype)
+    down = _pack_projection([view(row, "down.weight")], [view(row, "down.scale")], i, b, dtype)
+    return RepackedExpert(gate_up, down, i)
+
+
+def expert_ffn(rep: RepackedExpert, x: torch.Tensor) -> torch.Tensor:
+    """down(silu(gate(x)) * up(x)) of one expert. x: (M, H) in the activation dtype -> float32 (M, H)."""
+    gu = rep.gate_up.matmul(x).to(torch.float32)  # (M, 2I)
+    i = rep.intermediate
+    h = (F.silu(gu[:, :i]) * gu[:, i:]).to(x.dtype)  # (M, I), rounded once to the activation dtype
+    return rep.down.matmul(h).to(torch.float32)
+
+
+def _layer_moe(expert_of, x, topk_ids, topk_weights, dtype, out_dtype=torch.float16) -> torch.Tensor:
+    """sum_j w[t, j] * ffn_e(x_t) over the batch union, one kernel pass per distinct expert (its tokens batched).
+    expert_of(e) -> RepackedExpert."""
+    out = common.empty((x.shape[0], x.shape[1]), torch.float32, x.device)
+    out.zero_()
+    ids = topk_ids.to(torch.int64)
+    xa = x.to(dtype)
+    for e in torch.unique(ids).tolist():
+        tok, slot = (ids == e).nonzero(as_tuple=True)  # (n_e,) each
+        y = expert_ffn(expert_of(e), xa[tok])  # (n_e, H) fp32
+        out.index_add_(0, tok, y * topk_weights[tok, slot].to(torch.float32)[:, None])
+    return out.to(out_dtype)
+
+
+def _check_ids(topk_ids: torch.Tensor, num_experts: int) -> None:
+    bad = (topk_ids < 0) | (topk_ids >= num_experts)
+    if bad.any():
+        t, j = (int(v) for v in bad.nonzero()[0])
+        raise common.KernelInputError(
+            f"topk_ids[{t}, {j}] = {int(topk_ids[t, j])} is not an expert id in [0, {num_experts})")
+
+
+class CpuExpertSite:
+    """Routed experts computed on the CPU from a host source (runmap.residency.host_source.HostSource, or any
+    object with ``layout``, ``num_layers``, ``num_experts`` and ``row_tensor(layer, expert)`` returning a CPU
+    uint8 (row_bytes,) tensor). Thread-safe repack cache: a placement may call it from a worker thread."""
+
+    def __init__(self, source, precision: str = "bf16"):
+        if precision not in PRECISIONS:
+            raise CpuSiteError(f"precision {precision!r}, expected one of {tuple(PRECISIONS)}")
+        if not _have_kernel():
+            raise CpuSiteError(f"this torch ({torch.__version__}) has no aten._weight_int4pack_mm_for_cpu")
+        self.source, self.layout, self.precision = source, source.layout, precision
+        self.dtype = PRECISIONS[precision]
+        self.num_layers, self.num_experts = source.num_layers, source.num_experts
+        self._cache: dict[tuple[int, int], RepackedExpert] = {}
+        self._lock = threading.Lock()
+        self.repacks = 0  # experts repacked (each once)
+        self.nbytes = 0  # memory held by the repacked copies
+        self.source_bytes_read = 0  # host-source bytes read by repacks (row_bytes per repack)
+
+    def expert(self, layer: int, expert: int) -> RepackedExpert:
+        """The repacked expert, built from the host source on first use."""
+        key = (layer, expert)
+        rep = self._cache.get(key)
+        if rep is None:
+            with self._lock:
+                rep = self._cache.get(key)
+                if rep is None:
+                    rep = repack_expert(self.source.row_tensor(layer, expert), self.layout, self.precision)
+                    self._cache[key] = rep
+                    self.repacks += 1
+                    self.nbytes += rep.nbytes
+                    self.source_bytes_read += self.layout.row_bytes
+        return rep
+
+    def prepare(self, layers=None, experts=None) -> None:
+        """Repack ahead of time (benchmarks; startup when the first token's latency matters)."""
+        for layer in range(self.num_layers) if layers is None else layers:
+            for e in range(self.num_experts) if experts is None else experts:
+                self.expert(layer, e)
+
+    def expert_output(self, layer: int, expert: int, x: torch.Tensor) -> torch.Tensor:
+        """One expert's FFN output. x: float16/bfloat16/float32 (M, H) CPU -> float32 (M, H) (unweighted)."""
+        common.check_tensor("x", x, (torch.float16, torch.bfloat16, torch.float32), 2,
+                            shape=(None, self.layout.hidden_size), device=torch.device("cpu"))
+        if not 0 <= expert < self.num_experts:
+            raise common.KernelInputError(f"expert {expert} is not an expert id in [0, {self.num_experts})")
+        return expert_ffn(self.expert(layer, expert), x.to(self.dtype))
+
+    def moe(self, layer: int, x: torch.Tensor, topk_ids: torch.Tensor, topk_weights: torch.Tensor) -> torch.Tensor:
+        """Routed-expert output of one layer, every routed expert computed here.
+
+        Args:
+            layer: MoE layer index in [0, num_layers).
+            x: float16 (T, H) CPU. topk_ids: int32/int64 (T, k) CPU, ids in [0, E).
+            topk_weights: float32 (T, k) CPU, final gate weights.
+        Returns:
+            float16 (T, H) = sum_j w[t, j] * down_e(silu(gate_e(x_t)) * up_e(x_t)), e = topk_ids[t, j].
+        """
+        cpu = torch.device("cpu")
+        common.check_tensor("x", x, torch.float16, 2, shape=(None, self.layout.hidden_size), device=cpu)
+        common.check_tensor("topk_ids", topk_ids, (torch.int32, torch.int64), 2, shape=(x.shape[0], None), device=cpu)
+        common.check_tensor("topk_weights", topk_weights, torch.float32, 2, shape=tuple(topk_ids.shape), device=cpu)
+        if not 0 <= layer < self.num_layers:
+            raise common.KernelInputError(f"layer {layer} is not in [0, {self.num_layers})")
+        _check_ids(topk_ids, self.num_experts)
+        return _layer_moe(lambda e: self.expert(layer, e), x, topk_ids, topk_weights, self.dtype)
+
+    def describe(self) -> dict:
+        return {"precision": self.precision, "repacked_experts": self.repacks, "repacked_bytes": self.nbytes,
+                "source_bytes_read": self.source_bytes_read, "threads": torch.get_num_threads()}
+
+
+def cpu_int4_moe(x, topk_ids, topk_weights, storage, row_table, layout: RowLayout, config=None) -> torch.Tensor:
+    """The registry form (arguments and result as runmap.kernels.executors.moe_experts), every tensor on the CPU.
+
+    Repacks the routed rows of ``storage`` on each call (they may be rewritten between calls); the cached,
+    host-source path is ``CpuExpertSite``. config: optional {"precision": "bf16" | "fp32"}.
+    Returns float16 (T, H).
+    """
+    if storage.device.type != "cpu":
+        raise common.KernelInputError(f"storage on {storage.device}: cpu-int4 computes on the CPU from host rows "
+                                      "only (it never reads device rows); use a GPU executor for device storage")
+    precision = (config or {}).get("precision", "bf16")
+    if precision not in PRECISIONS:
+        raise common.KernelInputError(f"config precision {precision!r}, expected one of {tuple(PRECISIONS)}")
+    table = row_table.tolist()
+    reps: dict[int, RepackedExpert] = {}
+
+    def expert_of(e):
+        if e not in reps:
+            row = table[e]
+            if row < 0:  # reached only without the routing check; never substitute another expert
+                raise common.KernelInputError(f"expert {e} is not resident: row_table[{e}] = {row}")
+            reps[e] = repack_expert(storage[row], layout, precision)
+        return reps[e]
+
+    return _layer_moe(expert_of, x, topk_ids, topk_weights, PRECISIONS[precision])
