@@ -27,6 +27,11 @@ Output is written to a hidden directory in OUT and moved into place at the end. 
 already holds campaign.json or records is refused (nothing written) unless --overwrite; a run that fails
 never replaces an existing campaign (its output stays in the hidden directory, whose path is printed).
 
+One job per group, then one campaign (what the pipeline's GPU mode runs, one job per GPU):
+  runmap bench SPEC --group G --out parts/G             (for every group G of the spec; jobs may run at once)
+  runmap bench SPEC --aggregate parts/*  --out OUT        (OUT/<campaign>/records + campaign.json from whatever
+                                                         records the parts hold; ratios recomputed across them)
+
 Examples:
   runmap bench specs/campaigns/default.yaml
   runmap bench specs/campaigns/h200.yaml --out $OUT --pack olmoe=/data/olmoe-pack --only 'olmoe.*b1_'
@@ -72,6 +77,12 @@ def add_arguments(p) -> None:
     p.add_argument("--out", default="results/campaigns", help="output root; records go to OUT/<name>/records/ "
                    "(default: results/campaigns)")
     p.add_argument("--only", metavar="REGEX", help="run only configurations whose id matches REGEX (re.search)")
+    p.add_argument("--group", action="append", metavar="NAME", help="run only the configurations of campaign group "
+                   "NAME (repeatable; combines with --only)")
+    p.add_argument("--aggregate", nargs="+", type=Path, metavar="PART",
+                   help="run nothing: join the output folders of earlier --group jobs (each PART the --out of one "
+                        "job) into OUT/<campaign>/ (records/ and campaign.json with a `parts` list); a configuration "
+                        "no part holds is listed as skipped; exit status as for a run")
     p.add_argument("--pack", action="append", metavar="NAME=DIR", help="pack directory of campaign model NAME "
                    "(overrides the spec; repeatable)")
     p.add_argument("--checkpoint", action="append", metavar="NAME=DIR", help="HF checkpoint of model NAME for the "
@@ -117,6 +128,12 @@ def run(args) -> int:
         check_model_names(spec, packs, "--pack")
         check_model_names(spec, checkpoints, "--checkpoint")
         configs = filter_configs(expand(spec, packs), args.only)
+        if args.group:
+            unknown = sorted(set(args.group) - {g["name"] for g in spec["groups"]})
+            if unknown:
+                raise UsageError(f"--group {unknown[0]!r}: the spec has groups "
+                                 f"{', '.join(g['name'] for g in spec['groups'])}")
+            configs = [c for c in configs if c.group in args.group]
     except UsageError as e:
         return fail(e, EXIT_USAGE)
     except BenchError as e:
@@ -126,8 +143,11 @@ def run(args) -> int:
             print(c.id)
         return 0
     if not configs:
-        print(f"runmap bench: no configuration of {args.spec} matches --only {args.only!r}", file=sys.stderr)
+        print(f"runmap bench: no configuration of {args.spec} matches --only {args.only!r} / --group {args.group}",
+              file=sys.stderr)
         return EXIT_USAGE
+    if args.aggregate:
+        return _aggregate(args, spec, configs)
     found = existing_campaign(Path(args.out) / spec["name"])
     if found and not args.overwrite:
         return fail(OutputExistsError(f"{Path(args.out) / spec['name']} already holds a campaign "
@@ -171,6 +191,25 @@ def run(args) -> int:
           f"{len(summary['skipped'])} skipped in {summary['wall_s']:.1f} s -> {Path(args.out) / spec['name']}")
     for f in summary["failed"]:
         print(f"  FAILED {f['id']}: {f['error']}", file=sys.stderr)
+    if summary["failed"]:
+        return EXIT_FAILED
+    return EXIT_DEADLINE if summary["skipped"] else 0
+
+
+def _aggregate(args, spec: dict, configs: list) -> int:
+    from runmap.bench.aggregate import aggregate_parts
+    from runmap.bench.campaign import BenchError, OutputExistsError
+
+    command = shlex.join(["runmap", "bench", *sys.argv[2:]]) if len(sys.argv) > 1 and sys.argv[1] == "bench" \
+        else shlex.join(["runmap", "bench", args.spec, "--aggregate", *map(str, args.aggregate)])
+    try:
+        summary = aggregate_parts(spec, args.aggregate, Path(args.out), configs, command=command,
+                                  overwrite=args.overwrite)
+    except (BenchError, OutputExistsError, OSError) as e:
+        print(f"runmap bench: {e}", file=sys.stderr)
+        return EXIT_FAILED
+    print(f"{spec['name']}: aggregated {len(summary['parts'])} parts: {len(summary['done'])} done, "
+          f"{len(summary['failed'])} failed, {len(summary['skipped'])} skipped -> {Path(args.out) / spec['name']}")
     if summary["failed"]:
         return EXIT_FAILED
     return EXIT_DEADLINE if summary["skipped"] else 0

@@ -8,8 +8,8 @@ import argparse
 import os
 import sys
 
-from runmap.cli import (bench, check_kernels, contract, generate, ifeval, logits, pack, replay, report, serve,
-                        synth, validate)
+from runmap.cli import (bench, check_kernels, contract, generate, gpu_slot, ifeval, logits, pack, replay, report,
+                        serve, synth, validate)
 
 SUBCOMMANDS = {
     "synth": synth,
@@ -24,6 +24,7 @@ SUBCOMMANDS = {
     "report": report,
     "ifeval": ifeval,
     "serve": serve,
+    "gpu-slot": gpu_slot,
 }
 
 
@@ -81,7 +82,8 @@ def main(argv: list[str] | None = None) -> int:
         parser.print_help()
         return 2
     try:
-        _select_triton_backend()
+        if not getattr(args, "_no_torch", False):
+            _select_triton_backend()
         return int(args._run(args) or 0)
     except KeyboardInterrupt:
         print("interrupted", file=sys.stderr)

@@ -8,6 +8,7 @@
 # Snakemake deletes a job's outputs before it runs, so the rule passes --overwrite for its own output; a
 # campaign directory holding a README.md is committed evidence and is refused at parse time unless the
 # config sets `bench: {overwrite_evidence: true}` (schemas/pipeline-bench.schema.json).
+import json as _bench_json
 import os as _bench_os
 
 import yaml as _bench_yaml
@@ -52,23 +53,83 @@ def _bench_overrides():
     return " ".join(args)
 
 
-rule bench:
-    """One JSON record per campaign configuration (progress bar in the log)."""
-    output:
-        summary=f"{BENCH_DIR}/campaign.json",
-        records=directory(f"{BENCH_DIR}/records"),
-    input:
-        spec=BENCH_SPEC,
-        packs=sorted({pack_dir(p) for p in BENCH_PRESETS.values()}),
-        checkpoints=sorted({checkpoint_dir(p) for p in BENCH_PRESETS.values()}),
-        code=code("cli.bench", "bench", "engine", "residency", "kernels", "format", "arch", "conformance"),
-    params:
-        overrides=_bench_overrides(),
-        out=f"{RESULTS}/campaigns",
-    log:
-        f"{LOGS}/campaigns/{BENCH_CAMPAIGN}.log",
-    shell:
-        "runmap bench {input.spec} --out {params.out} --overwrite {params.overrides} > {log} 2>&1"
+BENCH_CODE = code("cli.bench", "bench", "engine", "residency", "kernels", "format", "arch", "conformance")
+
+if not GPU["enabled"]:
+
+    rule bench:
+        """One JSON record per campaign configuration (progress bar in the log)."""
+        output:
+            summary=f"{BENCH_DIR}/campaign.json",
+            records=directory(f"{BENCH_DIR}/records"),
+        input:
+            spec=BENCH_SPEC,
+            packs=sorted({pack_dir(p) for p in BENCH_PRESETS.values()}),
+            checkpoints=sorted({checkpoint_dir(p) for p in BENCH_PRESETS.values()}),
+            code=BENCH_CODE,
+        params:
+            overrides=_bench_overrides(),
+            out=f"{RESULTS}/campaigns",
+        log:
+            f"{LOGS}/campaigns/{BENCH_CAMPAIGN}.log",
+        shell:
+            "runmap bench {input.spec} --out {params.out} --overwrite {params.overrides} > {log} 2>&1"
+
+else:
+    # GPU mode (05-gpu.smk): one gpu=1 job per campaign group, each writing its own campaign folder under
+    # results/bench-parts/<campaign>/<group>/, then `bench` joins them (runmap bench --aggregate). A group's
+    # job depends on its own definition (a parameter: editing one group reruns that job only), its models'
+    # packs and the code; a failed group is rerun alone on the next invocation.
+    BENCH_PARTS = f"{RESULTS}/bench-parts/{BENCH_CAMPAIGN}"
+
+    def _bench_groups():
+        with open(BENCH_SPEC) as fh:
+            spec = _bench_yaml.safe_load(fh)
+        shared = {k: spec.get(k) for k in ("name", "device", "defaults")}
+        return {g["name"]: {"group": g, "models": {m: spec["models"][m] for m in g["models"]}, **shared}
+                for g in spec["groups"]}
+
+    BENCH_GROUPS = _bench_groups()
+
+    rule bench_group:
+        """The configurations of one campaign group, on one GPU slot."""
+        output:
+            directory(f"{BENCH_PARTS}/{{group}}"),
+        input:
+            packs=lambda wc: sorted({pack_dir(BENCH_PRESETS[m]) for m in BENCH_GROUPS[wc.group]["models"]}),
+            checkpoints=lambda wc: sorted({checkpoint_dir(BENCH_PRESETS[m]) for m in BENCH_GROUPS[wc.group]["models"]}),
+            code=BENCH_CODE,
+        params:
+            spec=BENCH_SPEC,
+            definition=lambda wc: _bench_json.dumps(BENCH_GROUPS[wc.group], sort_keys=True),
+            overrides=_bench_overrides(),
+        resources:
+            **GPU_RESOURCES,
+        wildcard_constraints:
+            group=r"[^/]+",
+        log:
+            f"{LOGS}/campaigns/{BENCH_CAMPAIGN}/{{group}}.log",
+        shell:
+            gpu_command("runmap bench {params.spec} --group {wildcards.group} --out {output} --overwrite --no-progress "
+                        "{params.overrides}") + " > {log} 2>&1"
+
+    rule bench:
+        """campaign.json and records/ of the whole campaign from the groups' records (no GPU)."""
+        output:
+            summary=f"{BENCH_DIR}/campaign.json",
+            records=directory(f"{BENCH_DIR}/records"),
+        input:
+            spec=BENCH_SPEC,
+            parts=[f"{BENCH_PARTS}/{g}" for g in BENCH_GROUPS],
+            code=BENCH_CODE,
+        params:
+            overrides=_bench_overrides(),
+            out=f"{RESULTS}/campaigns",
+        log:
+            f"{LOGS}/campaigns/{BENCH_CAMPAIGN}.log",
+        shell:
+            "runmap bench {input.spec} --aggregate {input.parts} --out {params.out} --overwrite {params.overrides} "
+            "> {log} 2>&1"
 
 
 FINAL_OUTPUTS.extend([f"{BENCH_DIR}/campaign.json", f"{BENCH_DIR}/records"])

@@ -55,21 +55,71 @@ rule ifeval_inputs:
         "(head -n {params.limit} {input:q} > {output:q}.tmp && mv {output:q}.tmp {output:q}) > {log} 2>&1"
 
 
-rule ifeval_generate:
-    output:
-        answers=f"{RESULTS}/ifeval/{{model}}-b{{block}}/answers.jsonl",
-        meta=f"{RESULTS}/ifeval/{{model}}-b{{block}}/answers.jsonl.meta.json",
-    input:
-        pack=lambda wc: pack_dir(wc.model, wc.block),
-        inputs=f"{RESULTS}/ifeval/{{model}}-b{{block}}/inputs.jsonl",
-        code=code("cli.ifeval", "ifeval", "engine", "residency", "kernels", "format", "arch"),
-    params:
-        opts=_ifeval_generate_options(),
-    log:
-        f"{LOGS}/ifeval/{{model}}-b{{block}}-generate.log",
-    shell:
-        "runmap ifeval generate --no-progress --packed {input.pack} --inputs {input.inputs} "
-        "--out {output.answers} --model-name {wildcards.model} {params.opts} > {log} 2>&1"
+IFEVAL_CODE = code("cli.ifeval", "ifeval", "engine", "residency", "kernels", "format", "arch")
+IFEVAL_SHARDS = IFEVAL["shards"]
+
+if IFEVAL_SHARDS == 1:
+
+    rule ifeval_generate:
+        output:
+            answers=f"{RESULTS}/ifeval/{{model}}-b{{block}}/answers.jsonl",
+            meta=f"{RESULTS}/ifeval/{{model}}-b{{block}}/answers.jsonl.meta.json",
+        input:
+            pack=lambda wc: pack_dir(wc.model, wc.block),
+            inputs=f"{RESULTS}/ifeval/{{model}}-b{{block}}/inputs.jsonl",
+            code=IFEVAL_CODE,
+        params:
+            opts=_ifeval_generate_options(),
+        resources:
+            **GPU_RESOURCES,
+        log:
+            f"{LOGS}/ifeval/{{model}}-b{{block}}-generate.log",
+        shell:
+            gpu_command("runmap ifeval generate --no-progress --packed {input.pack} --inputs {input.inputs} "
+                        "--out {output.answers} --model-name {wildcards.model} {params.opts}") + " > {log} 2>&1"
+
+else:
+    # One job per shard (runmap ifeval generate --shard I/N: the prompts whose rank in key order is I-1 mod N),
+    # then one merge (runmap ifeval merge: checks the N shards are one complete split of one configuration)
+    # into the answers file + sidecar an unsharded run writes; scoring is unchanged. A failed shard is rerun
+    # alone; greedy answers do not depend on the batch, so the merged run equals the unsharded one.
+
+    rule ifeval_generate_shard:
+        output:
+            answers=f"{RESULTS}/ifeval/{{model}}-b{{block}}/shards/{{shard}}-of-{IFEVAL_SHARDS}/answers.jsonl",
+            meta=f"{RESULTS}/ifeval/{{model}}-b{{block}}/shards/{{shard}}-of-{IFEVAL_SHARDS}/answers.jsonl.meta.json",
+        input:
+            pack=lambda wc: pack_dir(wc.model, wc.block),
+            inputs=f"{RESULTS}/ifeval/{{model}}-b{{block}}/inputs.jsonl",
+            code=IFEVAL_CODE,
+        params:
+            opts=_ifeval_generate_options(),
+        resources:
+            **GPU_RESOURCES,
+        wildcard_constraints:
+            shard=r"\d+",
+        log:
+            f"{LOGS}/ifeval/{{model}}-b{{block}}-generate-{{shard}}-of-{IFEVAL_SHARDS}.log",
+        shell:
+            gpu_command("runmap ifeval generate --no-progress --packed {input.pack} --inputs {input.inputs} "
+                        "--out {output.answers} --model-name {wildcards.model} --shard {wildcards.shard}/"
+                        f"{IFEVAL_SHARDS} {{params.opts}}") + " > {log} 2>&1"
+
+    rule ifeval_merge:
+        output:
+            answers=f"{RESULTS}/ifeval/{{model}}-b{{block}}/answers.jsonl",
+            meta=f"{RESULTS}/ifeval/{{model}}-b{{block}}/answers.jsonl.meta.json",
+        input:
+            shards=[f"{RESULTS}/ifeval/{{model}}-b{{block}}/shards/{i}-of-{IFEVAL_SHARDS}/answers.jsonl"
+                    for i in range(1, IFEVAL_SHARDS + 1)],
+            metas=[f"{RESULTS}/ifeval/{{model}}-b{{block}}/shards/{i}-of-{IFEVAL_SHARDS}/answers.jsonl.meta.json"
+                   for i in range(1, IFEVAL_SHARDS + 1)],
+            inputs=f"{RESULTS}/ifeval/{{model}}-b{{block}}/inputs.jsonl",
+            code=code("cli.ifeval", "ifeval.shard", "ifeval.generate", "atomic"),
+        log:
+            f"{LOGS}/ifeval/{{model}}-b{{block}}-merge.log",
+        shell:
+            "runmap ifeval merge --inputs {input.inputs} --out {output.answers} {input.shards} > {log} 2>&1"
 
 
 rule ifeval_score:
