@@ -175,6 +175,11 @@ def _layer_moe(expert_of, x, topk_ids, topk_weights, dtype, out_dtype=torch.floa
     out.zero_()
     ids = topk_ids.to(torch.int64)
     xa = x.to(dtype)
+    if x.shape[0] == 1:  # decode at batch 1: k distinct experts of one token, no grouping work per step
+        gw = topk_weights.to(torch.float32)
+        for j, e in enumerate(ids[0].tolist()):
+            out.add_(expert_ffn(expert_of(e), xa) * gw[0, j])
+        return out.to(out_dtype)
     for e in torch.unique(ids).tolist():
         tok, slot = (ids == e).nonzero(as_tuple=True)  # (n_e,) each
         y = expert_ffn(expert_of(e), xa[tok])  # (n_e, H) fp32
