@@ -12,11 +12,12 @@ from runmap.provenance import utc_timestamp
 
 HELP = "check every W4A16 executor against the FP32 reference over expert shapes x token counts"
 DESCRIPTION = """\
-Runs each executor (reference, scalar, grouped, topk-fused) over expert shapes x token counts M. Every case
+Runs each executor (reference, scalar, grouped, topk-fused; on cpu also the CPU site cpu-int4) over expert
+shapes x token counts M. Every case
 draws fresh random experts (3/4 of them resident, in shuffled physical rows), activations, routing with
 experts repeated across tokens, and gate weights; every buffer the kernel wrappers allocate starts as NaN.
-A case passes when the output is finite and ||y - ref|| / ||ref|| <= 2e-3, ref = dequantize to FP32 + FP32
-matmuls (kernels/reference.py).
+A case passes when the output is finite and ||y - ref|| / ||ref|| <= 2e-3 (1e-2 for cpu-int4, whose torch
+kernel computes in bfloat16), ref = dequantize to FP32 + FP32 matmuls (kernels/reference.py).
 
 Shapes: tiny = two small synthetic expert shapes (H=256, I=320, block 256 with a partial last block of the
 down projection; H=256, I=192, block 64); full = OLMoE (2048x1024) and Qwen1.5-MoE (2048x1408, down K =
@@ -133,7 +134,11 @@ def run(args) -> int:
         err = "n/a" if c["error"] is None else f"{c['error']:.2e}"
         print(f"{c['executor']:<{width}}  {c['shape']:<12} {c['m']:>4}  {err:>9}  "
               f"{'pass' if c['pass'] else 'FAIL ' + c.get('message', 'non-finite or over tolerance')}")
-    print(f"{len(cases) - len(failed)}/{len(cases)} cases pass (tolerance {kc.TOLERANCE}); wrote {out}")
+    by_tol: dict = {}  # a CPU site is held to its own bound (kernels/check.py tolerance)
+    for e in executors:
+        by_tol.setdefault(kc.tolerance(e), []).append(e)
+    tol = "; ".join(f"{t} for {', '.join(es)}" for t, es in by_tol.items())
+    print(f"{len(cases) - len(failed)}/{len(cases)} cases pass (tolerance {tol}); wrote {out}")
     return 0 if not failed else 1
 
 
