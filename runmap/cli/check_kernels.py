@@ -14,7 +14,8 @@ HELP = "check every W4A16 executor against the FP32 reference over expert shapes
 DESCRIPTION = """\
 Runs each executor (reference, scalar, grouped, topk-fused; on cpu also the CPU site cpu-int4) over expert
 shapes x token counts M. Every case draws fresh random experts (3/4 of them resident, in shuffled physical
-rows), activations, routing with experts repeated across tokens, and gate weights; every buffer the kernel wrappers allocate starts as NaN.
+rows), activations, routing with experts repeated across tokens, and gate weights; every buffer the kernel
+wrappers allocate starts as NaN.
 A case passes when the output is finite and ||y - ref|| / ||ref|| <= 2e-3 (1e-2 for cpu-int4, whose torch
 kernel computes in bfloat16), ref = dequantize to FP32 + FP32 matmuls (kernels/reference.py).
 
