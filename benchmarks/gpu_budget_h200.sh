@@ -19,13 +19,15 @@ if [ "${PHASES:-1}" = 1 ] && [ "$R1" = 0 ]; then
   mkdir -p /tmp/probe && ln -sfn "$WORK/pk-olmoe" /tmp/probe/pk-olmoe-1b-7b-0924
   timeout 200 python3 tools/explore/probe_segment_phases.py --work /tmp/probe --out "$OUT/segment-phases-h200.json" \
     > "$OUT/segment-phases-h200.log" 2>&1
-  echo "[$(( $(date +%s) - T0 ))s] phases: exit $?"
+  R=$?  # read before the next command substitution resets $?
+  echo "[$(( $(date +%s) - T0 ))s] phases: exit $R"
   grep -v "^ *$" "$OUT/segment-phases-h200.log" | grep "tok/s\|segment\|_acquire\|_release \|_transaction\|upload\|copy_rows"
 fi
 if [ "${PARTIAL:-1}" = 1 ] && [ "$R1" = 0 ]; then  # the same configurations without instrumentation
   timeout 200 python3 tools/explore/probe_partial_decode.py --work /tmp/probe --resident 64,30,48 \
     --out "$OUT/probe-partial-h200.json" > "$OUT/probe-partial-h200.log" 2>&1
-  echo "[$(( $(date +%s) - T0 ))s] partial probe: exit $?"
+  R=$?
+  echo "[$(( $(date +%s) - T0 ))s] partial probe: exit $R"
   grep "^{" "$OUT/probe-partial-h200.log" | cut -c1-220
 fi
 ARGS=()

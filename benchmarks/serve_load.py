@@ -334,7 +334,7 @@ class InProcessServer:
     the engine thread between scheduler steps (Scheduler.call)."""
 
     def __init__(self, pack: Path, *, executor: str, resident, device, max_batch: int, max_seq_len: int,
-                 ifeval_dir: Path, command: str):
+                 ifeval_dir: Path, command: str, gpu_budget: int | None = None):
         import socket
         import threading
 
@@ -343,9 +343,11 @@ class InProcessServer:
         from runmap.engine.engine import Engine
         from runmap.serve.app import Server, create_app
 
-        def load():
-            return Engine.from_pack(pack, executor=executor, resident=resident, device=device, max_batch=max_batch,
-                                    max_seq_len=max_seq_len)
+        def load():  # as runmap serve: under a budget the engine plans again and caps torch's allocator at it
+            residency = ({"gpu_budget": gpu_budget, "budget_kv_rows": max_batch + 1} if gpu_budget is not None
+                         else {"resident": resident})
+            return Engine.from_pack(pack, executor=executor, device=device, max_batch=max_batch,
+                                    max_seq_len=max_seq_len, **residency)
 
         self.model_id = "bench"
         self.server = Server(load, model_id=self.model_id, pack_dir=pack, ifeval_dir=ifeval_dir, campaign_roots=[],
@@ -581,7 +583,7 @@ def run(args, argv: list[str]) -> int:
     with tempfile.TemporaryDirectory(prefix="serve-load-") as scratch:
         srv = InProcessServer(pack, executor=args.executor, resident=resident, device=args.device, max_batch=max_batch,
                               max_seq_len=args.max_seq_len, ifeval_dir=Path(scratch) / "ifeval",
-                              command=f"runmap serve (in {command})")
+                              command=f"runmap serve (in {command})", gpu_budget=args.gpu_budget)
         try:
             # the workers import the client while the engine loads
             warm = [pool.submit(_warm_worker) for _ in range(workers)]
@@ -666,7 +668,7 @@ def run(args, argv: list[str]) -> int:
                       f"(ratio {pt['ratio_to_offline']:.2f}), {pt['requests']} requests, {pt['errors']} errors",
                       flush=True)
                 # written after every client count: a run stopped by its time limit keeps the points it measured
-                write_json(out, record(points, first, complete=c == args.clients[-1]))
+                write_json(out, record(points, first, complete=False))  # complete once the final check is in
             # The offline runs used the served engine (its KV cache, its expert cache) between scheduler steps: the
             # first request, sent again alone and greedy, must get the same answer
             srv.wait_idle()
@@ -701,6 +703,10 @@ def main(argv: list[str] | None = None) -> int:
     except ModuleNotFoundError as e:  # the server's or the client's dependencies are not installed here
         print(f"serve_load: missing Python package {e.name!r} (runmap serve needs fastapi, uvicorn, pydantic, "
               f"prometheus-client; the clients need openai)", file=sys.stderr)
+        return 1
+    except TimeoutError as e:  # concurrent.futures' timeout is an OSError subclass with no text: say what waited
+        print(f"serve_load: a request or a client worker did not finish in time ({e or 'no answer'}; "
+              f"--request-timeout-s is {args.request_timeout_s} s)", file=sys.stderr)
         return 1
     except OSError as e:  # writing the record or the plot
         print(f"serve_load: {getattr(e, 'filename', None) or args.out}: {e.strerror or e}", file=sys.stderr)

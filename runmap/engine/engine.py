@@ -154,7 +154,8 @@ class CachedExperts:
                 from runmap.kernels.cpu_int4 import CpuExpertSite
 
                 self.cpu_site = CpuExpertSite(self.cache.host)
-            return self.cpu_site.moe(layer, x, ids, gw)
+            with self.cache.monitored():  # as the other paths: a copy out of expert storage here would be counted
+                return self.cpu_site.moe(layer, x, ids, gw)
         if self.full:
             # inside the copy monitor too: an eager call is seen each time, a CUDA-graph step when it is captured
             # (a copy out of expert rows in the step would show then), so expert_d2h_bytes covers this path
@@ -614,64 +615,69 @@ class Engine:
             # the plan is an estimate; the cap makes it a bound: past the budget torch raises out-of-memory
             total = torch.cuda.get_device_properties(device).total_memory
             torch.cuda.set_per_process_memory_fraction(min(1.0, budget_plan.budget / total), device)
-        tokenizer = Tokenizer(reader.tokenizer_dir, eos_token_id=cfg.eos_token_id)
-        weights = load_weights(reader.nonrouted, cfg, device)  # before the cache closes the reader
-        model = Transformer(cfg, weights)
-        fused_ops = frozenset(DEFAULT_FUSED if fused is True else (fused or ()))
-        unknown = fused_ops - set(FUSED_OPS)
-        if unknown:
-            raise EngineError(f"unknown fused ops {sorted(unknown)}; choose from {list(FUSED_OPS)}")
-        if model.per_head_qk_norm and "prologue" in fused_ops:
-            # the fused prologue normalizes q/k over the whole projection only: by default a per-head family
-            # takes the torch prologue; asking for the fused one explicitly is an error, never a wrong result
-            if fused is not True:
+        try:
+            tokenizer = Tokenizer(reader.tokenizer_dir, eos_token_id=cfg.eos_token_id)
+            weights = load_weights(reader.nonrouted, cfg, device)  # before the cache closes the reader
+            model = Transformer(cfg, weights)
+            fused_ops = frozenset(DEFAULT_FUSED if fused is True else (fused or ()))
+            unknown = fused_ops - set(FUSED_OPS)
+            if unknown:
+                raise EngineError(f"unknown fused ops {sorted(unknown)}; choose from {list(FUSED_OPS)}")
+            if model.per_head_qk_norm and "prologue" in fused_ops:
+                # the fused prologue normalizes q/k over the whole projection only: by default a per-head family
+                # takes the torch prologue; asking for the fused one explicitly is an error, never a wrong result
+                if fused is not True:
+                    reader.close()
+                    raise EngineError(f"fused op 'prologue' cannot run {cfg.arch}'s per-head q/k norms; leave it out")
+                fused_ops = fused_ops - {"prologue"}
+            if device.type == "cuda":  # the fused ops are Triton kernels for the CUDA decode step only
+                model.fused = fused_ops
+            if expert_format == "fp16":
+                rows = [reader.read_expert_rows(l) for l in range(cfg.num_layers)]
+                for l, r in enumerate(rows):
+                    reader.verify_expert_hashes(l, r)  # same startup check as the cache's host source
                 reader.close()
-                raise EngineError(f"fused op 'prologue' cannot run {cfg.arch}'s per-head q/k norms; leave it out")
-            fused_ops = fused_ops - {"prologue"}
-        if device.type == "cuda":  # the fused ops are Triton kernels for the CUDA decode step only
-            model.fused = fused_ops
-        if expert_format == "fp16":
-            rows = [reader.read_expert_rows(l) for l in range(cfg.num_layers)]
-            for l, r in enumerate(rows):
-                reader.verify_expert_hashes(l, r)  # same startup check as the cache's host source
-            reader.close()
-            experts = DenseFp16Experts(rows, layout, device)
-            del rows
-        else:
-            from runmap.residency.cache import ExpertCache
-
-            if executor in CPU_SITE_EXECUTORS and resident != E:
-                reader.close()
-                raise EngineError(f"executor {executor!r} reads every expert from the host source: leave resident "
-                                  f"at all {E} experts (partial residency has nothing to lease for it)")
-            if resident == E:
-                group = min(cfg.top_k * max_batch, E)
+                experts = DenseFp16Experts(rows, layout, device)
+                del rows
             else:
-                group = max_group if max_group is not None else max(cfg.top_k, min(cfg.top_k * max_batch,
-                                                                                     resident // 2))
-            if group < cfg.top_k:
-                raise EngineError(f"max_group={group} is below top_k={cfg.top_k}: a single token's routed group "
-                                  "could never be served")
-            from runmap.residency.transport import default_transport
+                from runmap.residency.cache import ExpertCache
 
-            kw = dict(resident=resident, max_group=group, device=device, policy=policy,
-                      transport=default_transport(device, contract=cache_contract))
-            if host_source is not None:
-                host_source.watch_reader(reader)  # closed; a read through it is still observed
-                cache = ExpertCache.from_host(host_source, **kw)
-            else:
-                cache = ExpertCache.from_pack(reader, **kw)
-            experts = CachedExperts(cache, executor, layout, cfg.top_k)
-        if device.type == "cuda":
-            torch.cuda.synchronize(device)
-        eng = cls(cfg=cfg, model=model, experts=experts, tokenizer=tokenizer, device=device, executor=executor,
-                   expert_format=expert_format, max_batch=max_batch, max_seq_len=max_seq_len,
-                   cuda_graphs=cuda_graphs, prefill_chunk=prefill_chunk, pack_dir=str(pack_dir),
-                   resident=resident, load_s=time.perf_counter() - t0, pack_identity=identity,
-                   skip_experts=skip_experts, imposed=imposed, routing=spec.name, routes=routes,
-                   segments=cuda_graphs and segments)
-        eng.budget_plan = budget_plan
-        return eng
+                if executor in CPU_SITE_EXECUTORS and resident != E:
+                    reader.close()
+                    raise EngineError(f"executor {executor!r} reads every expert from the host source: leave resident "
+                                      f"at all {E} experts (partial residency has nothing to lease for it)")
+                if resident == E:
+                    group = min(cfg.top_k * max_batch, E)
+                else:
+                    group = max_group if max_group is not None else max(cfg.top_k, min(cfg.top_k * max_batch,
+                                                                                         resident // 2))
+                if group < cfg.top_k:
+                    raise EngineError(f"max_group={group} is below top_k={cfg.top_k}: a single token's routed group "
+                                      "could never be served")
+                from runmap.residency.transport import default_transport
+
+                kw = dict(resident=resident, max_group=group, device=device, policy=policy,
+                          transport=default_transport(device, contract=cache_contract))
+                if host_source is not None:
+                    host_source.watch_reader(reader)  # closed; a read through it is still observed
+                    cache = ExpertCache.from_host(host_source, **kw)
+                else:
+                    cache = ExpertCache.from_pack(reader, **kw)
+                experts = CachedExperts(cache, executor, layout, cfg.top_k)
+            if device.type == "cuda":
+                torch.cuda.synchronize(device)
+            eng = cls(cfg=cfg, model=model, experts=experts, tokenizer=tokenizer, device=device, executor=executor,
+                       expert_format=expert_format, max_batch=max_batch, max_seq_len=max_seq_len,
+                       cuda_graphs=cuda_graphs, prefill_chunk=prefill_chunk, pack_dir=str(pack_dir),
+                       resident=resident, load_s=time.perf_counter() - t0, pack_identity=identity,
+                       skip_experts=skip_experts, imposed=imposed, routing=spec.name, routes=routes,
+                       segments=cuda_graphs and segments)
+            eng.budget_plan = budget_plan
+            return eng
+        except BaseException:
+            if budget_plan is not None and device.type == "cuda":  # no engine holds the cap: lift it again
+                torch.cuda.set_per_process_memory_fraction(1.0, device)
+            raise
 
     # ---- StepModel (runmap.engine.generation) ----------------------------------------------------------------
     def bucket(self, n: int) -> int:
