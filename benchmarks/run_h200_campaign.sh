@@ -34,26 +34,9 @@ mkdir -p "$WORK" "$OUT"
 rm -rf "$WORK/campaigns"
 elapsed() { echo $(( $(date +%s) - T0 )); }
 
-prepare() {  # NAME PRESET: synth -> pack -> delete checkpoint
-  python3 - "$1" "$2" "$WORK" "$PREP_DEVICE" <<'EOF'
-import shutil, sys, time
-from pathlib import Path
-from runmap.arch.config import load_preset
-from runmap.format.pack import pack_checkpoint
-from runmap.synth.checkpoint import write_synthetic
-name, preset, work, dev = sys.argv[1], sys.argv[2], Path(sys.argv[3]), sys.argv[4]
-ck, pk = work / f"ck-{name}", work / f"pk-{name}"
-t0 = time.perf_counter()
-if not (pk / "manifest.json").is_file():
-    # the routing init: the checkpoints' own routing ("model" rows) is not near-constant (docs/routing-workloads.md)
-    write_synthetic(load_preset(preset)[0], ck, seed=0, device=dev, overwrite=True, init="routing")
-    t1 = time.perf_counter()
-    pack_checkpoint(ck, pk, device=dev, overwrite=True)
-    shutil.rmtree(ck)
-    print(f"{name}: synth {t1 - t0:.1f} s, pack {time.perf_counter() - t1:.1f} s", flush=True)
-else:
-    print(f"{name}: pack already present", flush=True)
-EOF
+prepare() {  # NAME PRESET: synth -> pack -> delete checkpoint (benchmarks/prepare_pack.py); the routing init, so
+  # that the checkpoints' own routing ("model" rows) is not near-constant (docs/routing-workloads.md)
+  python3 benchmarks/prepare_pack.py "$1" "$2" "$WORK" "$PREP_DEVICE" routing
 }
 
 PACKS=()
