@@ -31,7 +31,7 @@ echo "[$(elapsed)s] prepare rc=$?"; tail -2 "$OUT/headline/prepare.log"
 rm -rf "$WORK/campaigns"
 timeout "${BENCH_S:-330}" python3 -m runmap bench specs/campaigns/h200.yaml --out "$WORK/campaigns" --no-progress \
   --keep-going --pack olmoe="$WORK/pk-olmoe" --checkpoint olmoe="$WORK/ck-olmoe" \
-  --only "${ONLY:-^olmoe__(engine__(grouped|topk-fused)|hf-bf16__hf-bf16)__r64__b1__p(32__d256|4032__d64)}" \
+  --only "${ONLY:-^olmoe__(engine__(grouped|topk-fused)|hf-bf16__hf-bf16|hf-bf16-compile__hf-bf16-compile)__r64__b1__p(32__d256|4032__d64)}" \
   > "$OUT/headline/bench.log" 2>&1
 echo "[$(elapsed)s] bench rc=$?"
 # records as one archive (the device tool brings back a bounded number of files)

@@ -38,7 +38,7 @@ class FakeEngine:
 
     def decode_rate(self, batch: int) -> float:
         base = {"reference": 10.0, "scalar": 20.0, "grouped": 40.0, "topk-fused": 50.0,
-                "hf-bf16": 30.0, "torch-fp16": 35.0}[self.c.executor]
+                "hf-bf16": 30.0, "hf-bf16-compile": 60.0, "torch-fp16": 35.0}[self.c.executor]
         return batch * base * (1.0 + self.c.resident / self.c.experts_per_layer)
 
     def run(self, prompts, *, max_new_tokens, ignore_eos=False):
@@ -78,6 +78,14 @@ class FakeEngine:
             staging_bytes=self.ROW_BYTES, nonrouted_bytes=0, kv_cache_bytes=0,
             observations=MappingProxyType(
                 {n: {"status": "OBSERVED", "value": 0, "unit": "bytes", "source": "fake"} for n in OBS}))
+
+    def baseline_info(self, batch: int) -> dict:
+        """What a transformers baseline reports about its path (the runner asks HF kinds only)."""
+        mode = bench.HF_KINDS[self.c.kind]
+        out = {"hf_mode": mode, "status": "OBSERVED"}
+        if mode == "static-compile":
+            out.update(compile={"mode": "reduce-overhead", "fullgraph": True}, compile_s=bench.bm.observed(1.5))
+        return out
 
     def close(self) -> None:
         self.closed = True

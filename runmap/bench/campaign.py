@@ -14,6 +14,15 @@ What one configuration measures (all on the campaign's device, figures of the sa
   the device copy bandwidth measured at the start of the same run. With `check: true` the logits of one
   prompt are compared with the reference executor's (and, on CUDA, with torch ops instead of the fused ones).
 
+Baselines: transformers' bf16 model eager (kind hf-bf16) and with a static KV cache and its decode step under
+torch.compile (kind hf-bf16-compile; compilation happens in the warmup and is recorded apart, in
+``baseline.compile_s``, never in tok/s), and the engine with FP16 experts (engine-fp16). Every record gets
+the ratio to each baseline of the same run, and engine records ``ratios.decode_vs_strongest_baseline``: the
+ratio to the fastest transformers path measured for their model, batch and lengths, naming it.
+
+With ``profile: true`` a record also carries ``profile``: the per-kernel breakdown (torch.profiler) of one
+prefill and of one decode step of the configuration, measured after the timed runs (runmap.bench.profile).
+
 Variants (run parameters cuda_graphs, fused, skip_experts) are engine construction options; a
 configuration with non-default ones carries a suffix in its id (``__nographs``, ``__torchops``,
 ``__skipexperts``, ``__fused-<ops>``) and ``config.variant`` names it.
@@ -54,7 +63,8 @@ from runmap.workload.routing import RoutingError, parse_routing
 from runmap.arch.config import ModelConfig, load_preset
 from runmap import atomic
 from runmap.atomic import remove_stale_temporaries, write_json
-from runmap.bench.registry import BASELINE_KINDS
+from runmap.bench.baselines import BaselineUnavailable
+from runmap.bench.registry import BASELINE_KINDS, HF_KINDS
 from runmap.engine.engine import DEFAULT_FUSED, FUSED_OPS
 from runmap.engine.generation import GenerationResult, GenerationRun
 from runmap.engine.telemetry import EngineStats
@@ -66,7 +76,8 @@ RECORD_VERSION = "bench-record-v1"
 DEFAULT_PARAMS = {"repeats": 3, "warmup": 1, "warmup_new_tokens": 4, "policy": "lru", "seed": 0,
                   "cuda_graphs": True, "fused": True, "skip_experts": False, "check": False,
                   "check_prompt_len": 24, "check_tolerance": 0.01, "routing": "model",
-                  "cache_contract": "v1", "gpu_budget": None}
+                  "cache_contract": "v1", "gpu_budget": None,
+                  "profile": False, "profile_top": 12}
 VARIANT_PARAMS = ("cuda_graphs", "fused", "skip_experts", "routing", "cache_contract")
 CHECK_EXECUTOR = "reference"
 
@@ -118,7 +129,7 @@ class BenchConfig:
 
     id: str
     group: str
-    kind: str  # engine | engine-fp16 | hf-bf16
+    kind: str  # engine | engine-fp16 | hf-bf16 | hf-bf16-compile
     model: str
     preset: str
     executor: str  # engine executor, or the baseline path (hf-bf16 / torch-fp16)
@@ -139,7 +150,7 @@ class BenchConfig:
 
     @property
     def expert_format(self) -> str:
-        return {"engine": "int4", "engine-fp16": "fp16", "hf-bf16": "bf16"}[self.kind]
+        return {"engine": "int4", "engine-fp16": "fp16", "hf-bf16": "bf16", "hf-bf16-compile": "bf16"}[self.kind]
 
     @property
     def variant(self) -> str:
@@ -259,7 +270,7 @@ def expand(spec: dict, packs: dict | None = None) -> list[BenchConfig]:
                                          f"{params.get('gpu_budget')!r}")
                     residents = []
             else:
-                residents, executors = [e], ["hf-bf16" if g["kind"] == "hf-bf16" else "torch-fp16"]
+                residents, executors = [e], [BASELINE_KINDS[g["kind"]]]
                 if budgets:
                     raise BenchError(f"group {g['name']!r}: gpu_budget is an engine option; a {g['kind']} baseline "
                                      "runs its own path")
@@ -369,7 +380,8 @@ def existing_campaign(camp_dir: Path) -> list[str]:
 
 class BenchEngine(Protocol):
     """What the runner calls: runmap.engine.engine.Engine implements it; the transformers baseline is
-    wrapped to it (HFTarget). ``logits`` is called only for configurations with ``check: true``."""
+    wrapped to it (HFTarget). ``logits`` is called only for configurations with ``check: true``; the
+    transformers baselines (kinds hf-bf16, hf-bf16-compile) also answer ``baseline_info(batch)``."""
 
     routing: str  # the routing workload's name (runmap.workload.routing)
     routes: Any  # runmap.engine.routes.RouteRecorder of the routes that ran, or None when not recorded
@@ -404,14 +416,31 @@ class HFTarget:
     def stats(self) -> EngineStats:
         why = "transformers' model has no expert cache to instrument"
         return EngineStats(
-            executor="hf-bf16", expert_format="bf16", regime="full", device=str(self.device), cuda_graphs=False,
+            executor=self.hf.executor, expert_format="bf16", regime="full", device=str(self.device), cuda_graphs=False,
             fused=(), skip_experts=False, resident=self.cfg.num_experts, has_cache=False, policy=None, hits=0,
             misses=0, evictions=0, bytes_h2d=0, h2d_seconds=0.0, generations=0, runs=self.runs,
             resident_bytes=None, spare_bytes=None, staging_bytes=None, nonrouted_bytes=None, kv_cache_bytes=None,
             observations=MappingProxyType({n: bm.unsupported(why) for n in REQUIRED_ZERO}))
 
+    def baseline_info(self, batch: int) -> dict:
+        """The record's ``baseline``: the transformers path that ran and, for the compiled one, its compile
+        settings and the wall time of the call that compiled this batch size (kept out of every tok/s)."""
+        out = {"hf_mode": self.hf.mode, "status": "OBSERVED"}
+        if self.hf.mode == "static-compile":
+            cs = self.hf.compile_s.get(batch)
+            out["compile"] = dict(self.hf.compile_info)
+            out["compile_s"] = (bm.observed(cs) if cs is not None else
+                                bm.unknown("no decode step ran before the timed runs (warmup 0 or decode_len 1): "
+                                           "the first timed run compiled"))
+        return out
+
     def close(self) -> None:
+        compiled = self.hf is not None and self.hf.mode != "eager"
         self.hf = None
+        if compiled:  # the compiled graphs (and their CUDA-graph memory pool) would outlive the model otherwise
+            import torch._dynamo
+
+            torch._dynamo.reset()
 
 
 # ---- running ----------------------------------------------------------------------------------------
@@ -495,7 +524,7 @@ def run_config(engine: BenchEngine, c: BenchConfig, model_cfg: ModelConfig, ctx:
     warm_tokens = min(p["warmup_new_tokens"], c.decode_len)
     warm_key = (ctx.device.type, model_cfg.num_heads, model_cfg.num_kv_heads, model_cfg.head_dim, c.prompt_len,
                 c.decode_len, p["max_batch"], p["max_seq_len"])
-    eager_first = (p["warmup"] > 0 and ctx.device.type == "cuda" and c.kind != "hf-bf16"
+    eager_first = (p["warmup"] > 0 and ctx.device.type == "cuda" and c.kind not in HF_KINDS
                    and s_pre.cuda_graphs is False and warm_key not in _WARM_EAGER)
     if eager_first:
         # Eager decode (no CUDA graph: partial residency, the fp16 baseline) may compile a kernel variant per
@@ -504,9 +533,12 @@ def run_config(engine: BenchEngine, c: BenchConfig, model_cfg: ModelConfig, ctx:
         # up over every decode length the timed runs will reach, so they measure steady state.
         warm_tokens = c.decode_len
         _WARM_EAGER.add(warm_key)
-    warm_ttft = []
+    warm_ttft, warm_wall = [], []
     for _ in range(p["warmup"]):
+        t_w = time.perf_counter()
         warm_ttft.append(engine.run(prompts, max_new_tokens=warm_tokens, ignore_eos=True).ttft_s)
+        bm.sync(ctx.device)
+        warm_wall.append(time.perf_counter() - t_w)
     s0 = engine.stats()
     routes = engine.routes
     route_mark = routes.mark() if routes is not None else 0
@@ -540,7 +572,7 @@ def run_config(engine: BenchEngine, c: BenchConfig, model_cfg: ModelConfig, ctx:
 
     d = s1.since(s0)
     if c.kind in BASELINE_KINDS:
-        no_cache = bm.unsupported("transformers' model has no expert cache" if c.kind == "hf-bf16" else
+        no_cache = bm.unsupported("transformers' model has no expert cache" if c.kind in HF_KINDS else
                                   "the fp16-expert baseline runs no expert cache (experts dequantized on the device)")
         hits = misses = hit_rate = h2d = h2d_rate = h2d_per_tok = no_cache
         cache = {k: no_cache for k in ("resident_bytes", "spare_bytes", "staging_bytes")}
@@ -563,7 +595,7 @@ def run_config(engine: BenchEngine, c: BenchConfig, model_cfg: ModelConfig, ctx:
         h2d_per_tok = bm.observed(d.bytes_h2d / gen_tokens) if gen_tokens else bm.unknown("no tokens generated")
         cache = {k: _bytes_measure(getattr(s1, k), f"engine reports no {k}")
                  for k in ("resident_bytes", "spare_bytes", "staging_bytes")}
-    if c.kind == "hf-bf16":  # nothing in transformers' model is instrumented for the cache contract
+    if c.kind in HF_KINDS:  # nothing in transformers' model is instrumented for the cache contract
         obs = {n: bm.unsupported("transformers' model has no expert cache to instrument") for n in REQUIRED_ZERO}
     else:  # exactly what instrumentation said; the conformance checks judge it
         obs = {n: dict(s1.observations[n]) if n in s1.observations else
@@ -608,9 +640,11 @@ def run_config(engine: BenchEngine, c: BenchConfig, model_cfg: ModelConfig, ctx:
             "seed": p["seed"], "pack": engine_info.get("pack"), "checkpoint": engine_info.get("checkpoint"),
             "variant": c.variant,
             "cuda_graphs": bool(p["cuda_graphs"]) if is_engine else None,
-            "fused": list(p["fused"]) if c.kind != "hf-bf16" else None,
+            "fused": list(p["fused"]) if c.kind not in HF_KINDS else None,
             "skip_experts": bool(p["skip_experts"]),
-            "routing": engine.routing if c.kind != "hf-bf16" else None,
+            "routing": engine.routing if c.kind not in HF_KINDS else None,
+            # which transformers path a baseline record measured (eager | static-compile); null otherwise
+            "hf_mode": HF_KINDS.get(c.kind),
             "cache_contract": p["cache_contract"] if is_engine else None,
             # --gpu-budget: the budget asked for (bytes) and the engine's plan of it, which set `resident`
             "gpu_budget": p.get("gpu_budget"),
@@ -632,6 +666,8 @@ def run_config(engine: BenchEngine, c: BenchConfig, model_cfg: ModelConfig, ctx:
             # the first warmup request's time to first token: an engine's first request when the engine is new
             # (engine.fresh: the configuration that built it), against the timed (warm) requests' ttft_s
             "first_request_ttft_s": bm.observed(warm_ttft[0]) if warm_ttft else bm.unknown("no warmup run"),
+            # wall time of the untimed warmup runs (compilation, graph capture, cache fill): kept out of tok/s
+            "warmup_s": bm.observed(sum(warm_wall)) if warm_wall else bm.unknown("no warmup run"),
         },
         "cache_stats": {"hits": hits, "misses": misses, "hit_rate": hit_rate},
         "h2d": {"bytes": h2d, "gb_s": h2d_rate, "bytes_per_token": h2d_per_tok, "link_gb_s": ctx.h2d_bw},
@@ -647,16 +683,48 @@ def run_config(engine: BenchEngine, c: BenchConfig, model_cfg: ModelConfig, ctx:
     }
     if routing_rec is not None:
         rec["routing"] = routing_rec
+    if c.kind in HF_KINDS:
+        rec["baseline"] = engine.baseline_info(c.batch)
+        if rec["baseline"]["hf_mode"] != HF_KINDS[c.kind]:  # never one path's figures under the other's label
+            raise BenchError(f"{c.id}: kind {c.kind} asks for transformers path {HF_KINDS[c.kind]!r}, the baseline "
+                             f"ran {rec['baseline']['hf_mode']!r}")
     if engine_info.get("weights_note"):
         notes.append(engine_info["weights_note"])
     if p["skip_experts"]:
         notes.append("profiling variant: routed experts return zeros (decode time without the expert GEMVs); "
                      "outputs are not the model's")
+    if p["profile"]:  # after the timed runs and their stats: profiling adds no work to what they measured
+        from runmap.bench.profile import profile_config
+
+        rec["profile"] = profile_config(engine, prompts, c.decode_len, ctx.device, top=int(p["profile_top"]))
     if p["check"]:
         rec["check"] = logits_check(engine, c, model_cfg, s1)
     if notes:
         rec["notes"] = notes
     return rec
+
+
+def attach_strongest_baseline(records: list[dict]) -> None:
+    """ratios.decode_vs_strongest_baseline of every engine record: its decode ratio to the fastest transformers
+    path (kinds HF_KINDS: eager, static cache + torch.compile) measured for its model, batch and lengths in the
+    same run (the smallest observed decode_vs_<kind> ratio), with ``baseline`` naming that kind and
+    ``compared`` every transformers baseline's ratio or status (one that failed or did not run is UNKNOWN
+    there: its place is never taken by another path under its name). The FP16-expert engine is our own
+    path, not a transformers one, and is not a candidate."""
+    for r in records:
+        if r["kind"] in BASELINE_KINDS:
+            continue
+        rat = r.get("ratios") or {}
+        found = {k: rat[f"decode_vs_{k}"] for k in HF_KINDS if f"decode_vs_{k}" in rat}
+        seen = {k: m for k, m in found.items() if bm.is_observed(m)}
+        compared = {k: (m["value"] if bm.is_observed(m) else m.get("status")) for k, m in found.items()}
+        if not seen:
+            m = {**bm.unknown("no transformers baseline with the same model, batch and lengths was measured in "
+                              "this run"), "compared": compared}
+        else:
+            kind = min(seen, key=lambda k: seen[k]["value"])
+            m = {**seen[kind], "baseline": kind, "compared": compared}
+        rat["decode_vs_strongest_baseline"] = m
 
 
 def attach_ratios(records: list[dict]) -> list[dict]:
@@ -684,6 +752,7 @@ def attach_ratios(records: list[dict]) -> list[dict]:
             r["ratios"][f"peak_allocated_vs_{kind}"] = bm.ratio(
                 r["memory"]["peak_allocated_bytes"], b["memory"]["peak_allocated_bytes"], f"peak allocated over {kind}")
     attach_transfer_bounds(records)
+    attach_strongest_baseline(records)
     return records
 
 
@@ -753,11 +822,13 @@ class EngineBuilder:
             # an engine built with a GPU budget capped torch's allocator for the whole process: lift the cap,
             # or a later configuration of the same run (full residency, the transformers baseline) would inherit it
             torch.cuda.set_per_process_memory_fraction(1.0, device)
-        if c.kind == "hf-bf16":
+        if c.kind in HF_KINDS:
             from runmap.bench.baselines import HFBaseline
 
             cfg = load_preset(c.preset)[0]
-            hf = HFBaseline(cfg, device=device, checkpoint=model_entry.get("checkpoint"), seed=p["seed"])
+            # the static cache is sized once for the longest configuration, as the engine's KV cache is
+            hf = HFBaseline(cfg, device=device, checkpoint=model_entry.get("checkpoint"), seed=p["seed"],
+                            mode=HF_KINDS[c.kind], max_cache_len=p["max_seq_len"])
             info = {"checkpoint": model_entry.get("checkpoint"), "pack": None, "block_size": None, "load_s": hf.load_s,
                     "weights": hf.weights_source}
             if not model_entry.get("checkpoint"):
@@ -981,7 +1052,9 @@ def run_campaign(spec: dict, out_root: Path, *, configs: list[BenchConfig] | Non
                     engine.close()
                 engine, key = None, None
                 _free_device(dev)
-                if not keep_going:
+                # a baseline path that cannot run this model (torch.compile failing on it) is a finding of the
+                # run, listed as failed with its error; the other configurations still run
+                if not keep_going and not isinstance(e, BaselineUnavailable):
                     raise
                 continue
             write_json(rec_dir / f"{c.id}.json", rec, indent=1)

@@ -5,7 +5,12 @@ every configuration, PNG plots (matplotlib, Agg) of decode tok/s and peak memory
 per layer with the baselines drawn on the same axes, the comparisons that vary one factor at a time
 (residency with the executor fixed; executor with the residency fixed), the pairs that change both (flagged,
 no comparison drawn), for partial residency the engine's hit rate beside the replayed LRU / Belady hit rates
-and the transfer bound, and the conformance findings of runmap.bench.checks.
+and the transfer bound, the conformance findings of runmap.bench.checks, and for records with a ``profile`` (run parameter
+``profile: true``) where the time of one prefill and one decode step goes: a horizontal stacked bar per
+configuration of its top kernels' shares and a table of totals and launches.
+
+The headline ratio is ``decode_vs_strongest_baseline``: the engine over the faster transformers path (eager
+or static cache + torch.compile) measured in the same run, named in its column.
 """
 from __future__ import annotations
 
@@ -17,8 +22,10 @@ from runmap.bench import checks as cc
 from runmap.atomic import atomic_path, write_text
 
 GIB = 1024**3
-KIND_ORDER = {"hf-bf16": 0, "engine-fp16": 1, "engine": 2}
-KIND_LABEL = {"hf-bf16": "transformers bf16", "engine-fp16": "engine, FP16 experts", "engine": "engine, INT4 experts"}
+KIND_ORDER = {"hf-bf16": 0, "hf-bf16-compile": 1, "engine-fp16": 2, "engine": 3}
+KIND_LABEL = {"hf-bf16": "transformers bf16", "hf-bf16-compile": "transformers bf16, static cache + torch.compile",
+              "engine-fp16": "engine, FP16 experts", "engine": "engine, INT4 experts"}
+HF_KINDS = ("hf-bf16", "hf-bf16-compile")
 
 
 def _val(m):
@@ -40,6 +47,15 @@ def fmt_measure(m, scale: float = 1.0, digits: int = 2, suffix: str = "") -> str
 def fmt_ratio(m) -> str:
     v = _val(m)
     return f"{v:.2f}x" if v is not None else _status(m)
+
+
+def fmt_strongest(m) -> str:
+    """The ratio to the strongest transformers baseline with the baseline's name; blank for records
+    written before the field existed (and for baselines, which have none)."""
+    if m is None:
+        return ""
+    v = _val(m)
+    return f"{v:.2f}x ({m.get('baseline')})" if v is not None else _status(m)
 
 
 def path_label(r: dict) -> str:
@@ -73,7 +89,8 @@ def _obs_summary(r: dict) -> str:
 def model_table(recs: list[dict], flagged: set[str]) -> list[str]:
     head = ("| kind | executor | regime | resident | batch | prompt/decode | decode tok/s median [min-max] | "
             "prefill tok/s | TTFT ms | peak alloc GiB | peak reserved GiB | hit rate | H2D MB/token | H2D GB/s | "
-            "vs hf-bf16 | vs fp16 experts | of byte floor | required-zero obs | flag |")
+            "vs hf-bf16 | vs hf-bf16-compile | vs strongest transformers | vs fp16 experts | of byte floor | "
+            "required-zero obs | flag |")
     lines = [head, "|" + "|".join("---" for _ in range(head.count("|") - 1)) + "|"]
     for r in sorted(recs, key=_sort_key):
         c, t = r["config"], r["timing"]
@@ -91,6 +108,10 @@ def model_table(recs: list[dict], flagged: set[str]) -> list[str]:
             fmt_measure(r["h2d"].get("bytes_per_token", {}), 1e6, 2),
             fmt_measure(r["h2d"]["gb_s"], 1.0, 1),
             "-" if r["kind"] == "hf-bf16" else fmt_ratio(rat.get("decode_vs_hf-bf16")),
+            "-" if r["kind"] == "hf-bf16-compile" else _cell(rat.get("decode_vs_hf-bf16-compile"), digits=2,
+                                                             suffix="x"),
+            "-" if r["kind"] in ("hf-bf16", "hf-bf16-compile", "engine-fp16") else
+            fmt_strongest(rat.get("decode_vs_strongest_baseline")),
             "-" if r["kind"] == "engine-fp16" else fmt_ratio(rat.get("decode_vs_engine-fp16")),
             fmt_ratio(rat.get("decode_vs_byte_floor")),
             _obs_summary(r),
@@ -215,7 +236,7 @@ def plot_model(recs: list[dict], metric: str, path: Path, title: str) -> bool:
             ax.errorbar(xs, ys, yerr=err if metric == "decode" else None, marker=markers.get(ex, "o"), capsize=3,
                         color=colors.get(ex), mfc="none" if ex == "topk-fused" else None, ms=7,
                         label=f"INT4, {name}")
-        styles = {"hf-bf16": ("tab:red", "--"), "engine-fp16": ("tab:purple", ":")}
+        styles = {"hf-bf16": ("tab:red", "--"), "hf-bf16-compile": ("tab:brown", "-."), "engine-fp16": ("tab:purple", ":")}
         for r in recs:
             if r["kind"] in styles and r["config"]["batch"] == b and y(r) is not None:
                 col, ls = styles[r["kind"]]
@@ -230,6 +251,79 @@ def plot_model(recs: list[dict], metric: str, path: Path, title: str) -> bool:
         ax.set_ylim(bottom=0)
         ax.grid(alpha=0.3)
         ax.legend(fontsize=7, loc="best")
+    fig.suptitle(title, fontsize=10)
+    _atomic_savefig(fig, path)
+    plt.close(fig)
+    return True
+
+
+PHASES = (("decode_step", "one decode step"), ("prefill", "one prefill"))
+
+
+def _short(name: str, n: int = 48) -> str:
+    return name if len(name) <= n else name[: n - 1] + "\u2026"
+
+
+def _profiled(recs: list[dict]) -> list[dict]:
+    return [r for r in sorted(recs, key=_sort_key) if isinstance(r.get("profile"), dict)]
+
+
+def profile_table(recs: list[dict]) -> list[str]:
+    """Per profiled configuration and phase: total time, launches (device executions; host launch calls on
+    CUDA) and the three largest names with their shares."""
+    lines = ["| configuration | phase | total ms | launches | host launch calls | largest (share) |",
+             "|---|---|---|---|---|---|"]
+    for r in _profiled(recs):
+        for key, label in PHASES:
+            ph = r["profile"].get(key) or {}
+            if "top" not in ph:
+                lines.append(f"| `{r['id']}` | {label} | {_status(ph)} | | | {ph.get('reason', '')} |")
+                continue
+            hc = ph.get("host_launch_calls")
+            top3 = "; ".join(f"{_short(t['name'], 40)} ({t['share']:.0%})" for t in ph["top"][:3])
+            lines.append(f"| `{r['id']}` | {label} | {ph['total_device_us'] / 1e3:.3f} | {ph['launches']:.0f} | "
+                         f"{'-' if hc is None else f'{hc:.0f}'} | {top3} |")
+    return lines
+
+
+def plot_profile(recs: list[dict], path: Path, title: str) -> bool:
+    """One panel per phase (decode step, prefill): a horizontal bar per configuration, stacked from its
+    top names' shares of the phase's time (the rest grey), one colour per name across the panel. Returns
+    False when no record has a profile."""
+    prof = _profiled(recs)
+    if not prof:
+        return False
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, axes = plt.subplots(1, len(PHASES), figsize=(7.5 * len(PHASES), 1.2 + 0.45 * len(prof)), squeeze=False)
+    cmap = plt.get_cmap("tab20")
+    for ax, (key, label) in zip(axes[0], PHASES):
+        names: dict[str, int] = {}  # name -> colour index, by first appearance
+        for i, r in enumerate(prof):
+            ph = r["profile"].get(key) or {}
+            left = 0.0
+            for t in ph.get("top", []):
+                new = t["name"] not in names  # one legend entry per name
+                idx = names.setdefault(t["name"], len(names))
+                ax.barh(i, t["share"], left=left, color=cmap(idx % 20), edgecolor="white", lw=0.4,
+                        label=_short(t["name"]) if new else None)
+                left += t["share"]
+            if "other" in ph:
+                ax.barh(i, ph["other"]["share"], left=left, color="lightgrey", edgecolor="white", lw=0.4)
+            total = ph.get("total_device_us")
+            ax.text(1.01, i, f"{total / 1e3:.2f} ms, {ph['launches']:.0f} launches" if total else _status(ph),
+                    va="center", fontsize=7)
+        ax.set_yticks(range(len(prof)))
+        ax.set_yticklabels([_short(r["id"], 60) for r in prof], fontsize=7)
+        ax.invert_yaxis()
+        ax.set_xlim(0, 1)
+        ax.set_xlabel(f"share of the time of {label} ({prof[0]['profile']['time_source']})", fontsize=8)
+        ax.set_title(label)
+        handles, labels = ax.get_legend_handles_labels()
+        ax.legend(handles[:20], labels[:20], fontsize=6, loc="upper center", bbox_to_anchor=(0.5, -0.18), ncol=2)
     fig.suptitle(title, fontsize=10)
     _atomic_savefig(fig, path)
     plt.close(fig)
@@ -285,6 +379,11 @@ def render(records: list[dict], out_md: Path, plots_dir: Path | None = None, sou
                     lines += [f"![{model} {label}]({rel})", ""]
                 else:
                     lines += [f"*{label}: no OBSERVED value in these records (e.g. UNSUPPORTED on the CPU); no plot.*", ""]
+            png = plots_dir / f"{camp}-{model}-profile.png"
+            if plot_profile(mrecs, png, f"{camp} / {model}: where the time of one decode step and one prefill goes"):
+                lines += ["Where the time goes (run parameter `profile: true`; torch.profiler, one prefill and one "
+                          "decode step per configuration):", ""] + profile_table(mrecs) + [""]
+                lines += [f"![{model} profile]({os.path.relpath(png, out_md.parent)})", ""]
             noted = [r for r in sorted(mrecs, key=_sort_key) if r.get("notes")]
             if noted:
                 lines += ["Notes written by the runner:", ""]
@@ -316,9 +415,19 @@ def render(records: list[dict], out_md: Path, plots_dir: Path | None = None, sou
     return text
 
 
+def _headline_ratio(rat: dict) -> str:
+    """decode_vs_strongest_baseline with the baseline it names; records older than that field fall back to
+    the eager ratio, labelled as such so it is not read as the strongest."""
+    m = rat.get("decode_vs_strongest_baseline")
+    if m is not None:
+        return fmt_strongest(m)
+    return f"{fmt_ratio(rat.get('decode_vs_hf-bf16'))} (hf-bf16 only)"
+
+
 def headline_table(records: list[dict], batch: int | None = None) -> list[str]:
     """A compact table for the README: one row per (model, kind, executor, resident), one decode tok/s and
-    one peak-memory column per batch size, and the decode ratio to transformers bf16 per batch size."""
+    one peak-memory column per batch size, and per batch size the engine's decode ratio to the strongest
+    transformers baseline of the same run (which one in brackets)."""
     recs = [r for r in records if batch is None or r["config"]["batch"] == batch]
     batches = sorted({r["config"]["batch"] for r in recs})
     rows: dict[tuple, dict[int, dict]] = {}
@@ -329,14 +438,14 @@ def headline_table(records: list[dict], batch: int | None = None) -> list[str]:
         rows.setdefault(key, {})[c["batch"]] = r
     head = ("| model | path | executor | resident | " + " | ".join(f"decode tok/s b{b}" for b in batches) + " | "
             + " | ".join(f"peak GiB b{b}" for b in batches) + " | "
-            + " | ".join(f"vs hf-bf16 b{b}" for b in batches) + " |")
+            + " | ".join(f"vs strongest transformers b{b}" for b in batches) + " |")
     lines = [head, "|" + "|".join("---" for _ in range(head.count("|") - 1)) + "|"]
     for key in sorted(rows):
         preset, _, kind, ex, negres, e, _lens = key
         by_b = rows[key]
         dec = [f"{by_b[b]['timing']['decode_tok_s']['median']:.1f}" if b in by_b else "-" for b in batches]
         mem = [fmt_measure(by_b[b]["memory"]["peak_allocated_bytes"], GIB) if b in by_b else "-" for b in batches]
-        rat = ["-" if kind == "hf-bf16" or b not in by_b else fmt_ratio(by_b[b]["ratios"].get("decode_vs_hf-bf16"))
-               for b in batches]
+        rat = ["-" if kind in ("hf-bf16", "hf-bf16-compile", "engine-fp16") or b not in by_b else
+               _headline_ratio(by_b[b]["ratios"]) for b in batches]
         lines.append(f"| {preset} | {KIND_LABEL.get(kind, kind)} | {ex} | {-negres}/{e} | " + " | ".join(dec + mem + rat) + " |")
     return lines
