@@ -287,9 +287,9 @@ def profile_table(recs: list[dict]) -> list[str]:
 
 
 def plot_profile(recs: list[dict], path: Path, title: str) -> bool:
-    """One panel per phase (decode step, prefill): a horizontal bar per configuration, stacked from its
-    top names' shares of the phase's time (the rest grey), one colour per name across the panel. Returns
-    False when no record has a profile."""
+    """One panel per phase (decode step, prefill), one above the other: a horizontal bar per configuration,
+    stacked from its top names' shares of the phase's time (the rest grey), its total and launches beside it;
+    one colour per name across both panels. Returns False when no record has a profile."""
     prof = _profiled(recs)
     if not prof:
         return False
@@ -298,33 +298,38 @@ def plot_profile(recs: list[dict], path: Path, title: str) -> bool:
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    fig, axes = plt.subplots(1, len(PHASES), figsize=(7.5 * len(PHASES), 1.2 + 0.45 * len(prof)), squeeze=False)
+    fig, axes = plt.subplots(len(PHASES), 1, figsize=(11.0, len(PHASES) * (1.3 + 0.5 * len(prof))), squeeze=False)
     cmap = plt.get_cmap("tab20")
-    for ax, (key, label) in zip(axes[0], PHASES):
-        names: dict[str, int] = {}  # name -> colour index, by first appearance
+    names: dict[str, int] = {}  # name -> colour index, by first appearance, shared by the panels
+    for ax, (key, label) in zip(axes[:, 0], PHASES):
         for i, r in enumerate(prof):
             ph = r["profile"].get(key) or {}
             left = 0.0
             for t in ph.get("top", []):
-                new = t["name"] not in names  # one legend entry per name
                 idx = names.setdefault(t["name"], len(names))
                 ax.barh(i, t["share"], left=left, color=cmap(idx % 20), edgecolor="white", lw=0.4,
-                        label=_short(t["name"]) if new else None)
+                        label=_short(t["name"]))
                 left += t["share"]
             if "other" in ph:
-                ax.barh(i, ph["other"]["share"], left=left, color="lightgrey", edgecolor="white", lw=0.4)
+                ax.barh(i, ph["other"]["share"], left=left, color="lightgrey", edgecolor="white", lw=0.4,
+                        label="other")
             total = ph.get("total_device_us")
-            ax.text(1.01, i, f"{total / 1e3:.2f} ms, {ph['launches']:.0f} launches" if total else _status(ph),
-                    va="center", fontsize=7)
+            ax.text(1.01, i, f"{total / 1e3:.2f} ms\n{ph['launches']:.0f} launches" if total else _status(ph),
+                    va="center", fontsize=7, transform=ax.get_yaxis_transform())
         ax.set_yticks(range(len(prof)))
         ax.set_yticklabels([_short(r["id"], 60) for r in prof], fontsize=7)
         ax.invert_yaxis()
         ax.set_xlim(0, 1)
-        ax.set_xlabel(f"share of the time of {label} ({prof[0]['profile']['time_source']})", fontsize=8)
-        ax.set_title(label)
+        ax.set_xlabel(f"share of {label} ({prof[0]['profile']['time_source']})", fontsize=8)
+        ax.set_title(label, fontsize=9)
         handles, labels = ax.get_legend_handles_labels()
-        ax.legend(handles[:20], labels[:20], fontsize=6, loc="upper center", bbox_to_anchor=(0.5, -0.18), ncol=2)
+        keep = {}
+        for h, lab in zip(handles, labels):  # one legend entry per name
+            keep.setdefault(lab, h)
+        ax.legend(list(keep.values())[:24], list(keep)[:24], fontsize=6, loc="center left",
+                  bbox_to_anchor=(1.2, 0.5), ncol=1 + len(keep) // 13)
     fig.suptitle(title, fontsize=10)
+    fig.tight_layout()
     _atomic_savefig(fig, path)
     plt.close(fig)
     return True
