@@ -545,6 +545,27 @@ def test_dispatch_level_values_of_a_device_row_that_reach_the_host_are_counted()
     assert (m.d2h_bytes, m.d2h_copies) == (100, 3)
 
 
+def test_dispatch_level_counts_item_under_inference_mode():
+    # under torch.inference_mode (the engine's mode) .item() reaches the dispatch level as aten.item, not as
+    # aten._local_scalar_dense: a scalar read back from a device row that way must count all the same
+    with torch.inference_mode():
+        seen = []
+
+        class Spy(torch.utils._python_dispatch.TorchDispatchMode):
+            def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+                seen.append(func)
+                return func(*args, **(kwargs or {}))
+
+        with Spy():
+            torch.ones(2)[0].item()
+    assert _aten.item.default in seen  # the op this test is about is the one torch sends
+    rows = _device_rows()
+    m = _watching("dispatch", rows)
+    m.see(_aten.item.default, (rows[0, 0],), {}, 1.0)
+    m.see(_aten.item.default, (torch.zeros(()),), {}, 0.0)  # not a row
+    assert m.events == [("item.default", 4)] and (m.d2h_bytes, m.d2h_copies) == (4, 1)
+
+
 def test_dispatch_level_copy_from_counts_its_destination():
     # aten._copy_from(self, dst) is how backends other than the CPU's copy across devices
     rows = _float_rows()

@@ -35,7 +35,9 @@ from torch.utils._python_dispatch import TorchDispatchMode
 
 _aten = torch.ops.aten
 # operations that move bytes from their first tensor argument into a new tensor or into ``dst``
-_COPY_OUT = {_aten._to_copy.default, _aten.clone.default, _aten._local_scalar_dense.default}
+# .item() dispatches as _local_scalar_dense, but as aten.item under inference_mode (the engine's mode)
+_SCALAR_OUT = {_aten._local_scalar_dense.default, _aten.item.default}
+_COPY_OUT = {_aten._to_copy.default, _aten.clone.default, *_SCALAR_OUT}
 _COPY_INTO = {_aten.copy_.default: (1, 0)}  # op -> (source arg, destination arg)
 _COPY_FROM = {_aten._copy_from.default: (0, 1), _aten._copy_from_and_resize.default: (0, 1)}
 # function level: calls that make a new tensor holding their input's bytes (same dtype: a copy, not arithmetic)
@@ -144,7 +146,7 @@ class ExpertCopyMonitor:
             # host tensor made from a row on a GPU; a dtype conversion on the CPU is arithmetic on host memory.
             src = args[0] if args else None
             if self._inside(src, self._storage):
-                if func is _aten._local_scalar_dense.default:
+                if func in _SCALAR_OUT:
                     if src.device.type != "cpu":  # .item() of a device row: the scalar crosses to the host
                         self._count(func.__name__, None, src.element_size())
                 elif isinstance(out, torch.Tensor) and not self._inside(out, self._storage) and (
