@@ -38,7 +38,7 @@ def add_arguments(p) -> None:
     p.add_argument("--expert-layout", default=None, choices=EXPERT_LAYOUTS,
                    help="per-expert: experts.{e}.{gate,up,down}_proj.weight (hub layout); "
                         "fused: experts.gate_up_proj (E,2I,H) + experts.down_proj (E,H,I)")
-    p.add_argument("--shard-size", type=float, default=2.0, help="maximum shard size in GiB (default 2)")
+    p.add_argument("--shard-size", type=float, default=None, help="maximum shard size in GiB (default 2)")
     p.add_argument("--device", default=None, choices=["cpu", "cuda"],
                    help="random number generator device (values differ between cpu and cuda; default cpu)")
     p.add_argument("--init", default=None, choices=["hf", "routing"],
@@ -57,11 +57,11 @@ def run(args) -> int:
         return 1
 
     if args.direct_pack:
-        odd = [f for f, v in (("--expert-layout", args.expert_layout), ("--device", args.device),
-                              ("--init", args.init)) if v is not None]
-        if odd:
-            return fail(f"{', '.join(odd)}: options of a checkpoint; a --direct-pack has no expert layout and is "
-                        "drawn on the CPU")
+        checkpoint_only = [f for f, v in (("--expert-layout", args.expert_layout), ("--device", args.device),
+                                          ("--init", args.init), ("--shard-size", args.shard_size)) if v is not None]
+        if checkpoint_only:
+            return fail(f"{', '.join(checkpoint_only)}: options of a checkpoint; a --direct-pack has no expert "
+                        "layout or shards and is drawn on the CPU")
         if args.workers is not None and args.workers < 1:
             return fail(f"--workers {args.workers}: must be >= 1")
         import time
@@ -72,7 +72,8 @@ def run(args) -> int:
             cfg, _ = load_preset(args.preset)
             t0 = time.perf_counter()
             out = write_direct_pack(cfg, args.out_dir, seed=args.seed, workers=args.workers, overwrite=args.force,
-                                    block_size=args.block_size or 256, preset=args.preset,
+                                    block_size=256 if args.block_size is None else args.block_size,
+                                    preset=args.preset,
                                     progress=not args.no_progress)
         except (ConfigError, ValueError) as e:  # PackError, QPackError, UnsupportedLayerError are ValueErrors
             return fail(e)
@@ -89,7 +90,8 @@ def run(args) -> int:
     try:
         cfg, _ = load_preset(args.preset)
         out = write_synthetic(cfg, args.out_dir, seed=args.seed, expert_layout=layout,
-                              shard_bytes=int(args.shard_size * 1024**3), device=device,
+                              shard_bytes=int((2.0 if args.shard_size is None else args.shard_size) * 1024**3),
+                              device=device,
                               overwrite=args.force, progress=not args.no_progress, init=args.init or DEFAULT_INIT)
     except (ConfigError, FileExistsError, ValueError) as e:
         return fail(e)

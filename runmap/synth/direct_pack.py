@@ -264,6 +264,8 @@ def write_direct_pack(cfg: ModelConfig, out_dir: str | Path, *, seed: int = 0, b
         os.chmod(tmp, 0o755)
         replace_dir(tmp, out)
     except BaseException:
+        # stop the workers first: a layer job still running would otherwise write into the folder being removed
+        pool.shutdown(wait=True, cancel_futures=True)
         shutil.rmtree(tmp, ignore_errors=True)
         raise
     finally:
