@@ -94,3 +94,50 @@ def test_the_chain_holds_one_request_per_step_and_gives_every_one_back(packs, te
     # each static table holds exactly the row table of the current generation's layer
     for layer in range(eng.cfg.num_layers):
         assert torch.equal(eng.experts.static_tables[layer].cpu(), cache._current.tables[layer].cpu())
+
+
+def test_a_failure_between_segments_leaves_no_lease_and_the_next_run_is_unchanged(packs, test_device, monkeypatch):
+    # a miss transaction that fails in the middle of a step (after earlier layers of the step were leased): the
+    # step's one request is released, nothing stays leased, and a later run computes what a fresh engine computes
+    from runmap.residency.cache import ExpertCache, TransactionAborted
+
+    seg_mode = True if test_device == "cuda" else "eager"
+    executor = "grouped" if test_device == "cuda" else "reference"
+    # the model's own routing: deterministic, so "unchanged" can be compared (a calibrated stream advances per run);
+    # 4 of 8 resident, so that decode steps miss past layer 0
+    kw = dict(executor=executor, device=test_device, resident=4, max_batch=1, max_seq_len=48, routing="model",
+              segments=seg_mode)
+    prompt = [[5, 9, 1, 4, 7]]
+    fresh = Engine.from_pack(packs["tiny-olmoe"], **kw)
+    want = [r.token_ids for r in fresh.generate(prompt, max_new_tokens=6, ignore_eos=True)]
+    eng = Engine.from_pack(packs["tiny-olmoe"], **kw)
+    eng.generate(prompt, max_new_tokens=6, ignore_eos=True)  # warm (on CUDA: captured)
+    cache = eng.experts.cache
+    from runmap.engine.engine import SegmentDecoder
+
+    real, calls, in_chain, run = ExpertCache._transaction, [], [], SegmentDecoder.run
+
+    def chain_step(self, *a, **k):  # a decode step of the segment chain (not the per-call prefill)
+        in_chain.append(True)
+        try:
+            return run(self, *a, **k)
+        finally:
+            in_chain.pop()
+
+    def failing(self, layer, *a, **k):
+        if in_chain and layer > 0:  # not a step's first layer: its request already holds earlier layers' leases
+            calls.append(layer)
+            raise RuntimeError("injected copy failure")
+        return real(self, layer, *a, **k)
+
+    monkeypatch.setattr(SegmentDecoder, "run", chain_step)
+    monkeypatch.setattr(ExpertCache, "_transaction", failing)
+    with pytest.raises((TransactionAborted, RuntimeError)):
+        eng.generate([[8, 3, 2, 6]], max_new_tokens=12, ignore_eos=True)
+    assert calls and not cache._requests and all(not sum(c.values()) for c in cache._leased)
+    assert cache.counters["requests_released"] == cache.counters["requests_admitted"]
+    monkeypatch.setattr(ExpertCache, "_transaction", real)
+    # an abort before publication leaves the cache serving (not FAULTED), on the generation it had
+    again = Engine.from_pack(packs["tiny-olmoe"], **kw)
+    assert [r.token_ids for r in eng.generate(prompt, max_new_tokens=6, ignore_eos=True)] == want == \
+        [r.token_ids for r in again.generate(prompt, max_new_tokens=6, ignore_eos=True)]
