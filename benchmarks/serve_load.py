@@ -19,6 +19,8 @@ import sys
 import time
 from pathlib import Path
 
+from runmap.cli.options import int_at_least
+
 REPO = Path(__file__).resolve().parent.parent
 
 RECORD_VERSION = 1
@@ -72,24 +74,7 @@ class BenchFailure(Exception):
 
 # ---- arguments ---------------------------------------------------------------------------------------------
 
-def _positive_int(text: str) -> int:
-    try:
-        v = int(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"not an integer: {text!r}") from None
-    if v < 1:
-        raise argparse.ArgumentTypeError(f"must be at least 1, got {v}")
-    return v
-
-
-def _nonneg_int(text: str) -> int:
-    try:
-        v = int(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"not an integer: {text!r}") from None
-    if v < 0:
-        raise argparse.ArgumentTypeError(f"must be at least 0, got {v}")
-    return v
+_positive_int, _nonneg_int = int_at_least(1), int_at_least(0)
 
 
 def _seconds(text: str) -> float:

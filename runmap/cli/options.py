@@ -4,6 +4,22 @@ from __future__ import annotations
 from runmap.engine.budget import size_argument
 
 
+def int_at_least(minimum: int):
+    """argparse ``type=``: an integer >= ``minimum``, else one line saying which."""
+    import argparse
+
+    def parse(text: str) -> int:
+        try:
+            v = int(text)
+        except ValueError:
+            raise argparse.ArgumentTypeError(f"not an integer: {text!r}") from None
+        if v < minimum:
+            raise argparse.ArgumentTypeError(f"must be at least {minimum}, got {v}")
+        return v
+
+    return parse
+
+
 def add_residency_arguments(p) -> None:
     """``--resident N | --gpu-budget SIZE`` (mutually exclusive): how many experts per layer stay on the GPU."""
     res = p.add_mutually_exclusive_group()

@@ -3,7 +3,7 @@ from __future__ import annotations
 
 import argparse
 
-from runmap.cli.options import add_residency_arguments
+from runmap.cli.options import add_residency_arguments, int_at_least
 from runmap.kernels.registry import EXECUTOR_NAMES, executor_help
 
 HELP = "serve a pack over an OpenAI-compatible HTTP API (streaming, batching, metrics) with a local page"
@@ -48,14 +48,7 @@ def _port(text: str) -> int:
     return p
 
 
-def _positive(text: str) -> int:
-    try:
-        v = int(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"not an integer: {text!r}") from None
-    if v < 1:
-        raise argparse.ArgumentTypeError(f"must be at least 1, got {v}")
-    return v
+_positive = int_at_least(1)
 
 
 def add_arguments(p) -> None:

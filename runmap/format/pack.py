@@ -282,18 +282,26 @@ def pack_checkpoint(
             "memory": {"peak_rss_bytes": peak_rss_bytes(), "largest_layer_source_bytes": largest_src_layer,
                        "largest_layer_packed_bytes": e_n * layout.row_bytes},
         }
-        mtmp = tmp / (MANIFEST + ".part")
-        with open(mtmp, "w") as f:
-            json.dump(manifest, f, indent=1)
-            f.write("\n")
-            f.flush()
-            os.fsync(f.fileno())
-        os.replace(mtmp, tmp / MANIFEST)
-        os.chmod(tmp, 0o755)
-        replace_dir(tmp, out)
+        publish_pack(tmp, out, manifest)
     except BaseException:
+        # stop the workers first: a job still running would otherwise write into the folder being removed
+        pool.shutdown(wait=True, cancel_futures=True)
         shutil.rmtree(tmp, ignore_errors=True)
         raise
     finally:
         pool.shutdown(wait=True, cancel_futures=True)
     return out
+
+
+def publish_pack(tmp: Path, out: Path, manifest: dict) -> None:
+    """Write ``manifest`` into the finished temporary pack folder ``tmp`` (fsynced, last: a folder without it is
+    not a pack), then put ``tmp`` in the place of ``out`` atomically."""
+    mtmp = tmp / (MANIFEST + ".part")
+    with open(mtmp, "w") as f:
+        json.dump(manifest, f, indent=1)
+        f.write("\n")
+        f.flush()
+        os.fsync(f.fileno())
+    os.replace(mtmp, tmp / MANIFEST)
+    os.chmod(tmp, 0o755)
+    replace_dir(tmp, out)

@@ -44,8 +44,8 @@ import torch
 
 import runmap
 from runmap.arch.config import ModelConfig
-from runmap.atomic import remove_stale_temporaries, replace_dir
-from runmap.format.pack import EXPERT_FILE_ALIGN, check_output, peak_rss_bytes
+from runmap.atomic import remove_stale_temporaries
+from runmap.format.pack import EXPERT_FILE_ALIGN, check_output, peak_rss_bytes, publish_pack
 from runmap.format.packfile import EXPERTS_TENSOR, FORMAT_NAME, FORMAT_VERSION, MANIFEST, NONROUTED_FILE, file_sha256, \
     layer_file
 from runmap.format.qpack import DEFAULT_BLOCK_SIZE, PROJECTIONS, QUANT_RULE, RowLayout
@@ -254,15 +254,7 @@ def write_direct_pack(cfg: ModelConfig, out_dir: str | Path, *, seed: int = 0, b
             "memory": {"peak_rss_bytes": peak_rss_bytes(), "largest_layer_source_bytes": 0,
                        "largest_layer_packed_bytes": cfg.num_experts * layout.row_bytes},
         }
-        mtmp = tmp / (MANIFEST + ".part")
-        with open(mtmp, "w") as f:
-            json.dump(manifest, f, indent=1)
-            f.write("\n")
-            f.flush()
-            os.fsync(f.fileno())
-        os.replace(mtmp, tmp / MANIFEST)
-        os.chmod(tmp, 0o755)
-        replace_dir(tmp, out)
+        publish_pack(tmp, out, manifest)
     except BaseException:
         # stop the workers first: a layer job still running would otherwise write into the folder being removed
         pool.shutdown(wait=True, cancel_futures=True)
