@@ -329,7 +329,7 @@ class InProcessServer:
         from runmap.serve.app import Server, create_app
 
         def load():  # as runmap serve: under a budget the engine plans again and caps torch's allocator at it
-            residency = ({"gpu_budget": gpu_budget, "budget_kv_rows": max_batch + 1} if gpu_budget is not None
+            residency = ({"gpu_budget": gpu_budget} if gpu_budget is not None
                          else {"resident": resident})
             return Engine.from_pack(pack, executor=executor, device=device, max_batch=max_batch,
                                     max_seq_len=max_seq_len, **residency)
@@ -553,9 +553,8 @@ def run(args, argv: list[str]) -> int:
     if args.gpu_budget is not None:
         from runmap.engine.budget import BudgetError, plan_for_pack
 
-        try:  # the server's KV cache keeps one more row, where a joining request is prefilled (as runmap serve)
-            plan = plan_for_pack(pack, args.gpu_budget, max_batch=max_batch, max_seq_len=args.max_seq_len,
-                                 kv_rows=max_batch + 1)
+        try:  # as runmap serve: joining requests are prefilled into free rows of the engine's KV cache
+            plan = plan_for_pack(pack, args.gpu_budget, max_batch=max_batch, max_seq_len=args.max_seq_len)
         except BudgetError as e:
             raise BenchFailure(str(e)) from None
         resident = plan.resident

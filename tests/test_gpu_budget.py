@@ -68,7 +68,7 @@ def test_the_engine_takes_its_residency_from_the_budget(packs):
         Engine.from_pack(pk, gpu_budget=lo - 1, **kw)
     with pytest.raises(EngineError, match="not both"):
         Engine.from_pack(pk, gpu_budget=lo, resident=2, **kw)
-    # a caller that keeps more KV rows than max_batch (the server: one more) has them counted: the same budget
+    # a caller that keeps more KV rows than max_batch has them counted: the same budget
     # then no longer holds the minimum, and the KV part of the plan grows by exactly one row's worth
     with pytest.raises(EngineError, match="below the least"):
         Engine.from_pack(pk, gpu_budget=lo, budget_kv_rows=2, **kw)

@@ -1,7 +1,7 @@
 """Continuous batching (runmap.serve.batching) against the engine's own generation, and --gpu-budget.
 
-Rows join a running batch between decode steps (prefilled alone into a scratch cache, copied into the
-shared-slot KV cache, the running rows shifted when the new prompt is longer than the shared slot or
+Rows join a running batch between decode steps (alone or several together in one left-padded prefill, into
+free rows of the engine's KV cache, moved to end at the shared slot, the running rows shifted when the new prompt is longer than the shared slot or
 when slots must be reclaimed), leave it when they finish or are cancelled (the last row moved into the
 hole), and wait when the KV cache has no room. Whatever the schedule, each request's tokens must be those
 of ``Engine.generate`` on that request alone: greedy and seeded sampling, both model families, the CPU
@@ -57,15 +57,21 @@ def _alone(eng, reqs):
                          seed=p.seed)[0] for ids, p in reqs]
 
 
-def _run_schedule(eng, reqs, *, pipelined: bool, seed: int, cancel: int | None = None):
-    """Admit requests at random step boundaries (FIFO, as the scheduler does); returns (seqs, runner, refusals)."""
+def _run_schedule(eng, reqs, *, pipelined: bool, seed: int, cancel: int | None = None, joint: bool = False):
+    """Admit requests at random step boundaries (FIFO, as the scheduler does); returns (seqs, runner, refusals).
+    joint: the requests that arrived by then join together (admit_many), as the server admits them."""
     rng = random.Random(seed)
     seqs = [Sequence(ids, p) for ids, p in reqs]
     waiting, refused, steps = list(seqs), 0, 0
     with torch.inference_mode():
         r = BatchRunner(eng, pipelined=pipelined)
         while waiting or r.rows:
-            while waiting and (not r.rows or rng.random() < 0.5):
+            if joint and (not r.rows or rng.random() < 0.5):
+                arrived = waiting[: rng.randint(1, 3)]
+                n = r.admit_many(arrived)
+                refused += n < len(arrived)
+                del waiting[:n]
+            while not joint and waiting and (not r.rows or rng.random() < 0.5):
                 if not r.admit(waiting[0]):
                     refused += 1
                     break
@@ -78,15 +84,18 @@ def _run_schedule(eng, reqs, *, pipelined: bool, seed: int, cancel: int | None =
     return seqs, r, refused
 
 
+@pytest.mark.parametrize("joint", [False, True], ids=["one-by-one", "joint"])
 @pytest.mark.parametrize("pipelined", [False, True], ids=["cpu-order", "pipelined"])
 @pytest.mark.parametrize("preset", ["tiny-olmoe", "tiny-qwen2-moe"])
-def test_every_request_gets_its_tokens_alone_whatever_the_schedule(engines, preset, pipelined):
+def test_every_request_gets_its_tokens_alone_whatever_the_schedule(engines, preset, pipelined, joint):
     eng = engines[preset]
     totals = {"joined_running": 0, "shifts": 0, "row_moves": 0, "refused": 0}
+    joints = 0
     for seed in (1, 2):
         reqs = _requests(eng, seed)
         alone = _alone(eng, reqs)
-        seqs, r, refused = _run_schedule(eng, reqs, pipelined=pipelined, seed=seed)
+        seqs, r, refused = _run_schedule(eng, reqs, pipelined=pipelined, seed=seed, joint=joint)
+        joints += r.counters["admitted"] - r.counters["joins"]  # requests that joined beside another one
         for k, (a, s) in enumerate(zip(alone, seqs)):
             assert s.token_ids == a.token_ids and s.text == a.text, f"seed {seed} request {k}"
             assert s.finish_reason == a.finish_reason
@@ -96,6 +105,7 @@ def test_every_request_gets_its_tokens_alone_whatever_the_schedule(engines, pres
         assert r.rows == 0 and r.slot == 0 and not r._lead  # the full-residency lease is given back when idle
     # the schedules did exercise every path: joins, KV shifts, row moves and requests waiting for room
     assert all(v > 0 for v in totals.values()), totals
+    assert (joints > 0) == joint  # joint schedules prefilled several prompts together, the others never
 
 
 def test_a_cancelled_row_leaves_at_the_next_step_and_the_others_are_unaffected(engines):
@@ -107,6 +117,37 @@ def test_a_cancelled_row_leaves_at_the_next_step_and_the_others_are_unaffected(e
     assert seqs[0].token_ids == alone[0].token_ids[:len(seqs[0].token_ids)]
     for a, s in zip(alone[1:], seqs[1:]):
         assert s.token_ids == a.token_ids
+
+
+def test_a_joint_admission_takes_the_longest_fifo_prefix_that_fits(engines):
+    eng = engines["tiny-olmoe"]  # max_batch 3, MAX_SEQ_LEN 72
+    ids = eng.tokenizer.encode("the sea sky river")
+    P = len(ids)
+    with torch.inference_mode():
+        r = BatchRunner(eng, pipelined=False)
+        # a row that needs every slot left: a request needing more steps than it has left cannot join, and
+        # neither can a later one that would fit (a request never overtakes an earlier one)
+        a = Sequence(ids, SamplingParams(max_new_tokens=MAX_SEQ_LEN - P + 1, ignore_eos=True))
+        assert r.admit_many([a]) == 1 and r.rows == 1
+        r.step()
+        r.step()
+        left = MAX_SEQ_LEN - r.slot  # a's remaining decode steps, to the end of the context
+        big = Sequence(ids, SamplingParams(max_new_tokens=left + 2))
+        small = Sequence(ids, SamplingParams(max_new_tokens=2))
+        assert r.admit_many([big, small]) == 0 and r.rows == 1
+        assert r.admit_many([small, big]) == 1 and r.rows == 2 and r.pad[1] == r.slot - P
+        assert r.counters["joins"] == 2
+        # at most the free rows join; join_tokens bounds the rows x longest prompt of one joint prefill
+        r2 = BatchRunner(eng, pipelined=False, join_tokens=2 * P)
+        seqs = [Sequence(ids, SamplingParams(max_new_tokens=2)) for _ in range(4)]
+        assert r2.admit_many(seqs) == 2 and r2.admit_many(seqs[2:]) == 1 and r2.rows == 3
+        r2.abort_all()
+        r3 = BatchRunner(eng, pipelined=False, join_tokens=0)  # every request alone
+        assert r3.admit_many(seqs) == 1 and r3.counters["joins"] == 1
+        r3.abort_all()
+        r.abort_all()
+    with pytest.raises(ValueError, match="join_tokens"):
+        BatchRunner(eng, join_tokens=-1)
 
 
 def test_a_request_that_can_never_fit_is_refused(engines):

@@ -105,9 +105,8 @@ def run(args) -> int:
     if args.gpu_budget is not None:
         from runmap.engine.budget import BudgetError, plan_for_pack
 
-        try:  # the server's KV cache keeps one more row, where a joining request is prefilled
-            plan = plan_for_pack(pack, args.gpu_budget, max_batch=args.max_batch, max_seq_len=args.max_seq_len,
-                                 kv_rows=args.max_batch + 1)
+        try:  # joining requests are prefilled into the free rows of the engine's own KV cache: no extra row
+            plan = plan_for_pack(pack, args.gpu_budget, max_batch=args.max_batch, max_seq_len=args.max_seq_len)
         except BudgetError as e:
             return fail(str(e))
         resident = plan.resident
@@ -130,7 +129,7 @@ def run(args) -> int:
         # under --gpu-budget the engine plans again (the same plan as printed) and caps torch's allocator at it
         return Engine.from_pack(pack, executor=args.executor, device=args.device, max_batch=args.max_batch,
                                 max_seq_len=args.max_seq_len, **(
-                                    {"gpu_budget": args.gpu_budget, "budget_kv_rows": args.max_batch + 1}
+                                    {"gpu_budget": args.gpu_budget}
                                     if args.gpu_budget is not None else {"resident": resident}))
 
     failure: list[str] = []

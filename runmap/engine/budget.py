@@ -100,7 +100,7 @@ def _group(cfg, resident: int, max_batch: int) -> int:
 def plan(cfg, row_bytes: int, nonrouted_bytes: int, budget: int, *, max_batch: int, max_seq_len: int,
          prefill_chunk: int = 1024, kv_rows: int | None = None) -> BudgetPlan:
     """The largest residency whose counted bytes fit ``budget`` (module docstring); BudgetError if none does.
-    kv_rows: KV-cache rows when they differ from max_batch (the server keeps one more, to prefill a joining row)."""
+    kv_rows: KV-cache rows when a caller keeps more than max_batch (counted instead of max_batch)."""
     L, E, k, H = cfg.num_layers, cfg.num_experts, cfg.top_k, cfg.hidden_size
     kv = 2 * L * (kv_rows or max_batch) * cfg.num_kv_heads * max_seq_len * cfg.head_dim * 2
     t = min(prefill_chunk, max_seq_len) * max_batch  # tokens of the largest forward pass

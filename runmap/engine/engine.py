@@ -55,7 +55,7 @@ Arguments:
     gpu_budget     bytes (runmap.engine.budget.parse_size("8GiB")): instead of resident, plan the device memory
                    (non-routed weights, KV cache, workspaces, spare rows) and keep as many experts per layer as fit;
                    ``eng.budget_plan`` says how; on CUDA torch's allocator is capped at the budget (until close())
-    budget_kv_rows KV-cache rows the plan counts when a caller keeps more than max_batch (the server: one more)
+    budget_kv_rows KV-cache rows the plan counts when a caller keeps more than max_batch
     cache_contract "v1" (default: pageable host source -> pinned staging -> device) or "v2" (the host source
                    registered as pinned memory once, rows copied straight into spare rows; docs/cache-contract.md)
     skip_experts   PROFILING ONLY: routed experts return zeros (router and everything else still run), so the

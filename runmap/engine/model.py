@@ -213,6 +213,13 @@ class KVCache:
     def nbytes(self) -> int:
         return 2 * self.k.numel() * self.k.element_size()
 
+    def rows(self, lo: int, hi: int) -> "KVCache":
+        """A view of rows [lo, hi) as a cache of hi - lo rows (no copy): a pass over it writes those rows."""
+        view = object.__new__(KVCache)
+        view.k, view.v = self.k[:, lo:hi], self.v[:, lo:hi]  # (L, hi - lo, Hkv, S, D) views
+        view.max_batch, view.max_seq_len = hi - lo, self.max_seq_len
+        return view
+
 
 def attention_mask(slots: torch.Tensor, pad: torch.Tensor, n_keys: int) -> torch.Tensor:
     """Boolean mask (B, 1, T, n_keys): query at slot s of row b sees key slot j iff pad[b] <= j <= s.

@@ -5,13 +5,18 @@ batch is left-padded by ``pad[b]`` and every decode step writes the new token of
 slot ``slot`` (runmap.engine.generation). ``generate_batch`` fills the rows once per call; here rows join
 and leave a running batch between decode steps:
 
-* **Join.** A new request is prefilled alone (batch 1, no padding: exactly the prefill it would get if it
-  ran alone) into a one-row scratch KV cache, and its keys and values are copied into the next free row
-  of the engine's cache so that its prompt ends just before the shared slot: slots [slot - P, slot),
-  ``pad = slot - P``. RoPE positions are ``slot - pad`` for every row, so the joined row sees positions
-  0..P-1 as it would alone, and the attention mask (keys pad..slot) hides whatever the row held before.
-  When the prompt is longer than the shared slot, the running rows are moved right first (their keys and
-  values shifted to later slots, their pads grown by the same amount: positions and masks unchanged).
+* **Join.** The requests waiting at a step boundary join together (up to the free rows and ``join_tokens``
+  prompt tokens): they are prefilled in one pass, left-padded to the longest prompt P, into the engine's own
+  free KV rows (B .. B+k-1) at slots 0..P-1 -- exactly the batched prefill ``generate_batch`` runs, and for a
+  single request exactly the prefill it gets alone -- then moved right within their rows so that every prompt
+  ends just before the shared slot: slots [slot - P_i, slot), ``pad = slot - P_i``. RoPE positions are
+  ``slot - pad`` for every row, so a joined row sees positions 0..P_i-1 as it would alone, and the attention
+  mask (keys pad..slot) hides whatever the row held before. When the longest prompt is longer than the
+  shared slot, the running rows are moved right first (their keys and values shifted to later slots, their
+  pads grown by the same amount: positions and masks unchanged). A join stalls every running row for one
+  prefill pass, whose host cost hardly depends on how many prompts it holds (on the H200, ~45 ms for one
+  126-token prompt, ~70 ms for 8 or 16: results/serve/load/probe-serve-join-h200.log), so joining the
+  waiting requests together, not one per pass, is what keeps a loaded server near its offline throughput.
 * **Room.** A row that has generated k of its m tokens still needs m - 1 - k decode steps, i.e. slots
   slot .. slot + m - 2 - k. A request joins only when every row (it included) has that room before
   ``max_seq_len``; when it does not, the slots left of the earliest prompt (min pad) are reclaimed by
@@ -23,7 +28,10 @@ Each row samples with its own settings (greedy rows take the argmax; a sampling 
 ``torch.Generator`` seeded as ``generate_batch`` seeds a batch of one), and stop rules, held-back text and
 streaming callbacks are the engine's own (``runmap.engine.generation._Row``), so a greedy request yields the
 tokens it yields alone whenever the engine's step arithmetic does not depend on the other rows of the
-batch (the tests compare with ``Engine.generate``).
+batch (the tests compare with ``Engine.generate``). A padded joint prefill is the arithmetic of
+``generate_batch``, not of a batch of one: a request that joined beside others can differ from its run alone
+where the two round differently and the top two logits tie to within that rounding (``join_tokens=0`` keeps
+every join alone).
 
 On CUDA the step is pipelined as in ``generate_batch``: the decode step for the next token is launched
 before the current token is read back on the host, so the device does not wait for stop checks and
@@ -41,7 +49,10 @@ from typing import Callable
 import torch
 
 from runmap.engine.generation import GenerationError, _Row, sample
-from runmap.engine.model import KVCache
+
+# prompt tokens of one joint prefill (rows x longest prompt): bounds the stall a join imposes on the running rows
+# and its activation memory (the budget planner counts a prefill_chunk x max_batch pass, far above this)
+JOIN_TOKENS = 4096
 
 
 @dataclasses.dataclass(frozen=True)
@@ -88,20 +99,25 @@ class BatchRunner:
     """The running batch over one engine (see the module docstring). ``admit`` adds a row, ``step`` runs one
     decode step for every row; rows that finish leave the batch inside ``step``."""
 
-    def __init__(self, engine, *, decode: Callable[[list[int]], str] | None = None, pipelined: bool | None = None):
+    def __init__(self, engine, *, decode: Callable[[list[int]], str] | None = None, pipelined: bool | None = None,
+                 join_tokens: int = JOIN_TOKENS):
+        """join_tokens: the most prompt tokens (rows x longest prompt, padding included) one joint prefill takes;
+        a longer single prompt still joins, alone. 0: every request is prefilled alone."""
+        if join_tokens < 0:
+            raise ValueError(f"join_tokens must be >= 0, got {join_tokens}")
         self.eng = engine
         self.dev = engine.device
         self.max_batch, self.max_seq_len = engine.max_batch, engine.max_seq_len
+        self.join_tokens = int(join_tokens)
         self.decode_text = decode or engine.tokenizer.decode
         self.eos_ids = frozenset(engine.tokenizer.eos_ids)
-        self.scratch = KVCache(engine.cfg, 1, engine.max_seq_len, engine.device)
         self.seqs: list[Sequence] = []
         self.pad: list[int] = []
         self.slot = 0  # the next KV slot a decode step writes (shared by every row)
         self.cur: torch.Tensor | None = None  # int64 (B,) device: each row's sampled token not yet read
         # pipelined=True on the CPU runs the CUDA order of operations synchronously (the tests use it)
         self.pipelined = self.dev.type == "cuda" if pipelined is None else bool(pipelined)
-        self.counters = {"admitted": 0, "joined_running": 0, "shifts": 0, "row_moves": 0, "steps": 0,
+        self.counters = {"admitted": 0, "joined_running": 0, "joins": 0, "shifts": 0, "row_moves": 0, "steps": 0,
                          "speculative_dropped": 0}
         self._lead: bool = False  # the cache's full-residency request is held (Engine.experts.begin)
 
@@ -150,50 +166,82 @@ class BatchRunner:
     def admit(self, seq: Sequence) -> bool:
         """Add ``seq`` as a new row if there is a free row and KV room for it and every running row; False
         (nothing changed) otherwise. Runs its prefill; its first token is sampled but read at the next step."""
-        L, need = len(seq.prompt_ids), seq.params.max_new_tokens - 1
-        self.check(L, seq.params.max_new_tokens)
-        if len(self.seqs) >= self.max_batch:
-            return False
-        left = [self._steps_left(s) for s in self.seqs]
-        fits = lambda at: at + max([need, *left]) <= self.max_seq_len  # noqa: E731
-        target = max(self.slot, L)
-        if not fits(target):
-            reclaim = min(self.pad) if self.pad else self.slot
-            target = max(self.slot - reclaim, L)
-            if not fits(target):
-                return False
+        return self.admit_many([seq]) == 1
+
+    def admit_many(self, seqs: list[Sequence]) -> int:
+        """Add the longest prefix of ``seqs`` (FIFO: a request never overtakes an earlier one) that has free
+        rows, KV room and fits ``join_tokens``, with one joint prefill; returns how many joined (0: nothing
+        changed). Their first tokens are sampled but read at the next step."""
+        for seq in seqs:
+            self.check(len(seq.prompt_ids), seq.params.max_new_tokens)
+        free = self.max_batch - len(self.seqs)
+        group = []
+        for seq in seqs[:free]:
+            P = max(len(s.prompt_ids) for s in (*group, seq))
+            if group and (len(group) + 1) * P > self.join_tokens:
+                break
+            if self._target([*group, seq]) is None:
+                break
+            group.append(seq)
+        if not group:
+            return 0
+        self._join(group, self._target(group))
+        return len(group)
+
+    def _target(self, group: list[Sequence]) -> int | None:
+        """The shared slot at which ``group``'s prompts would end (every row keeps room for its remaining
+        decode steps before max_seq_len), or None when there is no room even after reclaiming the slots left
+        of the earliest running prompt."""
+        P = max(len(s.prompt_ids) for s in group)
+        need = max([s.params.max_new_tokens - 1 for s in group] + [self._steps_left(s) for s in self.seqs])
+        target = max(self.slot, P)
+        if target + need <= self.max_seq_len:
+            return target
+        reclaim = min(self.pad) if self.pad else self.slot
+        target = max(self.slot - reclaim, P)
+        return target if target + need <= self.max_seq_len else None
+
+    def _join(self, group: list[Sequence], target: int) -> None:
         running = bool(self.seqs)
         self._shift(target - self.slot)
-        seq.row = _Row(0, L, self.decode_text, tuple(seq.params.stop),
-                       frozenset() if seq.params.ignore_eos else self.eos_ids, self._emitter(seq))
-        if seq.params.temperature > 0:
-            seq.gen = torch.Generator(device=self.dev)
-            seed = seq.params.seed if seq.params.seed is not None else int(torch.randint(0, 2**62, ()).item())
-            seq.gen.manual_seed(seed)
+        for seq in group:
+            seq.row = _Row(0, len(seq.prompt_ids), self.decode_text, tuple(seq.params.stop),
+                           frozenset() if seq.params.ignore_eos else self.eos_ids, self._emitter(seq))
+            if seq.params.temperature > 0:
+                seq.gen = torch.Generator(device=self.dev)
+                seed = seq.params.seed if seq.params.seed is not None else int(torch.randint(0, 2**62, ()).item())
+                seq.gen.manual_seed(seed)
         if not self._lead:
             self.eng.experts.begin()  # what Engine.run does around its groups (full residency: lease every row)
             self._lead = True
-        tokens = torch.tensor([seq.prompt_ids], dtype=torch.long, device=self.dev)
-        zero = torch.zeros(1, dtype=torch.long, device=self.dev)
-        b = len(self.seqs)
-        if not running:  # an empty batch: the prompt goes straight into row 0 at slots 0..L-1
-            logits = self.eng.prefill(tokens, zero)
-        else:
-            main = self.eng.kv
-            self.eng.kv = self.scratch  # the same prefill as alone, into a cache of one row
-            try:
-                logits = self.eng.prefill(tokens, zero)
-            finally:
-                self.eng.kv = main
-            for t, s in ((main.k, self.scratch.k), (main.v, self.scratch.v)):
-                t[:, b, :, target - L:target].copy_(s[:, 0, :, :L])
-            self.counters["joined_running"] += 1
-        tok = self._sample(logits, [seq])
-        self.seqs.append(seq)
-        self.pad.append(target - L)
+        b, k = len(self.seqs), len(group)
+        P = max(len(s.prompt_ids) for s in group)
+        lens = [len(s.prompt_ids) for s in group]
+        tokens = torch.zeros(k, P, dtype=torch.long)  # (k, P) left-padded, as generate_batch pads a batch
+        for i, s in enumerate(group):
+            tokens[i, P - lens[i]:] = torch.tensor(s.prompt_ids, dtype=torch.long)
+        tokens = tokens.to(self.dev)
+        pad = torch.tensor([P - n for n in lens], dtype=torch.long, device=self.dev)
+        main = self.eng.kv
+        self.eng.kv = main.rows(b, b + k)  # the free rows b..b+k-1 of the engine's cache, slots 0..P-1
+        try:
+            logits = self.eng.prefill(tokens, pad)
+        finally:
+            self.eng.kv = main
+        delta = target - P  # move the joined rows right so their prompts end at the shared slot
+        if delta:
+            for t in (main.k, main.v):
+                for layer in range(t.shape[0]):  # one layer at a time bounds the temporary copy
+                    src = t[layer, b:b + k, :, :P].clone()
+                    t[layer, b:b + k, :, delta:delta + P].copy_(src)
+        if running:
+            self.counters["joined_running"] += k
+        self.counters["joins"] += 1
+        tok = self._sample(logits, group)
+        self.seqs.extend(group)
+        self.pad.extend(target - n for n in lens)
         self.cur = tok if self.cur is None else torch.cat([self.cur, tok])
-        self.counters["admitted"] += 1
-        return True
+        self.counters["admitted"] += k
 
     def _emitter(self, seq: Sequence):
         def emit(_row, tid, delta):

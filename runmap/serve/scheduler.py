@@ -26,7 +26,7 @@ from typing import Callable
 
 import torch
 
-from runmap.serve.batching import BatchRunner, SamplingParams, Sequence
+from runmap.serve.batching import JOIN_TOKENS, BatchRunner, SamplingParams, Sequence
 from runmap.serve.protocol import ApiError
 
 log = logging.getLogger("runmap.serve")
@@ -55,8 +55,10 @@ class Ticket:
 
 
 class Scheduler:
-    def __init__(self, engine, *, metrics=None, info: dict | None = None, decode=None, pipelined=None):
+    def __init__(self, engine, *, metrics=None, info: dict | None = None, decode=None, pipelined=None,
+                 join_tokens: int = JOIN_TOKENS):
         self.eng, self.metrics = engine, metrics
+        self.join_tokens = join_tokens
         self.info = dict(info or {})
         self.max_batch = engine.max_batch
         self.decode_text = decode
@@ -161,7 +163,8 @@ class Scheduler:
     def _main(self) -> None:
         try:
             with torch.inference_mode():
-                self.runner = BatchRunner(self.eng, decode=self.decode_text, pipelined=self.pipelined)
+                self.runner = BatchRunner(self.eng, decode=self.decode_text, pipelined=self.pipelined,
+                                          join_tokens=self.join_tokens)
                 t0 = time.perf_counter()
                 self._warmup()
                 self.warmup_s = time.perf_counter() - t0
@@ -204,9 +207,12 @@ class Scheduler:
         finally:
             eng.experts.end()
         # the first real request also goes through the batching path (prefill into a running batch included)
+        # (a request alone, then two of different lengths joining it together: the padded joint prefill)
         r = self.runner
-        for k in range(min(2, eng.max_batch)):
-            r.admit(Sequence(ids, SamplingParams(max_new_tokens=2, temperature=0.0)))
+        warm = lambda n: Sequence(ids[:n], SamplingParams(max_new_tokens=3, temperature=0.0))  # noqa: E731
+        r.admit(warm(len(ids)))
+        r.step()
+        r.admit_many([warm(len(ids)), warm(max(1, len(ids) - 1))][: eng.max_batch - r.rows])
         while r.rows:
             r.step()
 
@@ -272,29 +278,33 @@ class Scheduler:
             self.metrics.requests.labels(t.endpoint, "cancelled").inc()
 
     def _admit(self) -> None:
+        """Every waiting request that fits joins now, together (one joint prefill: runmap.serve.batching)."""
         r = self.runner
         while r.rows < self.max_batch:
             with self._cv:
-                if not self._waiting:
-                    break
-                t = self._waiting[0]
-                if t.cancelled:
-                    self._waiting.popleft()
-                    self._finish_cancelled_waiting(t)
-                    continue
-            seq = Sequence(t.prompt_ids, t.params, on_token=self._on_token(t), on_finish=self._on_finish(t))
-            t.seq = seq
-            if t.cancelled:
-                seq.cancel()
-            if not r.admit(seq):  # no KV room until running rows finish: the queue keeps its order
-                t.seq = None
+                self._drop_cancelled_waiting()
+                tickets = list(self._waiting)[: self.max_batch - r.rows]
+            if not tickets:
                 break
+            seqs = []
+            for t in tickets:
+                t.seq = Sequence(t.prompt_ids, t.params, on_token=self._on_token(t), on_finish=self._on_finish(t))
+                if t.cancelled:
+                    t.seq.cancel()
+                seqs.append(t.seq)
+            n = r.admit_many(seqs)
+            for t in tickets[n:]:
+                t.seq = None
             with self._cv:
-                self._waiting.popleft()
-                self._running[id(t)] = t
-            if self.metrics is not None:
-                self.metrics.prompt_tokens.inc(len(t.prompt_ids))
-            self.totals["prompt_tokens"] += len(t.prompt_ids)
+                for t in tickets[:n]:
+                    self._waiting.remove(t)  # FIFO: the first n of the queue
+                    self._running[id(t)] = t
+            for t in tickets[:n]:
+                if self.metrics is not None:
+                    self.metrics.prompt_tokens.inc(len(t.prompt_ids))
+                self.totals["prompt_tokens"] += len(t.prompt_ids)
+            if n < len(tickets):  # no room for the next one until running rows finish: the queue keeps its order
+                break
         self._update_gauges()
 
     def _on_token(self, t: Ticket):
