@@ -533,6 +533,17 @@ def test_function_level_names_a_call_without_a_name_by_its_text():
     assert m.events == [("custom-op", 32)]
 
 
+def test_function_level_metadata_of_a_device_row_is_not_a_copy():
+    # dim / size / numel / shape of a device row return host values that hold none of its bytes: the classifier
+    # passes over a result that is not a host tensor (counting it would raise inside the caller's own call)
+    rows = _device_rows()
+    m = _watching("function", rows)
+    with m.scope(caller=True):
+        assert rows[1].dim() == 1 and rows.size(1) == 8 and rows[0].numel() == 8 and rows.shape == (3, 8)
+    m.see_call(torch.Tensor.__setitem__, (rows[0], 0, 1.0), {}, None)  # an in-place write returns None
+    assert (m.d2h_bytes, m.d2h_copies, m.events) == (0, 0, [])
+
+
 def test_dispatch_level_values_of_a_device_row_that_reach_the_host_are_counted():
     rows = _device_rows()
     m = _watching("dispatch", rows)
