@@ -195,7 +195,12 @@ class _FunctionMode(TorchFunctionMode):
 
     def __torch_function__(self, func, types, args=(), kwargs=None):
         out = func(*args, **(kwargs or {}))
-        self.monitor.see_call(func, args, kwargs or {}, out)
+        # see_call counts only copy_, .item() / .tolist(), and calls that return a host tensor: every other call
+        # (metadata reads such as .shape / .data_ptr() / .dim(), device results: nearly all of a GPU pass, ~3,300
+        # calls per prefill, mostly from Triton's launcher) passes here without the classification's cost
+        if func is torch.Tensor.copy_ or func in _F_SCALARS or (
+                isinstance(out, torch.Tensor) and out.device.type == "cpu"):
+            self.monitor.see_call(func, args, kwargs or {}, out)
         return out
 
 
