@@ -1,5 +1,6 @@
 """--gpu-budget (runmap/engine/budget.py): the plan, the residency it picks, and clear refusals."""
 import pytest
+import torch
 from hypothesis import given, strategies as st
 
 from runmap.arch.config import load_preset
@@ -89,3 +90,22 @@ def test_the_cli_prints_the_plan_and_refuses_bad_budgets(packs, capsys):
         with pytest.raises(SystemExit) as e:
             cli(base + bad)
         assert e.value.code == 2
+
+
+def test_the_campaign_lifts_the_allocator_cap_by_device_index(monkeypatch):
+    """A plain "cuda" device (what a campaign runs on) is resolved to its index before torch sees it: torch
+    refuses a device without an index, which failed every configuration without a budget on the H200."""
+    from runmap.bench.campaign import lift_allocator_cap
+
+    calls = []
+
+    def set_fraction(fraction, device=None):  # torch's own check (torch.cuda._utils._get_device_index)
+        if isinstance(device, torch.device) and device.index is None:
+            raise ValueError(f"Expected a torch.device with a specified index or an integer, but got:{device}")
+        calls.append((fraction, device))
+
+    monkeypatch.setattr(torch.cuda, "set_per_process_memory_fraction", set_fraction)
+    monkeypatch.setattr(torch.cuda, "current_device", lambda: 3)
+    lift_allocator_cap(torch.device("cuda"))
+    lift_allocator_cap(torch.device("cuda", 1))
+    assert calls == [(1.0, 3), (1.0, 1)]

@@ -802,6 +802,14 @@ def _block_size(pack: Path) -> int | None:
     return m.get("block_size", (m.get("quantization") or {}).get("block_size"))
 
 
+def lift_allocator_cap(device: torch.device) -> None:
+    """Let torch's allocator use the whole GPU ``device`` again. By index: torch refuses a device without one
+    (ValueError), and a campaign's device is plain "cuda" (that refusal failed every configuration without a
+    budget in the first H200 run of h200-families)."""
+    index = device.index if device.index is not None else torch.cuda.current_device()
+    torch.cuda.set_per_process_memory_fraction(1.0, index)
+
+
 class EngineBuilder:
     """The default engine factory: builds the engine (or baseline) of a configuration through
     Engine.from_pack's explicit arguments.
@@ -821,7 +829,7 @@ class EngineBuilder:
         if budget is None and device.type == "cuda":
             # an engine built with a GPU budget capped torch's allocator for the whole process: lift the cap,
             # or a later configuration of the same run (full residency, the transformers baseline) would inherit it
-            torch.cuda.set_per_process_memory_fraction(1.0, device)
+            lift_allocator_cap(device)
         if c.kind in HF_KINDS:
             from runmap.bench.baselines import HFBaseline
 
