@@ -15,7 +15,7 @@ and leave a running batch between decode steps:
   shared slot, the running rows are moved right first (their keys and values shifted to later slots, their
   pads grown by the same amount: positions and masks unchanged). A join stalls every running row for one
   prefill pass, whose host cost hardly depends on how many prompts it holds (on the H200, ~45 ms for one
-  126-token prompt, ~70 ms for 8 or 16: results/serve/load/probe-serve-join-h200.log), so joining the
+  126-token prompt, ~70 ms for 8 or 16: results/serve/probe/probe-serve-join-h200-1.log), so joining the
   waiting requests together, not one per pass, is what keeps a loaded server near its offline throughput.
 * **Room.** A row that has generated k of its m tokens still needs m - 1 - k decode steps, i.e. slots
   slot .. slot + m - 2 - k. A request joins only when every row (it included) has that room before
