@@ -93,7 +93,8 @@ def test_partial_table_puts_engine_hit_rate_beside_replay(cpu_records, tmp_path)
     part = [r for r in recs if r["regime"] == "partial"]
     assert len(part) == 4  # r4 and r6 at batch 1 and 2
     r4b1 = next(r for r in part if r["config"]["resident"] == 4 and r["config"]["batch"] == 1)
-    r4b1["cache_stats"]["hit_rate"] = {"status": "OBSERVED", "value": 0.8125}
+    r4b1["cache_stats"]["hit_rate"] = {"status": "OBSERVED", "value": 0.5}  # prefill included: not the column's
+    r4b1["cache_stats"]["decode_hit_rate"] = {"status": "OBSERVED", "value": 0.8125}
     r4b1["routing"]["replay_lru_hit_rate"] = {"status": "OBSERVED", "value": 0.8}
     r4b1["routing"]["replay_belady_hit_rate"] = {"status": "OBSERVED", "value": 0.9375}
     r4b1["routing"]["misses_per_token"] = {"status": "OBSERVED", "value": 33.88}
@@ -109,7 +110,11 @@ def test_partial_table_puts_engine_hit_rate_beside_replay(cpu_records, tmp_path)
     assert by[("4/8", "1")][4:] == ["66.0", "0.812", "0.800", "0.938", "33.9", "297.5", "0.072"]
     # present but not measured: the status word, never a number
     assert by[("6/8", "1")][5:11] == ["0.750", "UNSUPPORTED", "UNSUPPORTED", "1.0", "UNKNOWN", "UNKNOWN"]
-    # absent: blank cells (the engine's own hit rate is still there)
+    # absent: blank cells (the engine's own hit rate is still there; a record without the decode split shows its
+    # rate over prefill and decode)
+    del r6b2["cache_stats"]["decode_hit_rate"]
+    rows = _partial_rows(report.render(recs, tmp_path / "r2.md"))
+    by = {(r[2], r[3]): r for r in rows}
     assert by[("6/8", "2")][5:] == ["0.750", "", "", "", "", ""]
     assert by[("6/8", "2")][1] == "model"  # the workload still read from config.routing
 

@@ -230,6 +230,17 @@ def test_bench_records_name_their_routing_and_replay_what_ran(packs, tmp_path):
     lru, bel = part["replay_lru_hit_rate"]["value"], part["replay_belady_hit_rate"]["value"]
     assert 0 < lru <= bel <= 1
     assert part["misses_per_token"]["value"] > 0
+    # decode figures are the decode steps' alone: the prompt's misses (a cold cache) are counted apart
+    cs, h2d = recs["partial"]["cache_stats"], recs["partial"]["h2d"]
+    gen = recs["partial"]["timing"]["new_tokens"] * 1  # one timed repeat
+    prefill_misses = cs["misses"]["value"] - cs["decode_misses"]["value"]
+    assert prefill_misses > 0 and cs["decode_misses"]["value"] > 0
+    assert part["misses_per_token"]["value"] == pytest.approx(cs["decode_misses"]["value"] / gen)
+    assert cs["decode_hit_rate"]["value"] == pytest.approx(
+        cs["decode_hits"]["value"] / (cs["decode_hits"]["value"] + cs["decode_misses"]["value"]))
+    row = h2d["bytes"]["value"] // cs["misses"]["value"]  # every miss moves one row
+    assert h2d["prefill_bytes"]["value"] == prefill_misses * row
+    assert h2d["bytes_per_token"]["value"] * gen == pytest.approx(cs["decode_misses"]["value"] * row)
     # on the CPU there is no H2D link: the transfer bound says why it is unknown
     assert recs["partial"]["timing"]["transfer_bound_tok_s"]["status"] == "UNKNOWN"
 

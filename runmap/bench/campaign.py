@@ -574,7 +574,8 @@ def run_config(engine: BenchEngine, c: BenchConfig, model_cfg: ModelConfig, ctx:
     if c.kind in BASELINE_KINDS:
         no_cache = bm.unsupported("transformers' model has no expert cache" if c.kind in HF_KINDS else
                                   "the fp16-expert baseline runs no expert cache (experts dequantized on the device)")
-        hits = misses = hit_rate = h2d = h2d_rate = h2d_per_tok = no_cache
+        hits = misses = hit_rate = h2d = h2d_rate = h2d_per_tok = h2d_prefill = no_cache
+        decode_cache = {}
         cache = {k: no_cache for k in ("resident_bytes", "spare_bytes", "staging_bytes")}
         if c.kind == "engine-fp16":  # the dequantized fp16 experts
             cache["resident_bytes"] = _bytes_measure(s1.resident_bytes, "engine reports no expert bytes")
@@ -584,6 +585,10 @@ def run_config(engine: BenchEngine, c: BenchConfig, model_cfg: ModelConfig, ctx:
         hits, misses = bm.observed(d.hits), bm.observed(d.misses)
         looked = d.hits + d.misses
         hit_rate = bm.observed(d.hits / looked) if looked else bm.unknown("no expert lookups observed")
+        decode_looked = d.decode_hits + d.decode_misses
+        decode_cache = {"decode_hits": bm.observed(d.decode_hits), "decode_misses": bm.observed(d.decode_misses),
+                        "decode_hit_rate": bm.observed(d.decode_hits / decode_looked) if decode_looked else
+                        bm.unknown("no expert lookups in decode steps")}
         h2d = bm.observed(d.bytes_h2d)
         if d.h2d_seconds > 0:
             h2d_rate = bm.observed(d.bytes_h2d / d.h2d_seconds / 1e9)
@@ -592,7 +597,10 @@ def run_config(engine: BenchEngine, c: BenchConfig, model_cfg: ModelConfig, ctx:
         else:
             h2d_rate = bm.unknown("host->device bytes without a measured transfer time")
         gen_tokens = new_tokens * len(decode)
-        h2d_per_tok = bm.observed(d.bytes_h2d / gen_tokens) if gen_tokens else bm.unknown("no tokens generated")
+        # decode steps' bytes only: the prompt's misses are the prefill's, not a decoded token's
+        h2d_per_tok = (bm.observed(d.decode_bytes_h2d / gen_tokens) if gen_tokens else
+                       bm.unknown("no tokens generated"))
+        h2d_prefill = bm.observed(d.prefill_bytes_h2d)
         cache = {k: _bytes_measure(getattr(s1, k), f"engine reports no {k}")
                  for k in ("resident_bytes", "spare_bytes", "staging_bytes")}
     if c.kind in HF_KINDS:  # nothing in transformers' model is instrumented for the cache contract
@@ -614,8 +622,8 @@ def run_config(engine: BenchEngine, c: BenchConfig, model_cfg: ModelConfig, ctx:
             routing_rec.update(replay_lru_hit_rate=bm.unsupported(why), replay_belady_hit_rate=bm.unsupported(why))
         if s1.has_cache:
             gen_tokens = new_tokens * len(decode)
-            routing_rec["misses_per_token"] = (bm.observed(d.misses / gen_tokens) if gen_tokens else
-                                               bm.unknown("no tokens generated"))
+            routing_rec["misses_per_token"] = (bm.observed(d.decode_misses / gen_tokens) if gen_tokens else
+                                               bm.unknown("no tokens generated"))  # decode steps' misses
     floor = bm.byte_floor(model_cfg, c.expert_format, c.batch, ctx.copy_bw)
     dec_stats = bm.repeat_stats(decode)
     is_engine = c.kind == "engine"
@@ -669,8 +677,9 @@ def run_config(engine: BenchEngine, c: BenchConfig, model_cfg: ModelConfig, ctx:
             # wall time of the untimed warmup runs (compilation, graph capture, cache fill): kept out of tok/s
             "warmup_s": bm.observed(sum(warm_wall)) if warm_wall else bm.unknown("no warmup run"),
         },
-        "cache_stats": {"hits": hits, "misses": misses, "hit_rate": hit_rate},
-        "h2d": {"bytes": h2d, "gb_s": h2d_rate, "bytes_per_token": h2d_per_tok, "link_gb_s": ctx.h2d_bw},
+        "cache_stats": {"hits": hits, "misses": misses, "hit_rate": hit_rate, **decode_cache},
+        "h2d": {"bytes": h2d, "gb_s": h2d_rate, "bytes_per_token": h2d_per_tok, "prefill_bytes": h2d_prefill,
+                "link_gb_s": ctx.h2d_bw},
         "observations": obs,
         "byte_floor": floor,
         "ratios": {"decode_vs_byte_floor": bm.ratio(bm.observed(dec_stats["median"]), floor["floor_decode_tok_s"],

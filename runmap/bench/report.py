@@ -147,7 +147,10 @@ def partial_table(recs: list[dict]) -> list[str]:
             path_label(r), str(c.get("routing") or rt.get("workload") or ""),
             f"{c['resident']}/{c['experts_per_layer']}", str(c["batch"]),
             f"{t['decode_tok_s']['median']:.1f}",
-            _cell((r.get("cache_stats") or {}).get("hit_rate"), 1.0, 3),
+            # decode steps' own hit rate where the record has it (the replays are of decode steps); older
+            # records have only the rate over prefill and decode together
+            _cell((r.get("cache_stats") or {}).get("decode_hit_rate", (r.get("cache_stats") or {}).get("hit_rate")),
+                  1.0, 3),
             _cell(rt.get("replay_lru_hit_rate"), 1.0, 3),
             _cell(rt.get("replay_belady_hit_rate"), 1.0, 3),
             _cell(rt.get("misses_per_token"), 1.0, 1),
@@ -373,10 +376,12 @@ def render(records: list[dict], out_md: Path, plots_dir: Path | None = None, sou
             lines += model_table(mrecs, flagged) + [""]
             part = partial_table(mrecs)
             if part:
-                lines += ["Partial residency: the engine's hit rate beside LRU and Belady (the optimum) replayed over "
-                          "the routes that ran, misses per token, and decode tok/s against the transfer bound "
-                          "(full-residency step + missed bytes / same-run pinned H2D rate). A blank cell: the record "
-                          "has no such field.", ""] + part + [""]
+                lines += ["Partial residency: the engine's hit rate in decode steps beside LRU and Belady (the optimum) "
+                          "replayed over the decode routes that ran, misses per decoded token, and decode tok/s against "
+                          "the transfer bound (full-residency step + decode steps' missed bytes per token / same-run "
+                          "pinned H2D rate). Records made before the split by phase (no cache_stats.decode_hit_rate) "
+                          "count the prefill's misses in all three. A blank cell: the record has no such field.",
+                          ""] + part + [""]
             for metric, label in (("decode", "decode tok/s"), ("memory", "peak allocated memory")):
                 png = plots_dir / f"{camp}-{model}-{metric}.png"
                 if plot_model(mrecs, metric, png, f"{camp} / {model}: {label} vs resident experts per layer"):

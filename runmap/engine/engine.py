@@ -527,6 +527,8 @@ class Engine:
         self.budget_plan = None  # runmap.engine.budget.BudgetPlan when built with gpu_budget
         self._runs: list[dict] = []
         self._closed = False
+        # the expert cache's hits / misses / host->device bytes made by prefill passes (telemetry splits by phase)
+        self.prefill_counts = {"hits": 0, "misses": 0, "bytes_h2d": 0}
 
     @property
     def regime(self) -> str:
@@ -536,8 +538,8 @@ class Engine:
     def host_source(self):
         """The expert cache's HostSource (pass it to another Engine.from_pack of the same pack to reuse it);
         None for the fp16 baseline."""
-        inner = self.experts.inner if isinstance(self.experts, SkipExperts) else self.experts
-        return inner.cache.host if isinstance(inner, CachedExperts) else None
+        cache = self._expert_cache()
+        return cache.host if cache is not None else None
 
     @classmethod
     def from_pack(cls, pack_dir, *, executor: str = "grouped", resident: int | None = None, device=None,
@@ -690,6 +692,21 @@ class Engine:
     def prefill(self, tokens: torch.Tensor, pad: torch.Tensor, all_logits: bool = False) -> torch.Tensor:
         """tokens int64 (B, P), pad int64 (B,) (device) -> float32 (B, V) (or (B, P, V) with all_logits).
         Chunks of ``prefill_chunk`` tokens bound the activation memory of long prompts."""
+        cache = self._expert_cache()
+        before = {k: cache.counters[k] for k in self.prefill_counts} if cache is not None else None
+        try:
+            return self._prefill(tokens, pad, all_logits)
+        finally:
+            if cache is not None:
+                for k in self.prefill_counts:
+                    self.prefill_counts[k] += cache.counters[k] - before[k]
+
+    def _expert_cache(self):
+        """The routed experts' ExpertCache (None for the fp16 baseline)."""
+        inner = self.experts.inner if isinstance(self.experts, SkipExperts) else self.experts
+        return inner.cache if isinstance(inner, CachedExperts) else None
+
+    def _prefill(self, tokens: torch.Tensor, pad: torch.Tensor, all_logits: bool) -> torch.Tensor:
         B, P = tokens.shape
         padded = bool(pad.any().item())
         pad_h = pad.cpu().numpy() if self.imposed is not None or self.routes is not None else None

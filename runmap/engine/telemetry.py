@@ -11,7 +11,9 @@ is synchronous: pageable -> pinned staging -> device, waited on), so bytes_h2d /
 effective host->device rate of the miss path, staging included.
 
 ``snapshot(engine)`` returns the same figures as a typed ``EngineStats`` (what a benchmark reads: no dict
-keys to guess); ``EngineStats.since(earlier)`` gives the counter deltas between two snapshots.
+keys to guess); ``EngineStats.since(earlier)`` gives the counter deltas between two snapshots. Hits, misses and
+host->device bytes are also split by phase (``prefill_*``: made by prefill passes; ``decode_*`` = the rest), so
+that a decode figure (misses per decoded token, the transfer bound) never carries the prompt's misses.
 """
 from __future__ import annotations
 
@@ -60,6 +62,10 @@ class EngineStats:
     nonrouted_bytes: int
     kv_cache_bytes: int
     observations: MappingProxyType
+    # the part of hits / misses / bytes_h2d that prefill passes made (Engine.prefill); the rest is decode steps'
+    prefill_hits: int = 0
+    prefill_misses: int = 0
+    prefill_bytes_h2d: int = 0
 
     @property
     def hit_rate(self) -> float | None:
@@ -80,6 +86,21 @@ class CounterDelta:
     bytes_h2d: int
     h2d_seconds: float
     runs: int
+    prefill_hits: int = 0
+    prefill_misses: int = 0
+    prefill_bytes_h2d: int = 0
+
+    @property
+    def decode_hits(self) -> int:
+        return self.hits - self.prefill_hits
+
+    @property
+    def decode_misses(self) -> int:
+        return self.misses - self.prefill_misses
+
+    @property
+    def decode_bytes_h2d(self) -> int:
+        return self.bytes_h2d - self.prefill_bytes_h2d
 
 
 def snapshot(engine, cache: dict | None = None) -> EngineStats:
@@ -103,7 +124,8 @@ def snapshot(engine, cache: dict | None = None) -> EngineStats:
                        generations=c["generations"],
                        resident_bytes=cap["num_layers"] * cap["resident"] * cap["row_bytes"],
                        spare_bytes=cap["num_layers"] * cap["spares"] * cap["row_bytes"],
-                       staging_bytes=cap["staging_bytes"], observations=MappingProxyType(dict(cache["observations"])))
+                       staging_bytes=cap["staging_bytes"], observations=MappingProxyType(dict(cache["observations"])),
+                       **{f"prefill_{k}": v for k, v in engine.prefill_counts.items()})
 
 
 def build(engine) -> dict:
