@@ -201,3 +201,17 @@ def test_the_budget_picks_the_most_experts_that_fit(packs):
         assert p.resident >= r and p.total <= b
     with pytest.raises(BudgetError, match="below the least this pack needs"):
         plan_for_pack(pk, need[cfg.top_k] - 1, max_batch=2, max_seq_len=64, kv_rows=3)
+
+def test_serve_states_the_join_default_and_refuses_a_negative_join_size(capsys):
+    from runmap.cli.main import main as cli
+    from runmap.serve.batching import JOIN_TOKENS
+
+    with pytest.raises(SystemExit) as e:
+        cli(["serve", "--help"])
+    assert e.value.code == 0
+    text = " ".join(capsys.readouterr().out.split())  # argparse wraps the help
+    assert "--max-join-tokens N" in text and f"(default {JOIN_TOKENS})" in text
+    with pytest.raises(SystemExit) as e:
+        cli(["serve", "--packed", "x", "--max-join-tokens", "-1"])
+    assert e.value.code == 2
+    assert "argument --max-join-tokens: must be at least 0, got -1" in capsys.readouterr().err

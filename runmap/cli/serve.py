@@ -21,8 +21,9 @@ request), and serve on http://HOST:PORT/ (HOST 127.0.0.1 unless --host says othe
                               host->device bytes, the cache contract observations with their status
   GET  /                      the page: chat, what is loaded, live telemetry, IFEval, campaign reports
 
-Concurrent requests share the engine: between decode steps waiting requests join the running batch
-(up to --max-batch rows); a client that disconnects frees its row at the next step. Bad requests get an
+Concurrent requests share the engine: between decode steps the waiting requests join the running batch
+together, prefilled in one pass (up to --max-batch rows and --max-join-tokens prompt tokens); a client that
+disconnects frees its row at the next step. Bad requests get an
 OpenAI error object with a 4xx status. Nothing is written to the pack; IFEval runs started from the page
 write under --ifeval-dir (default results/serve/ifeval, created on the first run).
 
@@ -49,6 +50,7 @@ def _port(text: str) -> int:
 
 
 _positive = int_at_least(1)
+_non_negative = int_at_least(0)
 
 
 def add_arguments(p) -> None:
@@ -59,6 +61,10 @@ def add_arguments(p) -> None:
                    help="W4A16 executor (default grouped). " + executor_help())
     add_residency_arguments(p)
     p.add_argument("--max-batch", type=_positive, default=8, metavar="B", help="rows decoded together (default 8)")
+    p.add_argument("--max-join-tokens", type=_non_negative, default=None, metavar="N",
+                   help="prompt tokens (rows x longest prompt, padding included) one joint prefill of waiting "
+                        "requests may take (default 4096); every running row waits for that prefill. 0: each "
+                        "request joins alone, with exactly the prefill it gets alone")
     p.add_argument("--max-seq-len", type=_positive, default=None, metavar="N",
                    help="context: prompt + completion tokens per request (default min(max_position_embeddings, 4096))")
     p.add_argument("--device", default=None, help="cuda | cpu (default: cuda when available)")
@@ -77,7 +83,7 @@ def _command(pack, args) -> str:
 
     parts = ["runmap", "serve", "--packed", str(pack), "--executor", args.executor, "--max-batch", str(args.max_batch)]
     for flag, v in (("--resident", args.resident), ("--max-seq-len", args.max_seq_len), ("--device", args.device),
-                    ("--model-name", args.model_name)):
+                    ("--model-name", args.model_name), ("--max-join-tokens", args.max_join_tokens)):
         if v is not None:
             parts += [flag, str(v)]
     if args.gpu_budget is not None:
@@ -144,7 +150,8 @@ def run(args) -> int:
     model_id = args.model_name or pack.resolve().name
     server = Server(load, model_id=model_id, pack_dir=pack, ifeval_dir=args.ifeval_dir,
                     campaign_roots=args.campaigns or [DEFAULT_CAMPAIGNS], command=_command(pack, args),
-                    on_failure=on_failure)
+                    on_failure=on_failure, **({} if args.max_join_tokens is None else
+                                              {"join_tokens": args.max_join_tokens}))
     shown = f"[{host}]" if family == socket.AF_INET6 else host
     url = f"http://{shown}:{port}/"
     class _Uvicorn(uvicorn.Server):

@@ -34,7 +34,7 @@ from starlette.concurrency import run_in_threadpool
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from runmap.serve import protocol as P
-from runmap.serve.batching import SamplingParams
+from runmap.serve.batching import JOIN_TOKENS, SamplingParams
 from runmap.serve.campaigns import Campaigns
 from runmap.serve.ifeval_job import IFEvalRuns
 from runmap.serve.metrics import CONTENT_TYPE, ServeMetrics
@@ -65,9 +65,11 @@ class Server:
     """The state behind the application. ``load_engine()`` builds the engine (on the loader thread)."""
 
     def __init__(self, load_engine: Callable, *, model_id: str, pack_dir, ifeval_dir, campaign_roots=(),
-                 command: str = "runmap serve", pipelined=None, on_failure: Callable[[str], None] | None = None):
+                 command: str = "runmap serve", pipelined=None, on_failure: Callable[[str], None] | None = None,
+                 join_tokens: int = JOIN_TOKENS):
         self.load_engine, self.model_id, self.pack_dir = load_engine, model_id, Path(pack_dir)
         self.command, self.pipelined, self.on_failure = command, pipelined, on_failure
+        self.join_tokens = join_tokens
         self.metrics = ServeMetrics()
         self.tok_lock = threading.Lock()  # one tokenizer, used by the HTTP threads and the engine thread
         self.engine = None
@@ -102,7 +104,8 @@ class Server:
                 return
             self.engine = eng
         self.info = describe(eng, self.model_id)
-        sched = Scheduler(eng, metrics=self.metrics, info=self.info, decode=self._decode, pipelined=self.pipelined)
+        sched = Scheduler(eng, metrics=self.metrics, info=self.info, decode=self._decode, pipelined=self.pipelined,
+                          join_tokens=self.join_tokens)
         self.metrics.source = sched
         self.scheduler = sched
         sched.start()
