@@ -141,3 +141,32 @@ def test_a_failure_between_segments_leaves_no_lease_and_the_next_run_is_unchange
     again = Engine.from_pack(packs["tiny-olmoe"], **kw)
     assert [r.token_ids for r in eng.generate(prompt, max_new_tokens=6, ignore_eos=True)] == want == \
         [r.token_ids for r in again.generate(prompt, max_new_tokens=6, ignore_eos=True)]
+
+
+def test_the_chain_times_its_miss_transactions_like_the_per_call_path(packs, test_device):
+    """h2d_seconds (the denominator of a record's h2d.gb_s) grows with every miss transaction of a decode step
+    run as a chain: before, only the per-call path timed its acquisitions while the cache counted the chain's
+    bytes too, so bytes / seconds came out above the link's rate."""
+    seg_mode = True if test_device == "cuda" else "eager"
+    executor = "grouped" if test_device == "cuda" else "reference"
+    eng = Engine.from_pack(packs["tiny-olmoe"], executor=executor, device=test_device, resident=4, max_batch=1,
+                           max_seq_len=48, segments=seg_mode, routing="calibrated")
+    dev = eng.device
+    pad = torch.zeros(1, dtype=torch.long, device=dev)
+    grew = 0
+    with torch.inference_mode():
+        eng._begin_group([[5, 9, 1, 4, 7]])  # one stream of the calibrated workload, as generate opens it
+        eng.experts.begin()
+        try:
+            eng.prefill(torch.tensor([[5, 9, 1, 4, 7]], device=dev), pad)
+            for s in range(12):
+                misses, secs = eng.experts.cache.counters["misses"], eng.experts.h2d_seconds
+                eng.decode(torch.tensor([3 + s], device=dev), 5 + s, pad)
+                if eng.experts.cache.counters["misses"] > misses:
+                    assert eng.experts.h2d_seconds > secs
+                    grew += 1
+                else:
+                    assert eng.experts.h2d_seconds == secs
+        finally:
+            eng.experts.end()
+    assert 1 in eng._segments and grew > 0  # the chain ran, and some of its steps missed

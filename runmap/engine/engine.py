@@ -169,10 +169,7 @@ class CachedExperts:
         for rows in groups:
             req = self.cache.admit()
             try:
-                misses0, t0 = self.cache.counters["misses"], time.perf_counter()
-                lease = req.acquire(layer, ids_h if whole else ids_h[rows])
-                if self.cache.counters["misses"] != misses0:
-                    self.h2d_seconds += time.perf_counter() - t0
+                lease = self.acquire(req, layer, ids_h if whole else ids_h[rows])
                 # The lease is the routing check: its group is the union of exactly these ids, every one mapped
                 # to a published row, so the executor's own host check (validate) is not repeated here.
                 with self.cache.monitored():  # a copy out of the leased rows would count in expert_d2h_bytes
@@ -189,6 +186,15 @@ class CachedExperts:
                 # (CudaTransport.note_release), so no row is rewritten while a queued kernel may still read it.
                 req.release()
         return out
+
+    def acquire(self, req, layer, ids):
+        """``req.acquire(layer, ids)``, adding its wall time to ``h2d_seconds`` when it ran a miss transaction (the
+        rate bytes_h2d / h2d_seconds is then over every path that moves expert bytes: eager calls and segments)."""
+        misses0, t0 = self.cache.counters["misses"], time.perf_counter()
+        lease = req.acquire(layer, ids)
+        if self.cache.counters["misses"] != misses0:
+            self.h2d_seconds += time.perf_counter() - t0
+        return lease
 
     def static_experts(self, layer, x, ids, gw):
         """Segment decode: the executor on the layer's whole storage through its static row table (refreshed from
@@ -396,7 +402,7 @@ class SegmentDecoder(_StaticStepInputs):
 
     def _lease(self, layer):
         ex = self.e.experts
-        lease = self._req.acquire(layer, self.host_ids_np[layer])
+        lease = ex.acquire(self._req, layer, self.host_ids_np[layer])
         if ex.static_sources[layer] is not lease.row_table:
             ex.static_tables[layer].copy_(lease.row_table, non_blocking=True)  # (E,) on the compute stream
             ex.static_sources[layer] = lease.row_table
