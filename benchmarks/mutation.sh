@@ -28,6 +28,15 @@
 #                         transport-observations) and the copy monitor behind expert_d2h_bytes and writebacks
 #                         (instruments.py, all but the @contextmanager scope, which mutmut skips) (~466;
 #                         after-observations.json)
+#   construction          construction and reporting: HostSource.__init__, from_pack, _verify; the cache's __init__,
+#                         _configure, _startup_publish, _group, admit, telemetry, row_states (~633, mostly error
+#                         messages and telemetry keys; after-construction.json)
+#   construction-rest     the small accessors and helpers that run on the CPU: HostSource.from_rows, watch_reader,
+#                         _touch_pages, row_tensor, _sha256; the cache's from_pack, from_host, mapping,
+#                         static_row_table, monitored, _watch, _check_faulted, _fault, leased_experts,
+#                         outstanding_leases, staging_free, staging_reserved, _Staging; Event, the base Transport's
+#                         __init__, alloc_storage, alloc_staging, describe and CpuTransport.__init__ (116; not the
+#                         CUDA transports, default_transport's CUDA branches or _np_copy / _unregister_host)
 # MUTATION_RERUN=1 benchmarks/mutation.sh LABEL: re-run the survivors (and the mutants no test reached) of an
 # earlier run of LABEL that no re-run has killed yet (MUTATION_NAMES: only those matching these patterns), in its
 # scratch copy against the working tree (refused if a function they mutate changed since, so the mutants are the
@@ -133,6 +142,7 @@ fi
 R='runmap.residency'
 C="$R.cache.xǁExpertCacheǁ"
 T="$R.transport.x"
+H="$R.host_source.xǁHostSourceǁ"
 case "${MUTATION_SCOPE:-default}" in
 default) SCOPE="${C}_abort__mutmut_* ${C}_copy_rows__mutmut_* ${C}_release__mutmut_* ${C}_drop_request__mutmut_*
  ${C}_reclaim_retiring__mutmut_* ${C}_reclaim_fenced__mutmut_* ${C}_protected__mutmut_* ${C}_visible__mutmut_*
@@ -149,6 +159,16 @@ transport-observations) SCOPE="${T}ǁTransportǁstage__mutmut_* ${T}ǁTransport�
 eviction) SCOPE="$R.eviction.x*" ;;
 observations) SCOPE="$R.observations.x_cache_observations__mutmut_* $R.observations.x_observed__mutmut_*
  $R.observations.x_unknown__mutmut_* $R.observations.x_unsupported__mutmut_* $R.instruments.x*" ;;
+construction) SCOPE="${H}__init____mutmut_* ${H}from_pack__mutmut_* ${H}_verify__mutmut_* ${C}__init____mutmut_*
+ ${C}_configure__mutmut_* ${C}_startup_publish__mutmut_* ${C}_group__mutmut_* ${C}admit__mutmut_*
+ ${C}telemetry__mutmut_* ${C}row_states__mutmut_*" ;;
+construction-rest) SCOPE="$R.host_source.x__sha256__mutmut_* ${H}from_rows__mutmut_* ${H}watch_reader__mutmut_*
+ ${H}_touch_pages__mutmut_* ${H}row_tensor__mutmut_* $R.cache.xǁ_Stagingǁ* ${C}from_pack__mutmut_* ${C}from_host__mutmut_*
+ ${C}mapping__mutmut_* ${C}static_row_table__mutmut_* ${C}monitored__mutmut_* ${C}_watch__mutmut_*
+ ${C}_check_faulted__mutmut_* ${C}_fault__mutmut_* ${C}leased_experts__mutmut_* ${C}outstanding_leases__mutmut_*
+ ${C}staging_free__mutmut_* ${C}staging_reserved__mutmut_* ${T}ǁEventǁ* ${T}ǁTransportǁ__init____mutmut_*
+ ${T}ǁTransportǁalloc_storage__mutmut_* ${T}ǁTransportǁalloc_staging__mutmut_* ${T}ǁTransportǁdescribe__mutmut_*
+ ${T}ǁCpuTransportǁ__init____mutmut_*" ;;
 *) SCOPE=$MUTATION_SCOPE ;;
 esac
 [ "$SCOPE" = all ] && SCOPE=""

@@ -507,3 +507,223 @@ def test_a_released_request_holds_nothing():
     assert cache.telemetry()["counters"]["requests_released"] == 1
     with pytest.raises(CacheError, match=f"request {r.id} was released; admit a new one"):
         r.acquire(0, [5])
+
+
+# --- construction and reporting (scope `construction` of benchmarks/mutation.sh) ------------------------------------
+RB = LAYOUT.row_bytes  # 768
+
+
+class _RecordingTransport(CpuTransport):
+    """A CPU transport that records the host source it is attached to and every row table it uploads."""
+
+    def __init__(self):
+        super().__init__()
+        self.attached, self.tables = [], []
+
+    def attach_host(self, host):
+        self.attached.append(host)
+
+    def upload_table(self, table):
+        self.tables.append(list(table))
+        return super().upload_table(table)
+
+
+class _CudaLabelledTransport(CpuTransport):
+    """Reports a CUDA device (the budget then defaults to the device's free memory) but allocates on the CPU."""
+
+    def __init__(self):
+        super().__init__()
+        self.device = torch.device("cuda", 0)
+
+    def alloc_storage(self, rows, row_bytes):
+        return torch.zeros(rows, row_bytes, dtype=torch.uint8)
+
+    def upload_table(self, table):
+        self.table_uploads += 1
+        return torch.tensor(table, dtype=torch.int32)
+
+
+def test_a_new_cache_reports_its_capacity_counters_and_rows():
+    from runmap.residency.observations import cache_observations
+
+    cache, pack, _ = _cache()  # 2 layers x 6 experts, resident 3, max_group 2: spares and staging default to 2
+    tel = cache.telemetry()
+    assert set(tel) == {"contract", "state", "regime", "device", "transport", "policy", "capacity", "counters",
+                        "observations", "observations_all_zero", "fault"}
+    assert (tel["contract"], tel["state"], tel["regime"], tel["device"], tel["policy"], tel["fault"]) == (
+        "resident-qpacked-cache-v1", "READY", "partial", "cpu", "lru", None)
+    assert tel["transport"] == {"kind": "CpuTransport", "device": "cpu"}
+    assert tel["capacity"] == {"num_layers": 2, "num_experts": 6, "row_bytes": RB, "resident": 3, "spares": 2,
+                               "staging": 2, "max_group": 2, "device_bytes": 2 * (5 * RB + 2 * 4 * 6),
+                               "staging_bytes": 2 * RB, "host_source_bytes": 2 * 6 * RB}
+    assert type(tel["capacity"]["device_bytes"]) is int
+    assert cache.budget_bytes is None and cache.device_bytes == 7776
+    # startup published experts 0-2 of both layers through the two staging buffers (4 reuses after first use)
+    assert tel["counters"] == {
+        "requests_admitted": 0, "requests_released": 0, "leases": 0, "hits": 0, "misses": 0, "all_hit_leases": 0,
+        "transactions": 0, "transactions_aborted": 0, "busy_refusals": 0, "bytes_h2d": 2 * 3 * RB,
+        "staging_reuses": 4, "staging_waits": 0, "evictions": 0, "rows_recycled": 0, "rows_fenced": 0, "faults": 0,
+        "generations": 1, "bytes_h2d_transport": 2 * 3 * RB, "leases_outstanding": 0, "staging_free": 2,
+        "writebacks": 0, "bytes_d2h": 0}
+    assert tel["observations"] == cache_observations(cache.transport, cache.host, cache.copy_monitor)
+    assert tel["observations"]["request_pack_reads"]["status"] == "OBSERVED" and tel["observations_all_zero"] is True
+    assert cache.generation == 1 and cache.mapping(0) == cache.mapping(1) == {0: 0, 1: 1, 2: 2}
+    for layer in range(2):  # rows 0-2 published, the 2 spares free
+        assert cache.row_states(layer) == {"published": [0, 1, 2], "free": [3, 4], "fenced": [], "retiring": []}
+    with cache.admit() as r:  # a lease's row table maps the experts that are not resident to no row (-1)
+        assert r.acquire(0, [0]).row_table.tolist() == [0, 1, 2, -1, -1, -1]
+        assert r.acquire(1, []).experts == ()  # an empty group leases nothing
+        assert cache.telemetry()["counters"]["leases_outstanding"] == 2
+
+
+def test_telemetry_counts_the_copy_monitor_and_reports_the_regime_and_fault():
+    full, _, _ = _cache(resident=6, max_group=4, copy_monitor=False)
+    tel = full.telemetry()
+    assert tel["regime"] == "full" and full.copy_monitor is None
+    assert "writebacks" not in tel["counters"] and "bytes_d2h" not in tel["counters"]  # no instrument: not counted
+    tr = ControlledTransport(CpuTransport())
+    cache, _, _ = _cache(transport=tr, policy="lfu-decay")
+    r = cache.admit()
+    tr.arm("after_publish", 0)
+    with pytest.raises(CacheFaultedError):
+        r.acquire(0, [4])
+    tel = cache.telemetry()
+    assert (tel["state"], tel["policy"]) == ("FAULTED", "lfu-decay")
+    assert tel["fault"] == "TransferError: injected failure: ambiguous failure after publication"
+
+
+@pytest.mark.parametrize("arg, level", [(True, "function"), ("function", "function"), ("dispatch", "dispatch")])
+def test_the_copy_monitor_runs_at_the_level_asked_for(arg, level):
+    cache, _, _ = _cache(copy_monitor=arg)
+    assert cache.copy_monitor.level == level
+
+
+def test_requests_are_numbered_in_admission_order_and_counted():
+    cache, _, _ = _cache()
+    reqs = [cache.admit() for _ in range(3)]
+    assert [r.id for r in reqs] == [0, 1, 2] and cache.live_requests() == 3
+    assert all(r.generation == 1 for r in reqs) and cache.counters["requests_admitted"] == 3
+    for r in reqs:
+        r.release()
+    assert cache.live_requests() == 0 and cache.telemetry()["counters"]["requests_released"] == 3
+
+
+def test_the_transport_gets_the_host_source_and_empty_row_tables_before_startup():
+    tr = _RecordingTransport()
+    host = HostSource.from_rows(_rows(), LAYOUT)
+    cache = ExpertCache(host, resident=3, max_group=2, transport=tr, prefill=False)
+    assert tr.attached == [host]
+    assert tr.tables == [[-1] * 6, [-1] * 6]  # generation 0: no expert has a row
+    assert cache.generation == 0 and cache.mapping(0) == {} and cache.telemetry()["counters"]["generations"] == 0
+    assert cache.row_states(0) == {"published": [], "free": [0, 1, 2, 3, 4], "fenced": [], "retiring": []}
+    with cache.admit() as r:
+        assert r.generation == 0
+        r.acquire(0, [1])  # the first miss publishes generation 1
+    assert cache.generation == 1 and list(cache.mapping(0)) == [1]
+
+
+def test_full_residency_publishes_every_expert_even_without_prefill():
+    cache, _, rows = _cache(resident=6, max_group=4, prefill=False)
+    assert cache.generation == 1 and cache.mapping(0) == {e: e for e in range(6)}
+    assert cache.row_states(1) == {"published": list(range(6)), "free": [], "fenced": [], "retiring": []}
+
+
+def test_default_spares_and_staging_follow_the_regime():
+    rows = _rows(1, 12)
+    full, _, _ = _cache(rows, resident=12, max_group=12)  # full residency: no spares, at most 8 staging buffers
+    assert (full.spares, full.staging, full.max_group, full.rows_per_layer) == (0, 8, 12, 12)
+    assert full.telemetry()["capacity"]["staging_bytes"] == 8 * RB
+    part, _, _ = _cache(rows, resident=9, max_group=9)  # partial: a routed group's worth of each
+    assert (part.spares, part.staging, part.rows_per_layer) == (9, 9, 18)
+    given, _, _ = _cache(rows, resident=4, spares=5, staging=3, max_group=2)
+    assert (given.spares, given.staging, given.rows_per_layer) == (5, 3, 9)
+    assert given.row_states(0)["free"] == list(range(4, 9))
+    one, _, _ = _cache(rows, resident=1, max_group=1)  # the smallest configuration is accepted
+    assert (one.resident, one.spares, one.staging, one.max_group) == (1, 1, 1, 1)
+    tight, _, _ = _cache(resident=2, max_group=2)  # resident == the largest group is enough
+    assert tight.resident == tight.max_group == 2
+    assert _cache(resident=6, max_group=2, staging=1)[0].staging == 1  # full residency needs one buffer only
+
+
+@pytest.mark.parametrize("kw, msg", [
+    (dict(resident=3, max_group=0), "max_group must be a positive int (top_k x max batch), got 0"),
+    (dict(resident=3, max_group=2.0), "max_group must be a positive int (top_k x max batch), got 2.0"),
+    (dict(resident=6, max_group=2, staging=0), "staging=0 must be >= 1 and spares=0 >= 0"),
+    (dict(resident=6, max_group=2, spares=-1), "staging=2 must be >= 1 and spares=-1 >= 0"),
+    (dict(resident=0, max_group=1), "resident=0 must be in [1, 6] (experts per layer)"),
+    (dict(resident=3, spares=1, max_group=2), "spares=1 per layer cannot receive the largest routed group of 2 "
+                                              "missing experts; need spares >= 2"),
+    (dict(resident=3, staging=1, max_group=2), "staging=1 pinned buffers cannot stage the largest routed group of 2 "
+                                               "missing experts; need staging >= 2"),
+    (dict(resident=2, max_group=9), "resident=2 rows per layer cannot publish the largest routed group of 6 experts "
+                                    "(top_k x batch = 9, capped at 6); need resident >= 6"),
+    # 2 layers x (3 + 1,000,000) rows x 768 bytes + 2 row tables of 6 int32 each per layer
+    (dict(resident=3, spares=1_000_000, max_group=2, budget_bytes=1_000_000_000),
+     "device budget too small: 2 layers x (resident 3 + spares 1000000) rows x 768 bytes (+ row tables) = "
+     "1536004704 bytes needed (1.431 GiB), 1000000000 bytes available (0.931 GiB)"),
+])
+def test_startup_refusals_name_the_value_and_the_limit(kw, msg):
+    with pytest.raises(CacheConfigError) as e:
+        _cache(**kw)
+    assert str(e.value) == msg
+
+
+def test_a_budget_of_exactly_the_device_bytes_suffices():
+    cache, _, _ = _cache(budget_bytes=7776)
+    assert cache.budget_bytes == 7776 and cache.device_bytes == 7776
+    with pytest.raises(CacheConfigError, match="= 7776 bytes needed"):
+        _cache(budget_bytes=7775)
+
+
+def test_on_cuda_the_budget_defaults_to_the_free_device_memory(monkeypatch):
+    asked = []
+    monkeypatch.setattr(torch.cuda, "mem_get_info", lambda dev: asked.append(dev) or (7000, 10**9))
+    host = HostSource.from_rows(_rows(), LAYOUT)
+    with pytest.raises(CacheConfigError) as e:
+        ExpertCache(host, resident=3, max_group=2, transport=_CudaLabelledTransport())
+    assert str(e.value).endswith("= 7776 bytes needed (0.000 GiB), 7000 bytes available (0.000 GiB)")
+    assert asked == [torch.device("cuda", 0)]
+    cache = ExpertCache(host, resident=3, max_group=2, transport=_CudaLabelledTransport(), budget_bytes=8000)
+    assert cache.budget_bytes == 8000 and len(asked) == 1  # a budget given is not replaced
+    assert cache.telemetry()["device"] == "cuda:0"
+
+
+def test_a_failed_startup_names_the_failure():
+    class Failing(CpuTransport):
+        def h2d(self, dst_row, staging):
+            raise TransferError("copy of row 0 failed")
+
+    with pytest.raises(CacheConfigError) as e:
+        ExpertCache(HostSource.from_rows(_rows(), LAYOUT), resident=3, max_group=2, transport=Failing())
+    assert str(e.value) == "startup: loading the first generation failed (TransferError: copy of row 0 failed)"
+    assert isinstance(e.value.__cause__, TransferError)
+
+
+def test_routed_ids_are_checked_and_named():
+    cache, _, rows = _cache()
+    with cache.admit() as r:
+        for layer in (2, -1):
+            with pytest.raises(IndexError) as e:
+                r.acquire(layer, [0])
+            assert str(e.value) == f"layer {layer} out of range [0, 2)"
+        for ids, shown in (([6], "(6,)"), ([-1, 2], "(-1, 2)"), ([0, 6], "(0, 6)")):
+            with pytest.raises(IndexError) as e:
+                r.acquire(1, ids)
+            assert str(e.value) == f"layer 1: expert ids {shown} outside [0, 6)"
+        with pytest.raises(CacheError) as e:
+            r.acquire(0, [0, 1, 2])
+        assert str(e.value) == "layer 0: routed group of 3 experts exceeds the configured max_group 2"
+        # a host array (the segment decoder's ids) and a tensor of any shape: the batch union
+        _assert_lease_bytes(r.acquire(0, np.array([[5, 0], [0, 5]])), rows)
+        assert r.acquire(1, torch.tensor([[1, 0], [0, 1]])).experts == (0, 1)
+        assert r.acquire(0, np.array([[5, 0], [0, 5]])).experts == (0, 5)
+
+
+def test_a_cache_of_one_layer_with_one_expert():
+    rows = _rows(1, 1)
+    cache, _, _ = _cache(rows, resident=1, max_group=1)
+    assert cache.full_residency and cache.mapping(0) == {0: 0}
+    with cache.admit() as r:
+        _assert_lease_bytes(r.acquire_all(0), rows)
+        assert r.acquire(0, [0]).rows == {0: 0}
+    assert all_zero(cache.telemetry()["observations"])

@@ -161,3 +161,106 @@ def test_all_zero_needs_every_observation():
     for missing in OBSERVATION_NAMES:
         assert not all_zero({n: o for n, o in full.items() if n != missing}), missing
     assert not all_zero({})
+
+
+# --- construction (scope `construction` of benchmarks/mutation.sh) ---------------------------------------------------
+RB = LAYOUT.row_bytes  # 3,456
+
+
+def _refusal(*args, **kw) -> str:
+    with pytest.raises(hs.HostSourceError) as e:
+        HostSource(*args, **kw)
+    return str(e.value)
+
+
+def test_rows_of_the_wrong_kind_are_refused_naming_the_layer():
+    assert _refusal([], LAYOUT, None) == "host source: no layers given"
+    u8 = lambda *shape: torch.zeros(*shape, dtype=torch.uint8)  # noqa: E731
+    expect = "(row_bytes from the row layout)"
+    assert _refusal([u8(6, RB).to(torch.int16)], LAYOUT, None) == (
+        f"host source: layer 0 expert rows are torch.int16 (6, {RB}), expected uint8 (6, {RB}) {expect}")
+    # the expert count comes from layer 0; a layer 0 that is not 2-D has none
+    assert _refusal([u8(6 * RB), u8(6, RB)], LAYOUT, None) == (
+        f"host source: layer 0 expert rows are torch.uint8 ({6 * RB},), expected uint8 (-1, {RB}) {expect}")
+    assert _refusal([u8(1, 6, RB)], LAYOUT, None) == (
+        f"host source: layer 0 expert rows are torch.uint8 (1, 6, {RB}), expected uint8 (-1, {RB}) {expect}")
+    assert _refusal([u8(3, RB), u8(4, RB)], LAYOUT, None) == (
+        f"host source: layer 1 expert rows are torch.uint8 (4, {RB}), expected uint8 (3, {RB}) {expect}")
+
+
+def test_a_new_host_source_is_an_anonymous_private_mapping_with_its_counters_at_zero():
+    rows = _rows()
+    src = HostSource(rows, LAYOUT, None, identity="pack-123")
+    assert (src.layout, src.identity, src.num_layers, src.num_experts, src.row_bytes) == (LAYOUT, "pack-123", 2, 6, RB)
+    assert (src.rewrite_attempts, src.hash_ops_startup, src.hash_ops_after_seal, src.hash_bytes_after_seal,
+            src.pack_bytes_at_seal) == (0, 0, 0, 0, 0)
+    assert src.watched_readers == [] and src.reader is None and src.nbytes == 2 * 6 * RB
+    assert all(torch.equal(src.row_tensor(layer, e), rows[layer][e]) for layer in range(2) for e in range(6))
+    lo = src.array.ctypes.data
+    with open("/proc/self/maps") as f:  # "start-end perms ...": the mapping that holds the rows
+        perms = [p for rng, p, *_ in (line.split() for line in f)
+                 if int(rng.split("-")[0], 16) <= lo < int(rng.split("-")[1], 16)]
+    assert perms == ["r--p"]  # read-only, and private: never shared with a forked child or a file
+
+
+def test_without_page_protection_the_host_source_says_so(monkeypatch):
+    monkeypatch.setattr(hs, "_protect_read_only", lambda mm, arr: False)
+    src = HostSource.from_rows(_rows(), LAYOUT)
+    assert not src.pages_protected and not src.protection_verified
+    assert src.protection_detail == "mprotect(PROT_READ) of the host source failed or is not available"
+
+
+def test_hash_lists_of_the_wrong_size_or_value_are_refused_naming_the_expert():
+    rows = _rows(2, 3)
+    good = [[hashlib.sha256(r[e].numpy().tobytes()).hexdigest() for e in range(3)] for r in rows]
+    src = HostSource(rows, LAYOUT, good)
+    assert src.hash_ops_startup == 6 and src.hash_ops_after_seal == 0
+    assert _refusal(rows, LAYOUT, good[:1]) == "host source: 1 layers of hashes for 2 layers"
+    assert _refusal(rows, LAYOUT, [good[0], good[1][:2]]) == "host source: layer 1 has 2 hashes for 3 experts"
+    for layer, e in ((0, 0), (1, 2), (0, 2), (1, 0)):
+        bad = [list(h) for h in good]
+        bad[layer][e] = "0" * 64
+        assert _refusal(rows, LAYOUT, bad) == (f"host source: layer {layer} expert {e} sha256 {good[layer][e]} does "
+                                               f"not match the manifest's {'0' * 64}")
+
+
+class _Reader:
+    """A pack reader (PackReader API) with only what from_pack needs: no identity, no bytes_read."""
+
+    def __init__(self, rows, layout=LAYOUT, short_layer=None):
+        self.layout, self._rows, self.closed, self.short_layer = layout, rows, False, short_layer
+        self.num_layers, self.num_experts = len(rows), rows[0].shape[0]
+
+    def read_expert_rows(self, layer):
+        return self._rows[layer][:-1] if layer == self.short_layer else self._rows[layer]
+
+    def expert_sha256(self, layer):
+        return [hashlib.sha256(self._rows[layer][e].numpy().tobytes()).hexdigest() for e in range(self.num_experts)]
+
+    def close(self):
+        self.closed = True
+
+
+def test_from_pack_keeps_the_reader_and_what_it_read():
+    from runmap.residency.contract_model import InMemoryPack
+
+    rows = _rows()
+    pack = InMemoryPack(rows, LAYOUT)
+    src = HostSource.from_pack(pack)
+    assert src.reader is pack and pack.closed and src.identity == pack.identity
+    assert src.pack_bytes_at_seal == pack.bytes_read == 2 * 6 * RB and src.hash_ops_startup == 12
+    assert all(torch.equal(src.row_tensor(layer, e), rows[layer][e]) for layer in range(2) for e in range(6))
+    bare = _Reader(rows)  # a reader without identity and bytes_read
+    src = HostSource.from_pack(bare)
+    assert src.reader is bare and bare.closed and src.identity is None and src.pack_bytes_at_seal == 0
+    assert src.hash_ops_startup == 12
+
+
+def test_from_pack_refuses_a_reader_it_cannot_trust():
+    rows = _rows()
+    with pytest.raises(hs.HostSourceError) as e:
+        HostSource.from_pack(_Reader(rows, layout={"row_bytes": RB}))
+    assert str(e.value) == "pack reader layout is dict, expected RowLayout"
+    with pytest.raises(hs.HostSourceError) as e:
+        HostSource.from_pack(_Reader(rows, short_layer=1))
+    assert str(e.value) == "pack layer 1: 5 expert rows, manifest says 6"
