@@ -9,7 +9,7 @@ import pytest
 REPO_ROOT = Path(__file__).resolve().parent.parent
 
 
-TEST_COMMAND = ("python3 -m venv .venv && . .venv/bin/activate && pip install -e . && "
+TEST_COMMAND = ("python3 -m venv .venv && . .venv/bin/activate && pip install -e '.[slurm]' && "
                 "TRITON_INTERPRET=1 python -m pytest -q")
 
 

@@ -1,8 +1,9 @@
 """profiles/slurm (issue 21 item 2, dry-run part): the profile parses, pins its plugin as an optional dependency,
 and plans the GPU-mode pipeline with each GPU job's gpu / memory / runtime request. With
 snakemake-executor-plugin-slurm importable the dry run goes through the profile as is (executor slurm);
-without it (CI installs no SLURM) the same profile minus its `executor` line is used, which still checks every
-other key as a Snakemake option. No job is submitted: a run against a real SLURM controller is not tested here."""
+without it (a plain `pip install -e .`) the same profile minus its `executor` line is used, which still checks every
+other key as a Snakemake option. No job is submitted here: tests/test_slurm.py submits the tiny pipeline through the
+profile to a real one-node SLURM."""
 import importlib.util
 import os
 import re
