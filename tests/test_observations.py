@@ -606,3 +606,27 @@ def test_the_modes_run_each_call_as_made():
             assert torch.full((2,), 3.0, dtype=torch.float16).dtype == torch.float16
             assert torch.equal(rows[1].clone(), rows[1])
         assert m.d2h_copies == 1
+
+
+def test_the_function_mode_hands_every_call_it_could_count_to_the_classifier(monkeypatch):
+    """The mode skips the classifier only for calls it could never count: .item() / .tolist() (counted on a GPU
+    even though they return no tensor), copy_ and host-tensor results must reach see_call; metadata reads not."""
+    m = ExpertCopyMonitor()
+    rows = torch.arange(64, dtype=torch.uint8).reshape(4, 16)
+    m.watch_storage(rows)
+    seen = []
+    classify = m.see_call
+    monkeypatch.setattr(m, "see_call", lambda func, args, kwargs, out: (seen.append(func),
+                                                                        classify(func, args, kwargs, out)))
+    buf = torch.empty(16, dtype=torch.uint8)
+    with m.scope(caller=True):
+        rows[0, 0].item()
+        rows[1].tolist()
+        buf.copy_(rows[2])
+        rows[3].clone()
+        rows.dim()
+        rows.data_ptr()
+    for func in (torch.Tensor.item, torch.Tensor.tolist, torch.Tensor.copy_, torch.Tensor.clone):
+        assert func in seen, func
+    assert torch.Tensor.dim not in seen and torch.Tensor.data_ptr not in seen
+    assert m.d2h_copies == 2  # copy_ and clone of host rows (.item() / .tolist() count only from a device)

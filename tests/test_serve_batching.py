@@ -90,12 +90,13 @@ def _run_schedule(eng, reqs, *, pipelined: bool, seed: int, cancel: int | None =
 def test_every_request_gets_its_tokens_alone_whatever_the_schedule(engines, preset, pipelined, joint):
     eng = engines[preset]
     totals = {"joined_running": 0, "shifts": 0, "row_moves": 0, "refused": 0}
-    joints = 0
+    joints = padded = 0
     for seed in (1, 2):
         reqs = _requests(eng, seed)
         alone = _alone(eng, reqs)
         seqs, r, refused = _run_schedule(eng, reqs, pipelined=pipelined, seed=seed, joint=joint)
         joints += r.counters["admitted"] - r.counters["joins"]  # requests that joined beside another one
+        padded += r.counters["padded_joins"]  # ... in a group of different prompt lengths (a padded prefill)
         for k, (a, s) in enumerate(zip(alone, seqs)):
             assert s.token_ids == a.token_ids and s.text == a.text, f"seed {seed} request {k}"
             assert s.finish_reason == a.finish_reason
@@ -106,6 +107,7 @@ def test_every_request_gets_its_tokens_alone_whatever_the_schedule(engines, pres
     # the schedules did exercise every path: joins, KV shifts, row moves and requests waiting for room
     assert all(v > 0 for v in totals.values()), totals
     assert (joints > 0) == joint  # joint schedules prefilled several prompts together, the others never
+    assert (padded > 0) == joint
 
 
 def test_a_cancelled_row_leaves_at_the_next_step_and_the_others_are_unaffected(engines):
@@ -137,6 +139,7 @@ def test_a_joint_admission_takes_the_longest_fifo_prefix_that_fits(engines):
         assert r.admit_many([big, small]) == 0 and r.rows == 1
         assert r.admit_many([small, big]) == 1 and r.rows == 2 and r.pad[1] == r.slot - P
         assert r.counters["joins"] == 2
+        r.abort_all()  # the runners below use the same engine's KV rows
         # at most the free rows join; join_tokens bounds the rows x longest prompt of one joint prefill
         r2 = BatchRunner(eng, pipelined=False, join_tokens=2 * P)
         seqs = [Sequence(ids, SamplingParams(max_new_tokens=2)) for _ in range(4)]
@@ -145,7 +148,6 @@ def test_a_joint_admission_takes_the_longest_fifo_prefix_that_fits(engines):
         r3 = BatchRunner(eng, pipelined=False, join_tokens=0)  # every request alone
         assert r3.admit_many(seqs) == 1 and r3.counters["joins"] == 1
         r3.abort_all()
-        r.abort_all()
     with pytest.raises(ValueError, match="join_tokens"):
         BatchRunner(eng, join_tokens=-1)
 
@@ -215,3 +217,53 @@ def test_serve_states_the_join_default_and_refuses_a_negative_join_size(capsys):
         cli(["serve", "--packed", "x", "--max-join-tokens", "-1"])
     assert e.value.code == 2
     assert "argument --max-join-tokens: must be at least 0, got -1" in capsys.readouterr().err
+
+
+def test_a_join_that_fails_answers_its_request_and_the_queue_moves_on(engines, monkeypatch):
+    """A prefill that raises (here: for one poisoned prompt, alone or in a group) gives the request at the head
+    of the queue an error and takes it out; the requests behind it are then served as alone, and so is a later
+    one: before, the same group was retried at every pass and nothing behind it ever ran."""
+    import threading
+    import time
+
+    from runmap.serve.scheduler import Scheduler, Ticket
+
+    eng = engines["tiny-olmoe"]
+    bad = eng.tokenizer.encode("three quick brown fox")
+    good = [eng.tokenizer.encode("the sea sky"), eng.tokenizer.encode("write a poem")]
+    alone = _alone(eng, [(g, SamplingParams(max_new_tokens=5)) for g in good])
+    prefill = eng.prefill
+
+    def poisoned(tokens, pad, all_logits=False):
+        if any(row[-len(bad):] == bad for row in tokens.tolist()):
+            raise RuntimeError("injected prefill failure")
+        return prefill(tokens, pad, all_logits)
+
+    sched = Scheduler(eng, pipelined=False)
+    sched.start()
+    try:
+        deadline = time.time() + 120
+        while not sched.ready:
+            assert sched.failed is None and time.time() < deadline, sched.failed
+            time.sleep(0.05)
+        monkeypatch.setattr(eng, "prefill", poisoned)
+        events, done = {}, threading.Event()
+
+        def submit(name, ids):
+            def sink(ev):
+                events.setdefault(name, []).append(ev)
+                if ev[0] in ("done", "error") and len([n for n in events if events[n][-1][0] in ("done", "error")]) == 3:
+                    done.set()
+            sched.submit(Ticket(ids, SamplingParams(max_new_tokens=5), sink))
+
+        submit("bad", bad)
+        submit("good0", good[0])
+        submit("good1", good[1])
+        assert done.wait(120), events
+        assert events["bad"][-1][0] == "error" and "injected prefill failure" in events["bad"][-1][1].message
+        for k in (0, 1):
+            kind, seq = events[f"good{k}"][-1]
+            assert kind == "done" and seq.token_ids == alone[k].token_ids
+        assert sched.alive and sched.waiting == 0 and sched.runner.rows == 0
+    finally:
+        sched.stop()

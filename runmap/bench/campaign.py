@@ -596,7 +596,8 @@ def run_config(engine: BenchEngine, c: BenchConfig, model_cfg: ModelConfig, ctx:
             h2d_rate = bm.unknown("no host->device expert bytes in the timed runs")
         else:
             h2d_rate = bm.unknown("host->device bytes without a measured transfer time")
-        gen_tokens = new_tokens * len(decode)
+        # tokens the decode steps made: each row's first token comes from the prefill
+        gen_tokens = (new_tokens - c.batch) * len(decode)
         # decode steps' bytes only: the prompt's misses are the prefill's, not a decoded token's
         h2d_per_tok = (bm.observed(d.decode_bytes_h2d / gen_tokens) if gen_tokens else
                        bm.unknown("no tokens generated"))
@@ -621,7 +622,7 @@ def run_config(engine: BenchEngine, c: BenchConfig, model_cfg: ModelConfig, ctx:
                 "the routes were not recorded"
             routing_rec.update(replay_lru_hit_rate=bm.unsupported(why), replay_belady_hit_rate=bm.unsupported(why))
         if s1.has_cache:
-            gen_tokens = new_tokens * len(decode)
+            gen_tokens = (new_tokens - c.batch) * len(decode)  # as above: the decode steps' tokens
             routing_rec["misses_per_token"] = (bm.observed(d.decode_misses / gen_tokens) if gen_tokens else
                                                bm.unknown("no tokens generated"))  # decode steps' misses
     floor = bm.byte_floor(model_cfg, c.expert_format, c.batch, ctx.copy_bw)

@@ -50,8 +50,9 @@ import torch
 
 from runmap.engine.generation import GenerationError, _Row, sample
 
-# prompt tokens of one joint prefill (rows x longest prompt): bounds the stall a join imposes on the running rows
-# and its activation memory (the budget planner counts a prefill_chunk x max_batch pass, far above this)
+# prompt tokens of one joint prefill (rows x longest prompt): bounds the stall a join imposes on the running rows.
+# Its activation memory is bounded anyway: the prefill runs in chunks of prefill_chunk positions over at most
+# max_batch rows, the pass the budget planner counts
 JOIN_TOKENS = 4096
 
 
@@ -117,8 +118,8 @@ class BatchRunner:
         self.cur: torch.Tensor | None = None  # int64 (B,) device: each row's sampled token not yet read
         # pipelined=True on the CPU runs the CUDA order of operations synchronously (the tests use it)
         self.pipelined = self.dev.type == "cuda" if pipelined is None else bool(pipelined)
-        self.counters = {"admitted": 0, "joined_running": 0, "joins": 0, "shifts": 0, "row_moves": 0, "steps": 0,
-                         "speculative_dropped": 0}
+        self.counters = {"admitted": 0, "joined_running": 0, "joins": 0, "padded_joins": 0, "shifts": 0,
+                         "row_moves": 0, "steps": 0, "speculative_dropped": 0}
         self._lead: bool = False  # the cache's full-residency request is held (Engine.experts.begin)
 
     # ---- capacity --------------------------------------------------------------------------------------
@@ -237,6 +238,7 @@ class BatchRunner:
         if running:
             self.counters["joined_running"] += k
         self.counters["joins"] += 1
+        self.counters["padded_joins"] += len(set(lens)) > 1
         tok = self._sample(logits, group)
         self.seqs.extend(group)
         self.pad.extend(target - n for n in lens)

@@ -209,10 +209,14 @@ class Scheduler:
         # the first real request also goes through the batching path (prefill into a running batch included)
         # (a request alone, then two of different lengths joining it together: the padded joint prefill)
         r = self.runner
-        warm = lambda n: Sequence(ids[:n], SamplingParams(max_new_tokens=3, temperature=0.0))  # noqa: E731
-        r.admit(warm(len(ids)))
+        longer = (ids * 2)[: len(ids) + 1] if len(ids) < eng.max_seq_len else ids
+
+        def warm(prompt):
+            return Sequence(prompt, SamplingParams(max_new_tokens=max(1, min(3, eng.max_seq_len - len(prompt) + 1)),
+                                                   temperature=0.0))
+        r.admit(warm(ids))
         r.step()
-        r.admit_many([warm(len(ids)), warm(max(1, len(ids) - 1))][: eng.max_batch - r.rows])
+        r.admit_many([warm(ids), warm(longer)][: eng.max_batch - r.rows])  # two lengths: a padded joint prefill
         while r.rows:
             r.step()
 
@@ -284,15 +288,33 @@ class Scheduler:
             with self._cv:
                 self._drop_cancelled_waiting()
                 tickets = list(self._waiting)[: self.max_batch - r.rows]
+            # a request cancelled since then ends the group (it is dropped from the queue at the next pass)
+            tickets = tickets[:next((i for i, t in enumerate(tickets) if t.cancelled), len(tickets))]
             if not tickets:
                 break
             seqs = []
             for t in tickets:
                 t.seq = Sequence(t.prompt_ids, t.params, on_token=self._on_token(t), on_finish=self._on_finish(t))
-                if t.cancelled:
-                    t.seq.cancel()
                 seqs.append(t.seq)
-            n = r.admit_many(seqs)
+            try:
+                n = r.admit_many(seqs)
+            except Exception as e:
+                # the head of the queue gets the error and leaves it, so a join that keeps failing (a prompt the
+                # engine cannot prefill, or a group too large for memory) shrinks by one request per failure
+                # instead of being retried for ever; the caller fails the running rows as after any engine error
+                head = tickets[0]
+                for t in tickets:
+                    t.seq = None
+                with self._cv:
+                    self._waiting.remove(head)
+                head.done = True
+                head.error = ApiError(500, f"engine failure while prefilling this request: {type(e).__name__}: {e}",
+                                      type="server_error")
+                self.totals["errors"] += 1
+                if self.metrics is not None:
+                    self.metrics.requests.labels(head.endpoint, "error").inc()
+                head.sink(("error", head.error))
+                raise
             for t in tickets[n:]:
                 t.seq = None
             with self._cv:

@@ -6,7 +6,7 @@ On one engine (full residency) this times, with the device synchronized around e
   * the same batch-1 prefill with the executor's host check off (validate=False) and with the copy monitor off,
     to see what each host round trip costs;
   * decode steps (CUDA graphs) at batch 1 / 8 / 32 at two KV-length buckets;
-  * BatchRunner.admit into a running batch of 8 (prefill into the scratch cache + the KV copy into the batch);
+  * BatchRunner.admit into a running batch of 8 (the prefill into a free row + the move to the shared slot);
   * a torch-profiler summary of one batch-1 prefill: kernels launched, host syncs, GPU busy time vs wall.
 
     PYTHONPATH=. python3 tools/explore/probe_serve_join.py --packed PACK --out OUT.json
