@@ -108,8 +108,13 @@ def test_partial_table_puts_engine_hit_rate_beside_replay(cpu_records, tmp_path)
     assert len(rows) == 4 and all(r[2] in ("4/8", "6/8") for r in rows)  # only partial records, no full ones
     by = {(r[2], r[3]): r for r in rows}
     assert by[("4/8", "1")][4:] == ["66.0", "0.812", "0.800", "0.938", "33.9", "297.5", "0.072"]
-    # present but not measured: the status word, never a number
-    assert by[("6/8", "1")][5:11] == ["0.750", "UNSUPPORTED", "UNSUPPORTED", "1.0", "UNKNOWN", "UNKNOWN"]
+    # present but not measured: the status word, never a number; misses per token are the decode steps' over the
+    # tokens those steps made (each row's first token is the prefill's)
+    r6b1 = next(r for r in part if r["config"]["resident"] == 6 and r["config"]["batch"] == 1)
+    per_tok = r6b1["cache_stats"]["decode_misses"]["value"] / (
+        (r6b1["timing"]["new_tokens"] - 1) * r6b1["config"]["repeats"])
+    assert r6b1["routing"]["misses_per_token"]["value"] == pytest.approx(per_tok)
+    assert by[("6/8", "1")][5:11] == ["0.750", "UNSUPPORTED", "UNSUPPORTED", f"{per_tok:.1f}", "UNKNOWN", "UNKNOWN"]
     # absent: blank cells (the engine's own hit rate is still there; a record without the decode split shows its
     # rate over prefill and decode)
     del r6b2["cache_stats"]["decode_hit_rate"]
