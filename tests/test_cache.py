@@ -558,6 +558,8 @@ def test_a_new_cache_reports_its_capacity_counters_and_rows():
                                "staging_bytes": 2 * RB, "host_source_bytes": 2 * 6 * RB}
     assert type(tel["capacity"]["device_bytes"]) is int
     assert cache.budget_bytes is None and cache.device_bytes == 7776
+    assert cache.layout is cache.host.layout is LAYOUT  # the layout a lease's rows are in
+    assert (cache.num_layers, cache.num_experts, cache.row_bytes) == (2, 6, RB)
     # startup published experts 0-2 of both layers through the two staging buffers (4 reuses after first use)
     assert tel["counters"] == {
         "requests_admitted": 0, "requests_released": 0, "leases": 0, "hits": 0, "misses": 0, "all_hit_leases": 0,
@@ -727,3 +729,32 @@ def test_a_cache_of_one_layer_with_one_expert():
         _assert_lease_bytes(r.acquire_all(0), rows)
         assert r.acquire(0, [0]).rows == {0: 0}
     assert all_zero(cache.telemetry()["observations"])
+
+
+def test_lfu_decay_counts_the_startup_publication_as_a_use_at_tick_0():
+    """Startup publishes experts 0-2 at tick 0 and every acquisition is the next tick. At tick 19 the candidates
+    are expert 1 (published at startup, hit at 17: decayed score e^-19r (1 + e^17r)) and expert 3 (missed at 3, hit at
+    14: e^-19r (e^3r + e^14r), 0.5 % lower), r = ln 2 / 64: expert 3 goes. Without the startup use, or with the
+    acquisitions counted from tick 2, expert 1 would be the lower."""
+    cache, _, _ = _cache(resident=3, max_group=1, policy="lfu-decay")
+
+    clock = [0]  # acquisitions so far
+
+    def at(tick, layer, ids):
+        while clock[0] < tick - 1:  # acquisitions of nothing in the other layer only advance the clock
+            with cache.admit() as r:
+                r.acquire(1, [])
+            clock[0] += 1
+        with cache.admit() as r:
+            r.acquire(layer, ids)
+        clock[0] += 1
+
+    at(3, 0, [3])  # evicts 0 (experts 0-2 tie at tick 0: the lowest id goes)
+    assert set(cache.mapping(0)) == {1, 2, 3}
+    at(14, 0, [3])
+    at(17, 0, [1])
+    with cache.admit() as keep:
+        keep.acquire(0, [2])  # tick 18: 2 is leased, so 1 and 3 are the only candidates
+        with cache.admit() as r:
+            r.acquire(0, [4])  # tick 19
+    assert set(cache.mapping(0)) == {1, 2, 4}
