@@ -29,7 +29,7 @@
 #                         (instruments.py, all but the @contextmanager scope, which mutmut skips) (~466;
 #                         after-observations.json)
 #   construction          construction and reporting: HostSource.__init__, from_pack, _verify; the cache's __init__,
-#                         _configure, _startup_publish, _group, admit, telemetry, row_states (~633, mostly error
+#                         _configure, _startup_publish, _group, admit, telemetry, row_states (637, mostly error
 #                         messages and telemetry keys; after-construction.json)
 #   construction-rest     the small accessors and helpers that run on the CPU: HostSource.from_rows, watch_reader,
 #                         _touch_pages, row_tensor, _sha256; the cache's from_pack, from_host, mapping,
