@@ -571,6 +571,7 @@ def run_config(engine: BenchEngine, c: BenchConfig, model_cfg: ModelConfig, ctx:
         raise BenchError(f"{c.id}: skip_experts={p['skip_experts']} asked, engine stats say {s1.skip_experts}")
 
     d = s1.since(s0)
+    decode_tokens = (new_tokens - c.batch) * len(decode)  # what the decode steps made: each row's first is the prefill's
     if c.kind in BASELINE_KINDS:
         no_cache = bm.unsupported("transformers' model has no expert cache" if c.kind in HF_KINDS else
                                   "the fp16-expert baseline runs no expert cache (experts dequantized on the device)")
@@ -596,10 +597,8 @@ def run_config(engine: BenchEngine, c: BenchConfig, model_cfg: ModelConfig, ctx:
             h2d_rate = bm.unknown("no host->device expert bytes in the timed runs")
         else:
             h2d_rate = bm.unknown("host->device bytes without a measured transfer time")
-        # tokens the decode steps made: each row's first token comes from the prefill
-        gen_tokens = (new_tokens - c.batch) * len(decode)
         # decode steps' bytes only: the prompt's misses are the prefill's, not a decoded token's
-        h2d_per_tok = (bm.observed(d.decode_bytes_h2d / gen_tokens) if gen_tokens else
+        h2d_per_tok = (bm.observed(d.decode_bytes_h2d / decode_tokens) if decode_tokens else
                        bm.unknown("no tokens generated"))
         h2d_prefill = bm.observed(d.prefill_bytes_h2d)
         cache = {k: _bytes_measure(getattr(s1, k), f"engine reports no {k}")
@@ -622,8 +621,7 @@ def run_config(engine: BenchEngine, c: BenchConfig, model_cfg: ModelConfig, ctx:
                 "the routes were not recorded"
             routing_rec.update(replay_lru_hit_rate=bm.unsupported(why), replay_belady_hit_rate=bm.unsupported(why))
         if s1.has_cache:
-            gen_tokens = (new_tokens - c.batch) * len(decode)  # as above: the decode steps' tokens
-            routing_rec["misses_per_token"] = (bm.observed(d.decode_misses / gen_tokens) if gen_tokens else
+            routing_rec["misses_per_token"] = (bm.observed(d.decode_misses / decode_tokens) if decode_tokens else
                                                bm.unknown("no tokens generated"))  # decode steps' misses
     floor = bm.byte_floor(model_cfg, c.expert_format, c.batch, ctx.copy_bw)
     dec_stats = bm.repeat_stats(decode)

@@ -537,6 +537,11 @@ class Engine:
         self.prefill_counts = {"hits": 0, "misses": 0, "bytes_h2d": 0}
 
     @property
+    def pad_id(self) -> int:
+        """The token id left padding fills in (the config's pad token, else 0; padded positions are masked)."""
+        return self.cfg.pad_token_id if self.cfg.pad_token_id is not None else 0
+
+    @property
     def regime(self) -> str:
         return regime_of(self.resident, self.cfg.num_experts)
 
@@ -809,7 +814,7 @@ class Engine:
         if isinstance(prompts, str) or (prompts and isinstance(prompts[0], int)):
             raise GenerationError("prompts must be a list of strings or a list of token-id lists")
         ids = [self.encode(p, chat) for p in prompts]
-        pad_id = self.cfg.pad_token_id if self.cfg.pad_token_id is not None else 0
+        pad_id = self.pad_id
         results, timings = [], []
         self.experts.begin()
         try:

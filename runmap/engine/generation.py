@@ -153,6 +153,16 @@ class _Row:
             self.emitted = len(self.text)
 
 
+def left_pad(prompts: Sequence[Sequence[int]], pad_id: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """Prompts as one batch: int64 (B, P) token ids, each row right-aligned (P = the longest prompt, pad_id to its
+    left), and int64 (B,) the padding of each row. Host tensors."""
+    P = max(len(p) for p in prompts)
+    tokens = torch.full((len(prompts), P), pad_id, dtype=torch.long)
+    for b, p in enumerate(prompts):
+        tokens[b, P - len(p):] = torch.tensor(list(p), dtype=torch.long)
+    return tokens, torch.tensor([P - len(p) for p in prompts], dtype=torch.long)
+
+
 def generate_batch(model: StepModel, prompts: Sequence[Sequence[int]], *, max_new_tokens: int, pad_id: int,
                    eos_ids=frozenset(), decode: Callable[[list[int]], str], stop: Sequence[str] = (),
                    temperature: float = 0.0, top_p: float = 1.0, seed: int | None = None,
@@ -172,10 +182,7 @@ def generate_batch(model: StepModel, prompts: Sequence[Sequence[int]], *, max_ne
                               f"(max_seq_len {model.max_seq_len}); build the engine with a larger max_seq_len")
     dev = model.device
     t0 = time.perf_counter()
-    pad = torch.tensor([P - len(p) for p in prompts], dtype=torch.long)
-    tokens = torch.full((B, P), pad_id, dtype=torch.long)
-    for b, p in enumerate(prompts):
-        tokens[b, P - len(p):] = torch.tensor(list(p), dtype=torch.long)
+    tokens, pad = left_pad(prompts, pad_id)
     pad_d, tokens_d = pad.to(dev), tokens.to(dev)
     gen = None
     if temperature > 0:

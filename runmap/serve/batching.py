@@ -48,7 +48,7 @@ from typing import Callable
 
 import torch
 
-from runmap.engine.generation import GenerationError, _Row, sample
+from runmap.engine.generation import GenerationError, _Row, left_pad, sample
 
 # prompt tokens of one joint prefill (rows x longest prompt): bounds the stall a join imposes on the running rows.
 # Its activation memory is bounded anyway: the prefill runs in chunks of prefill_chunk positions over at most
@@ -148,14 +148,18 @@ class BatchRunner:
         if delta == 0 or not self.seqs:
             self.slot += delta
             return
-        B, lo, hi = len(self.seqs), min(self.pad), self.slot
-        for t in (self.eng.kv.k, self.eng.kv.v):
-            for layer in range(t.shape[0]):  # one layer at a time bounds the temporary copy
-                src = t[layer, :B, :, lo:hi].clone()
-                t[layer, :B, :, lo + delta:hi + delta].copy_(src)
+        self._move_slots(0, len(self.seqs), min(self.pad), self.slot, delta)
         self.pad = [p + delta for p in self.pad]
         self.slot += delta
         self.counters["shifts"] += 1
+
+    def _move_slots(self, r0: int, r1: int, lo: int, hi: int, delta: int) -> None:
+        """Keys and values of rows r0..r1-1 at slots lo..hi-1 move to lo+delta..hi+delta-1 (the ranges may
+        overlap: each layer's block is cloned first, one layer at a time to bound the temporary copy)."""
+        for t in (self.eng.kv.k, self.eng.kv.v):
+            for layer in range(t.shape[0]):
+                src = t[layer, r0:r1, :, lo:hi].clone()
+                t[layer, r0:r1, :, lo + delta:hi + delta].copy_(src)
 
     def _move_row(self, src: int, dst: int) -> None:
         lo = self.pad[src]
@@ -216,25 +220,18 @@ class BatchRunner:
             self.eng.experts.begin()  # what Engine.run does around its groups (full residency: lease every row)
             self._lead = True
         b, k = len(self.seqs), len(group)
-        P = max(len(s.prompt_ids) for s in group)
         lens = [len(s.prompt_ids) for s in group]
-        tokens = torch.zeros(k, P, dtype=torch.long)  # (k, P) left-padded, as generate_batch pads a batch
-        for i, s in enumerate(group):
-            tokens[i, P - lens[i]:] = torch.tensor(s.prompt_ids, dtype=torch.long)
-        tokens = tokens.to(self.dev)
-        pad = torch.tensor([P - n for n in lens], dtype=torch.long, device=self.dev)
+        # (k, P) left-padded as generate_batch pads a batch (P the longest prompt), (k,) each row's padding
+        tokens, pad = left_pad([s.prompt_ids for s in group], self.eng.pad_id)
+        P = tokens.shape[1]
         main = self.eng.kv
         self.eng.kv = main.rows(b, b + k)  # the free rows b..b+k-1 of the engine's cache, slots 0..P-1
         try:
-            logits = self.eng.prefill(tokens, pad)
+            logits = self.eng.prefill(tokens.to(self.dev), pad.to(self.dev))
         finally:
             self.eng.kv = main
-        delta = target - P  # move the joined rows right so their prompts end at the shared slot
-        if delta:
-            for t in (main.k, main.v):
-                for layer in range(t.shape[0]):  # one layer at a time bounds the temporary copy
-                    src = t[layer, b:b + k, :, :P].clone()
-                    t[layer, b:b + k, :, delta:delta + P].copy_(src)
+        if target > P:  # move the joined rows right so their prompts end at the shared slot
+            self._move_slots(b, b + k, 0, P, target - P)
         if running:
             self.counters["joined_running"] += k
         self.counters["joins"] += 1

@@ -307,13 +307,10 @@ class Scheduler:
                     t.seq = None
                 with self._cv:
                     self._waiting.remove(head)
-                head.done = True
                 head.error = ApiError(500, f"engine failure while prefilling this request: {type(e).__name__}: {e}",
                                       type="server_error")
                 self.totals["errors"] += 1
-                if self.metrics is not None:
-                    self.metrics.requests.labels(head.endpoint, "error").inc()
-                head.sink(("error", head.error))
+                self._on_finish(head)(None)  # delivers the error as for a running row (metrics, sink)
                 raise
             for t in tickets[n:]:
                 t.seq = None
