@@ -19,6 +19,7 @@ import signal
 import subprocess
 import sys
 from pathlib import Path
+from typing import Callable
 
 import pytest
 
@@ -60,23 +61,39 @@ def _test_campaign() -> dict:
     return spec
 
 
-def snakemake(workdir: Path, *args: str, timeout: int = 300) -> str:
-    env = pipeline_env(workdir)
-    # its own process group: on a timeout every job it started is killed with it, not left running
-    proc = subprocess.Popen([sys.executable, "-m", "snakemake", "-c2", "--configfile=pipeline-test.yaml", *args],
-                            cwd=workdir, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
-                            start_new_session=True)
+def snakemake(workdir: Path, *args: str, config: str | None = "pipeline-test.yaml", cores: int | None = 2,
+              env: dict | None = None, timeout: int = 300, diagnostics: Callable[[], str] = lambda: "") -> str:
+    """``python -m snakemake -c<cores> --configfile=<config> *args`` in ``workdir`` (``cores`` / ``config`` None:
+    that option is left out, e.g. for a profile's executor) -> its output, stderr and stdout together (Snakemake
+    logs to stderr; every rule sends its own output to its log). ``env`` defaults to pipeline_env(workdir).
+
+    The one runner of a real Snakemake for the pipeline tests (this module's, test_pipeline_gpu.py's,
+    test_slurm.py's). It runs in its own process group: on a timeout every job it started is killed with it, not
+    left running, and the test fails. A timeout or a non-zero exit fails the test with the output's tail, the
+    tails of the rule logs (results/logs) and of the SLURM job logs (.snakemake/slurm_logs) and ``diagnostics()``
+    (the SLURM test's daemon logs)."""
+    argv = [sys.executable, "-m", "snakemake"]
+    argv += [f"-c{cores}"] if cores is not None else []
+    argv += [f"--configfile={config}"] if config is not None else []
+    proc = subprocess.Popen([*argv, *args], cwd=workdir, env=pipeline_env(workdir) if env is None else env,
+                            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, start_new_session=True)
     try:
-        stdout, stderr = proc.communicate(timeout=timeout)
+        out, _ = proc.communicate(timeout=timeout)
     except subprocess.TimeoutExpired:
         os.killpg(proc.pid, signal.SIGKILL)
-        stdout, stderr = proc.communicate()
-        pytest.fail(f"snakemake {' '.join(args)} took longer than {timeout} s:\n{(stdout + stderr)[-4000:]}")
-    out = stdout + stderr
+        out, _ = proc.communicate()
+        pytest.fail(f"snakemake {' '.join(args)} took longer than {timeout} s:\n{out[-4000:]}\n"
+                    f"{_run_logs(workdir)}\n{diagnostics()}")
     if proc.returncode != 0:
-        logs = "\n".join(f"--- {p}\n{p.read_text()[-2000:]}" for p in sorted((workdir / "results/logs").rglob("*.log")))
-        pytest.fail(f"snakemake {' '.join(args)} failed ({proc.returncode}):\n{out[-4000:]}\n{logs}")
+        pytest.fail(f"snakemake {' '.join(args)} failed ({proc.returncode}):\n{out[-4000:]}\n"
+                    f"{_run_logs(workdir)}\n{diagnostics()}")
     return out
+
+
+def _run_logs(workdir: Path) -> str:
+    """The tails of the logs a snakemake run left: each rule's, and each SLURM job's."""
+    logs = sorted(workdir.glob("results/logs/**/*.log")) + sorted(workdir.glob(".snakemake/slurm_logs/**/*.log"))
+    return "\n".join(f"--- {p}\n{p.read_text()[-2000:]}" for p in logs)
 
 
 def job_counts(out: str) -> dict[str, int]:

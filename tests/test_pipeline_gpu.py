@@ -4,7 +4,6 @@ campaign, and reruns of only what changed or is missing. The default (CPU) pipel
 import json
 import re
 import shutil
-import signal
 import subprocess
 import sys
 from pathlib import Path
@@ -12,7 +11,7 @@ from pathlib import Path
 import pytest
 import yaml
 
-from test_pipeline import _ignore, job_counts, pipeline_env, reasons
+from test_pipeline import _ignore, job_counts, pipeline_env, reasons, snakemake
 
 REPO_ROOT = Path(__file__).resolve().parent.parent
 CAMPAIGN = "gpu-test"
@@ -44,25 +43,12 @@ CAMPAIGN_SPEC = {
 }
 
 
-def _snakemake(workdir: Path, *args: str, config="gpu-test.yaml", timeout: int = 600, check=True):
+def _snakemake(workdir: Path, *args: str, config="gpu-test.yaml") -> str:
+    """test_pipeline.snakemake with two faked GPU slots (and their lock directory), no CUDA_VISIBLE_DEVICES."""
     env = pipeline_env(workdir)
     env.update(RUNMAP_GPU_SLOTS="0,1", RUNMAP_GPU_LOCK_DIR=str(workdir / "gpu-locks"))
     env.pop("CUDA_VISIBLE_DEVICES", None)
-    proc = subprocess.Popen([sys.executable, "-m", "snakemake", "-c2", f"--configfile={config}", *args], cwd=workdir,
-                            env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, start_new_session=True)
-    try:
-        stdout, stderr = proc.communicate(timeout=timeout)
-    except subprocess.TimeoutExpired:
-        import os
-
-        os.killpg(proc.pid, signal.SIGKILL)
-        stdout, stderr = proc.communicate()
-        pytest.fail(f"snakemake {' '.join(args)} took longer than {timeout} s:\n{(stdout + stderr)[-4000:]}")
-    out = stdout + stderr
-    if check and proc.returncode != 0:
-        logs = "\n".join(f"--- {p}\n{p.read_text()[-2000:]}" for p in sorted((workdir / "results/logs").rglob("*.log")))
-        pytest.fail(f"snakemake {' '.join(args)} failed ({proc.returncode}):\n{out[-4000:]}\n{logs}")
-    return out
+    return snakemake(workdir, *args, config=config, env=env, timeout=600)
 
 
 @pytest.fixture(scope="module")

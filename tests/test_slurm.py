@@ -40,7 +40,7 @@ from pathlib import Path
 import pytest
 import yaml
 
-from test_pipeline import _ignore, job_counts, pipeline_env
+from test_pipeline import _ignore, job_counts, pipeline_env, snakemake
 from test_pipeline_gpu import CAMPAIGN_SPEC
 
 REPO_ROOT = Path(__file__).resolve().parent.parent
@@ -243,21 +243,12 @@ def test_tiny_pipeline_runs_through_the_profile_on_a_real_slurm(cluster, workdir
         env.pop(var, None)  # a GPU job's slot can only come from what SLURM gives it
     env = {k: v for k, v in env.items() if not k.startswith(("SLURM_", "SBATCH_", "SRUN_")) or k == "SLURM_CONF"}
     env["TMPDIR"] = str(cluster.d)  # runmap gpu-slot's lock directories
-    cmd = [sys.executable, "-m", "snakemake", "--profile", "profiles/slurm", "--configfile", "slurm-test.yaml",
-           "--slurm-status-command", "squeue", "--slurm-init-seconds-before-status-checks", "2", "--retries", "0",
-           "--default-resources", "mem_mb=2000", "runtime=10", "cpus_per_task=1",
-           "--set-resources", "bench_group:cpus_per_task=1", "ifeval_generate_shard:cpus_per_task=1", "--", *TARGETS]
-    proc = subprocess.Popen(cmd, cwd=workdir, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
-                            start_new_session=True)
-    try:
-        out, _ = proc.communicate(timeout=RUN_LIMIT_S)
-    except subprocess.TimeoutExpired:
-        os.killpg(proc.pid, signal.SIGKILL)
-        out, _ = proc.communicate()
-        pytest.fail(f"snakemake through SLURM took longer than {RUN_LIMIT_S} s:\n{out[-4000:]}\n{cluster.logs()}")
-    rule_logs = "\n".join(f"--- {p}\n{p.read_text()[-1500:]}" for p in sorted(workdir.glob("results/logs/**/*.log")))
-    slurm_logs = "\n".join(f"--- {p}\n{p.read_text()[-1500:]}" for p in sorted(workdir.glob(".snakemake/slurm_logs/**/*.log")))
-    assert proc.returncode == 0, f"{out[-5000:]}\n{rule_logs}\n{slurm_logs}\n{cluster.logs()}"
+    out = snakemake(workdir, "--profile", "profiles/slurm", "--slurm-status-command", "squeue",
+                    "--slurm-init-seconds-before-status-checks", "2", "--retries", "0",
+                    "--default-resources", "mem_mb=2000", "runtime=10", "cpus_per_task=1",
+                    "--set-resources", "bench_group:cpus_per_task=1", "ifeval_generate_shard:cpus_per_task=1", "--",
+                    *TARGETS, config="slurm-test.yaml", cores=None, env=env, timeout=RUN_LIMIT_S,
+                    diagnostics=cluster.logs)
     assert "Using profile profiles/slurm" in out
 
     # every job of the plan was a SLURM job on the node, and only the GPU rules asked for a GPU
