@@ -3,6 +3,7 @@ from __future__ import annotations
 
 import copy
 import json
+from pathlib import Path
 
 import pytest
 
@@ -155,3 +156,25 @@ def test_runmap_validate_runs_the_checks(tmp_path, records, capsys):
     assert main(["validate", str(tmp_path), "-q"]) == 1
     out = capsys.readouterr().out
     assert "CAMPAIGN" in out and "full-no-misses" in out and "NOT CONFORMANT" in out
+
+
+def test_every_record_version_is_checked_and_validates(records):
+    """bench-record-v1 records (the committed evidence written before the per-token figures became the decode
+    steps') are still records to the checks and the schema; the writer writes v2; an unknown version is neither."""
+    from runmap.conformance.schemas import validate_document
+
+    assert cc.RECORD_VERSIONS == ("bench-record-v1", "bench-record-v2") and cc.RECORD_VERSION == "bench-record-v2"
+    assert {r["record_version"] for r in records} == {cc.RECORD_VERSION}
+    schema = json.loads((Path(__file__).resolve().parent.parent / "schemas/bench-record.schema.json").read_text())
+    assert schema["properties"]["record_version"]["enum"] == list(cc.RECORD_VERSIONS)
+    bad = _one(records, FULL)
+    bad["cache_stats"]["misses"] = {"status": "OBSERVED", "value": 2}
+    for version, decode_only in (("bench-record-v1", False), ("bench-record-v2", True)):
+        r = dict(_one(records, PARTIAL), record_version=version)
+        assert validate_document(r, "bench-record.schema.json") == []
+        assert cc.is_record(r) and cc.per_token_figures_are_decode_only(r) is decode_only
+        found = cc.check_documents([("f.json", None, dict(bad, record_version=version))])
+        assert [f.check for f in cc.errors(found)] == ["full-no-misses"]
+    r = dict(_one(records, PARTIAL), record_version="bench-record-v3")
+    assert validate_document(r, "bench-record.schema.json") != [] and not cc.is_record(r)
+    assert cc.check_documents([("f.json", None, dict(bad, record_version="bench-record-v3"))]) == []

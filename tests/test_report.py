@@ -107,7 +107,7 @@ def test_partial_table_puts_engine_hit_rate_beside_replay(cpu_records, tmp_path)
     rows = _partial_rows(text)
     assert len(rows) == 4 and all(r[2] in ("4/8", "6/8") for r in rows)  # only partial records, no full ones
     by = {(r[2], r[3]): r for r in rows}
-    assert by[("4/8", "1")][4:] == ["66.0", "0.812", "0.800", "0.938", "33.9", "297.5", "0.072"]
+    assert by[("4/8", "1")][4:] == ["66.0", "0.812", "0.800", "0.938", "33.9", "297.5", "0.072", "decode steps"]
     # present but not measured: the status word, never a number; misses per token are the decode steps' over the
     # tokens those steps made (each row's first token is the prefill's)
     r6b1 = next(r for r in part if r["config"]["resident"] == 6 and r["config"]["batch"] == 1)
@@ -120,8 +120,39 @@ def test_partial_table_puts_engine_hit_rate_beside_replay(cpu_records, tmp_path)
     del r6b2["cache_stats"]["decode_hit_rate"]
     rows = _partial_rows(report.render(recs, tmp_path / "r2.md"))
     by = {(r[2], r[3]): r for r in rows}
-    assert by[("6/8", "2")][5:] == ["0.750", "", "", "", "", ""]
+    assert by[("6/8", "2")][5:] == ["0.750", "", "", "", "", "", "decode steps"]
     assert by[("6/8", "2")][1] == "model"  # the workload still read from config.routing
+
+
+def test_partial_rows_say_what_their_per_token_figures_count_from_the_record_version(cpu_records, tmp_path):
+    """bench-record-v2 (what the bench writes now): misses and bytes per token are the decode steps'; v1: the prompt's
+    misses and bytes too, over every decoded token. Read from record_version, whatever fields the record carries:
+    a v1 record with the decode split's fields is still v1, a v2 record without them still v2."""
+    root, recs = cpu_records
+    assert {r["record_version"] for r in recs} == {"bench-record-v2"}  # the record writer marks the new meaning
+    recs = copy.deepcopy(recs)
+    part = {(r["config"]["resident"], r["config"]["batch"]): r for r in recs if r["regime"] == "partial"}
+    assert "decode_hit_rate" in part[4, 1]["cache_stats"]
+    part[4, 1]["record_version"] = part[6, 1]["record_version"] = "bench-record-v1"
+    del part[6, 1]["cache_stats"]["decode_hit_rate"], part[6, 2]["cache_stats"]["decode_hit_rate"]
+    text = report.render(recs, tmp_path / "r.md")
+    assert report.PARTIAL_HEAD.rstrip(" |").endswith("per-token figures count")
+    by = {(r[2], r[3]): r[-1] for r in _partial_rows(text)}
+    assert by == {("4/8", "1"): "prompt + decode (v1)", ("6/8", "1"): "prompt + decode (v1)",
+                  ("4/8", "2"): "decode steps", ("6/8", "2"): "decode steps"}
+    assert "`decode steps` (bench-record-v2" in text and "`prompt + decode (v1)` (bench-record-v1" in text
+
+    # runmap report reads both versions from disk (and leaves out a version it does not know)
+    d = tmp_path / "mixed" / "records"
+    d.mkdir(parents=True)
+    for r in recs:
+        (d / f"{r['id']}.json").write_text(json.dumps({k: v for k, v in r.items() if k != "_path"}))
+    unknown = dict(part[4, 2], id="m__unknown", record_version="bench-record-v99")
+    (d / "m__unknown.json").write_text(json.dumps({k: v for k, v in unknown.items() if k != "_path"}))
+    out = tmp_path / "mixed.md"
+    assert main(["report", "--records", str(tmp_path / "mixed"), "--out", str(out)]) == 0
+    assert {(r[2], r[3]): r[-1] for r in _partial_rows(out.read_text())} == by
+    assert f"from {len(recs)} records" in out.read_text()
 
 
 def test_no_partial_table_without_partial_records(cpu_records, tmp_path):

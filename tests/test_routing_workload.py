@@ -224,6 +224,7 @@ def test_bench_records_name_their_routing_and_replay_what_ran(packs, tmp_path):
         assert validate_document({k: v for k, v in r.items() if k != "_path"}, "bench-record.schema.json") == []
         assert r["config"]["routing"] == "calibrated:olmoe" and r["routing"]["workload"] == "calibrated:olmoe"
         assert r["id"].endswith("__routing-calibrated-olmoe")
+        assert r["record_version"] == "bench-record-v2"  # the marker of the decode-only per-token figures below
     part, full = recs["partial"]["routing"], recs["full"]["routing"]
     assert full["replay_lru_hit_rate"]["status"] == "UNSUPPORTED"
     assert part["replay_decode_steps"] == 3  # decode_len 4: three decode forward passes

@@ -64,6 +64,7 @@ from runmap.arch.config import ModelConfig, load_preset
 from runmap import atomic
 from runmap.atomic import remove_stale_temporaries, write_json
 from runmap.bench.baselines import BaselineUnavailable
+from runmap.bench.checks import RECORD_VERSION, RECORD_VERSIONS  # what it writes, what it reads
 from runmap.bench.registry import BASELINE_KINDS, HF_KINDS
 from runmap.engine.engine import DEFAULT_FUSED, FUSED_OPS
 from runmap.engine.generation import GenerationResult, GenerationRun
@@ -72,7 +73,6 @@ from runmap.provenance import utc_timestamp
 from runmap.residency.observations import OBSERVATION_NAMES as REQUIRED_ZERO
 from runmap.residency.regimes import regime_of
 
-RECORD_VERSION = "bench-record-v1"
 DEFAULT_PARAMS = {"repeats": 3, "warmup": 1, "warmup_new_tokens": 4, "policy": "lru", "seed": 0,
                   "cuda_graphs": True, "fused": True, "skip_experts": False, "check": False,
                   "check_prompt_len": 24, "check_tolerance": 0.01, "routing": "model",
@@ -1128,7 +1128,7 @@ def load_records(*dirs: str | Path) -> list[dict]:
                 doc = json.loads(f.read_text())
             except (OSError, ValueError) as e:
                 raise BenchError(f"{f}: not a readable JSON record: {e}") from e
-            if isinstance(doc, dict) and doc.get("record_version") == RECORD_VERSION:
+            if isinstance(doc, dict) and doc.get("record_version") in RECORD_VERSIONS:
                 doc["_path"] = str(f)
                 out.append(doc)
     return out

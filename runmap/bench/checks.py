@@ -25,10 +25,29 @@ from __future__ import annotations
 import dataclasses
 from typing import Any, Iterable
 
-RECORD_VERSION = "bench-record-v1"
 from runmap.bench.registry import RECORD_EXECUTORS as EXECUTORS
 from runmap.residency.observations import OBSERVATION_NAMES as REQUIRED_ZERO, STATUSES
 from runmap.residency.regimes import REGIME_NAMES as REGIMES, regime_of
+
+# The bench record's versions, oldest first: every reader (runmap report, runmap validate's checks) takes each
+# of them, `runmap bench` writes the last. What a version says (docs/routing-workloads.md, "Route traces and
+# replay"): the meaning of the per-token decode figures, routing.misses_per_token and h2d.bytes_per_token (and
+# timing.transfer_bound_tok_s, built from the bytes per token):
+#   bench-record-v1: every miss / host->device byte of the timed repeats, the prompt's included, over the decoded
+#                    tokens ("mixed");
+#   bench-record-v2: the decode steps' own misses / bytes over the tokens the decode steps made, each row's first
+#                    token being the prefill's ("decode only"; the prefill's are cache_stats.misses -
+#                    cache_stats.decode_misses and h2d.prefill_bytes).
+RECORD_VERSIONS = ("bench-record-v1", "bench-record-v2")
+RECORD_VERSION = RECORD_VERSIONS[-1]
+DECODE_ONLY_SINCE = "bench-record-v2"
+
+
+def per_token_figures_are_decode_only(rec: dict) -> bool:
+    """Whether a record's misses / H2D bytes per token (and its transfer bound) count the decode steps alone
+    (True), or the prompt's too (False: bench-record-v1). Read from record_version alone, never from which fields
+    the record happens to carry."""
+    return RECORD_VERSIONS.index(rec["record_version"]) >= RECORD_VERSIONS.index(DECODE_ONLY_SINCE)
 
 ERROR, FLAG = "error", "flag"
 
@@ -51,7 +70,8 @@ class Finding:
 
 
 def is_record(doc: Any) -> bool:
-    return isinstance(doc, dict) and doc.get("record_version") == RECORD_VERSION
+    """A bench record of any version a reader takes (RECORD_VERSIONS)."""
+    return isinstance(doc, dict) and doc.get("record_version") in RECORD_VERSIONS
 
 
 def _rid(rec: dict) -> str:

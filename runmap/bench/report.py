@@ -5,7 +5,8 @@ every configuration, PNG plots (matplotlib, Agg) of decode tok/s and peak memory
 per layer with the baselines drawn on the same axes, the comparisons that vary one factor at a time
 (residency with the executor fixed; executor with the residency fixed), the pairs that change both (flagged,
 no comparison drawn), for partial residency the engine's hit rate beside the replayed LRU / Belady hit rates
-and the transfer bound, the conformance findings of runmap.bench.checks, and for records with a ``profile`` (run parameter
+and the transfer bound (with what the record's per-token figures count, read from its record_version), the
+conformance findings of runmap.bench.checks, and for records with a ``profile`` (run parameter
 ``profile: true``) where the time of one prefill and one decode step goes: a horizontal stacked bar per
 configuration of its top kernels' shares and a table of totals and launches.
 
@@ -128,7 +129,15 @@ def _cell(m, scale: float = 1.0, digits: int = 2, suffix: str = "") -> str:
 
 
 PARTIAL_HEAD = ("| executor | routing | resident | batch | decode tok/s | engine hit rate | replay LRU | replay Belady | "
-                "misses/token | transfer bound tok/s | of transfer bound |")
+                "misses/token | transfer bound tok/s | of transfer bound | per-token figures count |")
+# what a record's misses / bytes per token (and so its transfer bound) count, by its record_version
+PER_TOKEN_DECODE, PER_TOKEN_MIXED = "decode steps", "prompt + decode (v1)"
+
+
+def per_token_scope(r: dict) -> str:
+    """The partial table's last cell: decode steps alone (bench-record-v2 on), or the prompt's misses and bytes too,
+    over every decoded token (bench-record-v1). From the version marker, not from the fields present."""
+    return PER_TOKEN_DECODE if cc.per_token_figures_are_decode_only(r) else PER_TOKEN_MIXED
 
 
 def partial_table(recs: list[dict]) -> list[str]:
@@ -156,6 +165,7 @@ def partial_table(recs: list[dict]) -> list[str]:
             _cell(rt.get("misses_per_token"), 1.0, 1),
             _cell(t.get("transfer_bound_tok_s"), 1.0, 1),
             _cell((r.get("ratios") or {}).get("decode_vs_transfer_bound"), 1.0, 3),
+            per_token_scope(r),
         ]) + " |")
     return lines
 
@@ -379,8 +389,13 @@ def render(records: list[dict], out_md: Path, plots_dir: Path | None = None, sou
                 lines += ["Partial residency: the engine's hit rate in decode steps beside LRU and Belady (the optimum) "
                           "replayed over the decode routes that ran, misses per decoded token, and decode tok/s against "
                           "the transfer bound (full-residency step + decode steps' missed bytes per token / same-run "
-                          "pinned H2D rate). Records made before the split by phase (no cache_stats.decode_hit_rate) "
-                          "count the prefill's misses in all three. A blank cell: the record has no such field.",
+                          "pinned H2D rate). The last column says what misses per token and the bound's bytes per "
+                          f"token count, from the record's record_version: `{PER_TOKEN_DECODE}` (bench-record-v2: the "
+                          "decode steps' misses and bytes over the tokens they made) or `" + PER_TOKEN_MIXED + "` "
+                          "(bench-record-v1, written before the split by phase: every miss of the timed repeats, the "
+                          "prompt's included, over the decoded tokens, so misses per token too high and the bound too "
+                          "low). A record without cache_stats.decode_hit_rate shows its hit rate over prefill and "
+                          "decode. A blank cell: the record has no such field.",
                           ""] + part + [""]
             for metric, label in (("decode", "decode tok/s"), ("memory", "peak allocated memory")):
                 png = plots_dir / f"{camp}-{model}-{metric}.png"

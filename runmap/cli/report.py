@@ -11,7 +11,9 @@ configuration (decode/prefill tok/s, TTFT, peak memory, hit rate, host->device t
 baselines and to the byte floor, required-zero observations), PNG plots of decode tok/s and peak memory
 against resident experts per layer with the baselines on the same axes, for partial residency a table of
 the engine's hit rate beside the LRU and Belady hit rates replayed over the routes that ran, misses per
-token and decode tok/s against the transfer bound (blank where a record has no such field), and the
+token and decode tok/s against the transfer bound (blank where a record has no such field) and, from the
+record's record_version, whether its per-token figures count the decode steps alone (bench-record-v2) or the
+prompt's misses too (bench-record-v1), and the
 one-factor comparisons (residency with the executor fixed, executor with the residency fixed). Pairs that change residency and
 executor at once are listed as flagged, with no comparison drawn. Nothing is re-measured.
 
