@@ -262,6 +262,36 @@ class CpuExpertSite:
         _check_ids(topk_ids, self.num_experts)
         return _layer_moe(lambda e: self.expert(layer, e), x, topk_ids, topk_weights, self.dtype)
 
+    def moe_subset(self, layer: int, x: torch.Tensor, topk_ids: torch.Tensor, topk_weights: torch.Tensor,
+                   experts) -> torch.Tensor:
+        """The part of a layer's routed-expert output that comes from ``experts`` (a mixed placement: the others
+        are computed on the device).
+
+        Args:
+            layer: MoE layer index in [0, num_layers).
+            x: float16 (T, H) CPU. topk_ids: int32/int64 (T, k) CPU. topk_weights: float32 (T, k) CPU.
+            experts: iterable of expert ids computed here; slots routed to other experts contribute nothing.
+        Returns:
+            float32 (T, H) = sum over slots j with topk_ids[t, j] in experts of w[t, j] * ffn_e(x_t).
+        """
+        cpu = torch.device("cpu")
+        common.check_tensor("x", x, torch.float16, 2, shape=(None, self.layout.hidden_size), device=cpu)
+        common.check_tensor("topk_ids", topk_ids, (torch.int32, torch.int64), 2, shape=(x.shape[0], None), device=cpu)
+        common.check_tensor("topk_weights", topk_weights, torch.float32, 2, shape=tuple(topk_ids.shape), device=cpu)
+        if not 0 <= layer < self.num_layers:
+            raise common.KernelInputError(f"layer {layer} is not in [0, {self.num_layers})")
+        _check_ids(topk_ids, self.num_experts)
+        out = torch.zeros(x.shape[0], x.shape[1], dtype=torch.float32)  # (T, H)
+        ids = topk_ids.to(torch.int64)
+        xa = x.to(self.dtype)
+        for e in sorted({int(v) for v in experts}):
+            tok, slot = (ids == e).nonzero(as_tuple=True)  # (n_e,) each
+            if tok.numel() == 0:
+                continue
+            y = expert_ffn(self.expert(layer, e), xa[tok])  # (n_e, H) fp32
+            out.index_add_(0, tok, y * topk_weights[tok, slot].to(torch.float32)[:, None])
+        return out
+
     def describe(self) -> dict:
         return {"precision": self.precision, "repacked_experts": self.repacks, "repacked_bytes": self.nbytes,
                 "source_bytes_read": self.source_bytes_read, "threads": torch.get_num_threads()}

@@ -28,9 +28,12 @@ def test_contract_holds_for_the_cache(test_device):
             assert stats.invariants[name] > 0, name
     assert stats.outcomes["miss"] > 0 and stats.outcomes["hit"] > 0 and stats.outcomes["abort"] > 0
     # every injection point was met, both as an Exception and as a BaseException
-    for kind in cm.FAIL_KINDS + ("interrupt", "kernel", "kernel-interrupt"):
+    for kind in cm.FAIL_KINDS + ("interrupt", "kernel", "kernel-interrupt", "cpu-site", "cpu-site-interrupt"):
         assert stats.rules[f"inject_{kind}"] > 0, kind
     assert stats.outcomes["block_kernel-interrupt"] > 0 and stats.outcomes["interrupt_abort"] > 0
+    # mixed placements (issue 25): some absent experts at the CPU site, some transferred, failures in either
+    assert stats.rules["placed_on_cpu"] > 0 and stats.rules["placed_none_on_cpu"] > 0
+    assert stats.outcomes["block_cpu-site-interrupt"] > 0 and stats.outcomes["block_cpu-site"] > 0
 
 
 @pytest.mark.parametrize("name", sorted(cm.MUTANTS))
@@ -107,7 +110,7 @@ def test_cli_refuses_cuda_events_without_cuda(tmp_path, capsys):
 
 
 def test_counter_mutants_are_caught_by_the_counter_comparison():
-    for name in ("overcount-h2d-on-abort", "count-group-as-misses"):
+    for name in ("overcount-h2d-on-abort", "count-group-as-misses", "cpu-placed-as-hits"):
         _stats, exc = cm.run_contract(examples=800, steps=30, seed=0, cache_cls=cm.MUTANTS[name], shrink=False)
         assert isinstance(exc, cm.ContractViolation) and "differ from the model" in str(exc), (name, exc)
 

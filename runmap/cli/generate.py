@@ -1,7 +1,7 @@
 """``runmap generate``: stream a completion of one prompt to stdout."""
 from __future__ import annotations
 
-from runmap.cli.options import add_residency_arguments
+from runmap.cli.options import add_residency_arguments, placement_line
 from runmap.kernels.registry import EXECUTOR_NAMES, executor_help
 from runmap.workload.routing import ROUTING_HELP, routing_argument
 
@@ -65,7 +65,10 @@ def run(args) -> int:
                                device=args.device,
                                max_batch=1, max_seq_len=args.max_seq_len, expert_format=args.expert_format,
                                routing=args.routing, routing_seed=args.routing_seed,
-                               record_routes=args.trace is not None, cache_contract=args.cache_contract)
+                               record_routes=args.trace is not None, cache_contract=args.cache_contract,
+                               expert_placement=args.expert_placement)
+        if placement_line(eng):
+            print(placement_line(eng), file=sys.stderr)
         res = eng.generate([args.prompt], max_new_tokens=args.max_new_tokens, temperature=args.temperature,
                            top_p=args.top_p, seed=args.seed, stop=args.stop, chat=args.chat, on_token=on_token)[0]
     except (ValueError, FileNotFoundError, RuntimeError) as e:  # bad input, cache fault, kernel/device failure

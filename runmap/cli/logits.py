@@ -3,7 +3,7 @@ from __future__ import annotations
 
 from pathlib import Path
 from runmap.atomic import atomic_path
-from runmap.cli.options import add_residency_arguments
+from runmap.cli.options import add_residency_arguments, placement_line
 from runmap.kernels.registry import EXECUTOR_NAMES
 
 HELP = "write a prompt's logits (every position) to a safetensors file"
@@ -53,7 +53,10 @@ def run(args) -> int:
         out = Path(args.out)
         eng = Engine.from_pack(args.packed, executor=args.executor, resident=args.resident, gpu_budget=args.gpu_budget,
                                device=args.device,
-                               max_batch=1, max_seq_len=max(len(ids), 16), cuda_graphs=False)
+                               max_batch=1, max_seq_len=max(len(ids), 16), cuda_graphs=False,
+                               expert_placement=args.expert_placement)
+        if placement_line(eng):
+            print(placement_line(eng), file=sys.stderr)
         if eng.budget_plan is not None:
             print(eng.budget_plan.describe(), file=sys.stderr)
         logits = eng.logits(ids)  # (T, V) fp32

@@ -29,3 +29,23 @@ def add_residency_arguments(p) -> None:
                      help="instead of --resident: plan the GPU memory (non-routed weights, KV cache, workspaces, spare "
                           "rows), keep as many experts per layer as fit SIZE (e.g. 8GiB) and cap torch's allocator at "
                           "SIZE; the plan is printed. A budget below the minimum is refused")
+    p.add_argument("--expert-placement", choices=("gpu", "cpu", "auto"), default="gpu",
+                   help="where a routed expert that is not resident on the GPU is computed (partial residency): gpu = "
+                        "copied into a spare row first (default), cpu = computed on the host CPU from the host copy, "
+                        "nothing transferred, auto = per miss, whichever the rates measured at startup (host->device "
+                        "copy, CPU expert) and the cache's hit rate say is cheaper; the plan is printed. The route "
+                        "never changes, only where each routed expert runs (docs/engine.md)")
+
+
+def placement_line(eng) -> str | None:
+    """One line describing an engine's expert placement (None for the default, gpu)."""
+    pl = getattr(eng.experts, "placement", None)
+    if pl is None:
+        return None
+    d = pl.describe()
+    if d["mode"] == "cpu":
+        return "expert placement cpu: absent experts are computed on the CPU from the host source (no transfers)"
+    c = d["costs"]
+    return (f"expert placement auto: host->device {c['h2d_gb_s']:.1f} GB/s, CPU site {c['cpu_gb_s']:.1f} GB/s per "
+            f"expert ({c['row_bytes']} B rows): transfer a miss when the hit rate is above "
+            f"{d['transfer_if_hit_rate_above']:.2f}, else compute it on the CPU")

@@ -88,6 +88,8 @@ def _command(pack, args) -> str:
             parts += [flag, str(v)]
     if args.gpu_budget is not None:
         parts += ["--gpu-budget", str(args.gpu_budget)]
+    if args.expert_placement != "gpu":
+        parts += ["--expert-placement", args.expert_placement]
     return " ".join(shlex.quote(p) for p in parts)
 
 
@@ -134,7 +136,7 @@ def run(args) -> int:
     def load():
         # under --gpu-budget the engine plans again (the same plan as printed) and caps torch's allocator at it
         return Engine.from_pack(pack, executor=args.executor, device=args.device, max_batch=args.max_batch,
-                                max_seq_len=args.max_seq_len, **(
+                                max_seq_len=args.max_seq_len, expert_placement=args.expert_placement, **(
                                     {"gpu_budget": args.gpu_budget}
                                     if args.gpu_budget is not None else {"resident": resident}))
 

@@ -123,6 +123,8 @@ class CachedExperts:
         self._req = None
         self.h2d_seconds = 0.0  # host wall time of acquisitions that ran a miss transaction
         self.cpu_site = None  # a CPU-site executor's repacked experts (runmap.kernels.cpu_int4), built on first use
+        # where absent experts are computed (runmap.engine.placement): None = the miss transaction (gpu)
+        self.placement = None
         if self.full:
             self.tables = [cache.static_row_table(l) for l in range(self.num_layers)]  # int32 (E,) each
         self.storage = [cache.storage(l) for l in range(self.num_layers)]  # uint8 (R, row_bytes) each
@@ -150,12 +152,8 @@ class CachedExperts:
     def __call__(self, layer, x, ids, gw):
         """x fp16 (N, H), ids int64 (N, k), gw fp32 (N, k) -> fp16 (N, H)."""
         if self.full and self.executor in CPU_SITE_EXECUTORS:  # computed from the host source, not the cache's rows
-            if self.cpu_site is None:
-                from runmap.kernels.cpu_int4 import CpuExpertSite
-
-                self.cpu_site = CpuExpertSite(self.cache.host)
             with self.cache.monitored():  # as the other paths: a copy out of expert storage here would be counted
-                return self.cpu_site.moe(layer, x, ids, gw)
+                return self.site().moe(layer, x, ids, gw)
         if self.full:
             # inside the copy monitor too: an eager call is seen each time, a CUDA-graph step when it is captured
             # (a copy out of expert rows in the step would show then), so expert_d2h_bytes covers this path
@@ -163,6 +161,8 @@ class CachedExperts:
                 return self.moe(self.executor, x, ids, gw, self.storage[layer], self.tables[layer], self.layout,
                                 validate=self.validate)
         ids_h = ids.cpu()  # host decision: which experts to lease (partial residency only)
+        if self.placement is not None:
+            return self._placed(layer, x, ids, gw, ids_h)
         groups = self._groups(ids_h)
         whole = len(groups) == 1  # one group (the usual decode case): no gather / scatter
         out = x if whole else torch.empty_like(x)
@@ -187,11 +187,70 @@ class CachedExperts:
                 req.release()
         return out
 
-    def acquire(self, req, layer, ids):
+    def site(self):
+        """The CPU site over the cache's host source (runmap.kernels.cpu_int4.CpuExpertSite), built on first use."""
+        if self.cpu_site is None:
+            from runmap.kernels.cpu_int4 import CpuExpertSite
+
+            self.cpu_site = CpuExpertSite(self.cache.host)
+        return self.cpu_site
+
+    def _placed(self, layer, x, ids, gw, ids_h):
+        """Partial residency with a CPU site: each group's absent experts that the placement gives the CPU are
+        computed there from the host source while the device computes the leased ones; the two sums are added.
+        x fp16 (N, H), ids int64 (N, k), gw fp32 (N, k), ids_h = ids on the host -> fp16 (N, H)."""
+        out = torch.empty_like(x)
+        x_h = None
+        for rows in self._groups(ids_h):
+            sel = rows if len(rows) < x.shape[0] else None  # None: the whole batch
+            req = self.cache.admit()
+            try:
+                lease = self.acquire(req, layer, ids_h if sel is None else ids_h[rows], place=self.placement)
+                xs, idss, gws, ids_hs = ((x, ids, gw, ids_h) if sel is None else
+                                         (x[rows].contiguous(), ids[rows], gw[rows], ids_h[rows]))
+                on_cpu = torch.isin(ids_hs, torch.tensor(lease.cpu_experts, dtype=ids_hs.dtype))  # (n, k) bool
+                if lease.cpu_experts and x_h is None:
+                    x_h = x.to("cpu")  # (N, H) fp16: waits for the layer's input, before the device work is queued
+                with self.cache.monitored():  # a copy out of the leased rows would count in expert_d2h_bytes
+                    y = self._device_part(xs, idss, gws, ids_hs, ~on_cpu, lease)  # fp32 (n, H) or None, queued
+                    if lease.cpu_experts:  # runs while the device computes the leased experts
+                        xc = x_h if sel is None else x_h[rows]
+                        yc = self.site().moe_subset(layer, xc, ids_hs, gw.to("cpu") if sel is None
+                                                    else gw[rows].to("cpu"), lease.cpu_experts)  # fp32 (n, H)
+                        yc = yc.to(x.device)
+                        y = yc if y is None else y + yc
+            finally:
+                req.release()
+            if sel is None:
+                return y.to(torch.float16)
+            out[torch.as_tensor(rows, device=x.device)] = y.to(torch.float16)
+        return out
+
+    def _device_part(self, x, ids, gw, ids_h, keep, lease):
+        """The executor over the (token, slot) pairs in ``keep`` (bool (n, k) host) through the lease's rows ->
+        fp32 (n, H), or None when no pair is kept. Batch 1 keeps its slots as columns (one token, k' experts);
+        larger batches run the kept pairs as single-expert rows, summed back per token."""
+        if not bool(keep.any()):
+            return None
+        if bool(keep.all()):
+            return self.moe(self.executor, x, ids, gw, lease.storage, lease.row_table, self.layout,
+                            validate=False).to(torch.float32)
+        if x.shape[0] == 1:
+            cols = torch.nonzero(keep[0]).flatten().to(x.device)  # (k',)
+            return self.moe(self.executor, x, ids[:, cols].contiguous(), gw[:, cols].contiguous(), lease.storage,
+                            lease.row_table, self.layout, validate=False).to(torch.float32)
+        tok, slot = (t.to(x.device) for t in torch.nonzero(keep, as_tuple=True))  # (P,) each
+        y = self.moe(self.executor, x[tok].contiguous(), ids[tok, slot][:, None].contiguous(),
+                     gw[tok, slot][:, None].contiguous(), lease.storage, lease.row_table, self.layout,
+                     validate=False)  # (P, H) fp16: each kept pair's weighted expert output
+        out = torch.zeros(x.shape[0], x.shape[1], dtype=torch.float32, device=x.device)
+        return out.index_add_(0, tok, y.to(torch.float32))
+
+    def acquire(self, req, layer, ids, place=None):
         """``req.acquire(layer, ids)``, adding its wall time to ``h2d_seconds`` when it ran a miss transaction (the
         rate bytes_h2d / h2d_seconds is then over every path that moves expert bytes: eager calls and segments)."""
         misses0, t0 = self.cache.counters["misses"], time.perf_counter()
-        lease = req.acquire(layer, ids)
+        lease = req.acquire(layer, ids, place) if place is not None else req.acquire(layer, ids)
         if self.cache.counters["misses"] != misses0:
             self.h2d_seconds += time.perf_counter() - t0
         return lease
@@ -522,8 +581,10 @@ class Engine:
                                and expert_format == "int4" and executor in GRAPH_EXECUTORS)
         # partial residency: decode steps as CUDA-graph segments cut at each routing decision (SegmentDecoder);
         # on the CPU the same chain runs without graphs when segments=True (tests)
+        # a CPU-site placement runs the per-call path (its device part is not captured; issue 25 item 2 leaves the
+        # segment chain with mixed sites for later)
         self.use_segments = bool(segments and isinstance(experts, CachedExperts) and not experts.full
-                                 and not self.skip_experts
+                                 and not self.skip_experts and experts.placement is None
                                  and ((device.type == "cuda" and executor in GRAPH_EXECUTORS) or segments == "eager"))
         self._graphs: dict[int, GraphDecoder] = {}
         self._segments: dict[int, SegmentDecoder] = {}
@@ -559,7 +620,8 @@ class Engine:
                   prefill_chunk: int = 1024, fused=True, host_source=None,
                   skip_experts: bool = False, verify_pack: bool | None = None, routing: str = "model",
                   routing_seed: int = 0, record_routes: bool = False, cache_contract: str = "v1",
-                  segments=True, gpu_budget: int | None = None, budget_kv_rows: int | None = None) -> "Engine":
+                  segments=True, gpu_budget: int | None = None, budget_kv_rows: int | None = None,
+                  expert_placement: str = "gpu") -> "Engine":
         from runmap.format.packfile import PackReader
         from runmap.engine.tokenization import Tokenizer
 
@@ -571,6 +633,13 @@ class Engine:
         if expert_format not in EXPERT_FORMATS:
             raise EngineError(f"unknown expert_format {expert_format!r}; choose one of {list(EXPERT_FORMATS)}")
         device = torch.device(device if device is not None else ("cuda" if torch.cuda.is_available() else "cpu"))
+        from runmap.engine.placement import PLACEMENTS
+
+        if expert_placement not in PLACEMENTS:
+            raise EngineError(f"unknown expert placement {expert_placement!r}; choose one of {list(PLACEMENTS)}")
+        if expert_placement != "gpu" and (executor in CPU_SITE_EXECUTORS or expert_format != "int4"):
+            raise EngineError(f"expert placement {expert_placement!r} places absent experts beside a device executor "
+                              f"on INT4 experts; executor {executor!r} with expert_format {expert_format!r} has none")
         if executor in CPU_SITE_EXECUTORS and device.type != "cpu":
             raise EngineError(f"executor {executor!r} computes on the CPU from the host source: use device='cpu' "
                               "(a mixed device/CPU placement is not implemented yet)")
@@ -677,6 +746,10 @@ class Engine:
                 else:
                     cache = ExpertCache.from_pack(reader, **kw)
                 experts = CachedExperts(cache, executor, layout, cfg.top_k)
+                if expert_placement != "gpu":
+                    from runmap.engine.placement import make_placement
+
+                    experts.placement = make_placement(expert_placement, cache=cache, site=experts.site())
             if device.type == "cuda":
                 torch.cuda.synchronize(device)
             eng = cls(cfg=cfg, model=model, experts=experts, tokenizer=tokenizer, device=device, executor=executor,

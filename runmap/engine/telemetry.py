@@ -160,6 +160,11 @@ def build(engine) -> dict:
         "cache": cache,
         "observations": dict(st.observations),
     }
+    placement = getattr(engine.experts, "placement", None)
+    if placement is not None:
+        site = engine.experts.cpu_site
+        doc["placement"] = {**placement.describe(), "cpu_site_experts": int(cache["counters"]["cpu_site_experts"]),
+                            "cpu_site": site.describe() if site is not None else None}
     return doc
 
 

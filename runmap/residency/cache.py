@@ -15,6 +15,11 @@ Vocabulary
   device row per missing expert (event per copy), wait for every event, upload the new row table,
   publish the complete group atomically. Eviction only drops mappings; victim rows become spares when
   no live request pins a generation that maps them.
+* **Placement** (``req.acquire(layer, ids, place=f)``): ``f`` gets the group's experts that are absent (mapped in
+  neither the request's generation nor the current one) and returns those the caller computes at the CPU site
+  from the immutable host source; they are left out of the lease (no row, no transfer, no publication, no
+  eviction on their behalf) and counted in ``cpu_site_experts``, never in hits or misses. The route is unchanged:
+  every routed expert is computed, on the GPU from a leased row or on the CPU from the host source.
 * **Failures**: before publication -> ``TransactionAborted`` (spares and staging back, rows with an
   unfinished copy fenced until its event completes, the old generation stays authoritative); after
   publication -> FAULTED, every later admission or acquisition raises ``CacheFaultedError``.
@@ -80,6 +85,7 @@ class Lease:
     row_table: torch.Tensor
     storage: torch.Tensor
     rows: MappingProxyType
+    cpu_experts: tuple = ()  # routed experts of the batch union placed at the CPU site (not leased, no row)
 
 
 _RESERVED = object()  # staging buffer taken by the running transaction, copy not issued yet
@@ -104,9 +110,14 @@ class Request:
         self.leases: list[Lease] = []
         self.released = False
 
-    def acquire(self, layer: int, expert_ids) -> Lease:
-        """Lease the batch union of ``expert_ids`` (int tensor of any shape, or iterable) in ``layer``."""
-        return self._cache._acquire(self, layer, expert_ids)
+    def acquire(self, layer: int, expert_ids, place=None) -> Lease:
+        """Lease the batch union of ``expert_ids`` (int tensor of any shape, or iterable) in ``layer``.
+
+        ``place``: None (every expert of the union is leased, absent ones through a miss transaction) or a
+        callable ``place(absent: tuple[int, ...]) -> iterable[int]`` called under the cache's lock with the
+        union's absent experts (sorted); the experts it returns (a subset of ``absent``) are computed by the
+        caller at the CPU site and appear in ``Lease.cpu_experts`` instead of the lease's group."""
+        return self._cache._acquire(self, layer, expert_ids, place)
 
     def acquire_all(self, layer: int) -> Lease:
         """Lease every expert of ``layer`` (full residency only: no miss can happen)."""
@@ -157,7 +168,7 @@ class ExpertCache:
         self.counters = Counter({k: 0 for k in (
             "requests_admitted", "requests_released", "leases", "hits", "misses", "all_hit_leases",
             "transactions", "transactions_aborted", "busy_refusals", "bytes_h2d", "staging_reuses",
-            "staging_waits", "evictions", "rows_recycled", "rows_fenced", "faults")})
+            "staging_waits", "evictions", "rows_recycled", "rows_fenced", "faults", "cpu_site_experts")})
         self._storage = [self.transport.alloc_storage(self.rows_per_layer, self.row_bytes)
                          for _ in range(self.num_layers)]  # per layer (R, row_bytes)
         self.copy_monitor = (ExpertCopyMonitor("function" if copy_monitor is True else copy_monitor)
@@ -307,7 +318,7 @@ class ExpertCache:
                              f"max_group {self.max_group}")
         return group
 
-    def _acquire(self, req: Request, layer: int, expert_ids) -> Lease:
+    def _acquire(self, req: Request, layer: int, expert_ids, place=None) -> Lease:
         with self._lock, self._watch():
             if req.released:
                 raise CacheError(f"request {req.id} was released; admit a new one")
@@ -315,6 +326,15 @@ class ExpertCache:
             group = self._group(layer, expert_ids)
             self._tick += 1
             gen = req._gen
+            on_cpu = ()
+            if place is not None:
+                absent = tuple(e for e in group if e not in gen.maps[layer] and e not in self._current.maps[layer])
+                if absent:
+                    on_cpu = tuple(sorted({int(e) for e in place(absent)}))
+                    if not set(on_cpu) <= set(absent):
+                        raise CacheError(f"layer {layer}: placement put experts {sorted(set(on_cpu) - set(absent))} "
+                                         f"at the CPU site; only absent experts {list(absent)} may go there")
+                    group = tuple(e for e in group if e not in on_cpu)
             missing = [e for e in group if e not in gen.maps[layer]]
             if missing and gen is not self._current:
                 cur = self._current
@@ -337,12 +357,13 @@ class ExpertCache:
                 req.generation, req._gen = gen.number, gen
             self.counters["hits"] += len(group) - nmiss
             self.counters["misses"] += nmiss
+            self.counters["cpu_site_experts"] += len(on_cpu)
             self.counters["leases"] += 1
             self.policy.touch(layer, group, self._tick)
             self._leased[layer].update(group)
             m = gen.maps[layer]
             lease = Lease(layer, group, gen.number, gen.tables[layer], self._storage[layer],
-                          MappingProxyType({e: m[e] for e in group}))
+                          MappingProxyType({e: m[e] for e in group}), on_cpu)
             req.leases.append(lease)
             return lease
 

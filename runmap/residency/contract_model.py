@@ -499,6 +499,23 @@ class WritebackOnEvict(ExpertCache):
         super()._retire(layer, row, expert, until)
 
 
+class TransferCpuPlaced(ExpertCache):
+    """Ignores the placement: the experts it gave the CPU site are leased (and transferred) anyway."""
+
+    def _acquire(self, req, layer, expert_ids, place=None):
+        return super()._acquire(req, layer, expert_ids, None)
+
+
+class CpuPlacedAsHits(ExpertCache):
+    """Counts the experts computed at the CPU site as hits (a hit rate that hides what the GPU did not hold)."""
+
+    def _acquire(self, req, layer, expert_ids, place=None):
+        lease = super()._acquire(req, layer, expert_ids, place)
+        self.counters["hits"] += len(lease.cpu_experts)
+        self.counters["cpu_site_experts"] -= len(lease.cpu_experts)
+        return lease
+
+
 MUTANTS = {
     "publish-before-transfer": PublishBeforeTransfer,
     "recycle-with-live-lease": RecycleWithLiveLease,
@@ -512,6 +529,8 @@ MUTANTS = {
     "count-group-as-misses": CountGroupAsMisses,
     "read-back-on-miss": ReadBackOnMiss,
     "writeback-on-evict": WritebackOnEvict,
+    "transfer-cpu-placed": TransferCpuPlaced,
+    "cpu-placed-as-hits": CpuPlacedAsHits,
 }
 # broken transports, run with the real cache (CUDA-events mode only: a controlled transport would hide them)
 TRANSPORT_MUTANTS = {"event-before-copy": EventBeforeCopyTransport}
@@ -542,12 +561,16 @@ INVARIANTS = (
     "generations_strictly_increase", "abort_keeps_generation", "faulted_admits_nothing",
     "required_zero_observations", "lease_gets_exactly_its_group", "eviction_respects_leases",
     "spares_only_from_free_rows", "counters_match_model", "request_block_gives_everything_back",
+    "cpu_site_experts_never_leased",
 )
 CUDA_INVARIANTS = ("events_fence_their_copies",)  # checked in the cuda mode only
 MODEL_COUNTERS = ("hits", "misses", "bytes_h2d", "bytes_h2d_transport", "evictions", "leases_outstanding",
                   "staging_free", "transactions", "transactions_aborted", "busy_refusals", "faults",
-                  "requests_admitted", "requests_released", "leases", "all_hit_leases", "rows_fenced", "rows_recycled")
-BLOCK_RAISES = (None, "kernel", "kernel-interrupt")  # where a request block's body raises (besides acquire)
+                  "requests_admitted", "requests_released", "leases", "all_hit_leases", "rows_fenced", "rows_recycled",
+                  "cpu_site_experts")
+# where a request block's body raises (besides acquire): the device kernel, or the CPU site computing the experts a
+# mixed placement gave it (as an Exception or a BaseException)
+BLOCK_RAISES = (None, "kernel", "kernel-interrupt", "cpu-site", "cpu-site-interrupt")
 
 
 # ---------------------------------------------------------------------------------------------------
@@ -732,6 +755,20 @@ class CacheContractMachine(RuleBasedStateMachine):
         # predict --------------------------------------------------------------------------------------
         cur_map = self.history[self.gen][layer]
         req_map = self.history[r.gen][layer]
+        # a mixed placement (issue 25): some of the group's absent experts go to the CPU site. They are left out
+        # of the lease: no row, no transfer, no publication, no eviction on their behalf; counted apart.
+        absent = tuple(e for e in group if e not in req_map and e not in cur_map)
+        place, on_cpu, asked = None, (), []
+        if absent and not self.faulted and d(st.booleans(), label="placed"):
+            on_cpu = tuple(sorted(d(st.sets(st.sampled_from(absent)), label="on_cpu")))
+
+            def place(seen):
+                asked.append(tuple(seen))
+                return on_cpu
+            self.stats.rules["placed_acquire"] += 1
+            self.stats.rules["placed_on_cpu" if on_cpu else "placed_none_on_cpu"] += 1
+        full_group = group
+        group = tuple(e for e in group if e not in on_cpu)
         missing, n_evict = [], 0
         if self.faulted:
             expect = "faulted"
@@ -782,7 +819,8 @@ class CacheContractMachine(RuleBasedStateMachine):
         # act ------------------------------------------------------------------------------------------
         lease, exc = None, None
         try:
-            lease = r.handle.acquire(layer, torch.tensor(ids))
+            lease = (r.handle.acquire(layer, torch.tensor(ids)) if place is None else
+                     r.handle.acquire(layer, torch.tensor(ids), place=place))
             got = "ok"
         except CacheFaultedError as e:
             got, exc = ("faulted" if expect == "faulted" else "fault"), e
@@ -844,7 +882,13 @@ class CacheContractMachine(RuleBasedStateMachine):
             self.m["faults"] += 1
             self.faulted = True
             return got, exc, None
-        check(lease.experts == group, f"lease experts {lease.experts} != requested group {group}")
+        check(lease.experts == group, f"lease experts {lease.experts} != requested group {group}"
+                                      + (f" (routed {full_group}, {on_cpu} at the CPU site)" if on_cpu else ""))
+        check(lease.cpu_experts == on_cpu, f"lease puts {lease.cpu_experts} at the CPU site, the placement chose "
+                                           f"{on_cpu}")
+        if place is not None:
+            check(asked == [absent], f"the placement was asked about {asked}, the absent experts are {absent}")
+            self._note("cpu_site_experts_never_leased")
         lease_gen = lease_gen if expect == "hit" else self.gen
         check(lease.generation == lease_gen, f"lease on generation {lease.generation}, expected {lease_gen}")
         gmap = self.history[lease_gen][layer]
@@ -857,6 +901,7 @@ class CacheContractMachine(RuleBasedStateMachine):
         self._note("lease_gets_exactly_its_group")
         self.m["hits"] += len(group) - len(missing)
         self.m["misses"] += len(missing)
+        self.m["cpu_site_experts"] += len(on_cpu)
         self.m["leases"] += 1
         self.m["all_hit_leases"] += expect == "hit"
         if lease_gen > r.gen:
@@ -905,6 +950,8 @@ class CacheContractMachine(RuleBasedStateMachine):
 
     def _kernel(self, lease, layer):
         """The expert call's read of its lease: every leased row holds its expert's bytes."""
+        if not lease.experts:  # a mixed placement gave every expert of the group to the CPU site: nothing to read
+            return
         rows = torch.tensor([lease.rows[e] for e in lease.experts], device=lease.storage.device)
         experts = torch.tensor(lease.experts, device=lease.storage.device)
         with self._reading():
@@ -912,6 +959,16 @@ class CacheContractMachine(RuleBasedStateMachine):
             if self.kernel_readback:
                 lease.storage[lease.rows[lease.experts[0]]].to("cpu", copy=True)  # a deliberate read-back
         check(ok, f"layer {layer}: an expert call read rows that do not hold its experts {lease.experts}")
+
+    def _cpu_site(self, lease):
+        """The CPU site's read for a mixed placement: the experts it computes come from the immutable host source,
+        which holds their bytes, and the lease gave them no row."""
+        for e in lease.cpu_experts:
+            check(e not in lease.rows, f"layer {lease.layer}: expert {e} is at the CPU site and leased a row")
+            with self._reading():
+                same = torch.equal(self.cache.host.row_tensor(lease.layer, e).to(self.expected.device),
+                                   self.expected[lease.layer][e])
+            check(same, f"layer {lease.layer}: the host source row of expert {e} does not hold its bytes")
 
     @precondition(lambda self: self.cache is not None and len(self.reqs) < 3)
     @rule(data=st.data())
@@ -943,12 +1000,19 @@ class CacheContractMachine(RuleBasedStateMachine):
                         ended = f"acquire_{got}"
                         raise exc
                     self._kernel(lease, lease.layer)
-                    if raises and i == calls - 1:
+                    if raises and raises.startswith("kernel") and i == calls - 1:
                         ended = raises
                         self.stats.rules[f"inject_{raises}"] += 1
                         if raises == "kernel-interrupt":
                             raise InjectedInterrupt("injected interrupt inside the expert kernel")
                         raise InjectedError("injected failure inside the expert kernel")
+                    self._cpu_site(lease)
+                    if raises and raises.startswith("cpu-site") and i == calls - 1:
+                        ended = raises
+                        self.stats.rules[f"inject_{raises}" + ("" if lease.cpu_experts else "_no_cpu_experts")] += 1
+                        if raises == "cpu-site-interrupt":
+                            raise InjectedInterrupt("injected interrupt inside the CPU site")
+                        raise InjectedError("injected failure inside the CPU site")
         except ContractViolation:
             raise
         except (CacheError, InjectedError, InjectedInterrupt) as exc:

@@ -1,0 +1,155 @@
+"""Where a routed expert that is not resident on the GPU is computed (issue 25): transferred into a spare row
+(``gpu``, the contract's miss transaction), computed at the CPU site from the immutable host source (``cpu``), or
+chosen per miss from measured costs (``auto``).
+
+The route never changes: every expert the router (or the routing workload) names is computed, with the same
+gate weight; only its execution site does. The cache decides what is absent under its lock and asks the
+placement which of those experts the CPU site takes (``Request.acquire(..., place=...)``,
+runmap/residency/cache.py); they are never leased, transferred or published.
+
+``auto`` rule. Moving an absent expert costs ``row_bytes / h2d_rate`` once; it then stays resident for the uses
+that follow until it is evicted. Computing it on the CPU costs ``row_bytes / cpu_rate`` at each use (a decode
+step reads the whole expert once, whatever the few tokens). If a resident expert is routed again with
+probability ``h`` at each later routing of its layer (the cache's measured hit rate), a transferred expert
+serves ``1 / (1 - h)`` uses in expectation, so the transfer wins when
+
+    row_bytes / h2d_rate  <  (row_bytes / cpu_rate) / (1 - h)    <=>    h  >  1 - h2d_rate / cpu_rate
+
+so a link at least as fast as the CPU site always transfers, and a slower link transfers only where reuse is
+likely enough. Not modelled: that CPU work and transfers could run at once (a split of one step's misses
+between both sites), and a batch's tokens sharing a CPU expert (the CPU cost is per expert read, as the
+transfer's is). The rates are measured on this machine when the
+engine is built (``measure_costs``); ``h`` is the cache's own running hit rate over the routings it has served
+(hits over hits + misses + CPU-site experts), starting from 0 (no evidence of reuse yet). The plan (rates,
+threshold, decisions so far) is in the engine's telemetry and printed by the CLI.
+"""
+from __future__ import annotations
+
+import dataclasses
+import time
+
+import torch
+
+PLACEMENTS = ("gpu", "cpu", "auto")
+
+
+class PlacementError(ValueError):
+    """A placement that cannot be built (unknown name, a device executor missing, no CPU int4 kernel)."""
+
+
+@dataclasses.dataclass(frozen=True)
+class PlacementCosts:
+    """Measured rates (GB/s of qpacked expert bytes) behind an ``auto`` placement."""
+
+    h2d_gb_s: float  # moving one expert row host -> device through the cache's transport path (pinned copy)
+    cpu_gb_s: float  # the CPU site computing one expert for one token (batch-1 decode), repacked already
+    row_bytes: int
+    source: str  # how they were measured
+
+    def to_dict(self) -> dict:
+        return dataclasses.asdict(self)
+
+
+def _best_seconds(fn, repeats: int) -> float:
+    best = float("inf")
+    for _ in range(repeats):
+        t0 = time.perf_counter()
+        fn()
+        best = min(best, time.perf_counter() - t0)
+    return best
+
+
+def measure_costs(site, host, device: torch.device, layer: int = 0, repeats: int = 5) -> PlacementCosts:
+    """Time the CPU site on one expert at batch 1 and a host -> device copy of that expert's row (pinned
+    staging on CUDA, as the miss path copies; a host copy on a CPU device). Best of ``repeats`` each."""
+    row = host.row_tensor(layer, 0)  # uint8 (row_bytes,) CPU, the immutable host source
+    nbytes = int(row.numel())
+    x = torch.randn(1, host.layout.hidden_size).to(torch.float16)  # (1, H): a decode token
+    site.expert(layer, 0)  # the one-time repack is not part of the rate
+    cpu_s = _best_seconds(lambda: site.expert_output(layer, 0, x), repeats)
+    if device.type == "cuda":
+        staging = torch.empty(nbytes, dtype=torch.uint8, pin_memory=True)
+        staging.copy_(row)
+        dst = torch.empty(nbytes, dtype=torch.uint8, device=device)
+
+        def copy():
+            dst.copy_(staging, non_blocking=True)
+            torch.cuda.synchronize(device)
+        copy()
+        h2d_s = _best_seconds(copy, repeats)
+        how = "best of %d: one expert row pinned host -> device; the CPU site on one expert at batch 1" % repeats
+    else:
+        dst = torch.empty_like(row)
+        h2d_s = _best_seconds(lambda: dst.copy_(row), repeats)
+        how = "best of %d: one expert row host copy (CPU device); the CPU site on one expert at batch 1" % repeats
+    return PlacementCosts(h2d_gb_s=nbytes / max(h2d_s, 1e-9) / 1e9, cpu_gb_s=nbytes / max(cpu_s, 1e-9) / 1e9,
+                          row_bytes=nbytes, source=how)
+
+
+class Placement:
+    """Base: decides, under the cache's lock, which absent experts the CPU site computes."""
+
+    name = "gpu"
+
+    def __call__(self, absent: tuple) -> tuple:
+        return ()
+
+    def describe(self) -> dict:
+        return {"mode": self.name}
+
+
+class CpuPlacement(Placement):
+    """Every absent expert is computed on the CPU: nothing is ever transferred after startup."""
+
+    name = "cpu"
+
+    def __call__(self, absent: tuple) -> tuple:
+        return absent
+
+
+class AutoPlacement(Placement):
+    """Per absent expert, transfer or compute on the CPU from measured costs (module docstring)."""
+
+    name = "auto"
+
+    def __init__(self, costs: PlacementCosts, counters):
+        self.costs = costs
+        self.counters = counters  # the cache's counters (hits, misses, cpu_site_experts), read at each decision
+        self.decisions = {"transfer": 0, "cpu": 0}
+
+    def hit_rate(self) -> float:
+        c = self.counters
+        seen = c["hits"] + c["misses"] + c["cpu_site_experts"]
+        return c["hits"] / seen if seen else 0.0
+
+    def transfer(self, h: float) -> bool:
+        """True when moving an absent expert is expected to cost less than computing each of its uses on the CPU:
+        (1 / h2d) < (1 / cpu) / (1 - h), per byte."""
+        return (1.0 - h) / self.costs.h2d_gb_s < 1.0 / self.costs.cpu_gb_s
+
+    def __call__(self, absent: tuple) -> tuple:
+        if self.transfer(self.hit_rate()):
+            self.decisions["transfer"] += len(absent)
+            return ()
+        self.decisions["cpu"] += len(absent)
+        return absent
+
+    def describe(self) -> dict:
+        h = self.hit_rate()
+        return {"mode": self.name, "costs": self.costs.to_dict(), "hit_rate": h,
+                "transfer_if_hit_rate_above": max(0.0, 1.0 - self.costs.h2d_gb_s / self.costs.cpu_gb_s),
+                "now": "transfer" if self.transfer(h) else "cpu", "decisions": dict(self.decisions)}
+
+
+def make_placement(name: str, *, cache=None, site=None, costs: PlacementCosts | None = None) -> Placement:
+    """The placement registered under ``name`` (PLACEMENTS). ``auto`` measures its costs on ``cache``'s host
+    source and device through ``site`` (a runmap.kernels.cpu_int4.CpuExpertSite) unless ``costs`` is given."""
+    if name not in PLACEMENTS:
+        raise PlacementError(f"expert placement {name!r}: choose one of {', '.join(PLACEMENTS)}")
+    if name == "gpu":
+        return Placement()
+    if name == "cpu":
+        return CpuPlacement()
+    if costs is None:
+        costs = measure_costs(site, cache.host, cache.device)
+    return AutoPlacement(costs, cache.counters)
