@@ -34,6 +34,9 @@ def test_contract_holds_for_the_cache(test_device):
     # mixed placements (issue 25): some absent experts at the CPU site, some transferred, failures in either
     assert stats.rules["placed_on_cpu"] > 0 and stats.rules["placed_none_on_cpu"] > 0
     assert stats.outcomes["block_cpu-site-interrupt"] > 0 and stats.outcomes["block_cpu-site"] > 0
+    # next-layer prefetch (issue 24 item 5): published, skipped for room, aborted, interrupted, all resident
+    for outcome in ("miss", "busy", "abort", "interrupt", "resident"):
+        assert stats.outcomes[f"prefetch_{outcome}"] > 0, outcome
 
 
 @pytest.mark.parametrize("name", sorted(cm.MUTANTS))

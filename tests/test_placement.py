@@ -223,3 +223,38 @@ def test_cli_logits_prints_the_plan_and_writes_valid_telemetry(packs, tmp_path, 
     with pytest.raises(SystemExit) as exit_:
         main(["logits", "--packed", str(pack), "--tokens", "5,6", "--expert-placement", "disk", "--out", str(out)])
     assert exit_.value.code == 2 and "--expert-placement: invalid choice: 'disk'" in capsys.readouterr().err
+
+
+# ---- next-layer prefetch (issue 24 items 4 and 7) ---------------------------------------------------------------
+
+@pytest.mark.parametrize("preset", PRESETS)
+def test_prefetch_changes_no_logit_and_predicts_some_experts(packs, full_logits, preset):
+    """With the reference executor the rows an expert sits in cannot change a result, so logits with prefetch on
+    equal prefetch off exactly; the prediction (layer L+1's router on layer L's input) is right for some experts."""
+    pack, cfg = packs[preset]
+    resident = (cfg.top_k + cfg.num_experts) // 2
+    outs, counters = {}, {}
+    for on in (False, True):
+        eng = _engine(pack, resident=resident, prefetch=on)
+        try:
+            outs[on] = eng.logits(_prompt(cfg))
+            counters[on] = dict(eng.experts.cache.counters)
+            assert eng.experts.cache.outstanding_leases() == 0 and not eng.use_segments
+        finally:
+            eng.close()
+    assert torch.equal(outs[True], outs[False])
+    _close_to(outs[True], full_logits[preset], f"{preset} prefetch")
+    on, off = counters[True], counters[False]
+    assert off["prefetches"] == 0 and on["prefetches"] > 0 and on["prefetched_experts"] >= on["prefetches"]
+    assert 0 < on["prefetch_used"] <= on["prefetched_experts"]
+    assert on["misses"] < off["misses"]  # predicted experts were resident when their layer routed to them
+
+
+def test_prefetch_refusals(packs):
+    from runmap.engine.engine import EngineError
+
+    pack, cfg = packs["tiny-olmoe"]
+    with pytest.raises(EngineError, match="needs partial residency"):
+        _engine(pack, prefetch=True)
+    with pytest.raises(EngineError, match="checkpoint's own routing"):
+        _engine(pack, resident=cfg.top_k, prefetch=True, routing="calibrated")

@@ -36,6 +36,11 @@ def add_residency_arguments(p) -> None:
                         "copy, CPU expert) and the cache's hit rate say is cheaper; the plan is printed. The route "
                         "never changes, only where each routed expert runs (docs/engine.md)")
 
+    p.add_argument("--prefetch", action="store_true",
+                   help="partial residency: while a layer computes, move the experts the next layer's router predicts "
+                        "from this layer's input (a miss transaction with no lease; a wrong guess costs bandwidth, "
+                        "never a result). Off by default; needs the checkpoint's own routing")
+
 
 def placement_line(eng) -> str | None:
     """One line describing an engine's expert placement (None for the default, gpu)."""

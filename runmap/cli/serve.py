@@ -90,6 +90,8 @@ def _command(pack, args) -> str:
         parts += ["--gpu-budget", str(args.gpu_budget)]
     if args.expert_placement != "gpu":
         parts += ["--expert-placement", args.expert_placement]
+    if args.prefetch:
+        parts.append("--prefetch")
     return " ".join(shlex.quote(p) for p in parts)
 
 
@@ -136,7 +138,8 @@ def run(args) -> int:
     def load():
         # under --gpu-budget the engine plans again (the same plan as printed) and caps torch's allocator at it
         return Engine.from_pack(pack, executor=args.executor, device=args.device, max_batch=args.max_batch,
-                                max_seq_len=args.max_seq_len, expert_placement=args.expert_placement, **(
+                                max_seq_len=args.max_seq_len, expert_placement=args.expert_placement,
+                                prefetch=args.prefetch, **(
                                     {"gpu_budget": args.gpu_budget}
                                     if args.gpu_budget is not None else {"resident": resident}))
 

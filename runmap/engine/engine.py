@@ -79,6 +79,7 @@ from __future__ import annotations
 
 import contextlib
 import time
+from collections import Counter
 
 import numpy as np
 import torch
@@ -109,6 +110,16 @@ def _moe_experts():
     return moe_experts
 
 
+def _next_layer_predictor(model, cfg):
+    """predict(layer, x) -> int64 (N, k): layer + 1's router applied to layer's MoE input x (fp16 (N, H)), the
+    published next-layer prediction (the residual stream changes little between adjacent layers)."""
+    from runmap.engine.model import route
+
+    def predict(layer, x):
+        return route(x, model.w.layers[layer + 1].router32, cfg.top_k, cfg.norm_topk_prob)[0]
+    return predict
+
+
 # ---- routed-experts backends -------------------------------------------------------------------------
 
 class CachedExperts:
@@ -125,6 +136,9 @@ class CachedExperts:
         self.cpu_site = None  # a CPU-site executor's repacked experts (runmap.kernels.cpu_int4), built on first use
         # where absent experts are computed (runmap.engine.placement): None = the miss transaction (gpu)
         self.placement = None
+        # next-layer prefetch (issue 24 item 4): predict(layer, x) -> int64 (N, k) expert ids of layer + 1 from layer's
+        # MoE input, or None (off)
+        self.predict = None
         if self.full:
             self.tables = [cache.static_row_table(l) for l in range(self.num_layers)]  # int32 (E,) each
         self.storage = [cache.storage(l) for l in range(self.num_layers)]  # uint8 (R, row_bytes) each
@@ -160,9 +174,14 @@ class CachedExperts:
             with self.cache.monitored():
                 return self.moe(self.executor, x, ids, gw, self.storage[layer], self.tables[layer], self.layout,
                                 validate=self.validate)
+        nxt = None
+        if self.predict is not None and layer + 1 < self.num_layers:
+            nxt = self.predict(layer, x)  # (N, k) device: queued before this layer's experts, read with ids below
         ids_h = ids.cpu()  # host decision: which experts to lease (partial residency only)
         if self.placement is not None:
             return self._placed(layer, x, ids, gw, ids_h)
+        if nxt is not None:
+            nxt = nxt.cpu()
         groups = self._groups(ids_h)
         whole = len(groups) == 1  # one group (the usual decode case): no gather / scatter
         out = x if whole else torch.empty_like(x)
@@ -185,7 +204,20 @@ class CachedExperts:
                 # and any later copy into a row it frees waits for that event on the transfer stream
                 # (CudaTransport.note_release), so no row is rewritten while a queued kernel may still read it.
                 req.release()
+        if nxt is not None:  # the next layer's predicted experts move while the device computes this layer's
+            self.prefetch(layer + 1, nxt)
         return out
+
+    def prefetch(self, layer, predicted):
+        """Publish the predicted experts of ``layer`` (int64 (N, k) host) that are absent, most often predicted
+        first, at most max_group of them (the cache's prefetch: a miss transaction with no lease; a prediction
+        that finds no room or fails before publication is dropped, never an error of the request)."""
+        counts = Counter(predicted.reshape(-1).tolist())
+        group = [e for e, _ in counts.most_common(self.cache.max_group)]
+        bytes0, t0 = self.cache.counters["bytes_h2d"], time.perf_counter()
+        self.cache.prefetch(layer, group)
+        if self.cache.counters["bytes_h2d"] != bytes0:
+            self.h2d_seconds += time.perf_counter() - t0
 
     def site(self):
         """The CPU site over the cache's host source (runmap.kernels.cpu_int4.CpuExpertSite), built on first use."""
@@ -584,7 +616,7 @@ class Engine:
         # a CPU-site placement runs the per-call path (its device part is not captured; issue 25 item 2 leaves the
         # segment chain with mixed sites for later)
         self.use_segments = bool(segments and isinstance(experts, CachedExperts) and not experts.full
-                                 and not self.skip_experts and experts.placement is None
+                                 and not self.skip_experts and experts.placement is None and experts.predict is None
                                  and ((device.type == "cuda" and executor in GRAPH_EXECUTORS) or segments == "eager"))
         self._graphs: dict[int, GraphDecoder] = {}
         self._segments: dict[int, SegmentDecoder] = {}
@@ -621,7 +653,7 @@ class Engine:
                   skip_experts: bool = False, verify_pack: bool | None = None, routing: str = "model",
                   routing_seed: int = 0, record_routes: bool = False, cache_contract: str = "v1",
                   segments=True, gpu_budget: int | None = None, budget_kv_rows: int | None = None,
-                  expert_placement: str = "gpu") -> "Engine":
+                  expert_placement: str = "gpu", prefetch: bool = False) -> "Engine":
         from runmap.format.packfile import PackReader
         from runmap.engine.tokenization import Tokenizer
 
@@ -746,6 +778,14 @@ class Engine:
                 else:
                     cache = ExpertCache.from_pack(reader, **kw)
                 experts = CachedExperts(cache, executor, layout, cfg.top_k)
+                if prefetch:
+                    if resident == E or spec.kind != "model":
+                        reader.close()
+                        raise EngineError(
+                            "prefetch predicts the next layer's experts with its router: it needs partial residency "
+                            f"and the checkpoint's own routing (got resident={resident} of {E}, routing "
+                            f"{spec.name!r}; a routing workload's own next-step prediction is not implemented)")
+                    experts.predict = _next_layer_predictor(model, cfg)
                 if expert_placement != "gpu":
                     from runmap.engine.placement import make_placement
 

@@ -20,6 +20,12 @@ Vocabulary
   from the immutable host source; they are left out of the lease (no row, no transfer, no publication, no
   eviction on their behalf) and counted in ``cpu_site_experts``, never in hits or misses. The route is unchanged:
   every routed expert is computed, on the GPU from a leased row or on the CPU from the host source.
+* **Prefetch** (``cache.prefetch(layer, ids)``): a miss transaction for a *predicted* group (the next layer's
+  experts, before its routing is known), with every rule of one (spares, staging, all copies complete before one
+  atomic publication, leases protected) but no lease. A prediction never fails a request: a prefetch that finds
+  no room is skipped (``prefetches_skipped``, after the busy refusal it counts) and one whose copies fail before
+  publication is aborted as any transaction and reported, not raised (``prefetches_aborted``); a failure after
+  publication faults the cache as always. ``prefetch_used`` counts prefetched experts a later lease used.
 * **Failures**: before publication -> ``TransactionAborted`` (spares and staging back, rows with an
   unfinished copy fenced until its event completes, the old generation stays authoritative); after
   publication -> FAULTED, every later admission or acquisition raises ``CacheFaultedError``.
@@ -168,7 +174,10 @@ class ExpertCache:
         self.counters = Counter({k: 0 for k in (
             "requests_admitted", "requests_released", "leases", "hits", "misses", "all_hit_leases",
             "transactions", "transactions_aborted", "busy_refusals", "bytes_h2d", "staging_reuses",
-            "staging_waits", "evictions", "rows_recycled", "rows_fenced", "faults", "cpu_site_experts")})
+            "staging_waits", "evictions", "rows_recycled", "rows_fenced", "faults", "cpu_site_experts",
+            "prefetches", "prefetched_experts", "prefetches_skipped", "prefetches_aborted", "prefetch_used")})
+        # per layer: experts a prefetch published that no lease has used yet (prefetch accuracy)
+        self._prefetched: list[set[int]] = [set() for _ in range(self.num_layers)]
         self._storage = [self.transport.alloc_storage(self.rows_per_layer, self.row_bytes)
                          for _ in range(self.num_layers)]  # per layer (R, row_bytes)
         self.copy_monitor = (ExpertCopyMonitor("function" if copy_monitor is True else copy_monitor)
@@ -281,6 +290,37 @@ class ExpertCache:
             self.counters["requests_admitted"] += 1
             return req
 
+    def prefetch(self, layer: int, expert_ids) -> tuple:
+        """Publish the experts of a predicted group (``expert_ids``: int tensor, array or iterable) that are not
+        mapped in the current generation, through a miss transaction with no lease. Returns the experts it
+        published (sorted; empty when all were resident, or when the prefetch was skipped or aborted).
+        Raises CacheFaultedError when FAULTED or when the publication's aftermath fails; a BaseException
+        (an interrupt) raised inside the transaction propagates after the abort, as for any transaction."""
+        with self._lock, self._watch():
+            self._check_faulted()
+            group = self._group(layer, expert_ids)
+            self._tick += 1
+            cur = self._current
+            missing = [e for e in group if e not in cur.maps[layer]]
+            if not missing:
+                return ()
+            try:
+                with self._watch(transaction=True):
+                    self._transaction(layer, group, cur, missing)
+            except CacheBusyError:
+                self.counters["prefetches_skipped"] += 1
+                return ()
+            except TransactionAborted:
+                self.counters["prefetches_aborted"] += 1
+                return ()
+            self.counters["prefetches"] += 1
+            self.counters["prefetched_experts"] += len(missing)
+            self._prefetched[layer].update(missing)
+            # the predicted experts count as used now, so that the eviction policy keeps them for the routing
+            # that follows (LRU: most recent)
+            self.policy.touch(layer, tuple(missing), self._tick)
+            return tuple(missing)
+
     def monitored(self):
         """Context manager: copies out of expert storage made inside the block (e.g. by the code that reads
         a lease's rows) count in the ``expert_d2h_bytes`` and ``writebacks`` observations."""
@@ -358,6 +398,10 @@ class ExpertCache:
             self.counters["hits"] += len(group) - nmiss
             self.counters["misses"] += nmiss
             self.counters["cpu_site_experts"] += len(on_cpu)
+            used = self._prefetched[layer].intersection(group)
+            if used:
+                self.counters["prefetch_used"] += len(used)
+                self._prefetched[layer] -= used
             self.counters["leases"] += 1
             self.policy.touch(layer, group, self._tick)
             self._leased[layer].update(group)
@@ -537,6 +581,7 @@ class ExpertCache:
             self.counters["transactions"] += 1
             for v in victims:
                 self._retire(layer, mapped[v], v, gen.number)
+            self._prefetched[layer].difference_update(victims)  # evicted before any lease used it: wasted
             for e, r in zip(missing, rows):
                 self._since[layer][r] = gen.number
             self.counters["evictions"] += len(victims)
@@ -544,6 +589,9 @@ class ExpertCache:
                 self.transport.after_publish()
             except BaseException as exc:  # published, outcome unknown: FAULTED, whatever was raised
                 self._fault(exc)
+                # the publication stands: its victims' rows are reclaimed as after any publication (a prefetch may
+                # publish with no live request, and nothing else would reclaim them)
+                self._reclaim_retiring(layer)
                 if not isinstance(exc, Exception):
                     raise
                 raise CacheFaultedError(

@@ -516,6 +516,23 @@ class CpuPlacedAsHits(ExpertCache):
         return lease
 
 
+class PublishPrefetchEarly(ExpertCache):
+    """A prefetch publishes its predicted rows without waiting for their copies (it is "only a prediction")."""
+
+    _early = False
+
+    def prefetch(self, layer, expert_ids):
+        self._early = True
+        try:
+            return super().prefetch(layer, expert_ids)
+        finally:
+            self._early = False
+
+    def _wait_all(self, submitted):
+        if not self._early:
+            super()._wait_all(submitted)
+
+
 MUTANTS = {
     "publish-before-transfer": PublishBeforeTransfer,
     "recycle-with-live-lease": RecycleWithLiveLease,
@@ -531,6 +548,7 @@ MUTANTS = {
     "writeback-on-evict": WritebackOnEvict,
     "transfer-cpu-placed": TransferCpuPlaced,
     "cpu-placed-as-hits": CpuPlacedAsHits,
+    "publish-prefetch-early": PublishPrefetchEarly,
 }
 # broken transports, run with the real cache (CUDA-events mode only: a controlled transport would hide them)
 TRANSPORT_MUTANTS = {"event-before-copy": EventBeforeCopyTransport}
@@ -561,13 +579,14 @@ INVARIANTS = (
     "generations_strictly_increase", "abort_keeps_generation", "faulted_admits_nothing",
     "required_zero_observations", "lease_gets_exactly_its_group", "eviction_respects_leases",
     "spares_only_from_free_rows", "counters_match_model", "request_block_gives_everything_back",
-    "cpu_site_experts_never_leased",
+    "cpu_site_experts_never_leased", "prefetch_publishes_like_a_miss",
 )
 CUDA_INVARIANTS = ("events_fence_their_copies",)  # checked in the cuda mode only
 MODEL_COUNTERS = ("hits", "misses", "bytes_h2d", "bytes_h2d_transport", "evictions", "leases_outstanding",
                   "staging_free", "transactions", "transactions_aborted", "busy_refusals", "faults",
                   "requests_admitted", "requests_released", "leases", "all_hit_leases", "rows_fenced", "rows_recycled",
-                  "cpu_site_experts")
+                  "cpu_site_experts", "prefetches", "prefetched_experts", "prefetches_skipped", "prefetches_aborted",
+                  "prefetch_used")
 # where a request block's body raises (besides acquire): the device kernel, or the CPU site computing the experts a
 # mixed placement gave it (as an Exception or a BaseException)
 BLOCK_RAISES = (None, "kernel", "kernel-interrupt", "cpu-site", "cpu-site-interrupt")
@@ -650,6 +669,7 @@ class CacheContractMachine(RuleBasedStateMachine):
         self.since = [{r: self.gen for r in self.history[self.gen][lay].values()} for lay in range(layers)]
         self.retiring = [[] for _ in range(layers)]  # (row, since, until)
         self.fenced = [[] for _ in range(layers)]  # (row, fake event)
+        self.prefetched = [set() for _ in range(layers)]  # experts a prefetch published that no lease used yet
         self.reqs: dict[int, _Req] = {}
         self.faulted = False
         self.last_use = {(lay, e): 0 for lay in range(layers) for e in self.history[self.gen][lay]}
@@ -784,37 +804,7 @@ class CacheContractMachine(RuleBasedStateMachine):
             if n_evict > len(candidates) or len(missing) > len(free):
                 expect = "busy"
             else:
-                expect, moved = "miss", len(missing)
-                fail = None
-                if self.controlled:  # a failure is drawn only for a transaction, so every injection meets one
-                    fail = d(st.one_of(st.none(), st.sampled_from(FAIL_KINDS)), label="fail")
-                if fail is not None:  # k-th operation of that kind; table and after_publish happen once
-                    fail = (fail, d(st.sampled_from([0, 1, 1, 2]), label="k")
-                            if fail in ("stage", "submit", "copy", "wait") else 0)
-                    interrupt = fail[0] in INTERRUPTIBLE and d(st.integers(0, 2), label="interrupt") == 0
-                    self.transport.arm(*fail, interrupt=interrupt)
-                    self.stats.rules[f"inject_{fail[0]}"] += 1
-                    if interrupt:
-                        self.stats.rules["inject_interrupt"] += 1
-                elif self.controlled:
-                    self.transport.arm(None)
-                kind, k = fail if fail else (None, 0)
-                n = len(missing)
-                if kind in ("stage", "submit") and k < n:
-                    expect, moved = "abort", k
-                elif kind == "copy" and k < n:
-                    expect = "abort"
-                elif kind == "wait":
-                    # Buffers still busy with aborted copies are waited for while they are taken (before any
-                    # copy), and each such wait may complete other copies first, in an order the model does not
-                    # draw: whether the k-th wait falls there, in the final waits, or never, is read afterwards.
-                    expect = "wait?"
-                elif kind == "table" and k == 0:
-                    expect = "abort"
-                elif kind == "after_publish" and k == 0:
-                    expect = "fault"
-                if expect not in ("abort", "fault", "wait?"):
-                    interrupt = False
+                expect, moved, interrupt = self._arm_failure(d, missing)
         n_events = len(self.transport.events) if self.controlled else 0
         # act ------------------------------------------------------------------------------------------
         lease, exc = None, None
@@ -902,6 +892,9 @@ class CacheContractMachine(RuleBasedStateMachine):
         self.m["hits"] += len(group) - len(missing)
         self.m["misses"] += len(missing)
         self.m["cpu_site_experts"] += len(on_cpu)
+        used = self.prefetched[layer] & set(group)
+        self.m["prefetch_used"] += len(used)
+        self.prefetched[layer] -= used
         self.m["leases"] += 1
         self.m["all_hit_leases"] += expect == "hit"
         if lease_gen > r.gen:
@@ -912,6 +905,43 @@ class CacheContractMachine(RuleBasedStateMachine):
         for e in group:
             self.last_use[(layer, e)] = self.clock
         return got, None, lease
+
+    def _arm_failure(self, d, missing):
+        """Draw whether the transaction for ``missing`` fails, where (the k-th operation of a kind), and whether as
+        a BaseException; arm the controlled transport. Returns (expected outcome, rows predicted to be submitted,
+        interrupt)."""
+        expect, moved, interrupt = "miss", len(missing), False
+        fail = None
+        if self.controlled:  # a failure is drawn only for a transaction, so every injection meets one
+            fail = d(st.one_of(st.none(), st.sampled_from(FAIL_KINDS)), label="fail")
+        if fail is not None:  # k-th operation of that kind; table and after_publish happen once
+            fail = (fail, d(st.sampled_from([0, 1, 1, 2]), label="k")
+                    if fail in ("stage", "submit", "copy", "wait") else 0)
+            interrupt = fail[0] in INTERRUPTIBLE and d(st.integers(0, 2), label="interrupt") == 0
+            self.transport.arm(*fail, interrupt=interrupt)
+            self.stats.rules[f"inject_{fail[0]}"] += 1
+            if interrupt:
+                self.stats.rules["inject_interrupt"] += 1
+        elif self.controlled:
+            self.transport.arm(None)
+        kind, k = fail if fail else (None, 0)
+        n = len(missing)
+        if kind in ("stage", "submit") and k < n:
+            expect, moved = "abort", k
+        elif kind == "copy" and k < n:
+            expect = "abort"
+        elif kind == "wait":
+            # Buffers still busy with aborted copies are waited for while they are taken (before any
+            # copy), and each such wait may complete other copies first, in an order the model does not
+            # draw: whether the k-th wait falls there, in the final waits, or never, is read afterwards.
+            expect = "wait?"
+        elif kind == "table" and k == 0:
+            expect = "abort"
+        elif kind == "after_publish" and k == 0:
+            expect = "fault"
+        if expect not in ("abort", "fault", "wait?"):
+            interrupt = False
+        return expect, moved, interrupt
 
     def _row_of(self, layer, dst):
         base = self.cache.storage(layer)
@@ -940,6 +970,7 @@ class CacheContractMachine(RuleBasedStateMachine):
         free = self._model_free(layer)
         check(new_rows <= free, f"new rows {sorted(new_rows)} were not free spares (free: {sorted(free)})")
         self._note("spares_only_from_free_rows")
+        self.prefetched[layer] -= victims  # evicted before any lease used them
         for v in victims:
             self.retiring[layer].append((cur_map[v], self.since[layer].pop(cur_map[v]), new_gen))
         for e in missing:
@@ -1033,6 +1064,98 @@ class CacheContractMachine(RuleBasedStateMachine):
                   f"model {sorted(self._leased(lay))} (before the block {sorted(before[lay])})")
         check(self.cache.staging_reserved() == 0, f"request block ({ended}): staging buffers still reserved")
         self._note("request_block_gives_everything_back")
+
+    # not once FAULTED: every call then raises CacheFaultedError (the acquire rule checks that), and the rule
+    # would crowd out the others for the rest of the example
+    @precondition(lambda self: self.cache is not None and not self.cache.full_residency and not self.faulted)
+    @rule(data=st.data())
+    def prefetch(self, data):
+        """A predicted group published ahead of its routing (next-layer prefetch), possibly while requests hold
+        leases, with the same failure injection as a miss: skipped without room, aborted and reported (never
+        raised) before publication, FAULTED after it; no lease, no hit or miss."""
+        self._step("prefetch")
+        d = data.draw
+        layer = d(st.integers(0, self.L - 1), label="layer")
+        group = tuple(sorted(d(st.sets(st.integers(0, self.E - 1), min_size=1, max_size=self.max_group),
+                               label="predicted")))
+        cur_map = self.history[self.gen][layer]
+        missing, n_evict, moved, interrupt = [e for e in group if e not in cur_map], 0, 0, False
+        if self.faulted:
+            expect = "faulted"
+        elif not missing:
+            expect = "resident"
+        else:
+            n_evict = len(cur_map) + len(missing) - self.resident
+            candidates = [e for e in cur_map if e not in group and e not in self._leased(layer)]
+            if n_evict > len(candidates) or len(missing) > len(self._model_free(layer)):
+                expect = "busy"
+            else:
+                expect, moved, interrupt = self._arm_failure(d, missing)
+        n_events = len(self.transport.events) if self.controlled else 0
+        gen_before = self.cache.generation
+        got, published = "ok", None
+        try:
+            published = self.cache.prefetch(layer, torch.tensor(group))
+        except CacheFaultedError:
+            got = "faulted" if expect == "faulted" else "fault"
+        except InjectedInterrupt:
+            got = "interrupt"
+        except ContractViolation:
+            raise
+        except Exception as e:
+            raise ContractViolation(f"prefetch raised {type(e).__name__}: {e} (a prediction must not fail a request)") from e
+        if expect == "wait?":
+            if self.transport.fired == "wait":
+                moved = len(self.transport.events) - n_events
+                check(moved in (0, len(missing)), f"an event wait failed after {moved} of {len(missing)} copies")
+                expect = "abort"
+            else:
+                expect, interrupt = "miss", False
+        if self.controlled:
+            self.transport.arm(None)
+        self._check_events()
+        self.stats.outcomes[f"prefetch_{expect if not interrupt else 'interrupt'}"] += 1
+        if interrupt:
+            check(got == "interrupt", f"prefetch {group}: an injected interrupt ({expect} point) surfaced as {got}")
+        elif expect in ("fault", "faulted"):
+            check(got == expect, f"prefetch {group}: expected {expect}, got {got}")
+        else:
+            check(got == "ok", f"prefetch {group}: expected {expect}, got {got}")
+            want = tuple(missing) if expect == "miss" else ()
+            check(published == want, f"prefetch {group}: published {published}, expected {want} ({expect})")
+        self.m["bytes_h2d"] += moved * self.layout.row_bytes
+        self.m["bytes_h2d_transport"] += moved * self.layout.row_bytes
+        if expect == "busy":
+            self.m["busy_refusals"] += 1
+            self.m["prefetches_skipped"] += 1
+        if expect in ("busy", "abort", "faulted", "resident"):
+            check(self.cache.generation == gen_before, f"prefetch {expect}: generation moved {gen_before} -> "
+                                                       f"{self.cache.generation}")
+        if expect == "abort":
+            self.m["transactions_aborted"] += 1
+            if not interrupt:
+                self.m["prefetches_aborted"] += 1
+            left = [ev for ev in self.transport.events[n_events:] if ev.state == "pending"]
+            for ev in left:
+                self.fenced[layer].append((self._row_of(layer, ev.dst), ev))
+            self.m["rows_fenced"] += len(left)
+            return
+        if expect in ("miss", "fault"):
+            self._check_publication(layer, group, missing, n_evict, cur_map)
+            self.m["transactions"] += 1
+            self.m["evictions"] += max(n_evict, 0)
+            self._note("prefetch_publishes_like_a_miss")
+        if expect == "fault":
+            self.m["faults"] += 1
+            self.faulted = True
+            return
+        if expect == "miss":
+            self.m["prefetches"] += 1
+            self.m["prefetched_experts"] += len(missing)
+            self.prefetched[layer] |= set(missing)
+            self.clock += 1
+            for e in missing:
+                self.last_use[(layer, e)] = self.clock
 
     @precondition(lambda self: self.cache is not None and self.cache.full_residency and bool(self.reqs))
     @rule(data=st.data())
