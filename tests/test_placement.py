@@ -258,3 +258,38 @@ def test_prefetch_refusals(packs):
         _engine(pack, prefetch=True)
     with pytest.raises(EngineError, match="checkpoint's own routing"):
         _engine(pack, resident=cfg.top_k, prefetch=True, routing="calibrated")
+
+
+def test_bench_records_carry_the_placement_and_prefetch(packs, tmp_path):
+    """runmap bench: the run parameters expert_placement / prefetch reach the engine, the record's config and id,
+    and a `sites` block with what the CPU site and the prefetch did (schema-valid)."""
+    from runmap.bench import campaign as bench
+    from runmap.conformance.schemas import validate_document
+
+    pack, cfg = packs["tiny-olmoe"]
+    spec = {"name": "pl", "description": "placement", "device": "cpu",
+            "defaults": {"repeats": 1, "warmup": 0},
+            "models": {"m": {"preset": "tiny-olmoe", "pack": str(pack)}},
+            "groups": [{"name": "cpu", "kind": "engine", "models": ["m"], "resident": [cfg.top_k],
+                        "executors": ["reference"], "batch": [1], "prompt_len": 6, "decode_len": 4,
+                        "params": {"expert_placement": "cpu"}},
+                       {"name": "pf", "kind": "engine", "models": ["m"], "resident": [6],
+                        "executors": ["reference"], "batch": [1], "prompt_len": 6, "decode_len": 4,
+                        "params": {"prefetch": True}},
+                       {"name": "plain", "kind": "engine", "models": ["m"], "resident": [6],
+                        "executors": ["reference"], "batch": [1], "prompt_len": 6, "decode_len": 4}]}
+    summary = bench.run_campaign(spec, tmp_path, progress=False, measure_bandwidth=False, command="pytest")
+    assert not summary["failed"], summary["failed"]
+    recs = {r["group"]: r for r in bench.load_records(tmp_path / "pl")}
+    for r in recs.values():
+        assert validate_document({k: v for k, v in r.items() if k != "_path"}, "bench-record.schema.json") == []
+    cpu, pf, plain = recs["cpu"], recs["pf"], recs["plain"]
+    assert cpu["id"].endswith("__placement-cpu") and cpu["config"]["expert_placement"] == "cpu"
+    assert cpu["sites"]["cpu_site_experts"] > 0 and cpu["sites"]["placement"]["mode"] == "cpu"
+    assert cpu["cache_stats"]["misses"]["value"] == 0  # nothing transferred after startup
+    assert pf["id"].endswith("__prefetch") and pf["config"]["prefetch"] is True
+    s = pf["sites"]
+    assert s["prefetch"] is True and s["prefetched_experts"] >= s["prefetch_used"] >= 0
+    if s["prefetched_experts"]:
+        assert s["prefetch_accuracy"] == pytest.approx(s["prefetch_used"] / s["prefetched_experts"])
+    assert "sites" not in plain and plain["config"]["expert_placement"] == "gpu" and plain["config"]["prefetch"] is False

@@ -76,10 +76,29 @@ from runmap.residency.regimes import regime_of
 DEFAULT_PARAMS = {"repeats": 3, "warmup": 1, "warmup_new_tokens": 4, "policy": "lru", "seed": 0,
                   "cuda_graphs": True, "fused": True, "skip_experts": False, "check": False,
                   "check_prompt_len": 24, "check_tolerance": 0.01, "routing": "model",
-                  "cache_contract": "v1", "gpu_budget": None,
+                  "cache_contract": "v1", "gpu_budget": None, "expert_placement": "gpu", "prefetch": False,
                   "profile": False, "profile_top": 12}
-VARIANT_PARAMS = ("cuda_graphs", "fused", "skip_experts", "routing", "cache_contract")
+VARIANT_PARAMS = ("cuda_graphs", "fused", "skip_experts", "routing", "cache_contract", "expert_placement", "prefetch")
 CHECK_EXECUTOR = "reference"
+
+
+def _site_record(st: EngineStats) -> dict | None:
+    """The record's ``sites`` block from an engine's stats: what the CPU site and next-layer prefetch did over the
+    engine's life (the cache's counters since startup; the placement's measured plan). None when neither was on."""
+    if st.placement is None and not st.prefetch:
+        return None
+    out = {"expert_placement": st.placement["mode"] if st.placement is not None else "gpu", "prefetch": st.prefetch}
+    if st.placement is not None:
+        out["placement"] = dict(st.placement)
+        out["cpu_site_experts"] = st.cpu_site_experts
+    if st.prefetch:
+        n = st.prefetched_experts
+        out.update({"prefetches": st.prefetches, "prefetched_experts": n, "prefetch_used": st.prefetch_used,
+                    "prefetches_skipped": st.prefetches_skipped, "prefetches_aborted": st.prefetches_aborted,
+                    # of the experts a prefetch moved, the share a lease then used, and the bytes of the rest
+                    "prefetch_accuracy": st.prefetch_used / n if n else None,
+                    "prefetch_wasted_bytes": (n - st.prefetch_used) * st.row_bytes})
+    return out
 
 
 class BenchError(RuntimeError):
@@ -187,6 +206,10 @@ def variant_tag(p: dict) -> str:
         parts.append("skipexperts")
     if p.get("cache_contract", "v1") != "v1":
         parts.append("contract-" + p["cache_contract"])
+    if p.get("expert_placement", "gpu") != "gpu":
+        parts.append("placement-" + p["expert_placement"])
+    if p.get("prefetch"):
+        parts.append("prefetch")
     routing = p.get("routing", "model")
     if routing != "model":  # calibrated:qwen2_moe -> routing-calibrated-qwen2-moe; trace:dir/a.json -> routing-trace-a
         name = routing if not routing.startswith("trace:") else "trace:" + Path(routing[6:]).stem
@@ -653,6 +676,9 @@ def run_config(engine: BenchEngine, c: BenchConfig, model_cfg: ModelConfig, ctx:
             # which transformers path a baseline record measured (eager | static-compile); null otherwise
             "hf_mode": HF_KINDS.get(c.kind),
             "cache_contract": p["cache_contract"] if is_engine else None,
+            # where absent experts ran (gpu: transferred; cpu / auto: the CPU site) and next-layer prefetch
+            "expert_placement": p.get("expert_placement", "gpu") if is_engine else None,
+            "prefetch": bool(p.get("prefetch")) if is_engine else None,
             # --gpu-budget: the budget asked for (bytes) and the engine's plan of it, which set `resident`
             "gpu_budget": p.get("gpu_budget"),
             "budget_plan": engine_info.get("budget_plan"),
@@ -691,6 +717,9 @@ def run_config(engine: BenchEngine, c: BenchConfig, model_cfg: ModelConfig, ctx:
     }
     if routing_rec is not None:
         rec["routing"] = routing_rec
+    site = _site_record(s1) if is_engine else None
+    if site is not None:
+        rec["sites"] = site
     if c.kind in HF_KINDS:
         rec["baseline"] = engine.baseline_info(c.batch)
         if rec["baseline"]["hf_mode"] != HF_KINDS[c.kind]:  # never one path's figures under the other's label
@@ -870,6 +899,8 @@ class EngineBuilder:
             fused=True if tuple(p["fused"]) == _fused_tuple(True) else tuple(p["fused"]),
             skip_experts=bool(p["skip_experts"]),
             host_source=shared, routing=p["routing"], routing_seed=p["seed"], cache_contract=p["cache_contract"],
+            expert_placement=p.get("expert_placement", "gpu") if c.kind == "engine" else "gpu",
+            prefetch=bool(p.get("prefetch")) and c.kind == "engine",
             # the replayed hit rates of partial residency need the routes that ran (full residency has no misses)
             record_routes=c.kind == "engine" and c.regime != "full")
         bm.sync(device)

@@ -66,6 +66,16 @@ class EngineStats:
     prefill_hits: int = 0
     prefill_misses: int = 0
     prefill_bytes_h2d: int = 0
+    # where absent experts ran and what next-layer prefetch did (runmap/engine/placement.py; the cache's counters)
+    placement: MappingProxyType | None = None  # the placement's plan (mode, measured rates, decisions); None = gpu
+    prefetch: bool = False
+    cpu_site_experts: int = 0
+    prefetches: int = 0
+    prefetched_experts: int = 0
+    prefetch_used: int = 0
+    prefetches_skipped: int = 0
+    prefetches_aborted: int = 0
+    row_bytes: int = 0
 
     @property
     def hit_rate(self) -> float | None:
@@ -119,7 +129,12 @@ def snapshot(engine, cache: dict | None = None) -> EngineStats:
                                {n: {"status": "UNKNOWN", "unit": OBS_UNITS[n], "reason": FP16_NO_CACHE}
                                 for n in OBS_NAMES}))
     c, cap = cache["counters"], cache["capacity"]
-    return EngineStats(**common, has_cache=True, policy=cache["policy"], hits=c["hits"], misses=c["misses"],
+    placement = getattr(engine.experts, "placement", None)
+    sites = dict(placement=MappingProxyType(placement.describe()) if placement is not None else None,
+                 prefetch=getattr(engine.experts, "predict", None) is not None, row_bytes=cap["row_bytes"],
+                 **{k: c.get(k, 0) for k in ("cpu_site_experts", "prefetches", "prefetched_experts", "prefetch_used",
+                                             "prefetches_skipped", "prefetches_aborted")})
+    return EngineStats(**common, **sites, has_cache=True, policy=cache["policy"], hits=c["hits"], misses=c["misses"],
                        evictions=c["evictions"], bytes_h2d=c["bytes_h2d"], h2d_seconds=engine.experts.h2d_seconds,
                        generations=c["generations"],
                        resident_bytes=cap["num_layers"] * cap["resident"] * cap["row_bytes"],
