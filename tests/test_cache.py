@@ -12,7 +12,7 @@ from runmap.residency.eviction import LFUDecayPolicy, LRUPolicy, make_policy
 from runmap.residency.host_source import HostSource, HostSourceError, HostSourceRewriteError
 from runmap.residency.observations import all_zero
 from runmap.format.qpack import RowLayout
-from runmap.residency.transport import CpuDirectTransport, CpuTransport, Event, TransferError
+from runmap.residency.transport import CpuDirectTransport, CpuTransport, Event, TransferError, Transport
 
 LAYOUT = RowLayout.build(8, 4, 4)
 
@@ -565,8 +565,7 @@ def test_a_new_cache_reports_its_capacity_counters_and_rows():
         "requests_admitted": 0, "requests_released": 0, "leases": 0, "hits": 0, "misses": 0, "all_hit_leases": 0,
         "transactions": 0, "transactions_aborted": 0, "busy_refusals": 0, "bytes_h2d": 2 * 3 * RB,
         "staging_reuses": 4, "staging_waits": 0, "evictions": 0, "rows_recycled": 0, "rows_fenced": 0, "faults": 0,
-        "cpu_site_experts": 0, "prefetches": 0, "prefetched_experts": 0, "prefetches_skipped": 0,
-        "prefetches_aborted": 0, "prefetch_used": 0,
+        "cpu_site_experts": 0,
         "generations": 1, "bytes_h2d_transport": 2 * 3 * RB, "leases_outstanding": 0, "staging_free": 2,
         "writebacks": 0, "bytes_d2h": 0}
     assert tel["observations"] == cache_observations(cache.transport, cache.host, cache.copy_monitor)
@@ -760,3 +759,133 @@ def test_lfu_decay_counts_the_startup_publication_as_a_use_at_tick_0():
         with cache.admit() as r:
             r.acquire(0, [4])  # tick 19
     assert set(cache.mapping(0)) == {1, 2, 4}
+
+
+# --- accessors, inspection helpers and the transports' allocation (scope `construction-rest`) -------------------------
+class _ReleaseFailingTransport(CpuTransport):
+    """A CPU transport whose release marker fails once ``fail`` is set (every later release faults the cache)."""
+
+    fail = False
+
+    def note_release(self):
+        if self.fail:
+            raise RuntimeError("release marker lost")
+
+
+def test_every_fault_counts_and_the_refusals_name_the_last_failure():
+    """A failed release marker faults the cache; a request released after that faults it again (its marker fails
+    too), and each fault counts. Every later admission is refused with the generation and the failure named."""
+    tr = _ReleaseFailingTransport()
+    cache, _, _ = _cache(transport=tr, resident=6, max_group=2)  # full residency: one generation
+    reqs = [cache.admit(), cache.admit()]
+    tr.fail = True
+    for r in reqs:
+        with pytest.raises(RuntimeError, match="release marker lost"):
+            r.release()
+    assert cache.state == "FAULTED" and cache.counters["faults"] == 2
+    assert cache.outstanding_leases() == 0 and cache.live_requests() == 0  # nothing leaks
+    with pytest.raises(CacheFaultedError) as e:
+        cache.admit()
+    assert str(e.value) == ("expert cache is FAULTED after an ambiguous failure following publication of generation 1 "
+                            "(RuntimeError: release marker lost); no request can be admitted or served; restart the "
+                            "engine")
+    with pytest.raises(CacheFaultedError) as e2:  # the static row table of a FAULTED cache is refused alike
+        cache.static_row_table(0)
+    assert str(e2.value) == str(e.value)
+
+
+def test_the_static_row_table_is_refused_under_partial_residency():
+    cache, _, _ = _cache()  # 3 of 6 experts resident
+    with pytest.raises(CacheError) as e:
+        cache.static_row_table(0)
+    assert str(e.value) == "static_row_table is only valid under full residency (resident == experts per layer)"
+
+
+def test_a_caller_block_counts_as_the_callers_and_its_copies_are_read_backs():
+    """Copies out of expert storage inside ``ExpertCache.monitored()`` count in expert_d2h_bytes (not writebacks),
+    and the observation says how many caller blocks and cache entry points the monitor covered."""
+    cache, _, rows = _cache()
+    before = cache.copy_monitor.cache_scopes  # startup's
+    with cache.monitored(), cache.admit() as r:
+        lease = r.acquire(0, [1])
+        lease.storage[lease.rows[1]].clone()  # a read-back by the caller's own code
+    obs = cache.telemetry()["observations"]
+    assert (obs["expert_d2h_bytes"]["value"], obs["writebacks"]["value"]) == (RB, 0)
+    entry = before + 3  # admit, acquire (all hit), release
+    assert obs["expert_d2h_bytes"]["source"].startswith(
+        f"TorchFunctionMode (torch calls from Python) over {entry} cache entry points (admit, acquire with its miss "
+        "transaction, release) and 1 caller blocks (ExpertCache.monitored()): bytes of expert storage copied into "
+        "host memory (1 copies")
+
+
+def test_a_read_back_at_a_cache_entry_point_outside_a_transaction_is_no_writeback():
+    """Only copies inside a miss transaction (or into the host source) are writebacks: a row read back to the host
+    by the transport while a request is released (not a transaction) counts in expert_d2h_bytes only."""
+    class ReadingBack(CpuTransport):
+        row = None
+
+        def note_release(self):
+            if self.row is not None:
+                self.row.clone()
+
+    tr = ReadingBack()
+    cache, _, _ = _cache(transport=tr)
+    r = cache.admit()
+    lease = r.acquire(0, [2])
+    tr.row = lease.storage[lease.rows[2]]
+    r.release()
+    obs = cache.telemetry()["observations"]
+    assert (obs["expert_d2h_bytes"]["value"], obs["writebacks"]["value"]) == (RB, 0)
+
+
+def test_staging_buffers_are_reserved_while_a_transaction_copies_and_free_afterwards():
+    class Probing(CpuTransport):
+        cache = None
+
+        def __init__(self):
+            super().__init__()
+            self.seen = []
+
+        def copy_rows(self, jobs, on_submit):
+            if self.cache is not None:
+                self.seen.append((len(jobs), self.cache.staging_reserved(), self.cache.staging_free()))
+            super().copy_rows(jobs, on_submit)
+
+    tr = Probing()
+    cache, _, _ = _cache(transport=tr)  # staging 2, experts 0-2 resident
+    tr.cache = cache
+    assert (cache.staging_reserved(), cache.staging_free()) == (0, 2)
+    with cache.admit() as r:
+        r.acquire(0, [4, 5])  # two misses: both buffers taken
+        r.acquire(1, [0, 3])  # one miss: one buffer taken
+    assert tr.seen == [(2, 2, 0), (1, 1, 1)]
+    assert (cache.staging_reserved(), cache.staging_free()) == (0, 2)
+
+
+def test_a_transport_allocates_on_its_device_and_has_moved_nothing_yet():
+    """Expert storage is zero-filled uint8 on the transport's device (here the meta device); a staging buffer is
+    one row's bytes of host memory; a new transport has counted nothing, and d2h_bytes stays 0 (no method copies
+    device -> host)."""
+    tr = Transport("meta")
+    assert (tr.h2d_bytes, tr.stage_bytes, tr.d2h_bytes, tr.table_uploads) == (0, 0, 0, 0)
+    storage = tr.alloc_storage(3, RB)
+    assert (storage.device, storage.dtype, tuple(storage.shape)) == (torch.device("meta"), torch.uint8, (3, RB))
+    staging = tr.alloc_staging(RB)
+    assert (staging.device.type, staging.dtype, staging.nbytes) == ("cpu", torch.uint8, RB)
+    assert tr.describe() == {"kind": "Transport", "device": "meta"}
+    cpu = CpuTransport()
+    assert torch.equal(cpu.alloc_storage(2, RB), torch.zeros(2, RB, dtype=torch.uint8))
+    cache, _, _ = _cache(transport=cpu)
+    with cache.admit() as r:
+        r.acquire(0, [4])
+    assert cpu.h2d_bytes == 2 * 3 * RB + RB and cpu.d2h_bytes == 0
+
+
+def test_an_event_carries_its_completion_marker_and_the_bytes_of_its_copy():
+    marker = object()
+    ev = Event(marker, RB)
+    assert ev.raw is marker and ev.nbytes == RB
+    tr = CpuTransport()
+    dst = torch.zeros(RB, dtype=torch.uint8)
+    ev = tr.h2d(dst, torch.full((RB,), 7, dtype=torch.uint8))  # a CPU copy is complete when it returns
+    assert ev.raw is None and ev.nbytes == RB and tr.query(ev) and bool((dst == 7).all())

@@ -264,3 +264,60 @@ def test_from_pack_refuses_a_reader_it_cannot_trust():
     with pytest.raises(hs.HostSourceError) as e:
         HostSource.from_pack(_Reader(rows, short_layer=1))
     assert str(e.value) == "pack layer 1: 5 expert rows, manifest says 6"
+
+
+# --- accessors (scope `construction-rest` of benchmarks/mutation.sh) -------------------------------------------------
+def test_from_rows_verifies_the_hashes_and_keeps_the_identity_it_is_given():
+    rows = _rows()
+    good = [[hashlib.sha256(r[e].numpy().tobytes()).hexdigest() for e in range(6)] for r in rows]
+    src = HostSource.from_rows(rows, LAYOUT, good, identity="pack-123")
+    assert (src.identity, src.hash_ops_startup) == ("pack-123", 12)
+    assert HostSource.from_rows(rows, LAYOUT).identity is None
+
+
+def test_row_tensor_reads_a_host_row_and_refuses_every_other_index():
+    rows = _rows()  # 2 layers x 6 experts
+    src = HostSource.from_rows(rows, LAYOUT)
+    assert torch.equal(src.row_tensor(0, 0), rows[0][0]) and torch.equal(src.row_tensor(1, 5), rows[1][5])
+    for layer, expert in ((2, 0), (0, 6), (-1, 0), (0, -1), (1, 7)):
+        with pytest.raises(IndexError) as e:
+            src.row_tensor(layer, expert)
+        assert str(e.value) == f"host source has no layer {layer} expert {expert} (2 layers x 6 experts)"
+
+
+class _WatchedReader:
+    """Another reader of the same pack: counts what it reads (and its refused reads), also after it was closed."""
+
+    def __init__(self, bytes_read=0):
+        self.bytes_read, self.reads_after_close, self.closed = bytes_read, 0, False
+
+    def close(self):
+        self.closed = True
+
+
+class _UncountedReader:  # a reader without counters
+    closed = False
+
+    def close(self):
+        self.closed = True
+
+
+def test_a_watched_reader_is_closed_and_what_it_reads_later_counts_in_every_cache_over_the_host_source():
+    from runmap.residency.contract_model import InMemoryPack
+
+    src = HostSource.from_pack(InMemoryPack(_rows(), LAYOUT))
+    later, bare = _WatchedReader(bytes_read=5 * RB), _UncountedReader()  # what `later` read before is not counted
+    src.watch_reader(later)
+    src.watch_reader(bare)
+    assert later.closed and bare.closed
+    caches = [ExpertCache.from_host(src, resident=6, max_group=2) for _ in range(2)]
+    for cache in caches:
+        assert cache.telemetry()["observations"]["request_pack_reads"] == {
+            "status": "OBSERVED", "value": 0, "unit": "bytes",
+            "source": "pack reader bytes_read after startup (3 closed reader(s); 0 refused read attempts)"}
+    later.bytes_read += RB
+    later.reads_after_close += 2
+    for cache in caches:
+        assert cache.telemetry()["observations"]["request_pack_reads"] == {
+            "status": "OBSERVED", "value": RB, "unit": "bytes",
+            "source": "pack reader bytes_read after startup (3 closed reader(s); 2 refused read attempts)"}
