@@ -293,3 +293,50 @@ def test_bench_records_carry_the_placement_and_prefetch(packs, tmp_path):
     if s["prefetched_experts"]:
         assert s["prefetch_accuracy"] == pytest.approx(s["prefetch_used"] / s["prefetched_experts"])
     assert "sites" not in plain and plain["config"]["expert_placement"] == "gpu" and plain["config"]["prefetch"] is False
+
+
+# ---- an emulated slower link (issue 25 item 6: the consumer-link experiment) ------------------------------------
+
+def test_a_paced_transport_takes_at_least_bytes_over_rate(packs):
+    import time
+
+    from runmap.residency.transport import CpuTransport, pace
+
+    t = pace(CpuTransport(), 0.05)  # 50 MB/s
+    assert t.describe()["paced_gb_s"] == 0.05 and t.describe()["emulation"] is True
+    src = [torch.randint(0, 256, (250_000,), dtype=torch.uint8) for _ in range(2)]
+    dst = [torch.zeros(250_000, dtype=torch.uint8) for _ in range(2)]
+    seen = []
+    t0 = time.perf_counter()
+    t.copy_rows([(d, torch.empty_like(s), s) for d, s in zip(dst, src)], lambda j, ev: seen.append(j))
+    took = time.perf_counter() - t0
+    assert took >= 500_000 / 0.05e9 * 0.95  # 10 ms for 0.5 MB at 50 MB/s
+    assert seen == [0, 1] and all(torch.equal(d, s) for d, s in zip(dst, src))  # the same copies, in order
+    with pytest.raises(ValueError, match="must be > 0 GB/s"):
+        pace(CpuTransport(), 0)
+
+
+def test_auto_sees_the_emulated_link_and_the_record_says_emulation(packs, tmp_path):
+    from runmap.bench import campaign as bench
+    from runmap.conformance.schemas import validate_document
+
+    pack, cfg = packs["tiny-olmoe"]
+    eng = _engine(pack, resident=cfg.top_k, expert_placement="auto", emulate_link_gb_s=0.001)  # 1 MB/s
+    try:
+        costs = eng.experts.placement.costs
+        assert costs.h2d_gb_s == 0.001 and "emulated link" in costs.source
+        assert eng.experts.cache.transport.describe()["emulation"] is True
+    finally:
+        eng.close()
+    spec = {"name": "em", "description": "emulated link", "device": "cpu", "defaults": {"repeats": 1, "warmup": 0},
+            "models": {"m": {"preset": "tiny-olmoe", "pack": str(pack)}},
+            "groups": [{"name": "auto", "kind": "engine", "models": ["m"], "resident": [cfg.top_k],
+                        "executors": ["reference"], "batch": [1], "prompt_len": 4, "decode_len": 3,
+                        "params": {"expert_placement": "auto", "emulate_link_gb_s": 0.5}}]}
+    summary = bench.run_campaign(spec, tmp_path, progress=False, measure_bandwidth=False, command="pytest")
+    assert not summary["failed"], summary["failed"]
+    (rec,) = bench.load_records(tmp_path / "em")
+    assert validate_document({k: v for k, v in rec.items() if k != "_path"}, "bench-record.schema.json") == []
+    assert rec["id"].endswith("__placement-auto.link0p5gbs")
+    assert rec["config"]["emulate_link_gb_s"] == 0.5 and any("EMULATION" in n for n in rec["notes"])
+    assert rec["sites"]["placement"]["costs"]["h2d_gb_s"] <= 0.5

@@ -77,8 +77,10 @@ DEFAULT_PARAMS = {"repeats": 3, "warmup": 1, "warmup_new_tokens": 4, "policy": "
                   "cuda_graphs": True, "fused": True, "skip_experts": False, "check": False,
                   "check_prompt_len": 24, "check_tolerance": 0.01, "routing": "model",
                   "cache_contract": "v1", "gpu_budget": None, "expert_placement": "gpu", "prefetch": False,
+                  "emulate_link_gb_s": None,
                   "profile": False, "profile_top": 12}
-VARIANT_PARAMS = ("cuda_graphs", "fused", "skip_experts", "routing", "cache_contract", "expert_placement", "prefetch")
+VARIANT_PARAMS = ("cuda_graphs", "fused", "skip_experts", "routing", "cache_contract", "expert_placement", "prefetch",
+                  "emulate_link_gb_s")
 CHECK_EXECUTOR = "reference"
 
 
@@ -210,6 +212,8 @@ def variant_tag(p: dict) -> str:
         parts.append("placement-" + p["expert_placement"])
     if p.get("prefetch"):
         parts.append("prefetch")
+    if p.get("emulate_link_gb_s") is not None:  # 13 -> link13gbs; 12.5 -> link12p5gbs
+        parts.append("link" + f"{p['emulate_link_gb_s']:g}".replace(".", "p") + "gbs")
     routing = p.get("routing", "model")
     if routing != "model":  # calibrated:qwen2_moe -> routing-calibrated-qwen2-moe; trace:dir/a.json -> routing-trace-a
         name = routing if not routing.startswith("trace:") else "trace:" + Path(routing[6:]).stem
@@ -679,6 +683,8 @@ def run_config(engine: BenchEngine, c: BenchConfig, model_cfg: ModelConfig, ctx:
             # where absent experts ran (gpu: transferred; cpu / auto: the CPU site) and next-layer prefetch
             "expert_placement": p.get("expert_placement", "gpu") if is_engine else None,
             "prefetch": bool(p.get("prefetch")) if is_engine else None,
+            # an EMULATED slower host link (runmap.residency.transport.pace): misses paced to this rate; null = real
+            "emulate_link_gb_s": p.get("emulate_link_gb_s") if is_engine else None,
             # --gpu-budget: the budget asked for (bytes) and the engine's plan of it, which set `resident`
             "gpu_budget": p.get("gpu_budget"),
             "budget_plan": engine_info.get("budget_plan"),
@@ -727,6 +733,9 @@ def run_config(engine: BenchEngine, c: BenchConfig, model_cfg: ModelConfig, ctx:
                              f"ran {rec['baseline']['hf_mode']!r}")
     if engine_info.get("weights_note"):
         notes.append(engine_info["weights_note"])
+    if is_engine and p.get("emulate_link_gb_s") is not None:
+        notes.append(f"EMULATION: the miss path's host->device copies were paced to {p['emulate_link_gb_s']:g} GB/s "
+                     "(runmap.residency.transport.pace), standing in for a slower link than this machine's")
     if p["skip_experts"]:
         notes.append("profiling variant: routed experts return zeros (decode time without the expert GEMVs); "
                      "outputs are not the model's")
@@ -901,6 +910,7 @@ class EngineBuilder:
             host_source=shared, routing=p["routing"], routing_seed=p["seed"], cache_contract=p["cache_contract"],
             expert_placement=p.get("expert_placement", "gpu") if c.kind == "engine" else "gpu",
             prefetch=bool(p.get("prefetch")) and c.kind == "engine",
+            emulate_link_gb_s=p.get("emulate_link_gb_s") if c.kind == "engine" else None,
             # the replayed hit rates of partial residency need the routes that ran (full residency has no misses)
             record_routes=c.kind == "engine" and c.regime != "full")
         bm.sync(device)

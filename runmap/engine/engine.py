@@ -653,7 +653,8 @@ class Engine:
                   skip_experts: bool = False, verify_pack: bool | None = None, routing: str = "model",
                   routing_seed: int = 0, record_routes: bool = False, cache_contract: str = "v1",
                   segments=True, gpu_budget: int | None = None, budget_kv_rows: int | None = None,
-                  expert_placement: str = "gpu", prefetch: bool = False) -> "Engine":
+                  expert_placement: str = "gpu", prefetch: bool = False,
+                  emulate_link_gb_s: float | None = None) -> "Engine":
         from runmap.format.packfile import PackReader
         from runmap.engine.tokenization import Tokenizer
 
@@ -770,8 +771,12 @@ class Engine:
                                       "could never be served")
                 from runmap.residency.transport import default_transport
 
-                kw = dict(resident=resident, max_group=group, device=device, policy=policy,
-                          transport=default_transport(device, contract=cache_contract))
+                transport = default_transport(device, contract=cache_contract)
+                if emulate_link_gb_s is not None:  # an emulated slower link (benchmarks only; recorded)
+                    from runmap.residency.transport import pace
+
+                    pace(transport, emulate_link_gb_s)
+                kw = dict(resident=resident, max_group=group, device=device, policy=policy, transport=transport)
                 if host_source is not None:
                     host_source.watch_reader(reader)  # closed; a read through it is still observed
                     cache = ExpertCache.from_host(host_source, **kw)

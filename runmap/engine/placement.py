@@ -59,7 +59,8 @@ def _best_seconds(fn, repeats: int) -> float:
     return best
 
 
-def measure_costs(site, host, device: torch.device, layer: int = 0, repeats: int = 5) -> PlacementCosts:
+def measure_costs(site, host, device: torch.device, layer: int = 0, repeats: int = 5,
+                  transport=None) -> PlacementCosts:
     """Time the CPU site on one expert at batch 1 and a host -> device copy of that expert's row (pinned
     staging on CUDA, as the miss path copies; a host copy on a CPU device). Best of ``repeats`` each."""
     row = host.row_tensor(layer, 0)  # uint8 (row_bytes,) CPU, the immutable host source
@@ -82,8 +83,11 @@ def measure_costs(site, host, device: torch.device, layer: int = 0, repeats: int
         dst = torch.empty_like(row)
         h2d_s = _best_seconds(lambda: dst.copy_(row), repeats)
         how = "best of %d: one expert row host copy (CPU device); the CPU site on one expert at batch 1" % repeats
-    return PlacementCosts(h2d_gb_s=nbytes / max(h2d_s, 1e-9) / 1e9, cpu_gb_s=nbytes / max(cpu_s, 1e-9) / 1e9,
-                          row_bytes=nbytes, source=how)
+    h2d_gb_s = nbytes / max(h2d_s, 1e-9) / 1e9
+    paced = getattr(transport, "pace_gb_s", None) if transport is not None else None
+    if paced is not None and paced < h2d_gb_s:  # an emulated slower link (runmap.residency.transport.pace)
+        h2d_gb_s, how = paced, how + f"; host->device capped at the emulated link's {paced:g} GB/s"
+    return PlacementCosts(h2d_gb_s=h2d_gb_s, cpu_gb_s=nbytes / max(cpu_s, 1e-9) / 1e9, row_bytes=nbytes, source=how)
 
 
 class Placement:
@@ -151,5 +155,5 @@ def make_placement(name: str, *, cache=None, site=None, costs: PlacementCosts | 
     if name == "cpu":
         return CpuPlacement()
     if costs is None:
-        costs = measure_costs(site, cache.host, cache.device)
+        costs = measure_costs(site, cache.host, cache.device, transport=cache.transport)
     return AutoPlacement(costs, cache.counters)

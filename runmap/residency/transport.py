@@ -17,6 +17,8 @@ direction; no method copies device -> host, so ``d2h_bytes`` is an instrumented 
 """
 from __future__ import annotations
 
+import time
+
 import weakref
 from concurrent.futures import ThreadPoolExecutor
 
@@ -416,6 +418,32 @@ def _unregister_host(ptr: int) -> None:
 def _np_copy(dst: torch.Tensor, src: torch.Tensor) -> None:
     """uint8 (n,) CPU copy outside the GIL (numpy), for staging worker threads."""
     np.copyto(dst.numpy(), src.numpy())
+
+
+def pace(transport: Transport, gb_s: float) -> Transport:
+    """EMULATION, never a default: make ``transport``'s row copies take at least ``bytes / gb_s`` seconds each
+    (one batch of a miss transaction), to stand in for a slower host link than this machine's (a consumer GPU's
+    PCIe 4.0 x8 moves ~13 GB/s where the H200 host's moves ~55). The copies are submitted as before; the host then
+    sleeps until ``bytes / gb_s`` after the submission, and the transaction waits for the copies' events as
+    always, so a batch completes after max(its real copy time, its paced time). Nothing else changes: the same
+    bytes move through the same path under the same contract rules. The rate is in ``describe()`` and
+    ``transport.pace_gb_s``. Returns ``transport`` (its ``copy_rows`` wrapped)."""
+    if not gb_s > 0:
+        raise ValueError(f"pace: a link rate must be > 0 GB/s, got {gb_s!r}")
+    inner, describe = transport.copy_rows, transport.describe
+
+    def copy_rows(jobs, on_submit):
+        nbytes = sum(int(src.numel()) for _dst, _stg, src in jobs)
+        t0 = time.perf_counter()
+        inner(jobs, on_submit)
+        left = t0 + nbytes / (gb_s * 1e9) - time.perf_counter()
+        if left > 0:
+            time.sleep(left)
+
+    transport.copy_rows = copy_rows
+    transport.pace_gb_s = float(gb_s)
+    transport.describe = lambda: {**describe(), "paced_gb_s": float(gb_s), "emulation": True}
+    return transport
 
 
 def default_transport(device, chunk_bytes: int | None = None, stage_workers: int = 0,
