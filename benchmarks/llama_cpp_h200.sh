@@ -23,7 +23,9 @@
 # (llama-bench's JSON + command), records/. Each step runs past the failure of an earlier one where it can.
 # A machine left warm keeps $WORK (build, GGUF) and a second call reuses them.
 # RUNMAP_LLAMA_PRESET, RUNMAP_LLAMA_NCMOE ("0 4 8 12 16"), RUNMAP_LLAMA_WORK, RUNMAP_LLAMA_SYNTH_DEVICE (cuda),
-# RUNMAP_LLAMA_JOBS (build jobs, default all cores) override the defaults (a CPU rehearsal: RUNMAP_LLAMA_PRESET=tiny-olmoe RUNMAP_LLAMA_SYNTH_DEVICE=cpu).
+# RUNMAP_LLAMA_JOBS (build jobs, default all cores), RUNMAP_LLAMA_CONFIGURE_ONLY=1 (configure, build nothing),
+# RUNMAP_LLAMA_LIB_ROOTS (more folders to search for nvidia/*/lib) override the defaults (a CPU rehearsal:
+# RUNMAP_LLAMA_PRESET=tiny-olmoe RUNMAP_LLAMA_SYNTH_DEVICE=cpu RUNMAP_LLAMA_JOBS=1).
 set -uo pipefail
 BUDGET=${1:-560}
 T0=$(date +%s)
@@ -54,12 +56,10 @@ log "llama.cpp peer: preset $PRESET, budget ${BUDGET}s, work $WORK, $NPROC cores
   echo "== python"; python3 --version 2>&1
   echo "== df"; df -h "$WORK" | tail -1
 } > "$R/env.txt" 2>&1
-NVCC=$(command -v nvcc || true)
-if [ -z "$NVCC" ]; then
-  for c in /usr/local/cuda/bin/nvcc $(ls -d /usr/local/cuda-*/bin/nvcc 2>/dev/null | sort -V -r); do
-    [ -x "$c" ] && { NVCC=$c; break; }
-  done
-fi
+NVCC=""  # the toolkit's own nvcc first (a PATH entry may be a wrapper script)
+for c in /usr/local/cuda/bin/nvcc "$(command -v nvcc || true)" $(ls -d /usr/local/cuda-*/bin/nvcc 2>/dev/null | sort -V -r); do
+  [ -n "$c" ] && [ -x "$c" ] && { NVCC=$c; break; }
+done
 CMAKE=$(command -v cmake || true)
 CXX_OK=$(command -v c++ || command -v g++ || true)
 NINJA=$(command -v ninja || true)
@@ -95,9 +95,90 @@ COMMIT=$(python3 -c "import json; print(json.load(open('$SRC/RUNMAP_SOURCE.json'
 log "source: $(python3 -c "import json; d=json.load(open('$SRC/RUNMAP_SOURCE.json')); print(d['package'], d['version'], 'llama.cpp', d['llama_cpp_commit'])") in $SRC"
 
 # --- 2. build (background) ------------------------------------------------------------------------------------
+# CMake's FindCUDAToolkit needs libcublas(.so), libcublasLt and the driver's libcuda as unversioned files next
+# to the toolkit. An image whose toolkit is assembled from NVIDIA's pip wheels (as on the development machine:
+# nvcc, cudart, no cuBLAS) has cuBLAS only in the Python environment's nvidia/*/lib (PyTorch's dependency) and
+# libcuda.so.1 only in the driver's folder: find them, link them into $WORK/cuda-shim (unversioned names, the
+# cuBLAS headers alone) and name them to CMake. No libcuda: -DGGML_CUDA_NO_VMM=ON (llama.cpp's legacy memory
+# pool instead of CUDA virtual memory), said in the flags. No cuBLAS anywhere: a CPU-only build.
+if [ -n "$NVCC" ]; then
+  CUDA_LIBS=$(python3 - "$NVCC" "$WORK/cuda-shim" <<'EOF'
+import glob, os, re, shlex, site, subprocess, sys
+nvcc, shim = sys.argv[1], sys.argv[2]
+root = os.path.dirname(os.path.dirname(os.path.realpath(nvcc)))
+tk = [os.path.join(root, d) for d in ("lib64", "lib", "targets/x86_64-linux/lib")]
+dirs = tk + ["/usr/local/cuda/lib64", "/usr/local/cuda/lib", "/usr/lib/x86_64-linux-gnu", "/usr/lib64",
+             "/usr/local/nvidia/lib64", "/usr/local/nvidia/lib", "/usr/lib/wsl/lib"]
+for sp in site.getsitepackages() + sys.path + os.environ.get("RUNMAP_LLAMA_LIB_ROOTS", "").split(":"):
+    dirs += sorted(glob.glob(os.path.join(sp, "nvidia", "*", "lib")))
+try:
+    dirs += sorted({os.path.dirname(ln.split("=>")[-1].strip()) for ln in
+                    subprocess.run(["ldconfig", "-p"], capture_output=True, text=True).stdout.splitlines() if "=>" in ln})
+except OSError:
+    pass
+dirs = [d for d in dict.fromkeys(dirs) if d and os.path.isdir(d)]
+
+
+def find(name):  # (dir, files) of the first folder holding lib<name>.so or lib<name>.so.N
+    pat = re.compile(rf"^lib{re.escape(name)}\.so(\.[0-9]+)*$")
+    for d in dirs:
+        files = sorted(f for f in os.listdir(d) if pat.match(f))
+        if files:
+            return d, files
+    return None, []
+
+
+out, notes, ld = [], [], []
+os.makedirs(os.path.join(shim, "lib"), exist_ok=True)
+for name, var in (("cublas", "CUDA_cublas_LIBRARY"), ("cublasLt", "CUDA_cublasLt_LIBRARY"),
+                  ("cuda", "CUDA_cuda_driver_LIBRARY")):
+    d, files = find(name)
+    if d is None:
+        notes.append(f"lib{name}.so: not found")
+        continue
+    for f in files:  # every name, the versioned ones too, so that the build's RPATH finds the soname
+        link = os.path.join(shim, "lib", f)
+        if not os.path.lexists(link):
+            os.symlink(os.path.join(d, f), link)
+    unversioned = os.path.join(shim, "lib", f"lib{name}.so")
+    if not os.path.lexists(unversioned):
+        os.symlink(os.path.join(d, max(files, key=len)), unversioned)
+    out.append(f"-D{var}={unversioned}")
+    notes.append(f"lib{name}: {d} ({', '.join(files)})")
+    if d not in tk:
+        ld.append(d)
+candidates = [os.path.join(root, "include", "cublas_v2.h")] + [
+    os.path.join(os.path.dirname(d), "include", "cublas_v2.h") for d in dirs]
+header = next((h for h in candidates if os.path.isfile(h)), None)
+if header and os.path.dirname(header) != os.path.join(root, "include"):
+    inc = os.path.join(shim, "include")  # the cuBLAS headers alone: no second copy of the toolkit's own
+    os.makedirs(inc, exist_ok=True)
+    for h in glob.glob(os.path.join(os.path.dirname(header), "cublas*.h")):
+        if not os.path.lexists(os.path.join(inc, os.path.basename(h))):
+            os.symlink(h, os.path.join(inc, os.path.basename(h)))
+    out += [f"-DCMAKE_CUDA_FLAGS=-I{inc}", f"-DCMAKE_CXX_FLAGS=-I{inc}"]
+notes.append(f"cublas_v2.h: {header or 'not found'}")
+have_cublas = any(o.startswith("-DCUDA_cublas_LIBRARY") for o in out) and header is not None
+if not any(o.startswith("-DCUDA_cuda_driver_LIBRARY") for o in out):
+    out.append("-DGGML_CUDA_NO_VMM=ON")
+print("CUDA_OK=" + ("1" if have_cublas else "0"))
+print("CUDA_CMAKE=" + shlex.quote(" ".join(out)))
+print("CUDA_LD=" + shlex.quote(":".join(dict.fromkeys(ld))))
+print("CUDA_NOTES=" + shlex.quote("; ".join(notes)))
+EOF
+)
+  eval "$CUDA_LIBS"
+  log "CUDA libraries: ${CUDA_NOTES:-none found}"
+  [ -n "${CUDA_LD:-}" ] && export LD_LIBRARY_PATH="$CUDA_LD${LD_LIBRARY_PATH:+:$LD_LIBRARY_PATH}"
+  if [ "${CUDA_OK:-0}" != 1 ]; then
+    log "MISSING: cuBLAS (library or cublas_v2.h) in the toolkit, the driver folders and the Python environment: no CUDA build; a CPU-only build, every record says backends CPU"
+    MISSING+=(cublas)
+    NVCC=""
+  fi
+fi
 if [ -n "$NVCC" ]; then
   BUILD_FLAGS="-DGGML_CUDA=ON -DCMAKE_CUDA_ARCHITECTURES=90-real -DGGML_CUDA_FA=ON -DGGML_CUDA_FA_ALL_QUANTS=OFF -DGGML_CUDA_NCCL=OFF"
-  BUILD_FLAGS="$BUILD_FLAGS -DCMAKE_CUDA_COMPILER=$NVCC"
+  BUILD_FLAGS="$BUILD_FLAGS -DCMAKE_CUDA_COMPILER=$NVCC $CUDA_CMAKE"
   NGL=99
 else
   BUILD_FLAGS="-DGGML_CUDA=OFF"
@@ -109,19 +190,22 @@ BENCH_BIN=$BUILD/bin/llama-bench
 QUANT_BIN=$BUILD/bin/llama-quantize
 echo "$BUILD_FLAGS" > "$R/build-flags.txt"
 BPID=""
-if [ -x "$BENCH_BIN" ] && [ -x "$QUANT_BIN" ]; then
-  log "build: reusing $BUILD (a warm machine)"
+if [ -x "$BENCH_BIN" ] && [ -x "$QUANT_BIN" ] && [ "$(cat "$BUILD/runmap-build-flags.txt" 2>/dev/null)" = "$BUILD_FLAGS" ]; then
+  log "build: reusing $BUILD (a warm machine, the same flags)"
 elif [ -n "$CMAKE" ] && [ -n "$CXX_OK" ]; then
   log "build: configure + llama-bench, llama-quantize with -j$JOBS in the background; flags: $BUILD_FLAGS"
+  rm -f "$BENCH_BIN" "$QUANT_BIN" "$BUILD/runmap-build-flags.txt"  # a failed build leaves no older binary behind
   (
     B0=$(date +%s)
     # shellcheck disable=SC2086
     cmake -S "$SRC" -B "$BUILD" ${NINJA:+-G Ninja} $BUILD_FLAGS > "$R/logs/configure.log" 2>&1 \
       || { echo "configure failed (exit $?)"; exit 2; }
     echo "configure $(( $(date +%s) - B0 ))s"
+    [ -n "${RUNMAP_LLAMA_CONFIGURE_ONLY:-}" ] && { echo "RUNMAP_LLAMA_CONFIGURE_ONLY: not built"; exit 4; }
     timeout $(( $(left) - 150 > 60 ? $(left) - 150 : 60 )) \
       cmake --build "$BUILD" --target llama-bench llama-quantize -j "$JOBS" > "$R/logs/build.log" 2>&1 \
       || { echo "build failed or timed out (exit $?)"; exit 3; }
+    echo "$BUILD_FLAGS" > "$BUILD/runmap-build-flags.txt"
     echo "configure + build $(( $(date +%s) - B0 ))s"
   ) > "$R/logs/build-summary.log" 2>&1 &
   BPID=$!
@@ -213,6 +297,6 @@ if [ -n "$RUNS" ]; then
   # shellcheck disable=SC2086
   PYTHONPATH=. python3 benchmarks/llama_cpp_records.py --preset "$PRESET" --seed "$SEED" --init "$INIT" --gguf "$Q4" \
     --quant "$QUANT" --converted-from "bf16 GGUF (convert_hf_to_gguf.py --outtype bf16 of the bf16 checkpoint)" \
-    --source "$SRC/RUNMAP_SOURCE.json" --build-flags "$BUILD_FLAGS" --out-dir "$R/records" $RUNS 2>&1 | tee -a "$R/steps.log"
+    --source "$SRC/RUNMAP_SOURCE.json" --build-flags="$BUILD_FLAGS" --out-dir "$R/records" $RUNS 2>&1 | tee -a "$R/steps.log"
 fi
 log "end ($(ls "$R"/records/*.json 2>/dev/null | wc -l) records; missing: ${MISSING[*]:-nothing})"

@@ -6,7 +6,7 @@ source's RUNMAP_SOURCE.json and --build-flags. A file that is not llama-bench ou
 and the others are still written (exit status 1 then).
 
     PYTHONPATH=. python3 benchmarks/llama_cpp_records.py --preset olmoe-1b-7b-0924 --gguf G.gguf --quant Q4_K_M \\
-        --source SRC/RUNMAP_SOURCE.json --build-flags "-DGGML_CUDA=ON ..." --out-dir OUT/records RUN.json ...
+        --source SRC/RUNMAP_SOURCE.json --build-flags="-DGGML_CUDA=ON ..." --out-dir OUT/records RUN.json ...
 """
 from __future__ import annotations
 
@@ -57,7 +57,7 @@ def main(argv=None) -> int:
     p.add_argument("--converted-from", default=None, help="what llama-quantize read, e.g. 'bf16 GGUF'")
     p.add_argument("--pre-tokenizer", default=PRE_TOKENIZER)
     p.add_argument("--source", required=True, help="RUNMAP_SOURCE.json of the unpacked llama.cpp source")
-    p.add_argument("--build-flags", default="", help="the CMake -D flags, one string")
+    p.add_argument("--build-flags", default="", help="the CMake -D flags, one string; give it as --build-flags=\"...\" (a value starting with - is read as an option otherwise)")
     p.add_argument("--out-dir", required=True, type=Path)
     args = p.parse_args(argv)
     ctx = context_for(args)

@@ -164,7 +164,7 @@ def test_the_records_script_keeps_going_past_a_bad_file(tmp_path):
                                   "llama_cpp_commit": CONTEXT["llama_cpp"]["commit"]}))
     out = tmp_path / "results" / "llama-cpp" / "t" / "records"
     r = subprocess.run([sys.executable, str(SCRIPT), "--preset", "olmoe-1b-7b-0924", "--gguf", str(tmp_path / "x.gguf"),
-                        "--quant", "Q4_K_M", "--source", str(source), "--build-flags", "-DGGML_CUDA=ON -DGGML_CUDA_FA=ON",
+                        "--quant", "Q4_K_M", "--source", str(source), "--build-flags=-DGGML_CUDA=ON -DGGML_CUDA_FA=ON",
                         "--out-dir", str(out), str(runs / "ncmoe-0.json"), str(runs / "ncmoe-4.json")],
                        capture_output=True, text=True, cwd=REPO, timeout=120)
     assert r.returncode == 1, r.stdout + r.stderr
