@@ -565,7 +565,8 @@ def test_a_new_cache_reports_its_capacity_counters_and_rows():
         "requests_admitted": 0, "requests_released": 0, "leases": 0, "hits": 0, "misses": 0, "all_hit_leases": 0,
         "transactions": 0, "transactions_aborted": 0, "busy_refusals": 0, "bytes_h2d": 2 * 3 * RB,
         "staging_reuses": 4, "staging_waits": 0, "evictions": 0, "rows_recycled": 0, "rows_fenced": 0, "faults": 0,
-        "cpu_site_experts": 0,
+        "cpu_site_experts": 0, "prefetches": 0, "prefetched_experts": 0, "prefetches_skipped": 0,
+        "prefetches_aborted": 0, "prefetch_used": 0,
         "generations": 1, "bytes_h2d_transport": 2 * 3 * RB, "leases_outstanding": 0, "staging_free": 2,
         "writebacks": 0, "bytes_d2h": 0}
     assert tel["observations"] == cache_observations(cache.transport, cache.host, cache.copy_monitor)
