@@ -243,6 +243,17 @@ class CpuExpertSite:
             raise common.KernelInputError(f"expert {expert} is not an expert id in [0, {self.num_experts})")
         return expert_ffn(self.expert(layer, expert), x.to(self.dtype))
 
+    def _check_layer_call(self, layer: int, x: torch.Tensor, topk_ids: torch.Tensor, topk_weights: torch.Tensor):
+        """The checks of a layer call (``moe``, ``moe_subset``): CPU tensors of the documented dtypes and shapes, a
+        layer of the source, expert ids in range. Raises KernelInputError naming what is wrong."""
+        cpu = torch.device("cpu")
+        common.check_tensor("x", x, torch.float16, 2, shape=(None, self.layout.hidden_size), device=cpu)
+        common.check_tensor("topk_ids", topk_ids, (torch.int32, torch.int64), 2, shape=(x.shape[0], None), device=cpu)
+        common.check_tensor("topk_weights", topk_weights, torch.float32, 2, shape=tuple(topk_ids.shape), device=cpu)
+        if not 0 <= layer < self.num_layers:
+            raise common.KernelInputError(f"layer {layer} is not in [0, {self.num_layers})")
+        _check_ids(topk_ids, self.num_experts)
+
     def moe(self, layer: int, x: torch.Tensor, topk_ids: torch.Tensor, topk_weights: torch.Tensor) -> torch.Tensor:
         """Routed-expert output of one layer, every routed expert computed here.
 
@@ -253,13 +264,7 @@ class CpuExpertSite:
         Returns:
             float16 (T, H) = sum_j w[t, j] * down_e(silu(gate_e(x_t)) * up_e(x_t)), e = topk_ids[t, j].
         """
-        cpu = torch.device("cpu")
-        common.check_tensor("x", x, torch.float16, 2, shape=(None, self.layout.hidden_size), device=cpu)
-        common.check_tensor("topk_ids", topk_ids, (torch.int32, torch.int64), 2, shape=(x.shape[0], None), device=cpu)
-        common.check_tensor("topk_weights", topk_weights, torch.float32, 2, shape=tuple(topk_ids.shape), device=cpu)
-        if not 0 <= layer < self.num_layers:
-            raise common.KernelInputError(f"layer {layer} is not in [0, {self.num_layers})")
-        _check_ids(topk_ids, self.num_experts)
+        self._check_layer_call(layer, x, topk_ids, topk_weights)
         return _layer_moe(lambda e: self.expert(layer, e), x, topk_ids, topk_weights, self.dtype)
 
     def moe_subset(self, layer: int, x: torch.Tensor, topk_ids: torch.Tensor, topk_weights: torch.Tensor,
@@ -274,13 +279,7 @@ class CpuExpertSite:
         Returns:
             float32 (T, H) = sum over slots j with topk_ids[t, j] in experts of w[t, j] * ffn_e(x_t).
         """
-        cpu = torch.device("cpu")
-        common.check_tensor("x", x, torch.float16, 2, shape=(None, self.layout.hidden_size), device=cpu)
-        common.check_tensor("topk_ids", topk_ids, (torch.int32, torch.int64), 2, shape=(x.shape[0], None), device=cpu)
-        common.check_tensor("topk_weights", topk_weights, torch.float32, 2, shape=tuple(topk_ids.shape), device=cpu)
-        if not 0 <= layer < self.num_layers:
-            raise common.KernelInputError(f"layer {layer} is not in [0, {self.num_layers})")
-        _check_ids(topk_ids, self.num_experts)
+        self._check_layer_call(layer, x, topk_ids, topk_weights)
         out = torch.zeros(x.shape[0], x.shape[1], dtype=torch.float32)  # (T, H)
         ids = topk_ids.to(torch.int64)
         xa = x.to(self.dtype)

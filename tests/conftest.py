@@ -23,3 +23,20 @@ settings.load_profile(os.environ.get("HYPOTHESIS_PROFILE", "ci"))
 @pytest.fixture(scope="session")
 def test_device() -> str:
     return os.environ.get("RUNMAP_TEST_DEVICE", "cpu")
+
+
+@pytest.fixture(scope="session")
+def seed3_tiny_packs(tmp_path_factory):
+    """Packs of the tiny OLMoE and Qwen2-MoE synthetic checkpoints (seed 3): {preset: (pack dir, ModelConfig)}.
+    Shared by the CPU-site and placement tests, which read them only."""
+    from runmap.arch.config import load_preset
+    from runmap.format.pack import pack_checkpoint
+    from runmap.synth.checkpoint import write_synthetic
+
+    root, out = tmp_path_factory.mktemp("seed3-tiny-packs"), {}
+    for name in ("tiny-olmoe", "tiny-qwen2-moe"):
+        cfg, _ = load_preset(name)
+        ck = write_synthetic(cfg, root / f"ck-{name}", seed=3)
+        pack_checkpoint(ck, root / f"pk-{name}", device="cpu")
+        out[name] = (root / f"pk-{name}", cfg)
+    return out

@@ -195,18 +195,8 @@ ENGINE_PRESETS = ("tiny-olmoe", "tiny-qwen2-moe")
 
 
 @pytest.fixture(scope="module")
-def tiny_packs(tmp_path_factory):
-    from runmap.arch.config import load_preset
-    from runmap.format.pack import pack_checkpoint
-    from runmap.synth.checkpoint import write_synthetic
-
-    root, out = tmp_path_factory.mktemp("cpu-site-packs"), {}
-    for name in ENGINE_PRESETS:
-        cfg, _ = load_preset(name)
-        ck = write_synthetic(cfg, root / f"ck-{name}", seed=3)
-        pack_checkpoint(ck, root / f"pk-{name}", device="cpu")
-        out[name] = (root / f"pk-{name}", cfg)
-    return out
+def tiny_packs(seed3_tiny_packs):
+    return seed3_tiny_packs
 
 
 @pytest.mark.parametrize("preset", ENGINE_PRESETS)

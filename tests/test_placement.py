@@ -20,20 +20,10 @@ PRESETS = ("tiny-olmoe", "tiny-qwen2-moe")
 
 
 @pytest.fixture(scope="module")
-def packs(tmp_path_factory):
-    from runmap.arch.config import load_preset
-    from runmap.format.pack import pack_checkpoint
-    from runmap.synth.checkpoint import write_synthetic
-
-    root, out = tmp_path_factory.mktemp("placement-packs"), {}
-    for name in PRESETS:
-        cfg, _ = load_preset(name)
-        # seed 3 (as tests/test_cpu_experts.py): seed 5's tiny-olmoe has a near-tie in a router's top-k at one prompt
-        # position that bf16 rounding flips, for the all-CPU executor (cpu-int4) exactly as for a mixed placement
-        ck = write_synthetic(cfg, root / f"ck-{name}", seed=3)
-        pack_checkpoint(ck, root / f"pk-{name}", device="cpu")
-        out[name] = (root / f"pk-{name}", cfg)
-    return out
+def packs(seed3_tiny_packs):
+    # seed 3 (tests/conftest.py): seed 5's tiny-olmoe has a near-tie in a router's top-k at one prompt position that
+    # bf16 rounding flips, for the all-CPU executor (cpu-int4) exactly as for a mixed placement
+    return seed3_tiny_packs
 
 
 def _engine(pack, **kw):

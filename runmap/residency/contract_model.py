@@ -824,16 +824,7 @@ class CacheContractMachine(RuleBasedStateMachine):
             raise
         except Exception as e:  # anything else is a contract violation, not a test error
             raise ContractViolation(f"acquire raised {type(e).__name__}: {e}") from e
-        if expect == "wait?":
-            if self.transport.fired == "wait":
-                moved = len(self.transport.events) - n_events  # 0: it fired while taking staging, else all
-                check(moved in (0, len(missing)), f"an event wait failed after {moved} of {len(missing)} copies")
-                expect = "abort"
-            else:
-                expect, interrupt = "miss", False
-        if self.controlled:
-            self.transport.arm(None)
-        self._check_events()
+        expect, moved, interrupt = self._settle(expect, moved, interrupt, missing, n_events)
         self.stats.outcomes[got if got != "ok" else expect] += 1
         if expect in ("hit", "miss"):
             check(got == "ok", f"layer {layer} group {group}: expected a lease ({expect}), got {got} "
@@ -941,6 +932,21 @@ class CacheContractMachine(RuleBasedStateMachine):
             expect = "fault"
         if expect not in ("abort", "fault", "wait?"):
             interrupt = False
+        return expect, moved, interrupt
+
+    def _settle(self, expect, moved, interrupt, missing, n_events):
+        """After the act: resolve a drawn event-wait failure (which of the waits it hit is read from the transport),
+        disarm the transport, check the events. Returns (expect, moved, interrupt)."""
+        if expect == "wait?":
+            if self.transport.fired == "wait":
+                moved = len(self.transport.events) - n_events  # 0: it fired while taking staging, else all
+                check(moved in (0, len(missing)), f"an event wait failed after {moved} of {len(missing)} copies")
+                expect = "abort"
+            else:
+                expect, interrupt = "miss", False
+        if self.controlled:
+            self.transport.arm(None)
+        self._check_events()
         return expect, moved, interrupt
 
     def _row_of(self, layer, dst):
@@ -1104,16 +1110,7 @@ class CacheContractMachine(RuleBasedStateMachine):
             raise
         except Exception as e:
             raise ContractViolation(f"prefetch raised {type(e).__name__}: {e} (a prediction must not fail a request)") from e
-        if expect == "wait?":
-            if self.transport.fired == "wait":
-                moved = len(self.transport.events) - n_events
-                check(moved in (0, len(missing)), f"an event wait failed after {moved} of {len(missing)} copies")
-                expect = "abort"
-            else:
-                expect, interrupt = "miss", False
-        if self.controlled:
-            self.transport.arm(None)
-        self._check_events()
+        expect, moved, interrupt = self._settle(expect, moved, interrupt, missing, n_events)
         self.stats.outcomes[f"prefetch_{expect if not interrupt else 'interrupt'}"] += 1
         if interrupt:
             check(got == "interrupt", f"prefetch {group}: an injected interrupt ({expect} point) surfaced as {got}")
