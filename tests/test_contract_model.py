@@ -35,7 +35,7 @@ def test_contract_holds_for_the_cache(test_device):
     assert stats.rules["placed_on_cpu"] > 0 and stats.rules["placed_none_on_cpu"] > 0
     assert stats.outcomes["block_cpu-site-interrupt"] > 0 and stats.outcomes["block_cpu-site"] > 0
     # next-layer prefetch (issue 24 item 5): published, skipped for room, aborted, interrupted, all resident
-    for outcome in ("miss", "busy", "abort", "interrupt", "resident"):
+    for outcome in ("miss", "busy", "abort", "interrupt", "resident", "fault", "refused_faulted"):
         assert stats.outcomes[f"prefetch_{outcome}"] > 0, outcome
 
 

@@ -248,6 +248,8 @@ def test_prefetch_refusals(packs):
         _engine(pack, prefetch=True)
     with pytest.raises(EngineError, match="checkpoint's own routing"):
         _engine(pack, resident=cfg.top_k, prefetch=True, routing="calibrated")
+    with pytest.raises(EngineError, match="choose one of the two"):  # a prefetch would be silently skipped
+        _engine(pack, resident=cfg.top_k, prefetch=True, expert_placement="cpu")
 
 
 def test_bench_records_carry_the_placement_and_prefetch(packs, tmp_path):
@@ -277,6 +279,11 @@ def test_bench_records_carry_the_placement_and_prefetch(packs, tmp_path):
     assert cpu["id"].endswith("__placement-cpu") and cpu["config"]["expert_placement"] == "cpu"
     assert cpu["sites"]["cpu_site_experts"] > 0 and cpu["sites"]["placement"]["mode"] == "cpu"
     assert cpu["cache_stats"]["misses"]["value"] == 0  # nothing transferred after startup
+    cs = cpu["cache_stats"]
+    assert cs["cpu_site_experts"]["value"] == cpu["sites"]["cpu_site_experts"] > 0
+    assert cs["hit_rate"]["value"] == pytest.approx(
+        cs["hits"]["value"] / (cs["hits"]["value"] + cs["cpu_site_experts"]["value"]))
+    assert cs["hit_rate"]["value"] < 1  # a CPU placement does not read as all hits
     assert pf["id"].endswith("__prefetch") and pf["config"]["prefetch"] is True
     s = pf["sites"]
     assert s["prefetch"] is True and s["prefetched_experts"] >= s["prefetch_used"] >= 0
@@ -330,3 +337,21 @@ def test_auto_sees_the_emulated_link_and_the_record_says_emulation(packs, tmp_pa
     assert rec["id"].endswith("__placement-auto.link0p5gbs")
     assert rec["config"]["emulate_link_gb_s"] == 0.5 and any("EMULATION" in n for n in rec["notes"])
     assert rec["sites"]["placement"]["costs"]["h2d_gb_s"] <= 0.5
+
+
+def test_auto_on_a_link_faster_than_the_cpu_site_runs_the_plain_path(packs):
+    """auto with h2d >= the CPU site's rate never chooses the CPU: the layer calls take the plain path (and the
+    segment chain stays available), while the plan is still reported."""
+    from runmap.engine.placement import AutoPlacement, PlacementCosts
+
+    pack, cfg = packs["tiny-olmoe"]
+    eng = _engine(pack, resident=cfg.top_k, expert_placement="auto")
+    try:
+        cache = eng.experts.cache
+        eng.experts.placement = AutoPlacement(PlacementCosts(10.0, 1.0, cache.row_bytes, "test"), cache.counters)
+        assert not eng.experts.mixed and eng.experts.placement.may_use_cpu() is False
+        eng.logits(_prompt(cfg, n=4))
+        assert cache.counters["cpu_site_experts"] == 0 and cache.counters["misses"] > 0
+        assert eng.telemetry()["placement"]["transfer_if_hit_rate_above"] == 0
+    finally:
+        eng.close()

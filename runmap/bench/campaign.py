@@ -84,22 +84,24 @@ VARIANT_PARAMS = ("cuda_graphs", "fused", "skip_experts", "routing", "cache_cont
 CHECK_EXECUTOR = "reference"
 
 
-def _site_record(st: EngineStats) -> dict | None:
-    """The record's ``sites`` block from an engine's stats: what the CPU site and next-layer prefetch did over the
-    engine's life (the cache's counters since startup; the placement's measured plan). None when neither was on."""
+def _site_record(st: EngineStats, d) -> dict | None:
+    """The record's ``sites`` block: what the CPU site and next-layer prefetch did in this configuration's timed runs
+    (``d``: the counter deltas over them; the engine may be shared with other rows) and the placement's plan
+    (``st``: the stats after them). None when neither was on."""
     if st.placement is None and not st.prefetch:
         return None
     out = {"expert_placement": st.placement["mode"] if st.placement is not None else "gpu", "prefetch": st.prefetch}
     if st.placement is not None:
         out["placement"] = dict(st.placement)
-        out["cpu_site_experts"] = st.cpu_site_experts
+        out["cpu_site_experts"] = d.cpu_site_experts
     if st.prefetch:
-        n = st.prefetched_experts
-        out.update({"prefetches": st.prefetches, "prefetched_experts": n, "prefetch_used": st.prefetch_used,
-                    "prefetches_skipped": st.prefetches_skipped, "prefetches_aborted": st.prefetches_aborted,
-                    # of the experts a prefetch moved, the share a lease then used, and the bytes of the rest
-                    "prefetch_accuracy": st.prefetch_used / n if n else None,
-                    "prefetch_wasted_bytes": (n - st.prefetch_used) * st.row_bytes})
+        n = d.prefetched_experts
+        out.update({"prefetches": d.prefetches, "prefetched_experts": n, "prefetch_used": d.prefetch_used,
+                    "prefetches_skipped": d.prefetches_skipped, "prefetches_aborted": d.prefetches_aborted,
+                    # of the experts the timed runs' prefetches moved, the share a lease used in them, and the bytes
+                    # of the rest (an expert prefetched near the end may still be used later: an upper bound)
+                    "prefetch_accuracy": min(1.0, d.prefetch_used / n) if n else None,
+                    "prefetch_wasted_bytes": max(0, n - d.prefetch_used) * st.row_bytes})
     return out
 
 
@@ -611,12 +613,17 @@ def run_config(engine: BenchEngine, c: BenchConfig, model_cfg: ModelConfig, ctx:
         raise BenchError(f"{c.id}: an INT4 engine without an expert cache")
     else:
         hits, misses = bm.observed(d.hits), bm.observed(d.misses)
-        looked = d.hits + d.misses
+        # the hit rate is over every routed expert looked up: experts a placement computed at the CPU site were not
+        # resident either (they are neither hits nor misses of the cache)
+        looked = d.hits + d.misses + d.cpu_site_experts
         hit_rate = bm.observed(d.hits / looked) if looked else bm.unknown("no expert lookups observed")
-        decode_looked = d.decode_hits + d.decode_misses
+        decode_looked = d.decode_hits + d.decode_misses + d.decode_cpu_site_experts
         decode_cache = {"decode_hits": bm.observed(d.decode_hits), "decode_misses": bm.observed(d.decode_misses),
                         "decode_hit_rate": bm.observed(d.decode_hits / decode_looked) if decode_looked else
                         bm.unknown("no expert lookups in decode steps")}
+        if s1.placement is not None:
+            decode_cache["cpu_site_experts"] = bm.observed(d.cpu_site_experts)
+            decode_cache["decode_cpu_site_experts"] = bm.observed(d.decode_cpu_site_experts)
         h2d = bm.observed(d.bytes_h2d)
         if d.h2d_seconds > 0:
             h2d_rate = bm.observed(d.bytes_h2d / d.h2d_seconds / 1e9)
@@ -723,7 +730,7 @@ def run_config(engine: BenchEngine, c: BenchConfig, model_cfg: ModelConfig, ctx:
     }
     if routing_rec is not None:
         rec["routing"] = routing_rec
-    site = _site_record(s1) if is_engine else None
+    site = _site_record(s1, d) if is_engine else None
     if site is not None:
         rec["sites"] = site
     if c.kind in HF_KINDS:

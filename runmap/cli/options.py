@@ -32,14 +32,17 @@ def add_residency_arguments(p) -> None:
     p.add_argument("--expert-placement", choices=("gpu", "cpu", "auto"), default="gpu",
                    help="where a routed expert that is not resident on the GPU is computed (partial residency): gpu = "
                         "copied into a spare row first (default), cpu = computed on the host CPU from the host copy, "
-                        "nothing transferred, auto = per miss, whichever the rates measured at startup (host->device "
-                        "copy, CPU expert) and the cache's hit rate say is cheaper; the plan is printed. The route "
-                        "never changes, only where each routed expert runs (docs/engine.md)")
+                        "nothing transferred, auto = at each layer call, for its absent experts, whichever the rates "
+                        "measured at startup (host->device copy, CPU expert) and the cache's hit rate say is cheaper; "
+                        "the plan is printed. The route never changes, only where each routed expert runs. cpu (and "
+                        "auto when the CPU site can win) runs decode per call, without the CUDA-graph segment chain "
+                        "(docs/engine.md)")
 
     p.add_argument("--prefetch", action="store_true",
                    help="partial residency: while a layer computes, move the experts the next layer's router predicts "
                         "from this layer's input (a miss transaction with no lease; a wrong guess costs bandwidth, "
-                        "never a result). Off by default; needs the checkpoint's own routing")
+                        "never a result). Off by default; needs the checkpoint's own routing, the default "
+                        "--expert-placement gpu, and runs decode per call (no segment chain)")
 
 
 def placement_line(eng) -> str | None:

@@ -178,7 +178,7 @@ class CachedExperts:
         if self.predict is not None and layer + 1 < self.num_layers:
             nxt = self.predict(layer, x)  # (N, k) device: queued before this layer's experts, read with ids below
         ids_h = ids.cpu()  # host decision: which experts to lease (partial residency only)
-        if self.placement is not None:
+        if self.mixed:
             return self._placed(layer, x, ids, gw, ids_h)
         if nxt is not None:
             nxt = nxt.cpu()
@@ -219,6 +219,12 @@ class CachedExperts:
         if self.cache.counters["bytes_h2d"] != bytes0:
             self.h2d_seconds += time.perf_counter() - t0
 
+    @property
+    def mixed(self) -> bool:
+        """True when layer calls may compute absent experts at the CPU site (a placement that can choose the CPU;
+        auto on a link faster than the CPU site never does, and runs the plain path)."""
+        return self.placement is not None and self.placement.may_use_cpu()
+
     def site(self):
         """The CPU site over the cache's host source (runmap.kernels.cpu_int4.CpuExpertSite), built on first use."""
         if self.cpu_site is None:
@@ -232,7 +238,7 @@ class CachedExperts:
         computed there from the host source while the device computes the leased ones; the two sums are added.
         x fp16 (N, H), ids int64 (N, k), gw fp32 (N, k), ids_h = ids on the host -> fp16 (N, H)."""
         out = torch.empty_like(x)
-        x_h = None
+        x_h = gw_h = None
         for rows in self._groups(ids_h):
             sel = rows if len(rows) < x.shape[0] else None  # None: the whole batch
             req = self.cache.admit()
@@ -242,13 +248,14 @@ class CachedExperts:
                                          (x[rows].contiguous(), ids[rows], gw[rows], ids_h[rows]))
                 on_cpu = torch.isin(ids_hs, torch.tensor(lease.cpu_experts, dtype=ids_hs.dtype))  # (n, k) bool
                 if lease.cpu_experts and x_h is None:
-                    x_h = x.to("cpu")  # (N, H) fp16: waits for the layer's input, before the device work is queued
+                    # (N, H) fp16 and (N, k) fp32: both read before the device work is queued, so that the CPU site
+                    # then runs while the device computes (a host copy after it would wait for the device part)
+                    x_h, gw_h = x.to("cpu"), gw.to("cpu")
                 with self.cache.monitored():  # a copy out of the leased rows would count in expert_d2h_bytes
                     y = self._device_part(xs, idss, gws, ids_hs, ~on_cpu, lease)  # fp32 (n, H) or None, queued
                     if lease.cpu_experts:  # runs while the device computes the leased experts
-                        xc = x_h if sel is None else x_h[rows]
-                        yc = self.site().moe_subset(layer, xc, ids_hs, gw.to("cpu") if sel is None
-                                                    else gw[rows].to("cpu"), lease.cpu_experts)  # fp32 (n, H)
+                        xc, gwc = (x_h, gw_h) if sel is None else (x_h[rows], gw_h[rows])
+                        yc = self.site().moe_subset(layer, xc, ids_hs, gwc, lease.cpu_experts)  # fp32 (n, H)
                         yc = yc.to(x.device)
                         y = yc if y is None else y + yc
             finally:
@@ -616,7 +623,7 @@ class Engine:
         # a CPU-site placement runs the per-call path (its device part is not captured; issue 25 item 2 leaves the
         # segment chain with mixed sites for later)
         self.use_segments = bool(segments and isinstance(experts, CachedExperts) and not experts.full
-                                 and not self.skip_experts and experts.placement is None and experts.predict is None
+                                 and not self.skip_experts and not experts.mixed and experts.predict is None
                                  and ((device.type == "cuda" and executor in GRAPH_EXECUTORS) or segments == "eager"))
         self._graphs: dict[int, GraphDecoder] = {}
         self._segments: dict[int, SegmentDecoder] = {}
@@ -627,7 +634,7 @@ class Engine:
         self._runs: list[dict] = []
         self._closed = False
         # the expert cache's hits / misses / host->device bytes made by prefill passes (telemetry splits by phase)
-        self.prefill_counts = {"hits": 0, "misses": 0, "bytes_h2d": 0}
+        self.prefill_counts = {"hits": 0, "misses": 0, "bytes_h2d": 0, "cpu_site_experts": 0}
 
     @property
     def pad_id(self) -> int:
@@ -673,6 +680,9 @@ class Engine:
         if expert_placement != "gpu" and (executor in CPU_SITE_EXECUTORS or expert_format != "int4"):
             raise EngineError(f"expert placement {expert_placement!r} places absent experts beside a device executor "
                               f"on INT4 experts; executor {executor!r} with expert_format {expert_format!r} has none")
+        if prefetch and expert_placement != "gpu":
+            raise EngineError("prefetch moves predicted experts into spare rows; with expert placement "
+                              f"{expert_placement!r} absent experts may run on the CPU instead: choose one of the two")
         if executor in CPU_SITE_EXECUTORS and device.type != "cpu":
             raise EngineError(f"executor {executor!r} computes on the CPU from the host source: use device='cpu' "
                               "(a mixed device/CPU placement is not implemented yet)")
@@ -713,6 +723,12 @@ class Engine:
                 raise EngineError(str(e)) from None
             resident = budget_plan.resident
         resident = E if resident is None else int(resident)
+        if prefetch and (resident == E or spec.kind != "model"):
+            reader.close()
+            raise EngineError(
+                "prefetch predicts the next layer's experts with its router: it needs partial residency and the "
+                f"checkpoint's own routing (got resident={resident} of {E}, routing {spec.name!r}; a routing "
+                "workload's own next-step prediction is not implemented)")
         if not cfg.top_k <= resident <= E:
             reader.close()
             raise EngineError(f"resident={resident} must be in [{cfg.top_k}, {E}]: at least top_k={cfg.top_k} "
@@ -784,12 +800,6 @@ class Engine:
                     cache = ExpertCache.from_pack(reader, **kw)
                 experts = CachedExperts(cache, executor, layout, cfg.top_k)
                 if prefetch:
-                    if resident == E or spec.kind != "model":
-                        reader.close()
-                        raise EngineError(
-                            "prefetch predicts the next layer's experts with its router: it needs partial residency "
-                            f"and the checkpoint's own routing (got resident={resident} of {E}, routing "
-                            f"{spec.name!r}; a routing workload's own next-step prediction is not implemented)")
                     experts.predict = _next_layer_predictor(model, cfg)
                 if expert_placement != "gpu":
                     from runmap.engine.placement import make_placement

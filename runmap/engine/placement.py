@@ -7,7 +7,7 @@ gate weight; only its execution site does. The cache decides what is absent unde
 placement which of those experts the CPU site takes (``Request.acquire(..., place=...)``,
 runmap/residency/cache.py); they are never leased, transferred or published.
 
-``auto`` rule. Moving an absent expert costs ``row_bytes / h2d_rate`` once; it then stays resident for the uses
+``auto`` rule (decided at each layer call for the call's absent experts together). Moving an absent expert costs ``row_bytes / h2d_rate`` once; it then stays resident for the uses
 that follow until it is evicted. Computing it on the CPU costs ``row_bytes / cpu_rate`` at each use (a decode
 step reads the whole expert once, whatever the few tokens). If a resident expert is routed again with
 probability ``h`` at each later routing of its layer (the cache's measured hit rate), a transferred expert
@@ -15,8 +15,10 @@ serves ``1 / (1 - h)`` uses in expectation, so the transfer wins when
 
     row_bytes / h2d_rate  <  (row_bytes / cpu_rate) / (1 - h)    <=>    h  >  1 - h2d_rate / cpu_rate
 
-so a link at least as fast as the CPU site always transfers, and a slower link transfers only where reuse is
-likely enough. Not modelled: that CPU work and transfers could run at once (a split of one step's misses
+so a link at least as fast as the CPU site always transfers (the engine then runs its plain path, segment chain
+included), and a slower link transfers only where reuse is likely enough. Known bias: experts computed on the CPU
+count in the hit rate's denominator and never become hits, so once the rule chooses the CPU the measured rate
+tends to keep it there. Not modelled: that CPU work and transfers could run at once (a split of one step's misses
 between both sites), and a batch's tokens sharing a CPU expert (the CPU cost is per expert read, as the
 transfer's is). The rates are measured on this machine when the
 engine is built (``measure_costs``); ``h`` is the cache's own running hit rate over the routings it has served
@@ -98,6 +100,10 @@ class Placement:
     def __call__(self, absent: tuple) -> tuple:
         return ()
 
+    def may_use_cpu(self) -> bool:
+        """False when this placement can never give the CPU site an expert (the engine then runs the plain path)."""
+        return False
+
     def describe(self) -> dict:
         return {"mode": self.name}
 
@@ -110,6 +116,9 @@ class CpuPlacement(Placement):
     def __call__(self, absent: tuple) -> tuple:
         return absent
 
+    def may_use_cpu(self) -> bool:
+        return True
+
 
 class AutoPlacement(Placement):
     """Per absent expert, transfer or compute on the CPU from measured costs (module docstring)."""
@@ -120,6 +129,10 @@ class AutoPlacement(Placement):
         self.costs = costs
         self.counters = counters  # the cache's counters (hits, misses, cpu_site_experts), read at each decision
         self.decisions = {"transfer": 0, "cpu": 0}
+
+    def may_use_cpu(self) -> bool:
+        """A link at least as fast as the CPU site transfers at every hit rate (threshold 0)."""
+        return self.costs.cpu_gb_s > self.costs.h2d_gb_s
 
     def hit_rate(self) -> float:
         c = self.counters

@@ -66,6 +66,7 @@ class EngineStats:
     prefill_hits: int = 0
     prefill_misses: int = 0
     prefill_bytes_h2d: int = 0
+    prefill_cpu_site_experts: int = 0
     # where absent experts ran and what next-layer prefetch did (runmap/engine/placement.py; the cache's counters)
     placement: MappingProxyType | None = None  # the placement's plan (mode, measured rates, decisions); None = gpu
     prefetch: bool = False
@@ -79,7 +80,9 @@ class EngineStats:
 
     @property
     def hit_rate(self) -> float | None:
-        looked = self.hits + self.misses
+        """Share of the routed experts looked up that were resident: hits / (hits + misses + experts computed at the
+        CPU site), so that a CPU placement does not read as 1.0."""
+        looked = self.hits + self.misses + self.cpu_site_experts
         return self.hits / looked if looked else None
 
     def since(self, earlier: "EngineStats") -> "CounterDelta":
@@ -99,6 +102,17 @@ class CounterDelta:
     prefill_hits: int = 0
     prefill_misses: int = 0
     prefill_bytes_h2d: int = 0
+    cpu_site_experts: int = 0
+    prefill_cpu_site_experts: int = 0
+    prefetches: int = 0
+    prefetched_experts: int = 0
+    prefetch_used: int = 0
+    prefetches_skipped: int = 0
+    prefetches_aborted: int = 0
+
+    @property
+    def decode_cpu_site_experts(self) -> int:
+        return self.cpu_site_experts - self.prefill_cpu_site_experts
 
     @property
     def decode_hits(self) -> int:

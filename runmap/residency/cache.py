@@ -389,7 +389,8 @@ class ExpertCache:
                 nmiss = len(txn_missing)
             else:
                 nmiss = 0
-                self.counters["all_hit_leases"] += 1
+                if not on_cpu:  # a group with experts at the CPU site was not all resident
+                    self.counters["all_hit_leases"] += 1
             if gen.number not in req.pins:
                 req.pins.add(gen.number)
                 self._pins[gen.number] += 1

@@ -533,6 +533,33 @@ class PublishPrefetchEarly(ExpertCache):
             super()._wait_all(submitted)
 
 
+class PrefetchWhenFaulted(ExpertCache):
+    """A prefetch that skips the FAULTED check ("only a prediction")."""
+
+    def _check_faulted(self):
+        import inspect
+
+        if inspect.stack()[1].function == "prefetch":
+            return
+        super()._check_faulted()
+
+
+class PrefetchEvictsLeased(ExpertCache):
+    """A prefetch that protects only its own predicted group, not the experts live leases read."""
+
+    _prefetching = False
+
+    def prefetch(self, layer, expert_ids):
+        self._prefetching = True
+        try:
+            return super().prefetch(layer, expert_ids)
+        finally:
+            self._prefetching = False
+
+    def _protected(self, layer, group):
+        return set(group) if self._prefetching else super()._protected(layer, group)
+
+
 MUTANTS = {
     "publish-before-transfer": PublishBeforeTransfer,
     "recycle-with-live-lease": RecycleWithLiveLease,
@@ -549,6 +576,8 @@ MUTANTS = {
     "transfer-cpu-placed": TransferCpuPlaced,
     "cpu-placed-as-hits": CpuPlacedAsHits,
     "publish-prefetch-early": PublishPrefetchEarly,
+    "prefetch-when-faulted": PrefetchWhenFaulted,
+    "prefetch-evicts-leased": PrefetchEvictsLeased,
 }
 # broken transports, run with the real cache (CUDA-events mode only: a controlled transport would hide them)
 TRANSPORT_MUTANTS = {"event-before-copy": EventBeforeCopyTransport}
@@ -741,6 +770,13 @@ class CacheContractMachine(RuleBasedStateMachine):
             except CacheFaultedError:
                 self._note("faulted_admits_nothing")
                 self.stats.outcomes["admit_refused_faulted"] += 1
+                if not self.cache.full_residency:  # nor does it prefetch (a prefetch is a transaction too)
+                    try:
+                        self.cache.prefetch(0, [0])
+                    except CacheFaultedError:
+                        self.stats.outcomes["prefetch_refused_faulted"] += 1
+                        return
+                    raise ContractViolation("a FAULTED cache ran a prefetch")
                 return
             raise ContractViolation("a FAULTED cache admitted a request")
         req = self.cache.admit()
@@ -887,7 +923,7 @@ class CacheContractMachine(RuleBasedStateMachine):
         self.m["prefetch_used"] += len(used)
         self.prefetched[layer] -= used
         self.m["leases"] += 1
-        self.m["all_hit_leases"] += expect == "hit"
+        self.m["all_hit_leases"] += expect == "hit" and not on_cpu
         if lease_gen > r.gen:
             r.gen = lease_gen
         r.pins.add(lease_gen)
