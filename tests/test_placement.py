@@ -355,3 +355,30 @@ def test_auto_on_a_link_faster_than_the_cpu_site_runs_the_plain_path(packs):
         assert eng.telemetry()["placement"]["transfer_if_hit_rate_above"] == 0
     finally:
         eng.close()
+
+
+@pytest.mark.parametrize("preset", PRESETS)
+def test_prefetch_in_the_segment_chain(packs, preset, test_device):
+    """The partial-residency decode chain (segments; on the CPU without graphs) prefetches too: each segment that
+    routes layer l also writes layer l + 1's predicted ids, moved while the next segment runs. Greedy tokens equal
+    the chain without prefetch, and the decode steps' prefetches are used."""
+    from runmap.engine.engine import Engine
+
+    seg_mode = True if test_device == "cuda" else "eager"
+    pack, cfg = packs[preset]
+    resident = (cfg.top_k + cfg.num_experts) // 2
+    runs = {}
+    for on in (False, True):
+        eng = Engine.from_pack(pack, executor="reference" if test_device == "cpu" else "grouped", device=test_device,
+                               resident=resident, max_batch=1, max_seq_len=48, segments=seg_mode, prefetch=on)
+        try:
+            assert eng.use_segments
+            toks = eng.generate(["the cache holds", "experts"], max_new_tokens=8)
+            assert 1 in eng._segments
+            runs[on] = ([r.token_ids for r in toks], dict(eng.experts.cache.counters))
+            assert eng.experts.cache.outstanding_leases() == 0 and eng.experts.cache.live_requests() == 0
+        finally:
+            eng.close()
+    assert runs[True][0] == runs[False][0]
+    on, off = runs[True][1], runs[False][1]
+    assert off["prefetches"] == 0 and on["prefetches"] > 0 and 0 < on["prefetch_used"] <= on["prefetched_experts"]

@@ -42,7 +42,7 @@ def add_residency_arguments(p) -> None:
                    help="partial residency: while a layer computes, move the experts the next layer's router predicts "
                         "from this layer's input (a miss transaction with no lease; a wrong guess costs bandwidth, "
                         "never a result). Off by default; needs the checkpoint's own routing, the default "
-                        "--expert-placement gpu, and runs decode per call (no segment chain)")
+                        "--expert-placement gpu")
 
 
 def placement_line(eng) -> str | None:

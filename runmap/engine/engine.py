@@ -477,6 +477,11 @@ class SegmentDecoder(_StaticStepInputs):
         self.L, self.k = cfg.num_layers, cfg.top_k
         self.host_ids = torch.zeros(self.L, batch, self.k, dtype=torch.long, pin_memory=dev.type == "cuda")
         self.host_ids_np = self.host_ids.numpy()  # (L, B, k) the same pinned memory, read without a torch call
+        # next-layer prefetch: layer l + 1's predicted ids (its router on layer l's MoE input), written by the segment
+        # that routes layer l and read on the host while the next segment runs (row 0 is unused)
+        self.predict = engine.experts.predict
+        self.host_pred = (torch.zeros(self.L, batch, self.k, dtype=torch.long, pin_memory=dev.type == "cuda")
+                          if self.predict is not None else None)
         self.chains: dict[int, tuple[list, torch.Tensor]] = {}  # n_keys -> (graphs, logits)
         self._keep: list = []  # tensors living across segment boundaries (kept out of the pool's reuse)
         self.capture_graphs: list | None = None  # the chain being captured
@@ -485,8 +490,12 @@ class SegmentDecoder(_StaticStepInputs):
     # the routed-experts callback of Transformer.forward in segment mode ---------------------------------------
     def _experts(self, layer, x, ids, gw):
         ex = self.e.experts
+        pred = self.predict(layer, x) if self.predict is not None and layer + 1 < self.L else None  # (B, k)
         if self.capture_graphs is not None:  # capturing: end this segment after the ids are copied out
             self.host_ids[layer].copy_(ids, non_blocking=True)
+            if pred is not None:
+                self.host_pred[layer + 1].copy_(pred, non_blocking=True)
+                self._keep.append(pred)
             self._keep += [x, ids, gw]
             g = self.capture_graphs[-1]
             g.capture_end()
@@ -496,6 +505,10 @@ class SegmentDecoder(_StaticStepInputs):
         else:  # eager chain: the host decision right here
             self.host_ids[layer].copy_(ids)
             self._lease(layer)
+            if pred is not None:
+                out = ex.static_experts(layer, x, ids, gw)  # queued first: the prefetch then overlaps it
+                ex.prefetch(layer + 1, pred.cpu())
+                return out
         return ex.static_experts(layer, x, ids, gw)
 
     def _lease(self, layer):
@@ -571,6 +584,11 @@ class SegmentDecoder(_StaticStepInputs):
                     g.replay()
                     if layer == self.L:
                         break
+                    if self.host_pred is not None and layer > 0:
+                        # while segment `layer` runs (layer - 1's experts, layer's attention and router), move
+                        # layer's predicted experts (written by the previous segment, already waited for); no
+                        # queued kernel reads layer's rows before its lease refreshes the static table
+                        e.experts.prefetch(layer, self.host_pred[layer].numpy())
                     ev.record()
                     ev.synchronize()  # this layer's routed ids are in pinned memory
                     self._lease(layer)
@@ -623,7 +641,7 @@ class Engine:
         # a CPU-site placement runs the per-call path (its device part is not captured; issue 25 item 2 leaves the
         # segment chain with mixed sites for later)
         self.use_segments = bool(segments and isinstance(experts, CachedExperts) and not experts.full
-                                 and not self.skip_experts and not experts.mixed and experts.predict is None
+                                 and not self.skip_experts and not experts.mixed
                                  and ((device.type == "cuda" and executor in GRAPH_EXECUTORS) or segments == "eager"))
         self._graphs: dict[int, GraphDecoder] = {}
         self._segments: dict[int, SegmentDecoder] = {}
