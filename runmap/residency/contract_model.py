@@ -516,36 +516,8 @@ class CpuPlacedAsHits(ExpertCache):
         return lease
 
 
-class PublishPrefetchEarly(ExpertCache):
-    """A prefetch publishes its predicted rows without waiting for their copies (it is "only a prediction")."""
-
-    _early = False
-
-    def prefetch(self, layer, expert_ids):
-        self._early = True
-        try:
-            return super().prefetch(layer, expert_ids)
-        finally:
-            self._early = False
-
-    def _wait_all(self, submitted):
-        if not self._early:
-            super()._wait_all(submitted)
-
-
-class PrefetchWhenFaulted(ExpertCache):
-    """A prefetch that skips the FAULTED check ("only a prediction")."""
-
-    def _check_faulted(self):
-        import inspect
-
-        if inspect.stack()[1].function == "prefetch":
-            return
-        super()._check_faulted()
-
-
-class PrefetchEvictsLeased(ExpertCache):
-    """A prefetch that protects only its own predicted group, not the experts live leases read."""
+class _PrefetchFlag(ExpertCache):
+    """Base of the prefetch mutants: ``_prefetching`` is True while a prefetch runs."""
 
     _prefetching = False
 
@@ -555,6 +527,26 @@ class PrefetchEvictsLeased(ExpertCache):
             return super().prefetch(layer, expert_ids)
         finally:
             self._prefetching = False
+
+
+class PublishPrefetchEarly(_PrefetchFlag):
+    """A prefetch publishes its predicted rows without waiting for their copies (it is "only a prediction")."""
+
+    def _wait_all(self, submitted):
+        if not self._prefetching:
+            super()._wait_all(submitted)
+
+
+class PrefetchWhenFaulted(_PrefetchFlag):
+    """A prefetch that skips the FAULTED check ("only a prediction")."""
+
+    def _check_faulted(self):
+        if not self._prefetching:
+            super()._check_faulted()
+
+
+class PrefetchEvictsLeased(_PrefetchFlag):
+    """A prefetch that protects only its own predicted group, not the experts live leases read."""
 
     def _protected(self, layer, group):
         return set(group) if self._prefetching else super()._protected(layer, group)
