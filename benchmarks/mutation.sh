@@ -37,6 +37,12 @@
 #                         outstanding_leases, staging_free, staging_reserved, _Staging; Event, the base Transport's
 #                         __init__, alloc_storage, alloc_staging, describe and CpuTransport.__init__ (116; not the
 #                         CUDA transports, default_transport's CUDA branches or _np_copy / _unregister_host)
+#   placement-prefetch    expert placement and next-layer prefetch (46d771e, 7ba5da8, 204e8e7): ExpertCache.prefetch,
+#                         Request.acquire (its place argument), ExpertCache._acquire (place handling, cpu_site_experts,
+#                         all_hit_leases, the _prefetched bookkeeping) and the two mutants of the lines prefetch added
+#                         to _transaction (by number, as mutmut 3.8.1 numbers them at 204e8e7: 115, the evicted
+#                         experts leaving _prefetched; 126, the reclaim in the after-publication fault path) (185;
+#                         after-placement-prefetch.json)
 # MUTATION_RERUN=1 benchmarks/mutation.sh LABEL: re-run the survivors (and the mutants no test reached) of an
 # earlier run of LABEL that no re-run has killed yet (MUTATION_NAMES: only those matching these patterns), in its
 # scratch copy against the working tree (refused if a function they mutate changed since, so the mutants are the
@@ -169,6 +175,8 @@ construction-rest) SCOPE="$R.host_source.x__sha256__mutmut_* ${H}from_rows__mutm
  ${C}staging_free__mutmut_* ${C}staging_reserved__mutmut_* ${T}ǁEventǁ* ${T}ǁTransportǁ__init____mutmut_*
  ${T}ǁTransportǁalloc_storage__mutmut_* ${T}ǁTransportǁalloc_staging__mutmut_* ${T}ǁTransportǁdescribe__mutmut_*
  ${T}ǁCpuTransportǁ__init____mutmut_*" ;;
+placement-prefetch) SCOPE="${C}prefetch__mutmut_* $R.cache.xǁRequestǁacquire__mutmut_* ${C}_acquire__mutmut_*
+ ${C}_transaction__mutmut_115 ${C}_transaction__mutmut_126" ;;
 *) SCOPE=$MUTATION_SCOPE ;;
 esac
 [ "$SCOPE" = all ] && SCOPE=""
