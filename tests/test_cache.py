@@ -890,3 +890,68 @@ def test_an_event_carries_its_completion_marker_and_the_bytes_of_its_copy():
     dst = torch.zeros(RB, dtype=torch.uint8)
     ev = tr.h2d(dst, torch.full((RB,), 7, dtype=torch.uint8))  # a CPU copy is complete when it returns
     assert ev.raw is None and ev.nbytes == RB and tr.query(ev) and bool((dst == 7).all())
+
+
+# --- expert placement and next-layer prefetch (scope `placement-prefetch`) ------------------------------------------
+def test_the_placement_is_asked_only_about_experts_absent_from_both_generations():
+    """An expert the request's generation maps (0, evicted since) or the current one maps (4, published since) is read
+    from its row; only an expert neither maps (3) is offered to the placement, and it is a CPU-site expert, not a
+    hit, a miss or part of an all-hit lease."""
+    cache, _, rows = _cache()
+    old = cache.admit()  # generation 1: experts 0, 1, 2
+    with cache.admit() as r:
+        r.acquire(0, [4, 5])  # generation 2: experts 2, 4, 5 (0 and 1 evicted, their rows pinned by `old`)
+    before = dict(cache.counters)
+    asked = []
+
+    def place(absent):  # every absent expert it is asked about goes to the CPU site
+        asked.append(absent)
+        return absent
+
+    lease = old.acquire(0, [0, 3], place=place)
+    assert (lease.experts, lease.cpu_experts, lease.generation, asked) == ((0,), (3,), 1, [(3,)])
+    _assert_lease_bytes(lease, rows)
+    lease = old.acquire(0, torch.tensor([4, 3]), place=place)
+    assert (lease.experts, lease.cpu_experts, lease.generation, asked) == ((4,), (3,), 2, [(3,), (3,)])
+    _assert_lease_bytes(lease, rows)
+    grew = {k: cache.counters[k] - v for k, v in before.items() if cache.counters[k] != v}
+    assert grew == {"leases": 2, "hits": 2, "cpu_site_experts": 2}  # no miss, no transaction, no all-hit lease
+    old.release()
+
+
+def test_a_placement_that_puts_a_mapped_expert_at_the_cpu_site_is_refused_by_name():
+    cache, _, _ = _cache()
+    with cache.admit() as r:
+        for chosen in ([2], [3, 2]):
+            with pytest.raises(CacheError, match=r"^layer 1: placement put experts \[2\] at the CPU site; only absent "
+                                                 r"experts \[3\] may go there$"):
+                r.acquire(1, [2, 3], place=lambda absent: chosen)
+        assert cache.counters["leases"] == 0 and cache.counters["cpu_site_experts"] == 0
+        lease = r.acquire(1, [2, 3], place=lambda absent: absent)  # all of the absent experts may go
+        assert (lease.experts, lease.cpu_experts) == ((2,), (3,))
+
+
+def test_a_prefetch_is_one_tick_of_the_eviction_policys_clock():
+    """LFU with a half-life of 2 ticks (x = 2^-1/2 per tick): expert 0 is published at tick 0 and hit at 1 (score
+    1 + x at 1), the prefetch publishes 3 at tick 2 (score 1, evicting 1: 1 and 2 have x^2, the lower id goes) and
+    the miss of 4 at tick 3 (2 protected in the group) chooses between 0 ((1 + x) x^2 = 0.85) and 3 (x = 0.71): 3
+    goes. Had the prefetch counted as two ticks (3 published at 3, the miss at 4), 0 would have (1 + x) x^3 = 0.60 and
+    go instead."""
+    cache, _, _ = _cache(policy=LFUDecayPolicy(half_life=2))
+    with cache.admit() as r:
+        r.acquire(0, [0])  # tick 1
+    assert cache.prefetch(0, [3]) == (3,) and sorted(cache.mapping(0)) == [0, 2, 3]  # tick 2
+    with cache.admit() as r:
+        r.acquire(0, [2, 4])  # tick 3
+    assert sorted(cache.mapping(0)) == [0, 2, 4]
+
+
+def test_a_writeback_on_eviction_by_a_prefetch_is_counted():
+    """A prefetch's publication is a transaction for the copy monitor: a victim's row copied back to the host there
+    is a writeback, as in an acquisition's miss transaction."""
+    from runmap.residency.contract_model import WritebackOnEvict
+
+    cache = WritebackOnEvict.from_pack(InMemoryPack(_rows(), LAYOUT), resident=3, max_group=2)
+    assert cache.prefetch(0, [4, 5]) == (4, 5)  # evicts two of the three prefilled experts
+    obs = cache.telemetry()["observations"]
+    assert obs["writebacks"]["status"] == "OBSERVED" and obs["writebacks"]["value"] == 2
