@@ -180,11 +180,20 @@ def _layer_moe(expert_of, x, topk_ids, topk_weights, dtype, out_dtype=torch.floa
         for j, e in enumerate(ids[0].tolist()):
             out.add_(expert_ffn(expert_of(e), xa) * gw[0, j])
         return out.to(out_dtype)
-    for e in torch.unique(ids).tolist():
+    _add_experts(out, expert_of, xa, ids, topk_weights, torch.unique(ids).tolist())
+    return out.to(out_dtype)
+
+
+def _add_experts(out, expert_of, xa, ids, topk_weights, experts) -> None:
+    """out (T, H) fp32 += w[t, j] * ffn_e(x_t) for each expert e of ``experts`` over the (t, j) slots routed to it,
+    its tokens batched in one pass (an expert no slot routes to is skipped). xa: (T, H) in the activation dtype,
+    ids int64 (T, k), topk_weights (T, k)."""
+    for e in experts:
         tok, slot = (ids == e).nonzero(as_tuple=True)  # (n_e,) each
+        if tok.numel() == 0:
+            continue
         y = expert_ffn(expert_of(e), xa[tok])  # (n_e, H) fp32
         out.index_add_(0, tok, y * topk_weights[tok, slot].to(torch.float32)[:, None])
-    return out.to(out_dtype)
 
 
 def _check_ids(topk_ids: torch.Tensor, num_experts: int) -> None:
@@ -281,14 +290,8 @@ class CpuExpertSite:
         """
         self._check_layer_call(layer, x, topk_ids, topk_weights)
         out = torch.zeros(x.shape[0], x.shape[1], dtype=torch.float32)  # (T, H)
-        ids = topk_ids.to(torch.int64)
-        xa = x.to(self.dtype)
-        for e in sorted({int(v) for v in experts}):
-            tok, slot = (ids == e).nonzero(as_tuple=True)  # (n_e,) each
-            if tok.numel() == 0:
-                continue
-            y = expert_ffn(self.expert(layer, e), xa[tok])  # (n_e, H) fp32
-            out.index_add_(0, tok, y * topk_weights[tok, slot].to(torch.float32)[:, None])
+        _add_experts(out, lambda e: self.expert(layer, e), x.to(self.dtype), topk_ids.to(torch.int64), topk_weights,
+                     sorted({int(v) for v in experts}))
         return out
 
     def describe(self) -> dict:

@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 from runmap.engine.budget import size_argument
+from runmap.engine.placement import PLACEMENTS
 
 
 def int_at_least(minimum: int):
@@ -29,7 +30,7 @@ def add_residency_arguments(p) -> None:
                      help="instead of --resident: plan the GPU memory (non-routed weights, KV cache, workspaces, spare "
                           "rows), keep as many experts per layer as fit SIZE (e.g. 8GiB) and cap torch's allocator at "
                           "SIZE; the plan is printed. A budget below the minimum is refused")
-    p.add_argument("--expert-placement", choices=("gpu", "cpu", "auto"), default="gpu",
+    p.add_argument("--expert-placement", choices=PLACEMENTS, default="gpu",
                    help="where a routed expert that is not resident on the GPU is computed (partial residency): gpu = "
                         "copied into a spare row first (default), cpu = computed on the host CPU from the host copy, "
                         "nothing transferred, auto = at each layer call, for its absent experts, whichever the rates "

@@ -213,11 +213,7 @@ class CachedExperts:
         first, at most max_group of them (the cache's prefetch: a miss transaction with no lease; a prediction
         that finds no room or fails before publication is dropped, never an error of the request)."""
         counts = Counter(predicted.reshape(-1).tolist())
-        group = [e for e, _ in counts.most_common(self.cache.max_group)]
-        bytes0, t0 = self.cache.counters["bytes_h2d"], time.perf_counter()
-        self.cache.prefetch(layer, group)
-        if self.cache.counters["bytes_h2d"] != bytes0:
-            self.h2d_seconds += time.perf_counter() - t0
+        self._timed(self.cache.prefetch, layer, [e for e, _ in counts.most_common(self.cache.max_group)])
 
     @property
     def mixed(self) -> bool:
@@ -286,13 +282,18 @@ class CachedExperts:
         return out.index_add_(0, tok, y.to(torch.float32))
 
     def acquire(self, req, layer, ids, place=None):
-        """``req.acquire(layer, ids)``, adding its wall time to ``h2d_seconds`` when it ran a miss transaction (the
-        rate bytes_h2d / h2d_seconds is then over every path that moves expert bytes: eager calls and segments)."""
-        misses0, t0 = self.cache.counters["misses"], time.perf_counter()
-        lease = req.acquire(layer, ids, place) if place is not None else req.acquire(layer, ids)
-        if self.cache.counters["misses"] != misses0:
+        """``req.acquire(layer, ids, place)``, timed as ``_timed`` says."""
+        return self._timed(req.acquire, layer, ids, place)
+
+    def _timed(self, call, *args):
+        """``call(*args)`` (an acquisition or a prefetch), adding its wall time to ``h2d_seconds`` when it moved expert
+        bytes host -> device (the rate bytes_h2d / h2d_seconds is then over every path that moves expert bytes: eager
+        calls, segments and prefetches)."""
+        bytes0, t0 = self.cache.counters["bytes_h2d"], time.perf_counter()
+        out = call(*args)
+        if self.cache.counters["bytes_h2d"] != bytes0:
             self.h2d_seconds += time.perf_counter() - t0
-        return lease
+        return out
 
     def static_experts(self, layer, x, ids, gw):
         """Segment decode: the executor on the layer's whole storage through its static row table (refreshed from
@@ -479,9 +480,8 @@ class SegmentDecoder(_StaticStepInputs):
         self.host_ids_np = self.host_ids.numpy()  # (L, B, k) the same pinned memory, read without a torch call
         # next-layer prefetch: layer l + 1's predicted ids (its router on layer l's MoE input), written by the segment
         # that routes layer l and read on the host while the next segment runs (row 0 is unused)
-        self.predict = engine.experts.predict
         self.host_pred = (torch.zeros(self.L, batch, self.k, dtype=torch.long, pin_memory=dev.type == "cuda")
-                          if self.predict is not None else None)
+                          if engine.experts.predict is not None else None)
         self.chains: dict[int, tuple[list, torch.Tensor]] = {}  # n_keys -> (graphs, logits)
         self._keep: list = []  # tensors living across segment boundaries (kept out of the pool's reuse)
         self.capture_graphs: list | None = None  # the chain being captured
@@ -490,7 +490,7 @@ class SegmentDecoder(_StaticStepInputs):
     # the routed-experts callback of Transformer.forward in segment mode ---------------------------------------
     def _experts(self, layer, x, ids, gw):
         ex = self.e.experts
-        pred = self.predict(layer, x) if self.predict is not None and layer + 1 < self.L else None  # (B, k)
+        pred = ex.predict(layer, x) if ex.predict is not None and layer + 1 < self.L else None  # (B, k)
         if self.capture_graphs is not None:  # capturing: end this segment after the ids are copied out
             self.host_ids[layer].copy_(ids, non_blocking=True)
             if pred is not None:
@@ -505,11 +505,10 @@ class SegmentDecoder(_StaticStepInputs):
         else:  # eager chain: the host decision right here
             self.host_ids[layer].copy_(ids)
             self._lease(layer)
-            if pred is not None:
-                out = ex.static_experts(layer, x, ids, gw)  # queued first: the prefetch then overlaps it
-                ex.prefetch(layer + 1, pred.cpu())
-                return out
-        return ex.static_experts(layer, x, ids, gw)
+        out = ex.static_experts(layer, x, ids, gw)
+        if pred is not None and self.capture_graphs is None:  # eager: the experts are queued, the prefetch overlaps them
+            ex.prefetch(layer + 1, pred.cpu())
+        return out
 
     def _lease(self, layer):
         ex = self.e.experts

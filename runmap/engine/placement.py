@@ -1,14 +1,14 @@
 """Where a routed expert that is not resident on the GPU is computed (issue 25): transferred into a spare row
 (``gpu``, the contract's miss transaction), computed at the CPU site from the immutable host source (``cpu``), or
-chosen per miss from measured costs (``auto``).
+chosen at each layer call from measured costs (``auto``).
 
 The route never changes: every expert the router (or the routing workload) names is computed, with the same
 gate weight; only its execution site does. The cache decides what is absent under its lock and asks the
 placement which of those experts the CPU site takes (``Request.acquire(..., place=...)``,
 runmap/residency/cache.py); they are never leased, transferred or published.
 
-``auto`` rule (decided at each layer call for the call's absent experts together). Moving an absent expert costs ``row_bytes / h2d_rate`` once; it then stays resident for the uses
-that follow until it is evicted. Computing it on the CPU costs ``row_bytes / cpu_rate`` at each use (a decode
+``auto`` rule (decided at each layer call, for the call's absent experts together). Moving an absent expert costs
+``row_bytes / h2d_rate`` once; it then stays resident for the uses that follow until it is evicted. Computing it on the CPU costs ``row_bytes / cpu_rate`` at each use (a decode
 step reads the whole expert once, whatever the few tokens). If a resident expert is routed again with
 probability ``h`` at each later routing of its layer (the cache's measured hit rate), a transferred expert
 serves ``1 / (1 - h)`` uses in expectation, so the transfer wins when
@@ -20,8 +20,7 @@ included), and a slower link transfers only where reuse is likely enough. Known 
 count in the hit rate's denominator and never become hits, so once the rule chooses the CPU the measured rate
 tends to keep it there. Not modelled: that CPU work and transfers could run at once (a split of one step's misses
 between both sites), and a batch's tokens sharing a CPU expert (the CPU cost is per expert read, as the
-transfer's is). The rates are measured on this machine when the
-engine is built (``measure_costs``); ``h`` is the cache's own running hit rate over the routings it has served
+transfer's is). The rates are measured on this machine when the engine is built (``measure_costs``); ``h`` is the cache's own running hit rate over the routings it has served
 (hits over hits + misses + CPU-site experts), starting from 0 (no evidence of reuse yet). The plan (rates,
 threshold, decisions so far) is in the engine's telemetry and printed by the CLI.
 """
@@ -29,8 +28,6 @@ from __future__ import annotations
 
 import dataclasses
 import time
-
-import torch
 
 PLACEMENTS = ("gpu", "cpu", "auto")
 
@@ -61,10 +58,12 @@ def _best_seconds(fn, repeats: int) -> float:
     return best
 
 
-def measure_costs(site, host, device: torch.device, layer: int = 0, repeats: int = 5,
+def measure_costs(site, host, device, layer: int = 0, repeats: int = 5,
                   transport=None) -> PlacementCosts:
     """Time the CPU site on one expert at batch 1 and a host -> device copy of that expert's row (pinned
     staging on CUDA, as the miss path copies; a host copy on a CPU device). Best of ``repeats`` each."""
+    import torch
+
     row = host.row_tensor(layer, 0)  # uint8 (row_bytes,) CPU, the immutable host source
     nbytes = int(row.numel())
     x = torch.randn(1, host.layout.hidden_size).to(torch.float16)  # (1, H): a decode token
@@ -121,7 +120,8 @@ class CpuPlacement(Placement):
 
 
 class AutoPlacement(Placement):
-    """Per absent expert, transfer or compute on the CPU from measured costs (module docstring)."""
+    """At each layer call, transfer the absent experts or compute them on the CPU, from measured costs (module
+    docstring)."""
 
     name = "auto"
 

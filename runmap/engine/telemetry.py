@@ -31,8 +31,26 @@ from runmap.residency.observations import OBSERVATION_NAMES as OBS_NAMES, REQUIR
 FP16_NO_CACHE = "expert_format fp16 baseline: experts are dequantized device tensors, no expert cache runs"
 
 
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class PhaseSiteCounters:
+    """The counters a snapshot and a delta both carry beyond hits / misses / bytes: the part prefill passes made
+    (Engine.prefill; the rest is decode steps'), experts computed at the CPU site, and next-layer prefetch (the
+    cache's counters; runmap/engine/placement.py, ExpertCache.prefetch)."""
+
+    prefill_hits: int = 0
+    prefill_misses: int = 0
+    prefill_bytes_h2d: int = 0
+    prefill_cpu_site_experts: int = 0
+    cpu_site_experts: int = 0
+    prefetches: int = 0
+    prefetched_experts: int = 0
+    prefetch_used: int = 0
+    prefetches_skipped: int = 0
+    prefetches_aborted: int = 0
+
+
 @dataclasses.dataclass(frozen=True)
-class EngineStats:
+class EngineStats(PhaseSiteCounters):
     """Typed snapshot of what an engine ran and what its cache observed (cumulative since startup).
 
     has_cache is False for the fp16 baseline: its counters are zero and its observations UNKNOWN with a
@@ -62,20 +80,8 @@ class EngineStats:
     nonrouted_bytes: int
     kv_cache_bytes: int
     observations: MappingProxyType
-    # the part of hits / misses / bytes_h2d that prefill passes made (Engine.prefill); the rest is decode steps'
-    prefill_hits: int = 0
-    prefill_misses: int = 0
-    prefill_bytes_h2d: int = 0
-    prefill_cpu_site_experts: int = 0
-    # where absent experts ran and what next-layer prefetch did (runmap/engine/placement.py; the cache's counters)
     placement: MappingProxyType | None = None  # the placement's plan (mode, measured rates, decisions); None = gpu
-    prefetch: bool = False
-    cpu_site_experts: int = 0
-    prefetches: int = 0
-    prefetched_experts: int = 0
-    prefetch_used: int = 0
-    prefetches_skipped: int = 0
-    prefetches_aborted: int = 0
+    prefetch: bool = False  # next-layer prefetch on
     row_bytes: int = 0
 
     @property
@@ -92,23 +98,13 @@ class EngineStats:
 
 
 @dataclasses.dataclass(frozen=True)
-class CounterDelta:
+class CounterDelta(PhaseSiteCounters):
     hits: int
     misses: int
     evictions: int
     bytes_h2d: int
     h2d_seconds: float
     runs: int
-    prefill_hits: int = 0
-    prefill_misses: int = 0
-    prefill_bytes_h2d: int = 0
-    cpu_site_experts: int = 0
-    prefill_cpu_site_experts: int = 0
-    prefetches: int = 0
-    prefetched_experts: int = 0
-    prefetch_used: int = 0
-    prefetches_skipped: int = 0
-    prefetches_aborted: int = 0
 
     @property
     def decode_cpu_site_experts(self) -> int:
@@ -189,10 +185,9 @@ def build(engine) -> dict:
         "cache": cache,
         "observations": dict(st.observations),
     }
-    placement = getattr(engine.experts, "placement", None)
-    if placement is not None:
+    if st.placement is not None:
         site = engine.experts.cpu_site
-        doc["placement"] = {**placement.describe(), "cpu_site_experts": int(cache["counters"]["cpu_site_experts"]),
+        doc["placement"] = {**st.placement, "cpu_site_experts": st.cpu_site_experts,
                             "cpu_site": site.describe() if site is not None else None}
     return doc
 
