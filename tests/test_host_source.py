@@ -321,3 +321,35 @@ def test_a_watched_reader_is_closed_and_what_it_reads_later_counts_in_every_cach
         assert cache.telemetry()["observations"]["request_pack_reads"] == {
             "status": "OBSERVED", "value": RB, "unit": "bytes",
             "source": "pack reader bytes_read after startup (3 closed reader(s); 2 refused read attempts)"}
+
+
+class _RowsOnAnotherDevice(torch.Tensor):
+    """uint8 rows that say they live on a CUDA device (a wrapper subclass: nothing is allocated there, so this runs
+    on a machine without a GPU); the only way to their bytes is a copy to the CPU, as for real device rows."""
+
+    @staticmethod
+    def __new__(cls, data: torch.Tensor):
+        t = torch.Tensor._make_wrapper_subclass(cls, data.shape, dtype=data.dtype, device="cuda",
+                                                strides=data.stride())
+        t.data_on_device = data
+        return t
+
+    @classmethod
+    def __torch_dispatch__(cls, func, types, args=(), kwargs=None):
+        kwargs = kwargs or {}
+        if func is torch.ops.aten.detach.default:
+            return cls(args[0].data_on_device)
+        if func is torch.ops.aten._to_copy.default and kwargs.get("device") == torch.device("cpu"):
+            return args[0].data_on_device.clone()
+        raise NotImplementedError(f"{func} is not available on these rows")
+
+
+def test_rows_held_on_a_device_are_copied_into_host_memory():
+    # A pack read onto the GPU (or rows a test builds there) must still end up as bytes in the process's own
+    # read-only mapping: the host source copies each layer to the CPU rather than hand numpy a device tensor.
+    rows = _rows()
+    src = HostSource.from_rows([_RowsOnAnotherDevice(r) for r in rows], LAYOUT)
+    assert src.num_layers == 2 and src.num_experts == 6
+    for layer, r in enumerate(rows):
+        for e in range(6):
+            assert torch.equal(src.row_tensor(layer, e), r[e])
