@@ -43,6 +43,8 @@
 #                         to _transaction (by number, as mutmut 3.8.1 numbers them at 204e8e7: 115, the evicted
 #                         experts leaving _prefetched; 126, the reclaim in the after-publication fault path) (185;
 #                         after-placement-prefetch.json)
+#   pace                  transport.pace, the emulated slower host link of the consumer-link experiment (a6aa5cf;
+#                         33; after-pace.json)
 # MUTATION_RERUN=1 benchmarks/mutation.sh LABEL: re-run the survivors (and the mutants no test reached) of an
 # earlier run of LABEL that no re-run has killed yet (MUTATION_NAMES: only those matching these patterns), in its
 # scratch copy against the working tree (refused if a function they mutate changed since, so the mutants are the
@@ -177,6 +179,7 @@ construction-rest) SCOPE="$R.host_source.x__sha256__mutmut_* ${H}from_rows__mutm
  ${T}ǁCpuTransportǁ__init____mutmut_*" ;;
 placement-prefetch) SCOPE="${C}prefetch__mutmut_* $R.cache.xǁRequestǁacquire__mutmut_* ${C}_acquire__mutmut_*
  ${C}_transaction__mutmut_115 ${C}_transaction__mutmut_126" ;;
+pace) SCOPE="$R.transport.x_pace__mutmut_*" ;;
 *) SCOPE=$MUTATION_SCOPE ;;
 esac
 [ "$SCOPE" = all ] && SCOPE=""

@@ -955,3 +955,76 @@ def test_a_writeback_on_eviction_by_a_prefetch_is_counted():
     assert cache.prefetch(0, [4, 5]) == (4, 5)  # evicts two of the three prefilled experts
     obs = cache.telemetry()["observations"]
     assert obs["writebacks"]["status"] == "OBSERVED" and obs["writebacks"]["value"] == 2
+
+
+# --- transport.pace: the emulated slower link of the consumer-link experiment (an EMULATION, never a default) -------
+
+class _Clock:
+    """perf_counter / sleep for transport.pace: time moves only by what the copy costs and what pace sleeps."""
+
+    def __init__(self, copy_s: float):
+        self.now, self.copy_s, self.slept = 100.0, copy_s, []
+
+    def perf_counter(self):
+        return self.now
+
+    def sleep(self, s):
+        self.slept.append(s)
+        self.now += s
+
+
+def _paced_copy(monkeypatch, gb_s: float, copy_s: float, sizes=(300_000, 200_000)):
+    from runmap.residency import transport as transport_module
+
+    clock = _Clock(copy_s)
+    monkeypatch.setattr(transport_module, "time", clock)
+    inner = CpuTransport()
+    real_copy = inner.copy_rows
+
+    def copy_taking_time(jobs, on_submit):
+        real_copy(jobs, on_submit)
+        clock.now += copy_s
+
+    inner.copy_rows = copy_taking_time
+    t = transport_module.pace(inner, gb_s)
+    g = torch.Generator().manual_seed(3)
+    src = [torch.randint(0, 256, (n,), dtype=torch.uint8, generator=g) for n in sizes]
+    dst = [torch.zeros(n, dtype=torch.uint8) for n in sizes]
+    seen = []
+    t.copy_rows([(d, torch.empty_like(s), s) for d, s in zip(dst, src)], lambda j, ev: seen.append(j))
+    assert seen == list(range(len(sizes))) and all(torch.equal(d, s) for d, s in zip(dst, src))  # same copies
+    return t, clock
+
+
+def test_a_paced_copy_lasts_its_bytes_over_the_rate(monkeypatch):
+    # 0.5 MB at 0.05 GB/s = 10 ms; the copy itself took 2 ms, so pace sleeps the other 8 ms, once
+    t, clock = _paced_copy(monkeypatch, 0.05, 0.002)
+    assert clock.slept == [pytest.approx(0.008, abs=1e-12)]
+    assert clock.now == pytest.approx(100.010, abs=1e-12)
+    assert t.pace_gb_s == 0.05 and isinstance(t.pace_gb_s, float)
+    d = t.describe()
+    assert d["paced_gb_s"] == 0.05 and d["emulation"] is True
+    assert {k: v for k, v in d.items() if k not in ("paced_gb_s", "emulation")} == CpuTransport().describe()
+
+
+def test_a_copy_slower_than_the_paced_rate_is_not_slowed_further(monkeypatch):
+    # 0.5 MB at 50 GB/s = 10 us, the copy took 2 ms: nothing to wait for
+    _, clock = _paced_copy(monkeypatch, 50.0, 0.002)
+    assert clock.slept == []
+    # exactly on time: no zero-length sleep either
+    _, clock = _paced_copy(monkeypatch, 0.25, 0.002)
+    assert clock.slept == []
+
+
+def test_pace_counts_every_row_of_a_batch(monkeypatch):
+    # three rows of 0.1 MB at 0.1 GB/s: 3 ms, the copy took none of it
+    _, clock = _paced_copy(monkeypatch, 0.1, 0.0, sizes=(100_000, 100_000, 100_000))
+    assert clock.slept == [pytest.approx(0.003, abs=1e-12)]
+
+
+@pytest.mark.parametrize("rate", [0, -1.0, float("nan")])
+def test_pace_refuses_a_rate_that_is_not_positive(rate):
+    from runmap.residency.transport import pace
+
+    with pytest.raises(ValueError, match=r"pace: a link rate must be > 0 GB/s, got"):
+        pace(CpuTransport(), rate)
