@@ -338,6 +338,60 @@ def test_auto_on_a_link_faster_than_the_cpu_site_runs_the_plain_path(packs):
         eng.close()
 
 
+@pytest.mark.parametrize("hit_rate", [0.9, 0.0])
+def test_auto_takes_the_segment_chain_on_the_steps_where_it_transfers(packs, hit_rate):
+    """auto on a link slower than the CPU site (threshold 0.1 here) decides at each decode step: above the
+    threshold it transfers, and the step runs the segment chain exactly as placement gpu (same greedy tokens,
+    no CPU-site expert); below it the step runs the per-call path with its absent experts on the CPU. Measured
+    before this rule: auto paid the per-call path's 2.8x for steps whose every expert it transferred anyway."""
+    from runmap.engine.engine import Engine
+
+    pack, cfg = packs["tiny-olmoe"]
+    resident = (cfg.top_k + cfg.num_experts) // 2
+    prompts = ["the cache holds", "experts"]
+
+    def build(placement):
+        return Engine.from_pack(pack, executor="reference", device="cpu", resident=resident, max_batch=1,
+                                max_seq_len=48, segments="eager", expert_placement=placement)
+
+    ref = build("gpu")
+    try:
+        want = [r.token_ids for r in ref.generate(prompts, max_new_tokens=6)]
+    finally:
+        ref.close()
+    eng = build("auto")
+    try:
+        assert eng.use_segments and not eng.experts.always_mixed
+        cache = eng.experts.cache
+        seen = {"hits": round(100 * hit_rate), "misses": 100 - round(100 * hit_rate), "cpu_site_experts": 0}
+        eng.experts.placement = AutoPlacement(PlacementCosts(9.0, 10.0, cache.row_bytes, "test"), seen)
+        assert eng.experts.placement.may_use_cpu() and eng.experts.mixed == (hit_rate < 0.1)
+        got = [r.token_ids for r in eng.generate(prompts, max_new_tokens=6)]
+        if hit_rate > 0.1:
+            assert 1 in eng._segments and got == want
+            assert cache.counters["cpu_site_experts"] == 0 and eng.experts.placement.decisions["cpu"] == 0
+        else:
+            assert 1 not in eng._segments and cache.counters["cpu_site_experts"] > 0
+            assert eng.experts.placement.decisions["cpu"] > 0 and eng.experts.placement.decisions["transfer"] == 0
+        assert cache.outstanding_leases() == 0 and cache.live_requests() == 0
+    finally:
+        eng.close()
+
+
+def test_placement_cpu_never_builds_the_segment_chain(packs):
+    from runmap.engine.engine import Engine
+
+    pack, cfg = packs["tiny-olmoe"]
+    eng = Engine.from_pack(pack, executor="reference", device="cpu", resident=cfg.top_k, max_batch=1,
+                           max_seq_len=48, segments="eager", expert_placement="cpu")
+    try:
+        assert eng.experts.always_mixed and eng.experts.mixed and not eng.use_segments
+        eng.generate(["experts"], max_new_tokens=3)
+        assert not eng._segments and eng.experts.cache.counters["cpu_site_experts"] > 0
+    finally:
+        eng.close()
+
+
 @pytest.mark.parametrize("preset", PRESETS)
 def test_prefetch_in_the_segment_chain(packs, preset, test_device):
     """The partial-residency decode chain (segments; on the CPU without graphs) prefetches too: each segment that

@@ -217,9 +217,15 @@ class CachedExperts:
 
     @property
     def mixed(self) -> bool:
-        """True when layer calls may compute absent experts at the CPU site (a placement that can choose the CPU;
-        auto on a link faster than the CPU site never does, and runs the plain path)."""
-        return self.placement is not None and self.placement.may_use_cpu()
+        """True when this layer call (or decode step) may compute absent experts at the CPU site: always with
+        placement cpu; with auto only while its rule would choose the CPU at the current hit rate (auto on a link
+        faster than the CPU site never does). Otherwise the plain path runs."""
+        return self.placement is not None and self.placement.uses_cpu_now()
+
+    @property
+    def always_mixed(self) -> bool:
+        """True when no step of this placement can take the plain path (placement cpu): no segment chain."""
+        return self.placement is not None and self.placement.always_cpu
 
     def site(self):
         """The CPU site over the cache's host source (runmap.kernels.cpu_int4.CpuExpertSite), built on first use."""
@@ -637,10 +643,11 @@ class Engine:
                                and expert_format == "int4" and executor in GRAPH_EXECUTORS)
         # partial residency: decode steps as CUDA-graph segments cut at each routing decision (SegmentDecoder);
         # on the CPU the same chain runs without graphs when segments=True (tests)
-        # a CPU-site placement runs the per-call path (its device part is not captured; issue 25 item 2 leaves the
-        # segment chain with mixed sites for later)
+        # a step that may compute experts at the CPU site runs the per-call path (its device part is not captured;
+        # issue 25 item 2 leaves the segment chain with mixed sites for later): always with placement cpu, and with
+        # auto on the steps where its rule chooses the CPU (decode() asks at each step)
         self.use_segments = bool(segments and isinstance(experts, CachedExperts) and not experts.full
-                                 and not self.skip_experts and not experts.mixed
+                                 and not self.skip_experts and not experts.always_mixed
                                  and ((device.type == "cuda" and executor in GRAPH_EXECUTORS) or segments == "eager"))
         self._graphs: dict[int, GraphDecoder] = {}
         self._segments: dict[int, SegmentDecoder] = {}
@@ -888,7 +895,7 @@ class Engine:
             if B not in self._graphs:
                 self._graphs[B] = GraphDecoder(self, B, self._pool)
             return self._graphs[B].run(tokens, slot, pad)
-        if self.use_segments and self.cfg.top_k * B <= self.experts.cache.max_group:
+        if self.use_segments and self.cfg.top_k * B <= self.experts.cache.max_group and not self.experts.mixed:
             if B not in self._segments:
                 self._segments[B] = SegmentDecoder(self, B, self._pool, capture=self.device.type == "cuda")
             return self._segments[B].run(tokens, slot, pad)

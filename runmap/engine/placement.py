@@ -16,7 +16,9 @@ serves ``1 / (1 - h)`` uses in expectation, so the transfer wins when
     row_bytes / h2d_rate  <  (row_bytes / cpu_rate) / (1 - h)    <=>    h  >  1 - h2d_rate / cpu_rate
 
 so a link at least as fast as the CPU site always transfers (the engine then runs its plain path, segment chain
-included), and a slower link transfers only where reuse is likely enough. Known bias: experts computed on the CPU
+included), and a slower link transfers only where reuse is likely enough. The engine asks the rule at each decode
+step too (``uses_cpu_now``): a step on which it would transfer runs the plain path, segment chain included, so
+choosing to transfer costs what placement ``gpu`` costs; only the steps that may use the CPU run the per-call path. Known bias: experts computed on the CPU
 count in the hit rate's denominator and never become hits, so once the rule chooses the CPU the measured rate
 tends to keep it there. Not modelled: that CPU work and transfers could run at once (a split of one step's misses
 between both sites), and a batch's tokens sharing a CPU expert (the CPU cost is per expert read, as the
@@ -103,6 +105,17 @@ class Placement:
         """False when this placement can never give the CPU site an expert (the engine then runs the plain path)."""
         return False
 
+    def uses_cpu_now(self) -> bool:
+        """True when the next layer call may give the CPU site an expert. Read at each layer call and at each
+        decode step: when it is False the engine runs its plain path (the segment chain where it has one), whose
+        transfers are exactly what this placement would choose."""
+        return self.may_use_cpu()
+
+    @property
+    def always_cpu(self) -> bool:
+        """True when no call of this placement transfers: its steps never take the plain path."""
+        return False
+
     def describe(self) -> dict:
         return {"mode": self.name}
 
@@ -111,6 +124,7 @@ class CpuPlacement(Placement):
     """Every absent expert is computed on the CPU: nothing is ever transferred after startup."""
 
     name = "cpu"
+    always_cpu = True
 
     def __call__(self, absent: tuple) -> tuple:
         return absent
@@ -143,6 +157,12 @@ class AutoPlacement(Placement):
         """True when moving an absent expert is expected to cost less than computing each of its uses on the CPU:
         (1 / h2d) < (1 / cpu) / (1 - h), per byte."""
         return (1.0 - h) / self.costs.h2d_gb_s < 1.0 / self.costs.cpu_gb_s
+
+    def uses_cpu_now(self) -> bool:
+        """The rule below at the current hit rate: False (transfer) keeps the engine on its plain path, so a
+        decision to transfer costs no more than placement ``gpu`` (measured: the mixed per-call path ran 2.8x
+        slower than the segment chain with the same transfers, results/campaigns/h200-placement)."""
+        return self.may_use_cpu() and not self.transfer(self.hit_rate())
 
     def __call__(self, absent: tuple) -> tuple:
         if self.transfer(self.hit_rate()):
