@@ -1028,3 +1028,36 @@ def test_pace_refuses_a_rate_that_is_not_positive(rate):
 
     with pytest.raises(ValueError, match=r"pace: a link rate must be > 0 GB/s, got"):
         pace(CpuTransport(), rate)
+
+
+# --- Request.pinned_row: a valid row for a reader that does not use its result (the segment chain's CPU-site slots)
+
+def test_pinned_row_is_a_row_of_the_requests_generation_and_keeps_its_bytes_while_the_request_lives():
+    cache, _, rows = _cache(resident=3, spares=5, max_group=2)
+    a = cache.admit()  # generation 1: experts 0, 1, 2 in each layer
+    for layer in (0, 1):
+        m = cache.mapping(layer)
+        assert a.pinned_row(layer) == min(m.values())
+    row = a.pinned_row(0)
+    expert = next(e for e, r in cache.mapping(0).items() if r == row)
+    with cache.admit() as w:
+        w.acquire(0, [3, 4])  # generation 2 evicts two of 0, 1, 2
+    with cache.admit() as v:
+        v.acquire(0, [5])  # and a third: none of generation 1's experts is current any more
+    assert expert not in cache.mapping(0) and row in cache.row_states(0)["retiring"]
+    assert torch.equal(cache.storage(0)[row], rows[0][expert])  # a still pins generation 1: the bytes stay
+    assert a.pinned_row(0) == row
+    a.release()
+    assert row not in cache.row_states(0)["retiring"]
+    with pytest.raises(CacheError, match=r"request \d+ is released; it pins no generation"):
+        a.pinned_row(0)
+
+
+def test_pinned_row_follows_the_latest_generation_the_request_captured():
+    cache, _, _ = _cache(resident=3, spares=5, max_group=2)
+    a = cache.admit()
+    with cache.admit() as w:
+        w.acquire(0, [3, 4])  # generation 2
+    a.acquire(0, [3])  # a moves to generation 2
+    assert a.generation == 2 and a.pinned_row(0) == min(cache.mapping(0).values())
+    a.release()

@@ -338,56 +338,111 @@ def test_auto_on_a_link_faster_than_the_cpu_site_runs_the_plain_path(packs):
         eng.close()
 
 
-@pytest.mark.parametrize("hit_rate", [0.9, 0.0])
-def test_auto_takes_the_segment_chain_on_the_steps_where_it_transfers(packs, hit_rate):
-    """auto on a link slower than the CPU site (threshold 0.1 here) decides at each decode step: above the
-    threshold it transfers, and the step runs the segment chain exactly as placement gpu (same greedy tokens,
-    no CPU-site expert); below it the step runs the per-call path with its absent experts on the CPU. Measured
-    before this rule: auto paid the per-call path's 2.8x for steps whose every expert it transferred anyway."""
+def _chain_engine(pack, resident, placement, segments):
     from runmap.engine.engine import Engine
 
+    return Engine.from_pack(pack, executor="reference", device="cpu", resident=resident, max_batch=1,
+                            max_seq_len=48, segments=segments, expert_placement=placement)
+
+
+CHAIN_PROMPTS = ["the cache holds", "experts"]
+
+
+@pytest.mark.parametrize("preset", PRESETS)
+@pytest.mark.parametrize("where", ["top_k", "half"])
+def test_the_segment_chain_with_a_cpu_site_equals_the_per_call_path(packs, preset, where, test_device):
+    """Placement cpu in the decode chain (each layer: routing segment, device part with the CPU-site slots'
+    weights zeroed, CPU part added by the next segment; captured as CUDA graphs on a GPU) gives the per-call
+    path's greedy tokens and hits, misses and CPU-site experts exactly: the same experts at the same sites, the
+    same sums (zeroed slots add exact zeros to the device part's FP32 sum)."""
+    from runmap.engine.engine import Engine
+
+    pack, cfg = packs[preset]
+    resident = cfg.top_k if where == "top_k" else (cfg.top_k + cfg.num_experts) // 2
+    runs = {}
+    for segments in (False, "eager" if test_device == "cpu" else True):
+        eng = Engine.from_pack(pack, executor="reference" if test_device == "cpu" else "grouped", device=test_device,
+                               resident=resident, max_batch=1, max_seq_len=48, segments=segments,
+                               expert_placement="cpu")
+        try:
+            assert eng.use_segments == bool(segments)
+            toks = [r.token_ids for r in eng.generate(CHAIN_PROMPTS, max_new_tokens=8)]
+            c = eng.experts.cache.counters
+            runs[segments] = (toks, {k: c[k] for k in ("hits", "misses", "cpu_site_experts", "bytes_h2d")})
+            if segments:
+                chain = eng._segments[1]
+                assert chain.mixed and chain.cpu_parts > 0
+            assert eng.experts.cache.outstanding_leases() == 0 and eng.experts.cache.live_requests() == 0
+        finally:
+            eng.close()
+    per_call, chained = runs.values()
+    assert chained == per_call
+    assert per_call[1]["cpu_site_experts"] > 0
+
+
+def test_the_chain_zeroes_what_a_layer_without_cpu_experts_would_otherwise_reuse(packs):
+    """A layer whose step has no CPU-site expert after one that had some must not add the old CPU sum or keep
+    the old mask: the chain's buffers are reset."""
+    pack, cfg = packs["tiny-olmoe"]
+    eng = _chain_engine(pack, cfg.top_k, "cpu", "eager")
+    try:
+        eng.generate(CHAIN_PROMPTS[:1], max_new_tokens=4)
+        chain = eng._segments[1]
+        assert any(chain.cpu_set)
+        # every expert resident from now on: publish the full mapping by giving the placement nothing
+        eng.experts.placement = make_placement("gpu")
+        eng.experts.placement.may_use_cpu = lambda: True  # keep the mixed chain, place nothing on the CPU
+        eng.generate(CHAIN_PROMPTS[:1], max_new_tokens=4)
+        assert not any(chain.cpu_set) and not any(chain.keep_set)
+        assert torch.count_nonzero(chain.cpu_out) == 0 and bool((chain.keep == 1).all())
+    finally:
+        eng.close()
+
+
+@pytest.mark.parametrize("hit_rate", [0.9, 0.0])
+def test_auto_in_the_segment_chain_decides_at_each_lease(packs, hit_rate):
+    """auto on a link slower than the CPU site (threshold 0.1 here) runs the mixed chain and decides at each lease:
+    above the threshold it transfers (greedy tokens of placement gpu, no CPU-site expert), below it the absent
+    experts go to the CPU site."""
     pack, cfg = packs["tiny-olmoe"]
     resident = (cfg.top_k + cfg.num_experts) // 2
-    prompts = ["the cache holds", "experts"]
-
-    def build(placement):
-        return Engine.from_pack(pack, executor="reference", device="cpu", resident=resident, max_batch=1,
-                                max_seq_len=48, segments="eager", expert_placement=placement)
-
-    ref = build("gpu")
+    ref = _chain_engine(pack, resident, "gpu", "eager")
     try:
-        want = [r.token_ids for r in ref.generate(prompts, max_new_tokens=6)]
+        want = [r.token_ids for r in ref.generate(CHAIN_PROMPTS, max_new_tokens=6)]
     finally:
         ref.close()
-    eng = build("auto")
+    eng = _chain_engine(pack, resident, "auto", "eager")
     try:
-        assert eng.use_segments and not eng.experts.always_mixed
         cache = eng.experts.cache
         seen = {"hits": round(100 * hit_rate), "misses": 100 - round(100 * hit_rate), "cpu_site_experts": 0}
         eng.experts.placement = AutoPlacement(PlacementCosts(9.0, 10.0, cache.row_bytes, "test"), seen)
         assert eng.experts.placement.may_use_cpu() and eng.experts.mixed == (hit_rate < 0.1)
-        got = [r.token_ids for r in eng.generate(prompts, max_new_tokens=6)]
+        got = [r.token_ids for r in eng.generate(CHAIN_PROMPTS, max_new_tokens=6)]
+        assert eng._segments[1].mixed
         if hit_rate > 0.1:
-            assert 1 in eng._segments and got == want
+            assert got == want
             assert cache.counters["cpu_site_experts"] == 0 and eng.experts.placement.decisions["cpu"] == 0
         else:
-            assert 1 not in eng._segments and cache.counters["cpu_site_experts"] > 0
+            assert cache.counters["cpu_site_experts"] > 0
             assert eng.experts.placement.decisions["cpu"] > 0 and eng.experts.placement.decisions["transfer"] == 0
         assert cache.outstanding_leases() == 0 and cache.live_requests() == 0
     finally:
         eng.close()
 
 
-def test_placement_cpu_never_builds_the_segment_chain(packs):
-    from runmap.engine.engine import Engine
+def test_a_failing_cpu_site_in_the_chain_leaves_nothing_held(packs, monkeypatch):
+    from runmap.kernels import cpu_int4
 
     pack, cfg = packs["tiny-olmoe"]
-    eng = Engine.from_pack(pack, executor="reference", device="cpu", resident=cfg.top_k, max_batch=1,
-                           max_seq_len=48, segments="eager", expert_placement="cpu")
+    eng = _chain_engine(pack, cfg.top_k, "cpu", "eager")
     try:
-        assert eng.experts.always_mixed and eng.experts.mixed and not eng.use_segments
-        eng.generate(["experts"], max_new_tokens=3)
-        assert not eng._segments and eng.experts.cache.counters["cpu_site_experts"] > 0
+        def boom(*a, **k):
+            raise RuntimeError("cpu site failed")
+        monkeypatch.setattr(cpu_int4.CpuExpertSite, "moe_subset", boom)
+        with pytest.raises(Exception, match="cpu site failed"):
+            eng.generate(CHAIN_PROMPTS[:1], max_new_tokens=3)
+        cache = eng.experts.cache
+        assert cache.outstanding_leases() == 0 and cache.live_requests() == 0
     finally:
         eng.close()
 

@@ -222,11 +222,6 @@ class CachedExperts:
         faster than the CPU site never does). Otherwise the plain path runs."""
         return self.placement is not None and self.placement.uses_cpu_now()
 
-    @property
-    def always_mixed(self) -> bool:
-        """True when no step of this placement can take the plain path (placement cpu): no segment chain."""
-        return self.placement is not None and self.placement.always_cpu
-
     def site(self):
         """The CPU site over the cache's host source (runmap.kernels.cpu_int4.CpuExpertSite), built on first use."""
         if self.cpu_site is None:
@@ -475,7 +470,14 @@ class SegmentDecoder(_StaticStepInputs):
     orders any later copy into those rows after it): one admission and one release per step, not per layer.
 
     Used when every layer's batch union fits one lease (top_k x B <= max_group); a larger batch decodes eagerly.
-    ``capture=False`` runs the same chain without graphs (the CPU, and the warm-up before a capture)."""
+    ``capture=False`` runs the same chain without graphs (the CPU, and the warm-up before a capture).
+
+    With a placement that may compute absent experts at the CPU site (``cpu``, and ``auto`` where the link is
+    slower than the CPU site) each MoE layer is cut once more: the routing segment also copies the layer's input and
+    gate weights to pinned host memory; the host leases the group with the placement, and the next segment runs the
+    device part (the executor over the static row table with the CPU-site slots' gate weights zeroed and their ids
+    pointed at a row the step's request pins); while it runs, the host computes the CPU-site experts from the host
+    source and copies their FP32 sum to a static device buffer, which the segment after adds (2L + 1 segments)."""
 
     def __init__(self, engine: "Engine", batch: int, pool, capture: bool):
         super().__init__(engine, batch)
@@ -488,13 +490,37 @@ class SegmentDecoder(_StaticStepInputs):
         # that routes layer l and read on the host while the next segment runs (row 0 is unused)
         self.host_pred = (torch.zeros(self.L, batch, self.k, dtype=torch.long, pin_memory=dev.type == "cuda")
                           if engine.experts.predict is not None else None)
+        # mixed sites: a placement that may give the CPU site experts (runmap.engine.placement)
+        placement = engine.experts.placement
+        self.mixed = placement is not None and placement.may_use_cpu()
+        if self.mixed:
+            pin, H = dev.type == "cuda", cfg.hidden_size
+            self.host_x = torch.zeros(self.L, batch, H, dtype=torch.float16, pin_memory=pin)  # each layer's MoE input
+            self.host_gw = torch.zeros(self.L, batch, self.k, dtype=torch.float32, pin_memory=pin)  # its gate weights
+            self.host_keep = torch.ones(self.L, batch, self.k, dtype=torch.float32, pin_memory=pin)
+            self.host_cpu_out = torch.zeros(self.L, batch, H, dtype=torch.float32, pin_memory=pin)
+            self.keep = torch.ones(self.L, batch, self.k, dtype=torch.float32, device=dev)  # 0: slot on the CPU site
+            self.cpu_out = torch.zeros(self.L, batch, H, dtype=torch.float32, device=dev)  # the CPU site's sum
+            self.layer_cpu: list[tuple] = [()] * self.L  # this step's CPU-site experts per layer
+            self.keep_set = [False] * self.L  # keep[l] holds a zero (reset to ones before a layer without CPU experts)
+            self.cpu_set = [False] * self.L  # cpu_out[l] holds a non-zero sum
+            self.cpu_parts = 0  # layer calls of this chain whose CPU part computed experts
         self.chains: dict[int, tuple[list, torch.Tensor]] = {}  # n_keys -> (graphs, logits)
         self._keep: list = []  # tensors living across segment boundaries (kept out of the pool's reuse)
         self.capture_graphs: list | None = None  # the chain being captured
         self._req = None  # the step's request: its leases' rows may be read by queued segments until released
 
     # the routed-experts callback of Transformer.forward in segment mode ---------------------------------------
+    def _cut(self):
+        """End the segment being captured and begin the next."""
+        self.capture_graphs[-1].capture_end()
+        nxt = torch.cuda.CUDAGraph()
+        nxt.capture_begin(pool=self.pool)
+        self.capture_graphs.append(nxt)
+
     def _experts(self, layer, x, ids, gw):
+        if self.mixed:
+            return self._mixed_experts(layer, x, ids, gw)
         ex = self.e.experts
         pred = ex.predict(layer, x) if ex.predict is not None and layer + 1 < self.L else None  # (B, k)
         if self.capture_graphs is not None:  # capturing: end this segment after the ids are copied out
@@ -503,11 +529,7 @@ class SegmentDecoder(_StaticStepInputs):
                 self.host_pred[layer + 1].copy_(pred, non_blocking=True)
                 self._keep.append(pred)
             self._keep += [x, ids, gw]
-            g = self.capture_graphs[-1]
-            g.capture_end()
-            nxt = torch.cuda.CUDAGraph()
-            nxt.capture_begin(pool=self.pool)
-            self.capture_graphs.append(nxt)
+            self._cut()
         else:  # eager chain: the host decision right here
             self.host_ids[layer].copy_(ids)
             self._lease(layer)
@@ -516,9 +538,65 @@ class SegmentDecoder(_StaticStepInputs):
             ex.prefetch(layer + 1, pred.cpu())
         return out
 
+    def _mixed_experts(self, layer, x, ids, gw):
+        """The routed experts of ``layer`` with a CPU site (class docstring): x fp16 (B, H), ids int64 (B, k),
+        gw fp32 (B, k) -> fp16 (B, H)."""
+        ex = self.e.experts
+        capturing = self.capture_graphs is not None
+        self.host_ids[layer].copy_(ids, non_blocking=capturing)
+        self.host_x[layer].copy_(x, non_blocking=capturing)
+        self.host_gw[layer].copy_(gw, non_blocking=capturing)
+        if capturing:
+            self._keep += [x, ids, gw]
+            self._cut()  # the host leases here: routing decision, placement, row table, keep mask
+        else:
+            self._lease(layer)
+        out = ex.static_experts(layer, x, ids, gw * self.keep[layer])  # (B, H) fp16: the leased experts only
+        if capturing:
+            self._keep.append(out)
+            self._cut()  # the host computes the CPU-site experts here while the device part runs
+        else:
+            self._cpu_part(layer)
+        return (out.to(torch.float32) + self.cpu_out[layer]).to(out.dtype)  # as the per-call path adds the two sums
+
+    def _cpu_part(self, layer):
+        """This step's CPU-site experts of ``layer`` from the host copies of its input and gate weights, their FP32
+        sum copied to the layer's static device buffer (zeroed once when a layer has none)."""
+        cpu = self.layer_cpu[layer]
+        if cpu:
+            ex = self.e.experts
+            with ex.cache.monitored():  # as on the per-call path: a copy out of expert rows here would be counted
+                yc = ex.site().moe_subset(layer, self.host_x[layer], self.host_ids[layer], self.host_gw[layer], cpu)
+            self.host_cpu_out[layer].copy_(yc)  # (B, H) fp32
+            self.cpu_out[layer].copy_(self.host_cpu_out[layer], non_blocking=True)
+            self.cpu_set[layer] = True
+            self.cpu_parts += 1
+        elif self.cpu_set[layer]:
+            self.cpu_out[layer].zero_()
+            self.cpu_set[layer] = False
+
     def _lease(self, layer):
         ex = self.e.experts
-        lease = ex.acquire(self._req, layer, self.host_ids_np[layer])
+        if self.mixed:
+            lease = ex.acquire(self._req, layer, self.host_ids_np[layer], ex.placement)
+            cpu = self.layer_cpu[layer] = lease.cpu_experts
+            if cpu:
+                keep = ~np.isin(self.host_ids_np[layer], cpu)  # (B, k) bool: slots the device computes
+                self.host_keep[layer].copy_(torch.from_numpy(keep.astype(np.float32)))
+                self.keep[layer].copy_(self.host_keep[layer], non_blocking=True)
+                self.keep_set[layer] = True
+                # the CPU-site ids are unmapped (-1) in the lease's table: point them at a row the request pins,
+                # whose contribution the zero gate weight removes
+                ex.static_tables[layer].copy_(lease.row_table, non_blocking=True)
+                cpu_ids = _to_device(np.asarray(cpu, dtype=np.int64), ex.static_tables[layer].device)  # no host sync
+                ex.static_tables[layer].index_fill_(0, cpu_ids, self._req.pinned_row(layer))
+                ex.static_sources[layer] = None  # not the lease's table: refresh it next time
+                return
+            if self.keep_set[layer]:
+                self.keep[layer].fill_(1.0)
+                self.keep_set[layer] = False
+        else:
+            lease = ex.acquire(self._req, layer, self.host_ids_np[layer])
         if ex.static_sources[layer] is not lease.row_table:
             ex.static_tables[layer].copy_(lease.row_table, non_blocking=True)  # (E,) on the compute stream
             ex.static_sources[layer] = lease.row_table
@@ -566,8 +644,9 @@ class SegmentDecoder(_StaticStepInputs):
             finally:
                 graphs, self.capture_graphs = self.capture_graphs, None
         torch.cuda.current_stream().wait_stream(side)
-        if len(graphs) != self.L + 1:
-            raise EngineError(f"segment capture made {len(graphs)} graphs for {self.L} MoE layers (expected L + 1)")
+        want = 2 * self.L + 1 if self.mixed else self.L + 1
+        if len(graphs) != want:
+            raise EngineError(f"segment capture made {len(graphs)} graphs for {self.L} MoE layers (expected {want})")
         self.chains[n_keys] = (graphs, out)
 
     def run(self, tok, slot: int, pad) -> torch.Tensor:
@@ -585,10 +664,20 @@ class SegmentDecoder(_StaticStepInputs):
             self._req = e.experts.cache.admit()
             done = False
             try:
-                for layer, g in enumerate(graphs):
+                for i, g in enumerate(graphs):
                     g.replay()
-                    if layer == self.L:
+                    if i == len(graphs) - 1:
                         break
+                    if self.mixed:
+                        layer, part = divmod(i, 2)
+                        if part == 0:  # layer's routing is queued: wait for its ids, lease with the placement
+                            ev.record()
+                            ev.synchronize()
+                            self._lease(layer)
+                        else:  # layer's device part is queued: the CPU site computes meanwhile
+                            self._cpu_part(layer)
+                        continue
+                    layer = i
                     if self.host_pred is not None and layer > 0:
                         # while segment `layer` runs (layer - 1's experts, layer's attention and router), move
                         # layer's predicted experts (written by the previous segment, already waited for); no
@@ -643,11 +732,10 @@ class Engine:
                                and expert_format == "int4" and executor in GRAPH_EXECUTORS)
         # partial residency: decode steps as CUDA-graph segments cut at each routing decision (SegmentDecoder);
         # on the CPU the same chain runs without graphs when segments=True (tests)
-        # a step that may compute experts at the CPU site runs the per-call path (its device part is not captured;
-        # issue 25 item 2 leaves the segment chain with mixed sites for later): always with placement cpu, and with
-        # auto on the steps where its rule chooses the CPU (decode() asks at each step)
+        # a placement with a CPU site runs the chain with each layer's device part and CPU part in their own segments
+        # (SegmentDecoder); prefill and batches past one lease run the per-call path
         self.use_segments = bool(segments and isinstance(experts, CachedExperts) and not experts.full
-                                 and not self.skip_experts and not experts.always_mixed
+                                 and not self.skip_experts
                                  and ((device.type == "cuda" and executor in GRAPH_EXECUTORS) or segments == "eager"))
         self._graphs: dict[int, GraphDecoder] = {}
         self._segments: dict[int, SegmentDecoder] = {}
@@ -895,7 +983,7 @@ class Engine:
             if B not in self._graphs:
                 self._graphs[B] = GraphDecoder(self, B, self._pool)
             return self._graphs[B].run(tokens, slot, pad)
-        if self.use_segments and self.cfg.top_k * B <= self.experts.cache.max_group and not self.experts.mixed:
+        if self.use_segments and self.cfg.top_k * B <= self.experts.cache.max_group:
             if B not in self._segments:
                 self._segments[B] = SegmentDecoder(self, B, self._pool, capture=self.device.type == "cuda")
             return self._segments[B].run(tokens, slot, pad)

@@ -16,10 +16,10 @@ serves ``1 / (1 - h)`` uses in expectation, so the transfer wins when
     row_bytes / h2d_rate  <  (row_bytes / cpu_rate) / (1 - h)    <=>    h  >  1 - h2d_rate / cpu_rate
 
 so a link at least as fast as the CPU site always transfers (the engine then runs its plain path, segment chain
-included), and a slower link transfers only where reuse is likely enough. The engine asks the rule at each decode
-step too (``uses_cpu_now``): a step on which it would transfer runs the plain path, segment chain included, so
-choosing to transfer costs what placement ``gpu`` costs; only the steps that may use the CPU run the per-call path. Known bias: experts computed on the CPU
-count in the hit rate's denominator and never become hits, so once the rule chooses the CPU the measured rate
+included), and a slower link transfers only where reuse is likely enough. On the per-call path (prefill, larger
+batches) a layer call on which the rule transfers runs the plain path (``uses_cpu_now``); decode steps run the
+segment chain with a CPU part per layer (runmap.engine.engine.SegmentDecoder), the rule deciding at each lease.
+Known bias: experts computed on the CPU count in the hit rate's denominator and never become hits, so once the rule chooses the CPU the measured rate
 tends to keep it there. Not modelled: that CPU work and transfers could run at once (a split of one step's misses
 between both sites), and a batch's tokens sharing a CPU expert (the CPU cost is per expert read, as the
 transfer's is). The rates are measured on this machine when the engine is built (``measure_costs``); ``h`` is the cache's own running hit rate over the routings it has served
@@ -106,15 +106,10 @@ class Placement:
         return False
 
     def uses_cpu_now(self) -> bool:
-        """True when the next layer call may give the CPU site an expert. Read at each layer call and at each
-        decode step: when it is False the engine runs its plain path (the segment chain where it has one), whose
-        transfers are exactly what this placement would choose."""
+        """True when the next layer call may give the CPU site an expert. Read at each layer call of the per-call
+        path: when it is False the call runs the plain path, whose transfers are exactly what this placement would
+        choose."""
         return self.may_use_cpu()
-
-    @property
-    def always_cpu(self) -> bool:
-        """True when no call of this placement transfers: its steps never take the plain path."""
-        return False
 
     def describe(self) -> dict:
         return {"mode": self.name}
@@ -124,7 +119,6 @@ class CpuPlacement(Placement):
     """Every absent expert is computed on the CPU: nothing is ever transferred after startup."""
 
     name = "cpu"
-    always_cpu = True
 
     def __call__(self, absent: tuple) -> tuple:
         return absent

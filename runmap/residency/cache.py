@@ -125,6 +125,15 @@ class Request:
         caller at the CPU site and appear in ``Lease.cpu_experts`` instead of the lease's group."""
         return self._cache._acquire(self, layer, expert_ids, place)
 
+    def pinned_row(self, layer: int) -> int:
+        """A row mapped in ``layer`` by this request's latest generation (the lowest such row). The request pins that
+        generation until it is released, so the row's bytes stay a complete published expert until then, although
+        the expert is not leased: for a reader that needs some valid row to point at without using its result
+        (the segment chain's slots computed at the CPU site, whose gate weight is zeroed on the device)."""
+        if self.released:
+            raise CacheError(f"request {self.id} is released; it pins no generation")
+        return min(self._gen.maps[layer].values())  # never empty: a generation maps resident >= 1 experts per layer
+
     def acquire_all(self, layer: int) -> Lease:
         """Lease every expert of ``layer`` (full residency only: no miss can happen)."""
         if not self._cache.full_residency:
