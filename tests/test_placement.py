@@ -345,6 +345,18 @@ def _chain_engine(pack, resident, placement, segments):
                             max_seq_len=48, segments=segments, expert_placement=placement)
 
 
+def _record_decode(eng):
+    """Keep a copy of every decode step's logits (float32 (B, V)) in ``eng.decoded``."""
+    eng.decoded, decode = [], eng.decode
+
+    def recording(*a, **k):
+        out = decode(*a, **k)
+        eng.decoded.append(out.detach().to("cpu").clone())
+        return out
+    eng.decode = recording
+    return eng
+
+
 CHAIN_PROMPTS = ["the cache holds", "experts"]
 
 
@@ -353,94 +365,125 @@ CHAIN_PROMPTS = ["the cache holds", "experts"]
 def test_the_segment_chain_with_a_cpu_site_equals_the_per_call_path(packs, preset, where, test_device):
     """Placement cpu in the decode chain (each layer: routing segment, device part with the CPU-site slots'
     weights zeroed, CPU part added by the next segment; captured as CUDA graphs on a GPU) gives the per-call
-    path's greedy tokens and hits, misses and CPU-site experts exactly: the same experts at the same sites, the
-    same sums (zeroed slots add exact zeros to the device part's FP32 sum)."""
+    path's decode logits exactly at batch 1 (zeroed slots add exact zeros to the device part's FP32 sum), hence its
+    greedy tokens, and on the CPU the same hits, misses and CPU-site experts (on CUDA the capture's warm-up steps
+    lease too)."""
     from runmap.engine.engine import Engine
 
     pack, cfg = packs[preset]
     resident = cfg.top_k if where == "top_k" else (cfg.top_k + cfg.num_experts) // 2
     runs = {}
     for segments in (False, "eager" if test_device == "cpu" else True):
-        eng = Engine.from_pack(pack, executor="reference" if test_device == "cpu" else "grouped", device=test_device,
-                               resident=resident, max_batch=1, max_seq_len=48, segments=segments,
-                               expert_placement="cpu")
+        eng = _record_decode(Engine.from_pack(
+            pack, executor="reference" if test_device == "cpu" else "grouped", device=test_device,
+            resident=resident, max_batch=1, max_seq_len=48, segments=segments, expert_placement="cpu"))
         try:
             assert eng.use_segments == bool(segments)
             toks = [r.token_ids for r in eng.generate(CHAIN_PROMPTS, max_new_tokens=8)]
             c = eng.experts.cache.counters
-            runs[segments] = (toks, {k: c[k] for k in ("hits", "misses", "cpu_site_experts", "bytes_h2d")})
+            runs[segments] = (toks, eng.decoded, {k: c[k] for k in ("hits", "misses", "cpu_site_experts")})
             if segments:
-                chain = eng._segments[1]
-                assert chain.mixed and chain.cpu_parts > 0
+                chain = eng._mixed_segments[1]
+                assert chain.mixed and chain.cpu_parts > 0 and not eng._segments
             assert eng.experts.cache.outstanding_leases() == 0 and eng.experts.cache.live_requests() == 0
         finally:
             eng.close()
-    per_call, chained = runs.values()
-    assert chained == per_call
-    assert per_call[1]["cpu_site_experts"] > 0
+    (toks_p, logits_p, count_p), (toks_c, logits_c, count_c) = runs.values()
+    assert toks_c == toks_p and len(logits_c) == len(logits_p) > 0
+    assert all(torch.equal(a, b) for a, b in zip(logits_c, logits_p))
+    assert count_p["cpu_site_experts"] > 0
+    if test_device == "cpu":
+        assert count_c == count_p
+    else:
+        assert count_c["cpu_site_experts"] >= count_p["cpu_site_experts"] and count_c["misses"] == count_p["misses"]
 
 
-def test_the_chain_zeroes_what_a_layer_without_cpu_experts_would_otherwise_reuse(packs):
-    """A layer whose step has no CPU-site expert after one that had some must not add the old CPU sum or keep
-    the old mask: the chain's buffers are reset."""
+class _NothingOnTheCpu(CpuPlacement):
+    """A placement that could use the CPU site (the engine keeps the chain with a CPU part) but gives it nothing."""
+
+    def __call__(self, absent):
+        return ()
+
+
+def test_a_layer_without_cpu_experts_after_one_with_them_adds_nothing_stale(packs):
+    """After steps with CPU-site experts, steps whose layers have none (the placement gives the CPU nothing) must
+    neither keep the old mask (slots zeroed) nor add the old CPU sum: the chain's decode logits equal the per-call
+    path's, which has no such buffers, through both phases."""
     pack, cfg = packs["tiny-olmoe"]
-    eng = _chain_engine(pack, cfg.top_k, "cpu", "eager")
-    try:
-        eng.generate(CHAIN_PROMPTS[:1], max_new_tokens=4)
-        chain = eng._segments[1]
-        assert any(chain.cpu_set)
-        # every expert resident from now on: publish the full mapping by giving the placement nothing
-        eng.experts.placement = make_placement("gpu")
-        eng.experts.placement.may_use_cpu = lambda: True  # keep the mixed chain, place nothing on the CPU
-        eng.generate(CHAIN_PROMPTS[:1], max_new_tokens=4)
-        assert not any(chain.cpu_set) and not any(chain.keep_set)
-        assert torch.count_nonzero(chain.cpu_out) == 0 and bool((chain.keep == 1).all())
-    finally:
-        eng.close()
+    logits = {}
+    for segments in (False, "eager"):
+        eng = _record_decode(_chain_engine(pack, cfg.top_k, "cpu", segments))
+        try:
+            eng.generate(CHAIN_PROMPTS[:1], max_new_tokens=4)
+            cpu_first = eng.experts.cache.counters["cpu_site_experts"]
+            eng.experts.placement = _NothingOnTheCpu()
+            eng.generate(CHAIN_PROMPTS[1:], max_new_tokens=4)
+            assert eng.experts.cache.counters["cpu_site_experts"] == cpu_first > 0
+            if segments:
+                chain = eng._mixed_segments[1]
+                assert not any(chain.cpu_set) and not any(chain.keep_set)
+            logits[segments] = eng.decoded
+        finally:
+            eng.close()
+    assert len(logits["eager"]) == len(logits[False]) == 6  # 3 decode steps per generate (the first token is prefill's)
+    assert all(torch.equal(a, b) for a, b in zip(logits["eager"], logits[False]))
 
 
-@pytest.mark.parametrize("hit_rate", [0.9, 0.0])
-def test_auto_in_the_segment_chain_decides_at_each_lease(packs, hit_rate):
-    """auto on a link slower than the CPU site (threshold 0.1 here) runs the mixed chain and decides at each lease:
-    above the threshold it transfers (greedy tokens of placement gpu, no CPU-site expert), below it the absent
-    experts go to the CPU site."""
+def test_auto_in_the_segment_chain_follows_its_rule_from_step_to_step(packs):
+    """auto on a link slower than the CPU site (threshold 0.1 here): while the hit rate it reads is below the
+    threshold, decode steps run the chain with a CPU part and absent experts go to the CPU site; once it is above,
+    steps run the plain chain and transfer, exactly as placement gpu would (no CPU-site expert)."""
     pack, cfg = packs["tiny-olmoe"]
     resident = (cfg.top_k + cfg.num_experts) // 2
-    ref = _chain_engine(pack, resident, "gpu", "eager")
-    try:
-        want = [r.token_ids for r in ref.generate(CHAIN_PROMPTS, max_new_tokens=6)]
-    finally:
-        ref.close()
     eng = _chain_engine(pack, resident, "auto", "eager")
     try:
         cache = eng.experts.cache
-        seen = {"hits": round(100 * hit_rate), "misses": 100 - round(100 * hit_rate), "cpu_site_experts": 0}
-        eng.experts.placement = AutoPlacement(PlacementCosts(9.0, 10.0, cache.row_bytes, "test"), seen)
-        assert eng.experts.placement.may_use_cpu() and eng.experts.mixed == (hit_rate < 0.1)
-        got = [r.token_ids for r in eng.generate(CHAIN_PROMPTS, max_new_tokens=6)]
-        assert eng._segments[1].mixed
-        if hit_rate > 0.1:
-            assert got == want
-            assert cache.counters["cpu_site_experts"] == 0 and eng.experts.placement.decisions["cpu"] == 0
-        else:
-            assert cache.counters["cpu_site_experts"] > 0
-            assert eng.experts.placement.decisions["cpu"] > 0 and eng.experts.placement.decisions["transfer"] == 0
+        seen = {"hits": 0, "misses": 100, "cpu_site_experts": 0}  # the counters the rule reads: hit rate 0
+        eng.experts.placement = auto = AutoPlacement(PlacementCosts(9.0, 10.0, cache.row_bytes, "test"), seen)
+        assert auto.may_use_cpu() and eng.experts.mixed
+        eng.generate(CHAIN_PROMPTS[:1], max_new_tokens=4)
+        cpu_first = cache.counters["cpu_site_experts"]
+        assert cpu_first > 0 and eng._mixed_segments[1].cpu_parts > 0 and not eng._segments
+        assert auto.decisions["cpu"] > 0 and auto.decisions["transfer"] == 0
+        seen["hits"] = 900  # hit rate 0.9: transfer from now on
+        assert not eng.experts.mixed
+        misses = cache.counters["misses"]
+        eng.generate(CHAIN_PROMPTS[1:], max_new_tokens=4)
+        assert 1 in eng._segments and cache.counters["cpu_site_experts"] == cpu_first
+        assert cache.counters["misses"] > misses
         assert cache.outstanding_leases() == 0 and cache.live_requests() == 0
     finally:
         eng.close()
 
 
-def test_a_failing_cpu_site_in_the_chain_leaves_nothing_held(packs, monkeypatch):
+def test_a_failing_cpu_site_inside_the_chain_leaves_nothing_held(packs, monkeypatch):
+    """The CPU site raising in a decode step's CPU part (not in prefill, which runs per call): the error reaches
+    the caller and the step's request gives back every lease."""
+    from runmap.engine.engine import SegmentDecoder
     from runmap.kernels import cpu_int4
 
     pack, cfg = packs["tiny-olmoe"]
     eng = _chain_engine(pack, cfg.top_k, "cpu", "eager")
+    in_chain, cpu_part, moe_subset = [False], SegmentDecoder._cpu_part, cpu_int4.CpuExpertSite.moe_subset
+
+    def chain_cpu_part(self, layer):
+        in_chain[0] = True
+        try:
+            return cpu_part(self, layer)
+        finally:
+            in_chain[0] = False
+
+    def failing_in_the_chain(self, *a, **k):
+        if in_chain[0]:
+            raise RuntimeError("cpu site failed in the chain")
+        return moe_subset(self, *a, **k)
+
+    monkeypatch.setattr(SegmentDecoder, "_cpu_part", chain_cpu_part)
+    monkeypatch.setattr(cpu_int4.CpuExpertSite, "moe_subset", failing_in_the_chain)
     try:
-        def boom(*a, **k):
-            raise RuntimeError("cpu site failed")
-        monkeypatch.setattr(cpu_int4.CpuExpertSite, "moe_subset", boom)
-        with pytest.raises(Exception, match="cpu site failed"):
+        with pytest.raises(RuntimeError, match="cpu site failed in the chain"):
             eng.generate(CHAIN_PROMPTS[:1], max_new_tokens=3)
+        assert 1 in eng._mixed_segments  # the failure came from the chain's CPU part
         cache = eng.experts.cache
         assert cache.outstanding_leases() == 0 and cache.live_requests() == 0
     finally:

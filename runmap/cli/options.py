@@ -35,8 +35,8 @@ def add_residency_arguments(p) -> None:
                         "copied into a spare row first (default), cpu = computed on the host CPU from the host copy, "
                         "nothing transferred, auto = at each layer call, for its absent experts, whichever the rates "
                         "measured at startup (host->device copy, CPU expert) and the cache's hit rate say is cheaper; "
-                        "the plan is printed. The route never changes, only where each routed expert runs. cpu (and "
-                        "auto when the CPU site can win) runs decode per call, without the CUDA-graph segment chain "
+                        "the plan is printed. The route never changes, only where each routed expert runs. Decode steps "
+                        "that may use the CPU run the CUDA-graph segment chain with a CPU part per layer "
                         "(docs/engine.md)")
 
     p.add_argument("--prefetch", action="store_true",

@@ -217,9 +217,9 @@ class CachedExperts:
 
     @property
     def mixed(self) -> bool:
-        """True when this layer call (or decode step) may compute absent experts at the CPU site: always with
-        placement cpu; with auto only while its rule would choose the CPU at the current hit rate (auto on a link
-        faster than the CPU site never does). Otherwise the plain path runs."""
+        """True when this layer call (per-call path) or decode step (segment chain) may compute absent experts at the
+        CPU site: always with placement cpu; with auto only while its rule would choose the CPU at the current hit
+        rate (auto on a link faster than the CPU site never does). Otherwise the plain path or chain runs."""
         return self.placement is not None and self.placement.uses_cpu_now()
 
     def site(self):
@@ -479,7 +479,7 @@ class SegmentDecoder(_StaticStepInputs):
     pointed at a row the step's request pins); while it runs, the host computes the CPU-site experts from the host
     source and copies their FP32 sum to a static device buffer, which the segment after adds (2L + 1 segments)."""
 
-    def __init__(self, engine: "Engine", batch: int, pool, capture: bool):
+    def __init__(self, engine: "Engine", batch: int, pool, capture: bool, mixed: bool = False):
         super().__init__(engine, batch)
         self.pool, self.capture = pool, capture
         cfg, dev = engine.cfg, engine.device
@@ -490,9 +490,8 @@ class SegmentDecoder(_StaticStepInputs):
         # that routes layer l and read on the host while the next segment runs (row 0 is unused)
         self.host_pred = (torch.zeros(self.L, batch, self.k, dtype=torch.long, pin_memory=dev.type == "cuda")
                           if engine.experts.predict is not None else None)
-        # mixed sites: a placement that may give the CPU site experts (runmap.engine.placement)
-        placement = engine.experts.placement
-        self.mixed = placement is not None and placement.may_use_cpu()
+        # mixed sites: the chain of the steps on which the placement may give the CPU site experts
+        self.mixed = bool(mixed)
         if self.mixed:
             pin, H = dev.type == "cuda", cfg.hidden_size
             self.host_x = torch.zeros(self.L, batch, H, dtype=torch.float16, pin_memory=pin)  # each layer's MoE input
@@ -738,7 +737,8 @@ class Engine:
                                  and not self.skip_experts
                                  and ((device.type == "cuda" and executor in GRAPH_EXECUTORS) or segments == "eager"))
         self._graphs: dict[int, GraphDecoder] = {}
-        self._segments: dict[int, SegmentDecoder] = {}
+        self._segments: dict[int, SegmentDecoder] = {}  # batch -> chain without a CPU site
+        self._mixed_segments: dict[int, SegmentDecoder] = {}  # batch -> chain with a CPU part per layer
         self._pool = torch.cuda.graph_pool_handle() if (self.use_graphs or self.use_segments) and \
             device.type == "cuda" else None
         self.last_timing: dict | None = None
@@ -984,9 +984,13 @@ class Engine:
                 self._graphs[B] = GraphDecoder(self, B, self._pool)
             return self._graphs[B].run(tokens, slot, pad)
         if self.use_segments and self.cfg.top_k * B <= self.experts.cache.max_group:
-            if B not in self._segments:
-                self._segments[B] = SegmentDecoder(self, B, self._pool, capture=self.device.type == "cuda")
-            return self._segments[B].run(tokens, slot, pad)
+            # the placement is asked once per step: a step on which it may give the CPU site experts runs the chain
+            # with a CPU part per layer; otherwise (auto while its rule transfers) the plain chain, as placement gpu
+            mixed = self.experts.mixed
+            chains = self._mixed_segments if mixed else self._segments
+            if B not in chains:
+                chains[B] = SegmentDecoder(self, B, self._pool, capture=self.device.type == "cuda", mixed=mixed)
+            return chains[B].run(tokens, slot, pad)
         slots = torch.tensor([slot], device=self.device)
         pos = (slots - pad).unsqueeze(1)  # (B, 1)
         # On CUDA the fused decode attention takes the key count as a constexpr: attending a bucket (keys past
@@ -1027,6 +1031,7 @@ class Engine:
             torch.cuda.synchronize(self.device)
         self._graphs.clear()
         self._segments.clear()
+        self._mixed_segments.clear()
         if self._pool is not None:
             self._pool = torch.cuda.graph_pool_handle()
 
@@ -1143,6 +1148,7 @@ class Engine:
             torch.cuda.synchronize(self.device)
         self._graphs.clear()
         self._segments.clear()
+        self._mixed_segments.clear()
         self._pool = None
         self.kv = self.model = self.experts = None
         self._closed = True

@@ -16,9 +16,11 @@ serves ``1 / (1 - h)`` uses in expectation, so the transfer wins when
     row_bytes / h2d_rate  <  (row_bytes / cpu_rate) / (1 - h)    <=>    h  >  1 - h2d_rate / cpu_rate
 
 so a link at least as fast as the CPU site always transfers (the engine then runs its plain path, segment chain
-included), and a slower link transfers only where reuse is likely enough. On the per-call path (prefill, larger
-batches) a layer call on which the rule transfers runs the plain path (``uses_cpu_now``); decode steps run the
-segment chain with a CPU part per layer (runmap.engine.engine.SegmentDecoder), the rule deciding at each lease.
+included), and a slower link transfers only where reuse is likely enough. The engine asks the rule (``uses_cpu_now``)
+at each layer call of the per-call path (prefill, larger batches) and at each decode step: a call or step on which it
+would transfer runs the plain path or plain segment chain, so choosing to transfer costs what placement ``gpu``
+costs; a step on which it may use the CPU runs the segment chain with a CPU part per layer
+(runmap.engine.engine.SegmentDecoder), the rule deciding again at each lease.
 Known bias: experts computed on the CPU count in the hit rate's denominator and never become hits, so once the rule chooses the CPU the measured rate
 tends to keep it there. Not modelled: that CPU work and transfers could run at once (a split of one step's misses
 between both sites), and a batch's tokens sharing a CPU expert (the CPU cost is per expert read, as the
@@ -106,9 +108,9 @@ class Placement:
         return False
 
     def uses_cpu_now(self) -> bool:
-        """True when the next layer call may give the CPU site an expert. Read at each layer call of the per-call
-        path: when it is False the call runs the plain path, whose transfers are exactly what this placement would
-        choose."""
+        """True when the next layer call or decode step may give the CPU site an expert. Read at each layer call of
+        the per-call path and at each decode step: when it is False the plain path (or plain segment chain) runs,
+        whose transfers are exactly what this placement would choose."""
         return self.may_use_cpu()
 
     def describe(self) -> dict:
@@ -153,9 +155,10 @@ class AutoPlacement(Placement):
         return (1.0 - h) / self.costs.h2d_gb_s < 1.0 / self.costs.cpu_gb_s
 
     def uses_cpu_now(self) -> bool:
-        """The rule below at the current hit rate: False (transfer) keeps the engine on its plain path, so a
-        decision to transfer costs no more than placement ``gpu`` (measured: the mixed per-call path ran 2.8x
-        slower than the segment chain with the same transfers, results/campaigns/h200-placement)."""
+        """The rule below at the current hit rate: False (transfer) keeps the engine on its plain path or plain
+        segment chain, so a decision to transfer costs no more than placement ``gpu`` (measured before: auto's
+        transfers through the mixed per-call path ran 2.8x slower than gpu's segment chain,
+        results/campaigns/h200-placement)."""
         return self.may_use_cpu() and not self.transfer(self.hit_rate())
 
     def __call__(self, absent: tuple) -> tuple:
