@@ -515,3 +515,68 @@ def test_prefetch_in_the_segment_chain(packs, preset, test_device):
     assert runs[True][0] == runs[False][0]
     on, off = runs[True][1], runs[False][1]
     assert off["prefetches"] == 0 and on["prefetches"] > 0 and 0 < on["prefetch_used"] <= on["prefetched_experts"]
+
+
+# ---- auto's reuse estimate: a shadow LRU of the routes, not the cache's own hit rate ------------------------------
+
+from hypothesis import given, settings, strategies as st  # noqa: E402
+
+
+@settings(max_examples=60, deadline=None)
+@given(capacity=st.integers(1, 6), data=st.data())
+def test_the_reuse_estimate_is_the_lru_replay_of_the_routes(capacity, data):
+    """ReuseEstimator, fed one layer call at a time, counts what runmap.workload.replay.lru_hits counts over the
+    whole sequence (an independent implementation), per layer, cold misses included."""
+    from runmap.engine.placement import ReuseEstimator
+    from runmap.workload.replay import lru_hits
+
+    est = ReuseEstimator(capacity)
+    per_layer = {0: [], 1: []}
+    for layer, step in data.draw(st.lists(st.tuples(st.sampled_from([0, 1]), st.lists(
+            st.integers(0, 9), min_size=1, max_size=capacity, unique=True)), max_size=30)):
+        est.observe(layer, step)
+        per_layer[layer].append(step)
+    hits = uses = 0
+    for steps in per_layer.values():
+        h, n = lru_hits(steps, capacity)
+        hits, uses = hits + h, uses + n
+    assert (est.hits, est.uses) == (hits, uses)
+    assert est.hit_rate == (hits / uses if uses else 0.0)
+
+
+def test_auto_reads_the_shadow_lru_not_the_cache_counters():
+    """With a resident count, auto's h is the shadow LRU's: counters that say nothing was ever a hit (as the cache's
+    do once the CPU site takes the misses) do not keep it on the CPU when the routes reuse their experts."""
+    from runmap.engine.placement import PlacementError, ReuseEstimator
+
+    costs = PlacementCosts(h2d_gb_s=5.0, cpu_gb_s=10.0, row_bytes=1000, source="test")  # transfer if h > 0.5
+    never_hit = {"hits": 0, "misses": 0, "cpu_site_experts": 1000}
+    auto = AutoPlacement(costs, never_hit, resident=4)
+    assert auto.hit_rate() == 0.0 and auto((7,)) == (7,)  # no evidence yet: the CPU
+    for _ in range(3):
+        auto.observe(0, torch.tensor([[1, 2], [2, 3]]))  # one batch's union {1, 2, 3}, reused
+    assert auto.hit_rate() == pytest.approx(6 / 9) and auto((7,)) == ()  # reuse 0.67 > 0.5: transfer
+    d = auto.describe()
+    assert d["hit_rate_source"].startswith("shadow LRU of the routed experts at 4 per layer (9 uses")
+    assert AutoPlacement(costs, never_hit).hit_rate() == 0.0  # without a resident count: the counters given
+    with pytest.raises(PlacementError, match="capacity 0 must be >= 1"):
+        ReuseEstimator(0)
+
+
+def test_an_engine_tells_auto_every_routed_expert_once(packs):
+    """Every acquisition of every path (prefill per call, decode chain) shows auto its routed ids first: the shadow's
+    uses equal the cache's hits + misses + CPU-site experts, whatever sites were chosen."""
+    pack, cfg = packs["tiny-olmoe"]
+    eng = _chain_engine(pack, cfg.top_k, "auto", "eager")
+    try:
+        cache = eng.experts.cache
+        auto = eng.experts.placement
+        assert auto.reuse is not None and auto.reuse.capacity == cache.resident == cfg.top_k
+        eng.experts.placement = auto = AutoPlacement(PlacementCosts(1.0, 10.0, cache.row_bytes, "test"),
+                                                     cache.counters, resident=cache.resident)  # CPU unless h > 0.9
+        before = {k: cache.counters[k] for k in ("hits", "misses", "cpu_site_experts")}
+        eng.generate(CHAIN_PROMPTS, max_new_tokens=6)
+        seen = sum(cache.counters[k] - before[k] for k in before)
+        assert auto.reuse.uses == seen > 0 and cache.counters["cpu_site_experts"] > before["cpu_site_experts"]
+    finally:
+        eng.close()

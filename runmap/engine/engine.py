@@ -283,7 +283,10 @@ class CachedExperts:
         return out.index_add_(0, tok, y.to(torch.float32))
 
     def acquire(self, req, layer, ids, place=None):
-        """``req.acquire(layer, ids, place)``, timed as ``_timed`` says."""
+        """``req.acquire(layer, ids, place)``, timed as ``_timed`` says; the placement sees every layer call's
+        routed ids first, whichever path makes it (auto's reuse estimate)."""
+        if self.placement is not None:
+            self.placement.observe(layer, ids)
         return self._timed(req.acquire, layer, ids, place)
 
     def _timed(self, call, *args):

@@ -21,11 +21,14 @@ at each layer call of the per-call path (prefill, larger batches) and at each de
 would transfer runs the plain path or plain segment chain, so choosing to transfer costs what placement ``gpu``
 costs; a step on which it may use the CPU runs the segment chain with a CPU part per layer
 (runmap.engine.engine.SegmentDecoder), the rule deciding again at each lease.
-Known bias: experts computed on the CPU count in the hit rate's denominator and never become hits, so once the rule chooses the CPU the measured rate
-tends to keep it there. Not modelled: that CPU work and transfers could run at once (a split of one step's misses
+``h`` is what transferring would give, not what the cache shows: experts computed on the CPU are never published,
+so the cache's own hit rate falls toward resident / experts once the rule chooses the CPU and would keep it there. The
+rule reads a shadow LRU instead (``ReuseEstimator``): the routed experts of every layer call, in an LRU of the cache's
+resident count per layer, whichever site computed them; its hit rate is the hit rate of the routing workload at this
+residency with every miss transferred. Not modelled: that CPU work and transfers could run at once (a split of one step's misses
 between both sites), and a batch's tokens sharing a CPU expert (the CPU cost is per expert read, as the
-transfer's is). The rates are measured on this machine when the engine is built (``measure_costs``); ``h`` is the cache's own running hit rate over the routings it has served
-(hits over hits + misses + CPU-site experts), starting from 0 (no evidence of reuse yet). The plan (rates,
+transfer's is). The rates are measured on this machine when the engine is built (``measure_costs``); ``h`` starts
+from 0 (no evidence of reuse yet). The plan (rates,
 threshold, decisions so far) is in the engine's telemetry and printed by the CLI.
 """
 from __future__ import annotations
@@ -95,10 +98,54 @@ def measure_costs(site, host, device, layer: int = 0, repeats: int = 5,
     return PlacementCosts(h2d_gb_s=h2d_gb_s, cpu_gb_s=nbytes / max(cpu_s, 1e-9) / 1e9, row_bytes=nbytes, source=how)
 
 
+def _flat_ids(ids) -> list:
+    """Expert ids from a (n, k) or (k,) torch tensor / numpy array, or an iterable of ints, as one flat list."""
+    rows = ids.tolist() if hasattr(ids, "tolist") else list(ids)
+    flat = []
+    for r in rows:
+        if isinstance(r, list):
+            flat.extend(r)
+        else:
+            flat.append(r)
+    return flat
+
+
+class ReuseEstimator:
+    """The hit rate an LRU of ``capacity`` experts per layer would have over the routed groups it is shown: what
+    transferring every miss would give, whatever site actually computed each expert."""
+
+    def __init__(self, capacity: int):
+        if capacity < 1:
+            raise PlacementError(f"reuse estimator: capacity {capacity} must be >= 1 expert per layer")
+        self.capacity = capacity
+        self.hits = 0
+        self.uses = 0
+        self._lru: dict[int, dict[int, None]] = {}  # layer -> experts, least recent first (dicts keep order)
+
+    def observe(self, layer: int, experts) -> None:
+        """One layer call's routed experts (any iterable of ids; a batch's union counts each expert once)."""
+        lru = self._lru.setdefault(layer, {})
+        step = sorted({int(v) for v in experts})
+        self.hits += sum(1 for e in step if e in lru)  # against the cache as the call found it
+        self.uses += len(step)
+        for e in step:
+            lru.pop(e, None)
+            lru[e] = None  # most recent
+        for e in list(lru)[:max(0, len(lru) - self.capacity)]:  # the least recently routed; never this call's,
+            del lru[e]                                           # which a group <= capacity leaves at the end
+
+    @property
+    def hit_rate(self) -> float:
+        return self.hits / self.uses if self.uses else 0.0
+
+
 class Placement:
     """Base: decides, under the cache's lock, which absent experts the CPU site computes."""
 
     name = "gpu"
+
+    def observe(self, layer: int, ids) -> None:
+        """Told every layer call's routed ids before the cache is asked (only auto uses them)."""
 
     def __call__(self, absent: tuple) -> tuple:
         return ()
@@ -135,16 +182,25 @@ class AutoPlacement(Placement):
 
     name = "auto"
 
-    def __init__(self, costs: PlacementCosts, counters):
+    def __init__(self, costs: PlacementCosts, counters, resident: int | None = None):
         self.costs = costs
-        self.counters = counters  # the cache's counters (hits, misses, cpu_site_experts), read at each decision
+        # h: with ``resident`` (the engine's case) a shadow LRU of the routes at that residency; without it, the
+        # counters given (hits, misses, cpu_site_experts), e.g. the cache's own
+        self.counters = counters
+        self.reuse = ReuseEstimator(resident) if resident is not None else None
         self.decisions = {"transfer": 0, "cpu": 0}
+
+    def observe(self, layer: int, ids) -> None:
+        if self.reuse is not None:
+            self.reuse.observe(layer, _flat_ids(ids))
 
     def may_use_cpu(self) -> bool:
         """A link at least as fast as the CPU site transfers at every hit rate (threshold 0)."""
         return self.costs.cpu_gb_s > self.costs.h2d_gb_s
 
     def hit_rate(self) -> float:
+        if self.reuse is not None:
+            return self.reuse.hit_rate
         c = self.counters
         seen = c["hits"] + c["misses"] + c["cpu_site_experts"]
         return c["hits"] / seen if seen else 0.0
@@ -170,7 +226,9 @@ class AutoPlacement(Placement):
 
     def describe(self) -> dict:
         h = self.hit_rate()
-        return {"mode": self.name, "costs": self.costs.to_dict(), "hit_rate": h,
+        source = (f"shadow LRU of the routed experts at {self.reuse.capacity} per layer ({self.reuse.uses} uses)"
+                  if self.reuse is not None else "the counters given")
+        return {"mode": self.name, "costs": self.costs.to_dict(), "hit_rate": h, "hit_rate_source": source,
                 "transfer_if_hit_rate_above": max(0.0, 1.0 - self.costs.h2d_gb_s / self.costs.cpu_gb_s),
                 "now": "transfer" if self.transfer(h) else "cpu", "decisions": dict(self.decisions)}
 
@@ -186,4 +244,4 @@ def make_placement(name: str, *, cache=None, site=None, costs: PlacementCosts | 
         return CpuPlacement()
     if costs is None:
         costs = measure_costs(site, cache.host, cache.device, transport=cache.transport)
-    return AutoPlacement(costs, cache.counters)
+    return AutoPlacement(costs, cache.counters, resident=cache.resident)
