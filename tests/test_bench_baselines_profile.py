@@ -245,9 +245,10 @@ def test_profile_on_the_tiny_pack_is_recorded_validated_and_plotted(tiny_pack, t
         _check_phase(prof["prefill"], 6)
         _check_phase(prof["decode_step"], 6)
         assert prof["decode_step"]["steps_averaged"] == 3
-        # the decode step is one step, not the request: on the CPU its op time is bounded by a few timed steps
-        step_s = recs[rid]["config"]["batch"] / recs[rid]["timing"]["decode_tok_s"]["median"]
-        assert prof["decode_step"]["total_device_us"] / 1e6 < 5 * step_s
+        # the decode step is one step, not the request: one forward pass launches about as many ops as the prefill's
+        # (the request's 3 steps would launch ~3x). Counted in ops, not time: a loaded machine stretches the
+        # profiled op times and the timed steps differently (a time ratio here failed under load)
+        assert 0 < prof["decode_step"]["launches"] < 1.5 * prof["prefill"]["launches"]
     assert "profile" not in recs["m__engine__reference__r4__b2__p6__d4"]
     # the timed figures are not affected by the profile requests (they ran after the stats were taken)
     assert eng["timing"]["new_tokens"] == 2 * 4
