@@ -318,6 +318,8 @@ def test_auto_sees_the_emulated_link_and_the_record_says_emulation(packs, tmp_pa
     assert rec["id"].endswith("__placement-auto.link0p5gbs")
     assert rec["config"]["emulate_link_gb_s"] == 0.5 and any("EMULATION" in n for n in rec["notes"])
     assert rec["sites"]["placement"]["costs"]["h2d_gb_s"] <= 0.5
+    # the timed run's 2 decode steps (decode_len 3: the first token is the prefill's), eager on the CPU
+    assert rec["sites"]["decode_steps"] == {"graphs": 0, "chain": 0, "chain_cpu": 0, "per_call": 2}
 
 
 def test_auto_on_a_link_faster_than_the_cpu_site_runs_the_plain_path(packs):
@@ -385,6 +387,9 @@ def test_the_segment_chain_with_a_cpu_site_equals_the_per_call_path(packs, prese
             if segments:
                 chain = eng._mixed_segments[1]
                 assert chain.mixed and chain.cpu_parts > 0 and not eng._segments
+                assert eng.decode_paths["chain_cpu"] == len(eng.decoded) and eng.decode_paths["per_call"] == 0
+            else:
+                assert eng.decode_paths["per_call"] == len(eng.decoded) and eng.decode_paths["chain_cpu"] == 0
             assert eng.experts.cache.outstanding_leases() == 0 and eng.experts.cache.live_requests() == 0
         finally:
             eng.close()
@@ -450,6 +455,7 @@ def test_auto_in_the_segment_chain_follows_its_rule_from_step_to_step(packs):
         misses = cache.counters["misses"]
         eng.generate(CHAIN_PROMPTS[1:], max_new_tokens=4)
         assert 1 in eng._segments and cache.counters["cpu_site_experts"] == cpu_first
+        assert eng.decode_paths["chain_cpu"] == 3 and eng.decode_paths["chain"] == 3  # 3 decode steps each
         assert cache.counters["misses"] > misses
         assert cache.outstanding_leases() == 0 and cache.live_requests() == 0
     finally:

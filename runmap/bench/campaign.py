@@ -90,7 +90,9 @@ def _site_record(st: EngineStats, d) -> dict | None:
     (``st``: the stats after them). None when neither was on."""
     if st.placement is None and not st.prefetch:
         return None
-    out = {"expert_placement": st.placement["mode"] if st.placement is not None else "gpu", "prefetch": st.prefetch}
+    out = {"expert_placement": st.placement["mode"] if st.placement is not None else "gpu", "prefetch": st.prefetch,
+           "decode_steps": {"graphs": d.decode_steps_graphs, "chain": d.decode_steps_chain,
+                            "chain_cpu": d.decode_steps_chain_cpu, "per_call": d.decode_steps_per_call}}
     if st.placement is not None:
         out["placement"] = dict(st.placement)
         out["cpu_site_experts"] = d.cpu_site_experts

@@ -742,6 +742,7 @@ class Engine:
         self._graphs: dict[int, GraphDecoder] = {}
         self._segments: dict[int, SegmentDecoder] = {}  # batch -> chain without a CPU site
         self._mixed_segments: dict[int, SegmentDecoder] = {}  # batch -> chain with a CPU part per layer
+        self.decode_paths = {"graphs": 0, "chain": 0, "chain_cpu": 0, "per_call": 0}  # decode steps by path
         self._pool = torch.cuda.graph_pool_handle() if (self.use_graphs or self.use_segments) and \
             device.type == "cuda" else None
         self.last_timing: dict | None = None
@@ -983,6 +984,7 @@ class Engine:
         """tokens int64 (B,), slot int, pad int64 (B,) -> float32 (B, V)."""
         B = tokens.shape[0]
         if self.use_graphs:
+            self.decode_paths["graphs"] += 1
             if B not in self._graphs:
                 self._graphs[B] = GraphDecoder(self, B, self._pool)
             return self._graphs[B].run(tokens, slot, pad)
@@ -990,10 +992,12 @@ class Engine:
             # the placement is asked once per step: a step on which it may give the CPU site experts runs the chain
             # with a CPU part per layer; otherwise (auto while its rule transfers) the plain chain, as placement gpu
             mixed = self.experts.mixed
+            self.decode_paths["chain_cpu" if mixed else "chain"] += 1
             chains = self._mixed_segments if mixed else self._segments
             if B not in chains:
                 chains[B] = SegmentDecoder(self, B, self._pool, capture=self.device.type == "cuda", mixed=mixed)
             return chains[B].run(tokens, slot, pad)
+        self.decode_paths["per_call"] += 1
         slots = torch.tensor([slot], device=self.device)
         pos = (slots - pad).unsqueeze(1)  # (B, 1)
         # On CUDA the fused decode attention takes the key count as a constexpr: attending a bucket (keys past

@@ -47,6 +47,12 @@ class PhaseSiteCounters:
     prefetch_used: int = 0
     prefetches_skipped: int = 0
     prefetches_aborted: int = 0
+    # decode steps by the path that ran them (Engine.decode): full-residency CUDA graphs, the partial-residency
+    # segment chain without / with a CPU part, or eager layer calls (the per-call path)
+    decode_steps_graphs: int = 0
+    decode_steps_chain: int = 0
+    decode_steps_chain_cpu: int = 0
+    decode_steps_per_call: int = 0
 
 
 @dataclasses.dataclass(frozen=True)
@@ -128,6 +134,7 @@ def snapshot(engine, cache: dict | None = None) -> EngineStats:
     if cache is None:
         cache = engine.experts.telemetry()  # None for the fp16 baseline (no cache)
     common = dict(
+        **{f"decode_steps_{k}": v for k, v in engine.decode_paths.items()},
         executor=engine.executor, expert_format=engine.expert_format, regime=engine.regime, device=str(engine.device),
         cuda_graphs=engine.use_graphs, fused=tuple(sorted(engine.model.fused)), skip_experts=engine.skip_experts,
         resident=engine.resident, runs=len(engine._runs), nonrouted_bytes=engine.model.w.nbytes(),
