@@ -265,3 +265,26 @@ def test_transfer_bound_formula():
     assert part["timing"]["transfer_bound_tok_s"]["value"] == pytest.approx(500.0)
     assert part["ratios"]["decode_vs_transfer_bound"]["value"] == pytest.approx(0.2)
     assert other["timing"]["transfer_bound_tok_s"]["status"] == "UNKNOWN"  # no full-residency twin with its routing
+
+
+def test_an_emulated_link_bounds_with_its_own_rate():
+    """config.emulate_link_gb_s below the measured link: the bound uses the emulated rate and says so; above it,
+    the measured link still bounds (an emulation never makes the link faster)."""
+    from runmap.bench import campaign as bench
+
+    def rec(regime, tok_s, emulate=None):
+        obs = lambda v: {"status": "OBSERVED", "value": v}  # noqa: E731
+        return {"run_id": "x", "kind": "engine", "regime": regime, "executor": "grouped",
+                "config": {"model": "m", "batch": 1, "prompt_len": 4, "decode_len": 8, "routing": "calibrated:olmoe",
+                           "skip_experts": False, "emulate_link_gb_s": emulate},
+                "timing": {"decode_tok_s": {"median": tok_s}},
+                "h2d": {"bytes_per_token": obs(10e6), "link_gb_s": obs(50.0)}, "ratios": {}}
+
+    full, slow, fast = rec("full", 1000.0), rec("partial", 100.0, 10.0), rec("partial", 100.0, 80.0)
+    bench.attach_transfer_bounds([full, slow, fast])
+    # 1 / (1 ms + 10 MB / 10 GB/s = 1 ms) = 500 tok/s
+    b = slow["timing"]["transfer_bound_tok_s"]
+    assert b["value"] == pytest.approx(500.0) and b["source"].startswith("EMULATED link: 10 GB/s")
+    # 1 / (1 ms + 10 MB / 50 GB/s = 0.2 ms): the measured link
+    f = fast["timing"]["transfer_bound_tok_s"]
+    assert f["value"] == pytest.approx(1 / 1.2e-3) and "source" not in f

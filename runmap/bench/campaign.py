@@ -814,7 +814,9 @@ def attach_ratios(records: list[dict]) -> list[dict]:
 def attach_transfer_bounds(records: list[dict]) -> None:
     """Partial-residency records: timing.transfer_bound_tok_s = 1 / (full-residency seconds per token + missed
     bytes per token / same-run pinned H2D rate), the full-residency record being the same run's with the same
-    model, executor, batch, lengths and routing; and ratios.decode_vs_transfer_bound."""
+    model, executor, batch, lengths and routing; and ratios.decode_vs_transfer_bound. A record of an emulated slower
+    link (config.emulate_link_gb_s) is bounded by that link's rate where it is below the measured one (its
+    ``source`` says so)."""
     def key(r):
         c = r["config"]
         return (r["run_id"], c["model"], r["executor"], c["batch"], c["prompt_len"], c["decode_len"], c.get("routing"),
@@ -832,7 +834,13 @@ def attach_transfer_bounds(records: list[dict]) -> None:
             bound = bm.unknown("no same-run pinned H2D rate or no observed bytes per token")
         else:
             t_full = 1.0 / f["timing"]["decode_tok_s"]["median"]
-            bound = bm.observed(1.0 / (t_full + per_tok["value"] / (link["value"] * 1e9)))
+            rate, emulated = link["value"], r["config"].get("emulate_link_gb_s")
+            if emulated and emulated < rate:
+                rate = emulated
+            bound = bm.observed(1.0 / (t_full + per_tok["value"] / (rate * 1e9)))
+            if rate != link["value"]:
+                bound["source"] = (f"EMULATED link: {rate:g} GB/s (runmap.residency.transport.pace) in place of the "
+                                   f"measured {link['value']:.1f} GB/s")
         r["timing"]["transfer_bound_tok_s"] = bound
         r["ratios"]["decode_vs_transfer_bound"] = bm.ratio(bm.observed(r["timing"]["decode_tok_s"]["median"]), bound,
                                                            "decode tok/s over the transfer bound")
