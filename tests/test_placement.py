@@ -13,6 +13,7 @@ import json
 
 import pytest
 import torch
+from hypothesis import given, settings, strategies as st
 
 from runmap.engine.placement import AutoPlacement, CpuPlacement, PlacementCosts, make_placement
 
@@ -524,8 +525,6 @@ def test_prefetch_in_the_segment_chain(packs, preset, test_device):
 
 
 # ---- auto's reuse estimate: a shadow LRU of the routes, not the cache's own hit rate ------------------------------
-
-from hypothesis import given, settings, strategies as st  # noqa: E402
 
 
 @settings(max_examples=60, deadline=None)
