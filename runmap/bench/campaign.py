@@ -68,7 +68,7 @@ from runmap.bench.checks import RECORD_VERSION, RECORD_VERSIONS  # what it write
 from runmap.bench.registry import BASELINE_KINDS, HF_KINDS
 from runmap.engine.engine import DEFAULT_FUSED, FUSED_OPS
 from runmap.engine.generation import GenerationResult, GenerationRun
-from runmap.engine.telemetry import EngineStats
+from runmap.engine.telemetry import DECODE_PATHS, EngineStats
 from runmap.provenance import utc_timestamp
 from runmap.residency.observations import OBSERVATION_NAMES as REQUIRED_ZERO
 from runmap.residency.regimes import regime_of
@@ -91,8 +91,7 @@ def _site_record(st: EngineStats, d) -> dict | None:
     if st.placement is None and not st.prefetch:
         return None
     out = {"expert_placement": st.placement["mode"] if st.placement is not None else "gpu", "prefetch": st.prefetch,
-           "decode_steps": {"graphs": d.decode_steps_graphs, "chain": d.decode_steps_chain,
-                            "chain_cpu": d.decode_steps_chain_cpu, "per_call": d.decode_steps_per_call}}
+           "decode_steps": {k: getattr(d, f"decode_steps_{k}") for k in DECODE_PATHS}}
     if st.placement is not None:
         out["placement"] = dict(st.placement)
         out["cpu_site_experts"] = d.cpu_site_experts

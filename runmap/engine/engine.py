@@ -88,6 +88,7 @@ from runmap.arch.config import ModelConfig
 from runmap.engine.generation import GenerationError, GenerationResult, GenerationRun, generate_batch
 from runmap.engine.model import KVCache, Transformer, experts_dense_torch, load_weights
 from runmap.kernels.registry import CPU_SITE_EXECUTORS, EXECUTOR_NAMES as EXECUTORS, GRAPH_SAFE_EXECUTORS as GRAPH_EXECUTORS
+from runmap.engine.telemetry import DECODE_PATHS
 from runmap.residency.regimes import regime_of
 from runmap.workload.routing import ImposedRouting, RoutingError, parse_routing
 
@@ -579,29 +580,32 @@ class SegmentDecoder(_StaticStepInputs):
 
     def _lease(self, layer):
         ex = self.e.experts
-        if self.mixed:
-            lease = ex.acquire(self._req, layer, self.host_ids_np[layer], ex.placement)
-            cpu = self.layer_cpu[layer] = lease.cpu_experts
-            if cpu:
-                keep = ~np.isin(self.host_ids_np[layer], cpu)  # (B, k) bool: slots the device computes
-                self.host_keep[layer].copy_(torch.from_numpy(keep.astype(np.float32)))
-                self.keep[layer].copy_(self.host_keep[layer], non_blocking=True)
-                self.keep_set[layer] = True
-                # the CPU-site ids are unmapped (-1) in the lease's table: point them at a row the request pins,
-                # whose contribution the zero gate weight removes
-                ex.static_tables[layer].copy_(lease.row_table, non_blocking=True)
-                cpu_ids = _to_device(np.asarray(cpu, dtype=np.int64), ex.static_tables[layer].device)  # no host sync
-                ex.static_tables[layer].index_fill_(0, cpu_ids, self._req.pinned_row(layer))
-                ex.static_sources[layer] = None  # not the lease's table: refresh it next time
-                return
-            if self.keep_set[layer]:
-                self.keep[layer].fill_(1.0)
-                self.keep_set[layer] = False
-        else:
-            lease = ex.acquire(self._req, layer, self.host_ids_np[layer])
+        lease = ex.acquire(self._req, layer, self.host_ids_np[layer], ex.placement if self.mixed else None)
         if ex.static_sources[layer] is not lease.row_table:
             ex.static_tables[layer].copy_(lease.row_table, non_blocking=True)  # (E,) on the compute stream
             ex.static_sources[layer] = lease.row_table
+        if self.mixed:
+            self._place_cpu_slots(layer, lease.cpu_experts)
+
+    def _place_cpu_slots(self, layer, cpu):
+        """Mixed chain: the device part of ``layer`` skips the slots routed to the CPU-site experts ``cpu`` (their
+        gate weights zeroed by the keep mask, their ids pointed at a row the step's request pins), or computes every
+        slot when ``cpu`` is empty."""
+        ex = self.e.experts
+        self.layer_cpu[layer] = cpu
+        if cpu:
+            keep = ~np.isin(self.host_ids_np[layer], cpu)  # (B, k) bool: slots the device computes
+            self.host_keep[layer].copy_(torch.from_numpy(keep.astype(np.float32)))
+            self.keep[layer].copy_(self.host_keep[layer], non_blocking=True)
+            self.keep_set[layer] = True
+            # the CPU-site ids are unmapped (-1) in the lease's table: point them at a row the request pins, whose
+            # contribution the zero gate weight removes; the static table then differs from the lease's
+            cpu_ids = _to_device(np.asarray(cpu, dtype=np.int64), ex.static_tables[layer].device)  # no host sync
+            ex.static_tables[layer].index_fill_(0, cpu_ids, self._req.pinned_row(layer))
+            ex.static_sources[layer] = None  # refresh from the next lease's table
+        elif self.keep_set[layer]:
+            self.keep[layer].fill_(1.0)
+            self.keep_set[layer] = False
 
     def _release(self):
         req, self._req = self._req, None
@@ -742,7 +746,7 @@ class Engine:
         self._graphs: dict[int, GraphDecoder] = {}
         self._segments: dict[int, SegmentDecoder] = {}  # batch -> chain without a CPU site
         self._mixed_segments: dict[int, SegmentDecoder] = {}  # batch -> chain with a CPU part per layer
-        self.decode_paths = {"graphs": 0, "chain": 0, "chain_cpu": 0, "per_call": 0}  # decode steps by path
+        self.decode_paths = dict.fromkeys(DECODE_PATHS, 0)  # decode steps by the path that ran them
         self._pool = torch.cuda.graph_pool_handle() if (self.use_graphs or self.use_segments) and \
             device.type == "cuda" else None
         self.last_timing: dict | None = None

@@ -98,18 +98,6 @@ def measure_costs(site, host, device, layer: int = 0, repeats: int = 5,
     return PlacementCosts(h2d_gb_s=h2d_gb_s, cpu_gb_s=nbytes / max(cpu_s, 1e-9) / 1e9, row_bytes=nbytes, source=how)
 
 
-def _flat_ids(ids) -> list:
-    """Expert ids from a (n, k) or (k,) torch tensor / numpy array, or an iterable of ints, as one flat list."""
-    rows = ids.tolist() if hasattr(ids, "tolist") else list(ids)
-    flat = []
-    for r in rows:
-        if isinstance(r, list):
-            flat.extend(r)
-        else:
-            flat.append(r)
-    return flat
-
-
 class ReuseEstimator:
     """The hit rate an LRU of ``capacity`` experts per layer would have over the routed groups it is shown: what
     transferring every miss would give, whatever site actually computed each expert."""
@@ -191,8 +179,11 @@ class AutoPlacement(Placement):
         self.decisions = {"transfer": 0, "cpu": 0}
 
     def observe(self, layer: int, ids) -> None:
+        """ids: a layer call's routed expert ids, (n, k) or flat (a host tensor, an array or a sequence)."""
         if self.reuse is not None:
-            self.reuse.observe(layer, _flat_ids(ids))
+            import numpy as np  # here, not at import: the CLI's option module imports this one for PLACEMENTS
+
+            self.reuse.observe(layer, np.asarray(ids).reshape(-1).tolist())
 
     def may_use_cpu(self) -> bool:
         """A link at least as fast as the CPU site transfers at every hit rate (threshold 0)."""

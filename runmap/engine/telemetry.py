@@ -27,6 +27,8 @@ from runmap.provenance import utc_timestamp
 SCHEMA_VERSION = "runmap-telemetry-v1"
 from runmap.residency.observations import OBSERVATION_NAMES as OBS_NAMES, REQUIRED_ZERO as OBS_UNITS
 
+DECODE_PATHS = ("graphs", "chain", "chain_cpu", "per_call")  # Engine.decode_paths; fields decode_steps_<path> below
+
 
 FP16_NO_CACHE = "expert_format fp16 baseline: experts are dequantized device tensors, no expert cache runs"
 
@@ -47,8 +49,8 @@ class PhaseSiteCounters:
     prefetch_used: int = 0
     prefetches_skipped: int = 0
     prefetches_aborted: int = 0
-    # decode steps by the path that ran them (Engine.decode): full-residency CUDA graphs, the partial-residency
-    # segment chain without / with a CPU part, or eager layer calls (the per-call path)
+    # decode steps by the path that ran them (Engine.decode, DECODE_PATHS): full-residency CUDA graphs, the
+    # partial-residency segment chain without / with a CPU part, or eager layer calls (the per-call path)
     decode_steps_graphs: int = 0
     decode_steps_chain: int = 0
     decode_steps_chain_cpu: int = 0
