@@ -17,12 +17,14 @@
 #    check answered "gpt-2", benchmarks/README.md says why); the checkpoint is deleted once converted;
 # 4. llama-quantize bf16 -> Q4_K_M (the bf16 GGUF deleted after);
 # 5. llama-bench -m Q4_K_M -p 0 -n 128 -b 1 -ub 1 -ngl 99 -fa on -o json: full GPU (--n-cpu-moe 0) and
-#    --n-cpu-moe 4 / 8 / 12 / 16 (the pinned llama-bench has -ncmoe / --n-cpu-moe; checked in its --help);
+#    --n-cpu-moe 4 / 8 / 12 / 16 (the pinned llama-bench has -ncmoe / --n-cpu-moe; checked in its --help); batch 8:
+#    llama-batched-bench -npp 32 -ntg 128 -npl 8 --output-format jsonl at the same --n-cpu-moe values;
 # 6. benchmarks/llama_cpp_records.py: one record per test (schemas/llama-cpp-bench.schema.json).
 # Everything lands in $OUT/llama-cpp/: steps.log (every step with its elapsed time), env.txt, logs/, runs/
-# (llama-bench's JSON + command), records/. Each step runs past the failure of an earlier one where it can.
+# (llama-bench's JSON + command), records/; at the end all of it is archived as $OUT/llama-cpp.tar.gz (the
+# device tool returns at most 8 files) and only steps.log stays beside it. Each step runs past the failure of an earlier one where it can.
 # A machine left warm keeps $WORK (build, GGUF) and a second call reuses them.
-# RUNMAP_LLAMA_PRESET, RUNMAP_LLAMA_NCMOE ("0 4 8 12 16"), RUNMAP_LLAMA_WORK, RUNMAP_LLAMA_SYNTH_DEVICE (cuda),
+# RUNMAP_LLAMA_PRESET, RUNMAP_LLAMA_NCMOE ("0 4 8 12 16"), RUNMAP_LLAMA_BATCHES ("1 8"), RUNMAP_LLAMA_WORK, RUNMAP_LLAMA_SYNTH_DEVICE (cuda),
 # RUNMAP_LLAMA_JOBS (build jobs, default all cores), RUNMAP_LLAMA_CONFIGURE_ONLY=1 (configure, build nothing),
 # RUNMAP_LLAMA_LIB_ROOTS (more folders to search for nvidia/*/lib) override the defaults (a CPU rehearsal:
 # RUNMAP_LLAMA_PRESET=tiny-olmoe RUNMAP_LLAMA_SYNTH_DEVICE=cpu RUNMAP_LLAMA_JOBS=1).
@@ -33,6 +35,7 @@ T0=$(date +%s)
 WORK=${RUNMAP_LLAMA_WORK:-/tmp/runmap-llama}
 PRESET=${RUNMAP_LLAMA_PRESET:-olmoe-1b-7b-0924}
 NCMOE=${RUNMAP_LLAMA_NCMOE:-0 4 8 12 16}
+BATCHES=${RUNMAP_LLAMA_BATCHES:-1 8}  # 1: llama-bench tg128; more: llama-batched-bench with that many sequences
 SYNTH_DEVICE=${RUNMAP_LLAMA_SYNTH_DEVICE:-cuda}
 SEED=0
 INIT=routing
@@ -191,13 +194,14 @@ BUILD_FLAGS="$BUILD_FLAGS -DGGML_NATIVE=ON -DCMAKE_BUILD_TYPE=Release -DLLAMA_BU
 BUILD=$WORK/build-${HAVE_SHA:0:12}-$([ -n "$NVCC" ] && echo cuda || echo cpu)
 BENCH_BIN=$BUILD/bin/llama-bench
 QUANT_BIN=$BUILD/bin/llama-quantize
+BATCHED_BIN=$BUILD/bin/llama-batched-bench
 echo "$BUILD_FLAGS" > "$R/build-flags.txt"
 BPID=""
-if [ -x "$BENCH_BIN" ] && [ -x "$QUANT_BIN" ] && [ "$(cat "$BUILD/runmap-build-flags.txt" 2>/dev/null)" = "$BUILD_FLAGS" ]; then
+if [ -x "$BENCH_BIN" ] && [ -x "$QUANT_BIN" ] && [ -x "$BATCHED_BIN" ] && [ "$(cat "$BUILD/runmap-build-flags.txt" 2>/dev/null)" = "$BUILD_FLAGS" ]; then
   log "build: reusing $BUILD (a warm machine, the same flags)"
 elif [ -n "$CMAKE" ] && [ -n "$CXX_OK" ]; then
-  log "build: configure + llama-bench, llama-quantize with -j$JOBS in the background; flags: $BUILD_FLAGS"
-  rm -f "$BENCH_BIN" "$QUANT_BIN" "$BUILD/runmap-build-flags.txt"  # a failed build leaves no older binary behind
+  log "build: configure + llama-bench, llama-batched-bench, llama-quantize with -j$JOBS in the background; flags: $BUILD_FLAGS"
+  rm -f "$BENCH_BIN" "$QUANT_BIN" "$BATCHED_BIN" "$BUILD/runmap-build-flags.txt"  # a failed build leaves no older binary behind
   (
     B0=$(date +%s)
     # shellcheck disable=SC2086
@@ -206,7 +210,7 @@ elif [ -n "$CMAKE" ] && [ -n "$CXX_OK" ]; then
     echo "configure $(( $(date +%s) - B0 ))s"
     [ -n "${RUNMAP_LLAMA_CONFIGURE_ONLY:-}" ] && { echo "RUNMAP_LLAMA_CONFIGURE_ONLY: not built"; exit 4; }
     timeout $(( $(left) - 150 > 60 ? $(left) - 150 : 60 )) \
-      cmake --build "$BUILD" --target llama-bench llama-quantize -j "$JOBS" > "$R/logs/build.log" 2>&1 \
+      cmake --build "$BUILD" --target llama-bench llama-quantize llama-batched-bench -j "$JOBS" > "$R/logs/build.log" 2>&1 \
       || { echo "build failed or timed out (exit $?)"; exit 3; }
     echo "$BUILD_FLAGS" > "$BUILD/runmap-build-flags.txt"
     echo "configure + build $(( $(date +%s) - B0 ))s"
@@ -290,12 +294,32 @@ if [ -x "$BENCH_BIN" ] && [ -f "$Q4" ]; then
     log "llama-bench ncmoe $n: exit $RC, tok/s ${TS:-none}"
     [ "$RC" = 0 ] || tail -5 "$R/logs/llama-bench-ncmoe-$n.log" | tee -a "$R/steps.log"
   done
+  # several sequences at once: llama-batched-bench (prompt of PP tokens per sequence, then TG steps of all)
+  for pl in $BATCHES; do
+    [ "$pl" = 1 ] && continue  # batch 1 is llama-bench's tg test above
+    [ -x "$BATCHED_BIN" ] || { log "llama-batched-bench: missing, batch $pl not run"; break; }
+    for n in $NCMOE; do
+      if [ "$(left)" -lt 45 ]; then log "batch $pl ncmoe $n: skipped (${BUDGET}s budget: $(left)s left)"; continue; fi
+      CMD="$BATCHED_BIN -m $Q4 -c 4096 -b 512 -ub 512 -npp 32 -ntg 128 -npl $pl -ngl $NGL -fa on"
+      [ "$n" != 0 ] && CMD="$CMD -ncmoe $n"
+      CMD="$CMD --output-format jsonl"
+      echo "$CMD" > "$R/runs/batched$pl-ncmoe-$n.cmd"
+      # shellcheck disable=SC2086
+      timeout $(( $(left) - 30 < 150 ? $(left) - 30 : 150 )) $CMD > "$R/runs/batched$pl-ncmoe-$n.jsonl" 2> "$R/logs/batched$pl-ncmoe-$n.log"
+      RC=$?
+      TS=$(grep -h '"speed_tg"' "$R/runs/batched$pl-ncmoe-$n.jsonl" "$R/logs/batched$pl-ncmoe-$n.log" 2>/dev/null | python3 -c "import json,sys; print(' '.join(f\"{json.loads(l)['speed_tg']:.1f}\" for l in sys.stdin))" 2>/dev/null)
+      # the result line is llama.cpp's LOG(): stdout, but keep it wherever it went
+      grep -qh '"speed_tg"' "$R/runs/batched$pl-ncmoe-$n.jsonl" || grep -h '"speed_tg"' "$R/logs/batched$pl-ncmoe-$n.log" >> "$R/runs/batched$pl-ncmoe-$n.jsonl"
+      log "llama-batched-bench batch $pl ncmoe $n: exit $RC, tok/s ${TS:-none}"
+      [ "$RC" = 0 ] || tail -5 "$R/logs/batched$pl-ncmoe-$n.log" | tee -a "$R/steps.log"
+    done
+  done
 else
   log "llama-bench: not run (binary $([ -x "$BENCH_BIN" ] && echo present || echo missing), GGUF $([ -f "$Q4" ] && echo present || echo missing))"
 fi
 
 # --- 6. records -------------------------------------------------------------------------------------------------
-RUNS=$(ls "$R"/runs/ncmoe-*.json 2>/dev/null)
+RUNS=$(ls "$R"/runs/ncmoe-*.json "$R"/runs/batched*-ncmoe-*.jsonl 2>/dev/null)
 if [ -n "$RUNS" ]; then
   # shellcheck disable=SC2086
   PYTHONPATH=. python3 benchmarks/llama_cpp_records.py --preset "$PRESET" --seed "$SEED" --init "$INIT" --gguf "$Q4" \
@@ -303,3 +327,5 @@ if [ -n "$RUNS" ]; then
     --source "$SRC/RUNMAP_SOURCE.json" --build-flags="$BUILD_FLAGS" --out-dir "$R/records" $RUNS 2>&1 | tee -a "$R/steps.log"
 fi
 log "end ($(ls "$R"/records/*.json 2>/dev/null | wc -l) records; missing: ${MISSING[*]:-nothing})"
+# The device tool brings back at most 8 files from $OUT: everything in one archive, the timeline beside it.
+tar -czf "$OUT/llama-cpp.tar.gz" -C "$OUT" llama-cpp && find "$R" -mindepth 1 ! -name steps.log -delete

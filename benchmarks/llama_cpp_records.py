@@ -1,7 +1,8 @@
 """llama-bench's JSON output -> llama.cpp peer records (`schemas/llama-cpp-bench.schema.json`), one per test.
 
 Each RUN.json is what `llama-bench ... -o json` printed; RUN.cmd beside it holds the command line (the script
-that ran llama-bench writes both). The model facts come from the preset, the build facts from the unpacked
+that ran llama-bench writes both). A RUN.jsonl is what `llama-batched-bench ... --output-format jsonl` printed
+(several sequences decoded at once); its model and build facts come from the first llama-bench run given. The model facts come from the preset, the build facts from the unpacked
 source's RUNMAP_SOURCE.json and --build-flags. A file that is not llama-bench output is reported with one line
 and the others are still written (exit status 1 then).
 
@@ -17,7 +18,7 @@ from pathlib import Path
 
 from runmap.arch.config import load_preset
 from runmap.atomic import write_json
-from runmap.bench.llama_cpp import PRE_TOKENIZER, LlamaBenchError, records_from_llama_bench
+from runmap.bench.llama_cpp import PRE_TOKENIZER, LlamaBenchError, records_from_batched_bench, records_from_llama_bench
 from runmap.provenance import utc_timestamp
 
 TOKENS = "llama-bench tg: random token ids (std::rand() % n_vocab), one per decode step"
@@ -48,7 +49,8 @@ def context_for(args) -> dict:
 
 def main(argv=None) -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    p.add_argument("runs", nargs="+", type=Path, help="llama-bench -o json outputs (RUN.cmd beside each)")
+    p.add_argument("runs", nargs="+", type=Path, help="llama-bench -o json outputs (.json) and llama-batched-bench "
+                   "--output-format jsonl outputs (.jsonl), RUN.cmd beside each")
     p.add_argument("--preset", required=True)
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--init", default="routing", choices=["hf", "routing"])
@@ -63,13 +65,21 @@ def main(argv=None) -> int:
     ctx = context_for(args)
     failed = 0
     rows = []
-    for run in args.runs:
+    model_row = None  # llama-batched-bench prints no model or build facts: the first llama-bench test's
+    for run in sorted(args.runs, key=lambda r: r.suffix == ".jsonl"):  # llama-bench runs first
         cmd_file = run.with_suffix(".cmd")
         try:
             command = cmd_file.read_text().strip() if cmd_file.is_file() else ""
             if not command:
                 raise LlamaBenchError(f"{cmd_file}: missing or empty (the llama-bench command line)")
-            records = records_from_llama_bench(run.read_text(), command=command, context=ctx, source=str(run))
+            if run.suffix == ".jsonl":
+                if model_row is None:
+                    raise LlamaBenchError(f"{run}: no llama-bench run of the same GGUF gave the model facts")
+                records = records_from_batched_bench(run.read_text(), command=command, context=ctx,
+                                                     model_row=model_row, source=str(run))
+            else:
+                records = records_from_llama_bench(run.read_text(), command=command, context=ctx, source=str(run))
+                model_row = model_row or records[0]["raw"]
         except (OSError, LlamaBenchError) as e:
             print(f"SKIPPED {e}", flush=True)
             failed += 1
@@ -77,10 +87,10 @@ def main(argv=None) -> int:
         for rec in records:
             write_json(args.out_dir / f"{rec['id']}.json", rec)
             rows.append(rec)
-    print(f"{'id':62s} {'ncmoe':>5s} {'tok/s':>8s} {'stdev':>6s}")
-    for rec in sorted(rows, key=lambda r: (r["config"]["test"], r["config"]["n_cpu_moe"])):
-        t = rec["timing"]["tok_s"]
-        print(f"{rec['id']:62s} {rec['config']['n_cpu_moe']:5d} {t['mean']:8.1f} {t['stdev']:6.1f}")
+    print(f"{'id':62s} {'batch':>5s} {'ncmoe':>5s} {'tok/s':>8s} {'stdev':>6s}")
+    for rec in sorted(rows, key=lambda r: (r["config"]["test"], r["config"]["batch"], r["config"]["n_cpu_moe"])):
+        t, c = rec["timing"]["tok_s"], rec["config"]
+        print(f"{rec['id']:62s} {c['batch']:5d} {c['n_cpu_moe']:5d} {t['mean']:8.1f} {t['stdev']:6.1f}")
     print(f"{len(rows)} records in {args.out_dir}, {failed} file(s) skipped")
     return 1 if failed else 0
 

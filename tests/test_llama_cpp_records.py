@@ -22,7 +22,8 @@ from pathlib import Path
 import pytest
 
 from runmap.bench.llama_cpp import (KIND, PRE_TOKENIZER, RECORD_VERSION, LlamaBenchError, PreTokenizerError,
-                                    records_from_llama_bench, synthetic_pre_tokenizer)
+                                    records_from_batched_bench, records_from_llama_bench, synthetic_pre_tokenizer)
+from runmap.conformance.schemas import validate_document
 
 REPO = Path(__file__).resolve().parent.parent
 SCRIPT = REPO / "benchmarks" / "llama_cpp_records.py"
@@ -85,6 +86,40 @@ def test_a_llama_bench_sample_becomes_one_record_per_test():
     assert full["workload"]["routing"] == "model" and full["workload"]["weights"] == "synthetic"
     assert full["command"] == COMMAND and full["raw"] == SAMPLE[0]
     assert records_from_llama_bench(SAMPLE, command=COMMAND, context=CONTEXT) == recs  # parsed list or text
+
+
+BATCHED_COMMAND = ("/tmp/runmap-llama/build/bin/llama-batched-bench -m /tmp/runmap-llama/olmoe-1b-7b-0924-Q4_K_M.gguf "
+                   "-c 4096 -b 512 -ub 512 -npp 32 -ntg 128 -npl 8 -ngl 99 -fa on -ncmoe 12 --output-format jsonl")
+BATCHED_OUT = """llama_model_loader: loaded meta data with 31 key-value pairs
+main: n_kv_max = 4096, n_batch = 512, n_ubatch = 512, flash_attn = 1
+{"n_kv_max": 4096, "n_batch": 512, "n_ubatch": 512, "flash_attn": 1, "is_pp_shared": 0, "n_gpu_layers": 99, \
+"n_threads": 16, "n_threads_batch": 16, "pp": 32, "tg": 128, "pl": 8, "n_kv": 1280, "t_pp": 0.031, \
+"speed_pp": 8258.1, "t_tg": 2.048, "speed_tg": 500.0, "t": 2.079, "speed": 615.7}
+llama_perf_context_print:        load time =     812.22 ms
+"""
+
+
+def test_a_batched_bench_line_becomes_a_record_of_its_batch_with_llama_bench_model_facts():
+    (rec,) = records_from_batched_bench(BATCHED_OUT, command=BATCHED_COMMAND, context=CONTEXT, model_row=SAMPLE[0])
+    assert rec["id"] == "olmoe-1b-7b-0924__llama.cpp__q4_k_m__tg128__pl8__ncmoe12"
+    c = rec["config"]
+    assert (c["n_cpu_moe"], c["expert_layers_on_cpu"], c["batch"], c["decode_len"], c["n_depth"], c["repeats"]) == \
+        (12, 12, 8, 128, 32, 1)
+    assert rec["timing"]["tok_s"] == {"mean": 500.0, "stdev": 0.0, "samples": [500.0]}
+    assert rec["timing"]["seconds_tg"] == 2.048 and rec["command"] == BATCHED_COMMAND
+    assert rec["model"]["model_size_bytes"] == SAMPLE[0]["model_size"]
+    assert validate_document(rec, "llama-cpp-bench") == []
+
+
+@pytest.mark.parametrize("text, says", [
+    ("llama_model_loader: nothing measured\n", "no result line"),
+    ('{"speed_tg": 5.0, "pl": 8}\n', "missing field"),
+    (BATCHED_OUT.replace('"speed_tg": 500.0', '"speed_tg": 0'), "not a measured generation rate"),
+    ('{"speed_tg": 5.0, oops\n', "not JSON"),
+])
+def test_bad_batched_bench_output_gives_one_clear_error(text, says):
+    with pytest.raises(LlamaBenchError, match=says):
+        records_from_batched_bench(text, command=BATCHED_COMMAND, context=CONTEXT, model_row=SAMPLE[0])
 
 
 def test_the_records_validate_where_runmap_validate_finds_them(tmp_path):
@@ -158,6 +193,8 @@ def test_the_records_script_keeps_going_past_a_bad_file(tmp_path):
     (runs / "ncmoe-0.cmd").write_text(COMMAND.replace("-ncmoe 8", "-ncmoe 0") + "\n")
     (runs / "ncmoe-4.json").write_text("main: error: failed to load model\n")
     (runs / "ncmoe-4.cmd").write_text(COMMAND.replace("-ncmoe 8", "-ncmoe 4") + "\n")
+    (runs / "batched-ncmoe-12.jsonl").write_text(BATCHED_OUT)
+    (runs / "batched-ncmoe-12.cmd").write_text(BATCHED_COMMAND + "\n")
     source = tmp_path / "RUNMAP_SOURCE.json"
     source.write_text(json.dumps({"package": "llama-cpp-python", "version": "0.3.36",
                                   "sdist_sha256": CONTEXT["llama_cpp"]["sdist_sha256"],
@@ -165,13 +202,16 @@ def test_the_records_script_keeps_going_past_a_bad_file(tmp_path):
     out = tmp_path / "results" / "llama-cpp" / "t" / "records"
     r = subprocess.run([sys.executable, str(SCRIPT), "--preset", "olmoe-1b-7b-0924", "--gguf", str(tmp_path / "x.gguf"),
                         "--quant", "Q4_K_M", "--source", str(source), "--build-flags=-DGGML_CUDA=ON -DGGML_CUDA_FA=ON",
-                        "--out-dir", str(out), str(runs / "ncmoe-0.json"), str(runs / "ncmoe-4.json")],
+                        "--out-dir", str(out), str(runs / "batched-ncmoe-12.jsonl"), str(runs / "ncmoe-0.json"),
+                        str(runs / "ncmoe-4.json")],
                        capture_output=True, text=True, cwd=REPO, timeout=120)
     assert r.returncode == 1, r.stdout + r.stderr
     assert "Traceback" not in r.stderr
     skipped = [ln for ln in r.stdout.splitlines() if ln.startswith("SKIPPED")]
     assert len(skipped) == 1 and "ncmoe-4.json: not JSON" in skipped[0]
-    (rec_file,) = out.glob("*.json")
+    (batched_file,) = out.glob("*__pl8__*.json")  # its model facts from the llama-bench run, given after it
+    assert json.loads(batched_file.read_text())["config"]["batch"] == 8
+    (rec_file,) = out.glob("*__b1__*.json")
     rec = json.loads(rec_file.read_text())
     assert rec["config"]["n_cpu_moe"] == 0 and rec["command"].endswith("-ncmoe 0 -o json")
     assert rec["config"]["num_layers"] == 16 and rec["config"]["experts_per_layer"] == 64

@@ -77,7 +77,7 @@ DEFAULT_PARAMS = {"repeats": 3, "warmup": 1, "warmup_new_tokens": 4, "policy": "
                   "cuda_graphs": True, "fused": True, "skip_experts": False, "check": False,
                   "check_prompt_len": 24, "check_tolerance": 0.01, "routing": "model",
                   "cache_contract": "v1", "gpu_budget": None, "expert_placement": "gpu", "prefetch": False,
-                  "emulate_link_gb_s": None,
+                  "emulate_link_gb_s": None, "matched_n_cpu_moe": None,
                   "profile": False, "profile_top": 12}
 VARIANT_PARAMS = ("cuda_graphs", "fused", "skip_experts", "routing", "cache_contract", "expert_placement", "prefetch",
                   "emulate_link_gb_s")
@@ -234,6 +234,27 @@ def config_id(model: str, kind: str, executor: str, resident: int | str, batch: 
 
 
 BUDGET_RESIDENT = "budget"  # a group's `resident` when its run parameter gpu_budget decides the residency
+MATCHED_RESIDENT = "ncmoe"  # a group's `resident` when the run parameter matched_n_cpu_moe decides the residency
+
+
+def matched_resident(cfg: ModelConfig, n_cpu_moe: int) -> int:
+    """Experts per layer resident on the GPU that hold the same routed-expert bytes on the GPU as llama.cpp's
+    ``--n-cpu-moe n_cpu_moe`` (the expert tensors of the first n_cpu_moe MoE layers stay in host memory):
+    E x (L - n) / L, rounded down, and never below top_k (one token's experts must fit in the GPU rows; at
+    n = L llama.cpp keeps no routed expert on the GPU, the engine top_k per layer: the record's notes say so)."""
+    layers = cfg.num_layers
+    return max(cfg.top_k, cfg.num_experts * (layers - min(n_cpu_moe, layers)) // layers)
+
+
+def _matched(v, group: str, cfg: ModelConfig) -> list[int]:
+    """The matched_n_cpu_moe run parameter (an integer or a list) as integers in [0, num_layers]."""
+    out = []
+    for x in _as_list(v):
+        if isinstance(x, bool) or not isinstance(x, int) or not 0 <= x <= cfg.num_layers:
+            raise BenchError(f"group {group!r}: matched_n_cpu_moe {x!r}: expected an integer in [0, "
+                             f"{cfg.num_layers}] (llama.cpp's --n-cpu-moe over this model's {cfg.num_layers} layers)")
+        out.append(x)
+    return out
 
 
 def budget_tag(nbytes: int) -> str:
@@ -289,9 +310,21 @@ def expand(spec: dict, packs: dict | None = None) -> list[BenchConfig]:
             cfg = presets[model]
             e = cfg.num_experts
             budgets = _budgets(params["gpu_budget"], g["name"]) if params.get("gpu_budget") is not None else []
+            matched = _matched(params["matched_n_cpu_moe"], g["name"], cfg) \
+                if params.get("matched_n_cpu_moe") is not None else []
+            if matched and g["kind"] != "engine":
+                raise BenchError(f"group {g['name']!r}: matched_n_cpu_moe is an engine option; a {g['kind']} "
+                                 "baseline runs its own path")
             if g["kind"] == "engine":
                 residents = [e if r == "full" else r for r in _as_list(g["resident"])]
                 executors = g["executors"]
+                if matched or MATCHED_RESIDENT in residents:
+                    if residents != [MATCHED_RESIDENT] or not matched or budgets:
+                        raise BenchError(f"group {g['name']!r}: llama.cpp's --n-cpu-moe decides the residency: give "
+                                         f"resident: {MATCHED_RESIDENT} together with the run parameter "
+                                         f"matched_n_cpu_moe (and no other resident, no gpu_budget), got resident "
+                                         f"{g['resident']!r}, matched_n_cpu_moe {params.get('matched_n_cpu_moe')!r}")
+                    residents = []
                 if budgets or BUDGET_RESIDENT in residents:
                     if residents != [BUDGET_RESIDENT] or not budgets:
                         raise BenchError(f"group {g['name']!r}: a GPU budget decides the residency: give resident: "
@@ -327,14 +360,19 @@ def expand(spec: dict, packs: dict | None = None) -> list[BenchConfig]:
                                  "reference; drop one of them")
             # spec order is run order (put what matters most first: a --deadline-s run skips the tail); a budget
             # entry's residency is planned below, once the engine's capacity (max_batch, max_seq_len) is known
-            entries = [(r, None) for r in residents] + [(-1, nb) for nb in budgets]
-            for (r, nb), ex, b, pl, dl in itertools.product(entries, executors, _as_list(g["batch"]),
-                                                            _as_list(g["prompt_len"]), _as_list(g["decode_len"])):
+            # (resident, gpu budget, matched --n-cpu-moe): one of the three decides the residency
+            entries = [(r, None, None) for r in residents] + [(-1, nb, None) for nb in budgets] + \
+                [(matched_resident(cfg, n), None, n) for n in matched]
+            for (r, nb, ncmoe), ex, b, pl, dl in itertools.product(entries, executors, _as_list(g["batch"]),
+                                                                   _as_list(g["prompt_len"]),
+                                                                   _as_list(g["decode_len"])):
                 p = dict(gp)
                 p["gpu_budget"] = nb
+                p["matched_n_cpu_moe"] = ncmoe
                 p.setdefault("max_batch", None)
                 p.setdefault("max_seq_len", None)
-                cid = config_id(model, g["kind"], ex, r if nb is None else budget_tag(nb), b, pl, dl, variant_tag(p))
+                tag = budget_tag(nb) if nb is not None else f"ncmoe{ncmoe}" if ncmoe is not None else r
+                cid = config_id(model, g["kind"], ex, tag, b, pl, dl, variant_tag(p))
                 if cid not in out:
                     out[cid] = BenchConfig(cid, g["name"], g["kind"], model, spec["models"][model]["preset"], ex, r, e,
                                            b, pl, dl, tuple(sorted(p.items())))
@@ -693,6 +731,8 @@ def run_config(engine: BenchEngine, c: BenchConfig, model_cfg: ModelConfig, ctx:
             "prefetch": bool(p.get("prefetch")) if is_engine else None,
             # an EMULATED slower host link (runmap.residency.transport.pace): misses paced to this rate; null = real
             "emulate_link_gb_s": p.get("emulate_link_gb_s") if is_engine else None,
+            # the llama.cpp --n-cpu-moe row whose GPU expert bytes this residency matches (resident = E(L-n)/L)
+            "matched_n_cpu_moe": p.get("matched_n_cpu_moe") if is_engine else None,
             # --gpu-budget: the budget asked for (bytes) and the engine's plan of it, which set `resident`
             "gpu_budget": p.get("gpu_budget"),
             "budget_plan": engine_info.get("budget_plan"),
@@ -744,6 +784,15 @@ def run_config(engine: BenchEngine, c: BenchConfig, model_cfg: ModelConfig, ctx:
     if is_engine and p.get("emulate_link_gb_s") is not None:
         notes.append(f"EMULATION: the miss path's host->device copies were paced to {p['emulate_link_gb_s']:g} GB/s "
                      "(runmap.residency.transport.pace), standing in for a slower link than this machine's")
+    ncmoe = p.get("matched_n_cpu_moe") if is_engine else None
+    if ncmoe is not None:
+        layers, e = model_cfg.num_layers, c.experts_per_layer
+        exact = e * (layers - ncmoe) / layers
+        notes.append(f"matched to llama.cpp --n-cpu-moe {ncmoe}: {c.resident} of {e} experts per layer resident "
+                     f"(llama.cpp keeps {exact:g} per layer's worth of routed-expert bytes on the GPU)"
+                     + (f"; the engine needs at least top_k = {model_cfg.top_k} rows per layer, so it holds more "
+                        "GPU expert bytes than that llama.cpp row" if c.resident > exact else
+                        "; rounded down" if c.resident < exact else ""))
     if p["skip_experts"]:
         notes.append("profiling variant: routed experts return zeros (decode time without the expert GEMVs); "
                      "outputs are not the model's")

@@ -177,3 +177,61 @@ def records_from_llama_bench(data, *, command: str, context: dict, source: str =
             "raw": row,
         })
     return records
+
+
+# What each line of llama-batched-bench's ``--output-format jsonl`` output carries that a record needs.
+BATCHED_FIELDS = ("n_batch", "n_ubatch", "flash_attn", "n_gpu_layers", "n_threads", "pp", "tg", "pl", "t_tg",
+                  "speed_tg")
+
+
+def _n_cpu_moe_of(command: str) -> int:
+    """The --n-cpu-moe / -ncmoe value of a llama.cpp command line (0 when absent: every expert on the GPU)."""
+    m = re.search(r"(?:^|\s)(?:-ncmoe|--n-cpu-moe)[ =](\d+)(?:\s|$)", command)
+    return int(m.group(1)) if m else 0
+
+
+def records_from_batched_bench(text: str, *, command: str, context: dict, model_row: dict,
+                               source: str = "llama-batched-bench output") -> list[dict]:
+    """One record per (pp, tg, pl) line of ``llama-batched-bench --output-format jsonl``: ``pl`` sequences decoded
+    together (config.batch = pl), tok/s = speed_tg (tokens of all sequences over the generation time: one timed
+    pass, so samples holds that one rate and stdev is 0). llama-batched-bench prints neither the model's size nor
+    the build, so ``model_row`` is a llama-bench ``-o json`` object of the same GGUF and build (the same run),
+    checked like one. Other lines of the output (llama.cpp's log) are ignored; no result line is an error."""
+    if not isinstance(command, str) or "batched-bench" not in command:
+        raise ValueError("records_from_batched_bench: command must be the llama-batched-bench command line")
+    _check_row(model_row, 0, f"{source} (model facts from llama-bench)")
+    rows = []
+    for ln, line in enumerate(text.splitlines(), 1):
+        line = line.strip()
+        if not (line.startswith("{") and '"speed_tg"' in line):
+            continue
+        try:
+            row = json.loads(line)
+        except json.JSONDecodeError as e:
+            raise LlamaBenchError(f"{source}: line {ln}: not JSON ({e.msg})") from None
+        missing = [k for k in BATCHED_FIELDS if k not in row]
+        if missing:
+            raise LlamaBenchError(f"{source}: line {ln}: missing field(s) {', '.join(missing)}")
+        if not _number(row["speed_tg"]) or row["speed_tg"] <= 0 or row["tg"] <= 0 or row["pl"] < 1:
+            raise LlamaBenchError(f"{source}: line {ln}: speed_tg {row['speed_tg']!r}, tg {row['tg']!r}, pl "
+                                  f"{row['pl']!r}: not a measured generation rate")
+        rows.append(row)
+    if not rows:
+        raise LlamaBenchError(f"{source}: no result line (llama-batched-bench must run with --output-format jsonl)")
+    ncmoe = _n_cpu_moe_of(command)
+    base = {**model_row, "n_cpu_moe": ncmoe, "n_prompt": 0, "avg_ns": None, "stddev_ns": None}
+    records = []
+    for row in rows:
+        rate = float(row["speed_tg"])
+        one = records_from_llama_bench(
+            [{**base, "n_batch": row["n_batch"], "n_ubatch": row["n_ubatch"], "n_threads": row["n_threads"],
+              "n_gpu_layers": row["n_gpu_layers"], "n_gen": row["tg"], "flash_attn": int(row["flash_attn"]),
+              "avg_ts": rate, "stddev_ts": 0.0, "samples_ts": [rate], "test_time": None}],
+            command=command, context=context, source=source)[0]
+        one["id"] = one["id"].replace(f"__b{row['n_batch']}__", f"__pl{row['pl']}__")
+        # the generation runs after a pp-token prompt per sequence: llama-bench's "depth" of the test
+        one["config"].update(batch=row["pl"], n_depth=row["pp"])
+        one["timing"]["seconds_tg"] = float(row["t_tg"])
+        one["raw"] = {"llama_batched_bench": row, "model_facts_from_llama_bench": model_row}
+        records.append(one)
+    return records

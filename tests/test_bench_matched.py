@@ -1,0 +1,79 @@
+"""Engine rows matched to llama.cpp's --n-cpu-moe rows (issue 25 item 6): the run parameter matched_n_cpu_moe
+sets each configuration's residency to llama.cpp's GPU routed-expert bytes, and the record says which row."""
+from __future__ import annotations
+
+import pytest
+from hypothesis import given, settings, strategies as st
+
+from runmap.arch.config import load_preset
+from runmap.bench import campaign as bench
+from runmap.conformance.schemas import validate_document
+from runmap.synth.direct_pack import write_direct_pack
+
+PRESET = "tiny-qwen3-moe"  # 8 experts, top-2
+
+
+def _spec(group_extra: dict, kind: str = "engine") -> dict:
+    g = {"name": "m", "kind": kind, "models": ["m"], "batch": 1, "prompt_len": 5, "decode_len": 3, **group_extra}
+    if kind == "engine":
+        g.setdefault("executors", ["reference"])
+    return {"name": "matched", "description": "d", "device": "cpu",
+            "defaults": {"repeats": 1, "warmup": 0, "max_batch": 1, "max_seq_len": 8},
+            "models": {"m": {"preset": PRESET}}, "groups": [g]}
+
+
+def test_matched_residency_is_llama_cpp_gpu_expert_bytes_per_layer():
+    olmoe = load_preset("olmoe-1b-7b-0924")[0]  # 16 layers, 64 experts, top-8
+    assert [bench.matched_resident(olmoe, n) for n in (0, 4, 8, 12, 15, 16)] == [64, 48, 32, 16, 8, 8]
+    qwen = load_preset("qwen1.5-moe-a2.7b")[0]  # 24 layers, 60 experts, top-4
+    assert [bench.matched_resident(qwen, n) for n in (4, 8, 12, 16, 24)] == [50, 40, 30, 20, 4]
+
+
+@settings(max_examples=40, deadline=None)
+@given(n=st.integers(0, 64))
+def test_matched_residency_never_exceeds_llama_cpp_bytes_unless_top_k_forces_it(n):
+    cfg = load_preset("olmoe-1b-7b-0924")[0]
+    r = bench.matched_resident(cfg, n)
+    on_gpu = cfg.num_experts * (cfg.num_layers - min(n, cfg.num_layers)) / cfg.num_layers
+    assert cfg.top_k <= r <= cfg.num_experts
+    assert r <= on_gpu or r == cfg.top_k
+    assert on_gpu - r < 1  # rounded down by less than one expert per layer
+
+
+def test_matched_groups_expand_to_one_configuration_per_n_with_its_id_and_record_field():
+    cfg = load_preset(PRESET)[0]
+    spec = _spec({"resident": "ncmoe", "params": {"matched_n_cpu_moe": [0, 1, cfg.num_layers]}})
+    assert validate_document(spec, "campaign-spec") == []
+    configs = bench.expand(spec)
+    assert [c.p["matched_n_cpu_moe"] for c in configs] == [0, 1, cfg.num_layers]
+    assert [c.resident for c in configs] == [bench.matched_resident(cfg, n) for n in (0, 1, cfg.num_layers)]
+    assert [c.id.split("__")[3] for c in configs] == ["ncmoe0", "ncmoe1", f"ncmoe{cfg.num_layers}"]
+    assert configs[-1].resident == cfg.top_k  # llama.cpp keeps none; the engine one token's experts
+
+
+@pytest.mark.parametrize("group, why", [
+    ({"resident": [4], "params": {"matched_n_cpu_moe": 1}}, "resident: ncmoe"),
+    ({"resident": "ncmoe"}, "resident: ncmoe"),
+    ({"resident": "ncmoe", "params": {"matched_n_cpu_moe": 99}}, r"integer in \[0, "),
+    ({"resident": "ncmoe", "params": {"matched_n_cpu_moe": 1, "gpu_budget": "1GiB"}}, "no gpu_budget"),
+])
+def test_bad_matched_groups_are_refused_naming_the_group(group, why):
+    with pytest.raises(bench.BenchError, match=why):
+        bench.expand(_spec(group))
+
+
+def test_baselines_refuse_a_matched_row():
+    with pytest.raises(bench.BenchError, match="engine option"):
+        bench.expand(_spec({"params": {"matched_n_cpu_moe": 1}}, kind="hf-bf16"))
+
+
+def test_a_matched_record_names_its_llama_cpp_row_and_validates(tmp_path):
+    cfg = load_preset(PRESET)[0]
+    spec = _spec({"resident": "ncmoe", "params": {"matched_n_cpu_moe": [cfg.num_layers]}})
+    spec["models"]["m"]["pack"] = str(write_direct_pack(cfg, tmp_path / "pack", seed=1))
+    summary = bench.run_campaign(spec, tmp_path, progress=False, measure_bandwidth=False)
+    assert summary["failed"] == [] and len(summary["done"]) == 1
+    (rec,) = bench.load_records(tmp_path / "matched")
+    assert validate_document({k: v for k, v in rec.items() if k != "_path"}, "bench-record") == []
+    assert rec["config"]["matched_n_cpu_moe"] == cfg.num_layers and rec["config"]["resident"] == cfg.top_k
+    assert any("--n-cpu-moe" in n and "at least top_k" in n for n in rec["notes"])
