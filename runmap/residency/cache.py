@@ -195,6 +195,11 @@ class ExpertCache:
             for t in self._storage:
                 self.copy_monitor.watch_storage(t)
             self.copy_monitor.watch_host(host.row_tensor(0, 0))
+        # (row_bytes,) views of every device row and host row, made once: a miss transaction then indexes Python
+        # lists instead of issuing two torch calls per copied row (each one goes through the copy monitor's mode)
+        self._row_views = [list(t.unbind(0)) for t in self._storage]
+        self._host_views = [[host.row_tensor(layer, e) for e in range(self.num_experts)]
+                            for layer in range(self.num_layers)]
         self._staging = [_Staging(i, self.transport.alloc_staging(self.row_bytes)) for i in range(self.staging)]
         self.staging_bytes = sum(b.tensor.numel() for b in self._staging)  # v2's slots are one-byte tokens
         self._free: list[list[int]] = [list(range(self.rows_per_layer - 1, -1, -1)) for _ in range(self.num_layers)]
@@ -527,8 +532,8 @@ class ExpertCache:
             try:  # a failure (or an interrupt) while taking buffers gives back the ones already taken
                 for _ in batch:
                     bufs.append(self._take_staging())
-                jobs = [(self._storage[layer][row], buf.tensor, self.host.row_tensor(layer, e))
-                        for (e, row), buf in zip(batch, bufs)]
+                dev_rows, host_rows = self._row_views[layer], self._host_views[layer]
+                jobs = [(dev_rows[row], buf.tensor, host_rows[e]) for (e, row), buf in zip(batch, bufs)]
                 self.transport.copy_rows(jobs, on_submit)
             finally:
                 for buf in bufs:

@@ -153,6 +153,7 @@ class CudaTransport(Transport):
         # numpy copies release the GIL, so worker threads copy host rows into staging in parallel
         self._pool = ThreadPoolExecutor(stage_workers, thread_name_prefix="runmap-stage") if stage_workers else None
         self._table_host = None  # one pinned int32 buffer; transactions are serialized and wait for it
+        self._table_host_np = None
         if dev.type != "cuda":
             raise ValueError(f"CudaTransport needs a cuda device, got {dev}")
         if not torch.cuda.is_available():
@@ -206,9 +207,9 @@ class CudaTransport(Transport):
             # per row measured ~50 us per row on the H200 (tools/explore/probe_staging.py), which serialised the
             # CPU staging of row i+1 behind the bookkeeping of row i instead of overlapping it with row i's DMA.
             self._order_after_releases()
+            n = jobs[0][2].numel() if jobs else 0  # one size per layer: one call (each goes through the copy monitor)
             with torch.cuda.stream(self.stream):
                 for j, (dst, stg, src) in enumerate(jobs):
-                    n = src.numel()
                     stg.copy_(src)  # (row_bytes,) pageable -> pinned, CPU
                     self.stage_bytes += n
                     dst.copy_(stg, non_blocking=True)  # (row_bytes,) pinned -> device, transfer stream
@@ -302,10 +303,11 @@ class CudaTransport(Transport):
 
     def upload_table_async(self, table):
         self.table_uploads += 1
-        if self._table_host is None or self._table_host.numel() != len(table):
+        if self._table_host is None or len(self._table_host_np) != len(table):
             self._table_host = torch.empty(len(table), dtype=torch.int32, pin_memory=True)
+            self._table_host_np = self._table_host.numpy()  # the same pinned memory, written without a torch call
         # safe to overwrite: the previous upload was waited for before its generation was published
-        self._table_host.numpy()[:] = table
+        self._table_host_np[:] = table
         t = self._table_host
         compute = torch.cuda.current_stream(self.device)
         with torch.cuda.stream(self.stream):
@@ -392,10 +394,12 @@ class PinnedSourceTransport(CudaTransport):
         return self.h2d(dst_row, host_row)
 
     def copy_rows(self, jobs, on_submit):
+        if not jobs:
+            return
         self._order_after_releases()
+        n = jobs[0][2].numel()  # every row of a layer has the same size; one call, not one per row (copy monitor)
         with torch.cuda.stream(self.stream):
             for j, (dst, _slot, src) in enumerate(jobs):
-                n = src.numel()
                 dst.copy_(src, non_blocking=True)  # (row_bytes,) registered host source -> device row, DMA
                 ev = torch.cuda.Event()
                 ev.record(self.stream)
