@@ -4,13 +4,14 @@ import mmap
 
 import pytest
 import torch
+from hypothesis import given, settings, strategies as st
 
 from runmap.format.qpack import RowLayout
 from runmap.residency import contract_model as cm
 from runmap.residency import host_source as hs
 from runmap.residency.cache import CacheFaultedError, ExpertCache, TransactionAborted
 from runmap.residency.host_source import HostSource
-from runmap.residency.instruments import ExpertCopyMonitor
+from runmap.residency.instruments import ExpertCopyMonitor, _Spans
 from runmap.residency.observations import all_zero, cache_observations
 from runmap.residency.transport import CpuTransport
 
@@ -630,3 +631,31 @@ def test_the_function_mode_hands_every_call_it_could_count_to_the_classifier(mon
         assert func in seen, func
     assert torch.Tensor.dim not in seen and torch.Tensor.data_ptr not in seen
     assert m.d2h_copies == 2  # copy_ and clone of host rows (.item() / .tolist() count only from a device)
+
+
+@settings(max_examples=200, deadline=None)
+@given(ranges=st.lists(st.tuples(st.integers(0, 60), st.integers(0, 12)), max_size=8),
+       probes=st.lists(st.integers(-2, 80), min_size=1, max_size=20))
+def test_merged_spans_answer_like_a_scan_of_every_range(ranges, probes):
+    """The monitor's bisected spans (merged on insertion) hold exactly the addresses some watched range holds:
+    overlapping, touching, nested, empty and repeated ranges, in any order."""
+    spans = _Spans()
+    for lo, n in ranges:
+        spans.add(lo, lo + n)
+    assert list(spans) == sorted(spans) and all(lo < hi for lo, hi in spans)
+    assert all(a_hi < b_lo for (_, a_hi), (b_lo, _) in zip(spans, list(spans)[1:]))  # merged: gaps between
+    for p in probes:
+        assert spans.contains(p) == any(lo <= p < lo + n for lo, n in ranges), p
+
+
+def test_a_host_tensor_is_never_located_against_another_devices_storage(monkeypatch):
+    """Watched memory is kept per device type: a CPU tensor checked against device (here meta) storage returns
+    without reading its storage address, and a meta row is still found."""
+    rows = torch.empty(3, 8, dtype=torch.float32, device="meta")
+    m = _watching("function", rows)
+    host = torch.zeros(8)
+    located = []
+    real = ExpertCopyMonitor._inside
+    monkeypatch.setattr(ExpertCopyMonitor, "_inside", staticmethod(lambda t, spans: located.append(t) or real(t, spans)))
+    assert not m._in_storage(host) and located == []
+    assert m._in_storage(rows[1]) and len(located) == 1
