@@ -36,6 +36,7 @@ Two entry points:
 """
 from __future__ import annotations
 
+import concurrent.futures
 import dataclasses
 import threading
 
@@ -224,25 +225,34 @@ class CpuExpertSite:
         self.source_bytes_read = 0  # host-source bytes read by repacks (row_bytes per repack)
 
     def expert(self, layer: int, expert: int) -> RepackedExpert:
-        """The repacked expert, built from the host source on first use."""
+        """The repacked expert, built from the host source on first use. The repack runs outside the lock (torch
+        releases the GIL), so threads repacking different experts run in parallel; two threads racing for the same
+        expert both build it and the first stored copy is kept."""
         key = (layer, expert)
         rep = self._cache.get(key)
         if rep is None:
+            built = repack_expert(self.source.row_tensor(layer, expert), self.layout, self.precision)
             with self._lock:
                 rep = self._cache.get(key)
                 if rep is None:
-                    rep = repack_expert(self.source.row_tensor(layer, expert), self.layout, self.precision)
-                    self._cache[key] = rep
+                    rep = self._cache[key] = built
                     self.repacks += 1
                     self.nbytes += rep.nbytes
                     self.source_bytes_read += self.layout.row_bytes
         return rep
 
-    def prepare(self, layers=None, experts=None) -> None:
-        """Repack ahead of time (benchmarks; startup when the first token's latency matters)."""
-        for layer in range(self.num_layers) if layers is None else layers:
-            for e in range(self.num_experts) if experts is None else experts:
-                self.expert(layer, e)
+    def prepare(self, layers=None, experts=None, workers: int = 1) -> None:
+        """Repack ahead of time (an engine whose placement may compute at the CPU site does it at build, so that no
+        decode step pays a first use's repack), on ``workers`` threads."""
+        keys = [(layer, e) for layer in (range(self.num_layers) if layers is None else layers)
+                for e in (range(self.num_experts) if experts is None else experts)]
+        if workers <= 1 or len(keys) <= 1:
+            for key in keys:
+                self.expert(*key)
+            return
+        with concurrent.futures.ThreadPoolExecutor(min(workers, len(keys)), thread_name_prefix="runmap-repack") as pool:
+            for fut in [pool.submit(self.expert, *key) for key in keys]:
+                fut.result()  # the first failure surfaces here; the pool's exit waits for the rest
 
     def expert_output(self, layer: int, expert: int, x: torch.Tensor) -> torch.Tensor:
         """One expert's FFN output. x: float16/bfloat16/float32 (M, H) CPU -> float32 (M, H) (unweighted)."""

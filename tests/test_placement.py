@@ -66,7 +66,10 @@ def test_cpu_placement_logits_equal_full_residency_and_nothing_moves(packs, full
     try:
         cache = eng.experts.cache
         startup = dict(cache.counters)
+        site = eng.experts.cpu_site  # every expert repacked at build: no request pays a first use's repack
+        assert site.repacks == cfg.num_layers * cfg.num_experts and eng.experts.cpu_site_prepare_s > 0
         got = eng.logits(_prompt(cfg))
+        assert site.repacks == cfg.num_layers * cfg.num_experts
         _close_to(got, full_logits[preset], f"{preset} resident {resident} cpu")
         c = cache.counters
         assert c["cpu_site_experts"] > 0 and c["misses"] == 0 and c["transactions"] == 0
@@ -321,6 +324,46 @@ def test_auto_sees_the_emulated_link_and_the_record_says_emulation(packs, tmp_pa
     assert rec["sites"]["placement"]["costs"]["h2d_gb_s"] <= 0.5
     # the timed run's 2 decode steps (decode_len 3: the first token is the prefill's), eager on the CPU
     assert rec["sites"]["decode_steps"] == {"graphs": 0, "chain": 0, "chain_cpu": 0, "per_call": 2}
+
+
+@pytest.mark.parametrize("workers", [1, 3, 64])
+def test_parallel_repack_at_build_makes_the_same_experts(packs, workers):
+    """CpuExpertSite.prepare on several threads repacks each expert exactly once (counters) into the same tensors
+    as one thread, and an expert asked for later is the stored one."""
+    from runmap.kernels.cpu_int4 import CpuExpertSite
+
+    pack, cfg = packs["tiny-qwen2-moe"]
+    eng = _engine(pack, resident=cfg.num_experts)
+    try:
+        host = eng.experts.cache.host
+        one, many = CpuExpertSite(host), CpuExpertSite(host)
+        one.prepare()
+        many.prepare(workers=workers)
+        assert many.repacks == one.repacks == cfg.num_layers * cfg.num_experts
+        assert many.source_bytes_read == one.source_bytes_read and many.nbytes == one.nbytes
+        for layer in range(cfg.num_layers):
+            for e in range(cfg.num_experts):
+                a, b = one.expert(layer, e), many.expert(layer, e)
+                for pa, pb in ((a.gate_up, b.gate_up), (a.down, b.down)):
+                    assert torch.equal(pa.weight, pb.weight) and torch.equal(pa.scale_zero, pb.scale_zero)
+                    assert (pa.n, pa.k, pa.k_pad, pa.group) == (pb.n, pb.k, pb.k_pad, pb.group)
+        assert many.repacks == cfg.num_layers * cfg.num_experts  # asking again repacks nothing
+    finally:
+        eng.close()
+
+
+def test_a_failing_repack_at_build_surfaces_as_itself(packs, monkeypatch):
+    from runmap.kernels import cpu_int4
+
+    pack, cfg = packs["tiny-olmoe"]
+    site = cpu_int4.CpuExpertSite(_engine(pack, resident=cfg.num_experts).experts.cache.host)
+
+    def broken(row, layout, precision):
+        raise cpu_int4.CpuSiteError("repack refused")
+    monkeypatch.setattr(cpu_int4, "repack_expert", broken)
+    with pytest.raises(cpu_int4.CpuSiteError, match="repack refused"):
+        site.prepare(workers=4)
+    assert site.repacks == 0
 
 
 def test_auto_on_a_link_faster_than_the_cpu_site_runs_the_plain_path(packs):

@@ -994,6 +994,9 @@ class EngineBuilder:
                 "host_source": ("reused: built and hash-verified by an earlier engine of this run" if shared is not None
                                 else "built by this engine"),
                 "eos_stopping": "off (Engine.run ignore_eos: every row decodes decode_len tokens)"}
+        prep = getattr(getattr(eng, "experts", None), "cpu_site_prepare_s", None)
+        if prep is not None:  # the CPU site's repack of every expert at build: in load_s, never in a timed run
+            info["cpu_site_prepare_s"] = prep
         if eng.budget_plan is not None:
             info["budget_plan"] = eng.budget_plan.to_dict()
         from runmap.synth.direct_pack import synthesized_label

@@ -78,6 +78,7 @@ release fence), so no row is rewritten while a queued kernel may still read it.
 from __future__ import annotations
 
 import contextlib
+import os
 import time
 from collections import Counter
 
@@ -135,6 +136,7 @@ class CachedExperts:
         self._req = None
         self.h2d_seconds = 0.0  # host wall time of acquisitions that ran a miss transaction
         self.cpu_site = None  # a CPU-site executor's repacked experts (runmap.kernels.cpu_int4), built on first use
+        self.cpu_site_prepare_s = None  # wall time of repacking every expert at build (a placement that may use it)
         # where absent experts are computed (runmap.engine.placement): None = the miss transaction (gpu)
         self.placement = None
         # next-layer prefetch (issue 24 item 4): predict(layer, x) -> int64 (N, k) expert ids of layer + 1 from layer's
@@ -925,6 +927,11 @@ class Engine:
                     from runmap.engine.placement import make_placement
 
                     experts.placement = make_placement(expert_placement, cache=cache, site=experts.site())
+                    if experts.placement.may_use_cpu():
+                        # every expert repacked now: a decode step never pays a first use's repack (~30 ms each)
+                        t_rep = time.perf_counter()
+                        experts.site().prepare(workers=os.cpu_count() or 1)
+                        experts.cpu_site_prepare_s = time.perf_counter() - t_rep
             if device.type == "cuda":
                 torch.cuda.synchronize(device)
             eng = cls(cfg=cfg, model=model, experts=experts, tokenizer=tokenizer, device=device, executor=executor,

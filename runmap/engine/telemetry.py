@@ -197,7 +197,9 @@ def build(engine) -> dict:
     if st.placement is not None:
         site = engine.experts.cpu_site
         doc["placement"] = {**st.placement, "cpu_site_experts": st.cpu_site_experts,
-                            "cpu_site": site.describe() if site is not None else None}
+                            "cpu_site": site.describe() if site is not None else None,
+                            # every expert repacked at build (a placement that may use the CPU site), seconds
+                            "cpu_site_prepare_s": engine.experts.cpu_site_prepare_s}
     return doc
 
 
