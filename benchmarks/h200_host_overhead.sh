@@ -1,0 +1,23 @@
+#!/usr/bin/env bash
+# One device call (issue 24 / 25 follow-up): the GPU tests of the segment chain with a CPU site, the contract v2
+# state machine with CUDA events deciding completion (the miss path's copies changed), then the
+# h200-host-overhead campaign (batch-1 partial residency after the copy monitor's cost cut and the CPU site's
+# repack at build):
+#
+#   RUNMAP_GIT_COMMIT=<sha> bash benchmarks/h200_host_overhead.sh [BUDGET_S]     (repo root, $OUT set)
+#
+# Files back: gpu-pytest.log, contract.log, contract-v2-events.json, h200-campaign.tar.gz, bench.log, prepare-*.log.
+set -uo pipefail
+: "${OUT:?set OUT to the directory whose files come back}"
+BUDGET=${1:-580}
+T0=$(date +%s)
+export PYTHONUNBUFFERED=1 PYTHONPATH=.
+mkdir -p "$OUT"
+RUNMAP_TEST_DEVICE=cuda timeout 150 python3 -m pytest -q -x -p no:cacheprovider tests/test_placement.py -k chain \
+  > "$OUT/gpu-pytest.log" 2>&1
+echo "[$(( $(date +%s) - T0 ))s] gpu pytest (test_placement -k chain) exit $?"; tail -3 "$OUT/gpu-pytest.log"
+timeout 100 python3 -m runmap.cli.contract --device cuda --events cuda --contract v2 --no-progress --examples 20 \
+  --steps 15 --mutant-examples 8 --out "$OUT/contract-v2-events.json" > "$OUT/contract.log" 2>&1
+echo "[$(( $(date +%s) - T0 ))s] contract v2 cuda events exit $?"; tail -3 "$OUT/contract.log"
+RUNMAP_SPEC=specs/campaigns/h200-host-overhead.yaml RUNMAP_DIRECT="olmoe=olmoe-1b-7b-0924" RUNMAP_MODELS=olmoe \
+  bash benchmarks/run_h200_campaign.sh $(( BUDGET - $(date +%s) + T0 ))
