@@ -6,7 +6,9 @@
 #
 #   RUNMAP_GIT_COMMIT=<sha> bash benchmarks/h200_host_overhead.sh [BUDGET_S]     (repo root, $OUT set)
 #
-# Files back: gpu-pytest.log, contract.log, contract-v2-events.json, h200-campaign.tar.gz, bench.log, prepare-*.log.
+# Files back: gpu-pytest.log, contract.log, contract-v2-events.json, cpu-workers.log, h200-host-workers.json,
+# h200-campaign.tar.gz, bench.log, prepare-olmoe.log (prepare-qwen.log says qwen was not prepared: 9 files, one over the
+# device's 8: it is removed below).
 set -uo pipefail
 : "${OUT:?set OUT to the directory whose files come back}"
 BUDGET=${1:-580}
@@ -19,5 +21,9 @@ echo "[$(( $(date +%s) - T0 ))s] gpu pytest (test_placement -k chain) exit $?"; 
 timeout 100 python3 -m runmap.cli.contract --device cuda --events cuda --contract v2 --no-progress --examples 20 \
   --steps 15 --mutant-examples 8 --out "$OUT/contract-v2-events.json" > "$OUT/contract.log" 2>&1
 echo "[$(( $(date +%s) - T0 ))s] contract v2 cuda events exit $?"; tail -3 "$OUT/contract.log"
+timeout 120 python3 benchmarks/bench_cpu_experts.py --out "$OUT/h200-host-workers.json" --shapes olmoe --threads all \
+  --workers 1,4,8,all --passes 1 --mode-seconds 2 --bandwidth-repeats 3 > "$OUT/cpu-workers.log" 2>&1
+echo "[$(( $(date +%s) - T0 ))s] CPU site worker sweep exit $?"; tail -8 "$OUT/cpu-workers.log"
 RUNMAP_SPEC=specs/campaigns/h200-host-overhead.yaml RUNMAP_DIRECT="olmoe=olmoe-1b-7b-0924" RUNMAP_MODELS=olmoe \
   bash benchmarks/run_h200_campaign.sh $(( BUDGET - $(date +%s) + T0 ))
+rm -f "$OUT/prepare-qwen.log"

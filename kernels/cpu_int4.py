@@ -33,12 +33,44 @@ Two entry points:
 * ``cpu_int4_moe``: the registry form with every executor's arguments (kernels/__init__.py), over a CPU
   ``storage``. Its rows may be rewritten between calls (partial residency), so it repacks the routed rows on
   every call: checks and one-off calls only. The engine on device="cpu" uses a ``CpuExpertSite``.
+
+Concurrent experts (issue 25 item 1). torch's kernel splits one M = 1 matmul across all its intra-op threads,
+and at 16 threads each thread's share of an expert is too small (results/cpu-experts/README.md: 0.20 of the
+host read). A ``CpuExpertSite`` with ``workers`` > 1 computes the experts of a layer call on persistent
+worker threads (``_ExpertPool``), each whole expert (gate+up matmul, activation, down matmul, gate weight) on
+one worker whose torch intra-op count is ``threads_per_worker``; the caller adds the per-expert terms in the
+serial path's order (slot order at batch 1, ascending expert id otherwise), so the output does not depend on
+scheduling: it is bitwise the ``workers=1`` output (the kernel parallelises over output blocks, each reducing
+its whole K on one thread, so its result does not depend on the thread count either; tests/test_cpu_experts.py
+checks the equality). torch releases the GIL inside each op, so the workers' kernels overlap.
+
+How torch's intra-op thread count behaves across Python threads (OpenMP builds, the torch wheels; read in
+aten/src/ATen/ParallelOpenMP.cpp and measured here with torch 2.13 on 2 cores, /proc/self/task and CPU time
+over wall time of a parallel op run on a worker):
+
+* the count is per OS thread: ``torch.set_num_threads(n)`` calls ``omp_set_num_threads``, which sets the
+  calling thread's OpenMP ICV only. A worker that set 1 ran a parallel op at CPU/wall 1.00, one that set 2 at
+  1.97, while the main thread's ``torch.get_num_threads()`` stayed 2. A parallel region opened by a worker
+  gets its own OpenMP team (libgomp keeps a thread pool per master thread), so W workers with T threads each
+  run up to W x T OS threads.
+* it is also "process-wide" in one respect: ``set_num_threads`` stores n in a global that every thread reads
+  once, lazily, at its first parallel op (``at::init_num_threads``). A fresh thread started after a worker set
+  1 got 1, not the main thread's 2; threads that already ran an op keep their own count (the main thread's
+  later ``set_num_threads`` does not reach the workers either).
+* so the pool sets each worker's count once, as its first task, and then restores the global default in a
+  throwaway thread (to what a fresh thread read before; ``set_num_threads`` also resizes torch's process-wide
+  pthreadpool, which this restores too), so that threads created later (the engine's, the caller's other
+  work) are not left at ``threads_per_worker``. A thread that starts its first torch op in that
+  short window could still pick up ``threads_per_worker``.
 """
 from __future__ import annotations
 
 import concurrent.futures
+import contextlib
 import dataclasses
+import os
 import threading
+import weakref
 
 import torch
 import torch.nn.functional as F
@@ -169,32 +201,156 @@ def expert_ffn(rep: RepackedExpert, x: torch.Tensor) -> torch.Tensor:
     return rep.down.matmul(h).to(torch.float32)
 
 
-def _layer_moe(expert_of, x, topk_ids, topk_weights, dtype, out_dtype=torch.float16) -> torch.Tensor:
+def _layer_moe(expert_of, x, topk_ids, topk_weights, dtype, out_dtype=torch.float16, pool=None) -> torch.Tensor:
     """sum_j w[t, j] * ffn_e(x_t) over the batch union, one kernel pass per distinct expert (its tokens batched).
-    expert_of(e) -> RepackedExpert."""
+    expert_of(e) -> RepackedExpert (called on the worker that computes e when ``pool`` is given: it must be
+    thread-safe then). pool: an ``_ExpertPool`` computing the terms concurrently, or None (the calling thread)."""
     out = common.empty((x.shape[0], x.shape[1]), torch.float32, x.device)
     out.zero_()
     ids = topk_ids.to(torch.int64)
     xa = x.to(dtype)
     if x.shape[0] == 1:  # decode at batch 1: k distinct experts of one token, no grouping work per step
         gw = topk_weights.to(torch.float32)
-        for j, e in enumerate(ids[0].tolist()):
-            out.add_(expert_ffn(expert_of(e), xa) * gw[0, j])
+
+        def slot_term(je):
+            j, e = je
+            return expert_ffn(expert_of(e), xa) * gw[0, j]
+
+        with _terms(pool, slot_term, list(enumerate(ids[0].tolist()))) as terms:
+            for y in terms:  # slot order, whichever worker finished first
+                out.add_(y)
         return out.to(out_dtype)
-    _add_experts(out, expert_of, xa, ids, topk_weights, torch.unique(ids).tolist())
+    _add_experts(out, expert_of, xa, ids, topk_weights, torch.unique(ids).tolist(), pool)
     return out.to(out_dtype)
 
 
-def _add_experts(out, expert_of, xa, ids, topk_weights, experts) -> None:
+# Below this many elements a term (n_e, H) is added row by row in the caller of a concurrent call: torch's
+# elementwise ops on that few elements run inline, while index_add_ (and advanced-index gather / scatter) opens an
+# OpenMP region at any size, after which the caller's idle team threads spin (libgomp's default wait policy;
+# measured with 2 threads: a core kept busy through a 2 ms sleep after each call), taking cores from the
+# workers. at::internal::GRAIN_SIZE: larger terms are parallel work anyway.
+ROW_ADD_MAX_ELEMENTS = 32768
+
+
+def _add_experts(out, expert_of, xa, ids, topk_weights, experts, pool=None) -> None:
     """out (T, H) fp32 += w[t, j] * ffn_e(x_t) for each expert e of ``experts`` over the (t, j) slots routed to it,
     its tokens batched in one pass (an expert no slot routes to is skipped). xa: (T, H) in the activation dtype,
-    ids int64 (T, k), topk_weights (T, k)."""
-    for e in experts:
+    ids int64 (T, k), topk_weights (T, k). The terms are added in the order of ``experts`` (pool: see _layer_moe)."""
+
+    def expert_term(e):
         tok, slot = (ids == e).nonzero(as_tuple=True)  # (n_e,) each
         if tok.numel() == 0:
-            continue
+            return None
         y = expert_ffn(expert_of(e), xa[tok])  # (n_e, H) fp32
-        out.index_add_(0, tok, y * topk_weights[tok, slot].to(torch.float32)[:, None])
+        return tok, y * topk_weights[tok, slot].to(torch.float32)[:, None]
+
+    with _terms(pool, expert_term, list(experts)) as terms:
+        for term in terms:
+            if term is None:
+                continue
+            tok, yw = term
+            if pool is None or yw.numel() >= ROW_ADD_MAX_ELEMENTS:
+                out.index_add_(0, tok, yw)
+            else:
+                # index_add_'s arithmetic exactly: one fp32 addition per element, rows in index order (a token
+                # routed twice to e gets both, in slot order), so the sum is bitwise the serial one
+                for i, t in enumerate(tok.tolist()):
+                    out[t].add_(yw[i])
+
+
+@contextlib.contextmanager
+def _terms(pool, fn, items):
+    """An iterator over fn(item) for the items, in the items' order. Without a pool (or with one item) each term
+    is computed in the calling thread when the iterator reaches it, exactly the serial loop; with a pool all are
+    submitted at once and each is waited for in order, so the caller adds a term while later ones compute."""
+    if pool is None or len(items) <= 1:
+        yield (fn(item) for item in items)
+    else:
+        with pool.ordered(fn, items) as results:
+            yield results
+
+
+def default_workers(cpus: int | None = None) -> int:
+    """The worker count a ``CpuExpertSite`` takes when none is given, for ``cpus`` usable CPUs (default: this
+    process's affinity mask, else os.cpu_count()). See ``CpuExpertSite`` for why."""
+    cpus = cpus or usable_cpus()
+    return cpus // 2 if cpus >= 4 else 1
+
+
+def usable_cpus() -> int:
+    try:
+        return len(os.sched_getaffinity(0)) or 1
+    except (AttributeError, OSError):
+        return os.cpu_count() or 1
+
+
+class WorkerStartError(RuntimeError):
+    """The expert pool's worker threads did not all start (and configure their torch thread count) in time."""
+
+
+def _set_threads_and_wait(threads: int, barrier: threading.Barrier) -> int:
+    torch.set_num_threads(threads)  # this worker's OpenMP count (and, as a side effect, the global default)
+    barrier.wait()  # every worker holds one configure task: each runs on its own thread
+    return torch.get_num_threads()
+
+
+def _fresh_thread(fn, *args):
+    """fn(*args) on a new thread (its result): reads or sets what a thread that has not run a torch op sees."""
+    box = []
+    t = threading.Thread(target=lambda: box.append(fn(*args)), name="cpu-int4-threads-probe")
+    t.start()
+    t.join()
+    return box[0] if box else None
+
+
+class _ExpertPool:
+    """``workers`` persistent threads (a concurrent.futures.ThreadPoolExecutor), each running torch ops with
+    ``threads`` intra-op threads. Started whole at construction: one configure task per worker, held at a barrier
+    so that each lands on its own thread, then the global default thread count restored (module docstring)."""
+
+    START_TIMEOUT_S = 60.0
+
+    def __init__(self, workers: int, threads: int):
+        self.workers, self.threads, self.pid = workers, threads, os.getpid()
+        default = _fresh_thread(torch.get_num_threads)  # what a new thread's first torch op sets up
+        self._ex = concurrent.futures.ThreadPoolExecutor(max_workers=workers, thread_name_prefix="cpu-int4-expert")
+        barrier = threading.Barrier(workers + 1, timeout=self.START_TIMEOUT_S)
+        try:
+            started = [self._ex.submit(_set_threads_and_wait, threads, barrier) for _ in range(workers)]
+            barrier.wait()
+            self.worker_threads = [f.result() for f in started]  # each worker's torch.get_num_threads()
+        except BaseException as exc:
+            barrier.abort()  # workers already waiting wake up instead of waiting out the timeout
+            self._ex.shutdown(wait=False, cancel_futures=True)
+            if isinstance(exc, threading.BrokenBarrierError):
+                raise WorkerStartError(f"cpu-int4 expert pool: {workers} worker threads did not start within "
+                                       f"{self.START_TIMEOUT_S:.0f} s") from None
+            raise
+        finally:
+            _fresh_thread(torch.set_num_threads, default)
+        self._finalizer = weakref.finalize(self, self._ex.shutdown, wait=False, cancel_futures=True)
+
+    @contextlib.contextmanager
+    def ordered(self, fn, items):
+        """fn(item) for every item on the workers; yields an iterator over the results in the items' order.
+        The first failing item (in order) raises its own exception, unchanged, in the caller; before anything
+        leaves this block (a result of each, an exception, an early exit) the items not started are cancelled
+        and the running ones waited for, so no worker still computes for this call afterwards."""
+        futures = []
+        try:
+            for item in items:
+                futures.append(self._ex.submit(fn, item))
+            yield (f.result() for f in futures)
+        finally:
+            for f in futures:
+                f.cancel()
+            concurrent.futures.wait(futures)
+
+    def submit(self, fn, *args):
+        return self._ex.submit(fn, *args)
+
+    def close(self) -> None:
+        self._finalizer()  # shutdown(wait=False): idle workers exit; a running task finishes first
 
 
 def _check_ids(topk_ids: torch.Tensor, num_experts: int) -> None:
@@ -208,9 +364,31 @@ def _check_ids(topk_ids: torch.Tensor, num_experts: int) -> None:
 class CpuExpertSite:
     """Routed experts computed on the CPU from a host source (runmap.residency.host_source.HostSource, or any
     object with ``layout``, ``num_layers``, ``num_experts`` and ``row_tensor(layer, expert)`` returning a CPU
-    uint8 (row_bytes,) tensor). Thread-safe repack cache: a placement may call it from a worker thread."""
+    uint8 (row_bytes,) tensor). Thread-safe repack cache: a placement may call it from a worker thread.
 
-    def __init__(self, source, precision: str = "bf16"):
+    Args:
+        source: the host source.
+        precision: "bf16" (the runtime path) or "fp32" (exact scales, slow).
+        workers: threads computing the experts of one layer call concurrently, each expert whole on one worker
+            (``moe`` and ``moe_subset``; ``expert_output`` runs in the caller). 1: the calling thread computes
+            them one after another with its own torch thread count, exactly the serial path (no pool is made).
+            None: ``default_workers()``: half the usable CPUs from 4 CPUs up (8 on the 16-core H200 host, with 2
+            threads each), 1 below 4. Why half: a batch-1 decode step computes k experts (8 for OLMoE, 4 for
+            Qwen1.5-MoE) and a worker takes whole experts, so with one single-threaded worker per core at most k
+            cores would work at batch 1; half the CPUs with two threads each keeps all 16 cores busy at k = 8 while
+            each M = 1 matmul is split only 2 ways (a share of ~1.6 MB per thread, not the ~200 KB that left 16
+            threads at 0.20 of the host read). Why 1 below 4: on the 2-core development VM 2 workers x 1 thread
+            reached 1.15-1.6x one thread's GB/s where the serial site with both threads reached 1.4-1.8x (two
+            runs, results/cpu-experts/README.md). Provisional until the H200 host's
+            ``bench_cpu_experts.py --workers`` run, which measures every count.
+        threads_per_worker: torch intra-op threads of each worker; None: max(1, usable CPUs // workers).
+
+    The worker threads (``_ExpertPool``) start on the first concurrent layer call, persist, and stop at ``close()``
+    (or when the site is garbage-collected); a later call starts them again.
+    """
+
+    def __init__(self, source, precision: str = "bf16", workers: int | None = None,
+                 threads_per_worker: int | None = None):
         if precision not in PRECISIONS:
             raise CpuSiteError(f"precision {precision!r}, expected one of {tuple(PRECISIONS)}")
         if not _have_kernel():
@@ -219,26 +397,67 @@ class CpuExpertSite:
         self.dtype = PRECISIONS[precision]
         self.num_layers, self.num_experts = source.num_layers, source.num_experts
         self._cache: dict[tuple[int, int], RepackedExpert] = {}
-        self._lock = threading.Lock()
+        self._lock = threading.Lock()  # the cache, the counters and _repacking
+        self._repacking: dict[tuple[int, int], threading.Lock] = {}
+        self._pool_lock = threading.Lock()
+        self._pool_obj: _ExpertPool | None = None
         self.repacks = 0  # experts repacked (each once)
         self.nbytes = 0  # memory held by the repacked copies
         self.source_bytes_read = 0  # host-source bytes read by repacks (row_bytes per repack)
+        self.set_workers(workers, threads_per_worker)
+
+    def set_workers(self, workers: int | None = None, threads_per_worker: int | None = None) -> None:
+        """(Re)configure the concurrency (constructor arguments); stops the current workers. Call it between
+        layer calls, not while one is in flight. The repacked experts are kept."""
+        for name, v in (("workers", workers), ("threads_per_worker", threads_per_worker)):
+            if v is not None and (isinstance(v, bool) or not isinstance(v, int) or v < 1):
+                raise CpuSiteError(f"{name} {v!r}: a positive integer or None expected")
+        cpus = usable_cpus()
+        w = default_workers(cpus) if workers is None else workers
+        t = max(1, cpus // w) if threads_per_worker is None else threads_per_worker
+        with self._pool_lock:
+            old, self._pool_obj = self._pool_obj, None
+            self.workers, self.threads_per_worker = w, t
+        if old is not None:
+            old.close()
+
+    def _pool(self) -> _ExpertPool | None:
+        """The worker pool (None with one worker), started on first use (again after close() or a fork)."""
+        if self.workers == 1:
+            return None
+        with self._pool_lock:
+            pool = self._pool_obj
+            if pool is None or pool.pid != os.getpid():  # a forked child has the object but not its threads
+                pool = self._pool_obj = _ExpertPool(self.workers, self.threads_per_worker)
+            return pool
+
+    def close(self) -> None:
+        """Stop the worker threads (idempotent); the site stays usable and restarts them when needed."""
+        with self._pool_lock:
+            pool, self._pool_obj = self._pool_obj, None
+        if pool is not None:
+            pool.close()
 
     def expert(self, layer: int, expert: int) -> RepackedExpert:
-        """The repacked expert, built from the host source on first use. The repack runs outside the lock (torch
-        releases the GIL), so threads repacking different experts run in parallel; two threads racing for the same
-        expert both build it and the first stored copy is kept."""
+        """The repacked expert, built from the host source on first use. The repack holds only that expert's lock
+        (torch releases the GIL), so threads repacking different experts run in parallel and no expert is repacked
+        twice."""
         key = (layer, expert)
         rep = self._cache.get(key)
         if rep is None:
-            built = repack_expert(self.source.row_tensor(layer, expert), self.layout, self.precision)
+            # one lock per expert being repacked: workers repack distinct experts at once, never one expert twice
             with self._lock:
+                key_lock = self._repacking.setdefault(key, threading.Lock())
+            with key_lock:
                 rep = self._cache.get(key)
                 if rep is None:
-                    rep = self._cache[key] = built
-                    self.repacks += 1
-                    self.nbytes += rep.nbytes
-                    self.source_bytes_read += self.layout.row_bytes
+                    rep = repack_expert(self.source.row_tensor(layer, expert), self.layout, self.precision)
+                    with self._lock:
+                        self._cache[key] = rep
+                        self._repacking.pop(key, None)
+                        self.repacks += 1
+                        self.nbytes += rep.nbytes
+                        self.source_bytes_read += self.layout.row_bytes
         return rep
 
     def prepare(self, layers=None, experts=None, workers: int = 1) -> None:
@@ -284,7 +503,7 @@ class CpuExpertSite:
             float16 (T, H) = sum_j w[t, j] * down_e(silu(gate_e(x_t)) * up_e(x_t)), e = topk_ids[t, j].
         """
         self._check_layer_call(layer, x, topk_ids, topk_weights)
-        return _layer_moe(lambda e: self.expert(layer, e), x, topk_ids, topk_weights, self.dtype)
+        return _layer_moe(lambda e: self.expert(layer, e), x, topk_ids, topk_weights, self.dtype, pool=self._pool())
 
     def moe_subset(self, layer: int, x: torch.Tensor, topk_ids: torch.Tensor, topk_weights: torch.Tensor,
                    experts) -> torch.Tensor:
@@ -301,12 +520,13 @@ class CpuExpertSite:
         self._check_layer_call(layer, x, topk_ids, topk_weights)
         out = torch.zeros(x.shape[0], x.shape[1], dtype=torch.float32)  # (T, H)
         _add_experts(out, lambda e: self.expert(layer, e), x.to(self.dtype), topk_ids.to(torch.int64), topk_weights,
-                     sorted({int(v) for v in experts}))
+                     sorted({int(v) for v in experts}), self._pool())
         return out
 
     def describe(self) -> dict:
         return {"precision": self.precision, "repacked_experts": self.repacks, "repacked_bytes": self.nbytes,
-                "source_bytes_read": self.source_bytes_read, "threads": torch.get_num_threads()}
+                "source_bytes_read": self.source_bytes_read, "threads": torch.get_num_threads(),
+                "workers": self.workers, "threads_per_worker": self.threads_per_worker}
 
 
 def cpu_int4_moe(x, topk_ids, topk_weights, storage, row_table, layout: RowLayout, config=None) -> torch.Tensor:

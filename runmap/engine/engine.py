@@ -1162,6 +1162,8 @@ class Engine:
         if self._closed:
             return
         self.experts.end()  # a held full-residency request is released before its rows are dropped
+        if getattr(self.experts, "cpu_site", None) is not None:
+            self.experts.cpu_site.close()  # the CPU site's expert worker threads (kernels/cpu_int4.py)
         if self.device.type == "cuda":
             torch.cuda.synchronize(self.device)
         self._graphs.clear()
