@@ -17,13 +17,13 @@ export PYTHONUNBUFFERED=1 PYTHONPATH=.
 mkdir -p "$OUT"
 RUNMAP_TEST_DEVICE=cuda timeout 100 python3 -m pytest -q -x -p no:cacheprovider tests/test_placement.py -k chain \
   > "$OUT/gpu-pytest.log" 2>&1
-echo "[$(( $(date +%s) - T0 ))s] gpu pytest (test_placement -k chain) exit $?"; tail -3 "$OUT/gpu-pytest.log"
+RC=$?; echo "[$(( $(date +%s) - T0 ))s] gpu pytest (test_placement -k chain) exit $RC"; tail -3 "$OUT/gpu-pytest.log"
 timeout 60 python3 -m runmap.cli.contract --device cuda --events cuda --contract v2 --no-progress --examples 10 \
   --steps 12 --mutant-examples 4 --out "$OUT/contract-v2-events.json" > "$OUT/contract.log" 2>&1
-echo "[$(( $(date +%s) - T0 ))s] contract v2 cuda events exit $?"; tail -3 "$OUT/contract.log"
+RC=$?; echo "[$(( $(date +%s) - T0 ))s] contract v2 cuda events exit $RC"; tail -3 "$OUT/contract.log"
 timeout 70 python3 benchmarks/bench_cpu_experts.py --out "$OUT/h200-host-workers.json" --shapes olmoe --threads all \
   --workers 1,8,all --passes 1 --mode-seconds 1 --bandwidth-repeats 3 > "$OUT/cpu-workers.log" 2>&1
-echo "[$(( $(date +%s) - T0 ))s] CPU site worker sweep exit $?"; tail -8 "$OUT/cpu-workers.log"
+RC=$?; echo "[$(( $(date +%s) - T0 ))s] CPU site worker sweep exit $RC"; tail -8 "$OUT/cpu-workers.log"
 RUNMAP_SPEC=specs/campaigns/h200-host-overhead.yaml RUNMAP_DIRECT="olmoe=olmoe-1b-7b-0924" RUNMAP_MODELS=olmoe \
   bash benchmarks/run_h200_campaign.sh $(( BUDGET - $(date +%s) + T0 ))
 rm -f "$OUT/prepare-qwen.log"

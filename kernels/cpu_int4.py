@@ -273,8 +273,8 @@ def _terms(pool, fn, items):
 def default_workers(cpus: int | None = None) -> int:
     """The worker count a ``CpuExpertSite`` takes when none is given, for ``cpus`` usable CPUs (default: this
     process's affinity mask, else os.cpu_count()). See ``CpuExpertSite`` for why."""
-    cpus = cpus or usable_cpus()
-    return cpus // 2 if cpus >= 4 else 1
+    del cpus  # kept in the signature: a sweep on another machine may give a count per CPU budget again
+    return 1  # measured: concurrent workers were slower at every count tried (CpuExpertSite's docstring)
 
 
 def usable_cpus() -> int:
@@ -372,15 +372,11 @@ class CpuExpertSite:
         workers: threads computing the experts of one layer call concurrently, each expert whole on one worker
             (``moe`` and ``moe_subset``; ``expert_output`` runs in the caller). 1: the calling thread computes
             them one after another with its own torch thread count, exactly the serial path (no pool is made).
-            None: ``default_workers()``: half the usable CPUs from 4 CPUs up (8 on the 16-core H200 host, with 2
-            threads each), 1 below 4. Why half: a batch-1 decode step computes k experts (8 for OLMoE, 4 for
-            Qwen1.5-MoE) and a worker takes whole experts, so with one single-threaded worker per core at most k
-            cores would work at batch 1; half the CPUs with two threads each keeps all 16 cores busy at k = 8 while
-            each M = 1 matmul is split only 2 ways (a share of ~1.6 MB per thread, not the ~200 KB that left 16
-            threads at 0.20 of the host read). Why 1 below 4: on the 2-core development VM 2 workers x 1 thread
-            reached 1.15-1.6x one thread's GB/s where the serial site with both threads reached 1.4-1.8x (two
-            runs, results/cpu-experts/README.md). Provisional until the H200 host's
-            ``bench_cpu_experts.py --workers`` run, which measures every count.
+            None: ``default_workers()``, which is 1 on every machine measured: on the 16-core H200 host the serial
+            site (1 x 16 threads) reached 20.5 GB/s of OLMoE expert bytes at batch 1, 8 workers x 2 threads 6.65 and
+            16 x 1 6.05 (b4: 13.4 vs 5.4 / 6.0; results/cpu-experts/h200-host-workers.json), and on the 2-core VM two
+            single-thread workers reached 1.15-1.6x one thread where the serial site with both reached 1.4-1.8x. The
+            workers stay available for machines where a sweep says otherwise.
         threads_per_worker: torch intra-op threads of each worker; None: max(1, usable CPUs // workers).
 
     The worker threads (``_ExpertPool``) start on the first concurrent layer call, persist, and stop at ``close()``

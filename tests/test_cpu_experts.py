@@ -524,7 +524,8 @@ def test_worker_arguments_and_default():
             CpuExpertSite(host, workers=bad)
         with pytest.raises(CpuSiteError, match="threads_per_worker"):
             CpuExpertSite(host, workers=2, threads_per_worker=bad)
-    assert [cpu_int4.default_workers(c) for c in (1, 2, 3, 4, 6, 16, 64)] == [1, 1, 1, 2, 3, 8, 32]
+    # the serial site is the default everywhere (the H200 host's sweep: workers were 3x slower, kernels/cpu_int4.py)
+    assert [cpu_int4.default_workers(c) for c in (1, 2, 3, 4, 6, 16, 64)] == [1] * 7
     site = CpuExpertSite(host)
     cpus = cpu_int4.usable_cpus()
     assert site.workers == cpu_int4.default_workers(cpus) and site.threads_per_worker == max(1, cpus // site.workers)
