@@ -90,7 +90,7 @@ else
   prepare olmoe "$PRESET_OLMOE" > "$OUT/prepare-olmoe.log" 2>&1; R1=$?
   prepare qwen "$PRESET_QWEN" > "$OUT/prepare-qwen.log" 2>&1; R2=$?
 fi
-tail -2 "$OUT/prepare-olmoe.log" "$OUT/prepare-qwen.log"
+tail -n 2 "$OUT/prepare-olmoe.log" "$OUT/prepare-qwen.log"
 echo "[$(elapsed)s] prepare exit codes: olmoe $R1, qwen $R2"
 
 [ "$R1" = 0 ] && PACKS+=(--pack "olmoe=$WORK/pk-olmoe")

@@ -77,3 +77,6 @@ def test_a_matched_record_names_its_llama_cpp_row_and_validates(tmp_path):
     assert validate_document({k: v for k, v in rec.items() if k != "_path"}, "bench-record") == []
     assert rec["config"]["matched_n_cpu_moe"] == cfg.num_layers and rec["config"]["resident"] == cfg.top_k
     assert any("--n-cpu-moe" in n and "at least top_k" in n for n in rec["notes"])
+    row_bytes = rec["cache"]["resident_bytes"]["value"] // (cfg.num_layers * rec["config"]["resident"])
+    spares = rec["cache"]["spare_bytes"]["value"] // (row_bytes * cfg.num_layers)
+    assert spares > 0 and any(f"{spares} spare rows per layer" in n for n in rec["notes"])  # extra GPU rows, said

@@ -792,7 +792,10 @@ def run_config(engine: BenchEngine, c: BenchConfig, model_cfg: ModelConfig, ctx:
                      f"(llama.cpp keeps {exact:g} per layer's worth of routed-expert bytes on the GPU)"
                      + (f"; the engine needs at least top_k = {model_cfg.top_k} rows per layer, so it holds more "
                         "GPU expert bytes than that llama.cpp row" if c.resident > exact else
-                        "; rounded down" if c.resident < exact else ""))
+                        "; rounded down" if c.resident < exact else "")
+                     + (f"; besides the resident rows the cache holds {s1.spare_bytes // s1.row_bytes // layers} spare "
+                        "rows per layer (where misses land before publication), GPU expert bytes llama.cpp does not "
+                        "hold" if s1.spare_bytes and s1.row_bytes else ""))
     if p["skip_experts"]:
         notes.append("profiling variant: routed experts return zeros (decode time without the expert GEMVs); "
                      "outputs are not the model's")
