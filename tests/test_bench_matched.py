@@ -23,21 +23,25 @@ def _spec(group_extra: dict, kind: str = "engine") -> dict:
 
 
 def test_matched_residency_is_llama_cpp_gpu_expert_bytes_per_layer():
+    # resident + top_k spare rows = E(L - n)/L GPU expert rows per layer, never below top_k resident
     olmoe = load_preset("olmoe-1b-7b-0924")[0]  # 16 layers, 64 experts, top-8
-    assert [bench.matched_resident(olmoe, n) for n in (0, 4, 8, 12, 15, 16)] == [64, 48, 32, 16, 8, 8]
+    assert [bench.matched_resident(olmoe, n) for n in (0, 4, 8, 12, 15, 16)] == [64, 40, 24, 8, 8, 8]
+    assert [bench.matched_max_group(olmoe, n) for n in (0, 4, 16)] == [None, 8, 8]
     qwen = load_preset("qwen1.5-moe-a2.7b")[0]  # 24 layers, 60 experts, top-4
-    assert [bench.matched_resident(qwen, n) for n in (4, 8, 12, 16, 24)] == [50, 40, 30, 20, 4]
+    assert [bench.matched_resident(qwen, n) for n in (4, 8, 12, 16, 24)] == [46, 36, 26, 16, 4]
 
 
 @settings(max_examples=40, deadline=None)
 @given(n=st.integers(0, 64))
 def test_matched_residency_never_exceeds_llama_cpp_bytes_unless_top_k_forces_it(n):
     cfg = load_preset("olmoe-1b-7b-0924")[0]
-    r = bench.matched_resident(cfg, n)
+    r, g = bench.matched_resident(cfg, n), bench.matched_max_group(cfg, n)
     on_gpu = cfg.num_experts * (cfg.num_layers - min(n, cfg.num_layers)) / cfg.num_layers
+    held = r + (g or 0)  # resident rows + spare rows
     assert cfg.top_k <= r <= cfg.num_experts
-    assert r <= on_gpu or r == cfg.top_k
-    assert on_gpu - r < 1  # rounded down by less than one expert per layer
+    assert (g is None) == (r == cfg.num_experts)
+    assert held <= on_gpu or r == cfg.top_k  # more than llama.cpp only where top_k forces it
+    assert on_gpu - held < 1 or r == cfg.top_k  # rounded down by less than one expert per layer
 
 
 def test_matched_groups_expand_to_one_configuration_per_n_with_its_id_and_record_field():
@@ -47,6 +51,7 @@ def test_matched_groups_expand_to_one_configuration_per_n_with_its_id_and_record
     configs = bench.expand(spec)
     assert [c.p["matched_n_cpu_moe"] for c in configs] == [0, 1, cfg.num_layers]
     assert [c.resident for c in configs] == [bench.matched_resident(cfg, n) for n in (0, 1, cfg.num_layers)]
+    assert [c.p["max_group"] for c in configs] == [None, cfg.top_k, cfg.top_k]
     assert [c.id.split("__")[3] for c in configs] == ["ncmoe0", "ncmoe1", f"ncmoe{cfg.num_layers}"]
     assert configs[-1].resident == cfg.top_k  # llama.cpp keeps none; the engine one token's experts
 
@@ -77,6 +82,8 @@ def test_a_matched_record_names_its_llama_cpp_row_and_validates(tmp_path):
     assert validate_document({k: v for k, v in rec.items() if k != "_path"}, "bench-record") == []
     assert rec["config"]["matched_n_cpu_moe"] == cfg.num_layers and rec["config"]["resident"] == cfg.top_k
     assert any("--n-cpu-moe" in n and "at least top_k" in n for n in rec["notes"])
+    assert rec["cache"]["spare_bytes"]["value"] == cfg.top_k * cfg.num_layers * (  # top_k spare rows per layer
+        rec["cache"]["resident_bytes"]["value"] // (cfg.num_layers * rec["config"]["resident"]))
     row_bytes = rec["cache"]["resident_bytes"]["value"] // (cfg.num_layers * rec["config"]["resident"])
     spares = rec["cache"]["spare_bytes"]["value"] // (row_bytes * cfg.num_layers)
-    assert spares > 0 and any(f"{spares} spare rows per layer" in n for n in rec["notes"])  # extra GPU rows, said
+    assert spares > 0 and any(f"+ {spares} spare rows" in n for n in rec["notes"])  # extra GPU rows, said

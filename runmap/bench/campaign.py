@@ -77,7 +77,7 @@ DEFAULT_PARAMS = {"repeats": 3, "warmup": 1, "warmup_new_tokens": 4, "policy": "
                   "cuda_graphs": True, "fused": True, "skip_experts": False, "check": False,
                   "check_prompt_len": 24, "check_tolerance": 0.01, "routing": "model",
                   "cache_contract": "v1", "gpu_budget": None, "expert_placement": "gpu", "prefetch": False,
-                  "emulate_link_gb_s": None, "matched_n_cpu_moe": None,
+                  "emulate_link_gb_s": None, "matched_n_cpu_moe": None, "max_group": None,
                   "profile": False, "profile_top": 12}
 VARIANT_PARAMS = ("cuda_graphs", "fused", "skip_experts", "routing", "cache_contract", "expert_placement", "prefetch",
                   "emulate_link_gb_s")
@@ -184,7 +184,7 @@ class BenchConfig:
         """Configurations with equal keys can share one engine instance."""
         p = self.p
         return (self.model, self.kind, self.executor, self.resident, p.get("max_batch"), p.get("max_seq_len"),
-                p.get("policy"), p.get("gpu_budget")) + tuple(p.get(k) for k in VARIANT_PARAMS)
+                p.get("policy"), p.get("gpu_budget"), p.get("max_group")) + tuple(p.get(k) for k in VARIANT_PARAMS)
 
 
 def _fused_tuple(v) -> tuple:
@@ -215,6 +215,8 @@ def variant_tag(p: dict) -> str:
         parts.append("placement-" + p["expert_placement"])
     if p.get("prefetch"):
         parts.append("prefetch")
+    if p.get("max_group") is not None and p.get("matched_n_cpu_moe") is None:  # (a matched row's is implied)
+        parts.append(f"maxgroup{p['max_group']}")
     if p.get("emulate_link_gb_s") is not None:  # 13 -> link13gbs; 12.5 -> link12p5gbs
         parts.append("link" + f"{p['emulate_link_gb_s']:g}".replace(".", "p") + "gbs")
     routing = p.get("routing", "model")
@@ -238,12 +240,21 @@ MATCHED_RESIDENT = "ncmoe"  # a group's `resident` when the run parameter matche
 
 
 def matched_resident(cfg: ModelConfig, n_cpu_moe: int) -> int:
-    """Experts per layer resident on the GPU that hold the same routed-expert bytes on the GPU as llama.cpp's
-    ``--n-cpu-moe n_cpu_moe`` (the expert tensors of the first n_cpu_moe MoE layers stay in host memory):
-    E x (L - n) / L, rounded down, and never below top_k (one token's experts must fit in the GPU rows; at
-    n = L llama.cpp keeps no routed expert on the GPU, the engine top_k per layer: the record's notes say so)."""
-    layers = cfg.num_layers
-    return max(cfg.top_k, cfg.num_experts * (layers - min(n_cpu_moe, layers)) // layers)
+    """Experts per layer resident on the GPU so that the engine's GPU expert rows hold what llama.cpp's
+    ``--n-cpu-moe n_cpu_moe`` keeps there (the expert tensors of the first n_cpu_moe MoE layers stay in host memory):
+    T = E x (L - n) / L rows per layer, rounded down. Partial residency also holds ``max_group`` spare rows per layer
+    (where misses land before publication); a matched row runs with the least, top_k (matched_max_group), so
+    resident = T - top_k. Never below top_k (one token's experts must fit): from T < 2 top_k on the engine holds more
+    than llama.cpp (at n = L llama.cpp holds none; the record's notes say so). n = 0 is full residency (no spares)."""
+    layers, e, k = cfg.num_layers, cfg.num_experts, cfg.top_k
+    rows = e * (layers - min(n_cpu_moe, layers)) // layers
+    return e if rows >= e else max(k, rows - k)
+
+
+def matched_max_group(cfg: ModelConfig, n_cpu_moe: int) -> int | None:
+    """The engine's max_group (spare rows per layer) of a matched row: top_k under partial residency, None (the
+    engine's own choice; full residency has no spares) at n = 0."""
+    return None if matched_resident(cfg, n_cpu_moe) >= cfg.num_experts else cfg.top_k
 
 
 def _matched(v, group: str, cfg: ModelConfig) -> list[int]:
@@ -369,6 +380,8 @@ def expand(spec: dict, packs: dict | None = None) -> list[BenchConfig]:
                 p = dict(gp)
                 p["gpu_budget"] = nb
                 p["matched_n_cpu_moe"] = ncmoe
+                if ncmoe is not None:
+                    p["max_group"] = matched_max_group(cfg, ncmoe)
                 p.setdefault("max_batch", None)
                 p.setdefault("max_seq_len", None)
                 tag = budget_tag(nb) if nb is not None else f"ncmoe{ncmoe}" if ncmoe is not None else r
@@ -788,14 +801,14 @@ def run_config(engine: BenchEngine, c: BenchConfig, model_cfg: ModelConfig, ctx:
     if ncmoe is not None:
         layers, e = model_cfg.num_layers, c.experts_per_layer
         exact = e * (layers - ncmoe) / layers
-        notes.append(f"matched to llama.cpp --n-cpu-moe {ncmoe}: {c.resident} of {e} experts per layer resident "
-                     f"(llama.cpp keeps {exact:g} per layer's worth of routed-expert bytes on the GPU)"
-                     + (f"; the engine needs at least top_k = {model_cfg.top_k} rows per layer, so it holds more "
-                        "GPU expert bytes than that llama.cpp row" if c.resident > exact else
-                        "; rounded down" if c.resident < exact else "")
-                     + (f"; besides the resident rows the cache holds {s1.spare_bytes // s1.row_bytes // layers} spare "
-                        "rows per layer (where misses land before publication), GPU expert bytes llama.cpp does not "
-                        "hold" if s1.spare_bytes and s1.row_bytes else ""))
+        spares = s1.spare_bytes // s1.row_bytes // layers if s1.spare_bytes and s1.row_bytes else 0
+        held = c.resident + spares
+        notes.append(f"matched to llama.cpp --n-cpu-moe {ncmoe}: {c.resident} of {e} experts per layer resident + "
+                     f"{spares} spare rows (where misses land before publication) = {held} GPU expert rows per layer; "
+                     f"llama.cpp keeps {exact:g} per layer's worth of routed-expert bytes on the GPU"
+                     + (f"; the engine needs at least top_k = {model_cfg.top_k} resident rows and top_k spares, so it "
+                        "holds more GPU expert bytes than that llama.cpp row" if held > exact else
+                        "; rounded down" if held < exact else ""))
     if p["skip_experts"]:
         notes.append("profiling variant: routed experts return zeros (decode time without the expert GEMVs); "
                      "outputs are not the model's")
@@ -968,7 +981,7 @@ class EngineBuilder:
         eng = Engine.from_pack(
             pack, executor=c.executor if c.kind == "engine" else "grouped",
             resident=None if (c.regime == "full" or budget is not None) else c.resident, gpu_budget=budget,
-            device=device, max_batch=p["max_batch"],
+            device=device, max_batch=p["max_batch"], max_group=p.get("max_group") if c.kind == "engine" else None,
             max_seq_len=p["max_seq_len"], policy=p["policy"], expert_format="int4" if c.kind == "engine" else "fp16",
             cuda_graphs=bool(p["cuda_graphs"]),
             # the default set as True, not as its list: the engine then drops what a family cannot fuse (the
