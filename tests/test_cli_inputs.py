@@ -374,3 +374,31 @@ def test_random_manifest_corruptions(fixtures, tmp_path_factory):
                 eng.close()
 
     prop()
+
+
+def test_a_reader_that_goes_away_stops_runmap_quietly_with_status_141():
+    """`runmap bench SPEC --list | head`: once the pipe's reader has gone, runmap stops with no error line and the
+    SIGPIPE status; a broken pipe that is not standard output's stays an ordinary error."""
+    import subprocess
+    import sys
+
+    repo = Path(__file__).resolve().parent.parent
+    p = subprocess.Popen([sys.executable, "-m", "runmap", "bench", "specs/campaigns/h200-llama-matched.yaml", "--list"],
+                         stdout=subprocess.PIPE, stderr=subprocess.PIPE, cwd=repo)
+    p.stdout.close()  # the reader is gone before runmap writes its first line
+    err = p.stderr.read()
+    assert p.wait(timeout=120) == 141 and err == b""
+
+
+def test_a_broken_pipe_that_is_not_standard_output_is_an_error(monkeypatch, capsys):
+    import importlib
+
+    cli_main = importlib.import_module("runmap.cli.main")  # the module (runmap.cli.main is also the function's name)
+    validate = importlib.import_module("runmap.cli.validate")
+
+    def run(args):
+        raise BrokenPipeError(32, "a client's socket")
+    monkeypatch.setattr(validate, "run", run)
+    monkeypatch.setattr(cli_main, "_stdout_is_pipe", lambda: False)
+    assert main(["validate", "results/campaigns/h200-host-overhead/campaign.json"]) == 1
+    assert "BrokenPipeError" in capsys.readouterr().err

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import argparse
 import os
+import stat
 import sys
 
 from runmap.cli import (bench, check_kernels, contract, generate, gpu_slot, ifeval, logits, pack, replay, report,
@@ -37,6 +38,7 @@ exit status (the same for every subcommand):
        options that exclude each other
   3    runmap bench only: the run ended at --deadline-s with configurations skipped (listed in campaign.json)
   130  interrupted (Ctrl-C)
+  141  the reader of standard output went away (a pipe into `head`): stopped without a message
 No input makes runmap end in a Python traceback; RUNMAP_TRACEBACK=1 shows the traceback of an
 unexpected error instead of its one-line report. Nothing is written into the current directory
 unless a path given on the command line (or a subcommand's documented default) says so."""
@@ -89,11 +91,23 @@ def main(argv: list[str] | None = None) -> int:
         print("interrupted", file=sys.stderr)
         return 130
     except Exception as e:  # an error no subcommand turned into a message: one line, exit 1, no traceback
+        if isinstance(e, BrokenPipeError) and _stdout_is_pipe():
+            # the reader of our output went away (`runmap bench SPEC --list | head`): stop without a message, with
+            # the status of a process ended by SIGPIPE (what the work was doing did not finish)
+            os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())  # the exit's own flush must not fail again
+            return 141
         if os.environ.get("RUNMAP_TRACEBACK", "0") not in ("", "0"):
             raise
         print(f"runmap {args.command}: error: {type(e).__name__}: {e} ({UNEXPECTED_HINT})", file=sys.stderr)
         return 1
 
+
+def _stdout_is_pipe() -> bool:
+    """Standard output is a pipe (a broken pipe elsewhere, e.g. a client's socket, is an error like any other)."""
+    try:
+        return stat.S_ISFIFO(os.fstat(sys.stdout.fileno()).st_mode)
+    except (OSError, ValueError):
+        return False
 
 if __name__ == "__main__":
     sys.exit(main())
