@@ -659,3 +659,14 @@ def test_a_host_tensor_is_never_located_against_another_devices_storage(monkeypa
     monkeypatch.setattr(ExpertCopyMonitor, "_inside", staticmethod(lambda t, spans: located.append(t) or real(t, spans)))
     assert not m._in_storage(host) and located == []
     assert m._in_storage(rows[1]) and len(located) == 1
+
+
+def test_only_tensors_are_located_in_watched_storage_or_the_host_source():
+    """Arguments that are not tensors (None, numbers, lists holding rows) are never inside expert storage or the host
+    source, even where every watched range would hold their address; tensors there still are."""
+    rows, host = torch.zeros(4, 8), torch.zeros(2, 8)
+    m = _watching("function", rows, host)
+    for x in (None, 0, rows.untyped_storage().data_ptr(), host.untyped_storage().data_ptr(), [rows[0]], (host[1],)):
+        assert not m._in_storage(x) and not m._in_host(x), x
+    assert m._in_storage(rows[2]) and not m._in_host(rows[2])
+    assert m._in_host(host[1]) and not m._in_storage(host[1])
