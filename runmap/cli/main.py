@@ -109,5 +109,6 @@ def _stdout_is_pipe() -> bool:
     except (OSError, ValueError):
         return False
 
+
 if __name__ == "__main__":
     sys.exit(main())

@@ -78,7 +78,6 @@ release fence), so no row is rewritten while a queued kernel may still read it.
 from __future__ import annotations
 
 import contextlib
-import os
 import time
 from collections import Counter
 
@@ -930,7 +929,9 @@ class Engine:
                     if experts.placement.may_use_cpu():
                         # every expert repacked now: a decode step never pays a first use's repack (~30 ms each)
                         t_rep = time.perf_counter()
-                        experts.site().prepare(workers=os.cpu_count() or 1)
+                        from runmap.kernels.cpu_int4 import usable_cpus
+
+                        experts.site().prepare(workers=usable_cpus())
                         experts.cpu_site_prepare_s = time.perf_counter() - t_rep
             if device.type == "cuda":
                 torch.cuda.synchronize(device)

@@ -82,9 +82,6 @@ class _Spans:
     def __iter__(self):
         return iter(zip(self.lo, self.hi))
 
-    def __len__(self) -> int:
-        return len(self.lo)
-
 
 class ExpertCopyMonitor:
     """Counts copies of expert storage into host memory while active (see the module docstring)."""
@@ -106,11 +103,6 @@ class ExpertCopyMonitor:
         self._depth = 0
         self._in_transaction = 0
         self._mode = None  # one mode object, entered by the outermost scope each time
-
-    @property
-    def _storage(self) -> list[tuple[int, int]]:
-        """Every watched expert-storage range (all devices)."""
-        return [span for spans in self._storage_by_device.values() for span in spans]
 
     # registration -------------------------------------------------------------------------------------
     def watch_storage(self, t: torch.Tensor) -> None:
