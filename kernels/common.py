@@ -123,3 +123,61 @@ def launch_opts(cfg: dict) -> dict:
 
 def next_pow2(n: int) -> int:
     return 1 << max(0, (n - 1).bit_length())
+
+
+def launch(kernel, *args, **kwargs):
+    """``kernel(*args, **kwargs)`` for a gridded Triton kernel (``jit_fn[grid]``), with torch-function handling off.
+
+    Why: Triton's launcher reads each tensor argument's metadata (``data_ptr()``, ``dtype``, strides) through
+    Python attribute calls, and while a ``TorchFunctionMode`` is active (the expert copy monitor,
+    runmap.residency.instruments) every one of them went through the mode: ~3,300 calls and ~25 ms of host time
+    per prefill on the H200 host (results/serve/probe/README.md), ten times the kernels' own time. A launch makes
+    no torch call that moves bytes (the kernel reads device memory on the device), so nothing the monitor counts
+    happens inside it; every torch call of a wrapper outside this call is still seen."""
+    with torch._C.DisableTorchFunction():
+        return kernel(*args, **kwargs)
+
+
+class CompileLog:
+    """Every Triton kernel variant this process compiles (or loads from Triton's disk cache) for a new
+    specialization, seen through Triton's ``jit_post_compile_hook``: a compilation inside a request is a stall of
+    seconds, so a server counts the variants made after it reported ready (none is the goal of its warm-up).
+
+    One log per process (``compile_log()``); an earlier hook is kept and still called. Under the interpreter
+    nothing is compiled and the log stays empty."""
+
+    KEEP = 64  # the first variants kept with their names (the count goes on)
+
+    def __init__(self):
+        self.count = 0
+        self.variants: list[str] = []  # "kernel(arg: type, ...)" of the first KEEP variants
+        self._previous = None
+
+    def install(self) -> "CompileLog":
+        try:
+            from triton import knobs
+        except ImportError:  # an older Triton without knobs: nothing to observe (count stays 0, said in stats)
+            return self
+        self._previous = knobs.runtime.jit_post_compile_hook
+        knobs.runtime.jit_post_compile_hook = self._hook
+        return self
+
+    def _hook(self, *, key, repr, fn, compile, is_manual_warmup, already_compiled):
+        self.count += 1
+        if len(self.variants) < self.KEEP:
+            self.variants.append(repr.split("[", 1)[0] + "(" + repr.split("](", 1)[-1])
+        if self._previous is not None:
+            return self._previous(key=key, repr=repr, fn=fn, compile=compile, is_manual_warmup=is_manual_warmup,
+                                  already_compiled=already_compiled)
+        return None
+
+
+_COMPILE_LOG: CompileLog | None = None
+
+
+def compile_log() -> CompileLog:
+    """This process's CompileLog, installed on first use."""
+    global _COMPILE_LOG
+    if _COMPILE_LOG is None:
+        _COMPILE_LOG = CompileLog().install()
+    return _COMPILE_LOG

@@ -21,6 +21,8 @@ import torch
 import triton
 import triton.language as tl
 
+from runmap.kernels import common
+
 
 @triton.jit
 def _norm_rope_rows(base_ptr, w_ptr, offs_h, offs_d, n_heads, HALF: tl.constexpr, cos, sin, eps,
@@ -42,7 +44,8 @@ def _norm_rope_rows(base_ptr, w_ptr, offs_h, offs_d, n_heads, HALF: tl.constexpr
     return o1.to(tl.float16), o2.to(tl.float16), mask
 
 
-@triton.jit
+# T (positions per row) changes with every prompt length: not specialized, so no length compiles a variant of its own
+@triton.jit(do_not_specialize=["T"])
 def _qk_norm_rope_kv_kernel(
     qkv_ptr, stride_qkv_m,
     qw_ptr, kw_ptr,
@@ -110,7 +113,7 @@ def qk_norm_rope_kv(qkv, q_norm, k_norm, positions, slots, inv_freq, k_cache, v_
     q = torch.empty(B, num_heads, T, D, dtype=torch.float16, device=qkv.device)
     has_norm = q_norm is not None
     half = D // 2
-    _qk_norm_rope_kv_kernel[(B * T,)](
+    common.launch(_qk_norm_rope_kv_kernel[(B * T,)],
         qkv, qkv.stride(1),
         q_norm if has_norm else qkv, k_norm if has_norm else qkv,
         positions, slots, inv_freq,
@@ -152,8 +155,8 @@ def add_rms_norm(x, y, w, eps):
     m = x.numel() // n
     h = torch.empty_like(x)
     x_out = torch.empty_like(x) if y is not None else x
-    _add_rms_norm_kernel[(m,)](x, y if y is not None else x, w, x_out, h, n, eps, HAS_Y=y is not None,
-                               BLOCK_N=triton.next_power_of_2(n))
+    common.launch(_add_rms_norm_kernel[(m,)], x, y if y is not None else x, w, x_out, h, n, eps,
+                  HAS_Y=y is not None, BLOCK_N=triton.next_power_of_2(n))
     return x_out, h
 
 
@@ -211,10 +214,10 @@ def route_fused(h, router32, top_k: int, norm_topk_prob: bool):
     wts = torch.empty(n, top_k, dtype=torch.float32, device=h.device)
     logits = torch.empty(n, e, dtype=torch.float32, device=h.device)
     block_e = 2
-    _router_logits_kernel[(n, triton.cdiv(e, block_e))](h, router32, logits, e, H=hid, BLOCK_E=block_e,
-                                                         BLOCK_H=min(1024, triton.next_power_of_2(hid)))
-    _router_topk_kernel[(n,)](logits, ids, wts, e, TOPK=top_k, NORM=norm_topk_prob,
-                              E_P2=triton.next_power_of_2(e))
+    common.launch(_router_logits_kernel[(n, triton.cdiv(e, block_e))], h, router32, logits, e, H=hid,
+                  BLOCK_E=block_e, BLOCK_H=min(1024, triton.next_power_of_2(hid)))
+    common.launch(_router_topk_kernel[(n,)], logits, ids, wts, e, TOPK=top_k, NORM=norm_topk_prob,
+                  E_P2=triton.next_power_of_2(e))
     return ids, wts
 
 
@@ -267,7 +270,7 @@ def decode_attention(q, k_cache, v_cache, slot, pad, n_keys: int):
     if D & (D - 1):
         raise ValueError(f"decode_attention: head dim {D} must be a power of two")
     out = torch.empty(B, 1, nh * D, dtype=torch.float16, device=q.device)
-    _decode_attn_kernel[(B, nh)](q, k_cache, v_cache, out, slot, pad,
+    common.launch(_decode_attn_kernel[(B, nh)], q, k_cache, v_cache, out, slot, pad,
                                  k_cache.stride(0), k_cache.stride(1), k_cache.stride(2), D ** -0.5,
                                  N_KEYS=n_keys, NH=nh, NKV=nkv, D=D, BLOCK_N=64)
     return out

@@ -103,7 +103,9 @@ def _chunk_pairs(match, rank, count, c0, P_PAD: tl.constexpr, BLOCK_M: tl.conste
     return pairs, want < count
 
 
-@triton.jit
+# do_not_specialize: the pair count P (and the sort's chunk count) changes with every prompt length; Triton would
+# otherwise compile a variant per "== 1" / "% 16 == 0" class of it inside a request (a stall of seconds in a server)
+@triton.jit(do_not_specialize=["P"])
 def _grouped_gate_up_kernel(
     x_ptr, ids_ptr, order_ptr, row_table_ptr, w_ptr, s_ptr, h_ptr,  # x (T, H) fp16, h (P, I) fp16
     P, n_experts, n_rows, row_bytes, stride_xm,
@@ -132,7 +134,7 @@ def _grouped_gate_up_kernel(
                                N, K, NB, QBLOCK, TOPK, BLOCK_M, BLOCK_N, BLOCK_K, TILE_SCALE, DEQ_ASM)
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["P"])
 def _grouped_down_kernel(
     h_ptr, ids_ptr, order_ptr, wts_ptr, row_table_ptr, w_ptr, s_ptr, ypair_ptr,  # h (P, I) fp16, ypair (P, H) fp32
     P, n_experts, n_rows, row_bytes, down_w, down_s,
@@ -197,7 +199,7 @@ def _deq_asm(cfg: dict, device: torch.device) -> bool:
     return deq_asm
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["P"])
 def _count_experts_kernel(ids_ptr, hist_ptr, P, n_experts, E_PAD: tl.constexpr, BLOCK_P: tl.constexpr):
     """hist[c, b] = number of pairs of chunk c (pairs c*BLOCK_P ..) in bucket b (expert id; E = invalid id)."""
     c = tl.program_id(0)
@@ -209,7 +211,7 @@ def _count_experts_kernel(ids_ptr, hist_ptr, P, n_experts, E_PAD: tl.constexpr, 
     tl.store(hist_ptr + c * E_PAD + tl.arange(0, E_PAD), tl.sum(onehot, axis=0))
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["P", "n_chunks"])
 def _place_pairs_kernel(ids_ptr, hist_ptr, order_ptr, P, n_experts, n_chunks, n_slots,
                         E_PAD: tl.constexpr, BLOCK_P: tl.constexpr, BLOCK_M: tl.constexpr,
                         CHUNKS_PAD: tl.constexpr):
@@ -270,8 +272,8 @@ def sort_pairs(ids_flat: torch.Tensor, n_experts: int, block_m: int) -> torch.Te
     n_slots = triton.cdiv(p + min(n_experts + 1, p) * (block_m - 1), block_m) * block_m
     hist = common.empty((n_chunks, e_pad), torch.int32, dev)
     order = common.empty((n_slots,), torch.int32, dev)
-    _count_experts_kernel[(n_chunks,)](ids_flat, hist, p, n_experts, E_PAD=e_pad, BLOCK_P=block_p)
-    _place_pairs_kernel[(triton.cdiv(n_slots, block_p),)](
+    common.launch(_count_experts_kernel[(n_chunks,)], ids_flat, hist, p, n_experts, E_PAD=e_pad, BLOCK_P=block_p)
+    common.launch(_place_pairs_kernel[(triton.cdiv(n_slots, block_p),)],
         ids_flat, hist, order, p, n_experts, n_chunks, n_slots,
         E_PAD=e_pad, BLOCK_P=block_p, BLOCK_M=block_m, CHUNKS_PAD=common.next_pow2(n_chunks))
     return order
@@ -316,7 +318,7 @@ def grouped_gate_up(x, topk_ids, order, row_table, storage, layout: RowLayout, c
     _order, grid0, sorted_mode, p_pad = plan
     bk = common.pick_block_k(cfg["BLOCK_K"], layout.block_size)
     grid = (grid0, triton.cdiv(g.n, cfg["BLOCK_N"]))
-    _grouped_gate_up_kernel[grid](
+    common.launch(_grouped_gate_up_kernel[grid],
         x, topk_ids, order, row_table, storage, storage.view(torch.float16), h,
         t * k, row_table.numel(), storage.shape[0], layout.row_bytes, x.stride(0),
         g.w_off, g.s_off, u.w_off, u.s_off,
@@ -351,7 +353,7 @@ def grouped_down(h, topk_ids, topk_weights, order, row_table, storage, layout: R
     _order, grid0, sorted_mode, p_pad = plan
     bk = common.pick_block_k(cfg["DOWN_BLOCK_K"], layout.block_size)
     grid = (grid0, triton.cdiv(d.n, cfg["DOWN_BLOCK_N"]))
-    _grouped_down_kernel[grid](
+    common.launch(_grouped_down_kernel[grid],
         h, topk_ids, order, topk_weights, row_table, storage, storage.view(torch.float16), ypair,
         t * k, row_table.numel(), storage.shape[0], layout.row_bytes, d.w_off, d.s_off,
         N=d.n, K=d.k, NB=d.nb, QBLOCK=layout.block_size,
@@ -369,7 +371,7 @@ def sum_topk(ypair: torch.Tensor, t: int, k: int) -> torch.Tensor:
     hidden = ypair.shape[1]
     y = common.empty((t, hidden), torch.float16, ypair.device)
     block_n = 1024 if common.interpreting(ypair.device) else 256
-    _sum_topk_kernel[(t, triton.cdiv(hidden, block_n))](ypair, y, hidden, TOPK=k, BLOCK_N=block_n)
+    common.launch(_sum_topk_kernel[(t, triton.cdiv(hidden, block_n))], ypair, y, hidden, TOPK=k, BLOCK_N=block_n)
     return y
 
 

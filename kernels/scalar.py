@@ -71,7 +71,7 @@ def w4a16_linear(x: torch.Tensor, storage: torch.Tensor, row: int, layout: RowLa
     bk = common.pick_block_k(cfg["BLOCK_K"], layout.block_size)
     row_base = row * layout.row_bytes
     grid = (triton.cdiv(m, cfg["BLOCK_M"]), triton.cdiv(sec.n, cfg["BLOCK_N"]))
-    _w4a16_linear_kernel[grid](
+    common.launch(_w4a16_linear_kernel[grid],
         x, storage, storage.view(torch.float16), y,
         m, sec.n, x.stride(0), y.stride(0),
         row_base + sec.w_off, row_base // 2 + sec.s_off,

@@ -178,7 +178,7 @@ def topk_gate_up(x, topk_ids, storage, row_table, layout: RowLayout, config: dic
     grid = (t * k, triton.cdiv(g.n, cfg["BLOCK_N"]))
     family = _family(cfg.get("KERNEL", "tiles"), layout, g.k, (g.w_off, u.w_off), storage, x)
     if family == "words":
-        _words_gate_up_kernel[grid](
+        common.launch(_words_gate_up_kernel[grid],
             x, topk_ids, row_table, storage, storage.view(torch.float16), h,
             row_table.numel(), storage.shape[0], layout.row_bytes, x.stride(0),
             g.w_off, g.s_off, u.w_off, u.s_off, MAGIC_F32,
@@ -188,7 +188,7 @@ def topk_gate_up(x, topk_ids, storage, row_table, layout: RowLayout, config: dic
         )
         return h
     if family == "blocks":
-        _pair_gate_up_kernel[grid](
+        common.launch(_pair_gate_up_kernel[grid],
             x, topk_ids, row_table, storage, storage.view(torch.float16), h,
             row_table.numel(), storage.shape[0], layout.row_bytes, x.stride(0),
             g.w_off, g.s_off, u.w_off, u.s_off,
@@ -198,7 +198,7 @@ def topk_gate_up(x, topk_ids, storage, row_table, layout: RowLayout, config: dic
         )
         return h
     bk, groups, tile = common.gemv_block_k(cfg["BLOCK_K"], layout.block_size)
-    _topk_gate_up_kernel[grid](
+    common.launch(_topk_gate_up_kernel[grid],
         x, topk_ids, row_table, storage, storage.view(torch.float16), h,
         row_table.numel(), storage.shape[0], layout.row_bytes, x.stride(0),
         g.w_off, g.s_off, u.w_off, u.s_off,
@@ -232,7 +232,7 @@ def topk_down(h, topk_ids, topk_weights, storage, row_table, layout: RowLayout,
     family = _family(cfg.get("DOWN_KERNEL", cfg.get("KERNEL", "tiles")), layout, d.k, (d.w_off,), storage, h)
     even = _even(d.k, d.n, d.nb, layout.block_size, cfg["DOWN_BLOCK_N"], cfg["DOWN_SUB"]) and k == common.next_pow2(k)
     if family == "words":
-        _words_down_kernel[grid](
+        common.launch(_words_down_kernel[grid],
             h, topk_ids, topk_weights, row_table, storage, storage.view(torch.float16), y,
             row_table.numel(), storage.shape[0], layout.row_bytes, y.stride(0), d.w_off, d.s_off, MAGIC_F32,
             N=d.n, K=d.k, NB=d.nb, QBLOCK=layout.block_size, TOPK=k, TOPK_P2=common.next_pow2(k),
@@ -240,7 +240,7 @@ def topk_down(h, topk_ids, topk_weights, storage, row_table, layout: RowLayout,
         )
         return y
     if family == "blocks":
-        _token_down_kernel[grid](
+        common.launch(_token_down_kernel[grid],
             h, topk_ids, topk_weights, row_table, storage, storage.view(torch.float16), y,
             row_table.numel(), storage.shape[0], layout.row_bytes, y.stride(0), d.w_off, d.s_off,
             N=d.n, K=d.k, NB=d.nb, QBLOCK=layout.block_size, TOPK=k, TOPK_P2=common.next_pow2(k),
@@ -248,7 +248,7 @@ def topk_down(h, topk_ids, topk_weights, storage, row_table, layout: RowLayout,
         )
         return y
     bk, groups, tile = common.gemv_block_k(cfg["DOWN_BLOCK_K"], layout.block_size)
-    _topk_down_kernel[grid](
+    common.launch(_topk_down_kernel[grid],
         h, topk_ids, topk_weights, row_table, storage, storage.view(torch.float16), y,
         row_table.numel(), storage.shape[0], layout.row_bytes, y.stride(0), d.w_off, d.s_off,
         N=d.n, K=d.k, NB=d.nb, QBLOCK=layout.block_size, TOPK=k,

@@ -310,3 +310,45 @@ def test_a_read_back_of_leased_rows_during_a_request_is_observed(packs, resident
     obs = eng.stats().observations["expert_d2h_bytes"]
     assert obs["status"] == "OBSERVED" and obs["value"] > 0, obs
     eng.close()
+
+
+def test_full_residency_prefill_checks_its_routing_once_at_the_end_of_the_pass(packs):
+    """Full residency, graph-safe executor: inside a prefill the executor runs without its per-layer host check
+    (validate=False, as in a captured decode step) and the pass's ids are checked once at its end; a bad id
+    still raises the host check's error naming token, slot and id before the pass's output is returned."""
+    from runmap.kernels.common import KernelInputError
+
+    eng = Engine.from_pack(packs["tiny-olmoe"], executor="grouped", device="cpu", max_batch=1, max_seq_len=16)
+    seen = []
+    real = eng.experts.moe
+
+    def spy(executor, x, ids, gw, storage, table, layout, **kw):
+        seen.append(kw.get("validate"))
+        return real(executor, x, ids, gw, storage, table, layout, **kw)
+
+    eng.experts.moe = spy
+    prompt = [5, 9, 300, 2]
+    with torch.inference_mode():
+        eng.experts.begin()
+        try:
+            pad = torch.zeros(1, dtype=torch.long)
+            logits = eng.prefill(torch.tensor([prompt]), pad)
+            assert seen == [False] * eng.cfg.num_layers and torch.isfinite(logits).all()
+            # outside a pass the executor checks each call itself
+            seen.clear()
+            x = torch.randn(2, eng.cfg.hidden_size).half()
+            gw = torch.full((2, eng.cfg.top_k), 1.0 / eng.cfg.top_k)
+            ids = torch.arange(2 * eng.cfg.top_k).reshape(2, eng.cfg.top_k) % eng.cfg.num_experts
+            eng.experts(0, x, ids, gw)
+            assert seen == [True]
+            bad = ids.clone()
+            bad[1, 0] = eng.cfg.num_experts  # not an expert id
+            with pytest.raises(KernelInputError, match=rf"topk_ids\[1, 0\] = {eng.cfg.num_experts} is not an expert"):
+                with eng.experts.checked_pass():
+                    eng.experts(0, x, ids, gw)
+                    y = eng.experts(1, x, bad, gw)  # no error yet: NaN rows for the bad pair, never another expert
+                    assert torch.isnan(y[1]).all() and torch.isfinite(y[0]).all()
+            assert eng.experts._pass_ids is None
+        finally:
+            eng.experts.end()
+    eng.close()

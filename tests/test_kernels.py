@@ -368,3 +368,46 @@ def test_validate_false_never_syncs_and_captures_in_a_cuda_graph(executor, m):
     ref = reference_moe_f32(x, ids, w, storage, row_table, layout)
     assert rel_err(y_graph, ref) <= TOL
     assert not torch.equal(y_graph, y0)
+
+
+def test_a_launch_runs_without_torch_function_modes_and_calls_around_it_are_still_seen():
+    """common.launch: the launcher's metadata reads skip an active TorchFunctionMode (the copy monitor's cost),
+    while a torch call of the wrapper outside the launch still reaches the mode."""
+    from torch.overrides import TorchFunctionMode
+
+    calls = []
+
+    class Counting(TorchFunctionMode):
+        def __torch_function__(self, func, types, args=(), kwargs=None):
+            calls.append(getattr(func, "__name__", str(func)))
+            return func(*args, **(kwargs or {}))
+
+    t = torch.arange(4.0)
+
+    def fake_kernel(x, *, scale):  # stands in for jit_fn[grid]: reads metadata as Triton's launcher does
+        return x.data_ptr(), x.dtype, x.stride(), scale
+
+    with Counting():
+        out = common.launch(fake_kernel, t, scale=2)
+        assert calls == [] and out == (t.data_ptr(), torch.float32, (1,), 2)
+        t.clone()
+    assert "clone" in calls
+
+
+def test_the_compile_log_counts_variants_and_keeps_an_earlier_hook():
+    """CompileLog: one count per jit_post_compile_hook call, the kernel and argument types kept, the hook that was
+    installed before it still called (with the same arguments)."""
+    from triton import knobs
+
+    earlier = []
+    saved = knobs.runtime.jit_post_compile_hook
+    try:
+        knobs.runtime.jit_post_compile_hook = lambda **kw: earlier.append(kw["repr"])
+        log = common.CompileLog().install()
+        assert knobs.runtime.jit_post_compile_hook == log._hook
+        for i in range(3):
+            knobs.runtime.jit_post_compile_hook(key=i, repr=f"_k{i}[num_warps=4, num_stages=3](P: i32, x_ptr: *fp16)",
+                                                fn=None, compile={}, is_manual_warmup=False, already_compiled=False)
+        assert log.count == 3 and log.variants[0] == "_k0(P: i32, x_ptr: *fp16)" and len(earlier) == 3
+    finally:
+        knobs.runtime.jit_post_compile_hook = saved

@@ -537,3 +537,38 @@ def test_zz_the_pack_is_unchanged_and_the_server_stops_cleanly(server):
     assert proc.wait(60) == 0, server["log"].read_text()
     assert "runmap serve: stopped" in server["log"].read_text()
     assert _tree_digest(server["pack"]) == server["digest"]
+
+
+def test_the_outbox_delivers_every_event_in_order_with_few_wake_ups():
+    """Events put from another thread reach their queues complete and in order, and a burst put while the loop is
+    busy costs one wake-up of the loop, not one per event."""
+    import asyncio
+
+    from runmap.serve.app import _Outbox
+
+    async def main():
+        loop = asyncio.get_running_loop()
+        box = _Outbox(loop)
+        drains = []
+        real = box._drain
+        box._drain = lambda: drains.append(len(box.items)) or real()
+        qs = [asyncio.Queue() for _ in range(3)]
+
+        def engine():
+            for i in range(300):
+                for j, q in enumerate(qs):
+                    box.put(q, (j, i))
+
+        t = threading.Thread(target=engine)
+        t.start()
+        time.sleep(0.3)  # the loop is busy (blocked) while the burst is put
+        t.join()
+        got = [[await asyncio.wait_for(q.get(), 5) for _ in range(300)] for q in qs]
+        assert got == [[(j, i) for i in range(300)] for j in range(3)]
+        assert all(q.empty() for q in qs) and not box.items
+        assert len(drains) < 10, drains  # the burst: one drain (a few at most), 900 events
+        # and later puts wake the loop again
+        box.put(qs[0], "late")
+        assert await asyncio.wait_for(qs[0].get(), 5) == "late"
+
+    asyncio.run(main())

@@ -13,10 +13,12 @@ import random
 
 import pytest
 import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 from test_model_support import build_packs
 
-from runmap.serve.batching import BatchRunner, SamplingParams, Sequence
+from runmap.serve.batching import BatchRunner, SamplingParams, Sequence, prefill_warmup_shapes
 from runmap.engine.budget import BudgetError, parse_size, plan, plan_for_pack
 
 MAX_SEQ_LEN = 72
@@ -267,3 +269,55 @@ def test_a_join_that_fails_answers_its_request_and_the_queue_moves_on(engines, m
         assert sched.alive and sched.waiting == 0 and sched.runner.rows == 0
     finally:
         sched.stop()
+
+
+def _bucket(n: int) -> int:
+    return 1 << max(0, (n - 1).bit_length())
+
+
+@settings(max_examples=200, deadline=None)
+@given(max_seq_len=st.integers(1, 8192), prefill_chunk=st.integers(1, 2048), max_batch=st.integers(1, 64),
+       join_tokens=st.integers(0, 8192))
+def test_the_warm_up_prefills_reach_every_size_bucket_a_server_can_run(max_seq_len, prefill_chunk, max_batch,
+                                                                       join_tokens):
+    """Every pass size T a server can run (1 .. the largest joint or single-prompt pass) has a warm-up pass in its
+    power-of-two bucket, and T = 1 has its own (the kernels' size constexprs round counts proportional to T up to
+    powers of two); every warm-up pass is one the server could run: rows <= max_batch, lengths within a chunk."""
+    shapes = prefill_warmup_shapes(max_seq_len=max_seq_len, prefill_chunk=prefill_chunk, max_batch=max_batch,
+                                   join_tokens=join_tokens)
+    per_row = min(prefill_chunk, max_seq_len)
+    largest = max(per_row, min(join_tokens, max_batch * per_row))
+    passes = [len(lens) * max(lens) for lens in shapes]  # tokens per pass, padding included
+    assert shapes[0] == [1]
+    for lens in shapes:
+        assert 1 <= len(lens) <= max_batch and all(1 <= n <= per_row for n in lens)
+        assert len(lens) == 1 or len(set(lens)) > 1 or max(lens) == 1  # several rows: padded, as a joint prefill
+    assert max(passes) <= largest + len(shapes[-1]) - 1
+    covered = {_bucket(t) for t in passes}
+    for t in {t for t in (1, 2, 3, 17, largest, largest // 2, largest // 2 + 1, largest - 1) if 1 <= t <= largest}:
+        assert _bucket(t) in covered, (t, shapes)
+
+
+def test_the_warm_up_prefills_run_on_an_engine(engines):
+    """The scheduler's warm-up passes are valid prefills of the engine (into its first rows; the batch is empty)."""
+    from runmap.serve.scheduler import Scheduler
+
+    eng = engines["tiny-olmoe"]
+    sched = Scheduler(eng, join_tokens=2 * MAX_SEQ_LEN)
+    shapes = prefill_warmup_shapes(max_seq_len=eng.max_seq_len, prefill_chunk=eng.prefill_chunk,
+                                   max_batch=eng.max_batch, join_tokens=2 * MAX_SEQ_LEN)
+    assert [len(s) for s in shapes][-1] > 1  # the largest pass is a padded joint one here
+    seen = []
+    real = eng.prefill
+    try:
+        eng.prefill = lambda tokens, pad, **kw: seen.append((tuple(tokens.shape), pad.tolist())) or real(tokens, pad, **kw)
+        with torch.inference_mode():
+            eng.experts.begin()
+            try:
+                sched._warm_prefills()
+            finally:
+                eng.experts.end()
+    finally:
+        del eng.prefill
+    assert [s for s, _ in seen] == [(len(l), max(l)) for l in shapes]
+    assert [p for _, p in seen] == [[max(l) - n for n in l] for l in shapes]

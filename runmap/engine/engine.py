@@ -111,6 +111,13 @@ def _moe_experts():
     return moe_experts
 
 
+def _check_routing():
+    """The executors' host routing check (runmap.kernels.executors.check_routing), imported on first use."""
+    from runmap.kernels.executors import check_routing
+
+    return check_routing
+
+
 def _next_layer_predictor(model, cfg):
     """predict(layer, x) -> int64 (N, k): layer + 1's router applied to layer's MoE input x (fp16 (N, H)), the
     published next-layer prediction (the residual stream changes little between adjacent layers)."""
@@ -131,6 +138,7 @@ class CachedExperts:
         self.full = cache.full_residency
         self.num_layers = cache.num_layers
         self.validate = True
+        self._pass_ids: list | None = None  # (layer, ids) of the eager pass in checked_pass, else None
         self.moe = _moe_experts()
         self._req = None
         self.h2d_seconds = 0.0  # host wall time of acquisitions that ran a miss transaction
@@ -150,6 +158,30 @@ class CachedExperts:
         # the published row table each static table was last refreshed from: a generation's tables are immutable
         # and a layer's is replaced only when that layer publishes, so an unchanged one needs no copy
         self.static_sources: list | None = None if self.full else [None] * self.num_layers
+
+    @contextlib.contextmanager
+    def checked_pass(self):
+        """Full residency: the routing of one eager forward pass checked once, at its end, instead of by the
+        executor before each layer (two device-to-host reads per layer, ~4 ms of a 126-token prefill on the H200
+        host: results/serve/probe/README.md). Within the pass the executor runs with validate=False, as in a
+        captured decode step: an id outside [0, E) yields NaN rows, never another expert's (the static table
+        maps every expert); at the end one read of a flag over every layer's ids, and on a bad id the host check
+        of that layer raises its usual error before the pass's logits reach anyone. Nested passes share one."""
+        if not self.full or not self.validate or self._pass_ids is not None:
+            yield
+            return
+        self._pass_ids = []
+        try:
+            yield
+            seen = self._pass_ids
+            if seen:
+                flat = torch.cat([ids.reshape(-1) for _, ids in seen])  # every routed id of the pass
+                if bool(((flat < 0) | (flat >= self.cache.num_experts)).any()):
+                    check = _check_routing()
+                    for layer, ids in seen:  # the first layer with a bad id raises, naming token, slot and expert
+                        check(ids, self.tables[layer], self.storage[layer].shape[0])
+        finally:
+            self._pass_ids = None
 
     # Full residency: one request per generate call, every layer leased whole (no miss can happen).
     def begin(self):
@@ -171,11 +203,15 @@ class CachedExperts:
             with self.cache.monitored():  # as the other paths: a copy out of expert storage here would be counted
                 return self.site().moe(layer, x, ids, gw)
         if self.full:
+            validate = self.validate
+            if validate and self._pass_ids is not None:  # checked at the end of the pass (checked_pass)
+                self._pass_ids.append((layer, ids))
+                validate = False
             # inside the copy monitor too: an eager call is seen each time, a CUDA-graph step when it is captured
             # (a copy out of expert rows in the step would show then), so expert_d2h_bytes covers this path
             with self.cache.monitored():
                 return self.moe(self.executor, x, ids, gw, self.storage[layer], self.tables[layer], self.layout,
-                                validate=self.validate)
+                                validate=validate)
         nxt = None
         if self.predict is not None and layer + 1 < self.num_layers:
             nxt = self.predict(layer, x)  # (N, k) device: queued before this layer's experts, read with ids below
@@ -978,6 +1014,13 @@ class Engine:
         padded = bool(pad.any().item())
         pad_h = pad.cpu().numpy() if self.imposed is not None or self.routes is not None else None
         outs = []
+        checked = getattr(self.experts, "checked_pass", contextlib.nullcontext)
+        with checked():
+            self._prefill_chunks(tokens, pad, all_logits, padded, pad_h, outs)
+        return torch.cat(outs, dim=1) if all_logits else outs[-1]
+
+    def _prefill_chunks(self, tokens, pad, all_logits, padded, pad_h, outs) -> None:
+        B, P = tokens.shape
         for s0 in range(0, P, self.prefill_chunk):
             s1 = min(P, s0 + self.prefill_chunk)
             slots = torch.arange(s0, s1, device=self.device)  # (t,)
@@ -990,7 +1033,6 @@ class Engine:
                                          all_logits=all_logits)
             if all_logits or s1 == P:
                 outs.append(out)
-        return torch.cat(outs, dim=1) if all_logits else outs[-1]
 
     def decode(self, tokens: torch.Tensor, slot: int, pad: torch.Tensor) -> torch.Tensor:
         """tokens int64 (B,), slot int, pad int64 (B,) -> float32 (B, V)."""

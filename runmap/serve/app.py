@@ -20,6 +20,7 @@ warm) instead of FastAPI's 422 shape; errors never end a process or a stream wit
 from __future__ import annotations
 
 import asyncio
+import collections
 import json
 import threading
 import time
@@ -42,6 +43,36 @@ from runmap.serve.scheduler import Scheduler, Ticket
 
 STATIC_DIR = Path(__file__).resolve().parent / "static"
 DISCONNECT_POLL_S = 0.5
+
+
+class _Outbox:
+    """Events from the engine thread to the event loop's per-request queues, with one loop wake-up per batch.
+
+    Why: a decode step of B rows makes B token events; a ``call_soon_threadsafe`` each wakes the loop B times (a
+    write to its self-pipe each) while the engine thread wants the GIL back for the next step. Here the engine
+    thread appends to a shared deque and schedules a drain only when none is pending; the drain clears the flag
+    before it empties the deque, so an event appended at any moment is either taken by a running drain or
+    schedules the next one (deque appends and pops are atomic)."""
+
+    def __init__(self, loop: asyncio.AbstractEventLoop):
+        self.loop = loop
+        self.items: collections.deque = collections.deque()
+        self.pending = False
+
+    def put(self, q: asyncio.Queue, ev) -> None:
+        self.items.append((q, ev))
+        if not self.pending:
+            self.pending = True
+            try:
+                self.loop.call_soon_threadsafe(self._drain)
+            except RuntimeError:  # the event loop is closed (shutdown): nobody is listening any more
+                pass
+
+    def _drain(self) -> None:
+        self.pending = False
+        while self.items:
+            q, ev = self.items.popleft()
+            q.put_nowait(ev)
 
 
 def describe(eng, model_id: str) -> dict:
@@ -211,6 +242,7 @@ async def _json_body(request: Request) -> dict:
 
 def create_app(server: Server) -> FastAPI:
     app = FastAPI(title="runmap serve", docs_url=None, redoc_url=None, openapi_url=None)
+    outboxes: dict = {}  # event loop -> its _Outbox (one loop in practice)
 
     @app.exception_handler(P.ApiError)
     async def _api_error(request: Request, e: P.ApiError):
@@ -260,20 +292,20 @@ def create_app(server: Server) -> FastAPI:
         temperature, top_p = req.sampling()
         params = SamplingParams(max_new_tokens=max_tokens, temperature=temperature, top_p=top_p, seed=req.seed,
                                 stop=req.stop_list())
-        loop = asyncio.get_running_loop()
         q: asyncio.Queue = asyncio.Queue()
+        loop = asyncio.get_running_loop()
+        outbox = outboxes.get(loop) or outboxes.setdefault(loop, _Outbox(loop))
 
         def sink(ev):
-            try:
-                loop.call_soon_threadsafe(q.put_nowait, ev)
-            except RuntimeError:  # the event loop is closed (shutdown): nobody is listening any more
-                pass
+            outbox.put(q, ev)
 
         ticket = sched.submit(Ticket(prompt_ids, params, sink, endpoint=endpoint))
         return sched, ticket, q
 
     async def _next(request: Request, q: asyncio.Queue):
         """The next event, or None when the client has gone away."""
+        if not q.empty():  # already there: no timer (wait_for's cost per token adds up at thousands of tokens/s)
+            return q.get_nowait()
         while True:
             try:
                 return await asyncio.wait_for(q.get(), timeout=DISCONNECT_POLL_S)
@@ -313,13 +345,24 @@ def create_app(server: Server) -> FastAPI:
                 try:
                     if chat:
                         yield _sse(chunk(delta={"role": "assistant", "content": ""}))
+                    held = None  # an event taken from the queue while gathering tokens, handled next
                     while True:
-                        ev = await _next(request, q)
+                        ev, held = (held, None) if held is not None else (await _next(request, q), None)
                         if ev is None:
                             return
                         kind, payload = ev
                         if kind == "token":
-                            yield _sse(chunk(delta={"content": payload}) if chat else chunk(text=payload))
+                            # tokens that are already queued (the client or the loop fell behind the engine) go
+                            # out as one content delta: fewer chunks to build and write, the same text
+                            parts = [payload]
+                            while not q.empty():
+                                nxt = q.get_nowait()
+                                if nxt[0] != "token":
+                                    held = nxt
+                                    break
+                                parts.append(nxt[1])
+                            text = "".join(parts)
+                            yield _sse(chunk(delta={"content": text}) if chat else chunk(text=text))
                         elif kind == "done":
                             done = True
                             yield _sse(chunk(delta={}, finish=P.finish_reason(payload.finish_reason)) if chat

@@ -96,6 +96,12 @@ class _EngineCollector:
         steps = CounterMetricFamily("runmap_decode_steps", "Batched decode steps run")
         steps.add_metric([], float(batch.get("steps", 0)))
         yield steps
+        late = src.compiles_after_ready() if hasattr(src, "compiles_after_ready") else None
+        if late is not None:  # CUDA only: a kernel compiled inside a request stalled every running row
+            c = CounterMetricFamily("runmap_kernel_compiles_after_ready",
+                                    "Triton kernel variants compiled after the server reported ready")
+            c.add_metric([], float(late["count"]))
+            yield c
         mem = GaugeMetricFamily("runmap_engine_bytes", "Device bytes the engine holds, by part", labels=["part"])
         for part, v in (("nonrouted", st.nonrouted_bytes), ("kv_cache", st.kv_cache_bytes),
                         ("resident_experts", st.resident_bytes), ("spare_rows", st.spare_bytes),

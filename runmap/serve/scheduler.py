@@ -20,17 +20,19 @@ import collections
 import concurrent.futures
 import dataclasses
 import logging
+import sys
 import threading
 import time
 from typing import Callable
 
 import torch
 
-from runmap.serve.batching import JOIN_TOKENS, BatchRunner, SamplingParams, Sequence
+from runmap.serve.batching import JOIN_TOKENS, BatchRunner, SamplingParams, Sequence, prefill_warmup_shapes
 from runmap.serve.protocol import ApiError
 
 log = logging.getLogger("runmap.serve")
 STATS_EVERY_S = 0.5
+GIL_SWITCH_INTERVAL_S = 0.0005  # sys.setswitchinterval for a serving process (Scheduler.start says why)
 RATE_WINDOW_S = 5.0
 
 
@@ -80,9 +82,18 @@ class Scheduler:
         self.totals = {"requests": 0, "generated_tokens": 0, "prompt_tokens": 0, "cancelled": 0, "errors": 0}
         self.max_rows_seen = 0
         self._calls: collections.deque = collections.deque()  # (fn, Future) to run on the engine thread
+        # Triton kernel variants compiled by this process (runmap.kernels.common.CompileLog; CUDA only), and how many
+        # were compiled when the server reported ready: a variant compiled later stalled a request
+        self.compiles = None
+        self.compiles_at_ready: int | None = None
 
     # ---- the HTTP side --------------------------------------------------------------------------------
     def start(self) -> None:
+        # The engine thread shares the GIL with the event loop's (HTTP, one SSE chunk per token per client). Under
+        # load the loop thread runs Python for long stretches, and a thread asking for the GIL waits up to the
+        # switch interval (5 ms by default: more than a decode step) before the holder is made to drop it; a
+        # shorter interval bounds the engine's wait at the cost of more frequent switches.
+        sys.setswitchinterval(GIL_SWITCH_INTERVAL_S)
         self._thread = threading.Thread(target=self._main, name="runmap-engine", daemon=True)
         self._thread.start()
 
@@ -138,6 +149,14 @@ class Scheduler:
         if self._thread is not None:
             self._thread.join(timeout)
 
+    def compiles_after_ready(self) -> dict | None:
+        """{"count", "variants"}: Triton kernel variants compiled since ready (None: not observed, e.g. on the CPU,
+        where the interpreter compiles nothing, or before ready)."""
+        if self.compiles is None or self.compiles_at_ready is None:
+            return None
+        return {"count": self.compiles.count - self.compiles_at_ready,
+                "variants": self.compiles.variants[self.compiles_at_ready:]}
+
     @property
     def alive(self) -> bool:
         return self._thread is not None and self._thread.is_alive()
@@ -166,8 +185,14 @@ class Scheduler:
                 self.runner = BatchRunner(self.eng, decode=self.decode_text, pipelined=self.pipelined,
                                           join_tokens=self.join_tokens)
                 t0 = time.perf_counter()
+                if self.eng.device.type == "cuda":  # the interpreter (CPU) compiles nothing
+                    from runmap.kernels.common import compile_log
+
+                    self.compiles = compile_log()
                 self._warmup()
                 self.warmup_s = time.perf_counter() - t0
+                if self.compiles is not None:
+                    self.compiles_at_ready = self.compiles.count
                 self._refresh_stats(force=True)
                 self.ready = True
                 log.info("engine warm in %.1f s", self.warmup_s)
@@ -189,6 +214,8 @@ class Scheduler:
         try:
             zero1 = torch.zeros(1, dtype=torch.long, device=dev)
             eng.prefill(torch.tensor([ids], dtype=torch.long, device=dev), zero1)
+            if dev.type == "cuda":  # every size class of prefill pass, so no request compiles a kernel variant
+                self._warm_prefills()
             slots = [len(ids)]
             if dev.type == "cuda":
                 slots, b = [], 256
@@ -219,6 +246,22 @@ class Scheduler:
         r.admit_many([warm(ids), warm(longer)][: eng.max_batch - r.rows])  # two lengths: a padded joint prefill
         while r.rows:
             r.step()
+
+    def _warm_prefills(self) -> None:
+        """One prefill per shape of ``prefill_warmup_shapes`` into the engine's first KV rows (the batch is empty);
+        the tokens are the pad id: only the shapes matter."""
+        eng, dev = self.eng, self.eng.device
+        main = eng.kv
+        for lens in prefill_warmup_shapes(max_seq_len=eng.max_seq_len, prefill_chunk=eng.prefill_chunk,
+                                          max_batch=eng.max_batch, join_tokens=self.join_tokens):
+            P = max(lens)
+            tokens = torch.full((len(lens), P), int(eng.pad_id), dtype=torch.long, device=dev)
+            pad = torch.tensor([P - n for n in lens], dtype=torch.long, device=dev)
+            eng.kv = main.rows(0, len(lens))
+            try:
+                eng.prefill(tokens, pad)
+            finally:
+                eng.kv = main
 
     def _serve(self) -> None:
         r = self.runner
