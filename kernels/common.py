@@ -6,7 +6,9 @@ no check here reads tensor *values* (that would synchronize with the device), on
 from __future__ import annotations
 
 import dataclasses
+import functools
 import os
+import re
 
 import torch
 
@@ -78,6 +80,17 @@ def gemv_block_k(want: int, qblock: int) -> tuple[int, int, bool]:
     return bk, 1, tile_scale(bk, qblock)
 
 
+def metadata_only(check):
+    """Run a check that reads only tensor metadata with torch-function handling off (see ``launch``: under the copy
+    monitor every ``.dim()``, ``.shape``, ``.is_contiguous()`` went through its mode, ~1,600 calls per prefill)."""
+    @functools.wraps(check)
+    def run(*args, **kwargs):
+        with torch._C.DisableTorchFunction():
+            return check(*args, **kwargs)
+    return run
+
+
+@metadata_only
 def check_tensor(name: str, t, dtype=None, ndim: int | None = None, shape=None, device=None,
                  contiguous: bool = True) -> None:
     """Raise KernelInputError unless ``t`` is a torch.Tensor matching every given property."""
@@ -100,6 +113,7 @@ def check_tensor(name: str, t, dtype=None, ndim: int | None = None, shape=None, 
         raise KernelInputError(f"{name}: not contiguous (strides {t.stride()} for shape {tuple(t.shape)})")
 
 
+@metadata_only
 def check_storage(storage, layout: RowLayout, device=None) -> None:
     """storage: uint8 (R, row_bytes) contiguous, row_bytes == layout.row_bytes."""
     if not isinstance(layout, RowLayout):
@@ -165,7 +179,8 @@ class CompileLog:
     def _hook(self, *, key, repr, fn, compile, is_manual_warmup, already_compiled):
         self.count += 1
         if len(self.variants) < self.KEEP:
-            self.variants.append(repr.split("[", 1)[0] + "(" + repr.split("](", 1)[-1])
+            # "kernel[num_warps=.., ...](arg: type, ...)" without the launch options: the name and argument types
+            self.variants.append(re.sub(r"\[[^\]]*\]\(", "(", repr, count=1))
         if self._previous is not None:
             return self._previous(key=key, repr=repr, fn=fn, compile=compile, is_manual_warmup=is_manual_warmup,
                                   already_compiled=already_compiled)

@@ -26,6 +26,7 @@ class NotResidentError(ValueError):
     """A routed expert has no resident row (row_table == -1): an error, never a substitution."""
 
 
+@common.metadata_only
 def check_inputs(x, topk_ids, topk_weights, storage, row_table, layout) -> None:
     """Metadata checks shared by every executor (no device sync)."""
     common.check_storage(storage, layout)

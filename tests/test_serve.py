@@ -26,6 +26,8 @@ import time
 from pathlib import Path
 
 import httpx
+from hypothesis import given, settings
+from hypothesis import strategies as st
 import pytest
 
 from test_model_support import build_packs
@@ -572,3 +574,27 @@ def test_the_outbox_delivers_every_event_in_order_with_few_wake_ups():
         assert await asyncio.wait_for(qs[0].get(), 5) == "late"
 
     asyncio.run(main())
+
+
+@settings(max_examples=200, deadline=None)
+@given(text=st.text(), chat=st.booleans(), usage=st.booleans())
+def test_a_streamed_content_chunk_is_the_typed_chunks_serialization(text, chat, usage):
+    """The per-request template of content chunks gives exactly the bytes of the typed chunk serialized for that
+    text (any text: quotes, backslashes, control characters, NUL, non-ASCII)."""
+    from runmap.serve import protocol as P
+    from runmap.serve.app import _content_sse, _sse
+
+    def make(t):
+        if chat:
+            d = P.ChatCompletionChunk(id="chatcmpl-1", created=1, model="m", choices=[
+                P.ChatChunkChoice(delta=P.Delta(content=t), finish_reason=None)]).model_dump()
+        else:
+            d = P.Completion(id="cmpl-1", created=1, model="m", choices=[
+                P.CompletionChoice(text=t, finish_reason=None)]).model_dump()
+        if usage:
+            d["usage"] = None
+        else:
+            d.pop("usage", None)
+        return d
+
+    assert _content_sse(make)(text) == _sse(make(text))

@@ -228,6 +228,21 @@ def _sse(obj) -> bytes:
     return f"data: {json.dumps(obj, ensure_ascii=False, separators=(',', ':'))}\n\n".encode()
 
 
+_CONTENT_MARK = "\u0000runmap-content\u0000"  # never a model's text: a NUL on each side
+
+
+def _content_sse(make: Callable[[str], dict]) -> Callable[[str], bytes]:
+    """text -> the SSE bytes of ``_sse(make(text))``, with ``make`` called once: its output serialized around a
+    sentinel text, then each chunk is the two halves around the JSON-encoded text (same bytes, no model per chunk)."""
+    whole = _sse(make(_CONTENT_MARK)).decode()
+    head, tail = whole.split(json.dumps(_CONTENT_MARK, ensure_ascii=False), 1)
+    head_b, tail_b = head.encode(), tail.encode()
+
+    def content(text: str) -> bytes:
+        return head_b + json.dumps(text, ensure_ascii=False).encode() + tail_b
+    return content
+
+
 async def _json_body(request: Request) -> dict:
     raw = await request.body()
     try:
@@ -340,6 +355,12 @@ def create_app(server: Server) -> FastAPI:
             return d
 
         if req.stream:
+            # Content chunks differ only in their text: the typed chunk is built and serialized once, with a
+            # sentinel for the text, and each token's chunk is the two halves around its JSON-encoded text (a
+            # pydantic model, a dump and a json.dumps per token were most of the event loop's time per chunk, and
+            # that thread shares the GIL with the engine's)
+            content = _content_sse(lambda text: chunk(delta={"content": text}) if chat else chunk(text=text))
+
             async def events():
                 done = False
                 try:
@@ -361,8 +382,7 @@ def create_app(server: Server) -> FastAPI:
                                     held = nxt
                                     break
                                 parts.append(nxt[1])
-                            text = "".join(parts)
-                            yield _sse(chunk(delta={"content": text}) if chat else chunk(text=text))
+                            yield content("".join(parts))
                         elif kind == "done":
                             done = True
                             yield _sse(chunk(delta={}, finish=P.finish_reason(payload.finish_reason)) if chat

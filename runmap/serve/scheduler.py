@@ -19,6 +19,7 @@ from __future__ import annotations
 import collections
 import concurrent.futures
 import dataclasses
+import gc
 import logging
 import sys
 import threading
@@ -193,6 +194,11 @@ class Scheduler:
                 self.warmup_s = time.perf_counter() - t0
                 if self.compiles is not None:
                     self.compiles_at_ready = self.compiles.count
+                # Everything loaded so far (torch, transformers, the engine: millions of objects) lives as long as
+                # the process; frozen, the collector's full passes stop re-scanning it, so a serving process does not
+                # stall every running row for a full collection from time to time (a long-lived server's usual step)
+                gc.collect()
+                gc.freeze()
                 self._refresh_stats(force=True)
                 self.ready = True
                 log.info("engine warm in %.1f s", self.warmup_s)
