@@ -441,12 +441,14 @@ def run_window(srv: InProcessServer, pool, *, clients: int, procs: int, job: dic
         time.sleep(0.001)
     n0 = sched.totals["generated_tokens"]
     late0 = sched.compiles_after_ready()
+    busy0, count0, pc0 = dict(sched.time_in), dict(sched.runner.counters), time.perf_counter()
     samples = []
     while (now := time.monotonic()) < t_end:
         samples.append((sched.running, sched.waiting))
         time.sleep(min(0.25, max(0.0, t_end - now)))
     n1 = sched.totals["generated_tokens"]
     late1 = sched.compiles_after_ready()
+    busy1, count1, pc1 = dict(sched.time_in), dict(sched.runner.counters), time.perf_counter()
     records = []
     for f in futs:
         try:
@@ -458,6 +460,14 @@ def run_window(srv: InProcessServer, pool, *, clients: int, procs: int, job: dic
     # Triton kernel variants compiled inside the window (each one stalled every running row); None on the CPU
     point["kernel_compiles"] = None if late0 is None else {"count": late1["count"] - late0["count"],
                                                            "variants": late1["variants"][len(late0["variants"]):]}
+    # the engine thread over the window: its time admitting (joint prefills), stepping and snapshotting, the rest
+    # waiting for work; joins and steps run; how long admitted requests waited in the queue before their join
+    busy = {k: busy1[k] - busy0[k] for k in busy1}
+    point["engine_thread"] = {
+        **busy, "idle_s": max(0.0, (pc1 - pc0) - sum(busy.values())),
+        "joins": count1["joins"] - count0["joins"], "steps": count1["steps"] - count0["steps"],
+        "admitted": count1["admitted"] - count0["admitted"],
+        "queue_wait_s": _dist([w for t, w in list(sched.queue_waits) if pc0 <= t <= pc1])}
     return point
 
 
@@ -488,6 +498,17 @@ def print_table(rec: dict) -> None:
               f"{f(ms(pt['itl_s'], 'p50')):>6}ms {f(ms(pt['itl_s'], 'p99')):>6}ms {pt['requests']:>6} {pt['errors']:>6} "
               f"{f(pt['mean_running_rows']):>5} {f(pt.get('ratio_to_offline_e2e'), '.2f'):>9} "
               f"{f((pt.get('kernel_compiles') or {}).get('count'), 'd'):>8}")
+    print(f"{'clients':>7} engine thread: {'admit':>6} {'steps':>6} {'stats':>6} {'idle':>6} (share of the window)"
+          f" {'joins':>6} {'admitted':>8} {'queue wait p50/p99':>19}")
+    for pt in rec["points"]:
+        e = pt.get("engine_thread")
+        if e is None:
+            continue
+        wall = sum(e[k] for k in ("admit_s", "step_s", "stats_s", "idle_s")) or 1.0
+        qw = e["queue_wait_s"]
+        print(f"{pt['clients']:>7} {'':>14}" + "".join(f" {e[k] / wall:>6.2f}" for k in ("admit_s", "step_s", "stats_s", "idle_s"))
+              + f" {'':>21} {e['joins']:>6} {e['admitted']:>8} "
+              + f"{f(None if qw['p50'] is None else qw['p50'] * 1e3):>8}/{f(None if qw['p99'] is None else qw['p99'] * 1e3)} ms")
     for t in rec["targets"]["checks"]:
         print(f"target ratio >= {rec['targets']['ratio_to_offline_min']} at {t['clients']} clients: "
               f"{'met' if t['met'] else 'NOT met'} ({t['ratio']:.2f})")

@@ -111,6 +111,16 @@ def test_the_numbers_of_each_point_agree(bench_run):
         assert off["decode_tok_s"]["min"] <= off["decode_tok_s"]["median"] <= off["decode_tok_s"]["max"]
         assert p["ratio_to_offline"] == pytest.approx(p["tok_s"] / off["decode_tok_s"]["median"])
         assert 0 < p["mean_running_rows"] <= c
+        assert p["ratio_to_offline_e2e"] == pytest.approx(p["tok_s"] / off["e2e_tok_s"]["median"])
+        assert p["kernel_compiles"] is None  # on the CPU nothing is compiled: not observed, not zero
+        e = p["engine_thread"]
+        # the engine thread's time accounts for the window (the sampling edges aside) and it did run the requests
+        assert sum(e[k] for k in ("admit_s", "step_s", "stats_s", "idle_s")) == pytest.approx(p["duration_s"], abs=0.5)
+        assert e["step_s"] > 0 and e["admit_s"] > 0 and e["steps"] > 0
+        # a join in progress at either edge of the window may be counted by one and not the other
+        assert 1 <= e["joins"] <= e["admitted"] and abs(e["queue_wait_s"]["n"] - e["admitted"]) <= 2 * c
+        assert 0 <= e["queue_wait_s"]["p50"] <= e["queue_wait_s"]["max"]
+    assert rec["server"]["kernel_compiles_after_ready"] is None
     assert rec["targets"]["checks"] == []  # neither 8 nor 32 clients ran
 
 
@@ -118,7 +128,9 @@ def test_the_table_and_the_plot(bench_run):
     out = bench_run["proc"].stdout
     assert "clients" in out and "ratio" in out and f"wrote {bench_run['out']}" in out
     rows = [ln.split() for ln in out.splitlines() if ln.split() and ln.split()[0] in {str(c) for c in CLIENTS}]
-    assert [r[0] for r in rows] == [str(c) for c in CLIENTS]
+    # the main table, then the engine thread's share of each window: a row per client count in each
+    assert [r[0] for r in rows] == [str(c) for c in CLIENTS] * 2
+    assert "engine thread:" in out and all(len(r) == 9 for r in rows[len(CLIENTS):])
     assert bench_run["png"].read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
 
 

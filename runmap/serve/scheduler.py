@@ -87,6 +87,12 @@ class Scheduler:
         # were compiled when the server reported ready: a variant compiled later stalled a request
         self.compiles = None
         self.compiles_at_ready: int | None = None
+        # where the engine thread's time goes once serving (seconds, cumulative): admitting waiting requests (their
+        # joint prefills), decode steps (with the rows' token handling), gauges and the stats snapshot; the rest of
+        # the wall time it waited for work. Read by the load benchmark per window.
+        self.time_in = {"admit_s": 0.0, "step_s": 0.0, "stats_s": 0.0}
+        # (admission time, seconds the request waited in the queue before its join began) of recent admissions
+        self.queue_waits: collections.deque = collections.deque(maxlen=100_000)
 
     # ---- the HTTP side --------------------------------------------------------------------------------
     def start(self) -> None:
@@ -287,19 +293,25 @@ class Scheduler:
                 except BaseException as e:  # noqa: BLE001 - handed to the caller
                     fut.set_exception(e)
             try:
+                t0 = time.perf_counter()
                 self._admit()
+                t = time.perf_counter()
+                self.time_in["admit_s"] += t - t0
                 if r.rows:
                     self.max_rows_seen = max(self.max_rows_seen, r.rows)
-                    t, n0 = time.perf_counter(), self.totals["generated_tokens"]
+                    n0 = self.totals["generated_tokens"]
                     r.step()
                     self._rate.append((t, self.totals["generated_tokens"] - n0))
                     while self._rate and t - self._rate[0][0] > RATE_WINDOW_S:
                         self._rate.popleft()
+                    self.time_in["step_s"] += time.perf_counter() - t
             except Exception as e:  # noqa: BLE001 - an engine failure fails the batch, not the server
                 log.exception("engine step failed")
                 self._fail_batch(ApiError(500, f"engine failure: {type(e).__name__}: {e}", type="server_error"))
+            t0 = time.perf_counter()
             self._update_gauges()
             self._refresh_stats(force=not r.rows)
+            self.time_in["stats_s"] += time.perf_counter() - t0
         down = ApiError(503, "the server is shutting down", type="server_error")
         self._fail_batch(down)
         self._fail_all(down)
@@ -342,6 +354,7 @@ class Scheduler:
             if not tickets:
                 break
             seqs = []
+            t_join = time.perf_counter()
             for t in tickets:
                 t.seq = Sequence(t.prompt_ids, t.params, on_token=self._on_token(t), on_finish=self._on_finish(t))
                 seqs.append(t.seq)
@@ -367,6 +380,7 @@ class Scheduler:
                 for t in tickets[:n]:
                     self._waiting.remove(t)  # FIFO: the first n of the queue
                     self._running[id(t)] = t
+            self.queue_waits.extend((t_join, t_join - t.t_arrival) for t in tickets[:n])
             for t in tickets[:n]:
                 if self.metrics is not None:
                     self.metrics.prompt_tokens.inc(len(t.prompt_ids))
