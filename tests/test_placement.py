@@ -15,7 +15,8 @@ import pytest
 import torch
 from hypothesis import given, settings, strategies as st
 
-from runmap.engine.placement import AutoPlacement, CpuPlacement, PlacementCosts, make_placement
+from runmap.engine.placement import (AutoPlacement, CpuPlacement, InUseRate, PlacementCosts, PlacementError,
+                                     make_placement)
 
 PRESETS = ("tiny-olmoe", "tiny-qwen2-moe")
 
@@ -110,7 +111,7 @@ def test_auto_placement_follows_its_rule_and_stays_equal(packs, full_logits, pre
         # a link 4x slower than the CPU site: transfer only above a 0.75 hit rate. The cold start (no evidence of
         # reuse) computes on the CPU; once hits dominate it transfers
         auto = AutoPlacement(PlacementCosts(h2d_gb_s=1.0, cpu_gb_s=4.0, row_bytes=cache.row_bytes, source="test"),
-                             cache.counters)
+                             cache.counters, learn=False)
         eng.experts.placement = auto
         got = eng.logits(_prompt(cfg))
         _close_to(got, full_logits[preset], f"{preset} auto")
@@ -375,7 +376,8 @@ def test_auto_on_a_link_faster_than_the_cpu_site_runs_the_plain_path(packs):
     eng = _engine(pack, resident=cfg.top_k, expert_placement="auto")
     try:
         cache = eng.experts.cache
-        eng.experts.placement = AutoPlacement(PlacementCosts(10.0, 1.0, cache.row_bytes, "test"), cache.counters)
+        eng.experts.placement = AutoPlacement(PlacementCosts(10.0, 1.0, cache.row_bytes, "test"), cache.counters,
+                                                      learn=False)
         assert not eng.experts.mixed and eng.experts.placement.may_use_cpu() is False
         eng.logits(_prompt(cfg, n=4))
         assert cache.counters["cpu_site_experts"] == 0 and cache.counters["misses"] > 0
@@ -488,7 +490,8 @@ def test_auto_in_the_segment_chain_follows_its_rule_from_step_to_step(packs):
     try:
         cache = eng.experts.cache
         seen = {"hits": 0, "misses": 100, "cpu_site_experts": 0}  # the counters the rule reads: hit rate 0
-        eng.experts.placement = auto = AutoPlacement(PlacementCosts(9.0, 10.0, cache.row_bytes, "test"), seen)
+        eng.experts.placement = auto = AutoPlacement(PlacementCosts(9.0, 10.0, cache.row_bytes, "test"), seen,
+                                                             learn=False)
         assert auto.may_use_cpu() and eng.experts.mixed
         eng.generate(CHAIN_PROMPTS[:1], max_new_tokens=4)
         cpu_first = cache.counters["cpu_site_experts"]
@@ -621,10 +624,61 @@ def test_an_engine_tells_auto_every_routed_expert_once(packs):
         auto = eng.experts.placement
         assert auto.reuse is not None and auto.reuse.capacity == cache.resident == cfg.top_k
         eng.experts.placement = auto = AutoPlacement(PlacementCosts(1.0, 10.0, cache.row_bytes, "test"),
-                                                     cache.counters, resident=cache.resident)  # CPU unless h > 0.9
+                                                     cache.counters, resident=cache.resident,
+                                                     learn=False)  # CPU unless h > 0.9
         before = {k: cache.counters[k] for k in ("hits", "misses", "cpu_site_experts")}
         eng.generate(CHAIN_PROMPTS, max_new_tokens=6)
         seen = sum(cache.counters[k] - before[k] for k in before)
         assert auto.reuse.uses == seen > 0 and cache.counters["cpu_site_experts"] > before["cpu_site_experts"]
+    finally:
+        eng.close()
+
+
+def test_the_in_use_rate_is_a_decaying_average_trusted_after_enough_calls():
+    r = InUseRate(decay=0.5, min_calls=2)
+    r.add(1e9, 1.0)
+    assert r.gb_s is None and r.calls == 1  # one call is not enough evidence
+    r.add(1e9, 3.0)  # (0.5 * 1e9 + 1e9) / (0.5 * 1 + 3) bytes per second
+    assert r.gb_s == pytest.approx(1.5 / 3.5)
+    r.add(0, 5.0)  # a call that read nothing says nothing
+    assert r.calls == 2
+    with pytest.raises(PlacementError, match="decay"):
+        InUseRate(decay=1.0)
+
+
+def test_auto_replaces_its_build_time_rates_by_what_it_observes_in_use():
+    """The build-time probe says the CPU site is 4x the link (compute absent experts on the CPU at h = 0.5); the CPU
+    calls observed in use run at a tenth of the probe's rate, so the rule turns to transfers; learn=False keeps the
+    probe's rates (and still reports what it saw)."""
+    counters = {"hits": 0, "misses": 0, "cpu_site_experts": 0}
+    costs = PlacementCosts(h2d_gb_s=1.0, cpu_gb_s=4.0, row_bytes=1000, source="test")
+    learning, fixed = AutoPlacement(costs, counters), AutoPlacement(costs, counters, learn=False)
+    for auto in (learning, fixed):
+        assert not auto.transfer(0.5) and auto.uses_cpu_now()
+        for _ in range(4):
+            auto.observe_cpu(4000, 4000 / 0.4e9)  # 0.4 GB/s in use
+    assert learning.cpu_gb_s() == pytest.approx(0.4) and learning.transfer(0.5) and not learning.uses_cpu_now()
+    assert fixed.cpu_gb_s() == 4.0 and not fixed.transfer(0.5)
+    d = learning.describe()
+    assert d["rates_used"]["cpu_gb_s"] == pytest.approx(0.4) and d["in_use"]["cpu_calls"] == 4 and d["now"] == "transfer"
+    # transfers observed slower than the probe lower the link's rate (never above an emulated link's pace)
+    for _ in range(4):
+        learning.observe_transfer(1000, 1000 / 0.1e9)
+    assert learning.h2d_gb_s() == pytest.approx(0.1) and learning.uses_cpu_now()
+
+
+def test_the_engine_tells_auto_what_its_cpu_calls_and_transfers_cost(packs):
+    """Per-call path with a CPU part: every CPU-site call and every acquisition that moved bytes reaches auto."""
+    pack, cfg = packs["tiny-olmoe"]
+    eng = _engine(pack, resident=cfg.top_k, expert_placement="auto")
+    try:
+        cache = eng.experts.cache
+        auto = AutoPlacement(PlacementCosts(1.0, 4.0, cache.row_bytes, "test"), cache.counters, learn=False)
+        eng.experts.placement = auto
+        eng.logits(_prompt(cfg))
+        assert cache.counters["cpu_site_experts"] > 0 and auto.cpu_in_use.calls > 0
+        assert auto.cpu_in_use._bytes > 0 and auto.describe()["in_use"]["cpu_calls"] == auto.cpu_in_use.calls
+        if cache.counters["misses"]:
+            assert auto.h2d_in_use.calls > 0
     finally:
         eng.close()

@@ -290,7 +290,9 @@ class CachedExperts:
                     y = self._device_part(xs, idss, gws, ids_hs, ~on_cpu, lease)  # fp32 (n, H) or None, queued
                     if lease.cpu_experts:  # runs while the device computes the leased experts
                         xc, gwc = (x_h, gw_h) if sel is None else (x_h[rows], gw_h[rows])
+                        t_cpu = time.perf_counter()
                         yc = self.site().moe_subset(layer, xc, ids_hs, gwc, lease.cpu_experts)  # fp32 (n, H)
+                        self.observe_cpu(len(lease.cpu_experts), time.perf_counter() - t_cpu)
                         yc = yc.to(x.device)
                         y = yc if y is None else y + yc
             finally:
@@ -327,6 +329,12 @@ class CachedExperts:
             self.placement.observe(layer, ids)
         return self._timed(req.acquire, layer, ids, place)
 
+    def observe_cpu(self, n_experts: int, seconds: float) -> None:
+        """Tell an auto placement what a CPU-site call of ``n_experts`` experts cost in use (its rule's CPU rate)."""
+        observe = getattr(self.placement, "observe_cpu", None)
+        if observe is not None:
+            observe(n_experts * self.cache.host.layout.row_bytes, seconds)
+
     def _timed(self, call, *args):
         """``call(*args)`` (an acquisition or a prefetch), adding its wall time to ``h2d_seconds`` when it moved expert
         bytes host -> device (the rate bytes_h2d / h2d_seconds is then over every path that moves expert bytes: eager
@@ -334,7 +342,11 @@ class CachedExperts:
         bytes0, t0 = self.cache.counters["bytes_h2d"], time.perf_counter()
         out = call(*args)
         if self.cache.counters["bytes_h2d"] != bytes0:
-            self.h2d_seconds += time.perf_counter() - t0
+            seconds = time.perf_counter() - t0
+            self.h2d_seconds += seconds
+            observe = getattr(self.placement, "observe_transfer", None)
+            if observe is not None:  # auto's transfer rate in use, the host transaction included
+                observe(self.cache.counters["bytes_h2d"] - bytes0, seconds)
         return out
 
     def static_experts(self, layer, x, ids, gw):
@@ -605,8 +617,10 @@ class SegmentDecoder(_StaticStepInputs):
         cpu = self.layer_cpu[layer]
         if cpu:
             ex = self.e.experts
+            t_cpu = time.perf_counter()
             with ex.cache.monitored():  # as on the per-call path: a copy out of expert rows here would be counted
                 yc = ex.site().moe_subset(layer, self.host_x[layer], self.host_ids[layer], self.host_gw[layer], cpu)
+            ex.observe_cpu(len(cpu), time.perf_counter() - t_cpu)
             self.host_cpu_out[layer].copy_(yc)  # (B, H) fp32
             self.cpu_out[layer].copy_(self.host_cpu_out[layer], non_blocking=True)
             self.cpu_set[layer] = True

@@ -27,9 +27,13 @@ rule reads a shadow LRU instead (``ReuseEstimator``): the routed experts of ever
 resident count per layer, whichever site computed them; its hit rate is the hit rate of the routing workload at this
 residency with every miss transferred. Not modelled: that CPU work and transfers could run at once (a split of one step's misses
 between both sites), and a batch's tokens sharing a CPU expert (the CPU cost is per expert read, as the
-transfer's is). The rates are measured on this machine when the engine is built (``measure_costs``); ``h`` starts
-from 0 (no evidence of reuse yet). The plan (rates,
-threshold, decisions so far) is in the engine's telemetry and printed by the CLI.
+transfer's is). The rates are measured on this machine when the engine is built (``measure_costs``: one expert
+alone, best of a few), then replaced by what the engine observes in use (``InUseRate``): the wall time of each CPU-site
+call per expert byte it read, and of each acquisition that moved experts per byte moved, host work included. On the
+H200 host the build-time probe said 0.14 ms per OLMoE expert on the CPU where a decode step's CPU part took ~1 ms per
+expert (results/campaigns/h200-host-overhead), so a rule fed only the probe chose the CPU where it was the slower site.
+``h`` starts from 0 (no evidence of reuse yet). The plan (rates, their source, threshold, decisions so far) is in the
+engine's telemetry and printed by the CLI.
 """
 from __future__ import annotations
 
@@ -96,6 +100,33 @@ def measure_costs(site, host, device, layer: int = 0, repeats: int = 5,
     if paced is not None and paced < h2d_gb_s:  # an emulated slower link (runmap.residency.transport.pace)
         h2d_gb_s, how = paced, how + f"; host->device capped at the emulated link's {paced:g} GB/s"
     return PlacementCosts(h2d_gb_s=h2d_gb_s, cpu_gb_s=nbytes / max(cpu_s, 1e-9) / 1e9, row_bytes=nbytes, source=how)
+
+
+class InUseRate:
+    """A rate (GB/s) observed in use: bytes and wall seconds of recent calls, the oldest share forgotten at each
+    call (an exponential average with weight ``1 - decay`` on the newest), trusted from ``min_calls`` calls on."""
+
+    def __init__(self, decay: float = 0.9, min_calls: int = 4):
+        if not 0.0 <= decay < 1.0 or min_calls < 1:
+            raise PlacementError(f"in-use rate: decay {decay} must be in [0, 1) and min_calls {min_calls} >= 1")
+        self.decay, self.min_calls = decay, min_calls
+        self.calls = 0
+        self._bytes = 0.0
+        self._seconds = 0.0
+
+    def add(self, nbytes: int, seconds: float) -> None:
+        if nbytes <= 0 or seconds < 0:
+            return
+        self._bytes = self._bytes * self.decay + nbytes
+        self._seconds = self._seconds * self.decay + seconds
+        self.calls += 1
+
+    @property
+    def gb_s(self) -> float | None:
+        """The observed rate, or None before ``min_calls`` calls."""
+        if self.calls < self.min_calls:
+            return None
+        return self._bytes / max(self._seconds, 1e-12) / 1e9
 
 
 class ReuseEstimator:
@@ -170,13 +201,37 @@ class AutoPlacement(Placement):
 
     name = "auto"
 
-    def __init__(self, costs: PlacementCosts, counters, resident: int | None = None):
+    def __init__(self, costs: PlacementCosts, counters, resident: int | None = None, learn: bool = True):
+        """learn=False keeps the rule on ``costs`` (tests and what-if runs with given rates); what is observed in use
+        is still recorded and reported."""
         self.costs = costs
+        self.learn = learn
         # h: with ``resident`` (the engine's case) a shadow LRU of the routes at that residency; without it, the
         # counters given (hits, misses, cpu_site_experts), e.g. the cache's own
         self.counters = counters
         self.reuse = ReuseEstimator(resident) if resident is not None else None
         self.decisions = {"transfer": 0, "cpu": 0}
+        self.cpu_in_use = InUseRate()  # CPU-site calls: expert bytes read / wall seconds
+        self.h2d_in_use = InUseRate()  # acquisitions that moved experts: bytes moved / wall seconds
+
+    def cpu_gb_s(self) -> float:
+        """The CPU site's rate: observed in use once there is enough of it, else the build-time probe's."""
+        seen = self.cpu_in_use.gb_s if self.learn else None
+        return seen if seen is not None else self.costs.cpu_gb_s
+
+    def h2d_gb_s(self) -> float:
+        """The transfer path's rate (host transaction included): observed in use once there is enough, else the
+        build-time probe's (a pinned copy alone), never above an emulated link's pace."""
+        seen = self.h2d_in_use.gb_s if self.learn else None
+        return min(seen, self.costs.h2d_gb_s) if seen is not None else self.costs.h2d_gb_s
+
+    def observe_cpu(self, nbytes: int, seconds: float) -> None:
+        """One CPU-site call: the expert bytes it read (experts x row bytes) and its wall time."""
+        self.cpu_in_use.add(nbytes, seconds)
+
+    def observe_transfer(self, nbytes: int, seconds: float) -> None:
+        """One acquisition that moved expert bytes host -> device and its wall time."""
+        self.h2d_in_use.add(nbytes, seconds)
 
     def observe(self, layer: int, ids) -> None:
         """ids: a layer call's routed expert ids, (n, k) or flat (a host tensor, an array or a sequence)."""
@@ -187,7 +242,7 @@ class AutoPlacement(Placement):
 
     def may_use_cpu(self) -> bool:
         """A link at least as fast as the CPU site transfers at every hit rate (threshold 0)."""
-        return self.costs.cpu_gb_s > self.costs.h2d_gb_s
+        return self.cpu_gb_s() > self.h2d_gb_s()
 
     def hit_rate(self) -> float:
         if self.reuse is not None:
@@ -199,7 +254,7 @@ class AutoPlacement(Placement):
     def transfer(self, h: float) -> bool:
         """True when moving an absent expert is expected to cost less than computing each of its uses on the CPU:
         (1 / h2d) < (1 / cpu) / (1 - h), per byte."""
-        return (1.0 - h) / self.costs.h2d_gb_s < 1.0 / self.costs.cpu_gb_s
+        return (1.0 - h) / self.h2d_gb_s() < 1.0 / self.cpu_gb_s()
 
     def uses_cpu_now(self) -> bool:
         """The rule below at the current hit rate: False (transfer) keeps the engine on its plain path or plain
@@ -220,7 +275,10 @@ class AutoPlacement(Placement):
         source = (f"shadow LRU of the routed experts at {self.reuse.capacity} per layer ({self.reuse.uses} uses)"
                   if self.reuse is not None else "the counters given")
         return {"mode": self.name, "costs": self.costs.to_dict(), "hit_rate": h, "hit_rate_source": source,
-                "transfer_if_hit_rate_above": max(0.0, 1.0 - self.costs.h2d_gb_s / self.costs.cpu_gb_s),
+                "rates_used": {"cpu_gb_s": self.cpu_gb_s(), "h2d_gb_s": self.h2d_gb_s(), "learn": self.learn},
+                "in_use": {"cpu_gb_s": self.cpu_in_use.gb_s, "cpu_calls": self.cpu_in_use.calls,
+                           "h2d_gb_s": self.h2d_in_use.gb_s, "h2d_calls": self.h2d_in_use.calls},
+                "transfer_if_hit_rate_above": max(0.0, 1.0 - self.h2d_gb_s() / self.cpu_gb_s()),
                 "now": "transfer" if self.transfer(h) else "cpu", "decisions": dict(self.decisions)}
 
 
