@@ -8,7 +8,6 @@ from __future__ import annotations
 import dataclasses
 import functools
 import os
-import re
 
 import torch
 
@@ -158,13 +157,16 @@ class CompileLog:
     seconds, so a server counts the variants made after it reported ready (none is the goal of its warm-up).
 
     One log per process (``compile_log()``); an earlier hook is kept and still called. Under the interpreter
-    nothing is compiled and the log stays empty."""
+    nothing is compiled and the log stays empty. ``mark()`` starts a second, bounded list of the variants compiled
+    from then on (a server marks when it is ready), so those are kept however many the warm-up compiled."""
 
-    KEEP = 64  # the first variants kept with their names (the count goes on)
+    KEEP = 64  # variants kept with their names in each list (the counts go on)
 
     def __init__(self):
         self.count = 0
-        self.variants: list[str] = []  # "kernel(arg: type, ...)" of the first KEEP variants
+        self.variants: list[str] = []  # the first KEEP variants: "kernel(arg: type, ..., NAME=constexpr value)"
+        self.marked_at: int | None = None  # count at mark()
+        self.since_mark: list[str] = []  # the first KEEP variants compiled after mark()
         self._previous = None
 
     def install(self) -> "CompileLog":
@@ -176,11 +178,31 @@ class CompileLog:
         knobs.runtime.jit_post_compile_hook = self._hook
         return self
 
+    def mark(self) -> None:
+        self.marked_at, self.since_mark = self.count, []
+
+    @staticmethod
+    def describe(fn, compile: dict, repr: str) -> str:
+        """The kernel's name, argument types and constexpr values (Triton's ``repr`` is built from a key that is a
+        string in Triton 3.6, so its argument part is not usable; the compile arguments are)."""
+        name = (getattr(fn, "name", None) or repr.split("[", 1)[0]).rsplit(".", 1)[-1]
+        sig = compile.get("signature") or {}
+        consts = compile.get("constants") or {}
+        names = list(sig) if isinstance(sig, dict) else []
+        args = [f"{k}: {v}" for k, v in sig.items() if v != "constexpr"] if isinstance(sig, dict) else []
+        for path, v in (consts.items() if isinstance(consts, dict) else ()):
+            # a constexpr's key is its path among the arguments ((index,) for a plain one)
+            i = path[0] if isinstance(path, tuple) and path and isinstance(path[0], int) else None
+            args.append(f"{names[i] if i is not None and i < len(names) else path}={v}")
+        return f"{name}({', '.join(args)})"
+
     def _hook(self, *, key, repr, fn, compile, is_manual_warmup, already_compiled):
         self.count += 1
+        text = self.describe(fn, compile if isinstance(compile, dict) else {}, repr)
         if len(self.variants) < self.KEEP:
-            # "kernel[num_warps=.., ...](arg: type, ...)" without the launch options: the name and argument types
-            self.variants.append(re.sub(r"\[[^\]]*\]\(", "(", repr, count=1))
+            self.variants.append(text)
+        if self.marked_at is not None and len(self.since_mark) < self.KEEP:
+            self.since_mark.append(text)
         if self._previous is not None:
             return self._previous(key=key, repr=repr, fn=fn, compile=compile, is_manual_warmup=is_manual_warmup,
                                   already_compiled=already_compiled)

@@ -395,19 +395,37 @@ def test_a_launch_runs_without_torch_function_modes_and_calls_around_it_are_stil
 
 
 def test_the_compile_log_counts_variants_and_keeps_an_earlier_hook():
-    """CompileLog: one count per jit_post_compile_hook call, the kernel and argument types kept, the hook that was
-    installed before it still called (with the same arguments)."""
-    from triton import knobs
+    """CompileLog through Triton's own hook call (JITFunction._call_hook, as a compilation makes it): one count per
+    variant, named with its argument types and constexpr values, the hook installed before it still called, and the
+    variants after mark() kept apart (however many came before)."""
+    import types
 
+    from triton import knobs
+    from triton.runtime.jit import JITFunction
+
+    def scale_kernel(x_ptr, n, BLOCK):  # never compiled here: only its signature is used
+        pass
+
+    jf = JITFunction(scale_kernel)
+    options = types.SimpleNamespace(num_warps=4, num_ctas=1, num_stages=3, enable_fp_fusion=True,
+                                    launch_cooperative_grid=False, extern_libs=None)
     earlier = []
     saved = knobs.runtime.jit_post_compile_hook
     try:
-        knobs.runtime.jit_post_compile_hook = lambda **kw: earlier.append(kw["repr"])
+        knobs.runtime.jit_post_compile_hook = lambda **kw: earlier.append(kw["fn"])
         log = common.CompileLog().install()
+        log.KEEP = 2
         assert knobs.runtime.jit_post_compile_hook == log._hook
-        for i in range(3):
-            knobs.runtime.jit_post_compile_hook(key=i, repr=f"_k{i}[num_warps=4, num_stages=3](P: i32, x_ptr: *fp16)",
-                                                fn=None, compile={}, is_manual_warmup=False, already_compiled=False)
-        assert log.count == 3 and log.variants[0] == "_k0(P: i32, x_ptr: *fp16)" and len(earlier) == 3
+
+        def compiled(block):
+            jf._call_hook(knobs.runtime.jit_post_compile_hook, f"key{block}",
+                          {"x_ptr": "*fp16", "n": "i32", "BLOCK": "constexpr"}, 0, {(2,): block}, options, [{}], False)
+        for block in (16, 32, 64):
+            compiled(block)
+        assert log.count == 3 and len(earlier) == 3
+        assert log.variants == ["scale_kernel(x_ptr: *fp16, n: i32, BLOCK=16)", "scale_kernel(x_ptr: *fp16, n: i32, BLOCK=32)"]
+        log.mark()
+        compiled(128)
+        assert log.since_mark == ["scale_kernel(x_ptr: *fp16, n: i32, BLOCK=128)"] and log.count == 4
     finally:
         knobs.runtime.jit_post_compile_hook = saved

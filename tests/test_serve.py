@@ -598,3 +598,43 @@ def test_a_streamed_content_chunk_is_the_typed_chunks_serialization(text, chat, 
         return d
 
     assert _content_sse(make)(text) == _sse(make(text))
+
+
+def test_an_event_put_just_as_the_drain_finds_the_outbox_empty_still_arrives():
+    """The lost wake-up the outbox's order of operations prevents: the engine thread appends right after a running
+    drain saw the deque empty. The drain cleared its flag before emptying, so that put schedules the next drain
+    (clearing it after emptying would strand the event: this test then times out)."""
+    import asyncio
+    import collections
+
+    from runmap.serve.app import _Outbox
+
+    async def main():
+        box = _Outbox(asyncio.get_running_loop())
+        q = asyncio.Queue()
+        state = {"draining": False, "raced": False}
+
+        class Racy(collections.deque):
+            def __bool__(self):
+                empty = len(self) == 0
+                if empty and state["draining"] and not state["raced"]:
+                    state["raced"] = True
+                    box.put(q, "raced")  # as if put by the engine thread at this instant
+                    return False  # the drain already saw it empty
+                return not empty
+
+        box.items = Racy()
+        real = box._drain
+
+        def drain():
+            state["draining"] = True
+            try:
+                real()
+            finally:
+                state["draining"] = False
+        box._drain = drain
+        box.put(q, "first")
+        assert await asyncio.wait_for(q.get(), 5) == "first"
+        assert await asyncio.wait_for(q.get(), 5) == "raced" and state["raced"]
+
+    asyncio.run(main())

@@ -275,27 +275,38 @@ def _bucket(n: int) -> int:
     return 1 << max(0, (n - 1).bit_length())
 
 
-@settings(max_examples=200, deadline=None)
-@given(max_seq_len=st.integers(1, 8192), prefill_chunk=st.integers(1, 2048), max_batch=st.integers(1, 64),
-       join_tokens=st.integers(0, 8192))
-def test_the_warm_up_prefills_reach_every_size_bucket_a_server_can_run(max_seq_len, prefill_chunk, max_batch,
-                                                                       join_tokens):
-    """Every pass size T a server can run (1 .. the largest joint or single-prompt pass) has a warm-up pass in its
-    power-of-two bucket, and T = 1 has its own (the kernels' size constexprs round counts proportional to T up to
-    powers of two); every warm-up pass is one the server could run: rows <= max_batch, lengths within a chunk."""
+def _kernel_variant(tokens: int, top_k: int, num_experts: int) -> tuple:
+    """The size-derived constexprs of the grouped executor for a pass routing ``tokens`` tokens
+    (runmap.kernels.grouped: P_PAD at decode size, else the sort's CHUNKS_PAD)."""
+    from runmap.kernels.grouped import DECODE_MAX_PAIRS
+
+    pairs = tokens * top_k
+    if pairs <= DECODE_MAX_PAIRS:
+        return ("decode", _bucket(max(pairs, 2)))
+    block_p = max(16, min(256, 16384 // _bucket(num_experts + 1)))
+    return ("sorted", _bucket(-(-pairs // block_p)))
+
+
+@settings(max_examples=60, deadline=None)
+@given(max_seq_len=st.integers(1, 4096), prefill_chunk=st.integers(1, 2048), max_batch=st.integers(1, 64),
+       join_tokens=st.one_of(st.integers(0, 8200), st.sampled_from([2049, 4096, 4097, 4100, 8193, 8199])),
+       top_k=st.sampled_from([1, 2, 4, 6, 8]), num_experts=st.sampled_from([8, 60, 64, 128]))
+def test_the_warm_up_prefills_reach_every_kernel_variant_a_server_can_run(max_seq_len, prefill_chunk, max_batch,
+                                                                          join_tokens, top_k, num_experts):
+    """Every pass a server can run routes between 1 and the largest pass's tokens (a joint prefill of at most
+    join_tokens, or one prompt's chunk); for every such token count the warm-up has a pass with the same size-derived
+    kernel constexprs, counting the tokens the MoE routes (pad positions are masked out before it). Every warm-up
+    pass is one the server could run: rows <= max_batch, lengths within a chunk, rows differing by at most one."""
     shapes = prefill_warmup_shapes(max_seq_len=max_seq_len, prefill_chunk=prefill_chunk, max_batch=max_batch,
                                    join_tokens=join_tokens)
     per_row = min(prefill_chunk, max_seq_len)
     largest = max(per_row, min(join_tokens, max_batch * per_row))
-    passes = [len(lens) * max(lens) for lens in shapes]  # tokens per pass, padding included
     assert shapes[0] == [1]
     for lens in shapes:
-        assert 1 <= len(lens) <= max_batch and all(1 <= n <= per_row for n in lens)
-        assert len(lens) == 1 or len(set(lens)) > 1 or max(lens) == 1  # several rows: padded, as a joint prefill
-    assert max(passes) <= largest + len(shapes[-1]) - 1
-    covered = {_bucket(t) for t in passes}
-    for t in {t for t in (1, 2, 3, 17, largest, largest // 2, largest // 2 + 1, largest - 1) if 1 <= t <= largest}:
-        assert _bucket(t) in covered, (t, shapes)
+        assert 1 <= len(lens) <= max_batch and all(1 <= n <= per_row for n in lens) and max(lens) - min(lens) <= 1
+    warmed = {_kernel_variant(sum(lens), top_k, num_experts) for lens in shapes}
+    needed = {_kernel_variant(n, top_k, num_experts) for n in range(1, largest + 1)}
+    assert needed <= warmed, sorted(needed - warmed)
 
 
 def test_the_warm_up_prefills_run_on_an_engine(engines):
@@ -306,7 +317,7 @@ def test_the_warm_up_prefills_run_on_an_engine(engines):
     sched = Scheduler(eng, join_tokens=2 * MAX_SEQ_LEN)
     shapes = prefill_warmup_shapes(max_seq_len=eng.max_seq_len, prefill_chunk=eng.prefill_chunk,
                                    max_batch=eng.max_batch, join_tokens=2 * MAX_SEQ_LEN)
-    assert [len(s) for s in shapes][-1] > 1  # the largest pass is a padded joint one here
+    assert [len(s) for s in shapes][-1] > 1  # the largest pass is a joint one here
     seen = []
     real = eng.prefill
     try:
@@ -321,3 +332,29 @@ def test_the_warm_up_prefills_run_on_an_engine(engines):
         del eng.prefill
     assert [s for s, _ in seen] == [(len(l), max(l)) for l in shapes]
     assert [p for _, p in seen] == [[max(l) - n for n in l] for l in shapes]
+    assert any(len(set(l)) > 1 for l in shapes)  # a padded joint pass among them
+
+
+def test_a_scheduler_gives_the_process_back_what_it_changed_when_it_stops(engines):
+    """start() shortens the GIL switch interval and the warm-up freezes the startup objects out of the collector;
+    stop() restores the interval and unfreezes, so a process that goes on (tests, benchmarks) is as it was."""
+    import gc
+    import sys
+    import time
+
+    from runmap.serve.scheduler import GIL_SWITCH_INTERVAL_S, Scheduler
+
+    before = sys.getswitchinterval()
+    assert before != GIL_SWITCH_INTERVAL_S and gc.get_freeze_count() == 0
+    sched = Scheduler(engines["tiny-olmoe"])
+    sched.start()
+    try:
+        t0 = time.monotonic()
+        while not sched.ready and sched.failed is None and time.monotonic() - t0 < 120:
+            time.sleep(0.05)
+        assert sched.ready, sched.failed
+        assert sys.getswitchinterval() == GIL_SWITCH_INTERVAL_S and gc.get_freeze_count() > 0
+        assert sched.compiles_after_ready() is None  # on the CPU nothing is compiled: not observed
+    finally:
+        sched.stop()
+    assert sys.getswitchinterval() == before and gc.get_freeze_count() == 0

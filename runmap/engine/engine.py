@@ -180,6 +180,7 @@ class CachedExperts:
                     check = _check_routing()
                     for layer, ids in seen:  # the first layer with a bad id raises, naming token, slot and expert
                         check(ids, self.tables[layer], self.storage[layer].shape[0])
+                    raise RuntimeError("a routed id outside [0, E) was seen in this pass but no layer's check named it")
         finally:
             self._pass_ids = None
 

@@ -66,7 +66,8 @@ class _Outbox:
             try:
                 self.loop.call_soon_threadsafe(self._drain)
             except RuntimeError:  # the event loop is closed (shutdown): nobody is listening any more
-                pass
+                self.pending = False
+                self.items.clear()
 
     def _drain(self) -> None:
         self.pending = False

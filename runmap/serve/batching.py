@@ -68,8 +68,8 @@ def prefill_warmup_shapes(*, max_seq_len: int, prefill_chunk: int, max_batch: in
     T = 2**j + 1 tokens for every j up to the largest pass the server can run reaches every bucket (the pass
     sizes themselves are not specialized: do_not_specialize in the kernels). The largest pass is a joint prefill
     of ``join_tokens`` tokens (rows x positions per chunk) or one prompt's chunk of min(prefill_chunk,
-    max_seq_len) positions; a pass larger than one row is spread over rows of lengths that differ by one, the
-    padded joint prefill the batch runner makes."""
+    max_seq_len) positions; a pass larger than one row is spread over rows whose lengths differ by at most one
+    and sum to T (the tokens the MoE routes: pad positions are masked out before it)."""
     if min(max_seq_len, prefill_chunk, max_batch) < 1:
         raise ValueError(f"max_seq_len {max_seq_len}, prefill_chunk {prefill_chunk} and max_batch {max_batch} "
                          "must be >= 1")
@@ -85,9 +85,11 @@ def prefill_warmup_shapes(*, max_seq_len: int, prefill_chunk: int, max_batch: in
     shapes = []
     for t in sizes:
         rows = -(-t // per_row)  # ceil: the fewest rows that hold t tokens
-        p = -(-t // rows)
-        # rows of lengths p, p-1, ...: padded like a joint prefill of different prompts (one row: unpadded)
-        shapes.append([max(1, p - (i > 0)) for i in range(rows)])
+        q, r = divmod(t, rows)
+        # lengths that differ by at most one and sum to exactly t: the MoE sees only real tokens (a pad position is
+        # masked out before routing), so the pass routes t tokens, as a joint prefill of prompts of these lengths
+        # does (several rows of different lengths are padded like one)
+        shapes.append([q + 1] * r + [q] * (rows - r))
     return shapes
 
 

@@ -87,6 +87,8 @@ class Scheduler:
         # were compiled when the server reported ready: a variant compiled later stalled a request
         self.compiles = None
         self.compiles_at_ready: int | None = None
+        self._switch_interval: float | None = None  # the process's own, restored at stop()
+        self._froze = False  # gc.freeze() done after warm-up (undone at stop())
         # where the engine thread's time goes once serving (seconds, cumulative): admitting waiting requests (their
         # joint prefills), decode steps (with the rows' token handling), gauges and the stats snapshot; the rest of
         # the wall time it waited for work. Read by the load benchmark per window.
@@ -100,6 +102,7 @@ class Scheduler:
         # load the loop thread runs Python for long stretches, and a thread asking for the GIL waits up to the
         # switch interval (5 ms by default: more than a decode step) before the holder is made to drop it; a
         # shorter interval bounds the engine's wait at the cost of more frequent switches.
+        self._switch_interval = sys.getswitchinterval()
         sys.setswitchinterval(GIL_SWITCH_INTERVAL_S)
         self._thread = threading.Thread(target=self._main, name="runmap-engine", daemon=True)
         self._thread.start()
@@ -155,14 +158,21 @@ class Scheduler:
             self._cv.notify()
         if self._thread is not None:
             self._thread.join(timeout)
+        # what start() and the warm-up changed for the whole process: a process that goes on (tests, benchmarks that
+        # start several servers) gets its switch interval back and its frozen objects collectable again
+        if self._switch_interval is not None:
+            sys.setswitchinterval(self._switch_interval)
+            self._switch_interval = None
+        if self._froze:
+            gc.unfreeze()
+            self._froze = False
 
     def compiles_after_ready(self) -> dict | None:
         """{"count", "variants"}: Triton kernel variants compiled since ready (None: not observed, e.g. on the CPU,
         where the interpreter compiles nothing, or before ready)."""
         if self.compiles is None or self.compiles_at_ready is None:
             return None
-        return {"count": self.compiles.count - self.compiles_at_ready,
-                "variants": self.compiles.variants[self.compiles_at_ready:]}
+        return {"count": self.compiles.count - self.compiles_at_ready, "variants": list(self.compiles.since_mark)}
 
     @property
     def alive(self) -> bool:
@@ -199,12 +209,14 @@ class Scheduler:
                 self._warmup()
                 self.warmup_s = time.perf_counter() - t0
                 if self.compiles is not None:
+                    self.compiles.mark()
                     self.compiles_at_ready = self.compiles.count
                 # Everything loaded so far (torch, transformers, the engine: millions of objects) lives as long as
                 # the process; frozen, the collector's full passes stop re-scanning it, so a serving process does not
                 # stall every running row for a full collection from time to time (a long-lived server's usual step)
                 gc.collect()
                 gc.freeze()
+                self._froze = True
                 self._refresh_stats(force=True)
                 self.ready = True
                 log.info("engine warm in %.1f s", self.warmup_s)
