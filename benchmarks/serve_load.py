@@ -460,8 +460,9 @@ def run_window(srv: InProcessServer, pool, *, clients: int, procs: int, job: dic
     # Triton kernel variants compiled inside the window (each one stalled every running row); None on the CPU
     point["kernel_compiles"] = None if late0 is None else {"count": late1["count"] - late0["count"],
                                                            "variants": late1["variants"][len(late0["variants"]):]}
-    # the engine thread over the window: its time admitting (joint prefills), stepping and snapshotting, the rest
-    # waiting for work; joins and steps run; how long admitted requests waited in the queue before their join
+    # the engine thread over the window: its time admitting (joint prefills), stepping, snapshotting and running
+    # other threads' calls, the rest waiting for work; joins and steps run; how long admitted requests waited in the
+    # queue before their join
     busy = {k: busy1[k] - busy0[k] for k in busy1}
     point["engine_thread"] = {
         **busy, "idle_s": max(0.0, (pc1 - pc0) - sum(busy.values())),
@@ -504,7 +505,7 @@ def print_table(rec: dict) -> None:
         e = pt.get("engine_thread")
         if e is None:
             continue
-        wall = sum(e[k] for k in ("admit_s", "step_s", "stats_s", "idle_s")) or 1.0
+        wall = sum(e[k] for k in ("admit_s", "step_s", "stats_s", "calls_s", "idle_s")) or 1.0
         qw = e["queue_wait_s"]
         print(f"{pt['clients']:>7} {'':>14}" + "".join(f" {e[k] / wall:>6.2f}" for k in ("admit_s", "step_s", "stats_s", "idle_s"))
               + f" {'':>21} {e['joins']:>6} {e['admitted']:>8} "
