@@ -83,10 +83,9 @@ class Scheduler:
         self.totals = {"requests": 0, "generated_tokens": 0, "prompt_tokens": 0, "cancelled": 0, "errors": 0}
         self.max_rows_seen = 0
         self._calls: collections.deque = collections.deque()  # (fn, Future) to run on the engine thread
-        # Triton kernel variants compiled by this process (runmap.kernels.common.CompileLog; CUDA only), and how many
-        # were compiled when the server reported ready: a variant compiled later stalled a request
+        # Triton kernel variants compiled by this process (runmap.kernels.common.CompileLog; CUDA only), marked when
+        # the server reports ready: a variant compiled later stalled a request
         self.compiles = None
-        self.compiles_at_ready: int | None = None
         self._switch_interval: float | None = None  # the process's own, restored at stop()
         self._froze = False  # gc.freeze() done after warm-up (undone at stop())
         # where the engine thread's time goes once serving (seconds, cumulative): admitting waiting requests (their
@@ -171,9 +170,9 @@ class Scheduler:
     def compiles_after_ready(self) -> dict | None:
         """{"count", "variants"}: Triton kernel variants compiled since ready (None: not observed, e.g. on the CPU,
         where the interpreter compiles nothing, or before ready)."""
-        if self.compiles is None or self.compiles_at_ready is None:
+        if self.compiles is None or self.compiles.marked_at is None:
             return None
-        return {"count": self.compiles.count - self.compiles_at_ready, "variants": list(self.compiles.since_mark)}
+        return {"count": self.compiles.count - self.compiles.marked_at, "variants": list(self.compiles.since_mark)}
 
     @property
     def alive(self) -> bool:
@@ -211,7 +210,6 @@ class Scheduler:
                 self.warmup_s = time.perf_counter() - t0
                 if self.compiles is not None:
                     self.compiles.mark()
-                    self.compiles_at_ready = self.compiles.count
                 # Everything loaded so far (torch, transformers, the engine: millions of objects) lives as long as
                 # the process; frozen, the collector's full passes stop re-scanning it, so a serving process does not
                 # stall every running row for a full collection from time to time (a long-lived server's usual step)
