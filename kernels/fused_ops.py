@@ -239,22 +239,28 @@ def _decode_attn_kernel(q_ptr, k_ptr, v_ptr, out_ptr, slot_ptr, pad_ptr,
     l_i = tl.zeros((), dtype=tl.float32)
     acc = tl.zeros((D,), dtype=tl.float32)
     base = b * stride_cb + hk * stride_ch
-    for n0 in range(0, N_KEYS, BLOCK_N):  # N_KEYS: the KV bucket (a few values: one compile each)
-        # blocks past the new token's slot hold no valid key: skip them (a bucket is up to 2x the keys)
-        if n0 <= slot:
-            j = n0 + offs_n
-            valid = (j >= pad) & (j <= slot)
-            kv_off = base + j[:, None] * stride_cs + offs_d[None, :]
-            k = tl.load(k_ptr + kv_off, mask=valid[:, None], other=0.0).to(tl.float32)  # (BLOCK_N, D)
-            s = tl.where(valid, tl.sum(k * q[None, :], axis=1), float("-inf"))  # (BLOCK_N,)
-            m_new = tl.maximum(m_i, tl.max(s, axis=0))
-            m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)  # a block with no valid key yet (left padding)
-            alpha = tl.exp(m_i - m_safe)
-            p = tl.exp(s - m_safe)
-            v = tl.load(v_ptr + kv_off, mask=valid[:, None], other=0.0).to(tl.float32)
-            acc = acc * alpha + tl.sum(p[:, None] * v, axis=0)
-            l_i = l_i * alpha + tl.sum(p, axis=0)
-            m_i = m_new
+    # Only the blocks that hold this row's keys (pad .. slot) are visited: a served batch's rows share slots, so a
+    # row that joined late has a large pad and its slots before it are another request's past (or nothing); a
+    # loop from slot 0 would cost every row the longest history in the batch. The bounds are read from device
+    # memory, so a captured CUDA graph stays valid for every slot and pad; N_KEYS (the bucket) only caps the end.
+    # (A while loop: the interpreter cannot take loaded scalars as range() bounds.)
+    hi = tl.minimum(slot + 1, N_KEYS)
+    n0 = (pad // BLOCK_N) * BLOCK_N
+    while n0 < hi:
+        j = n0 + offs_n
+        valid = (j >= pad) & (j <= slot)
+        kv_off = base + j[:, None] * stride_cs + offs_d[None, :]
+        k = tl.load(k_ptr + kv_off, mask=valid[:, None], other=0.0).to(tl.float32)  # (BLOCK_N, D)
+        s = tl.where(valid, tl.sum(k * q[None, :], axis=1), float("-inf"))  # (BLOCK_N,)
+        m_new = tl.maximum(m_i, tl.max(s, axis=0))
+        m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)  # no valid key seen yet (cannot happen: pad <= slot)
+        alpha = tl.exp(m_i - m_safe)
+        p = tl.exp(s - m_safe)
+        v = tl.load(v_ptr + kv_off, mask=valid[:, None], other=0.0).to(tl.float32)
+        acc = acc * alpha + tl.sum(p[:, None] * v, axis=0)
+        l_i = l_i * alpha + tl.sum(p, axis=0)
+        m_i = m_new
+        n0 += BLOCK_N
     tl.store(out_ptr + (b * NH + hq) * D + offs_d, (acc / l_i).to(tl.float16))
 
 

@@ -66,10 +66,15 @@ def test_route_fused_refuses_a_top_k_it_cannot_tile():
         route_fused(torch.zeros(1, 8).half(), torch.zeros(4, 8), 3, False)
 
 
-@pytest.mark.parametrize("slot,n_keys,pads", [(70, 256, (0, 5)), (0, 64, (0, 0)), (130, 256, (3, 129))])
-def test_decode_attention_attends_exactly_pad_to_slot(slot, n_keys, pads):
+# pads at, just before and just after the kernel's 64-key block boundaries, a pad equal to the slot (one key), and a
+# row whose keys start several blocks after the other's (a served row that joined late): the loop starts at each
+# row's own first block
+@pytest.mark.parametrize("slot,n_keys,pads", [(70, 256, (0, 5)), (0, 64, (0, 0)), (130, 256, (3, 129)),
+                                              (200, 256, (64, 199)), (255, 256, (255, 1)), (191, 512, (63, 128)),
+                                              (300, 512, (0, 300))])
+def test_decode_attention_attends_exactly_pad_to_slot(slot, n_keys, pads, test_device):
     """Keys past the slot (the rest of the KV bucket, filled with garbage here) and left padding are ignored;
-    blocks wholly past the slot are skipped."""
+    blocks wholly past the slot are skipped. RUNMAP_TEST_DEVICE=cuda runs the compiled kernel."""
     from runmap.kernels.fused_ops import decode_attention
 
     g = torch.Generator().manual_seed(slot)
@@ -78,7 +83,9 @@ def test_decode_attention_attends_exactly_pad_to_slot(slot, n_keys, pads):
     kc = (torch.randn(B, nkv, n_keys + 8, D, generator=g) * 3).half()
     vc = torch.randn(B, nkv, n_keys + 8, D, generator=g).half()
     pad = torch.tensor(pads)
-    out = decode_attention(q, kc, vc, torch.tensor([slot]), pad, n_keys)  # (B, 1, nh*D)
+    dev = torch.device(test_device)
+    out = decode_attention(q.to(dev), kc.to(dev), vc.to(dev), torch.tensor([slot], device=dev), pad.to(dev),
+                           n_keys).cpu()  # (B, 1, nh*D)
     for b in range(B):
         k = kc[b, :, pad[b]:slot + 1].float().repeat_interleave(nh // nkv, 0)  # (nh, n, D)
         v = vc[b, :, pad[b]:slot + 1].float().repeat_interleave(nh // nkv, 0)

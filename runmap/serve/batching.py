@@ -153,6 +153,7 @@ class BatchRunner:
         self.pad: list[int] = []
         self.slot = 0  # the next KV slot a decode step writes (shared by every row)
         self.cur: torch.Tensor | None = None  # int64 (B,) device: each row's sampled token not yet read
+        self._pad_dev: torch.Tensor | None = None  # int64 (B,) device copy of self.pad (None: pads changed since)
         # pipelined=True on the CPU runs the CUDA order of operations synchronously (the tests use it)
         self.pipelined = self.dev.type == "cuda" if pipelined is None else bool(pipelined)
         self.counters = {"admitted": 0, "joined_running": 0, "joins": 0, "padded_joins": 0, "shifts": 0,
@@ -187,6 +188,7 @@ class BatchRunner:
             return
         self._move_slots(0, len(self.seqs), min(self.pad), self.slot, delta)
         self.pad = [p + delta for p in self.pad]
+        self._pad_dev = None
         self.slot += delta
         self.counters["shifts"] += 1
 
@@ -264,7 +266,7 @@ class BatchRunner:
         main = self.eng.kv
         self.eng.kv = main.rows(b, b + k)  # the free rows b..b+k-1 of the engine's cache, slots 0..P-1
         try:
-            logits = self.eng.prefill(tokens.to(self.dev), pad.to(self.dev))
+            logits = self.eng.prefill(self._upload(tokens), self._upload(pad))
         finally:
             self.eng.kv = main
         if target > P:  # move the joined rows right so their prompts end at the shared slot
@@ -276,6 +278,7 @@ class BatchRunner:
         tok = self._sample(logits, group)
         self.seqs.extend(group)
         self.pad.extend(target - n for n in lens)
+        self._pad_dev = None
         self.cur = tok if self.cur is None else torch.cat([self.cur, tok])
         self.counters["admitted"] += k
 
@@ -300,9 +303,21 @@ class BatchRunner:
                 tok[b] = sample(logits[b:b + 1], s.params.temperature, s.params.top_p, s.gen)[0]
         return tok
 
+    def _upload(self, t: torch.Tensor | list) -> torch.Tensor:
+        """A host tensor (or list of ints: int64) on the engine's device without waiting for the device: on CUDA
+        through pinned memory with a non-blocking copy, queued behind the step already launched. (A plain
+        ``torch.tensor(..., device="cuda")`` copies from pageable memory and synchronizes the stream: the host
+        would wait for the step in flight, and the device would idle through the host's work until the next
+        launch, every step.)"""
+        t = torch.tensor(t, dtype=torch.long) if isinstance(t, list) else t
+        if self.dev.type != "cuda":
+            return t
+        return t.pin_memory().to(self.dev, non_blocking=True)
+
     def _decode(self, tok: torch.Tensor) -> torch.Tensor:
-        pad = torch.tensor(self.pad, dtype=torch.long, device=self.dev)
-        logits = self.eng.decode(tok, self.slot, pad)
+        if self._pad_dev is None:  # uploaded again only after a join, a leave or a shift changed the pads
+            self._pad_dev = self._upload(list(self.pad))
+        logits = self.eng.decode(tok, self.slot, self._pad_dev)
         self.slot += 1
         self.counters["steps"] += 1
         return self._sample(logits, self.seqs)
@@ -336,8 +351,8 @@ class BatchRunner:
         if nxt is None:  # CPU (nothing launched yet), or no row needed another step
             nxt = self.cur
         left = self._remove(gone)
-        if keep:
-            nxt = nxt[torch.tensor(self._order(B, gone), device=self.dev)]
+        if keep and gone:  # the surviving rows' pending tokens in their new order
+            nxt = nxt[self._upload(self._order(B, gone))]
         self.cur = nxt if keep else None
         if not self.pipelined and self.seqs:
             self.cur = self._decode(self.cur)
@@ -363,6 +378,7 @@ class BatchRunner:
                 self.seqs[b], self.pad[b] = self.seqs[last], self.pad[last]
             self.seqs.pop()
             self.pad.pop()
+            self._pad_dev = None
             if s.cancelled and s.row.finish is None:
                 s.finish_reason = "cancelled"
             else:
@@ -385,6 +401,7 @@ class BatchRunner:
         """Every row leaves now (shutdown, or after an engine failure): finish_reason ``reason``."""
         left = list(self.seqs)
         self.seqs, self.pad, self.cur, self.slot = [], [], None, 0
+        self._pad_dev = None
         self._release()
         for s in left:
             s.finish_reason = reason
