@@ -351,7 +351,8 @@ def test_metrics_parse_and_count_what_ran(server):
     need = ["runmap_requests", "runmap_request_errors", "runmap_prompt_tokens", "runmap_generation_tokens",
             "runmap_time_to_first_token_seconds", "runmap_inter_token_latency_seconds", "runmap_requests_running",
             "runmap_requests_waiting", "runmap_expert_cache_hits", "runmap_expert_cache_misses", "runmap_h2d_bytes",
-            "runmap_contract_observation", "runmap_ready", "runmap_engine_info", "runmap_batch_admissions"]
+            "runmap_contract_observation", "runmap_ready", "runmap_engine_info", "runmap_batch_admissions",
+            "runmap_batch_joins"]
     assert not [n for n in need if n not in fam], sorted(fam)
     val = lambda name, suffix="", **labels: sum(  # noqa: E731
         s.value for s in fam[name].samples if s.name == name + suffix and all(s.labels.get(k) == v for k, v in labels.items()))
@@ -363,6 +364,9 @@ def test_metrics_parse_and_count_what_ran(server):
     assert val("runmap_inter_token_latency_seconds", "_count") >= 8
     assert val("runmap_expert_cache_hits", "_total") > 0 and val("runmap_expert_cache_misses", "_total") == 0
     assert val("runmap_requests_running") == 0 and val("runmap_ready") == 1
+    joins = val("runmap_batch_joins", "_total", how="whole") + val("runmap_batch_joins", "_total", how="interleaved")
+    assert joins == t["batch"]["joins"] >= 1 and val("runmap_batch_joins", "_total", how="interleaved") == \
+        t["batch"]["interleaved_joins"]
     obs = {s.labels["observation"]: s for s in fam["runmap_contract_observation"].samples}
     assert set(obs) == set(t["observations"]) and len(obs) == 5
     for name, s in obs.items():

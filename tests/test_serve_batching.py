@@ -59,16 +59,28 @@ def _alone(eng, reqs):
                          seed=p.seed)[0] for ids, p in reqs]
 
 
-def _run_schedule(eng, reqs, *, pipelined: bool, seed: int, cancel: int | None = None, joint: bool = False):
+def _run_schedule(eng, reqs, *, pipelined: bool, seed: int, cancel: int | None = None, joint: bool | str = False):
     """Admit requests at random step boundaries (FIFO, as the scheduler does); returns (seqs, runner, refusals).
-    joint: the requests that arrived by then join together (admit_many), as the server admits them."""
+    joint: the requests that arrived by then join together (admit_many), as the server admits them;
+    "interleaved": and while rows run, the join's prefill is spread over the next steps (begin_join, then 0 to 3
+    of its pieces per step boundary), as the server runs it."""
     rng = random.Random(seed)
     seqs = [Sequence(ids, p) for ids, p in reqs]
     waiting, refused, steps = list(seqs), 0, 0
     with torch.inference_mode():
         r = BatchRunner(eng, pipelined=pipelined)
-        while waiting or r.rows:
-            if joint and (not r.rows or rng.random() < 0.5):
+        while waiting or r.rows or r.joining:
+            if r.joining:
+                for _ in range(rng.randint(0, 3)):
+                    if r.advance_join(0.0):
+                        break
+                r.finish_join()
+            elif joint == "interleaved" and r.rows and r.can_interleave() and rng.random() < 0.5:
+                arrived = waiting[: rng.randint(1, 3)]
+                n = r.begin_join(arrived)
+                refused += n < len(arrived)
+                del waiting[:n]
+            elif joint and (not r.rows or rng.random() < 0.5):
                 arrived = waiting[: rng.randint(1, 3)]
                 n = r.admit_many(arrived)
                 refused += n < len(arrived)
@@ -86,17 +98,25 @@ def _run_schedule(eng, reqs, *, pipelined: bool, seed: int, cancel: int | None =
     return seqs, r, refused
 
 
-@pytest.mark.parametrize("joint", [False, True], ids=["one-by-one", "joint"])
+@pytest.mark.parametrize("joint", [False, True, "interleaved"], ids=["one-by-one", "joint", "interleaved"])
 @pytest.mark.parametrize("pipelined", [False, True], ids=["cpu-order", "pipelined"])
 @pytest.mark.parametrize("preset", ["tiny-olmoe", "tiny-qwen2-moe"])
-def test_every_request_gets_its_tokens_alone_whatever_the_schedule(engines, preset, pipelined, joint):
+def test_every_request_gets_its_tokens_alone_whatever_the_schedule(engines, preset, pipelined, joint, monkeypatch):
     eng = engines[preset]
     totals = {"joined_running": 0, "shifts": 0, "row_moves": 0, "refused": 0}
-    joints = padded = 0
+    joints = padded = interleaved = moved = 0
+    place = BatchRunner._place_rows
+
+    def counting_place(self, src, dst, k, P, lo):  # a join whose rows moved down: rows left during its prefill
+        nonlocal moved
+        moved += src != dst
+        return place(self, src, dst, k, P, lo)
+    monkeypatch.setattr(BatchRunner, "_place_rows", counting_place)
     for seed in (1, 2):
         reqs = _requests(eng, seed)
         alone = _alone(eng, reqs)
         seqs, r, refused = _run_schedule(eng, reqs, pipelined=pipelined, seed=seed, joint=joint)
+        interleaved += r.counters["interleaved_joins"]
         joints += r.counters["admitted"] - r.counters["joins"]  # requests that joined beside another one
         padded += r.counters["padded_joins"]  # ... in a group of different prompt lengths (a padded prefill)
         for k, (a, s) in enumerate(zip(alone, seqs)):
@@ -108,8 +128,11 @@ def test_every_request_gets_its_tokens_alone_whatever_the_schedule(engines, pres
         assert r.rows == 0 and r.slot == 0 and not r._lead  # the full-residency lease is given back when idle
     # the schedules did exercise every path: joins, KV shifts, row moves and requests waiting for room
     assert all(v > 0 for v in totals.values()), totals
-    assert (joints > 0) == joint  # joint schedules prefilled several prompts together, the others never
-    assert (padded > 0) == joint
+    assert (joints > 0) == bool(joint)  # joint schedules prefilled several prompts together, the others never
+    assert (padded > 0) == bool(joint)
+    # interleaved schedules ran prefills between decode steps, and some joined rows had moved down meanwhile
+    assert (interleaved > 0) == (joint == "interleaved"), interleaved
+    assert (moved > 0) == (joint == "interleaved"), moved
 
 
 def test_a_cancelled_row_leaves_at_the_next_step_and_the_others_are_unaffected(engines):
@@ -234,12 +257,12 @@ def test_a_join_that_fails_answers_its_request_and_the_queue_moves_on(engines, m
     bad = eng.tokenizer.encode("three quick brown fox")
     good = [eng.tokenizer.encode("the sea sky"), eng.tokenizer.encode("write a poem")]
     alone = _alone(eng, [(g, SamplingParams(max_new_tokens=5)) for g in good])
-    prefill = eng.prefill
+    pieces = eng.prefill_pieces
 
-    def poisoned(tokens, pad, all_logits=False):
+    def poisoned(tokens, pad, all_logits=False, **kw):
         if any(row[-len(bad):] == bad for row in tokens.tolist()):
             raise RuntimeError("injected prefill failure")
-        return prefill(tokens, pad, all_logits)
+        return (yield from pieces(tokens, pad, all_logits, **kw))
 
     sched = Scheduler(eng, pipelined=False)
     sched.start()
@@ -248,7 +271,7 @@ def test_a_join_that_fails_answers_its_request_and_the_queue_moves_on(engines, m
         while not sched.ready:
             assert sched.failed is None and time.time() < deadline, sched.failed
             time.sleep(0.05)
-        monkeypatch.setattr(eng, "prefill", poisoned)
+        monkeypatch.setattr(eng, "prefill_pieces", poisoned)
         events, done = {}, threading.Event()
 
         def submit(name, ids):

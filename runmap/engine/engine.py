@@ -103,6 +103,10 @@ class EngineError(ValueError):
     """Bad engine arguments (executor, residency, format, device)."""
 
 
+# What Engine.prefill_pieces yields once every kernel of its pass is queued (before it reads anything back).
+PASS_QUEUED = "pass-queued"
+
+
 def _moe_experts():
     """The executors' entry point, imported on first use: it pulls in Triton, which must not be loaded
     before the CLI has chosen its backend (TRITON_INTERPRET on a machine without CUDA)."""
@@ -1007,13 +1011,30 @@ class Engine:
             b *= 2
         return min(b, self.max_seq_len)
 
-    def prefill(self, tokens: torch.Tensor, pad: torch.Tensor, all_logits: bool = False) -> torch.Tensor:
+    def prefill(self, tokens: torch.Tensor, pad: torch.Tensor, all_logits: bool = False, *, kv=None,
+                pad_host=None) -> torch.Tensor:
         """tokens int64 (B, P), pad int64 (B,) (device) -> float32 (B, V) (or (B, P, V) with all_logits).
-        Chunks of ``prefill_chunk`` tokens bound the activation memory of long prompts."""
+        Chunks of ``prefill_chunk`` tokens bound the activation memory of long prompts. ``kv``: the KVCache (or a
+        ``rows`` view of it) the pass writes, rows 0..B-1 (default: the engine's); ``pad_host``: the same pads
+        as host ints, when the caller has them (saves a device-to-host read). ``prefill_pieces`` run to its end."""
+        pieces = self.prefill_pieces(tokens, pad, all_logits, kv=kv, pad_host=pad_host)
+        while True:
+            try:
+                next(pieces)
+            except StopIteration as done:
+                return done.value
+
+    def prefill_pieces(self, tokens: torch.Tensor, pad: torch.Tensor, all_logits: bool = False, *, kv=None,
+                       pad_host=None):
+        """``prefill`` as a generator that yields after each layer's work is queued and returns the logits, so
+        that a server can launch decode steps of its running rows between the layers of a joining request's
+        prefill (runmap.serve.batching). The pass's arithmetic is the same however it is driven. The caller
+        must not change the engine's routing workload, route recorder or residency while a pass is open."""
         cache = self._expert_cache()
         before = {k: cache.counters[k] for k in self.prefill_counts} if cache is not None else None
         try:
-            return self._prefill(tokens, pad, all_logits)
+            logits = yield from self._prefill(tokens, pad, all_logits, self.kv if kv is None else kv, pad_host)
+            return logits
         finally:
             if cache is not None:
                 for k in self.prefill_counts:
@@ -1024,28 +1045,36 @@ class Engine:
         inner = self.experts.inner if isinstance(self.experts, SkipExperts) else self.experts
         return inner.cache if isinstance(inner, CachedExperts) else None
 
-    def _prefill(self, tokens: torch.Tensor, pad: torch.Tensor, all_logits: bool) -> torch.Tensor:
-        B, P = tokens.shape
-        padded = bool(pad.any().item())
-        pad_h = pad.cpu().numpy() if self.imposed is not None or self.routes is not None else None
+    def _prefill(self, tokens, pad, all_logits: bool, kv, pad_host):
+        if pad_host is None:
+            pad_h = pad.cpu().numpy()  # the one device-to-host read of a pass whose caller has no host pads
+        else:
+            pad_h = np.asarray(pad_host, dtype=np.int64)
         outs = []
         checked = getattr(self.experts, "checked_pass", contextlib.nullcontext)
         with checked():
-            self._prefill_chunks(tokens, pad, all_logits, padded, pad_h, outs)
+            yield from self._prefill_chunks(tokens, pad, all_logits, pad_h, kv, outs)
+            # every kernel of the pass is queued; what follows (the pass's routing check) reads a flag from the
+            # device, so a caller that interleaves may wait for the device here before resuming
+            yield PASS_QUEUED
         return torch.cat(outs, dim=1) if all_logits else outs[-1]
 
-    def _prefill_chunks(self, tokens, pad, all_logits, padded, pad_h, outs) -> None:
+    def _prefill_chunks(self, tokens, pad, all_logits, pad_h, kv, outs):
         B, P = tokens.shape
+        padded = bool(pad_h.any())
         for s0 in range(0, P, self.prefill_chunk):
             s1 = min(P, s0 + self.prefill_chunk)
             slots = torch.arange(s0, s1, device=self.device)  # (t,)
             pos = (slots[None, :] - pad[:, None]).clamp_(min=0)  # (B, t)
-            mask = (slots[None, :] >= pad[:, None]).reshape(-1) if padded else None  # (B*t,) real tokens
-            real = None if pad_h is None else np.arange(s0, s1)[None, :] >= pad_h[:, None]  # (B, t) host
-            with self._routing(real):
-                out = self.model.forward(tokens[:, s0:s1], pos, self.kv, slots, pad, s1, self.experts,
-                                         token_mask=mask, causal_fresh=(s0 == 0 and not padded),
-                                         all_logits=all_logits)
+            real = np.arange(s0, s1)[None, :] >= pad_h[:, None]  # (B, t) host: the real (unpadded) tokens
+            rows = None  # int64 (n,): the routed rows of the chunk's B*t positions, computed on the host
+            if padded:
+                rows = torch.from_numpy(np.flatnonzero(real.reshape(-1)))
+                rows = rows.pin_memory().to(self.device, non_blocking=True) if self.device.type == "cuda" else rows
+            with self._routing(real if self.imposed is not None or self.routes is not None else None):
+                out = yield from self.model.forward_pieces(tokens[:, s0:s1], pos, kv, slots, pad, s1, self.experts,
+                                                           token_rows=rows, causal_fresh=(s0 == 0 and not padded),
+                                                           all_logits=all_logits)
             if all_logits or s1 == P:
                 outs.append(out)
 
@@ -1073,8 +1102,22 @@ class Engine:
         # the slot are masked, exactly as in graph mode) keeps it to a few compiled variants instead of one
         # per KV length.
         n_keys = self.bucket(slot + 1) if self.device.type == "cuda" else slot + 1
-        with self._routing(np.ones((B, 1), dtype=bool), decode=True):
+        with self._routing(np.ones((B, 1), dtype=bool), decode=True), self._outside_pass():
             return self.model.forward(tokens.view(B, 1), pos, self.kv, slots, pad, n_keys, self.experts)
+
+    @contextlib.contextmanager
+    def _outside_pass(self):
+        """An eager decode step between the pieces of an open prefill pass (a server interleaving a join) is not
+        part of that pass: its routing is checked by the executor as usual, not at the pass's end."""
+        saved = getattr(self.experts, "_pass_ids", None)
+        if saved is None:
+            yield
+            return
+        self.experts._pass_ids = None
+        try:
+            yield
+        finally:
+            self.experts._pass_ids = saved
 
     @contextlib.contextmanager
     def _routing(self, real: np.ndarray | None, decode: bool = False):

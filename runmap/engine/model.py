@@ -256,11 +256,12 @@ class Transformer:
         # + top-k; "attn": decode attention (T = 1)
         self.fused: frozenset = frozenset()
 
-    def moe_block(self, layer: int, h: torch.Tensor, experts: ExpertsFn, token_mask: torch.Tensor | None):
-        """h fp16 (N, H) -> fp16 (N, H). token_mask bool (N,) selects the rows that are routed (padding
-        rows are left out of the batch union and get a zero routed output); None = all rows."""
+    def moe_block(self, layer: int, h: torch.Tensor, experts: ExpertsFn, token_rows: torch.Tensor | None):
+        """h fp16 (N, H) -> fp16 (N, H). token_rows int64 (n,), ascending: the rows that are routed (padding
+        rows are left out of the batch union and get a zero routed output); None = all rows. (Indices, not a
+        boolean mask: a mask's selection waits for the device to count its rows, once per layer.)"""
         cfg, lw = self.cfg, self.w.layers[layer]
-        hr = h if token_mask is None else h[token_mask]  # (n, H)
+        hr = h if token_rows is None else h.index_select(0, token_rows)  # (n, H)
         if self.imposed is not None:
             ids = self.imposed[layer]  # (n, k) int64: the workload's experts for these rows
             gw = imposed_weights(hr, lw.router32, ids, cfg.top_k, cfg.norm_topk_prob)  # (n, k) fp32
@@ -275,10 +276,8 @@ class Transformer:
         if self.route_sink is not None:
             self.route_sink(layer, ids)
         y = experts(layer, hr.contiguous(), ids, gw)  # (n, H) fp16
-        if token_mask is not None:
-            full = torch.zeros_like(h)
-            full[token_mask] = y
-            y = full
+        if token_rows is not None:
+            y = torch.zeros_like(h).index_copy_(0, token_rows, y)  # (N, H)
         if lw.shared_gate_up is not None:
             gu = linear(h, lw.shared_gate_up)  # (N, 2*Is)
             g, u = gu.chunk(2, dim=-1)
@@ -340,8 +339,22 @@ class Transformer:
         return linear(o, lw.o)
 
     def forward(self, tokens, positions, kv: KVCache, slots, pad, n_keys: int, experts: ExpertsFn, *,
-                token_mask=None, causal_fresh=False, all_logits=False):
-        """One forward pass over T new tokens per row.
+                token_rows=None, causal_fresh=False, all_logits=False):
+        """One forward pass over T new tokens per row (``forward_pieces`` run to its end; arguments there)."""
+        pieces = self.forward_pieces(tokens, positions, kv, slots, pad, n_keys, experts, token_rows=token_rows,
+                                     causal_fresh=causal_fresh, all_logits=all_logits)
+        while True:
+            try:
+                next(pieces)
+            except StopIteration as done:
+                return done.value
+
+    def forward_pieces(self, tokens, positions, kv: KVCache, slots, pad, n_keys: int, experts: ExpertsFn, *,
+                       token_rows=None, causal_fresh=False, all_logits=False):
+        """One forward pass over T new tokens per row, as a generator that yields (None) after each layer's work
+        is queued and returns the logits: a caller can run other work between layers (a server's decode steps
+        between the layers of a joining request's prefill). Nothing here holds state across a yield but its
+        own tensors.
 
         tokens     int64 (B, T) token ids (any id at padding positions)
         positions  int64 (B, T) RoPE positions (per row: slot - pad)
@@ -350,7 +363,7 @@ class Transformer:
         pad        int64 (B,) left-padding count of each row
         n_keys     attend to KV slots [0, n_keys) (>= max(slots) + 1); a Python int
         experts    routed-experts function (see ExpertsFn)
-        token_mask bool (B*T,) rows routed to experts (None = all)
+        token_rows int64 (n,) ascending: the rows of the (B*T) positions routed to experts (None = all)
         causal_fresh  True when slots = 0..T-1 and no row is padded (allows causal flash attention)
         all_logits return logits for every position (B, T, V) instead of the last (B, V)
         returns    float32 logits
@@ -370,8 +383,9 @@ class Transformer:
             for layer, lw in enumerate(w.layers):
                 a = self.attention(layer, h, positions, rope, kv, slots, pad, mask, n_keys)  # (B, T, H)
                 x, h = add_rms_norm(x, a, lw.mlp_norm, eps)
-                y = self.moe_block(layer, h.reshape(B * T, -1), experts, token_mask).reshape(B, T, -1)
+                y = self.moe_block(layer, h.reshape(B * T, -1), experts, token_rows).reshape(B, T, -1)
                 x, h = add_rms_norm(x, y, norms[layer + 1], eps)  # next layer's input norm, or the final norm
+                yield
             if not all_logits:
                 h = h[:, -1]  # (B, H): only the last position is sampled from
             return linear(h, w.lm_head).float()
@@ -379,7 +393,8 @@ class Transformer:
             h = rms_norm(x, lw.attn_norm, eps)
             x = x + self.attention(layer, h, positions, rope, kv, slots, pad, mask, n_keys)
             h = rms_norm(x, lw.mlp_norm, eps).reshape(B * T, -1)  # (B*T, H)
-            x = x + self.moe_block(layer, h, experts, token_mask).reshape(B, T, -1)
+            x = x + self.moe_block(layer, h, experts, token_rows).reshape(B, T, -1)
+            yield
         if not all_logits:
             x = x[:, -1]  # (B, H): only the last position is sampled from
         x = rms_norm(x, w.final_norm, eps)

@@ -13,10 +13,15 @@ and leave a running batch between decode steps:
   ``slot - pad`` for every row, so a joined row sees positions 0..P_i-1 as it would alone, and the attention
   mask (keys pad..slot) hides whatever the row held before. When the longest prompt is longer than the
   shared slot, the running rows are moved right first (their keys and values shifted to later slots, their
-  pads grown by the same amount: positions and masks unchanged). A join stalls every running row for one
-  prefill pass, whose host cost hardly depends on how many prompts it holds (on the H200, ~45 ms for one
-  126-token prompt, ~70 ms for 8 or 16: results/serve/probe/probe-serve-join-h200-1.log), so joining the
-  waiting requests together, not one per pass, is what keeps a loaded server near its offline throughput.
+  pads grown by the same amount: positions and masks unchanged). A prefill pass's host cost hardly depends on
+  how many prompts it holds (on the H200, 13 ms for one 126-token prompt, 67 ms for 8:
+  results/serve/probe/), so the waiting requests join together, not one per pass.
+* **Interleaved join.** While rows run, a join need not stall them: ``begin_join`` opens the pass as a
+  generator (``Engine.prefill_pieces``, one piece per layer) into the free rows past the running ones, on a
+  CUDA stream of its own; ``advance_join`` queues pieces between decode steps (a host-time budget per call);
+  ``finish_join``, at a step boundary once the pass is done, moves the rows down to the first free rows (rows
+  may have left meanwhile) and to the shared slot, and they are part of the next step. Only when a decode step
+  touches neither the routed experts' host path nor a routing workload (``can_interleave``); one join at a time.
 * **Room.** A row that has generated k of its m tokens still needs m - 1 - k decode steps, i.e. slots
   slot .. slot + m - 2 - k. A request joins only when every row (it included) has that room before
   ``max_seq_len``; when it does not, the slots left of the earliest prompt (min pad) are reclaimed by
@@ -42,12 +47,14 @@ Everything here runs on one thread (the scheduler's); nothing is thread-safe by 
 """
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import time
 from typing import Callable
 
 import torch
 
+from runmap.engine.engine import PASS_QUEUED
 from runmap.engine.generation import GenerationError, _Row, left_pad, sample
 
 # prompt tokens of one joint prefill (rows x longest prompt): bounds the stall a join imposes on the running rows.
@@ -103,6 +110,22 @@ class SamplingParams:
     ignore_eos: bool = False
 
 
+@dataclasses.dataclass(eq=False)
+class _Join:
+    """A joint prefill in progress: the group it admits, the free KV rows row0.. it writes (slots 0..P-1), its
+    pass (Engine.prefill_pieces), the stream it runs on (None: the current one) and, once done, its logits."""
+
+    group: list
+    row0: int
+    P: int
+    pieces: object
+    stream: object
+    interleaved: bool
+    running_at_begin: bool
+    queued: object = None  # CUDA event recorded once all the pass's work is queued (its flag read comes next)
+    logits: torch.Tensor | None = None
+
+
 class Sequence:
     """One request's row: prompt ids, sampling settings, its stop / streaming state.
 
@@ -138,9 +161,11 @@ class BatchRunner:
     decode step for every row; rows that finish leave the batch inside ``step``."""
 
     def __init__(self, engine, *, decode: Callable[[list[int]], str] | None = None, pipelined: bool | None = None,
-                 join_tokens: int = JOIN_TOKENS):
+                 join_tokens: int = JOIN_TOKENS, interleave: bool = True):
         """join_tokens: the most prompt tokens (rows x longest prompt, padding included) one joint prefill takes;
-        a longer single prompt still joins, alone. 0: every request is prefilled alone."""
+        a longer single prompt still joins, alone. 0: every request is prefilled alone. interleave: joins begun
+        with ``begin_join`` while rows run may spread their prefill over several decode steps (``can_interleave``);
+        False: every join stalls the running rows for its whole prefill."""
         if join_tokens < 0:
             raise ValueError(f"join_tokens must be >= 0, got {join_tokens}")
         self.eng = engine
@@ -156,8 +181,11 @@ class BatchRunner:
         self._pad_dev: torch.Tensor | None = None  # int64 (B,) device copy of self.pad (None: pads changed since)
         # pipelined=True on the CPU runs the CUDA order of operations synchronously (the tests use it)
         self.pipelined = self.dev.type == "cuda" if pipelined is None else bool(pipelined)
-        self.counters = {"admitted": 0, "joined_running": 0, "joins": 0, "padded_joins": 0, "shifts": 0,
-                         "row_moves": 0, "steps": 0, "speculative_dropped": 0}
+        self.counters = {"admitted": 0, "joined_running": 0, "joins": 0, "interleaved_joins": 0, "padded_joins": 0,
+                         "shifts": 0, "row_moves": 0, "steps": 0, "speculative_dropped": 0}
+        self.interleave = bool(interleave)
+        self._pending: _Join | None = None  # the joint prefill in progress (begin_join .. finish_join)
+        self._side = None  # CUDA: the stream interleaved prefills run on
         self._lead: bool = False  # the cache's full-residency request is held (Engine.experts.begin)
 
     # ---- capacity --------------------------------------------------------------------------------------
@@ -214,8 +242,42 @@ class BatchRunner:
 
     def admit_many(self, seqs: list[Sequence]) -> int:
         """Add the longest prefix of ``seqs`` (FIFO: a request never overtakes an earlier one) that has free
-        rows, KV room and fits ``join_tokens``, with one joint prefill; returns how many joined (0: nothing
+        rows, KV room and fits ``join_tokens``, with one joint prefill run now; returns how many joined (0: nothing
         changed). Their first tokens are sampled but read at the next step."""
+        if self.joining:
+            raise RuntimeError("a join is in progress (begin_join); finish it before admitting more")
+        n = self.begin_join(seqs, interleave=False)
+        if n:
+            self.advance_join(None)
+            joined = self.finish_join()
+            assert joined, "a join begun and finished between two steps always has its room"
+        return n
+
+    @property
+    def joining(self) -> bool:
+        """A joint prefill is in progress (begin_join called, finish_join not yet done)."""
+        return self._pending is not None
+
+    @property
+    def joining_seqs(self) -> list[Sequence]:
+        return list(self._pending.group) if self._pending is not None else []
+
+    def can_interleave(self) -> bool:
+        """Whether a join begun now may run its prefill between decode steps: rows are running, and a decode step
+        neither calls the routed experts' host path (full residency; on CUDA a captured graph) nor draws from a
+        routing workload or records routes (both would interleave the two passes' streams)."""
+        e = self.eng
+        return (self.interleave and bool(self.seqs) and e.imposed is None and e.routes is None
+                and getattr(e.experts, "full", False) and (self.dev.type != "cuda" or e.use_graphs))
+
+    def begin_join(self, seqs: list[Sequence], *, interleave: bool = True) -> int:
+        """Start the joint prefill of the longest prefix of ``seqs`` that fits (as ``admit_many`` chooses it);
+        returns how many it takes (0: nothing started). With ``interleave`` (and ``can_interleave()``) the pass
+        runs on a side stream, piece by piece in ``advance_join`` between decode steps, into free KV rows past the
+        running ones; otherwise ``advance_join(None)`` runs it whole. ``finish_join`` makes its rows part of the
+        batch."""
+        if self.joining:
+            raise RuntimeError("a join is already in progress")
         for seq in seqs:
             self.check(len(seq.prompt_ids), seq.params.max_new_tokens)
         free = self.max_batch - len(self.seqs)
@@ -229,8 +291,111 @@ class BatchRunner:
             group.append(seq)
         if not group:
             return 0
-        self._join(group, self._target(group))
-        return len(group)
+        for seq in group:
+            seq.row = _Row(0, len(seq.prompt_ids), self.decode_text, tuple(seq.params.stop),
+                           frozenset() if seq.params.ignore_eos else self.eos_ids, self._emitter(seq))
+            if seq.params.temperature > 0:
+                seq.gen = torch.Generator(device=self.dev)
+                seed = seq.params.seed if seq.params.seed is not None else int(torch.randint(0, 2**62, ()).item())
+                seq.gen.manual_seed(seed)
+        if not self._lead:
+            self.eng.experts.begin()  # what Engine.run does around its groups (full residency: lease every row)
+            self._lead = True
+        side = interleave and self.can_interleave()
+        stream = None
+        if side and self.dev.type == "cuda":
+            if self._side is None:
+                self._side = torch.cuda.Stream(self.dev)
+            stream = self._side
+            # the free rows may still be read by work queued before now (a leaving row's move): wait for it
+            stream.wait_stream(torch.cuda.current_stream(self.dev))
+        row0, k = len(self.seqs), len(group)
+        # (k, P) left-padded as generate_batch pads a batch (P the longest prompt), (k,) each row's padding
+        tokens, pad = left_pad([s.prompt_ids for s in group], self.eng.pad_id)
+        with self._on(stream):
+            # the free rows row0..row0+k-1 of the engine's cache, slots 0..P-1
+            pieces = self.eng.prefill_pieces(self._upload(tokens), self._upload(pad), kv=self.eng.kv.rows(row0, row0 + k),
+                                             pad_host=pad.tolist())
+        self._pending = _Join(group=group, row0=row0, P=tokens.shape[1], pieces=pieces, stream=stream,
+                              interleaved=side, running_at_begin=bool(self.seqs))
+        return k
+
+    def advance_join(self, budget_s: float | None) -> bool:
+        """Queue more of the pending prefill: pieces (a layer each) until ``budget_s`` seconds of host time have
+        passed (at least one piece), or all of it (None). True once all its work is queued and its result read."""
+        j = self._pending
+        if j is None:
+            raise RuntimeError("no join in progress")
+        t_end = None if budget_s is None else time.perf_counter() + budget_s
+        try:
+            while j.logits is None:
+                if j.queued is not None:  # everything is queued: the pass's last piece reads its check's flag
+                    if t_end is not None and self.seqs and not j.queued.query():
+                        break  # the device is not there yet: reading now would hold the host, decode steps first
+                with self._on(j.stream):
+                    try:
+                        marker = next(j.pieces)
+                    except StopIteration as done:
+                        j.logits = done.value
+                        break
+                if marker == PASS_QUEUED and j.stream is not None:
+                    j.queued = torch.cuda.Event()
+                    j.queued.record(j.stream)
+                if t_end is not None and time.perf_counter() >= t_end:
+                    break
+        except BaseException:
+            self._drop_pending()
+            raise
+        return j.logits is not None
+
+    def finish_join(self) -> bool:
+        """Make a completed join's rows part of the batch (False: its prefill is not complete, or the rows have no
+        KV room yet; try again at a later step boundary). Their first tokens are sampled, read at the next step."""
+        j = self._pending
+        if j is None or j.logits is None:
+            return False
+        group = j.group
+        target = self._target(group)
+        if target is None:  # the running rows advanced during the pass: wait for some to finish
+            return False
+        if j.stream is not None:  # the compute stream waits (on the device) for the pass; its logits are used there
+            torch.cuda.current_stream(self.dev).wait_stream(j.stream)
+            j.logits.record_stream(torch.cuda.current_stream(self.dev))
+        self._pending = None
+        running = bool(self.seqs)
+        self._shift(target - self.slot)
+        b, k, P = len(self.seqs), len(group), j.P
+        lens = [len(s.prompt_ids) for s in group]
+        if (j.row0, 0) != (b, target - P):  # into rows b.. with the prompts ending at the shared slot
+            self._place_rows(j.row0, b, k, P, target - P)
+        if running or j.running_at_begin:
+            self.counters["joined_running"] += k
+        self.counters["joins"] += 1
+        self.counters["interleaved_joins"] += j.interleaved
+        self.counters["padded_joins"] += len(set(lens)) > 1
+        tok = self._sample(j.logits, group)
+        self.seqs.extend(group)
+        self.pad.extend(target - n for n in lens)
+        self._pad_dev = None
+        self.cur = tok if self.cur is None else torch.cat([self.cur, tok])
+        self.counters["admitted"] += k
+        return True
+
+    def drop_join(self) -> list[Sequence]:
+        """Forget the join in progress, if any, without finishing its rows (their requests are the caller's)."""
+        return self._drop_pending()
+
+    def _drop_pending(self) -> list[Sequence]:
+        """Forget the pending join (its pass closed); returns its group. Its KV rows hold nothing anyone reads."""
+        j, self._pending = self._pending, None
+        if j is None:
+            return []
+        j.pieces.close()
+        if j.stream is not None:  # nothing of the abandoned pass may still write rows a later join fills
+            torch.cuda.current_stream(self.dev).wait_stream(j.stream)
+        if not self.seqs:
+            self._release()
+        return list(j.group)
 
     def _target(self, group: list[Sequence]) -> int | None:
         """The shared slot at which ``group``'s prompts would end (every row keeps room for its remaining
@@ -245,42 +410,17 @@ class BatchRunner:
         target = max(self.slot - reclaim, P)
         return target if target + need <= self.max_seq_len else None
 
-    def _join(self, group: list[Sequence], target: int) -> None:
-        running = bool(self.seqs)
-        self._shift(target - self.slot)
-        for seq in group:
-            seq.row = _Row(0, len(seq.prompt_ids), self.decode_text, tuple(seq.params.stop),
-                           frozenset() if seq.params.ignore_eos else self.eos_ids, self._emitter(seq))
-            if seq.params.temperature > 0:
-                seq.gen = torch.Generator(device=self.dev)
-                seed = seq.params.seed if seq.params.seed is not None else int(torch.randint(0, 2**62, ()).item())
-                seq.gen.manual_seed(seed)
-        if not self._lead:
-            self.eng.experts.begin()  # what Engine.run does around its groups (full residency: lease every row)
-            self._lead = True
-        b, k = len(self.seqs), len(group)
-        lens = [len(s.prompt_ids) for s in group]
-        # (k, P) left-padded as generate_batch pads a batch (P the longest prompt), (k,) each row's padding
-        tokens, pad = left_pad([s.prompt_ids for s in group], self.eng.pad_id)
-        P = tokens.shape[1]
-        main = self.eng.kv
-        self.eng.kv = main.rows(b, b + k)  # the free rows b..b+k-1 of the engine's cache, slots 0..P-1
-        try:
-            logits = self.eng.prefill(self._upload(tokens), self._upload(pad))
-        finally:
-            self.eng.kv = main
-        if target > P:  # move the joined rows right so their prompts end at the shared slot
-            self._move_slots(b, b + k, 0, P, target - P)
-        if running:
-            self.counters["joined_running"] += k
-        self.counters["joins"] += 1
-        self.counters["padded_joins"] += len(set(lens)) > 1
-        tok = self._sample(logits, group)
-        self.seqs.extend(group)
-        self.pad.extend(target - n for n in lens)
-        self._pad_dev = None
-        self.cur = tok if self.cur is None else torch.cat([self.cur, tok])
-        self.counters["admitted"] += k
+    @staticmethod
+    def _on(stream):
+        return torch.cuda.stream(stream) if stream is not None else contextlib.nullcontext()
+
+    def _place_rows(self, src: int, dst: int, k: int, P: int, lo: int) -> None:
+        """Keys and values of rows src..src+k-1 at slots 0..P-1 move to rows dst..dst+k-1 at slots lo..lo+P-1
+        (the two ranges may overlap: each layer's block is cloned first, one layer at a time)."""
+        for t in (self.eng.kv.k, self.eng.kv.v):
+            for layer in range(t.shape[0]):
+                block = t[layer, src:src + k, :, 0:P].clone()
+                t[layer, dst:dst + k, :, lo:lo + P].copy_(block)
 
     def _emitter(self, seq: Sequence):
         def emit(_row, tid, delta):
@@ -386,7 +526,8 @@ class BatchRunner:
             left.append(s)
         if not self.seqs:
             self.slot = 0
-            self._release()
+            if self._pending is None:  # a join in progress still holds the experts for its pass
+                self._release()
         for s in left:
             if s.on_finish is not None:
                 s.on_finish(s)
@@ -399,7 +540,7 @@ class BatchRunner:
 
     def abort_all(self, reason: str = "cancelled") -> list[Sequence]:
         """Every row leaves now (shutdown, or after an engine failure): finish_reason ``reason``."""
-        left = list(self.seqs)
+        left = list(self.seqs) + self._drop_pending()
         self.seqs, self.pad, self.cur, self.slot = [], [], None, 0
         self._pad_dev = None
         self._release()

@@ -33,6 +33,10 @@ from runmap.serve.protocol import ApiError
 
 log = logging.getLogger("runmap.serve")
 STATS_EVERY_S = 0.5
+# host time a pending join's prefill may take between two decode steps (runmap.serve.batching.BatchRunner.advance_join):
+# with the step pipelined one ahead, the device keeps decoding as long as this plus the step's own host work stays
+# under a decode step (~2 ms at 8 rows, ~3.6 ms at 32 for OLMoE on the H200); a layer of an eager prefill is ~0.6 ms
+JOIN_SLICE_S = 0.001
 GIL_SWITCH_INTERVAL_S = 0.0005  # sys.setswitchinterval for a serving process (Scheduler.start says why)
 RATE_WINDOW_S = 5.0
 
@@ -59,9 +63,10 @@ class Ticket:
 
 class Scheduler:
     def __init__(self, engine, *, metrics=None, info: dict | None = None, decode=None, pipelined=None,
-                 join_tokens: int = JOIN_TOKENS):
+                 join_tokens: int = JOIN_TOKENS, interleave_joins: bool = True):
         self.eng, self.metrics = engine, metrics
         self.join_tokens = join_tokens
+        self.interleave_joins = interleave_joins
         self.info = dict(info or {})
         self.max_batch = engine.max_batch
         self.decode_text = decode
@@ -70,6 +75,7 @@ class Scheduler:
         self._cv = threading.Condition()
         self._waiting: collections.deque[Ticket] = collections.deque()
         self._running: dict[int, Ticket] = {}
+        self._joining: list[Ticket] = []  # the requests of the join in progress (neither waiting nor running)
         self._stop = False
         self._thread: threading.Thread | None = None
         self.ready = False
@@ -200,7 +206,7 @@ class Scheduler:
         try:
             with torch.inference_mode():
                 self.runner = BatchRunner(self.eng, decode=self.decode_text, pipelined=self.pipelined,
-                                          join_tokens=self.join_tokens)
+                                          join_tokens=self.join_tokens, interleave=self.interleave_joins)
                 t0 = time.perf_counter()
                 if self.eng.device.type == "cuda":  # the interpreter (CPU) compiles nothing
                     from runmap.kernels.common import compile_log
@@ -269,28 +275,36 @@ class Scheduler:
         r.admit_many([warm(ids), warm(longer)][: eng.max_batch - r.rows])  # two lengths: a padded joint prefill
         while r.rows:
             r.step()
+        if eng.max_batch > 1:  # and a join whose prefill runs between decode steps (on CUDA: on its own stream)
+            r.admit(Sequence(ids, SamplingParams(max_new_tokens=max(1, min(8, eng.max_seq_len - len(ids) + 1)),
+                                                 temperature=0.0, ignore_eos=True)))
+            r.step()
+            if r.rows and r.can_interleave() and r.begin_join([warm(ids)]):
+                while r.joining:
+                    r.advance_join(JOIN_SLICE_S)
+                    r.finish_join()
+                    if r.rows:
+                        r.step()
+            while r.rows:
+                r.step()
 
     def _warm_prefills(self) -> None:
         """One prefill per shape of ``prefill_warmup_shapes`` into the engine's first KV rows (the batch is empty);
         the tokens are the pad id: only the shapes matter."""
         eng, dev = self.eng, self.eng.device
-        main = eng.kv
         for lens in prefill_warmup_shapes(max_seq_len=eng.max_seq_len, prefill_chunk=eng.prefill_chunk,
                                           max_batch=eng.max_batch, join_tokens=self.join_tokens):
             P = max(lens)
             tokens = torch.full((len(lens), P), int(eng.pad_id), dtype=torch.long, device=dev)
-            pad = torch.tensor([P - n for n in lens], dtype=torch.long, device=dev)
-            eng.kv = main.rows(0, len(lens))
-            try:
-                eng.prefill(tokens, pad)
-            finally:
-                eng.kv = main
+            pads = [P - n for n in lens]
+            eng.prefill(tokens, torch.tensor(pads, dtype=torch.long, device=dev), kv=eng.kv.rows(0, len(lens)),
+                        pad_host=pads)
 
     def _serve(self) -> None:
         r = self.runner
         while True:
             with self._cv:
-                while not self._stop and not self._waiting and not r.rows and not self._calls:
+                while not self._stop and not self._waiting and not r.rows and not r.joining and not self._calls:
                     self._drop_cancelled_waiting()
                     if not self._cv.wait(timeout=STATS_EVERY_S) and self._stats_steps != r.counters["steps"]:
                         self._refresh_stats(force=True)
@@ -335,8 +349,9 @@ class Scheduler:
     def _fail_batch(self, err: ApiError) -> None:
         """Every running row gets ``err``; the KV rows are dropped (the engine stays up for new requests)."""
         with self._cv:
-            tickets = list(self._running.values())
+            tickets = list(self._running.values()) + self._joining
             self._running.clear()
+            self._joining = []
         for t in tickets:
             t.error = err
         self.runner.abort_all("error")
@@ -359,8 +374,14 @@ class Scheduler:
             self.metrics.requests.labels(t.endpoint, "cancelled").inc()
 
     def _admit(self) -> None:
-        """Every waiting request that fits joins now, together (one joint prefill: runmap.serve.batching)."""
+        """Every waiting request that fits joins, together (one joint prefill: runmap.serve.batching). While rows
+        are running the join's prefill is spread over the next decode steps (a slice of JOIN_SLICE_S of host time
+        per step) instead of stalling them; one join is in progress at a time."""
         r = self.runner
+        if r.joining:
+            self._advance_join()
+            if r.joining:
+                return
         while r.rows < self.max_batch:
             with self._cv:
                 self._drop_cancelled_waiting()
@@ -374,36 +395,68 @@ class Scheduler:
             for t in tickets:
                 t.seq = Sequence(t.prompt_ids, t.params, on_token=self._on_token(t), on_finish=self._on_finish(t))
                 seqs.append(t.seq)
+            interleave = r.can_interleave()
             try:
-                n = r.admit_many(seqs)
+                n = r.begin_join(seqs, interleave=interleave)
             except Exception as e:
-                # the head of the queue gets the error and leaves it, so a join that keeps failing (a prompt the
-                # engine cannot prefill, or a group too large for memory) shrinks by one request per failure
-                # instead of being retried for ever; the caller fails the running rows as after any engine error
-                head = tickets[0]
-                for t in tickets:
-                    t.seq = None
-                with self._cv:
-                    self._waiting.remove(head)
-                head.error = ApiError(500, f"engine failure while prefilling this request: {type(e).__name__}: {e}",
-                                      type="server_error")
-                self.totals["errors"] += 1
-                self._on_finish(head)(None)  # delivers the error as for a running row (metrics, sink)
+                self._join_failed(tickets, e)
                 raise
             for t in tickets[n:]:
                 t.seq = None
             with self._cv:
                 for t in tickets[:n]:
                     self._waiting.remove(t)  # FIFO: the first n of the queue
-                    self._running[id(t)] = t
+                self._joining = tickets[:n]
             self.queue_waits.extend((t_join, t_join - t.t_arrival) for t in tickets[:n])
             for t in tickets[:n]:
                 if self.metrics is not None:
                     self.metrics.prompt_tokens.inc(len(t.prompt_ids))
                 self.totals["prompt_tokens"] += len(t.prompt_ids)
+            if n:
+                self._advance_join(whole=not interleave)
+                if r.joining:
+                    break  # the rest of the join runs between the next decode steps
             if n < len(tickets):  # no room for the next one until running rows finish: the queue keeps its order
                 break
         self._update_gauges()
+
+    def _advance_join(self, whole: bool = False) -> None:
+        """Run the pending join's next slice (all of it when ``whole`` or when no row is running) and, once it is
+        complete, make its requests running ones."""
+        r = self.runner
+        try:
+            r.advance_join(None if whole or not r.rows else JOIN_SLICE_S)
+            joined = r.finish_join()
+        except Exception as e:
+            r.drop_join()  # its requests are the scheduler's again: failed or waiting, never finished by the runner
+            tickets, self._joining = self._joining, []
+            self._join_failed(tickets, e)
+            raise
+        if joined:
+            with self._cv:
+                for t in self._joining:
+                    self._running[id(t)] = t
+            self._joining = []
+
+    def _join_failed(self, tickets: list[Ticket], e: Exception) -> None:
+        """A join failed: the head of its group gets the error and leaves the queue; the others wait again at the
+        front in their order. So a join that keeps failing (a prompt the engine cannot prefill, or a group too large
+        for memory) shrinks by one request per failure instead of being retried for ever; the caller then fails the
+        running rows as after any engine error."""
+        head = tickets[0]
+        for t in tickets:
+            t.seq = None
+        with self._cv:
+            if head in self._waiting:
+                self._waiting.remove(head)
+            queued = set(map(id, self._waiting))
+            for t in reversed(tickets[1:]):
+                if id(t) not in queued:
+                    self._waiting.appendleft(t)
+        head.error = ApiError(500, f"engine failure while prefilling this request: {type(e).__name__}: {e}",
+                              type="server_error")
+        self.totals["errors"] += 1
+        self._on_finish(head)(None)  # delivers the error as for a running row (metrics, sink)
 
     def _on_token(self, t: Ticket):
         def on_token(tid, delta):
@@ -446,9 +499,10 @@ class Scheduler:
 
     def _fail_all(self, err: ApiError) -> None:
         with self._cv:
-            tickets = list(self._waiting) + list(self._running.values())
+            tickets = list(self._waiting) + list(self._running.values()) + self._joining
             self._waiting.clear()
             self._running.clear()
+            self._joining = []
         for t in tickets:
             if not t.done:
                 t.done = True
