@@ -20,6 +20,7 @@ import time
 from pathlib import Path
 
 from runmap.cli.options import int_at_least
+from runmap.serve import JOIN_MODES
 
 REPO = Path(__file__).resolve().parent.parent
 
@@ -109,6 +110,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--executor", default="grouped", help="W4A16 executor of the engine (default grouped)")
     add_residency_arguments(p)
     p.add_argument("--device", default=None, help="cuda | cpu (default: cuda when available)")
+    p.add_argument("--join-mode", choices=JOIN_MODES, default=JOIN_MODES[0],
+                   help=f"the server's --join-mode (default {JOIN_MODES[0]})")
     p.add_argument("--clients", type=_client_counts, default=[1, 8, 32, 64], metavar="N,N,...",
                    help="concurrent client counts, one window each (default 1,8,32,64)")
     p.add_argument("--duration-s", type=_seconds, default=60.0, metavar="S", help="window per client count (default 60)")
@@ -319,7 +322,7 @@ class InProcessServer:
     the engine thread between scheduler steps (Scheduler.call)."""
 
     def __init__(self, pack: Path, *, executor: str, resident, device, max_batch: int, max_seq_len: int,
-                 ifeval_dir: Path, command: str, gpu_budget: int | None = None):
+                 ifeval_dir: Path, command: str, gpu_budget: int | None = None, join_mode: str = "interleaved"):
         import socket
         import threading
 
@@ -336,7 +339,7 @@ class InProcessServer:
 
         self.model_id = "bench"
         self.server = Server(load, model_id=self.model_id, pack_dir=pack, ifeval_dir=ifeval_dir, campaign_roots=[],
-                             command=command)
+                             command=command, join_mode=join_mode)
         self.sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
         self.sock.bind(("127.0.0.1", 0))
         self.url = f"http://127.0.0.1:{self.sock.getsockname()[1]}/"
@@ -596,7 +599,8 @@ def run(args, argv: list[str]) -> int:
     with tempfile.TemporaryDirectory(prefix="serve-load-") as scratch:
         srv = InProcessServer(pack, executor=args.executor, resident=resident, device=args.device, max_batch=max_batch,
                               max_seq_len=args.max_seq_len, ifeval_dir=Path(scratch) / "ifeval",
-                              command=f"runmap serve (in {command})", gpu_budget=args.gpu_budget)
+                              command=f"runmap serve (in {command})", gpu_budget=args.gpu_budget,
+                              join_mode=args.join_mode)
         try:
             # the workers import the client while the engine loads
             warm = [pool.submit(_warm_worker) for _ in range(workers)]
@@ -634,6 +638,7 @@ def run(args, argv: list[str]) -> int:
                                   (f"--resident {args.resident}" if args.resident is not None else "full")},
                     "server": {"host": "127.0.0.1", "executor": info["executor"], "device": info["device"],
                                "cuda_graphs": info["cuda_graphs"], "max_batch": info["max_batch"],
+                               "join_mode": args.join_mode,
                                "max_seq_len": info["max_seq_len"], "load_s": info["load_s"], "warmup_s": sched.warmup_s,
                                "ready_s": ready_s, "first_request": first,
                                "expert_cache": {"hits": stats.hits, "misses": stats.misses, "bytes_h2d": stats.bytes_h2d}

@@ -5,6 +5,7 @@ import argparse
 
 from runmap.cli.options import add_residency_arguments, int_at_least
 from runmap.kernels.registry import EXECUTOR_NAMES, executor_help
+from runmap.serve import JOIN_MODES
 
 HELP = "serve a pack over an OpenAI-compatible HTTP API (streaming, batching, metrics) with a local page"
 DESCRIPTION = """\
@@ -22,8 +23,9 @@ request), and serve on http://HOST:PORT/ (HOST 127.0.0.1 unless --host says othe
   GET  /                      the page: chat, what is loaded, live telemetry, IFEval, campaign reports
 
 Concurrent requests share the engine: between decode steps the waiting requests join the running batch
-together, prefilled in one pass (up to --max-batch rows and --max-join-tokens prompt tokens); a client that
-disconnects frees its row at the next step. Bad requests get an
+together, prefilled in one pass (up to --max-batch rows and --max-join-tokens prompt tokens) that runs
+between the running rows' decode steps (--join-mode); a client that disconnects frees its row at the next
+step. Bad requests get an
 OpenAI error object with a 4xx status. Nothing is written to the pack; IFEval runs started from the page
 write under --ifeval-dir (default results/serve/ifeval, created on the first run).
 
@@ -65,6 +67,11 @@ def add_arguments(p) -> None:
                    help="prompt tokens (rows x longest prompt, padding included) one joint prefill of waiting "
                         "requests may take (default 4096); every running row waits for that prefill. 0: each "
                         "request joins alone, with exactly the prefill it gets alone")
+    p.add_argument("--join-mode", choices=JOIN_MODES, default=JOIN_MODES[0],
+                   help="how waiting requests join running rows: interleaved (default): their prefill runs a layer "
+                        "at a time between the running rows' decode steps, on a CUDA stream of its own, where the "
+                        "decode step allows it (full residency with CUDA graphs); whole: the running rows wait for "
+                        "the whole prefill at a step boundary")
     p.add_argument("--max-seq-len", type=_positive, default=None, metavar="N",
                    help="context: prompt + completion tokens per request (default min(max_position_embeddings, 4096))")
     p.add_argument("--device", default=None, help="cuda | cpu (default: cuda when available)")
@@ -83,7 +90,8 @@ def _command(pack, args) -> str:
 
     parts = ["runmap", "serve", "--packed", str(pack), "--executor", args.executor, "--max-batch", str(args.max_batch)]
     for flag, v in (("--resident", args.resident), ("--max-seq-len", args.max_seq_len), ("--device", args.device),
-                    ("--model-name", args.model_name), ("--max-join-tokens", args.max_join_tokens)):
+                    ("--model-name", args.model_name), ("--max-join-tokens", args.max_join_tokens),
+                    ("--join-mode", None if args.join_mode == JOIN_MODES[0] else args.join_mode)):
         if v is not None:
             parts += [flag, str(v)]
     if args.gpu_budget is not None:
@@ -155,8 +163,8 @@ def run(args) -> int:
     model_id = args.model_name or pack.resolve().name
     server = Server(load, model_id=model_id, pack_dir=pack, ifeval_dir=args.ifeval_dir,
                     campaign_roots=args.campaigns or [DEFAULT_CAMPAIGNS], command=_command(pack, args),
-                    on_failure=on_failure, **({} if args.max_join_tokens is None else
-                                              {"join_tokens": args.max_join_tokens}))
+                    on_failure=on_failure, join_mode=args.join_mode,
+                    **({} if args.max_join_tokens is None else {"join_tokens": args.max_join_tokens}))
     shown = f"[{host}]" if family == socket.AF_INET6 else host
     url = f"http://{shown}:{port}/"
     class _Uvicorn(uvicorn.Server):

@@ -27,6 +27,7 @@ KV cache layout: ``k``, ``v`` float16 (L, B, Hkv, S, D), written at slot indices
 """
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 from typing import Callable
 
@@ -233,6 +234,12 @@ def attention_mask(slots: torch.Tensor, pad: torch.Tensor, n_keys: int) -> torch
     return m.unsqueeze(1)
 
 
+def _sdpa_backends_without_cudnn():
+    from torch.nn.attention import SDPBackend
+
+    return [SDPBackend.FLASH_ATTENTION, SDPBackend.EFFICIENT_ATTENTION, SDPBackend.MATH]
+
+
 # ---- the model --------------------------------------------------------------------------------
 
 class Transformer:
@@ -255,6 +262,10 @@ class Transformer:
         # "prologue": q/k norm + RoPE + KV write; "norm": residual add + RMSNorm; "router": logits + softmax
         # + top-k; "attn": decode attention (T = 1)
         self.fused: frozenset = frozenset()
+        # CUDA: the scaled_dot_product_attention backends torch may pick from (None: all of torch's). cuDNN attention
+        # is left out: it builds an execution plan for every new shape (PyTorch caches it), and a server meets a
+        # new shape -- rows x longest prompt -- at most joins (results/serve/probe/)
+        self.sdpa_backends = _sdpa_backends_without_cudnn()
 
     def moe_block(self, layer: int, h: torch.Tensor, experts: ExpertsFn, token_rows: torch.Tensor | None):
         """h fp16 (N, H) -> fp16 (N, H). token_rows int64 (n,), ascending: the rows that are routed (padding
@@ -326,10 +337,11 @@ class Transformer:
         keys, vals = kc[:, :, :n_keys], vc[:, :, :n_keys]  # (B, nkv, n_keys, D)
         gqa = nkv != nh
         if q.is_cuda:
-            if mask is None:  # prefill from slot 0 without padding: plain causal (flash) attention
-                o = F.scaled_dot_product_attention(q, keys, vals, is_causal=True, enable_gqa=gqa)
-            else:
-                o = F.scaled_dot_product_attention(q, keys, vals, attn_mask=mask, enable_gqa=gqa)
+            with self._sdpa_backends():
+                if mask is None:  # prefill from slot 0 without padding: plain causal (flash) attention
+                    o = F.scaled_dot_product_attention(q, keys, vals, is_causal=True, enable_gqa=gqa)
+                else:
+                    o = F.scaled_dot_product_attention(q, keys, vals, attn_mask=mask, enable_gqa=gqa)
         else:
             if mask is None:
                 mask = attention_mask(slots, torch.zeros(B, dtype=torch.long), n_keys)
@@ -337,6 +349,11 @@ class Transformer:
                                                enable_gqa=gqa).to(h.dtype)
         o = o.transpose(1, 2).reshape(B, T, nh * D)  # (B, T, nh*D)
         return linear(o, lw.o)
+
+    def _sdpa_backends(self):
+        from torch.nn.attention import sdpa_kernel
+
+        return sdpa_kernel(self.sdpa_backends) if self.sdpa_backends is not None else contextlib.nullcontext()
 
     def forward(self, tokens, positions, kv: KVCache, slots, pad, n_keys: int, experts: ExpertsFn, *,
                 token_rows=None, causal_fresh=False, all_logits=False):

@@ -8,3 +8,7 @@ batch), ``scheduler`` (the engine thread: admission, cancellation, events back t
 reports, through runmap.bench.report) and ``app`` (the FastAPI application). Nothing here is imported by
 ``runmap --help``: the CLI module imports it inside ``run``.
 """
+
+# How waiting requests join running rows (runmap serve --join-mode; runmap.serve.batching): the first is the default.
+# A plain tuple here, so that the CLI's parser can list them without importing torch.
+JOIN_MODES = ("interleaved", "whole")

@@ -34,6 +34,7 @@ from pydantic import ValidationError
 from starlette.concurrency import run_in_threadpool
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
+from runmap.serve import JOIN_MODES
 from runmap.serve import protocol as P
 from runmap.serve.batching import JOIN_TOKENS, SamplingParams
 from runmap.serve.campaigns import Campaigns
@@ -98,7 +99,10 @@ class Server:
 
     def __init__(self, load_engine: Callable, *, model_id: str, pack_dir, ifeval_dir, campaign_roots=(),
                  command: str = "runmap serve", pipelined=None, on_failure: Callable[[str], None] | None = None,
-                 join_tokens: int = JOIN_TOKENS):
+                 join_tokens: int = JOIN_TOKENS, join_mode: str = JOIN_MODES[0]):
+        if join_mode not in JOIN_MODES:
+            raise ValueError(f"join_mode must be one of {JOIN_MODES}, got {join_mode!r}")
+        self.join_mode = join_mode
         self.load_engine, self.model_id, self.pack_dir = load_engine, model_id, Path(pack_dir)
         self.command, self.pipelined, self.on_failure = command, pipelined, on_failure
         self.join_tokens = join_tokens
@@ -137,7 +141,7 @@ class Server:
             self.engine = eng
         self.info = describe(eng, self.model_id)
         sched = Scheduler(eng, metrics=self.metrics, info=self.info, decode=self._decode, pipelined=self.pipelined,
-                          join_tokens=self.join_tokens)
+                          join_tokens=self.join_tokens, interleave_joins=self.join_mode == "interleaved")
         self.metrics.source = sched
         self.scheduler = sched
         sched.start()

@@ -305,7 +305,11 @@ class BatchRunner:
         stream = None
         if side and self.dev.type == "cuda":
             if self._side is None:
-                self._side = torch.cuda.Stream(self.dev)
+                # From the high-priority pool: torch hands out pool streams round-robin, and the decode graphs were
+                # captured on low-priority pool streams whose cuBLAS workspaces (one per handle and stream) their
+                # GEMMs kept; an eager GEMM on one of those streams would share a workspace with a graph replaying
+                # at the same time on the compute stream.
+                self._side = torch.cuda.Stream(self.dev, priority=-1)
             stream = self._side
             # the free rows may still be read by work queued before now (a leaving row's move): wait for it
             stream.wait_stream(torch.cuda.current_stream(self.dev))
