@@ -322,7 +322,7 @@ class InProcessServer:
     the engine thread between scheduler steps (Scheduler.call)."""
 
     def __init__(self, pack: Path, *, executor: str, resident, device, max_batch: int, max_seq_len: int,
-                 ifeval_dir: Path, command: str, gpu_budget: int | None = None, join_mode: str = "interleaved"):
+                 ifeval_dir: Path, command: str, gpu_budget: int | None = None, join_mode: str = JOIN_MODES[0]):
         import socket
         import threading
 

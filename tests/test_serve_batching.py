@@ -381,3 +381,122 @@ def test_a_scheduler_gives_the_process_back_what_it_changed_when_it_stops(engine
     finally:
         sched.stop()
     assert sys.getswitchinterval() == before and gc.get_freeze_count() == 0
+
+
+def _ready(sched, timeout=120):
+    import time
+
+    deadline = time.time() + timeout
+    while not sched.ready:
+        assert sched.failed is None and time.time() < deadline, sched.failed
+        time.sleep(0.05)
+
+
+def _collect(sched, reqs, *, stagger_s=0.0):
+    """Submit ``reqs`` (ids, params) to a running scheduler (``stagger_s`` apart) and wait for every last event."""
+    import threading
+    import time
+
+    from runmap.serve.scheduler import Ticket
+
+    events, lock, done = {}, threading.Lock(), threading.Event()
+
+    def sink_for(k):
+        def sink(ev):
+            with lock:
+                events.setdefault(k, []).append(ev)
+                if ev[0] in ("done", "error") and sum(e[-1][0] in ("done", "error") for e in events.values()) == len(reqs):
+                    done.set()
+        return sink
+    for k, (ids, p) in enumerate(reqs):
+        sched.submit(Ticket(ids, p, sink_for(k)))
+        time.sleep(stagger_s)
+    assert done.wait(180), events
+    return events
+
+
+@pytest.mark.parametrize("pipelined", [False, True], ids=["cpu-order", "pipelined"])
+def test_the_scheduler_interleaves_joins_with_running_rows_and_outputs_stay_those_alone(engines, pipelined):
+    """--join-mode interleaved: requests arriving while rows run join through prefills spread over decode steps;
+    every request's tokens are still its tokens alone."""
+    from runmap.serve.scheduler import Scheduler
+
+    eng = engines["tiny-olmoe"]
+    reqs = [(ids, SamplingParams(max_new_tokens=12, temperature=p.temperature, top_p=p.top_p, seed=p.seed))
+            for ids, p in _requests(eng, 11, n=7)]
+    alone = _alone(eng, reqs)
+    sched = Scheduler(eng, pipelined=pipelined, interleave_joins=True)
+    sched.start()
+    try:
+        _ready(sched)
+        before = dict(sched.runner.counters)
+        events = _collect(sched, reqs, stagger_s=0.02)
+        for k, a in enumerate(alone):
+            kind, seq = events[k][-1]
+            assert kind == "done" and seq.token_ids == a.token_ids, k
+        assert sched.runner.counters["interleaved_joins"] > before["interleaved_joins"]
+        assert sched.alive and sched.waiting == 0 and sched.runner.rows == 0 and not sched.runner.joining
+    finally:
+        sched.stop()
+
+
+def test_an_interleaved_join_that_fails_midway_answers_its_head_and_the_rest_are_served(engines, monkeypatch):
+    """A prefill that raises after some of its layers ran between decode steps: the head of its group gets the
+    error, the group's other requests wait again at the front of the queue and are served as alone (the running
+    rows fail with the engine error, as after any failed join), and the server keeps serving."""
+    import threading
+
+    from runmap.serve.scheduler import Scheduler, Ticket
+
+    eng = engines["tiny-olmoe"]
+    long_runner = eng.tokenizer.encode("river mountain")
+    bad = eng.tokenizer.encode("three quick brown fox")
+    good = eng.tokenizer.encode("the sea sky")
+    alone = _alone(eng, [(good, SamplingParams(max_new_tokens=5))])[0]
+    pieces = eng.prefill_pieces
+
+    def poisoned(tokens, pad, all_logits=False, **kw):
+        inner = pieces(tokens, pad, all_logits, **kw)
+        poison = any(row[-len(bad):] == bad for row in tokens.tolist())
+        n = 0
+        while True:
+            try:
+                marker = next(inner)
+            except StopIteration as stop:
+                return stop.value
+            n += 1
+            if poison and n == 2:  # two layers queued, then the failure
+                inner.close()
+                raise RuntimeError("injected failure inside an interleaved prefill")
+            yield marker
+
+    sched = Scheduler(eng, pipelined=False, interleave_joins=True)
+    sched.start()
+    try:
+        _ready(sched)
+        monkeypatch.setattr(eng, "prefill_pieces", poisoned)
+        started, events = threading.Event(), {}
+
+        def sink(name):
+            def f(ev):
+                events.setdefault(name, []).append(ev)
+                if name == "runner" and ev[0] == "token":
+                    started.set()
+            return f
+        sched.submit(Ticket(long_runner, SamplingParams(max_new_tokens=40, ignore_eos=True), sink("runner")))
+        assert started.wait(60)  # a row is running: the next join is interleaved
+        with sched._cv:  # both arrive together: one group, the poisoned prompt at its head
+            sched._waiting.append(Ticket(bad, SamplingParams(max_new_tokens=5), sink("bad")))
+            sched._waiting.append(Ticket(good, SamplingParams(max_new_tokens=5), sink("good")))
+            sched._cv.notify()
+        deadline = __import__("time").time() + 120
+        while not ("good" in events and events["good"][-1][0] in ("done", "error")):
+            assert __import__("time").time() < deadline, events
+            __import__("time").sleep(0.05)
+        assert events["bad"][-1][0] == "error" and "injected failure" in events["bad"][-1][1].message
+        kind, seq = events["good"][-1]
+        assert kind == "done" and seq.token_ids == alone.token_ids
+        assert events["runner"][-1][0] == "error"  # it was running while the join failed: the join was interleaved
+        assert sched.alive and not sched.runner.joining
+    finally:
+        sched.stop()

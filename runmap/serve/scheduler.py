@@ -63,7 +63,7 @@ class Ticket:
 
 class Scheduler:
     def __init__(self, engine, *, metrics=None, info: dict | None = None, decode=None, pipelined=None,
-                 join_tokens: int = JOIN_TOKENS, interleave_joins: bool = True):
+                 join_tokens: int = JOIN_TOKENS, interleave_joins: bool = False):
         self.eng, self.metrics = engine, metrics
         self.join_tokens = join_tokens
         self.interleave_joins = interleave_joins
