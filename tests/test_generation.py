@@ -233,3 +233,103 @@ def test_every_eos_id_of_generation_config_stops(packs, tmp_path):
     (d / "generation_config.json").write_text(json.dumps({"eos_token_id": "2"}))
     with pytest.raises(ValueError, match="eos_token_id must be an integer"):
         Tokenizer(d)
+
+
+# ---- a row's text from a window of its last tokens (runmap.engine.generation._Row) -----------------------------
+
+def _sentencepiece_style_tokenizer():
+    """A tokenizers-library tokenizer decoded as Llama / Mistral ones are: Metaspace pieces ("▁" = space),
+    byte-fallback tokens <0x..> fused into UTF-8, the leading space of every decode call stripped."""
+    from tokenizers import Tokenizer, decoders, models
+
+    pieces = ["<unk>", "<s>", "</s>"] + [f"<0x{b:02X}>" for b in range(256)] + \
+        ["▁the", "▁sea", "▁sky", "▁", "a", "b", "é", "▁über", "世", "界", "▁x", "y"]
+    tok = Tokenizer(models.BPE(vocab={p: i for i, p in enumerate(pieces)}, merges=[], unk_token="<unk>",
+                               byte_fallback=True))
+    tok.decoder = decoders.Sequence([decoders.Replace("▁", " "), decoders.ByteFallback(), decoders.Fuse(),
+                                     decoders.Strip(" ", 1, 0)])
+    return tok, len(pieces)
+
+
+def _synthetic_tokenizer(preset):
+    import tempfile
+
+    from runmap.arch.config import load_preset
+    from runmap.engine.tokenization import Tokenizer
+    from runmap.synth.tokenizer import write_tokenizer
+
+    d = tempfile.mkdtemp(prefix="tok-")
+    cfg, _ = load_preset(preset)
+    write_tokenizer(cfg, d)
+    return Tokenizer(d), cfg.vocab_size
+
+
+_TOKENIZERS = {}
+
+
+def _decoder(kind):
+    if kind not in _TOKENIZERS:
+        if kind == "sentencepiece-style":
+            tok, n = _sentencepiece_style_tokenizer()
+            _TOKENIZERS[kind] = (lambda ids: tok.decode(ids, skip_special_tokens=True), n)
+        else:
+            tok, n = _synthetic_tokenizer(kind)
+            _TOKENIZERS[kind] = (tok.decode, n)
+    return _TOKENIZERS[kind]
+
+
+@given(kind=st.sampled_from(["tiny-olmoe", "tiny-qwen2-moe", "tiny-mixtral", "sentencepiece-style"]),
+       draws=st.lists(st.integers(0, 10**9), min_size=1, max_size=60), low=st.booleans())
+def test_a_rows_text_is_the_decode_of_all_its_ids_after_every_token(kind, draws, low):
+    """Whatever the ids (specials, lone UTF-8 bytes that leave a character unfinished for several tokens, pieces
+    whose leading space a decode call strips), the text after each token equals decoding every id from the
+    start, and the streamed deltas concatenate to it."""
+    from runmap.engine.generation import _Row
+
+    decode, n = _decoder(kind)
+    # low: ids among the first 300 (the byte alphabet and specials of the byte-level vocabularies: unfinished
+    # characters); otherwise anywhere in the vocabulary
+    ids = [d % min(n, 300) if low else d % n for d in draws]
+    deltas = []
+    row = _Row(0, 1, decode, (), frozenset(), lambda _i, _t, delta: deltas.append(delta))
+    for k, t in enumerate(ids, 1):
+        row.push(t, 10**6)
+        assert row.text == decode(ids[:k]), (kind, ids[:k])
+    row._finish("length")
+    assert row.text == decode(ids)
+    if kind.startswith("tiny-"):
+        # streaming needs a text that only grows: byte-level BPE's does; byte fallback can turn an emitted valid
+        # byte into U+FFFD once the run of byte tokens goes on (<0x00> alone is "\x00", <0x00><0x80> is two U+FFFD),
+        # with or without the window
+        assert "".join(deltas) == row.text
+
+
+@given(kind=st.sampled_from(["tiny-olmoe", "tiny-qwen2-moe", "tiny-mixtral"]),
+       draws=st.lists(st.integers(0, 10**9), max_size=40))
+def test_the_tokenizers_direct_decode_is_transformers_decode(kind, draws):
+    """Tokenizer.decode skips transformers' per-id Python walk by calling the Rust tokenizer, which must give what
+    transformers' decode gives (special tokens left out, no space clean-up), for any ids."""
+    tok, n = _synthetic_tokenizer_cached(kind)
+    ids = [d % n for d in draws]
+    assert tok._backend_decode is not None
+    assert tok.decode(ids) == tok.hf.decode(ids, skip_special_tokens=True, clean_up_tokenization_spaces=False)
+
+
+def test_a_tokenizer_class_that_overrides_decoding_keeps_transformers_path():
+    from runmap.engine.tokenization import _direct_decode
+
+    tok, _ = _synthetic_tokenizer_cached("tiny-olmoe")
+    base = type(tok.hf)
+    for name in ("decode", "_decode"):
+        custom = type("Custom", (base,), {name: lambda self, *a, **k: "custom"})
+        hf = object.__new__(custom)
+        hf.__dict__.update(tok.hf.__dict__)
+        assert _direct_decode(hf) is None, name
+    assert _direct_decode(tok.hf) is not None
+
+
+def _synthetic_tokenizer_cached(kind):
+    key = ("tokenizer", kind)
+    if key not in _TOKENIZERS:
+        _TOKENIZERS[key] = _synthetic_tokenizer(kind)
+    return _TOKENIZERS[key]

@@ -112,7 +112,15 @@ def sample(logits: torch.Tensor, temperature: float, top_p: float, gen: torch.Ge
 
 
 class _Row:
-    """Host-side state of one sequence: ids, text, stop checks, streaming offsets."""
+    """Host-side state of one sequence: ids, text, stop checks, streaming offsets.
+
+    The text after each token is ``decode(ids)``, computed from a window of the last few ids instead of from the
+    start (a served row calls this for every token; decoding everything again costs O(n) per token). Once the
+    text of ids[:done] is complete (it does not end in U+FFFD, an unfinished UTF-8 sequence) it is kept, and the
+    next tokens' text is the part of decode(ids[start:]) past decode(ids[start:done]), start being the previous
+    ``done``: both decodes begin at the same token, so a decoder that treats the first token of a call
+    differently (a sentencepiece-style leading space) treats both alike. Should the window's text not begin with
+    the context's, the whole of ids is decoded instead."""
 
     def __init__(self, idx, prompt_len, decode, stop, eos_ids, on_token):
         self.idx, self.prompt_len, self.decode, self.stop, self.eos = idx, prompt_len, decode, stop, eos_ids
@@ -120,12 +128,27 @@ class _Row:
         self.ids: list[int] = []
         self.text, self.emitted, self.finish = "", 0, None
         self.hold = max((len(s) for s in stop), default=1) - 1
+        self._done, self._start = 0, 0  # ids[:_done] have complete text _stable; the window starts at ids[_start]
+        self._stable, self._context = "", ""  # decode(ids[:_done]), decode(ids[_start:_done])
+
+    def _decoded(self) -> str:
+        """decode(self.ids), from the window (see the class docstring)."""
+        window = self.decode(self.ids[self._start:])
+        if window.startswith(self._context):
+            text = self._stable + window[len(self._context):]
+        else:  # this decoder's text of the context changed with the tokens after it: decode it all
+            text = self.decode(self.ids)
+        if not text.endswith("\ufffd"):  # complete: the next window starts where this one's new tokens began
+            self._start, self._done = min(self._done, len(self.ids) - 1), len(self.ids)
+            self._stable = text
+            self._context = self.decode(self.ids[self._start:self._done])
+        return text
 
     def push(self, tid: int, max_new: int) -> None:
         if tid in self.eos:
             return self._finish("eos")
         self.ids.append(tid)
-        text = self.decode(self.ids)
+        text = self._decoded()
         cut = min((i for i in (text.find(s) for s in self.stop) if i >= 0), default=-1)
         if cut >= 0:
             self.text = text[:cut]

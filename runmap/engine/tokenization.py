@@ -47,6 +47,7 @@ class Tokenizer:
         except Exception as e:  # surface which directory failed, keep the cause
             raise TokenizerError(f"{d}: cannot load the tokenizer ({type(e).__name__}: {e})") from e
         self.directory = d
+        self._backend_decode = _direct_decode(self.hf)
         eos = {eos_token_id, self.hf.eos_token_id, *_generation_config_eos(d)}
         self.eos_ids = frozenset(int(t) for t in eos if t is not None)
         self.pad_id = self.hf.pad_token_id
@@ -70,4 +71,27 @@ class Tokenizer:
         return list(self.hf(text, add_special_tokens=False)["input_ids"])
 
     def decode(self, ids: list[int]) -> str:
+        """ids -> text, special tokens left out, spaces as decoded. Called for every generated token of every row
+        (runmap.engine.generation), so it goes straight to the Rust tokenizer where that is exactly what
+        transformers' decode would do."""
+        if self._backend_decode is not None:
+            return self._backend_decode(ids, skip_special_tokens=True)
         return self.hf.decode(ids, skip_special_tokens=True, clean_up_tokenization_spaces=False)
+
+
+def _direct_decode(hf):
+    """The tokenizers-library decode that ``hf.decode(ids, skip_special_tokens=..., clean_up_tokenization_spaces=False)``
+    reduces to, or None when ``hf`` is not a plain tokenizers-backed tokenizer. transformers' decode first walks the
+    ids in Python (to_py_obj: an isinstance per id, ~0.2 ms per call at a few hundred ids) and its _decode then calls
+    exactly the backend's decode; a class that overrides either keeps the full path."""
+    backend = getattr(hf, "_tokenizer", None)
+    if backend is None or not hasattr(backend, "decode"):
+        return None
+
+    def defined_in(name):
+        owner = next((c for c in type(hf).__mro__ if name in c.__dict__), None)
+        return owner.__module__ if owner is not None else None
+    if (defined_in("decode") != "transformers.tokenization_utils_base"
+            or defined_in("_decode") != "transformers.tokenization_utils_tokenizers"):
+        return None
+    return backend.decode
