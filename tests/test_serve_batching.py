@@ -68,7 +68,7 @@ def _run_schedule(eng, reqs, *, pipelined: bool, seed: int, cancel: int | None =
     seqs = [Sequence(ids, p) for ids, p in reqs]
     waiting, refused, steps = list(seqs), 0, 0
     with torch.inference_mode():
-        r = BatchRunner(eng, pipelined=pipelined)
+        r = BatchRunner(eng, pipelined=pipelined, interleave=joint == "interleaved")
         while waiting or r.rows or r.joining:
             if r.joining:
                 for _ in range(rng.randint(0, 3)):
@@ -290,6 +290,9 @@ def test_a_join_that_fails_answers_its_request_and_the_queue_moves_on(engines, m
             kind, seq = events[f"good{k}"][-1]
             assert kind == "done" and seq.token_ids == alone[k].token_ids
         assert sched.alive and sched.waiting == 0 and sched.runner.rows == 0
+        # counted once each, when they joined: not the failed group's head, not the first (failed) attempt
+        assert sched.totals["prompt_tokens"] == len(good[0]) + len(good[1])
+        assert len(sched.queue_waits) == 2
     finally:
         sched.stop()
 
@@ -416,25 +419,39 @@ def _collect(sched, reqs, *, stagger_s=0.0):
 
 
 @pytest.mark.parametrize("pipelined", [False, True], ids=["cpu-order", "pipelined"])
-def test_the_scheduler_interleaves_joins_with_running_rows_and_outputs_stay_those_alone(engines, pipelined):
+def test_the_scheduler_interleaves_joins_with_running_rows_and_outputs_stay_those_alone(engines, pipelined, monkeypatch):
     """--join-mode interleaved: requests arriving while rows run join through prefills spread over decode steps;
     every request's tokens are still its tokens alone."""
+    from runmap.serve import scheduler
     from runmap.serve.scheduler import Scheduler
 
+    monkeypatch.setattr(scheduler, "JOIN_SLICE_S", 0.0)  # one piece per step boundary, whatever this CPU's speed
     eng = engines["tiny-olmoe"]
     reqs = [(ids, SamplingParams(max_new_tokens=12, temperature=p.temperature, top_p=p.top_p, seed=p.seed))
             for ids, p in _requests(eng, 11, n=7)]
     alone = _alone(eng, reqs)
     sched = Scheduler(eng, pipelined=pipelined, interleave_joins=True)
+    pieces, spans = eng.prefill_pieces, []
+
+    def watched(tokens, pad, all_logits=False, **kw):  # the decode steps run while this pass was open
+        first = sched.runner.counters["steps"]
+        out = yield from pieces(tokens, pad, all_logits, **kw)
+        spans.append(sched.runner.counters["steps"] - first)
+        return out
     sched.start()
     try:
         _ready(sched)
         before = dict(sched.runner.counters)
-        events = _collect(sched, reqs, stagger_s=0.02)
+        eng.prefill_pieces = watched
+        try:
+            events = _collect(sched, reqs, stagger_s=0.02)
+        finally:
+            del eng.prefill_pieces
         for k, a in enumerate(alone):
             kind, seq = events[k][-1]
             assert kind == "done" and seq.token_ids == a.token_ids, k
         assert sched.runner.counters["interleaved_joins"] > before["interleaved_joins"]
+        assert max(spans) > 0, spans  # some prefill had decode steps between its layers
         assert sched.alive and sched.waiting == 0 and sched.runner.rows == 0 and not sched.runner.joining
     finally:
         sched.stop()
@@ -446,19 +463,23 @@ def test_an_interleaved_join_that_fails_midway_answers_its_head_and_the_rest_are
     rows fail with the engine error, as after any failed join), and the server keeps serving."""
     import threading
 
+    from runmap.serve import scheduler
     from runmap.serve.scheduler import Scheduler, Ticket
 
+    monkeypatch.setattr(scheduler, "JOIN_SLICE_S", 0.0)  # one piece per step boundary, whatever this CPU's speed
     eng = engines["tiny-olmoe"]
     long_runner = eng.tokenizer.encode("river mountain")
     bad = eng.tokenizer.encode("three quick brown fox")
     good = eng.tokenizer.encode("the sea sky")
     alone = _alone(eng, [(good, SamplingParams(max_new_tokens=5))])[0]
     pieces = eng.prefill_pieces
+    sched = Scheduler(eng, pipelined=False, interleave_joins=True)
+    steps_inside = []  # decode steps run between the poisoned pass's first piece and its failure
 
     def poisoned(tokens, pad, all_logits=False, **kw):
         inner = pieces(tokens, pad, all_logits, **kw)
         poison = any(row[-len(bad):] == bad for row in tokens.tolist())
-        n = 0
+        first, n = sched.runner.counters["steps"], 0
         while True:
             try:
                 marker = next(inner)
@@ -466,11 +487,11 @@ def test_an_interleaved_join_that_fails_midway_answers_its_head_and_the_rest_are
                 return stop.value
             n += 1
             if poison and n == 2:  # two layers queued, then the failure
+                steps_inside.append(sched.runner.counters["steps"] - first)
                 inner.close()
                 raise RuntimeError("injected failure inside an interleaved prefill")
             yield marker
 
-    sched = Scheduler(eng, pipelined=False, interleave_joins=True)
     sched.start()
     try:
         _ready(sched)
@@ -496,7 +517,32 @@ def test_an_interleaved_join_that_fails_midway_answers_its_head_and_the_rest_are
         assert events["bad"][-1][0] == "error" and "injected failure" in events["bad"][-1][1].message
         kind, seq = events["good"][-1]
         assert kind == "done" and seq.token_ids == alone.token_ids
-        assert events["runner"][-1][0] == "error"  # it was running while the join failed: the join was interleaved
+        assert events["runner"][-1][0] == "error"  # it was running while the join failed
+        assert steps_inside and steps_inside[0] > 0  # and decode steps ran between the failing pass's layers
         assert sched.alive and not sched.runner.joining
+    finally:
+        sched.stop()
+
+
+def test_after_a_device_fault_every_request_of_the_batch_gets_its_error(engines, monkeypatch):
+    """A decode step fails, and so does giving the experts' lease back (a device fault that keeps failing): every
+    running request is still answered with the engine's error instead of waiting for ever."""
+    from runmap.serve.scheduler import Scheduler
+
+    eng = engines["tiny-olmoe"]
+    sched = Scheduler(eng, pipelined=False)
+    sched.start()
+    try:
+        _ready(sched)
+
+        def fault(*a, **k):
+            raise RuntimeError("injected device fault")
+        monkeypatch.setattr(eng, "decode", fault)
+        monkeypatch.setattr(sched.runner, "_release", fault)
+        reqs = [(eng.tokenizer.encode(w), SamplingParams(max_new_tokens=6)) for w in ("the sea", "a poem")]
+        events = _collect(sched, reqs)
+        for k in range(len(reqs)):
+            kind, err = events[k][-1]
+            assert kind == "error" and "injected device fault" in err.message, events[k]
     finally:
         sched.stop()

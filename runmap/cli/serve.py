@@ -65,14 +65,14 @@ def add_arguments(p) -> None:
     p.add_argument("--max-batch", type=_positive, default=8, metavar="B", help="rows decoded together (default 8)")
     p.add_argument("--max-join-tokens", type=_non_negative, default=None, metavar="N",
                    help="prompt tokens (rows x longest prompt, padding included) one joint prefill of waiting "
-                        "requests may take (default 4096); every running row waits for that prefill. 0: each "
-                        "request joins alone, with exactly the prefill it gets alone")
+                        "requests may take (default 4096); with --join-mode whole every running row waits for that "
+                        "prefill. 0: each request joins alone, with exactly the prefill it gets alone")
     p.add_argument("--join-mode", choices=JOIN_MODES, default=JOIN_MODES[0],
                    help="how waiting requests join running rows: whole (default): the running rows wait for the "
                         "joint prefill at a step boundary; interleaved: the prefill runs a layer at a time between "
                         "the running rows' decode steps, on a CUDA stream of its own, where the decode step allows "
-                        "it (full residency with CUDA graphs). On the H200 whole served more tokens per second at "
-                        "8-64 clients (the engine thread is host-bound: results/serve/load/README.md)")
+                        "it (full residency with CUDA graphs). On the H200 interleaved served fewer tokens per second "
+                        "than whole at 8 and 64 clients (the engine thread is host-bound: results/serve/load/README.md)")
     p.add_argument("--max-seq-len", type=_positive, default=None, metavar="N",
                    help="context: prompt + completion tokens per request (default min(max_position_embeddings, 4096))")
     p.add_argument("--device", default=None, help="cuda | cpu (default: cuda when available)")

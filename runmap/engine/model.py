@@ -262,9 +262,10 @@ class Transformer:
         # "prologue": q/k norm + RoPE + KV write; "norm": residual add + RMSNorm; "router": logits + softmax
         # + top-k; "attn": decode attention (T = 1)
         self.fused: frozenset = frozenset()
-        # CUDA: the scaled_dot_product_attention backends torch may pick from (None: all of torch's). cuDNN attention
-        # is left out: it builds an execution plan for every new shape (PyTorch caches it), and a server meets a
-        # new shape -- rows x longest prompt -- at most joins (results/serve/probe/)
+        # CUDA prefill without grouped KV heads (OLMoE): the scaled_dot_product_attention backends torch may pick from
+        # (None: all of torch's). cuDNN attention is left out: it builds an execution plan for every new shape
+        # (PyTorch caches it), and a server meets a new shape -- rows x longest prompt -- at most joins
+        # (results/serve/probe/). Families with grouped heads keep torch's choice (not measured)
         self.sdpa_backends = _sdpa_backends_without_cudnn()
 
     def moe_block(self, layer: int, h: torch.Tensor, experts: ExpertsFn, token_rows: torch.Tensor | None):
@@ -337,7 +338,7 @@ class Transformer:
         keys, vals = kc[:, :, :n_keys], vc[:, :, :n_keys]  # (B, nkv, n_keys, D)
         gqa = nkv != nh
         if q.is_cuda:
-            with self._sdpa_backends():
+            with self._sdpa_backends(T, gqa):
                 if mask is None:  # prefill from slot 0 without padding: plain causal (flash) attention
                     o = F.scaled_dot_product_attention(q, keys, vals, is_causal=True, enable_gqa=gqa)
                 else:
@@ -350,10 +351,15 @@ class Transformer:
         o = o.transpose(1, 2).reshape(B, T, nh * D)  # (B, T, nh*D)
         return linear(o, lw.o)
 
-    def _sdpa_backends(self):
+    def _sdpa_backends(self, T: int, gqa: bool):
+        """The backends context of a CUDA attention call over T new tokens per row: ``sdpa_backends`` for a prefill
+        pass without grouped KV heads; torch's own choice otherwise (a decode step keeps it, and with grouped heads
+        and a mask the backends left would be the math one only: torch's memory-efficient kernel takes no GQA)."""
+        if self.sdpa_backends is None or T == 1 or gqa:
+            return contextlib.nullcontext()
         from torch.nn.attention import sdpa_kernel
 
-        return sdpa_kernel(self.sdpa_backends) if self.sdpa_backends is not None else contextlib.nullcontext()
+        return sdpa_kernel(self.sdpa_backends)
 
     def forward(self, tokens, positions, kv: KVCache, slots, pad, n_keys: int, experts: ExpertsFn, *,
                 token_rows=None, causal_fresh=False, all_logits=False):

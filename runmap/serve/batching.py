@@ -161,7 +161,7 @@ class BatchRunner:
     decode step for every row; rows that finish leave the batch inside ``step``."""
 
     def __init__(self, engine, *, decode: Callable[[list[int]], str] | None = None, pipelined: bool | None = None,
-                 join_tokens: int = JOIN_TOKENS, interleave: bool = True):
+                 join_tokens: int = JOIN_TOKENS, interleave: bool = False):
         """join_tokens: the most prompt tokens (rows x longest prompt, padding included) one joint prefill takes;
         a longer single prompt still joins, alone. 0: every request is prefilled alone. interleave: joins begun
         with ``begin_join`` while rows run may spread their prefill over several decode steps (``can_interleave``);
@@ -257,10 +257,6 @@ class BatchRunner:
     def joining(self) -> bool:
         """A joint prefill is in progress (begin_join called, finish_join not yet done)."""
         return self._pending is not None
-
-    @property
-    def joining_seqs(self) -> list[Sequence]:
-        return list(self._pending.group) if self._pending is not None else []
 
     def can_interleave(self) -> bool:
         """Whether a join begun now may run its prefill between decode steps: rows are running, and a decode step
@@ -372,16 +368,17 @@ class BatchRunner:
         lens = [len(s.prompt_ids) for s in group]
         if (j.row0, 0) != (b, target - P):  # into rows b.. with the prompts ending at the shared slot
             self._place_rows(j.row0, b, k, P, target - P)
+        tok = self._sample(j.logits, group)
+        cur = tok if self.cur is None else torch.cat([self.cur, tok])  # the last call that can fail: state after it
         if running or j.running_at_begin:
             self.counters["joined_running"] += k
         self.counters["joins"] += 1
         self.counters["interleaved_joins"] += j.interleaved
         self.counters["padded_joins"] += len(set(lens)) > 1
-        tok = self._sample(j.logits, group)
         self.seqs.extend(group)
         self.pad.extend(target - n for n in lens)
         self._pad_dev = None
-        self.cur = tok if self.cur is None else torch.cat([self.cur, tok])
+        self.cur = cur
         self.counters["admitted"] += k
         return True
 
@@ -544,12 +541,19 @@ class BatchRunner:
 
     def abort_all(self, reason: str = "cancelled") -> list[Sequence]:
         """Every row leaves now (shutdown, or after an engine failure): finish_reason ``reason``."""
-        left = list(self.seqs) + self._drop_pending()
+        left = list(self.seqs) + (list(self._pending.group) if self._pending is not None else [])
         self.seqs, self.pad, self.cur, self.slot = [], [], None, 0
         self._pad_dev = None
-        self._release()
-        for s in left:
-            s.finish_reason = reason
-            if s.on_finish is not None:
-                s.on_finish(s)
+        try:
+            # every row is told before anything that touches the device (after a device fault, a stream wait or
+            # the lease's release may raise again)
+            for s in left:
+                s.finish_reason = reason
+                if s.on_finish is not None:
+                    s.on_finish(s)
+        finally:
+            try:
+                self._drop_pending()
+            finally:
+                self._release()
         return left

@@ -33,9 +33,10 @@ from runmap.serve.protocol import ApiError
 
 log = logging.getLogger("runmap.serve")
 STATS_EVERY_S = 0.5
-# host time a pending join's prefill may take between two decode steps (runmap.serve.batching.BatchRunner.advance_join):
-# with the step pipelined one ahead, the device keeps decoding as long as this plus the step's own host work stays
-# under a decode step (~2 ms at 8 rows, ~3.6 ms at 32 for OLMoE on the H200); a layer of an eager prefill is ~0.6 ms
+# host time a pending join's prefill may take between two decode steps (runmap.serve.batching.BatchRunner.advance_join;
+# --join-mode interleaved): with the step pipelined one ahead, the device keeps decoding as long as this plus the
+# step's own host work stays under a decode step (~2 ms at 8 rows, ~3.5 ms at 32 for OLMoE on the H200). At least one
+# piece runs per call: a layer of an eager prefill took ~1 ms of host time in a probe, ~1.8 ms in a loaded server.
 JOIN_SLICE_S = 0.001
 GIL_SWITCH_INTERVAL_S = 0.0005  # sys.setswitchinterval for a serving process (Scheduler.start says why)
 RATE_WINDOW_S = 5.0
@@ -76,6 +77,7 @@ class Scheduler:
         self._waiting: collections.deque[Ticket] = collections.deque()
         self._running: dict[int, Ticket] = {}
         self._joining: list[Ticket] = []  # the requests of the join in progress (neither waiting nor running)
+        self._join_began = 0.0  # perf_counter when that join began (its requests' queue wait ends there)
         self._stop = False
         self._thread: threading.Thread | None = None
         self.ready = False
@@ -275,7 +277,7 @@ class Scheduler:
         r.admit_many([warm(ids), warm(longer)][: eng.max_batch - r.rows])  # two lengths: a padded joint prefill
         while r.rows:
             r.step()
-        if eng.max_batch > 1:  # and a join whose prefill runs between decode steps (on CUDA: on its own stream)
+        if self.interleave_joins and eng.max_batch > 1:  # a join whose prefill runs between decode steps
             r.admit(Sequence(ids, SamplingParams(max_new_tokens=max(1, min(8, eng.max_seq_len - len(ids) + 1)),
                                                  temperature=0.0, ignore_eos=True)))
             r.step()
@@ -354,8 +356,14 @@ class Scheduler:
             self._joining = []
         for t in tickets:
             t.error = err
-        self.runner.abort_all("error")
         self.totals["errors"] += len(tickets)
+        try:
+            self.runner.abort_all("error")
+        finally:  # a ticket whose row was not told (the runner failed before it could be) still gets its error
+            for t in tickets:
+                if not t.done:
+                    t.done = True
+                    t.sink(("error", err))
 
     def _drop_cancelled_waiting(self) -> None:
         keep = collections.deque()
@@ -374,9 +382,10 @@ class Scheduler:
             self.metrics.requests.labels(t.endpoint, "cancelled").inc()
 
     def _admit(self) -> None:
-        """Every waiting request that fits joins, together (one joint prefill: runmap.serve.batching). While rows
-        are running the join's prefill is spread over the next decode steps (a slice of JOIN_SLICE_S of host time
-        per step) instead of stalling them; one join is in progress at a time."""
+        """Every waiting request that fits joins, together (one joint prefill: runmap.serve.batching). With
+        --join-mode whole the prefill runs now while the running rows wait; with interleaved, while rows are running,
+        it is spread over the next decode steps (a slice of JOIN_SLICE_S of host time per step) and one join is in
+        progress at a time."""
         r = self.runner
         if r.joining:
             self._advance_join()
@@ -407,11 +416,7 @@ class Scheduler:
                 for t in tickets[:n]:
                     self._waiting.remove(t)  # FIFO: the first n of the queue
                 self._joining = tickets[:n]
-            self.queue_waits.extend((t_join, t_join - t.t_arrival) for t in tickets[:n])
-            for t in tickets[:n]:
-                if self.metrics is not None:
-                    self.metrics.prompt_tokens.inc(len(t.prompt_ids))
-                self.totals["prompt_tokens"] += len(t.prompt_ids)
+            self._join_began = t_join
             if n:
                 self._advance_join(whole=not interleave)
                 if r.joining:
@@ -432,10 +437,15 @@ class Scheduler:
             tickets, self._joining = self._joining, []
             self._join_failed(tickets, e)
             raise
-        if joined:
+        if joined:  # counted now: a join that fails sends its requests back to the queue (or answers one with an error)
             with self._cv:
                 for t in self._joining:
                     self._running[id(t)] = t
+            self.queue_waits.extend((self._join_began, self._join_began - t.t_arrival) for t in self._joining)
+            for t in self._joining:
+                if self.metrics is not None:
+                    self.metrics.prompt_tokens.inc(len(t.prompt_ids))
+                self.totals["prompt_tokens"] += len(t.prompt_ids)
             self._joining = []
 
     def _join_failed(self, tickets: list[Ticket], e: Exception) -> None:
@@ -510,7 +520,8 @@ class Scheduler:
 
     def _update_gauges(self) -> None:
         if self.metrics is not None:
-            self.metrics.running.set(self.runner.rows if self.runner is not None else 0)
+            # a joining request counts as running (its prefill is under way), not as waiting
+            self.metrics.running.set((self.runner.rows if self.runner is not None else 0) + len(self._joining))
             self.metrics.waiting.set(len(self._waiting))
 
     def _refresh_stats(self, force: bool = False) -> None:
