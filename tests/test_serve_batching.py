@@ -546,3 +546,30 @@ def test_after_a_device_fault_every_request_of_the_batch_gets_its_error(engines,
             assert kind == "error" and "injected device fault" in err.message, events[k]
     finally:
         sched.stop()
+
+
+@pytest.mark.parametrize("pipelined", [False, True], ids=["cpu-order", "pipelined"])
+def test_a_decode_step_uploads_nothing_unless_rows_joined_or_left(engines, pipelined, monkeypatch):
+    """The pads go to the device only when they changed (a join, a leave, a shift) and the pending tokens are
+    reordered only when a row left: on CUDA each such upload from the host used to synchronize the stream at every
+    step (the host waited for the step in flight, the device for the host's token handling)."""
+    eng = engines["tiny-olmoe"]
+    uploads = []
+    upload = BatchRunner._upload
+    monkeypatch.setattr(BatchRunner, "_upload", lambda self, t: uploads.append(t) or upload(self, t))
+    with torch.inference_mode():
+        r = BatchRunner(eng, pipelined=pipelined)
+        short, long = (Sequence(eng.tokenizer.encode(w), SamplingParams(max_new_tokens=m, ignore_eos=True))
+                       for w, m in (("the sea", 4), ("a poem", 12)))
+        assert r.admit_many([short, long]) == 2
+        per_step = []
+        while r.rows:
+            rows, n = r.rows, len(uploads)
+            r.step()
+            per_step.append((rows, r.rows, len(uploads) - n))
+    # steps that neither follow a join nor see a row leave upload nothing; the first uploads the pads once, the one
+    # where the short request leaves uploads the reorder (and the next step the new pads)
+    quiet = [u for k, (before, after, u) in enumerate(per_step)
+             if k > 0 and before == after and per_step[k - 1][0] == per_step[k - 1][1]]
+    assert quiet and all(u == 0 for u in quiet), per_step
+    assert per_step[0][2] >= 1 and sum(u for _, _, u in per_step) <= 5, per_step
