@@ -105,13 +105,13 @@ def test_every_request_gets_its_tokens_alone_whatever_the_schedule(engines, pres
     eng = engines[preset]
     totals = {"joined_running": 0, "shifts": 0, "row_moves": 0, "refused": 0}
     joints = padded = interleaved = moved = 0
-    place = BatchRunner._place_rows
+    move = BatchRunner._move_kv
 
-    def counting_place(self, src, dst, k, P, lo):  # a join whose rows moved down: rows left during its prefill
+    def counting_move(self, src, dst, *a):  # a join whose rows moved down: rows left during its prefill
         nonlocal moved
         moved += src != dst
-        return place(self, src, dst, k, P, lo)
-    monkeypatch.setattr(BatchRunner, "_place_rows", counting_place)
+        return move(self, src, dst, *a)
+    monkeypatch.setattr(BatchRunner, "_move_kv", counting_move)
     for seed in (1, 2):
         reqs = _requests(eng, seed)
         alone = _alone(eng, reqs)

@@ -86,7 +86,7 @@ import torch
 
 from runmap.arch.config import ModelConfig
 from runmap.engine.generation import GenerationError, GenerationResult, GenerationRun, generate_batch
-from runmap.engine.model import KVCache, Transformer, experts_dense_torch, load_weights
+from runmap.engine.model import KVCache, Transformer, experts_dense_torch, load_weights, run_pieces
 from runmap.kernels.registry import CPU_SITE_EXECUTORS, EXECUTOR_NAMES as EXECUTORS, GRAPH_SAFE_EXECUTORS as GRAPH_EXECUTORS
 from runmap.engine.telemetry import DECODE_PATHS
 from runmap.residency.regimes import regime_of
@@ -187,6 +187,16 @@ class CachedExperts:
                     raise RuntimeError("a routed id outside [0, E) was seen in this pass but no layer's check named it")
         finally:
             self._pass_ids = None
+
+    @contextlib.contextmanager
+    def outside_pass(self):
+        """Calls made between the pieces of an open checked pass (an eager decode step while a server interleaves a
+        join's prefill) are not part of that pass: the executor checks their routing as usual."""
+        saved, self._pass_ids = self._pass_ids, None
+        try:
+            yield
+        finally:
+            self._pass_ids = saved
 
     # Full residency: one request per generate call, every layer leased whole (no miss can happen).
     def begin(self):
@@ -460,7 +470,7 @@ class _StaticStepInputs:
         self.pad.copy_(pad)
         real = np.ones((self.B, 1), dtype=bool)
         if self.imposed is not None:
-            self.imposed.copy_(_to_device(self.e.imposed.draw(real), self.e.device), non_blocking=True)
+            self.imposed.copy_(host_to_device(self.e.imposed.draw(real), self.e.device), non_blocking=True)
         return real
 
 
@@ -656,7 +666,7 @@ class SegmentDecoder(_StaticStepInputs):
             self.keep_set[layer] = True
             # the CPU-site ids are unmapped (-1) in the lease's table: point them at a row the request pins, whose
             # contribution the zero gate weight removes; the static table then differs from the lease's
-            cpu_ids = _to_device(np.asarray(cpu, dtype=np.int64), ex.static_tables[layer].device)  # no host sync
+            cpu_ids = host_to_device(np.asarray(cpu, dtype=np.int64), ex.static_tables[layer].device)  # no host sync
             ex.static_tables[layer].index_fill_(0, cpu_ids, self._req.pinned_row(layer))
             ex.static_sources[layer] = None  # refresh from the next lease's table
         elif self.keep_set[layer]:
@@ -758,7 +768,7 @@ class SegmentDecoder(_StaticStepInputs):
         return out
 
 
-def _to_device(a: np.ndarray, device) -> torch.Tensor:
+def host_to_device(a: np.ndarray, device) -> torch.Tensor:
     """A host array on ``device`` without a host sync: through pinned memory and an asynchronous copy (torch's
     pinned-memory allocator does not reuse the buffer before the copy is done)."""
     t = torch.from_numpy(a)
@@ -1017,12 +1027,7 @@ class Engine:
         Chunks of ``prefill_chunk`` tokens bound the activation memory of long prompts. ``kv``: the KVCache (or a
         ``rows`` view of it) the pass writes, rows 0..B-1 (default: the engine's); ``pad_host``: the same pads
         as host ints, when the caller has them (saves a device-to-host read). ``prefill_pieces`` run to its end."""
-        pieces = self.prefill_pieces(tokens, pad, all_logits, kv=kv, pad_host=pad_host)
-        while True:
-            try:
-                next(pieces)
-            except StopIteration as done:
-                return done.value
+        return run_pieces(self.prefill_pieces(tokens, pad, all_logits, kv=kv, pad_host=pad_host))
 
     def prefill_pieces(self, tokens: torch.Tensor, pad: torch.Tensor, all_logits: bool = False, *, kv=None,
                        pad_host=None):
@@ -1069,8 +1074,7 @@ class Engine:
             real = np.arange(s0, s1)[None, :] >= pad_h[:, None]  # (B, t) host: the real (unpadded) tokens
             rows = None  # int64 (n,): the routed rows of the chunk's B*t positions, computed on the host
             if padded:
-                rows = torch.from_numpy(np.flatnonzero(real.reshape(-1)))
-                rows = rows.pin_memory().to(self.device, non_blocking=True) if self.device.type == "cuda" else rows
+                rows = host_to_device(np.flatnonzero(real.reshape(-1)), self.device)
             with self._routing(real if self.imposed is not None or self.routes is not None else None):
                 out = yield from self.model.forward_pieces(tokens[:, s0:s1], pos, kv, slots, pad, s1, self.experts,
                                                            token_rows=rows, causal_fresh=(s0 == 0 and not padded),
@@ -1102,22 +1106,9 @@ class Engine:
         # the slot are masked, exactly as in graph mode) keeps it to a few compiled variants instead of one
         # per KV length.
         n_keys = self.bucket(slot + 1) if self.device.type == "cuda" else slot + 1
-        with self._routing(np.ones((B, 1), dtype=bool), decode=True), self._outside_pass():
+        outside = getattr(self.experts, "outside_pass", contextlib.nullcontext)
+        with self._routing(np.ones((B, 1), dtype=bool), decode=True), outside():
             return self.model.forward(tokens.view(B, 1), pos, self.kv, slots, pad, n_keys, self.experts)
-
-    @contextlib.contextmanager
-    def _outside_pass(self):
-        """An eager decode step between the pieces of an open prefill pass (a server interleaving a join) is not
-        part of that pass: its routing is checked by the executor as usual, not at the pass's end."""
-        saved = getattr(self.experts, "_pass_ids", None)
-        if saved is None:
-            yield
-            return
-        self.experts._pass_ids = None
-        try:
-            yield
-        finally:
-            self.experts._pass_ids = saved
 
     @contextlib.contextmanager
     def _routing(self, real: np.ndarray | None, decode: bool = False):
@@ -1127,7 +1118,7 @@ class Engine:
             yield
             return
         if self.imposed is not None:
-            self.model.imposed = _to_device(self.imposed.draw(real), self.device)  # (L, n, k)
+            self.model.imposed = host_to_device(self.imposed.draw(real), self.device)  # (L, n, k)
         if self.routes is not None:
             self.model.route_sink = self.routes.sink
         try:

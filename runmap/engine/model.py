@@ -234,6 +234,16 @@ def attention_mask(slots: torch.Tensor, pad: torch.Tensor, n_keys: int) -> torch
     return m.unsqueeze(1)
 
 
+def run_pieces(pieces):
+    """Run a pass that yields between its pieces (``Transformer.forward_pieces``, ``Engine.prefill_pieces``) to its
+    end; returns what it returns."""
+    while True:
+        try:
+            next(pieces)
+        except StopIteration as done:
+            return done.value
+
+
 def _sdpa_backends_without_cudnn():
     from torch.nn.attention import SDPBackend
 
@@ -364,13 +374,8 @@ class Transformer:
     def forward(self, tokens, positions, kv: KVCache, slots, pad, n_keys: int, experts: ExpertsFn, *,
                 token_rows=None, causal_fresh=False, all_logits=False):
         """One forward pass over T new tokens per row (``forward_pieces`` run to its end; arguments there)."""
-        pieces = self.forward_pieces(tokens, positions, kv, slots, pad, n_keys, experts, token_rows=token_rows,
-                                     causal_fresh=causal_fresh, all_logits=all_logits)
-        while True:
-            try:
-                next(pieces)
-            except StopIteration as done:
-                return done.value
+        return run_pieces(self.forward_pieces(tokens, positions, kv, slots, pad, n_keys, experts, token_rows=token_rows,
+                                              causal_fresh=causal_fresh, all_logits=all_logits))
 
     def forward_pieces(self, tokens, positions, kv: KVCache, slots, pad, n_keys: int, experts: ExpertsFn, *,
                        token_rows=None, causal_fresh=False, all_logits=False):

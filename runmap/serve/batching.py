@@ -54,7 +54,9 @@ from typing import Callable
 
 import torch
 
-from runmap.engine.engine import PASS_QUEUED
+import numpy as np
+
+from runmap.engine.engine import PASS_QUEUED, host_to_device
 from runmap.engine.generation import GenerationError, _Row, left_pad, sample
 
 # prompt tokens of one joint prefill (rows x longest prompt): bounds the stall a join imposes on the running rows.
@@ -214,19 +216,21 @@ class BatchRunner:
         if delta == 0 or not self.seqs:
             self.slot += delta
             return
-        self._move_slots(0, len(self.seqs), min(self.pad), self.slot, delta)
+        lo = min(self.pad)
+        self._move_kv(0, 0, len(self.seqs), lo, self.slot, lo + delta)
         self.pad = [p + delta for p in self.pad]
         self._pad_dev = None
         self.slot += delta
         self.counters["shifts"] += 1
 
-    def _move_slots(self, r0: int, r1: int, lo: int, hi: int, delta: int) -> None:
-        """Keys and values of rows r0..r1-1 at slots lo..hi-1 move to lo+delta..hi+delta-1 (the ranges may
-        overlap: each layer's block is cloned first, one layer at a time to bound the temporary copy)."""
+    def _move_kv(self, src: int, dst: int, k: int, lo: int, hi: int, to: int) -> None:
+        """Keys and values of rows src..src+k-1 at slots lo..hi-1 move to rows dst..dst+k-1 at slots
+        to..to+hi-lo-1 (the ranges may overlap: each layer's block is cloned first, one layer at a time to bound
+        the temporary copy)."""
         for t in (self.eng.kv.k, self.eng.kv.v):
             for layer in range(t.shape[0]):
-                src = t[layer, r0:r1, :, lo:hi].clone()
-                t[layer, r0:r1, :, lo + delta:hi + delta].copy_(src)
+                block = t[layer, src:src + k, :, lo:hi].clone()
+                t[layer, dst:dst + k, :, to:to + hi - lo].copy_(block)
 
     def _move_row(self, src: int, dst: int) -> None:
         lo = self.pad[src]
@@ -344,7 +348,7 @@ class BatchRunner:
                 if t_end is not None and time.perf_counter() >= t_end:
                     break
         except BaseException:
-            self._drop_pending()
+            self.drop_join()
             raise
         return j.logits is not None
 
@@ -367,7 +371,7 @@ class BatchRunner:
         b, k, P = len(self.seqs), len(group), j.P
         lens = [len(s.prompt_ids) for s in group]
         if (j.row0, 0) != (b, target - P):  # into rows b.. with the prompts ending at the shared slot
-            self._place_rows(j.row0, b, k, P, target - P)
+            self._move_kv(j.row0, b, k, 0, P, target - P)
         tok = self._sample(j.logits, group)
         cur = tok if self.cur is None else torch.cat([self.cur, tok])  # the last call that can fail: state after it
         if running or j.running_at_begin:
@@ -383,11 +387,8 @@ class BatchRunner:
         return True
 
     def drop_join(self) -> list[Sequence]:
-        """Forget the join in progress, if any, without finishing its rows (their requests are the caller's)."""
-        return self._drop_pending()
-
-    def _drop_pending(self) -> list[Sequence]:
-        """Forget the pending join (its pass closed); returns its group. Its KV rows hold nothing anyone reads."""
+        """Forget the join in progress, if any, without finishing its rows (their requests are the caller's); returns
+        its group. Its pass is closed; its KV rows hold nothing anyone reads."""
         j, self._pending = self._pending, None
         if j is None:
             return []
@@ -414,14 +415,6 @@ class BatchRunner:
     @staticmethod
     def _on(stream):
         return torch.cuda.stream(stream) if stream is not None else contextlib.nullcontext()
-
-    def _place_rows(self, src: int, dst: int, k: int, P: int, lo: int) -> None:
-        """Keys and values of rows src..src+k-1 at slots 0..P-1 move to rows dst..dst+k-1 at slots lo..lo+P-1
-        (the two ranges may overlap: each layer's block is cloned first, one layer at a time)."""
-        for t in (self.eng.kv.k, self.eng.kv.v):
-            for layer in range(t.shape[0]):
-                block = t[layer, src:src + k, :, 0:P].clone()
-                t[layer, dst:dst + k, :, lo:lo + P].copy_(block)
 
     def _emitter(self, seq: Sequence):
         def emit(_row, tid, delta):
@@ -450,10 +443,7 @@ class BatchRunner:
         ``torch.tensor(..., device="cuda")`` copies from pageable memory and synchronizes the stream: the host
         would wait for the step in flight, and the device would idle through the host's work until the next
         launch, every step.)"""
-        t = torch.tensor(t, dtype=torch.long) if isinstance(t, list) else t
-        if self.dev.type != "cuda":
-            return t
-        return t.pin_memory().to(self.dev, non_blocking=True)
+        return host_to_device(np.asarray(t, dtype=np.int64) if isinstance(t, list) else t.numpy(), self.dev)
 
     def _decode(self, tok: torch.Tensor) -> torch.Tensor:
         if self._pad_dev is None:  # uploaded again only after a join, a leave or a shift changed the pads
@@ -553,7 +543,7 @@ class BatchRunner:
                     s.on_finish(s)
         finally:
             try:
-                self._drop_pending()
+                self.drop_join()
             finally:
                 self._release()
         return left
