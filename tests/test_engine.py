@@ -352,3 +352,29 @@ def test_full_residency_prefill_checks_its_routing_once_at_the_end_of_the_pass(p
         finally:
             eng.experts.end()
     eng.close()
+
+
+@pytest.mark.parametrize("preset", ["tiny-olmoe", "tiny-qwen3-moe"])
+def test_a_prefill_in_chunks_equals_one_pass(packs, preset, test_device):
+    """Later chunks of an unpadded prefill attend causally aligned to the lower right (on CUDA through torch's
+    CausalBias in the flash kernel; with grouped KV heads through the mask): every position's logits and the KV
+    cache equal one pass over the whole prompt, for chunk sizes that divide the prompt and that do not."""
+    eng = Engine.from_pack(packs[preset], executor="grouped", device=test_device, max_batch=1, max_seq_len=32)
+    prompt = [(7 * i + 3) % eng.cfg.vocab_size for i in range(13)]
+    runs = []
+    for chunk in (13, 4, 5, 1):
+        eng.prefill_chunk = chunk
+        with torch.inference_mode():
+            eng.experts.begin()
+            try:
+                out = eng.prefill(torch.tensor([prompt], device=eng.device), torch.zeros(1, dtype=torch.long,
+                                  device=eng.device), all_logits=True)[0]  # (T, V)
+            finally:
+                eng.experts.end()
+        runs.append((chunk, out.float().cpu(), eng.kv.k[:, :1, :, :13].float().cpu().clone()))
+    eng.close()
+    _, whole, k_whole = runs[0]
+    for chunk, out, k in runs[1:]:
+        err = (out - whole).abs().max().item()
+        assert err <= 2e-3 * whole.abs().max().item() + 1e-3, f"{preset} chunk {chunk}: logits differ by {err:.3g}"
+        assert (k - k_whole).abs().max().item() <= 2e-3 * k_whole.abs().max().item() + 1e-3, f"chunk {chunk}: keys"

@@ -1077,7 +1077,7 @@ class Engine:
                 rows = host_to_device(np.flatnonzero(real.reshape(-1)), self.device)
             with self._routing(real if self.imposed is not None or self.routes is not None else None):
                 out = yield from self.model.forward_pieces(tokens[:, s0:s1], pos, kv, slots, pad, s1, self.experts,
-                                                           token_rows=rows, causal_fresh=(s0 == 0 and not padded),
+                                                           token_rows=rows, causal_fresh=not padded,
                                                            all_logits=all_logits)
             if all_logits or s1 == P:
                 outs.append(out)
