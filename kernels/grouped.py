@@ -16,6 +16,15 @@ Two ways of forming the groups, chosen from the static pair count P = T * k (nev
 Stages: (1) gate and up (two dots sharing each activation tile), h = fp16(silu(gate) * up), stored per
 pair; (2) down, times the pair's gate weight, stored per pair in fp32; (3) a fixed-order sum over the k
 slots of each token into fp16 y. No atomics, so the result is bit-for-bit deterministic.
+
+Large passes (P >= DEQUANT_MIN_PAIRS, a static count): each weight tile is decoded once per pass instead of
+once per BLOCK_M pairs. ``dequantize_sections`` writes every expert's three sections as fp16 (E, N, K)
+(w = fp16(q * scale), the values the per-element-scale path of the INT4 loop multiplies), then stages (1) and
+(2) are plain fp16 grouped GEMMs over the same sorted runs. In the INT4 loop the nibble decoding, not the
+tensor cores, bounds a tile at prefill (~200 TFLOP/s on the H200 at 1,024-8,192 tokens,
+results/campaigns/h200-floor); decoded once, 64 experts x 6 M values of OLMoE are 0.8 GB of fp16 written and
+read per layer, ~0.3 ms, against the ~2 ms the decoding costs inside the loop at 8,192 tokens. The workspace
+is that size (E x 3 x H x I x 2 bytes), so the mode is for large passes only.
 """
 from __future__ import annotations
 
@@ -24,10 +33,12 @@ import triton
 import triton.language as tl
 
 from runmap.kernels import common
-from runmap.kernels.core import dot_tiles, expert_row, silu_mul
+from runmap.kernels.core import dot_tiles, expert_row, nibbles_f16, resolve_row, silu_mul
 from runmap.format.qpack import RowLayout
 
 DECODE_MAX_PAIRS = 128
+# pairs from which a pass decodes the weights once (see the module docstring): 2,048 tokens at top-8
+DEQUANT_MIN_PAIRS = 16384
 
 
 @triton.jit
@@ -174,21 +185,104 @@ def _sum_topk_kernel(ypair_ptr, y_ptr, H, TOPK: tl.constexpr, BLOCK_N: tl.conste
     tl.store(y_ptr + t * H + offs_n, acc.to(tl.float16), mask=n_mask)
 
 
+@triton.jit
+def _dequant_section_kernel(row_table_ptr, w_ptr, s_ptr, out_ptr, n_experts, n_rows, row_bytes, w_off, s_off,
+                            N: tl.constexpr, K: tl.constexpr, NB: tl.constexpr, QBLOCK: tl.constexpr,
+                            BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
+    """out[e, n, k] = fp16(q[n, k] * scale[n, k // QBLOCK]) of expert e's section. An expert without a resident
+    row is skipped (its slice is left as it was): the GEMMs check the row table themselves and give its pairs
+    NaN, and under partial residency most experts of a lease's table are absent."""
+    e = tl.program_id(0)
+    w_row, s_row, ok = expert_row(e, row_table_ptr, w_ptr, s_ptr, n_experts, n_rows, row_bytes)
+    if ok:
+        offs_n = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)  # (BN,)
+        HALF: tl.constexpr = BLOCK_K // 2
+        offs_j = tl.program_id(2) * HALF + tl.arange(0, HALF)  # (HALF,) byte index k // 2
+        m = (offs_n < N)[:, None] & (offs_j < K // 2)[None, :]  # (BN, HALF)
+        packed = tl.load(w_row + w_off + offs_n[:, None] * (K // 2) + offs_j[None, :], mask=m, other=0)
+        lo, hi = nibbles_f16(packed)  # (BN, HALF) fp16 each
+        s = tl.load(s_row + s_off + offs_n[:, None] * NB + (2 * offs_j[None, :]) // QBLOCK, mask=m, other=0.0)
+        w = tl.reshape(tl.join(lo * s, hi * s), (BLOCK_N, BLOCK_K))  # (BN, BK): columns 2j, 2j + 1 interleaved
+        offs_k = tl.program_id(2) * BLOCK_K + tl.arange(0, BLOCK_K)
+        out = out_ptr + e.to(tl.int64) * N * K + offs_n[:, None] * K + offs_k[None, :]
+        tl.store(out, w, mask=(offs_n < N)[:, None] & (offs_k < K)[None, :])
+
+
+@triton.jit
+def _f16_dot(acc, a_rows, a_mask, w_base, offs_n, n_mask, K: tl.constexpr, BLOCK_K: tl.constexpr):
+    """acc (BM, BN) fp32 += A[rows, :K] @ W[offs_n, :K]^T; a_rows (BM,) pointers to fp16 rows, W fp16 (N, K)."""
+    for k0 in range(0, K, BLOCK_K):
+        offs_k = k0 + tl.arange(0, BLOCK_K)
+        k_mask = offs_k < K
+        a = tl.load(a_rows[:, None] + offs_k[None, :], mask=a_mask[:, None] & k_mask[None, :], other=0.0)
+        w = tl.load(w_base + offs_n[None, :] * K + offs_k[:, None], mask=k_mask[:, None] & n_mask[None, :],
+                    other=0.0)  # (BK, BN)
+        acc = tl.dot(a, w, acc)
+    return acc
+
+
+@triton.jit(do_not_specialize=["P"])
+def _dequant_gate_up_kernel(x_ptr, ids_ptr, order_ptr, row_table_ptr, wg_ptr, wu_ptr, h_ptr, P, n_experts, n_rows,
+                            stride_xm,
+                            N: tl.constexpr, K: tl.constexpr, TOPK: tl.constexpr,
+                            BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
+    """Stage 1 over decoded weights wg, wu fp16 (E, N, K): h[pairs] = fp16(silu(x Wg^T) * (x Wu^T))."""
+    offs_n = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
+    n_mask = offs_n < N
+    pairs, lane_ok, expert, active = _sorted_group(order_ptr, ids_ptr, tl.program_id(0), BLOCK_M)
+    if active:
+        _row, ok = resolve_row(expert, row_table_ptr, n_experts, n_rows)  # invalid id or absent expert: NaN rows
+        e = tl.where(ok, expert, 0).to(tl.int64)
+        x_rows = x_ptr + (pairs // TOPK).to(tl.int64) * stride_xm
+        acc_g = _f16_dot(tl.zeros((BLOCK_M, BLOCK_N), tl.float32), x_rows, lane_ok, wg_ptr + e * N * K, offs_n,
+                         n_mask, K, BLOCK_K)
+        acc_u = _f16_dot(tl.zeros((BLOCK_M, BLOCK_N), tl.float32), x_rows, lane_ok, wu_ptr + e * N * K, offs_n,
+                         n_mask, K, BLOCK_K)
+        h = tl.where(ok, silu_mul(acc_g, acc_u), float("nan"))
+        h_ptrs = h_ptr + pairs.to(tl.int64)[:, None] * N + offs_n[None, :]
+        tl.store(h_ptrs, h.to(tl.float16), mask=lane_ok[:, None] & n_mask[None, :])
+
+
+@triton.jit(do_not_specialize=["P"])
+def _dequant_down_kernel(h_ptr, ids_ptr, order_ptr, wts_ptr, row_table_ptr, wd_ptr, ypair_ptr, P, n_experts, n_rows,
+                         N: tl.constexpr, K: tl.constexpr,
+                         BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
+    """Stage 2 over decoded weights wd fp16 (E, N, K): ypair[pairs] = gate weight * (h Wd^T) in fp32."""
+    offs_n = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
+    n_mask = offs_n < N
+    pairs, lane_ok, expert, active = _sorted_group(order_ptr, ids_ptr, tl.program_id(0), BLOCK_M)
+    if active:
+        _row, ok = resolve_row(expert, row_table_ptr, n_experts, n_rows)  # invalid id or absent expert: NaN rows
+        e = tl.where(ok, expert, 0).to(tl.int64)
+        h_rows = h_ptr + pairs.to(tl.int64) * K
+        acc = _f16_dot(tl.zeros((BLOCK_M, BLOCK_N), tl.float32), h_rows, lane_ok, wd_ptr + e * N * K, offs_n,
+                       n_mask, K, BLOCK_K)
+        gw = tl.load(wts_ptr + pairs, mask=lane_ok, other=0.0)
+        out = tl.where(ok, acc * gw[:, None], float("nan"))
+        tl.store(ypair_ptr + pairs.to(tl.int64)[:, None] * N + offs_n[None, :], out,
+                 mask=lane_ok[:, None] & n_mask[None, :])
+
+
 def default_config(n_pairs: int, device: torch.device) -> dict:
     """Tiles by the static pair count (never by data). DEQ_ASM: inline-PTX nibble decoding
-    (``runmap.kernels.core.nibbles_f16_asm``, same values), wherever kernels are compiled for a GPU."""
+    (``runmap.kernels.core.nibbles_f16_asm``, same values), wherever kernels are compiled for a GPU.
+    DEQUANT: decode the weights once per pass (P >= DEQUANT_MIN_PAIRS; the module docstring)."""
     decode = n_pairs <= DECODE_MAX_PAIRS
     asm = {"DEQ_ASM": not common.interpreting(device)}
+    dequant = n_pairs >= DEQUANT_MIN_PAIRS
     if common.interpreting(device):  # few, large programs: the interpreter pays per program and per op
         return {"BLOCK_M": 32 if decode else 64, "BLOCK_N": 512, "BLOCK_K": 256,
-                "DOWN_BLOCK_N": 512, "DOWN_BLOCK_K": 256, **asm}
+                "DOWN_BLOCK_N": 512, "DOWN_BLOCK_K": 256, "DEQUANT": dequant, **asm}
     # Best configs of the H200 sweeps (results/kernels/bench/h200.json, explore/h200-prefill.json).
     if decode:
         bn = 32 if n_pairs <= 16 else 64
         return {"BLOCK_M": 16, "BLOCK_N": bn, "BLOCK_K": 256, "DOWN_BLOCK_N": bn, "DOWN_BLOCK_K": 256,
-                "num_warps": 4, "num_stages": 3, **asm}
+                "num_warps": 4, "num_stages": 3, "DEQUANT": False, **asm}
+    if dequant:
+        return {"BLOCK_M": 128, "BLOCK_N": 128, "BLOCK_K": 64, "DOWN_BLOCK_N": 128, "DOWN_BLOCK_K": 64,
+                "num_warps": 8, "num_stages": 3, "DEQUANT": True, **asm}
     return {"BLOCK_M": 64, "BLOCK_N": 64, "BLOCK_K": 128, "DOWN_BLOCK_N": 64, "DOWN_BLOCK_K": 128,
-            "num_warps": 4, "num_stages": 3, **asm}
+            "num_warps": 4, "num_stages": 3, "DEQUANT": False, **asm}
 
 
 def _deq_asm(cfg: dict, device: torch.device) -> bool:
@@ -375,10 +469,60 @@ def sum_topk(ypair: torch.Tensor, t: int, k: int) -> torch.Tensor:
     return y
 
 
+def dequantize_sections(storage, row_table, layout: RowLayout) -> dict:
+    """Every expert's gate, up and down sections decoded to fp16: {"gate": (E, I, H), "up": (E, I, H),
+    "down": (E, H, I)}, w = fp16(q * scale); the slice of an expert whose row_table entry is not a resident row
+    is not written (the GEMMs give its pairs NaN from the row table).
+
+    Args:
+        storage: uint8 (R, row_bytes). row_table: int32 (E,). layout: RowLayout.
+    """
+    common.check_storage(storage, layout)
+    dev = storage.device
+    common.check_tensor("row_table", row_table, torch.int32, 1, device=dev)
+    n_experts = row_table.numel()
+    interp = common.interpreting(dev)
+    bn, bk = (64, 256) if interp else (32, 128)
+    out = {}
+    for proj in ("gate", "up", "down"):
+        sec = common.proj_sections(layout, proj)
+        w = common.empty((n_experts, sec.n, sec.k), torch.float16, dev)
+        grid = (n_experts, triton.cdiv(sec.n, bn), triton.cdiv(sec.k, bk))
+        common.launch(_dequant_section_kernel[grid], row_table, storage, storage.view(torch.float16), w,
+                      n_experts, storage.shape[0], layout.row_bytes, sec.w_off, sec.s_off,
+                      N=sec.n, K=sec.k, NB=sec.nb, QBLOCK=layout.block_size, BLOCK_N=bn, BLOCK_K=bk,
+                      **({} if interp else {"num_warps": 4}))
+        out[proj] = w
+    return out
+
+
+def _dequant_stages(x, topk_ids, topk_weights, storage, row_table, layout: RowLayout, cfg: dict, plan):
+    """Stages 1 and 2 over weights decoded once (``dequantize_sections``) -> ypair float32 (T*k, H)."""
+    t, k = topk_ids.shape
+    order, grid0, _sorted, _p_pad = plan
+    w = dequantize_sections(storage, row_table, layout)
+    g, d = common.proj_sections(layout, "gate"), common.proj_sections(layout, "down")
+    common.check_tensor("topk_weights", topk_weights, torch.float32, 2, shape=(t, k), device=x.device)
+    h = common.empty((t * k, g.n), torch.float16, x.device)
+    common.launch(_dequant_gate_up_kernel[(grid0, triton.cdiv(g.n, cfg["BLOCK_N"]))],
+                  x, topk_ids, order, row_table, w["gate"], w["up"], h, t * k, row_table.numel(), storage.shape[0],
+                  x.stride(0),
+                  N=g.n, K=g.k, TOPK=k, BLOCK_M=cfg["BLOCK_M"], BLOCK_N=cfg["BLOCK_N"], BLOCK_K=cfg["BLOCK_K"],
+                  **common.launch_opts(cfg))
+    ypair = common.empty((t * k, d.n), torch.float32, x.device)
+    common.launch(_dequant_down_kernel[(grid0, triton.cdiv(d.n, cfg["DOWN_BLOCK_N"]))],
+                  h, topk_ids, order, topk_weights, row_table, w["down"], ypair, t * k, row_table.numel(),
+                  storage.shape[0],
+                  N=d.n, K=d.k, BLOCK_M=cfg["BLOCK_M"], BLOCK_N=cfg["DOWN_BLOCK_N"], BLOCK_K=cfg["DOWN_BLOCK_K"],
+                  **common.launch_opts(cfg))
+    return ypair
+
+
 def grouped_moe(x, topk_ids, topk_weights, storage, row_table, layout: RowLayout,
                 config: dict | None = None) -> torch.Tensor:
     """All three stages. Arguments as ``runmap.kernels.executors.moe_experts``; returns float16 (T, H).
-    Never synchronizes with the host; buffer sizes depend only on T, k, E and the config."""
+    Never synchronizes with the host; buffer sizes depend only on T, k, E and the config. config "DEQUANT"
+    (default: P >= DEQUANT_MIN_PAIRS) decodes the weights once for the pass instead of in each tile's loop."""
     common.check_storage(storage, layout)
     _check_routing_args(topk_ids, row_table, storage.device)
     t, k = topk_ids.shape
@@ -386,6 +530,10 @@ def grouped_moe(x, topk_ids, topk_weights, storage, row_table, layout: RowLayout
         return common.empty((0, layout.hidden_size), torch.float16, storage.device)
     cfg = dict(default_config(t * k, storage.device), **(config or {}))
     ids_flat = topk_ids.reshape(-1)
+    if cfg.get("DEQUANT") and t * k > DECODE_MAX_PAIRS:  # the decoded path runs over sorted runs only
+        common.check_tensor("x", x, torch.float16, 2, shape=(t, layout.hidden_size), device=storage.device)
+        plan = _plan(t * k, row_table.numel(), cfg, ids_flat)
+        return sum_topk(_dequant_stages(x, topk_ids, topk_weights, storage, row_table, layout, cfg, plan), t, k)
     plan = _plan(t * k, row_table.numel(), cfg, ids_flat)
     order = plan[0]
     h = grouped_gate_up(x, topk_ids, order, row_table, storage, layout, cfg, plan)

@@ -378,3 +378,31 @@ def test_a_prefill_in_chunks_equals_one_pass(packs, preset, test_device):
         err = (out - whole).abs().max().item()
         assert err <= 2e-3 * whole.abs().max().item() + 1e-3, f"{preset} chunk {chunk}: logits differ by {err:.3g}"
         assert (k - k_whole).abs().max().item() <= 2e-3 * k_whole.abs().max().item() + 1e-3, f"chunk {chunk}: keys"
+
+
+def test_warm_up_runs_every_size_class_and_leaves_nothing_counted(packs):
+    """warm_up() runs one prefill per size class up to a chunk (the decoded-weights mode's first pass included) and
+    a decode step of 1 and of max_batch rows; afterwards the engine's and the cache's counters are as before and the
+    same prompt gives the same tokens as on an engine that never warmed up."""
+    from runmap.engine.generation import prefill_warmup_shapes
+
+    cold = Engine.from_pack(packs["tiny-olmoe"], executor="grouped", device="cpu", max_batch=2, max_seq_len=24)
+    assert cold.warm_up_s is None  # not by default on the CPU
+    want = cold.generate([[5, 9, 300, 2]], max_new_tokens=4)[0].token_ids
+    cold.close()
+    eng = Engine.from_pack(packs["tiny-olmoe"], executor="grouped", device="cpu", max_batch=2, max_seq_len=24,
+                           prefill_chunk=20)
+    counters = dict(eng.experts.cache.counters)
+    seen, decoded = [], []
+    real_prefill, real_decode = eng.prefill, eng.decode
+    eng.prefill = lambda tokens, pad, **kw: seen.append(tokens.shape[1]) or real_prefill(tokens, pad, **kw)
+    eng.decode = lambda tokens, slot, pad: decoded.append(tokens.shape[0]) or real_decode(tokens, slot, pad)
+    assert eng.warm_up() > 0 and eng.warm_up_s > 0
+    eng.prefill, eng.decode = real_prefill, real_decode
+    assert seen == [s[0] for s in prefill_warmup_shapes(max_seq_len=24, prefill_chunk=20, max_batch=1,
+                                                          top_k=eng.cfg.top_k)]
+    assert seen[0] == 1 and seen[-1] == 20 and decoded == [1, 2]
+    assert dict(eng.experts.cache.counters) == counters
+    assert eng.prefill_counts == dict.fromkeys(eng.prefill_counts, 0)
+    assert eng.generate([[5, 9, 300, 2]], max_new_tokens=4)[0].token_ids == want
+    eng.close()

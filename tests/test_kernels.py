@@ -429,3 +429,54 @@ def test_the_compile_log_counts_variants_and_keeps_an_earlier_hook():
         assert log.since_mark == ["scale_kernel(x_ptr: *fp16, n: i32, BLOCK=128)"] and log.count == 4
     finally:
         knobs.runtime.jit_post_compile_hook = saved
+
+
+@pytest.mark.parametrize("m", [150, 300])  # sorted runs (P > DECODE_MAX_PAIRS)
+@pytest.mark.parametrize("shape_name", ["small-b256", "small-b64", "odd-b128", "small-b96"])
+def test_grouped_decoded_once_mode_matches_reference(shape_name, m, device, poison):
+    """The large-pass mode (weights decoded to fp16 once per pass, then fp16 grouped GEMMs), forced on small
+    shapes: within TOL of the FP32 reference on partial blocks, odd N and per-element scales, every buffer
+    poisoned; and it is what the default config chooses from DEQUANT_MIN_PAIRS pairs on."""
+    from runmap.kernels import grouped
+
+    shape = SMALL[shape_name]
+    layout, storage, row_table, resident = make_layer(shape, device, 31 + m)
+    x, ids, w = make_batch(shape, m, resident, device, 31 + m)
+    ref = reference_moe_f32(x, ids, w, storage, row_table, layout)
+    y = moe_experts("grouped", x, ids, w, storage, row_table, layout, config={"DEQUANT": True})
+    assert torch.isfinite(y).all() and rel_err(y, ref) <= TOL
+    assert grouped.default_config(grouped.DEQUANT_MIN_PAIRS, device)["DEQUANT"]
+    assert not grouped.default_config(grouped.DEQUANT_MIN_PAIRS - 1, device)["DEQUANT"]
+
+
+def test_decoded_sections_are_the_fp16_of_q_times_scale(device, poison):
+    """dequantize_sections equals qpack's FP32 dequantization rounded to fp16, expert by expert through the row
+    table; an expert without a resident row is not decoded (its slice keeps the poison)."""
+    from runmap.kernels.grouped import dequantize_sections
+
+    shape = SMALL["odd-b128"]
+    layout, storage, row_table, resident = make_layer(shape, device, 41)
+    got = dequantize_sections(storage, row_table, layout)
+    for e in range(row_table.numel()):
+        row = int(row_table[e])
+        for proj in ("gate", "up", "down"):
+            if row < 0:
+                assert torch.isnan(got[proj][e]).all(), (e, proj)
+                continue
+            want = layout.dequantize_expert(storage[row])[proj]  # fp32 (N, K)
+            assert torch.equal(got[proj][e].float(), want.to(torch.float16).float()), (e, proj)
+
+
+def test_decoded_once_mode_gives_nan_rows_for_a_non_resident_expert(device):
+    """validate=False (as inside a pass): a token routed to an expert without a row (its decoded slice never
+    written) gets NaN, and so does one routed to an id outside [0, E); the others are finite."""
+    shape = SMALL["small-b64"]
+    layout, storage, row_table, resident = make_layer(shape, device, 43)
+    x, ids, w = make_batch(shape, 150, resident, device, 43)
+    absent = int((row_table < 0).nonzero()[0])
+    ids = ids.clone()
+    ids[7, 0] = absent
+    ids[90, 1] = row_table.numel()  # not an expert id
+    y = moe_experts("grouped", x, ids, w, storage, row_table, layout, validate=False, config={"DEQUANT": True})
+    assert torch.isnan(y[7]).all() and torch.isnan(y[90]).all()
+    assert torch.isfinite(torch.cat([y[:7], y[8:90], y[91:]])).all()

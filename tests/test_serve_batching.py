@@ -304,17 +304,17 @@ def _bucket(n: int) -> int:
 def _kernel_variant(tokens: int, top_k: int, num_experts: int) -> tuple:
     """The size-derived constexprs of the grouped executor for a pass routing ``tokens`` tokens
     (runmap.kernels.grouped: P_PAD at decode size, else the sort's CHUNKS_PAD)."""
-    from runmap.kernels.grouped import DECODE_MAX_PAIRS
+    from runmap.kernels.grouped import DECODE_MAX_PAIRS, DEQUANT_MIN_PAIRS
 
     pairs = tokens * top_k
     if pairs <= DECODE_MAX_PAIRS:
         return ("decode", _bucket(max(pairs, 2)))
     block_p = max(16, min(256, 16384 // _bucket(num_experts + 1)))
-    return ("sorted", _bucket(-(-pairs // block_p)))
+    return ("sorted", _bucket(-(-pairs // block_p)), pairs >= DEQUANT_MIN_PAIRS)  # decoded-weights mode: other tiles
 
 
 @settings(max_examples=60, deadline=None)
-@given(max_seq_len=st.integers(1, 4096), prefill_chunk=st.integers(1, 2048), max_batch=st.integers(1, 64),
+@given(max_seq_len=st.integers(1, 8192), prefill_chunk=st.integers(1, 8192), max_batch=st.integers(1, 64),
        join_tokens=st.one_of(st.integers(0, 8200), st.sampled_from([2049, 4096, 4097, 4100, 8193, 8199])),
        top_k=st.sampled_from([1, 2, 4, 6, 8]), num_experts=st.sampled_from([8, 60, 64, 128]))
 def test_the_warm_up_prefills_reach_every_kernel_variant_a_server_can_run(max_seq_len, prefill_chunk, max_batch,
@@ -324,7 +324,7 @@ def test_the_warm_up_prefills_reach_every_kernel_variant_a_server_can_run(max_se
     kernel constexprs, counting the tokens the MoE routes (pad positions are masked out before it). Every warm-up
     pass is one the server could run: rows <= max_batch, lengths within a chunk, rows differing by at most one."""
     shapes = prefill_warmup_shapes(max_seq_len=max_seq_len, prefill_chunk=prefill_chunk, max_batch=max_batch,
-                                   join_tokens=join_tokens)
+                                   join_tokens=join_tokens, top_k=top_k)
     per_row = min(prefill_chunk, max_seq_len)
     largest = max(per_row, min(join_tokens, max_batch * per_row))
     assert shapes[0] == [1]

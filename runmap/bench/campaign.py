@@ -1005,6 +1005,8 @@ class EngineBuilder:
             self.host_sources.setdefault(key, eng.host_source)
         info = {"pack": str(pack), "checkpoint": model_entry.get("checkpoint"), "block_size": _block_size(pack),
                 "load_s": load_s,
+                # in load_s: the engine's warm-up at build (compilation and capture; None when it did not run one)
+                "warm_up_s": getattr(eng, "warm_up_s", None),
                 # partial residency: decode steps as CUDA-graph segments up to this batch, eager above it
                 "segment_graphs_max_batch": (eng.experts.cache.max_group // eng.cfg.top_k) if eng.use_segments else 0,
                 "host_source": ("reused: built and hash-verified by an earlier engine of this run" if shared is not None

@@ -5,7 +5,8 @@ The plan counts what the engine allocates on the device, in this order:
 1. the non-routed FP16 weights (the size of the pack's non-routed file; lm_head included);
 2. the KV cache for ``max_batch`` rows of ``max_seq_len`` tokens (FP16 keys and values);
 3. workspaces: the activations of the largest forward pass (a prefill chunk of ``prefill_chunk`` tokens per row:
-   hidden states, fused q/k/v, the grouped executor's per-pair intermediates, the last positions' FP32 logits and
+   hidden states, fused q/k/v, the grouped executor's per-pair intermediates and, for a pass of at least
+   ``DEQUANT_MIN_PAIRS`` pairs, every expert of a layer decoded to fp16, the last positions' FP32 logits and
    their sampling copy) plus a fixed reserve for the CUDA graph pools, cuBLAS / Triton workspaces and the caching
    allocator's rounding (``FIXED_RESERVE``);
 4. per layer, the row tables and, under partial residency, the spare rows that receive a miss group
@@ -98,7 +99,7 @@ def _group(cfg, resident: int, max_batch: int) -> int:
 
 
 def plan(cfg, row_bytes: int, nonrouted_bytes: int, budget: int, *, max_batch: int, max_seq_len: int,
-         prefill_chunk: int = 1024, kv_rows: int | None = None) -> BudgetPlan:
+         prefill_chunk: int = 4096, kv_rows: int | None = None) -> BudgetPlan:
     """The largest residency whose counted bytes fit ``budget`` (module docstring); BudgetError if none does.
     kv_rows: KV-cache rows when a caller keeps more than max_batch (counted instead of max_batch)."""
     L, E, k, H = cfg.num_layers, cfg.num_experts, cfg.top_k, cfg.hidden_size
@@ -107,6 +108,10 @@ def plan(cfg, row_bytes: int, nonrouted_bytes: int, budget: int, *, max_batch: i
     qkv = (cfg.num_heads + 2 * cfg.num_kv_heads) * cfg.head_dim
     inter = k * cfg.moe_intermediate_size + 2 * cfg.shared_expert_intermediate_size  # per token, fp16
     act = t * (6 * H * 2 + qkv * 2 + inter * 2 + k * H * 4 + 2 * E * 4) + 2 * max_batch * cfg.vocab_size * 4
+    from runmap.kernels.grouped import DEQUANT_MIN_PAIRS
+
+    if t * k >= DEQUANT_MIN_PAIRS:  # the grouped executor decodes a large pass's experts to fp16 once (E, 3, H, I)
+        act += E * 3 * H * cfg.moe_intermediate_size * 2
     workspace = act + FIXED_RESERVE
     base = nonrouted_bytes + kv + workspace
     best = None
@@ -124,7 +129,7 @@ def plan(cfg, row_bytes: int, nonrouted_bytes: int, budget: int, *, max_batch: i
 
 
 def plan_for_pack(pack_dir, budget: int, *, max_batch: int, max_seq_len: int | None,
-                  prefill_chunk: int = 1024, kv_rows: int | None = None) -> BudgetPlan:
+                  prefill_chunk: int = 4096, kv_rows: int | None = None) -> BudgetPlan:
     """``plan`` from a pack's manifest (no tensor is read)."""
     import json
     from pathlib import Path

@@ -5,9 +5,10 @@ Stable Python API (the IFEval and campaign code call exactly this)::
     from runmap.engine.engine import Engine
     eng = Engine.from_pack(pack_dir, *, executor="grouped", resident=None, device=None, max_batch=8,
                            max_seq_len=None, policy="lru", expert_format="int4", max_group=None,
-                           cuda_graphs=True, prefill_chunk=1024, fused=True, host_source=None,
+                           cuda_graphs=True, prefill_chunk=4096, fused=True, host_source=None,
                            skip_experts=False, verify_pack=None, routing="model", routing_seed=0,
-                           record_routes=False, cache_contract="v1", segments=True, gpu_budget=None)
+                           record_routes=False, cache_contract="v1", segments=True, gpu_budget=None,
+                           warm_up=None)
     results = eng.generate(prompts, *, max_new_tokens=128, temperature=0.0, top_p=1.0, seed=None,
                            stop=(), chat=False, on_token=None, ignore_eos=False)
     run = eng.run(prompts, **same)   # GenerationRun: results + prefill/decode seconds, token counts, tok/s
@@ -37,7 +38,9 @@ Arguments:
                    routing decision under partial residency (SegmentDecoder; batches whose union fits one lease)
     segments       partial residency: decode in CUDA-graph segments (True, with cuda_graphs); "eager" also runs the
                    segment chain on the CPU, without graphs (tests); False: the per-call eager path
-    prefill_chunk  prompt tokens per prefill forward pass (bounds activation memory of long prompts)
+    prefill_chunk  prompt tokens per row per prefill forward pass (bounds activation memory of long prompts; 4,096:
+                   a pass that long keeps the H200 busy, results/campaigns/h200-floor, where 1,024-token passes
+                   left it waiting for the host half of the time)
     fused          CUDA: fused Triton ops replacing torch sequences (runmap.kernels.fused_ops): True = DEFAULT_FUSED
                    (prologue, norm, router, attn; the prologue left out for a per-head q/k-norm family), or an
                    iterable of FUSED_OPS names; False = pure torch. Ignored on CPU.
@@ -56,6 +59,9 @@ Arguments:
                    (non-routed weights, KV cache, workspaces, spare rows) and keep as many experts per layer as fit;
                    ``eng.budget_plan`` says how; on CUDA torch's allocator is capped at the budget (until close())
     budget_kv_rows KV-cache rows the plan counts when a caller keeps more than max_batch
+    warm_up        run ``eng.warm_up()`` before returning (compile every prefill size class and capture the decode
+                   step, so the first request runs warm); None = on CUDA under full residency (a partial residency's
+                   passes would move experts; ``runmap serve`` warms every engine itself)
     cache_contract "v1" (default: pageable host source -> pinned staging -> device) or "v2" (the host source
                    registered as pinned memory once, rows copied straight into spare rows; docs/cache-contract.md)
     skip_experts   PROFILING ONLY: routed experts return zeros (router and everything else still run), so the
@@ -85,7 +91,8 @@ import numpy as np
 import torch
 
 from runmap.arch.config import ModelConfig
-from runmap.engine.generation import GenerationError, GenerationResult, GenerationRun, generate_batch
+from runmap.engine.generation import (GenerationError, GenerationResult, GenerationRun, generate_batch,
+                                     prefill_warmup_shapes)
 from runmap.engine.model import KVCache, Transformer, experts_dense_torch, load_weights, run_pieces
 from runmap.kernels.registry import CPU_SITE_EXECUTORS, EXECUTOR_NAMES as EXECUTORS, GRAPH_SAFE_EXECUTORS as GRAPH_EXECUTORS
 from runmap.engine.telemetry import DECODE_PATHS
@@ -816,11 +823,49 @@ class Engine:
         self._pool = torch.cuda.graph_pool_handle() if (self.use_graphs or self.use_segments) and \
             device.type == "cuda" else None
         self.last_timing: dict | None = None
+        self.warm_up_s: float | None = None  # seconds of warm_up() (from_pack runs it on CUDA, full residency)
         self.budget_plan = None  # runmap.engine.budget.BudgetPlan when built with gpu_budget
         self._runs: list[dict] = []
         self._closed = False
         # the expert cache's hits / misses / host->device bytes made by prefill passes (telemetry splits by phase)
         self.prefill_counts = {"hits": 0, "misses": 0, "bytes_h2d": 0, "cpu_site_experts": 0}
+
+    @torch.inference_mode()
+    def warm_up(self) -> float:
+        """Compile and capture now what a request would otherwise pay for in its first call (on a fresh H200 host the
+        first 512-token prefill took 6.7 s of Triton compilation, results/campaigns/h200-floor): one batch-1 prefill
+        per size class of pass up to one chunk (``prefill_warmup_shapes``: every size-derived kernel variant) and a
+        decode step of 1 and of max_batch rows. The tokens are the pad id (only shapes matter). The routing workload
+        and the route recorder are set aside meanwhile and the engine's and cache's counters restored after, so
+        nothing the engine reports counts these passes. Returns (and keeps as ``warm_up_s``) the seconds it took."""
+        self._check_open()
+        t0 = time.perf_counter()
+        dev = self.device
+        saved = self.imposed, self.routes, dict(self.prefill_counts), dict(self.decode_paths)
+        cache = self._expert_cache()
+        counters = dict(cache.counters) if cache is not None else None
+        self.imposed = self.routes = None
+        self.experts.begin()
+        try:
+            for lens in prefill_warmup_shapes(max_seq_len=self.max_seq_len, prefill_chunk=self.prefill_chunk,
+                                              max_batch=1, top_k=self.cfg.top_k):
+                tokens = torch.full((1, lens[0]), int(self.pad_id), dtype=torch.long, device=dev)
+                self.prefill(tokens, torch.zeros(1, dtype=torch.long, device=dev), pad_host=[0])
+            for B in sorted({1, self.max_batch}):
+                zeros = torch.zeros(B, dtype=torch.long, device=dev)
+                self.decode(zeros, 0, zeros)
+            if dev.type == "cuda":
+                torch.cuda.synchronize(dev)
+        finally:
+            self.experts.end()
+            self.imposed, self.routes = saved[0], saved[1]
+            self.prefill_counts.update(saved[2])
+            self.decode_paths.update(saved[3])
+            if counters is not None:
+                cache.counters.clear()
+                cache.counters.update(counters)
+        self.warm_up_s = time.perf_counter() - t0
+        return self.warm_up_s
 
     @property
     def pad_id(self) -> int:
@@ -842,12 +887,12 @@ class Engine:
     def from_pack(cls, pack_dir, *, executor: str = "grouped", resident: int | None = None, device=None,
                   max_batch: int = 8, max_seq_len: int | None = None, policy: str = "lru",
                   expert_format: str = "int4", max_group: int | None = None, cuda_graphs: bool = True,
-                  prefill_chunk: int = 1024, fused=True, host_source=None,
+                  prefill_chunk: int = 4096, fused=True, host_source=None,
                   skip_experts: bool = False, verify_pack: bool | None = None, routing: str = "model",
                   routing_seed: int = 0, record_routes: bool = False, cache_contract: str = "v1",
                   segments=True, gpu_budget: int | None = None, budget_kv_rows: int | None = None,
                   expert_placement: str = "gpu", prefetch: bool = False,
-                  emulate_link_gb_s: float | None = None) -> "Engine":
+                  emulate_link_gb_s: float | None = None, warm_up: bool | None = None) -> "Engine":
         from runmap.format.packfile import PackReader
         from runmap.engine.tokenization import Tokenizer
 
@@ -1007,6 +1052,8 @@ class Engine:
                        skip_experts=skip_experts, imposed=imposed, routing=spec.name, routes=routes,
                        segments=cuda_graphs and segments)
             eng.budget_plan = budget_plan
+            if warm_up if warm_up is not None else (device.type == "cuda" and resident == E):
+                eng.warm_up()
             return eng
         except BaseException:
             if budget_plan is not None and device.type == "cuda":  # no engine holds the cap: lift it again

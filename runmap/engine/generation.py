@@ -246,3 +246,46 @@ def generate_batch(model: StepModel, prompts: Sequence[Sequence[int]], *, max_ne
     timing = Timing(prefill_s=ttft, decode_s=dec, ttft_s=ttft, prompt_tokens=sum(len(p) for p in prompts),
                     new_tokens=new, decode_tok_s=(max(new - B, 0) / dec) if dec > 0 else 0.0, batch=B)
     return results, timing
+
+
+def prefill_warmup_shapes(*, max_seq_len: int, prefill_chunk: int, max_batch: int,
+                          join_tokens: int = 0, top_k: int | None = None) -> list[list[int]]:
+    """Prompt lengths of the prefills a server runs before it reports ready: one list of row lengths per pass.
+
+    A Triton kernel compiles a variant per value of its size-derived constexprs (the grouped executor's pair
+    buckets: next power of two of the pair count at decode size, of the sort's chunk count above it), so a
+    prefill of a new size class inside a request stalls every running row for the compilation (seconds: the
+    first H200 load run saw time-to-first-token p99 of 2.8 s at 8 clients, results/serve/load/). The counts
+    these constexprs round up are tokens per pass times powers of two, so one pass with T = 1 and with
+    T = 2**j + 1 tokens for every j up to the largest pass the server can run reaches every bucket (the pass
+    sizes themselves are not specialized: do_not_specialize in the kernels). The largest pass is a joint prefill
+    of ``join_tokens`` tokens (rows x positions per chunk) or one prompt's chunk of min(prefill_chunk,
+    max_seq_len) positions; a pass larger than one row is spread over rows whose lengths differ by at most one
+    and sum to T (the tokens the MoE routes: pad positions are masked out before it)."""
+    if min(max_seq_len, prefill_chunk, max_batch) < 1:
+        raise ValueError(f"max_seq_len {max_seq_len}, prefill_chunk {prefill_chunk} and max_batch {max_batch} "
+                         "must be >= 1")
+    per_row = min(prefill_chunk, max_seq_len)  # positions of one row in one pass
+    largest = max(per_row, min(join_tokens, max_batch * per_row))
+    sizes = [1]
+    j = 0
+    while (1 << j) + 1 <= largest:
+        sizes.append((1 << j) + 1)
+        j += 1
+    if sizes[-1] != largest:
+        sizes.append(largest)
+    if top_k is not None:  # the first pass the grouped executor runs with its weights decoded once: its own variants
+        from runmap.kernels.grouped import DEQUANT_MIN_PAIRS
+
+        first = -(-DEQUANT_MIN_PAIRS // top_k)
+        if first <= largest and first not in sizes:
+            sizes = sorted([*sizes, first])
+    shapes = []
+    for t in sizes:
+        rows = -(-t // per_row)  # ceil: the fewest rows that hold t tokens
+        q, r = divmod(t, rows)
+        # lengths that differ by at most one and sum to exactly t: the MoE sees only real tokens (a pad position is
+        # masked out before routing), so the pass routes t tokens, as a joint prefill of prompts of these lengths
+        # does (several rows of different lengths are padded like one)
+        shapes.append([q + 1] * r + [q] * (rows - r))
+    return shapes

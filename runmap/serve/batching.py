@@ -57,49 +57,12 @@ import torch
 import numpy as np
 
 from runmap.engine.engine import PASS_QUEUED, host_to_device
-from runmap.engine.generation import GenerationError, _Row, left_pad, sample
+from runmap.engine.generation import GenerationError, _Row, left_pad, prefill_warmup_shapes, sample  # noqa: F401
 
 # prompt tokens of one joint prefill (rows x longest prompt): bounds the stall a join imposes on the running rows.
 # Its activation memory is bounded anyway: the prefill runs in chunks of prefill_chunk positions over at most
 # max_batch rows, the pass the budget planner counts
 JOIN_TOKENS = 4096
-
-
-def prefill_warmup_shapes(*, max_seq_len: int, prefill_chunk: int, max_batch: int,
-                          join_tokens: int = JOIN_TOKENS) -> list[list[int]]:
-    """Prompt lengths of the prefills a server runs before it reports ready: one list of row lengths per pass.
-
-    A Triton kernel compiles a variant per value of its size-derived constexprs (the grouped executor's pair
-    buckets: next power of two of the pair count at decode size, of the sort's chunk count above it), so a
-    prefill of a new size class inside a request stalls every running row for the compilation (seconds: the
-    first H200 load run saw time-to-first-token p99 of 2.8 s at 8 clients, results/serve/load/). The counts
-    these constexprs round up are tokens per pass times powers of two, so one pass with T = 1 and with
-    T = 2**j + 1 tokens for every j up to the largest pass the server can run reaches every bucket (the pass
-    sizes themselves are not specialized: do_not_specialize in the kernels). The largest pass is a joint prefill
-    of ``join_tokens`` tokens (rows x positions per chunk) or one prompt's chunk of min(prefill_chunk,
-    max_seq_len) positions; a pass larger than one row is spread over rows whose lengths differ by at most one
-    and sum to T (the tokens the MoE routes: pad positions are masked out before it)."""
-    if min(max_seq_len, prefill_chunk, max_batch) < 1:
-        raise ValueError(f"max_seq_len {max_seq_len}, prefill_chunk {prefill_chunk} and max_batch {max_batch} "
-                         "must be >= 1")
-    per_row = min(prefill_chunk, max_seq_len)  # positions of one row in one pass
-    largest = max(per_row, min(join_tokens, max_batch * per_row))
-    sizes = [1]
-    j = 0
-    while (1 << j) + 1 <= largest:
-        sizes.append((1 << j) + 1)
-        j += 1
-    if sizes[-1] != largest:
-        sizes.append(largest)
-    shapes = []
-    for t in sizes:
-        rows = -(-t // per_row)  # ceil: the fewest rows that hold t tokens
-        q, r = divmod(t, rows)
-        # lengths that differ by at most one and sum to exactly t: the MoE sees only real tokens (a pad position is
-        # masked out before routing), so the pass routes t tokens, as a joint prefill of prompts of these lengths
-        # does (several rows of different lengths are padded like one)
-        shapes.append([q + 1] * r + [q] * (rows - r))
-    return shapes
 
 
 @dataclasses.dataclass(frozen=True)

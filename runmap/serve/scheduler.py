@@ -295,7 +295,7 @@ class Scheduler:
         the tokens are the pad id: only the shapes matter."""
         eng, dev = self.eng, self.eng.device
         for lens in prefill_warmup_shapes(max_seq_len=eng.max_seq_len, prefill_chunk=eng.prefill_chunk,
-                                          max_batch=eng.max_batch, join_tokens=self.join_tokens):
+                                          max_batch=eng.max_batch, join_tokens=self.join_tokens, top_k=eng.cfg.top_k):
             P = max(lens)
             tokens = torch.full((len(lens), P), int(eng.pad_id), dtype=torch.long, device=dev)
             pads = [P - n for n in lens]

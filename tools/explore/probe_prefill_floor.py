@@ -71,7 +71,12 @@ def profiled(engine, ids: list[int]) -> dict:
             w = waits.setdefault(key, {"count": 0, "us": 0.0})
             w["count"] += 1
             w["us"] += ev.cpu_time_total
-    return {"device_busy_us": busy, "launches": launches,
+    kernels: dict[str, float] = {}
+    for ev in prof.key_averages():
+        if ev.device_time_total > 0:
+            kernels[ev.key[:60]] = kernels.get(ev.key[:60], 0.0) + ev.device_time_total
+    top = sorted(kernels.items(), key=lambda kv: -kv[1])[:10]
+    return {"device_busy_us": busy, "launches": launches, "kernels_us": top,
             "waits": sorted(({"where": k, **v} for k, v in waits.items()), key=lambda r: -r["us"])[:12]}
 
 
@@ -95,17 +100,19 @@ def tile_sweep(engine, tokens_list, reps: int) -> list[dict]:
     storage, table, layout = engine.experts.storage[0], engine.experts.tables[0], engine.experts.layout
     E, k, H = cache.num_experts, engine.cfg.top_k, engine.cfg.hidden_size
     rows = []
-    tiles = [(64, 64, 128, 4, 3), (128, 64, 128, 8, 3), (128, 128, 64, 8, 3), (128, 128, 128, 8, 3),
-             (64, 128, 128, 4, 3), (128, 64, 64, 4, 4), (128, 128, 64, 4, 3), (64, 128, 64, 4, 4)]
+    int4 = [(64, 64, 128, 4, 3), (64, 128, 64, 4, 4)]  # the INT4 loop's default and the best other of the sweep
+    decoded = [(128, 128, 64, 8, 3), (128, 64, 64, 4, 3), (128, 128, 64, 4, 4), (64, 128, 64, 4, 4),
+               (128, 256, 64, 8, 3), (128, 128, 32, 8, 4), (64, 64, 64, 4, 4)]
+    tiles = [(t, False) for t in int4] + [(t, True) for t in decoded]
     g = torch.Generator(device=engine.device).manual_seed(0)
     for T in tokens_list:
         x = torch.randn(T, H, device=engine.device, generator=g).half()
         logits = torch.randn(T, E, device=engine.device, generator=g)
         w, ids = torch.softmax(logits, -1).topk(k, dim=-1)
         ref = None
-        for bm, bn, bk, nw, ns in tiles:
+        for (bm, bn, bk, nw, ns), dq in tiles:
             cfg = {"BLOCK_M": bm, "BLOCK_N": bn, "BLOCK_K": bk, "DOWN_BLOCK_N": bn, "DOWN_BLOCK_K": bk,
-                   "num_warps": nw, "num_stages": ns}
+                   "num_warps": nw, "num_stages": ns, "DEQUANT": dq}
             try:
                 def call():
                     return moe_experts("grouped", x, ids, w.float(), storage, table, layout, validate=False,
@@ -117,12 +124,13 @@ def tile_sweep(engine, tokens_list, reps: int) -> list[dict]:
                 err = float((y.float() - ref).abs().max() / ref.abs().max())
                 us = graph_us(call, 1, reps=reps)
                 flops = 2 * T * k * 3 * engine.cfg.moe_intermediate_size * H
-                rows.append({"tokens": T, "tiles": [bm, bn, bk, nw, ns], "us": us, "tflops": flops / us / 1e6,
-                             "max_rel_diff_vs_first": err})
-                print(f"  tiles T={T} {bm}x{bn}x{bk} w{nw} s{ns}: {us:8.1f} us {flops / us / 1e6:6.1f} TFLOP/s "
-                      f"diff {err:.2e}", flush=True)
+                rows.append({"tokens": T, "tiles": [bm, bn, bk, nw, ns], "dequant": dq, "us": us,
+                             "tflops": flops / us / 1e6, "max_rel_diff_vs_first": err})
+                print(f"  tiles T={T} {'decoded' if dq else 'int4   '} {bm}x{bn}x{bk} w{nw} s{ns}: {us:8.1f} us "
+                      f"{flops / us / 1e6:6.1f} TFLOP/s diff {err:.2e}", flush=True)
             except Exception as exc:  # noqa: BLE001 - a config the compiler rejects is a row, not the end
-                rows.append({"tokens": T, "tiles": [bm, bn, bk, nw, ns], "error": str(exc).splitlines()[0][:200]})
+                rows.append({"tokens": T, "tiles": [bm, bn, bk, nw, ns], "dequant": dq,
+                             "error": str(exc).splitlines()[0][:200]})
                 print(f"  tiles T={T} {bm}x{bn}x{bk}: {exc}".splitlines()[0][:200], flush=True)
     return rows
 
@@ -160,7 +168,9 @@ def main():
                   f"{hd['host_issue_s'] * 1e3:7.1f} ms, device done {hd['device_done_s'] * 1e3:7.1f} ms, busy "
                   f"{prof['device_busy_us'] / 1e3:7.1f} ms, {prof['launches']} launches, first call {cold:.2f} s",
                   flush=True)
-            for w in prof["waits"][:5]:
+            for name, us in prof["kernels_us"][:8]:
+                print(f"    kernel {us / 1e3:8.2f} ms  {name}", flush=True)
+            for w in prof["waits"][:3]:
                 print(f"    wait {w['count']:4d} x {w['us'] / max(w['count'], 1):8.1f} us  {w['where'][:230]}",
                       flush=True)
             if first is None:
