@@ -91,6 +91,14 @@ def test_ratio_names_the_strongest_baseline_of_the_run(tmp_path):
     assert s["value"] < eng["ratios"]["decode_vs_hf-bf16"]["value"]
     assert set(s["compared"]) == {"hf-bf16", "hf-bf16-compile"}
     assert "decode_vs_strongest_baseline" not in comp["ratios"]  # baselines are not divided by themselves
+    # prefill: the same rule over prefill tok/s (the smaller ratio is to the faster baseline)
+    p = eng["ratios"]["prefill_vs_strongest_baseline"]
+    pre = {k: eng["timing"]["prefill_tok_s"]["median"] / by[i]["timing"]["prefill_tok_s"]["median"]
+           for k, i in (("hf-bf16", eager["id"]), ("hf-bf16-compile", comp["id"]))}
+    assert p["status"] == "OBSERVED" and p["baseline"] == min(pre, key=pre.get)
+    assert p["value"] == pytest.approx(min(pre.values()))
+    assert p["compared"] == pytest.approx(pre)
+    assert eng["ratios"]["prefill_vs_hf-bf16"]["value"] == pytest.approx(pre["hf-bf16"])
 
 
 def test_strongest_follows_the_measurement_not_the_label(tmp_path, monkeypatch):

@@ -824,26 +824,27 @@ def run_config(engine: BenchEngine, c: BenchConfig, model_cfg: ModelConfig, ctx:
 
 
 def attach_strongest_baseline(records: list[dict]) -> None:
-    """ratios.decode_vs_strongest_baseline of every engine record: its decode ratio to the fastest transformers
-    path (kinds HF_KINDS: eager, static cache + torch.compile) measured for its model, batch and lengths in the
-    same run (the smallest observed decode_vs_<kind> ratio), with ``baseline`` naming that kind and
-    ``compared`` every transformers baseline's ratio or status (one that failed or did not run is UNKNOWN
-    there: its place is never taken by another path under its name). The FP16-expert engine is our own
-    path, not a transformers one, and is not a candidate."""
+    """ratios.decode_vs_strongest_baseline and prefill_vs_strongest_baseline of every engine record: its decode (and
+    prefill) tok/s over the fastest transformers path (kinds HF_KINDS: eager, static cache + torch.compile) measured
+    for its model, batch and lengths in the same run (the smallest observed <phase>_vs_<kind> ratio), with
+    ``baseline`` naming that kind and ``compared`` every transformers baseline's ratio or status (one that failed or
+    did not run is UNKNOWN there: its place is never taken by another path under its name). The FP16-expert engine
+    is our own path, not a transformers one, and is not a candidate."""
     for r in records:
         if r["kind"] in BASELINE_KINDS:
             continue
         rat = r.get("ratios") or {}
-        found = {k: rat[f"decode_vs_{k}"] for k in HF_KINDS if f"decode_vs_{k}" in rat}
-        seen = {k: m for k, m in found.items() if bm.is_observed(m)}
-        compared = {k: (m["value"] if bm.is_observed(m) else m.get("status")) for k, m in found.items()}
-        if not seen:
-            m = {**bm.unknown("no transformers baseline with the same model, batch and lengths was measured in "
-                              "this run"), "compared": compared}
-        else:
-            kind = min(seen, key=lambda k: seen[k]["value"])
-            m = {**seen[kind], "baseline": kind, "compared": compared}
-        rat["decode_vs_strongest_baseline"] = m
+        for phase in ("decode", "prefill"):
+            found = {k: rat[f"{phase}_vs_{k}"] for k in HF_KINDS if f"{phase}_vs_{k}" in rat}
+            seen = {k: m for k, m in found.items() if bm.is_observed(m)}
+            compared = {k: (m["value"] if bm.is_observed(m) else m.get("status")) for k, m in found.items()}
+            if not seen:
+                m = {**bm.unknown("no transformers baseline with the same model, batch and lengths was measured in "
+                                  "this run"), "compared": compared}
+            else:
+                kind = min(seen, key=lambda k: seen[k]["value"])
+                m = {**seen[kind], "baseline": kind, "compared": compared}
+            rat[f"{phase}_vs_strongest_baseline"] = m
 
 
 def attach_ratios(records: list[dict]) -> list[dict]:
@@ -863,11 +864,15 @@ def attach_ratios(records: list[dict]) -> list[dict]:
             if b is None:
                 why = f"no {kind} baseline with the same model, batch and lengths in run {r['run_id']}"
                 r["ratios"][f"decode_vs_{kind}"] = bm.unknown(why)
+                r["ratios"][f"prefill_vs_{kind}"] = bm.unknown(why)
                 r["ratios"][f"peak_allocated_vs_{kind}"] = bm.unknown(why)
                 continue
             r["ratios"][f"decode_vs_{kind}"] = bm.ratio(
                 bm.observed(r["timing"]["decode_tok_s"]["median"]), bm.observed(b["timing"]["decode_tok_s"]["median"]),
                 f"decode tok/s over {kind}")
+            r["ratios"][f"prefill_vs_{kind}"] = bm.ratio(  # warm prefill: prompt tokens over TTFT, same prompts
+                bm.observed(r["timing"]["prefill_tok_s"]["median"]),
+                bm.observed(b["timing"]["prefill_tok_s"]["median"]), f"prefill tok/s over {kind}")
             r["ratios"][f"peak_allocated_vs_{kind}"] = bm.ratio(
                 r["memory"]["peak_allocated_bytes"], b["memory"]["peak_allocated_bytes"], f"peak allocated over {kind}")
     attach_transfer_bounds(records)

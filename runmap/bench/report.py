@@ -90,8 +90,8 @@ def _obs_summary(r: dict) -> str:
 def model_table(recs: list[dict], flagged: set[str]) -> list[str]:
     head = ("| kind | executor | regime | resident | batch | prompt/decode | decode tok/s median [min-max] | "
             "prefill tok/s | TTFT ms | peak alloc GiB | peak reserved GiB | hit rate | H2D MB/token | H2D GB/s | "
-            "vs hf-bf16 | vs hf-bf16-compile | vs strongest transformers | vs fp16 experts | of byte floor | "
-            "required-zero obs | flag |")
+            "vs hf-bf16 | vs hf-bf16-compile | vs strongest transformers | prefill vs strongest transformers | "
+            "vs fp16 experts | of byte floor | required-zero obs | flag |")
     lines = [head, "|" + "|".join("---" for _ in range(head.count("|") - 1)) + "|"]
     for r in sorted(recs, key=_sort_key):
         c, t = r["config"], r["timing"]
@@ -113,6 +113,10 @@ def model_table(recs: list[dict], flagged: set[str]) -> list[str]:
                                                              suffix="x"),
             "-" if r["kind"] in ("hf-bf16", "hf-bf16-compile", "engine-fp16") else
             fmt_strongest(rat.get("decode_vs_strongest_baseline")),
+            # blank for records written before prefill ratios existed
+            "-" if r["kind"] in ("hf-bf16", "hf-bf16-compile", "engine-fp16") else
+            ("" if rat.get("prefill_vs_strongest_baseline") is None else
+             fmt_strongest(rat["prefill_vs_strongest_baseline"])),
             "-" if r["kind"] == "engine-fp16" else fmt_ratio(rat.get("decode_vs_engine-fp16")),
             fmt_ratio(rat.get("decode_vs_byte_floor")),
             _obs_summary(r),
