@@ -181,6 +181,32 @@ def _router_logits_kernel(h_ptr, w_ptr, logits_ptr, E, H: tl.constexpr, BLOCK_E:
 
 
 @triton.jit
+def _router_logits_rows_kernel(h_ptr, w_ptr, logits_ptr, n, E, H: tl.constexpr, E_P2: tl.constexpr,
+                               BLOCK_M: tl.constexpr, BLOCK_H: tl.constexpr):
+    """A long pass's router logits: BLOCK_M token rows per program against every expert, so the FP32 router weight
+    is read once per BLOCK_M rows instead of once per row (6.4 ms of an 8,192-token prefill on the H200 with one row
+    per program). IEEE FP32 products, as the per-row kernel's."""
+    offs_m = tl.program_id(0) * BLOCK_M + tl.arange(0, BLOCK_M)  # (BM,)
+    offs_e = tl.arange(0, E_P2)
+    offs_h = tl.arange(0, BLOCK_H)
+    m_mask, e_mask = offs_m < n, offs_e < E
+    acc = tl.zeros((BLOCK_M, E_P2), dtype=tl.float32)
+    for h0 in range(0, H, BLOCK_H):
+        hm = (h0 + offs_h) < H
+        x = tl.load(h_ptr + offs_m[:, None].to(tl.int64) * H + h0 + offs_h[None, :], mask=m_mask[:, None] & hm[None, :],
+                    other=0.0).to(tl.float32)  # (BM, BH)
+        w = tl.load(w_ptr + offs_e[None, :] * H + h0 + offs_h[:, None], mask=e_mask[None, :] & hm[:, None],
+                    other=0.0)  # (BH, E_P2) fp32
+        acc = tl.dot(x, w, acc, input_precision="ieee")
+    tl.store(logits_ptr + offs_m[:, None].to(tl.int64) * E + offs_e[None, :], acc,
+             mask=m_mask[:, None] & e_mask[None, :])
+
+
+# rows from which the router's logits run BLOCK_M rows per program (_router_logits_rows_kernel): long prefill passes
+ROUTER_ROWS_MIN = 1024
+
+
+@triton.jit
 def _router_topk_kernel(logits_ptr, ids_ptr, wts_ptr, E, TOPK: tl.constexpr, NORM: tl.constexpr, E_P2: tl.constexpr):
     m = tl.program_id(0)
     offs_e = tl.arange(0, E_P2)
@@ -213,9 +239,14 @@ def route_fused(h, router32, top_k: int, norm_topk_prob: bool):
     ids = torch.empty(n, top_k, dtype=torch.int64, device=h.device)
     wts = torch.empty(n, top_k, dtype=torch.float32, device=h.device)
     logits = torch.empty(n, e, dtype=torch.float32, device=h.device)
-    block_e = 2
-    common.launch(_router_logits_kernel[(n, triton.cdiv(e, block_e))], h, router32, logits, e, H=hid,
-                  BLOCK_E=block_e, BLOCK_H=min(1024, triton.next_power_of_2(hid)))
+    if n >= ROUTER_ROWS_MIN:
+        block_m = 32
+        common.launch(_router_logits_rows_kernel[(triton.cdiv(n, block_m),)], h, router32, logits, n, e, H=hid,
+                      E_P2=max(16, triton.next_power_of_2(e)), BLOCK_M=block_m, BLOCK_H=64)
+    else:
+        block_e = 2
+        common.launch(_router_logits_kernel[(n, triton.cdiv(e, block_e))], h, router32, logits, e, H=hid,
+                      BLOCK_E=block_e, BLOCK_H=min(1024, triton.next_power_of_2(hid)))
     common.launch(_router_topk_kernel[(n,)], logits, ids, wts, e, TOPK=top_k, NORM=norm_topk_prob,
                   E_P2=triton.next_power_of_2(e))
     return ids, wts

@@ -23,8 +23,8 @@ once per BLOCK_M pairs. ``dequantize_sections`` writes every expert's three sect
 (2) are plain fp16 grouped GEMMs over the same sorted runs. In the INT4 loop the nibble decoding, not the
 tensor cores, bounds a tile at prefill (~200 TFLOP/s on the H200 at 1,024-8,192 tokens,
 results/campaigns/h200-floor); decoded once, 64 experts x 6 M values of OLMoE are 0.8 GB of fp16 written and
-read per layer, ~0.3 ms, against the ~2 ms the decoding costs inside the loop at 8,192 tokens. The workspace
-is that size (E x 3 x H x I x 2 bytes), so the mode is for large passes only.
+read per layer, ~0.4 ms, and the fp16 GEMMs then run at 340-430 TFLOP/s. The workspace is that size
+(E x 3 x H x I x 2 bytes), so the mode is for large passes only.
 """
 from __future__ import annotations
 
@@ -37,8 +37,10 @@ from runmap.kernels.core import dot_tiles, expert_row, nibbles_f16, resolve_row,
 from runmap.format.qpack import RowLayout
 
 DECODE_MAX_PAIRS = 128
-# pairs from which a pass decodes the weights once (see the module docstring): 2,048 tokens at top-8
-DEQUANT_MIN_PAIRS = 16384
+# pairs from which a pass decodes the weights once (see the module docstring): 4,096 tokens at top-8. On the H200
+# (OLMoE) the decoded mode took 3.34 ms a layer at 8,192 tokens against 4.32 ms, but 1.09 against 0.97 ms at 2,048
+# (results/campaigns/h200-floor/probe-0fd2581)
+DEQUANT_MIN_PAIRS = 32768
 
 
 @triton.jit
@@ -482,7 +484,7 @@ def dequantize_sections(storage, row_table, layout: RowLayout) -> dict:
     common.check_tensor("row_table", row_table, torch.int32, 1, device=dev)
     n_experts = row_table.numel()
     interp = common.interpreting(dev)
-    bn, bk = (64, 256) if interp else (32, 128)
+    bn, bk = 64, 256  # 8 KiB of packed bytes per program
     out = {}
     for proj in ("gate", "up", "down"):
         sec = common.proj_sections(layout, proj)

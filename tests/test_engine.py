@@ -380,18 +380,19 @@ def test_a_prefill_in_chunks_equals_one_pass(packs, preset, test_device):
         assert (k - k_whole).abs().max().item() <= 2e-3 * k_whole.abs().max().item() + 1e-3, f"chunk {chunk}: keys"
 
 
-def test_warm_up_runs_every_size_class_and_leaves_nothing_counted(packs):
+def test_warm_up_runs_every_size_class_and_leaves_nothing_counted(packs, test_device):
     """warm_up() runs one prefill per size class up to a chunk (the decoded-weights mode's first pass included) and
     a decode step of 1 and of max_batch rows; afterwards the engine's and the cache's counters are as before and the
     same prompt gives the same tokens as on an engine that never warmed up."""
     from runmap.engine.generation import prefill_warmup_shapes
 
-    cold = Engine.from_pack(packs["tiny-olmoe"], executor="grouped", device="cpu", max_batch=2, max_seq_len=24)
-    assert cold.warm_up_s is None  # not by default on the CPU
+    cold = Engine.from_pack(packs["tiny-olmoe"], executor="grouped", device=test_device, max_batch=2, max_seq_len=24)
+    assert (cold.warm_up_s is not None) == (test_device == "cuda")  # by default on CUDA (full residency) only
     want = cold.generate([[5, 9, 300, 2]], max_new_tokens=4)[0].token_ids
     cold.close()
-    eng = Engine.from_pack(packs["tiny-olmoe"], executor="grouped", device="cpu", max_batch=2, max_seq_len=24,
-                           prefill_chunk=20)
+    eng = Engine.from_pack(packs["tiny-olmoe"], executor="grouped", device=test_device, max_batch=2, max_seq_len=24,
+                           prefill_chunk=20, warm_up=False)
+    assert eng.warm_up_s is None
     counters = dict(eng.experts.cache.counters)
     seen, decoded = [], []
     real_prefill, real_decode = eng.prefill, eng.decode
