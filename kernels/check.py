@@ -61,7 +61,8 @@ SHAPES = {
         ExpertShape("mixtral", 4096, 14336, 256, 8, 2),  # Mixtral-8x7B: 14336 x 4096, whole blocks
     ),
 }
-M_DEFAULT = {"cpu": (1, 3, 17, 64), "cuda": (1, 2, 3, 8, 17, 64, 300)}
+# on CUDA the last three reach the grouped executor's decoded-weights mode at top-8 / 4 / 2 (DEQUANT_MIN_PAIRS)
+M_DEFAULT = {"cpu": (1, 3, 17, 64), "cuda": (1, 2, 3, 8, 17, 64, 300, 4100, 8200, 16400)}
 
 
 def make_layer(shape: ExpertShape, device: torch.device, seed: int):
