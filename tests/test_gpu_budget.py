@@ -52,6 +52,13 @@ def test_the_engine_takes_its_residency_from_the_budget(packs):
     kw = dict(executor="reference", device="cpu", max_batch=1, max_seq_len=32)
     full = Engine.from_pack(pk, gpu_budget=1 << 40, **kw)
     assert full.resident == full.cfg.num_experts and full.budget_plan.regime == "full"
+    # under a budget the prefill passes default to the planner's chunk (activations compete with experts there)
+    from runmap.engine.budget import PREFILL_CHUNK_UNDER_BUDGET
+    from runmap.engine.engine import PREFILL_CHUNK
+
+    assert full.prefill_chunk == PREFILL_CHUNK_UNDER_BUDGET < PREFILL_CHUNK
+    assert Engine.from_pack(pk, **kw).prefill_chunk == PREFILL_CHUNK
+    assert Engine.from_pack(pk, gpu_budget=1 << 40, prefill_chunk=77, **kw).prefill_chunk == 77
     # the smallest budget that still plans top_k experts per layer
     lo, hi = 1, 1 << 40
     while lo < hi:

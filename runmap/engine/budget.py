@@ -24,6 +24,9 @@ from __future__ import annotations
 import dataclasses
 import re
 
+# an engine built with a budget runs prefill passes of this many tokens per row unless told otherwise (the engine's
+# default without one is 4,096): activations there compete with resident experts for the same bytes
+PREFILL_CHUNK_UNDER_BUDGET = 1024
 FIXED_RESERVE = 512 << 20  # CUDA graph pools, cuBLAS / Triton workspaces, allocator rounding (bytes)
 UNITS = {"": 1, "b": 1, "kb": 10**3, "mb": 10**6, "gb": 10**9, "tb": 10**12,
          "k": 2**10, "kib": 2**10, "m": 2**20, "mib": 2**20, "g": 2**30, "gib": 2**30, "t": 2**40, "tib": 2**40}
@@ -99,7 +102,7 @@ def _group(cfg, resident: int, max_batch: int) -> int:
 
 
 def plan(cfg, row_bytes: int, nonrouted_bytes: int, budget: int, *, max_batch: int, max_seq_len: int,
-         prefill_chunk: int = 4096, kv_rows: int | None = None) -> BudgetPlan:
+         prefill_chunk: int = PREFILL_CHUNK_UNDER_BUDGET, kv_rows: int | None = None) -> BudgetPlan:
     """The largest residency whose counted bytes fit ``budget`` (module docstring); BudgetError if none does.
     kv_rows: KV-cache rows when a caller keeps more than max_batch (counted instead of max_batch)."""
     L, E, k, H = cfg.num_layers, cfg.num_experts, cfg.top_k, cfg.hidden_size
@@ -129,7 +132,7 @@ def plan(cfg, row_bytes: int, nonrouted_bytes: int, budget: int, *, max_batch: i
 
 
 def plan_for_pack(pack_dir, budget: int, *, max_batch: int, max_seq_len: int | None,
-                  prefill_chunk: int = 4096, kv_rows: int | None = None) -> BudgetPlan:
+                  prefill_chunk: int = PREFILL_CHUNK_UNDER_BUDGET, kv_rows: int | None = None) -> BudgetPlan:
     """``plan`` from a pack's manifest (no tensor is read)."""
     import json
     from pathlib import Path

@@ -5,7 +5,7 @@ Stable Python API (the IFEval and campaign code call exactly this)::
     from runmap.engine.engine import Engine
     eng = Engine.from_pack(pack_dir, *, executor="grouped", resident=None, device=None, max_batch=8,
                            max_seq_len=None, policy="lru", expert_format="int4", max_group=None,
-                           cuda_graphs=True, prefill_chunk=4096, fused=True, host_source=None,
+                           cuda_graphs=True, prefill_chunk=None, fused=True, host_source=None,
                            skip_experts=False, verify_pack=None, routing="model", routing_seed=0,
                            record_routes=False, cache_contract="v1", segments=True, gpu_budget=None,
                            warm_up=None)
@@ -38,9 +38,10 @@ Arguments:
                    routing decision under partial residency (SegmentDecoder; batches whose union fits one lease)
     segments       partial residency: decode in CUDA-graph segments (True, with cuda_graphs); "eager" also runs the
                    segment chain on the CPU, without graphs (tests); False: the per-call eager path
-    prefill_chunk  prompt tokens per row per prefill forward pass (bounds activation memory of long prompts; 4,096:
-                   a pass that long keeps the H200 busy, results/campaigns/h200-floor, where 1,024-token passes
-                   left it waiting for the host half of the time)
+    prefill_chunk  prompt tokens per row per prefill forward pass (bounds activation memory of long prompts); None =
+                   PREFILL_CHUNK (4,096: a pass that long keeps the H200 busy, results/campaigns/h200-floor, where
+                   1,024-token passes left it waiting for the host half of the time), or 1,024 with gpu_budget
+                   (runmap.engine.budget.PREFILL_CHUNK_UNDER_BUDGET: activations compete with resident experts)
     fused          CUDA: fused Triton ops replacing torch sequences (runmap.kernels.fused_ops): True = DEFAULT_FUSED
                    (prologue, norm, router, attn; the prologue left out for a per-head q/k-norm family), or an
                    iterable of FUSED_OPS names; False = pure torch. Ignored on CPU.
@@ -100,6 +101,7 @@ from runmap.residency.regimes import regime_of
 from runmap.workload.routing import ImposedRouting, RoutingError, parse_routing
 
 EXPERT_FORMATS = ("int4", "fp16")
+PREFILL_CHUNK = 4096  # prompt tokens per row per prefill pass, by default (from_pack's prefill_chunk)
 FUSED_OPS = ("prologue", "norm", "router", "attn")
 # Default on CUDA. The router is two launches (logits over many programs, then softmax + top-k): 5.4 us per
 # layer vs 16.5 us for torch's linear + softmax + topk on the H200 (results/kernels/explore/h200-decode.json).
@@ -887,7 +889,7 @@ class Engine:
     def from_pack(cls, pack_dir, *, executor: str = "grouped", resident: int | None = None, device=None,
                   max_batch: int = 8, max_seq_len: int | None = None, policy: str = "lru",
                   expert_format: str = "int4", max_group: int | None = None, cuda_graphs: bool = True,
-                  prefill_chunk: int = 4096, fused=True, host_source=None,
+                  prefill_chunk: int | None = None, fused=True, host_source=None,
                   skip_experts: bool = False, verify_pack: bool | None = None, routing: str = "model",
                   routing_seed: int = 0, record_routes: bool = False, cache_contract: str = "v1",
                   segments=True, gpu_budget: int | None = None, budget_kv_rows: int | None = None,
@@ -919,6 +921,10 @@ class Engine:
                               "(a mixed device/CPU placement is not implemented yet)")
         if device.type == "cuda" and device.index is None:
             device = torch.device("cuda", torch.cuda.current_device())
+        if prefill_chunk is None:
+            from runmap.engine.budget import PREFILL_CHUNK_UNDER_BUDGET
+
+            prefill_chunk = PREFILL_CHUNK if gpu_budget is None else PREFILL_CHUNK_UNDER_BUDGET
         if max_batch < 1 or prefill_chunk < 1:
             raise EngineError(f"max_batch ({max_batch}) and prefill_chunk ({prefill_chunk}) must be >= 1")
         reader = PackReader(pack_dir, verify=verify_pack)
