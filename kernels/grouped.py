@@ -223,18 +223,26 @@ def _f16_dot(acc, a_rows, a_mask, w_base, offs_n, n_mask, K: tl.constexpr, BLOCK
     return acc
 
 
+@triton.jit
+def _decoded_group(order_ptr, ids_ptr, row_table_ptr, n_experts, n_rows, N: tl.constexpr, BLOCK_M: tl.constexpr,
+                   BLOCK_N: tl.constexpr):
+    """A decoded-mode program's block: (offs_n, n_mask, pairs, lane_ok, active, ok, e) where ok is False for the run
+    of invalid ids and for an expert without a resident row (its pairs get NaN) and e the int64 expert to read."""
+    offs_n = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
+    pairs, lane_ok, expert, active = _sorted_group(order_ptr, ids_ptr, tl.program_id(0), BLOCK_M)
+    _row, ok = resolve_row(expert, row_table_ptr, n_experts, n_rows)
+    return offs_n, offs_n < N, pairs, lane_ok, active, ok, tl.where(ok, expert, 0).to(tl.int64)
+
+
 @triton.jit(do_not_specialize=["P"])
 def _dequant_gate_up_kernel(x_ptr, ids_ptr, order_ptr, row_table_ptr, wg_ptr, wu_ptr, h_ptr, P, n_experts, n_rows,
                             stride_xm,
                             N: tl.constexpr, K: tl.constexpr, TOPK: tl.constexpr,
                             BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
     """Stage 1 over decoded weights wg, wu fp16 (E, N, K): h[pairs] = fp16(silu(x Wg^T) * (x Wu^T))."""
-    offs_n = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
-    n_mask = offs_n < N
-    pairs, lane_ok, expert, active = _sorted_group(order_ptr, ids_ptr, tl.program_id(0), BLOCK_M)
+    offs_n, n_mask, pairs, lane_ok, active, ok, e = _decoded_group(order_ptr, ids_ptr, row_table_ptr, n_experts,
+                                                                   n_rows, N, BLOCK_M, BLOCK_N)
     if active:
-        _row, ok = resolve_row(expert, row_table_ptr, n_experts, n_rows)  # invalid id or absent expert: NaN rows
-        e = tl.where(ok, expert, 0).to(tl.int64)
         x_rows = x_ptr + (pairs // TOPK).to(tl.int64) * stride_xm
         acc_g = _f16_dot(tl.zeros((BLOCK_M, BLOCK_N), tl.float32), x_rows, lane_ok, wg_ptr + e * N * K, offs_n,
                          n_mask, K, BLOCK_K)
@@ -250,12 +258,9 @@ def _dequant_down_kernel(h_ptr, ids_ptr, order_ptr, wts_ptr, row_table_ptr, wd_p
                          N: tl.constexpr, K: tl.constexpr,
                          BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
     """Stage 2 over decoded weights wd fp16 (E, N, K): ypair[pairs] = gate weight * (h Wd^T) in fp32."""
-    offs_n = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
-    n_mask = offs_n < N
-    pairs, lane_ok, expert, active = _sorted_group(order_ptr, ids_ptr, tl.program_id(0), BLOCK_M)
+    offs_n, n_mask, pairs, lane_ok, active, ok, e = _decoded_group(order_ptr, ids_ptr, row_table_ptr, n_experts,
+                                                                   n_rows, N, BLOCK_M, BLOCK_N)
     if active:
-        _row, ok = resolve_row(expert, row_table_ptr, n_experts, n_rows)  # invalid id or absent expert: NaN rows
-        e = tl.where(ok, expert, 0).to(tl.int64)
         h_rows = h_ptr + pairs.to(tl.int64) * K
         acc = _f16_dot(tl.zeros((BLOCK_M, BLOCK_N), tl.float32), h_rows, lane_ok, wd_ptr + e * N * K, offs_n,
                        n_mask, K, BLOCK_K)
