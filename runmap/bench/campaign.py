@@ -870,9 +870,11 @@ def attach_ratios(records: list[dict]) -> list[dict]:
             r["ratios"][f"decode_vs_{kind}"] = bm.ratio(
                 bm.observed(r["timing"]["decode_tok_s"]["median"]), bm.observed(b["timing"]["decode_tok_s"]["median"]),
                 f"decode tok/s over {kind}")
-            r["ratios"][f"prefill_vs_{kind}"] = bm.ratio(  # warm prefill: prompt tokens over TTFT, same prompts
-                bm.observed(r["timing"]["prefill_tok_s"]["median"]),
-                bm.observed(b["timing"]["prefill_tok_s"]["median"]), f"prefill tok/s over {kind}")
+            r["ratios"][f"prefill_vs_{kind}"] = (  # warm prefill: prompt tokens over TTFT, same prompts
+                bm.ratio(bm.observed(r["timing"]["prefill_tok_s"]["median"]),
+                         bm.observed(b["timing"]["prefill_tok_s"]["median"]), f"prefill tok/s over {kind}")
+                if "prefill_tok_s" in r["timing"] and "prefill_tok_s" in b["timing"] else
+                bm.unknown("a record of the pair carries no prefill tok/s"))
             r["ratios"][f"peak_allocated_vs_{kind}"] = bm.ratio(
                 r["memory"]["peak_allocated_bytes"], b["memory"]["peak_allocated_bytes"], f"peak allocated over {kind}")
     attach_transfer_bounds(records)
