@@ -66,7 +66,9 @@ def run(args) -> int:
                                max_batch=1, max_seq_len=args.max_seq_len, expert_format=args.expert_format,
                                routing=args.routing, routing_seed=args.routing_seed,
                                record_routes=args.trace is not None, cache_contract=args.cache_contract,
-                               expert_placement=args.expert_placement, prefetch=args.prefetch)
+                               expert_placement=args.expert_placement, prefetch=args.prefetch,
+                               # one request: compiling every size class of pass first would only add to its wait
+                               warm_up=False)
         if placement_line(eng):
             print(placement_line(eng), file=sys.stderr)
         res = eng.generate([args.prompt], max_new_tokens=args.max_new_tokens, temperature=args.temperature,

@@ -54,7 +54,8 @@ def run(args) -> int:
         eng = Engine.from_pack(args.packed, executor=args.executor, resident=args.resident, gpu_budget=args.gpu_budget,
                                device=args.device,
                                max_batch=1, max_seq_len=max(len(ids), 16), cuda_graphs=False,
-                               expert_placement=args.expert_placement, prefetch=args.prefetch)
+                               expert_placement=args.expert_placement, prefetch=args.prefetch,
+                               warm_up=False)  # one pass
         if placement_line(eng):
             print(placement_line(eng), file=sys.stderr)
         if eng.budget_plan is not None:

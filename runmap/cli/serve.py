@@ -148,7 +148,8 @@ def run(args) -> int:
         # under --gpu-budget the engine plans again (the same plan as printed) and caps torch's allocator at it
         return Engine.from_pack(pack, executor=args.executor, device=args.device, max_batch=args.max_batch,
                                 max_seq_len=args.max_seq_len, expert_placement=args.expert_placement,
-                                prefetch=args.prefetch, **(
+                                prefetch=args.prefetch, warm_up=False,  # the scheduler warms up every shape it serves
+                                **(
                                     {"gpu_budget": args.gpu_budget}
                                     if args.gpu_budget is not None else {"resident": resident}))
 

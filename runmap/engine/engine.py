@@ -62,7 +62,8 @@ Arguments:
     budget_kv_rows KV-cache rows the plan counts when a caller keeps more than max_batch
     warm_up        run ``eng.warm_up()`` before returning (compile every prefill size class and capture the decode
                    step, so the first request runs warm); None = on CUDA under full residency (a partial residency's
-                   passes would move experts; ``runmap serve`` warms every engine itself)
+                   passes would move experts). ``runmap serve`` warms its engine itself, ``runmap generate`` and
+                   ``runmap logits`` run one request and skip it
     cache_contract "v1" (default: pageable host source -> pinned staging -> device) or "v2" (the host source
                    registered as pinned memory once, rows copied straight into spare rows; docs/cache-contract.md)
     skip_experts   PROFILING ONLY: routed experts return zeros (router and everything else still run), so the
