@@ -436,3 +436,26 @@ def test_the_decoded_weights_mode_matches_the_reference_executor_end_to_end(pack
     ref, got = outs["reference"][same], outs["decoded"][same]
     err, bound = (got - ref).abs().max().item(), 1e-2 * ref.abs().max().item() + 2e-3
     assert err <= bound, f"{preset}: decoded mode max |diff| {err:.3g} > {bound:.3g} where the routes agree"
+
+
+def test_partial_residency_runs_without_the_decoded_mode_and_with_short_passes(packs, monkeypatch):
+    """The decoded-weights mode's workspace (every expert of a layer in fp16) would take the memory partial residency
+    keeps for experts: a partial engine's prefill never enters it, even past DEQUANT_MIN_PAIRS, and its passes
+    default to the budget planner's chunk; a full-residency engine does both the other way."""
+    import runmap.kernels.grouped as grouped
+    from runmap.engine.budget import PREFILL_CHUNK_UNDER_BUDGET
+    from runmap.engine.engine import PREFILL_CHUNK
+
+    monkeypatch.setattr(grouped, "DEQUANT_MIN_PAIRS", 129)
+    entered = []
+    real = grouped._dequant_stages
+    monkeypatch.setattr(grouped, "_dequant_stages", lambda *a, **kw: entered.append(1) or real(*a, **kw))
+    prompt = [(13 * i + 5) % 500 for i in range(48)]
+    for resident, want_chunk, want_decoded in ((None, PREFILL_CHUNK, True), (4, PREFILL_CHUNK_UNDER_BUDGET, False)):
+        eng = Engine.from_pack(packs["tiny-olmoe"], executor="grouped", resident=resident, device="cpu", max_batch=1,
+                               max_seq_len=64)
+        entered.clear()
+        assert eng.prefill_chunk == want_chunk
+        eng.generate([prompt], max_new_tokens=1)
+        assert bool(entered) == want_decoded, (resident, entered)
+        eng.close()

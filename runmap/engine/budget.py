@@ -5,9 +5,9 @@ The plan counts what the engine allocates on the device, in this order:
 1. the non-routed FP16 weights (the size of the pack's non-routed file; lm_head included);
 2. the KV cache for ``max_batch`` rows of ``max_seq_len`` tokens (FP16 keys and values);
 3. workspaces: the activations of the largest forward pass (a prefill chunk of ``prefill_chunk`` tokens per row:
-   hidden states, fused q/k/v, the grouped executor's per-pair intermediates and, for a pass of at least
-   ``DEQUANT_MIN_PAIRS`` pairs, every expert of a layer decoded to fp16, the last positions' FP32 logits and
-   their sampling copy) plus a fixed reserve for the CUDA graph pools, cuBLAS / Triton workspaces and the caching
+   hidden states, fused q/k/v, the grouped executor's per-pair intermediates and, under full residency for a pass
+   of at least ``DEQUANT_MIN_PAIRS`` pairs, every expert of a layer decoded to fp16, the last positions' FP32
+   logits and their sampling copy) plus a fixed reserve for the CUDA graph pools, cuBLAS / Triton workspaces and the caching
    allocator's rounding (``FIXED_RESERVE``);
 4. per layer, the row tables and, under partial residency, the spare rows that receive a miss group
    (the largest routed group, the engine's default ``max_group``); pinned staging lives in host memory and is
@@ -113,12 +113,11 @@ def plan(cfg, row_bytes: int, nonrouted_bytes: int, budget: int, *, max_batch: i
     act = t * (6 * H * 2 + qkv * 2 + inter * 2 + k * H * 4 + 2 * E * 4) + 2 * max_batch * cfg.vocab_size * 4
     from runmap.kernels.grouped import DEQUANT_MIN_PAIRS
 
-    if t * k >= DEQUANT_MIN_PAIRS:  # the grouped executor decodes a large pass's experts to fp16 once (E, 3, H, I)
-        act += E * 3 * H * cfg.moe_intermediate_size * 2
-    workspace = act + FIXED_RESERVE
-    base = nonrouted_bytes + kv + workspace
+    # under full residency the grouped executor decodes a large pass's experts to fp16 once: (E, 3, H, I) fp16
+    decoded = E * 3 * H * cfg.moe_intermediate_size * 2 if t * k >= DEQUANT_MIN_PAIRS else 0
     best = None
     for r in range(k, E + 1):
+        workspace = act + FIXED_RESERVE + (decoded if r == E else 0)  # partial residency runs without that mode
         spares = 0 if r == E else _group(cfg, r, max_batch)
         tables = L * (spares * row_bytes + 2 * 4 * E)
         p = BudgetPlan(budget, nonrouted_bytes, kv, workspace, tables, L * r * row_bytes, r, E, spares,

@@ -40,8 +40,10 @@ Arguments:
                    segment chain on the CPU, without graphs (tests); False: the per-call eager path
     prefill_chunk  prompt tokens per row per prefill forward pass (bounds activation memory of long prompts); None =
                    PREFILL_CHUNK (4,096: a pass that long keeps the H200 busy, results/campaigns/h200-floor, where
-                   1,024-token passes left it waiting for the host half of the time), or 1,024 with gpu_budget
-                   (runmap.engine.budget.PREFILL_CHUNK_UNDER_BUDGET: activations compete with resident experts)
+                   1,024-token passes left it waiting for the host half of the time), or 1,024 with gpu_budget or
+                   partial residency (runmap.engine.budget.PREFILL_CHUNK_UNDER_BUDGET: activations compete with
+                   resident experts there; partial residency also runs the grouped executor without its
+                   decoded-weights mode)
     fused          CUDA: fused Triton ops replacing torch sequences (runmap.kernels.fused_ops): True = DEFAULT_FUSED
                    (prologue, norm, router, attn; the prologue left out for a per-head q/k-norm family), or an
                    iterable of FUSED_OPS names; False = pure torch. Ignored on CPU.
@@ -86,6 +88,7 @@ release fence), so no row is rewritten while a queued kernel may still read it.
 from __future__ import annotations
 
 import contextlib
+import functools
 import time
 from collections import Counter
 
@@ -125,6 +128,11 @@ def _moe_experts():
     return moe_experts
 
 
+def _without_decoded_mode(moe, *args, config=None, **kwargs):
+    """``moe_experts`` with the grouped executor's decoded-weights mode off (runmap.kernels.grouped DEQUANT)."""
+    return moe(*args, config={**(config or {}), "DEQUANT": False}, **kwargs)
+
+
 def _check_routing():
     """The executors' host routing check (runmap.kernels.executors.check_routing), imported on first use."""
     from runmap.kernels.executors import check_routing
@@ -154,6 +162,10 @@ class CachedExperts:
         self.validate = True
         self._pass_ids: list | None = None  # (layer, ids) of the eager pass in checked_pass, else None
         self.moe = _moe_experts()
+        if not self.full and executor == "grouped":
+            # partial residency runs the INT4 loop only: the decoded-weights mode's workspace (every expert of a layer
+            # in fp16: 0.8 GB for OLMoE, 2.8 GB for Mixtral) would take the memory this regime keeps for experts
+            self.moe = functools.partial(_without_decoded_mode, self.moe)
         self._req = None
         self.h2d_seconds = 0.0  # host wall time of acquisitions that ran a miss transaction
         self.cpu_site = None  # a CPU-site executor's repacked experts (runmap.kernels.cpu_int4), built on first use
@@ -922,6 +934,7 @@ class Engine:
                               "(a mixed device/CPU placement is not implemented yet)")
         if device.type == "cuda" and device.index is None:
             device = torch.device("cuda", torch.cuda.current_device())
+        chunk_given = prefill_chunk is not None
         if prefill_chunk is None:
             from runmap.engine.budget import PREFILL_CHUNK_UNDER_BUDGET
 
@@ -961,6 +974,10 @@ class Engine:
                 raise EngineError(str(e)) from None
             resident = budget_plan.resident
         resident = E if resident is None else int(resident)
+        if not chunk_given and resident != E:  # partial residency: activations compete with resident experts
+            from runmap.engine.budget import PREFILL_CHUNK_UNDER_BUDGET
+
+            prefill_chunk = PREFILL_CHUNK_UNDER_BUDGET
         if prefetch and (resident == E or spec.kind != "model"):
             reader.close()
             raise EngineError(
