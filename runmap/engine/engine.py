@@ -934,12 +934,7 @@ class Engine:
                               "(a mixed device/CPU placement is not implemented yet)")
         if device.type == "cuda" and device.index is None:
             device = torch.device("cuda", torch.cuda.current_device())
-        chunk_given = prefill_chunk is not None
-        if prefill_chunk is None:
-            from runmap.engine.budget import PREFILL_CHUNK_UNDER_BUDGET
-
-            prefill_chunk = PREFILL_CHUNK if gpu_budget is None else PREFILL_CHUNK_UNDER_BUDGET
-        if max_batch < 1 or prefill_chunk < 1:
+        if max_batch < 1 or (prefill_chunk is not None and prefill_chunk < 1):
             raise EngineError(f"max_batch ({max_batch}) and prefill_chunk ({prefill_chunk}) must be >= 1")
         reader = PackReader(pack_dir, verify=verify_pack)
         cfg, layout, identity = reader.config, reader.layout, reader.identity
@@ -957,6 +952,11 @@ class Engine:
             routes = RouteRecorder(arch=cfg.arch, num_layers=cfg.num_layers, num_experts=cfg.num_experts,
                                    top_k=cfg.top_k, routing=spec.name, pack_identity=identity)
         E = cfg.num_experts
+        if prefill_chunk is None:  # short passes where activations compete with resident experts: budget or partial
+            from runmap.engine.budget import PREFILL_CHUNK_UNDER_BUDGET
+
+            partial = gpu_budget is not None or (resident is not None and int(resident) != E)
+            prefill_chunk = PREFILL_CHUNK_UNDER_BUDGET if partial else PREFILL_CHUNK
         budget_plan = None
         if gpu_budget is not None:
             from runmap.engine.budget import BudgetError, plan
@@ -974,10 +974,6 @@ class Engine:
                 raise EngineError(str(e)) from None
             resident = budget_plan.resident
         resident = E if resident is None else int(resident)
-        if not chunk_given and resident != E:  # partial residency: activations compete with resident experts
-            from runmap.engine.budget import PREFILL_CHUNK_UNDER_BUDGET
-
-            prefill_chunk = PREFILL_CHUNK_UNDER_BUDGET
         if prefetch and (resident == E or spec.kind != "model"):
             reader.close()
             raise EngineError(
