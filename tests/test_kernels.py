@@ -170,7 +170,7 @@ def _sorted_slots_model(ids: list[int], n_experts: int, block_m: int) -> list[in
 @given(data=st.data(), n_experts=st.integers(1, 70), block_m=st.sampled_from([16, 64, 128]),
        ids_dtype=st.sampled_from([torch.int32, torch.int64]))
 def test_sort_pairs_matches_a_counting_sort_model(data, n_experts, block_m, ids_dtype):
-    """The prefill grouping (two Triton launches) equals the model slot for slot: stable within a run,
+    """The prefill grouping (three Triton launches) equals the model slot for slot: stable within a run,
     invalid ids in their own last run, every slot written (its buffers are poisoned)."""
     from runmap.kernels.grouped import sort_pairs
     n = data.draw(st.integers(1, 700), label="pairs")
@@ -179,6 +179,18 @@ def test_sort_pairs_matches_a_counting_sort_model(data, n_experts, block_m, ids_
     got = sort_pairs(torch.tensor(ids, dtype=ids_dtype, device=dev), n_experts, block_m)
     assert got.dtype == torch.int32
     assert got.cpu().tolist() == _sorted_slots_model(ids, n_experts, block_m)
+
+
+@pytest.mark.parametrize("n_pairs,n_experts,block_m", [(9000, 64, 64), (4097, 60, 128), (20011, 8, 16)])
+def test_sort_pairs_of_long_passes_matches_the_model(n_pairs, n_experts, block_m):
+    """Passes long enough that the histogram scan runs over several blocks of chunks (and, 64 experts at 9,000
+    pairs, several hundred placing programs): still the model slot for slot, invalid ids included."""
+    from runmap.kernels.grouped import sort_pairs
+    gen = torch.Generator().manual_seed(n_pairs)
+    ids = torch.randint(-2, n_experts + 2, (n_pairs,), generator=gen)
+    dev = torch.device("cuda" if ON_GPU else "cpu")
+    got = sort_pairs(ids.to(torch.int32).to(dev), n_experts, block_m)
+    assert got.cpu().tolist() == _sorted_slots_model(ids.tolist(), n_experts, block_m)
 
 
 @settings(max_examples=4 if not ON_GPU else 8)  # each new shape compiles new kernels on the GPU

@@ -135,6 +135,39 @@ def tile_sweep(engine, tokens_list, reps: int) -> list[dict]:
     return rows
 
 
+def logits_composition(engine, n: int) -> dict:
+    """Where the campaign's logits check at n tokens gets its difference: the engine's default (grouped, decoded
+    weights from DEQUANT_MIN_PAIRS pairs per pass) and its INT4 loop (the mode off) each against the FP32 reference
+    executor, the two against each other, and fused against torch non-expert ops; max |diff|, the position of the
+    largest, and argmax agreement, all over every position of one n-token prompt."""
+    import runmap.kernels.grouped as grouped
+
+    ids = prompt(n, engine.cfg.vocab_size, n + 1)
+    ref = engine.logits(ids, executor="reference").float()  # (T, V)
+    default = engine.logits(ids).float()
+    threshold = grouped.DEQUANT_MIN_PAIRS
+    grouped.DEQUANT_MIN_PAIRS = 1 << 62
+    try:
+        int4_loop = engine.logits(ids).float()
+    finally:
+        grouped.DEQUANT_MIN_PAIRS = threshold
+    torch_ops = engine.logits(ids, fused=False).float()
+
+    def cmp(a, b):
+        d = (a - b).abs().amax(-1)  # (T,)
+        return {"max_abs": d.max().item(), "at": int(d.argmax().item()), "median_abs": d.median().item(),
+                "argmax_agreement": (a.argmax(-1) == b.argmax(-1)).float().mean().item()}
+
+    out = {"tokens": n, "logit_scale": ref.abs().max().item(), "default_vs_reference": cmp(default, ref),
+           "int4_loop_vs_reference": cmp(int4_loop, ref), "default_vs_int4_loop": cmp(default, int4_loop),
+           "fused_vs_torch_ops": cmp(default, torch_ops)}
+    for k, v in out.items():
+        if isinstance(v, dict):
+            print(f"check {n}: {k:24s} max {v['max_abs']:.4f} at {v['at']:5d}, median {v['median_abs']:.4f}, "
+                  f"argmax {v['argmax_agreement']:.4f}", flush=True)
+    return out
+
+
 def main():
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--packed", required=True)
@@ -143,12 +176,14 @@ def main():
     ap.add_argument("--chunks", default="1024,8192")
     ap.add_argument("--tiles", default="1024,4096,8192", help="token counts of the tile sweep ('' = none)")
     ap.add_argument("--reps", type=int, default=3)
+    ap.add_argument("--check", default="", help="prompt lengths of the logits composition ('' = none)")
     args = ap.parse_args()
     from runmap.engine.engine import Engine
 
     lengths = [int(v) for v in args.lengths.split(",")]
+    checks = [int(v) for v in args.check.split(",") if v]
     t0 = time.perf_counter()
-    engine = Engine.from_pack(args.packed, executor="grouped", max_batch=1, max_seq_len=max(lengths) + 8)
+    engine = Engine.from_pack(args.packed, executor="grouped", max_batch=1, max_seq_len=max(lengths + checks) + 8)
     out = {"load_s": time.perf_counter() - t0, "device": torch.cuda.get_device_name(), "rows": []}
     first = None
     for chunk in (int(v) for v in args.chunks.split(",")):
@@ -177,6 +212,8 @@ def main():
                 first = ids
     out["host_profile"] = host_profile(engine, first)
     print("\n".join(out["host_profile"][:30]), flush=True)
+    if checks:
+        out["checks"] = [logits_composition(engine, n) for n in checks]
     if args.tiles:
         out["tiles"] = tile_sweep(engine, [int(v) for v in args.tiles.split(",")], reps=10)
     with open(args.out, "w") as f:
