@@ -235,18 +235,22 @@ def route_fused(h, router32, top_k: int, norm_topk_prob: bool):
 @triton.jit
 def _decode_attn_kernel(q_ptr, k_ptr, v_ptr, out_ptr, slot_ptr, pad_ptr,
                         stride_cb, stride_ch, stride_cs, scale,
-                        N_KEYS: tl.constexpr, NH: tl.constexpr, NKV: tl.constexpr, D: tl.constexpr, BLOCK_N: tl.constexpr):
+                        N_KEYS: tl.constexpr, NH: tl.constexpr, NKV: tl.constexpr, D: tl.constexpr,
+                        D_P2: tl.constexpr, BLOCK_N: tl.constexpr):
+    """One (row, query head): online softmax over the row's keys. D_P2: the head dim rounded up to a power of two
+    (tl.arange needs one; Qwen3-style configs may use e.g. 96), lanes from D masked off."""
     b = tl.program_id(0)
     hq = tl.program_id(1)
     hk = hq // (NH // NKV)
     slot = tl.load(slot_ptr)
     pad = tl.load(pad_ptr + b)
-    offs_d = tl.arange(0, D)
+    offs_d = tl.arange(0, D_P2)
+    d_ok = offs_d < D
     offs_n = tl.arange(0, BLOCK_N)
-    q = tl.load(q_ptr + (b * NH + hq) * D + offs_d).to(tl.float32) * scale  # (D,)
+    q = tl.load(q_ptr + (b * NH + hq) * D + offs_d, mask=d_ok, other=0.0).to(tl.float32) * scale  # (D_P2,)
     m_i = tl.full((), float("-inf"), dtype=tl.float32)
     l_i = tl.zeros((), dtype=tl.float32)
-    acc = tl.zeros((D,), dtype=tl.float32)
+    acc = tl.zeros((D_P2,), dtype=tl.float32)
     base = b * stride_cb + hk * stride_ch
     # Only the blocks that hold this row's keys (pad .. slot) are visited: a served batch's rows share slots, so a
     # row that joined late has a large pad and its slots before it are another request's past (or nothing); a
@@ -259,18 +263,19 @@ def _decode_attn_kernel(q_ptr, k_ptr, v_ptr, out_ptr, slot_ptr, pad_ptr,
         j = n0 + offs_n
         valid = (j >= pad) & (j <= slot)
         kv_off = base + j[:, None] * stride_cs + offs_d[None, :]
-        k = tl.load(k_ptr + kv_off, mask=valid[:, None], other=0.0).to(tl.float32)  # (BLOCK_N, D)
+        kv_ok = valid[:, None] & d_ok[None, :]
+        k = tl.load(k_ptr + kv_off, mask=kv_ok, other=0.0).to(tl.float32)  # (BLOCK_N, D_P2)
         s = tl.where(valid, tl.sum(k * q[None, :], axis=1), float("-inf"))  # (BLOCK_N,)
         m_new = tl.maximum(m_i, tl.max(s, axis=0))
         m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)  # no valid key seen yet (cannot happen: pad <= slot)
         alpha = tl.exp(m_i - m_safe)
         p = tl.exp(s - m_safe)
-        v = tl.load(v_ptr + kv_off, mask=valid[:, None], other=0.0).to(tl.float32)
+        v = tl.load(v_ptr + kv_off, mask=kv_ok, other=0.0).to(tl.float32)
         acc = acc * alpha + tl.sum(p[:, None] * v, axis=0)
         l_i = l_i * alpha + tl.sum(p, axis=0)
         m_i = m_new
         n0 += BLOCK_N
-    tl.store(out_ptr + (b * NH + hq) * D + offs_d, (acc / l_i).to(tl.float16))
+    tl.store(out_ptr + (b * NH + hq) * D + offs_d, (acc / l_i).to(tl.float16), mask=d_ok)
 
 
 def decode_attention(q, k_cache, v_cache, slot, pad, n_keys: int):
@@ -282,10 +287,9 @@ def decode_attention(q, k_cache, v_cache, slot, pad, n_keys: int):
     if T != 1 or not q.is_contiguous() or nh % nkv or k_cache.stride() != v_cache.stride():
         raise ValueError(f"decode_attention: q {tuple(q.shape)} (T must be 1, contiguous), nh % nkv, "
                          f"k/v strides {k_cache.stride()} / {v_cache.stride()}")
-    if D & (D - 1):
-        raise ValueError(f"decode_attention: head dim {D} must be a power of two")
     out = torch.empty(B, 1, nh * D, dtype=torch.float16, device=q.device)
     common.launch(_decode_attn_kernel[(B, nh)], q, k_cache, v_cache, out, slot, pad,
                                  k_cache.stride(0), k_cache.stride(1), k_cache.stride(2), D ** -0.5,
-                                 N_KEYS=n_keys, NH=nh, NKV=nkv, D=D, BLOCK_N=64)
+                                 N_KEYS=n_keys, NH=nh, NKV=nkv, D=D,
+                                 D_P2=triton.next_power_of_2(D), BLOCK_N=64)
     return out

@@ -410,7 +410,7 @@ def test_warm_up_runs_every_size_class_and_leaves_nothing_counted(packs, test_de
 
 
 @pytest.mark.parametrize("preset", ["tiny-olmoe", "tiny-qwen2-moe"])
-def test_the_decoded_weights_mode_matches_the_reference_executor_end_to_end(packs, preset, monkeypatch):
+def test_the_decoded_weights_mode_matches_the_reference_executor_end_to_end(packs, preset, monkeypatch, test_device):
     """The grouped executor's decoded-weights mode (forced from 129 pairs instead of DEQUANT_MIN_PAIRS) through a
     whole 72-token prefill against the reference executor: every position whose routed experts are the reference's in
     every layer has its logits within the executors' tolerance. The mode multiplies fp16(q * scale), the weights of the
@@ -424,7 +424,7 @@ def test_the_decoded_weights_mode_matches_the_reference_executor_end_to_end(pack
     for name, executor, threshold in (("reference", "reference", grouped.DEQUANT_MIN_PAIRS),
                                       ("decoded", "grouped", 129)):
         monkeypatch.setattr(grouped, "DEQUANT_MIN_PAIRS", threshold)
-        eng = Engine.from_pack(packs[preset], executor=executor, device="cpu", max_batch=1, max_seq_len=80)
+        eng = Engine.from_pack(packs[preset], executor=executor, device=test_device, max_batch=1, max_seq_len=80)
         assert grouped.default_config(72 * eng.cfg.top_k, eng.device)["DEQUANT"] == (threshold == 129)
         o, _, logs = run_steps(eng, prompt, 0)
         outs[name], routes[name] = o[0], logs[0]  # (T, V) logits of every position; [(layer, ids (T, k))]
@@ -438,7 +438,7 @@ def test_the_decoded_weights_mode_matches_the_reference_executor_end_to_end(pack
     assert err <= bound, f"{preset}: decoded mode max |diff| {err:.3g} > {bound:.3g} where the routes agree"
 
 
-def test_partial_residency_runs_without_the_decoded_mode_and_with_short_passes(packs, monkeypatch):
+def test_partial_residency_runs_without_the_decoded_mode_and_with_short_passes(packs, monkeypatch, test_device):
     """The decoded-weights mode's workspace (every expert of a layer in fp16) would take the memory partial residency
     keeps for experts: a partial engine's prefill never enters it, even past DEQUANT_MIN_PAIRS, and its passes
     default to the budget planner's chunk; a full-residency engine does both the other way."""
@@ -452,8 +452,8 @@ def test_partial_residency_runs_without_the_decoded_mode_and_with_short_passes(p
     monkeypatch.setattr(grouped, "_dequant_stages", lambda *a, **kw: entered.append(1) or real(*a, **kw))
     prompt = [(13 * i + 5) % 500 for i in range(48)]
     for resident, want_chunk, want_decoded in ((None, PREFILL_CHUNK, True), (4, PREFILL_CHUNK_UNDER_BUDGET, False)):
-        eng = Engine.from_pack(packs["tiny-olmoe"], executor="grouped", resident=resident, device="cpu", max_batch=1,
-                               max_seq_len=64)
+        eng = Engine.from_pack(packs["tiny-olmoe"], executor="grouped", resident=resident, device=test_device,
+                               max_batch=1, max_seq_len=64)
         entered.clear()
         assert eng.prefill_chunk == want_chunk
         eng.generate([prompt], max_new_tokens=1)

@@ -43,20 +43,20 @@ def test_fused_ops_match_torch(preset, fused):
 
 
 @pytest.mark.parametrize("n,e,hid,k,norm", [(1, 64, 2048, 8, False), (3, 60, 96, 4, True), (5, 7, 40, 2, False)])
-def test_route_fused_matches_torch_router(n, e, hid, k, norm):
+def test_route_fused_matches_torch_router(n, e, hid, k, norm, test_device):
     """Same expert ids (descending probability) and weights as model.route, odd expert / hidden counts."""
     from runmap.kernels.fused_ops import route_fused
     from runmap.engine.model import route
 
     g = torch.Generator().manual_seed(n * 100 + e)
-    h = torch.randn(n, hid, generator=g).half()
-    router32 = (torch.randn(e, hid, generator=g) * 0.05).half().float()
+    h = torch.randn(n, hid, generator=g).half().to(test_device)
+    router32 = (torch.randn(e, hid, generator=g) * 0.05).half().float().to(test_device)
     ids, w = route_fused(h, router32, k, norm)
     ids_ref, w_ref = route(h, router32, k, norm)
     assert torch.equal(ids, ids_ref)
     assert torch.allclose(w, w_ref, rtol=1e-5, atol=1e-6)
     if norm:
-        assert torch.allclose(w.sum(-1), torch.ones(n), atol=1e-5)
+        assert torch.allclose(w.sum(-1).cpu(), torch.ones(n), atol=1e-5)
 
 
 @pytest.mark.parametrize("n,e,hid", [(1030, 64, 2048), (1100, 60, 200), (1025, 7, 40)])
@@ -98,13 +98,15 @@ def test_route_fused_refuses_a_top_k_it_cannot_tile():
 @pytest.mark.parametrize("slot,n_keys,pads", [(70, 256, (0, 5)), (0, 64, (0, 0)), (130, 256, (3, 129)),
                                               (200, 256, (64, 199)), (255, 256, (255, 1)), (191, 512, (63, 128)),
                                               (300, 512, (0, 300))])
-def test_decode_attention_attends_exactly_pad_to_slot(slot, n_keys, pads, test_device):
+@pytest.mark.parametrize("D", [16, 24])
+def test_decode_attention_attends_exactly_pad_to_slot(slot, n_keys, pads, D, test_device):
     """Keys past the slot (the rest of the KV bucket, filled with garbage here) and left padding are ignored;
-    blocks wholly past the slot are skipped. RUNMAP_TEST_DEVICE=cuda runs the compiled kernel."""
+    blocks wholly past the slot are skipped; a head dim that is not a power of two (24; Qwen3-style configs) reads
+    and writes its D lanes only. RUNMAP_TEST_DEVICE=cuda runs the compiled kernel."""
     from runmap.kernels.fused_ops import decode_attention
 
     g = torch.Generator().manual_seed(slot)
-    B, nh, nkv, D = 2, 4, 2, 16
+    B, nh, nkv = 2, 4, 2
     q = torch.randn(B, nh, 1, D, generator=g).half()
     kc = (torch.randn(B, nkv, n_keys + 8, D, generator=g) * 3).half()
     vc = torch.randn(B, nkv, n_keys + 8, D, generator=g).half()

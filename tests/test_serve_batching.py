@@ -303,14 +303,14 @@ def _bucket(n: int) -> int:
 
 def _kernel_variant(tokens: int, top_k: int, num_experts: int) -> tuple:
     """The size-derived constexprs of the grouped executor for a pass routing ``tokens`` tokens
-    (runmap.kernels.grouped: P_PAD at decode size, else the sort's CHUNKS_PAD)."""
+    (runmap.kernels.grouped: P_PAD at decode size; above it the sort has none, only the decoded-weights mode's tiles
+    differ)."""
     from runmap.kernels.grouped import DECODE_MAX_PAIRS, DEQUANT_MIN_PAIRS
 
     pairs = tokens * top_k
     if pairs <= DECODE_MAX_PAIRS:
         return ("decode", _bucket(max(pairs, 2)))
-    block_p = max(16, min(256, 16384 // _bucket(num_experts + 1)))
-    return ("sorted", _bucket(-(-pairs // block_p)), pairs >= DEQUANT_MIN_PAIRS)  # decoded-weights mode: other tiles
+    return ("sorted", pairs >= DEQUANT_MIN_PAIRS)  # decoded-weights mode: other tiles
 
 
 @settings(max_examples=60, deadline=None)
