@@ -34,6 +34,7 @@ class FakeEngine:
         self.hits = self.misses = self.h2d = 0
         self.h2d_s = 0.0
         self.logit_calls = []
+        self.route_flips = 0  # positions a non-default executor routes differently (logits_with_routes)
         self.closed = False
 
     def decode_rate(self, batch: int) -> float:
@@ -66,6 +67,15 @@ class FakeEngine:
         if executor is not None and executor != self.executor:
             out = out + 1e-4  # another executor rounds a little differently
         return out
+
+    def logits_with_routes(self, token_ids, *, executor=None, fused=None):
+        """The fake routes every position alike under every executor, unless ``route_flips`` positions (the first
+        ones) are routed differently by a non-default executor."""
+        out = self.logits(token_ids, executor=executor, fused=fused)
+        routes = torch.arange(4).repeat(len(token_ids), 2, 1)  # (T, L=2, k=4)
+        if executor is not None and executor != self.executor:
+            routes[:self.route_flips, 1, 0] = 7
+        return out, routes
 
     def stats(self) -> EngineStats:
         p = self.c.p

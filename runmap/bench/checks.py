@@ -169,6 +169,9 @@ def check_full_no_misses(rec: dict) -> list[Finding]:
 
 
 def check_logits(rec: dict) -> list[Finding]:
+    """The record's logits check (runmap.bench.campaign.logits_check) against its own figures: where routing was
+    compared (routes_agree OBSERVED), the difference at positions routed as the reference's within tolerance x scale
+    and their fraction at least min_route_agreement; otherwise the all-position difference within tolerance."""
     chk = rec.get("check")
     if chk is None:
         return []
@@ -178,12 +181,24 @@ def check_logits(rec: dict) -> list[Finding]:
     if diff is None or scale is None or not isinstance(tol, (int, float)):
         return [Finding("logits-check", ERROR, _rid(rec), "logits check without an OBSERVED difference, logit scale "
                         "and tolerance")]
-    ok = diff <= tol * scale
+    routes = chk.get("routes_agree")
     out = []
-    if not ok:
-        out.append(Finding("logits-check", ERROR, _rid(rec),
-                           f"executor {rec.get('executor')} vs {chk.get('reference_executor')}: max |diff| {diff:.4g} > "
-                           f"tolerance {tol} x logit scale {scale:.4g}"))
+    if isinstance(routes, dict) and routes.get("status") == "OBSERVED":
+        frac, diff_agree, floor = _value(routes), _value(chk.get("executor_vs_reference_max_abs_routes_agree")), \
+            chk.get("min_route_agreement")
+        ok = diff_agree is not None and diff_agree <= tol * scale and isinstance(floor, (int, float)) and frac >= floor
+        if not ok:
+            out.append(Finding("logits-check", ERROR, _rid(rec),
+                               f"executor {rec.get('executor')} vs {chk.get('reference_executor')}: routes agree at "
+                               f"{frac:.4g} of positions (min {floor}), max |diff| there "
+                               f"{'UNKNOWN' if diff_agree is None else f'{diff_agree:.4g}'} (tolerance {tol} x logit "
+                               f"scale {scale:.4g})"))
+    else:
+        ok = diff <= tol * scale
+        if not ok:
+            out.append(Finding("logits-check", ERROR, _rid(rec),
+                               f"executor {rec.get('executor')} vs {chk.get('reference_executor')}: max |diff| "
+                               f"{diff:.4g} > tolerance {tol} x logit scale {scale:.4g}"))
     if chk.get("passed") is not ok:
         out.append(Finding("logits-check", ERROR, _rid(rec), f"passed={chk.get('passed')!r} but the figures say {ok}"))
     return out

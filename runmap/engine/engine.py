@@ -1304,6 +1304,27 @@ class Engine:
             self.model.fused = saved_ops
         return out[0].cpu()
 
+    def logits_with_routes(self, token_ids, *, executor: str | None = None, fused=None
+                           ) -> tuple[torch.Tensor, torch.Tensor]:
+        """``logits`` and the experts its prefill routed each position to: (float32 (T, V), int64 (T, L, k) with each
+        layer's ids sorted), to compare two executors' routing position by position (the campaign's logits check).
+        Costs one device-to-host copy of the ids per layer per pass."""
+        self._check_open()
+        saved_log = self.model.route_log
+        self.model.route_log = []
+        try:
+            out = self.logits(token_ids, executor=executor, fused=fused)
+            log = self.model.route_log
+        finally:
+            self.model.route_log = saved_log
+        per_layer: dict[int, list[torch.Tensor]] = {}
+        for layer, ids in log:  # one entry per layer per prefill pass, passes in prompt order
+            per_layer.setdefault(layer, []).append(ids)
+        if not per_layer:
+            raise EngineError("no routing ran (skip_experts): nothing to report per position")
+        routes = torch.stack([torch.cat(per_layer[i]).sort(-1).values for i in sorted(per_layer)], 1)  # (T, L, k)
+        return out, routes.long()
+
     def stats(self):
         """Typed snapshot (runmap.engine.telemetry.EngineStats): counters since startup, memory, observations."""
         self._check_open()
