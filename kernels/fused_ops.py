@@ -233,14 +233,20 @@ def route_fused(h, router32, top_k: int, norm_topk_prob: bool):
 # ---- decode attention (one new token per row) -----------------------------------------------------------
 
 @triton.jit
-def _decode_attn_kernel(q_ptr, k_ptr, v_ptr, out_ptr, slot_ptr, pad_ptr,
-                        stride_cb, stride_ch, stride_cs, scale,
-                        N_KEYS: tl.constexpr, NH: tl.constexpr, NKV: tl.constexpr, D: tl.constexpr,
-                        D_P2: tl.constexpr, BLOCK_N: tl.constexpr):
-    """One (row, query head): online softmax over the row's keys. D_P2: the head dim rounded up to a power of two
-    (tl.arange needs one; Qwen3-style configs may use e.g. 96), lanes from D masked off."""
+def _decode_attn_split_kernel(q_ptr, k_ptr, v_ptr, part_ptr, ml_ptr, slot_ptr, pad_ptr,
+                              stride_cb, stride_ch, stride_cs, scale,
+                              N_KEYS: tl.constexpr, NH: tl.constexpr, NKV: tl.constexpr, D: tl.constexpr,
+                              D_P2: tl.constexpr, BLOCK_N: tl.constexpr, SPLITS: tl.constexpr):
+    """One (row, query head, split): online softmax over the split's share of the row's key blocks; writes the
+    unnormalized output to part[row, head, split] and (running max, sum of exponentials) to ml[row, head, split].
+
+    Why splits: one program per (row, head) kept 16 of the H200's 132 SMs busy at batch 1 and walked the keys
+    serially (a while loop is not software-pipelined): 12.9 us per layer for <= 256 keys (the decode profile in
+    results/campaigns/h200-prefill). D_P2: the head dim rounded up to a power of two (tl.arange needs one;
+    Qwen3-style configs may use e.g. 96), lanes from D masked off."""
     b = tl.program_id(0)
     hq = tl.program_id(1)
+    sp = tl.program_id(2)
     hk = hq // (NH // NKV)
     slot = tl.load(slot_ptr)
     pad = tl.load(pad_ptr + b)
@@ -253,13 +259,16 @@ def _decode_attn_kernel(q_ptr, k_ptr, v_ptr, out_ptr, slot_ptr, pad_ptr,
     acc = tl.zeros((D_P2,), dtype=tl.float32)
     base = b * stride_cb + hk * stride_ch
     # Only the blocks that hold this row's keys (pad .. slot) are visited: a served batch's rows share slots, so a
-    # row that joined late has a large pad and its slots before it are another request's past (or nothing); a
-    # loop from slot 0 would cost every row the longest history in the batch. The bounds are read from device
-    # memory, so a captured CUDA graph stays valid for every slot and pad; N_KEYS (the bucket) only caps the end.
-    # (A while loop: the interpreter cannot take loaded scalars as range() bounds.)
+    # row that joined late has a large pad and its slots before it are another request's past (or nothing). The
+    # bounds are read from device memory, so a captured CUDA graph stays valid for every slot and pad; N_KEYS (the
+    # bucket) only caps the end. The row's blocks are dealt to the splits in contiguous, block-aligned runs.
+    # (While loops: the interpreter cannot take loaded scalars as range() bounds.)
     hi = tl.minimum(slot + 1, N_KEYS)
-    n0 = (pad // BLOCK_N) * BLOCK_N
-    while n0 < hi:
+    lo = (pad // BLOCK_N) * BLOCK_N
+    per_split = ((hi - lo + BLOCK_N - 1) // BLOCK_N + SPLITS - 1) // SPLITS * BLOCK_N  # keys per split, whole blocks
+    n0 = lo + sp * per_split
+    end = tl.minimum(hi, n0 + per_split)
+    while n0 < end:
         j = n0 + offs_n
         valid = (j >= pad) & (j <= slot)
         kv_off = base + j[:, None] * stride_cs + offs_d[None, :]
@@ -267,7 +276,7 @@ def _decode_attn_kernel(q_ptr, k_ptr, v_ptr, out_ptr, slot_ptr, pad_ptr,
         k = tl.load(k_ptr + kv_off, mask=kv_ok, other=0.0).to(tl.float32)  # (BLOCK_N, D_P2)
         s = tl.where(valid, tl.sum(k * q[None, :], axis=1), float("-inf"))  # (BLOCK_N,)
         m_new = tl.maximum(m_i, tl.max(s, axis=0))
-        m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)  # no valid key seen yet (cannot happen: pad <= slot)
+        m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)  # no valid key in the block yet
         alpha = tl.exp(m_i - m_safe)
         p = tl.exp(s - m_safe)
         v = tl.load(v_ptr + kv_off, mask=kv_ok, other=0.0).to(tl.float32)
@@ -275,21 +284,53 @@ def _decode_attn_kernel(q_ptr, k_ptr, v_ptr, out_ptr, slot_ptr, pad_ptr,
         l_i = l_i * alpha + tl.sum(p, axis=0)
         m_i = m_new
         n0 += BLOCK_N
-    tl.store(out_ptr + (b * NH + hq) * D + offs_d, (acc / l_i).to(tl.float16), mask=d_ok)
+    row = (b * NH + hq) * SPLITS + sp
+    tl.store(part_ptr + row * D_P2 + offs_d, acc)  # an empty split stores zeros, max -inf, sum 0
+    tl.store(ml_ptr + row * 2, m_i)
+    tl.store(ml_ptr + row * 2 + 1, l_i)
+
+
+@triton.jit
+def _decode_attn_combine_kernel(part_ptr, ml_ptr, out_ptr, NH: tl.constexpr, D: tl.constexpr, D_P2: tl.constexpr,
+                                SPLITS: tl.constexpr):
+    """One (row, query head): the splits' partial softmaxes rescaled to their common max and summed; fp16 out."""
+    b = tl.program_id(0)
+    hq = tl.program_id(1)
+    offs_s = tl.arange(0, SPLITS)
+    offs_d = tl.arange(0, D_P2)
+    rows = (b * NH + hq) * SPLITS + offs_s  # (SPLITS,)
+    m = tl.load(ml_ptr + rows * 2)  # (SPLITS,) -inf for an empty split
+    l = tl.load(ml_ptr + rows * 2 + 1)
+    m_max = tl.max(m, axis=0)  # finite: the row's own slot is a key of some split
+    w = tl.where(m == float("-inf"), 0.0, tl.exp(m - m_max))  # (SPLITS,)
+    part = tl.load(part_ptr + rows[:, None] * D_P2 + offs_d[None, :])  # (SPLITS, D_P2)
+    o = tl.sum(part * w[:, None], axis=0) / tl.sum(l * w, axis=0)  # (D_P2,)
+    tl.store(out_ptr + (b * NH + hq) * D + offs_d, o.to(tl.float16), mask=offs_d < D)
 
 
 def decode_attention(q, k_cache, v_cache, slot, pad, n_keys: int):
-    """q fp16 (B, nh, 1, D) contiguous; k_cache / v_cache fp16 (B, nkv, S, D) (last dim contiguous);
-    slot int64 (1,) the new token's KV slot; pad int64 (B,); attends to slots pad[b] .. slot within [0, n_keys).
-    Returns fp16 (B, 1, nh * D) (heads concatenated, ready for o_proj)."""
+    """Split-key decode attention: two launches, the splits and then their combination.
+
+    Args:
+        q: fp16 (B, nh, 1, D) contiguous. k_cache, v_cache: fp16 (B, nkv, S, D), last dim contiguous, same strides.
+        slot: int64 (1,) the new token's KV slot. pad: int64 (B,) each row's first slot.
+        n_keys: the KV bucket (a compile-time size); keys pad[b] .. slot within [0, n_keys) are attended.
+    Returns:
+        fp16 (B, 1, nh * D), heads concatenated, ready for o_proj.
+    """
     B, nh, T, D = q.shape
     nkv = k_cache.shape[1]
     if T != 1 or not q.is_contiguous() or nh % nkv or k_cache.stride() != v_cache.stride():
         raise ValueError(f"decode_attention: q {tuple(q.shape)} (T must be 1, contiguous), nh % nkv, "
                          f"k/v strides {k_cache.stride()} / {v_cache.stride()}")
+    block_n = 32
+    splits = min(16, triton.next_power_of_2(triton.cdiv(n_keys, block_n)))  # up to 512 keys: a block per split
+    d_p2 = triton.next_power_of_2(D)
+    part = torch.empty(B, nh, splits, d_p2, dtype=torch.float32, device=q.device)
+    ml = torch.empty(B, nh, splits, 2, dtype=torch.float32, device=q.device)
     out = torch.empty(B, 1, nh * D, dtype=torch.float16, device=q.device)
-    common.launch(_decode_attn_kernel[(B, nh)], q, k_cache, v_cache, out, slot, pad,
-                                 k_cache.stride(0), k_cache.stride(1), k_cache.stride(2), D ** -0.5,
-                                 N_KEYS=n_keys, NH=nh, NKV=nkv, D=D,
-                                 D_P2=triton.next_power_of_2(D), BLOCK_N=64)
+    common.launch(_decode_attn_split_kernel[(B, nh, splits)], q, k_cache, v_cache, part, ml, slot, pad,
+                  k_cache.stride(0), k_cache.stride(1), k_cache.stride(2), D ** -0.5,
+                  N_KEYS=n_keys, NH=nh, NKV=nkv, D=D, D_P2=d_p2, BLOCK_N=block_n, SPLITS=splits)
+    common.launch(_decode_attn_combine_kernel[(B, nh)], part, ml, out, NH=nh, D=D, D_P2=d_p2, SPLITS=splits)
     return out
