@@ -57,6 +57,7 @@ def _qk_norm_rope_kv_kernel(
     NH_P2: tl.constexpr, NKV_P2: tl.constexpr, HALF_P2: tl.constexpr, HAS_NORM: tl.constexpr,
 ):
     m = tl.program_id(0)
+    part = tl.program_id(1)  # 0: q; 1: k and v (two programs per token: at decode one program did both, serially)
     b = m // T
     t = m % T
     pos = tl.load(pos_ptr + m).to(tl.float32)
@@ -68,21 +69,22 @@ def _qk_norm_rope_kv_kernel(
     sin = tl.sin(ang)[None, :]
     row = qkv_ptr + m * stride_qkv_m
 
-    offs_h = tl.arange(0, NH_P2)
-    q1, q2, mq = _norm_rope_rows(row, qw_ptr, offs_h, offs_d, NH, HALF, cos, sin, eps, HAS_NORM)
-    q_dst = q_out_ptr + ((b * NH + offs_h[:, None]) * T + t) * (2 * HALF) + offs_d[None, :]  # (B, nh, T, D)
-    tl.store(q_dst, q1, mask=mq)
-    tl.store(q_dst + HALF, q2, mask=mq)
-
-    offs_k = tl.arange(0, NKV_P2)
-    k1, k2, mk = _norm_rope_rows(row + NH * 2 * HALF, kw_ptr, offs_k, offs_d, NKV, HALF, cos, sin, eps, HAS_NORM)
-    c_off = b * stride_cb + offs_k[:, None] * stride_ch + slot * stride_cs + offs_d[None, :]
-    tl.store(k_cache_ptr + c_off, k1, mask=mk)
-    tl.store(k_cache_ptr + c_off + HALF, k2, mask=mk)
-
-    v_src = row + (NH + NKV) * 2 * HALF + offs_k[:, None] * (2 * HALF) + offs_d[None, :]
-    tl.store(v_cache_ptr + c_off, tl.load(v_src, mask=mk, other=0.0), mask=mk)
-    tl.store(v_cache_ptr + c_off + HALF, tl.load(v_src + HALF, mask=mk, other=0.0), mask=mk)
+    if part == 0:
+        offs_h = tl.arange(0, NH_P2)
+        q1, q2, mq = _norm_rope_rows(row, qw_ptr, offs_h, offs_d, NH, HALF, cos, sin, eps, HAS_NORM)
+        q_dst = q_out_ptr + ((b * NH + offs_h[:, None]) * T + t) * (2 * HALF) + offs_d[None, :]  # (B, nh, T, D)
+        tl.store(q_dst, q1, mask=mq)
+        tl.store(q_dst + HALF, q2, mask=mq)
+    else:
+        offs_k = tl.arange(0, NKV_P2)
+        k1, k2, mk = _norm_rope_rows(row + NH * 2 * HALF, kw_ptr, offs_k, offs_d, NKV, HALF, cos, sin, eps,
+                                     HAS_NORM)
+        c_off = b * stride_cb + offs_k[:, None] * stride_ch + slot * stride_cs + offs_d[None, :]
+        tl.store(k_cache_ptr + c_off, k1, mask=mk)
+        tl.store(k_cache_ptr + c_off + HALF, k2, mask=mk)
+        v_src = row + (NH + NKV) * 2 * HALF + offs_k[:, None] * (2 * HALF) + offs_d[None, :]
+        tl.store(v_cache_ptr + c_off, tl.load(v_src, mask=mk, other=0.0), mask=mk)
+        tl.store(v_cache_ptr + c_off + HALF, tl.load(v_src + HALF, mask=mk, other=0.0), mask=mk)
 
 
 def qk_norm_rope_kv(qkv, q_norm, k_norm, positions, slots, inv_freq, k_cache, v_cache, *, num_heads, num_kv_heads,
@@ -113,7 +115,7 @@ def qk_norm_rope_kv(qkv, q_norm, k_norm, positions, slots, inv_freq, k_cache, v_
     q = torch.empty(B, num_heads, T, D, dtype=torch.float16, device=qkv.device)
     has_norm = q_norm is not None
     half = D // 2
-    common.launch(_qk_norm_rope_kv_kernel[(B * T,)],
+    common.launch(_qk_norm_rope_kv_kernel[(B * T, 2)],
         qkv, qkv.stride(1),
         q_norm if has_norm else qkv, k_norm if has_norm else qkv,
         positions, slots, inv_freq,
