@@ -224,3 +224,16 @@ def test_no_executor_list_is_written_out_in_the_product():
     needle = '"reference", "scalar", "grouped", "topk-fused"'
     hits = [str(p.relative_to(REPO_ROOT)) for p in _sources() if needle in p.read_text().replace("'", '"')]
     assert hits == [], hits
+
+
+def test_check_kernels_help_names_the_default_token_counts(capsys):
+    """`runmap check-kernels --help` states the M sets the check runs by default (written out there, since the
+    parser must not import the kernels): the same lists as runmap.kernels.check.M_DEFAULT."""
+    from runmap.cli.main import main
+    from runmap.kernels.check import M_DEFAULT
+
+    with pytest.raises(SystemExit):
+        main(["check-kernels", "--help"])
+    text = " ".join(capsys.readouterr().out.split())
+    for device, ms in M_DEFAULT.items():
+        assert f"{','.join(map(str, ms))} on {device}" in text, device

@@ -19,9 +19,11 @@ wrappers allocate starts as NaN.
 A case passes when the output is finite and ||y - ref|| / ||ref|| <= 2e-3 (1e-2 for cpu-int4, whose torch
 kernel computes in bfloat16), ref = dequantize to FP32 + FP32 matmuls (kernels/reference.py).
 
-Shapes: tiny = two small synthetic expert shapes (H=256, I=320, block 256 with a partial last block of the
-down projection; H=256, I=192, block 64); full = OLMoE (2048x1024) and Qwen1.5-MoE (2048x1408, down K =
-5.5 blocks). On the CPU the kernels run in Triton's interpreter (slow: use tiny).
+Shapes: tiny = four small synthetic expert shapes (a partial last block of the down projection, block 64, and
+the Qwen3-MoE and Mixtral block structures at interpreter size); full = the four families' expert shapes: OLMoE
+(2048x1024, top-8), Qwen1.5-MoE (2048x1408, down K = 5.5 blocks, top-4), Qwen3-MoE (2048x768, 128 experts, top-8)
+and Mixtral (4096x14336, top-2). On CUDA the default M reaches 16,400 tokens (the grouped executor's
+decoded-weights mode). On the CPU the kernels run in Triton's interpreter (slow: use tiny).
 
 Writes JSON (schemas/kernel-check.schema.json) atomically; exit status 1 if any case fails.
 
@@ -38,7 +40,8 @@ def add_arguments(p) -> None:
                    help="cpu: Triton interpreter; cuda: compiled kernels on GPU 0 (default cpu)")
     p.add_argument("--shapes", choices=("tiny", "full"), default="tiny", help="expert shape set (default tiny)")
     p.add_argument("--m", default=None,
-                   help="comma-separated token counts; default 1,3,17,64 on cpu and 1,2,3,8,17,64,300 on cuda")
+                   help="comma-separated token counts; default 1,3,17,64 on cpu and "
+                        "1,2,3,8,17,64,300,4100,8200,16400 on cuda (runmap.kernels.check.M_DEFAULT)")
     p.add_argument("--executors", default=None,
                    help=f"comma-separated subset of {','.join(EXECUTOR_NAMES)} (default: all on cpu; on cuda all but "
                         "the CPU sites, which never read device rows)")
