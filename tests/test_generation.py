@@ -219,6 +219,16 @@ def test_cli_logits_and_generate(packs, olmoe, tmp_path, capsys):
         main(cmd[:-2] + ["--executor", "nope"])
     assert exit_info.value.code == 2
     assert "invalid choice: 'nope'" in capsys.readouterr().err
+    # --prefill-chunk: the prompt in passes of 1 token gives the same text; 0 is a usage error naming the option
+    assert main(cmd[:-2] + ["--prompt", "the cat sat on", "--prefill-chunk", "1"]) == 0
+    assert capsys.readouterr().out == olmoe.generate(["the cat sat on"], max_new_tokens=5)[0].text + "\n"
+    with pytest.raises(SystemExit) as exit_info:
+        main(cmd[:-2] + ["--prefill-chunk", "0"])
+    assert exit_info.value.code == 2 and "--prefill-chunk: must be at least 1, got 0" in capsys.readouterr().err
+    out2 = tmp_path / "l2.safetensors"
+    assert main(["logits", "--packed", str(packs["tiny-olmoe"]), "--tokens", "5,6,7", "--device", "cpu",
+                 "--prefill-chunk", "2", "--out", str(out2)]) == 0
+    assert torch.allclose(load_file(out2)["logits"], got["logits"], atol=1e-4)
 
 
 def test_every_eos_id_of_generation_config_stops(packs, tmp_path):

@@ -30,6 +30,10 @@ def add_residency_arguments(p) -> None:
                      help="instead of --resident: plan the GPU memory (non-routed weights, KV cache, workspaces, spare "
                           "rows), keep as many experts per layer as fit SIZE (e.g. 8GiB) and cap torch's allocator at "
                           "SIZE; the plan is printed. A budget below the minimum is refused")
+    p.add_argument("--prefill-chunk", type=int_at_least(1), default=None, metavar="N",
+                   help="prompt tokens per row per prefill pass (default: 8,192 under full residency, 1,024 with "
+                        "--gpu-budget or partial residency); lower it to bound the activation memory of long prompts "
+                        "on a GPU with little room beside the experts. The output does not depend on it")
     p.add_argument("--expert-placement", choices=PLACEMENTS, default="gpu",
                    help="where a routed expert that is not resident on the GPU is computed (partial residency): gpu = "
                         "copied into a spare row first (default), cpu = computed on the host CPU from the host copy, "

@@ -92,6 +92,7 @@ def _command(pack, args) -> str:
     parts = ["runmap", "serve", "--packed", str(pack), "--executor", args.executor, "--max-batch", str(args.max_batch)]
     for flag, v in (("--resident", args.resident), ("--max-seq-len", args.max_seq_len), ("--device", args.device),
                     ("--model-name", args.model_name), ("--max-join-tokens", args.max_join_tokens),
+                    ("--prefill-chunk", args.prefill_chunk),
                     ("--join-mode", None if args.join_mode == JOIN_MODES[0] else args.join_mode)):
         if v is not None:
             parts += [flag, str(v)]
@@ -148,7 +149,8 @@ def run(args) -> int:
         # under --gpu-budget the engine plans again (the same plan as printed) and caps torch's allocator at it
         return Engine.from_pack(pack, executor=args.executor, device=args.device, max_batch=args.max_batch,
                                 max_seq_len=args.max_seq_len, expert_placement=args.expert_placement,
-                                prefetch=args.prefetch, warm_up=False,  # the scheduler warms up every shape it serves
+                                prefetch=args.prefetch, prefill_chunk=args.prefill_chunk,
+                                warm_up=False,  # the scheduler warms up every shape it serves
                                 **(
                                     {"gpu_budget": args.gpu_budget}
                                     if args.gpu_budget is not None else {"resident": resident}))
