@@ -272,7 +272,7 @@ def _decode_attn_split_kernel(q_ptr, k_ptr, v_ptr, part_ptr, ml_ptr, slot_ptr, p
     end = tl.minimum(hi, n0 + per_split)
     while n0 < end:
         j = n0 + offs_n
-        valid = (j >= pad) & (j <= slot)
+        valid = (j >= pad) & (j < end)  # end <= slot + 1 and <= N_KEYS: never a key past the bucket
         kv_off = base + j[:, None] * stride_cs + offs_d[None, :]
         kv_ok = valid[:, None] & d_ok[None, :]
         k = tl.load(k_ptr + kv_off, mask=kv_ok, other=0.0).to(tl.float32)  # (BLOCK_N, D_P2)

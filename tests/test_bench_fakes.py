@@ -34,7 +34,8 @@ class FakeEngine:
         self.hits = self.misses = self.h2d = 0
         self.h2d_s = 0.0
         self.logit_calls = []
-        self.route_flips = 0  # positions a non-default executor routes differently (logits_with_routes)
+        self.route_flips = 0  # positions a non-default executor's own routing routes otherwise (logits_with_routes)
+        self.corrupt_positions, self.corrupt = 0, 0.0  # an arithmetic bug of the engine's own executor
         self.closed = False
 
     def decode_rate(self, batch: int) -> float:
@@ -60,17 +61,24 @@ class FakeEngine:
                              prompt_tokens=b * len(prompts[0]), new_tokens=b * max_new_tokens,
                              decode_tok_s=b * (max_new_tokens - 1) / decode_s, batch=b, groups=1)
 
-    def logits(self, token_ids, *, executor=None, fused=None):
+    def logits(self, token_ids, *, executor=None, fused=None, routes=None):
+        """Seeded logits; another executor rounds a little differently (+1e-4). Its own routing (``routes`` None)
+        moves the first ``route_flips`` positions a lot, as a near-tie routed otherwise does; the engine's own
+        executor adds ``corrupt`` to its first ``corrupt_positions`` positions (an arithmetic bug)."""
         self.logit_calls.append((executor, fused))
         g = torch.Generator().manual_seed(len(token_ids))
         out = torch.randn(len(token_ids), 50, generator=g)  # (T, V)
         if executor is not None and executor != self.executor:
-            out = out + 1e-4  # another executor rounds a little differently
+            out = out + 1e-4
+            if routes is None:
+                out[:self.route_flips] += 3.0
+        elif self.corrupt_positions:
+            out[:self.corrupt_positions] += self.corrupt
         return out
 
     def logits_with_routes(self, token_ids, *, executor=None, fused=None):
         """The fake routes every position alike under every executor, unless ``route_flips`` positions (the first
-        ones) are routed differently by a non-default executor."""
+        ones) are routed differently by a non-default executor's own routing."""
         out = self.logits(token_ids, executor=executor, fused=fused)
         routes = torch.arange(4).repeat(len(token_ids), 2, 1)  # (T, L=2, k=4)
         if executor is not None and executor != self.executor:

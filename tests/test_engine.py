@@ -459,3 +459,27 @@ def test_partial_residency_runs_without_the_decoded_mode_and_with_short_passes(p
         eng.generate([prompt], max_new_tokens=1)
         assert bool(entered) == want_decoded, (resident, entered)
         eng.close()
+
+
+def test_logits_on_imposed_routes_replay_the_reported_ones_across_passes(packs):
+    """logits(routes=) imposes (T, L, k) expert ids position by position, over several prefill passes: the routes
+    logits_with_routes reported give the same logits (the router's own weights of the same ids); one changed
+    expert at one position and layer changes that position from there on and no earlier one; a wrong shape is
+    refused naming the expected one."""
+    eng = Engine.from_pack(packs["tiny-olmoe"], executor="reference", device="cpu", max_batch=1, max_seq_len=32,
+                           prefill_chunk=5)
+    prompt = [(11 * i + 4) % 500 for i in range(13)]
+    own, routes = eng.logits_with_routes(prompt)  # (T, V), (T, L, k)
+    assert routes.shape == (13, eng.cfg.num_layers, eng.cfg.top_k)
+    again = eng.logits(prompt, routes=routes)
+    assert torch.allclose(again, own, atol=1e-5, rtol=1e-5)
+    moved = routes.clone()
+    t = 7
+    free = [e for e in range(eng.cfg.num_experts) if e not in routes[t, 0].tolist()]
+    moved[t, 0, 0] = free[0]  # position 7 (second pass), layer 0: another expert
+    other = eng.logits(prompt, routes=moved)
+    assert torch.equal(other[:t], again[:t]) and not torch.allclose(other[t], again[t], atol=1e-3)
+    with pytest.raises(EngineError, match=r"routes: shape \(12, 2, 2\), expected \(13, "):
+        eng.logits(prompt, routes=routes[:12, :2, :2])
+    assert eng.imposed is None and eng.routes is None  # restored
+    eng.close()

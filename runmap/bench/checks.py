@@ -170,8 +170,9 @@ def check_full_no_misses(rec: dict) -> list[Finding]:
 
 def check_logits(rec: dict) -> list[Finding]:
     """The record's logits check (runmap.bench.campaign.logits_check) against its own figures: where routing was
-    compared (routes_agree OBSERVED), the difference at positions routed as the reference's within tolerance x scale
-    and their fraction at least min_route_agreement; otherwise the all-position difference within tolerance."""
+    compared (routes_agree OBSERVED), the difference to the reference executor on the same routes within
+    tolerance x scale and routes_agree at least min_route_agreement; otherwise the difference to the reference
+    (its own routing) within tolerance x scale."""
     chk = rec.get("check")
     if chk is None:
         return []
@@ -184,15 +185,14 @@ def check_logits(rec: dict) -> list[Finding]:
     routes = chk.get("routes_agree")
     out = []
     if isinstance(routes, dict) and routes.get("status") == "OBSERVED":
-        frac, diff_agree, floor = _value(routes), _value(chk.get("executor_vs_reference_max_abs_routes_agree")), \
+        frac, same, floor = _value(routes), _value(chk.get("executor_vs_reference_same_routes_max_abs")), \
             chk.get("min_route_agreement")
-        ok = diff_agree is not None and diff_agree <= tol * scale and isinstance(floor, (int, float)) and frac >= floor
+        ok = same is not None and same <= tol * scale and isinstance(floor, (int, float)) and frac >= floor
         if not ok:
             out.append(Finding("logits-check", ERROR, _rid(rec),
-                               f"executor {rec.get('executor')} vs {chk.get('reference_executor')}: routes agree at "
-                               f"{frac:.4g} of positions (min {floor}), max |diff| there "
-                               f"{'UNKNOWN' if diff_agree is None else f'{diff_agree:.4g}'} (tolerance {tol} x logit "
-                               f"scale {scale:.4g})"))
+                               f"executor {rec.get('executor')} vs {chk.get('reference_executor')}: max |diff| on the "
+                               f"same routes {'UNKNOWN' if same is None else f'{same:.4g}'} (tolerance {tol} x logit "
+                               f"scale {scale:.4g}), routes agree at {frac:.4g} of positions (min {floor})"))
     else:
         ok = diff <= tol * scale
         if not ok:

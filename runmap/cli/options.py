@@ -33,7 +33,8 @@ def add_residency_arguments(p) -> None:
     p.add_argument("--prefill-chunk", type=int_at_least(1), default=None, metavar="N",
                    help="prompt tokens per row per prefill pass (default: 8,192 under full residency, 1,024 with "
                         "--gpu-budget or partial residency); lower it to bound the activation memory of long prompts "
-                        "on a GPU with little room beside the experts. The output does not depend on it")
+                        "on a GPU with little room beside the experts. The output changes by rounding only (longer passes may "
+                        "multiply in other kernel modes)")
     p.add_argument("--expert-placement", choices=PLACEMENTS, default="gpu",
                    help="where a routed expert that is not resident on the GPU is computed (partial residency): gpu = "
                         "copied into a spare row first (default), cpu = computed on the host CPU from the host copy, "

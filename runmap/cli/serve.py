@@ -126,7 +126,8 @@ def run(args) -> int:
         from runmap.engine.budget import BudgetError, plan_for_pack
 
         try:  # joining requests are prefilled into the free rows of the engine's own KV cache: no extra row
-            plan = plan_for_pack(pack, args.gpu_budget, max_batch=args.max_batch, max_seq_len=args.max_seq_len)
+            plan = plan_for_pack(pack, args.gpu_budget, max_batch=args.max_batch, max_seq_len=args.max_seq_len,
+                                 **({} if args.prefill_chunk is None else {"prefill_chunk": args.prefill_chunk}))
         except BudgetError as e:
             return fail(str(e))
         resident = plan.resident

@@ -1261,16 +1261,31 @@ class Engine:
         return out
 
     @torch.inference_mode()
-    def logits(self, token_ids, *, executor: str | None = None, fused=None) -> torch.Tensor:
+    def logits(self, token_ids, *, executor: str | None = None, fused=None, routes=None) -> torch.Tensor:
         """float32 (T, V) logits of every position of one prompt (token ids), computed by a prefill.
 
         executor: another INT4 executor for this call only (e.g. "reference", to check the engine's against
-        it); fused: the fused ops for this call only (as in from_pack; False = pure torch). Both are
-        restored afterwards; captured decode graphs are not touched (a prefill replays none)."""
+        it); fused: the fused ops for this call only (as in from_pack; False = pure torch); routes: int64
+        (T, L, k) expert ids imposed at every position and layer instead of the router's choice (the gate weights
+        stay the router's probabilities of those ids, as under an imposed routing workload), e.g. the routes
+        ``logits_with_routes`` reported for another executor. All are restored afterwards; captured decode graphs
+        are not touched (a prefill replays none)."""
         self._check_open()
         ids = self.encode(token_ids)
         if not ids or len(ids) > self.max_seq_len:
             raise GenerationError(f"need 1..{self.max_seq_len} tokens, got {len(ids)}")
+        if routes is not None:
+            want = (len(ids), self.cfg.num_layers, self.cfg.top_k)
+            if tuple(routes.shape) != want:
+                raise EngineError(f"routes: shape {tuple(routes.shape)}, expected {want} (positions, layers, top_k)")
+            from runmap.workload.routing import ReplayedRoutes
+
+            saved_routing = self.imposed, self.routes
+            self.imposed, self.routes = ReplayedRoutes(torch.as_tensor(routes).cpu().numpy()), None
+            try:
+                return self.logits(ids, executor=executor, fused=fused)
+            finally:
+                self.imposed, self.routes = saved_routing
         if executor is not None:
             if not isinstance(self.experts, CachedExperts):
                 raise EngineError(f"executor override needs the INT4 expert path (this engine: "

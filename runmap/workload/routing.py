@@ -141,3 +141,31 @@ class ImposedRouting:
             s[1] = pos + 1
             return stream[pos % len(stream)]  # a stream shorter than the run wraps around
         return s.next()
+
+
+class ReplayedRoutes:
+    """One prompt's routes replayed position by position (the ``draw`` / ``begin`` interface of ImposedRouting):
+    the logits check runs the reference executor on the routes the engine's own executor took, so that the two
+    are compared at every position on the same experts (runmap.bench.campaign.logits_check)."""
+
+    def __init__(self, routes: np.ndarray):
+        routes = np.asarray(routes, dtype=np.int64)
+        if routes.ndim != 3:
+            raise RoutingError(f"replayed routes: expected (T, L, k) expert ids, got shape {routes.shape}")
+        self.routes = routes  # (T, L, k)
+        self._next = 0
+
+    def begin(self, batch: int) -> None:
+        if batch != 1:
+            raise RoutingError(f"replayed routes hold one prompt; a group of {batch} rows cannot replay them")
+        self._next = 0
+
+    def draw(self, real: np.ndarray) -> np.ndarray:
+        """real bool (1, T): the next T positions of the prompt. Returns int64 (L, n, k)."""
+        n = int(real.sum())
+        if real.shape[0] != 1 or self._next + n > len(self.routes):
+            raise RoutingError(f"replayed routes: a pass of {real.shape} positions after {self._next} of "
+                               f"{len(self.routes)}")
+        ids = self.routes[self._next:self._next + n]  # (n, L, k)
+        self._next += n
+        return np.ascontiguousarray(ids.transpose(1, 0, 2))
