@@ -131,7 +131,7 @@ def test_check_with_another_executor_and_its_conformance(tmp_path):
     assert cc.errors(cc.check_records([bad])) == []
     bad["check"]["routes_agree"]["value"] = 0.4
     assert [e.check for e in cc.errors(cc.check_records([bad]))] == ["logits-check", "logits-check"]
-    # without routes per position (an engine that cannot report them) every position counts
+    # a record made before routes were compared (no routes_agree): its all-position difference counts
     bad = json.loads(json.dumps(rec))
     for key in ("routes_agree", "executor_vs_reference_same_routes_max_abs"):
         bad["check"][key] = {"status": "UNSUPPORTED", "reason": "no routes"}
