@@ -208,6 +208,99 @@ def _router_topk_kernel(logits_ptr, ids_ptr, wts_ptr, E, TOPK: tl.constexpr, NOR
     tl.store(wts_ptr + m * TOPK + offs_k, wts)
 
 
+# ---- residual add + RMSNorm + router logits in one launch (decode) --------------------------------------
+# A decode step ran add_rms_norm and then the logits kernel for the same row: two launches of ~2 us of latency
+# each for a few KB of activations. Here each (row, block of experts) program recomputes the row's add + norm
+# (8 KB from L2; no program waits for another) and program 0 of the row stores x + y and the norm; the logits are
+# then summed in the same chunks and order as _router_logits_kernel, so both paths give the same FP32 logits.
+
+@triton.jit
+def _add_norm_router_kernel(x_ptr, y_ptr, nw_ptr, rw_ptr, x_out_ptr, h_out_ptr, logits_ptr, E, eps,
+                            H: tl.constexpr, H_P2: tl.constexpr, HAS_Y: tl.constexpr,
+                            BLOCK_E: tl.constexpr, BLOCK_H: tl.constexpr):
+    m = tl.program_id(0)
+    eb = tl.program_id(1)
+    offs_n = tl.arange(0, H_P2)
+    mask = offs_n < H
+    x = tl.load(x_ptr + m * H + offs_n, mask=mask, other=0.0)  # (H_P2,) fp16
+    if HAS_Y:
+        x = x + tl.load(y_ptr + m * H + offs_n, mask=mask, other=0.0)  # fp16 add, as add_rms_norm
+    x32 = x.to(tl.float32)
+    r = 1.0 / tl.sqrt(tl.sum(x32 * x32, axis=0) / H + eps)  # the same reduction as _add_rms_norm_kernel
+    if eb == 0:
+        if HAS_Y:
+            tl.store(x_out_ptr + m * H + offs_n, x, mask=mask)
+        nw = tl.load(nw_ptr + offs_n, mask=mask, other=0.0).to(tl.float32)
+        tl.store(h_out_ptr + m * H + offs_n, (x32 * r * nw).to(tl.float16), mask=mask)
+    offs_e = eb * BLOCK_E + tl.arange(0, BLOCK_E)  # (BE,)
+    e_mask = offs_e < E
+    offs_h = tl.arange(0, BLOCK_H)
+    acc = tl.zeros((BLOCK_E, BLOCK_H), dtype=tl.float32)
+    for h0 in range(0, H, BLOCK_H):  # chunks of the normed row, recomputed elementwise as above
+        hm = (h0 + offs_h) < H
+        xc = tl.load(x_ptr + m * H + h0 + offs_h, mask=hm, other=0.0)
+        if HAS_Y:
+            xc = xc + tl.load(y_ptr + m * H + h0 + offs_h, mask=hm, other=0.0)
+        nwc = tl.load(nw_ptr + h0 + offs_h, mask=hm, other=0.0).to(tl.float32)
+        hc = (xc.to(tl.float32) * r * nwc).to(tl.float16).to(tl.float32)  # (BH,) the stored fp16 norm output
+        w = tl.load(rw_ptr + offs_e[:, None] * H + h0 + offs_h[None, :], mask=e_mask[:, None] & hm[None, :],
+                    other=0.0)  # (BE, BH) fp32
+        acc += w * hc[None, :]
+    tl.store(logits_ptr + m * E + offs_e, tl.sum(acc, axis=1), mask=e_mask)
+
+
+# rows up to which the model runs add + norm + router logits as one launch (each program re-reads its row: right for
+# decode steps and small batches, not for prefill passes)
+NORM_ROUTER_MAX_ROWS = 64
+
+
+def add_norm_router_logits(x, y, norm_w, router32, eps):
+    """Residual add + RMSNorm + FP32 router logits of the normed rows, one launch.
+
+    Args:
+        x: fp16 (..., H) contiguous. y: fp16 like x, or None (then the norm of x alone). norm_w: fp16 (H,).
+        router32: fp32 (E, H) contiguous.
+    Returns:
+        (x + y fp16 like x (x itself when y is None), rms_norm(x + y) * norm_w fp16 like x, logits fp32 (M, E)),
+        M = x.numel() / H; the same values as ``add_rms_norm`` followed by the logits of ``route_fused``.
+    """
+    hid = x.shape[-1]
+    e = router32.shape[0]
+    if x.dtype != torch.float16 or not x.is_contiguous() or (y is not None and (y.shape != x.shape or
+                                                                               not y.is_contiguous())):
+        raise ValueError(f"add_norm_router_logits: x / y must be contiguous float16 of one shape, got {x.dtype} "
+                         f"{tuple(x.shape)}")
+    if router32.dtype != torch.float32 or tuple(router32.shape) != (e, hid) or not router32.is_contiguous():
+        raise ValueError(f"add_norm_router_logits: router must be contiguous float32 (E, {hid}), got "
+                         f"{router32.dtype} {tuple(router32.shape)}")
+    m = x.numel() // hid
+    h = torch.empty_like(x)
+    x_out = torch.empty_like(x) if y is not None else x
+    logits = torch.empty(m, e, dtype=torch.float32, device=x.device)
+    block_e = 2
+    common.launch(_add_norm_router_kernel[(m, triton.cdiv(e, block_e))], x, y if y is not None else x, norm_w,
+                  router32, x_out, h, logits, e, eps, H=hid, H_P2=triton.next_power_of_2(hid), HAS_Y=y is not None,
+                  BLOCK_E=block_e, BLOCK_H=_router_block_h(hid))
+    return x_out, h, logits
+
+
+def _router_block_h(hid: int) -> int:
+    return min(1024, triton.next_power_of_2(hid))
+
+
+def route_topk(logits, top_k: int, norm_topk_prob: bool):
+    """logits fp32 (N, E) contiguous -> ids int64 (N, k), weights fp32 (N, k): softmax + top-k as ``route_fused``."""
+    n, e = logits.shape
+    if top_k & (top_k - 1) or logits.dtype != torch.float32 or not logits.is_contiguous():
+        raise ValueError(f"route_topk: needs a power-of-two top_k ({top_k}) and contiguous fp32 logits "
+                         f"({logits.dtype})")
+    ids = torch.empty(n, top_k, dtype=torch.int64, device=logits.device)
+    wts = torch.empty(n, top_k, dtype=torch.float32, device=logits.device)
+    common.launch(_router_topk_kernel[(n,)], logits, ids, wts, e, TOPK=top_k, NORM=norm_topk_prob,
+                  E_P2=triton.next_power_of_2(e))
+    return ids, wts
+
+
 def route_fused(h, router32, top_k: int, norm_topk_prob: bool):
     """h fp16 (N, H) contiguous, router32 fp32 (E, H) -> ids int64 (N, k), weights fp32 (N, k) (descending).
     top_k must be a power of two (OLMoE 8, Qwen1.5-MoE 4); the model uses the torch router otherwise."""
@@ -216,8 +309,6 @@ def route_fused(h, router32, top_k: int, norm_topk_prob: bool):
     if top_k & (top_k - 1) or h.dtype != torch.float16 or not h.is_contiguous() or router32.dtype != torch.float32:
         raise ValueError(f"route_fused: needs a power-of-two top_k ({top_k}), contiguous fp16 h ({h.dtype}) "
                          f"and an fp32 router ({router32.dtype})")
-    ids = torch.empty(n, top_k, dtype=torch.int64, device=h.device)
-    wts = torch.empty(n, top_k, dtype=torch.float32, device=h.device)
     logits = torch.empty(n, e, dtype=torch.float32, device=h.device)
     if n >= ROUTER_ROWS_MIN:
         # one FP32 GEMM (cuBLAS; TF32 stays off unless the process turned it on): the rows kernel measured ~7 TFLOP/s
@@ -226,40 +317,23 @@ def route_fused(h, router32, top_k: int, norm_topk_prob: bool):
     else:
         block_e = 2
         common.launch(_router_logits_kernel[(n, triton.cdiv(e, block_e))], h, router32, logits, e, H=hid,
-                      BLOCK_E=block_e, BLOCK_H=min(1024, triton.next_power_of_2(hid)))
-    common.launch(_router_topk_kernel[(n,)], logits, ids, wts, e, TOPK=top_k, NORM=norm_topk_prob,
-                  E_P2=triton.next_power_of_2(e))
-    return ids, wts
+                      BLOCK_E=block_e, BLOCK_H=_router_block_h(hid))
+    return route_topk(logits, top_k, norm_topk_prob)
 
 
 # ---- decode attention (one new token per row) -----------------------------------------------------------
 
 @triton.jit
-def _decode_attn_split_kernel(q_ptr, k_ptr, v_ptr, part_ptr, ml_ptr, slot_ptr, pad_ptr,
-                              stride_cb, stride_ch, stride_cs, scale,
-                              N_KEYS: tl.constexpr, NH: tl.constexpr, NKV: tl.constexpr, D: tl.constexpr,
-                              D_P2: tl.constexpr, BLOCK_N: tl.constexpr, SPLITS: tl.constexpr):
-    """One (row, query head, split): online softmax over the split's share of the row's key blocks; writes the
-    unnormalized output to part[row, head, split] and (running max, sum of exponentials) to ml[row, head, split].
-
-    Why splits: one program per (row, head) kept 16 of the H200's 132 SMs busy at batch 1 and walked the keys
-    serially (a while loop is not software-pipelined): 12.9 us per layer for <= 256 keys (the decode profile in
-    results/campaigns/h200-prefill). D_P2: the head dim rounded up to a power of two (tl.arange needs one;
-    Qwen3-style configs may use e.g. 96), lanes from D masked off."""
-    b = tl.program_id(0)
-    hq = tl.program_id(1)
-    sp = tl.program_id(2)
-    hk = hq // (NH // NKV)
-    slot = tl.load(slot_ptr)
-    pad = tl.load(pad_ptr + b)
-    offs_d = tl.arange(0, D_P2)
-    d_ok = offs_d < D
+def _attend_split(q, k_ptr, v_ptr, part_ptr, ml_ptr, b, hq, sp, slot, pad, base, stride_cs, offs_d, d_ok,
+                  N_KEYS: tl.constexpr, NH: tl.constexpr, D_P2: tl.constexpr, BLOCK_N: tl.constexpr,
+                  SPLITS: tl.constexpr):
+    """Online softmax of q (D_P2,) fp32 (scaled) over split ``sp``'s share of the keys pad .. slot of row b's cache
+    (base: offset of the row's kv head); writes the unnormalized output to part[b, hq, sp] and (running max, sum of
+    exponentials) to ml[b, hq, sp]."""
     offs_n = tl.arange(0, BLOCK_N)
-    q = tl.load(q_ptr + (b * NH + hq) * D + offs_d, mask=d_ok, other=0.0).to(tl.float32) * scale  # (D_P2,)
     m_i = tl.full((), float("-inf"), dtype=tl.float32)
     l_i = tl.zeros((), dtype=tl.float32)
     acc = tl.zeros((D_P2,), dtype=tl.float32)
-    base = b * stride_cb + hk * stride_ch
     # Only the blocks that hold this row's keys (pad .. slot) are visited: a served batch's rows share slots, so a
     # row that joined late has a large pad and its slots before it are another request's past (or nothing). The
     # bounds are read from device memory, so a captured CUDA graph stays valid for every slot and pad; N_KEYS (the
@@ -290,6 +364,91 @@ def _decode_attn_split_kernel(q_ptr, k_ptr, v_ptr, part_ptr, ml_ptr, slot_ptr, p
     tl.store(part_ptr + row * D_P2 + offs_d, acc)  # an empty split stores zeros, max -inf, sum 0
     tl.store(ml_ptr + row * 2, m_i)
     tl.store(ml_ptr + row * 2 + 1, l_i)
+
+
+@triton.jit
+def _decode_attn_split_kernel(q_ptr, k_ptr, v_ptr, part_ptr, ml_ptr, slot_ptr, pad_ptr,
+                              stride_cb, stride_ch, stride_cs, scale,
+                              N_KEYS: tl.constexpr, NH: tl.constexpr, NKV: tl.constexpr, D: tl.constexpr,
+                              D_P2: tl.constexpr, BLOCK_N: tl.constexpr, SPLITS: tl.constexpr):
+    """One (row, query head, split): ``_attend_split`` of the row's q.
+
+    Why splits: one program per (row, head) kept 16 of the H200's 132 SMs busy at batch 1 and walked the keys
+    serially (a while loop is not software-pipelined): 12.9 us per layer for <= 256 keys (the decode profile in
+    results/campaigns/h200-prefill). D_P2: the head dim rounded up to a power of two (tl.arange needs one;
+    Qwen3-style configs may use e.g. 96), lanes from D masked off."""
+    b = tl.program_id(0)
+    hq = tl.program_id(1)
+    sp = tl.program_id(2)
+    hk = hq // (NH // NKV)
+    offs_d = tl.arange(0, D_P2)
+    d_ok = offs_d < D
+    q = tl.load(q_ptr + (b * NH + hq) * D + offs_d, mask=d_ok, other=0.0).to(tl.float32) * scale  # (D_P2,)
+    _attend_split(q, k_ptr, v_ptr, part_ptr, ml_ptr, b, hq, sp, tl.load(slot_ptr), tl.load(pad_ptr + b),
+                  b * stride_cb + hk * stride_ch, stride_cs, offs_d, d_ok, N_KEYS, NH, D_P2, BLOCK_N, SPLITS)
+
+
+@triton.jit
+def _head_row(tile, offs_h, head):
+    """Row ``head`` of a (heads, HALF) tile as fp32 (HALF,): exact (the other rows contribute zeros)."""
+    return tl.sum(tl.where(offs_h[:, None] == head, tile.to(tl.float32), 0.0), axis=0)
+
+
+@triton.jit
+def _decode_attn_prologue_split_kernel(
+    qkv_ptr, stride_qkv_b, qw_ptr, kw_ptr, pos_ptr, inv_freq_ptr,
+    k_ptr, v_ptr, part_ptr, ml_ptr, slot_ptr, pad_ptr, stride_cb, stride_ch, stride_cs, scale, eps,
+    N_KEYS: tl.constexpr, NH: tl.constexpr, NKV: tl.constexpr, HALF: tl.constexpr,
+    NH_P2: tl.constexpr, NKV_P2: tl.constexpr, HALF_P2: tl.constexpr, HAS_NORM: tl.constexpr,
+    BLOCK_N: tl.constexpr, SPLITS: tl.constexpr):
+    """``_decode_attn_split_kernel`` with the attention prologue (``_qk_norm_rope_kv_kernel``) folded in, for one new
+    token per row. Each program normalizes and rotates the whole q projection of its row with the prologue's own
+    helper (the norm spans every head) and keeps its head; the program whose split holds the new slot also
+    normalizes and rotates k, writes its kv head's k and v into the cache (programs of query heads sharing that kv
+    head write the same values) and, after a barrier, attends it from the cache like every other key. Other
+    programs never read the new slot, so no program waits for another. Same values as the two launches: the
+    prologue's arithmetic, then the unchanged key loop."""
+    b = tl.program_id(0)
+    hq = tl.program_id(1)
+    sp = tl.program_id(2)
+    hk = hq // (NH // NKV)
+    slot = tl.load(slot_ptr)
+    pad = tl.load(pad_ptr + b)
+    pos = tl.load(pos_ptr + b).to(tl.float32)
+    offs_d = tl.arange(0, HALF_P2)
+    d_ok = offs_d < HALF
+    freq = tl.load(inv_freq_ptr + offs_d, mask=d_ok, other=0.0)
+    ang = pos * freq
+    cos = tl.cos(ang)[None, :]
+    sin = tl.sin(ang)[None, :]
+    row = qkv_ptr + b * stride_qkv_b
+    offs_h = tl.arange(0, NH_P2)
+    q1, q2, _mq = _norm_rope_rows(row, qw_ptr, offs_h, offs_d, NH, HALF, cos, sin, eps, HAS_NORM)  # (NH_P2, HALF_P2)
+    base = b * stride_cb + hk * stride_ch
+    # the split holding the new slot (splits deal whole blocks from the row's first block, as _attend_split)
+    hi = tl.minimum(slot + 1, N_KEYS)
+    lo = (pad // BLOCK_N) * BLOCK_N
+    per_split = ((hi - lo + BLOCK_N - 1) // BLOCK_N + SPLITS - 1) // SPLITS * BLOCK_N
+    if (slot - lo) // tl.maximum(per_split, BLOCK_N) == sp:
+        offs_k = tl.arange(0, NKV_P2)
+        k1, k2, _mk = _norm_rope_rows(row + NH * 2 * HALF, kw_ptr, offs_k, offs_d, NKV, HALF, cos, sin, eps,
+                                      HAS_NORM)
+        c_off = base + slot * stride_cs + offs_d
+        tl.store(k_ptr + c_off, _head_row(k1, offs_k, hk).to(tl.float16), mask=d_ok)
+        tl.store(k_ptr + c_off + HALF, _head_row(k2, offs_k, hk).to(tl.float16), mask=d_ok)
+        v_src = row + (NH + NKV + hk) * 2 * HALF + offs_d
+        tl.store(v_ptr + c_off, tl.load(v_src, mask=d_ok, other=0.0), mask=d_ok)
+        tl.store(v_ptr + c_off + HALF, tl.load(v_src + HALF, mask=d_ok, other=0.0), mask=d_ok)
+    tl.debug_barrier()  # this program's cache writes are visible to all its threads before the key loop
+    # q of this head as one (D,) vector, first half then second half as the cache lays out D (HALF is a power of
+    # two here: the wrapper checks), scaled as _decode_attn_split_kernel scales the q it loads
+    D: tl.constexpr = 2 * HALF
+    qa = _head_row(q1, offs_h, hq)  # (HALF,) fp32 of the fp16 values
+    qb = _head_row(q2, offs_h, hq)
+    q = tl.reshape(tl.permute(tl.join(qa, qb), (1, 0)), (D,)) * scale  # (D,) = qa then qb
+    offs_dd = tl.arange(0, D)
+    _attend_split(q, k_ptr, v_ptr, part_ptr, ml_ptr, b, hq, sp, slot, pad, base, stride_cs, offs_dd, offs_dd < D,
+                  N_KEYS, NH, D, BLOCK_N, SPLITS)
 
 
 @triton.jit
@@ -335,4 +494,52 @@ def decode_attention(q, k_cache, v_cache, slot, pad, n_keys: int):
                   k_cache.stride(0), k_cache.stride(1), k_cache.stride(2), D ** -0.5,
                   N_KEYS=n_keys, NH=nh, NKV=nkv, D=D, D_P2=d_p2, BLOCK_N=block_n, SPLITS=splits)
     common.launch(_decode_attn_combine_kernel[(B, nh)], part, ml, out, NH=nh, D=D, D_P2=d_p2, SPLITS=splits)
+    return out
+
+
+def decode_attention_with_prologue(qkv, q_norm, k_norm, positions, slot, inv_freq, k_cache, v_cache, pad, n_keys: int,
+                                   *, num_heads: int, num_kv_heads: int, eps: float):
+    """``qk_norm_rope_kv`` and ``decode_attention`` of one new token per row, the prologue folded into the split
+    launch (two launches instead of three; the same values).
+
+    Args:
+        qkv: fp16 (B, 1, (nh + 2 nkv) * D), rows contiguous: the fused q|k|v projection (bias added); D a power of two.
+        q_norm, k_norm: fp16 (nh * D,) and (nkv * D,), or both None. positions: int64 (B, 1) RoPE positions.
+        slot: int64 (1,) the new token's KV slot. inv_freq: fp32 (D / 2,).
+        k_cache, v_cache: fp16 (B', nkv, S, D) views of one layer's cache (B' >= B), last dim contiguous, same strides.
+        pad: int64 (B,) each row's first slot. n_keys: the KV bucket (a compile-time size).
+    Returns:
+        fp16 (B, 1, nh * D), heads concatenated; k and v of the new token are written at ``slot``.
+    """
+    B, T, width = qkv.shape
+    nh, nkv = num_heads, num_kv_heads
+    D = width // (nh + 2 * nkv)
+    if T != 1 or (nh + 2 * nkv) * D != width or D < 2 or D & (D - 1) or nh % nkv:
+        raise ValueError(f"decode_attention_with_prologue: qkv {tuple(qkv.shape)} needs T = 1 and width (nh + 2 nkv)"
+                         f" * D with D a power of two (nh={nh}, nkv={nkv})")
+    if qkv.dtype != torch.float16 or qkv.stride(-1) != 1:
+        raise ValueError(f"qkv: expected float16 with a contiguous last dim, got {qkv.dtype} strides {qkv.stride()}")
+    if (q_norm is None) != (k_norm is None):
+        raise ValueError("q_norm and k_norm: give both or neither")
+    if k_cache.shape != v_cache.shape or k_cache.stride() != v_cache.stride() or k_cache.stride(-1) != 1:
+        raise ValueError(f"k_cache / v_cache: same shape and strides with a contiguous last dim required, got "
+                         f"{tuple(k_cache.shape)} {k_cache.stride()} / {tuple(v_cache.shape)} {v_cache.stride()}")
+    if k_cache.shape[0] < B or k_cache.shape[1] != nkv or k_cache.shape[3] != D:
+        raise ValueError(f"k_cache: shape {tuple(k_cache.shape)} does not fit B={B}, nkv={nkv}, D={D}")
+    positions = positions.contiguous()
+    block_n = 32
+    splits = min(16, triton.next_power_of_2(triton.cdiv(n_keys, block_n)))  # as decode_attention
+    part = torch.empty(B, nh, splits, D, dtype=torch.float32, device=qkv.device)
+    ml = torch.empty(B, nh, splits, 2, dtype=torch.float32, device=qkv.device)
+    out = torch.empty(B, 1, nh * D, dtype=torch.float16, device=qkv.device)
+    has_norm = q_norm is not None
+    half = D // 2
+    common.launch(_decode_attn_prologue_split_kernel[(B, nh, splits)],
+                  qkv, qkv.stride(0), q_norm if has_norm else qkv, k_norm if has_norm else qkv, positions, inv_freq,
+                  k_cache, v_cache, part, ml, slot, pad, k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
+                  D ** -0.5, eps,
+                  N_KEYS=n_keys, NH=nh, NKV=nkv, HALF=half, NH_P2=triton.next_power_of_2(nh),
+                  NKV_P2=triton.next_power_of_2(nkv), HALF_P2=half, HAS_NORM=has_norm, BLOCK_N=block_n,
+                  SPLITS=splits)
+    common.launch(_decode_attn_combine_kernel[(B, nh)], part, ml, out, NH=nh, D=D, D_P2=D, SPLITS=splits)
     return out

@@ -120,3 +120,105 @@ def test_decode_attention_attends_exactly_pad_to_slot(slot, n_keys, pads, D, tes
         w = torch.softmax(q[b].float() @ k.transpose(1, 2) / D ** 0.5, dim=-1)  # (nh, 1, n)
         ref = (w @ v).reshape(1, nh * D)
         assert torch.allclose(out[b].float(), ref, atol=2e-3, rtol=2e-3)
+
+
+@pytest.mark.parametrize("m,e,hid,with_y", [(1, 64, 2048, True), (8, 60, 2048, True), (3, 7, 40, False),
+                                            (2, 5, 1500, True)])
+def test_add_norm_router_logits_equals_the_two_launches(m, e, hid, with_y, test_device):
+    """One launch gives what add_rms_norm then the router's logits kernel give: the same x + y and norm (bit for bit)
+    and the same FP32 logits, on odd expert counts and hidden sizes (one, two and a partial last chunk of the row);
+    the ids and weights of the top-k on those logits equal route_fused's."""
+    import runmap.kernels.fused_ops as fo
+
+    g = torch.Generator().manual_seed(m * 1000 + e)
+    dev = torch.device(test_device)
+    x = torch.randn(m, hid, generator=g).half().to(dev)
+    y = torch.randn(m, hid, generator=g).half().to(dev) if with_y else None
+    nw = (1 + 0.1 * torch.randn(hid, generator=g)).half().to(dev)
+    router32 = (torch.randn(e, hid, generator=g) * 0.05).half().float().to(dev)
+    x_ref, h_ref = fo.add_rms_norm(x, y, nw, 1e-6)
+    x_out, h, logits = fo.add_norm_router_logits(x, y, nw, router32, 1e-6)
+    assert torch.equal(x_out.cpu(), x_ref.cpu()) and torch.equal(h.cpu(), h_ref.cpu())
+    ref = torch.empty(m, e, dtype=torch.float32, device=dev)
+    fo.common.launch(fo._router_logits_kernel[(m, -(-e // 2))], h_ref, router32, ref, e, H=hid, BLOCK_E=2,
+                     BLOCK_H=fo._router_block_h(hid))
+    if dev.type == "cpu":  # the interpreter runs both in numpy: identical operations, identical bits
+        assert torch.equal(logits, ref)
+    else:  # compiled separately, a multiply-add may be contracted differently
+        assert torch.allclose(logits, ref, rtol=1e-5, atol=1e-5)
+    k = 4
+    ids, w = fo.route_topk(logits, k, True)
+    ids_ref, w_ref = fo.route_fused(h_ref, router32, k, True)
+    assert torch.equal(ids.cpu(), ids_ref.cpu()) and torch.allclose(w.cpu(), w_ref.cpu(), rtol=1e-5, atol=1e-6)
+
+
+@pytest.mark.parametrize("nh,nkv,D,norm", [(4, 2, 16, True), (4, 4, 32, False), (2, 1, 128, True)])
+@pytest.mark.parametrize("slot,n_keys,pads", [(0, 32, (0, 0)), (70, 256, (0, 5)), (130, 256, (3, 130)),
+                                              (255, 256, (255, 1)), (300, 512, (31, 299))])
+def test_decode_attention_with_prologue_equals_the_three_launches(nh, nkv, D, norm, slot, n_keys, pads, test_device):
+    """The prologue folded into the attention launch: the same attention output and the same KV cache (the new
+    token's k and v written at the slot of every row's kv heads, nothing else touched) as qk_norm_rope_kv followed by
+    decode_attention; slots at the first key, at block and split boundaries, a row whose only key is the new one."""
+    import runmap.kernels.fused_ops as fo
+
+    g = torch.Generator().manual_seed(slot * 7 + D)
+    dev = torch.device(test_device)
+    B = 2
+    qkv = (torch.randn(B, 1, (nh + 2 * nkv) * D, generator=g) * 2).half().to(dev)
+    qn = (1 + 0.1 * torch.randn(nh * D, generator=g)).half().to(dev) if norm else None
+    kn = (1 + 0.1 * torch.randn(nkv * D, generator=g)).half().to(dev) if norm else None
+    pad = torch.tensor(pads, device=dev)
+    positions = (slot - pad).clamp(min=0).reshape(B, 1)
+    slots = torch.tensor([slot], device=dev)
+    inv_freq = (1.0 / 10000 ** (torch.arange(0, D, 2).float() / D)).to(dev)
+    kc = (torch.randn(B + 1, nkv, n_keys + 8, D, generator=g) * 3).half().to(dev)  # one row more than the batch
+    vc = torch.randn(B + 1, nkv, n_keys + 8, D, generator=g).half().to(dev)
+    kc2, vc2 = kc.clone(), vc.clone()
+    q = fo.qk_norm_rope_kv(qkv, qn, kn, positions, slots, inv_freq, kc[:B], vc[:B], num_heads=nh, num_kv_heads=nkv,
+                           eps=1e-6)
+    ref = fo.decode_attention(q, kc[:B], vc[:B], slots, pad, n_keys)
+    out = fo.decode_attention_with_prologue(qkv, qn, kn, positions, slots, inv_freq, kc2[:B], vc2[:B], pad, n_keys,
+                                            num_heads=nh, num_kv_heads=nkv, eps=1e-6)
+    assert torch.equal(kc2.cpu(), kc.cpu()) and torch.equal(vc2.cpu(), vc.cpu())
+    if dev.type == "cpu":
+        assert torch.equal(out, ref)
+    else:
+        assert torch.allclose(out.float(), ref.float(), rtol=2e-3, atol=2e-3)
+
+
+def test_decode_attention_with_prologue_refuses_what_it_cannot_run():
+    from runmap.kernels.fused_ops import decode_attention_with_prologue
+
+    qkv = torch.zeros(1, 1, 5 * 24).half()  # D = 24: not a power of two
+    with pytest.raises(ValueError, match="power of two"):
+        decode_attention_with_prologue(qkv, None, None, torch.zeros(1, 1, dtype=torch.long), torch.zeros(1, dtype=torch.long),
+                                       torch.ones(12), torch.zeros(1, 1, 8, 24).half(), torch.zeros(1, 1, 8, 24).half(),
+                                       torch.zeros(1, dtype=torch.long), 8, num_heads=3, num_kv_heads=1, eps=1e-6)
+
+
+@pytest.mark.parametrize("preset", ["tiny-olmoe", "tiny-qwen2-moe"])
+def test_decode_step_runs_the_folded_launches(preset, monkeypatch):
+    """With every fused op on, a decode step takes the norm-with-router and prologue-in-attention launches (the
+    separate norm, logits and prologue kernels are not called), and a prefill pass keeps the separate prologue."""
+    import runmap.kernels.fused_ops as fo
+
+    cfg, _ = load_preset(preset)
+    nonrouted, rows, layout = random_case(cfg, seed=3)
+    model, experts = our_model(cfg, nonrouted, rows, layout)
+    model.fused = frozenset(ALL)
+    calls = []
+    for name in ("qk_norm_rope_kv", "decode_attention", "decode_attention_with_prologue", "add_norm_router_logits",
+                 "route_fused", "route_topk"):
+        real = getattr(fo, name)
+        monkeypatch.setattr(fo, name, lambda *a, _real=real, _name=name, **kw: (calls.append(_name), _real(*a, **kw))[1])
+    kv = KVCache(cfg, 1, 8, "cpu")
+    tokens = torch.tensor([[5, 6, 7]])
+    model.forward(tokens, torch.arange(3)[None], kv, torch.arange(3), torch.zeros(1, dtype=torch.long), 3, experts)
+    prefill, calls[:] = list(calls), []
+    model.forward(tokens[:, :1], torch.tensor([[3]]), kv, torch.tensor([3]), torch.zeros(1, dtype=torch.long), 4,
+                  experts)
+    L = cfg.num_layers
+    assert prefill.count("qk_norm_rope_kv") == L and "decode_attention_with_prologue" not in prefill
+    assert calls.count("decode_attention_with_prologue") == L and calls.count("add_norm_router_logits") == L
+    assert calls.count("route_topk") == L
+    assert not {"qk_norm_rope_kv", "decode_attention", "route_fused"} & set(calls)

@@ -279,16 +279,25 @@ class Transformer:
         # (results/serve/probe/). Families with grouped heads keep torch's choice (not measured)
         self.sdpa_backends = _sdpa_backends_without_cudnn()
 
-    def moe_block(self, layer: int, h: torch.Tensor, experts: ExpertsFn, token_rows: torch.Tensor | None):
+    def _fused_router(self) -> bool:
+        return "router" in self.fused and self.cfg.top_k & (self.cfg.top_k - 1) == 0  # kernels tile k as a power of 2
+
+    def moe_block(self, layer: int, h: torch.Tensor, experts: ExpertsFn, token_rows: torch.Tensor | None,
+                  logits: torch.Tensor | None = None):
         """h fp16 (N, H) -> fp16 (N, H). token_rows int64 (n,), ascending: the rows that are routed (padding
         rows are left out of the batch union and get a zero routed output); None = all rows. (Indices, not a
-        boolean mask: a mask's selection waits for the device to count its rows, once per layer.)"""
+        boolean mask: a mask's selection waits for the device to count its rows, once per layer.)
+        logits: fp32 (N, E) router logits of h already computed (fused with the norm; token_rows None only)."""
         cfg, lw = self.cfg, self.w.layers[layer]
         hr = h if token_rows is None else h.index_select(0, token_rows)  # (n, H)
         if self.imposed is not None:
             ids = self.imposed[layer]  # (n, k) int64: the workload's experts for these rows
             gw = imposed_weights(hr, lw.router32, ids, cfg.top_k, cfg.norm_topk_prob)  # (n, k) fp32
-        elif "router" in self.fused and cfg.top_k & (cfg.top_k - 1) == 0:  # the kernel tiles k as a power of two
+        elif logits is not None:
+            from runmap.kernels.fused_ops import route_topk
+
+            ids, gw = route_topk(logits, cfg.top_k, cfg.norm_topk_prob)  # (n, k) each
+        elif self._fused_router():
             from runmap.kernels.fused_ops import route_fused
 
             ids, gw = route_fused(hr.contiguous(), lw.router32, cfg.top_k, cfg.norm_topk_prob)  # (n, k) each
@@ -318,10 +327,19 @@ class Transformer:
         nh, nkv, D = cfg.num_heads, cfg.num_kv_heads, cfg.head_dim
         qkv = linear(h, lw.qkv, lw.qkv_bias)  # (B, T, (nh + 2 nkv) D)
         kc, vc = kv.k[layer, :B], kv.v[layer, :B]  # (B, nkv, S, D) views
+        decode_attn = T == 1 and "attn" in self.fused and n_keys <= DECODE_ATTN_MAX_KEYS
+        if "prologue" in self.fused and self.per_head_qk_norm:
+            raise ModelError(f"{cfg.arch}: the fused 'prologue' op normalizes q/k over the whole projection; "
+                             "this family normalizes per head (leave 'prologue' out of Transformer.fused)")
+        if decode_attn and "prologue" in self.fused and D & (D - 1) == 0:
+            from runmap.kernels.fused_ops import decode_attention_with_prologue
+
+            # the prologue folded into the attention launch (a power-of-two head dim: both real families use 128)
+            o = decode_attention_with_prologue(qkv, lw.q_norm, lw.k_norm, positions, slots, self.w.inv_freq, kc, vc,
+                                               pad, n_keys, num_heads=nh, num_kv_heads=nkv,
+                                               eps=cfg.rms_norm_eps)  # (B, 1, nh*D)
+            return linear(o, lw.o)
         if "prologue" in self.fused:
-            if self.per_head_qk_norm:
-                raise ModelError(f"{cfg.arch}: the fused 'prologue' op normalizes q/k over the whole projection; "
-                                 "this family normalizes per head (leave 'prologue' out of Transformer.fused)")
             from runmap.kernels.fused_ops import qk_norm_rope_kv
 
             q = qk_norm_rope_kv(qkv, lw.q_norm, lw.k_norm, positions, slots, self.w.inv_freq, kc, vc,
@@ -341,7 +359,7 @@ class Transformer:
             q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
             kc.index_copy_(2, slots, k)
             vc.index_copy_(2, slots, v)
-        if T == 1 and "attn" in self.fused and n_keys <= DECODE_ATTN_MAX_KEYS:
+        if decode_attn:
             from runmap.kernels.fused_ops import decode_attention
 
             o = decode_attention(q.contiguous(), kc, vc, slots, pad, n_keys)  # (B, 1, nh*D)
@@ -414,14 +432,21 @@ class Transformer:
         mask = attention_mask(slots, pad, n_keys) if need_mask else None  # (B, 1, T, n_keys), once per pass
         eps = cfg.rms_norm_eps
         if "norm" in self.fused:
-            from runmap.kernels.fused_ops import add_rms_norm
+            from runmap.kernels.fused_ops import NORM_ROUTER_MAX_ROWS, add_norm_router_logits, add_rms_norm
 
             norms = [lw.attn_norm for lw in w.layers] + [w.final_norm]
             _, h = add_rms_norm(x, None, norms[0], eps)
+            # decode steps: the router's logits come out of the norm's launch (fused_ops.add_norm_router_logits)
+            norm_router = (self._fused_router() and self.imposed is None and token_rows is None
+                           and B * T <= NORM_ROUTER_MAX_ROWS)
             for layer, lw in enumerate(w.layers):
                 a = self.attention(layer, h, positions, rope, kv, slots, pad, mask, n_keys)  # (B, T, H)
-                x, h = add_rms_norm(x, a, lw.mlp_norm, eps)
-                y = self.moe_block(layer, h.reshape(B * T, -1), experts, token_rows).reshape(B, T, -1)
+                logits = None
+                if norm_router:
+                    x, h, logits = add_norm_router_logits(x, a, lw.mlp_norm, lw.router32, eps)  # ..., (B*T, E)
+                else:
+                    x, h = add_rms_norm(x, a, lw.mlp_norm, eps)
+                y = self.moe_block(layer, h.reshape(B * T, -1), experts, token_rows, logits).reshape(B, T, -1)
                 x, h = add_rms_norm(x, y, norms[layer + 1], eps)  # next layer's input norm, or the final norm
                 yield
             if not all_logits:
