@@ -3,7 +3,10 @@
 * ``qk_norm_rope_kv``: attention prologue, q/k RMSNorm + RoPE + KV-cache write in one launch;
 * ``add_rms_norm``: residual add + RMSNorm in one launch;
 * ``route_fused``: router logits (FP32) + softmax + top-k in one launch;
-* ``decode_attention``: attention of one new token per row over its KV slots (masks from slot / pad).
+* ``decode_attention``: attention of one new token per row over its KV slots (masks from slot / pad);
+  ``decode_attention_with_prologue`` folds the prologue into it for a decode step;
+* ``add_norm_router_logits``: the norm before the MoE block and the router's logits in one launch (decode);
+* ``gemv``: the dense fp16 projections (q|k|v, o) of one token.
 
 Each computes what the torch path of ``runmap.engine.model`` computes (tests/test_model_fused.py compares them).
 
@@ -25,6 +28,35 @@ from runmap.kernels import common
 
 
 @triton.jit
+def _rms_factor(x1, x2, n_heads, HALF: tl.constexpr, eps):
+    """1 / rms of a projection loaded as (heads, HALF) halves x1, x2 (fp32, zeros outside)."""
+    ss = tl.sum(tl.sum(x1 * x1 + x2 * x2, axis=1), axis=0)
+    return 1.0 / tl.sqrt(ss / (n_heads * 2 * HALF) + eps)
+
+
+@triton.jit
+def _norm_rope_head(base_ptr, w_ptr, offs_h, offs_d, n_heads, head, HALF: tl.constexpr, cos, sin, eps,
+                    HAS_NORM: tl.constexpr):
+    """``_norm_rope_rows`` of one head only (the norm still spans every head): (HALF,) fp16 halves, same values."""
+    d_ok = offs_d < HALF
+    src = base_ptr + head * (2 * HALF) + offs_d
+    x1 = tl.load(src, mask=d_ok, other=0.0).to(tl.float32)
+    x2 = tl.load(src + HALF, mask=d_ok, other=0.0).to(tl.float32)
+    if HAS_NORM:
+        mask = (offs_h[:, None] < n_heads) & (offs_d[None, :] < HALF)
+        idx = offs_h[:, None] * (2 * HALF) + offs_d[None, :]
+        r = _rms_factor(tl.load(base_ptr + idx, mask=mask, other=0.0).to(tl.float32),
+                        tl.load(base_ptr + idx + HALF, mask=mask, other=0.0).to(tl.float32), n_heads, HALF, eps)
+        w1 = tl.load(w_ptr + head * (2 * HALF) + offs_d, mask=d_ok, other=0.0).to(tl.float32)
+        w2 = tl.load(w_ptr + head * (2 * HALF) + offs_d + HALF, mask=d_ok, other=0.0).to(tl.float32)
+        x1 = (x1 * r * w1).to(tl.float16).to(tl.float32)
+        x2 = (x2 * r * w2).to(tl.float16).to(tl.float32)
+    o1 = x1 * cos - x2 * sin
+    o2 = x2 * cos + x1 * sin
+    return o1.to(tl.float16), o2.to(tl.float16)
+
+
+@triton.jit
 def _norm_rope_rows(base_ptr, w_ptr, offs_h, offs_d, n_heads, HALF: tl.constexpr, cos, sin, eps,
                     HAS_NORM: tl.constexpr):
     """Load (n_heads, D) of one projection as two halves, RMSNorm over all of it (optional), rotate."""
@@ -33,8 +65,7 @@ def _norm_rope_rows(base_ptr, w_ptr, offs_h, offs_d, n_heads, HALF: tl.constexpr
     x1 = tl.load(base_ptr + idx, mask=mask, other=0.0).to(tl.float32)
     x2 = tl.load(base_ptr + idx + HALF, mask=mask, other=0.0).to(tl.float32)
     if HAS_NORM:
-        ss = tl.sum(tl.sum(x1 * x1 + x2 * x2, axis=1), axis=0)
-        r = 1.0 / tl.sqrt(ss / (n_heads * 2 * HALF) + eps)
+        r = _rms_factor(x1, x2, n_heads, HALF, eps)
         w1 = tl.load(w_ptr + idx, mask=mask, other=0.0).to(tl.float32)
         w2 = tl.load(w_ptr + idx + HALF, mask=mask, other=0.0).to(tl.float32)
         x1 = (x1 * r * w1).to(tl.float16).to(tl.float32)  # the torch path stores the norm output as fp16
@@ -389,12 +420,6 @@ def _decode_attn_split_kernel(q_ptr, k_ptr, v_ptr, part_ptr, ml_ptr, slot_ptr, p
 
 
 @triton.jit
-def _head_row(tile, offs_h, head):
-    """Row ``head`` of a (heads, HALF) tile as fp32 (HALF,): exact (the other rows contribute zeros)."""
-    return tl.sum(tl.where(offs_h[:, None] == head, tile.to(tl.float32), 0.0), axis=0)
-
-
-@triton.jit
 def _decode_attn_prologue_split_kernel(
     qkv_ptr, stride_qkv_b, qw_ptr, kw_ptr, pos_ptr, inv_freq_ptr,
     k_ptr, v_ptr, part_ptr, ml_ptr, slot_ptr, pad_ptr, stride_cb, stride_ch, stride_cs, scale, eps,
@@ -402,12 +427,13 @@ def _decode_attn_prologue_split_kernel(
     NH_P2: tl.constexpr, NKV_P2: tl.constexpr, HALF_P2: tl.constexpr, HAS_NORM: tl.constexpr,
     BLOCK_N: tl.constexpr, SPLITS: tl.constexpr):
     """``_decode_attn_split_kernel`` with the attention prologue (``_qk_norm_rope_kv_kernel``) folded in, for one new
-    token per row. Each program normalizes and rotates the whole q projection of its row with the prologue's own
-    helper (the norm spans every head) and keeps its head; the program whose split holds the new slot also
-    normalizes and rotates k, writes its kv head's k and v into the cache (programs of query heads sharing that kv
-    head write the same values) and, after a barrier, attends it from the cache like every other key. Other
-    programs never read the new slot, so no program waits for another. Same values as the two launches: the
-    prologue's arithmetic, then the unchanged key loop."""
+    token per row. Each program normalizes (the norm spans every head: the whole q row is summed, as the prologue
+    sums it) and rotates its own head of q; the program whose split holds the new slot also normalizes and rotates
+    k, writes its kv head's k and v into the cache (programs of query heads sharing that kv head write the same
+    values) and, after a barrier, attends it from the cache like every other key. Other programs never read the new
+    slot, so no program waits for another. Same values as the two launches: the prologue's arithmetic, then the
+    unchanged key loop. (A first version rotated every head in every program: at batch 8 the launch took 297 us per
+    step against 220 for the two it replaced; results/campaigns/h200-decode.)"""
     b = tl.program_id(0)
     hq = tl.program_id(1)
     sp = tl.program_id(2)
@@ -419,23 +445,22 @@ def _decode_attn_prologue_split_kernel(
     d_ok = offs_d < HALF
     freq = tl.load(inv_freq_ptr + offs_d, mask=d_ok, other=0.0)
     ang = pos * freq
-    cos = tl.cos(ang)[None, :]
-    sin = tl.sin(ang)[None, :]
+    cos = tl.cos(ang)
+    sin = tl.sin(ang)
     row = qkv_ptr + b * stride_qkv_b
-    offs_h = tl.arange(0, NH_P2)
-    q1, q2, _mq = _norm_rope_rows(row, qw_ptr, offs_h, offs_d, NH, HALF, cos, sin, eps, HAS_NORM)  # (NH_P2, HALF_P2)
+    q1, q2 = _norm_rope_head(row, qw_ptr, tl.arange(0, NH_P2), offs_d, NH, hq, HALF, cos, sin, eps,
+                             HAS_NORM)  # (HALF_P2,) fp16 each
     base = b * stride_cb + hk * stride_ch
     # the split holding the new slot (splits deal whole blocks from the row's first block, as _attend_split)
     hi = tl.minimum(slot + 1, N_KEYS)
     lo = (pad // BLOCK_N) * BLOCK_N
     per_split = ((hi - lo + BLOCK_N - 1) // BLOCK_N + SPLITS - 1) // SPLITS * BLOCK_N
     if (slot - lo) // tl.maximum(per_split, BLOCK_N) == sp:
-        offs_k = tl.arange(0, NKV_P2)
-        k1, k2, _mk = _norm_rope_rows(row + NH * 2 * HALF, kw_ptr, offs_k, offs_d, NKV, HALF, cos, sin, eps,
-                                      HAS_NORM)
+        k1, k2 = _norm_rope_head(row + NH * 2 * HALF, kw_ptr, tl.arange(0, NKV_P2), offs_d, NKV, hk, HALF, cos, sin,
+                                 eps, HAS_NORM)
         c_off = base + slot * stride_cs + offs_d
-        tl.store(k_ptr + c_off, _head_row(k1, offs_k, hk).to(tl.float16), mask=d_ok)
-        tl.store(k_ptr + c_off + HALF, _head_row(k2, offs_k, hk).to(tl.float16), mask=d_ok)
+        tl.store(k_ptr + c_off, k1, mask=d_ok)
+        tl.store(k_ptr + c_off + HALF, k2, mask=d_ok)
         v_src = row + (NH + NKV + hk) * 2 * HALF + offs_d
         tl.store(v_ptr + c_off, tl.load(v_src, mask=d_ok, other=0.0), mask=d_ok)
         tl.store(v_ptr + c_off + HALF, tl.load(v_src + HALF, mask=d_ok, other=0.0), mask=d_ok)
@@ -443,9 +468,7 @@ def _decode_attn_prologue_split_kernel(
     # q of this head as one (D,) vector, first half then second half as the cache lays out D (HALF is a power of
     # two here: the wrapper checks), scaled as _decode_attn_split_kernel scales the q it loads
     D: tl.constexpr = 2 * HALF
-    qa = _head_row(q1, offs_h, hq)  # (HALF,) fp32 of the fp16 values
-    qb = _head_row(q2, offs_h, hq)
-    q = tl.reshape(tl.permute(tl.join(qa, qb), (1, 0)), (D,)) * scale  # (D,) = qa then qb
+    q = tl.reshape(tl.permute(tl.join(q1.to(tl.float32), q2.to(tl.float32)), (1, 0)), (D,)) * scale  # q1 then q2
     offs_dd = tl.arange(0, D)
     _attend_split(q, k_ptr, v_ptr, part_ptr, ml_ptr, b, hq, sp, slot, pad, base, stride_cs, offs_dd, offs_dd < D,
                   N_KEYS, NH, D, BLOCK_N, SPLITS)
@@ -543,3 +566,46 @@ def decode_attention_with_prologue(qkv, q_norm, k_norm, positions, slot, inv_fre
                   SPLITS=splits)
     common.launch(_decode_attn_combine_kernel[(B, nh)], part, ml, out, NH=nh, D=D, D_P2=D, SPLITS=splits)
     return out
+
+
+# ---- fp16 GEMV of one row (the q|k|v and o projections of a batch-1 decode step) ----------------------------
+# cuBLAS picks a generic tile for M = 1: on the H200 the OLMoE projections took 9.9 us (q|k|v, N 6,144) and 6.3 us
+# (o, N 2,048) per layer, these tiles 9.0 and 5.1 us (tools/explore/probe_dense_gemv.py,
+# results/campaigns/h200-decode/dense-gemv.json; 16 layers of distinct weights in one CUDA graph). At M = 8 cuBLAS
+# stays (9.6 / 6.3 us; this kernel's best was 22.7 / 9.7).
+
+@triton.jit
+def _gemv_kernel(x_ptr, w_ptr, b_ptr, y_ptr, N, K: tl.constexpr, HAS_BIAS: tl.constexpr,
+                 BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
+    """y[n] = sum_k x[k] w[n, k] (+ b[n]) for BLOCK_N rows n: products summed per lane in fp32, reduced once."""
+    offs_n = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)  # (BN,)
+    n_mask = offs_n < N
+    offs_k = tl.arange(0, BLOCK_K)
+    acc = tl.zeros((BLOCK_N, BLOCK_K), tl.float32)
+    for k0 in range(0, K, BLOCK_K):
+        k_mask = (k0 + offs_k) < K
+        w = tl.load(w_ptr + offs_n[:, None] * K + k0 + offs_k[None, :], mask=n_mask[:, None] & k_mask[None, :],
+                    other=0.0)  # (BN, BK) fp16
+        x = tl.load(x_ptr + k0 + offs_k, mask=k_mask, other=0.0)  # (BK,)
+        acc += w.to(tl.float32) * x.to(tl.float32)[None, :]
+    y = tl.sum(acc, axis=1)  # (BN,)
+    if HAS_BIAS:
+        y += tl.load(b_ptr + offs_n, mask=n_mask, other=0.0).to(tl.float32)
+    tl.store(y_ptr + offs_n, y.to(tl.float16), mask=n_mask)
+
+
+def gemv(x, w, b=None):
+    """x fp16 (..., K) holding one row, w fp16 (N, K) contiguous, b fp16 (N,) or None -> fp16 (..., N) = x w^T + b.
+
+    FP32 sums, one rounding to fp16 (F.linear's result within fp16 rounding; not bit-identical)."""
+    n, k = w.shape
+    if x.dtype != torch.float16 or w.dtype != torch.float16 or x.shape[-1] != k or x.numel() != k \
+            or not w.is_contiguous() or (b is not None and (b.shape != (n,) or b.dtype != torch.float16)):
+        raise ValueError(f"gemv: one fp16 row of width {k} and a contiguous fp16 ({n}, {k}) weight required, got x "
+                         f"{x.dtype} {tuple(x.shape)}, w {w.dtype} {tuple(w.shape)}")
+    y = torch.empty(*x.shape[:-1], n, dtype=torch.float16, device=x.device)
+    block_n = 16 if n >= 4096 else 4
+    common.launch(_gemv_kernel[(triton.cdiv(n, block_n),)], x.contiguous(), w, b if b is not None else w, y, n, K=k,
+                  HAS_BIAS=b is not None, BLOCK_N=block_n, BLOCK_K=512,
+                  **({} if common.interpreting(x.device) else {"num_warps": 4}))
+    return y

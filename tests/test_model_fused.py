@@ -1,6 +1,8 @@
 """The fused Triton ops (runmap.kernels.fused_ops; interpreter on CPU) equal the torch path of runmap.engine.model:
 same logits and the same KV cache contents, for prefill with left padding and for a decode step, with each
 op alone and all together."""
+import os
+
 import pytest
 import torch
 
@@ -10,11 +12,16 @@ from test_model import our_model
 from test_model_support import random_case
 
 
-ALL = ("prologue", "norm", "router", "attn")
+ALL = ("prologue", "norm", "router", "attn", "gemv")
+# tests that build a whole model on the CPU: they run the kernels in the Triton interpreter (CI); a GPU run
+# (RUNMAP_TEST_DEVICE=cuda, compiled kernels) checks the same ops through the tests taking ``test_device``
+cpu_model = pytest.mark.skipif(os.environ.get("RUNMAP_TEST_DEVICE", "cpu") != "cpu",
+                               reason="builds the model on the CPU (Triton interpreter only)")
 
 
 @pytest.mark.parametrize("preset,fused", [("tiny-olmoe", (op,)) for op in ALL] +
                          [("tiny-qwen2-moe", ALL), ("tiny-olmoe", ALL)])
+@cpu_model
 def test_fused_ops_match_torch(preset, fused):
     cfg, _ = load_preset(preset)
     nonrouted, rows, layout = random_case(cfg, seed=2)
@@ -197,6 +204,7 @@ def test_decode_attention_with_prologue_refuses_what_it_cannot_run():
 
 
 @pytest.mark.parametrize("preset", ["tiny-olmoe", "tiny-qwen2-moe"])
+@cpu_model
 def test_decode_step_runs_the_folded_launches(preset, monkeypatch):
     """With every fused op on, a decode step takes the norm-with-router and prologue-in-attention launches (the
     separate norm, logits and prologue kernels are not called), and a prefill pass keeps the separate prologue."""
@@ -208,7 +216,7 @@ def test_decode_step_runs_the_folded_launches(preset, monkeypatch):
     model.fused = frozenset(ALL)
     calls = []
     for name in ("qk_norm_rope_kv", "decode_attention", "decode_attention_with_prologue", "add_norm_router_logits",
-                 "route_fused", "route_topk"):
+                 "route_fused", "route_topk", "gemv"):
         real = getattr(fo, name)
         monkeypatch.setattr(fo, name, lambda *a, _real=real, _name=name, **kw: (calls.append(_name), _real(*a, **kw))[1])
     kv = KVCache(cfg, 1, 8, "cpu")
@@ -219,6 +227,32 @@ def test_decode_step_runs_the_folded_launches(preset, monkeypatch):
                   experts)
     L = cfg.num_layers
     assert prefill.count("qk_norm_rope_kv") == L and "decode_attention_with_prologue" not in prefill
+    assert "gemv" not in prefill and calls.count("gemv") == 2 * L  # q|k|v and o of the one token, each layer
     assert calls.count("decode_attention_with_prologue") == L and calls.count("add_norm_router_logits") == L
     assert calls.count("route_topk") == L
     assert not {"qk_norm_rope_kv", "decode_attention", "route_fused"} & set(calls)
+
+
+@pytest.mark.parametrize("n,k,bias", [(6144, 2048, False), (2048, 2048, True), (37, 600, True), (5, 8, False)])
+def test_gemv_matches_an_fp32_product(n, k, bias, test_device):
+    """One row times a (N, K) fp16 weight (+ bias): odd N (a partial last block of rows), K not a multiple of the
+    512-wide K tile; within fp16 rounding of the FP32 product."""
+    from runmap.kernels.fused_ops import gemv
+
+    g = torch.Generator().manual_seed(n + k)
+    dev = torch.device(test_device)
+    x = torch.randn(1, 1, k, generator=g).half().to(dev)
+    w = (torch.randn(n, k, generator=g) * 0.05).half().to(dev)
+    b = torch.randn(n, generator=g).half().to(dev) if bias else None
+    y = gemv(x, w, b)
+    ref = x.float().reshape(1, k) @ w.float().t() + (b.float() if bias else 0)  # (1, N)
+    assert y.shape == (1, 1, n) and y.dtype == torch.float16 and torch.isfinite(y).all()
+    err = (y.float().reshape(1, n) - ref).abs().max().item()
+    assert err <= 2e-3 * ref.abs().max().item() + 1e-3, err
+
+
+def test_gemv_refuses_more_than_one_row():
+    from runmap.kernels.fused_ops import gemv
+
+    with pytest.raises(ValueError, match="one fp16 row"):
+        gemv(torch.zeros(2, 8).half(), torch.zeros(4, 8).half())

@@ -108,10 +108,11 @@ from runmap.workload.routing import ImposedRouting, RoutingError, parse_routing
 
 EXPERT_FORMATS = ("int4", "fp16")
 PREFILL_CHUNK = 8192  # prompt tokens per row per prefill pass, by default (from_pack's prefill_chunk)
-FUSED_OPS = ("prologue", "norm", "router", "attn")
+FUSED_OPS = ("prologue", "norm", "router", "attn", "gemv")
 # Default on CUDA. The router is two launches (logits over many programs, then softmax + top-k): 5.4 us per
 # layer vs 16.5 us for torch's linear + softmax + topk on the H200 (results/kernels/explore/h200-decode.json).
-DEFAULT_FUSED = ("prologue", "norm", "router", "attn")
+# In a decode step the logits launch is the norm's (add_norm_router_logits) and the prologue is the attention's.
+DEFAULT_FUSED = ("prologue", "norm", "router", "attn", "gemv")
 
 
 class EngineError(ValueError):

@@ -271,7 +271,8 @@ class Transformer:
         self.route_sink: Callable[[int, torch.Tensor], None] | None = None
         # CUDA only: which fused Triton ops (runmap.kernels.fused_ops) replace torch sequences; empty = pure torch.
         # "prologue": q/k norm + RoPE + KV write; "norm": residual add + RMSNorm; "router": logits + softmax
-        # + top-k; "attn": decode attention (T = 1)
+        # + top-k; "attn": decode attention (T = 1); "gemv": the q|k|v and o projections of a single token.
+        # Together in a decode step: "prologue" + "attn" run as one launch, "norm" + "router" as one (and top-k)
         self.fused: frozenset = frozenset()
         # CUDA prefill without grouped KV heads (OLMoE): the scaled_dot_product_attention backends torch may pick from
         # (None: all of torch's). cuDNN attention is left out: it builds an execution plan for every new shape
@@ -318,6 +319,14 @@ class Transformer:
             y = (y.float() + gate * s.float()).to(h.dtype)
         return y
 
+    def _proj(self, x: torch.Tensor, w: torch.Tensor, b: torch.Tensor | None = None) -> torch.Tensor:
+        """A dense attention projection: the fused one-row GEMV for a single token ("gemv"), ``linear`` otherwise."""
+        if "gemv" in self.fused and x.numel() == x.shape[-1]:
+            from runmap.kernels.fused_ops import gemv
+
+            return gemv(x, w, b)
+        return linear(x, w, b)
+
     def attention(self, layer, h, positions, rope, kv: KVCache, slots, pad, mask, n_keys):
         """h fp16 (B, T, H) -> fp16 (B, T, H); writes k, v at ``slots`` (int64 (T,)) of rows 0..B-1.
         rope: (cos, sin) fp32 (B, 1, T, D) for the torch prologue; mask: bool (B, 1, T, n_keys), or None for
@@ -325,7 +334,7 @@ class Transformer:
         cfg, lw = self.cfg, self.w.layers[layer]
         B, T, _ = h.shape
         nh, nkv, D = cfg.num_heads, cfg.num_kv_heads, cfg.head_dim
-        qkv = linear(h, lw.qkv, lw.qkv_bias)  # (B, T, (nh + 2 nkv) D)
+        qkv = self._proj(h, lw.qkv, lw.qkv_bias)  # (B, T, (nh + 2 nkv) D)
         kc, vc = kv.k[layer, :B], kv.v[layer, :B]  # (B, nkv, S, D) views
         decode_attn = T == 1 and "attn" in self.fused and n_keys <= DECODE_ATTN_MAX_KEYS
         if "prologue" in self.fused and self.per_head_qk_norm:
@@ -338,7 +347,7 @@ class Transformer:
             o = decode_attention_with_prologue(qkv, lw.q_norm, lw.k_norm, positions, slots, self.w.inv_freq, kc, vc,
                                                pad, n_keys, num_heads=nh, num_kv_heads=nkv,
                                                eps=cfg.rms_norm_eps)  # (B, 1, nh*D)
-            return linear(o, lw.o)
+            return self._proj(o, lw.o)
         if "prologue" in self.fused:
             from runmap.kernels.fused_ops import qk_norm_rope_kv
 
@@ -363,7 +372,7 @@ class Transformer:
             from runmap.kernels.fused_ops import decode_attention
 
             o = decode_attention(q.contiguous(), kc, vc, slots, pad, n_keys)  # (B, 1, nh*D)
-            return linear(o, lw.o)
+            return self._proj(o, lw.o)
         keys, vals = kc[:, :, :n_keys], vc[:, :, :n_keys]  # (B, nkv, n_keys, D)
         gqa = nkv != nh
         if q.is_cuda:
@@ -384,7 +393,7 @@ class Transformer:
             o = F.scaled_dot_product_attention(q.float(), keys.float(), vals.float(), attn_mask=mask,
                                                enable_gqa=gqa).to(h.dtype)
         o = o.transpose(1, 2).reshape(B, T, nh * D)  # (B, T, nh*D)
-        return linear(o, lw.o)
+        return self._proj(o, lw.o)
 
     def _sdpa_backends(self, T: int, gqa: bool):
         """The backends context of a CUDA attention call over T new tokens per row: ``sdpa_backends`` for a prefill
