@@ -319,6 +319,12 @@ def _router_block_h(hid: int) -> int:
     return min(1024, triton.next_power_of_2(hid))
 
 
+def _one_warp(device) -> dict:
+    """Launch options of a tiny program (a few hundred values): one warp, so its reductions (top-k: 2 per expert
+    chosen) stay within the warp instead of crossing warps through shared memory and barriers."""
+    return {} if common.interpreting(device) else {"num_warps": 1}
+
+
 def route_topk(logits, top_k: int, norm_topk_prob: bool):
     """logits fp32 (N, E) contiguous -> ids int64 (N, k), weights fp32 (N, k): softmax + top-k as ``route_fused``."""
     n, e = logits.shape
@@ -328,7 +334,7 @@ def route_topk(logits, top_k: int, norm_topk_prob: bool):
     ids = torch.empty(n, top_k, dtype=torch.int64, device=logits.device)
     wts = torch.empty(n, top_k, dtype=torch.float32, device=logits.device)
     common.launch(_router_topk_kernel[(n,)], logits, ids, wts, e, TOPK=top_k, NORM=norm_topk_prob,
-                  E_P2=triton.next_power_of_2(e))
+                  E_P2=triton.next_power_of_2(e), **_one_warp(logits.device))
     return ids, wts
 
 
@@ -516,7 +522,8 @@ def decode_attention(q, k_cache, v_cache, slot, pad, n_keys: int):
     common.launch(_decode_attn_split_kernel[(B, nh, splits)], q, k_cache, v_cache, part, ml, slot, pad,
                   k_cache.stride(0), k_cache.stride(1), k_cache.stride(2), D ** -0.5,
                   N_KEYS=n_keys, NH=nh, NKV=nkv, D=D, D_P2=d_p2, BLOCK_N=block_n, SPLITS=splits)
-    common.launch(_decode_attn_combine_kernel[(B, nh)], part, ml, out, NH=nh, D=D, D_P2=d_p2, SPLITS=splits)
+    common.launch(_decode_attn_combine_kernel[(B, nh)], part, ml, out, NH=nh, D=D, D_P2=d_p2, SPLITS=splits,
+                  **_one_warp(out.device))
     return out
 
 
@@ -564,7 +571,8 @@ def decode_attention_with_prologue(qkv, q_norm, k_norm, positions, slot, inv_fre
                   N_KEYS=n_keys, NH=nh, NKV=nkv, HALF=half, NH_P2=triton.next_power_of_2(nh),
                   NKV_P2=triton.next_power_of_2(nkv), HALF_P2=half, HAS_NORM=has_norm, BLOCK_N=block_n,
                   SPLITS=splits)
-    common.launch(_decode_attn_combine_kernel[(B, nh)], part, ml, out, NH=nh, D=D, D_P2=D, SPLITS=splits)
+    common.launch(_decode_attn_combine_kernel[(B, nh)], part, ml, out, NH=nh, D=D, D_P2=D, SPLITS=splits,
+                  **_one_warp(out.device))
     return out
 
 
