@@ -118,6 +118,17 @@ def _qk_norm_rope_kv_kernel(
         tl.store(v_cache_ptr + c_off + HALF, tl.load(v_src + HALF, mask=mk, other=0.0), mask=mk)
 
 
+def _check_norms_and_cache(q_norm, k_norm, k_cache, v_cache, B: int, nkv: int, D: int) -> None:
+    """The prologue's q/k norm weights (both or neither) and one layer's k/v cache views fit B rows of nkv x D."""
+    if (q_norm is None) != (k_norm is None):
+        raise ValueError("q_norm and k_norm: give both or neither")
+    if k_cache.shape != v_cache.shape or k_cache.stride() != v_cache.stride() or k_cache.stride(-1) != 1:
+        raise ValueError(f"k_cache / v_cache: same shape and strides with a contiguous last dim required, got "
+                         f"{tuple(k_cache.shape)} {k_cache.stride()} / {tuple(v_cache.shape)} {v_cache.stride()}")
+    if k_cache.shape[0] < B or k_cache.shape[1] != nkv or k_cache.shape[3] != D:
+        raise ValueError(f"k_cache: shape {tuple(k_cache.shape)} does not fit B={B}, nkv={nkv}, D={D}")
+
+
 def qk_norm_rope_kv(qkv, q_norm, k_norm, positions, slots, inv_freq, k_cache, v_cache, *, num_heads, num_kv_heads,
                     eps):
     """Fused attention prologue.
@@ -135,13 +146,7 @@ def qk_norm_rope_kv(qkv, q_norm, k_norm, positions, slots, inv_freq, k_cache, v_
         raise ValueError(f"qkv: width {width} is not (nh + 2 nkv) * D for nh={num_heads}, nkv={num_kv_heads}")
     if qkv.dtype != torch.float16 or qkv.stride(-1) != 1 or qkv.stride(0) != T * qkv.stride(1):
         raise ValueError(f"qkv: expected float16 with contiguous rows, got {qkv.dtype} strides {qkv.stride()}")
-    if (q_norm is None) != (k_norm is None):
-        raise ValueError("q_norm and k_norm: give both or neither")
-    if k_cache.shape != v_cache.shape or k_cache.stride() != v_cache.stride() or k_cache.stride(-1) != 1:
-        raise ValueError(f"k_cache / v_cache: same shape and strides with a contiguous last dim required, got "
-                         f"{tuple(k_cache.shape)} {k_cache.stride()} / {tuple(v_cache.shape)} {v_cache.stride()}")
-    if k_cache.shape[0] < B or k_cache.shape[1] != num_kv_heads or k_cache.shape[3] != D:
-        raise ValueError(f"k_cache: shape {tuple(k_cache.shape)} does not fit B={B}, nkv={num_kv_heads}, D={D}")
+    _check_norms_and_cache(q_norm, k_norm, k_cache, v_cache, B, num_kv_heads, D)
     positions = positions.contiguous()
     q = torch.empty(B, num_heads, T, D, dtype=torch.float16, device=qkv.device)
     has_norm = q_norm is not None
@@ -549,13 +554,7 @@ def decode_attention_with_prologue(qkv, q_norm, k_norm, positions, slot, inv_fre
                          f" * D with D a power of two (nh={nh}, nkv={nkv})")
     if qkv.dtype != torch.float16 or qkv.stride(-1) != 1:
         raise ValueError(f"qkv: expected float16 with a contiguous last dim, got {qkv.dtype} strides {qkv.stride()}")
-    if (q_norm is None) != (k_norm is None):
-        raise ValueError("q_norm and k_norm: give both or neither")
-    if k_cache.shape != v_cache.shape or k_cache.stride() != v_cache.stride() or k_cache.stride(-1) != 1:
-        raise ValueError(f"k_cache / v_cache: same shape and strides with a contiguous last dim required, got "
-                         f"{tuple(k_cache.shape)} {k_cache.stride()} / {tuple(v_cache.shape)} {v_cache.stride()}")
-    if k_cache.shape[0] < B or k_cache.shape[1] != nkv or k_cache.shape[3] != D:
-        raise ValueError(f"k_cache: shape {tuple(k_cache.shape)} does not fit B={B}, nkv={nkv}, D={D}")
+    _check_norms_and_cache(q_norm, k_norm, k_cache, v_cache, B, nkv, D)
     positions = positions.contiguous()
     block_n = 32
     splits = min(16, triton.next_power_of_2(triton.cdiv(n_keys, block_n)))  # as decode_attention
