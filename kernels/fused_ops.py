@@ -366,6 +366,18 @@ def route_fused(h, router32, top_k: int, norm_topk_prob: bool):
 # ---- decode attention (one new token per row) -----------------------------------------------------------
 
 @triton.jit
+def _split_keys(slot, pad, sp, N_KEYS: tl.constexpr, BLOCK_N: tl.constexpr, SPLITS: tl.constexpr):
+    """Split ``sp``'s share of a row's keys pad .. slot (capped by the bucket N_KEYS): (first key n0, end), the row's
+    blocks dealt to the splits in contiguous, block-aligned runs from its first block; and ``covered``: whether some
+    split's share holds the slot itself (not when the slot is past the bucket or before the pad's block)."""
+    hi = tl.minimum(slot + 1, N_KEYS)
+    lo = (pad // BLOCK_N) * BLOCK_N
+    per_split = ((hi - lo + BLOCK_N - 1) // BLOCK_N + SPLITS - 1) // SPLITS * BLOCK_N  # keys per split, whole blocks
+    n0 = lo + sp * per_split
+    return n0, tl.minimum(hi, n0 + per_split), (lo <= slot) & (slot < N_KEYS)
+
+
+@triton.jit
 def _attend_split(q, k_ptr, v_ptr, part_ptr, ml_ptr, b, hq, sp, slot, pad, base, stride_cs, offs_d, d_ok,
                   N_KEYS: tl.constexpr, NH: tl.constexpr, D_P2: tl.constexpr, BLOCK_N: tl.constexpr,
                   SPLITS: tl.constexpr):
@@ -381,11 +393,7 @@ def _attend_split(q, k_ptr, v_ptr, part_ptr, ml_ptr, b, hq, sp, slot, pad, base,
     # bounds are read from device memory, so a captured CUDA graph stays valid for every slot and pad; N_KEYS (the
     # bucket) only caps the end. The row's blocks are dealt to the splits in contiguous, block-aligned runs.
     # (While loops: the interpreter cannot take loaded scalars as range() bounds.)
-    hi = tl.minimum(slot + 1, N_KEYS)
-    lo = (pad // BLOCK_N) * BLOCK_N
-    per_split = ((hi - lo + BLOCK_N - 1) // BLOCK_N + SPLITS - 1) // SPLITS * BLOCK_N  # keys per split, whole blocks
-    n0 = lo + sp * per_split
-    end = tl.minimum(hi, n0 + per_split)
+    n0, end, _covered = _split_keys(slot, pad, sp, N_KEYS, BLOCK_N, SPLITS)
     while n0 < end:
         j = n0 + offs_n
         valid = (j >= pad) & (j < end)  # end <= slot + 1 and <= N_KEYS: never a key past the bucket
@@ -427,7 +435,8 @@ def _decode_attn_split_kernel(q_ptr, k_ptr, v_ptr, part_ptr, ml_ptr, slot_ptr, p
     d_ok = offs_d < D
     q = tl.load(q_ptr + (b * NH + hq) * D + offs_d, mask=d_ok, other=0.0).to(tl.float32) * scale  # (D_P2,)
     _attend_split(q, k_ptr, v_ptr, part_ptr, ml_ptr, b, hq, sp, tl.load(slot_ptr), tl.load(pad_ptr + b),
-                  b * stride_cb + hk * stride_ch, stride_cs, offs_d, d_ok, N_KEYS, NH, D_P2, BLOCK_N, SPLITS)
+                  b.to(tl.int64) * stride_cb + hk * stride_ch, stride_cs, offs_d, d_ok, N_KEYS, NH, D_P2, BLOCK_N,
+                  SPLITS)
 
 
 @triton.jit
@@ -461,12 +470,11 @@ def _decode_attn_prologue_split_kernel(
     row = qkv_ptr + b * stride_qkv_b
     q1, q2 = _norm_rope_head(row, qw_ptr, tl.arange(0, NH_P2), offs_d, NH, hq, HALF, cos, sin, eps,
                              HAS_NORM)  # (HALF_P2,) fp16 each
-    base = b * stride_cb + hk * stride_ch
-    # the split holding the new slot (splits deal whole blocks from the row's first block, as _attend_split)
-    hi = tl.minimum(slot + 1, N_KEYS)
-    lo = (pad // BLOCK_N) * BLOCK_N
-    per_split = ((hi - lo + BLOCK_N - 1) // BLOCK_N + SPLITS - 1) // SPLITS * BLOCK_N
-    if (slot - lo) // tl.maximum(per_split, BLOCK_N) == sp:
+    base = b.to(tl.int64) * stride_cb + hk * stride_ch  # int64: a large cache passes 2^31 elements
+    # the writer of the new k / v: the split whose share holds the slot (the only one that reads it), or split 0
+    # where no share holds it (nothing attends it then; the separate prologue writes it all the same)
+    n0, end, covered = _split_keys(slot, pad, sp, N_KEYS, BLOCK_N, SPLITS)
+    if ((n0 <= slot) & (slot < end)) | ((sp == 0) & ~covered):
         k1, k2 = _norm_rope_head(row + NH * 2 * HALF, kw_ptr, tl.arange(0, NKV_P2), offs_d, NKV, hk, HALF, cos, sin,
                                  eps, HAS_NORM)
         c_off = base + slot * stride_cs + offs_d
