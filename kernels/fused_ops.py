@@ -168,17 +168,31 @@ def qk_norm_rope_kv(qkv, q_norm, k_norm, positions, slots, inv_freq, k_cache, v_
 # ---- residual add + RMSNorm -------------------------------------------------------------------------
 
 @triton.jit
+def _added(x_ptr, y_ptr, offs, mask, HAS_Y: tl.constexpr):
+    """x[offs] (+ y[offs] when HAS_Y), fp16: the residual add, as the torch path adds (in fp16)."""
+    x = tl.load(x_ptr + offs, mask=mask, other=0.0)
+    if HAS_Y:
+        x = x + tl.load(y_ptr + offs, mask=mask, other=0.0)
+    return x
+
+
+@triton.jit
+def _inv_rms(x32, N, eps):
+    """1 / rms of a whole row held as fp32 (zeros past N)."""
+    return 1.0 / tl.sqrt(tl.sum(x32 * x32, axis=0) / N + eps)
+
+
+@triton.jit
 def _add_rms_norm_kernel(x_ptr, y_ptr, w_ptr, x_out_ptr, h_out_ptr, N, eps,
                          HAS_Y: tl.constexpr, BLOCK_N: tl.constexpr):
     m = tl.program_id(0)
     offs_n = tl.arange(0, BLOCK_N)
     mask = offs_n < N
-    x = tl.load(x_ptr + m * N + offs_n, mask=mask, other=0.0)
+    x = _added(x_ptr, y_ptr, m * N + offs_n, mask, HAS_Y)
     if HAS_Y:
-        x = x + tl.load(y_ptr + m * N + offs_n, mask=mask, other=0.0)  # fp16 add, as the torch path
         tl.store(x_out_ptr + m * N + offs_n, x, mask=mask)
     x32 = x.to(tl.float32)
-    r = 1.0 / tl.sqrt(tl.sum(x32 * x32, axis=0) / N + eps)
+    r = _inv_rms(x32, N, eps)
     w = tl.load(w_ptr + offs_n, mask=mask, other=0.0).to(tl.float32)
     tl.store(h_out_ptr + m * N + offs_n, (x32 * r * w).to(tl.float16), mask=mask)
 
@@ -258,11 +272,9 @@ def _add_norm_router_kernel(x_ptr, y_ptr, nw_ptr, rw_ptr, x_out_ptr, h_out_ptr, 
     eb = tl.program_id(1)
     offs_n = tl.arange(0, H_P2)
     mask = offs_n < H
-    x = tl.load(x_ptr + m * H + offs_n, mask=mask, other=0.0)  # (H_P2,) fp16
-    if HAS_Y:
-        x = x + tl.load(y_ptr + m * H + offs_n, mask=mask, other=0.0)  # fp16 add, as add_rms_norm
+    x = _added(x_ptr, y_ptr, m * H + offs_n, mask, HAS_Y)  # (H_P2,) fp16
     x32 = x.to(tl.float32)
-    r = 1.0 / tl.sqrt(tl.sum(x32 * x32, axis=0) / H + eps)  # the same reduction as _add_rms_norm_kernel
+    r = _inv_rms(x32, H, eps)  # the same reduction as _add_rms_norm_kernel
     if eb == 0:
         if HAS_Y:
             tl.store(x_out_ptr + m * H + offs_n, x, mask=mask)
@@ -274,9 +286,7 @@ def _add_norm_router_kernel(x_ptr, y_ptr, nw_ptr, rw_ptr, x_out_ptr, h_out_ptr, 
     acc = tl.zeros((BLOCK_E, BLOCK_H), dtype=tl.float32)
     for h0 in range(0, H, BLOCK_H):  # chunks of the normed row, recomputed elementwise as above
         hm = (h0 + offs_h) < H
-        xc = tl.load(x_ptr + m * H + h0 + offs_h, mask=hm, other=0.0)
-        if HAS_Y:
-            xc = xc + tl.load(y_ptr + m * H + h0 + offs_h, mask=hm, other=0.0)
+        xc = _added(x_ptr, y_ptr, m * H + h0 + offs_h, hm, HAS_Y)
         nwc = tl.load(nw_ptr + h0 + offs_h, mask=hm, other=0.0).to(tl.float32)
         hc = (xc.to(tl.float32) * r * nwc).to(tl.float16).to(tl.float32)  # (BH,) the stored fp16 norm output
         w = tl.load(rw_ptr + offs_e[:, None] * H + h0 + offs_h[None, :], mask=e_mask[:, None] & hm[None, :],
@@ -511,6 +521,27 @@ def _decode_attn_combine_kernel(part_ptr, ml_ptr, out_ptr, NH: tl.constexpr, D: 
     tl.store(out_ptr + (b * NH + hq) * D + offs_d, o.to(tl.float16), mask=offs_d < D)
 
 
+def attention_splits(n_keys: int) -> tuple[int, int]:
+    """(BLOCK_N, SPLITS) of the split decode attention over a KV bucket of n_keys: up to 512 keys a block per split."""
+    block_n = 32
+    return block_n, min(16, triton.next_power_of_2(triton.cdiv(n_keys, block_n)))
+
+
+def _split_buffers(B: int, nh: int, splits: int, d_p2: int, device):
+    """The splits' partial outputs fp32 (B, nh, SPLITS, D_P2) and (max, sum) fp32 (B, nh, SPLITS, 2)."""
+    return (torch.empty(B, nh, splits, d_p2, dtype=torch.float32, device=device),
+            torch.empty(B, nh, splits, 2, dtype=torch.float32, device=device))
+
+
+def _combine_splits(part, ml, D: int):
+    """The combining launch: fp16 (B, 1, nh * D) from the splits' buffers (``_split_buffers``)."""
+    B, nh, splits, d_p2 = part.shape
+    out = torch.empty(B, 1, nh * D, dtype=torch.float16, device=part.device)
+    common.launch(_decode_attn_combine_kernel[(B, nh)], part, ml, out, NH=nh, D=D, D_P2=d_p2, SPLITS=splits,
+                  **_one_warp(out.device))
+    return out
+
+
 def decode_attention(q, k_cache, v_cache, slot, pad, n_keys: int):
     """Split-key decode attention: two launches, the splits and then their combination.
 
@@ -526,18 +557,13 @@ def decode_attention(q, k_cache, v_cache, slot, pad, n_keys: int):
     if T != 1 or not q.is_contiguous() or nh % nkv or k_cache.stride() != v_cache.stride():
         raise ValueError(f"decode_attention: q {tuple(q.shape)} (T must be 1, contiguous), nh % nkv, "
                          f"k/v strides {k_cache.stride()} / {v_cache.stride()}")
-    block_n = 32
-    splits = min(16, triton.next_power_of_2(triton.cdiv(n_keys, block_n)))  # up to 512 keys: a block per split
+    block_n, splits = attention_splits(n_keys)
     d_p2 = triton.next_power_of_2(D)
-    part = torch.empty(B, nh, splits, d_p2, dtype=torch.float32, device=q.device)
-    ml = torch.empty(B, nh, splits, 2, dtype=torch.float32, device=q.device)
-    out = torch.empty(B, 1, nh * D, dtype=torch.float16, device=q.device)
+    part, ml = _split_buffers(B, nh, splits, d_p2, q.device)
     common.launch(_decode_attn_split_kernel[(B, nh, splits)], q, k_cache, v_cache, part, ml, slot, pad,
                   k_cache.stride(0), k_cache.stride(1), k_cache.stride(2), D ** -0.5,
                   N_KEYS=n_keys, NH=nh, NKV=nkv, D=D, D_P2=d_p2, BLOCK_N=block_n, SPLITS=splits)
-    common.launch(_decode_attn_combine_kernel[(B, nh)], part, ml, out, NH=nh, D=D, D_P2=d_p2, SPLITS=splits,
-                  **_one_warp(out.device))
-    return out
+    return _combine_splits(part, ml, D)
 
 
 def decode_attention_with_prologue(qkv, q_norm, k_norm, positions, slot, inv_freq, k_cache, v_cache, pad, n_keys: int,
@@ -564,11 +590,8 @@ def decode_attention_with_prologue(qkv, q_norm, k_norm, positions, slot, inv_fre
         raise ValueError(f"qkv: expected float16 with a contiguous last dim, got {qkv.dtype} strides {qkv.stride()}")
     _check_norms_and_cache(q_norm, k_norm, k_cache, v_cache, B, nkv, D)
     positions = positions.contiguous()
-    block_n = 32
-    splits = min(16, triton.next_power_of_2(triton.cdiv(n_keys, block_n)))  # as decode_attention
-    part = torch.empty(B, nh, splits, D, dtype=torch.float32, device=qkv.device)
-    ml = torch.empty(B, nh, splits, 2, dtype=torch.float32, device=qkv.device)
-    out = torch.empty(B, 1, nh * D, dtype=torch.float16, device=qkv.device)
+    block_n, splits = attention_splits(n_keys)
+    part, ml = _split_buffers(B, nh, splits, D, qkv.device)
     has_norm = q_norm is not None
     half = D // 2
     common.launch(_decode_attn_prologue_split_kernel[(B, nh, splits)],
@@ -578,9 +601,7 @@ def decode_attention_with_prologue(qkv, q_norm, k_norm, positions, slot, inv_fre
                   N_KEYS=n_keys, NH=nh, NKV=nkv, HALF=half, NH_P2=triton.next_power_of_2(nh),
                   NKV_P2=triton.next_power_of_2(nkv), HALF_P2=half, HAS_NORM=has_norm, BLOCK_N=block_n,
                   SPLITS=splits)
-    common.launch(_decode_attn_combine_kernel[(B, nh)], part, ml, out, NH=nh, D=D, D_P2=D, SPLITS=splits,
-                  **_one_warp(out.device))
-    return out
+    return _combine_splits(part, ml, D)
 
 
 # ---- fp16 GEMV of one row (the q|k|v and o projections of a batch-1 decode step) ----------------------------
@@ -621,6 +642,5 @@ def gemv(x, w, b=None):
     y = torch.empty(*x.shape[:-1], n, dtype=torch.float16, device=x.device)
     block_n = 16 if n >= 4096 else 4
     common.launch(_gemv_kernel[(triton.cdiv(n, block_n),)], x.contiguous(), w, b if b is not None else w, y, n, K=k,
-                  HAS_BIAS=b is not None, BLOCK_N=block_n, BLOCK_K=512,
-                  **({} if common.interpreting(x.device) else {"num_warps": 4}))
+                  HAS_BIAS=b is not None, BLOCK_N=block_n, BLOCK_K=512)  # Triton's default 4 warps (the probe's)
     return y

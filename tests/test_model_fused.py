@@ -220,10 +220,9 @@ def test_split_keys_deal_every_key_once_and_one_split_holds_the_slot(n_keys, tes
     """The splits' shares of a row's keys are contiguous, disjoint, whole blocks from the row's first block, cover
     its first block .. min(slot + 1, n_keys) exactly, and exactly one holds the slot when ``covered`` (the writer
     of the new k / v in decode_attention_with_prologue; none otherwise)."""
-    import triton as _triton
+    from runmap.kernels.fused_ops import attention_splits
 
-    block_n = 32
-    splits = min(16, _triton.next_power_of_2(_triton.cdiv(n_keys, block_n)))  # as the wrappers
+    block_n, splits = attention_splits(n_keys)  # as the wrappers
     cases = [(slot, pad) for slot in range(0, n_keys + 40, 7) for pad in (0, 1, 31, 32, 33, slot, slot + 1, slot + 40)]
     slot_t = torch.tensor([c[0] for c in cases], dtype=torch.int64, device=test_device)
     pad_t = torch.tensor([c[1] for c in cases], dtype=torch.int64, device=test_device)
