@@ -14,7 +14,7 @@
 #    prints a short table.
 # Runs with PYTHONPATH=. (the package is not installed there) and imports no jsonschema/snakemake.
 # RUNMAP_SPEC=<spec> runs another campaign spec; RUNMAP_MODELS=olmoe prepares only OLMoE; RUNMAP_ONLY=<regex>
-# passes --only to the bench.
+# passes --only to the bench. RUNMAP_MODELS=qwen prepares only Qwen1.5-MoE.
 # RUNMAP_DIRECT="NAME=PRESET ..." replaces step 1: for each pair it synthesizes a pack directly, without a
 # checkpoint (`runmap synth --direct-pack`: random INT4 codes, labelled in the manifest and in every record; speed
 # runs at real dimensions) as $WORK/pk-NAME, unless a machine left warm still holds it, and passes
@@ -78,6 +78,9 @@ echo "free disk in $WORK: ${FREE_GB} GB"
 if [ "${RUNMAP_MODELS:-both}" = olmoe ]; then  # one model only (a shorter call): OLMoE
   prepare olmoe "$PRESET_OLMOE" > "$OUT/prepare-olmoe.log" 2>&1; R1=$?; R2=1
   echo "qwen: not prepared (RUNMAP_MODELS=olmoe)" > "$OUT/prepare-qwen.log"
+elif [ "${RUNMAP_MODELS:-both}" = qwen ]; then  # Qwen1.5-MoE only
+  prepare qwen "$PRESET_QWEN" > "$OUT/prepare-qwen.log" 2>&1; R2=$?; R1=1
+  echo "olmoe: not prepared (RUNMAP_MODELS=qwen)" > "$OUT/prepare-olmoe.log"
 elif [ "${FREE_GB:-0}" -ge 56 ] || [ -n "${RUNMAP_PRESET_OLMOE:-}" ]; then
   prepare olmoe "$PRESET_OLMOE" > "$OUT/prepare-olmoe.log" 2>&1 &
   P1=$!

@@ -640,7 +640,72 @@ def gemv(x, w, b=None):
         raise ValueError(f"gemv: one fp16 row of width {k} and a contiguous fp16 ({n}, {k}) weight required, got x "
                          f"{x.dtype} {tuple(x.shape)}, w {w.dtype} {tuple(w.shape)}")
     y = torch.empty(*x.shape[:-1], n, dtype=torch.float16, device=x.device)
-    block_n = 16 if n >= 4096 else 4
-    common.launch(_gemv_kernel[(triton.cdiv(n, block_n),)], x.contiguous(), w, b if b is not None else w, y, n, K=k,
-                  HAS_BIAS=b is not None, BLOCK_N=block_n, BLOCK_K=512)  # Triton's default 4 warps (the probe's)
+    _launch_gemv(x.contiguous(), w, b, y)
     return y
+
+
+def _gemv_block_n(n: int) -> int:
+    return 16 if n >= 4096 else 4  # the probe's best tiles (above), by the projection's width
+
+
+def _launch_gemv(x, w, b, y) -> None:
+    n, k = w.shape
+    block_n = _gemv_block_n(n)
+    common.launch(_gemv_kernel[(triton.cdiv(n, block_n),)], x, w, b if b is not None else w, y, n, K=k,
+                  HAS_BIAS=b is not None, BLOCK_N=block_n, BLOCK_K=512)  # Triton's default 4 warps (the probe's)
+
+
+# ---- the shared expert of one token (Qwen2-MoE), added to the routed output --------------------------------
+# In torch a batch-1 shared expert is ~14 launches per layer (two cuBLAS GEMVs, the gate's GEMV, and the casts, SiLU,
+# products and sums between them). Here: one GEMV over gate | up | the gate's row, then one launch that forms
+# fp16(silu(g) * u) for its K chunk, multiplies by the down projection and adds sigmoid(gate) times the result to the
+# routed output, rounding to fp16 where the torch path does.
+
+@triton.jit
+def _shared_down_kernel(gu_ptr, w_ptr, y_ptr, out_ptr, N, I: tl.constexpr, BLOCK_N: tl.constexpr,
+                        BLOCK_K: tl.constexpr):
+    """out[n] = fp16(y[n] + sigmoid(gu[2I]) * fp16(sum_k a[k] w[n, k])), a = fp16(silu(gu[k]) * gu[I + k])."""
+    offs_n = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)  # (BN,)
+    n_mask = offs_n < N
+    offs_k = tl.arange(0, BLOCK_K)
+    acc = tl.zeros((BLOCK_N, BLOCK_K), tl.float32)
+    for k0 in range(0, I, BLOCK_K):
+        k_mask = (k0 + offs_k) < I
+        g = tl.load(gu_ptr + k0 + offs_k, mask=k_mask, other=0.0).to(tl.float32)  # (BK,)
+        u = tl.load(gu_ptr + I + k0 + offs_k, mask=k_mask, other=0.0).to(tl.float32)
+        a = (g * tl.sigmoid(g) * u).to(tl.float16).to(tl.float32)  # the torch path's fp16 activation
+        w = tl.load(w_ptr + offs_n[:, None] * I + k0 + offs_k[None, :], mask=n_mask[:, None] & k_mask[None, :],
+                    other=0.0)  # (BN, BK) fp16
+        acc += w.to(tl.float32) * a[None, :]
+    s = tl.sum(acc, axis=1).to(tl.float16).to(tl.float32)  # (BN,) the down projection's fp16 output
+    gate = tl.sigmoid(tl.load(gu_ptr + 2 * I).to(tl.float32))
+    y = tl.load(y_ptr + offs_n, mask=n_mask, other=0.0).to(tl.float32)
+    tl.store(out_ptr + offs_n, (y + gate * s).to(tl.float16), mask=n_mask)
+
+
+def shared_expert_one_row(h, gate_up_gate, down, y):
+    """The shared expert of one token added to its routed output, in two launches.
+
+    h             fp16 (1, H): the MoE input of the token
+    gate_up_gate  fp16 (2 * Is + 1, H) contiguous: the shared expert's gate rows, its up rows, then the
+                  shared_expert_gate row (runmap.engine.model.LayerWeights.shared_gate_up_gate)
+    down          fp16 (H, Is) contiguous
+    y             fp16 (1, H): the routed experts' output
+    returns       fp16 (1, H) = fp16(y + sigmoid(gate . h) * fp16(down @ fp16(silu(g) * u))), g | u | gate =
+                  fp16(gate_up_gate @ h): the torch path's roundings, its sums in another order (not bit-identical)."""
+    n3, hid = gate_up_gate.shape
+    H, I = down.shape
+    if h.dtype != torch.float16 or h.numel() != hid or n3 != 2 * I + 1 or H != hid or y.shape != h.shape \
+            or y.dtype != torch.float16 or down.dtype != torch.float16 or gate_up_gate.dtype != torch.float16 \
+            or not gate_up_gate.is_contiguous() or not down.is_contiguous():
+        raise ValueError(f"shared_expert_one_row: one fp16 row h (1, {hid}), gate_up_gate (2 Is + 1, H) and down (H, "
+                         f"Is) contiguous fp16, y like h; got h {h.dtype} {tuple(h.shape)}, gate_up_gate "
+                         f"{gate_up_gate.dtype} {tuple(gate_up_gate.shape)}, down {down.dtype} {tuple(down.shape)}, y "
+                         f"{y.dtype} {tuple(y.shape)}")
+    gu = torch.empty(n3, dtype=torch.float16, device=h.device)  # g (Is) | u (Is) | gate logit (1)
+    _launch_gemv(h.contiguous(), gate_up_gate, None, gu)
+    out = torch.empty_like(y)
+    block_n = _gemv_block_n(H)
+    common.launch(_shared_down_kernel[(triton.cdiv(H, block_n),)], gu, down, y.contiguous(), out, H, I=I,
+                  BLOCK_N=block_n, BLOCK_K=512)
+    return out

@@ -263,7 +263,7 @@ def test_decode_step_runs_the_folded_launches(preset, monkeypatch):
     model.fused = frozenset(ALL)
     calls = []
     for name in ("qk_norm_rope_kv", "decode_attention", "decode_attention_with_prologue", "add_norm_router_logits",
-                 "route_fused", "route_topk", "gemv"):
+                 "route_fused", "route_topk", "gemv", "shared_expert_one_row"):
         real = getattr(fo, name)
         monkeypatch.setattr(fo, name, lambda *a, _real=real, _name=name, **kw: (calls.append(_name), _real(*a, **kw))[1])
     kv = KVCache(cfg, 1, 8, "cpu")
@@ -277,6 +277,9 @@ def test_decode_step_runs_the_folded_launches(preset, monkeypatch):
     assert "gemv" not in prefill and calls.count("gemv") == 2 * L  # q|k|v and o of the one token, each layer
     assert calls.count("decode_attention_with_prologue") == L and calls.count("add_norm_router_logits") == L
     assert calls.count("route_topk") == L
+    # a family with a shared expert (Qwen2-MoE) runs it as one GEMV and one down launch per layer
+    assert calls.count("shared_expert_one_row") == (L if cfg.shared_expert_intermediate_size else 0)
+    assert "shared_expert_one_row" not in prefill
     assert not {"qk_norm_rope_kv", "decode_attention", "route_fused"} & set(calls)
 
 
@@ -303,3 +306,45 @@ def test_gemv_refuses_more_than_one_row():
 
     with pytest.raises(ValueError, match="one fp16 row"):
         gemv(torch.zeros(2, 8).half(), torch.zeros(4, 8).half())
+
+
+@pytest.mark.parametrize("hid,inter", [(2048, 1408), (96, 40), (37, 600), (8, 5)])
+def test_shared_expert_one_row_matches_the_torch_path(hid, inter, test_device):
+    """The two-launch shared expert of one token against Transformer.moe_block's torch sequence (the same fp16
+    roundings) and against an FP32 product: odd H (a partial last block of rows), Is not a multiple of the K tile."""
+    import torch.nn.functional as F
+
+    from runmap.kernels.fused_ops import shared_expert_one_row
+
+    g = torch.Generator().manual_seed(hid + inter)
+    dev = torch.device(test_device)
+    h = torch.randn(1, hid, generator=g).half().to(dev)
+    gug = (torch.randn(2 * inter + 1, hid, generator=g) / hid ** 0.5).half().to(dev)
+    down = (torch.randn(hid, inter, generator=g) / inter ** 0.5).half().to(dev)
+    y = torch.randn(1, hid, generator=g).half().to(dev)
+    out = shared_expert_one_row(h, gug, down, y)
+    assert out.shape == (1, hid) and out.dtype == torch.float16 and torch.isfinite(out).all()
+    assert out.data_ptr() != y.data_ptr()  # a new tensor: the routed output is left as it was
+    # the torch path's steps (fp32 math from fp16 values, fp16 between ops)
+    hf = h.float().cpu()
+    gu = (hf @ gug.float().cpu()[:-1].t()).half()  # (1, 2 Is)
+    gl = (hf @ gug.float().cpu()[-1:].t()).half()  # (1, 1)
+    a = (F.silu(gu[:, :inter].float()) * gu[:, inter:].float()).half()
+    s = (a.float() @ down.float().cpu().t()).half()
+    ref = (y.float().cpu() + torch.sigmoid(gl.float()) * s.float()).half().float()
+    err = (out.float().cpu() - ref).abs().max().item()
+    assert err <= 4e-3 * ref.abs().max().item() + 2e-3, err
+    # and the whole thing in fp32: the roundings stay within fp16 steps
+    a32 = F.silu(hf @ gug.float().cpu()[:inter].t()) * (hf @ gug.float().cpu()[inter:-1].t())
+    ref32 = y.float().cpu() + torch.sigmoid(hf @ gug.float().cpu()[-1:].t()) * (a32 @ down.float().cpu().t())
+    assert (out.float().cpu() - ref32).abs().max().item() <= 2e-2 * ref32.abs().max().item() + 1e-2
+
+
+def test_shared_expert_one_row_refuses_what_it_cannot_run():
+    from runmap.kernels.fused_ops import shared_expert_one_row
+
+    h, y = torch.zeros(1, 8).half(), torch.zeros(1, 8).half()
+    with pytest.raises(ValueError, match="shared_expert_one_row"):
+        shared_expert_one_row(torch.zeros(2, 8).half(), torch.zeros(11, 8).half(), torch.zeros(8, 5).half(), y)
+    with pytest.raises(ValueError, match="shared_expert_one_row"):  # gate | up | gate row must be 2 Is + 1 rows
+        shared_expert_one_row(h, torch.zeros(10, 8).half(), torch.zeros(8, 5).half(), y)

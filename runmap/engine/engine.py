@@ -101,8 +101,9 @@ from runmap.arch.config import ModelConfig
 from runmap.engine.generation import (GenerationError, GenerationResult, GenerationRun, generate_batch,
                                      prefill_warmup_shapes)
 from runmap.engine.model import KVCache, Transformer, experts_dense_torch, load_weights, run_pieces
+from runmap.engine.prefill_graph import PREFILL_BUCKETS, GraphPrefiller
 from runmap.kernels.registry import CPU_SITE_EXECUTORS, EXECUTOR_NAMES as EXECUTORS, GRAPH_SAFE_EXECUTORS as GRAPH_EXECUTORS
-from runmap.engine.telemetry import DECODE_PATHS
+from runmap.engine.telemetry import DECODE_PATHS, PREFILL_PATHS
 from runmap.residency.regimes import regime_of
 from runmap.workload.routing import ImposedRouting, RoutingError, parse_routing
 
@@ -488,6 +489,12 @@ class _StaticStepInputs:
         self.imposed = torch.zeros(L, batch, k, dtype=torch.long, device=dev) if engine.imposed is not None else None
         self.recorded = torch.zeros(L, batch, k, dtype=torch.long, device=dev) if engine.routes is not None else None
 
+    def fits(self, engine: "Engine") -> bool:
+        """Whether these buffers serve the engine's current routing workload and route recorder: a step captured
+        without them (warm_up sets both aside) would route by the router and record nothing."""
+        return (self.imposed is not None) == (engine.imposed is not None) and \
+            (self.recorded is not None) == (engine.routes is not None)
+
     def _load(self, tok, slot: int, pad) -> np.ndarray:
         """Copy one step's inputs in (and its imposed routes); returns the step's real-token mask (B, 1)."""
         self.tok.copy_(tok.view(self.B, 1))
@@ -834,12 +841,18 @@ class Engine:
         self.use_segments = bool(segments and isinstance(experts, CachedExperts) and not experts.full
                                  and not self.skip_experts
                                  and ((device.type == "cuda" and executor in GRAPH_EXECUTORS) or segments == "eager"))
+        # captured decoders by batch; one built without the buffers of the routing workload or the route recorder the
+        # engine has now (warm_up's: it sets both aside) is rebuilt, never run (_StaticStepInputs.fits)
         self._graphs: dict[int, GraphDecoder] = {}
         self._segments: dict[int, SegmentDecoder] = {}  # batch -> chain without a CPU site
         self._mixed_segments: dict[int, SegmentDecoder] = {}  # batch -> chain with a CPU part per layer
         self.decode_paths = dict.fromkeys(DECODE_PATHS, 0)  # decode steps by the path that ran them
+        self.prefill_paths = dict.fromkeys(PREFILL_PATHS, 0)  # prefill passes by the path that ran them
+        self._prefiller: GraphPrefiller | None = None  # short prefill passes as CUDA graphs (use_graphs only)
         self._pool = torch.cuda.graph_pool_handle() if (self.use_graphs or self.use_segments) and \
             device.type == "cuda" else None
+        if self.use_graphs:
+            self._prefiller = GraphPrefiller(self, self._pool)
         self.last_timing: dict | None = None
         self.warm_up_s: float | None = None  # seconds of warm_up() (from_pack runs it on CUDA, full residency)
         self.budget_plan = None  # runmap.engine.budget.BudgetPlan when built with gpu_budget
@@ -851,24 +864,31 @@ class Engine:
     @torch.inference_mode()
     def warm_up(self) -> float:
         """Compile and capture now what a request would otherwise pay for in its first call (on a fresh H200 host the
-        first 512-token prefill took 6.7 s of Triton compilation, results/campaigns/h200-floor): one batch-1 prefill
-        per size class of pass up to one chunk (``prefill_warmup_shapes``: every size-derived kernel variant) and a
+        first 512-token prefill took 6.7 s of Triton compilation, results/campaigns/h200-floor): one eager batch-1
+        prefill per size class of pass up to one chunk (``prefill_warmup_shapes``: every size-derived kernel variant),
+        with CUDA graphs the capture of a batch-1 prefill at every length bucket (runmap.engine.prefill_graph), and a
         decode step of 1 and of max_batch rows. The tokens are the pad id (only shapes matter). The routing workload
         and the route recorder are set aside meanwhile and the engine's and cache's counters restored after, so
         nothing the engine reports counts these passes. Returns (and keeps as ``warm_up_s``) the seconds it took."""
         self._check_open()
         t0 = time.perf_counter()
         dev = self.device
-        saved = self.imposed, self.routes, dict(self.prefill_counts), dict(self.decode_paths)
+        saved = self.imposed, self.routes, dict(self.prefill_counts), dict(self.decode_paths), dict(self.prefill_paths)
         cache = self._expert_cache()
         counters = dict(cache.counters) if cache is not None else None
         self.imposed = self.routes = None
         self.experts.begin()
         try:
+            zero = torch.zeros(1, dtype=torch.long, device=dev)
             for lens in prefill_warmup_shapes(max_seq_len=self.max_seq_len, prefill_chunk=self.prefill_chunk,
                                               max_batch=1, top_k=self.cfg.top_k):
                 tokens = torch.full((1, lens[0]), int(self.pad_id), dtype=torch.long, device=dev)
-                self.prefill(tokens, torch.zeros(1, dtype=torch.long, device=dev), pad_host=[0])
+                run_pieces(self.prefill_pieces(tokens, zero, pad_host=[0]))  # eager: a server's passes compile too
+            if self._prefiller is not None:
+                for n in PREFILL_BUCKETS:
+                    if self._prefiller.bucket_for(1, n) == n:
+                        self.prefill(torch.full((1, n), int(self.pad_id), dtype=torch.long, device=dev), zero,
+                                     pad_host=[0])
             for B in sorted({1, self.max_batch}):
                 zeros = torch.zeros(B, dtype=torch.long, device=dev)
                 self.decode(zeros, 0, zeros)
@@ -879,6 +899,7 @@ class Engine:
             self.imposed, self.routes = saved[0], saved[1]
             self.prefill_counts.update(saved[2])
             self.decode_paths.update(saved[3])
+            self.prefill_paths.update(saved[4])
             if counters is not None:
                 cache.counters.clear()
                 cache.counters.update(counters)
@@ -1096,8 +1117,21 @@ class Engine:
         """tokens int64 (B, P), pad int64 (B,) (device) -> float32 (B, V) (or (B, P, V) with all_logits).
         Chunks of ``prefill_chunk`` tokens bound the activation memory of long prompts. ``kv``: the KVCache (or a
         ``rows`` view of it) the pass writes, rows 0..B-1 (default: the engine's); ``pad_host``: the same pads
-        as host ints, when the caller has them (saves a device-to-host read). ``prefill_pieces`` run to its end."""
-        return run_pieces(self.prefill_pieces(tokens, pad, all_logits, kv=kv, pad_host=pad_host))
+        as host ints, when the caller has them (saves a device-to-host read). ``prefill_pieces`` run to its end, or
+        with CUDA graphs a short pass of last-position logits into the engine's own cache replayed as a captured graph
+        (runmap.engine.prefill_graph: the prompt padded on the right to its length bucket)."""
+        B, P = tokens.shape
+        Pb = None
+        if (self._prefiller is not None and kv is None and not all_logits and self.model.route_log is None
+                and P <= self.prefill_chunk):
+            Pb = self._prefiller.bucket_for(B, P)
+        if Pb is None:
+            self.prefill_paths["eager"] += 1
+            return run_pieces(self.prefill_pieces(tokens, pad, all_logits, kv=kv, pad_host=pad_host))
+        self._check_open()
+        pad_h = pad.cpu().numpy() if pad_host is None else np.asarray(pad_host, dtype=np.int64)
+        self.prefill_paths["graphs"] += 1
+        return self._prefiller.run(tokens, pad, pad_h, Pb)
 
     def prefill_pieces(self, tokens: torch.Tensor, pad: torch.Tensor, all_logits: bool = False, *, kv=None,
                        pad_host=None):
@@ -1157,7 +1191,7 @@ class Engine:
         B = tokens.shape[0]
         if self.use_graphs:
             self.decode_paths["graphs"] += 1
-            if B not in self._graphs:
+            if B not in self._graphs or not self._graphs[B].fits(self):
                 self._graphs[B] = GraphDecoder(self, B, self._pool)
             return self._graphs[B].run(tokens, slot, pad)
         if self.use_segments and self.cfg.top_k * B <= self.experts.cache.max_group:
@@ -1166,7 +1200,7 @@ class Engine:
             mixed = self.experts.mixed
             self.decode_paths["chain_cpu" if mixed else "chain"] += 1
             chains = self._mixed_segments if mixed else self._segments
-            if B not in chains:
+            if B not in chains or not chains[B].fits(self):
                 chains[B] = SegmentDecoder(self, B, self._pool, capture=self.device.type == "cuda", mixed=mixed)
             return chains[B].run(tokens, slot, pad)
         self.decode_paths["per_call"] += 1
@@ -1214,6 +1248,8 @@ class Engine:
         self._mixed_segments.clear()
         if self._pool is not None:
             self._pool = torch.cuda.graph_pool_handle()
+        if self._prefiller is not None:
+            self._prefiller = GraphPrefiller(self, self._pool)
 
     # ---- public API ---------------------------------------------------------------------------------------
     def encode(self, prompt, chat: bool = False) -> list[int]:
@@ -1367,6 +1403,7 @@ class Engine:
         self._graphs.clear()
         self._segments.clear()
         self._mixed_segments.clear()
+        self._prefiller = None
         self._pool = None
         self.kv = self.model = self.experts = None
         self._closed = True

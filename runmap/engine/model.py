@@ -122,6 +122,9 @@ class LayerWeights:
     shared_gate_up: torch.Tensor | None  # (2*Is, H) shared expert gate|up (routed+shared layers, Qwen2-MoE)
     shared_down: torch.Tensor | None  # (H, Is)
     shared_expert_gate: torch.Tensor | None  # (1, H)
+    # (2*Is + 1, H): gate | up | shared_expert_gate in one tensor, of which the two above are views (the fused
+    # one-token shared expert reads all three in one GEMV)
+    shared_gate_up_gate: torch.Tensor | None = None
 
 
 @dataclasses.dataclass
@@ -137,7 +140,9 @@ class Weights:
         tensors = [self.embed, self.final_norm, self.lm_head, self.inv_freq]
         for lw in self.layers:
             # fields, not dataclasses.astuple: astuple deep-copies every tensor (the whole model, on its device)
-            tensors += [t for t in (getattr(lw, f.name) for f in dataclasses.fields(lw)) if isinstance(t, torch.Tensor)]
+            views = ("shared_gate_up", "shared_expert_gate") if lw.shared_gate_up_gate is not None else ()
+            tensors += [t for t in (getattr(lw, f.name) for f in dataclasses.fields(lw) if f.name not in views)
+                        if isinstance(t, torch.Tensor)]  # the shared expert's views of shared_gate_up_gate: once
         for t in tensors:
             if t.data_ptr() not in seen:
                 seen.add(t.data_ptr())
@@ -179,11 +184,11 @@ def load_weights(get: Callable[[str], torch.Tensor], cfg: ModelConfig, device) -
         qkv_bias = None
         if cfg.qkv_bias:
             qkv_bias = torch.cat([t(lt, "q_bias"), t(lt, "k_bias"), t(lt, "v_bias")])  # (nh*D + 2*nkv*D,)
-        sg = sd = sgate = None
+        sg = sd = sgate = sgug = None
         if "shared_gate" in lt:
-            sg = torch.cat([t(lt, "shared_gate"), t(lt, "shared_up")], dim=0)  # (2*Is, H)
+            sgug = torch.cat([t(lt, "shared_gate"), t(lt, "shared_up"), t(lt, "shared_expert_gate")])  # (2*Is + 1, H)
+            sg, sgate = sgug[:-1], sgug[-1:]  # (2*Is, H), (1, H) views
             sd = t(lt, "shared_down")
-            sgate = t(lt, "shared_expert_gate")
         layers.append(LayerWeights(
             attn_norm=t(lt, "attn_norm"),
             qkv=qkv, qkv_bias=qkv_bias,
@@ -192,7 +197,7 @@ def load_weights(get: Callable[[str], torch.Tensor], cfg: ModelConfig, device) -
             k_norm=opt(lt, "k_norm"),
             mlp_norm=t(lt, "mlp_norm"),
             router32=t(lt, "router").float(),
-            shared_gate_up=sg, shared_down=sd, shared_expert_gate=sgate,
+            shared_gate_up=sg, shared_down=sd, shared_expert_gate=sgate, shared_gate_up_gate=sgug,
         ))
     head, tail = adapter.head_tensors(cfg), adapter.tail_tensors(cfg)
     embed = t(head, "embed")
@@ -311,6 +316,11 @@ class Transformer:
         y = experts(layer, hr.contiguous(), ids, gw)  # (n, H) fp16
         if token_rows is not None:
             y = torch.zeros_like(h).index_copy_(0, token_rows, y)  # (N, H)
+        if lw.shared_gate_up is not None and "gemv" in self.fused and h.shape[0] == 1 \
+                and lw.shared_gate_up_gate is not None:
+            from runmap.kernels.fused_ops import shared_expert_one_row
+
+            return shared_expert_one_row(h, lw.shared_gate_up_gate, lw.shared_down, y)  # (1, H): two launches
         if lw.shared_gate_up is not None:
             gu = linear(h, lw.shared_gate_up)  # (N, 2*Is)
             g, u = gu.chunk(2, dim=-1)
@@ -405,14 +415,22 @@ class Transformer:
 
         return sdpa_kernel(self.sdpa_backends)
 
+    @staticmethod
+    def _last(h: torch.Tensor, last_position: torch.Tensor | None) -> torch.Tensor:
+        """h (B, T, H) -> (B, H) at position T - 1, or at ``last_position`` (int64 (1,) device; no host read)."""
+        if last_position is None:
+            return h[:, -1]
+        return h.index_select(1, last_position).squeeze(1)
+
     def forward(self, tokens, positions, kv: KVCache, slots, pad, n_keys: int, experts: ExpertsFn, *,
-                token_rows=None, causal_fresh=False, all_logits=False):
+                token_rows=None, causal_fresh=False, all_logits=False, last_position=None):
         """One forward pass over T new tokens per row (``forward_pieces`` run to its end; arguments there)."""
         return run_pieces(self.forward_pieces(tokens, positions, kv, slots, pad, n_keys, experts, token_rows=token_rows,
-                                              causal_fresh=causal_fresh, all_logits=all_logits))
+                                              causal_fresh=causal_fresh, all_logits=all_logits,
+                                              last_position=last_position))
 
     def forward_pieces(self, tokens, positions, kv: KVCache, slots, pad, n_keys: int, experts: ExpertsFn, *,
-                       token_rows=None, causal_fresh=False, all_logits=False):
+                       token_rows=None, causal_fresh=False, all_logits=False, last_position=None):
         """One forward pass over T new tokens per row, as a generator that yields (None) after each layer's work
         is queued and returns the logits: a caller can run other work between layers (a server's decode steps
         between the layers of a joining request's prefill). Nothing here holds state across a yield but its
@@ -429,6 +447,8 @@ class Transformer:
         causal_fresh  True when no row is padded and slots are the last T of the n_keys (n_keys-T .. n_keys-1):
                    causal attention without a mask (flash), aligned to the lower right for a later chunk
         all_logits return logits for every position (B, T, V) instead of the last (B, V)
+        last_position int64 (1,) device: the position whose logits are returned instead of T - 1 (a captured
+                   prefill pass padded on the right, runmap.engine.prefill_graph)
         returns    float32 logits
         """
         cfg, w = self.cfg, self.w
@@ -459,7 +479,7 @@ class Transformer:
                 x, h = add_rms_norm(x, y, norms[layer + 1], eps)  # next layer's input norm, or the final norm
                 yield
             if not all_logits:
-                h = h[:, -1]  # (B, H): only the last position is sampled from
+                h = self._last(h, last_position)  # (B, H): only the last position is sampled from
             return linear(h, w.lm_head).float()
         for layer, lw in enumerate(w.layers):
             h = rms_norm(x, lw.attn_norm, eps)
@@ -468,7 +488,7 @@ class Transformer:
             x = x + self.moe_block(layer, h, experts, token_rows).reshape(B, T, -1)
             yield
         if not all_logits:
-            x = x[:, -1]  # (B, H): only the last position is sampled from
+            x = self._last(x, last_position)  # (B, H): only the last position is sampled from
         x = rms_norm(x, w.final_norm, eps)
         return linear(x, w.lm_head).float()  # (B, V) or (B, T, V)
 

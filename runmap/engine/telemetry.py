@@ -28,6 +28,7 @@ SCHEMA_VERSION = "runmap-telemetry-v1"
 from runmap.residency.observations import OBSERVATION_NAMES as OBS_NAMES, REQUIRED_ZERO as OBS_UNITS
 
 DECODE_PATHS = ("graphs", "chain", "chain_cpu", "per_call")  # Engine.decode_paths; fields decode_steps_<path> below
+PREFILL_PATHS = ("graphs", "eager")  # Engine.prefill_paths; fields prefill_passes_<path> below
 
 
 FP16_NO_CACHE = "expert_format fp16 baseline: experts are dequantized device tensors, no expert cache runs"
@@ -55,6 +56,10 @@ class PhaseSiteCounters:
     decode_steps_chain: int = 0
     decode_steps_chain_cpu: int = 0
     decode_steps_per_call: int = 0
+    # Engine.prefill calls by the path that ran them (PREFILL_PATHS): a captured CUDA graph of the prompt padded to its
+    # length bucket (runmap.engine.prefill_graph), or the eager pass
+    prefill_passes_graphs: int = 0
+    prefill_passes_eager: int = 0
 
 
 @dataclasses.dataclass(frozen=True)
@@ -137,6 +142,7 @@ def snapshot(engine, cache: dict | None = None) -> EngineStats:
         cache = engine.experts.telemetry()  # None for the fp16 baseline (no cache)
     common = dict(
         **{f"decode_steps_{k}": v for k, v in engine.decode_paths.items()},
+        **{f"prefill_passes_{k}": v for k, v in engine.prefill_paths.items()},
         executor=engine.executor, expert_format=engine.expert_format, regime=engine.regime, device=str(engine.device),
         cuda_graphs=engine.use_graphs, fused=tuple(sorted(engine.model.fused)), skip_experts=engine.skip_experts,
         resident=engine.resident, runs=len(engine._runs), nonrouted_bytes=engine.model.w.nbytes(),

@@ -1,0 +1,139 @@
+"""Short prefill passes captured as CUDA graphs, one per (rows, length bucket, padded or not).
+
+Why: a prefill pass is eager Python over ~16 launches per layer. On the H200 a 512-token OLMoE prefill needs
+6.6 ms of device time, but its warm time to first token was 13.7 ms in one run and 28.5 ms in another
+(results/campaigns/h200-decode/README.md): the host issuing launches, not the device, set the time. Replaying a
+captured pass costs the host a few copies and one launch.
+
+What a captured pass computes: the prompt (B rows of P positions, left-padded as ``Engine.prefill`` takes it) is
+padded on the right with the pad id to its length bucket Pb (``prefill_bucket``), and the pass runs over all B x Pb
+positions. Causal attention keeps the real positions blind to the tail, the logits are read at position P - 1, and
+the tail's keys and values land in KV slots P .. Pb - 1, which a decode step masks until it overwrites them. Every
+position is routed (the tail and left pads too: a graph cannot select a data-dependent row count), so the experts
+see more rows than in an eager pass; where a row count crosses one of the grouped executor's tile thresholds the
+real positions' values can differ from an eager pass in rounding (docs/engine.md). The recorded routes and the
+routing workload's draws cover the real positions only, as in an eager pass.
+
+When it runs: ``Engine.prefill`` on CUDA under full residency with CUDA graphs (``Engine.use_graphs``), last-position
+logits, the engine's own KV cache (rows 0..B-1), no per-layer route log, and B x Pb <= PREFILL_GRAPH_MAX_TOKENS with
+Pb within one prefill chunk and the KV cache. Longer passes keep the device busy for longer than the host needs to
+issue them and run eagerly; so do ``Engine.prefill_pieces`` (a server's joins, interleaved with decode steps).
+"""
+from __future__ import annotations
+
+import numpy as np
+import torch
+
+# Length buckets of a captured pass: powers of two, and from 128 on every half step as well, so the padded tail
+# is at most a third of a pass above 128 positions.
+PREFILL_BUCKETS = (16, 32, 64, 128, 192, 256, 384, 512, 768, 1024)
+# rows x bucket of the largest captured pass: 1,024 positions take ~10 ms of H200 device time, where the host's
+# ~1 ms per layer of launches stops mattering (2,048 tokens: 1.56x transformers eager without graphs)
+PREFILL_GRAPH_MAX_TOKENS = 1024
+
+
+def prefill_bucket(n: int) -> int | None:
+    """The positions of a captured pass of n prompt positions (the smallest bucket >= n), or None past the last."""
+    for b in PREFILL_BUCKETS:
+        if b >= n:
+            return b
+    return None
+
+
+class _CapturedPass:
+    """One captured pass and its fixed-address inputs: tok int64 (B, Pb), pad int64 (B,), last int64 (1,) (the
+    position whose logits are returned), and when the engine has them the imposed and the recorded routes,
+    int64 (L, B*Pb, k) each."""
+
+    def __init__(self, engine, B: int, Pb: int, padded: bool):
+        dev, L, k = engine.device, engine.cfg.num_layers, engine.cfg.top_k
+        self.B, self.Pb, self.padded = B, Pb, padded
+        self.tok = torch.full((B, Pb), int(engine.pad_id), dtype=torch.long, device=dev)
+        self.pad = torch.zeros(B, dtype=torch.long, device=dev)
+        self.last = torch.zeros(1, dtype=torch.long, device=dev)
+        self.imposed = torch.zeros(L, B * Pb, k, dtype=torch.long, device=dev) if engine.imposed is not None else None
+        self.recorded = torch.zeros(L, B * Pb, k, dtype=torch.long, device=dev) if engine.routes is not None else None
+        self.graph: torch.cuda.CUDAGraph | None = None
+        self.out: torch.Tensor | None = None  # float32 (B, V): the captured pass's logits (a static buffer)
+
+
+class GraphPrefiller:
+    """Prefill passes of one engine as CUDA graphs (module docstring). ``capture=False`` runs the same fixed-shape
+    pass eagerly (the CPU tests of the padding, the last position and the routes)."""
+
+    def __init__(self, engine, pool, capture: bool = True):
+        self.e, self.pool, self.capture = engine, pool, capture
+        # (rows, bucket, padded, routing workload on, route recorder on) -> pass: a pass captured without the workload's
+        # or the recorder's buffers (warm_up sets both aside) never serves a run that has them
+        self.passes: dict[tuple, _CapturedPass] = {}
+
+    def bucket_for(self, B: int, P: int) -> int | None:
+        """The bucket a pass of B rows x P positions runs at, or None when it runs eagerly."""
+        e = self.e
+        Pb = prefill_bucket(P)
+        if Pb is None or B * Pb > PREFILL_GRAPH_MAX_TOKENS or Pb > min(e.prefill_chunk, e.max_seq_len):
+            return None
+        return Pb
+
+    def _forward(self, st: _CapturedPass):
+        """The pass over st's static inputs; the same launches whether captured or not."""
+        e = self.e
+        slots = torch.arange(st.Pb, device=e.device)  # (Pb,)
+        pos = (slots[None, :] - st.pad[:, None]).clamp_(min=0)  # (B, Pb)
+        e.experts.validate = False  # no host sync inside a graph: static tables of full residency
+        e.model.imposed = st.imposed
+        if st.recorded is not None:
+            e.model.route_sink = lambda layer, ids: st.recorded[layer].copy_(ids)
+        try:
+            return e.model.forward(st.tok, pos, e.kv, slots, st.pad, st.Pb, e.experts, causal_fresh=not st.padded,
+                                   last_position=st.last)
+        finally:
+            e.experts.validate = True
+            e.model.imposed = e.model.route_sink = None
+
+    def _capture(self, st: _CapturedPass) -> None:
+        side = torch.cuda.Stream(self.e.device)
+        side.wait_stream(torch.cuda.current_stream())
+        with torch.cuda.stream(side):  # warm-up outside the capture (cuBLAS handles, Triton compilation)
+            for _ in range(2):
+                self._forward(st)
+        torch.cuda.current_stream().wait_stream(side)
+        g = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(g, pool=self.pool):
+            st.out = self._forward(st)
+        st.graph = g
+
+    def run(self, tokens: torch.Tensor, pad: torch.Tensor, pad_h: np.ndarray, Pb: int) -> torch.Tensor:
+        """tokens int64 (B, P), pad int64 (B,) (device) and pad_h (host), Pb = ``bucket_for(B, P)`` -> float32 (B, V)
+        logits at position P - 1 (a static buffer, valid until the next pass of the same key)."""
+        from runmap.engine.engine import host_to_device
+
+        e = self.e
+        B, P = tokens.shape
+        padded = bool(pad_h.any())
+        key = (B, Pb, padded, e.imposed is not None, e.routes is not None)
+        st = self.passes.get(key)
+        if st is None:
+            st = self.passes[key] = _CapturedPass(e, B, Pb, padded)
+        st.tok[:, :P].copy_(tokens)
+        st.tok[:, P:].fill_(int(e.pad_id))
+        st.pad.copy_(pad)
+        st.last.fill_(P - 1)
+        real = np.zeros((B, Pb), dtype=bool)  # the prompt's own positions (not the left pads, not the tail)
+        real[:, :P] = np.arange(P)[None, :] >= pad_h[:, None]
+        rows = np.flatnonzero(real.reshape(-1))  # (n,) routed rows of an eager pass, row-major
+        if st.imposed is not None:
+            drawn = e.imposed.draw(real[:, :P])  # (L, n, k): the workload's ids of the real positions
+            full = np.zeros(tuple(st.imposed.shape), dtype=np.int64)  # (L, B*Pb, k); the other rows take expert 0
+            full[:, rows] = drawn
+            st.imposed.copy_(host_to_device(full, e.device), non_blocking=True)
+        if self.capture:
+            if st.graph is None:
+                self._capture(st)
+            st.graph.replay()
+            out = st.out
+        else:
+            out = self._forward(st)
+        if st.recorded is not None:
+            e.routes.end_pass(real[:, :P], st.recorded.index_select(1, host_to_device(rows, e.device)))
+        return out

@@ -1,0 +1,140 @@
+"""Short prefill passes as CUDA graphs (runmap/engine/prefill_graph.py): the prompt padded on the right to its length
+bucket, logits read at the last real position, the routing workload's draws and the recorded routes over the real
+positions only, and captured decoders rebuilt when built without the engine's routing buffers.
+
+On the CPU the same fixed-shape pass runs without a graph (GraphPrefiller(capture=False)) and must give what the
+eager pass gives; with RUNMAP_TEST_DEVICE=cuda the engine captures and replays it."""
+import numpy as np
+import pytest
+import torch
+
+from runmap.engine.engine import Engine
+from runmap.engine.prefill_graph import PREFILL_BUCKETS, PREFILL_GRAPH_MAX_TOKENS, GraphPrefiller, prefill_bucket
+from runmap.engine.model import run_pieces
+from test_model_support import build_packs
+
+
+@pytest.fixture(scope="module")
+def packs(tmp_path_factory):
+    return build_packs(tmp_path_factory)
+
+
+def test_bucket_is_the_smallest_that_holds_the_prompt():
+    for n in range(1, PREFILL_BUCKETS[-1] + 40):
+        b = prefill_bucket(n)
+        if n > PREFILL_BUCKETS[-1]:
+            assert b is None
+            continue
+        assert b in PREFILL_BUCKETS and b >= n
+        assert all(c < n for c in PREFILL_BUCKETS if c < b)  # no smaller bucket holds n
+        if n > 128:
+            assert b <= 1.5 * n  # the padded tail stays under a third of the pass past 128 positions
+
+
+def _engine(packs, test_device, **kw):
+    executor = "grouped" if test_device == "cuda" else "reference"  # the interpreter is slow; the pass is the same
+    kw = {"executor": executor, "device": test_device, "max_batch": 2, "max_seq_len": 96, **kw}
+    eng = Engine.from_pack(packs["tiny-olmoe"], **kw)
+    if test_device != "cuda":  # the fixed-shape pass without a graph
+        assert eng._prefiller is None  # no graphs on the CPU: the engine itself never takes this path there
+        eng._prefiller = GraphPrefiller(eng, None, capture=False)
+    assert eng._prefiller is not None
+    return eng
+
+
+def _eager(eng, tokens, pad):
+    return run_pieces(eng.prefill_pieces(tokens, pad, pad_host=pad.cpu().numpy()))
+
+
+def test_bucket_for_keeps_passes_within_the_cache_the_chunk_and_the_token_cap(packs, test_device):
+    eng = _engine(packs, test_device)
+    g = eng._prefiller
+    assert g.bucket_for(1, 60) == 64 and g.bucket_for(2, 60) == 64
+    assert g.bucket_for(1, 90) is None  # bucket 128 > max_seq_len 96: the tail would run past the KV cache
+    eng.prefill_chunk = 32
+    assert g.bucket_for(1, 20) == 32 and g.bucket_for(1, 33) is None  # one pass never exceeds a chunk
+    eng.prefill_chunk, eng.max_seq_len = 4096, 4096
+    assert g.bucket_for(1, 1000) == 1024
+    assert g.bucket_for(2, 600) is None  # 2 x 768 > PREFILL_GRAPH_MAX_TOKENS
+    assert 2 * 512 <= PREFILL_GRAPH_MAX_TOKENS and g.bucket_for(2, 500) == 512
+
+
+@pytest.mark.parametrize("lengths", [[7], [20, 17], [30, 25]])
+def test_padded_pass_gives_the_eager_logits_and_cache(packs, test_device, lengths):
+    """Same logits at the last real position and the same keys / values at every real slot as the eager pass; a
+    second, shorter prompt in the same bucket reuses the pass and reads its own last position (the tail refilled)."""
+    torch.manual_seed(0)
+    eng = _engine(packs, test_device)
+    V = eng.cfg.vocab_size
+    B = 2 if len(lengths) == 2 else 1
+    # a few fp16 steps: the CPU's FP32 matmuls and attention block differently for another row count
+    tol = 2e-2 if test_device == "cuda" else 3e-3
+    n_passes = len(eng._prefiller.passes)  # on CUDA warm_up captured batch 1 at every bucket
+    for P in lengths:  # in one bucket (32) when two: the second reuses the first's pass
+        pad_h = np.array([0, 3][:B])
+        tokens = torch.randint(1, V, (B, P)).to(eng.device)
+        pad = torch.as_tensor(pad_h).to(eng.device)
+        want = _eager(eng, tokens, pad).float().cpu()
+        k_want = eng.kv.k[:, :B, :, :P].clone()
+        v_want = eng.kv.v[:, :B, :, :P].clone()
+        eng.kv.k.normal_()  # poison: the graph pass must write every real slot itself
+        eng.kv.v.normal_()
+        before = eng.prefill_paths["graphs"]
+        got = eng.prefill(tokens, pad).float().cpu()
+        assert eng.prefill_paths["graphs"] == before + 1
+        assert got.shape == want.shape == (B, V)
+        assert (got - want).abs().max().item() <= tol * max(1.0, want.abs().max().item())
+        assert torch.equal(got.argmax(-1), want.argmax(-1))
+        for b in range(B):  # left pads' slots hold nothing anyone reads
+            s = slice(int(pad_h[b]), P)
+            for mine, ref in ((eng.kv.k, k_want), (eng.kv.v, v_want)):
+                assert (mine[:, b, :, s].float() - ref[:, b, :, s].float()).abs().max().item() <= tol
+    assert len(eng._prefiller.passes) <= n_passes + 1
+
+
+def test_generate_through_the_padded_pass_equals_eager_generation(packs, test_device):
+    """Whole requests: the same tokens, and under a routing workload with a route recorder the same imposed draws and
+    the same recorded routes (the real positions only) as an engine whose prefill runs eagerly."""
+    prompts = [[5, 9, 1, 4, 7, 3, 3, 8, 2], [8, 3, 2, 6]]
+    runs = []
+    for graph in (False, True):
+        eng = _engine(packs, test_device, routing="calibrated", record_routes=True)
+        if not graph:
+            eng._prefiller = None
+        out = [r.token_ids for r in eng.generate(prompts, max_new_tokens=5)]
+        out += [r.token_ids for r in eng.generate(prompts[:1], max_new_tokens=5)]
+        st = eng.stats()
+        assert st.prefill_passes_graphs == (2 if graph else 0)
+        runs.append((out, eng.routes.trace()))
+    (a, ta), (b, tb) = runs
+    assert a == b
+    assert len(ta.streams) == len(tb.streams) == 3
+    for x, y, n in zip(ta.streams, tb.streams, (9, 4, 9)):
+        assert np.array_equal(x, y) and len(x) == n + 4  # prompt positions + the 4 decode steps after the first token
+
+
+@pytest.mark.parametrize("graph", [False, True])
+def test_warm_up_never_leaves_a_decoder_without_the_routing_buffers(packs, test_device, graph):
+    """warm_up sets the routing workload and the recorder aside while it captures; the decoders it built must not
+    serve the run that follows (they would route by the router and record nothing)."""
+    prompts = [[5, 9, 1, 4, 7]]
+    kw = dict(routing="calibrated", record_routes=True)
+    if not graph:  # partial residency: the segment chain (without graphs on the CPU)
+        kw.update(resident=6, segments=True if test_device == "cuda" else "eager",
+                  executor="grouped" if test_device == "cuda" else "reference", device=test_device, max_batch=1,
+                  max_seq_len=48)
+        cold = Engine.from_pack(packs["tiny-olmoe"], **kw)
+        warm = Engine.from_pack(packs["tiny-olmoe"], **kw)
+    else:
+        if test_device != "cuda":
+            pytest.skip("full-residency decode graphs need CUDA")
+        cold = _engine(packs, test_device, warm_up=False, **kw)
+        warm = _engine(packs, test_device, warm_up=True, **kw)
+    warm.warm_up()
+    assert warm.decode_paths == cold.decode_paths  # warm_up's own steps are not counted
+    a = [r.token_ids for r in cold.generate(prompts, max_new_tokens=6)]
+    b = [r.token_ids for r in warm.generate(prompts, max_new_tokens=6)]
+    assert a == b
+    ta, tb = cold.routes.trace(), warm.routes.trace()
+    assert len(tb.streams[0]) == len(prompts[0]) + 5  # every decode step recorded
+    assert np.array_equal(ta.streams[0], tb.streams[0])
