@@ -10,6 +10,7 @@ import triton.language as tl
 
 from runmap.arch.config import load_preset
 from runmap.engine.model import KVCache, Transformer
+from runmap.kernels.fused_ops import _split_keys  # called by _split_keys_probe_kernel (Triton compiles no import)
 from test_model import our_model
 from test_model_support import random_case
 
@@ -205,8 +206,6 @@ def test_decode_attention_with_prologue_equals_the_three_launches(nh, nkv, D, no
 @triton.jit
 def _split_keys_probe_kernel(slot_ptr, pad_ptr, out_ptr, N_KEYS: tl.constexpr, BLOCK_N: tl.constexpr,
                              SPLITS: tl.constexpr):
-    from runmap.kernels.fused_ops import _split_keys
-
     case = tl.program_id(0)
     sp = tl.program_id(1)
     n0, end, covered = _split_keys(tl.load(slot_ptr + case), tl.load(pad_ptr + case), sp, N_KEYS, BLOCK_N, SPLITS)
