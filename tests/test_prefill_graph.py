@@ -53,10 +53,10 @@ def test_bucket_for_keeps_passes_within_the_cache_the_chunk_and_the_token_cap(pa
     assert g.bucket_for(1, 90) is None  # bucket 128 > max_seq_len 96: the tail would run past the KV cache
     eng.prefill_chunk = 32
     assert g.bucket_for(1, 20) == 32 and g.bucket_for(1, 33) is None  # one pass never exceeds a chunk
-    eng.prefill_chunk, eng.max_seq_len = 4096, 4096
-    assert g.bucket_for(1, 1000) == 1024
-    assert g.bucket_for(2, 600) is None  # 2 x 768 > PREFILL_GRAPH_MAX_TOKENS
-    assert 2 * 512 <= PREFILL_GRAPH_MAX_TOKENS and g.bucket_for(2, 500) == 512
+    eng.prefill_chunk, eng.max_seq_len = 8192, 8192
+    assert g.bucket_for(1, 1000) == 1024 and g.bucket_for(1, 2048) == 2048 and g.bucket_for(1, 2049) is None
+    assert g.bucket_for(2, 1100) is None  # 2 x 1,536 > PREFILL_GRAPH_MAX_TOKENS
+    assert 2 * 1024 <= PREFILL_GRAPH_MAX_TOKENS and g.bucket_for(2, 1000) == 1024
 
 
 @pytest.mark.parametrize("lengths", [[7], [20, 17], [30, 25]])

@@ -16,7 +16,7 @@ routing workload's draws cover the real positions only, as in an eager pass.
 
 When it runs: ``Engine.prefill`` on CUDA under full residency with CUDA graphs (``Engine.use_graphs``), last-position
 logits, the engine's own KV cache (rows 0..B-1), no per-layer route log, and B x Pb <= PREFILL_GRAPH_MAX_TOKENS with
-Pb within one prefill chunk and the KV cache. Longer passes keep the device busy for longer than the host needs to
+Pb within one prefill chunk and the KV cache. Longer passes keep the device busy about as long as the host needs to
 issue them and run eagerly; so do ``Engine.prefill_pieces`` (a server's joins, interleaved with decode steps).
 """
 from __future__ import annotations
@@ -26,10 +26,11 @@ import torch
 
 # Length buckets of a captured pass: powers of two, and from 128 on every half step as well, so the padded tail
 # is at most a third of a pass above 128 positions.
-PREFILL_BUCKETS = (16, 32, 64, 128, 192, 256, 384, 512, 768, 1024)
-# rows x bucket of the largest captured pass: 1,024 positions take ~10 ms of H200 device time, where the host's
-# ~1 ms per layer of launches stops mattering (2,048 tokens: 1.56x transformers eager without graphs)
-PREFILL_GRAPH_MAX_TOKENS = 1024
+PREFILL_BUCKETS = (16, 32, 64, 128, 192, 256, 384, 512, 768, 1024, 1536, 2048)
+# rows x bucket of the largest captured pass. On the H200 an eager pass spent ~35 ms on the host at 2,048 tokens
+# (19.9 ms of device time: 1.26x transformers eager) and at 4,096 (37 ms, device-bound from there: 1.47x); past 2,048
+# a bucket's padded tail (up to a third of the pass) would cost more device time than the host time it saves
+PREFILL_GRAPH_MAX_TOKENS = 2048
 
 
 def prefill_bucket(n: int) -> int | None:
