@@ -848,6 +848,7 @@ class Engine:
         self._mixed_segments: dict[int, SegmentDecoder] = {}  # batch -> chain with a CPU part per layer
         self.decode_paths = dict.fromkeys(DECODE_PATHS, 0)  # decode steps by the path that ran them
         self.prefill_paths = dict.fromkeys(PREFILL_PATHS, 0)  # prefill passes by the path that ran them
+        self._retired: list = []  # decoders replaced by _retire, kept until the pool is replaced
         self._prefiller: GraphPrefiller | None = None  # short prefill passes as CUDA graphs (use_graphs only)
         self._pool = torch.cuda.graph_pool_handle() if (self.use_graphs or self.use_segments) and \
             device.type == "cuda" else None
@@ -1131,7 +1132,8 @@ class Engine:
         self._check_open()
         pad_h = pad.cpu().numpy() if pad_host is None else np.asarray(pad_host, dtype=np.int64)
         self.prefill_paths["graphs"] += 1
-        return self._prefiller.run(tokens, pad, pad_h, Pb)
+        with torch.inference_mode():  # its static buffers are inference tensors (made under generate's inference mode)
+            return self._prefiller.run(tokens, pad, pad_h, Pb)
 
     def prefill_pieces(self, tokens: torch.Tensor, pad: torch.Tensor, all_logits: bool = False, *, kv=None,
                        pad_host=None):
@@ -1192,6 +1194,7 @@ class Engine:
         if self.use_graphs:
             self.decode_paths["graphs"] += 1
             if B not in self._graphs or not self._graphs[B].fits(self):
+                self._retire(self._graphs.get(B))
                 self._graphs[B] = GraphDecoder(self, B, self._pool)
             return self._graphs[B].run(tokens, slot, pad)
         if self.use_segments and self.cfg.top_k * B <= self.experts.cache.max_group:
@@ -1201,6 +1204,7 @@ class Engine:
             self.decode_paths["chain_cpu" if mixed else "chain"] += 1
             chains = self._mixed_segments if mixed else self._segments
             if B not in chains or not chains[B].fits(self):
+                self._retire(chains.get(B))
                 chains[B] = SegmentDecoder(self, B, self._pool, capture=self.device.type == "cuda", mixed=mixed)
             return chains[B].run(tokens, slot, pad)
         self.decode_paths["per_call"] += 1
@@ -1213,6 +1217,12 @@ class Engine:
         outside = getattr(self.experts, "outside_pass", contextlib.nullcontext)
         with self._routing(np.ones((B, 1), dtype=bool), decode=True), outside():
             return self.model.forward(tokens.view(B, 1), pos, self.kv, slots, pad, n_keys, self.experts)
+
+    def _retire(self, decoder) -> None:
+        """Keep a replaced decoder's graphs alive until reset_graphs / close: a memory pool whose last graph is freed
+        is released, and a later capture into its handle fails inside torch's allocator."""
+        if decoder is not None:
+            self._retired.append(decoder)
 
     @contextlib.contextmanager
     def _routing(self, real: np.ndarray | None, decode: bool = False):
@@ -1246,6 +1256,7 @@ class Engine:
         self._graphs.clear()
         self._segments.clear()
         self._mixed_segments.clear()
+        self._retired.clear()
         if self._pool is not None:
             self._pool = torch.cuda.graph_pool_handle()
         if self._prefiller is not None:
@@ -1403,6 +1414,7 @@ class Engine:
         self._graphs.clear()
         self._segments.clear()
         self._mixed_segments.clear()
+        self._retired.clear()
         self._prefiller = None
         self._pool = None
         self.kv = self.model = self.experts = None
