@@ -492,3 +492,56 @@ def test_decoded_once_mode_gives_nan_rows_for_a_non_resident_expert(device):
     y = moe_experts("grouped", x, ids, w, storage, row_table, layout, validate=False, config={"DEQUANT": True})
     assert torch.isnan(y[7]).all() and torch.isnan(y[90]).all()
     assert torch.isfinite(torch.cat([y[:7], y[8:90], y[91:]])).all()
+
+
+def _split_cases():
+    """(shape, M, SPLIT_K, DOWN_SPLIT_K): on the CPU a few programs' worth; on the GPU the full shapes too."""
+    cases = [("small-b256", 1, 2, 2), ("small-b64", 3, 4, 1), ("odd-b128", 2, 1, 3), ("small-b96", 8, 3, 2),
+             ("small-b64", 17, 8, 8)]
+    if ON_GPU:
+        cases += [(s, m, sk, dk) for s in FULL for m in (1, 2, 8) for sk, dk in ((2, 2), (4, 4), (8, 2), (4, 1))]
+    return cases
+
+
+@pytest.mark.parametrize("shape_name,m,split_k,down_split_k", _split_cases())
+def test_grouped_split_k_decode_matches_reference_and_the_unsplit_path(shape_name, m, split_k, down_split_k, device,
+                                                                      poison, monkeypatch):
+    """Decode with K split over a third grid axis (config SPLIT_K for gate / up, DOWN_SPLIT_K for down): within TOL of
+    the FP32 reference with every buffer poisoned (partial last scale blocks, per-element scales, splits past the
+    last K tile: small-b64 has 4 tiles of 64 for 8 splits), within fp16 rounding of the unsplit path (the splits
+    only reorder fp32 sums), deterministic, and NaN rows for a non-resident expert as without splits."""
+    shape = {**SMALL, **FULL}[shape_name]
+    layout, storage, row_table, resident = make_layer(shape, device, 53 + m)
+    x, ids, w = make_batch(shape, m, resident, device, 53 + m)
+    ref = reference_moe_f32(x, ids, w, storage, row_table, layout)
+    from runmap.kernels import grouped
+
+    cfg = {"SPLIT_K": split_k, "DOWN_SPLIT_K": down_split_k}
+    shapes, poisoned = [], common.empty
+    monkeypatch.setattr(common, "empty", lambda sh, dt, dev: (shapes.append(tuple(sh)), poisoned(sh, dt, dev))[1])
+    y = moe_experts("grouped", x, ids, w, storage, row_table, layout, config=cfg)
+    # the splits that ran (at most one per K tile) and their poisoned partial-sum buffers
+    tiles = grouped.default_config(ids.numel(), device)
+    s1 = min(split_k, -(-layout.hidden_size // common.pick_block_k(tiles["BLOCK_K"], layout.block_size)))
+    s2 = min(down_split_k, -(-layout.intermediate_size // common.pick_block_k(tiles["DOWN_BLOCK_K"], layout.block_size)))
+    assert ((s1, 2, ids.numel(), layout.intermediate_size) in shapes) == (s1 > 1)
+    if s2 > 1:  # the splits' partial products in place of the one (pairs, H) buffer
+        assert (s2 * ids.numel(), layout.hidden_size) in shapes and (ids.numel(), layout.hidden_size) not in shapes
+    assert s1 > 1 or s2 > 1  # every case splits at least one stage
+    assert torch.isfinite(y).all() and rel_err(y, ref) <= TOL, rel_err(y, ref)
+    plain = moe_experts("grouped", x, ids, w, storage, row_table, layout)
+    assert (y.float() - plain.float()).abs().max().item() <= 4e-3 * plain.float().abs().max().item()
+    assert torch.equal(y, moe_experts("grouped", x, ids, w, storage, row_table, layout, config=cfg))
+    absent = int((row_table < 0).nonzero()[0])
+    ids2 = ids.clone()
+    ids2[0, 0] = absent
+    y2 = moe_experts("grouped", x, ids2, w, storage, row_table, layout, validate=False, config=cfg)
+    assert torch.isnan(y2[0]).all() and torch.isfinite(y2[1:]).all()
+
+
+def test_grouped_split_k_refuses_a_split_count_below_one(device):
+    shape = SMALL["small-b64"]
+    layout, storage, row_table, resident = make_layer(shape, device, 59)
+    x, ids, w = make_batch(shape, 2, resident, device, 59)
+    with pytest.raises(common.KernelInputError, match="SPLIT_K"):
+        moe_experts("grouped", x, ids, w, storage, row_table, layout, config={"SPLIT_K": 0})
