@@ -136,50 +136,9 @@ def store_slot_sum(part, s_ok, ok, y_ptr, t, stride_ym, offs_n, n_mask):
 
 
 @triton.jit
-def _dot_tile_step(acc_a, acc_b, k0, x_rows, m_mask, wa_base, sa_base, wb_base, sb_base, offs_n, n_mask,
-                   K: tl.constexpr, NB: tl.constexpr, BLOCK_K: tl.constexpr, QBLOCK: tl.constexpr,
-                   TILE_SCALE: tl.constexpr, DUAL: tl.constexpr, DEQ_ASM: tl.constexpr):
-    """One K tile [k0, k0 + BLOCK_K) of ``dot_tiles``."""
-    HALF: tl.constexpr = BLOCK_K // 2
-    KB: tl.constexpr = K // 2
-    offs_j = tl.arange(0, HALF)
-    w_cols = offs_n[None, :] * KB  # (1, BN) byte offset of each weight row
-    offs_kb = k0 // 2 + offs_j  # (HALF,) byte index = k // 2
-    k_mask = offs_kb < KB
-    offs_k = k0 + tl.arange(0, BLOCK_K)  # (BK,)
-    # one coalesced load of the activation tile, then even / odd columns split in registers
-    xt = tl.load(x_rows[:, None] + offs_k[None, :], mask=m_mask[:, None] & (offs_k < K)[None, :], other=0.0)
-    x_even, x_odd = tl.split(tl.reshape(xt, (xt.shape[0], HALF, 2)))  # (BM, HALF) fp16 each
-    wm = k_mask[:, None] & n_mask[None, :]
-    w_off = w_cols + offs_kb[:, None]  # (HALF, BN)
-    pa = tl.load(wa_base + w_off, mask=wm, other=0)  # (HALF, BN) uint8
-    lo, hi = nibbles_f16_asm(pa) if DEQ_ASM else nibbles_f16(pa)  # (HALF, BN) fp16 each
-    if TILE_SCALE:
-        s = tl.load(sa_base + offs_n * NB + k0 // QBLOCK, mask=n_mask, other=0.0).to(tl.float32)  # (BN,)
-        acc_a += (tl.dot(x_even, lo) + tl.dot(x_odd, hi)) * s[None, :]
-    else:
-        s_off = offs_n[None, :] * NB + (2 * offs_kb[:, None]) // QBLOCK  # (HALF, BN); k, k+1 share a block
-        s = tl.load(sa_base + s_off, mask=wm, other=0.0)
-        acc_a = tl.dot(x_even, lo * s, acc_a)
-        acc_a = tl.dot(x_odd, hi * s, acc_a)
-    if DUAL:
-        pb = tl.load(wb_base + w_off, mask=wm, other=0)
-        lo, hi = nibbles_f16_asm(pb) if DEQ_ASM else nibbles_f16(pb)
-        if TILE_SCALE:
-            s = tl.load(sb_base + offs_n * NB + k0 // QBLOCK, mask=n_mask, other=0.0).to(tl.float32)
-            acc_b += (tl.dot(x_even, lo) + tl.dot(x_odd, hi)) * s[None, :]
-        else:
-            s = tl.load(sb_base + s_off, mask=wm, other=0.0)
-            acc_b = tl.dot(x_even, lo * s, acc_b)
-            acc_b = tl.dot(x_odd, hi * s, acc_b)
-    return acc_a, acc_b
-
-
-@triton.jit
 def dot_tiles(acc_a, acc_b, x_rows, m_mask, wa_base, sa_base, wb_base, sb_base, offs_n, n_mask,
               K: tl.constexpr, NB: tl.constexpr, BLOCK_K: tl.constexpr, QBLOCK: tl.constexpr,
-              TILE_SCALE: tl.constexpr, DUAL: tl.constexpr, DEQ_ASM: tl.constexpr = False,
-              k_base=0, K_SPAN: tl.constexpr = 0):
+              TILE_SCALE: tl.constexpr, DUAL: tl.constexpr, DEQ_ASM: tl.constexpr = False):
     """Tensor-core inner loop: acc_a (BM, BN) fp32 += x[rows, :K] @ dequant(Wa[offs_n, :K])^T, and the same
     into acc_b for Wb when DUAL (gate and up share the activation tile).
 
@@ -187,19 +146,40 @@ def dot_tiles(acc_a, acc_b, x_rows, m_mask, wa_base, sa_base, wb_base, sb_base, 
     wa_base / wb_base: uint8 pointers to a packed (N, K/2) section; sa_base / sb_base: fp16 pointers to its
     (N, NB) scales. offs_n / n_mask: (BN,) output columns. Masked bytes decode to -8 but meet x = 0.
     DEQ_ASM: decode nibbles with ``nibbles_f16_asm`` (GPU only; same values as ``nibbles_f16``).
-    K_SPAN > 0: only columns k_base .. k_base + K_SPAN - 1 (a split of K; K_SPAN a multiple of BLOCK_K, k_base of
-    K_SPAN), tiles at or past K skipped.
     """
-    if K_SPAN == 0:
-        for k0 in range(0, K, BLOCK_K):
-            acc_a, acc_b = _dot_tile_step(acc_a, acc_b, k0, x_rows, m_mask, wa_base, sa_base, wb_base, sb_base,
-                                          offs_n, n_mask, K, NB, BLOCK_K, QBLOCK, TILE_SCALE, DUAL, DEQ_ASM)
-    else:
-        for kk in range(0, K_SPAN, BLOCK_K):
-            k0 = k_base + kk
-            if k0 < K:
-                acc_a, acc_b = _dot_tile_step(acc_a, acc_b, k0, x_rows, m_mask, wa_base, sa_base, wb_base, sb_base,
-                                              offs_n, n_mask, K, NB, BLOCK_K, QBLOCK, TILE_SCALE, DUAL, DEQ_ASM)
+    HALF: tl.constexpr = BLOCK_K // 2
+    KB: tl.constexpr = K // 2
+    offs_j = tl.arange(0, HALF)
+    w_cols = offs_n[None, :] * KB  # (1, BN) byte offset of each weight row
+    for k0 in range(0, K, BLOCK_K):
+        offs_kb = k0 // 2 + offs_j  # (HALF,) byte index = k // 2
+        k_mask = offs_kb < KB
+        offs_k = k0 + tl.arange(0, BLOCK_K)  # (BK,)
+        # one coalesced load of the activation tile, then even / odd columns split in registers
+        xt = tl.load(x_rows[:, None] + offs_k[None, :], mask=m_mask[:, None] & (offs_k < K)[None, :], other=0.0)
+        x_even, x_odd = tl.split(tl.reshape(xt, (xt.shape[0], HALF, 2)))  # (BM, HALF) fp16 each
+        wm = k_mask[:, None] & n_mask[None, :]
+        w_off = w_cols + offs_kb[:, None]  # (HALF, BN)
+        pa = tl.load(wa_base + w_off, mask=wm, other=0)  # (HALF, BN) uint8
+        lo, hi = nibbles_f16_asm(pa) if DEQ_ASM else nibbles_f16(pa)  # (HALF, BN) fp16 each
+        if TILE_SCALE:
+            s = tl.load(sa_base + offs_n * NB + k0 // QBLOCK, mask=n_mask, other=0.0).to(tl.float32)  # (BN,)
+            acc_a += (tl.dot(x_even, lo) + tl.dot(x_odd, hi)) * s[None, :]
+        else:
+            s_off = offs_n[None, :] * NB + (2 * offs_kb[:, None]) // QBLOCK  # (HALF, BN); k, k+1 share a block
+            s = tl.load(sa_base + s_off, mask=wm, other=0.0)
+            acc_a = tl.dot(x_even, lo * s, acc_a)
+            acc_a = tl.dot(x_odd, hi * s, acc_a)
+        if DUAL:
+            pb = tl.load(wb_base + w_off, mask=wm, other=0)
+            lo, hi = nibbles_f16_asm(pb) if DEQ_ASM else nibbles_f16(pb)
+            if TILE_SCALE:
+                s = tl.load(sb_base + offs_n * NB + k0 // QBLOCK, mask=n_mask, other=0.0).to(tl.float32)
+                acc_b += (tl.dot(x_even, lo) + tl.dot(x_odd, hi)) * s[None, :]
+            else:
+                s = tl.load(sb_base + s_off, mask=wm, other=0.0)
+                acc_b = tl.dot(x_even, lo * s, acc_b)
+                acc_b = tl.dot(x_odd, hi * s, acc_b)
     return acc_a, acc_b
 
 

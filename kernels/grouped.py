@@ -67,15 +67,14 @@ def _down_group(pairs, lane_ok, expert, h_ptr, wts_ptr, row_table_ptr, w_ptr, s_
                 row_bytes, down_w, down_s, offs_n, n_mask,
                 N: tl.constexpr, K: tl.constexpr, NB: tl.constexpr, QBLOCK: tl.constexpr,
                 BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, TILE_SCALE: tl.constexpr,
-                DEQ_ASM: tl.constexpr, k_base=0, K_SPAN: tl.constexpr = 0):
-    """ypair[pairs] = gate weight * (h Wd^T) in fp32 for up to BLOCK_M pairs routed to ``expert`` (K_SPAN > 0: the
-    product over columns k_base .. k_base + K_SPAN - 1 of h only, a split of K)."""
+                DEQ_ASM: tl.constexpr):
+    """ypair[pairs] = gate weight * (h Wd^T) in fp32 for up to BLOCK_M pairs routed to ``expert``."""
     w_row, s_row, ok = expert_row(expert, row_table_ptr, w_ptr, s_ptr, n_experts, n_rows, row_bytes)
     h_rows = h_ptr + pairs.to(tl.int64) * K  # (BM,) rows of h
     acc = tl.zeros((BLOCK_M, BLOCK_N), tl.float32)
     acc, acc_unused = dot_tiles(acc, acc, h_rows, lane_ok & ok, w_row + down_w, s_row + down_s, w_ptr, s_ptr,
                                 offs_n, n_mask,
-                                K, NB, BLOCK_K, QBLOCK, TILE_SCALE, False, DEQ_ASM, k_base, K_SPAN)
+                                K, NB, BLOCK_K, QBLOCK, TILE_SCALE, False, DEQ_ASM)
     gw = tl.load(wts_ptr + pairs, mask=lane_ok, other=0.0)  # (BM,) fp32 gate weights
     out = tl.where(ok, acc * gw[:, None], float("nan"))
     y_ptrs = ypair_ptr + pairs.to(tl.int64)[:, None] * N + offs_n[None, :]
@@ -176,93 +175,15 @@ def _grouped_down_kernel(
                             N, K, NB, QBLOCK, BLOCK_M, BLOCK_N, BLOCK_K, TILE_SCALE, DEQ_ASM)
 
 
-# ---- split-K decode (config SPLIT_K / DOWN_SPLIT_K > 1) ----------------------------------------------------
-# At decode sizes a stage has one program per (expert, BLOCK_N columns): 256-512 programs of ~130 registers per
-# thread, under one wave of the H200, half the cycles with no eligible warp (results/kernels/README.md). Splitting K
-# over a third grid axis multiplies the programs; each split stores fp32 partial sums, and the next launch adds the
-# splits in a fixed order (no atomics: deterministic). Gate / up partials need one more small launch (the SiLU
-# product is taken of whole sums); down partials are added by the k-slot sum that runs anyway.
-
-@triton.jit(do_not_specialize=["P"])
-def _grouped_gate_up_split_kernel(
-    x_ptr, ids_ptr, row_table_ptr, w_ptr, s_ptr, part_ptr,  # x (T, H) fp16, part (SPLITS, 2, P, I) fp32
-    P, n_experts, n_rows, row_bytes, stride_xm,
-    gate_w, gate_s, up_w, up_s,
-    N: tl.constexpr, K: tl.constexpr, NB: tl.constexpr, QBLOCK: tl.constexpr, TOPK: tl.constexpr,
-    P_PAD: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
-    TILE_SCALE: tl.constexpr, DEQ_ASM: tl.constexpr, K_SPAN: tl.constexpr,
-):
-    """part[split, 0 / 1, pairs] = x Wg^T / x Wu^T over columns split * K_SPAN .. + K_SPAN - 1 (decode groups)."""
-    pid0 = tl.program_id(0)
-    split = tl.program_id(2)
-    offs_n = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)  # (BN,) over I
-    n_mask = offs_n < N
-    expert, match, rank, count, owner = _match_group(ids_ptr, pid0, P, P_PAD)
-    for c0 in range(0, P_PAD, BLOCK_M):
-        if owner & (c0 < count):
-            pairs, lane_ok = _chunk_pairs(match, rank, count, c0, P_PAD, BLOCK_M)
-            w_row, s_row, ok = expert_row(expert, row_table_ptr, w_ptr, s_ptr, n_experts, n_rows, row_bytes)
-            x_rows = x_ptr + (pairs // TOPK).to(tl.int64) * stride_xm  # (BM,) token rows
-            acc_g = tl.zeros((BLOCK_M, BLOCK_N), tl.float32)
-            acc_u = tl.zeros((BLOCK_M, BLOCK_N), tl.float32)
-            acc_g, acc_u = dot_tiles(acc_g, acc_u, x_rows, lane_ok & ok, w_row + gate_w, s_row + gate_s,
-                                     w_row + up_w, s_row + up_s, offs_n, n_mask, K, NB, BLOCK_K, QBLOCK, TILE_SCALE,
-                                     True, DEQ_ASM, split * K_SPAN, K_SPAN)
-            rows = (split * 2 * P + pairs).to(tl.int64)  # (BM,) rows of part viewed as (SPLITS * 2 * P, I)
-            ptrs = part_ptr + rows[:, None] * N + offs_n[None, :]
-            m = lane_ok[:, None] & n_mask[None, :]
-            tl.store(ptrs, tl.where(ok, acc_g, float("nan")), mask=m)  # NaN marks a non-resident expert
-            tl.store(ptrs + P * N, tl.where(ok, acc_u, float("nan")), mask=m)
-
-
-@triton.jit(do_not_specialize=["P"])
-def _split_silu_kernel(part_ptr, h_ptr, P, N: tl.constexpr, SPLITS: tl.constexpr, BLOCK_N: tl.constexpr):
-    """h[p] = fp16(silu(sum_s part[s, 0, p]) * sum_s part[s, 1, p]), s ascending (deterministic)."""
-    p = tl.program_id(0).to(tl.int64)
-    offs_n = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
-    n_mask = offs_n < N
-    g = tl.zeros((BLOCK_N,), tl.float32)
-    u = tl.zeros((BLOCK_N,), tl.float32)
-    for s in tl.static_range(SPLITS):
-        g += tl.load(part_ptr + ((s * 2) * P + p) * N + offs_n, mask=n_mask, other=0.0)
-        u += tl.load(part_ptr + ((s * 2 + 1) * P + p) * N + offs_n, mask=n_mask, other=0.0)
-    tl.store(h_ptr + p * N + offs_n, silu_mul(g, u).to(tl.float16), mask=n_mask)
-
-
-@triton.jit(do_not_specialize=["P"])
-def _grouped_down_split_kernel(
-    h_ptr, ids_ptr, wts_ptr, row_table_ptr, w_ptr, s_ptr, part_ptr,  # h (P, I) fp16, part (SPLITS, P, H) fp32
-    P, n_experts, n_rows, row_bytes, down_w, down_s,
-    N: tl.constexpr, K: tl.constexpr, NB: tl.constexpr, QBLOCK: tl.constexpr, P_PAD: tl.constexpr,
-    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, TILE_SCALE: tl.constexpr,
-    DEQ_ASM: tl.constexpr, K_SPAN: tl.constexpr,
-):
-    """part[split, pairs] = gate weight * (h Wd^T) over columns split * K_SPAN .. + K_SPAN - 1 of h."""
-    pid0 = tl.program_id(0)
-    split = tl.program_id(2)
-    offs_n = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)  # (BN,) over H
-    n_mask = offs_n < N
-    expert, match, rank, count, owner = _match_group(ids_ptr, pid0, P, P_PAD)
-    for c0 in range(0, P_PAD, BLOCK_M):
-        if owner & (c0 < count):
-            pairs, lane_ok = _chunk_pairs(match, rank, count, c0, P_PAD, BLOCK_M)
-            _down_group(pairs, lane_ok, expert, h_ptr, wts_ptr, row_table_ptr, w_ptr, s_ptr,
-                        part_ptr + split.to(tl.int64) * P * N, n_experts, n_rows, row_bytes, down_w, down_s,
-                        offs_n, n_mask, N, K, NB, QBLOCK, BLOCK_M, BLOCK_N, BLOCK_K, TILE_SCALE, DEQ_ASM,
-                        split * K_SPAN, K_SPAN)
-
-
 @triton.jit
-def _sum_topk_kernel(ypair_ptr, y_ptr, H, P, TOPK: tl.constexpr, SPLITS: tl.constexpr, BLOCK_N: tl.constexpr):
-    """y[t] = fp16(sum_j sum_s ypair[s, t * TOPK + j]), j then s ascending (fixed order: deterministic); ypair
-    (SPLITS, P, H), SPLITS = 1 without a split down stage."""
+def _sum_topk_kernel(ypair_ptr, y_ptr, H, TOPK: tl.constexpr, BLOCK_N: tl.constexpr):
+    """y[t] = fp16(sum_j ypair[t * TOPK + j]), j ascending (fixed order: deterministic)."""
     t = tl.program_id(0).to(tl.int64)
     offs_n = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
     n_mask = offs_n < H
     acc = tl.zeros((BLOCK_N,), tl.float32)
     for j in range(TOPK):
-        for s in tl.static_range(SPLITS):
-            acc += tl.load(ypair_ptr + (s * P + t * TOPK + j) * H + offs_n, mask=n_mask, other=0.0)
+        acc += tl.load(ypair_ptr + (t * TOPK + j) * H + offs_n, mask=n_mask, other=0.0)
     tl.store(y_ptr + t * H + offs_n, acc.to(tl.float16), mask=n_mask)
 
 
@@ -531,22 +452,6 @@ def grouped_gate_up(x, topk_ids, order, row_table, storage, layout: RowLayout, c
     deq_asm = _deq_asm(cfg, dev)
     _order, grid0, sorted_mode, p_pad = plan
     bk = common.pick_block_k(cfg["BLOCK_K"], layout.block_size)
-    splits = _splits(cfg, "SPLIT_K", sorted_mode, g.k, bk)
-    if splits > 1:
-        span = _k_span(g.k, splits, bk)
-        part = common.empty((splits, 2, t * k, g.n), torch.float32, dev)
-        common.launch(_grouped_gate_up_split_kernel[(grid0, triton.cdiv(g.n, cfg["BLOCK_N"]), splits)],
-            x, topk_ids, row_table, storage, storage.view(torch.float16), part,
-            t * k, row_table.numel(), storage.shape[0], layout.row_bytes, x.stride(0),
-            g.w_off, g.s_off, u.w_off, u.s_off,
-            N=g.n, K=g.k, NB=g.nb, QBLOCK=layout.block_size, TOPK=k, P_PAD=p_pad,
-            BLOCK_M=cfg["BLOCK_M"], BLOCK_N=cfg["BLOCK_N"], BLOCK_K=bk,
-            TILE_SCALE=common.tile_scale(bk, layout.block_size), DEQ_ASM=deq_asm, K_SPAN=span,
-            **common.launch_opts(cfg),
-        )
-        common.launch(_split_silu_kernel[(t * k, triton.cdiv(g.n, SILU_BLOCK_N))], part, h, t * k, N=g.n,
-                      SPLITS=splits, BLOCK_N=SILU_BLOCK_N)
-        return h
     grid = (grid0, triton.cdiv(g.n, cfg["BLOCK_N"]))
     common.launch(_grouped_gate_up_kernel[grid],
         x, topk_ids, order, row_table, storage, storage.view(torch.float16), h,
@@ -563,8 +468,7 @@ def grouped_gate_up(x, topk_ids, order, row_table, storage, layout: RowLayout, c
 
 def grouped_down(h, topk_ids, topk_weights, order, row_table, storage, layout: RowLayout, cfg: dict,
                  plan) -> torch.Tensor:
-    """Stage 2: ypair[p] = topk_weights[t, j] * (h[p] Wd_e^T) in fp32 (with DOWN_SPLIT_K > 1 at decode sizes: the
-    splits' partial products, (DOWN_SPLIT_K * T * k, H), that ``sum_topk`` adds).
+    """Stage 2: ypair[p] = topk_weights[t, j] * (h[p] Wd_e^T) in fp32.
 
     Args:
         h: float16 (T*k, I) contiguous (stage 1). topk_ids: int32/int64 (T, k). topk_weights: float32 (T, k).
@@ -579,22 +483,10 @@ def grouped_down(h, topk_ids, topk_weights, order, row_table, storage, layout: R
     common.check_tensor("h", h, torch.float16, 2, shape=(t * k, layout.intermediate_size), device=dev)
     common.check_tensor("topk_weights", topk_weights, torch.float32, 2, shape=(t, k), device=dev)
     d = common.proj_sections(layout, "down")
+    ypair = common.empty((t * k, d.n), torch.float32, dev)
     deq_asm = _deq_asm(cfg, dev)
     _order, grid0, sorted_mode, p_pad = plan
     bk = common.pick_block_k(cfg["DOWN_BLOCK_K"], layout.block_size)
-    splits = _splits(cfg, "DOWN_SPLIT_K", sorted_mode, d.k, bk)
-    if splits > 1:
-        part = common.empty((splits * t * k, d.n), torch.float32, dev)
-        common.launch(_grouped_down_split_kernel[(grid0, triton.cdiv(d.n, cfg["DOWN_BLOCK_N"]), splits)],
-            h, topk_ids, topk_weights, row_table, storage, storage.view(torch.float16), part,
-            t * k, row_table.numel(), storage.shape[0], layout.row_bytes, d.w_off, d.s_off,
-            N=d.n, K=d.k, NB=d.nb, QBLOCK=layout.block_size, P_PAD=p_pad,
-            BLOCK_M=cfg["BLOCK_M"], BLOCK_N=cfg["DOWN_BLOCK_N"], BLOCK_K=bk,
-            TILE_SCALE=common.tile_scale(bk, layout.block_size), DEQ_ASM=deq_asm, K_SPAN=_k_span(d.k, splits, bk),
-            **common.launch_opts(cfg),
-        )
-        return part
-    ypair = common.empty((t * k, d.n), torch.float32, dev)
     grid = (grid0, triton.cdiv(d.n, cfg["DOWN_BLOCK_N"]))
     common.launch(_grouped_down_kernel[grid],
         h, topk_ids, order, topk_weights, row_table, storage, storage.view(torch.float16), ypair,
@@ -608,32 +500,14 @@ def grouped_down(h, topk_ids, topk_weights, order, row_table, storage, layout: R
     return ypair
 
 
-def sum_topk(ypair: torch.Tensor, t: int, k: int, splits: int = 1) -> torch.Tensor:
-    """Stage 3: ypair float32 (splits * T*k, H) contiguous -> float16 (T, H), summing the k slots (and the splits
-    of a split down stage) in order."""
-    common.check_tensor("ypair", ypair, torch.float32, 2, shape=(splits * t * k, None))
+def sum_topk(ypair: torch.Tensor, t: int, k: int) -> torch.Tensor:
+    """Stage 3: ypair float32 (T*k, H) contiguous -> float16 (T, H), summing the k slots in order."""
+    common.check_tensor("ypair", ypair, torch.float32, 2, shape=(t * k, None))
     hidden = ypair.shape[1]
     y = common.empty((t, hidden), torch.float16, ypair.device)
     block_n = 1024 if common.interpreting(ypair.device) else 256
-    common.launch(_sum_topk_kernel[(t, triton.cdiv(hidden, block_n))], ypair, y, hidden, t * k, TOPK=k,
-                  SPLITS=splits, BLOCK_N=block_n)
+    common.launch(_sum_topk_kernel[(t, triton.cdiv(hidden, block_n))], ypair, y, hidden, TOPK=k, BLOCK_N=block_n)
     return y
-
-
-SILU_BLOCK_N = 256  # columns per program of the split gate / up stage's SiLU launch
-
-
-def _splits(cfg: dict, key: str, sorted_mode: bool, K: int, block_k: int) -> int:
-    """The K splits of a decode stage (config ``key``, default 1), at most one per K tile; prefill never splits."""
-    want = int(cfg.get(key, 1))
-    if want < 1:
-        raise common.KernelInputError(f"config {key}: {want} splits; give 1 (no split) or more")
-    return 1 if sorted_mode else min(want, triton.cdiv(K, block_k))
-
-
-def _k_span(K: int, splits: int, block_k: int) -> int:
-    """Columns per split: whole K tiles, the last split's share cut at K (the kernels skip tiles at or past K)."""
-    return triton.cdiv(triton.cdiv(K, splits), block_k) * block_k
 
 
 def dequantize_sections(storage, row_table, layout: RowLayout) -> dict:
@@ -705,4 +579,4 @@ def grouped_moe(x, topk_ids, topk_weights, storage, row_table, layout: RowLayout
     order = plan[0]
     h = grouped_gate_up(x, topk_ids, order, row_table, storage, layout, cfg, plan)
     ypair = grouped_down(h, topk_ids, topk_weights, order, row_table, storage, layout, cfg, plan)
-    return sum_topk(ypair, t, k, splits=ypair.shape[0] // (t * k))
+    return sum_topk(ypair, t, k)
