@@ -138,3 +138,15 @@ def test_warm_up_never_leaves_a_decoder_without_the_routing_buffers(packs, test_
     ta, tb = cold.routes.trace(), warm.routes.trace()
     assert len(tb.streams[0]) == len(prompts[0]) + 5  # every decode step recorded
     assert np.array_equal(ta.streams[0], tb.streams[0])
+
+
+def test_a_gpu_budget_keeps_prefill_eager(packs, test_device):
+    """Under a GPU budget a captured pass's activations would sit in the graph pool outside the plan: eager there."""
+    eng = _engine(packs, test_device)
+    tokens = torch.tensor([[5, 9, 1, 4]], device=eng.device)
+    pad = torch.zeros(1, dtype=torch.long, device=eng.device)
+    eng.prefill(tokens, pad)
+    assert eng.prefill_paths == {"graphs": 1, "eager": 0}
+    eng.budget_plan = object()  # what from_pack sets with gpu_budget= (a BudgetPlan)
+    eng.prefill(tokens, pad)
+    assert eng.prefill_paths == {"graphs": 1, "eager": 1}

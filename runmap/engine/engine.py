@@ -886,7 +886,7 @@ class Engine:
                                               max_batch=1, top_k=self.cfg.top_k):
                 tokens = torch.full((1, lens[0]), int(self.pad_id), dtype=torch.long, device=dev)
                 run_pieces(self.prefill_pieces(tokens, zero, pad_host=[0]))  # eager: a server's passes compile too
-            if self._prefiller is not None:
+            if self._graph_prefill():
                 for n in PREFILL_BUCKETS:
                     if self._prefiller.bucket_for(1, n) == n:
                         self.prefill(torch.full((1, n), int(self.pad_id), dtype=torch.long, device=dev), zero,
@@ -1124,7 +1124,7 @@ class Engine:
         (runmap.engine.prefill_graph: the prompt padded on the right to its length bucket)."""
         B, P = tokens.shape
         Pb = None
-        if (self._prefiller is not None and kv is None and not all_logits and self.model.route_log is None
+        if (self._graph_prefill() and kv is None and not all_logits and self.model.route_log is None
                 and P <= self.prefill_chunk):
             Pb = self._prefiller.bucket_for(B, P)
         if Pb is None:
@@ -1218,6 +1218,12 @@ class Engine:
         outside = getattr(self.experts, "outside_pass", contextlib.nullcontext)
         with self._routing(np.ones((B, 1), dtype=bool), decode=True), outside():
             return self.model.forward(tokens.view(B, 1), pos, self.kv, slots, pad, n_keys, self.experts)
+
+    def _graph_prefill(self) -> bool:
+        """Whether short prefill passes replay captured graphs: with CUDA graphs under full residency, and not under a
+        GPU budget (a captured pass keeps its activations in the graph pool, which the budget's plan does not count
+        beside the eager passes' own)."""
+        return self._prefiller is not None and self.budget_plan is None
 
     def _retire(self, decoder) -> None:
         """Keep a replaced decoder's graphs alive until reset_graphs / close: a memory pool whose last graph is freed

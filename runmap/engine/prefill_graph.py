@@ -14,8 +14,8 @@ see more rows than in an eager pass; where a row count crosses one of the groupe
 real positions' values can differ from an eager pass in rounding (docs/engine.md). The recorded routes and the
 routing workload's draws cover the real positions only, as in an eager pass.
 
-When it runs: ``Engine.prefill`` on CUDA under full residency with CUDA graphs (``Engine.use_graphs``), last-position
-logits, the engine's own KV cache (rows 0..B-1), no per-layer route log, and B x Pb <= PREFILL_GRAPH_MAX_TOKENS with
+When it runs: ``Engine.prefill`` on CUDA under full residency with CUDA graphs (``Engine.use_graphs``) and no GPU
+budget (a captured pass keeps its activations in the graph pool, outside the budget's plan), last-position logits, the engine's own KV cache (rows 0..B-1), no per-layer route log, and B x Pb <= PREFILL_GRAPH_MAX_TOKENS with
 Pb within one prefill chunk and the KV cache. Longer passes keep the device busy about as long as the host needs to
 issue them and run eagerly; so do ``Engine.prefill_pieces`` (a server's joins, interleaved with decode steps).
 """
