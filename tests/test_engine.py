@@ -394,18 +394,21 @@ def test_warm_up_runs_every_size_class_and_leaves_nothing_counted(packs, test_de
                            prefill_chunk=20, warm_up=False)
     assert eng.warm_up_s is None
     counters = dict(eng.experts.cache.counters)
-    seen, captured, decoded = [], [], []
-    real_pieces, real_prefill, real_decode = eng.prefill_pieces, eng.prefill, eng.decode
+    seen, decoded = [], []
+    real_pieces, real_decode = eng.prefill_pieces, eng.decode
     eng.prefill_pieces = lambda tokens, pad, *a, **kw: seen.append(tokens.shape[1]) or real_pieces(tokens, pad, *a, **kw)
-    eng.prefill = lambda tokens, pad, **kw: captured.append(tokens.shape[1]) or real_prefill(tokens, pad, **kw)
     eng.decode = lambda tokens, slot, pad: decoded.append(tokens.shape[0]) or real_decode(tokens, slot, pad)
     assert eng.warm_up() > 0 and eng.warm_up_s > 0
-    eng.prefill_pieces, eng.prefill, eng.decode = real_pieces, real_prefill, real_decode
+    eng.prefill_pieces, eng.decode = real_pieces, real_decode
     assert seen == [s[0] for s in prefill_warmup_shapes(max_seq_len=24, prefill_chunk=20, max_batch=1,
                                                           top_k=eng.cfg.top_k)]
     assert seen[0] == 1 and seen[-1] == 20 and decoded == [1, 2]
     # with CUDA graphs, one captured batch-1 prefill per length bucket within the chunk (runmap.engine.prefill_graph)
-    assert captured == ([16] if test_device == "cuda" else [])
+    if test_device == "cuda":
+        assert list(eng._prefiller.passes) == [(1, 16, False, False, False)]
+        assert all(st.graph is not None for st in eng._prefiller.passes.values())
+    else:
+        assert eng._prefiller is None
     assert eng.prefill_paths == dict.fromkeys(eng.prefill_paths, 0)
     assert dict(eng.experts.cache.counters) == counters
     assert eng.prefill_counts == dict.fromkeys(eng.prefill_counts, 0)

@@ -82,6 +82,8 @@ def test_padded_pass_gives_the_eager_logits_and_cache(packs, test_device, length
         before = eng.prefill_paths["graphs"]
         got = eng.prefill(tokens, pad).float().cpu()
         assert eng.prefill_paths["graphs"] == before + 1
+        st = eng._prefiller._pass(B, eng._prefiller.bucket_for(B, P), bool(pad_h.any()), False, False)
+        assert torch.equal(st.tok[:, :P], tokens) and (st.tok[:, P:] == eng.pad_id).all()  # the tail refilled
         assert got.shape == want.shape == (B, V)
         assert (got - want).abs().max().item() <= tol * max(1.0, want.abs().max().item())
         assert torch.equal(got.argmax(-1), want.argmax(-1))
@@ -102,6 +104,9 @@ def test_generate_through_the_padded_pass_equals_eager_generation(packs, test_de
         if not graph:
             eng._prefiller = None
         out = [r.token_ids for r in eng.generate(prompts, max_new_tokens=5)]
+        if graph:  # the batch's pass: row 0's tail position 15 (P = 9, bucket 16) took the filler routes
+            st = eng._prefiller.passes[(2, 16, True, True, True)]
+            assert torch.equal(st.imposed[:, 15].cpu(), torch.arange(eng.cfg.top_k).expand(eng.cfg.num_layers, -1))
         out += [r.token_ids for r in eng.generate(prompts[:1], max_new_tokens=5)]
         st = eng.stats()
         assert st.prefill_passes_graphs == (2 if graph else 0)

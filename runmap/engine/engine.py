@@ -886,11 +886,10 @@ class Engine:
                                               max_batch=1, top_k=self.cfg.top_k):
                 tokens = torch.full((1, lens[0]), int(self.pad_id), dtype=torch.long, device=dev)
                 run_pieces(self.prefill_pieces(tokens, zero, pad_host=[0]))  # eager: a server's passes compile too
-            if self._graph_prefill():
+            if self._graph_prefill():  # with the buffers of the engine's own routing workload and recorder
                 for n in PREFILL_BUCKETS:
                     if self._prefiller.bucket_for(1, n) == n:
-                        self.prefill(torch.full((1, n), int(self.pad_id), dtype=torch.long, device=dev), zero,
-                                     pad_host=[0])
+                        self._prefiller.prepare(1, n, imposed=saved[0] is not None, recorded=saved[1] is not None)
             for B in sorted({1, self.max_batch}):
                 zeros = torch.zeros(B, dtype=torch.long, device=dev)
                 self.decode(zeros, 0, zeros)
@@ -1134,7 +1133,8 @@ class Engine:
         pad_h = pad.cpu().numpy() if pad_host is None else np.asarray(pad_host, dtype=np.int64)
         self.prefill_paths["graphs"] += 1
         with torch.inference_mode():  # its static buffers are inference tensors (made under generate's inference mode)
-            return self._prefiller.run(tokens, pad, pad_h, Pb)
+            # a copy: the captured pass's output lives in the graph pool, which a later capture or replay may reuse
+            return self._prefiller.run(tokens, pad, pad_h, Pb).clone()
 
     def prefill_pieces(self, tokens: torch.Tensor, pad: torch.Tensor, all_logits: bool = False, *, kv=None,
                        pad_host=None):

@@ -46,14 +46,17 @@ class _CapturedPass:
     position whose logits are returned), and when the engine has them the imposed and the recorded routes,
     int64 (L, B*Pb, k) each."""
 
-    def __init__(self, engine, B: int, Pb: int, padded: bool):
+    def __init__(self, engine, B: int, Pb: int, padded: bool, imposed: bool, recorded: bool):
         dev, L, k = engine.device, engine.cfg.num_layers, engine.cfg.top_k
         self.B, self.Pb, self.padded = B, Pb, padded
         self.tok = torch.full((B, Pb), int(engine.pad_id), dtype=torch.long, device=dev)
         self.pad = torch.zeros(B, dtype=torch.long, device=dev)
         self.last = torch.zeros(1, dtype=torch.long, device=dev)
-        self.imposed = torch.zeros(L, B * Pb, k, dtype=torch.long, device=dev) if engine.imposed is not None else None
-        self.recorded = torch.zeros(L, B * Pb, k, dtype=torch.long, device=dev) if engine.routes is not None else None
+        # rows that are not the prompt's (left pads, the tail) are routed to k distinct experts, so the imposed gate
+        # weights of a filler row never divide by a single tiny probability
+        self.filler = np.arange(k, dtype=np.int64) % engine.cfg.num_experts  # (k,)
+        self.imposed = torch.as_tensor(np.broadcast_to(self.filler, (L, B * Pb, k)).copy()).to(dev) if imposed else None
+        self.recorded = torch.zeros(L, B * Pb, k, dtype=torch.long, device=dev) if recorded else None
         self.graph: torch.cuda.CUDAGraph | None = None
         self.out: torch.Tensor | None = None  # float32 (B, V): the captured pass's logits (a static buffer)
 
@@ -75,6 +78,20 @@ class GraphPrefiller:
         if Pb is None or B * Pb > PREFILL_GRAPH_MAX_TOKENS or Pb > min(e.prefill_chunk, e.max_seq_len):
             return None
         return Pb
+
+    def _pass(self, B: int, Pb: int, padded: bool, imposed: bool, recorded: bool) -> _CapturedPass:
+        key = (B, Pb, padded, imposed, recorded)
+        if key not in self.passes:
+            self.passes[key] = _CapturedPass(self.e, B, Pb, padded, imposed, recorded)
+        return self.passes[key]
+
+    def prepare(self, B: int, Pb: int, *, imposed: bool, recorded: bool) -> None:
+        """Capture the unpadded pass of B rows at bucket Pb now (``Engine.warm_up``), with the buffers of a routing
+        workload / route recorder as asked (warm-up runs with both set aside, so it cannot tell from the engine);
+        its inputs are the pad id, filler routes and nothing recorded: only the shapes matter."""
+        st = self._pass(B, Pb, False, imposed, recorded)
+        if self.capture and st.graph is None:
+            self._capture(st)
 
     def _forward(self, st: _CapturedPass):
         """The pass over st's static inputs; the same launches whether captured or not."""
@@ -111,11 +128,7 @@ class GraphPrefiller:
 
         e = self.e
         B, P = tokens.shape
-        padded = bool(pad_h.any())
-        key = (B, Pb, padded, e.imposed is not None, e.routes is not None)
-        st = self.passes.get(key)
-        if st is None:
-            st = self.passes[key] = _CapturedPass(e, B, Pb, padded)
+        st = self._pass(B, Pb, bool(pad_h.any()), e.imposed is not None, e.routes is not None)
         st.tok[:, :P].copy_(tokens)
         st.tok[:, P:].fill_(int(e.pad_id))
         st.pad.copy_(pad)
@@ -125,7 +138,7 @@ class GraphPrefiller:
         rows = np.flatnonzero(real.reshape(-1))  # (n,) routed rows of an eager pass, row-major
         if st.imposed is not None:
             drawn = e.imposed.draw(real[:, :P])  # (L, n, k): the workload's ids of the real positions
-            full = np.zeros(tuple(st.imposed.shape), dtype=np.int64)  # (L, B*Pb, k); the other rows take expert 0
+            full = np.broadcast_to(st.filler, tuple(st.imposed.shape)).copy()  # (L, B*Pb, k): filler rows elsewhere
             full[:, rows] = drawn
             st.imposed.copy_(host_to_device(full, e.device), non_blocking=True)
         if self.capture:

@@ -19,6 +19,7 @@ import time
 import torch
 
 from runmap.engine.engine import Engine
+from runmap.engine.model import run_pieces
 from runmap.serve.batching import BatchRunner, SamplingParams, Sequence
 
 ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
@@ -62,8 +63,8 @@ def prefill_fn(lens):
 
     def run():
         eng.experts.begin()
-        try:
-            eng.prefill(toks, pad)
+        try:  # a server's join runs the eager pass (short Engine.prefill calls replay captured graphs)
+            run_pieces(eng.prefill_pieces(toks, pad))
         finally:
             eng.experts.end()
     return run
