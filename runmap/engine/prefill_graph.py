@@ -12,7 +12,9 @@ the tail's keys and values land in KV slots P .. Pb - 1, which a decode step mas
 position is routed (the tail and left pads too: a graph cannot select a data-dependent row count), so the experts
 see more rows than in an eager pass; where a row count crosses one of the grouped executor's tile thresholds the
 real positions' values can differ from an eager pass in rounding (docs/engine.md). The recorded routes and the
-routing workload's draws cover the real positions only, as in an eager pass.
+routing workload's draws cover the real positions only, as in an eager pass; under a workload the other rows take
+k distinct filler experts. ``Engine.prefill`` returns a copy of the logits: the pass's own output lives in the graph
+pool, which later captures may reuse.
 
 When it runs: ``Engine.prefill`` on CUDA under full residency with CUDA graphs (``Engine.use_graphs``) and no GPU
 budget (a captured pass keeps its activations in the graph pool, outside the budget's plan), last-position logits, the engine's own KV cache (rows 0..B-1), no per-layer route log, and B x Pb <= PREFILL_GRAPH_MAX_TOKENS with
