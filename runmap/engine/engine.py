@@ -532,16 +532,7 @@ class GraphDecoder(_StaticStepInputs):
             e.model.imposed = e.model.route_sink = None
 
     def _capture(self, n_keys):
-        side = torch.cuda.Stream(self.e.device)
-        side.wait_stream(torch.cuda.current_stream())
-        with torch.cuda.stream(side):  # warm-up outside capture (cuBLAS handles, Triton compilation)
-            for _ in range(2):
-                self._step(n_keys)
-        torch.cuda.current_stream().wait_stream(side)
-        g = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(g, pool=self.pool):
-            out = self._step(n_keys)
-        self.graphs[n_keys] = (g, out)
+        self.graphs[n_keys] = capture_graph(lambda: self._step(n_keys), self.e.device, self.pool)
 
     def run(self, tok, slot: int, pad) -> torch.Tensor:
         """tok int64 (B,), slot: KV slot of the new tokens, pad int64 (B,) -> float32 logits (B, V) (a static
@@ -801,6 +792,21 @@ class SegmentDecoder(_StaticStepInputs):
         return out
 
 
+def capture_graph(fn, device, pool) -> tuple:
+    """fn run twice on a side stream (cuBLAS handles, Triton compilation: nothing of that inside a capture), then
+    captured into a CUDA graph sharing ``pool``: (graph, what the captured call returned)."""
+    side = torch.cuda.Stream(device)
+    side.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(side):
+        for _ in range(2):
+            fn()
+    torch.cuda.current_stream().wait_stream(side)
+    g = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(g, pool=pool):
+        out = fn()
+    return g, out
+
+
 def host_to_device(a: np.ndarray, device) -> torch.Tensor:
     """A host array on ``device`` without a host sync: through pinned memory and an asynchronous copy (torch's
     pinned-memory allocator does not reuse the buffer before the copy is done)."""
@@ -875,7 +881,7 @@ class Engine:
         self._check_open()
         t0 = time.perf_counter()
         dev = self.device
-        saved = self.imposed, self.routes, dict(self.prefill_counts), dict(self.decode_paths), dict(self.prefill_paths)
+        saved = self.imposed, self.routes, dict(self.prefill_counts), dict(self.decode_paths)
         cache = self._expert_cache()
         counters = dict(cache.counters) if cache is not None else None
         self.imposed = self.routes = None
@@ -900,7 +906,6 @@ class Engine:
             self.imposed, self.routes = saved[0], saved[1]
             self.prefill_counts.update(saved[2])
             self.decode_paths.update(saved[3])
-            self.prefill_paths.update(saved[4])
             if counters is not None:
                 cache.counters.clear()
                 cache.counters.update(counters)
@@ -1123,13 +1128,11 @@ class Engine:
         (runmap.engine.prefill_graph: the prompt padded on the right to its length bucket)."""
         B, P = tokens.shape
         Pb = None
-        if (self._graph_prefill() and kv is None and not all_logits and self.model.route_log is None
-                and P <= self.prefill_chunk):
-            Pb = self._prefiller.bucket_for(B, P)
+        if self._graph_prefill() and kv is None and not all_logits and self.model.route_log is None:
+            Pb = self._prefiller.bucket_for(B, P)  # within one chunk and the KV cache, or None
         if Pb is None:
             self.prefill_paths["eager"] += 1
             return run_pieces(self.prefill_pieces(tokens, pad, all_logits, kv=kv, pad_host=pad_host))
-        self._check_open()
         pad_h = pad.cpu().numpy() if pad_host is None else np.asarray(pad_host, dtype=np.int64)
         self.prefill_paths["graphs"] += 1
         with torch.inference_mode():  # its static buffers are inference tensors (made under generate's inference mode)

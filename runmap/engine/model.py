@@ -316,8 +316,7 @@ class Transformer:
         y = experts(layer, hr.contiguous(), ids, gw)  # (n, H) fp16
         if token_rows is not None:
             y = torch.zeros_like(h).index_copy_(0, token_rows, y)  # (N, H)
-        if lw.shared_gate_up is not None and "gemv" in self.fused and h.shape[0] == 1 \
-                and lw.shared_gate_up_gate is not None:
+        if lw.shared_gate_up_gate is not None and "gemv" in self.fused and h.shape[0] == 1:
             from runmap.kernels.fused_ops import shared_expert_one_row
 
             return shared_expert_one_row(h, lw.shared_gate_up_gate, lw.shared_down, y)  # (1, H): two launches

@@ -112,16 +112,9 @@ class GraphPrefiller:
             e.model.imposed = e.model.route_sink = None
 
     def _capture(self, st: _CapturedPass) -> None:
-        side = torch.cuda.Stream(self.e.device)
-        side.wait_stream(torch.cuda.current_stream())
-        with torch.cuda.stream(side):  # warm-up outside the capture (cuBLAS handles, Triton compilation)
-            for _ in range(2):
-                self._forward(st)
-        torch.cuda.current_stream().wait_stream(side)
-        g = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(g, pool=self.pool):
-            st.out = self._forward(st)
-        st.graph = g
+        from runmap.engine.engine import capture_graph
+
+        st.graph, st.out = capture_graph(lambda: self._forward(st), self.e.device, self.pool)
 
     def run(self, tokens: torch.Tensor, pad: torch.Tensor, pad_h: np.ndarray, Pb: int) -> torch.Tensor:
         """tokens int64 (B, P), pad int64 (B,) (device) and pad_h (host), Pb = ``bucket_for(B, P)`` -> float32 (B, V)
