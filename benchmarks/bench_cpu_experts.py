@@ -40,7 +40,8 @@ import torch
 
 from runmap.atomic import write_json
 from runmap.format.qpack import RowLayout
-from runmap.kernels.cpu_int4 import TOLERANCE, CpuExpertSite
+from runmap.kernels.cpu_int4 import SITE_EXECUTORS, TOLERANCE, CpuExpertSite
+from runmap.kernels.cpu_native import TOLERANCE as NATIVE_TOLERANCE
 from runmap.kernels.reference import reference_moe_f32
 from runmap.provenance import library_versions, utc_timestamp
 from runmap.residency.host_source import HostSource
@@ -143,14 +144,15 @@ def configs(threads: list[int], workers: list[int | str]) -> list[tuple[int, int
 
 
 def run_shape(name: str, hidden: int, inter: int, k: int, min_bytes: int, passes: int, seed: int,
-              threads: list[int], read: dict, mode_seconds: float, workers: list[int | str] = (1,)) -> dict:
+              threads: list[int], read: dict, mode_seconds: float, workers: list[int | str] = (1,),
+              executor: str = "cpu-int4") -> dict:
     layout = RowLayout.build(hidden, inter, 256)
     n = max(8 * k, math.ceil(min_bytes / layout.row_bytes))
     gen = torch.Generator().manual_seed(seed)
     rows = random_rows(layout, n, gen)
     host = HostSource.from_rows([rows], layout)
     del rows
-    site = CpuExpertSite(host, workers=1)
+    site = CpuExpertSite(host, workers=1, executor=executor)
     t0 = time.perf_counter()
     site.prepare()
     repack_s = time.perf_counter() - t0
@@ -172,13 +174,15 @@ def run_shape(name: str, hidden: int, inter: int, k: int, min_bytes: int, passes
     serial = site.moe(0, cx, cids, cw)
     serial_b1 = site.moe(0, cx[:1], cids[:1], cw[:1])
     err = float((serial.float() - ref).norm() / ref.norm())
-    out["check"] = {"rel_error": err, "tolerance": TOLERANCE["bf16"], "pass": err <= TOLERANCE["bf16"]}
+    tol = NATIVE_TOLERANCE["fp16-output"] if executor == "cpu-native" else TOLERANCE["bf16"]
+    out["check"] = {"rel_error": err, "tolerance": tol, "pass": err <= tol}
     current = None
     for nt, nw, tpw, mode in [(*c, m) for c in configs(threads, workers) for m in ("b1", "b4-distinct", "b4-shared")]:
         torch.set_num_threads(nt)
         if current != (nt, nw, tpw):  # the same repacked experts, a new pool: the spot check again, bitwise
             current = (nt, nw, tpw)
-            site.set_workers(nw, tpw)
+            if executor != "cpu-native":  # the native kernel takes the calling thread's torch thread count
+                site.set_workers(nw, tpw)
             same = (torch.equal(site.moe(0, cx, cids, cw), serial)
                     and torch.equal(site.moe(0, cx[:1], cids[:1], cw[:1]), serial_b1))
         batch = 1 if mode == "b1" else 4
@@ -248,6 +252,9 @@ def main(argv=None) -> int:
                    help="comma-separated CpuExpertSite worker counts ('all' = one per thread of the run's thread "
                         "count); each runs with max(1, threads // workers) torch threads per worker; default 1 "
                         "(the serial site)")
+    p.add_argument("--executor", choices=SITE_EXECUTORS, default="cpu-int4",
+                   help="the CPU site's kernel: cpu-int4 (torch's int4 matmul over repacked copies, bf16) or "
+                        "cpu-native (kernels/cpu_native.c over the host rows, fp32; --workers must be 1)")
     args = p.parse_args(argv)
     every = torch.get_num_threads()
     try:
@@ -271,6 +278,10 @@ def main(argv=None) -> int:
         print(f"bench_cpu_experts: shapes from {list(SHAPES)} (got {unknown or shapes}), --passes and "
               "--bandwidth-repeats >= 1", file=sys.stderr)
         return 2
+    if args.executor == "cpu-native" and workers != [1]:
+        print("bench_cpu_experts: --workers applies to --executor cpu-int4; cpu-native runs one parallel region per "
+              "layer call (give --workers 1)", file=sys.stderr)
+        return 2
     skipped = [(nt, w) for nt in threads for w in workers if w != "all" and w > nt]
     if skipped:
         print(f"bench_cpu_experts: skipping (threads, workers) {skipped}: more workers than the thread budget",
@@ -281,7 +292,8 @@ def main(argv=None) -> int:
     rec = {"kind": KIND, "command": " ".join(["python3", "benchmarks/bench_cpu_experts.py"]
                                             + [shlex.quote(a) for a in (sys.argv[1:] if argv is None else argv)]),
            "created_utc": utc_timestamp(), "machine": info, "versions": library_versions("numpy"),
-           "executor": "cpu-int4", "precision": "bf16", "load_before": load(), "target_ratio": TARGET}
+           "executor": args.executor, "precision": "fp32" if args.executor == "cpu-native" else "bf16",
+           "load_before": load(), "target_ratio": TARGET}
     t0 = time.perf_counter()
     rec["host_read"] = []
     for nt in threads:
@@ -293,7 +305,7 @@ def main(argv=None) -> int:
     for i, name in enumerate(shapes):
         rec["shapes"][name] = run_shape(name, *SHAPES[name], min_bytes=min_bytes, passes=args.passes,
                                         seed=args.seed + i, threads=threads, read=read,
-                                        mode_seconds=args.mode_seconds, workers=workers)
+                                        mode_seconds=args.mode_seconds, workers=workers, executor=args.executor)
     torch.set_num_threads(every)
     # each (shape, mode) at all cores: met by at least one of the worker counts run (the site can be configured to
     # meet it); with --workers 1 this is every all-core run, as before the option

@@ -88,6 +88,9 @@ PRECISIONS = {"bf16": torch.bfloat16, "fp32": torch.float32}
 TOLERANCE = {"bf16": 1e-2, "fp32": 5e-4}
 
 
+SITE_EXECUTORS = ("cpu-int4", "cpu-native")  # the registry's CPU-site executors (kernels/registry.py), this class's kernels
+
+
 class CpuSiteError(ValueError):
     """The CPU site was given something it cannot compute from (a device row, an unsupported block size)."""
 
@@ -378,19 +381,40 @@ class CpuExpertSite:
             single-thread workers reached 1.15-1.6x one thread where the serial site with both reached 1.4-1.8x. The
             workers stay available for machines where a sweep says otherwise.
         threads_per_worker: torch intra-op threads of each worker; None: max(1, usable CPUs // workers).
+        executor: the kernel, one of the registry's CPU-site executors. "cpu-int4" (torch's int4 matmul over
+            repacked copies, the arguments above) or "cpu-native" (kernels/cpu_native.py: a C kernel reading the
+            host rows as they lie, FP32, every expert of a layer call in one parallel region of the calling
+            thread's torch.get_num_threads() threads; precision "fp32", no workers, nothing to repack).
 
     The worker threads (``_ExpertPool``) start on the first concurrent layer call, persist, and stop at ``close()``
     (or when the site is garbage-collected); a later call starts them again.
     """
 
-    def __init__(self, source, precision: str = "bf16", workers: int | None = None,
-                 threads_per_worker: int | None = None):
-        if precision not in PRECISIONS:
-            raise CpuSiteError(f"precision {precision!r}, expected one of {tuple(PRECISIONS)}")
-        if not _have_kernel():
-            raise CpuSiteError(f"this torch ({torch.__version__}) has no aten._weight_int4pack_mm_for_cpu")
+    def __init__(self, source, precision: str | None = None, workers: int | None = None,
+                 threads_per_worker: int | None = None, executor: str = "cpu-int4"):
+        if executor not in SITE_EXECUTORS:
+            raise CpuSiteError(f"CPU site executor {executor!r}, expected one of {SITE_EXECUTORS}")
+        if executor == "cpu-native":
+            if precision not in (None, "fp32"):
+                raise CpuSiteError(f"precision {precision!r}: the cpu-native kernel computes in fp32 only")
+            precision = "fp32"
+            if workers not in (None, 1) or threads_per_worker is not None:
+                raise CpuSiteError("workers / threads_per_worker configure the cpu-int4 site; cpu-native runs a "
+                                   "layer call in one parallel region of torch.get_num_threads() threads")
+            from runmap.kernels.cpu_native import NativeLayer
+
+            self._native = NativeLayer(source.layout)  # builds the C kernel now: a missing compiler fails here
+        else:
+            precision = "bf16" if precision is None else precision
+            self._native = None
+            if precision not in PRECISIONS:
+                raise CpuSiteError(f"precision {precision!r}, expected one of {tuple(PRECISIONS)}")
+            if not _have_kernel():
+                raise CpuSiteError(f"this torch ({torch.__version__}) has no aten._weight_int4pack_mm_for_cpu")
+        self.executor = executor
         self.source, self.layout, self.precision = source, source.layout, precision
         self.dtype = PRECISIONS[precision]
+        self._row_ptrs: dict[int, list[int]] = {}  # cpu-native: layer -> the host rows' addresses
         self.num_layers, self.num_experts = source.num_layers, source.num_experts
         self._cache: dict[tuple[int, int], RepackedExpert] = {}
         self._lock = threading.Lock()  # the cache, the counters and _repacking
@@ -400,6 +424,7 @@ class CpuExpertSite:
         self.repacks = 0  # experts repacked (each once)
         self.nbytes = 0  # memory held by the repacked copies
         self.source_bytes_read = 0  # host-source bytes read by repacks (row_bytes per repack)
+        self.layer_calls = 0  # moe / moe_subset / expert_output calls computed here
         self.set_workers(workers, threads_per_worker)
 
     def set_workers(self, workers: int | None = None, threads_per_worker: int | None = None) -> None:
@@ -408,6 +433,9 @@ class CpuExpertSite:
         for name, v in (("workers", workers), ("threads_per_worker", threads_per_worker)):
             if v is not None and (isinstance(v, bool) or not isinstance(v, int) or v < 1):
                 raise CpuSiteError(f"{name} {v!r}: a positive integer or None expected")
+        if self._native is not None and (workers not in (None, 1) or threads_per_worker is not None):
+            raise CpuSiteError("workers / threads_per_worker configure the cpu-int4 site; cpu-native runs a layer "
+                               "call in one parallel region of torch.get_num_threads() threads")
         cpus = usable_cpus()
         w = default_workers(cpus) if workers is None else workers
         t = max(1, cpus // w) if threads_per_worker is None else threads_per_worker
@@ -434,10 +462,40 @@ class CpuExpertSite:
         if pool is not None:
             pool.close()
 
-    def expert(self, layer: int, expert: int) -> RepackedExpert:
-        """The repacked expert, built from the host source on first use. The repack holds only that expert's lock
-        (torch releases the GIL), so threads repacking different experts run in parallel and no expert is repacked
-        twice."""
+    def _rows(self, layer: int) -> list[int]:
+        """cpu-native: the addresses of one layer's host rows, each checked once (a CPU uint8 (row_bytes,)
+        contiguous tensor; the source holds the memory for the site's lifetime)."""
+        ptrs = self._row_ptrs.get(layer)
+        if ptrs is None:
+            ptrs = []
+            for e in range(self.num_experts):
+                row = self.source.row_tensor(layer, e)
+                if not isinstance(row, torch.Tensor) or row.device.type != "cpu":
+                    where = row.device if isinstance(row, torch.Tensor) else type(row).__name__
+                    raise CpuSiteError(f"expert row on {where}: the CPU site reads host rows only, never device rows")
+                if (row.dtype != torch.uint8 or row.dim() != 1 or row.numel() != self.layout.row_bytes
+                        or not row.is_contiguous()):
+                    raise CpuSiteError(f"expert row (layer {layer}, expert {e}): contiguous uint8 "
+                                       f"({self.layout.row_bytes},) expected, got {row.dtype} {tuple(row.shape)}")
+                ptrs.append(row.data_ptr())
+            self._row_ptrs[layer] = ptrs
+        return ptrs
+
+    def _native_call(self, layer: int, x: torch.Tensor, topk_ids: torch.Tensor, topk_weights: torch.Tensor,
+                     experts=None) -> torch.Tensor:
+        from runmap.kernels.cpu_native import assignments
+
+        order, start, tok, wts = assignments(topk_ids, topk_weights, experts)
+        rows = self._rows(layer)
+        return self._native.run([rows[e] for e in order], start, tok, wts, x.to(torch.float32).contiguous())
+
+    def expert(self, layer: int, expert: int) -> RepackedExpert | torch.Tensor:
+        """The repacked expert, built from the host source on first use (cpu-native: the host row itself, which it
+        reads as it lies). The repack holds only that expert's lock (torch releases the GIL), so threads repacking
+        different experts run in parallel and no expert is repacked twice."""
+        if self._native is not None:
+            self._rows(layer)
+            return self.source.row_tensor(layer, expert)
         key = (layer, expert)
         rep = self._cache.get(key)
         if rep is None:
@@ -458,7 +516,12 @@ class CpuExpertSite:
 
     def prepare(self, layers=None, experts=None, workers: int = 1) -> None:
         """Repack ahead of time (an engine whose placement may compute at the CPU site does it at build, so that no
-        decode step pays a first use's repack), on ``workers`` threads."""
+        decode step pays a first use's repack), on ``workers`` threads. cpu-native: nothing to repack; the rows'
+        addresses are checked."""
+        if self._native is not None:
+            for layer in (range(self.num_layers) if layers is None else layers):
+                self._rows(layer)
+            return
         keys = [(layer, e) for layer in (range(self.num_layers) if layers is None else layers)
                 for e in (range(self.num_experts) if experts is None else experts)]
         if workers <= 1 or len(keys) <= 1:
@@ -475,6 +538,11 @@ class CpuExpertSite:
                             shape=(None, self.layout.hidden_size), device=torch.device("cpu"))
         if not 0 <= expert < self.num_experts:
             raise common.KernelInputError(f"expert {expert} is not an expert id in [0, {self.num_experts})")
+        self.layer_calls += 1
+        if self._native is not None:
+            m = x.shape[0]
+            return self._native.run([self._rows(layer)[expert]], [0, m], list(range(m)), [1.0] * m,
+                                    x.to(torch.float32).contiguous())
         return expert_ffn(self.expert(layer, expert), x.to(self.dtype))
 
     def _check_layer_call(self, layer: int, x: torch.Tensor, topk_ids: torch.Tensor, topk_weights: torch.Tensor):
@@ -499,6 +567,9 @@ class CpuExpertSite:
             float16 (T, H) = sum_j w[t, j] * down_e(silu(gate_e(x_t)) * up_e(x_t)), e = topk_ids[t, j].
         """
         self._check_layer_call(layer, x, topk_ids, topk_weights)
+        self.layer_calls += 1
+        if self._native is not None:
+            return self._native_call(layer, x, topk_ids, topk_weights).to(torch.float16)
         return _layer_moe(lambda e: self.expert(layer, e), x, topk_ids, topk_weights, self.dtype, pool=self._pool())
 
     def moe_subset(self, layer: int, x: torch.Tensor, topk_ids: torch.Tensor, topk_weights: torch.Tensor,
@@ -514,14 +585,17 @@ class CpuExpertSite:
             float32 (T, H) = sum over slots j with topk_ids[t, j] in experts of w[t, j] * ffn_e(x_t).
         """
         self._check_layer_call(layer, x, topk_ids, topk_weights)
+        self.layer_calls += 1
+        if self._native is not None:
+            return self._native_call(layer, x, topk_ids, topk_weights, experts)
         out = torch.zeros(x.shape[0], x.shape[1], dtype=torch.float32)  # (T, H)
         _add_experts(out, lambda e: self.expert(layer, e), x.to(self.dtype), topk_ids.to(torch.int64), topk_weights,
                      sorted({int(v) for v in experts}), self._pool())
         return out
 
     def describe(self) -> dict:
-        return {"precision": self.precision, "repacked_experts": self.repacks, "repacked_bytes": self.nbytes,
-                "source_bytes_read": self.source_bytes_read, "threads": torch.get_num_threads(),
+        return {"executor": self.executor, "precision": self.precision, "repacked_experts": self.repacks, "repacked_bytes": self.nbytes,
+                "source_bytes_read": self.source_bytes_read, "layer_calls": self.layer_calls, "threads": torch.get_num_threads(),
                 "workers": self.workers, "threads_per_worker": self.threads_per_worker}
 
 

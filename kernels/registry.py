@@ -56,6 +56,12 @@ def _cpu_int4():
     return cpu_int4_moe
 
 
+def _cpu_native():
+    from runmap.kernels.cpu_native import cpu_native_moe
+
+    return cpu_native_moe
+
+
 def _topk_fused():
     from runmap.kernels.topk_fused import topk_fused_moe
 
@@ -70,6 +76,8 @@ EXECUTORS: dict[str, Executor] = {e.name: e for e in (
              "in a second", True, _topk_fused),
     Executor("cpu-int4", "CPU site: torch's CPU int4 matmul over the host source, repacked once per expert "
              "(bf16 arithmetic)", False, _cpu_int4, site="cpu"),
+    Executor("cpu-native", "CPU site: a C kernel (built on first use) reading the host rows as they lie, FP32 "
+             "arithmetic, all experts of a layer in one parallel region", False, _cpu_native, site="cpu"),
 )}
 EXECUTOR_NAMES: tuple[str, ...] = tuple(EXECUTORS)
 GRAPH_SAFE_EXECUTORS: tuple[str, ...] = tuple(n for n, e in EXECUTORS.items() if e.graph_safe)

@@ -206,25 +206,30 @@ def tiny_packs(seed3_tiny_packs):
 
 
 @pytest.mark.parametrize("preset", ENGINE_PRESETS)
-def test_engine_teacher_forced_logits_equal_the_reference_executor(tiny_packs, preset):
+@pytest.mark.parametrize("executor", ["cpu-int4", "cpu-native"])
+def test_engine_teacher_forced_logits_equal_the_reference_executor(tiny_packs, preset, executor):
     from runmap.engine.engine import Engine
 
     pack, cfg = tiny_packs[preset]
-    eng = Engine.from_pack(pack, executor="cpu-int4", device="cpu", max_batch=1, max_seq_len=32)
+    eng = Engine.from_pack(pack, executor=executor, device="cpu", max_batch=1, max_seq_len=32)
     try:
         g = torch.Generator().manual_seed(len(preset))
         prompt = torch.randint(3, cfg.vocab_size, (12,), generator=g).tolist()
         got = eng.logits(prompt)  # (T, V): every position, teacher-forced by the prompt
+        calls = eng.experts.cpu_site.layer_calls
         ref = eng.logits(prompt, executor="reference")
         assert got.shape == ref.shape == (len(prompt), cfg.vocab_size)
         site = eng.experts.cpu_site
-        assert site is not None and site.source is eng.host_source and site.repacks > 0
-        assert eng.stats().executor == "cpu-int4"
+        assert site is not None and site.source is eng.host_source and site.executor == executor
+        assert calls >= cfg.num_layers and site.layer_calls == calls  # got's MoE layers ran here, ref's did not
+        assert (site.repacks > 0) == (executor == "cpu-int4")  # cpu-native reads the host rows as they lie
+        assert eng.stats().executor == executor
         for t in range(len(prompt)):
             # engine tolerance (the Triton executors' in tests/test_engine.py): measured ~1.2e-3 of max |ref|
             err, bound = float((got[t] - ref[t]).abs().max()), 1e-2 * float(ref[t].abs().max()) + 2e-3
             assert err <= bound, f"{preset} position {t}: max |diff| {err:.3g} > {bound:.3g}"
-        assert not torch.equal(got, ref)  # the bf16 path really ran (a silent fallback would be exact)
+        if executor == "cpu-int4":
+            assert not torch.equal(got, ref)  # the bf16 path really ran (a silent fallback would be exact)
     finally:
         eng.close()
 
@@ -242,10 +247,12 @@ def test_engine_refuses_what_the_cpu_site_cannot_do(tiny_packs):
 def test_registry_lists_the_cpu_site():
     from runmap.kernels.registry import CPU_SITE_EXECUTORS, EXECUTORS, GRAPH_SAFE_EXECUTORS
 
-    assert CPU_SITE_EXECUTORS == ("cpu-int4",)
-    assert EXECUTORS["cpu-int4"].site == "cpu" and "cpu-int4" not in GRAPH_SAFE_EXECUTORS
-    assert EXECUTORS["cpu-int4"].load() is cpu_int4_moe
-    assert all(e.site == "device" for n, e in EXECUTORS.items() if n != "cpu-int4")
+    from runmap.kernels.cpu_native import cpu_native_moe
+
+    assert CPU_SITE_EXECUTORS == ("cpu-int4", "cpu-native") == cpu_int4.SITE_EXECUTORS
+    assert all(EXECUTORS[n].site == "cpu" and n not in GRAPH_SAFE_EXECUTORS for n in CPU_SITE_EXECUTORS)
+    assert EXECUTORS["cpu-int4"].load() is cpu_int4_moe and EXECUTORS["cpu-native"].load() is cpu_native_moe
+    assert all(e.site == "device" for n, e in EXECUTORS.items() if n not in CPU_SITE_EXECUTORS)
     assert math.isfinite(TOLERANCE["bf16"]) and TOLERANCE["fp32"] < TOLERANCE["bf16"]
 
 

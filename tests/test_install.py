@@ -40,6 +40,7 @@ def test_regular_install_holds_the_namespace_and_the_package_data(regular_instal
     target, _ = regular_install
     assert not (target / "kernels").exists(), "a top-level 'kernels' package was installed"
     assert (target / "runmap" / "kernels" / "executors.py").is_file()
+    assert (target / "runmap" / "kernels" / "cpu_native.c").is_file()  # the cpu-native site compiles it on first use
     assert (target / "runmap" / "specs" / "architecture.yaml").is_file()
     assert (target / "runmap" / "specs" / "models" / "tiny-olmoe.yaml").is_file()
     assert (target / "runmap" / "schemas" / "manifest.schema.json").is_file()

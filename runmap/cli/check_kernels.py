@@ -12,12 +12,12 @@ from runmap.provenance import utc_timestamp
 
 HELP = "check every W4A16 executor against the FP32 reference over expert shapes x token counts"
 DESCRIPTION = """\
-Runs each executor (reference, scalar, grouped, topk-fused; on cpu also the CPU site cpu-int4) over expert
+Runs each executor (reference, scalar, grouped, topk-fused; on cpu also the CPU sites cpu-int4 and cpu-native) over expert
 shapes x token counts M. Every case draws fresh random experts (3/4 of them resident, in shuffled physical
 rows), activations, routing with experts repeated across tokens, and gate weights; every buffer the kernel
 wrappers allocate starts as NaN.
 A case passes when the output is finite and ||y - ref|| / ||ref|| <= 2e-3 (1e-2 for cpu-int4, whose torch
-kernel computes in bfloat16), ref = dequantize to FP32 + FP32 matmuls (kernels/reference.py).
+kernel computes in bfloat16; cpu-native computes in FP32), ref = dequantize to FP32 + FP32 matmuls (kernels/reference.py).
 
 Shapes: tiny = four small synthetic expert shapes (a partial last block of the down projection, block 64, and
 the Qwen3-MoE and Mixtral block structures at interpreter size); full = the four families' expert shapes: OLMoE

@@ -66,7 +66,7 @@ def run(args) -> int:
                                max_batch=1, max_seq_len=args.max_seq_len, expert_format=args.expert_format,
                                routing=args.routing, routing_seed=args.routing_seed,
                                record_routes=args.trace is not None, cache_contract=args.cache_contract,
-                               expert_placement=args.expert_placement, prefetch=args.prefetch,
+                               expert_placement=args.expert_placement, cpu_executor=args.cpu_executor, prefetch=args.prefetch,
                                prefill_chunk=args.prefill_chunk,
                                # one request: compiling every size class of pass first would only add to its wait
                                warm_up=False)

@@ -54,7 +54,7 @@ def run(args) -> int:
         eng = Engine.from_pack(args.packed, executor=args.executor, resident=args.resident, gpu_budget=args.gpu_budget,
                                device=args.device,
                                max_batch=1, max_seq_len=max(len(ids), 16), cuda_graphs=False,
-                               expert_placement=args.expert_placement, prefetch=args.prefetch,
+                               expert_placement=args.expert_placement, cpu_executor=args.cpu_executor, prefetch=args.prefetch,
                                prefill_chunk=args.prefill_chunk, warm_up=False)  # one request
         if placement_line(eng):
             print(placement_line(eng), file=sys.stderr)

@@ -3,6 +3,7 @@ from __future__ import annotations
 
 from runmap.engine.budget import size_argument
 from runmap.engine.placement import PLACEMENTS
+from runmap.kernels.registry import CPU_SITE_EXECUTORS
 
 
 def int_at_least(minimum: int):
@@ -43,6 +44,12 @@ def add_residency_arguments(p) -> None:
                         "the plan is printed. The route never changes, only where each routed expert runs. Decode steps "
                         "that may use the CPU run the CUDA-graph segment chain with a CPU part per layer "
                         "(docs/engine.md)")
+
+    p.add_argument("--cpu-executor", choices=CPU_SITE_EXECUTORS, default="cpu-native",
+                   help="the CPU site's kernel for --expert-placement cpu/auto: cpu-native (default) = a C kernel "
+                        "compiled on first use for this CPU ($CC, default cc; cached under $RUNMAP_CACHE_DIR or "
+                        "~/.cache/runmap), FP32, reading the host rows as they lie; cpu-int4 = torch's int4 matmul "
+                        "over copies repacked at startup, bfloat16 arithmetic, needs no compiler")
 
     p.add_argument("--prefetch", action="store_true",
                    help="partial residency: while a layer computes, move the experts the next layer's router predicts "

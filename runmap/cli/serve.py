@@ -100,6 +100,8 @@ def _command(pack, args) -> str:
         parts += ["--gpu-budget", str(args.gpu_budget)]
     if args.expert_placement != "gpu":
         parts += ["--expert-placement", args.expert_placement]
+    if args.cpu_executor != "cpu-native":
+        parts += ["--cpu-executor", args.cpu_executor]
     if args.prefetch:
         parts.append("--prefetch")
     return " ".join(shlex.quote(p) for p in parts)
@@ -150,6 +152,7 @@ def run(args) -> int:
         # under --gpu-budget the engine plans again (the same plan as printed) and caps torch's allocator at it
         return Engine.from_pack(pack, executor=args.executor, device=args.device, max_batch=args.max_batch,
                                 max_seq_len=args.max_seq_len, expert_placement=args.expert_placement,
+                                cpu_executor=args.cpu_executor,
                                 prefetch=args.prefetch, prefill_chunk=args.prefill_chunk,
                                 warm_up=False,  # the scheduler warms up every shape it serves
                                 **(

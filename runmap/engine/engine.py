@@ -173,7 +173,8 @@ class CachedExperts:
             self.moe = functools.partial(_without_decoded_mode, self.moe)
         self._req = None
         self.h2d_seconds = 0.0  # host wall time of acquisitions that ran a miss transaction
-        self.cpu_site = None  # a CPU-site executor's repacked experts (runmap.kernels.cpu_int4), built on first use
+        self.cpu_site = None  # the CPU site (runmap.kernels.cpu_int4.CpuExpertSite), built on first use
+        self.cpu_executor = "cpu-native"  # its kernel (Engine.from_pack's cpu_executor, or the executor if a CPU site)
         self.cpu_site_prepare_s = None  # wall time of repacking every expert at build (a placement that may use it)
         # where absent experts are computed (runmap.engine.placement): None = the miss transaction (gpu)
         self.placement = None
@@ -307,7 +308,7 @@ class CachedExperts:
         if self.cpu_site is None:
             from runmap.kernels.cpu_int4 import CpuExpertSite
 
-            self.cpu_site = CpuExpertSite(self.cache.host)
+            self.cpu_site = CpuExpertSite(self.cache.host, executor=self.cpu_executor)
         return self.cpu_site
 
     def _placed(self, layer, x, ids, gw, ids_h):
@@ -937,7 +938,8 @@ class Engine:
                   routing_seed: int = 0, record_routes: bool = False, cache_contract: str = "v1",
                   segments=True, gpu_budget: int | None = None, budget_kv_rows: int | None = None,
                   expert_placement: str = "gpu", prefetch: bool = False,
-                  emulate_link_gb_s: float | None = None, warm_up: bool | None = None) -> "Engine":
+                  emulate_link_gb_s: float | None = None, warm_up: bool | None = None,
+                  cpu_executor: str = "cpu-native") -> "Engine":
         from runmap.format.packfile import PackReader
         from runmap.engine.tokenization import Tokenizer
 
@@ -953,6 +955,8 @@ class Engine:
 
         if expert_placement not in PLACEMENTS:
             raise EngineError(f"unknown expert placement {expert_placement!r}; choose one of {list(PLACEMENTS)}")
+        if cpu_executor not in CPU_SITE_EXECUTORS:
+            raise EngineError(f"unknown CPU-site executor {cpu_executor!r}; choose one of {list(CPU_SITE_EXECUTORS)}")
         if expert_placement != "gpu" and (executor in CPU_SITE_EXECUTORS or expert_format != "int4"):
             raise EngineError(f"expert placement {expert_placement!r} places absent experts beside a device executor "
                               f"on INT4 experts; executor {executor!r} with expert_format {expert_format!r} has none")
@@ -1080,6 +1084,8 @@ class Engine:
                 else:
                     cache = ExpertCache.from_pack(reader, **kw)
                 experts = CachedExperts(cache, executor, layout, cfg.top_k)
+                # the CPU site's kernel: the executor itself when it is a CPU site, else the placement's choice
+                experts.cpu_executor = executor if executor in CPU_SITE_EXECUTORS else cpu_executor
                 if prefetch:
                     experts.predict = _next_layer_predictor(model, cfg)
                 if expert_placement != "gpu":

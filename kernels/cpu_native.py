@@ -1,0 +1,267 @@
+"""The ``cpu-native`` execution site: routed experts computed on the host CPU by a C kernel (kernels/cpu_native.c)
+that reads the qpacked rows of the immutable host source directly, in FP32, all experts of a layer call in one
+OpenMP parallel region.
+
+Why (issue 25 item 1): torch's CPU int4 matmul (the ``cpu-int4`` site, kernels/cpu_int4.py) reached only
+0.20-0.26 of the host read bandwidth on the 16-core H200 host: it splits each expert's M = 1 product across all
+threads, one expert after another, with a bf16 unpack. The C kernel makes every output row of every expert one
+work item of a single loop, so all threads stream expert bytes at once, and it needs no repacked copy: no
+startup repack, no second copy of the experts in RAM, and every byte it computes from is the verified host row.
+
+Numerics: FP32 activations, FP32 accumulation, exact FP16 scales (w = q * s exactly as qpack's dequantization),
+FP32 SiLU * up intermediate. Only the summation order differs from the FP32 reference executor, so the
+tolerance is the FP32 one (``TOLERANCE``), five times tighter than the bf16 ``cpu-int4`` site's.
+
+Build: on first use the source is compiled with the C compiler named by ``$CC`` (default ``cc``), flags
+``COMPILE_FLAGS`` (``-march=native``: the binary is built for the machine that runs it), into a cache folder
+(``$RUNMAP_CACHE_DIR``, else ``$XDG_CACHE_HOME/runmap``, else ``~/.cache/runmap``) under a key of the source,
+compiler, flags and CPU, written atomically. No compiler: ``NativeBuildError`` names what to install; nothing
+falls back to another kernel (that would change what the model computes).
+
+Threads: ``threads`` per call (default: torch's intra-op count, i.e. every usable core). The kernel links
+OpenMP; where torch's own libgomp is already loaded under the same name the two share one runtime.
+"""
+from __future__ import annotations
+
+import ctypes
+import functools
+import hashlib
+import os
+import platform
+import shutil
+import subprocess
+import tempfile
+import threading
+from pathlib import Path
+
+import torch
+
+from runmap.format.qpack import RowLayout
+from runmap.kernels import common
+from runmap.kernels.cpu_int4 import CpuSiteError
+
+SOURCE = Path(__file__).with_name("cpu_native.c")
+COMPILE_FLAGS = ("-O3", "-march=native", "-fopenmp", "-fPIC", "-shared", "-std=c11")
+LINK_FLAGS = ("-lm",)
+# Relative Frobenius error ||y - ref|| / ||ref|| against the FP32 reference executor: FP32 arithmetic in another
+# summation order (measured ~1e-6 before the output's rounding); the float16 output adds up to 2^-11 relative.
+TOLERANCE = {"fp32": 1e-5, "fp16-output": 1e-3}
+SECTIONS = ("gate.weight", "gate.scale", "up.weight", "up.scale", "down.weight", "down.scale")
+BUILD_TIMEOUT_S = 120
+
+
+class NativeBuildError(CpuSiteError):
+    """The C kernel could not be compiled or loaded here (no compiler, a compiler error, a broken cache)."""
+
+
+def cache_dir() -> Path:
+    root = os.environ.get("RUNMAP_CACHE_DIR")
+    if root:
+        return Path(root)
+    xdg = os.environ.get("XDG_CACHE_HOME")
+    return (Path(xdg) if xdg else Path.home() / ".cache") / "runmap"
+
+
+def _cpu_identity() -> str:
+    """What -march=native depends on: the CPU model and its feature flags (first processor of /proc/cpuinfo)."""
+    try:
+        text = Path("/proc/cpuinfo").read_text()
+    except OSError:
+        return platform.processor() or platform.machine()
+    keep = [ln for ln in text.splitlines() if ln.split(":")[0].strip() in ("model name", "flags", "Features")]
+    return "\n".join(dict.fromkeys(keep))  # one copy of each distinct line
+
+
+def _compiler() -> str:
+    cc = os.environ.get("CC", "cc")
+    path = shutil.which(cc)
+    if path is None:
+        raise NativeBuildError(f"cpu-native: no C compiler {cc!r} on PATH (set $CC or install one, e.g. "
+                               "`apt-get install gcc`); the cpu-int4 site needs none")
+    return path
+
+
+def library_path() -> Path:
+    """Where the compiled kernel for this source, compiler, flags and CPU lives (built or not)."""
+    cc = _compiler()
+    try:
+        version = subprocess.run([cc, "--version"], capture_output=True, text=True, timeout=30).stdout
+    except (OSError, subprocess.SubprocessError) as exc:
+        raise NativeBuildError(f"cpu-native: could not run the C compiler {cc}: {exc}") from None
+    key = hashlib.sha256("\0".join([SOURCE.read_text(), cc, version, " ".join(COMPILE_FLAGS + LINK_FLAGS),
+                                    platform.machine(), _cpu_identity()]).encode()).hexdigest()[:20]
+    return cache_dir() / "cpu_native" / key / "libcpu_native.so"
+
+
+def build() -> Path:
+    """Compile the kernel into the cache (once per key) and return the library's path."""
+    lib = library_path()
+    if lib.exists():
+        return lib
+    cc = _compiler()
+    try:
+        lib.parent.mkdir(parents=True, exist_ok=True)
+        fd, tmp = tempfile.mkstemp(prefix=".libcpu_native.", suffix=".so", dir=lib.parent)
+        os.close(fd)
+    except OSError as exc:
+        raise NativeBuildError(f"cpu-native: cannot write the kernel cache {lib.parent}: {exc.strerror} "
+                               "(set $RUNMAP_CACHE_DIR to a writable folder)") from None
+    cmd = [cc, *COMPILE_FLAGS, "-o", tmp, str(SOURCE), *LINK_FLAGS]
+    try:
+        proc = subprocess.run(cmd, capture_output=True, text=True, timeout=BUILD_TIMEOUT_S)
+        if proc.returncode != 0:
+            first = next((ln for ln in proc.stderr.splitlines() if "error" in ln), proc.stderr.strip()[:300])
+            raise NativeBuildError(f"cpu-native: compiling {SOURCE.name} failed ({' '.join(cmd[:1] + list(COMPILE_FLAGS))}): "
+                                   f"{first}")
+        os.replace(tmp, lib)  # atomic: a concurrent build or reader sees the whole library or none
+    except subprocess.TimeoutExpired:
+        raise NativeBuildError(f"cpu-native: compiling {SOURCE.name} took over {BUILD_TIMEOUT_S} s") from None
+    finally:
+        if os.path.exists(tmp):
+            os.unlink(tmp)
+    return lib
+
+
+_load_lock = threading.Lock()
+
+
+@functools.lru_cache(maxsize=None)
+def _function():
+    """The loaded ``runmap_moe_layer`` with its argument types (ctypes.CDLL releases the GIL during a call)."""
+    with _load_lock:
+        path = build()
+        try:
+            lib = ctypes.CDLL(str(path))
+        except OSError as exc:
+            raise NativeBuildError(f"cpu-native: loading {path} failed: {exc} (delete the folder to rebuild)") from None
+    fn = lib.runmap_moe_layer
+    p, i32 = ctypes.c_void_p, ctypes.c_int
+    fn.argtypes = [p, i32, p, p, p, p, i32, i32, i32, i32, p, p, p, p, p, i32]
+    fn.restype = i32
+    return fn
+
+
+def available() -> bool:
+    """True when the kernel builds and loads here (tests that need it skip otherwise, naming why)."""
+    try:
+        _function()
+        return True
+    except NativeBuildError:
+        return False
+
+
+def section_offsets(layout: RowLayout) -> torch.Tensor:
+    return torch.tensor([layout.section(s).offset for s in SECTIONS], dtype=torch.int64)
+
+
+class NativeLayer:
+    """The C kernel bound to one row layout. Call ``run`` once per layer call."""
+
+    def __init__(self, layout: RowLayout):
+        if layout.block_size % 2:
+            raise CpuSiteError(f"block_size {layout.block_size}: cpu-native needs an even block size")
+        self.layout = layout
+        self.offsets = section_offsets(layout)
+        self.fn = _function()
+
+    def run(self, row_ptrs: list[int], assign_start: list[int] | torch.Tensor, assign_token, assign_weight,
+            x: torch.Tensor, threads: int | None = None) -> torch.Tensor:
+        """The routed-expert sum of one layer call.
+
+        Args:
+            row_ptrs: (n_experts,) addresses of qpacked rows of this layout, alive for the call (read only).
+            assign_start: int32 (n_experts + 1,), expert i's assignments are [start[i], start[i + 1]).
+            assign_token: int32 (n_assign,) token of each assignment, in [0, T).
+            assign_weight: float32 (n_assign,) its gate weight.
+            x: float32 (T, H) contiguous CPU activations.
+            threads: OpenMP threads (default torch.get_num_threads()).
+        Returns:
+            float32 (T, H): out[t] = sum over t's assignments, in order, of weight * down(silu(gate x) * up x).
+        """
+        h, i = self.layout.hidden_size, self.layout.intermediate_size
+        n_exp = len(row_ptrs)
+        start = torch.as_tensor(assign_start, dtype=torch.int32)
+        tok = torch.as_tensor(assign_token, dtype=torch.int32)
+        wts = torch.as_tensor(assign_weight, dtype=torch.float32)
+        n_assign = int(start[-1]) if n_exp else 0
+        t = x.shape[0]
+        cpu = torch.device("cpu")
+        out = common.empty((t, h), torch.float32, cpu)  # every element written by the kernel (tests poison these)
+        if n_exp == 0 or n_assign == 0:
+            return out.zero_()
+        x_split = common.empty((t, h), torch.float32, cpu)
+        h_split = common.empty((n_assign, i), torch.float32, cpu)
+        y = common.empty((n_assign, h), torch.float32, cpu)
+        ptrs = (ctypes.c_void_p * n_exp)(*row_ptrs)
+        rc = self.fn(ptrs, n_exp, start.data_ptr(), tok.data_ptr(), wts.data_ptr(), x.data_ptr(), t, h, i,
+                     self.layout.block_size, self.offsets.data_ptr(), x_split.data_ptr(), h_split.data_ptr(),
+                     y.data_ptr(), out.data_ptr(), threads or torch.get_num_threads())
+        if rc != 0:
+            raise CpuSiteError(f"cpu-native: the kernel returned {rc}")
+        return out
+
+
+def assignments(topk_ids: torch.Tensor, topk_weights: torch.Tensor, experts=None):
+    """Group a layer call's (token, slot) pairs by expert.
+
+    Args:
+        topk_ids: int (T, k) CPU, topk_weights: float32 (T, k) CPU.
+        experts: the expert ids to compute (None: every routed one); slots routed elsewhere are left out.
+    Returns:
+        (expert ids in ascending order, start int32 (n + 1,), token int32 (n_assign,), weight float32 (n_assign,));
+        within an expert the assignments keep (token, slot) order.
+    """
+    t, k = topk_ids.shape
+    if t == 1:  # decode: a few slots, plain Python is cheaper than the tensor ops
+        ids, ws = topk_ids[0].tolist(), topk_weights[0].tolist()
+        keep = None if experts is None else {int(e) for e in experts}
+        by_expert: dict[int, list[float]] = {}
+        for e, w in zip(ids, ws):
+            if keep is None or e in keep:
+                by_expert.setdefault(int(e), []).append(w)
+        order = sorted(by_expert)
+        start, weight = [0], []
+        for e in order:
+            weight += by_expert[e]
+            start.append(len(weight))
+        return order, start, [0] * len(weight), weight
+    flat = topk_ids.reshape(-1).to(torch.int64)  # (T k,)
+    tok = torch.arange(t, dtype=torch.int32).repeat_interleave(k)
+    wts = topk_weights.reshape(-1).to(torch.float32)
+    if experts is not None:
+        sel = torch.isin(flat, torch.tensor(sorted({int(e) for e in experts}), dtype=torch.int64))
+        flat, tok, wts = flat[sel], tok[sel], wts[sel]
+    ids_sorted, perm = torch.sort(flat, stable=True)
+    uniq, counts = torch.unique_consecutive(ids_sorted, return_counts=True)
+    start = torch.zeros(len(uniq) + 1, dtype=torch.int32)
+    torch.cumsum(counts, 0, out=start[1:])
+    return uniq.tolist(), start, tok[perm].contiguous(), wts[perm].contiguous()
+
+
+def cpu_native_moe(x, topk_ids, topk_weights, storage, row_table, layout: RowLayout, config=None) -> torch.Tensor:
+    """The registry form (arguments and result as runmap.kernels.executors.moe_experts), every tensor on the CPU.
+
+    Reads the routed rows of ``storage`` where they lie (no copy). config: optional {"threads": n}.
+    Returns float16 (T, H).
+    """
+    if storage.device.type != "cpu":
+        raise common.KernelInputError(f"storage on {storage.device}: cpu-native computes on the CPU from host rows "
+                                      "only (it never reads device rows); use a GPU executor for device storage")
+    common.check_storage(storage, layout)
+    cpu = torch.device("cpu")
+    common.check_tensor("x", x, torch.float16, 2, shape=(None, layout.hidden_size), device=cpu)
+    common.check_tensor("topk_ids", topk_ids, (torch.int32, torch.int64), 2, shape=(x.shape[0], None), device=cpu)
+    common.check_tensor("topk_weights", topk_weights, torch.float32, 2, shape=tuple(topk_ids.shape), device=cpu)
+    threads = (config or {}).get("threads")
+    if threads is not None and (isinstance(threads, bool) or not isinstance(threads, int) or threads < 1):
+        raise common.KernelInputError(f"config threads {threads!r}: a positive integer expected")
+    table = row_table.tolist()
+    order, start, tok, wts = assignments(topk_ids, topk_weights)
+    ptrs = []
+    for e in order:
+        row = table[e] if 0 <= e < len(table) else -1
+        if row < 0 or row >= storage.shape[0]:  # never substitute another expert
+            raise common.KernelInputError(f"expert {e} is not resident: row_table[{e}] = {row}")
+        ptrs.append(storage[row].data_ptr())
+    y = NativeLayer(layout).run(ptrs, start, tok, wts, x.to(torch.float32).contiguous(), threads)
+    return y.to(torch.float16)

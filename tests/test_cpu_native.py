@@ -1,0 +1,235 @@
+"""The cpu-native execution site (kernels/cpu_native.c through kernels/cpu_native.py) against the FP32 reference.
+
+* FP32 arithmetic: within 1e-5 (relative Frobenius) of the FP32 reference executor before the output's rounding,
+  on fresh random experts, activations, routes and gate weights, over odd shapes (partial last blocks, blocks
+  that are not a multiple of the vector width, tiny K), batch 1 and small batches, a token routed twice to one
+  expert, every scratch and output buffer poisoned (NaN); Hypothesis over the shape space;
+* the result does not depend on the thread count (bitwise);
+* the site reads the host rows as they lie: no repacked copy, and a host byte that changes changes the output;
+* a subset of the experts (a mixed placement) and one expert alone equal their share of the layer;
+* bad inputs and a missing or failing compiler get one clear line; nothing half-built is left in the cache.
+"""
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from runmap.format.qpack import RowLayout
+from runmap.kernels import check as kc
+from runmap.kernels import cpu_native
+from runmap.kernels.common import KernelInputError
+from runmap.kernels.cpu_int4 import CpuExpertSite, CpuSiteError
+from runmap.kernels.cpu_native import TOLERANCE, NativeBuildError, NativeLayer, assignments
+from runmap.kernels.reference import reference_moe_f32
+from runmap.residency.host_source import HostSource
+
+CPU = torch.device("cpu")
+# name: (hidden H, intermediate I, block B, experts E, top-k)
+SHAPES = {
+    "olmoe-like": (512, 256, 256, 8, 4),
+    "partial-blocks": (288, 168, 128, 5, 3),  # H and I end in partial blocks
+    "block-6": (64, 34, 6, 9, 4),  # 3-byte blocks: every block goes through the scalar tail
+    "block-34": (130, 98, 34, 6, 2),  # 17-byte blocks: one vector step plus a tail; H % 4 == 2
+    "qwen-like": (256, 384, 256, 5, 4),  # down K = 1.5 blocks
+    "tiny-k": (2, 4, 2, 3, 2),  # one byte per row
+}
+
+
+@pytest.fixture(autouse=True)
+def poison():
+    undo = kc.poison_allocations()
+    yield
+    undo()
+
+
+def _rows(layout: RowLayout, n: int, seed: int) -> torch.Tensor:
+    """n fresh random qpacked experts, uint8 (n, row_bytes)."""
+    g = torch.Generator().manual_seed(seed)
+    h, i = layout.hidden_size, layout.intermediate_size
+    return torch.stack([layout.pack_expert({"gate": torch.randn(i, h, generator=g) / math.sqrt(h),
+                                            "up": torch.randn(i, h, generator=g) / math.sqrt(h),
+                                            "down": torch.randn(h, i, generator=g) / math.sqrt(i)})
+                        for _ in range(n)])
+
+
+def _batch(h: int, e: int, k: int, m: int, seed: int, duplicate: bool = False):
+    g = torch.Generator().manual_seed(seed + 1)
+    x = (torch.randn(m, h, generator=g) * 2).to(torch.float16)
+    ids = torch.stack([torch.randperm(e, generator=g)[:k] for _ in range(m)])
+    if duplicate and k > 1:
+        ids[0, 1] = ids[0, 0]  # token 0 routed twice to one expert
+    w = torch.softmax(torch.randn(m, k, generator=g), dim=1)
+    return x, ids, w
+
+
+def _run(layout, rows, x, ids, w, threads=None, experts=None):
+    order, start, tok, wts = assignments(ids, w, experts)
+    return NativeLayer(layout).run([rows[e].data_ptr() for e in order], start, tok, wts, x.float(), threads)
+
+
+def _rel(y, ref):
+    return float((y.float() - ref).norm() / ref.norm())
+
+
+@pytest.mark.parametrize("name", list(SHAPES))
+@pytest.mark.parametrize("m", [1, 3, 8])
+def test_matches_the_fp32_reference(name, m):
+    h, i, b, e, k = SHAPES[name]
+    layout = RowLayout.build(h, i, b)
+    seed = 100 * m + sum(map(ord, name))
+    rows = _rows(layout, e, seed)
+    x, ids, w = _batch(h, e, k, m, seed, duplicate=(m == 3))
+    ref = reference_moe_f32(x, ids, w, rows, torch.arange(e, dtype=torch.int32), layout)
+    y = _run(layout, rows, x, ids, w)
+    assert y.dtype == torch.float32 and y.shape == (m, h) and torch.isfinite(y).all()
+    assert _rel(y, ref) <= TOLERANCE["fp32"], f"{name} M={m}: {_rel(y, ref):.2e}"
+    # the registry form: float16 output, rows where the table says (shuffled, a junk row 0)
+    layout2, storage, table, resident = kc.make_layer(kc.ExpertShape(name, h, i, b, e, k), CPU, seed)
+    x2, ids2, w2 = kc.make_batch(kc.ExpertShape(name, h, i, b, e, k), m, resident, CPU, seed)
+    from runmap.kernels.executors import moe_experts
+
+    y2 = moe_experts("cpu-native", x2, ids2, w2, storage, table, layout2)
+    ref2 = reference_moe_f32(x2, ids2, w2, storage, table, layout2)
+    assert y2.dtype == torch.float16 and torch.isfinite(y2).all()
+    assert _rel(y2, ref2) <= TOLERANCE["fp16-output"]
+
+
+@settings(max_examples=30, deadline=None)
+@given(half_h=st.integers(1, 90), half_i=st.integers(1, 70), half_b=st.integers(1, 140), e=st.integers(1, 6),
+       m=st.integers(1, 5), data=st.data())
+def test_any_shape_matches_the_fp32_reference(half_h, half_i, half_b, e, m, data):
+    h, i, b = 2 * half_h, 2 * half_i, 2 * half_b
+    k = data.draw(st.integers(1, e))
+    seed = data.draw(st.integers(0, 2**16))
+    layout = RowLayout.build(h, i, b)
+    rows = _rows(layout, e, seed)
+    x, ids, w = _batch(h, e, k, m, seed)
+    ref = reference_moe_f32(x, ids, w, rows, torch.arange(e, dtype=torch.int32), layout)
+    y = _run(layout, rows, x, ids, w)
+    # an all-zero reference (a tiny expert whose weights all quantize to 0) is compared absolutely
+    assert float((y - ref).norm()) <= TOLERANCE["fp32"] * max(float(ref.norm()), 1e-3)
+
+
+def test_the_result_does_not_depend_on_the_thread_count():
+    h, i, b, e, k = SHAPES["partial-blocks"]
+    layout = RowLayout.build(h, i, b)
+    rows = _rows(layout, e, 5)
+    x, ids, w = _batch(h, e, k, 6, 5, duplicate=True)
+    one = _run(layout, rows, x, ids, w, threads=1)
+    for threads in (2, 3, 7):
+        assert torch.equal(_run(layout, rows, x, ids, w, threads=threads).view(torch.int32), one.view(torch.int32))
+
+
+def _host(name: str, layers: int, seed: int):
+    h, i, b, e, _k = SHAPES[name]
+    layout = RowLayout.build(h, i, b)
+    rows = [_rows(layout, e, seed + l) for l in range(layers)]
+    return HostSource.from_rows(rows, layout), rows, layout
+
+
+def test_site_reads_the_host_rows_as_they_lie():
+    h, i, b, e, k = SHAPES["olmoe-like"]
+    host, rows, layout = _host("olmoe-like", layers=2, seed=21)
+    site = CpuExpertSite(host, executor="cpu-native")
+    site.prepare()
+    assert site.repacks == 0 and site.nbytes == 0 and site.precision == "fp32"
+    ident = torch.arange(e, dtype=torch.int32)
+    for layer in range(2):
+        x, ids, w = _batch(h, e, k, 4, layer)
+        y = site.moe(layer, x, ids, w)
+        ref = reference_moe_f32(x, ids, w, rows[layer], ident, layout)
+        assert y.dtype == torch.float16 and _rel(y, ref) <= TOLERANCE["fp16-output"]
+    assert site.layer_calls == 2 and site.describe()["executor"] == "cpu-native"
+    assert not host.array.flags.writeable and host.rewrite_attempts == 0
+
+    class WritableSource:  # the host source's interface over memory a test may write (the real one is read-only)
+        num_layers, num_experts = 1, e
+
+        def __init__(self):
+            self.layout, self.rows = layout, rows[0].clone()
+
+        def row_tensor(self, layer, expert):
+            return self.rows[expert]
+
+    # the site holds the rows' addresses, not a copy: a byte written into that memory shows in the output
+    src = WritableSource()
+    site = CpuExpertSite(src, executor="cpu-native")
+    x, ids, w = _batch(h, e, k, 1, 9)
+    before = site.moe(0, x, ids, w)
+    mem = src.row_tensor(0, int(ids[0, 0]))
+    off = layout.section("down.scale").offset
+    saved = mem[off:off + 2].clone()
+    try:
+        mem[off:off + 2].view(torch.float16).mul_(2)  # the first down row's first scale, doubled
+        assert not torch.equal(site.moe(0, x, ids, w), before)
+    finally:
+        mem[off:off + 2] = saved
+    assert torch.equal(site.moe(0, x, ids, w), before)
+
+
+def test_subset_and_one_expert_equal_their_share_of_the_layer():
+    h, i, b, e, k = SHAPES["qwen-like"]
+    host, rows, layout = _host("qwen-like", layers=1, seed=4)
+    site = CpuExpertSite(host, executor="cpu-native")
+    x, ids, w = _batch(h, e, k, 5, 4)
+    part = sorted({int(v) for v in ids[:, 0]})
+    sub = site.moe_subset(0, x, ids, w, part)
+    masked = torch.where(torch.isin(ids, torch.tensor(part)), w, torch.zeros_like(w))  # other slots weigh nothing
+    ref = reference_moe_f32(x, ids, masked, rows[0], torch.arange(e, dtype=torch.int32), layout)
+    assert sub.dtype == torch.float32 and _rel(sub, ref) <= TOLERANCE["fp32"]
+    assert torch.equal(site.moe_subset(0, x, ids, w, []), torch.zeros(5, h))
+    one = site.expert_output(0, 2, x[:3])
+    ref1 = reference_moe_f32(x[:3], torch.full((3, 1), 2), torch.ones(3, 1), rows[0],
+                             torch.arange(e, dtype=torch.int32), layout)
+    assert _rel(one, ref1) <= TOLERANCE["fp32"]
+
+
+def test_bad_inputs_get_one_clear_line():
+    from runmap.kernels.executors import NotResidentError, moe_experts
+
+    h, i, b, e, k = SHAPES["olmoe-like"]
+    host, rows, layout = _host("olmoe-like", layers=1, seed=3)
+    site = CpuExpertSite(host, executor="cpu-native")
+    x = torch.randn(2, h).to(torch.float16)
+    with pytest.raises(KernelInputError, match=r"topk_ids\[1, 0\] = 8 is not an expert id"):
+        site.moe(0, x, torch.tensor([[0, 1], [8, 1]]), torch.ones(2, 2))
+    with pytest.raises(KernelInputError, match="layer 1 is not in"):
+        site.moe(1, x, torch.tensor([[0, 1], [2, 1]]), torch.ones(2, 2))
+    table = torch.tensor([0, 1, -1, 3, 4, 5, 6, 7], dtype=torch.int32)
+    with pytest.raises(NotResidentError, match="expert 2"):  # never substituted
+        moe_experts("cpu-native", x, torch.tensor([[0, 2], [1, 3]]), torch.ones(2, 2), rows[0], table, layout)
+    with pytest.raises(CpuSiteError, match="fp32 only"):
+        CpuExpertSite(host, executor="cpu-native", precision="bf16")
+    with pytest.raises(CpuSiteError, match="one parallel region"):
+        CpuExpertSite(host, executor="cpu-native", workers=2)
+    with pytest.raises(CpuSiteError, match="one parallel region"):
+        site.set_workers(4)
+    with pytest.raises(CpuSiteError, match="expected one of"):
+        CpuExpertSite(host, executor="cpu-fast")
+    with pytest.raises(KernelInputError, match="config threads"):
+        moe_experts("cpu-native", x, torch.tensor([[0, 1], [1, 3]]), torch.ones(2, 2), rows[0],
+                    torch.arange(e, dtype=torch.int32), layout, config={"threads": 0})
+
+
+def test_a_missing_or_failing_compiler_is_one_line_and_leaves_nothing(tmp_path, monkeypatch):
+    monkeypatch.setenv("RUNMAP_CACHE_DIR", str(tmp_path / "cache"))
+    monkeypatch.setenv("CC", "no-such-compiler-here")
+    with pytest.raises(NativeBuildError, match="no C compiler 'no-such-compiler-here'"):
+        cpu_native.build()
+    fake = tmp_path / "bin" / "cc-that-fails"
+    fake.parent.mkdir()
+    fake.write_text("#!/bin/sh\necho 'cpu_native.c:1: error: this compiler refuses' >&2\nexit 1\n")
+    fake.chmod(0o755)
+    monkeypatch.setenv("CC", str(fake))
+    with pytest.raises(NativeBuildError, match="compiling cpu_native.c failed.*this compiler refuses"):
+        cpu_native.build()
+    assert [p for p in (tmp_path / "cache").rglob("*") if p.is_file()] == []  # no half-written library
+    # a real build lands in the cache whole, and a second call finds it
+    monkeypatch.delenv("CC")
+    lib = cpu_native.build()
+    assert lib.is_file() and lib.parent.parent.parent == tmp_path / "cache" and cpu_native.build() == lib
+    assert [p.name for p in lib.parent.iterdir()] == [lib.name]
