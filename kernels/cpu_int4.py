@@ -415,6 +415,8 @@ class CpuExpertSite:
         self.source, self.layout, self.precision = source, source.layout, precision
         self.dtype = PRECISIONS[precision]
         self._row_ptrs: dict[int, list[int]] = {}  # cpu-native: layer -> the host rows' addresses
+        # cpu-native: OpenMP threads per layer call; None = the calling thread's torch.get_num_threads()
+        self.native_threads: int | None = None
         self.num_layers, self.num_experts = source.num_layers, source.num_experts
         self._cache: dict[tuple[int, int], RepackedExpert] = {}
         self._lock = threading.Lock()  # the cache, the counters and _repacking
@@ -487,7 +489,8 @@ class CpuExpertSite:
 
         order, start, tok, wts = assignments(topk_ids, topk_weights, experts)
         rows = self._rows(layer)
-        return self._native.run([rows[e] for e in order], start, tok, wts, x.to(torch.float32).contiguous())
+        return self._native.run([rows[e] for e in order], start, tok, wts, x.to(torch.float32).contiguous(),
+                                self.native_threads)
 
     def expert(self, layer: int, expert: int) -> RepackedExpert | torch.Tensor:
         """The repacked expert, built from the host source on first use (cpu-native: the host row itself, which it
@@ -542,7 +545,7 @@ class CpuExpertSite:
         if self._native is not None:
             m = x.shape[0]
             return self._native.run([self._rows(layer)[expert]], [0, m], list(range(m)), [1.0] * m,
-                                    x.to(torch.float32).contiguous())
+                                    x.to(torch.float32).contiguous(), self.native_threads)
         return expert_ffn(self.expert(layer, expert), x.to(self.dtype))
 
     def _check_layer_call(self, layer: int, x: torch.Tensor, topk_ids: torch.Tensor, topk_weights: torch.Tensor):
@@ -595,7 +598,7 @@ class CpuExpertSite:
 
     def describe(self) -> dict:
         return {"executor": self.executor, "precision": self.precision, "repacked_experts": self.repacks, "repacked_bytes": self.nbytes,
-                "source_bytes_read": self.source_bytes_read, "layer_calls": self.layer_calls, "threads": torch.get_num_threads(),
+                "source_bytes_read": self.source_bytes_read, "layer_calls": self.layer_calls, "threads": self.native_threads or torch.get_num_threads(),
                 "workers": self.workers, "threads_per_worker": self.threads_per_worker}
 
 

@@ -312,13 +312,13 @@ def test_a_read_back_of_leased_rows_during_a_request_is_observed(packs, resident
     eng.close()
 
 
-def test_full_residency_prefill_checks_its_routing_once_at_the_end_of_the_pass(packs):
+def test_full_residency_prefill_checks_its_routing_once_at_the_end_of_the_pass(packs, test_device):
     """Full residency, graph-safe executor: inside a prefill the executor runs without its per-layer host check
     (validate=False, as in a captured decode step) and the pass's ids are checked once at its end; a bad id
     still raises the host check's error naming token, slot and id before the pass's output is returned."""
     from runmap.kernels.common import KernelInputError
 
-    eng = Engine.from_pack(packs["tiny-olmoe"], executor="grouped", device="cpu", max_batch=1, max_seq_len=16)
+    eng = Engine.from_pack(packs["tiny-olmoe"], executor="grouped", device=test_device, max_batch=1, max_seq_len=16)
     seen = []
     real = eng.experts.moe
 
@@ -331,14 +331,14 @@ def test_full_residency_prefill_checks_its_routing_once_at_the_end_of_the_pass(p
     with torch.inference_mode():
         eng.experts.begin()
         try:
-            pad = torch.zeros(1, dtype=torch.long)
-            logits = eng.prefill(torch.tensor([prompt]), pad)
+            pad = torch.zeros(1, dtype=torch.long, device=eng.device)
+            logits = eng.prefill(torch.tensor([prompt], device=eng.device), pad)
             assert seen == [False] * eng.cfg.num_layers and torch.isfinite(logits).all()
             # outside a pass the executor checks each call itself
             seen.clear()
-            x = torch.randn(2, eng.cfg.hidden_size).half()
-            gw = torch.full((2, eng.cfg.top_k), 1.0 / eng.cfg.top_k)
-            ids = torch.arange(2 * eng.cfg.top_k).reshape(2, eng.cfg.top_k) % eng.cfg.num_experts
+            x = torch.randn(2, eng.cfg.hidden_size, device=eng.device).half()
+            gw = torch.full((2, eng.cfg.top_k), 1.0 / eng.cfg.top_k, device=eng.device)
+            ids = torch.arange(2 * eng.cfg.top_k, device=eng.device).reshape(2, eng.cfg.top_k) % eng.cfg.num_experts
             eng.experts(0, x, ids, gw)
             assert seen == [True]
             bad = ids.clone()
