@@ -18,9 +18,8 @@ Build: on first use the source is compiled with the C compiler named by ``$CC`` 
 compiler, flags and CPU, written atomically. No compiler: ``NativeBuildError`` names what to install; nothing
 falls back to another kernel (that would change what the model computes).
 
-Threads: ``threads`` per call (default: torch's intra-op count, i.e. every usable core). The kernel links the
-OpenMP runtime torch has loaded (``torch_openmp``), so both share one thread pool; ``$RUNMAP_CPU_NATIVE_OPENMP=system``
-links the compiler's own instead (a measured comparison, tools/explore/probe_cpu_native_engine.py).
+Threads: ``threads`` per call (default: torch's intra-op count, i.e. every usable core). The kernel links
+OpenMP; where torch's own libgomp is already loaded under the same name the two share one runtime.
 """
 from __future__ import annotations
 
@@ -82,43 +81,15 @@ def _compiler() -> str:
     return path
 
 
-def torch_openmp() -> str | None:
-    """The OpenMP runtime (libgomp) torch has loaded in this process, if any. The kernel links that same file, so
-    its parallel regions use torch's thread pool: a second runtime (the compiler's own libgomp under another name,
-    as beside torch's pip wheels) would keep a second team of spinning threads competing for the same cores."""
-    try:
-        maps = Path("/proc/self/maps").read_text()
-    except OSError:
-        return None
-    for line in maps.splitlines():
-        path = line.split()[-1] if "/" in line else ""
-        if os.path.basename(path).startswith("libgomp") and os.path.isfile(path):
-            return path
-    return None
-
-
-def openmp_mode() -> str:
-    """``$RUNMAP_CPU_NATIVE_OPENMP``: "torch" (default: link torch's loaded libgomp when there is one) or "system"
-    (the compiler's -fopenmp runtime)."""
-    mode = os.environ.get("RUNMAP_CPU_NATIVE_OPENMP", "torch")
-    if mode not in ("torch", "system"):
-        raise NativeBuildError(f"RUNMAP_CPU_NATIVE_OPENMP={mode!r}: expected 'torch' or 'system'")
-    return mode
-
-
-def _link_runtime() -> str | None:
-    return torch_openmp() if openmp_mode() == "torch" else None
-
-
 def library_path() -> Path:
-    """Where the compiled kernel for this source, compiler, flags, OpenMP runtime and CPU lives (built or not)."""
+    """Where the compiled kernel for this source, compiler, flags and CPU lives (built or not)."""
     cc = _compiler()
     try:
         version = subprocess.run([cc, "--version"], capture_output=True, text=True, timeout=30).stdout
     except (OSError, subprocess.SubprocessError) as exc:
         raise NativeBuildError(f"cpu-native: could not run the C compiler {cc}: {exc}") from None
     key = hashlib.sha256("\0".join([SOURCE.read_text(), cc, version, " ".join(COMPILE_FLAGS + LINK_FLAGS),
-                                    platform.machine(), _cpu_identity(), str(_link_runtime())]).encode()).hexdigest()[:20]
+                                    platform.machine(), _cpu_identity()]).encode()).hexdigest()[:20]
     return cache_dir() / "cpu_native" / key / "libcpu_native.so"
 
 
@@ -135,27 +106,19 @@ def build() -> Path:
     except OSError as exc:
         raise NativeBuildError(f"cpu-native: cannot write the kernel cache {lib.parent}: {exc.strerror} "
                                "(set $RUNMAP_CACHE_DIR to a writable folder)") from None
-    runtime = _link_runtime()
-    obj = tmp + ".o"
-    if runtime is None:  # one step: -fopenmp links the compiler's own runtime
-        cmds = [[cc, *COMPILE_FLAGS, "-o", tmp, str(SOURCE), *LINK_FLAGS]]
-    else:  # compile with -fopenmp, then link torch's runtime file instead of the compiler's
-        compile_only = [f for f in COMPILE_FLAGS if f != "-shared"]
-        cmds = [[cc, *compile_only, "-c", "-o", obj, str(SOURCE)],
-                [cc, "-shared", "-o", tmp, obj, runtime, f"-Wl,-rpath,{os.path.dirname(runtime)}", *LINK_FLAGS]]
+    cmd = [cc, *COMPILE_FLAGS, "-o", tmp, str(SOURCE), *LINK_FLAGS]
     try:
-        for cmd in cmds:
-            proc = subprocess.run(cmd, capture_output=True, text=True, timeout=BUILD_TIMEOUT_S)
-            if proc.returncode != 0:
-                first = next((ln for ln in proc.stderr.splitlines() if "error" in ln), proc.stderr.strip()[:300])
-                raise NativeBuildError(f"cpu-native: compiling {SOURCE.name} failed ({' '.join(cmd[:3])} ...): {first}")
+        proc = subprocess.run(cmd, capture_output=True, text=True, timeout=BUILD_TIMEOUT_S)
+        if proc.returncode != 0:
+            first = next((ln for ln in proc.stderr.splitlines() if "error" in ln), proc.stderr.strip()[:300])
+            raise NativeBuildError(f"cpu-native: compiling {SOURCE.name} failed ({' '.join(cmd[:1] + list(COMPILE_FLAGS))}): "
+                                   f"{first}")
         os.replace(tmp, lib)  # atomic: a concurrent build or reader sees the whole library or none
     except subprocess.TimeoutExpired:
         raise NativeBuildError(f"cpu-native: compiling {SOURCE.name} took over {BUILD_TIMEOUT_S} s") from None
     finally:
-        for path in (tmp, obj):
-            if os.path.exists(path):
-                os.unlink(path)
+        if os.path.exists(tmp):
+            os.unlink(tmp)
     return lib
 
 
