@@ -88,7 +88,7 @@ PRECISIONS = {"bf16": torch.bfloat16, "fp32": torch.float32}
 TOLERANCE = {"bf16": 1e-2, "fp32": 5e-4}
 
 
-SITE_EXECUTORS = ("cpu-int4", "cpu-native")  # the registry's CPU-site executors (kernels/registry.py), this class's kernels
+SITE_EXECUTORS = ("cpu-int4", "cpu-native", "cpu-native-i16")  # the registry's CPU-site executors (kernels/registry.py), this class's kernels
 
 
 class CpuSiteError(ValueError):
@@ -394,16 +394,19 @@ class CpuExpertSite:
                  threads_per_worker: int | None = None, executor: str = "cpu-int4"):
         if executor not in SITE_EXECUTORS:
             raise CpuSiteError(f"CPU site executor {executor!r}, expected one of {SITE_EXECUTORS}")
-        if executor == "cpu-native":
-            if precision not in (None, "fp32"):
-                raise CpuSiteError(f"precision {precision!r}: the cpu-native kernel computes in fp32 only")
-            precision = "fp32"
+        if executor.startswith("cpu-native"):
+            from runmap.kernels.cpu_native import EXECUTOR_PRECISION
+
+            native_precision = EXECUTOR_PRECISION[executor]
+            if precision not in (None, native_precision):
+                raise CpuSiteError(f"precision {precision!r}: the {executor} kernel computes in {native_precision} only")
+            precision = native_precision
             if workers not in (None, 1) or threads_per_worker is not None:
                 raise CpuSiteError("workers / threads_per_worker configure the cpu-int4 site; cpu-native runs a "
                                    "layer call in one parallel region of torch.get_num_threads() threads")
             from runmap.kernels.cpu_native import NativeLayer
 
-            self._native = NativeLayer(source.layout)  # builds the C kernel now: a missing compiler fails here
+            self._native = NativeLayer(source.layout, precision)  # builds the C kernel now: no compiler fails here
         else:
             precision = "bf16" if precision is None else precision
             self._native = None
@@ -413,7 +416,7 @@ class CpuExpertSite:
                 raise CpuSiteError(f"this torch ({torch.__version__}) has no aten._weight_int4pack_mm_for_cpu")
         self.executor = executor
         self.source, self.layout, self.precision = source, source.layout, precision
-        self.dtype = PRECISIONS[precision]
+        self.dtype = PRECISIONS.get(precision, torch.float32)  # the torch kernel's activation dtype
         self._row_ptrs: dict[int, list[int]] = {}  # cpu-native: layer -> the host rows' addresses
         # cpu-native: OpenMP threads per layer call; None = the calling thread's torch.get_num_threads()
         self.native_threads: int | None = None

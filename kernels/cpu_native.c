@@ -14,20 +14,23 @@
  * vectorises it over LANES independent partial sums (no reassociation needed, so no -ffast-math).
  *
  * Determinism: every output element is computed by one thread in a fixed order (row dot products lane by lane,
- * then the lanes in order; the weighted sum over assignments in the caller's order), so the result does not
- * depend on the thread count or the schedule.
+ * then the lanes by a fixed tree; the weighted sum over assignments in the caller's order), so the result does
+ * not depend on the thread count or the schedule.
  */
 #include <math.h>
 #include <stdint.h>
 #include <string.h>
-#if defined(__AVX512F__) || defined(__AVX2__)
+#if defined(__AVX512F__) || defined(__AVX2__) || defined(__F16C__)
 #include <immintrin.h>
 #endif
 
 #define LANES 16     /* partial sums per row dot product: one AVX-512 register of FP32 */
 #define ROW_CHUNK 16 /* output rows per work item */
 
-/* IEEE half -> float, exact for every half (normals, subnormals, zeros, inf, NaN). */
+/* IEEE half -> float, exact for every half (normals, subnormals, zeros, inf, NaN): one instruction with F16C. */
+#if defined(__F16C__)
+static inline float half_to_float(uint16_t h) { return _cvtsh_ss(h); }
+#else
 static inline float half_to_float(uint16_t h) {
     uint32_t sign = (uint32_t)(h & 0x8000u) << 16;
     uint32_t exp = (h >> 10) & 0x1fu;
@@ -51,6 +54,7 @@ static inline float half_to_float(uint16_t h) {
     memcpy(&f, &bits, sizeof f);
     return f;
 }
+#endif
 
 /* One block's partial sums: acc[l] += sum over j = j0 + l (mod LANES) of q_lo * x_even[j] + q_hi * x_odd[j] for
  * the bytes j in [j0, j1). The vector paths below compute the same sums with the same lane assignment in
@@ -122,9 +126,25 @@ static inline __attribute__((always_inline)) void row_dots_n(const uint8_t *w_pt
     for (int t = 0; t < nt; t++) total[t] = _mm512_setzero_ps();
     for (int j0 = 0, b = 0; j0 < half_k; j0 += half_block, b++) {
         const int j1 = j0 + half_block < half_k ? j0 + half_block : half_k;
-        __m512 acc_lo[MAX_GROUP], acc_hi[MAX_GROUP];
-        for (int t = 0; t < nt; t++) acc_lo[t] = acc_hi[t] = _mm512_setzero_ps();
+        /* four FMA chains per token (two 16-byte steps per iteration): one chain per step would wait on the FMA's
+         * latency, not on its throughput */
+        __m512 acc_lo[MAX_GROUP], acc_hi[MAX_GROUP], acc_lo2[MAX_GROUP], acc_hi2[MAX_GROUP];
+        for (int t = 0; t < nt; t++) acc_lo[t] = acc_hi[t] = acc_lo2[t] = acc_hi2[t] = _mm512_setzero_ps();
         int j = j0;
+        for (; j + 32 <= j1; j += 32) {
+            const __m512i v = _mm512_cvtepu8_epi32(_mm_loadu_si128((const __m128i *)(w_ptr + j)));
+            const __m512i v2 = _mm512_cvtepu8_epi32(_mm_loadu_si128((const __m128i *)(w_ptr + j + 16)));
+            const __m512 q_lo = _mm512_permutexvar_ps(v, table);
+            const __m512 q_hi = _mm512_permutexvar_ps(_mm512_srli_epi32(v, 4), table);
+            const __m512 q_lo2 = _mm512_permutexvar_ps(v2, table);
+            const __m512 q_hi2 = _mm512_permutexvar_ps(_mm512_srli_epi32(v2, 4), table);
+            for (int t = 0; t < nt; t++) {
+                acc_lo[t] = _mm512_fmadd_ps(q_lo, _mm512_loadu_ps(xs[t] + j), acc_lo[t]);
+                acc_hi[t] = _mm512_fmadd_ps(q_hi, _mm512_loadu_ps(xs[t] + half_k + j), acc_hi[t]);
+                acc_lo2[t] = _mm512_fmadd_ps(q_lo2, _mm512_loadu_ps(xs[t] + j + 16), acc_lo2[t]);
+                acc_hi2[t] = _mm512_fmadd_ps(q_hi2, _mm512_loadu_ps(xs[t] + half_k + j + 16), acc_hi2[t]);
+            }
+        }
         for (; j + 16 <= j1; j += 16) {
             const __m512i v = _mm512_cvtepu8_epi32(_mm_loadu_si128((const __m128i *)(w_ptr + j)));
             const __m512 q_lo = _mm512_permutexvar_ps(v, table);
@@ -136,7 +156,7 @@ static inline __attribute__((always_inline)) void row_dots_n(const uint8_t *w_pt
         }
         const __m512 s = _mm512_set1_ps(half_to_float(scale_ptr[b]));
         for (int t = 0; t < nt; t++) {
-            __m512 acc = _mm512_add_ps(acc_lo[t], acc_hi[t]);
+            __m512 acc = _mm512_add_ps(_mm512_add_ps(acc_lo[t], acc_hi[t]), _mm512_add_ps(acc_lo2[t], acc_hi2[t]));
             if (j < j1) { /* a block whose byte count is not a multiple of 16 */
                 float lanes[LANES];
                 _mm512_storeu_ps(lanes, acc);
@@ -146,13 +166,7 @@ static inline __attribute__((always_inline)) void row_dots_n(const uint8_t *w_pt
             total[t] = _mm512_fmadd_ps(s, acc, total[t]);
         }
     }
-    for (int t = 0; t < nt; t++) {
-        float lanes[LANES];
-        _mm512_storeu_ps(lanes, total[t]);
-        float sum = 0.0f;
-        for (int l = 0; l < LANES; l++) sum += lanes[l];
-        out[t] = sum;
-    }
+    for (int t = 0; t < nt; t++) out[t] = _mm512_reduce_add_ps(total[t]); /* a fixed tree of lane additions */
 #else
     for (int t = 0; t < nt; t++) out[t] = row_dot(w_ptr, scale_ptr, xs[t], xs[t] + k_size / 2, k_size, block_size);
 #endif
@@ -166,6 +180,113 @@ static void row_dots(const uint8_t *w_ptr, const uint16_t *scale_ptr, const floa
     case 2: row_dots_n(w_ptr, scale_ptr, xs, k_size, block_size, out, 2); break;
     case 3: row_dots_n(w_ptr, scale_ptr, xs, k_size, block_size, out, 3); break;
     default: row_dots_n(w_ptr, scale_ptr, xs, k_size, block_size, out, MAX_GROUP); break;
+    }
+}
+
+/* ---- the i16 path: activations as int16 per block, integer dot products ----
+ *
+ * Each block of B activations (the same blocks as the weights' scales) is stored as int16 q_x = round(x / s_x),
+ * s_x = max|x| / 32767 over the block, with the block's sum of q_x. A row block's dot product is then exact integer
+ * arithmetic, sum_k u_k q_x,k - 8 sum_k q_x,k (u = the stored nibble, q = u - 8), scaled once by s_w * s_x: with
+ * vpdpwssd (or vpmaddwd) about 2.4x fewer instructions per weight byte than the FP32 path. The activations'
+ * rounding is at most 2^-16 of the block's largest value (an int8 version of this path was measured at 1.5-2.3e-2
+ * relative error, too coarse for the intermediate's heavy tail; kernels/cpu_native.py states the tolerance). */
+
+/* q, scale, sum of one deinterleaved vector of k values (x_split layout: even half, then odd half). */
+static void quantize_split(const float *xs, int k_size, int block_size, int16_t *q, float *scale, int32_t *sum) {
+    const int half_k = k_size / 2, half_block = block_size / 2;
+    for (int j0 = 0, b = 0; j0 < half_k; j0 += half_block, b++) {
+        const int j1 = j0 + half_block < half_k ? j0 + half_block : half_k;
+        float amax = 0.0f;
+        for (int j = j0; j < j1; j++) {
+            const float a = fabsf(xs[j]) > fabsf(xs[half_k + j]) ? fabsf(xs[j]) : fabsf(xs[half_k + j]);
+            amax = a > amax ? a : amax;
+        }
+        const float inv = amax > 0.0f ? 32767.0f / amax : 0.0f;
+        int32_t total = 0;
+        for (int j = j0; j < j1; j++) {
+            for (int half = 0; half < 2; half++) {
+                float v = nearbyintf(xs[half * half_k + j] * inv);
+                v = v > 32767.0f ? 32767.0f : (v < -32767.0f ? -32767.0f : v);
+                q[half * half_k + j] = (int16_t)v;
+                total += (int32_t)v;
+            }
+        }
+        scale[b] = amax / 32767.0f;
+        sum[b] = total;
+    }
+}
+
+/* out[t] = sum over blocks of s_w * s_x[t] * (sum_j u_j q_x[t],j - 8 sum q_x[t]) for one qpacked row and nt
+ * quantized activation vectors (xq[t]: even half, then odd half; xs[t] / xsum[t]: per block). */
+static inline __attribute__((always_inline)) void row_dots_i16_n(const uint8_t *w_ptr, const uint16_t *scale_ptr,
+                                                                const int16_t *const *xq, const float *const *xs,
+                                                                const int32_t *const *xsum, int k_size,
+                                                                int block_size, float *out, const int nt) {
+    const int half_k = k_size / 2, half_block = block_size / 2;
+    float corr[MAX_GROUP] = {0};
+#if defined(__AVX512BW__)
+    const __m512i nibble = _mm512_set1_epi16(15);
+    __m512 total[MAX_GROUP];
+    for (int t = 0; t < nt; t++) total[t] = _mm512_setzero_ps();
+#endif
+    for (int j0 = 0, b = 0; j0 < half_k; j0 += half_block, b++) {
+        const int j1 = j0 + half_block < half_k ? j0 + half_block : half_k;
+        int j = j0;
+        int32_t tail[MAX_GROUP] = {0};
+#if defined(__AVX512BW__)
+        __m512i acc[MAX_GROUP];
+        for (int t = 0; t < nt; t++) acc[t] = _mm512_setzero_si512();
+        __m512i acc2[MAX_GROUP]; /* a second chain per token: the dot-product instruction's latency */
+        for (int t = 0; t < nt; t++) acc2[t] = _mm512_setzero_si512();
+        for (; j + 32 <= j1; j += 32) { /* 32 bytes = 64 weights: each byte widened to a 16-bit lane */
+            const __m512i v = _mm512_cvtepu8_epi16(_mm256_loadu_si256((const __m256i *)(w_ptr + j)));
+            const __m512i lo = _mm512_and_si512(v, nibble);
+            const __m512i hi = _mm512_srli_epi16(v, 4);
+            for (int t = 0; t < nt; t++) {
+                const __m512i xe = _mm512_loadu_si512((const void *)(xq[t] + j));
+                const __m512i xo = _mm512_loadu_si512((const void *)(xq[t] + half_k + j));
+#if defined(__AVX512VNNI__)
+                acc[t] = _mm512_dpwssd_epi32(acc[t], lo, xe);
+                acc2[t] = _mm512_dpwssd_epi32(acc2[t], hi, xo);
+#else /* the same two products per 32-bit lane */
+                acc[t] = _mm512_add_epi32(acc[t], _mm512_madd_epi16(lo, xe));
+                acc2[t] = _mm512_add_epi32(acc2[t], _mm512_madd_epi16(hi, xo));
+#endif
+            }
+        }
+        for (int t = 0; t < nt; t++) acc[t] = _mm512_add_epi32(acc[t], acc2[t]); /* exact: integers */
+#endif
+        for (; j < j1; j++) { /* the portable path and the vector path's tail: exact integers either way */
+            const int v = w_ptr[j];
+            for (int t = 0; t < nt; t++) tail[t] += (v & 15) * xq[t][j] + (v >> 4) * xq[t][half_k + j];
+        }
+        const float s = half_to_float(scale_ptr[b]);
+        for (int t = 0; t < nt; t++) {
+            const float f = s * xs[t][b];
+            corr[t] += f * (float)(tail[t] - 8 * xsum[t][b]);
+#if defined(__AVX512BW__)
+            total[t] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(acc[t]), _mm512_set1_ps(f), total[t]);
+#endif
+        }
+    }
+    for (int t = 0; t < nt; t++) {
+        float sum = corr[t];
+#if defined(__AVX512BW__)
+        sum += _mm512_reduce_add_ps(total[t]);
+#endif
+        out[t] = sum;
+    }
+}
+
+static void row_dots_i16(const uint8_t *w_ptr, const uint16_t *scale_ptr, const int16_t *const *xq,
+                        const float *const *xs, const int32_t *const *xsum, int k_size, int block_size, float *out,
+                        int nt) {
+    switch (nt) {
+    case 1: row_dots_i16_n(w_ptr, scale_ptr, xq, xs, xsum, k_size, block_size, out, 1); break;
+    case 2: row_dots_i16_n(w_ptr, scale_ptr, xq, xs, xsum, k_size, block_size, out, 2); break;
+    case 3: row_dots_i16_n(w_ptr, scale_ptr, xq, xs, xsum, k_size, block_size, out, 3); break;
+    default: row_dots_i16_n(w_ptr, scale_ptr, xq, xs, xsum, k_size, block_size, out, MAX_GROUP); break;
     }
 }
 
@@ -183,12 +304,16 @@ static void row_dots(const uint8_t *w_ptr, const uint16_t *scale_ptr, const floa
  * y:              float32 (n_assign, hidden) scratch (each assignment's unweighted expert output).
  * out:            float32 (n_tokens, hidden): out[t] = sum over assignments a of token t, in assignment order,
  *                 of assign_weight[a] * y[a]; tokens with no assignment get zeros.
+ * quantized:      0 = the FP32 path; 1 = the i16 path, whose scratch follows (NULL otherwise):
+ * x_q, x_scale, x_sum:  int16 (n_tokens, hidden), float32 / int32 (n_tokens, blocks of hidden);
+ * h_q, h_scale, h_sum:  int16 (n_assign, intermediate), float32 / int32 (n_assign, blocks of intermediate).
  * Returns 0; the caller (kernels/cpu_native.py) has checked every shape, offset and index.
  */
 int runmap_moe_layer(const uint8_t *const *rows, int n_experts, const int32_t *assign_start,
                      const int32_t *assign_token, const float *assign_weight, const float *x, int n_tokens,
                      int hidden, int intermediate, int block_size, const int64_t *offsets, float *x_split,
-                     float *h_split, float *y, float *out, int n_threads) {
+                     float *h_split, float *y, float *out, int n_threads, int quantized, int16_t *x_q,
+                     float *x_scale, int32_t *x_sum, int16_t *h_q, float *h_scale, int32_t *h_sum) {
     const int n_assign = assign_start[n_experts];
     const int half_h = hidden / 2, half_i = intermediate / 2;
     const int nb_h = num_blocks(hidden, block_size), nb_i = num_blocks(intermediate, block_size);
@@ -197,7 +322,7 @@ int runmap_moe_layer(const uint8_t *const *rows, int n_experts, const int32_t *a
 
 #pragma omp parallel num_threads(n_threads)
     {
-        /* x deinterleaved, one token per iteration */
+        /* x deinterleaved (and quantized on the q8 path), one token per iteration */
 #pragma omp for schedule(static)
         for (int t = 0; t < n_tokens; t++) {
             const float *xt = x + (int64_t)t * hidden;
@@ -206,6 +331,9 @@ int runmap_moe_layer(const uint8_t *const *rows, int n_experts, const int32_t *a
                 xs[j] = xt[2 * j];
                 xs[half_h + j] = xt[2 * j + 1];
             }
+            if (quantized)
+                quantize_split(xs, hidden, block_size, x_q + (int64_t)t * hidden, x_scale + (int64_t)t * nb_h,
+                               x_sum + (int64_t)t * nb_h);
         }
 
         /* gate and up rows of every expert: h[a, r] = silu(gate_r . x_t) * (up_r . x_t) */
@@ -222,15 +350,36 @@ int runmap_moe_layer(const uint8_t *const *rows, int n_experts, const int32_t *a
                 const int slot = (r & 1) ? half_i + r / 2 : r / 2;
                 for (int a0 = assign_start[e]; a0 < assign_start[e + 1]; a0 += MAX_GROUP) {
                     const int nt = assign_start[e + 1] - a0 < MAX_GROUP ? assign_start[e + 1] - a0 : MAX_GROUP;
-                    const float *xs[MAX_GROUP];
                     float g[MAX_GROUP], u[MAX_GROUP];
-                    for (int t = 0; t < nt; t++) xs[t] = x_split + (int64_t)assign_token[a0 + t] * hidden;
-                    row_dots(gw, gs, xs, hidden, block_size, g, nt);
-                    row_dots(uw, us, xs, hidden, block_size, u, nt);
+                    if (quantized) {
+                        const int16_t *xq[MAX_GROUP];
+                        const float *xsc[MAX_GROUP];
+                        const int32_t *xsm[MAX_GROUP];
+                        for (int t = 0; t < nt; t++) {
+                            const int64_t tok = assign_token[a0 + t];
+                            xq[t] = x_q + tok * hidden;
+                            xsc[t] = x_scale + tok * nb_h;
+                            xsm[t] = x_sum + tok * nb_h;
+                        }
+                        row_dots_i16(gw, gs, xq, xsc, xsm, hidden, block_size, g, nt);
+                        row_dots_i16(uw, us, xq, xsc, xsm, hidden, block_size, u, nt);
+                    } else {
+                        const float *xs[MAX_GROUP];
+                        for (int t = 0; t < nt; t++) xs[t] = x_split + (int64_t)assign_token[a0 + t] * hidden;
+                        row_dots(gw, gs, xs, hidden, block_size, g, nt);
+                        row_dots(uw, us, xs, hidden, block_size, u, nt);
+                    }
                     for (int t = 0; t < nt; t++)
                         h_split[(int64_t)(a0 + t) * intermediate + slot] = g[t] / (1.0f + expf(-g[t])) * u[t];
                 }
             }
+        }
+
+        if (quantized) { /* the intermediate quantized per assignment for the down rows */
+#pragma omp for schedule(static)
+            for (int a = 0; a < n_assign; a++)
+                quantize_split(h_split + (int64_t)a * intermediate, intermediate, block_size,
+                               h_q + (int64_t)a * intermediate, h_scale + (int64_t)a * nb_i, h_sum + (int64_t)a * nb_i);
         }
 
         /* down rows: y[a, r] = down_r . h[a] */
@@ -244,10 +393,22 @@ int runmap_moe_layer(const uint8_t *const *rows, int n_experts, const int32_t *a
                 const uint16_t *ds = (const uint16_t *)(row + offsets[5]) + (int64_t)r * nb_i;
                 for (int a0 = assign_start[e]; a0 < assign_start[e + 1]; a0 += MAX_GROUP) {
                     const int nt = assign_start[e + 1] - a0 < MAX_GROUP ? assign_start[e + 1] - a0 : MAX_GROUP;
-                    const float *hs[MAX_GROUP];
                     float d[MAX_GROUP];
-                    for (int t = 0; t < nt; t++) hs[t] = h_split + (int64_t)(a0 + t) * intermediate;
-                    row_dots(dw, ds, hs, intermediate, block_size, d, nt);
+                    if (quantized) {
+                        const int16_t *hq[MAX_GROUP];
+                        const float *hsc[MAX_GROUP];
+                        const int32_t *hsm[MAX_GROUP];
+                        for (int t = 0; t < nt; t++) {
+                            hq[t] = h_q + (int64_t)(a0 + t) * intermediate;
+                            hsc[t] = h_scale + (int64_t)(a0 + t) * nb_i;
+                            hsm[t] = h_sum + (int64_t)(a0 + t) * nb_i;
+                        }
+                        row_dots_i16(dw, ds, hq, hsc, hsm, intermediate, block_size, d, nt);
+                    } else {
+                        const float *hs[MAX_GROUP];
+                        for (int t = 0; t < nt; t++) hs[t] = h_split + (int64_t)(a0 + t) * intermediate;
+                        row_dots(dw, ds, hs, intermediate, block_size, d, nt);
+                    }
                     for (int t = 0; t < nt; t++) y[(int64_t)(a0 + t) * hidden + r] = d[t];
                 }
             }

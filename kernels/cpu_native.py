@@ -45,7 +45,9 @@ COMPILE_FLAGS = ("-O3", "-march=native", "-fopenmp", "-fPIC", "-shared", "-std=c
 LINK_FLAGS = ("-lm",)
 # Relative Frobenius error ||y - ref|| / ||ref|| against the FP32 reference executor: FP32 arithmetic in another
 # summation order (measured ~1e-6 before the output's rounding); the float16 output adds up to 2^-11 relative.
-TOLERANCE = {"fp32": 1e-5, "fp16-output": 1e-3}
+# i16 (executor cpu-native-i16): activations rounded to int16 per block, measured 3e-5 to 8.6e-5 on random experts.
+TOLERANCE = {"fp32": 1e-5, "fp16-output": 1e-3, "i16": 5e-4}
+EXECUTOR_PRECISION = {"cpu-native": "fp32", "cpu-native-i16": "i16"}
 SECTIONS = ("gate.weight", "gate.scale", "up.weight", "up.scale", "down.weight", "down.scale")
 BUILD_TIMEOUT_S = 120
 
@@ -136,7 +138,7 @@ def _function():
             raise NativeBuildError(f"cpu-native: loading {path} failed: {exc} (delete the folder to rebuild)") from None
     fn = lib.runmap_moe_layer
     p, i32 = ctypes.c_void_p, ctypes.c_int
-    fn.argtypes = [p, i32, p, p, p, p, i32, i32, i32, i32, p, p, p, p, p, i32]
+    fn.argtypes = [p, i32, p, p, p, p, i32, i32, i32, i32, p, p, p, p, p, i32, i32, p, p, p, p, p, p]
     fn.restype = i32
     return fn
 
@@ -155,12 +157,15 @@ def section_offsets(layout: RowLayout) -> torch.Tensor:
 
 
 class NativeLayer:
-    """The C kernel bound to one row layout. Call ``run`` once per layer call."""
+    """The C kernel bound to one row layout and precision ("fp32", or "i16": activations as int16 per block,
+    integer dot products; kernels/cpu_native.c). Call ``run`` once per layer call."""
 
-    def __init__(self, layout: RowLayout):
+    def __init__(self, layout: RowLayout, precision: str = "fp32"):
         if layout.block_size % 2:
             raise CpuSiteError(f"block_size {layout.block_size}: cpu-native needs an even block size")
-        self.layout = layout
+        if precision not in TOLERANCE or precision == "fp16-output":
+            raise CpuSiteError(f"precision {precision!r}: cpu-native computes in 'fp32' or 'i16'")
+        self.layout, self.precision = layout, precision
         self.offsets = section_offsets(layout)
         self.fn = _function()
 
@@ -192,10 +197,17 @@ class NativeLayer:
         x_split = common.empty((t, h), torch.float32, cpu)
         h_split = common.empty((n_assign, i), torch.float32, cpu)
         y = common.empty((n_assign, h), torch.float32, cpu)
+        q16 = []  # the i16 path's scratch: int16 activations, per-block scales and sums, for x and for the intermediate
+        if self.precision == "i16":
+            nb_h, nb_i = -(-h // self.layout.block_size), -(-i // self.layout.block_size)
+            q16 = [common.empty((t, h), torch.int16, cpu), common.empty((t, nb_h), torch.float32, cpu),
+                  common.empty((t, nb_h), torch.int32, cpu), common.empty((n_assign, i), torch.int16, cpu),
+                  common.empty((n_assign, nb_i), torch.float32, cpu), common.empty((n_assign, nb_i), torch.int32, cpu)]
         ptrs = (ctypes.c_void_p * n_exp)(*row_ptrs)
         rc = self.fn(ptrs, n_exp, start.data_ptr(), tok.data_ptr(), wts.data_ptr(), x.data_ptr(), t, h, i,
                      self.layout.block_size, self.offsets.data_ptr(), x_split.data_ptr(), h_split.data_ptr(),
-                     y.data_ptr(), out.data_ptr(), threads or torch.get_num_threads())
+                     y.data_ptr(), out.data_ptr(), threads or torch.get_num_threads(), int(bool(q16)),
+                     *([b.data_ptr() for b in q16] or [None] * 6))
         if rc != 0:
             raise CpuSiteError(f"cpu-native: the kernel returned {rc}")
         return out
@@ -238,7 +250,13 @@ def assignments(topk_ids: torch.Tensor, topk_weights: torch.Tensor, experts=None
     return uniq.tolist(), start, tok[perm].contiguous(), wts[perm].contiguous()
 
 
-def cpu_native_moe(x, topk_ids, topk_weights, storage, row_table, layout: RowLayout, config=None) -> torch.Tensor:
+def cpu_native_i16_moe(x, topk_ids, topk_weights, storage, row_table, layout: RowLayout, config=None):
+    """``cpu_native_moe`` on the i16 path (executor cpu-native-i16). Returns float16 (T, H)."""
+    return cpu_native_moe(x, topk_ids, topk_weights, storage, row_table, layout, config, precision="i16")
+
+
+def cpu_native_moe(x, topk_ids, topk_weights, storage, row_table, layout: RowLayout, config=None,
+                   precision: str = "fp32") -> torch.Tensor:
     """The registry form (arguments and result as runmap.kernels.executors.moe_experts), every tensor on the CPU.
 
     Reads the routed rows of ``storage`` where they lie (no copy). config: optional {"threads": n}.
@@ -263,5 +281,5 @@ def cpu_native_moe(x, topk_ids, topk_weights, storage, row_table, layout: RowLay
         if row < 0 or row >= storage.shape[0]:  # never substitute another expert
             raise common.KernelInputError(f"expert {e} is not resident: row_table[{e}] = {row}")
         ptrs.append(storage[row].data_ptr())
-    y = NativeLayer(layout).run(ptrs, start, tok, wts, x.to(torch.float32).contiguous(), threads)
+    y = NativeLayer(layout, precision).run(ptrs, start, tok, wts, x.to(torch.float32).contiguous(), threads)
     return y.to(torch.float16)

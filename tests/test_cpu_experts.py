@@ -206,7 +206,7 @@ def tiny_packs(seed3_tiny_packs):
 
 
 @pytest.mark.parametrize("preset", ENGINE_PRESETS)
-@pytest.mark.parametrize("executor", ["cpu-int4", "cpu-native"])
+@pytest.mark.parametrize("executor", ["cpu-int4", "cpu-native", "cpu-native-i16"])
 def test_engine_teacher_forced_logits_equal_the_reference_executor(tiny_packs, preset, executor):
     from runmap.engine.engine import Engine
 
@@ -247,11 +247,12 @@ def test_engine_refuses_what_the_cpu_site_cannot_do(tiny_packs):
 def test_registry_lists_the_cpu_site():
     from runmap.kernels.registry import CPU_SITE_EXECUTORS, EXECUTORS, GRAPH_SAFE_EXECUTORS
 
-    from runmap.kernels.cpu_native import cpu_native_moe
+    from runmap.kernels.cpu_native import cpu_native_i16_moe, cpu_native_moe
 
-    assert CPU_SITE_EXECUTORS == ("cpu-int4", "cpu-native") == cpu_int4.SITE_EXECUTORS
+    assert CPU_SITE_EXECUTORS == ("cpu-int4", "cpu-native", "cpu-native-i16") == cpu_int4.SITE_EXECUTORS
     assert all(EXECUTORS[n].site == "cpu" and n not in GRAPH_SAFE_EXECUTORS for n in CPU_SITE_EXECUTORS)
     assert EXECUTORS["cpu-int4"].load() is cpu_int4_moe and EXECUTORS["cpu-native"].load() is cpu_native_moe
+    assert EXECUTORS["cpu-native-i16"].load() is cpu_native_i16_moe
     assert all(e.site == "device" for n, e in EXECUTORS.items() if n not in CPU_SITE_EXECUTORS)
     assert math.isfinite(TOLERANCE["bf16"]) and TOLERANCE["fp32"] < TOLERANCE["bf16"]
 

@@ -1,5 +1,7 @@
-"""The cpu-native execution site (kernels/cpu_native.c through kernels/cpu_native.py) against the FP32 reference.
+"""The cpu-native execution sites (kernels/cpu_native.c through kernels/cpu_native.py) against the FP32 reference.
 
+* cpu-native-i16 (activations as int16 per block, integer dot products): within 5e-4 of the reference and really
+  rounded (above the FP32 bound), the same shapes, grouping and thread-count checks as below;
 * FP32 arithmetic: within 1e-5 (relative Frobenius) of the FP32 reference executor before the output's rounding,
   on fresh random experts, activations, routes and gate weights, over odd shapes (partial last blocks, blocks
   that are not a multiple of the vector width, tiny K), batch 1 and small batches, a token routed twice to one
@@ -23,7 +25,7 @@ from runmap.kernels import check as kc
 from runmap.kernels import cpu_native
 from runmap.kernels.common import KernelInputError
 from runmap.kernels.cpu_int4 import CpuExpertSite, CpuSiteError
-from runmap.kernels.cpu_native import TOLERANCE, NativeBuildError, NativeLayer, assignments
+from runmap.kernels.cpu_native import EXECUTOR_PRECISION, TOLERANCE, NativeBuildError, NativeLayer, assignments
 from runmap.kernels.reference import reference_moe_f32
 from runmap.residency.host_source import HostSource
 
@@ -66,9 +68,10 @@ def _batch(h: int, e: int, k: int, m: int, seed: int, duplicate: bool = False):
     return x, ids, w
 
 
-def _run(layout, rows, x, ids, w, threads=None, experts=None):
+def _run(layout, rows, x, ids, w, threads=None, experts=None, precision="fp32"):
     order, start, tok, wts = assignments(ids, w, experts)
-    return NativeLayer(layout).run([rows[e].data_ptr() for e in order], start, tok, wts, x.float(), threads)
+    return NativeLayer(layout, precision).run([rows[e].data_ptr() for e in order], start, tok, wts, x.float(),
+                                              threads)
 
 
 def _rel(y, ref):
@@ -77,22 +80,26 @@ def _rel(y, ref):
 
 @pytest.mark.parametrize("name", list(SHAPES))
 @pytest.mark.parametrize("m", [1, 3, 8])
-def test_matches_the_fp32_reference(name, m):
+@pytest.mark.parametrize("executor", ["cpu-native", "cpu-native-i16"])
+def test_matches_the_fp32_reference(name, m, executor):
+    precision = EXECUTOR_PRECISION[executor]
     h, i, b, e, k = SHAPES[name]
     layout = RowLayout.build(h, i, b)
     seed = 100 * m + sum(map(ord, name))
     rows = _rows(layout, e, seed)
     x, ids, w = _batch(h, e, k, m, seed, duplicate=(m == 3))
     ref = reference_moe_f32(x, ids, w, rows, torch.arange(e, dtype=torch.int32), layout)
-    y = _run(layout, rows, x, ids, w)
+    y = _run(layout, rows, x, ids, w, precision=precision)
     assert y.dtype == torch.float32 and y.shape == (m, h) and torch.isfinite(y).all()
-    assert _rel(y, ref) <= TOLERANCE["fp32"], f"{name} M={m}: {_rel(y, ref):.2e}"
+    assert _rel(y, ref) <= TOLERANCE[precision], f"{name} M={m}: {_rel(y, ref):.2e}"
+    if precision == "i16" and h > 8:  # the activations really are rounded (else the fp32 bound would hold)
+        assert _rel(y, ref) > TOLERANCE["fp32"]
     # the registry form: float16 output, rows where the table says (shuffled, a junk row 0)
     layout2, storage, table, resident = kc.make_layer(kc.ExpertShape(name, h, i, b, e, k), CPU, seed)
     x2, ids2, w2 = kc.make_batch(kc.ExpertShape(name, h, i, b, e, k), m, resident, CPU, seed)
     from runmap.kernels.executors import moe_experts
 
-    y2 = moe_experts("cpu-native", x2, ids2, w2, storage, table, layout2)
+    y2 = moe_experts(executor, x2, ids2, w2, storage, table, layout2)
     ref2 = reference_moe_f32(x2, ids2, w2, storage, table, layout2)
     assert y2.dtype == torch.float16 and torch.isfinite(y2).all()
     assert _rel(y2, ref2) <= TOLERANCE["fp16-output"]
@@ -100,8 +107,8 @@ def test_matches_the_fp32_reference(name, m):
 
 @settings(max_examples=30, deadline=None)
 @given(half_h=st.integers(1, 90), half_i=st.integers(1, 70), half_b=st.integers(1, 140), e=st.integers(1, 6),
-       m=st.integers(1, 5), data=st.data())
-def test_any_shape_matches_the_fp32_reference(half_h, half_i, half_b, e, m, data):
+       m=st.integers(1, 5), precision=st.sampled_from(["fp32", "i16"]), data=st.data())
+def test_any_shape_matches_the_fp32_reference(half_h, half_i, half_b, e, m, precision, data):
     h, i, b = 2 * half_h, 2 * half_i, 2 * half_b
     k = data.draw(st.integers(1, e))
     seed = data.draw(st.integers(0, 2**16))
@@ -109,19 +116,25 @@ def test_any_shape_matches_the_fp32_reference(half_h, half_i, half_b, e, m, data
     rows = _rows(layout, e, seed)
     x, ids, w = _batch(h, e, k, m, seed)
     ref = reference_moe_f32(x, ids, w, rows, torch.arange(e, dtype=torch.int32), layout)
-    y = _run(layout, rows, x, ids, w)
+    y = _run(layout, rows, x, ids, w, precision=precision)
     # an all-zero reference (a tiny expert whose weights all quantize to 0) is compared absolutely
-    assert float((y - ref).norm()) <= TOLERANCE["fp32"] * max(float(ref.norm()), 1e-3)
+    assert float((y - ref).norm()) <= TOLERANCE[precision] * max(float(ref.norm()), 1e-3)
 
 
-def test_the_result_does_not_depend_on_the_thread_count():
+@pytest.mark.parametrize("precision", ["fp32", "i16"])
+def test_the_result_does_not_depend_on_the_thread_count_or_the_token_grouping(precision):
     h, i, b, e, k = SHAPES["partial-blocks"]
     layout = RowLayout.build(h, i, b)
     rows = _rows(layout, e, 5)
     x, ids, w = _batch(h, e, k, 6, 5, duplicate=True)
-    one = _run(layout, rows, x, ids, w, threads=1)
+    one = _run(layout, rows, x, ids, w, threads=1, precision=precision)
     for threads in (2, 3, 7):
-        assert torch.equal(_run(layout, rows, x, ids, w, threads=threads).view(torch.int32), one.view(torch.int32))
+        got = _run(layout, rows, x, ids, w, threads=threads, precision=precision)
+        assert torch.equal(got.view(torch.int32), one.view(torch.int32))
+    # tokens sharing an expert share each decoded weight (up to 4 at once): each token's result is its result alone
+    for t in range(6):
+        alone = _run(layout, rows, x[t:t + 1], ids[t:t + 1], w[t:t + 1], precision=precision)
+        assert torch.equal(alone.view(torch.int32), one[t:t + 1].view(torch.int32))
 
 
 def _host(name: str, layers: int, seed: int):
@@ -204,6 +217,10 @@ def test_bad_inputs_get_one_clear_line():
         moe_experts("cpu-native", x, torch.tensor([[0, 2], [1, 3]]), torch.ones(2, 2), rows[0], table, layout)
     with pytest.raises(CpuSiteError, match="fp32 only"):
         CpuExpertSite(host, executor="cpu-native", precision="bf16")
+    with pytest.raises(CpuSiteError, match="i16 only"):
+        CpuExpertSite(host, executor="cpu-native-i16", precision="fp32")
+    with pytest.raises(CpuSiteError, match="'fp32' or 'i16'"):
+        NativeLayer(layout, "int8")
     with pytest.raises(CpuSiteError, match="one parallel region"):
         CpuExpertSite(host, executor="cpu-native", workers=2)
     with pytest.raises(CpuSiteError, match="one parallel region"):
