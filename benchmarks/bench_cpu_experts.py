@@ -297,6 +297,10 @@ def main(argv=None) -> int:
            "created_utc": utc_timestamp(), "machine": info, "versions": library_versions("numpy"),
            "executor": args.executor, "precision": {"cpu-native": "fp32", "cpu-native-i16": "i16"}.get(args.executor, "bf16"),
            "load_before": load(), "target_ratio": TARGET}
+    if args.executor.startswith("cpu-native"):  # the kernel's software prefetch distance ($RUNMAP_CPU_NATIVE_PREFETCH)
+        from runmap.kernels.cpu_native import prefetch_bytes
+
+        rec["prefetch_bytes"] = prefetch_bytes()
     t0 = time.perf_counter()
     rec["host_read"] = []
     for nt in threads:

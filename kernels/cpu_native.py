@@ -138,7 +138,7 @@ def _function():
             raise NativeBuildError(f"cpu-native: loading {path} failed: {exc} (delete the folder to rebuild)") from None
     fn = lib.runmap_moe_layer
     p, i32 = ctypes.c_void_p, ctypes.c_int
-    fn.argtypes = [p, i32, p, p, p, p, i32, i32, i32, i32, p, p, p, p, p, i32, i32, p, p, p, p, p, p]
+    fn.argtypes = [p, i32, p, p, p, p, i32, i32, i32, i32, p, p, p, p, p, i32, i32, p, p, p, p, p, p, i32]
     fn.restype = i32
     return fn
 
@@ -150,6 +150,24 @@ def available() -> bool:
         return True
     except NativeBuildError:
         return False
+
+
+PREFETCH_BYTES = 2048  # software prefetch distance in a weight stream (kernels/cpu_native.c, argument prefetch)
+
+
+def prefetch_bytes() -> int:
+    """The prefetch distance: ``$RUNMAP_CPU_NATIVE_PREFETCH`` (bytes, 0 = none; a tuning knob for measurements, the
+    value is recorded by bench_cpu_experts) or ``PREFETCH_BYTES``."""
+    raw = os.environ.get("RUNMAP_CPU_NATIVE_PREFETCH")
+    if raw is None:
+        return PREFETCH_BYTES
+    try:
+        value = int(raw)
+    except ValueError:
+        value = -1
+    if not 0 <= value <= 1 << 20:
+        raise CpuSiteError(f"RUNMAP_CPU_NATIVE_PREFETCH={raw!r}: a byte count in [0, 1048576] expected")
+    return value
 
 
 def section_offsets(layout: RowLayout) -> torch.Tensor:
@@ -166,6 +184,7 @@ class NativeLayer:
         if precision not in TOLERANCE or precision == "fp16-output":
             raise CpuSiteError(f"precision {precision!r}: cpu-native computes in 'fp32' or 'i16'")
         self.layout, self.precision = layout, precision
+        self.prefetch_bytes = prefetch_bytes()
         self.offsets = section_offsets(layout)
         self.fn = _function()
 
@@ -207,7 +226,7 @@ class NativeLayer:
         rc = self.fn(ptrs, n_exp, start.data_ptr(), tok.data_ptr(), wts.data_ptr(), x.data_ptr(), t, h, i,
                      self.layout.block_size, self.offsets.data_ptr(), x_split.data_ptr(), h_split.data_ptr(),
                      y.data_ptr(), out.data_ptr(), threads or torch.get_num_threads(), int(bool(q16)),
-                     *([b.data_ptr() for b in q16] or [None] * 6))
+                     *([b.data_ptr() for b in q16] or [None] * 6), self.prefetch_bytes)
         if rc != 0:
             raise CpuSiteError(f"cpu-native: the kernel returned {rc}")
         return out
