@@ -152,7 +152,7 @@ def available() -> bool:
         return False
 
 
-PREFETCH_BYTES = 2048  # software prefetch distance in a weight stream (kernels/cpu_native.c, argument prefetch)
+PREFETCH_BYTES = 1024  # software prefetch distance in a weight stream (kernels/cpu_native.c, argument prefetch)
 
 
 def prefetch_bytes() -> int:
