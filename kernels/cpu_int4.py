@@ -418,6 +418,7 @@ class CpuExpertSite:
         self.source, self.layout, self.precision = source, source.layout, precision
         self.dtype = PRECISIONS.get(precision, torch.float32)  # the torch kernel's activation dtype
         self._row_ptrs: dict[int, list[int]] = {}  # cpu-native: layer -> the host rows' addresses
+        self._row_refs: list[torch.Tensor] = []  # the tensors behind those addresses
         # cpu-native: OpenMP threads per layer call; None = the calling thread's torch.get_num_threads()
         self.native_threads: int | None = None
         self.num_layers, self.num_experts = source.num_layers, source.num_experts
@@ -483,6 +484,7 @@ class CpuExpertSite:
                     raise CpuSiteError(f"expert row (layer {layer}, expert {e}): contiguous uint8 "
                                        f"({self.layout.row_bytes},) expected, got {row.dtype} {tuple(row.shape)}")
                 ptrs.append(row.data_ptr())
+                self._row_refs.append(row)  # the addresses stay valid while the site holds the tensors
             self._row_ptrs[layer] = ptrs
         return ptrs
 

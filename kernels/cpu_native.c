@@ -200,9 +200,18 @@ static void quantize_split(const float *xs, int k_size, int block_size, int16_t 
     for (int j0 = 0, b = 0; j0 < half_k; j0 += half_block, b++) {
         const int j1 = j0 + half_block < half_k ? j0 + half_block : half_k;
         float amax = 0.0f;
+        int finite = 1;
         for (int j = j0; j < j1; j++) {
+            finite &= isfinite(xs[j]) && isfinite(xs[half_k + j]);
             const float a = fabsf(xs[j]) > fabsf(xs[half_k + j]) ? fabsf(xs[j]) : fabsf(xs[half_k + j]);
             amax = a > amax ? a : amax;
+        }
+        if (!finite) { /* a NaN or inf activation: the block's scale is NaN, so the outputs that read it are NaN as
+                          on the FP32 path (never a finite result from a broken input) */
+            for (int j = j0; j < j1; j++) q[j] = q[half_k + j] = 0;
+            scale[b] = NAN;
+            sum[b] = 0;
+            continue;
         }
         const float inv = amax > 0.0f ? 32767.0f / amax : 0.0f;
         int32_t total = 0;

@@ -50,6 +50,7 @@ TOLERANCE = {"fp32": 1e-5, "fp16-output": 1e-3, "i16": 5e-4}
 EXECUTOR_PRECISION = {"cpu-native": "fp32", "cpu-native-i16": "i16"}
 SECTIONS = ("gate.weight", "gate.scale", "up.weight", "up.scale", "down.weight", "down.scale")
 BUILD_TIMEOUT_S = 120
+I16_MAX_BLOCK = 4096  # the i16 path's largest block (its int32 block sums; qpack's default block is 256)
 
 
 class NativeBuildError(CpuSiteError):
@@ -83,21 +84,26 @@ def _compiler() -> str:
     return path
 
 
-def library_path() -> Path:
-    """Where the compiled kernel for this source, compiler, flags and CPU lives (built or not)."""
+def _flags(march: str) -> tuple[str, ...]:
+    return tuple(f"-march={march}" if f == "-march=native" else f for f in COMPILE_FLAGS)
+
+
+def library_path(march: str = "native") -> Path:
+    """Where the compiled kernel for this source, compiler, flags and CPU lives (built or not). ``march``: the
+    instruction set (tests build the AVX2 and portable paths with it on a machine whose native one is AVX-512)."""
     cc = _compiler()
     try:
         version = subprocess.run([cc, "--version"], capture_output=True, text=True, timeout=30).stdout
     except (OSError, subprocess.SubprocessError) as exc:
         raise NativeBuildError(f"cpu-native: could not run the C compiler {cc}: {exc}") from None
-    key = hashlib.sha256("\0".join([SOURCE.read_text(), cc, version, " ".join(COMPILE_FLAGS + LINK_FLAGS),
+    key = hashlib.sha256("\0".join([SOURCE.read_text(), cc, version, " ".join(_flags(march) + LINK_FLAGS),
                                     platform.machine(), _cpu_identity()]).encode()).hexdigest()[:20]
     return cache_dir() / "cpu_native" / key / "libcpu_native.so"
 
 
-def build() -> Path:
+def build(march: str = "native") -> Path:
     """Compile the kernel into the cache (once per key) and return the library's path."""
-    lib = library_path()
+    lib = library_path(march)
     if lib.exists():
         return lib
     cc = _compiler()
@@ -108,16 +114,18 @@ def build() -> Path:
     except OSError as exc:
         raise NativeBuildError(f"cpu-native: cannot write the kernel cache {lib.parent}: {exc.strerror} "
                                "(set $RUNMAP_CACHE_DIR to a writable folder)") from None
-    cmd = [cc, *COMPILE_FLAGS, "-o", tmp, str(SOURCE), *LINK_FLAGS]
+    cmd = [cc, *_flags(march), "-o", tmp, str(SOURCE), *LINK_FLAGS]
     try:
         proc = subprocess.run(cmd, capture_output=True, text=True, timeout=BUILD_TIMEOUT_S)
         if proc.returncode != 0:
             first = next((ln for ln in proc.stderr.splitlines() if "error" in ln), proc.stderr.strip()[:300])
-            raise NativeBuildError(f"cpu-native: compiling {SOURCE.name} failed ({' '.join(cmd[:1] + list(COMPILE_FLAGS))}): "
+            raise NativeBuildError(f"cpu-native: compiling {SOURCE.name} failed ({' '.join(cmd[:1] + list(_flags(march)))}): "
                                    f"{first}")
         os.replace(tmp, lib)  # atomic: a concurrent build or reader sees the whole library or none
     except subprocess.TimeoutExpired:
         raise NativeBuildError(f"cpu-native: compiling {SOURCE.name} took over {BUILD_TIMEOUT_S} s") from None
+    except OSError as exc:  # the compiler could not be started, or the library not moved into place
+        raise NativeBuildError(f"cpu-native: building {lib}: {exc}") from None
     finally:
         if os.path.exists(tmp):
             os.unlink(tmp)
@@ -128,10 +136,10 @@ _load_lock = threading.Lock()
 
 
 @functools.lru_cache(maxsize=None)
-def _function():
+def _function(march: str = "native"):
     """The loaded ``runmap_moe_layer`` with its argument types (ctypes.CDLL releases the GIL during a call)."""
     with _load_lock:
-        path = build()
+        path = build(march)
         try:
             lib = ctypes.CDLL(str(path))
         except OSError as exc:
@@ -144,7 +152,7 @@ def _function():
 
 
 def available() -> bool:
-    """True when the kernel builds and loads here (tests that need it skip otherwise, naming why)."""
+    """True when the kernel builds and loads here."""
     try:
         _function()
         return True
@@ -178,15 +186,19 @@ class NativeLayer:
     """The C kernel bound to one row layout and precision ("fp32", or "i16": activations as int16 per block,
     integer dot products; kernels/cpu_native.c). Call ``run`` once per layer call."""
 
-    def __init__(self, layout: RowLayout, precision: str = "fp32"):
+    def __init__(self, layout: RowLayout, precision: str = "fp32", march: str = "native"):
         if layout.block_size % 2:
             raise CpuSiteError(f"block_size {layout.block_size}: cpu-native needs an even block size")
+        if precision == "i16" and layout.block_size > I16_MAX_BLOCK:
+            # the block's integer sums are int32: 15 * 32767 per value overflows past ~4,369 values
+            raise CpuSiteError(f"block_size {layout.block_size}: cpu-native-i16 sums a block in int32 and takes "
+                               f"blocks of at most {I16_MAX_BLOCK} values; use cpu-native")
         if precision not in TOLERANCE or precision == "fp16-output":
             raise CpuSiteError(f"precision {precision!r}: cpu-native computes in 'fp32' or 'i16'")
         self.layout, self.precision = layout, precision
         self.prefetch_bytes = prefetch_bytes()
         self.offsets = section_offsets(layout)
-        self.fn = _function()
+        self.fn = _function(march)
 
     def run(self, row_ptrs: list[int], assign_start: list[int] | torch.Tensor, assign_token, assign_weight,
             x: torch.Tensor, threads: int | None = None) -> torch.Tensor:
@@ -204,11 +216,21 @@ class NativeLayer:
         """
         h, i = self.layout.hidden_size, self.layout.intermediate_size
         n_exp = len(row_ptrs)
+        common.check_tensor("x", x, torch.float32, 2, shape=(None, h), device=torch.device("cpu"))
+        if threads is not None and (isinstance(threads, bool) or not isinstance(threads, int) or threads < 1):
+            raise common.KernelInputError(f"threads {threads!r}: a positive integer or None expected")
         start = torch.as_tensor(assign_start, dtype=torch.int32)
         tok = torch.as_tensor(assign_token, dtype=torch.int32)
         wts = torch.as_tensor(assign_weight, dtype=torch.float32)
         n_assign = int(start[-1]) if n_exp else 0
         t = x.shape[0]
+        # the C kernel indexes with these unchecked: a bad table is one line here, never a stray read there
+        if (start.shape != (n_exp + 1,) or (n_exp and (int(start[0]) != 0 or bool((start[1:] < start[:-1]).any())))
+                or tok.shape != (n_assign,) or wts.shape != (n_assign,)
+                or (n_assign and (int(tok.min()) < 0 or int(tok.max()) >= t))):
+            raise common.KernelInputError(f"cpu-native: assignment table does not fit {n_exp} experts and {t} tokens "
+                                          f"(start {tuple(start.shape)}, token {tuple(tok.shape)}, weight "
+                                          f"{tuple(wts.shape)})")
         cpu = torch.device("cpu")
         out = common.empty((t, h), torch.float32, cpu)  # every element written by the kernel (tests poison these)
         if n_exp == 0 or n_assign == 0:

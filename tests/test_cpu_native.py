@@ -250,3 +250,69 @@ def test_a_missing_or_failing_compiler_is_one_line_and_leaves_nothing(tmp_path, 
     lib = cpu_native.build()
     assert lib.is_file() and lib.parent.parent.parent == tmp_path / "cache" and cpu_native.build() == lib
     assert [p.name for p in lib.parent.iterdir()] == [lib.name]
+
+
+def _cpu_flags() -> set[str]:
+    try:
+        text = open("/proc/cpuinfo").read()
+    except OSError:
+        return set()
+    line = next((ln for ln in text.splitlines() if ln.startswith("flags")), "")
+    return set(line.split(":", 1)[-1].split())
+
+
+# The instruction sets the kernel has paths for, built here with -march instead of -march=native (which compiles only
+# this machine's): AVX-512 without VNNI (vpmaddwd), AVX2 + FMA + F16C, and the portable loops with the bitwise half
+# conversion. Each is run only where this CPU can execute it.
+ISAS = {"skylake-avx512": {"avx512f", "avx512bw"}, "x86-64-v3": {"avx2", "fma", "f16c"}, "x86-64": set()}
+
+
+@pytest.mark.skipif(__import__("platform").machine() != "x86_64", reason="the -march names are x86-64's")
+@pytest.mark.parametrize("march", list(ISAS))
+@pytest.mark.parametrize("precision", ["fp32", "i16"])
+def test_every_instruction_set_path_matches_the_reference(march, precision):
+    if not ISAS[march] <= _cpu_flags():
+        pytest.skip(f"this CPU lacks {sorted(ISAS[march] - _cpu_flags())} for -march={march}")
+    for name in ("partial-blocks", "block-34", "tiny-k"):
+        h, i, b, e, k = SHAPES[name]
+        layout = RowLayout.build(h, i, b)
+        rows = _rows(layout, e, 31)
+        x, ids, w = _batch(h, e, k, 3, 31, duplicate=True)
+        ref = reference_moe_f32(x, ids, w, rows, torch.arange(e, dtype=torch.int32), layout)
+        order, start, tok, wts = assignments(ids, w)
+        y = NativeLayer(layout, precision, march=march).run([rows[z].data_ptr() for z in order], start, tok, wts,
+                                                            x.float())
+        assert torch.isfinite(y).all() and _rel(y, ref) <= TOLERANCE[precision], f"{march} {name}: {_rel(y, ref):.2e}"
+
+
+@pytest.mark.parametrize("precision", ["fp32", "i16"])
+@pytest.mark.parametrize("bad", [float("nan"), float("inf")])
+def test_a_non_finite_activation_gives_a_non_finite_output_never_a_finite_one(precision, bad):
+    h, i, b, e, k = SHAPES["olmoe-like"]
+    layout = RowLayout.build(h, i, b)
+    rows = _rows(layout, e, 8)
+    x, ids, w = _batch(h, e, k, 2, 8)
+    x = x.float()
+    x[0, 5] = bad
+    order, start, tok, wts = assignments(ids, w)
+    y = NativeLayer(layout, precision).run([rows[z].data_ptr() for z in order], start, tok, wts, x)
+    assert not torch.isfinite(y[0]).any()  # every output of the broken token is NaN / inf
+    assert torch.isfinite(y[1]).all()  # the other token is untouched
+
+
+def test_the_kernel_refuses_what_it_cannot_index_or_sum():
+    with pytest.raises(CpuSiteError, match="blocks of at most 4096"):
+        NativeLayer(RowLayout.build(8192, 64, 8192), "i16")
+    layout = RowLayout.build(64, 32, 32)
+    rows = _rows(layout, 2, 0)
+    nl = NativeLayer(layout)
+    ptrs = [rows[0].data_ptr(), rows[1].data_ptr()]
+    x = torch.randn(2, 64)
+    with pytest.raises(KernelInputError, match="assignment table"):
+        nl.run(ptrs, [0, 1, 2], [0, 2], [1.0, 1.0], x)  # token 2 of 2
+    with pytest.raises(KernelInputError, match="assignment table"):
+        nl.run(ptrs, [0, 2], [0, 1], [1.0, 1.0], x)  # a start entry short
+    with pytest.raises(KernelInputError, match="x: dtype float16"):
+        nl.run(ptrs, [0, 1, 2], [0, 1], [1.0, 1.0], x.half())
+    with pytest.raises(KernelInputError, match="threads"):
+        nl.run(ptrs, [0, 1, 2], [0, 1], [1.0, 1.0], x, threads=0)
