@@ -8,9 +8,12 @@ threads, one expert after another, with a bf16 unpack. The C kernel makes every 
 work item of a single loop, so all threads stream expert bytes at once, and it needs no repacked copy: no
 startup repack, no second copy of the experts in RAM, and every byte it computes from is the verified host row.
 
-Numerics: FP32 activations, FP32 accumulation, exact FP16 scales (w = q * s exactly as qpack's dequantization),
-FP32 SiLU * up intermediate. Only the summation order differs from the FP32 reference executor, so the
-tolerance is the FP32 one (``TOLERANCE``), five times tighter than the bf16 ``cpu-int4`` site's.
+Numerics, executor ``cpu-native`` (precision "fp32"): FP32 activations, FP32 accumulation, exact FP16 scales (w =
+q * s exactly as qpack's dequantization), FP32 SiLU * up intermediate. Only the summation order differs from the
+FP32 reference executor (``TOLERANCE["fp32"]``). Executor ``cpu-native-i16`` (precision "i16"): both activation
+vectors rounded to int16 per scale block, exact integer dot products, one FP32 scaling per block
+(``TOLERANCE["i16"]``; blocks of at most ``I16_MAX_BLOCK`` values; a non-finite activation makes its block's scale
+NaN, so the outputs that read it are NaN as on the FP32 path).
 
 Build: on first use the source is compiled with the C compiler named by ``$CC`` (default ``cc``), flags
 ``COMPILE_FLAGS`` (``-march=native``: the binary is built for the machine that runs it), into a cache folder
