@@ -205,8 +205,8 @@ def tiny_packs(seed3_tiny_packs):
     return seed3_tiny_packs
 
 
-@pytest.mark.parametrize("preset", ENGINE_PRESETS)
-@pytest.mark.parametrize("executor", ["cpu-int4", "cpu-native", "cpu-native-i16"])
+@pytest.mark.parametrize("preset,executor", [(p, e) for p in ENGINE_PRESETS for e in ("cpu-int4", "cpu-native")]
+                         + [("tiny-qwen2-moe", "cpu-native-i16")])
 def test_engine_teacher_forced_logits_equal_the_reference_executor(tiny_packs, preset, executor):
     from runmap.engine.engine import Engine
 
