@@ -41,7 +41,7 @@ import torch
 from runmap.atomic import write_json
 from runmap.format.qpack import RowLayout
 from runmap.kernels.cpu_int4 import SITE_EXECUTORS, TOLERANCE, CpuExpertSite
-from runmap.kernels.cpu_native import TOLERANCE as NATIVE_TOLERANCE
+from runmap.kernels.cpu_native import EXECUTOR_PRECISION, TOLERANCE as NATIVE_TOLERANCE
 from runmap.kernels.reference import reference_moe_f32
 from runmap.provenance import library_versions, utc_timestamp
 from runmap.residency.host_source import HostSource
@@ -175,15 +175,14 @@ def run_shape(name: str, hidden: int, inter: int, k: int, min_bytes: int, passes
     serial_b1 = site.moe(0, cx[:1], cids[:1], cw[:1])
     err = float((serial.float() - ref).norm() / ref.norm())
     # the native paths' bound after the float16 output's rounding (i16: its own bound, larger than that rounding)
-    tol = {"cpu-native": NATIVE_TOLERANCE["fp16-output"], "cpu-native-i16": NATIVE_TOLERANCE["fp16-output"]}.get(
-        executor, TOLERANCE["bf16"])
+    tol = NATIVE_TOLERANCE["fp16-output"] if executor in EXECUTOR_PRECISION else TOLERANCE["bf16"]
     out["check"] = {"rel_error": err, "tolerance": tol, "pass": err <= tol}
     current = None
     for nt, nw, tpw, mode in [(*c, m) for c in configs(threads, workers) for m in ("b1", "b4-distinct", "b4-shared")]:
         torch.set_num_threads(nt)
         if current != (nt, nw, tpw):  # the same repacked experts, a new pool: the spot check again, bitwise
             current = (nt, nw, tpw)
-            if not executor.startswith("cpu-native"):  # the native kernel takes the calling thread's torch threads
+            if executor not in EXECUTOR_PRECISION:  # the native kernel takes the calling thread's torch threads
                 site.set_workers(nw, tpw)
             same = (torch.equal(site.moe(0, cx, cids, cw), serial)
                     and torch.equal(site.moe(0, cx[:1], cids[:1], cw[:1]), serial_b1))
@@ -281,7 +280,7 @@ def main(argv=None) -> int:
         print(f"bench_cpu_experts: shapes from {list(SHAPES)} (got {unknown or shapes}), --passes and "
               "--bandwidth-repeats >= 1", file=sys.stderr)
         return 2
-    if args.executor.startswith("cpu-native") and workers != [1]:
+    if args.executor in EXECUTOR_PRECISION and workers != [1]:
         print("bench_cpu_experts: --workers applies to --executor cpu-int4; cpu-native runs one parallel region per "
               "layer call (give --workers 1)", file=sys.stderr)
         return 2
@@ -295,9 +294,9 @@ def main(argv=None) -> int:
     rec = {"kind": KIND, "command": " ".join(["python3", "benchmarks/bench_cpu_experts.py"]
                                             + [shlex.quote(a) for a in (sys.argv[1:] if argv is None else argv)]),
            "created_utc": utc_timestamp(), "machine": info, "versions": library_versions("numpy"),
-           "executor": args.executor, "precision": {"cpu-native": "fp32", "cpu-native-i16": "i16"}.get(args.executor, "bf16"),
+           "executor": args.executor, "precision": EXECUTOR_PRECISION.get(args.executor, "bf16"),
            "load_before": load(), "target_ratio": TARGET}
-    if args.executor.startswith("cpu-native"):  # the kernel's software prefetch distance ($RUNMAP_CPU_NATIVE_PREFETCH)
+    if args.executor in EXECUTOR_PRECISION:  # the kernel's software prefetch distance ($RUNMAP_CPU_NATIVE_PREFETCH)
         from runmap.kernels.cpu_native import prefetch_bytes
 
         rec["prefetch_bytes"] = prefetch_bytes()

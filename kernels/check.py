@@ -23,7 +23,9 @@ def tolerance(executor: str) -> float:
     """The bound a case is held to: TOLERANCE for the device executors (FP16 intermediates); a CPU site states
     its own (runmap.kernels.cpu_int4.TOLERANCE: bfloat16 arithmetic in torch's CPU int4 kernel; cpu-native's
     FP32 kernel is held to TOLERANCE like the device executors, far above its ~1e-6)."""
-    if executor in ("cpu-native", "cpu-native-i16"):
+    from runmap.kernels.cpu_native import EXECUTOR_PRECISION
+
+    if executor in EXECUTOR_PRECISION:
         return TOLERANCE
     if REGISTRY[executor].site == "cpu":
         from runmap.kernels.cpu_int4 import TOLERANCE as CPU_SITE_TOLERANCE

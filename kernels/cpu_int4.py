@@ -77,6 +77,7 @@ import torch.nn.functional as F
 
 from runmap.format.qpack import NIBBLE_OFFSET, RowLayout
 from runmap.kernels import common
+from runmap.kernels.registry import CPU_SITE_EXECUTORS
 
 GROUP_SIZES = (256, 128, 64, 32)  # what aten._weight_int4pack_mm_for_cpu accepts, largest first
 N_ALIGN = 16  # aten._convert_weight_to_int4pack_for_cpu requires N % 16 == 0
@@ -88,7 +89,7 @@ PRECISIONS = {"bf16": torch.bfloat16, "fp32": torch.float32}
 TOLERANCE = {"bf16": 1e-2, "fp32": 5e-4}
 
 
-SITE_EXECUTORS = ("cpu-int4", "cpu-native", "cpu-native-i16")  # the registry's CPU-site executors (kernels/registry.py), this class's kernels
+SITE_EXECUTORS = CPU_SITE_EXECUTORS  # the kernels this class runs: the registry's CPU-site executors
 
 
 class CpuSiteError(ValueError):
@@ -172,6 +173,18 @@ class RepackedExpert:
         return self.gate_up.nbytes + self.down.nbytes
 
 
+def check_host_row(row, layout: RowLayout, what: str = "expert row", contiguous: bool = False) -> None:
+    """Raise CpuSiteError unless ``row`` is a host (CPU) uint8 (row_bytes,) tensor (and contiguous, if asked): the
+    CPU sites read host rows only, never device rows."""
+    if not isinstance(row, torch.Tensor) or row.device.type != "cpu":
+        where = row.device if isinstance(row, torch.Tensor) else type(row).__name__
+        raise CpuSiteError(f"expert row on {where}: the CPU site reads host rows only, never device rows")
+    if (row.dtype != torch.uint8 or row.dim() != 1 or row.numel() != layout.row_bytes
+            or (contiguous and not row.is_contiguous())):
+        raise CpuSiteError(f"{what}: {'contiguous ' if contiguous else ''}uint8 ({layout.row_bytes},) expected, "
+                           f"got {row.dtype} {tuple(row.shape)}")
+
+
 def repack_expert(row: torch.Tensor, layout: RowLayout, precision: str = "bf16") -> RepackedExpert:
     """One qpacked expert row -> torch's CPU int4 format.
 
@@ -182,11 +195,7 @@ def repack_expert(row: torch.Tensor, layout: RowLayout, precision: str = "bf16")
     """
     if precision not in PRECISIONS:
         raise CpuSiteError(f"precision {precision!r}, expected one of {tuple(PRECISIONS)}")
-    if not isinstance(row, torch.Tensor) or row.device.type != "cpu":
-        where = row.device if isinstance(row, torch.Tensor) else type(row).__name__
-        raise CpuSiteError(f"expert row on {where}: the CPU site reads host rows only, never device rows")
-    if row.dtype != torch.uint8 or row.dim() != 1 or row.numel() != layout.row_bytes:
-        raise CpuSiteError(f"expert row: uint8 ({layout.row_bytes},) expected, got {row.dtype} {tuple(row.shape)}")
+    check_host_row(row, layout)
     dtype = PRECISIONS[precision]
     h, i, b = layout.hidden_size, layout.intermediate_size, layout.block_size
     view = layout.view
@@ -394,16 +403,13 @@ class CpuExpertSite:
                  threads_per_worker: int | None = None, executor: str = "cpu-int4"):
         if executor not in SITE_EXECUTORS:
             raise CpuSiteError(f"CPU site executor {executor!r}, expected one of {SITE_EXECUTORS}")
-        if executor.startswith("cpu-native"):
-            from runmap.kernels.cpu_native import EXECUTOR_PRECISION
+        from runmap.kernels.cpu_native import EXECUTOR_PRECISION
 
+        if executor in EXECUTOR_PRECISION:
             native_precision = EXECUTOR_PRECISION[executor]
             if precision not in (None, native_precision):
                 raise CpuSiteError(f"precision {precision!r}: the {executor} kernel computes in {native_precision} only")
             precision = native_precision
-            if workers not in (None, 1) or threads_per_worker is not None:
-                raise CpuSiteError("workers / threads_per_worker configure the cpu-int4 site; cpu-native runs a "
-                                   "layer call in one parallel region of torch.get_num_threads() threads")
             from runmap.kernels.cpu_native import NativeLayer
 
             self._native = NativeLayer(source.layout, precision)  # builds the C kernel now: no compiler fails here
@@ -476,13 +482,7 @@ class CpuExpertSite:
             ptrs = []
             for e in range(self.num_experts):
                 row = self.source.row_tensor(layer, e)
-                if not isinstance(row, torch.Tensor) or row.device.type != "cpu":
-                    where = row.device if isinstance(row, torch.Tensor) else type(row).__name__
-                    raise CpuSiteError(f"expert row on {where}: the CPU site reads host rows only, never device rows")
-                if (row.dtype != torch.uint8 or row.dim() != 1 or row.numel() != self.layout.row_bytes
-                        or not row.is_contiguous()):
-                    raise CpuSiteError(f"expert row (layer {layer}, expert {e}): contiguous uint8 "
-                                       f"({self.layout.row_bytes},) expected, got {row.dtype} {tuple(row.shape)}")
+                check_host_row(row, self.layout, f"expert row (layer {layer}, expert {e})", contiguous=True)
                 ptrs.append(row.data_ptr())
                 self._row_refs.append(row)  # the addresses stay valid while the site holds the tensors
             self._row_ptrs[layer] = ptrs
@@ -602,8 +602,9 @@ class CpuExpertSite:
         return out
 
     def describe(self) -> dict:
-        return {"executor": self.executor, "precision": self.precision, "repacked_experts": self.repacks, "repacked_bytes": self.nbytes,
-                "source_bytes_read": self.source_bytes_read, "layer_calls": self.layer_calls, "threads": self.native_threads or torch.get_num_threads(),
+        return {"executor": self.executor, "precision": self.precision, "repacked_experts": self.repacks,
+                "repacked_bytes": self.nbytes, "source_bytes_read": self.source_bytes_read,
+                "layer_calls": self.layer_calls, "threads": self.native_threads or torch.get_num_threads(),
                 "workers": self.workers, "threads_per_worker": self.threads_per_worker}
 
 

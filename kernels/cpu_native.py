@@ -39,7 +39,7 @@ from pathlib import Path
 
 import torch
 
-from runmap.format.qpack import RowLayout
+from runmap.format.qpack import RowLayout, num_blocks
 from runmap.kernels import common
 from runmap.kernels.cpu_int4 import CpuSiteError
 
@@ -196,7 +196,7 @@ class NativeLayer:
             # the block's integer sums are int32: 15 * 32767 per value overflows past ~4,369 values
             raise CpuSiteError(f"block_size {layout.block_size}: cpu-native-i16 sums a block in int32 and takes "
                                f"blocks of at most {I16_MAX_BLOCK} values; use cpu-native")
-        if precision not in TOLERANCE or precision == "fp16-output":
+        if precision not in EXECUTOR_PRECISION.values():
             raise CpuSiteError(f"precision {precision!r}: cpu-native computes in 'fp32' or 'i16'")
         self.layout, self.precision = layout, precision
         self.prefetch_bytes = prefetch_bytes()
@@ -243,7 +243,7 @@ class NativeLayer:
         y = common.empty((n_assign, h), torch.float32, cpu)
         q16 = []  # the i16 path's scratch: int16 activations, per-block scales and sums, for x and for the intermediate
         if self.precision == "i16":
-            nb_h, nb_i = -(-h // self.layout.block_size), -(-i // self.layout.block_size)
+            nb_h, nb_i = num_blocks(h, self.layout.block_size), num_blocks(i, self.layout.block_size)
             q16 = [common.empty((t, h), torch.int16, cpu), common.empty((t, nb_h), torch.float32, cpu),
                   common.empty((t, nb_h), torch.int32, cpu), common.empty((n_assign, i), torch.int16, cpu),
                   common.empty((n_assign, nb_i), torch.float32, cpu), common.empty((n_assign, nb_i), torch.int32, cpu)]
