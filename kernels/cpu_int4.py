@@ -72,6 +72,7 @@ import os
 import threading
 import weakref
 
+import numpy as np
 import torch
 import torch.nn.functional as F
 
@@ -433,6 +434,8 @@ class CpuExpertSite:
         self._repacking: dict[tuple[int, int], threading.Lock] = {}
         self._pool_lock = threading.Lock()
         self._pool_obj: _ExpertPool | None = None
+        self._jobs: concurrent.futures.ThreadPoolExecutor | None = None  # submit's job thread
+        self._jobs_pid = None
         self.repacks = 0  # experts repacked (each once)
         self.nbytes = 0  # memory held by the repacked copies
         self.source_bytes_read = 0  # host-source bytes read by repacks (row_bytes per repack)
@@ -468,11 +471,15 @@ class CpuExpertSite:
             return pool
 
     def close(self) -> None:
-        """Stop the worker threads (idempotent); the site stays usable and restarts them when needed."""
+        """Stop the worker threads and the job thread (idempotent; a running job finishes first); the site stays
+        usable and restarts them when needed."""
         with self._pool_lock:
             pool, self._pool_obj = self._pool_obj, None
+            jobs, self._jobs = self._jobs, None
         if pool is not None:
             pool.close()
+        if jobs is not None:
+            jobs.shutdown(wait=True)
 
     def _rows(self, layer: int) -> list[int]:
         """cpu-native: the addresses of one layer's host rows, each checked once (a CPU uint8 (row_bytes,)
@@ -600,6 +607,63 @@ class CpuExpertSite:
         _add_experts(out, lambda e: self.expert(layer, e), x.to(self.dtype), topk_ids.to(torch.int64), topk_weights,
                      sorted({int(v) for v in experts}), self._pool())
         return out
+
+    @property
+    def native(self) -> bool:
+        """True for the C kernel's executors (cpu-native, cpu-native-i16): ``moe_subset_arrays`` and ``submit``."""
+        return self._native is not None
+
+    def moe_subset_arrays(self, layer: int, x: np.ndarray, topk_ids: np.ndarray, topk_weights: np.ndarray,
+                          experts, out: np.ndarray, threads: int | None = None) -> None:
+        """``moe_subset`` on host arrays, written into ``out``, with no torch call (cpu-native executors only): the
+        decode chain's CPU part, run on the site's job thread (``submit``) while the main thread drives the device.
+        The same kernel, assignment order and FP32 widening as ``moe_subset``, so the same values bit for bit.
+
+        Args:
+            layer: MoE layer index in [0, num_layers).
+            x: float16 (T, H) C-contiguous. topk_ids: integer (T, k). topk_weights: float32 (T, k).
+            experts: iterable of expert ids computed here; slots routed to other experts contribute nothing.
+            out: float32 (T, H) C-contiguous, every element written.
+            threads: OpenMP threads (default ``native_threads``, else the caller's torch.get_num_threads()).
+        """
+        if self._native is None:
+            raise CpuSiteError(f"moe_subset_arrays needs a cpu-native executor; this site runs {self.executor}")
+        if not 0 <= layer < self.num_layers:
+            raise common.KernelInputError(f"layer {layer} is not in [0, {self.num_layers})")
+        if (not isinstance(topk_ids, np.ndarray) or topk_ids.ndim != 2 or topk_ids.dtype.kind not in "iu"
+                or topk_ids.shape[0] != getattr(x, "shape", (None,))[0]):
+            raise common.KernelInputError(f"topk_ids: an integer (T, k) array for x's T tokens expected, got "
+                                          f"{getattr(topk_ids, 'dtype', type(topk_ids).__name__)} "
+                                          f"{getattr(topk_ids, 'shape', '')}")
+        if (not isinstance(topk_weights, np.ndarray) or topk_weights.dtype != np.float32
+                or topk_weights.shape != topk_ids.shape):
+            raise common.KernelInputError(f"topk_weights: a float32 {topk_ids.shape} array expected, got "
+                                          f"{getattr(topk_weights, 'dtype', type(topk_weights).__name__)} "
+                                          f"{getattr(topk_weights, 'shape', '')}")
+        if not isinstance(x, np.ndarray) or x.dtype != np.float16:
+            raise common.KernelInputError(f"x: a float16 (T, {self.layout.hidden_size}) array expected, got "
+                                          f"{getattr(x, 'dtype', type(x).__name__)}")
+        bad = (topk_ids < 0) | (topk_ids >= self.num_experts)
+        if bad.any():
+            t, j = (int(v) for v in np.argwhere(bad)[0])
+            raise common.KernelInputError(
+                f"topk_ids[{t}, {j}] = {int(topk_ids[t, j])} is not an expert id in [0, {self.num_experts})")
+        from runmap.kernels.cpu_native import assignments_arrays
+
+        order, start, tok, wts = assignments_arrays(topk_ids, topk_weights, experts)
+        rows = self._rows(layer)
+        with self._lock:
+            self.layer_calls += 1
+        self._native.run_arrays([rows[e] for e in order], start, tok, wts, x, out, threads or self.native_threads)
+
+    def submit(self, fn, *args) -> concurrent.futures.Future:
+        """Run ``fn(*args)`` on the site's job thread (one, started on first use, stopped by ``close``): the decode
+        chain's CPU part overlaps the device's work and the link's copies there. The C kernel releases the GIL."""
+        with self._pool_lock:
+            if self._jobs is None or self._jobs_pid != os.getpid():
+                self._jobs = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="runmap-cpu-site")
+                self._jobs_pid = os.getpid()
+            return self._jobs.submit(fn, *args)
 
     def describe(self) -> dict:
         return {"executor": self.executor, "precision": self.precision, "repacked_experts": self.repacks,

@@ -37,6 +37,7 @@ import tempfile
 import threading
 from pathlib import Path
 
+import numpy as np
 import torch
 
 from runmap.format.qpack import RowLayout, num_blocks
@@ -202,6 +203,8 @@ class NativeLayer:
         self.prefetch_bytes = prefetch_bytes()
         self.offsets = section_offsets(layout)
         self.fn = _function(march)
+        self._offsets_ptr = self.offsets.data_ptr()  # read once: run_arrays makes no torch call
+        self._scratch = threading.local()  # run_arrays' buffers, per calling thread, grown as needed
 
     def run(self, row_ptrs: list[int], assign_start: list[int] | torch.Tensor, assign_token, assign_weight,
             x: torch.Tensor, threads: int | None = None) -> torch.Tensor:
@@ -257,6 +260,88 @@ class NativeLayer:
         return out
 
 
+    def _scratch_arrays(self, t: int, n_assign: int) -> list[np.ndarray]:
+        """This thread's scratch for a call of ``t`` tokens and ``n_assign`` assignments: x_split (t, H), h_split
+        (n_assign, I), y (n_assign, H) float32, then the i16 path's six buffers (``run``'s q16), as numpy views of
+        tensors from common.empty (tests poison them); reallocated only when a call needs more room."""
+        have = getattr(self._scratch, "size", (0, 0))
+        if have[0] < t or have[1] < n_assign:
+            t, n_assign = max(t, have[0]), max(n_assign, have[1])
+            h, i, cpu = self.layout.hidden_size, self.layout.intermediate_size, torch.device("cpu")
+            shapes = [((t, h), torch.float32), ((n_assign, i), torch.float32), ((n_assign, h), torch.float32)]
+            if self.precision == "i16":
+                nb_h, nb_i = num_blocks(h, self.layout.block_size), num_blocks(i, self.layout.block_size)
+                shapes += [((t, h), torch.int16), ((t, nb_h), torch.float32), ((t, nb_h), torch.int32),
+                           ((n_assign, i), torch.int16), ((n_assign, nb_i), torch.float32),
+                           ((n_assign, nb_i), torch.int32)]
+            self._scratch.tensors = [common.empty(shape, dt, cpu) for shape, dt in shapes]  # keeps the memory
+            self._scratch.arrays = [b.numpy() for b in self._scratch.tensors]
+            self._scratch.size = (t, n_assign)
+        return self._scratch.arrays
+
+    def run_arrays(self, row_ptrs: list[int], assign_start: list[int], assign_token: list[int],
+                   assign_weight: list[float], x: np.ndarray, out: np.ndarray, threads: int | None = None) -> None:
+        """``run`` on host arrays, writing into ``out``, with no torch call: the decode chain's CPU part
+        (runmap.engine.engine.SegmentDecoder), which runs on a worker thread while the main thread drives the device.
+        Scratch buffers are kept per calling thread (one call at a time per thread).
+
+        Args:
+            row_ptrs: (n_experts,) addresses of qpacked rows of this layout, alive for the call (read only).
+            assign_start, assign_token, assign_weight: the assignment table as ``run`` takes it (Python sequences).
+            x: float16 or float32 (T, H) C-contiguous numpy activations.
+            out: float32 (T, H) C-contiguous numpy array, every element written.
+            threads: OpenMP threads (default torch.get_num_threads()).
+        """
+        h, i = self.layout.hidden_size, self.layout.intermediate_size
+        n_exp = len(row_ptrs)
+        for name, a, dtypes in (("x", x, (np.float16, np.float32)), ("out", out, (np.float32,))):
+            if (not isinstance(a, np.ndarray) or a.dtype not in dtypes or a.ndim != 2 or a.shape[1] != h
+                    or not a.flags.c_contiguous):
+                got = f"{a.dtype} {a.shape}" if isinstance(a, np.ndarray) else type(a).__name__
+                raise common.KernelInputError(f"cpu-native: {name} must be a C-contiguous "
+                                              f"{'/'.join(np.dtype(d).name for d in dtypes)} (T, {h}) array, got {got}")
+        t = x.shape[0]
+        if out.shape[0] != t:
+            raise common.KernelInputError(f"cpu-native: out has {out.shape[0]} rows for {t} tokens")
+        if threads is not None and (isinstance(threads, bool) or not isinstance(threads, int) or threads < 1):
+            raise common.KernelInputError(f"threads {threads!r}: a positive integer or None expected")
+        start = np.asarray(assign_start, dtype=np.int32)
+        tok = np.asarray(assign_token, dtype=np.int32)
+        wts = np.asarray(assign_weight, dtype=np.float32)
+        n_assign = int(start[-1]) if n_exp and start.shape == (n_exp + 1,) else 0
+        if (start.shape != (n_exp + 1,) or (n_exp and (int(start[0]) != 0 or bool((start[1:] < start[:-1]).any())))
+                or tok.shape != (n_assign,) or wts.shape != (n_assign,)
+                or (n_assign and (int(tok.min()) < 0 or int(tok.max()) >= t))):
+            raise common.KernelInputError(f"cpu-native: assignment table does not fit {n_exp} experts and {t} tokens "
+                                          f"(start {start.shape}, token {tok.shape}, weight {wts.shape})")
+        if n_exp == 0 or n_assign == 0:
+            out.fill(0.0)
+            return
+        scratch = self._scratch_arrays(t, n_assign)
+        x_split, h_split, y = (b[:rows] for b, rows in zip(scratch[:3], (t, n_assign, n_assign)))
+        xf = x if x.dtype == np.float32 else None
+        if xf is None:  # the kernel reads FP32 activations: widen into a scratch row block (exact from FP16)
+            xf = self._widened(t)
+            np.copyto(xf, x)
+        q16 = [b[:rows] for b, rows in zip(scratch[3:], (t, t, t, n_assign, n_assign, n_assign))]
+        ptrs = (ctypes.c_void_p * n_exp)(*row_ptrs)
+        rc = self.fn(ptrs, n_exp, start.ctypes.data, tok.ctypes.data, wts.ctypes.data, xf.ctypes.data, t, h, i,
+                     self.layout.block_size, self._offsets_ptr, x_split.ctypes.data, h_split.ctypes.data,
+                     y.ctypes.data, out.ctypes.data, threads or torch.get_num_threads(), int(bool(q16)),
+                     *([b.ctypes.data for b in q16] or [None] * 6), self.prefetch_bytes)
+        if rc != 0:
+            raise CpuSiteError(f"cpu-native: the kernel returned {rc}")
+
+    def _widened(self, t: int) -> np.ndarray:
+        """This thread's float32 (t, H) buffer for FP16 activations widened to FP32."""
+        buf = getattr(self._scratch, "widened", None)
+        if buf is None or buf.shape[0] < t:
+            self._scratch.widened_tensor = common.empty((t, self.layout.hidden_size), torch.float32,
+                                                        torch.device("cpu"))
+            buf = self._scratch.widened = self._scratch.widened_tensor.numpy()
+        return buf[:t]
+
+
 def assignments(topk_ids: torch.Tensor, topk_weights: torch.Tensor, experts=None):
     """Group a layer call's (token, slot) pairs by expert.
 
@@ -269,18 +354,7 @@ def assignments(topk_ids: torch.Tensor, topk_weights: torch.Tensor, experts=None
     """
     t, k = topk_ids.shape
     if t == 1:  # decode: a few slots, plain Python is cheaper than the tensor ops
-        ids, ws = topk_ids[0].tolist(), topk_weights[0].tolist()
-        keep = None if experts is None else {int(e) for e in experts}
-        by_expert: dict[int, list[float]] = {}
-        for e, w in zip(ids, ws):
-            if keep is None or e in keep:
-                by_expert.setdefault(int(e), []).append(w)
-        order = sorted(by_expert)
-        start, weight = [0], []
-        for e in order:
-            weight += by_expert[e]
-            start.append(len(weight))
-        return order, start, [0] * len(weight), weight
+        return _one_token_assignments(topk_ids[0].tolist(), topk_weights[0].tolist(), experts)
     flat = topk_ids.reshape(-1).to(torch.int64)  # (T k,)
     tok = torch.arange(t, dtype=torch.int32).repeat_interleave(k)
     wts = topk_weights.reshape(-1).to(torch.float32)
@@ -292,6 +366,39 @@ def assignments(topk_ids: torch.Tensor, topk_weights: torch.Tensor, experts=None
     start = torch.zeros(len(uniq) + 1, dtype=torch.int32)
     torch.cumsum(counts, 0, out=start[1:])
     return uniq.tolist(), start, tok[perm].contiguous(), wts[perm].contiguous()
+
+
+def _one_token_assignments(ids: list, weights: list, experts=None):
+    """``assignments`` of one token from its k ids and gate weights as Python lists."""
+    keep = None if experts is None else {int(e) for e in experts}
+    by_expert: dict[int, list[float]] = {}
+    for e, w in zip(ids, weights):
+        if keep is None or e in keep:
+            by_expert.setdefault(int(e), []).append(w)
+    order = sorted(by_expert)
+    start, weight = [0], []
+    for e in order:
+        weight += by_expert[e]
+        start.append(len(weight))
+    return order, start, [0] * len(weight), weight
+
+
+def assignments_arrays(topk_ids: np.ndarray, topk_weights: np.ndarray, experts=None):
+    """``assignments`` on numpy arrays (int (T, k) ids, float32 (T, k) weights), with no torch call; the same
+    order: experts ascending, within an expert (token, slot) order. Returns Python lists."""
+    t, k = topk_ids.shape
+    if t == 1:
+        return _one_token_assignments(topk_ids[0].tolist(), topk_weights[0].tolist(), experts)
+    flat = topk_ids.reshape(-1).astype(np.int64)  # (T k,)
+    tok = np.repeat(np.arange(t, dtype=np.int32), k)
+    wts = topk_weights.reshape(-1).astype(np.float32)
+    if experts is not None:
+        sel = np.isin(flat, np.fromiter((int(e) for e in experts), dtype=np.int64))
+        flat, tok, wts = flat[sel], tok[sel], wts[sel]
+    perm = np.argsort(flat, kind="stable")
+    uniq, counts = np.unique(flat[perm], return_counts=True)
+    start = [0] + np.cumsum(counts).tolist()
+    return uniq.tolist(), start, tok[perm].tolist(), wts[perm].tolist()
 
 
 def cpu_native_i16_moe(x, topk_ids, topk_weights, storage, row_table, layout: RowLayout, config=None):

@@ -9,12 +9,15 @@
 * the result does not depend on the thread count (bitwise);
 * the site reads the host rows as they lie: no repacked copy, and a host byte that changes changes the output;
 * a subset of the experts (a mixed placement) and one expert alone equal their share of the layer;
+* the decode chain's array path (``moe_subset_arrays`` on the site's job thread, ``run_arrays``, ``assignments_arrays``)
+  gives the torch path's values bit for bit, over random shapes and subsets, and refuses bad arrays in one line;
 * bad inputs and a missing or failing compiler get one clear line; nothing half-built is left in the cache.
 """
 from __future__ import annotations
 
 import math
 
+import numpy as np
 import pytest
 import torch
 from hypothesis import given, settings
@@ -199,6 +202,60 @@ def test_subset_and_one_expert_equal_their_share_of_the_layer():
     ref1 = reference_moe_f32(x[:3], torch.full((3, 1), 2), torch.ones(3, 1), rows[0],
                              torch.arange(e, dtype=torch.int32), layout)
     assert _rel(one, ref1) <= TOLERANCE["fp32"]
+
+
+@settings(max_examples=20, deadline=None)
+@given(name=st.sampled_from(sorted(SHAPES)), m=st.integers(1, 4), precision=st.sampled_from(["fp32", "i16"]),
+       data=st.data())
+def test_the_array_path_equals_the_torch_path_bit_for_bit(name, m, precision, data):
+    """moe_subset_arrays (numpy in, numpy out, no torch call, run on the site's job thread as the decode chain does)
+    computes moe_subset's values exactly: same assignment order, same FP32 widening, same kernel; twice in a row on
+    the same thread (its reused scratch) and for any subset of the routed experts, the empty one included."""
+    h, i, b, e, k = SHAPES[name]
+    seed = data.draw(st.integers(0, 2**16))
+    host, rows, layout = _host(name, layers=1, seed=seed % 7)
+    executor = "cpu-native" if precision == "fp32" else "cpu-native-i16"
+    site = CpuExpertSite(host, executor=executor)
+    try:
+        x, ids, w = _batch(h, e, k, m, seed, duplicate=(m > 1))
+        routed = sorted({int(v) for v in ids.reshape(-1)})
+        part = data.draw(st.lists(st.sampled_from(routed), unique=True)) if routed else []
+        want = site.moe_subset(0, x, ids, w, part)
+        for _ in range(2):
+            out = np.full((m, h), np.nan, dtype=np.float32)  # every element must be written
+            site.submit(site.moe_subset_arrays, 0, x.numpy(), ids.numpy(), w.numpy(), part, out).result()
+            assert torch.equal(torch.from_numpy(out), want)
+        order, start, tok, wts = assignments(ids, w, part)
+        got = cpu_native.assignments_arrays(ids.numpy(), w.numpy(), part)
+        assert got[0] == list(order) and list(got[1]) == [int(v) for v in start]
+        assert list(got[2]) == [int(v) for v in tok] and list(got[3]) == [float(v) for v in wts]
+    finally:
+        site.close()
+
+
+def test_the_array_path_refuses_bad_arrays_in_one_line():
+    h, i, b, e, k = SHAPES["olmoe-like"]
+    host, rows, layout = _host("olmoe-like", layers=1, seed=3)
+    site = CpuExpertSite(host, executor="cpu-native")
+    x = np.zeros((2, h), dtype=np.float16)
+    ids, w, out = np.array([[0, 1], [2, 3]]), np.ones((2, 2), dtype=np.float32), np.zeros((2, h), dtype=np.float32)
+    with pytest.raises(KernelInputError, match=r"topk_ids\[1, 0\] = 8 is not an expert id"):
+        site.moe_subset_arrays(0, x, np.array([[0, 1], [8, 1]]), w, [0], out)
+    with pytest.raises(KernelInputError, match="layer 1 is not in"):
+        site.moe_subset_arrays(1, x, ids, w, [0], out)
+    with pytest.raises(KernelInputError, match="topk_weights: a float32"):
+        site.moe_subset_arrays(0, x, ids, w.astype(np.float64), [0], out)
+    with pytest.raises(KernelInputError, match="x: a float16"):
+        site.moe_subset_arrays(0, x.astype(np.float32), ids, w, [0], out)
+    with pytest.raises(KernelInputError, match="out must be a C-contiguous float32"):
+        site.moe_subset_arrays(0, x, ids, w, [0], np.zeros((2, h), dtype=np.float64))
+    with pytest.raises(KernelInputError, match="out has 1 rows for 2 tokens"):
+        site.moe_subset_arrays(0, x, ids, w, [0], np.zeros((1, h), dtype=np.float32))
+    native = NativeLayer(layout)
+    with pytest.raises(KernelInputError, match="assignment table does not fit"):
+        native.run_arrays([rows[0][0].data_ptr()], [0, 2], [0, 5], [1.0, 1.0], x, out)
+    with pytest.raises(CpuSiteError, match="needs a cpu-native executor"):
+        CpuExpertSite(host, executor="cpu-int4").moe_subset_arrays(0, x, ids, w, [0], out)
 
 
 def test_bad_inputs_get_one_clear_line():

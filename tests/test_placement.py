@@ -487,7 +487,8 @@ def test_a_layer_without_cpu_experts_after_one_with_them_adds_nothing_stale(pack
             assert eng.experts.cache.counters["cpu_site_experts"] == cpu_first > 0
             if segments:
                 chain = eng._mixed_segments[1]
-                assert not any(chain.cpu_set) and not any(chain.keep_set)
+                assert not any(chain.cpu_set) and not any(chain.layer_cpu)
+                assert bool((chain.host_slots[:, cfg.num_experts:] == 1).all())  # every slot kept on the device
             logits[segments] = eng.decoded
         finally:
             eng.close()
@@ -525,33 +526,24 @@ def test_auto_in_the_segment_chain_follows_its_rule_from_step_to_step(packs):
 
 
 def test_a_failing_cpu_site_inside_the_chain_leaves_nothing_held(packs, monkeypatch):
-    """The CPU site raising in a decode step's CPU part (not in prefill, which runs per call): the error reaches
-    the caller and the step's request gives back every lease."""
-    from runmap.engine.engine import SegmentDecoder
+    """The CPU site raising in a decode step's CPU part (not in prefill, which runs per call; with cpu-native the part
+    runs on the site's job thread and its error surfaces when the chain collects it): the error reaches the caller,
+    no job is left running, and the step's request gives back every lease."""
     from runmap.kernels import cpu_int4
 
     pack, cfg = packs["tiny-olmoe"]
     eng = _chain_engine(pack, cfg.top_k, "cpu", "eager")
-    in_chain, cpu_part, moe_subset = [False], SegmentDecoder._cpu_part, cpu_int4.CpuExpertSite.moe_subset
+    assert eng.experts.site().native  # the default CPU executor: the chain's CPU part is a job
 
-    def chain_cpu_part(self, layer):
-        in_chain[0] = True
-        try:
-            return cpu_part(self, layer)
-        finally:
-            in_chain[0] = False
+    def failing(self, *a, **k):
+        raise RuntimeError("cpu site failed in the chain")
 
-    def failing_in_the_chain(self, *a, **k):
-        if in_chain[0]:
-            raise RuntimeError("cpu site failed in the chain")
-        return moe_subset(self, *a, **k)
-
-    monkeypatch.setattr(SegmentDecoder, "_cpu_part", chain_cpu_part)
-    monkeypatch.setattr(cpu_int4.CpuExpertSite, "moe_subset", failing_in_the_chain)
+    monkeypatch.setattr(cpu_int4.CpuExpertSite, "moe_subset_arrays", failing)  # only the chain's CPU part calls it
     try:
         with pytest.raises(RuntimeError, match="cpu site failed in the chain"):
             eng.generate(CHAIN_PROMPTS[:1], max_new_tokens=3)
-        assert 1 in eng._mixed_segments  # the failure came from the chain's CPU part
+        chain = eng._mixed_segments[1]  # the failure came from the chain's CPU part
+        assert not any(chain._jobs)
         cache = eng.experts.cache
         assert cache.outstanding_leases() == 0 and cache.live_requests() == 0
     finally:

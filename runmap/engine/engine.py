@@ -392,12 +392,13 @@ class CachedExperts:
                 observe(self.cache.counters["bytes_h2d"] - bytes0, seconds)
         return out
 
-    def static_experts(self, layer, x, ids, gw):
-        """Segment decode: the executor on the layer's whole storage through its static row table (refreshed from
-        the lease before the segment runs); validate=False, so it can be captured."""
+    def static_experts(self, layer, x, ids, gw, table=None):
+        """Segment decode: the executor on the layer's whole storage through a row table at a fixed address (the
+        layer's static table, refreshed from the lease before the segment runs, or ``table``: int32 (E,) device);
+        validate=False, so it can be captured."""
+        table = self.static_tables[layer] if table is None else table
         with self.cache.monitored():  # a copy out of expert rows in the segment would show when it is captured
-            return self.moe(self.executor, x, ids, gw, self.storage[layer], self.static_tables[layer], self.layout,
-                            validate=False)
+            return self.moe(self.executor, x, ids, gw, self.storage[layer], table, self.layout, validate=False)
 
     def _groups(self, ids_h: torch.Tensor) -> list[list[int]]:
         """Split token rows so that each group's union of expert ids has at most max_group members."""
@@ -586,17 +587,24 @@ class SegmentDecoder(_StaticStepInputs):
         # mixed sites: the chain of the steps on which the placement may give the CPU site experts
         self.mixed = bool(mixed)
         if self.mixed:
-            pin, H = dev.type == "cuda", cfg.hidden_size
+            pin, H, E = dev.type == "cuda", cfg.hidden_size, cfg.num_experts
             self.host_x = torch.zeros(self.L, batch, H, dtype=torch.float16, pin_memory=pin)  # each layer's MoE input
             self.host_gw = torch.zeros(self.L, batch, self.k, dtype=torch.float32, pin_memory=pin)  # its gate weights
-            self.host_keep = torch.ones(self.L, batch, self.k, dtype=torch.float32, pin_memory=pin)
-            self.host_cpu_out = torch.zeros(self.L, batch, H, dtype=torch.float32, pin_memory=pin)
-            self.keep = torch.ones(self.L, batch, self.k, dtype=torch.float32, device=dev)  # 0: slot on the CPU site
+            self.host_cpu_out = torch.zeros(self.L, batch, H, dtype=torch.float32, pin_memory=pin)  # the CPU sum
+            # the same pinned memory as numpy arrays: the CPU part reads and writes them without a torch call
+            self.host_x_np, self.host_gw_np = self.host_x.numpy(), self.host_gw.numpy()
+            self.host_cpu_out_np = self.host_cpu_out.numpy()
+            # per layer, one int32 row the host writes after each lease and copies to the device in one transfer:
+            # the device part's row table (E,) for this step's ids (leased experts -> their rows, CPU-site experts
+            # -> a row the step's request pins) and its keep mask (B, k) (0: the slot's expert is on the CPU site)
+            self.host_slots = torch.zeros(self.L, E + batch * self.k, dtype=torch.int32, pin_memory=pin)
+            self.host_slots_np = self.host_slots.numpy()
+            self.slots = torch.zeros(self.L, E + batch * self.k, dtype=torch.int32, device=dev)
             self.cpu_out = torch.zeros(self.L, batch, H, dtype=torch.float32, device=dev)  # the CPU site's sum
             self.layer_cpu: list[tuple] = [()] * self.L  # this step's CPU-site experts per layer
-            self.keep_set = [False] * self.L  # keep[l] holds a zero (reset to ones before a layer without CPU experts)
             self.cpu_set = [False] * self.L  # cpu_out[l] holds a non-zero sum
             self.cpu_parts = 0  # layer calls of this chain whose CPU part computed experts
+            self._jobs: list = [None] * self.L  # the CPU part in flight on the site's job thread, per layer
         self.chains: dict[int, tuple[list, torch.Tensor]] = {}  # n_keys -> (graphs, logits)
         self._keep: list = []  # tensors living across segment boundaries (kept out of the pool's reuse)
         self.capture_graphs: list | None = None  # the chain being captured
@@ -640,28 +648,66 @@ class SegmentDecoder(_StaticStepInputs):
         self.host_gw[layer].copy_(gw, non_blocking=capturing)
         if capturing:
             self._keep += [x, ids, gw]
-            self._cut()  # the host leases here: routing decision, placement, row table, keep mask
+            self._cut()  # the host leases here: routing decision, placement, CPU part started, row table and mask
         else:
             self._lease(layer)
-        out = ex.static_experts(layer, x, ids, gw * self.keep[layer])  # (B, H) fp16: the leased experts only
+        E, (B, k) = self.e.cfg.num_experts, ids.shape
+        table, keep = self.slots[layer, :E], self.slots[layer, E:].view(B, k).to(torch.float32)  # (E,), (B, k)
+        out = ex.static_experts(layer, x, ids, gw * keep, table=table)  # (B, H) fp16: the leased experts only
         if capturing:
             self._keep.append(out)
-            self._cut()  # the host computes the CPU-site experts here while the device part runs
+            self._cut()  # the host collects the CPU part here and copies its sum to cpu_out
         else:
             self._cpu_part(layer)
         return (out.to(torch.float32) + self.cpu_out[layer]).to(out.dtype)  # as the per-call path adds the two sums
 
+    def _start_cpu_part(self, layer, experts) -> None:
+        """Start the CPU-site experts ``experts`` of ``layer`` on the site's job thread (cpu-native executors), from
+        the pinned copies of the layer's input, ids and gate weights into host_cpu_out[layer]: called from the
+        placement decision, so the kernel runs while the host finishes the lease (a miss transaction's copies
+        included) and the device part runs. Other CPU executors run in ``_cpu_part``, on this thread."""
+        site = self.e.experts.site()
+        if not site.native:
+            return
+        threads = site.native_threads or torch.get_num_threads()  # the caller's count, not the job thread's default
+        x, ids, gw, out = (self.host_x_np[layer], self.host_ids_np[layer], self.host_gw_np[layer],
+                           self.host_cpu_out_np[layer])
+
+        def job():
+            t0 = time.perf_counter()
+            site.moe_subset_arrays(layer, x, ids, gw, experts, out, threads)
+            return time.perf_counter() - t0
+        self._jobs[layer] = site.submit(job)
+
+    def _placing(self, layer):
+        """The engine's placement, wrapped so that the experts it gives the CPU site start computing at once."""
+        placement = self.e.experts.placement
+
+        def place(absent):
+            chosen = tuple(sorted({int(e) for e in placement(absent)}))
+            if chosen and set(chosen) <= set(absent):  # (the cache refuses any other answer after this returns)
+                self._start_cpu_part(layer, chosen)
+            return chosen
+        return place
+
     def _cpu_part(self, layer):
-        """This step's CPU-site experts of ``layer`` from the host copies of its input and gate weights, their FP32
-        sum copied to the layer's static device buffer (zeroed once when a layer has none)."""
+        """This step's CPU-site experts of ``layer``: the job started at the placement decision collected (or, for a
+        CPU executor without a job thread, computed here from the host copies of the layer's input and gate weights),
+        their FP32 sum copied to the layer's static device buffer (zeroed once when a layer has none)."""
         cpu = self.layer_cpu[layer]
         if cpu:
             ex = self.e.experts
-            t_cpu = time.perf_counter()
-            with ex.cache.monitored():  # as on the per-call path: a copy out of expert rows here would be counted
-                yc = ex.site().moe_subset(layer, self.host_x[layer], self.host_ids[layer], self.host_gw[layer], cpu)
-            ex.observe_cpu(len(cpu), time.perf_counter() - t_cpu)
-            self.host_cpu_out[layer].copy_(yc)  # (B, H) fp32
+            job, self._jobs[layer] = self._jobs[layer], None
+            if job is not None:
+                seconds = job.result()  # the kernel's own wall time on the job thread (a failure raises here)
+            else:
+                t_cpu = time.perf_counter()
+                with ex.cache.monitored():  # as on the per-call path: a copy out of expert rows here would be counted
+                    yc = ex.site().moe_subset(layer, self.host_x[layer], self.host_ids[layer], self.host_gw[layer],
+                                              cpu)
+                seconds = time.perf_counter() - t_cpu
+                self.host_cpu_out[layer].copy_(yc)  # (B, H) fp32
+            ex.observe_cpu(len(cpu), seconds)
             self.cpu_out[layer].copy_(self.host_cpu_out[layer], non_blocking=True)
             self.cpu_set[layer] = True
             self.cpu_parts += 1
@@ -671,34 +717,45 @@ class SegmentDecoder(_StaticStepInputs):
 
     def _lease(self, layer):
         ex = self.e.experts
-        lease = ex.acquire(self._req, layer, self.host_ids_np[layer], ex.placement if self.mixed else None)
-        if ex.static_sources[layer] is not lease.row_table:
-            ex.static_tables[layer].copy_(lease.row_table, non_blocking=True)  # (E,) on the compute stream
-            ex.static_sources[layer] = lease.row_table
-        if self.mixed:
-            self._place_cpu_slots(layer, lease.cpu_experts)
+        if not self.mixed:
+            lease = ex.acquire(self._req, layer, self.host_ids_np[layer])
+            if ex.static_sources[layer] is not lease.row_table:
+                ex.static_tables[layer].copy_(lease.row_table, non_blocking=True)  # (E,) on the compute stream
+                ex.static_sources[layer] = lease.row_table
+            return
+        lease = ex.acquire(self._req, layer, self.host_ids_np[layer], self._placing(layer))
+        self._write_slots(layer, lease)
 
-    def _place_cpu_slots(self, layer, cpu):
-        """Mixed chain: the device part of ``layer`` skips the slots routed to the CPU-site experts ``cpu`` (their
-        gate weights zeroed by the keep mask, their ids pointed at a row the step's request pins), or computes every
-        slot when ``cpu`` is empty."""
-        ex = self.e.experts
+    def _write_slots(self, layer, lease):
+        """Mixed chain: the row table entries of this step's ids and the keep mask of ``layer`` (host_slots) from the
+        lease, copied to the device in one transfer. A CPU-site expert's slots get keep 0 and a row the step's request
+        pins (a complete published expert whose zero-weighted contribution the mask removes)."""
+        E, cpu = self.e.cfg.num_experts, lease.cpu_experts
         self.layer_cpu[layer] = cpu
-        if cpu:
-            keep = ~np.isin(self.host_ids_np[layer], cpu)  # (B, k) bool: slots the device computes
-            self.host_keep[layer].copy_(torch.from_numpy(keep.astype(np.float32)))
-            self.keep[layer].copy_(self.host_keep[layer], non_blocking=True)
-            self.keep_set[layer] = True
-            # the CPU-site ids are unmapped (-1) in the lease's table: point them at a row the request pins, whose
-            # contribution the zero gate weight removes; the static table then differs from the lease's
-            cpu_ids = host_to_device(np.asarray(cpu, dtype=np.int64), ex.static_tables[layer].device)  # no host sync
-            ex.static_tables[layer].index_fill_(0, cpu_ids, self._req.pinned_row(layer))
-            ex.static_sources[layer] = None  # refresh from the next lease's table
-        elif self.keep_set[layer]:
-            self.keep[layer].fill_(1.0)
-            self.keep_set[layer] = False
+        ids = self.host_ids_np[layer]  # (B, k)
+        buf = self.host_slots_np[layer]
+        rows = lease.rows
+        pinned = self._req.pinned_row(layer) if cpu else None
+        keep = buf[E:]
+        for j, e in enumerate(ids.reshape(-1).tolist()):
+            row = rows.get(e)
+            if row is None:
+                if e not in cpu:
+                    raise EngineError(f"layer {layer}: routed expert {e} is neither leased nor at the CPU site")
+                buf[e], keep[j] = pinned, 0
+            else:
+                buf[e], keep[j] = row, 1
+        self.slots[layer].copy_(self.host_slots[layer], non_blocking=True)  # (E + B k,) on the compute stream
+
+    def _drain_jobs(self) -> None:
+        """Wait for every CPU part still in flight (a failure between segments): their buffers are reused next step."""
+        for layer, job in enumerate(getattr(self, "_jobs", ())):
+            if job is not None:
+                self._jobs[layer] = None
+                job.exception()  # waits; the error, if any, was or will be raised by the failure being handled
 
     def _release(self):
+        self._drain_jobs()
         req, self._req = self._req, None
         if req is not None:
             req.release()

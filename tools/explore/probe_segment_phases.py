@@ -4,7 +4,9 @@ The segment decoder alternates GPU segments and host decisions; this probe wraps
 wall-clock accumulators (inclusive times, so nested ones overlap) and reports microseconds per token for: graph
 replays, host event waits (the segment before a decision, and the miss copies inside a transaction), the lease
 (admission + acquisition), the miss transaction and its parts, the copy monitor. Variants: contract v1 / v2, the
-copy monitor on / off (off only here, to price it: the product never runs without it).
+copy monitor on / off (off only here, to price it: the product never runs without it), and the mixed chain of
+placement cpu (``--variants``: the CPU part, the placement's slot marking, the CPU site's call and kernel), with a
+cProfile of one mixed-chain decode (``--profile``).
 
     PYTHONPATH=. python3 tools/explore/probe_segment_phases.py --work /tmp/probe --out $OUT/phases.json
 """
@@ -50,6 +52,17 @@ def instrument():
     for name in ("admit", "_acquire", "_release", "_transaction", "_copy_rows", "_wait_all", "_group",
                  "_reclaim_retiring", "_reclaim_fenced"):
         setattr(C, name, timed(f"cache.{name}", getattr(C, name)))
+    S._cpu_part = timed("segment._cpu_part", S._cpu_part)
+    S._place_cpu_slots = timed("segment._place_cpu_slots", S._place_cpu_slots)
+    from kernels import cpu_int4, cpu_native
+
+    site = cpu_int4.CpuExpertSite
+    for name in ("moe_subset", "_native_call", "_check_layer_call"):
+        setattr(site, name, timed(f"site.{name}", getattr(site, name)))
+    cpu_native.NativeLayer.run = timed("native.run (kernel)", cpu_native.NativeLayer.run)
+    X = eng_mod.CachedExperts
+    for name in ("acquire", "observe_cpu", "static_experts"):
+        setattr(X, name, timed(f"experts.{name}", getattr(X, name)))
     for cls in (tr_mod.CudaTransport, tr_mod.PinnedSourceTransport):
         for name in ("copy_rows", "upload_table_async", "wait", "after_publish", "note_release"):
             if name in cls.__dict__:
@@ -63,6 +76,9 @@ def main():
     ap.add_argument("--resident", type=int, default=30)
     ap.add_argument("--decode", type=int, default=64)
     ap.add_argument("--out", default=None)
+    ap.add_argument("--variants", default="calibrated:v1:monitor,calibrated:v2:monitor,calibrated:v2:off,model:v2:monitor",
+                    help="routing:contract:monitor|off[:cpu] (cpu: placement cpu, the mixed chain)")
+    ap.add_argument("--profile", action="store_true", help="cProfile one 16-token decode of each cpu variant")
     a = ap.parse_args()
     from tools.explore.probe_partial_decode import build_pack
 
@@ -78,10 +94,11 @@ def main():
     instrument()
     prompts = [[(17 * i + 3) % 1000 + 5 for i in range(32)]]
     rows, host = [], None
-    for routing, contract, monitor in [("calibrated", "v1", True), ("calibrated", "v2", True),
-                                       ("calibrated", "v2", False), ("model", "v2", True)]:
+    for variant in a.variants.split(","):
+        routing, contract, mon, *rest = variant.split(":")
+        monitor, placement = mon == "monitor", (rest[0] if rest else "gpu")
         eng = Engine.from_pack(pk, resident=a.resident, device=dev, max_batch=1, max_seq_len=512, routing=routing,
-                               host_source=host, cache_contract=contract)
+                               host_source=host, cache_contract=contract, expert_placement=placement)
         host = host or eng.host_source
         cache = eng.experts.cache
         saved_monitor = cache.copy_monitor
@@ -94,11 +111,24 @@ def main():
         d = eng.stats().since(s0)
         n = run.new_tokens
         phases = {k: {"us_per_token": v / n * 1e6, "calls_per_token": CALLS[k] / n} for k, v in sorted(ACC.items())}
-        row = {"routing": eng.routing, "contract": contract, "copy_monitor": monitor, "resident": a.resident,
+        if a.profile and placement != "gpu":
+            import cProfile
+            import io
+            import pstats
+
+            prof = cProfile.Profile()
+            prof.enable()
+            eng.run(prompts, max_new_tokens=16, ignore_eos=True)
+            prof.disable()
+            buf = io.StringIO()
+            pstats.Stats(prof, stream=buf).sort_stats("tottime").print_stats(25)
+            print(buf.getvalue(), flush=True)
+        row = {"routing": eng.routing, "contract": contract, "copy_monitor": monitor, "placement": placement,
+               "decode_paths": dict(eng.decode_paths), "resident": a.resident,
                "decode_tok_s": run.decode_tok_s, "misses_per_token": d.misses / n,
                "h2d_bytes_per_token": d.bytes_h2d / n, "phases": phases}
         rows.append(row)
-        print(f"\n{eng.routing} {contract} monitor={monitor}: {run.decode_tok_s:.1f} tok/s, "
+        print(f"\n{eng.routing} {contract} monitor={monitor} placement={placement}: {run.decode_tok_s:.1f} tok/s, "
               f"{d.misses / n:.1f} misses/token", flush=True)
         for k, v in phases.items():
             print(f"  {k:38s} {v['us_per_token']:9.1f} us/token  {v['calls_per_token']:6.1f} calls/token")
