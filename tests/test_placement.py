@@ -142,9 +142,9 @@ def test_auto_placement_follows_its_rule_and_stays_equal(packs, full_logits, pre
 
 def test_auto_rule():
     counters = {"hits": 0, "misses": 0, "cpu_site_experts": 0}
-    fast_link = AutoPlacement(PlacementCosts(8.0, 4.0, 100, "test"), counters)
+    fast_link = AutoPlacement(PlacementCosts(8.0, 4.0, 100, "test"), counters, split=False)
     assert fast_link((3, 5)) == () and fast_link.decisions == {"transfer": 2, "cpu": 0}  # link >= CPU: transfer
-    slow_link = AutoPlacement(PlacementCosts(1.0, 4.0, 100, "test"), counters)
+    slow_link = AutoPlacement(PlacementCosts(1.0, 4.0, 100, "test"), counters, split=False)
     assert slow_link((3,)) == (3,)  # no reuse seen yet: one CPU use (0.25) beats a transfer (1)
     counters.update(hits=80, misses=10, cpu_site_experts=10)  # h = 0.8 > 1 - 1/4: reuse pays for the transfer
     assert slow_link.hit_rate() == pytest.approx(0.8) and slow_link((4, 6)) == ()
@@ -155,6 +155,64 @@ def test_auto_rule():
     assert CpuPlacement()((1, 2)) == (1, 2)
     with pytest.raises(ValueError, match="choose one of gpu, cpu, auto"):
         make_placement("disk")
+
+
+def test_auto_split_divides_a_calls_absent_experts_between_the_sites():
+    """split (the default): the CPU site takes the share it computes while the link moves the rest, cpu / (cpu +
+    h2d) = 0.75 here: floor(n x 0.75) where the rule favours transferring, n - floor(n x 0.25) where it favours the
+    CPU; the least recently routed experts are the ones left on the CPU (they stay absent)."""
+    counters = {"hits": 0, "misses": 0, "cpu_site_experts": 0}
+    auto = AutoPlacement(PlacementCosts(h2d_gb_s=10.0, cpu_gb_s=30.0, row_bytes=100, source="test"), counters,
+                         resident=4, learn=False)
+    assert auto.split and auto.cpu_share() == pytest.approx(0.75)
+    assert [auto.cpu_count(n, 0.0) for n in (1, 2, 3, 4)] == [1, 2, 3, 3]  # CPU favoured (h = 0 < 1 - 1/3)
+    assert [auto.cpu_count(n, 0.9) for n in (1, 2, 3, 4)] == [0, 1, 2, 3]  # transfer favoured (h = 0.9)
+    for _ in range(10):
+        auto.observe(0, [1, 2])  # layer 0 reuses {1, 2}: h = 18 / 20
+    auto.observe(0, [1, 6, 7, 2])  # 1 and 2 routed before (1 less recently), 6 and 7 never
+    assert auto.reuse.last_recency == {1: 0, 2: 1, 6: -1, 7: -1}
+    assert auto.hit_rate() == pytest.approx(20 / 24)  # transfer favoured (> 1 - 10 / 30): the CPU takes floor(0.75 n)
+    assert auto((1, 6, 7)) == (6, 7)  # never-seen first; 1 is transferred
+    assert auto((1, 2, 6)) == (6, 1)  # then the least recently routed
+    assert auto.split_calls == 2 and auto.decisions == {"cpu": 4, "transfer": 2}
+    d = auto.describe()
+    assert d["split"] is True and d["cpu_share"] == pytest.approx(0.75) and d["split_calls"] == auto.split_calls
+    # split keeps the chain with a CPU part while a call with the expected absent count would give the CPU one
+    assert 0 < auto.expected_absent() < 1.5 and not auto.uses_cpu_now()  # one absent expert: floor(0.75) = 0
+    auto.reuse.hits, auto.reuse.uses, auto.reuse.calls = 70, 100, 10  # h = 0.7, groups of 10: 3 absent expected
+    assert auto.expected_absent() == pytest.approx(3.0) and auto.cpu_count(3, 0.7) == 2 and auto.uses_cpu_now()
+    slow_cpu = AutoPlacement(PlacementCosts(h2d_gb_s=30.0, cpu_gb_s=1.0, row_bytes=100, source="test"), counters,
+                             resident=4, learn=False)
+    slow_cpu.observe(0, [1, 2])
+    assert slow_cpu.cpu_count(1, 0.0) == 0 and not slow_cpu.uses_cpu_now()  # share 1/31: never worth a CPU part
+
+
+def test_the_segment_chain_with_a_split_auto_equals_the_per_call_path(packs):
+    """auto with split (share 2/3): within one decode, some absent experts are transferred and others
+    computed on the CPU; the chain (CPU part on the job thread, started at the placement decision) and the per-call
+    path make the same decisions and give the same logits bit for bit, the same tokens and the same counters."""
+    pack, cfg = packs["tiny-olmoe"]
+    runs = {}
+    for segments in (False, "eager"):
+        eng = _record_decode(_chain_engine(pack, cfg.top_k, "auto", segments))
+        try:
+            cache = eng.experts.cache
+            # CPU twice the link: share 2/3, the CPU favoured below h = 0.5, so splits go both ways
+            eng.experts.placement = auto = AutoPlacement(PlacementCosts(5.0, 10.0, cache.row_bytes, "test"),
+                                                         cache.counters, resident=cache.resident, learn=False)
+            toks = [r.token_ids for r in eng.generate(CHAIN_PROMPTS, max_new_tokens=8)]
+            c = cache.counters
+            runs[segments] = (toks, eng.decoded, {k: c[k] for k in ("hits", "misses", "cpu_site_experts")},
+                              dict(auto.decisions), auto.split_calls)
+            if segments:
+                assert eng.decode_paths["chain_cpu"] > 0 and eng._mixed_segments[1].cpu_parts > 0
+            assert cache.outstanding_leases() == 0 and cache.live_requests() == 0
+        finally:
+            eng.close()
+    (toks_p, logits_p, count_p, dec_p, split_p), (toks_c, logits_c, count_c, dec_c, split_c) = runs.values()
+    assert split_p > 0 and count_p["misses"] > 0 and count_p["cpu_site_experts"] > 0
+    assert toks_c == toks_p and count_c == count_p and dec_c == dec_p and split_c == split_p
+    assert len(logits_c) == len(logits_p) > 0 and all(torch.equal(a, b) for a, b in zip(logits_c, logits_p))
 
 
 def test_a_failing_cpu_site_leaves_nothing_held(packs, monkeypatch):
@@ -226,7 +284,8 @@ def test_cli_logits_prints_the_plan_and_writes_valid_telemetry(packs, tmp_path, 
                "--telemetry", str(tmp_path / "telemetry.json")])
     err = capsys.readouterr().err
     assert rc == 0, err
-    assert "expert placement auto: host->device" in err and "transfer a miss when the hit rate is above" in err
+    assert "expert placement auto: host->device" in err and "misses split between the sites" in err
+    assert "of them (rounded down while the hit rate is above" in err
     doc = json.loads((tmp_path / "telemetry.json").read_text())
     assert doc["placement"]["mode"] == "auto" and set(doc["placement"]["decisions"]) == {"transfer", "cpu"}
     assert load_schemas().validate_document(doc, "telemetry") == []
@@ -507,7 +566,7 @@ def test_auto_in_the_segment_chain_follows_its_rule_from_step_to_step(packs):
         cache = eng.experts.cache
         seen = {"hits": 0, "misses": 100, "cpu_site_experts": 0}  # the counters the rule reads: hit rate 0
         eng.experts.placement = auto = AutoPlacement(PlacementCosts(9.0, 10.0, cache.row_bytes, "test"), seen,
-                                                             learn=False)
+                                                             learn=False, split=False)
         assert auto.may_use_cpu() and eng.experts.mixed
         eng.generate(CHAIN_PROMPTS[:1], max_new_tokens=4)
         cpu_first = cache.counters["cpu_site_experts"]
@@ -609,7 +668,7 @@ def test_auto_reads_the_shadow_lru_not_the_cache_counters():
 
     costs = PlacementCosts(h2d_gb_s=5.0, cpu_gb_s=10.0, row_bytes=1000, source="test")  # transfer if h > 0.5
     never_hit = {"hits": 0, "misses": 0, "cpu_site_experts": 1000}
-    auto = AutoPlacement(costs, never_hit, resident=4)
+    auto = AutoPlacement(costs, never_hit, resident=4, split=False)
     assert auto.hit_rate() == 0.0 and auto((7,)) == (7,)  # no evidence yet: the CPU
     for _ in range(3):
         auto.observe(0, torch.tensor([[1, 2], [2, 3]]))  # one batch's union {1, 2, 3}, reused
@@ -659,7 +718,8 @@ def test_auto_replaces_its_build_time_rates_by_what_it_observes_in_use():
     probe's rates (and still reports what it saw)."""
     counters = {"hits": 0, "misses": 0, "cpu_site_experts": 0}
     costs = PlacementCosts(h2d_gb_s=1.0, cpu_gb_s=4.0, row_bytes=1000, source="test")
-    learning, fixed = AutoPlacement(costs, counters), AutoPlacement(costs, counters, learn=False)
+    learning, fixed = AutoPlacement(costs, counters, split=False), AutoPlacement(costs, counters, learn=False,
+                                                                                 split=False)
     for auto in (learning, fixed):
         assert not auto.transfer(0.5) and auto.uses_cpu_now()
         for _ in range(4):

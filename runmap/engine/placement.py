@@ -25,9 +25,18 @@ costs; a step on which it may use the CPU runs the segment chain with a CPU part
 so the cache's own hit rate falls toward resident / experts once the rule chooses the CPU and would keep it there. The
 rule reads a shadow LRU instead (``ReuseEstimator``): the routed experts of every layer call, in an LRU of the cache's
 resident count per layer, whichever site computed them; its hit rate is the hit rate of the routing workload at this
-residency with every miss transferred. Not modelled: that CPU work and transfers could run at once (a split of one step's misses
-between both sites), and a batch's tokens sharing a CPU expert (the CPU cost is per expert read, as the
-transfer's is). The rates are measured on this machine when the engine is built (``measure_costs``: one expert
+residency with every miss transferred. Not modelled: a batch's tokens sharing a CPU expert (the CPU cost is per expert
+read, as the transfer's is).
+
+Split (the default; ``split=False`` keeps the all-or-none rule above). The CPU site and the link work at once: in
+the segment chain the CPU part starts on the site's job thread as soon as the placement has chosen, while the miss
+transaction copies the rest and the device computes. A call whose ``n`` absent experts are divided, ``c`` to the CPU,
+takes max(c / cpu_rate, (n - c) / h2d_rate) per byte, least at c = n x share, share = cpu / (cpu + h2d). The rule
+above still says which way to round: where it favours transferring (reuse), the CPU takes floor(n x share), so it
+finishes no later than the link; where it favours the CPU, the link takes floor(n x (1 - share)). The experts left
+on the CPU are the least recently routed (the shadow LRU's order before the call, never-seen ones first): those the
+cache would most likely evict again first. ``uses_cpu_now`` is then true also where a call with the expected number of
+absent experts, (1 - h) x the mean group size, would give the CPU one. The rates are measured on this machine when the engine is built (``measure_costs``: one expert
 alone, best of a few), then replaced by what the engine observes in use (``InUseRate``): the wall time of each CPU-site
 call per expert byte it read, and of each acquisition that moved experts per byte moved, host work included. On the
 H200 host the build-time probe said 0.14 ms per OLMoE expert on the CPU where a decode step's CPU part took ~1 ms per
@@ -140,12 +149,18 @@ class ReuseEstimator:
         self.capacity = capacity
         self.hits = 0
         self.uses = 0
+        self.calls = 0
+        self.last_recency: dict[int, int] = {}  # the latest call's experts -> their LRU position before it
         self._lru: dict[int, dict[int, None]] = {}  # layer -> experts, least recent first (dicts keep order)
 
     def observe(self, layer: int, experts) -> None:
         """One layer call's routed experts (any iterable of ids; a batch's union counts each expert once)."""
         lru = self._lru.setdefault(layer, {})
         step = sorted({int(v) for v in experts})
+        # how recently each of this call's experts was routed before it (-1: not in the LRU), for a split's choice
+        rank = {e: i for i, e in enumerate(lru)}
+        self.last_recency = {e: rank.get(e, -1) for e in step}
+        self.calls += 1
         self.hits += sum(1 for e in step if e in lru)  # against the cache as the call found it
         self.uses += len(step)
         for e in step:
@@ -202,16 +217,20 @@ class AutoPlacement(Placement):
 
     name = "auto"
 
-    def __init__(self, costs: PlacementCosts, counters, resident: int | None = None, learn: bool = True):
+    def __init__(self, costs: PlacementCosts, counters, resident: int | None = None, learn: bool = True,
+                 split: bool = True):
         """learn=False keeps the rule on ``costs`` (tests and what-if runs with given rates); what is observed in use
-        is still recorded and reported."""
+        is still recorded and reported. split=False: each layer call's absent experts all go one way (the rule alone);
+        True: they are divided between the two sites, which then work at once (module docstring)."""
         self.costs = costs
         self.learn = learn
+        self.split = split
         # h: with ``resident`` (the engine's case) a shadow LRU of the routes at that residency; without it, the
         # counters given (hits, misses, cpu_site_experts), e.g. the cache's own
         self.counters = counters
         self.reuse = ReuseEstimator(resident) if resident is not None else None
         self.decisions = {"transfer": 0, "cpu": 0}
+        self.split_calls = 0  # layer calls whose absent experts went to both sites
         self.cpu_in_use = InUseRate()  # CPU-site calls: expert bytes read / wall seconds
         self.h2d_in_use = InUseRate()  # acquisitions that moved experts: bytes moved / wall seconds
 
@@ -257,19 +276,57 @@ class AutoPlacement(Placement):
         (1 / h2d) < (1 / cpu) / (1 - h), per byte."""
         return (1.0 - h) / self.h2d_gb_s() < 1.0 / self.cpu_gb_s()
 
+    def cpu_share(self) -> float:
+        """The fraction of a call's absent experts the CPU site computes in the time the link moves the rest:
+        cpu / (cpu + h2d), rates per byte."""
+        c, r = self.cpu_gb_s(), self.h2d_gb_s()
+        return c / (c + r)
+
+    def cpu_count(self, n: int, h: float) -> int:
+        """How many of ``n`` absent experts go to the CPU site at hit rate ``h``. Without split: all or none (the
+        rule). With split, the sites work at once, so the call takes max(c / cpu, (n - c) / h2d): where the rule
+        favours transferring, the CPU takes floor(n x share) (it finishes no later than the link), else
+        n - floor(n x (1 - share)) (the link finishes no later than the CPU)."""
+        favour_transfer = self.transfer(h)
+        if not self.split:
+            return 0 if favour_transfer else n
+        share = self.cpu_share()
+        return int(n * share) if favour_transfer else n - int(n * (1.0 - share))
+
+    def expected_absent(self) -> float:
+        """Absent experts per layer call if every miss were transferred: (1 - h) x the calls' mean group size."""
+        if self.reuse is None or not self.reuse.calls:
+            return 0.0
+        return (1.0 - self.hit_rate()) * self.reuse.uses / self.reuse.calls
+
     def uses_cpu_now(self) -> bool:
-        """The rule below at the current hit rate: False (transfer) keeps the engine on its plain path or plain
-        segment chain, so a decision to transfer costs no more than placement ``gpu`` (measured before: auto's
-        transfers through the mixed per-call path ran 2.8x slower than gpu's segment chain,
-        results/campaigns/h200-placement)."""
-        return self.may_use_cpu() and not self.transfer(self.hit_rate())
+        """True when the next call or step may give the CPU site experts: without split, the rule at the current hit
+        rate; with split, also where a call with the expected number of absent experts would give it one. False
+        keeps the engine on its plain path or plain segment chain, so a decision to transfer everything costs no
+        more than placement ``gpu`` (measured before: auto's transfers through the mixed per-call path ran 2.8x
+        slower than gpu's segment chain, results/campaigns/h200-placement)."""
+        h = self.hit_rate()
+        if not self.transfer(h) and self.may_use_cpu():
+            return True
+        if not self.split:
+            return False
+        n = max(1, round(self.expected_absent()))
+        return self.cpu_count(n, h) > 0
 
     def __call__(self, absent: tuple) -> tuple:
-        if self.transfer(self.hit_rate()):
-            self.decisions["transfer"] += len(absent)
+        n = len(absent)
+        c = self.cpu_count(n, self.hit_rate())
+        self.decisions["transfer"] += n - c
+        self.decisions["cpu"] += c
+        if c == n:
+            return absent
+        if c == 0:
             return ()
-        self.decisions["cpu"] += len(absent)
-        return absent
+        self.split_calls += 1
+        # the least recently routed go to the CPU site (never published, so they stay absent); the more recently
+        # routed, likelier to be routed again soon, are transferred and become resident
+        recency = self.reuse.last_recency if self.reuse is not None else {}
+        return tuple(sorted(absent, key=lambda e: (recency.get(e, -1), e))[:c])
 
     def describe(self) -> dict:
         h = self.hit_rate()
@@ -280,7 +337,9 @@ class AutoPlacement(Placement):
                 "in_use": {"cpu_gb_s": self.cpu_in_use.gb_s, "cpu_calls": self.cpu_in_use.calls,
                            "h2d_gb_s": self.h2d_in_use.gb_s, "h2d_calls": self.h2d_in_use.calls},
                 "transfer_if_hit_rate_above": max(0.0, 1.0 - self.h2d_gb_s() / self.cpu_gb_s()),
-                "now": "transfer" if self.transfer(h) else "cpu", "decisions": dict(self.decisions)}
+                "now": "transfer" if self.transfer(h) else "cpu", "decisions": dict(self.decisions),
+                "split": self.split, "cpu_share": self.cpu_share() if self.split else None,
+                "split_calls": self.split_calls}
 
 
 def make_placement(name: str, *, cache=None, site=None, costs: PlacementCosts | None = None) -> Placement:

@@ -5,7 +5,8 @@ wall-clock accumulators (inclusive times, so nested ones overlap) and reports mi
 replays, host event waits (the segment before a decision, and the miss copies inside a transaction), the lease
 (admission + acquisition), the miss transaction and its parts, the copy monitor. Variants: contract v1 / v2, the
 copy monitor on / off (off only here, to price it: the product never runs without it), and the mixed chain of
-placement cpu (``--variants``: the CPU part, the placement's slot marking, the CPU site's call and kernel), with a
+placement cpu or auto (``--variants``: the CPU part's start and collection, the row-table / keep-mask write, the CPU
+site's call and kernel, on the job thread: inclusive times there overlap the main thread's), with a
 cProfile of one mixed-chain decode (``--profile``).
 
     PYTHONPATH=. python3 tools/explore/probe_segment_phases.py --work /tmp/probe --out $OUT/phases.json
@@ -52,14 +53,16 @@ def instrument():
     for name in ("admit", "_acquire", "_release", "_transaction", "_copy_rows", "_wait_all", "_group",
                  "_reclaim_retiring", "_reclaim_fenced"):
         setattr(C, name, timed(f"cache.{name}", getattr(C, name)))
-    S._cpu_part = timed("segment._cpu_part", S._cpu_part)
-    S._place_cpu_slots = timed("segment._place_cpu_slots", S._place_cpu_slots)
-    from kernels import cpu_int4, cpu_native
+    for name in ("_cpu_part", "_write_slots", "_start_cpu_part"):
+        setattr(S, name, timed(f"segment.{name}", getattr(S, name)))
+    from runmap.kernels import cpu_int4, cpu_native  # the engine's module names (kernels/ is runmap.kernels)
 
     site = cpu_int4.CpuExpertSite
-    for name in ("moe_subset", "_native_call", "_check_layer_call"):
+    for name in ("moe_subset", "moe_subset_arrays", "_native_call", "_check_layer_call"):
         setattr(site, name, timed(f"site.{name}", getattr(site, name)))
     cpu_native.NativeLayer.run = timed("native.run (kernel)", cpu_native.NativeLayer.run)
+    native = cpu_native.NativeLayer
+    native.run_arrays = timed("native.run_arrays (kernel, job thread)", native.run_arrays)
     X = eng_mod.CachedExperts
     for name in ("acquire", "observe_cpu", "static_experts"):
         setattr(X, name, timed(f"experts.{name}", getattr(X, name)))
