@@ -669,7 +669,11 @@ class SegmentDecoder(_StaticStepInputs):
         site = self.e.experts.site()
         if not site.native:
             return
-        threads = site.native_threads or torch.get_num_threads()  # the caller's count, not the job thread's default
+        # the caller's count (not the job thread's default) less one: the main thread keeps driving the device while
+        # the kernel runs, and a team thread sharing its core would hold back the whole team (h200-placement-split:
+        # with every core in the team the kernel took ~490 us per layer instead of ~300 and the host's lease work
+        # 2-3x longer)
+        threads = site.native_threads or max(1, torch.get_num_threads() - 1)
         x, ids, gw, out = (self.host_x_np[layer], self.host_ids_np[layer], self.host_gw_np[layer],
                            self.host_cpu_out_np[layer])
 
