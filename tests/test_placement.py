@@ -158,13 +158,13 @@ def test_auto_rule():
 
 
 def test_auto_split_divides_a_calls_absent_experts_between_the_sites():
-    """split (the default): the CPU site takes the share it computes while the link moves the rest, cpu / (cpu +
+    """split (opt-in): the CPU site takes the share it computes while the link moves the rest, cpu / (cpu +
     h2d) = 0.75 here: floor(n x 0.75) where the rule favours transferring, n - floor(n x 0.25) where it favours the
     CPU; the least recently routed experts are the ones left on the CPU (they stay absent)."""
     counters = {"hits": 0, "misses": 0, "cpu_site_experts": 0}
     auto = AutoPlacement(PlacementCosts(h2d_gb_s=10.0, cpu_gb_s=30.0, row_bytes=100, source="test"), counters,
-                         resident=4, learn=False)
-    assert auto.split and auto.cpu_share() == pytest.approx(0.75)
+                         resident=4, learn=False, split=True)
+    assert auto.split and not AutoPlacement(auto.costs, counters).split and auto.cpu_share() == pytest.approx(0.75)
     assert [auto.cpu_count(n, 0.0) for n in (1, 2, 3, 4)] == [1, 2, 3, 3]  # CPU favoured (h = 0 < 1 - 1/3)
     assert [auto.cpu_count(n, 0.9) for n in (1, 2, 3, 4)] == [0, 1, 2, 3]  # transfer favoured (h = 0.9)
     for _ in range(10):
@@ -182,7 +182,7 @@ def test_auto_split_divides_a_calls_absent_experts_between_the_sites():
     auto.reuse.hits, auto.reuse.uses, auto.reuse.calls = 70, 100, 10  # h = 0.7, groups of 10: 3 absent expected
     assert auto.expected_absent() == pytest.approx(3.0) and auto.cpu_count(3, 0.7) == 2 and auto.uses_cpu_now()
     slow_cpu = AutoPlacement(PlacementCosts(h2d_gb_s=30.0, cpu_gb_s=1.0, row_bytes=100, source="test"), counters,
-                             resident=4, learn=False)
+                             resident=4, learn=False, split=True)
     slow_cpu.observe(0, [1, 2])
     assert slow_cpu.cpu_count(1, 0.0) == 0 and not slow_cpu.uses_cpu_now()  # share 1/31: never worth a CPU part
 
@@ -199,7 +199,8 @@ def test_the_segment_chain_with_a_split_auto_equals_the_per_call_path(packs):
             cache = eng.experts.cache
             # CPU twice the link: share 2/3, the CPU favoured below h = 0.5, so splits go both ways
             eng.experts.placement = auto = AutoPlacement(PlacementCosts(5.0, 10.0, cache.row_bytes, "test"),
-                                                         cache.counters, resident=cache.resident, learn=False)
+                                                         cache.counters, resident=cache.resident, learn=False,
+                                                         split=True)
             toks = [r.token_ids for r in eng.generate(CHAIN_PROMPTS, max_new_tokens=8)]
             c = cache.counters
             runs[segments] = (toks, eng.decoded, {k: c[k] for k in ("hits", "misses", "cpu_site_experts")},
@@ -284,8 +285,7 @@ def test_cli_logits_prints_the_plan_and_writes_valid_telemetry(packs, tmp_path, 
                "--telemetry", str(tmp_path / "telemetry.json")])
     err = capsys.readouterr().err
     assert rc == 0, err
-    assert "expert placement auto: host->device" in err and "misses split between the sites" in err
-    assert "of them (rounded down while the hit rate is above" in err
+    assert "expert placement auto: host->device" in err and "transfer a miss when the hit rate is above" in err
     doc = json.loads((tmp_path / "telemetry.json").read_text())
     assert doc["placement"]["mode"] == "auto" and set(doc["placement"]["decisions"]) == {"transfer", "cpu"}
     assert load_schemas().validate_document(doc, "telemetry") == []

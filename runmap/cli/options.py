@@ -39,10 +39,9 @@ def add_residency_arguments(p) -> None:
     p.add_argument("--expert-placement", choices=PLACEMENTS, default="gpu",
                    help="where a routed expert that is not resident on the GPU is computed (partial residency): gpu = "
                         "copied into a spare row first (default), cpu = computed on the host CPU from the host copy, "
-                        "nothing transferred, auto = at each layer call its absent experts are divided between the "
-                        "two sites, which work at once, by the rates measured at startup and then in use (host->device "
-                        "copy, CPU expert) and the routes' reuse: the CPU takes the share it computes while the link "
-                        "moves the rest, the least recently routed ones; the plan is printed. The route never changes, only where each routed expert runs. Decode steps "
+                        "nothing transferred, auto = at each layer call, for its absent experts, whichever the rates "
+                        "measured at startup and then in use (host->device copy, CPU expert) and the routes' reuse say "
+                        "is cheaper; the plan is printed. The route never changes, only where each routed expert runs. Decode steps "
                         "that may use the CPU run the CUDA-graph segment chain with a CPU part per layer "
                         "(docs/engine.md)")
 

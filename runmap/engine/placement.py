@@ -28,7 +28,7 @@ resident count per layer, whichever site computed them; its hit rate is the hit 
 residency with every miss transferred. Not modelled: a batch's tokens sharing a CPU expert (the CPU cost is per expert
 read, as the transfer's is).
 
-Split (the default; ``split=False`` keeps the all-or-none rule above). The CPU site and the link work at once: in
+Split (``split=True``; off by default, measured on the H200 below). The CPU site and the link work at once: in
 the segment chain the CPU part starts on the site's job thread as soon as the placement has chosen, while the miss
 transaction copies the rest and the device computes. A call whose ``n`` absent experts are divided, ``c`` to the CPU,
 takes max(c / cpu_rate, (n - c) / h2d_rate) per byte, least at c = n x share, share = cpu / (cpu + h2d). The rule
@@ -36,7 +36,12 @@ above still says which way to round: where it favours transferring (reuse), the 
 finishes no later than the link; where it favours the CPU, the link takes floor(n x (1 - share)). The experts left
 on the CPU are the least recently routed (the shadow LRU's order before the call, never-seen ones first): those the
 cache would most likely evict again first. ``uses_cpu_now`` is then true also where a call with the expected number of
-absent experts, (1 - h) x the mean group size, would give the CPU one. The rates are measured on this machine when the engine is built (``measure_costs``: one expert
+absent experts, (1 - h) x the mean group size, would give the CPU one. Measured on the H200 and its 16-core host
+(results/campaigns/h200-placement-split, OLMoE, calibrated routing, batch 1): on its 55 GB/s link split made auto
+0.69-0.95x of transferring everything (122.8 vs 179.3 tok/s at 30 of 64: the in-use transfer rate, host work
+included, fell below the CPU site's, so the CPU took experts, and the chain with a CPU part costs more host work per
+layer than the model counts); over an EMULATED 13 GB/s link 75.0 tok/s against 71.2 transferring and 79.7 with
+every absent expert on the CPU. Hence off by default. The rates are measured on this machine when the engine is built (``measure_costs``: one expert
 alone, best of a few), then replaced by what the engine observes in use (``InUseRate``): the wall time of each CPU-site
 call per expert byte it read, and of each acquisition that moved experts per byte moved, host work included. On the
 H200 host the build-time probe said 0.14 ms per OLMoE expert on the CPU where a decode step's CPU part took ~1 ms per
@@ -218,7 +223,7 @@ class AutoPlacement(Placement):
     name = "auto"
 
     def __init__(self, costs: PlacementCosts, counters, resident: int | None = None, learn: bool = True,
-                 split: bool = True):
+                 split: bool = False):
         """learn=False keeps the rule on ``costs`` (tests and what-if runs with given rates); what is observed in use
         is still recorded and reported. split=False: each layer call's absent experts all go one way (the rule alone);
         True: they are divided between the two sites, which then work at once (module docstring)."""
