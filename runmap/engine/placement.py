@@ -36,12 +36,11 @@ above still says which way to round: where it favours transferring (reuse), the 
 finishes no later than the link; where it favours the CPU, the link takes floor(n x (1 - share)). The experts left
 on the CPU are the least recently routed (the shadow LRU's order before the call, never-seen ones first): those the
 cache would most likely evict again first. ``uses_cpu_now`` is then true also where a call with the expected number of
-absent experts, (1 - h) x the mean group size, would give the CPU one. Measured on the H200 and its 16-core host
-(results/campaigns/h200-placement-split, OLMoE, calibrated routing, batch 1): on its 55 GB/s link split made auto
-0.69-0.95x of transferring everything (122.8 vs 179.3 tok/s at 30 of 64: the in-use transfer rate, host work
-included, fell below the CPU site's, so the CPU took experts, and the chain with a CPU part costs more host work per
-layer than the model counts); over an EMULATED 13 GB/s link 75.0 tok/s against 71.2 transferring and 79.7 with
-every absent expert on the CPU. Hence off by default. The rates are measured on this machine when the engine is built (``measure_costs``: one expert
+absent experts, (1 - h) x the mean group size, would give the CPU one. Not measured in decode yet: in the one H200
+campaign with split on (results/campaigns/h200-placement-split) every auto decode step ran the plain chain, because
+the CPU rate auto learned in use from the prefill's CPU-site calls (2-7 GB/s per expert byte: many tokens per expert,
+host work included) stayed below the transfer rate, so its decode rows are transfer rows. Off by default until a
+decode measurement says otherwise. The rates are measured on this machine when the engine is built (``measure_costs``: one expert
 alone, best of a few), then replaced by what the engine observes in use (``InUseRate``): the wall time of each CPU-site
 call per expert byte it read, and of each acquisition that moved experts per byte moved, host work included. On the
 H200 host the build-time probe said 0.14 ms per OLMoE expert on the CPU where a decode step's CPU part took ~1 ms per
