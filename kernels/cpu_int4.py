@@ -615,9 +615,16 @@ class CpuExpertSite:
 
     def moe_subset_arrays(self, layer: int, x: np.ndarray, topk_ids: np.ndarray, topk_weights: np.ndarray,
                           experts, out: np.ndarray, threads: int | None = None) -> None:
-        """``moe_subset`` on host arrays, written into ``out``, with no torch call (cpu-native executors only): the
-        decode chain's CPU part, run on the site's job thread (``submit``) while the main thread drives the device.
-        The same kernel, assignment order and FP32 widening as ``moe_subset``, so the same values bit for bit.
+        """``moe_subset`` on host arrays, written into ``out``, with no torch call (cpu-native executors only):
+        ``prepare_subset_arrays(...)()``. The same kernel, assignment order and FP32 widening as ``moe_subset``, so
+        the same values bit for bit."""
+        self.prepare_subset_arrays(layer, x, topk_ids, topk_weights, experts, out, threads)()
+
+    def prepare_subset_arrays(self, layer: int, x: np.ndarray, topk_ids: np.ndarray, topk_weights: np.ndarray,
+                              experts, out: np.ndarray, threads: int | None = None):
+        """Check and bind ``moe_subset_arrays``' call without running it: the decode chain prepares the CPU part on
+        its main thread and runs the returned call (runmap.kernels.cpu_native.NativeCall) on the site's job thread
+        (``submit``) while the main thread drives the device.
 
         Args:
             layer: MoE layer index in [0, num_layers).
@@ -654,7 +661,8 @@ class CpuExpertSite:
         rows = self._rows(layer)
         with self._lock:
             self.layer_calls += 1
-        self._native.run_arrays([rows[e] for e in order], start, tok, wts, x, out, threads or self.native_threads)
+        return self._native.prepare_arrays([rows[e] for e in order], start, tok, wts, x, out,
+                                           threads or self.native_threads)
 
     def submit(self, fn, *args) -> concurrent.futures.Future:
         """Run ``fn(*args)`` on the site's job thread (one, started on first use, stopped by ``close``): the decode

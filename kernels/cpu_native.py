@@ -281,9 +281,17 @@ class NativeLayer:
 
     def run_arrays(self, row_ptrs: list[int], assign_start: list[int], assign_token: list[int],
                    assign_weight: list[float], x: np.ndarray, out: np.ndarray, threads: int | None = None) -> None:
-        """``run`` on host arrays, writing into ``out``, with no torch call: the decode chain's CPU part
-        (runmap.engine.engine.SegmentDecoder), which runs on a worker thread while the main thread drives the device.
-        Scratch buffers are kept per calling thread (one call at a time per thread).
+        """``run`` on host arrays, writing into ``out``, with no torch call: ``prepare_arrays(...)()``."""
+        self.prepare_arrays(row_ptrs, assign_start, assign_token, assign_weight, x, out, threads)()
+
+    def prepare_arrays(self, row_ptrs: list[int], assign_start: list[int], assign_token: list[int],
+                       assign_weight: list[float], x: np.ndarray, out: np.ndarray,
+                       threads: int | None = None) -> "NativeCall":
+        """Check and bind one call of ``run`` on host arrays, writing into ``out``, with no torch call: the decode
+        chain's CPU part (runmap.engine.engine.SegmentDecoder) prepares it on the main thread and runs the returned
+        call on the site's job thread, which then holds the GIL only to enter and leave the C kernel (the checks and
+        the activations' widening done there kept the main thread waiting for the GIL). The preparing thread's
+        scratch buffers are bound: one prepared call in flight per thread.
 
         Args:
             row_ptrs: (n_experts,) addresses of qpacked rows of this layout, alive for the call (read only).
@@ -315,8 +323,7 @@ class NativeLayer:
             raise common.KernelInputError(f"cpu-native: assignment table does not fit {n_exp} experts and {t} tokens "
                                           f"(start {start.shape}, token {tok.shape}, weight {wts.shape})")
         if n_exp == 0 or n_assign == 0:
-            out.fill(0.0)
-            return
+            return NativeCall(None, (), out)
         scratch = self._scratch_arrays(t, n_assign)
         x_split, h_split, y = (b[:rows] for b, rows in zip(scratch[:3], (t, n_assign, n_assign)))
         xf = x if x.dtype == np.float32 else None
@@ -325,12 +332,11 @@ class NativeLayer:
             np.copyto(xf, x)
         q16 = [b[:rows] for b, rows in zip(scratch[3:], (t, t, t, n_assign, n_assign, n_assign))]
         ptrs = (ctypes.c_void_p * n_exp)(*row_ptrs)
-        rc = self.fn(ptrs, n_exp, start.ctypes.data, tok.ctypes.data, wts.ctypes.data, xf.ctypes.data, t, h, i,
-                     self.layout.block_size, self._offsets_ptr, x_split.ctypes.data, h_split.ctypes.data,
-                     y.ctypes.data, out.ctypes.data, threads or torch.get_num_threads(), int(bool(q16)),
-                     *([b.ctypes.data for b in q16] or [None] * 6), self.prefetch_bytes)
-        if rc != 0:
-            raise CpuSiteError(f"cpu-native: the kernel returned {rc}")
+        args = (ptrs, n_exp, start.ctypes.data, tok.ctypes.data, wts.ctypes.data, xf.ctypes.data, t, h, i,
+                self.layout.block_size, self._offsets_ptr, x_split.ctypes.data, h_split.ctypes.data, y.ctypes.data,
+                out.ctypes.data, threads or torch.get_num_threads(), int(bool(q16)),
+                *([b.ctypes.data for b in q16] or [None] * 6), self.prefetch_bytes)
+        return NativeCall(self.fn, args, out, keep=(start, tok, wts, xf))
 
     def _widened(self, t: int) -> np.ndarray:
         """This thread's float32 (t, H) buffer for FP16 activations widened to FP32."""
@@ -340,6 +346,23 @@ class NativeLayer:
                                                         torch.device("cpu"))
             buf = self._scratch.widened = self._scratch.widened_tensor.numpy()
         return buf[:t]
+
+
+class NativeCall:
+    """One bound call of the C kernel (``NativeLayer.prepare_arrays``): calling it runs the kernel (ctypes releases
+    the GIL for its duration) and raises CpuSiteError on a non-zero return; a call with no assignment zeroes ``out``.
+    It holds the arrays the kernel reads, so their addresses stay valid until it has run."""
+
+    def __init__(self, fn, args: tuple, out: np.ndarray, keep: tuple = ()):
+        self.fn, self.args, self.out, self._keep = fn, args, out, keep
+
+    def __call__(self) -> None:
+        if self.fn is None:
+            self.out.fill(0.0)
+            return
+        rc = self.fn(*self.args)
+        if rc != 0:
+            raise CpuSiteError(f"cpu-native: the kernel returned {rc}")
 
 
 def assignments(topk_ids: torch.Tensor, topk_weights: torch.Tensor, experts=None):

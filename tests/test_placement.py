@@ -594,10 +594,12 @@ def test_a_failing_cpu_site_inside_the_chain_leaves_nothing_held(packs, monkeypa
     eng = _chain_engine(pack, cfg.top_k, "cpu", "eager")
     assert eng.experts.site().native  # the default CPU executor: the chain's CPU part is a job
 
-    def failing(self, *a, **k):
-        raise RuntimeError("cpu site failed in the chain")
+    def failing_call(self, *a, **k):
+        def call():  # fails on the job thread, as a kernel error would
+            raise RuntimeError("cpu site failed in the chain")
+        return call
 
-    monkeypatch.setattr(cpu_int4.CpuExpertSite, "moe_subset_arrays", failing)  # only the chain's CPU part calls it
+    monkeypatch.setattr(cpu_int4.CpuExpertSite, "prepare_subset_arrays", failing_call)  # only the chain calls it
     try:
         with pytest.raises(RuntimeError, match="cpu site failed in the chain"):
             eng.generate(CHAIN_PROMPTS[:1], max_new_tokens=3)

@@ -674,12 +674,13 @@ class SegmentDecoder(_StaticStepInputs):
         # with every core in the team the kernel took ~490 us per layer instead of ~300 and the host's lease work
         # 2-3x longer)
         threads = site.native_threads or max(1, torch.get_num_threads() - 1)
-        x, ids, gw, out = (self.host_x_np[layer], self.host_ids_np[layer], self.host_gw_np[layer],
-                           self.host_cpu_out_np[layer])
+        # checked, grouped and bound here; the job thread then only enters the C kernel (which releases the GIL)
+        call = site.prepare_subset_arrays(layer, self.host_x_np[layer], self.host_ids_np[layer],
+                                          self.host_gw_np[layer], experts, self.host_cpu_out_np[layer], threads)
 
         def job():
             t0 = time.perf_counter()
-            site.moe_subset_arrays(layer, x, ids, gw, experts, out, threads)
+            call()
             return time.perf_counter() - t0
         self._jobs[layer] = site.submit(job)
 
