@@ -659,10 +659,11 @@ class CpuExpertSite:
 
         order, start, tok, wts = assignments_arrays(topk_ids, topk_weights, experts)
         rows = self._rows(layer)
-        with self._lock:
-            self.layer_calls += 1
-        return self._native.prepare_arrays([rows[e] for e in order], start, tok, wts, x, out,
+        call = self._native.prepare_arrays([rows[e] for e in order], start, tok, wts, x, out,
                                            threads or self.native_threads)
+        with self._lock:
+            self.layer_calls += 1  # a call that passed every check
+        return call
 
     def submit(self, fn, *args) -> concurrent.futures.Future:
         """Run ``fn(*args)`` on the site's job thread (one, started on first use, stopped by ``close``): the decode

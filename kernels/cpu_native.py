@@ -260,24 +260,29 @@ class NativeLayer:
         return out
 
 
-    def _scratch_arrays(self, t: int, n_assign: int) -> list[np.ndarray]:
+    def _scratch_arrays(self, t: int, n_assign: int, fresh: bool = False) -> list[np.ndarray]:
         """This thread's scratch for a call of ``t`` tokens and ``n_assign`` assignments: x_split (t, H), h_split
         (n_assign, I), y (n_assign, H) float32, then the i16 path's six buffers (``run``'s q16), as numpy views of
-        tensors from common.empty (tests poison them); reallocated only when a call needs more room."""
+        tensors from common.empty (tests poison them); reallocated only when a call needs more room. ``fresh``:
+        new buffers of exactly that size, not kept (a prepared call of this thread still owns the kept ones)."""
+        if fresh:
+            return [b.numpy() for b in self._allocate_scratch(t, n_assign)]
         have = getattr(self._scratch, "size", (0, 0))
         if have[0] < t or have[1] < n_assign:
             t, n_assign = max(t, have[0]), max(n_assign, have[1])
-            h, i, cpu = self.layout.hidden_size, self.layout.intermediate_size, torch.device("cpu")
-            shapes = [((t, h), torch.float32), ((n_assign, i), torch.float32), ((n_assign, h), torch.float32)]
-            if self.precision == "i16":
-                nb_h, nb_i = num_blocks(h, self.layout.block_size), num_blocks(i, self.layout.block_size)
-                shapes += [((t, h), torch.int16), ((t, nb_h), torch.float32), ((t, nb_h), torch.int32),
-                           ((n_assign, i), torch.int16), ((n_assign, nb_i), torch.float32),
-                           ((n_assign, nb_i), torch.int32)]
-            self._scratch.tensors = [common.empty(shape, dt, cpu) for shape, dt in shapes]  # keeps the memory
+            self._scratch.tensors = self._allocate_scratch(t, n_assign)  # keeps the memory
             self._scratch.arrays = [b.numpy() for b in self._scratch.tensors]
             self._scratch.size = (t, n_assign)
         return self._scratch.arrays
+
+    def _allocate_scratch(self, t: int, n_assign: int) -> list[torch.Tensor]:
+        h, i, cpu = self.layout.hidden_size, self.layout.intermediate_size, torch.device("cpu")
+        shapes = [((t, h), torch.float32), ((n_assign, i), torch.float32), ((n_assign, h), torch.float32)]
+        if self.precision == "i16":
+            nb_h, nb_i = num_blocks(h, self.layout.block_size), num_blocks(i, self.layout.block_size)
+            shapes += [((t, h), torch.int16), ((t, nb_h), torch.float32), ((t, nb_h), torch.int32),
+                       ((n_assign, i), torch.int16), ((n_assign, nb_i), torch.float32), ((n_assign, nb_i), torch.int32)]
+        return [common.empty(shape, dt, cpu) for shape, dt in shapes]
 
     def run_arrays(self, row_ptrs: list[int], assign_start: list[int], assign_token: list[int],
                    assign_weight: list[float], x: np.ndarray, out: np.ndarray, threads: int | None = None) -> None:
@@ -311,6 +316,8 @@ class NativeLayer:
         t = x.shape[0]
         if out.shape[0] != t:
             raise common.KernelInputError(f"cpu-native: out has {out.shape[0]} rows for {t} tokens")
+        if not out.flags.writeable or np.shares_memory(out, x):
+            raise common.KernelInputError("cpu-native: out must be a writable array that does not overlap x")
         if threads is not None and (isinstance(threads, bool) or not isinstance(threads, int) or threads < 1):
             raise common.KernelInputError(f"threads {threads!r}: a positive integer or None expected")
         start = np.asarray(assign_start, dtype=np.int32)
@@ -324,19 +331,27 @@ class NativeLayer:
                                           f"(start {start.shape}, token {tok.shape}, weight {wts.shape})")
         if n_exp == 0 or n_assign == 0:
             return NativeCall(None, (), out)
-        scratch = self._scratch_arrays(t, n_assign)
+        # this thread's scratch, unless a call it prepared has not run yet (that call owns it): then fresh buffers
+        state = getattr(self._scratch, "state", None)
+        if state is None:
+            state = self._scratch.state = _PendingCalls()
+        fresh = state.count > 0
+        scratch = self._scratch_arrays(t, n_assign, fresh=fresh)
         x_split, h_split, y = (b[:rows] for b, rows in zip(scratch[:3], (t, n_assign, n_assign)))
         xf = x if x.dtype == np.float32 else None
         if xf is None:  # the kernel reads FP32 activations: widen into a scratch row block (exact from FP16)
-            xf = self._widened(t)
-            np.copyto(xf, x)
+            if fresh:
+                xf = x.astype(np.float32)
+            else:
+                xf = self._widened(t)
+                np.copyto(xf, x)
         q16 = [b[:rows] for b, rows in zip(scratch[3:], (t, t, t, n_assign, n_assign, n_assign))]
         ptrs = (ctypes.c_void_p * n_exp)(*row_ptrs)
         args = (ptrs, n_exp, start.ctypes.data, tok.ctypes.data, wts.ctypes.data, xf.ctypes.data, t, h, i,
                 self.layout.block_size, self._offsets_ptr, x_split.ctypes.data, h_split.ctypes.data, y.ctypes.data,
                 out.ctypes.data, threads or torch.get_num_threads(), int(bool(q16)),
                 *([b.ctypes.data for b in q16] or [None] * 6), self.prefetch_bytes)
-        return NativeCall(self.fn, args, out, keep=(start, tok, wts, xf))
+        return NativeCall(self.fn, args, out, keep=(start, tok, wts, xf, *scratch), owner=state)
 
     def _widened(self, t: int) -> np.ndarray:
         """This thread's float32 (t, H) buffer for FP16 activations widened to FP32."""
@@ -348,21 +363,44 @@ class NativeLayer:
         return buf[:t]
 
 
+class _PendingCalls:
+    """How many calls a thread prepared on its kept scratch that have not run yet (decremented by the thread that runs
+    them, hence the lock)."""
+
+    def __init__(self):
+        self.count = 0
+        self.lock = threading.Lock()
+
+    def add(self, n: int) -> None:
+        with self.lock:
+            self.count += n
+
+
 class NativeCall:
     """One bound call of the C kernel (``NativeLayer.prepare_arrays``): calling it runs the kernel (ctypes releases
     the GIL for its duration) and raises CpuSiteError on a non-zero return; a call with no assignment zeroes ``out``.
     It holds the arrays the kernel reads, so their addresses stay valid until it has run."""
 
-    def __init__(self, fn, args: tuple, out: np.ndarray, keep: tuple = ()):
+    def __init__(self, fn, args: tuple, out: np.ndarray, keep: tuple = (), owner=None):
         self.fn, self.args, self.out, self._keep = fn, args, out, keep
+        # the preparing thread's scratch state: while this call has not run, that thread's next preparation takes
+        # fresh buffers instead of the ones bound here
+        self._owner = owner
+        if owner is not None:
+            owner.add(1)
 
     def __call__(self) -> None:
-        if self.fn is None:
-            self.out.fill(0.0)
-            return
-        rc = self.fn(*self.args)
-        if rc != 0:
-            raise CpuSiteError(f"cpu-native: the kernel returned {rc}")
+        try:
+            if self.fn is None:
+                self.out.fill(0.0)
+                return
+            rc = self.fn(*self.args)
+            if rc != 0:
+                raise CpuSiteError(f"cpu-native: the kernel returned {rc}")
+        finally:
+            owner, self._owner = self._owner, None
+            if owner is not None:
+                owner.add(-1)
 
 
 def assignments(topk_ids: torch.Tensor, topk_weights: torch.Tensor, experts=None):

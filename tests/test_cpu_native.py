@@ -225,10 +225,40 @@ def test_the_array_path_equals_the_torch_path_bit_for_bit(name, m, precision, da
             out = np.full((m, h), np.nan, dtype=np.float32)  # every element must be written
             site.submit(site.moe_subset_arrays, 0, x.numpy(), ids.numpy(), w.numpy(), part, out).result()
             assert torch.equal(torch.from_numpy(out), want)
+            # as the decode chain: prepared on this thread, run on the job thread
+            out = np.full((m, h), np.nan, dtype=np.float32)
+            call = site.prepare_subset_arrays(0, x.numpy(), ids.numpy(), w.numpy(), part, out)
+            site.submit(call).result()
+            assert torch.equal(torch.from_numpy(out), want)
         order, start, tok, wts = assignments(ids, w, part)
         got = cpu_native.assignments_arrays(ids.numpy(), w.numpy(), part)
         assert got[0] == list(order) and list(got[1]) == [int(v) for v in start]
         assert list(got[2]) == [int(v) for v in tok] and list(got[3]) == [float(v) for v in wts]
+    finally:
+        site.close()
+
+
+def test_prepared_calls_in_flight_never_share_scratch():
+    """Two calls prepared on one thread before either runs (the second larger, so the kept scratch would grow under
+    the first) each compute their own values: the second takes fresh buffers while the first owns the kept ones."""
+    h, i, b, e, k = SHAPES["olmoe-like"]
+    host, rows, layout = _host("olmoe-like", layers=1, seed=8)
+    site = CpuExpertSite(host, executor="cpu-native")
+    try:
+        calls, wants, outs = [], [], []
+        for m, seed in ((2, 1), (5, 2), (3, 3)):
+            x, ids, w = _batch(h, e, k, m, seed)
+            wants.append(site.moe_subset(0, x, ids, w, range(e)))
+            outs.append(np.full((m, h), np.nan, dtype=np.float32))
+            calls.append(site.prepare_subset_arrays(0, x.numpy(), ids.numpy(), w.numpy(), range(e), outs[-1]))
+        for call in reversed(calls):  # the last prepared runs first
+            site.submit(call).result()
+        for out, want in zip(outs, wants):
+            assert torch.equal(torch.from_numpy(out), want)
+        x, ids, w = _batch(h, e, k, 4, 9)  # nothing pending now: the kept scratch is used (and grown) again
+        out = np.full((4, h), np.nan, dtype=np.float32)
+        site.moe_subset_arrays(0, x.numpy(), ids.numpy(), w.numpy(), range(e), out)
+        assert torch.equal(torch.from_numpy(out), site.moe_subset(0, x, ids, w, range(e)))
     finally:
         site.close()
 
@@ -251,6 +281,17 @@ def test_the_array_path_refuses_bad_arrays_in_one_line():
         site.moe_subset_arrays(0, x, ids, w, [0], np.zeros((2, h), dtype=np.float64))
     with pytest.raises(KernelInputError, match="out has 1 rows for 2 tokens"):
         site.moe_subset_arrays(0, x, ids, w, [0], np.zeros((1, h), dtype=np.float32))
+    frozen = np.zeros((2, h), dtype=np.float32)
+    frozen.flags.writeable = False
+    with pytest.raises(KernelInputError, match="writable array that does not overlap x"):
+        site.moe_subset_arrays(0, x, ids, w, [0], frozen)
+    x32 = np.zeros((2, h), dtype=np.float32)
+    with pytest.raises(KernelInputError, match="writable array that does not overlap x"):
+        NativeLayer(layout).run_arrays([rows[0][0].data_ptr()], [0, 1], [0], [1.0], x32, x32)
+    calls = site.layer_calls
+    with pytest.raises(KernelInputError):
+        site.prepare_subset_arrays(0, x, ids, w, [0], np.zeros((1, h), dtype=np.float32))
+    assert site.layer_calls == calls  # a refused call is not counted
     native = NativeLayer(layout)
     with pytest.raises(KernelInputError, match="assignment table does not fit"):
         native.run_arrays([rows[0][0].data_ptr()], [0, 2], [0, 5], [1.0, 1.0], x, out)

@@ -10,6 +10,7 @@
 from __future__ import annotations
 
 import json
+import time
 
 import pytest
 import torch
@@ -586,8 +587,8 @@ def test_auto_in_the_segment_chain_follows_its_rule_from_step_to_step(packs):
 
 def test_a_failing_cpu_site_inside_the_chain_leaves_nothing_held(packs, monkeypatch):
     """The CPU site raising in a decode step's CPU part (not in prefill, which runs per call; with cpu-native the part
-    runs on the site's job thread and its error surfaces when the chain collects it): the error reaches the caller,
-    no job is left running, and the step's request gives back every lease."""
+    runs on the site's job thread and its error surfaces when the chain collects it): the error reaches the caller
+    and the step's request gives back every lease."""
     from runmap.kernels import cpu_int4
 
     pack, cfg = packs["tiny-olmoe"]
@@ -603,8 +604,56 @@ def test_a_failing_cpu_site_inside_the_chain_leaves_nothing_held(packs, monkeypa
     try:
         with pytest.raises(RuntimeError, match="cpu site failed in the chain"):
             eng.generate(CHAIN_PROMPTS[:1], max_new_tokens=3)
-        chain = eng._mixed_segments[1]  # the failure came from the chain's CPU part
-        assert not any(chain._jobs)
+        assert 1 in eng._mixed_segments  # the failure came from the chain's CPU part
+        cache = eng.experts.cache
+        assert cache.outstanding_leases() == 0 and cache.live_requests() == 0
+    finally:
+        eng.close()
+
+
+def test_a_lease_failing_after_the_cpu_part_started_waits_for_it(packs, monkeypatch):
+    """The placement has started a layer's CPU part on the job thread and the lease then fails (here: right after the
+    cache's acquisition returns): the step waits for the job before it releases the request and raises, so no kernel
+    is left writing buffers the next step reuses."""
+    import threading
+
+    from runmap.kernels import cpu_int4
+    from runmap.residency.cache import ExpertCache
+
+    pack, cfg = packs["tiny-olmoe"]
+    eng = _chain_engine(pack, cfg.top_k, "cpu", "eager")
+    prepare, acquire = cpu_int4.CpuExpertSite.prepare_subset_arrays, ExpertCache._acquire
+    finished, in_chain = [], threading.Event()
+
+    def slow_prepare(self, *a, **k):
+        call = prepare(self, *a, **k)
+
+        def slow():
+            time.sleep(0.3)
+            call()
+            finished.append(time.perf_counter())
+        return slow
+
+    def failing_acquire(self, req, layer, ids, place=None):
+        lease = acquire(self, req, layer, ids, place)
+        if place is not None and lease.cpu_experts and in_chain.is_set():
+            raise RuntimeError("lease failed after the CPU part started")
+        return lease
+
+    monkeypatch.setattr(cpu_int4.CpuExpertSite, "prepare_subset_arrays", slow_prepare)
+    monkeypatch.setattr(ExpertCache, "_acquire", failing_acquire)
+    decode = eng.decode
+
+    def decode_in_chain(*a, **k):
+        in_chain.set()
+        return decode(*a, **k)
+    eng.decode = decode_in_chain
+    try:
+        with pytest.raises(RuntimeError, match="lease failed after the CPU part started"):
+            eng.generate(CHAIN_PROMPTS[:1], max_new_tokens=3)
+        raised = time.perf_counter()
+        chain = eng._mixed_segments[1]
+        assert finished and finished[-1] < raised and not any(chain._jobs)  # the job ran to its end first
         cache = eng.experts.cache
         assert cache.outstanding_leases() == 0 and cache.live_requests() == 0
     finally:

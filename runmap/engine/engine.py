@@ -675,13 +675,15 @@ class SegmentDecoder(_StaticStepInputs):
         # 2-3x longer)
         threads = site.native_threads or max(1, torch.get_num_threads() - 1)
         # checked, grouped and bound here; the job thread then only enters the C kernel (which releases the GIL)
+        t0 = time.perf_counter()
         call = site.prepare_subset_arrays(layer, self.host_x_np[layer], self.host_ids_np[layer],
                                           self.host_gw_np[layer], experts, self.host_cpu_out_np[layer], threads)
+        prepare_s = time.perf_counter() - t0
 
-        def job():
-            t0 = time.perf_counter()
+        def job():  # -> the CPU site's seconds for this call: its preparation here plus the kernel there (auto's rate)
+            t1 = time.perf_counter()
             call()
-            return time.perf_counter() - t0
+            return prepare_s + time.perf_counter() - t1
         self._jobs[layer] = site.submit(job)
 
     def _placing(self, layer):
@@ -702,9 +704,13 @@ class SegmentDecoder(_StaticStepInputs):
         cpu = self.layer_cpu[layer]
         if cpu:
             ex = self.e.experts
-            job, self._jobs[layer] = self._jobs[layer], None
+            job = self._jobs[layer]
             if job is not None:
-                seconds = job.result()  # the kernel's own wall time on the job thread (a failure raises here)
+                try:
+                    seconds = job.result()  # preparation + kernel time (a failure in the job raises here)
+                finally:
+                    if job.done():  # interrupted while it still runs: _drain_jobs waits for it before the release
+                        self._jobs[layer] = None
             else:
                 t_cpu = time.perf_counter()
                 with ex.cache.monitored():  # as on the per-call path: a copy out of expert rows here would be counted
@@ -756,8 +762,8 @@ class SegmentDecoder(_StaticStepInputs):
         """Wait for every CPU part still in flight (a failure between segments): their buffers are reused next step."""
         for layer, job in enumerate(getattr(self, "_jobs", ())):
             if job is not None:
-                self._jobs[layer] = None
                 job.exception()  # waits; the error, if any, was or will be raised by the failure being handled
+                self._jobs[layer] = None
 
     def _release(self):
         self._drain_jobs()

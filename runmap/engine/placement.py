@@ -265,8 +265,9 @@ class AutoPlacement(Placement):
             self.reuse.observe(layer, np.asarray(ids).reshape(-1).tolist())
 
     def may_use_cpu(self) -> bool:
-        """A link at least as fast as the CPU site transfers at every hit rate (threshold 0)."""
-        return self.cpu_gb_s() > self.h2d_gb_s()
+        """Without split, a link at least as fast as the CPU site transfers at every hit rate (threshold 0). With split
+        the CPU site may take a share of any call (``cpu_count``), whatever the rates."""
+        return self.split or self.cpu_gb_s() > self.h2d_gb_s()
 
     def hit_rate(self) -> float:
         if self.reuse is not None:
