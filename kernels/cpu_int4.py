@@ -366,10 +366,11 @@ class _ExpertPool:
         self._finalizer()  # shutdown(wait=False): idle workers exit; a running task finishes first
 
 
-def _check_ids(topk_ids: torch.Tensor, num_experts: int) -> None:
+def _check_ids(topk_ids, num_experts: int) -> None:
+    """topk_ids: an integer (T, k) CPU tensor or numpy array; the first id outside [0, E) raises, naming its place."""
     bad = (topk_ids < 0) | (topk_ids >= num_experts)
     if bad.any():
-        t, j = (int(v) for v in bad.nonzero()[0])
+        t, j = (int(v) for v in np.argwhere(np.asarray(bad))[0])
         raise common.KernelInputError(
             f"topk_ids[{t}, {j}] = {int(topk_ids[t, j])} is not an expert id in [0, {num_experts})")
 
@@ -650,11 +651,7 @@ class CpuExpertSite:
         if not isinstance(x, np.ndarray) or x.dtype != np.float16:
             raise common.KernelInputError(f"x: a float16 (T, {self.layout.hidden_size}) array expected, got "
                                           f"{getattr(x, 'dtype', type(x).__name__)}")
-        bad = (topk_ids < 0) | (topk_ids >= self.num_experts)
-        if bad.any():
-            t, j = (int(v) for v in np.argwhere(bad)[0])
-            raise common.KernelInputError(
-                f"topk_ids[{t}, {j}] = {int(topk_ids[t, j])} is not an expert id in [0, {self.num_experts})")
+        _check_ids(topk_ids, self.num_experts)
         from runmap.kernels.cpu_native import assignments_arrays
 
         order, start, tok, wts = assignments_arrays(topk_ids, topk_weights, experts)

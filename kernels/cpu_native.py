@@ -262,7 +262,8 @@ class NativeLayer:
 
     def _scratch_arrays(self, t: int, n_assign: int, fresh: bool = False) -> list[np.ndarray]:
         """This thread's scratch for a call of ``t`` tokens and ``n_assign`` assignments: x_split (t, H), h_split
-        (n_assign, I), y (n_assign, H) float32, then the i16 path's six buffers (``run``'s q16), as numpy views of
+        (n_assign, I), y (n_assign, H), the FP32 widening of FP16 activations (t, H) float32, then the i16 path's six
+        buffers (``run``'s q16), as numpy views of
         tensors from common.empty (tests poison them); reallocated only when a call needs more room. ``fresh``:
         new buffers of exactly that size, not kept (a prepared call of this thread still owns the kept ones)."""
         if fresh:
@@ -277,7 +278,8 @@ class NativeLayer:
 
     def _allocate_scratch(self, t: int, n_assign: int) -> list[torch.Tensor]:
         h, i, cpu = self.layout.hidden_size, self.layout.intermediate_size, torch.device("cpu")
-        shapes = [((t, h), torch.float32), ((n_assign, i), torch.float32), ((n_assign, h), torch.float32)]
+        shapes = [((t, h), torch.float32), ((n_assign, i), torch.float32), ((n_assign, h), torch.float32),
+                  ((t, h), torch.float32)]
         if self.precision == "i16":
             nb_h, nb_i = num_blocks(h, self.layout.block_size), num_blocks(i, self.layout.block_size)
             shapes += [((t, h), torch.int16), ((t, nb_h), torch.float32), ((t, nb_h), torch.int32),
@@ -335,32 +337,19 @@ class NativeLayer:
         state = getattr(self._scratch, "state", None)
         if state is None:
             state = self._scratch.state = _PendingCalls()
-        fresh = state.count > 0
-        scratch = self._scratch_arrays(t, n_assign, fresh=fresh)
-        x_split, h_split, y = (b[:rows] for b, rows in zip(scratch[:3], (t, n_assign, n_assign)))
-        xf = x if x.dtype == np.float32 else None
-        if xf is None:  # the kernel reads FP32 activations: widen into a scratch row block (exact from FP16)
-            if fresh:
-                xf = x.astype(np.float32)
-            else:
-                xf = self._widened(t)
-                np.copyto(xf, x)
-        q16 = [b[:rows] for b, rows in zip(scratch[3:], (t, t, t, n_assign, n_assign, n_assign))]
+        scratch = self._scratch_arrays(t, n_assign, fresh=state.count > 0)
+        x_split, h_split, y, xf = (b[:rows] for b, rows in zip(scratch[:4], (t, n_assign, n_assign, t)))
+        if x.dtype == np.float32:
+            xf = x
+        else:  # the kernel reads FP32 activations: widened into scratch (exact from FP16)
+            np.copyto(xf, x)
+        q16 = [b[:rows] for b, rows in zip(scratch[4:], (t, t, t, n_assign, n_assign, n_assign))]
         ptrs = (ctypes.c_void_p * n_exp)(*row_ptrs)
         args = (ptrs, n_exp, start.ctypes.data, tok.ctypes.data, wts.ctypes.data, xf.ctypes.data, t, h, i,
                 self.layout.block_size, self._offsets_ptr, x_split.ctypes.data, h_split.ctypes.data, y.ctypes.data,
                 out.ctypes.data, threads or torch.get_num_threads(), int(bool(q16)),
                 *([b.ctypes.data for b in q16] or [None] * 6), self.prefetch_bytes)
         return NativeCall(self.fn, args, out, keep=(start, tok, wts, xf, *scratch), owner=state)
-
-    def _widened(self, t: int) -> np.ndarray:
-        """This thread's float32 (t, H) buffer for FP16 activations widened to FP32."""
-        buf = getattr(self._scratch, "widened", None)
-        if buf is None or buf.shape[0] < t:
-            self._scratch.widened_tensor = common.empty((t, self.layout.hidden_size), torch.float32,
-                                                        torch.device("cpu"))
-            buf = self._scratch.widened = self._scratch.widened_tensor.numpy()
-        return buf[:t]
 
 
 class _PendingCalls:

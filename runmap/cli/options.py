@@ -41,8 +41,8 @@ def add_residency_arguments(p) -> None:
                         "copied into a spare row first (default), cpu = computed on the host CPU from the host copy, "
                         "nothing transferred, auto = at each layer call, for its absent experts, whichever the rates "
                         "measured at startup and then in use (host->device copy, CPU expert) and the routes' reuse say "
-                        "is cheaper; the plan is printed. The route never changes, only where each routed expert runs. Decode steps "
-                        "that may use the CPU run the CUDA-graph segment chain with a CPU part per layer "
+                        "is cheaper; the plan is printed. The route never changes, only where each routed expert runs. "
+                        "Decode steps that may use the CPU run the CUDA-graph segment chain with a CPU part per layer "
                         "(docs/engine.md)")
 
     p.add_argument("--cpu-executor", choices=CPU_SITE_EXECUTORS, default="cpu-native",
@@ -69,11 +69,6 @@ def placement_line(eng) -> str | None:
     if d["mode"] == "cpu":
         return "expert placement cpu: absent experts are computed on the CPU from the host source (no transfers)"
     c = d["costs"]
-    rule = (f"transfer a miss when the hit rate is above {d['transfer_if_hit_rate_above']:.2f}, else compute it on "
-            "the CPU")
-    if d.get("split"):
-        rule = (f"each layer call's misses split between the sites, which work at once: the CPU takes "
-                f"{d['cpu_share']:.2f} of them (rounded down while the hit rate is above "
-                f"{d['transfer_if_hit_rate_above']:.2f}, up below it)")
     return (f"expert placement auto: host->device {c['h2d_gb_s']:.1f} GB/s, CPU site {c['cpu_gb_s']:.1f} GB/s per "
-            f"expert ({c['row_bytes']} B rows): {rule}")
+            f"expert ({c['row_bytes']} B rows): transfer a miss when the hit rate is above "
+            f"{d['transfer_if_hit_rate_above']:.2f}, else compute it on the CPU")

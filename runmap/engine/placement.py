@@ -26,27 +26,27 @@ so the cache's own hit rate falls toward resident / experts once the rule choose
 rule reads a shadow LRU instead (``ReuseEstimator``): the routed experts of every layer call, in an LRU of the cache's
 resident count per layer, whichever site computed them; its hit rate is the hit rate of the routing workload at this
 residency with every miss transferred. Not modelled: a batch's tokens sharing a CPU expert (the CPU cost is per expert
-read, as the transfer's is).
-
-Split (``split=True``; off by default, measured on the H200 below). The CPU site and the link work at once: in
-the segment chain the CPU part starts on the site's job thread as soon as the placement has chosen, while the miss
-transaction copies the rest and the device computes. A call whose ``n`` absent experts are divided, ``c`` to the CPU,
-takes max(c / cpu_rate, (n - c) / h2d_rate) per byte, least at c = n x share, share = cpu / (cpu + h2d). The rule
-above still says which way to round: where it favours transferring (reuse), the CPU takes floor(n x share), so it
-finishes no later than the link; where it favours the CPU, the link takes floor(n x (1 - share)). The experts left
-on the CPU are the least recently routed (the shadow LRU's order before the call, never-seen ones first): those the
-cache would most likely evict again first. ``uses_cpu_now`` is then true also where a call with the expected number of
-absent experts, (1 - h) x the mean group size, would give the CPU one. Not measured in decode yet: in the one H200
-campaign with split on (results/campaigns/h200-placement-split) every auto decode step ran the plain chain, because
-the CPU rate auto learned in use from the prefill's CPU-site calls (2-7 GB/s per expert byte: many tokens per expert,
-host work included) stayed below the transfer rate, so its decode rows are transfer rows. Off by default until a
-decode measurement says otherwise. The rates are measured on this machine when the engine is built (``measure_costs``: one expert
-alone, best of a few), then replaced by what the engine observes in use (``InUseRate``): the wall time of each CPU-site
-call per expert byte it read, and of each acquisition that moved experts per byte moved, host work included. On the
-H200 host the build-time probe said 0.14 ms per OLMoE expert on the CPU where a decode step's CPU part took ~1 ms per
+read, as the transfer's is). The rates are measured on this machine when the engine is built (``measure_costs``: one
+expert alone, best of a few), then replaced by what the engine observes in use (``InUseRate``): the wall time of each
+CPU-site call per expert byte it read, and of each acquisition that moved experts per byte moved, host work included. On
+the H200 host the build-time probe said 0.14 ms per OLMoE expert on the CPU where a decode step's CPU part took ~1 ms per
 expert (results/campaigns/h200-host-overhead), so a rule fed only the probe chose the CPU where it was the slower site.
 ``h`` starts from 0 (no evidence of reuse yet). The plan (rates, their source, threshold, decisions so far) is in the
 engine's telemetry and printed by the CLI.
+
+Split (``split=True``; off by default: not measured in decode, see the end of this paragraph). The CPU site and the
+link work at once: in the segment chain the CPU part starts on the site's job thread as soon as the placement has
+chosen, while the miss transaction copies the rest and the device computes. A call whose ``n`` absent experts are
+divided, ``c`` to the CPU, takes max(c / cpu_rate, (n - c) / h2d_rate) per byte, least at c = n x share, share = cpu /
+(cpu + h2d). The rule above still says which way to round: where it favours transferring (reuse), the CPU takes
+floor(n x share), so it finishes no later than the link; where it favours the CPU, the link takes floor(n x (1 -
+share)). The experts left on the CPU are the least recently routed (the shadow LRU's order before the call, never-seen
+ones first): those the cache would most likely evict again first. ``uses_cpu_now`` is then true also where a call with
+the expected number of absent experts, (1 - h) x the mean group size, would give the CPU one. Not measured in decode
+yet: in the one H200 campaign with split on (results/campaigns/h200-placement-split) every auto decode step ran the
+plain chain, because the CPU rate auto learned in use from the prefill's CPU-site calls (2-7 GB/s per expert byte:
+many tokens per expert, host work included) stayed below the transfer rate, so its decode rows are transfer rows. Off
+by default until a decode measurement says otherwise.
 """
 from __future__ import annotations
 
@@ -147,23 +147,26 @@ class ReuseEstimator:
     """The hit rate an LRU of ``capacity`` experts per layer would have over the routed groups it is shown: what
     transferring every miss would give, whatever site actually computed each expert."""
 
-    def __init__(self, capacity: int):
+    def __init__(self, capacity: int, track_recency: bool = False):
         if capacity < 1:
             raise PlacementError(f"reuse estimator: capacity {capacity} must be >= 1 expert per layer")
         self.capacity = capacity
         self.hits = 0
         self.uses = 0
         self.calls = 0
-        self.last_recency: dict[int, int] = {}  # the latest call's experts -> their LRU position before it
+        # with track_recency (a splitting auto's choice of which experts stay on the CPU): the latest call's experts ->
+        # their LRU position before it; off, observe does not rank the whole LRU at every layer call
+        self.track_recency = track_recency
+        self.last_recency: dict[int, int] = {}
         self._lru: dict[int, dict[int, None]] = {}  # layer -> experts, least recent first (dicts keep order)
 
     def observe(self, layer: int, experts) -> None:
         """One layer call's routed experts (any iterable of ids; a batch's union counts each expert once)."""
         lru = self._lru.setdefault(layer, {})
         step = sorted({int(v) for v in experts})
-        # how recently each of this call's experts was routed before it (-1: not in the LRU), for a split's choice
-        rank = {e: i for i, e in enumerate(lru)}
-        self.last_recency = {e: rank.get(e, -1) for e in step}
+        if self.track_recency:  # how recently each of this call's experts was routed before it (-1: not in the LRU)
+            rank = {e: i for i, e in enumerate(lru)}
+            self.last_recency = {e: rank.get(e, -1) for e in step}
         self.calls += 1
         self.hits += sum(1 for e in step if e in lru)  # against the cache as the call found it
         self.uses += len(step)
@@ -232,7 +235,7 @@ class AutoPlacement(Placement):
         # h: with ``resident`` (the engine's case) a shadow LRU of the routes at that residency; without it, the
         # counters given (hits, misses, cpu_site_experts), e.g. the cache's own
         self.counters = counters
-        self.reuse = ReuseEstimator(resident) if resident is not None else None
+        self.reuse = ReuseEstimator(resident, track_recency=split) if resident is not None else None
         self.decisions = {"transfer": 0, "cpu": 0}
         self.split_calls = 0  # layer calls whose absent experts went to both sites
         self.cpu_in_use = InUseRate()  # CPU-site calls: expert bytes read / wall seconds
