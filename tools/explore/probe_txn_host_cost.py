@@ -10,7 +10,8 @@ Two parts, one process, on CUDA:
 2. Whole transactions of an ``ExpertCache`` over a synthetic host source with OLMoE-sized rows (one layer of 64
    experts, 16 resident, contract v1 and v2, copy monitor on and off): admit, acquire 1 / 2 / 4 absent experts,
    release; host microseconds per transaction (median of 40) against the time its bytes need at the same run's
-   pinned copy rate.
+   pinned copy rate, and the same time cut at the transport's calls (PHASES: before the first copy's submission,
+   the submission, submission to the first event wait, the waits, after the last wait).
 
     PYTHONPATH=. python3 tools/explore/probe_txn_host_cost.py --out $OUT/txn.json
 """
@@ -50,6 +51,16 @@ def torch_calls(dev, row_bytes: int) -> dict:
         with torch.cuda.stream(s):
             pass
 
+    try:
+        from runmap.residency.transport import _OnStream
+    except ImportError:  # a tree from before the transport's lean stream switch (PYTHONPATH=<older checkout>)
+        _OnStream = None
+    lean = _OnStream(s) if _OnStream is not None else None
+
+    def lean_switch():
+        with lean:
+            pass
+
     def event_record():
         torch.cuda.Event().record(s)
 
@@ -63,7 +74,8 @@ def torch_calls(dev, row_bytes: int) -> dict:
             out.record_stream(cur)
             out.copy_(table, non_blocking=True)
 
-    calls = {"stream context": stream_ctx, "event create + record": event_record,
+    calls = {"stream context": stream_ctx, **({"stream switch (transport._OnStream)": lean_switch} if lean else {}),
+             "event create + record": event_record,
              "row copy submit (3.2 MB, in a stream context)": copy_row,
              "table upload (empty + record_stream + copy, in a stream context)": table_upload,
              "wait_stream": lambda: cur.wait_stream(s), "completed event synchronize": done.synchronize}
@@ -79,6 +91,33 @@ def torch_calls(dev, row_bytes: int) -> dict:
         rows[name] = {"us": plain, "us_monitored": watched}
         print(f"  {name:64s} {plain:8.1f} us   monitored {watched:8.1f} us", flush=True)
     return rows
+
+
+# a transaction's host time, cut at the transport calls: until the first row copy is submitted, the submission, from
+# there to the first wait on a copy's event (the table upload and whatever the cache does meanwhile: it overlaps the
+# bytes), the waits (first to last), and from the last wait to the lease in hand (publication and the lease's
+# bookkeeping)
+PHASES = ("before_submit", "submit", "submit_to_wait", "waits", "after_wait")
+
+
+def _stamp(transport) -> dict:
+    """Wrap ``transport``'s copy_rows and wait to record host times: {"copy_rows": (start, end), "wait": (first start,
+    last end)} for the transaction in progress (the caller clears it before each)."""
+    stamps: dict = {}
+    copy_rows, wait = transport.copy_rows, transport.wait
+
+    def timed_copy_rows(jobs, on_submit):
+        t = time.perf_counter()
+        copy_rows(jobs, on_submit)
+        stamps["copy_rows"] = (t, time.perf_counter())
+
+    def timed_wait(ev):
+        t = time.perf_counter()
+        wait(ev)
+        stamps["wait"] = (stamps["wait"][0] if "wait" in stamps else t, time.perf_counter())
+
+    transport.copy_rows, transport.wait = timed_copy_rows, timed_wait
+    return stamps
 
 
 def transactions(dev, preset: str) -> list[dict]:
@@ -100,28 +139,36 @@ def transactions(dev, preset: str) -> list[dict]:
     out = []
     for contract in ("v1", "v2"):
         for monitor in (True, False):
-            cache = ExpertCache(host, resident=16, max_group=8, device=dev, transport=default_transport(
-                dev, contract=contract), copy_monitor=monitor)
+            transport = default_transport(dev, contract=contract)
+            stamps = _stamp(transport)
+            cache = ExpertCache(host, resident=16, max_group=8, device=dev, transport=transport, copy_monitor=monitor)
             for n in (1, 2, 4):
-                times, nxt = [], 16
+                times, nxt, phases = [], 16, {k: [] for k in PHASES}
                 for i in range(44):
                     want = [(nxt + j) % E for j in range(n)]  # never resident: each acquisition is one transaction
                     nxt = (nxt + n) % E
                     req = cache.admit()
+                    stamps.clear()
                     t0 = time.perf_counter()
                     req.acquire(0, want)
-                    dt = time.perf_counter() - t0
+                    t1 = time.perf_counter()
+                    dt = t1 - t0
                     req.release()
                     if i >= 4:
                         times.append(dt)
+                        marks = [t0, stamps["copy_rows"][0], stamps["copy_rows"][1], stamps["wait"][0],
+                                 stamps["wait"][1], t1]
+                        for k, lo, hi in zip(PHASES, marks, marks[1:]):
+                            phases[k].append(hi - lo)
                 med = statistics.median(times)
                 need = n * layout.row_bytes / (link * 1e9)
                 row = {"contract": contract, "copy_monitor": monitor, "misses": n, "host_us": round(1e6 * med, 1),
-                       "bytes_us_at_link": round(1e6 * need, 1), "overhead_us": round(1e6 * (med - need), 1)}
+                       "bytes_us_at_link": round(1e6 * need, 1), "overhead_us": round(1e6 * (med - need), 1),
+                       "phases_us": {k: round(1e6 * statistics.median(v), 1) for k, v in phases.items()}}
                 out.append(row)
                 print(f"  {contract} monitor={monitor!s:5s} {n} misses: {row['host_us']:8.1f} us per transaction "
-                      f"(bytes need {row['bytes_us_at_link']:.1f} us at the link; overhead {row['overhead_us']:.1f})",
-                      flush=True)
+                      f"(bytes need {row['bytes_us_at_link']:.1f} us at the link; overhead {row['overhead_us']:.1f}); "
+                      + ", ".join(f"{k} {v:.1f}" for k, v in row["phases_us"].items()), flush=True)
             torch.cuda.synchronize(dev)
             del cache
     return out
