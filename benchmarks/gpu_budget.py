@@ -30,6 +30,19 @@ def _pairs(values: list[str], what: str) -> dict[str, str]:
     return out
 
 
+def _weights(packs: dict[str, str]) -> str:
+    """What the packs' weights are: a pack synthesized directly (random INT4 codes, `runmap synth --direct-pack`) says
+    so in its manifest; any other pack here was packed from a synthetic checkpoint."""
+    from runmap.synth.direct_pack import synthesized_label
+
+    def one(pack):
+        label = synthesized_label(pack)
+        if label is not None:
+            return f"synthesized directly ({label.get('kind')}, seed {label.get('seed')}, preset {label.get('preset')})"
+        return "synthetic checkpoint (runmap synth, seed 0) packed"
+    return "; ".join(f"{name}: {one(pack)}" for name, pack in packs.items()) + " - at the presets' real dimensions"
+
+
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--pack", action="append", required=True, metavar="NAME=DIR", help="a pack to plan for")
@@ -69,7 +82,7 @@ def main(argv=None) -> int:
            "device_total_bytes": total, "libraries": library_versions("torch", "triton"),
            "command": "PYTHONPATH=. python3 benchmarks/gpu_budget.py " + " ".join(sys.argv[1:] if argv is None else argv),
            "workload": {"prompt_tokens": a.prompt, "decode_steps": a.decode, "routing": a.routing,
-                        "weights": "synthetic (runmap synth, seed 0) at the preset's real dimensions"},
+                        "weights": _weights(packs)},
            "complete": False, "rows": rows}
 
     def publish():  # after every row, atomically: a run cut by its time limit keeps the rows it measured

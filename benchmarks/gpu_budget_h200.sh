@@ -2,14 +2,25 @@
 # The H200 records of `--gpu-budget` (issue 24, item 6) and where a partial-residency segment step's host time goes
 # (tools/explore/probe_segment_phases.py), in one device call (~6 min):
 #   PYTHONPATH=. bash benchmarks/gpu_budget_h200.sh        # writes $OUT/gpu-budget-h200.json, $OUT/*.log
+# PHASES=0 PARTIAL=0 runs the budgets alone; OLMOE_BUDGETS / QWEN_BUDGETS (GiB, comma-separated) choose them;
+# DIRECT=1 synthesizes the packs directly; BUDGET_TIMEOUT bounds gpu_budget.py (its record keeps every row it measured).
 set -uo pipefail
 export PYTHONUNBUFFERED=1 PYTHONPATH=${PYTHONPATH:-.}
 OUT=${OUT:-/tmp/runmap-out} WORK=${RUNMAP_WORK:-/tmp/runmap-work}
 mkdir -p "$OUT" "$WORK"
 T0=$(date +%s)
-python3 benchmarks/prepare_pack.py olmoe olmoe-1b-7b-0924 "$WORK" > "$OUT/prepare-olmoe.log" 2>&1 &
+prepare() {  # NAME PRESET: a synthetic checkpoint packed, or with DIRECT=1 a pack synthesized directly (random INT4
+  # codes, `runmap synth --direct-pack`: seconds instead of minutes; the calibrated routing imposes every route, so
+  # the memory and the work measured here do not depend on the values)
+  if [ "${DIRECT:-0}" = 1 ]; then
+    python3 -m runmap synth "$WORK/pk-$1" --preset "$2" --direct-pack --force --no-progress
+  else
+    python3 benchmarks/prepare_pack.py "$1" "$2" "$WORK"
+  fi
+}
+prepare olmoe olmoe-1b-7b-0924 > "$OUT/prepare-olmoe.log" 2>&1 &
 P1=$!
-python3 benchmarks/prepare_pack.py qwen qwen1.5-moe-a2.7b "$WORK" > "$OUT/prepare-qwen.log" 2>&1 &
+prepare qwen qwen1.5-moe-a2.7b > "$OUT/prepare-qwen.log" 2>&1 &
 P2=$!
 wait $P1; R1=$?
 wait $P2; R2=$?  # both packs first: the phase probe's timings must not share the machine with a pack build
