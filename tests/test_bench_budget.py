@@ -3,6 +3,7 @@ the plan decides the residency, the record carries budget, plan and the weights'
 from __future__ import annotations
 
 import json
+import math
 
 import pytest
 
@@ -10,7 +11,7 @@ from runmap.arch.config import load_preset
 from runmap.bench import campaign as bench
 from runmap.cli.main import main
 from runmap.conformance.schemas import validate_document
-from runmap.engine.budget import plan_for_pack
+from runmap.engine.budget import FRAGMENTATION_SHARE, plan_for_pack
 from runmap.synth.direct_pack import write_direct_pack
 
 PRESET = "tiny-qwen3-moe"  # 8 experts, top-2: a budget window where the plan keeps some but not all experts
@@ -26,10 +27,16 @@ def _partial_budget(pack, max_batch=1, max_seq_len=8, edge=False) -> int:
     any plan's boundary): the plan must drop to partial residency."""
     full = plan_for_pack(pack, 1 << 40, max_batch=max_batch, max_seq_len=max_seq_len)
     assert full.regime == "full"
+    # a budget B holds a plan whose counted bytes are at most B less its allocator slack (FRAGMENTATION_SHARE of B)
+    def budget_for(total):  # the least such B
+        b = math.floor(total / (1 - FRAGMENTATION_SHARE)) - 2
+        while b - int(b * FRAGMENTATION_SHARE) < total:
+            b += 1
+        return b
     if edge:
-        return full.total - 1
+        return budget_for(full.total) - 1
     per_layer = full.experts // (full.resident * load_preset(PRESET)[0].num_layers)
-    return full.total - per_layer * load_preset(PRESET)[0].num_layers // 2
+    return budget_for(full.total - per_layer * load_preset(PRESET)[0].num_layers // 2)
 
 
 def _spec(pack, budget, extra_groups=()):

@@ -806,6 +806,12 @@ class SegmentDecoder(_StaticStepInputs):
             try:
                 out = self._forward(n_keys)
                 self.capture_graphs[-1].capture_end()
+            except BaseException:
+                # a failure mid-capture (an out-of-memory error under --gpu-budget's cap, an interrupt) leaves the
+                # side stream capturing: every later synchronize, this engine's close() included, would then fail
+                # with "operation not permitted when stream is capturing" instead of this error
+                _end_capture(self.capture_graphs[-1])
+                raise
             finally:
                 graphs, self.capture_graphs = self.capture_graphs, None
         torch.cuda.current_stream().wait_stream(side)
@@ -859,6 +865,17 @@ class SegmentDecoder(_StaticStepInputs):
         if self.recorded is not None:
             e.routes.end_pass(real, self.recorded, decode=True)
         return out
+
+
+
+def _end_capture(graph: torch.cuda.CUDAGraph) -> None:
+    """End ``graph``'s capture after a failure inside it, discarding the graph: the stream leaves capture mode whether
+    or not the capture was already invalidated (the error that ends an invalid capture is the one being handled)."""
+    if torch.cuda.is_current_stream_capturing():
+        try:
+            graph.capture_end()
+        except RuntimeError:
+            pass
 
 
 def capture_graph(fn, device, pool) -> tuple:
