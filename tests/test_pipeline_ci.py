@@ -10,7 +10,7 @@ REPO_ROOT = Path(__file__).resolve().parent.parent
 
 
 TEST_COMMAND = ("python3 -m venv .venv && . .venv/bin/activate && pip install -e '.[slurm]' && "
-                "TRITON_INTERPRET=1 python -m pytest -q -n 2")
+                "TRITON_INTERPRET=1 python -m pytest -q -n 2 --dist loadfile")
 
 
 def readme_with(cmd: str) -> str:

@@ -15,8 +15,8 @@ The plan counts what the engine allocates on the device, in this order:
 5. then as many resident experts per layer as fit (all of them = full residency), with ``FRAGMENTATION_SHARE`` of
    the budget left free for the caching allocator's fragmentation.
 
-A budget below the minimum (everything but experts, plus ``top_k`` resident experts and their spares per layer)
-is refused with the numbers. The engine also caps torch's caching allocator at the budget
+A budget below the minimum (everything but experts, plus ``top_k`` resident experts and their spares per layer, plus
+the fragmentation share) is refused with the numbers. The engine also caps torch's caching allocator at the budget
 (``torch.cuda.set_per_process_memory_fraction``), so the reserved peak cannot exceed it: an estimate that is too
 low ends in an out-of-memory error naming the budget, never in a larger footprint.
 """

@@ -563,26 +563,20 @@ class ExpertCache:
                     f"({len(free)} free, {len(self._retiring[layer])} retiring behind live requests, "
                     f"{len(self._fenced[layer])} fenced) and {max(n_evict, 0)} evictable experts "
                     f"({len(candidates)} not leased); release requests and retry")
+            victims = self.policy.choose(layer, candidates, n_evict, self._tick) if n_evict > 0 else []
             rows = [free.pop() for _ in missing]
             submitted: list = []
+            new_map = dict(mapped)
+            for v in victims:
+                del new_map[v]
+            new_map.update(zip(missing, rows))
+            table = [-1] * self.num_experts
+            for e, r in new_map.items():
+                table[e] = r
             try:
-                # The copies go first: the host work that needs none of them (the victims, the new mapping, its row
-                # table, the next generation) then runs while the link moves the bytes, instead of delaying the
-                # first copy (a decode step waits on each layer's transaction: tools/explore/probe_txn_host_cost.py)
                 self._copy_rows(layer, missing, rows, submitted)
-                victims = self.policy.choose(layer, candidates, n_evict, self._tick) if n_evict > 0 else []
-                new_map = dict(mapped)
-                for v in victims:
-                    del new_map[v]
-                new_map.update(zip(missing, rows))
-                table = [-1] * self.num_experts
-                for e, r in new_map.items():
-                    table[e] = r
                 # the table goes behind the rows on the transfer stream; publication waits for all
                 dev_table, table_ev = self.transport.upload_table_async(table)  # (E,) int32
-                gen = Generation(cur.number + 1,
-                                 cur.maps[:layer] + (MappingProxyType(new_map),) + cur.maps[layer + 1:],
-                                 cur.tables[:layer] + (dev_table,) + cur.tables[layer + 1:])
                 self._wait_all(submitted)
                 if table_ev is not None:
                     self.transport.wait(table_ev)
@@ -595,6 +589,9 @@ class ExpertCache:
                 raise TransactionAborted(
                     f"layer {layer}: miss transaction for experts {missing} failed before publication "
                     f"({type(exc).__name__}: {exc}); generation {cur.number} remains authoritative") from exc
+            gen = Generation(cur.number + 1,
+                             cur.maps[:layer] + (MappingProxyType(new_map),) + cur.maps[layer + 1:],
+                             cur.tables[:layer] + (dev_table,) + cur.tables[layer + 1:])
             self._current = gen  # publication: one reference assignment
             self.counters["transactions"] += 1
             for v in victims:

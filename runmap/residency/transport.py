@@ -139,31 +139,6 @@ class CpuTransport(Transport):
         return None
 
 
-class _OnStream:
-    """``with torch.cuda.stream(stream)`` for the miss transaction's hot path: the same switch of the device's current
-    stream and back, through the two C calls underneath it. The public context manager costs ~10 us of host time per
-    use on the H200 host (results/residency/txn-host-cost-h200.log), and a transaction enters two (its rows and its
-    row table) on the critical path of every decode step that misses."""
-
-    __slots__ = ("stream", "_index", "_prev")
-
-    def __init__(self, stream: torch.cuda.Stream):
-        self.stream = stream
-        self._index = stream.device_index
-        self._prev = None
-
-    def __enter__(self):
-        self._prev = torch._C._cuda_getCurrentStream(self._index)  # (stream_id, device_index, device_type)
-        s = self.stream
-        torch._C._cuda_setStream(stream_id=s.stream_id, device_index=s.device_index, device_type=s.device_type)
-        return s
-
-    def __exit__(self, *exc):
-        stream_id, device_index, device_type = self._prev
-        torch._C._cuda_setStream(stream_id=stream_id, device_index=device_index, device_type=device_type)
-        return False
-
-
 class CudaTransport(Transport):
     """Pinned staging, a dedicated transfer stream, one event per staging -> device copy."""
 
@@ -187,7 +162,6 @@ class CudaTransport(Transport):
             dev = torch.device("cuda", torch.cuda.current_device())
         super().__init__(dev)
         self.stream = torch.cuda.Stream(device=dev)
-        self._on_stream = _OnStream(self.stream)  # reused: transactions are serialized (not reentrant)
         self._release_event = None  # compute-stream event recorded at the latest request release
 
     def alloc_storage(self, rows, row_bytes):
@@ -234,7 +208,7 @@ class CudaTransport(Transport):
             # CPU staging of row i+1 behind the bookkeeping of row i instead of overlapping it with row i's DMA.
             self._order_after_releases()
             n = jobs[0][2].numel() if jobs else 0  # one size per layer: one call (each goes through the copy monitor)
-            with self._on_stream:
+            with torch.cuda.stream(self.stream):
                 for j, (dst, stg, src) in enumerate(jobs):
                     stg.copy_(src)  # (row_bytes,) pageable -> pinned, CPU
                     self.stage_bytes += n
@@ -336,7 +310,7 @@ class CudaTransport(Transport):
         self._table_host_np[:] = table
         t = self._table_host
         compute = torch.cuda.current_stream(self.device)
-        with self._on_stream:
+        with torch.cuda.stream(self.stream):
             out = self._stream_owned_table(len(table), compute)
             out.copy_(t, non_blocking=True)  # (E,) behind the row copies on the same stream
             ev = torch.cuda.Event()
@@ -424,7 +398,7 @@ class PinnedSourceTransport(CudaTransport):
             return
         self._order_after_releases()
         n = jobs[0][2].numel()  # every row of a layer has the same size; one call, not one per row (copy monitor)
-        with self._on_stream:
+        with torch.cuda.stream(self.stream):
             for j, (dst, _slot, src) in enumerate(jobs):
                 dst.copy_(src, non_blocking=True)  # (row_bytes,) registered host source -> device row, DMA
                 ev = torch.cuda.Event()

@@ -51,16 +51,6 @@ def torch_calls(dev, row_bytes: int) -> dict:
         with torch.cuda.stream(s):
             pass
 
-    try:
-        from runmap.residency.transport import _OnStream
-    except ImportError:  # a tree from before the transport's lean stream switch (PYTHONPATH=<older checkout>)
-        _OnStream = None
-    lean = _OnStream(s) if _OnStream is not None else None
-
-    def lean_switch():
-        with lean:
-            pass
-
     def event_record():
         torch.cuda.Event().record(s)
 
@@ -74,8 +64,7 @@ def torch_calls(dev, row_bytes: int) -> dict:
             out.record_stream(cur)
             out.copy_(table, non_blocking=True)
 
-    calls = {"stream context": stream_ctx, **({"stream switch (transport._OnStream)": lean_switch} if lean else {}),
-             "event create + record": event_record,
+    calls = {"stream context": stream_ctx, "event create + record": event_record,
              "row copy submit (3.2 MB, in a stream context)": copy_row,
              "table upload (empty + record_stream + copy, in a stream context)": table_upload,
              "wait_stream": lambda: cur.wait_stream(s), "completed event synchronize": done.synchronize}
