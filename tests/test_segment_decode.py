@@ -170,3 +170,58 @@ def test_the_chain_times_its_miss_transactions_like_the_per_call_path(packs, tes
         finally:
             eng.experts.end()
     assert 1 in eng._segments and grew > 0  # the chain ran, and some of its steps missed
+
+
+def test_a_failure_inside_a_capture_ends_the_capture(monkeypatch):
+    """An error raised while a segment chain is being captured (an out-of-memory error under --gpu-budget's cap) must
+    end the open capture before it propagates: a stream left capturing fails every later synchronize, the engine's
+    close() included. Driven on the CPU with a stand-in for torch.cuda's stream and graph calls."""
+    from runmap.engine import engine as engine_mod
+
+    state = {"capturing": False, "ended": 0}
+
+    class Graph:
+        def capture_begin(self, pool=None):
+            state["capturing"] = True
+
+        def capture_end(self):
+            state["ended"] += 1
+            state["capturing"] = False
+            raise RuntimeError("capture invalidated")  # what ending an invalidated capture raises
+
+    class Stream:
+        def __init__(self, *a, **k):
+            pass
+
+        def wait_stream(self, other):
+            pass
+
+    class Ctx:
+        def __init__(self, s):
+            pass
+
+        def __enter__(self):
+            return self
+
+        def __exit__(self, *exc):
+            return False
+
+    monkeypatch.setattr(torch.cuda, "Stream", Stream)
+    monkeypatch.setattr(torch.cuda, "current_stream", lambda *a: Stream())
+    monkeypatch.setattr(torch.cuda, "stream", Ctx)
+    monkeypatch.setattr(torch.cuda, "synchronize", lambda *a: None)
+    monkeypatch.setattr(torch.cuda, "CUDAGraph", Graph)
+    monkeypatch.setattr(torch.cuda, "is_current_stream_capturing", lambda: state["capturing"])
+
+    dec = engine_mod.SegmentDecoder.__new__(engine_mod.SegmentDecoder)
+    dec.e = type("E", (), {"device": torch.device("cpu")})()
+    dec.pool, dec.capture_graphs = None, None
+    dec._run_eager = lambda n_keys: None
+
+    def oom(n_keys):
+        raise torch.OutOfMemoryError("CUDA out of memory (stand-in)")
+    dec._forward = oom
+    with pytest.raises(torch.OutOfMemoryError, match="stand-in"):
+        dec._capture(8)
+    assert state == {"capturing": False, "ended": 1}  # ended once, its own error swallowed, the OOM propagated
+    assert dec.capture_graphs is None
