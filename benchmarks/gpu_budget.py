@@ -31,20 +31,10 @@ def _pairs(values: list[str], what: str) -> dict[str, str]:
 
 
 def _weights(packs: dict[str, str]) -> str:
-    """What the packs' weights are: a pack synthesized directly (random INT4 codes, `runmap synth --direct-pack`) says
-    so in its manifest; any other names the checkpoint it was packed from (its manifest's source path)."""
-    from runmap.synth.direct_pack import synthesized_label
+    """Each pack's weights as a bench record names them (runmap.synth.direct_pack.weights_label)."""
+    from runmap.synth.direct_pack import weights_label
 
-    def one(pack):
-        label = synthesized_label(pack)
-        if label is not None:
-            return f"synthesized directly ({label.get('kind')}, seed {label.get('seed')}, preset {label.get('preset')})"
-        try:
-            source = json.loads((Path(pack) / "manifest.json").read_text()).get("source") or {}
-        except (OSError, ValueError, AttributeError):
-            source = {}
-        return f"packed from {source.get('path', 'an unnamed checkpoint')}"
-    return "; ".join(f"{name}: {one(pack)}" for name, pack in packs.items()) + " - at the presets' real dimensions"
+    return "; ".join(f"{name}: {weights_label(pack)}" for name, pack in packs.items()) + ", at the presets' dimensions"
 
 
 def main(argv=None) -> int:

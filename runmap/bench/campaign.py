@@ -1047,12 +1047,11 @@ class EngineBuilder:
             info["cpu_site_prepare_s"] = prep
         if eng.budget_plan is not None:
             info["budget_plan"] = eng.budget_plan.to_dict()
-        from runmap.synth.direct_pack import synthesized_label
+        from runmap.synth.direct_pack import synthesized_label, weights_label
 
+        info["weights"] = weights_label(pack)
         label = synthesized_label(pack)
-        info["weights"] = "packed checkpoint"
-        if label is not None:  # never mistaken for a packed checkpoint
-            info["weights"] = f"synthesized-direct pack (seed {label.get('seed')})"
+        if label is not None:
             info["weights_note"] = f"speed only: {label.get('note')}"
         return eng, info
 

@@ -867,7 +867,6 @@ class SegmentDecoder(_StaticStepInputs):
         return out
 
 
-
 def _end_capture(graph: torch.cuda.CUDAGraph) -> None:
     """End ``graph``'s capture after a failure inside it, discarding the graph: the stream leaves capture mode whether
     or not the capture was already invalidated (the error that ends an invalid capture is the one being handled)."""

@@ -265,6 +265,13 @@ def write_direct_pack(cfg: ModelConfig, out_dir: str | Path, *, seed: int = 0, b
     return out
 
 
+def weights_label(pack_dir: str | Path) -> str:
+    """What a record says a pack's weights are: "synthesized-direct pack (seed N)" (never mistaken for a packed
+    checkpoint) or "packed checkpoint"."""
+    label = synthesized_label(pack_dir)
+    return "packed checkpoint" if label is None else f"synthesized-direct pack (seed {label.get('seed')})"
+
+
 def synthesized_label(pack_dir: str | Path) -> dict | None:
     """The manifest's ``synthesized`` object of a pack (None for a pack of a checkpoint, or an unreadable one)."""
     try:
