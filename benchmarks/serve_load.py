@@ -20,6 +20,7 @@ import time
 from pathlib import Path
 
 from runmap.cli.options import int_at_least
+from runmap.cli.serve import ENGINE_PROCESS_MODES, engine_process_on
 from runmap.serve import JOIN_MODES
 
 REPO = Path(__file__).resolve().parent.parent
@@ -112,6 +113,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--device", default=None, help="cuda | cpu (default: cuda when available)")
     p.add_argument("--join-mode", choices=JOIN_MODES, default=JOIN_MODES[0],
                    help=f"the server's --join-mode (default {JOIN_MODES[0]})")
+    p.add_argument("--engine-process", choices=ENGINE_PROCESS_MODES, default="auto",
+                   help="the server's --engine-process (default auto: the engine in a child process on CUDA)")
     p.add_argument("--clients", type=_client_counts, default=[1, 8, 32, 64], metavar="N,N,...",
                    help="concurrent client counts, one window each (default 1,8,32,64)")
     p.add_argument("--duration-s", type=_seconds, default=60.0, metavar="S", help="window per client count (default 60)")
@@ -322,7 +325,9 @@ class InProcessServer:
     the engine thread between scheduler steps (Scheduler.call)."""
 
     def __init__(self, pack: Path, *, executor: str, resident, device, max_batch: int, max_seq_len: int,
-                 ifeval_dir: Path, command: str, gpu_budget: int | None = None, join_mode: str = JOIN_MODES[0]):
+                 ifeval_dir: Path, command: str, gpu_budget: int | None = None, join_mode: str = JOIN_MODES[0],
+                 engine_process: bool = False):
+        import functools
         import socket
         import threading
 
@@ -331,15 +336,15 @@ class InProcessServer:
         from runmap.engine.engine import Engine
         from runmap.serve.app import Server, create_app
 
-        def load():  # as runmap serve: under a budget the engine plans again and caps torch's allocator at it
-            residency = ({"gpu_budget": gpu_budget} if gpu_budget is not None
-                         else {"resident": resident})
-            return Engine.from_pack(pack, executor=executor, device=device, max_batch=max_batch,
-                                    max_seq_len=max_seq_len, **residency)
+        # as runmap serve: under a budget the engine plans again and caps torch's allocator at it (a partial: it
+        # pickles, for an engine process)
+        load = functools.partial(Engine.from_pack, pack, executor=executor, device=device, max_batch=max_batch,
+                                 max_seq_len=max_seq_len, **({"gpu_budget": gpu_budget} if gpu_budget is not None
+                                                             else {"resident": resident}))
 
         self.model_id = "bench"
         self.server = Server(load, model_id=self.model_id, pack_dir=pack, ifeval_dir=ifeval_dir, campaign_roots=[],
-                             command=command, join_mode=join_mode)
+                             command=command, join_mode=join_mode, engine_process=engine_process)
         self.sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
         self.sock.bind(("127.0.0.1", 0))
         self.url = f"http://127.0.0.1:{self.sock.getsockname()[1]}/"
@@ -378,6 +383,14 @@ class InProcessServer:
     def scheduler(self):
         return self.server.scheduler
 
+    @property
+    def device(self):
+        """The engine's device (in an engine process: from what it reported)."""
+        import torch
+
+        eng = self.server.engine
+        return eng.device if hasattr(eng, "device") else torch.device(self.server.info["device"])
+
     def wait_idle(self, timeout_s: float = 120.0) -> None:
         """Until no request runs or waits (clients that went away are dropped at the next step)."""
         t0 = time.monotonic()
@@ -399,25 +412,12 @@ def offline_throughput(srv: InProcessServer, prompts: list[str], *, batch: int, 
     import concurrent.futures
 
     from runmap.bench import metrics as bm
-    from runmap.bench.campaign import _timing_values
 
     rows = [prompts[i % len(prompts)] for i in range(batch)]
-    eng = srv.server.engine
-
-    def measure():
-        for _ in range(warmup):
-            eng.run(rows, max_new_tokens=max_tokens, chat=chat, ignore_eos=True)
-        out = []
-        for _ in range(repeats):
-            run = eng.run(rows, max_new_tokens=max_tokens, chat=chat, ignore_eos=True)
-            pf, dc, tt, pt, nt = _timing_values(run, f"offline batch {batch}")
-            out.append({"decode_tok_s": dc, "ttft_s": tt, "new_tokens": nt, "prompt_tokens": pt,
-                        "e2e_tok_s": nt / (run.prefill_s + run.decode_s)})
-        return out
-
     srv.wait_idle()
-    try:
-        runs = srv.scheduler.call(measure, timeout=timeout_s)
+    try:  # on the engine thread, between scheduler steps (runmap.serve.scheduler.ENGINE_CALLS)
+        runs = srv.scheduler.call_named("offline_runs", timeout=timeout_s, rows=rows, max_new_tokens=max_tokens,
+                                        chat=chat, warmup=warmup, repeats=repeats)
     except concurrent.futures.TimeoutError:
         raise BenchFailure(f"the offline measurement at batch {batch} took longer than --offline-timeout-s "
                            f"{timeout_s:g}") from None
@@ -444,14 +444,14 @@ def run_window(srv: InProcessServer, pool, *, clients: int, procs: int, job: dic
         time.sleep(0.001)
     n0 = sched.totals["generated_tokens"]
     late0 = sched.compiles_after_ready()
-    busy0, count0, pc0 = dict(sched.time_in), dict(sched.runner.counters), time.perf_counter()
+    busy0, count0, pc0 = dict(sched.time_in), sched.counters(), time.perf_counter()
     samples = []
     while (now := time.monotonic()) < t_end:
         samples.append((sched.running, sched.waiting))
         time.sleep(min(0.25, max(0.0, t_end - now)))
     n1 = sched.totals["generated_tokens"]
     late1 = sched.compiles_after_ready()
-    busy1, count1, pc1 = dict(sched.time_in), dict(sched.runner.counters), time.perf_counter()
+    busy1, count1, pc1 = dict(sched.time_in), sched.counters(), time.perf_counter()
     records = []
     for f in futs:
         try:
@@ -600,7 +600,8 @@ def run(args, argv: list[str]) -> int:
         srv = InProcessServer(pack, executor=args.executor, resident=resident, device=args.device, max_batch=max_batch,
                               max_seq_len=args.max_seq_len, ifeval_dir=Path(scratch) / "ifeval",
                               command=f"runmap serve (in {command})", gpu_budget=args.gpu_budget,
-                              join_mode=args.join_mode)
+                              join_mode=args.join_mode,
+                              engine_process=engine_process_on(args.engine_process, args.device))
         try:
             # the workers import the client while the engine loads
             warm = [pool.submit(_warm_worker) for _ in range(workers)]
@@ -619,7 +620,7 @@ def run(args, argv: list[str]) -> int:
                   flush=True)
             job = {"url": srv.url, "model": srv.model_id, "prompts": prompts, "endpoint": args.endpoint,
                    "max_tokens": args.max_tokens, "max_requests": args.max_requests, "timeout_s": args.request_timeout_s}
-            machine = machine_info(srv.server.engine.device)
+            machine = machine_info(srv.device)
             from runmap.atomic import write_json
             from runmap.provenance import utc_timestamp
 
@@ -639,6 +640,7 @@ def run(args, argv: list[str]) -> int:
                     "server": {"host": "127.0.0.1", "executor": info["executor"], "device": info["device"],
                                "cuda_graphs": info["cuda_graphs"], "max_batch": info["max_batch"],
                                "join_mode": args.join_mode,
+                               "engine_process": srv.server.engine_process,
                                "max_seq_len": info["max_seq_len"], "load_s": info["load_s"], "warmup_s": sched.warmup_s,
                                "ready_s": ready_s, "first_request": first,
                                "expert_cache": {"hits": stats.hits, "misses": stats.misses, "bytes_h2d": stats.bytes_h2d}

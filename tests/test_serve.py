@@ -77,7 +77,8 @@ def server(pack, tmp_path_factory):
     env = dict(os.environ, OMP_NUM_THREADS="1", TRITON_INTERPRET="1", PYTHONUNBUFFERED="1")
     cmd = [sys.executable, "-m", "runmap", "serve", "--packed", str(pack), "--executor", "reference", "--device", "cpu",
            "--port", "0", "--max-batch", str(MAX_BATCH), "--max-seq-len", str(MAX_SEQ_LEN), "--model-name", "tiny",
-           "--ifeval-dir", str(tmp / "ifeval"), "--campaigns", str(REPO / "results" / "campaigns")]
+           "--ifeval-dir", str(tmp / "ifeval"), "--campaigns", str(REPO / "results" / "campaigns"),
+           "--engine-process", "on"]  # the default on CUDA: the engine and its scheduler in a child process
     proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, cwd=tmp, env=env)
     try:
         url, deadline = None, time.time() + 90

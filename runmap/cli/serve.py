@@ -38,6 +38,7 @@ Exit status: 0 stopped, 1 bad input (a missing pack, a port in use, an engine th
 2 usage."""
 
 DEFAULT_IFEVAL_DIR = "results/serve/ifeval"
+ENGINE_PROCESS_MODES = ("auto", "on", "off")
 DEFAULT_CAMPAIGNS = "results/campaigns"
 
 
@@ -83,6 +84,11 @@ def add_arguments(p) -> None:
     p.add_argument("--campaigns", action="append", default=None, metavar="DIR",
                    help=f"campaign roots the page lists (repeatable; default {DEFAULT_CAMPAIGNS})")
     p.add_argument("--access-log", action="store_true", help="log every HTTP request (uvicorn's access log)")
+    p.add_argument("--engine-process", choices=ENGINE_PROCESS_MODES, default="auto",
+                   help="run the engine and its scheduler in a child process, apart from the HTTP event loop: "
+                        "auto (default): on when the engine runs on CUDA. In one process the engine thread waits "
+                        "for the interpreter lock while the event loop writes a streamed chunk per token per client "
+                        "(results/serve/load/README.md)")
 
 
 def _command(pack, args) -> str:
@@ -93,7 +99,8 @@ def _command(pack, args) -> str:
     for flag, v in (("--resident", args.resident), ("--max-seq-len", args.max_seq_len), ("--device", args.device),
                     ("--model-name", args.model_name), ("--max-join-tokens", args.max_join_tokens),
                     ("--prefill-chunk", args.prefill_chunk),
-                    ("--join-mode", None if args.join_mode == JOIN_MODES[0] else args.join_mode)):
+                    ("--join-mode", None if args.join_mode == JOIN_MODES[0] else args.join_mode),
+                    ("--engine-process", None if args.engine_process == "auto" else args.engine_process)):
         if v is not None:
             parts += [flag, str(v)]
     if args.gpu_budget is not None:
@@ -107,7 +114,19 @@ def _command(pack, args) -> str:
     return " ".join(shlex.quote(p) for p in parts)
 
 
+def engine_process_on(mode: str, device: str | None) -> bool:
+    """--engine-process: auto is on when the engine will run on CUDA (asked for, or the default device)."""
+    if mode != "auto":
+        return mode == "on"
+    if device is not None:
+        return str(device).startswith("cuda")
+    import torch
+
+    return torch.cuda.is_available()  # asks the driver without creating a CUDA context in this process
+
+
 def run(args) -> int:
+    import functools
     import signal
     import socket
     import sys
@@ -148,16 +167,15 @@ def run(args) -> int:
     from runmap.engine.engine import Engine
     from runmap.serve.app import Server, create_app
 
-    def load():
-        # under --gpu-budget the engine plans again (the same plan as printed) and caps torch's allocator at it
-        return Engine.from_pack(pack, executor=args.executor, device=args.device, max_batch=args.max_batch,
-                                max_seq_len=args.max_seq_len, expert_placement=args.expert_placement,
-                                cpu_executor=args.cpu_executor,
-                                prefetch=args.prefetch, prefill_chunk=args.prefill_chunk,
-                                warm_up=False,  # the scheduler warms up every shape it serves
-                                **(
-                                    {"gpu_budget": args.gpu_budget}
-                                    if args.gpu_budget is not None else {"resident": resident}))
+    # under --gpu-budget the engine plans again (the same plan as printed) and caps torch's allocator at it; a
+    # partial, so that it pickles for --engine-process
+    load = functools.partial(Engine.from_pack, pack, executor=args.executor, device=args.device,
+                             max_batch=args.max_batch, max_seq_len=args.max_seq_len,
+                             expert_placement=args.expert_placement, cpu_executor=args.cpu_executor,
+                             prefetch=args.prefetch, prefill_chunk=args.prefill_chunk,
+                             warm_up=False,  # the scheduler warms up every shape it serves
+                             **({"gpu_budget": args.gpu_budget} if args.gpu_budget is not None
+                                else {"resident": resident}))
 
     failure: list[str] = []
     uv: list = []
@@ -172,6 +190,7 @@ def run(args) -> int:
     server = Server(load, model_id=model_id, pack_dir=pack, ifeval_dir=args.ifeval_dir,
                     campaign_roots=args.campaigns or [DEFAULT_CAMPAIGNS], command=_command(pack, args),
                     on_failure=on_failure, join_mode=args.join_mode,
+                    engine_process=engine_process_on(args.engine_process, args.device),
                     **({} if args.max_join_tokens is None else {"join_tokens": args.max_join_tokens}))
     shown = f"[{host}]" if family == socket.AF_INET6 else host
     url = f"http://{shown}:{port}/"

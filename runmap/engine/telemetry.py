@@ -62,6 +62,11 @@ class PhaseSiteCounters:
     prefill_passes_eager: int = 0
 
 
+def _engine_stats(fields: dict) -> "EngineStats":
+    return EngineStats(**{k: MappingProxyType(v) if k in ("observations", "placement") and v is not None else v
+                          for k, v in fields.items()})
+
+
 @dataclasses.dataclass(frozen=True)
 class EngineStats(PhaseSiteCounters):
     """Typed snapshot of what an engine ran and what its cache observed (cumulative since startup).
@@ -96,6 +101,12 @@ class EngineStats(PhaseSiteCounters):
     placement: MappingProxyType | None = None  # the placement's plan (mode, measured rates, decisions); None = gpu
     prefetch: bool = False  # next-layer prefetch on
     row_bytes: int = 0
+
+    def __reduce__(self):
+        # a snapshot crosses to the HTTP process when the engine runs in its own (runmap.serve.engine_process), and a
+        # mapping proxy does not pickle: its fields go as plain dicts and are wrapped again on arrival
+        fields = {f.name: getattr(self, f.name) for f in dataclasses.fields(self)}
+        return _engine_stats, ({k: dict(v) if isinstance(v, MappingProxyType) else v for k, v in fields.items()},)
 
     @property
     def hit_rate(self) -> float | None:

@@ -38,6 +38,7 @@ from runmap.serve import JOIN_MODES
 from runmap.serve import protocol as P
 from runmap.serve.batching import JOIN_TOKENS, SamplingParams
 from runmap.serve.campaigns import Campaigns
+from runmap.serve.engine_process import EngineProcess
 from runmap.serve.ifeval_job import IFEvalRuns
 from runmap.serve.metrics import CONTENT_TYPE, ServeMetrics
 from runmap.serve.scheduler import Scheduler, Ticket
@@ -99,17 +100,20 @@ class Server:
 
     def __init__(self, load_engine: Callable, *, model_id: str, pack_dir, ifeval_dir, campaign_roots=(),
                  command: str = "runmap serve", pipelined=None, on_failure: Callable[[str], None] | None = None,
-                 join_tokens: int = JOIN_TOKENS, join_mode: str = JOIN_MODES[0]):
+                 join_tokens: int = JOIN_TOKENS, join_mode: str = JOIN_MODES[0], engine_process: bool = False):
         if join_mode not in JOIN_MODES:
             raise ValueError(f"join_mode must be one of {JOIN_MODES}, got {join_mode!r}")
         self.join_mode = join_mode
         self.load_engine, self.model_id, self.pack_dir = load_engine, model_id, Path(pack_dir)
         self.command, self.pipelined, self.on_failure = command, pipelined, on_failure
         self.join_tokens = join_tokens
+        # the engine and its scheduler in a child process (runmap.serve.engine_process; load_engine must then
+        # pickle, e.g. a functools.partial of Engine.from_pack); self.engine is then an EngineView
+        self.engine_process = engine_process
         self.metrics = ServeMetrics()
         self.tok_lock = threading.Lock()  # one tokenizer, used by the HTTP threads and the engine thread
         self.engine = None
-        self.scheduler: Scheduler | None = None
+        self.scheduler: Scheduler | EngineProcess | None = None
         self.load_error: str | None = None
         self.info: dict = {}
         self.started = time.time()
@@ -127,6 +131,8 @@ class Server:
         self._loader.start()
 
     def _load(self) -> None:
+        if self.engine_process:
+            return self._load_process()
         try:
             eng = self.load_engine()
         except Exception as e:  # noqa: BLE001 - bad pack, missing device, ...: one line, the server exits
@@ -145,6 +151,26 @@ class Server:
         self.metrics.source = sched
         self.scheduler = sched
         sched.start()
+
+    def _load_process(self) -> None:
+        proc = EngineProcess(self.load_engine, model_id=self.model_id, metrics=self.metrics, scheduler_kwargs={
+            "pipelined": self.pipelined, "join_tokens": self.join_tokens,
+            "interleave_joins": self.join_mode == "interleaved"})
+        try:
+            view = proc.start()
+        except RuntimeError as e:  # the child's one line (bad pack, missing device, ...): the server exits
+            self.load_error = str(e)
+            if self.on_failure is not None:
+                self.on_failure(self.load_error)
+            return
+        with self._shutdown_lock:
+            if self._down:  # stopped while the pack was loading
+                proc.stop()
+                return
+            self.engine = view
+            self.info = view.info
+            self.metrics.source = proc
+            self.scheduler = proc
 
     def wait_loaded(self, timeout: float | None = None) -> None:
         if self._loader is not None:
@@ -200,7 +226,7 @@ class Server:
     def telemetry_doc(self) -> dict | None:
         """The engine's telemetry document (schemas/telemetry.schema.json), built on the engine thread."""
         sched = self.scheduler
-        return None if sched is None else sched.call(self.engine.telemetry)
+        return None if sched is None else sched.telemetry()
 
     def live(self) -> dict:
         """The page's live telemetry."""
@@ -214,7 +240,9 @@ class Server:
                    warmup_s=sched.warmup_s)
         if st is not None:
             out.update(_stats_dict(st))
-        if self.engine is not None and self.engine.device.type == "cuda":
+        if isinstance(sched, EngineProcess):
+            out.update(sched.memory or {})
+        elif self.engine is not None and self.engine.device.type == "cuda":
             import torch
 
             out["cuda_allocated_bytes"] = torch.cuda.memory_allocated(self.engine.device)
@@ -308,7 +336,7 @@ def create_app(server: Server) -> FastAPI:
     async def _submit(request: Request, endpoint: str, prompt_ids: list[int], req, max_tokens: int | None):
         sched = ready_scheduler()
         if max_tokens is None:  # the API's default: whatever the context leaves after the prompt
-            max_tokens = max(sched.eng.max_seq_len - len(prompt_ids) + 1, 1)
+            max_tokens = max(sched.max_seq_len - len(prompt_ids) + 1, 1)
         temperature, top_p = req.sampling()
         params = SamplingParams(max_new_tokens=max_tokens, temperature=temperature, top_p=top_p, seed=req.seed,
                                 stop=req.stop_list())

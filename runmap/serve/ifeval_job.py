@@ -165,10 +165,10 @@ class IFEvalRuns:
             run_dir = self.root / name
             prompts = self._prepare_inputs(run_dir, limit)
             longest = max(len(self.encode(p.prompt, True)) for p in prompts)
-            if longest + max_new_tokens - 1 > sched.eng.max_seq_len:
+            if longest + max_new_tokens - 1 > sched.max_seq_len:
                 raise ApiError(400, f"the longest chat-formatted prompt of this selection has {longest} tokens; with "
                                     f"max_new_tokens {max_new_tokens} it does not fit the server's context "
-                                    f"(--max-seq-len {sched.eng.max_seq_len})", param="max_new_tokens")
+                                    f"(--max-seq-len {sched.max_seq_len})", param="max_new_tokens")
             answers = run_dir / "answers.jsonl"
             already = len(recover_answers(answers, prompts)) if answers.exists() else 0
             self._stop.clear()

@@ -19,6 +19,7 @@ from __future__ import annotations
 import collections
 import concurrent.futures
 import dataclasses
+import functools
 import gc
 import logging
 import sys
@@ -40,6 +41,44 @@ STATS_EVERY_S = 0.5
 JOIN_SLICE_S = 0.001
 GIL_SWITCH_INTERVAL_S = 0.0005  # sys.setswitchinterval for a serving process (Scheduler.start says why)
 RATE_WINDOW_S = 5.0
+
+
+def _telemetry(eng) -> dict:
+    return eng.telemetry()
+
+
+def _offline_runs(eng, *, rows: list, max_new_tokens: int, chat: bool, warmup: int, repeats: int) -> list[dict]:
+    """The engine's own batched generation of ``rows`` (every row to max_new_tokens), ``warmup`` untimed runs then
+    ``repeats`` timed ones, as the engine times them (benchmarks/serve_load.py's offline reference)."""
+    from runmap.bench.campaign import _timing_values
+
+    for _ in range(warmup):
+        eng.run(rows, max_new_tokens=max_new_tokens, chat=chat, ignore_eos=True)
+    out = []
+    for _ in range(repeats):
+        run = eng.run(rows, max_new_tokens=max_new_tokens, chat=chat, ignore_eos=True)
+        pf, dc, tt, pt, nt = _timing_values(run, f"offline batch {len(rows)}")
+        out.append({"decode_tok_s": dc, "ttft_s": tt, "new_tokens": nt, "prompt_tokens": pt,
+                    "e2e_tok_s": nt / (run.prefill_s + run.decode_s)})
+    return out
+
+
+# what other threads (and the HTTP process) may run on the engine thread by name: (engine, **kwargs) -> picklable
+ENGINE_CALLS: dict[str, Callable] = {"telemetry": _telemetry, "offline_runs": _offline_runs}
+
+
+def check_fits(msl: int, prompt_len: int, max_new_tokens: int) -> None:
+    """ApiError (400) unless a prompt of ``prompt_len`` tokens and ``max_new_tokens`` fit a context of ``msl``."""
+    if prompt_len < 1:
+        raise ApiError(400, "the prompt is empty (no token to condition on)", param="prompt")
+    if prompt_len > msl:
+        raise ApiError(400, f"This model's maximum context length is {msl} tokens. However, your prompt has "
+                       f"{prompt_len} tokens.", param="messages", code="context_length_exceeded")
+    if prompt_len + max_new_tokens - 1 > msl:
+        raise ApiError(400, f"This model's maximum context length is {msl} tokens. However, you requested "
+                       f"{prompt_len + max_new_tokens} tokens ({prompt_len} in the prompt, {max_new_tokens} for "
+                       f"the completion; the last token needs no KV slot). Reduce max_tokens to at most "
+                       f"{msl - prompt_len + 1}.", param="max_tokens", code="context_length_exceeded")
 
 
 @dataclasses.dataclass(eq=False)
@@ -64,8 +103,12 @@ class Ticket:
 
 class Scheduler:
     def __init__(self, engine, *, metrics=None, info: dict | None = None, decode=None, pipelined=None,
-                 join_tokens: int = JOIN_TOKENS, interleave_joins: bool = False):
+                 join_tokens: int = JOIN_TOKENS, interleave_joins: bool = False,
+                 after_iteration: Callable[[], None] | None = None):
         self.eng, self.metrics = engine, metrics
+        # called by the engine thread after each pass of its loop (and while it waits idle, every STATS_EVERY_S):
+        # the engine process (runmap.serve.engine_process) sends the pass's events to the HTTP process from there
+        self.after_iteration = after_iteration
         self.join_tokens = join_tokens
         self.interleave_joins = interleave_joins
         self.info = dict(info or {})
@@ -117,17 +160,7 @@ class Scheduler:
 
     def check(self, prompt_len: int, max_new_tokens: int) -> None:
         """ApiError (400) unless the request fits the context."""
-        if prompt_len < 1:
-            raise ApiError(400, "the prompt is empty (no token to condition on)", param="prompt")
-        msl = self.eng.max_seq_len
-        if prompt_len > msl:
-            raise ApiError(400, f"This model's maximum context length is {msl} tokens. However, your prompt has "
-                           f"{prompt_len} tokens.", param="messages", code="context_length_exceeded")
-        if prompt_len + max_new_tokens - 1 > msl:
-            raise ApiError(400, f"This model's maximum context length is {msl} tokens. However, you requested "
-                           f"{prompt_len + max_new_tokens} tokens ({prompt_len} in the prompt, {max_new_tokens} for "
-                           f"the completion; the last token needs no KV slot). Reduce max_tokens to at most "
-                           f"{msl - prompt_len + 1}.", param="max_tokens", code="context_length_exceeded")
+        check_fits(self.eng.max_seq_len, prompt_len, max_new_tokens)
 
     def submit(self, ticket: Ticket) -> Ticket:
         if not self.ready:
@@ -181,6 +214,22 @@ class Scheduler:
         if self.compiles is None or self.compiles.marked_at is None:
             return None
         return {"count": self.compiles.count - self.compiles.marked_at, "variants": list(self.compiles.since_mark)}
+
+    @property
+    def max_seq_len(self) -> int:
+        return self.eng.max_seq_len
+
+    def counters(self) -> dict:
+        """The batch runner's counters (steps, joins, admitted, ...); empty before the engine thread made it."""
+        return dict(self.runner.counters) if self.runner is not None else {}
+
+    def call_named(self, name: str, timeout: float | None = 60.0, **kwargs):
+        """``ENGINE_CALLS[name](engine, **kwargs)`` on the engine thread (the same call crosses to an engine
+        process: runmap.serve.engine_process.EngineProcess.call_named)."""
+        return self.call(functools.partial(ENGINE_CALLS[name], self.eng, **kwargs), timeout=timeout)
+
+    def telemetry(self) -> dict:
+        return self.call_named("telemetry")
 
     @property
     def alive(self) -> bool:
@@ -305,11 +354,15 @@ class Scheduler:
     def _serve(self) -> None:
         r = self.runner
         while True:
+            if self.after_iteration is not None:
+                self.after_iteration()
             with self._cv:
                 while not self._stop and not self._waiting and not r.rows and not r.joining and not self._calls:
                     self._drop_cancelled_waiting()
                     if not self._cv.wait(timeout=STATS_EVERY_S) and self._stats_steps != r.counters["steps"]:
                         self._refresh_stats(force=True)
+                    if self.after_iteration is not None and not self._waiting and not self._calls:
+                        self.after_iteration()
                 if self._stop:
                     break
                 self._drop_cancelled_waiting()
