@@ -94,6 +94,53 @@ def test_padded_pass_gives_the_eager_logits_and_cache(packs, test_device, length
     assert len(eng._prefiller.passes) <= n_passes + 1
 
 
+@pytest.mark.parametrize("lengths", [[20], [20, 17, 9]])
+def test_a_join_pass_into_the_last_rows_gives_the_eager_logits_and_cache(packs, test_device, lengths):
+    """A server's join (Engine.prefill with kv_row0): the pass of the k prompts writes KV rows max_batch - k.. (the
+    rows of the running requests below stay untouched) and gives what the eager pass into rows 0..k-1 gives; with
+    several rows it is the padded pass even when no row is padded."""
+    torch.manual_seed(1)
+    eng = _engine(packs, test_device, max_batch=4)
+    V, k = eng.cfg.vocab_size, len(lengths)
+    tol = 2e-2 if test_device == "cuda" else 3e-3
+    P = max(lengths)
+    pad_h = np.array([P - n for n in lengths])
+    tokens = torch.randint(1, V, (k, P)).to(eng.device)
+    pad = torch.as_tensor(pad_h).to(eng.device)
+    want = _eager(eng, tokens, pad).float().cpu()
+    k_want, v_want = eng.kv.k[:, :k, :, :P].clone(), eng.kv.v[:, :k, :, :P].clone()
+    eng.kv.k.normal_()
+    eng.kv.v.normal_()
+    below_k, below_v = eng.kv.k[:, :4 - k].clone(), eng.kv.v[:, :4 - k].clone()
+    before = eng.prefill_paths["graphs"]
+    row0 = 4 - k
+    got = eng.prefill(tokens, pad, pad_host=pad_h.tolist(), kv_row0=row0, padded_pass=k > 1).float().cpu()
+    assert eng.prefill_paths["graphs"] == before + 1
+    assert (k, 32, k > 1, False, False, row0) in eng._prefiller.passes  # its own pass: row offset and padded in its key
+    assert (got - want).abs().max().item() <= tol * max(1.0, want.abs().max().item())
+    assert torch.equal(got.argmax(-1), want.argmax(-1))
+    assert torch.equal(eng.kv.k[:, :row0], below_k) and torch.equal(eng.kv.v[:, :row0], below_v)
+    for b in range(k):
+        s = slice(int(pad_h[b]), P)
+        for mine, ref in ((eng.kv.k, k_want), (eng.kv.v, v_want)):
+            assert (mine[:, row0 + b, :, s].float() - ref[:, b, :, s].float()).abs().max().item() <= tol
+    with pytest.raises(ValueError, match="outside the KV cache"):
+        eng.prefill(tokens, pad, kv_row0=5 - k)
+    with pytest.raises(ValueError, match="not both"):
+        eng.prefill(tokens, pad, kv=eng.kv.rows(0, k), kv_row0=0)
+
+
+def test_prepare_join_passes_takes_every_rows_and_bucket_a_pass_fits(packs, test_device):
+    eng = _engine(packs, test_device, max_batch=3)
+    n = eng.prepare_join_passes()
+    keys = {(B, Pb, padded, row0) for B, Pb, padded, _, _, row0 in eng._prefiller.passes}
+    want = {(B, Pb, B > 1, 3 - B) for B in (1, 2, 3) for Pb in PREFILL_BUCKETS
+            if eng._prefiller.bucket_for(B, Pb) == Pb}
+    assert n == len(want) and want <= keys and (1, 64, False, 2) in want and (3, 16, True, 0) in want
+    eng._prefiller = None  # no graph prefill (the CPU engine, partial residency, a budget): nothing to capture
+    assert eng.prepare_join_passes() == 0 and eng.join_pass_bucket(1, 1) is None
+
+
 def test_generate_through_the_padded_pass_equals_eager_generation(packs, test_device):
     """Whole requests: the same tokens, and under a routing workload with a route recorder the same imposed draws and
     the same recorded routes (the real positions only) as an engine whose prefill runs eagerly."""
@@ -105,7 +152,7 @@ def test_generate_through_the_padded_pass_equals_eager_generation(packs, test_de
             eng._prefiller = None
         out = [r.token_ids for r in eng.generate(prompts, max_new_tokens=5)]
         if graph:  # the batch's pass: row 0's tail position 15 (P = 9, bucket 16) took the filler routes
-            st = eng._prefiller.passes[(2, 16, True, True, True)]
+            st = eng._prefiller.passes[(2, 16, True, True, True, 0)]  # rows, bucket, padded, workload, recorder, row0
             assert torch.equal(st.imposed[:, 15].cpu(), torch.arange(eng.cfg.top_k).expand(eng.cfg.num_layers, -1))
         out += [r.token_ids for r in eng.generate(prompts[:1], max_new_tokens=5)]
         st = eng.stats()

@@ -130,9 +130,45 @@ def test_every_request_gets_its_tokens_alone_whatever_the_schedule(engines, pres
     assert all(v > 0 for v in totals.values()), totals
     assert (joints > 0) == bool(joint)  # joint schedules prefilled several prompts together, the others never
     assert (padded > 0) == bool(joint)
-    # interleaved schedules ran prefills between decode steps, and some joined rows had moved down meanwhile
+    # interleaved schedules ran prefills between decode steps; joined rows moved to the running ones' side: whole
+    # joins are prefilled into the cache's last rows (where a server's captured passes write), interleaved ones when
+    # rows left during their prefill
     assert (interleaved > 0) == (joint == "interleaved"), interleaved
-    assert (moved > 0) == (joint == "interleaved"), moved
+    assert moved > 0, moved
+
+
+@pytest.mark.parametrize("pipelined", [False, True], ids=["cpu-order", "pipelined"])
+def test_joins_through_the_captured_join_passes_get_the_tokens_alone(packs, pipelined, monkeypatch):
+    """Whole joins replay the pass captured for their rows x bucket into the cache's last rows (on the CPU the same
+    fixed-shape pass without a graph); a group stops before the request that would take it past the largest captured
+    pass (cut to 64 tokens here), and each request still gets its tokens alone."""
+    from runmap.engine import prefill_graph
+    from runmap.engine.engine import Engine
+    from runmap.engine.prefill_graph import GraphPrefiller
+
+    monkeypatch.setattr(prefill_graph, "PREFILL_GRAPH_MAX_TOKENS", 64)
+    eng = Engine.from_pack(packs["tiny-olmoe"], executor="reference", device="cpu", max_batch=3,
+                           max_seq_len=MAX_SEQ_LEN)
+    eng._prefiller = GraphPrefiller(eng, None, capture=False)
+    assert eng.join_pass_bucket(2, 20) == 32 and eng.join_pass_bucket(3, 20) is None  # 3 x 32 > 64
+    for seed in (3, 4):
+        reqs = _requests(eng, seed)
+        alone = _alone(eng, reqs)
+        before = dict(eng.prefill_paths)
+        seqs, r, _ = _run_schedule(eng, reqs, pipelined=pipelined, seed=seed, joint=True)
+        for k, (a, s) in enumerate(zip(alone, seqs)):
+            assert s.token_ids == a.token_ids and s.text == a.text, f"seed {seed} request {k}"
+        assert eng.prefill_paths["graphs"] > before["graphs"]  # the joins replayed the join passes
+        keys = [key for key in eng._prefiller.passes if key[-1] != 0 or key[0] == 3]
+        assert keys and all(row0 == 3 - B for B, _, _, _, _, row0 in keys)  # into the cache's last B rows
+        assert all(B * Pb <= 64 for B, Pb, *_ in eng._prefiller.passes)
+    # a group that would outgrow the largest captured pass stops short of it
+    with torch.inference_mode():
+        r = BatchRunner(eng)
+        ids = eng.tokenizer.encode("the sea sky river mountain poem")  # a few tokens: bucket 16 or 32
+        n = r.admit_many([Sequence(ids, SamplingParams(max_new_tokens=4)) for _ in range(3)])
+        assert n == (3 if eng.join_pass_bucket(3, len(ids)) is not None else 2)
+        r.abort_all()
 
 
 def test_a_cancelled_row_leaves_at_the_next_step_and_the_others_are_unaffected(engines):

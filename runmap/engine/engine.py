@@ -1209,25 +1209,60 @@ class Engine:
         return min(b, self.max_seq_len)
 
     def prefill(self, tokens: torch.Tensor, pad: torch.Tensor, all_logits: bool = False, *, kv=None,
-                pad_host=None) -> torch.Tensor:
+                pad_host=None, kv_row0: int | None = None, padded_pass: bool = False) -> torch.Tensor:
         """tokens int64 (B, P), pad int64 (B,) (device) -> float32 (B, V) (or (B, P, V) with all_logits).
         Chunks of ``prefill_chunk`` tokens bound the activation memory of long prompts. ``kv``: the KVCache (or a
-        ``rows`` view of it) the pass writes, rows 0..B-1 (default: the engine's); ``pad_host``: the same pads
+        ``rows`` view of it) the pass writes, rows 0..B-1 (default: the engine's); ``kv_row0``: instead, rows
+        kv_row0..kv_row0+B-1 of the engine's own cache (a server's join into free rows); ``pad_host``: the same pads
         as host ints, when the caller has them (saves a device-to-host read). ``prefill_pieces`` run to its end, or
         with CUDA graphs a short pass of last-position logits into the engine's own cache replayed as a captured graph
-        (runmap.engine.prefill_graph: the prompt padded on the right to its length bucket)."""
+        (runmap.engine.prefill_graph: the prompt padded on the right to its length bucket; ``padded_pass``: the
+        padded pass even when no row is padded, so that one captured pass serves every join of a shape)."""
         B, P = tokens.shape
+        if kv_row0 is not None:
+            if kv is not None:
+                raise ValueError("prefill takes kv or kv_row0, not both")
+            if not 0 <= kv_row0 <= self.kv.max_batch - B:
+                raise ValueError(f"kv_row0 {kv_row0} + {B} rows is outside the KV cache's {self.kv.max_batch} rows")
+        row0 = kv_row0 or 0
         Pb = None
         if self._graph_prefill() and kv is None and not all_logits and self.model.route_log is None:
             Pb = self._prefiller.bucket_for(B, P)  # within one chunk and the KV cache, or None
         if Pb is None:
             self.prefill_paths["eager"] += 1
+            if row0:
+                kv = self.kv.rows(row0, row0 + B)
             return run_pieces(self.prefill_pieces(tokens, pad, all_logits, kv=kv, pad_host=pad_host))
         pad_h = pad.cpu().numpy() if pad_host is None else np.asarray(pad_host, dtype=np.int64)
         self.prefill_paths["graphs"] += 1
         with torch.inference_mode():  # its static buffers are inference tensors (made under generate's inference mode)
             # a copy: the captured pass's output lives in the graph pool, which a later capture or replay may reuse
-            return self._prefiller.run(tokens, pad, pad_h, Pb).clone()
+            return self._prefiller.run(tokens, pad, pad_h, Pb, row0=row0, padded=padded_pass).clone()
+
+    def join_pass_bucket(self, B: int, P: int) -> int | None:
+        """The length bucket at which ``prefill(..., kv_row0=...)`` of B rows x P positions replays a captured pass
+        (None: it runs eagerly)."""
+        if not self._graph_prefill() or self.model.route_log is not None:
+            return None
+        return self._prefiller.bucket_for(B, P)
+
+    def prepare_join_passes(self) -> int:
+        """Capture, now, the passes a server's whole joins replay (``BatchRunner``: B rows into the cache's last B
+        rows, padded when B > 1) at every row count and length bucket a captured pass takes; returns how many. Nothing
+        without graph prefill (CPU, partial residency, a GPU budget)."""
+        if not self._graph_prefill():
+            return 0
+        from runmap.engine.prefill_graph import PREFILL_BUCKETS
+
+        n = 0
+        for B in range(1, self.max_batch + 1):
+            for Pb in PREFILL_BUCKETS:
+                if self._prefiller.bucket_for(B, Pb) != Pb:
+                    continue
+                self._prefiller.prepare(B, Pb, imposed=self.imposed is not None, recorded=self.routes is not None,
+                                        padded=B > 1, row0=self.max_batch - B)
+                n += 1
+        return n
 
     def prefill_pieces(self, tokens: torch.Tensor, pad: torch.Tensor, all_logits: bool = False, *, kv=None,
                        pad_host=None):

@@ -48,9 +48,11 @@ class _CapturedPass:
     position whose logits are returned), and when the engine has them the imposed and the recorded routes,
     int64 (L, B*Pb, k) each."""
 
-    def __init__(self, engine, B: int, Pb: int, padded: bool, imposed: bool, recorded: bool):
+    def __init__(self, engine, B: int, Pb: int, padded: bool, imposed: bool, recorded: bool, row0: int = 0):
         dev, L, k = engine.device, engine.cfg.num_layers, engine.cfg.top_k
-        self.B, self.Pb, self.padded = B, Pb, padded
+        self.B, self.Pb, self.padded, self.row0 = B, Pb, padded, row0
+        # the KV rows the pass writes: the engine's cache from row 0, or (a server's join) rows row0..row0+B-1
+        self.kv = engine.kv if row0 == 0 else engine.kv.rows(row0, row0 + B)
         self.tok = torch.full((B, Pb), int(engine.pad_id), dtype=torch.long, device=dev)
         self.pad = torch.zeros(B, dtype=torch.long, device=dev)
         self.last = torch.zeros(1, dtype=torch.long, device=dev)
@@ -69,8 +71,8 @@ class GraphPrefiller:
 
     def __init__(self, engine, pool, capture: bool = True):
         self.e, self.pool, self.capture = engine, pool, capture
-        # (rows, bucket, padded, routing workload on, route recorder on) -> pass: a pass captured without the workload's
-        # or the recorder's buffers (warm_up sets both aside) never serves a run that has them
+        # (rows, bucket, padded, routing workload on, route recorder on, first KV row) -> pass: a pass captured without
+        # the workload's or the recorder's buffers (warm_up sets both aside) never serves a run that has them
         self.passes: dict[tuple, _CapturedPass] = {}
 
     def bucket_for(self, B: int, P: int) -> int | None:
@@ -81,17 +83,18 @@ class GraphPrefiller:
             return None
         return Pb
 
-    def _pass(self, B: int, Pb: int, padded: bool, imposed: bool, recorded: bool) -> _CapturedPass:
-        key = (B, Pb, padded, imposed, recorded)
+    def _pass(self, B: int, Pb: int, padded: bool, imposed: bool, recorded: bool, row0: int = 0) -> _CapturedPass:
+        key = (B, Pb, padded, imposed, recorded, row0)
         if key not in self.passes:
-            self.passes[key] = _CapturedPass(self.e, B, Pb, padded, imposed, recorded)
+            self.passes[key] = _CapturedPass(self.e, B, Pb, padded, imposed, recorded, row0)
         return self.passes[key]
 
-    def prepare(self, B: int, Pb: int, *, imposed: bool, recorded: bool) -> None:
-        """Capture the unpadded pass of B rows at bucket Pb now (``Engine.warm_up``), with the buffers of a routing
-        workload / route recorder as asked (warm-up runs with both set aside, so it cannot tell from the engine);
-        its inputs are the pad id, filler routes and nothing recorded: only the shapes matter."""
-        st = self._pass(B, Pb, False, imposed, recorded)
+    def prepare(self, B: int, Pb: int, *, imposed: bool, recorded: bool, padded: bool = False, row0: int = 0) -> None:
+        """Capture the pass of B rows at bucket Pb into KV rows row0.. now (``Engine.warm_up``, a server's warm-up),
+        with the buffers of a routing workload / route recorder as asked (warm-up runs with both set aside, so it
+        cannot tell from the engine); its inputs are the pad id, filler routes and nothing recorded: only the shapes
+        matter."""
+        st = self._pass(B, Pb, padded, imposed, recorded, row0)
         if self.capture and st.graph is None:
             self._capture(st)
 
@@ -105,7 +108,7 @@ class GraphPrefiller:
         if st.recorded is not None:
             e.model.route_sink = lambda layer, ids: st.recorded[layer].copy_(ids)
         try:
-            return e.model.forward(st.tok, pos, e.kv, slots, st.pad, st.Pb, e.experts, causal_fresh=not st.padded,
+            return e.model.forward(st.tok, pos, st.kv, slots, st.pad, st.Pb, e.experts, causal_fresh=not st.padded,
                                    last_position=st.last)
         finally:
             e.experts.validate = True
@@ -116,14 +119,17 @@ class GraphPrefiller:
 
         st.graph, st.out = capture_graph(lambda: self._forward(st), self.e.device, self.pool)
 
-    def run(self, tokens: torch.Tensor, pad: torch.Tensor, pad_h: np.ndarray, Pb: int) -> torch.Tensor:
+    def run(self, tokens: torch.Tensor, pad: torch.Tensor, pad_h: np.ndarray, Pb: int, *, row0: int = 0,
+            padded: bool = False) -> torch.Tensor:
         """tokens int64 (B, P), pad int64 (B,) (device) and pad_h (host), Pb = ``bucket_for(B, P)`` -> float32 (B, V)
-        logits at position P - 1 (a static buffer, valid until the next pass of the same key)."""
+        logits at position P - 1 (a static buffer, valid until the next pass of the same key). The pass writes KV
+        rows row0..row0+B-1; ``padded`` runs the padded pass even when no row is padded (one pass per shape for a
+        server's joins: the padded pass computes the same values for unpadded rows, through the masked attention)."""
         from runmap.engine.engine import host_to_device
 
         e = self.e
         B, P = tokens.shape
-        st = self._pass(B, Pb, bool(pad_h.any()), e.imposed is not None, e.routes is not None)
+        st = self._pass(B, Pb, padded or bool(pad_h.any()), e.imposed is not None, e.routes is not None, row0)
         st.tok[:, :P].copy_(tokens)
         st.tok[:, P:].fill_(int(e.pad_id))
         st.pad.copy_(pad)

@@ -244,10 +244,17 @@ class BatchRunner:
         for seq in seqs:
             self.check(len(seq.prompt_ids), seq.params.max_new_tokens)
         free = self.max_batch - len(self.seqs)
+        side = interleave and self.can_interleave()
+        # a whole join replays a captured pass when one fits (Engine.join_pass_bucket): the group then stops before
+        # the request that would take it past the largest captured pass, unless it is the first (which joins alone,
+        # eagerly when even it does not fit)
+        captured = not side and self.eng.join_pass_bucket(1, 1) is not None
         group = []
         for seq in seqs[:free]:
             P = max(len(s.prompt_ids) for s in (*group, seq))
             if group and (len(group) + 1) * P > self.join_tokens:
+                break
+            if group and captured and self.eng.join_pass_bucket(len(group) + 1, P) is None:
                 break
             if self._target([*group, seq]) is None:
                 break
@@ -264,7 +271,6 @@ class BatchRunner:
         if not self._lead:
             self.eng.experts.begin()  # what Engine.run does around its groups (full residency: lease every row)
             self._lead = True
-        side = interleave and self.can_interleave()
         stream = None
         if side and self.dev.type == "cuda":
             if self._side is None:
@@ -276,9 +282,25 @@ class BatchRunner:
             stream = self._side
             # the free rows may still be read by work queued before now (a leaving row's move): wait for it
             stream.wait_stream(torch.cuda.current_stream(self.dev))
-        row0, k = len(self.seqs), len(group)
+        k = len(group)
         # (k, P) left-padded as generate_batch pads a batch (P the longest prompt), (k,) each row's padding
         tokens, pad = left_pad([s.prompt_ids for s in group], self.eng.pad_id)
+        if not side:
+            # whole: the pass runs now, into the cache's last k rows (free: k <= max_batch - running rows), where the
+            # server's warm-up captured a pass per shape (Scheduler._warmup: Engine.prepare_join_passes); eager when
+            # none fits. finish_join moves the rows to the running ones' side.
+            row0 = self.max_batch - k
+            try:
+                logits = self.eng.prefill(self._upload(tokens), self._upload(pad), pad_host=pad.tolist(),
+                                          kv_row0=row0, padded_pass=k > 1)
+            except BaseException:
+                if not self.seqs:
+                    self._release()
+                raise
+            self._pending = _Join(group=group, row0=row0, P=tokens.shape[1], pieces=None, stream=None,
+                                  interleaved=False, running_at_begin=bool(self.seqs), logits=logits)
+            return k
+        row0 = len(self.seqs)
         with self._on(stream):
             # the free rows row0..row0+k-1 of the engine's cache, slots 0..P-1
             pieces = self.eng.prefill_pieces(self._upload(tokens), self._upload(pad), kv=self.eng.kv.rows(row0, row0 + k),
@@ -355,7 +377,8 @@ class BatchRunner:
         j, self._pending = self._pending, None
         if j is None:
             return []
-        j.pieces.close()
+        if j.pieces is not None:
+            j.pieces.close()
         if j.stream is not None:  # nothing of the abandoned pass may still write rows a later join fills
             torch.cuda.current_stream(self.dev).wait_stream(j.stream)
         if not self.seqs:

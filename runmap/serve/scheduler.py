@@ -296,6 +296,11 @@ class Scheduler:
             eng.prefill(torch.tensor([ids], dtype=torch.long, device=dev), zero1)
             if dev.type == "cuda":  # every size class of prefill pass, so no request compiles a kernel variant
                 self._warm_prefills()
+                # the captured passes whole joins replay (one per rows x length bucket; none under partial residency
+                # or a GPU budget): a join then costs the host a few copies and one launch instead of an eager pass
+                n = eng.prepare_join_passes()
+                if n:
+                    log.info("captured %d join prefill passes", n)
             slots = [len(ids)]
             if dev.type == "cuda":
                 slots, b = [], 256
