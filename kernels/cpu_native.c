@@ -24,8 +24,20 @@
 #include <immintrin.h>
 #endif
 
-#define LANES 16     /* partial sums per row dot product: one AVX-512 register of FP32 */
-#define ROW_CHUNK 16 /* output rows per work item */
+#define LANES 16 /* partial sums per row dot product: one AVX-512 register of FP32 */
+/* Output rows per work item of the gate/up and of the down loop, and those loops' OpenMP schedule. Overridable at
+ * compile time (-DROW_CHUNK=64 ...) for measurements (tools/explore/probe_cpu_native_chunks.py); none of them changes
+ * a result: each output element is still computed whole by one thread in a fixed order. */
+#ifndef ROW_CHUNK
+#define ROW_CHUNK 16
+#endif
+#ifndef DOWN_CHUNK
+#define DOWN_CHUNK ROW_CHUNK
+#endif
+#ifndef ROW_SCHEDULE
+#define ROW_SCHEDULE dynamic, 1
+#endif
+#define SUM_CHUNK 128 /* output columns per work item of the weighted sum */
 
 /* IEEE half -> float, exact for every half (normals, subnormals, zeros, inf, NaN): one instruction with F16C. */
 #if defined(__F16C__)
@@ -335,7 +347,7 @@ int runmap_moe_layer(const uint8_t *const *rows, int n_experts, const int32_t *a
     const int half_h = hidden / 2, half_i = intermediate / 2;
     const int nb_h = num_blocks(hidden, block_size), nb_i = num_blocks(intermediate, block_size);
     const int up_chunks = (intermediate + ROW_CHUNK - 1) / ROW_CHUNK;
-    const int down_chunks = (hidden + ROW_CHUNK - 1) / ROW_CHUNK;
+    const int down_chunks = (hidden + DOWN_CHUNK - 1) / DOWN_CHUNK;
 
 #pragma omp parallel num_threads(n_threads)
     {
@@ -354,7 +366,7 @@ int runmap_moe_layer(const uint8_t *const *rows, int n_experts, const int32_t *a
         }
 
         /* gate and up rows of every expert: h[a, r] = silu(gate_r . x_t) * (up_r . x_t) */
-#pragma omp for schedule(dynamic, 1)
+#pragma omp for schedule(ROW_SCHEDULE)
         for (int item = 0; item < n_experts * up_chunks; item++) {
             const int e = item / up_chunks, r0 = (item % up_chunks) * ROW_CHUNK;
             const int r1 = r0 + ROW_CHUNK < intermediate ? r0 + ROW_CHUNK : intermediate;
@@ -400,10 +412,10 @@ int runmap_moe_layer(const uint8_t *const *rows, int n_experts, const int32_t *a
         }
 
         /* down rows: y[a, r] = down_r . h[a] */
-#pragma omp for schedule(dynamic, 1)
+#pragma omp for schedule(ROW_SCHEDULE)
         for (int item = 0; item < n_experts * down_chunks; item++) {
-            const int e = item / down_chunks, r0 = (item % down_chunks) * ROW_CHUNK;
-            const int r1 = r0 + ROW_CHUNK < hidden ? r0 + ROW_CHUNK : hidden;
+            const int e = item / down_chunks, r0 = (item % down_chunks) * DOWN_CHUNK;
+            const int r1 = r0 + DOWN_CHUNK < hidden ? r0 + DOWN_CHUNK : hidden;
             const uint8_t *row = rows[e];
             for (int r = r0; r < r1; r++) {
                 const uint8_t *dw = row + offsets[4] + (int64_t)r * half_i;
@@ -433,8 +445,8 @@ int runmap_moe_layer(const uint8_t *const *rows, int n_experts, const int32_t *a
 
         /* the weighted sum, column chunks in parallel, assignments in order within each element */
 #pragma omp for schedule(static)
-        for (int c0 = 0; c0 < hidden; c0 += ROW_CHUNK * 8) {
-            const int c1 = c0 + ROW_CHUNK * 8 < hidden ? c0 + ROW_CHUNK * 8 : hidden;
+        for (int c0 = 0; c0 < hidden; c0 += SUM_CHUNK) {
+            const int c1 = c0 + SUM_CHUNK < hidden ? c0 + SUM_CHUNK : hidden;
             for (int t = 0; t < n_tokens; t++)
                 for (int c = c0; c < c1; c++) out[(int64_t)t * hidden + c] = 0.0f;
             for (int a = 0; a < n_assign; a++) {
