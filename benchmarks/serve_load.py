@@ -322,7 +322,8 @@ def summarize_window(records: list, *, clients: int, t_start: float, t_end: floa
 class InProcessServer:
     """`runmap serve`'s Server and FastAPI application on uvicorn, in a thread of this process, bound to
     127.0.0.1 on a free port: the offline measurement then runs on the very engine the server serves with, on
-    the engine thread between scheduler steps (Scheduler.call)."""
+    the engine thread between scheduler steps (``call_named("offline_runs")``; with --engine-process, in the engine's
+    child process)."""
 
     def __init__(self, pack: Path, *, executor: str, resident, device, max_batch: int, max_seq_len: int,
                  ifeval_dir: Path, command: str, gpu_budget: int | None = None, join_mode: str = JOIN_MODES[0],
