@@ -88,6 +88,44 @@ def test_a_request_runs_in_the_child_and_its_figures_reach_the_http_process(pack
     assert not server.scheduler.alive and server.phase == "stopping"
 
 
+def test_cancels_bad_commands_timeouts_and_stop_leave_nothing_behind(pack, tmp_path):
+    """A cancelled request (running or still waiting) is forgotten on both sides; a malformed command is logged and
+    the engine keeps serving; a named call past its timeout raises TimeoutError; stop() ends a request in flight
+    with a 503 error event and the child reports no failure."""
+    server = _server(pack, tmp_path, max_batch=1)
+    server.start()
+    try:
+        assert _wait_phase(server, ("ready", "failed")) == "ready"
+        sched = server.scheduler
+        ids = server.encode_prompt("Hello there", True)
+        long = SamplingParams(max_new_tokens=MAX_SEQ_LEN - len(ids))
+        q1, q2 = queue.Queue(), queue.Queue()
+        t1 = sched.submit(Ticket(ids, long, q1.put))
+        assert q1.get(timeout=60)[0] == "token"  # running: the one row
+        t2 = sched.submit(Ticket(ids, long, q2.put))  # waits for the row
+        sched.cancel(t2)
+        sched.cancel(t1)
+        assert sched._tickets == {} and sched._ticket_ids == {}
+        sched._send(("cancel",))  # malformed: the child logs it and goes on
+        q3: queue.Queue = queue.Queue()
+        sched.submit(Ticket(ids, SamplingParams(max_new_tokens=3), q3.put))
+        assert _events(q3)[-1][0] == "done" and server.phase == "ready"
+        with pytest.raises(TimeoutError):
+            sched.call_named("offline_runs", timeout=0.0, rows=["a"], max_new_tokens=2, chat=False, warmup=0,
+                             repeats=1)  # (the engine thread still runs it, later)
+        assert sched._calls == {}
+        q4: queue.Queue = queue.Queue()
+        sched.submit(Ticket(ids, long, q4.put))
+        assert q4.get(timeout=60)[0] == "token"
+    finally:
+        server.shutdown()
+    kind, err = _events(q4)[-1]
+    assert kind == "error" and err.status == 503 and "shutting down" in err.message
+    assert sched.failed is None and server.phase == "stopping" and sched._tickets == {}
+    with pytest.raises(Exception, match="shutting down|loading and warming up"):
+        sched.submit(Ticket(ids, SamplingParams(max_new_tokens=2), q4.put))
+
+
 def test_an_engine_that_cannot_load_in_the_child_fails_the_server_in_one_line(pack, tmp_path):
     failures = []
     server = _server(pack, tmp_path, executor="no-such-executor")

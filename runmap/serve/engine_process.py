@@ -180,10 +180,9 @@ class _Outbox:
                  "running": s.running, "waiting": s.waiting, "max_rows_seen": s.max_rows_seen,
                  "batch_counters": dict(s.batch_counters), "time_in": dict(s.time_in), "counters": s.counters(),
                  "tok_s": s.tok_per_s(), "compiles_after_ready": s.compiles_after_ready()}
-        waits = list(s.queue_waits)[self._waits_sent:] if len(s.queue_waits) > self._waits_sent else []
-        if len(s.queue_waits) < self._waits_sent:  # the deque wrapped (maxlen): send what it holds now
-            waits = list(s.queue_waits)
-        self._waits_sent = len(s.queue_waits)
+        new = min(s.queue_waits_total - self._waits_sent, len(s.queue_waits))  # the newest entries, not yet sent
+        waits = list(itertools.islice(reversed(s.queue_waits), new))[::-1] if new > 0 else []
+        self._waits_sent = s.queue_waits_total
         if state == self._last_state and not waits and s.stats is self._stats:
             return None
         self._last_state = state
@@ -259,31 +258,12 @@ def engine_process_main(conn, load_engine: Callable, model_id: str, scheduler_kw
                 msg = conn.recv()
             except (EOFError, OSError):  # the HTTP process has gone
                 break
-            kind = msg[0]
-            if kind == "submit":
-                _, tid, prompt_ids, params, endpoint, t_arrival = msg
-
-                def sink(ev, tid=tid):
-                    if ev[0] != "token":
-                        tickets.pop(tid, None)
-                    out.event(tid, ev)
-                t = Ticket(prompt_ids, params, sink, endpoint=endpoint, t_arrival=t_arrival)
-                tickets[tid] = t
-                try:
-                    sched.submit(t)
-                except ApiError as e:
-                    sink(("error", e))
-                    out.flush()
-            elif kind == "cancel":
-                t = tickets.get(msg[1])
-                if t is not None:
-                    sched.cancel(t)
-            elif kind == "call":
-                _, cid, name, kwargs, timeout = msg
-                threading.Thread(target=_run_call, args=(out, sched, cid, name, kwargs, timeout),
-                                 name=f"runmap-call-{name}", daemon=True).start()
-            elif kind == "stop":
+            if msg[0] == "stop":
                 break
+            try:
+                _command(msg, sched, out, tickets)
+            except Exception:  # noqa: BLE001 - one bad command never takes the engine down with it
+                log.exception("engine process: command %r failed", msg[0])
     finally:
         sched.stop()
         out.flush(force_state=True)
@@ -292,12 +272,45 @@ def engine_process_main(conn, load_engine: Callable, model_id: str, scheduler_kw
         out.send(("stopped",))
 
 
+def _command(msg, sched: Scheduler, out: _Outbox, tickets: dict) -> None:
+    """One command of the HTTP process (engine_process_main's loop): submit, cancel or call."""
+    kind = msg[0]
+    if kind == "submit":
+        _, tid, prompt_ids, params, endpoint, t_arrival = msg
+
+        def sink(ev, tid=tid):
+            if ev[0] != "token":
+                tickets.pop(tid, None)
+            out.event(tid, ev)
+        t = Ticket(prompt_ids, params, sink, endpoint=endpoint, t_arrival=t_arrival)
+        tickets[tid] = t
+        try:
+            sched.submit(t)
+        except ApiError as e:
+            sink(("error", e))
+            out.flush()
+    elif kind == "cancel":
+        # forgotten here at once: a request cancelled while it waits gets no further event (the HTTP side has
+        # stopped listening; it forgets the ticket too), one that runs leaves at the next step
+        t = tickets.pop(msg[1], None)
+        if t is not None:
+            sched.cancel(t)
+    elif kind == "call":
+        _, cid, name, kwargs, timeout = msg
+        threading.Thread(target=_run_call, args=(out, sched, cid, name, kwargs, timeout),
+                         name=f"runmap-call-{name}", daemon=True).start()
+    else:
+        raise ValueError(f"unknown command {kind!r}")
+
+
 def _run_call(out: _Outbox, sched: Scheduler, cid: int, name: str, kwargs: dict, timeout) -> None:
     try:
         value = sched.call_named(name, timeout=timeout, **kwargs)
         out.send(("result", cid, True, value))
     except ApiError as e:
         out.send(("result", cid, False, ("api", _error_fields(e))))
+    except TimeoutError as e:  # concurrent.futures.TimeoutError is this class: the caller gets the same one
+        out.send(("result", cid, False, ("timeout", f"{name}: no result within {timeout} s ({e})")))
     except Exception as e:  # noqa: BLE001 - handed to the caller in the HTTP process
         out.send(("result", cid, False, ("other", f"{type(e).__name__}: {e}")))
 
@@ -352,6 +365,11 @@ class EngineProcess:
         self._calls: dict[int, tuple] = {}
         self._reader: threading.Thread | None = None
         self._stopped = threading.Event()
+        # _closing: stop() was asked (a "stopped" from the child is then expected, and no state makes it ready again);
+        # _closed: the reader has ended every open ticket and call (no new one may be added); both under _lock
+        self._lock = threading.Lock()
+        self._closing = False
+        self._closed = False
         self.view: EngineView | None = None
         self.info: dict = {}
         # the scheduler's figures, as the engine process last sent them
@@ -398,7 +416,9 @@ class EngineProcess:
         return self.view
 
     def stop(self, timeout: float = 30.0) -> None:
-        self.ready = False
+        with self._lock:
+            self._closing = True
+            self.ready = False
         if self.proc is None:
             return
         self._send(("stop",))
@@ -431,8 +451,11 @@ class EngineProcess:
                            type="server_error", code="not_ready")
         self.check(len(ticket.prompt_ids), ticket.params.max_new_tokens)
         tid = next(self._ids)
-        self._tickets[tid] = ticket
-        self._ticket_ids[id(ticket)] = tid
+        with self._lock:
+            if self._closing or self._closed:
+                raise ApiError(503, "the server is shutting down", type="server_error")
+            self._tickets[tid] = ticket
+            self._ticket_ids[id(ticket)] = tid
         if not self._send(("submit", tid, list(ticket.prompt_ids), ticket.params, ticket.endpoint,
                            ticket.t_arrival)):
             self._tickets.pop(tid, None)
@@ -442,9 +465,12 @@ class EngineProcess:
         return ticket
 
     def cancel(self, ticket: Ticket) -> None:
+        """The caller has stopped listening: the ticket is forgotten here and in the engine process (a request that
+        runs leaves its row at the next step; one still waiting leaves the queue)."""
         ticket.cancelled = True
-        tid = self._ticket_ids.get(id(ticket))
+        tid = self._ticket_ids.pop(id(ticket), None)
         if tid is not None:
+            self._tickets.pop(tid, None)
             self._send(("cancel", tid))
 
     def call_named(self, name: str, timeout: float | None = 60.0, **kwargs):
@@ -452,11 +478,18 @@ class EngineProcess:
 
         fut: concurrent.futures.Future = concurrent.futures.Future()
         cid = next(self._ids)
-        self._calls[cid] = fut
+        with self._lock:
+            if self._closed:
+                raise ApiError(503, "the engine process is not running", type="server_error")
+            self._calls[cid] = fut
         if self.failed or not self._send(("call", cid, name, kwargs, timeout)):
             self._calls.pop(cid, None)
             raise ApiError(503, "the engine process is not running", type="server_error")
-        return fut.result(None if timeout is None else timeout + 5.0)
+        try:  # the engine thread's own timeout comes back as TimeoutError; this one covers a child that went silent
+            return fut.result(None if timeout is None else timeout + 5.0)
+        except TimeoutError:
+            self._calls.pop(cid, None)
+            raise
 
     def telemetry(self) -> dict:
         return self.call_named("telemetry")
@@ -498,20 +531,26 @@ class EngineProcess:
                             fut.set_result(value)
                         elif value[0] == "api":
                             fut.set_exception(_error_from(value[1]))
+                        elif value[0] == "timeout":
+                            fut.set_exception(TimeoutError(value[1]))
                         else:
                             fut.set_exception(RuntimeError(value[1]))
                 elif kind == "stopped":
                     clean = True
                     break
         finally:
+            with self._lock:
+                self._closed = True
+                self.ready = False
+                asked = self._closing
             self._stopped.set()
-            self.ready = False
             if self.proc is not None:
                 self.proc.join(5)
-            gone = not clean
+            gone = not (clean and asked)  # died, the pipe broke, or stopped without being asked
             if gone and self.failed is None:
                 code = self.proc.exitcode if self.proc is not None else None
-                self.failed = f"the engine process exited (exit code {code})"
+                self.failed = (f"the engine process exited (exit code {code})" if not clean
+                               else "the engine process stopped without being asked to")
                 log.error("%s", self.failed)
             err = ApiError(500 if gone else 503, f"engine failure: {self.failed}" if gone
                            else "the server is shutting down", type="server_error")
@@ -561,5 +600,6 @@ class EngineProcess:
         if "stats" in state:
             self.stats = state["stats"]
             self.memory = state["memory"]
-        self.ready = bool(state["ready"]) and not self.failed
+        with self._lock:  # a state already in the pipe when stop() was asked does not make the server ready again
+            self.ready = bool(state["ready"]) and not self.failed and not self._closing and not self._closed
 

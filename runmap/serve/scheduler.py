@@ -97,8 +97,9 @@ class Ticket:
 
     def cancel(self) -> None:
         self.cancelled = True
-        if self.seq is not None:
-            self.seq.cancel()
+        seq = self.seq  # read once: the engine thread may clear it meanwhile (a join that failed)
+        if seq is not None:
+            seq.cancel()
 
 
 class Scheduler:
@@ -146,6 +147,7 @@ class Scheduler:
         self.time_in = {"admit_s": 0.0, "step_s": 0.0, "stats_s": 0.0, "calls_s": 0.0}
         # (admission time, seconds the request waited in the queue before its join began) of recent admissions
         self.queue_waits: collections.deque = collections.deque(maxlen=100_000)
+        self.queue_waits_total = 0  # entries ever appended to queue_waits (the deque keeps the last 100,000)
 
     # ---- the HTTP side --------------------------------------------------------------------------------
     def start(self) -> None:
@@ -500,6 +502,7 @@ class Scheduler:
                 for t in self._joining:
                     self._running[id(t)] = t
             self.queue_waits.extend((self._join_began, self._join_began - t.t_arrival) for t in self._joining)
+            self.queue_waits_total += len(self._joining)
             for t in self._joining:
                 if self.metrics is not None:
                     self.metrics.prompt_tokens.inc(len(t.prompt_ids))
