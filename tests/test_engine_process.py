@@ -35,6 +35,17 @@ def _server(pack, tmp_path, **load_kw) -> Server:
     return Server(load, model_id="tiny", pack_dir=pack, ifeval_dir=tmp_path / "ifeval", engine_process=True)
 
 
+def _ready_server(pack, tmp_path, **load_kw) -> Server:
+    server = _server(pack, tmp_path, **load_kw)
+    server.start()
+    try:
+        assert _wait_phase(server, ("ready", "failed")) == "ready"
+    except BaseException:
+        server.shutdown()
+        raise
+    return server
+
+
 def _wait_phase(server: Server, phases, timeout=120.0) -> str:
     t0 = time.monotonic()
     while server.phase not in phases:
@@ -53,10 +64,8 @@ def _events(q: queue.Queue, timeout=60.0) -> list:
 
 
 def test_a_request_runs_in_the_child_and_its_figures_reach_the_http_process(pack, tmp_path):
-    server = _server(pack, tmp_path)
-    server.start()
+    server = _ready_server(pack, tmp_path)
     try:
-        assert _wait_phase(server, ("ready", "failed")) == "ready"
         sched = server.scheduler
         assert isinstance(sched, EngineProcess) and sched.proc.pid != os.getpid()
         ref = Engine.from_pack(pack, executor="reference", device="cpu", max_batch=1, max_seq_len=MAX_SEQ_LEN)
@@ -92,10 +101,8 @@ def test_cancels_bad_commands_timeouts_and_stop_leave_nothing_behind(pack, tmp_p
     """A cancelled request (running or still waiting) is forgotten on both sides; a malformed command is logged and
     the engine keeps serving; a named call past its timeout raises TimeoutError; stop() ends a request in flight
     with a 503 error event and the child reports no failure."""
-    server = _server(pack, tmp_path, max_batch=1)
-    server.start()
+    server = _ready_server(pack, tmp_path, max_batch=1)
     try:
-        assert _wait_phase(server, ("ready", "failed")) == "ready"
         sched = server.scheduler
         ids = server.encode_prompt("Hello there", True)
         long = SamplingParams(max_new_tokens=MAX_SEQ_LEN - len(ids))
@@ -140,10 +147,8 @@ def test_an_engine_that_cannot_load_in_the_child_fails_the_server_in_one_line(pa
 
 
 def test_a_child_that_dies_ends_the_requests_in_flight_with_an_error(pack, tmp_path):
-    server = _server(pack, tmp_path)
-    server.start()
+    server = _ready_server(pack, tmp_path)
     try:
-        assert _wait_phase(server, ("ready", "failed")) == "ready"
         sched = server.scheduler
         q: queue.Queue = queue.Queue()
         ids = server.encode_prompt("Hello there", True)

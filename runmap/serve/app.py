@@ -136,33 +136,34 @@ class Server:
         try:
             eng = self.load_engine()
         except Exception as e:  # noqa: BLE001 - bad pack, missing device, ...: one line, the server exits
-            self.load_error = f"{type(e).__name__}: {e}"
-            if self.on_failure is not None:
-                self.on_failure(self.load_error)
-            return
+            return self._load_failed(f"{type(e).__name__}: {e}")
         with self._shutdown_lock:
             if self._down:  # stopped while the pack was loading
                 eng.close()
                 return
             self.engine = eng
         self.info = describe(eng, self.model_id)
-        sched = Scheduler(eng, metrics=self.metrics, info=self.info, decode=self._decode, pipelined=self.pipelined,
-                          join_tokens=self.join_tokens, interleave_joins=self.join_mode == "interleaved")
+        sched = Scheduler(eng, metrics=self.metrics, info=self.info, decode=self._decode, **self._scheduler_kwargs())
         self.metrics.source = sched
         self.scheduler = sched
         sched.start()
 
+    def _scheduler_kwargs(self) -> dict:
+        return {"pipelined": self.pipelined, "join_tokens": self.join_tokens,
+                "interleave_joins": self.join_mode == "interleaved"}
+
+    def _load_failed(self, message: str) -> None:
+        self.load_error = message
+        if self.on_failure is not None:
+            self.on_failure(message)
+
     def _load_process(self) -> None:
-        proc = EngineProcess(self.load_engine, model_id=self.model_id, metrics=self.metrics, scheduler_kwargs={
-            "pipelined": self.pipelined, "join_tokens": self.join_tokens,
-            "interleave_joins": self.join_mode == "interleaved"})
+        proc = EngineProcess(self.load_engine, model_id=self.model_id, metrics=self.metrics,
+                             scheduler_kwargs=self._scheduler_kwargs())
         try:
             view = proc.start()
         except RuntimeError as e:  # the child's one line (bad pack, missing device, ...): the server exits
-            self.load_error = str(e)
-            if self.on_failure is not None:
-                self.on_failure(self.load_error)
-            return
+            return self._load_failed(str(e))
         with self._shutdown_lock:
             if self._down:  # stopped while the pack was loading
                 proc.stop()
