@@ -99,7 +99,7 @@ import numpy as np
 import torch
 
 from runmap.arch.config import ModelConfig
-from runmap.engine.generation import (GenerationError, GenerationResult, GenerationRun, generate_batch,
+from runmap.engine.generation import (GenerationError, GenerationResult, GenerationRun, encode_prompt, generate_batch,
                                      prefill_warmup_shapes)
 from runmap.engine.model import KVCache, Transformer, experts_dense_torch, load_weights, run_pieces
 from runmap.engine.prefill_graph import PREFILL_BUCKETS, GraphPrefiller
@@ -1399,12 +1399,7 @@ class Engine:
 
     # ---- public API ---------------------------------------------------------------------------------------
     def encode(self, prompt, chat: bool = False) -> list[int]:
-        if isinstance(prompt, str):
-            return self.tokenizer.encode_chat(prompt) if chat else self.tokenizer.encode(prompt)
-        ids = [int(t) for t in prompt]
-        if any(not 0 <= t < self.cfg.vocab_size for t in ids):
-            raise GenerationError(f"token ids must be in [0, {self.cfg.vocab_size}); got {ids}")
-        return ids
+        return encode_prompt(self.tokenizer, prompt, chat, self.cfg.vocab_size)
 
     def generate(self, prompts, *, max_new_tokens: int = 128, temperature: float = 0.0, top_p: float = 1.0,
                  seed: int | None = None, stop=(), chat: bool = False, on_token=None,

@@ -39,6 +39,17 @@ class GenerationError(ValueError):
     """Bad generation arguments (too long for the KV cache, bad temperature / top_p, ...)."""
 
 
+def encode_prompt(tokenizer, prompt, chat: bool, vocab_size: int) -> list[int]:
+    """A prompt as token ids: text through ``tokenizer`` (its chat template when ``chat``), or a list of ids
+    checked against the vocabulary. Raises GenerationError naming the ids when one is outside [0, vocab_size)."""
+    if isinstance(prompt, str):
+        return tokenizer.encode_chat(prompt) if chat else tokenizer.encode(prompt)
+    ids = [int(t) for t in prompt]
+    if any(not 0 <= t < vocab_size for t in ids):
+        raise GenerationError(f"token ids must be in [0, {vocab_size}); got {ids}")
+    return ids
+
+
 @dataclasses.dataclass
 class GenerationResult:
     text: str

@@ -333,14 +333,9 @@ class EngineView:
 
     def encode(self, prompt, chat: bool = False) -> list[int]:
         """As runmap.engine.engine.Engine.encode."""
-        from runmap.engine.generation import GenerationError
+        from runmap.engine.generation import encode_prompt
 
-        if isinstance(prompt, str):
-            return self.tokenizer.encode_chat(prompt) if chat else self.tokenizer.encode(prompt)
-        ids = [int(t) for t in prompt]
-        if any(not 0 <= t < self.vocab_size for t in ids):
-            raise GenerationError(f"token ids must be in [0, {self.vocab_size}); got {ids}")
-        return ids
+        return encode_prompt(self.tokenizer, prompt, chat, self.vocab_size)
 
     def close(self) -> None:  # the engine process closes the engine
         pass
