@@ -16,6 +16,11 @@ is ``repack.bytes_per_row_byte`` times that. The host read bandwidth is a torch 
 least 1 GiB (and at least 2x the last-level cache), best of N, with the same threads. The record names the
 machine and its load (os.getloadavg before and after): this development machine's 2 cores are shared.
 
+``--call-path`` says what one timed layer call is. ``engine`` (the default for the cpu-native executors): what the
+engine's decode pays on the CPU for a layer's CPU part, ``CpuExpertSite.prepare_subset_arrays`` on host arrays (the
+checks, the assignment table, the FP16 activations widened) and then the prepared call, both inside the timed span.
+``layer``: ``CpuExpertSite.moe`` on torch tensors (the per-layer API every executor has; the only one of cpu-int4).
+
 ``--workers`` (issue 25 item 1: the experts of a layer call computed concurrently, kernels/cpu_int4.py
 ``CpuExpertSite(workers=...)``) repeats every mode per worker count W at each thread count T: W workers with
 max(1, T // W) torch threads each, so that every row spends the same thread budget as the read bandwidth it is
@@ -36,6 +41,7 @@ import sys
 import time
 from pathlib import Path
 
+import numpy as np
 import torch
 
 from runmap.atomic import write_json
@@ -145,7 +151,7 @@ def configs(threads: list[int], workers: list[int | str]) -> list[tuple[int, int
 
 def run_shape(name: str, hidden: int, inter: int, k: int, min_bytes: int, passes: int, seed: int,
               threads: list[int], read: dict, mode_seconds: float, workers: list[int | str] = (1,),
-              executor: str = "cpu-int4") -> dict:
+              executor: str = "cpu-int4", call_path: str = "layer") -> dict:
     layout = RowLayout.build(hidden, inter, 256)
     n = max(8 * k, math.ceil(min_bytes / layout.row_bytes))
     gen = torch.Generator().manual_seed(seed)
@@ -191,8 +197,9 @@ def run_shape(name: str, hidden: int, inter: int, k: int, min_bytes: int, passes
         x = torch.randn(batch, hidden, generator=gen).to(torch.float16)
         w = torch.softmax(torch.randn(batch, k, generator=gen), dim=1)
         step_ids = [torch.tensor(steps_for(mode, k, perm, s)) for s in range(per_pass)]
+        call = layer_call(site, call_path, x, w)
         for ids in step_ids[:2]:  # warm-up: first-call allocations, thread pool start
-            site.moe(0, x, ids, w)
+            call(ids)
         rates, step_s, t_mode = [], [], time.perf_counter()
         for _ in range(passes):
             if rates and time.perf_counter() - t_mode > mode_seconds:  # a contended machine: keep the run bounded
@@ -200,7 +207,7 @@ def run_shape(name: str, hidden: int, inter: int, k: int, min_bytes: int, passes
             nbytes, t = 0, 0.0
             for ids in step_ids:
                 t0 = time.perf_counter()
-                site.moe(0, x, ids, w)
+                call(ids)
                 dt = time.perf_counter() - t0
                 t += dt
                 step_s.append(dt)
@@ -221,6 +228,25 @@ def run_shape(name: str, hidden: int, inter: int, k: int, min_bytes: int, passes
     site.close()
     del site, host
     return out
+
+
+def layer_call(site: CpuExpertSite, call_path: str, x: torch.Tensor, w: torch.Tensor):
+    """One timed layer call on layer 0 for routed ids (T, k), by ``call_path`` (module docstring). The engine path's
+    inputs are host arrays made once per mode, as the engine's decode keeps them in pinned host buffers; the set of
+    experts computed here is every routed one (the engine's lease names them)."""
+    if call_path == "layer":
+        return lambda ids: site.moe(0, x, ids, w)
+    x_np, w_np = x.numpy(), w.numpy().astype(np.float32)
+    out = np.empty((x.shape[0], x.shape[1]), dtype=np.float32)
+    ids_np = {}
+
+    def call(ids):
+        key = id(ids)
+        if key not in ids_np:  # the ids as the engine holds them (an int array) and the experts its lease names
+            ids_np[key] = (ids.numpy().astype(np.int64), tuple(sorted(set(ids.flatten().tolist()))))
+        arr, experts = ids_np[key]
+        site.prepare_subset_arrays(0, x_np, arr, w_np, experts, out)()
+    return call
 
 
 def table(rec: dict) -> str:
@@ -257,7 +283,16 @@ def main(argv=None) -> int:
                    help="the CPU site's kernel: cpu-int4 (torch's int4 matmul over repacked copies, bf16), "
                         "cpu-native (kernels/cpu_native.c over the host rows, fp32) or cpu-native-i16 (the same with "
                         "int16 activations and integer dot products); the native ones need --workers 1")
+    p.add_argument("--call-path", choices=("engine", "layer"), default=None,
+                   help="what one timed layer call is: engine (the cpu-native executors' default: the engine's decode "
+                        "path, prepare_subset_arrays on host arrays then the call) or layer (CpuExpertSite.moe on "
+                        "torch tensors; the only path of cpu-int4)")
     args = p.parse_args(argv)
+    call_path = args.call_path or ("engine" if args.executor in EXECUTOR_PRECISION else "layer")
+    if call_path == "engine" and args.executor not in EXECUTOR_PRECISION:
+        print(f"bench_cpu_experts: --call-path engine needs a cpu-native executor ({', '.join(EXECUTOR_PRECISION)}); "
+              f"{args.executor} has only the layer path", file=sys.stderr)
+        return 2
     every = torch.get_num_threads()
     try:
         workers = [w.strip() if w.strip() == "all" else int(w) for w in args.workers.split(",") if w.strip()]
@@ -294,7 +329,7 @@ def main(argv=None) -> int:
     rec = {"kind": KIND, "command": " ".join(["python3", "benchmarks/bench_cpu_experts.py"]
                                             + [shlex.quote(a) for a in (sys.argv[1:] if argv is None else argv)]),
            "created_utc": utc_timestamp(), "machine": info, "versions": library_versions("numpy"),
-           "executor": args.executor, "precision": EXECUTOR_PRECISION.get(args.executor, "bf16"),
+           "executor": args.executor, "call_path": call_path, "precision": EXECUTOR_PRECISION.get(args.executor, "bf16"),
            "load_before": load(), "target_ratio": TARGET}
     if args.executor in EXECUTOR_PRECISION:  # the kernel's software prefetch distance ($RUNMAP_CPU_NATIVE_PREFETCH)
         from runmap.kernels.cpu_native import prefetch_bytes
@@ -311,7 +346,8 @@ def main(argv=None) -> int:
     for i, name in enumerate(shapes):
         rec["shapes"][name] = run_shape(name, *SHAPES[name], min_bytes=min_bytes, passes=args.passes,
                                         seed=args.seed + i, threads=threads, read=read,
-                                        mode_seconds=args.mode_seconds, workers=workers, executor=args.executor)
+                                        mode_seconds=args.mode_seconds, workers=workers, executor=args.executor,
+                                        call_path=call_path)
     torch.set_num_threads(every)
     # each (shape, mode) at all cores: met by at least one of the worker counts run (the site can be configured to
     # meet it); with --workers 1 this is every all-core run, as before the option

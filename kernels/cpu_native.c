@@ -19,6 +19,7 @@
  */
 #include <math.h>
 #include <stdint.h>
+#include <stdlib.h>
 #include <string.h>
 #if defined(__AVX512F__) || defined(__AVX2__) || defined(__F16C__)
 #include <immintrin.h>
@@ -39,6 +40,15 @@
 #endif
 #ifndef ROW_SCHEDULE
 #define ROW_SCHEDULE guided
+#endif
+/* STAGE_OVERLAP 1: the gate/up and down items in one ordered work list, a down item waiting only for its own expert's
+ * gate/up items (runmap_moe_layer); 0: two loops with a barrier between them. Neither changes a result. */
+#ifndef STAGE_OVERLAP
+#define STAGE_OVERLAP 0
+#endif
+#if STAGE_OVERLAP
+#include <omp.h>
+#include <stdatomic.h>
 #endif
 #define SUM_CHUNK 128 /* output columns per work item of the weighted sum */
 
@@ -119,6 +129,14 @@ static float row_dot(const uint8_t *w_ptr, const uint16_t *scale_ptr, const floa
     return sum;
 }
 
+#endif
+
+#if STAGE_OVERLAP
+static inline void spin_pause(void) {
+#if defined(__x86_64__) || defined(__i386__)
+    __builtin_ia32_pause();
+#endif
+}
 #endif
 
 static inline int num_blocks(int k, int block) { return (k + block - 1) / block; }
@@ -319,6 +337,99 @@ static void row_dots_i16(const uint8_t *w_ptr, const uint16_t *scale_ptr, const 
     }
 }
 
+/* Everything the work items of one layer call read or write (runmap_moe_layer's arguments, see below). */
+struct layer_call {
+    const uint8_t *const *rows;
+    const int32_t *assign_start, *assign_token;
+    const int64_t *offsets;
+    const float *x_split;
+    float *h_split, *y;
+    int hidden, intermediate, block_size, nb_h, nb_i, quantized, prefetch;
+    const int16_t *x_q;
+    const float *x_scale;
+    const int32_t *x_sum;
+    int16_t *h_q;
+    float *h_scale;
+    int32_t *h_sum;
+};
+
+/* gate and up rows [r0, r1) of expert e: h[a, r] = silu(gate_r . x_t) * (up_r . x_t) for each assignment a of e */
+static void gate_up_rows(const struct layer_call *c, int e, int r0, int r1) {
+    const int hidden = c->hidden, intermediate = c->intermediate, half_h = hidden / 2, half_i = intermediate / 2;
+    const int nb_h = c->nb_h;
+    const int32_t *assign_start = c->assign_start;
+    const uint8_t *row = c->rows[e];
+    for (int r = r0; r < r1; r++) {
+        const uint8_t *gw = row + c->offsets[0] + (int64_t)r * half_h;
+        const uint16_t *gs = (const uint16_t *)(row + c->offsets[1]) + (int64_t)r * nb_h;
+        const uint8_t *uw = row + c->offsets[2] + (int64_t)r * half_h;
+        const uint16_t *us = (const uint16_t *)(row + c->offsets[3]) + (int64_t)r * nb_h;
+        const int slot = (r & 1) ? half_i + r / 2 : r / 2;
+        for (int a0 = assign_start[e]; a0 < assign_start[e + 1]; a0 += MAX_GROUP) {
+            const int nt = assign_start[e + 1] - a0 < MAX_GROUP ? assign_start[e + 1] - a0 : MAX_GROUP;
+            float g[MAX_GROUP], u[MAX_GROUP];
+            if (c->quantized) {
+                const int16_t *xq[MAX_GROUP];
+                const float *xsc[MAX_GROUP];
+                const int32_t *xsm[MAX_GROUP];
+                for (int t = 0; t < nt; t++) {
+                    const int64_t tok = c->assign_token[a0 + t];
+                    xq[t] = c->x_q + tok * hidden;
+                    xsc[t] = c->x_scale + tok * nb_h;
+                    xsm[t] = c->x_sum + tok * nb_h;
+                }
+                row_dots_i16(gw, gs, xq, xsc, xsm, hidden, c->block_size, g, nt, c->prefetch);
+                row_dots_i16(uw, us, xq, xsc, xsm, hidden, c->block_size, u, nt, c->prefetch);
+            } else {
+                const float *xs[MAX_GROUP];
+                for (int t = 0; t < nt; t++) xs[t] = c->x_split + (int64_t)c->assign_token[a0 + t] * hidden;
+                row_dots(gw, gs, xs, hidden, c->block_size, g, nt, c->prefetch);
+                row_dots(uw, us, xs, hidden, c->block_size, u, nt, c->prefetch);
+            }
+            for (int t = 0; t < nt; t++)
+                c->h_split[(int64_t)(a0 + t) * intermediate + slot] = g[t] / (1.0f + expf(-g[t])) * u[t];
+        }
+    }
+}
+
+/* the intermediate of assignment a quantized for the down rows (the i16 path) */
+static void quantize_intermediate(const struct layer_call *c, int a) {
+    quantize_split(c->h_split + (int64_t)a * c->intermediate, c->intermediate, c->block_size,
+                   c->h_q + (int64_t)a * c->intermediate, c->h_scale + (int64_t)a * c->nb_i,
+                   c->h_sum + (int64_t)a * c->nb_i);
+}
+
+/* down rows [r0, r1) of expert e: y[a, r] = down_r . h[a] for each assignment a of e */
+static void down_rows(const struct layer_call *c, int e, int r0, int r1) {
+    const int hidden = c->hidden, intermediate = c->intermediate, half_i = intermediate / 2, nb_i = c->nb_i;
+    const int32_t *assign_start = c->assign_start;
+    const uint8_t *row = c->rows[e];
+    for (int r = r0; r < r1; r++) {
+        const uint8_t *dw = row + c->offsets[4] + (int64_t)r * half_i;
+        const uint16_t *ds = (const uint16_t *)(row + c->offsets[5]) + (int64_t)r * nb_i;
+        for (int a0 = assign_start[e]; a0 < assign_start[e + 1]; a0 += MAX_GROUP) {
+            const int nt = assign_start[e + 1] - a0 < MAX_GROUP ? assign_start[e + 1] - a0 : MAX_GROUP;
+            float d[MAX_GROUP];
+            if (c->quantized) {
+                const int16_t *hq[MAX_GROUP];
+                const float *hsc[MAX_GROUP];
+                const int32_t *hsm[MAX_GROUP];
+                for (int t = 0; t < nt; t++) {
+                    hq[t] = c->h_q + (int64_t)(a0 + t) * intermediate;
+                    hsc[t] = c->h_scale + (int64_t)(a0 + t) * nb_i;
+                    hsm[t] = c->h_sum + (int64_t)(a0 + t) * nb_i;
+                }
+                row_dots_i16(dw, ds, hq, hsc, hsm, intermediate, c->block_size, d, nt, c->prefetch);
+            } else {
+                const float *hs[MAX_GROUP];
+                for (int t = 0; t < nt; t++) hs[t] = c->h_split + (int64_t)(a0 + t) * intermediate;
+                row_dots(dw, ds, hs, intermediate, c->block_size, d, nt, c->prefetch);
+            }
+            for (int t = 0; t < nt; t++) c->y[(int64_t)(a0 + t) * hidden + r] = d[t];
+        }
+    }
+}
+
 /* Routed-expert output of one layer call.
  *
  * rows:           (n_experts,) pointers to qpacked expert rows (read only).
@@ -339,7 +450,8 @@ static void row_dots_i16(const uint8_t *w_ptr, const uint16_t *scale_ptr, const 
  * prefetch:       bytes ahead of the weight byte being read to prefetch into L1 (0: none). Rows of a projection are
  *                 contiguous, so this reaches the next rows of the same stream: one thread alone streamed expert
  *                 bytes at ~0.45 of its read bandwidth on the H200 host (results/cpu-experts/README.md).
- * Returns 0; the caller (kernels/cpu_native.py) has checked every shape, offset and index.
+ * Returns 0, or 1 when the overlapped schedule's counters cannot be allocated; the caller (kernels/cpu_native.py)
+ * has checked every shape, offset and index.
  */
 int runmap_moe_layer(const uint8_t *const *rows, int n_experts, const int32_t *assign_start,
                      const int32_t *assign_token, const float *assign_weight, const float *x, int n_tokens,
@@ -347,14 +459,38 @@ int runmap_moe_layer(const uint8_t *const *rows, int n_experts, const int32_t *a
                      float *h_split, float *y, float *out, int n_threads, int quantized, int16_t *x_q,
                      float *x_scale, int32_t *x_sum, int16_t *h_q, float *h_scale, int32_t *h_sum, int prefetch) {
     const int n_assign = assign_start[n_experts];
-    const int half_h = hidden / 2, half_i = intermediate / 2;
+    const int half_h = hidden / 2;
     const int nb_h = num_blocks(hidden, block_size), nb_i = num_blocks(intermediate, block_size);
     const int up_chunks = (intermediate + ROW_CHUNK - 1) / ROW_CHUNK;
     const int down_chunks = (hidden + DOWN_CHUNK - 1) / DOWN_CHUNK;
 
+    const struct layer_call call = {rows, assign_start, assign_token, offsets, x_split, h_split, y, hidden, intermediate,
+                                     block_size, nb_h, nb_i, quantized, prefetch, x_q, x_scale, x_sum, h_q, h_scale,
+                                     h_sum};
+    const int up_items = n_experts * up_chunks, all_items = up_items + n_experts * down_chunks;
+#if STAGE_OVERLAP
+    /* one work list, gate/up items first, handed out in order from a shared counter: the thread that finishes an
+     * expert's last gate/up item quantizes its intermediates and marks it ready, and a down item waits only for its
+     * own expert, so threads past the gate/up items start down rows instead of waiting at a barrier. Items are
+     * handed out in ascending order, so every gate/up item is already taken (and runs without waiting) when a down
+     * item waits on it: no deadlock. */
+    atomic_int next_item = 0;
+    atomic_int *up_done = malloc((size_t)n_experts * sizeof(atomic_int));
+    atomic_int *ready = malloc((size_t)n_experts * sizeof(atomic_int));
+    if (up_done == NULL || ready == NULL) {
+        free(up_done);
+        free(ready);
+        return 1;
+    }
+    for (int e = 0; e < n_experts; e++) {
+        atomic_init(&up_done[e], 0);
+        atomic_init(&ready[e], 0);
+    }
+#endif
+
 #pragma omp parallel num_threads(n_threads)
     {
-        /* x deinterleaved (and quantized on the q8 path), one token per iteration */
+        /* x deinterleaved (and quantized on the i16 path), one token per iteration */
 #pragma omp for schedule(static)
         for (int t = 0; t < n_tokens; t++) {
             const float *xt = x + (int64_t)t * hidden;
@@ -368,83 +504,60 @@ int runmap_moe_layer(const uint8_t *const *rows, int n_experts, const int32_t *a
                                x_sum + (int64_t)t * nb_h);
         }
 
-        /* gate and up rows of every expert: h[a, r] = silu(gate_r . x_t) * (up_r . x_t) */
-#pragma omp for schedule(ROW_SCHEDULE)
-        for (int item = 0; item < n_experts * up_chunks; item++) {
-            const int e = item / up_chunks, r0 = (item % up_chunks) * ROW_CHUNK;
-            const int r1 = r0 + ROW_CHUNK < intermediate ? r0 + ROW_CHUNK : intermediate;
-            const uint8_t *row = rows[e];
-            for (int r = r0; r < r1; r++) {
-                const uint8_t *gw = row + offsets[0] + (int64_t)r * half_h;
-                const uint16_t *gs = (const uint16_t *)(row + offsets[1]) + (int64_t)r * nb_h;
-                const uint8_t *uw = row + offsets[2] + (int64_t)r * half_h;
-                const uint16_t *us = (const uint16_t *)(row + offsets[3]) + (int64_t)r * nb_h;
-                const int slot = (r & 1) ? half_i + r / 2 : r / 2;
-                for (int a0 = assign_start[e]; a0 < assign_start[e + 1]; a0 += MAX_GROUP) {
-                    const int nt = assign_start[e + 1] - a0 < MAX_GROUP ? assign_start[e + 1] - a0 : MAX_GROUP;
-                    float g[MAX_GROUP], u[MAX_GROUP];
-                    if (quantized) {
-                        const int16_t *xq[MAX_GROUP];
-                        const float *xsc[MAX_GROUP];
-                        const int32_t *xsm[MAX_GROUP];
-                        for (int t = 0; t < nt; t++) {
-                            const int64_t tok = assign_token[a0 + t];
-                            xq[t] = x_q + tok * hidden;
-                            xsc[t] = x_scale + tok * nb_h;
-                            xsm[t] = x_sum + tok * nb_h;
-                        }
-                        row_dots_i16(gw, gs, xq, xsc, xsm, hidden, block_size, g, nt, prefetch);
-                        row_dots_i16(uw, us, xq, xsc, xsm, hidden, block_size, u, nt, prefetch);
-                    } else {
-                        const float *xs[MAX_GROUP];
-                        for (int t = 0; t < nt; t++) xs[t] = x_split + (int64_t)assign_token[a0 + t] * hidden;
-                        row_dots(gw, gs, xs, hidden, block_size, g, nt, prefetch);
-                        row_dots(uw, us, xs, hidden, block_size, u, nt, prefetch);
+#if STAGE_OVERLAP
+        const int team = omp_get_num_threads();
+        for (;;) {
+            /* a guided hand-out: a share of what remains, at least one item */
+            int first = atomic_load_explicit(&next_item, memory_order_relaxed), take = 0;
+            do {
+                const int left = all_items - first;
+                if (left <= 0)
+                    break;
+                take = left / (2 * team) > 1 ? left / (2 * team) : 1;
+            } while (!atomic_compare_exchange_weak_explicit(&next_item, &first, first + take, memory_order_relaxed,
+                                                            memory_order_relaxed));
+            if (first >= all_items)
+                break;
+            for (int item = first; item < first + take; item++) {
+                if (item < up_items) {
+                    const int e = item / up_chunks, r0 = (item % up_chunks) * ROW_CHUNK;
+                    gate_up_rows(&call, e, r0, r0 + ROW_CHUNK < intermediate ? r0 + ROW_CHUNK : intermediate);
+                    /* acq_rel: the last of an expert's items sees every other item's h writes */
+                    if (atomic_fetch_add_explicit(&up_done[e], 1, memory_order_acq_rel) == up_chunks - 1) {
+                        if (quantized)
+                            for (int a = assign_start[e]; a < assign_start[e + 1]; a++) quantize_intermediate(&call, a);
+                        atomic_store_explicit(&ready[e], 1, memory_order_release);
                     }
-                    for (int t = 0; t < nt; t++)
-                        h_split[(int64_t)(a0 + t) * intermediate + slot] = g[t] / (1.0f + expf(-g[t])) * u[t];
+                } else {
+                    const int d = item - up_items, e = d / down_chunks, r0 = (d % down_chunks) * DOWN_CHUNK;
+                    while (!atomic_load_explicit(&ready[e], memory_order_acquire))
+                        spin_pause();
+                    down_rows(&call, e, r0, r0 + DOWN_CHUNK < hidden ? r0 + DOWN_CHUNK : hidden);
                 }
             }
+        }
+#pragma omp barrier
+#else
+        /* gate and up rows of every expert */
+#pragma omp for schedule(ROW_SCHEDULE)
+        for (int item = 0; item < up_items; item++) {
+            const int e = item / up_chunks, r0 = (item % up_chunks) * ROW_CHUNK;
+            gate_up_rows(&call, e, r0, r0 + ROW_CHUNK < intermediate ? r0 + ROW_CHUNK : intermediate);
         }
 
         if (quantized) { /* the intermediate quantized per assignment for the down rows */
 #pragma omp for schedule(static)
             for (int a = 0; a < n_assign; a++)
-                quantize_split(h_split + (int64_t)a * intermediate, intermediate, block_size,
-                               h_q + (int64_t)a * intermediate, h_scale + (int64_t)a * nb_i, h_sum + (int64_t)a * nb_i);
+                quantize_intermediate(&call, a);
         }
 
-        /* down rows: y[a, r] = down_r . h[a] */
+        /* down rows of every expert */
 #pragma omp for schedule(ROW_SCHEDULE)
-        for (int item = 0; item < n_experts * down_chunks; item++) {
-            const int e = item / down_chunks, r0 = (item % down_chunks) * DOWN_CHUNK;
-            const int r1 = r0 + DOWN_CHUNK < hidden ? r0 + DOWN_CHUNK : hidden;
-            const uint8_t *row = rows[e];
-            for (int r = r0; r < r1; r++) {
-                const uint8_t *dw = row + offsets[4] + (int64_t)r * half_i;
-                const uint16_t *ds = (const uint16_t *)(row + offsets[5]) + (int64_t)r * nb_i;
-                for (int a0 = assign_start[e]; a0 < assign_start[e + 1]; a0 += MAX_GROUP) {
-                    const int nt = assign_start[e + 1] - a0 < MAX_GROUP ? assign_start[e + 1] - a0 : MAX_GROUP;
-                    float d[MAX_GROUP];
-                    if (quantized) {
-                        const int16_t *hq[MAX_GROUP];
-                        const float *hsc[MAX_GROUP];
-                        const int32_t *hsm[MAX_GROUP];
-                        for (int t = 0; t < nt; t++) {
-                            hq[t] = h_q + (int64_t)(a0 + t) * intermediate;
-                            hsc[t] = h_scale + (int64_t)(a0 + t) * nb_i;
-                            hsm[t] = h_sum + (int64_t)(a0 + t) * nb_i;
-                        }
-                        row_dots_i16(dw, ds, hq, hsc, hsm, intermediate, block_size, d, nt, prefetch);
-                    } else {
-                        const float *hs[MAX_GROUP];
-                        for (int t = 0; t < nt; t++) hs[t] = h_split + (int64_t)(a0 + t) * intermediate;
-                        row_dots(dw, ds, hs, intermediate, block_size, d, nt, prefetch);
-                    }
-                    for (int t = 0; t < nt; t++) y[(int64_t)(a0 + t) * hidden + r] = d[t];
-                }
-            }
+        for (int item = up_items; item < all_items; item++) {
+            const int d = item - up_items, e = d / down_chunks, r0 = (d % down_chunks) * DOWN_CHUNK;
+            down_rows(&call, e, r0, r0 + DOWN_CHUNK < hidden ? r0 + DOWN_CHUNK : hidden);
         }
+#endif
 
         /* the weighted sum, column chunks in parallel, assignments in order within each element */
 #pragma omp for schedule(static)
@@ -460,5 +573,9 @@ int runmap_moe_layer(const uint8_t *const *rows, int n_experts, const int32_t *a
             }
         }
     }
+#if STAGE_OVERLAP
+    free(up_done);
+    free(ready);
+#endif
     return 0;
 }

@@ -54,6 +54,8 @@ TOLERANCE = {"fp32": 1e-5, "fp16-output": 1e-3, "i16": 5e-4}
 EXECUTOR_PRECISION = {"cpu-native": "fp32", "cpu-native-i16": "i16"}
 SECTIONS = ("gate.weight", "gate.scale", "up.weight", "up.scale", "down.weight", "down.scale")
 BUILD_TIMEOUT_S = 120
+# the kernel's compile-time options (kernels/cpu_native.c): how work is split and scheduled, never what is computed
+BUILD_OPTIONS = ("ROW_CHUNK", "DOWN_CHUNK", "ROW_SCHEDULE", "STAGE_OVERLAP")
 I16_MAX_BLOCK = 4096  # the i16 path's largest block (its int32 block sums; qpack's default block is 256)
 
 
@@ -88,26 +90,39 @@ def _compiler() -> str:
     return path
 
 
-def _flags(march: str) -> tuple[str, ...]:
-    return tuple(f"-march={march}" if f == "-march=native" else f for f in COMPILE_FLAGS)
+def _flags(march: str, defines: tuple[str, ...] = ()) -> tuple[str, ...]:
+    return tuple(f"-march={march}" if f == "-march=native" else f for f in COMPILE_FLAGS) + _defines(defines)
 
 
-def library_path(march: str = "native") -> Path:
+def _defines(defines) -> tuple[str, ...]:
+    """``-DNAME=VALUE`` flags of the kernel's compile-time options (ROW_CHUNK, DOWN_CHUNK, ROW_SCHEDULE,
+    STAGE_OVERLAP in kernels/cpu_native.c; none changes a result), each checked to be one such option."""
+    out = []
+    for d in defines:
+        name = d.split("=", 1)[0]
+        if name not in BUILD_OPTIONS:
+            raise CpuSiteError(f"cpu-native: build option {d!r}: one of {', '.join(BUILD_OPTIONS)} expected (NAME=VALUE)")
+        out.append(f"-D{d}")
+    return tuple(out)
+
+
+def library_path(march: str = "native", defines: tuple[str, ...] = ()) -> Path:
     """Where the compiled kernel for this source, compiler, flags and CPU lives (built or not). ``march``: the
-    instruction set (tests build the AVX2 and portable paths with it on a machine whose native one is AVX-512)."""
+    instruction set (tests build the AVX2 and portable paths with it on a machine whose native one is AVX-512);
+    ``defines``: compile-time options as NAME=VALUE (``BUILD_OPTIONS``; the default build takes none)."""
     cc = _compiler()
     try:
         version = subprocess.run([cc, "--version"], capture_output=True, text=True, timeout=30).stdout
     except (OSError, subprocess.SubprocessError) as exc:
         raise NativeBuildError(f"cpu-native: could not run the C compiler {cc}: {exc}") from None
-    key = hashlib.sha256("\0".join([SOURCE.read_text(), cc, version, " ".join(_flags(march) + LINK_FLAGS),
+    key = hashlib.sha256("\0".join([SOURCE.read_text(), cc, version, " ".join(_flags(march, defines) + LINK_FLAGS),
                                     platform.machine(), _cpu_identity()]).encode()).hexdigest()[:20]
     return cache_dir() / "cpu_native" / key / "libcpu_native.so"
 
 
-def build(march: str = "native") -> Path:
+def build(march: str = "native", defines: tuple[str, ...] = ()) -> Path:
     """Compile the kernel into the cache (once per key) and return the library's path."""
-    lib = library_path(march)
+    lib = library_path(march, defines)
     if lib.exists():
         return lib
     cc = _compiler()
@@ -118,12 +133,12 @@ def build(march: str = "native") -> Path:
     except OSError as exc:
         raise NativeBuildError(f"cpu-native: cannot write the kernel cache {lib.parent}: {exc.strerror} "
                                "(set $RUNMAP_CACHE_DIR to a writable folder)") from None
-    cmd = [cc, *_flags(march), "-o", tmp, str(SOURCE), *LINK_FLAGS]
+    cmd = [cc, *_flags(march, defines), "-o", tmp, str(SOURCE), *LINK_FLAGS]
     try:
         proc = subprocess.run(cmd, capture_output=True, text=True, timeout=BUILD_TIMEOUT_S)
         if proc.returncode != 0:
             first = next((ln for ln in proc.stderr.splitlines() if "error" in ln), proc.stderr.strip()[:300])
-            raise NativeBuildError(f"cpu-native: compiling {SOURCE.name} failed ({' '.join(cmd[:1] + list(_flags(march)))}): "
+            raise NativeBuildError(f"cpu-native: compiling {SOURCE.name} failed ({' '.join(cmd[:1] + list(_flags(march, defines)))}): "
                                    f"{first}")
         os.replace(tmp, lib)  # atomic: a concurrent build or reader sees the whole library or none
     except subprocess.TimeoutExpired:
@@ -140,10 +155,10 @@ _load_lock = threading.Lock()
 
 
 @functools.lru_cache(maxsize=None)
-def _function(march: str = "native"):
+def _function(march: str = "native", defines: tuple[str, ...] = ()):
     """The loaded ``runmap_moe_layer`` with its argument types (ctypes.CDLL releases the GIL during a call)."""
     with _load_lock:
-        path = build(march)
+        path = build(march, defines)
         try:
             lib = ctypes.CDLL(str(path))
         except OSError as exc:
@@ -188,9 +203,12 @@ def section_offsets(layout: RowLayout) -> torch.Tensor:
 
 class NativeLayer:
     """The C kernel bound to one row layout and precision ("fp32", or "i16": activations as int16 per block,
-    integer dot products; kernels/cpu_native.c). Call ``run`` once per layer call."""
+    integer dot products; kernels/cpu_native.c). Call ``run`` once per layer call. ``march`` and ``defines`` (the
+    compile-time options of ``BUILD_OPTIONS``, NAME=VALUE) pick another build of the same kernel, for tests and
+    measurements; every build computes the same values bit for bit."""
 
-    def __init__(self, layout: RowLayout, precision: str = "fp32", march: str = "native"):
+    def __init__(self, layout: RowLayout, precision: str = "fp32", march: str = "native",
+                 defines: tuple[str, ...] = ()):
         if layout.block_size % 2:
             raise CpuSiteError(f"block_size {layout.block_size}: cpu-native needs an even block size")
         if precision == "i16" and layout.block_size > I16_MAX_BLOCK:
@@ -202,7 +220,7 @@ class NativeLayer:
         self.layout, self.precision = layout, precision
         self.prefetch_bytes = prefetch_bytes()
         self.offsets = section_offsets(layout)
-        self.fn = _function(march)
+        self.fn = _function(march, tuple(defines))
         self._offsets_ptr = self.offsets.data_ptr()  # read once: run_arrays makes no torch call
         self._scratch = threading.local()  # run_arrays' buffers, per calling thread, grown as needed
 

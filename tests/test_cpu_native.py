@@ -140,6 +140,37 @@ def test_the_result_does_not_depend_on_the_thread_count_or_the_token_grouping(pr
         assert torch.equal(alone.view(torch.int32), one[t:t + 1].view(torch.int32))
 
 
+# Builds with other work splits and schedules (kernels/cpu_native.c's compile-time options): the overlapped stages
+# (one work list, a down item waiting only for its own expert), single-row and odd-sized items, static and dynamic
+# hand-outs. Each must give the default build's values bit for bit at every thread count.
+SCHEDULES = [("STAGE_OVERLAP=1",), ("STAGE_OVERLAP=1", "ROW_CHUNK=1", "DOWN_CHUNK=3"),
+             ("STAGE_OVERLAP=0", "ROW_CHUNK=7", "DOWN_CHUNK=5", "ROW_SCHEDULE=static"),
+             ("STAGE_OVERLAP=0", "ROW_CHUNK=1", "ROW_SCHEDULE=dynamic,1")]
+
+
+@pytest.mark.parametrize("defines", SCHEDULES, ids=lambda d: ",".join(d))
+@pytest.mark.parametrize("precision", ["fp32", "i16"])
+def test_every_work_split_and_schedule_gives_the_default_bit_for_bit(defines, precision):
+    for name, m in (("partial-blocks", 6), ("qwen-like", 1), ("tiny-k", 3), ("olmoe-like", 5)):
+        h, i, b, e, k = SHAPES[name]
+        layout = RowLayout.build(h, i, b)
+        rows = _rows(layout, e, 41)
+        x, ids, w = _batch(h, e, k, m, 41, duplicate=True)
+        order, start, tok, wts = assignments(ids, w)
+        ptrs = [rows[z].data_ptr() for z in order]
+        default = NativeLayer(layout, precision).run(ptrs, start, tok, wts, x.float(), 2)
+        other = NativeLayer(layout, precision, defines=defines)
+        for threads in (1, 2, 5):
+            got = other.run(ptrs, start, tok, wts, x.float(), threads)
+            assert torch.equal(got.view(torch.int32), default.view(torch.int32)), f"{name} threads {threads}"
+
+
+def test_an_unknown_build_option_is_one_line():
+    layout = RowLayout.build(*SHAPES["tiny-k"][:3])
+    with pytest.raises(CpuSiteError, match="build option 'FAST_MATH=1': one of ROW_CHUNK"):
+        NativeLayer(layout, defines=("FAST_MATH=1",))
+
+
 def _host(name: str, layers: int, seed: int):
     h, i, b, e, _k = SHAPES[name]
     layout = RowLayout.build(h, i, b)
