@@ -436,7 +436,7 @@ static void down_rows(const struct layer_call *c, int e, int r0, int r1) {
  * assign_start:   int32 (n_experts + 1,): the assignments of expert i are [assign_start[i], assign_start[i + 1]).
  * assign_token:   int32 (n_assign,) the token (row of x and out) of each assignment.
  * assign_weight:  float32 (n_assign,) its gate weight.
- * x:              float32 (n_tokens, hidden) activations.
+ * x:              (n_tokens, hidden) activations: float32, or IEEE half when x_half is 1 (widened exactly here).
  * offsets:        int64 (6,) byte offsets in a row of gate.weight, gate.scale, up.weight, up.scale,
  *                 down.weight, down.scale.
  * x_split:        float32 (n_tokens, hidden) scratch (x deinterleaved).
@@ -450,14 +450,16 @@ static void down_rows(const struct layer_call *c, int e, int r0, int r1) {
  * prefetch:       bytes ahead of the weight byte being read to prefetch into L1 (0: none). Rows of a projection are
  *                 contiguous, so this reaches the next rows of the same stream: one thread alone streamed expert
  *                 bytes at ~0.45 of its read bandwidth on the H200 host (results/cpu-experts/README.md).
+ * x_half:         1 when x holds IEEE half values (the decode chain's FP16 activations), 0 for float32.
  * Returns 0, or 1 when the overlapped schedule's counters cannot be allocated; the caller (kernels/cpu_native.py)
  * has checked every shape, offset and index.
  */
 int runmap_moe_layer(const uint8_t *const *rows, int n_experts, const int32_t *assign_start,
-                     const int32_t *assign_token, const float *assign_weight, const float *x, int n_tokens,
+                     const int32_t *assign_token, const float *assign_weight, const void *x, int n_tokens,
                      int hidden, int intermediate, int block_size, const int64_t *offsets, float *x_split,
                      float *h_split, float *y, float *out, int n_threads, int quantized, int16_t *x_q,
-                     float *x_scale, int32_t *x_sum, int16_t *h_q, float *h_scale, int32_t *h_sum, int prefetch) {
+                     float *x_scale, int32_t *x_sum, int16_t *h_q, float *h_scale, int32_t *h_sum, int prefetch,
+                     int x_half) {
     const int n_assign = assign_start[n_experts];
     const int half_h = hidden / 2;
     const int nb_h = num_blocks(hidden, block_size), nb_i = num_blocks(intermediate, block_size);
@@ -493,11 +495,19 @@ int runmap_moe_layer(const uint8_t *const *rows, int n_experts, const int32_t *a
         /* x deinterleaved (and quantized on the i16 path), one token per iteration */
 #pragma omp for schedule(static)
         for (int t = 0; t < n_tokens; t++) {
-            const float *xt = x + (int64_t)t * hidden;
             float *xs = x_split + (int64_t)t * hidden;
-            for (int j = 0; j < half_h; j++) {
-                xs[j] = xt[2 * j];
-                xs[half_h + j] = xt[2 * j + 1];
+            if (x_half) { /* FP16 activations widened here: exact, and no widening pass on the caller's side */
+                const uint16_t *xt = (const uint16_t *)x + (int64_t)t * hidden;
+                for (int j = 0; j < half_h; j++) {
+                    xs[j] = half_to_float(xt[2 * j]);
+                    xs[half_h + j] = half_to_float(xt[2 * j + 1]);
+                }
+            } else {
+                const float *xt = (const float *)x + (int64_t)t * hidden;
+                for (int j = 0; j < half_h; j++) {
+                    xs[j] = xt[2 * j];
+                    xs[half_h + j] = xt[2 * j + 1];
+                }
             }
             if (quantized)
                 quantize_split(xs, hidden, block_size, x_q + (int64_t)t * hidden, x_scale + (int64_t)t * nb_h,

@@ -29,6 +29,7 @@ from __future__ import annotations
 import ctypes
 import functools
 import hashlib
+import operator
 import os
 import platform
 import shutil
@@ -165,7 +166,7 @@ def _function(march: str = "native", defines: tuple[str, ...] = ()):
             raise NativeBuildError(f"cpu-native: loading {path} failed: {exc} (delete the folder to rebuild)") from None
     fn = lib.runmap_moe_layer
     p, i32 = ctypes.c_void_p, ctypes.c_int
-    fn.argtypes = [p, i32, p, p, p, p, i32, i32, i32, i32, p, p, p, p, p, i32, i32, p, p, p, p, p, p, i32]
+    fn.argtypes = [p, i32, p, p, p, p, i32, i32, i32, i32, p, p, p, p, p, i32, i32, p, p, p, p, p, p, i32, i32]
     fn.restype = i32
     return fn
 
@@ -272,32 +273,33 @@ class NativeLayer:
         rc = self.fn(ptrs, n_exp, start.data_ptr(), tok.data_ptr(), wts.data_ptr(), x.data_ptr(), t, h, i,
                      self.layout.block_size, self.offsets.data_ptr(), x_split.data_ptr(), h_split.data_ptr(),
                      y.data_ptr(), out.data_ptr(), threads or torch.get_num_threads(), int(bool(q16)),
-                     *([b.data_ptr() for b in q16] or [None] * 6), self.prefetch_bytes)
+                     *([b.data_ptr() for b in q16] or [None] * 6), self.prefetch_bytes, 0)
         if rc != 0:
             raise CpuSiteError(f"cpu-native: the kernel returned {rc}")
         return out
 
 
-    def _scratch_arrays(self, t: int, n_assign: int, fresh: bool = False) -> list[np.ndarray]:
-        """This thread's scratch for a call of ``t`` tokens and ``n_assign`` assignments: x_split (t, H), h_split
-        (n_assign, I), y (n_assign, H), the FP32 widening of FP16 activations (t, H) float32, then the i16 path's six
-        buffers (``run``'s q16), as numpy views of
-        tensors from common.empty (tests poison them); reallocated only when a call needs more room. ``fresh``:
-        new buffers of exactly that size, not kept (a prepared call of this thread still owns the kept ones)."""
+    def _scratch_arrays(self, t: int, n_assign: int, fresh: bool = False) -> tuple[list[np.ndarray], tuple[int, ...]]:
+        """This thread's scratch for a call of ``t`` tokens and ``n_assign`` assignments, and the buffers' addresses:
+        x_split (t, H), h_split (n_assign, I), y (n_assign, H), then the i16 path's six buffers (``run``'s q16), as numpy views of tensors from common.empty (tests poison
+        them); reallocated only when a call needs more room (each buffer may have more rows than the call uses).
+        ``fresh``: new buffers of exactly that size, not kept (a prepared call of this thread still owns the kept
+        ones)."""
         if fresh:
-            return [b.numpy() for b in self._allocate_scratch(t, n_assign)]
+            tensors = self._allocate_scratch(t, n_assign)
+            return [b.numpy() for b in tensors], tuple(b.data_ptr() for b in tensors)
         have = getattr(self._scratch, "size", (0, 0))
         if have[0] < t or have[1] < n_assign:
             t, n_assign = max(t, have[0]), max(n_assign, have[1])
             self._scratch.tensors = self._allocate_scratch(t, n_assign)  # keeps the memory
             self._scratch.arrays = [b.numpy() for b in self._scratch.tensors]
+            self._scratch.ptrs = tuple(b.data_ptr() for b in self._scratch.tensors)
             self._scratch.size = (t, n_assign)
-        return self._scratch.arrays
+        return self._scratch.arrays, self._scratch.ptrs
 
     def _allocate_scratch(self, t: int, n_assign: int) -> list[torch.Tensor]:
         h, i, cpu = self.layout.hidden_size, self.layout.intermediate_size, torch.device("cpu")
-        shapes = [((t, h), torch.float32), ((n_assign, i), torch.float32), ((n_assign, h), torch.float32),
-                  ((t, h), torch.float32)]
+        shapes = [((t, h), torch.float32), ((n_assign, i), torch.float32), ((n_assign, h), torch.float32)]
         if self.precision == "i16":
             nb_h, nb_i = num_blocks(h, self.layout.block_size), num_blocks(i, self.layout.block_size)
             shapes += [((t, h), torch.int16), ((t, nb_h), torch.float32), ((t, nb_h), torch.int32),
@@ -336,38 +338,68 @@ class NativeLayer:
         t = x.shape[0]
         if out.shape[0] != t:
             raise common.KernelInputError(f"cpu-native: out has {out.shape[0]} rows for {t} tokens")
-        if not out.flags.writeable or np.shares_memory(out, x):
+        # both are C-contiguous (checked above), so overlapping bounds are overlapping memory: the cheap test is exact
+        if not out.flags.writeable or np.may_share_memory(out, x):
             raise common.KernelInputError("cpu-native: out must be a writable array that does not overlap x")
         if threads is not None and (isinstance(threads, bool) or not isinstance(threads, int) or threads < 1):
             raise common.KernelInputError(f"threads {threads!r}: a positive integer or None expected")
-        start = np.asarray(assign_start, dtype=np.int32)
-        tok = np.asarray(assign_token, dtype=np.int32)
-        wts = np.asarray(assign_weight, dtype=np.float32)
-        n_assign = int(start[-1]) if n_exp and start.shape == (n_exp + 1,) else 0
-        if (start.shape != (n_exp + 1,) or (n_exp and (int(start[0]) != 0 or bool((start[1:] < start[:-1]).any())))
-                or tok.shape != (n_assign,) or wts.shape != (n_assign,)
-                or (n_assign and (int(tok.min()) < 0 or int(tok.max()) >= t))):
-            raise common.KernelInputError(f"cpu-native: assignment table does not fit {n_exp} experts and {t} tokens "
-                                          f"(start {start.shape}, token {tok.shape}, weight {wts.shape})")
-        if n_exp == 0 or n_assign == 0:
+        table = _assignment_table(assign_start, assign_token, assign_weight, n_exp, t)
+        if table is None:
             return NativeCall(None, (), out)
+        start, tok, wts, n_assign = table
         # this thread's scratch, unless a call it prepared has not run yet (that call owns it): then fresh buffers
         state = getattr(self._scratch, "state", None)
         if state is None:
             state = self._scratch.state = _PendingCalls()
-        scratch = self._scratch_arrays(t, n_assign, fresh=state.count > 0)
-        x_split, h_split, y, xf = (b[:rows] for b, rows in zip(scratch[:4], (t, n_assign, n_assign, t)))
-        if x.dtype == np.float32:
-            xf = x
-        else:  # the kernel reads FP32 activations: widened into scratch (exact from FP16)
-            np.copyto(xf, x)
-        q16 = [b[:rows] for b, rows in zip(scratch[4:], (t, t, t, n_assign, n_assign, n_assign))]
+        scratch, scratch_ptrs = self._scratch_arrays(t, n_assign, fresh=state.count > 0)
+        # the scratch buffers' addresses were read once at allocation (a view of their first rows starts there); FP16
+        # activations are widened by the kernel itself (numpy's widening cost ~6 us per 2,048 values on the host)
+        x_split_ptr, h_split_ptr, y_ptr = scratch_ptrs[:3]
+        q16_ptrs = scratch_ptrs[3:] if self.precision == "i16" else (None,) * 6
         ptrs = (ctypes.c_void_p * n_exp)(*row_ptrs)
-        args = (ptrs, n_exp, start.ctypes.data, tok.ctypes.data, wts.ctypes.data, xf.ctypes.data, t, h, i,
-                self.layout.block_size, self._offsets_ptr, x_split.ctypes.data, h_split.ctypes.data, y.ctypes.data,
-                out.ctypes.data, threads or torch.get_num_threads(), int(bool(q16)),
-                *([b.ctypes.data for b in q16] or [None] * 6), self.prefetch_bytes)
-        return NativeCall(self.fn, args, out, keep=(start, tok, wts, xf, *scratch), owner=state)
+        args = (ptrs, n_exp, start, tok, wts, x.ctypes.data, t, h, i, self.layout.block_size, self._offsets_ptr,
+                x_split_ptr, h_split_ptr, y_ptr, out.ctypes.data, threads or torch.get_num_threads(),
+                int(self.precision == "i16"), *q16_ptrs, self.prefetch_bytes, int(x.dtype == np.float16))
+        return NativeCall(self.fn, args, out, keep=(x, scratch), owner=state)
+
+
+SMALL_TABLE = 256  # assignments up to which the table is checked and converted in plain Python (decode calls)
+
+
+def _assignment_table(assign_start, assign_token, assign_weight, n_exp: int, t: int):
+    """The assignment table of ``NativeLayer.prepare_arrays`` checked (one line naming the shapes when it does not fit
+    ``n_exp`` experts and ``t`` tokens: the C kernel indexes with it unchecked) and converted to what the kernel
+    reads: (start int32, token int32, weight float32, n_assign) as ctypes arrays (small tables, from Python lists:
+    no numpy object per call) or numpy arrays' addresses with the arrays kept alive by the caller's call; None when
+    there is nothing to compute."""
+    if isinstance(assign_start, list) and isinstance(assign_token, list) and len(assign_token) <= SMALL_TABLE:
+        start, tok, wts = assign_start, assign_token, list(assign_weight)
+        n_assign = start[-1] if n_exp and len(start) == n_exp + 1 else 0
+        if (len(start) != n_exp + 1 or (n_exp and (start[0] != 0 or not all(map(operator.le, start, start[1:]))))
+                or len(tok) != n_assign or len(wts) != n_assign or (n_assign and (min(tok) < 0 or max(tok) >= t))):
+            raise common.KernelInputError(f"cpu-native: assignment table does not fit {n_exp} experts and {t} tokens "
+                                          f"(start ({len(start)},), token ({len(tok)},), weight ({len(wts)},))")
+        if n_exp == 0 or n_assign == 0:
+            return None
+        try:
+            return ((ctypes.c_int32 * len(start))(*start), (ctypes.c_int32 * n_assign)(*tok),
+                    (ctypes.c_float * n_assign)(*wts), n_assign)
+        except TypeError:  # a float where an index belongs, a string, ...
+            raise common.KernelInputError("cpu-native: assignment table: integer starts and tokens and real weights "
+                                          "expected") from None
+    start = np.asarray(assign_start, dtype=np.int32)
+    tok = np.asarray(assign_token, dtype=np.int32)
+    wts = np.asarray(assign_weight, dtype=np.float32)
+    n_assign = int(start[-1]) if n_exp and start.shape == (n_exp + 1,) else 0
+    if (start.shape != (n_exp + 1,) or (n_exp and (int(start[0]) != 0 or bool((start[1:] < start[:-1]).any())))
+            or tok.shape != (n_assign,) or wts.shape != (n_assign,)
+            or (n_assign and (int(tok.min()) < 0 or int(tok.max()) >= t))):
+        raise common.KernelInputError(f"cpu-native: assignment table does not fit {n_exp} experts and {t} tokens "
+                                      f"(start {start.shape}, token {tok.shape}, weight {wts.shape})")
+    if n_exp == 0 or n_assign == 0:
+        return None
+    # ctypes arrays over the numpy buffers: passed as pointers, and they keep the arrays alive
+    return (np.ctypeslib.as_ctypes(start), np.ctypeslib.as_ctypes(tok), np.ctypeslib.as_ctypes(wts), n_assign)
 
 
 class _PendingCalls:

@@ -294,6 +294,27 @@ def test_prepared_calls_in_flight_never_share_scratch():
         site.close()
 
 
+@pytest.mark.parametrize("precision", ["fp32", "i16"])
+def test_the_array_path_takes_small_and_large_tables_alike(precision):
+    """Up to cpu_native.SMALL_TABLE assignments the table goes to the kernel as ctypes arrays built in Python, above it
+    through numpy: both give run()'s values bit for bit, FP16 activations widened by the kernel."""
+    h, i, b, e, k = SHAPES["partial-blocks"]
+    layout = RowLayout.build(h, i, b)
+    rows = _rows(layout, e, 43)
+    native = NativeLayer(layout, precision)
+    for m in (1, 7, cpu_native.SMALL_TABLE // k + 5):  # the last one is past SMALL_TABLE
+        x, ids, w = _batch(h, e, k, m, 43 + m, duplicate=True)
+        order, start, tok, wts = assignments(ids, w)
+        want = native.run([rows[z].data_ptr() for z in order], start, tok, wts, x.float())
+        table = cpu_native.assignments_arrays(ids.numpy(), w.numpy())
+        assert (len(table[2]) > cpu_native.SMALL_TABLE) == (m > 7)
+        out = np.full((m, h), np.nan, dtype=np.float32)
+        native.run_arrays([rows[z].data_ptr() for z in table[0]], *table[1:], x.numpy(), out)
+        assert torch.equal(torch.from_numpy(out).view(torch.int32), want.view(torch.int32))
+    with pytest.raises(KernelInputError, match="integer starts and tokens"):
+        native.run_arrays([rows[0].data_ptr()], [0, 1], [0.5], [1.0], x.numpy()[:1], out[:1])
+
+
 def test_the_array_path_refuses_bad_arrays_in_one_line():
     h, i, b, e, k = SHAPES["olmoe-like"]
     host, rows, layout = _host("olmoe-like", layers=1, seed=3)
