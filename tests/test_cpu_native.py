@@ -466,3 +466,40 @@ def test_the_kernel_refuses_what_it_cannot_index_or_sum():
         nl.run(ptrs, [0, 1, 2], [0, 1], [1.0, 1.0], x.half())
     with pytest.raises(KernelInputError, match="threads"):
         nl.run(ptrs, [0, 1, 2], [0, 1], [1.0, 1.0], x, threads=0)
+
+
+def test_shrinking_the_callers_team_sets_torch_to_one_thread_and_gives_it_back():
+    before = torch.get_num_threads()
+    try:
+        assert cpu_native.shrink_caller_team() == before
+        assert torch.get_num_threads() == 1
+        assert cpu_native._REGIONS["native", ()](2) == 2  # the helper's region had the team it asked for
+    finally:
+        cpu_native.restore_caller_team(before)
+    assert torch.get_num_threads() == before
+
+
+@pytest.mark.parametrize("setting", ["shrink", "keep"])
+def test_the_engine_hands_the_cpu_site_its_cores_once_and_only_on_cuda(monkeypatch, setting):
+    from types import SimpleNamespace
+
+    from runmap.engine.engine import Engine
+
+    monkeypatch.setenv("RUNMAP_CPU_SITE_CALLER_TEAM", setting)
+    before = torch.get_num_threads()
+    site = SimpleNamespace(native_threads=None)
+    on_cpu = SimpleNamespace(device=torch.device("cpu"), _caller_torch_threads=None)
+    Engine.hand_cpu_site_cores(on_cpu, site)  # a CPU engine computes with torch's threads: nothing changes
+    assert (site.native_threads, on_cpu._caller_torch_threads, torch.get_num_threads()) == (None, None, before)
+    eng = SimpleNamespace(device=torch.device("cuda"), _caller_torch_threads=None)
+    try:
+        Engine.hand_cpu_site_cores(eng, site)
+        assert site.native_threads == max(1, before - 1)
+        if setting == "shrink":
+            assert eng._caller_torch_threads == before and torch.get_num_threads() == 1
+            Engine.hand_cpu_site_cores(eng, site)  # once per engine
+            assert eng._caller_torch_threads == before
+        else:
+            assert eng._caller_torch_threads == 0 and torch.get_num_threads() == before
+    finally:
+        torch.set_num_threads(before)
