@@ -46,8 +46,8 @@
 #ifndef STAGE_OVERLAP
 #define STAGE_OVERLAP 0
 #endif
-#include <omp.h>
 #if STAGE_OVERLAP
+#include <omp.h>
 #include <stdatomic.h>
 #endif
 #define SUM_CHUNK 128 /* output columns per work item of the weighted sum */
@@ -588,18 +588,4 @@ int runmap_moe_layer(const uint8_t *const *rows, int n_experts, const int32_t *a
     free(ready);
 #endif
     return 0;
-}
-
-/* Open one empty parallel region of n_threads threads on the calling thread and return the team size it had. libgomp
- * keeps each calling thread's team between regions and releases the threads a smaller region does not use: a thread
- * that hands the kernel to another thread shrinks its own team with this (kernels/cpu_native.py,
- * shrink_caller_team), so that the two teams together do not outnumber the cores. */
-int runmap_openmp_region(int n_threads) {
-    int size = 0;
-#pragma omp parallel num_threads(n_threads)
-    {
-#pragma omp single
-        size = omp_get_num_threads();
-    }
-    return size;
 }

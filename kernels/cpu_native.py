@@ -164,40 +164,11 @@ def _function(march: str = "native", defines: tuple[str, ...] = ()):
             lib = ctypes.CDLL(str(path))
         except OSError as exc:
             raise NativeBuildError(f"cpu-native: loading {path} failed: {exc} (delete the folder to rebuild)") from None
-    region = lib.runmap_openmp_region
-    region.argtypes, region.restype = [ctypes.c_int], ctypes.c_int
-    _REGIONS[march, defines] = region
     fn = lib.runmap_moe_layer
     p, i32 = ctypes.c_void_p, ctypes.c_int
     fn.argtypes = [p, i32, p, p, p, p, i32, i32, i32, i32, p, p, p, p, p, i32, i32, p, p, p, p, p, p, i32, i32]
     fn.restype = i32
     return fn
-
-
-_REGIONS: dict = {}  # (march, defines) -> the loaded runmap_openmp_region
-
-
-def shrink_caller_team(keep: int = 2) -> int:
-    """Reduce the calling thread's OpenMP team to ``keep`` threads and torch's intra-op thread count to 1; returns the
-    torch thread count before, for ``restore_caller_team``.
-
-    Why: the decode chain runs the kernel on the CPU site's job thread, whose OpenMP team is a second one beside the
-    calling thread's (torch's), and with both in the process libgomp manages more threads than there are cores and
-    throttles its spin-waits, so every region and barrier of the kernel waits for threads woken from sleep. On the
-    H200 host a 2-expert OLMoE call on the job thread took 0.31-0.40 ms when calls came 0.2-2 ms apart, against
-    0.11 ms back to back on the main thread, and 0.11 ms again at every spacing once the caller's team was shrunk
-    this way (results/cpu-experts/probe/probe-cpu-native-cadence-h200.log). Values are unchanged: the kernel's
-    results do not depend on its thread count, and the caller keeps computing on its device."""
-    before = torch.get_num_threads()
-    torch.set_num_threads(1)
-    _function()  # loads the library (and its region helper)
-    _REGIONS["native", ()](max(1, keep))
-    return before
-
-
-def restore_caller_team(threads: int) -> None:
-    """Undo ``shrink_caller_team``: torch's intra-op count back to ``threads`` (its team regrows at its next region)."""
-    torch.set_num_threads(max(1, threads))
 
 
 def available() -> bool:

@@ -92,8 +92,6 @@ from __future__ import annotations
 
 import contextlib
 import functools
-import logging
-import os
 import time
 from collections import Counter
 
@@ -109,8 +107,6 @@ from runmap.kernels.registry import CPU_SITE_EXECUTORS, EXECUTOR_NAMES as EXECUT
 from runmap.engine.telemetry import DECODE_PATHS, PREFILL_PATHS
 from runmap.residency.regimes import regime_of
 from runmap.workload.routing import ImposedRouting, RoutingError, parse_routing
-
-log = logging.getLogger("runmap.engine")
 
 EXPERT_FORMATS = ("int4", "fp16")
 PREFILL_CHUNK = 8192  # prompt tokens per row per prefill pass, by default (from_pack's prefill_chunk)
@@ -673,8 +669,11 @@ class SegmentDecoder(_StaticStepInputs):
         site = self.e.experts.site()
         if not site.native:
             return
-        self.e.hand_cpu_site_cores(site)
-        threads = site.native_threads
+        # the caller's count (not the job thread's default) less one: the main thread keeps driving the device while
+        # the kernel runs, and a team thread sharing its core would hold back the whole team (h200-placement-split:
+        # with every core in the team the kernel took ~490 us per layer instead of ~300 and the host's lease work
+        # 2-3x longer)
+        threads = site.native_threads or max(1, torch.get_num_threads() - 1)
         # checked, grouped and bound here; the job thread then only enters the C kernel (which releases the GIL)
         t0 = time.perf_counter()
         call = site.prepare_subset_arrays(layer, self.host_x_np[layer], self.host_ids_np[layer],
@@ -952,7 +951,6 @@ class Engine:
         self.budget_plan = None  # runmap.engine.budget.BudgetPlan when built with gpu_budget
         self._runs: list[dict] = []
         self._closed = False
-        self._caller_torch_threads: int | None = None  # hand_cpu_site_cores: torch's thread count before it shrank
         # the expert cache's hits / misses / host->device bytes made by prefill passes (telemetry splits by phase)
         self.prefill_counts = {"hits": 0, "misses": 0, "bytes_h2d": 0, "cpu_site_experts": 0}
 
@@ -1551,37 +1549,10 @@ class Engine:
         self._pool = None
         self.kv = self.model = self.experts = None
         self._closed = True
-        if self._caller_torch_threads:  # hand_cpu_site_cores shrank this process's torch threads
-            from runmap.kernels.cpu_native import restore_caller_team
-
-            restore_caller_team(self._caller_torch_threads)
         if self.device.type == "cuda":
             torch.cuda.empty_cache()
             if self.budget_plan is not None:  # the budget's allocator cap was this engine's, not the process's
                 torch.cuda.set_per_process_memory_fraction(1.0, self.device)
-
-    def hand_cpu_site_cores(self, site) -> None:
-        """Before the decode chain's first CPU part on the site's job thread (CUDA only; once per engine): the job
-        thread's OpenMP team gets the caller's core count less one (the caller keeps driving the device while the
-        kernel runs, and a team thread sharing its core would hold back the whole team: h200-placement-split, ~490
-        instead of ~300 us per layer), unless the site was given a count, and the calling thread's own team shrinks
-        to two threads with torch's intra-op count set to 1 (kernels/cpu_native.py ``shrink_caller_team``: two full
-        teams made libgomp wake the kernel's threads from sleep at every region, ~3x a 2-expert call). ``close``
-        gives torch its count back. ``RUNMAP_CPU_SITE_CALLER_TEAM=keep`` leaves the caller's team as it is (for a
-        process that also computes with torch on the CPU, and for measurements)."""
-        if self._caller_torch_threads is not None or self.device.type != "cuda":
-            return
-        if site.native_threads is None:
-            site.native_threads = max(1, torch.get_num_threads() - 1)
-        if os.environ.get("RUNMAP_CPU_SITE_CALLER_TEAM", "shrink") == "keep":
-            self._caller_torch_threads = 0  # decided: nothing to give back
-            return
-        from runmap.kernels.cpu_native import shrink_caller_team
-
-        self._caller_torch_threads = shrink_caller_team()
-        log.info("CPU site: the job thread's team has %d threads; this thread's team shrunk to 2 and torch's "
-                 "intra-op threads set to 1 (were %d) until the engine closes", site.native_threads,
-                 self._caller_torch_threads)
 
     def _check_open(self) -> None:
         if self._closed:
