@@ -16,7 +16,7 @@ from prometheus_client.parser import text_string_to_metric_families
 from runmap.engine.engine import Engine
 from runmap.serve.app import Server
 from runmap.serve.batching import SamplingParams
-from runmap.serve.engine_process import EngineProcess, _MetricsRelay, _Outbox, apply_metrics
+from runmap.serve.engine_process import EngineProcess, _MetricsRelay, apply_metrics
 from runmap.serve.metrics import ServeMetrics
 from runmap.serve.scheduler import Ticket
 from test_model_support import build_packs
@@ -197,39 +197,3 @@ def test_an_engine_snapshot_pickles_with_its_mappings_read_only(pack):
             back.observations["x"] = 1
     finally:
         eng.close()
-
-
-def test_the_outbox_sends_in_order_from_its_own_thread_and_stops_on_a_closed_pipe():
-    """Passes are flushed to a sender thread: the reader gets every message in the order made, close() sends what is
-    queued before it returns, and a reader that has gone makes later sends no-ops, never an exception."""
-    import multiprocessing
-
-    here, there = multiprocessing.Pipe()
-    relay = _MetricsRelay()
-    out = _Outbox(here, relay)
-    for step in range(50):
-        for row in range(3):
-            out.event(row, ("token", f"{step}.{row}"))
-        relay.generation_tokens.labels("chat").inc(3)
-        out.flush()
-    out.send(("stopped",))
-    out.close()
-    assert not out._sender.is_alive()
-    got = []
-    while there.poll(1.0):
-        got.append(there.recv())
-    assert got[-1] == ("stopped",) and all(m[0] == "batch" for m in got[:-1])
-    assert [ev[2] for m in got[:-1] for ev in m[1]] == [f"{s}.{r}" for s in range(50) for r in range(3)]
-    assert sum(m[2].get(("inc", "generation_tokens", ("chat",)), 0) for m in got[:-1]) == 150
-    here2, there2 = multiprocessing.Pipe()
-    out2 = _Outbox(here2, _MetricsRelay())
-    there2.close()  # the HTTP process has gone
-    out2.send(("result", 1, True, "x"))
-    deadline = time.monotonic() + 5
-    while not out2.broken and time.monotonic() < deadline:
-        time.sleep(0.01)
-    assert out2.broken
-    out2.send(("stopped",))  # dropped, no exception
-    out2.close()
-    assert not out2._sender.is_alive()
-

@@ -5,8 +5,8 @@ server-sent-event chunk per token per client (~8,000 a second at 32 streaming cl
 thread then waits for the lock after every blocking CUDA call and every switch interval, and a served decode step
 took 3.8 ms of engine-thread time against the offline 3.5 ms, while joins and snapshots lost as much again
 (results/serve/load/README.md). Here the engine, its scheduler (runmap.serve.scheduler, unchanged) and the
-batch runner run in a child process whose other threads read commands and write the pipe; the HTTP process keeps
-the event loop, the tokenizer for prompts, the metrics and the page.
+batch runner run in a child process whose only other thread reads commands; the HTTP process keeps the event
+loop, the tokenizer for prompts, the metrics and the page.
 
 The two processes talk over one ``multiprocessing`` pipe:
 
@@ -34,7 +34,6 @@ import itertools
 import logging
 import multiprocessing
 import os
-import queue
 import signal
 import threading
 import time
@@ -46,7 +45,6 @@ from runmap.serve.scheduler import Scheduler, Ticket, check_fits
 log = logging.getLogger("runmap.serve")
 STATE_EVERY_S = 0.02  # the scheduler's counters go to the HTTP process at most this often while busy
 COMMAND_POLL_S = 0.1  # the engine process's command loop wakes at least this often to report a failed engine thread
-_CLOSE = object()  # the outbox's sender thread ends at this message
 
 
 @dataclasses.dataclass
@@ -130,56 +128,31 @@ def apply_metrics(metrics, ops: dict) -> None:
 
 
 class _Outbox:
-    """The engine process's side of the pipe: events and metric updates gathered from any thread, gathered into one
-    message by ``flush`` (from the engine thread after each pass of its loop, and from the command thread) and sent,
-    in the order they were made, by a thread of its own.
-
-    Why a sender thread: pickling a pass's events and writing them to the pipe took ~0.2 ms of the engine thread per
-    decode step at 32 streaming clients on the H200 host (the engine thread's time outside admitting and stepping:
-    2.0 s of a 40 s window, results/serve/load/h200-olmoe-full-join-graphs.json). The sender does it while the engine
-    thread waits for the device (torch releases the interpreter lock there). The queue is bounded: a reader that stops
-    reading holds the engine thread back, as the pipe itself did."""
-
-    QUEUE_MESSAGES = 4096  # messages waiting for the sender at most (a decode step makes one)
+    """The engine process's side of the pipe: events and metric updates gathered from any thread, sent as one
+    message by ``flush`` (from the engine thread after each pass of its loop, and from the command thread)."""
 
     def __init__(self, conn, relay: _MetricsRelay):
         self.conn, self.relay = conn, relay
         self.events: collections.deque = collections.deque()
-        self.lock = threading.Lock()  # one flush at a time: the events of a pass leave together and in order
+        self.lock = threading.Lock()  # Connection.send is not thread-safe
         self.sched: Scheduler | None = None
         self._state_t = 0.0
         self._last_state: dict | None = None
         self._stats = None
         self._waits_sent = 0
         self.broken = False
-        self._queue: queue.Queue = queue.Queue(self.QUEUE_MESSAGES)
-        self._sender = threading.Thread(target=self._send_loop, name="runmap-outbox", daemon=True)
-        self._sender.start()
 
     def send(self, msg) -> None:
         with self.lock:
             self._send(msg)
 
     def _send(self, msg) -> None:
-        if not self.broken:
-            self._queue.put(msg)
-
-    def _send_loop(self) -> None:
-        while True:
-            msg = self._queue.get()
-            if msg is _CLOSE:
-                return
-            if self.broken:
-                continue  # drained unsent: nobody is listening any more
-            try:
-                self.conn.send(msg)
-            except (BrokenPipeError, EOFError, OSError):  # the HTTP process has gone
-                self.broken = True
-
-    def close(self, timeout: float = 30.0) -> None:
-        """Send what is queued (``("stopped",)`` last, when the caller queued it) and stop the sender thread."""
-        self._queue.put(_CLOSE)
-        self._sender.join(timeout)
+        if self.broken:
+            return
+        try:
+            self.conn.send(msg)
+        except (BrokenPipeError, EOFError, OSError):  # the HTTP process has gone: nobody is listening any more
+            self.broken = True
 
     def event(self, tid: int, ev) -> None:
         kind, payload = ev
@@ -262,7 +235,6 @@ def engine_process_main(conn, load_engine: Callable, model_id: str, scheduler_kw
     loader.join()
     if "engine" not in loaded:
         out.send(("load_failed", loaded.get("error", "the engine did not load")))
-        out.close()
         return
     eng = loaded["engine"]
     tok = eng.tokenizer
@@ -298,7 +270,6 @@ def engine_process_main(conn, load_engine: Callable, model_id: str, scheduler_kw
         if not sched.alive:  # not under a step still running (the process is ending anyway)
             eng.close()
         out.send(("stopped",))
-        out.close()  # what is queued leaves before the process ends
 
 
 def _command(msg, sched: Scheduler, out: _Outbox, tickets: dict) -> None:
