@@ -428,11 +428,17 @@ def test_every_instruction_set_path_matches_the_reference(march, precision):
         layout = RowLayout.build(h, i, b)
         rows = _rows(layout, e, 31)
         x, ids, w = _batch(h, e, k, 3, 31, duplicate=True)
+        x[1, :2] = torch.tensor([6e-8, -3e-6], dtype=torch.float16)  # subnormal halves: the widening's slow path
         ref = reference_moe_f32(x, ids, w, rows, torch.arange(e, dtype=torch.int32), layout)
         order, start, tok, wts = assignments(ids, w)
-        y = NativeLayer(layout, precision, march=march).run([rows[z].data_ptr() for z in order], start, tok, wts,
-                                                            x.float())
+        native = NativeLayer(layout, precision, march=march)
+        y = native.run([rows[z].data_ptr() for z in order], start, tok, wts, x.float())
         assert torch.isfinite(y).all() and _rel(y, ref) <= TOLERANCE[precision], f"{march} {name}: {_rel(y, ref):.2e}"
+        # the array path hands the kernel FP16 activations, widened by this build's half conversion: the same values
+        table = cpu_native.assignments_arrays(ids.numpy(), w.numpy())
+        out = np.full((x.shape[0], h), np.nan, dtype=np.float32)
+        native.run_arrays([rows[z].data_ptr() for z in table[0]], *table[1:], x.numpy(), out)
+        assert torch.equal(torch.from_numpy(out).view(torch.int32), y.view(torch.int32)), f"{march} {name}"
 
 
 @pytest.mark.parametrize("precision", ["fp32", "i16"])
