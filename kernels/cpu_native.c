@@ -486,7 +486,7 @@ int runmap_moe_layer(const uint8_t *const *rows, int n_experts, const int32_t *a
     }
     for (int e = 0; e < n_experts; e++) {
         atomic_init(&up_done[e], 0);
-        atomic_init(&ready[e], 0);
+        atomic_init(&ready[e], up_chunks == 0); /* no gate/up rows (intermediate 0): nothing to wait for */
     }
 #endif
 

@@ -100,9 +100,16 @@ def _defines(defines) -> tuple[str, ...]:
     STAGE_OVERLAP in kernels/cpu_native.c; none changes a result), each checked to be one such option."""
     out = []
     for d in defines:
-        name = d.split("=", 1)[0]
+        name, _, value = d.partition("=")
         if name not in BUILD_OPTIONS:
             raise CpuSiteError(f"cpu-native: build option {d!r}: one of {', '.join(BUILD_OPTIONS)} expected (NAME=VALUE)")
+        kind, _, chunk = value.partition(",")
+        if not ((name in ("ROW_CHUNK", "DOWN_CHUNK") and value.isdigit() and int(value) > 0)
+                or (name == "STAGE_OVERLAP" and value in ("0", "1"))
+                or (name == "ROW_SCHEDULE" and kind in ("static", "dynamic", "guided")
+                    and (not chunk or (chunk.isdigit() and int(chunk) > 0)))):
+            raise CpuSiteError(f"cpu-native: build option {d!r}: ROW_CHUNK and DOWN_CHUNK take a positive integer, "
+                               "STAGE_OVERLAP 0 or 1, ROW_SCHEDULE static, dynamic or guided (with ',N', N > 0)")
         out.append(f"-D{d}")
     return tuple(out)
 
@@ -323,7 +330,8 @@ class NativeLayer:
         Args:
             row_ptrs: (n_experts,) addresses of qpacked rows of this layout, alive for the call (read only).
             assign_start, assign_token, assign_weight: the assignment table as ``run`` takes it (Python sequences).
-            x: float16 or float32 (T, H) C-contiguous numpy activations.
+            x: float16 or float32 (T, H) C-contiguous numpy activations, read when the call runs (not copied
+                here): unchanged until then.
             out: float32 (T, H) C-contiguous numpy array, every element written.
             threads: OpenMP threads (default torch.get_num_threads()).
         """
@@ -369,28 +377,35 @@ SMALL_TABLE = 256  # assignments up to which the table is checked and converted 
 def _assignment_table(assign_start, assign_token, assign_weight, n_exp: int, t: int):
     """The assignment table of ``NativeLayer.prepare_arrays`` checked (one line naming the shapes when it does not fit
     ``n_exp`` experts and ``t`` tokens: the C kernel indexes with it unchecked) and converted to what the kernel
-    reads: (start int32, token int32, weight float32, n_assign) as ctypes arrays (small tables, from Python lists:
-    no numpy object per call) or numpy arrays' addresses with the arrays kept alive by the caller's call; None when
-    there is nothing to compute."""
-    if isinstance(assign_start, list) and isinstance(assign_token, list) and len(assign_token) <= SMALL_TABLE:
-        start, tok, wts = assign_start, assign_token, list(assign_weight)
-        n_assign = start[-1] if n_exp and len(start) == n_exp + 1 else 0
-        if (len(start) != n_exp + 1 or (n_exp and (start[0] != 0 or not all(map(operator.le, start, start[1:]))))
-                or len(tok) != n_assign or len(wts) != n_assign or (n_assign and (min(tok) < 0 or max(tok) >= t))):
-            raise common.KernelInputError(f"cpu-native: assignment table does not fit {n_exp} experts and {t} tokens "
-                                          f"(start ({len(start)},), token ({len(tok)},), weight ({len(wts)},))")
-        if n_exp == 0 or n_assign == 0:
-            return None
-        try:
+    reads, in memory of its own (a caller that changes its table afterwards changes nothing): (start int32, token
+    int32, weight float32, n_assign) as ctypes arrays, built from Python lists for small tables (no numpy object per
+    call) and over numpy copies otherwise; None when there is nothing to compute."""
+    try:
+        if isinstance(assign_start, list) and isinstance(assign_token, list) and len(assign_token) <= SMALL_TABLE:
+            start, tok, wts = assign_start, assign_token, list(assign_weight)
+            n_assign = start[-1] if n_exp and len(start) == n_exp + 1 else 0
+            if (len(start) != n_exp + 1 or (n_exp and (start[0] != 0 or not all(map(operator.le, start, start[1:]))))
+                    or len(tok) != n_assign or len(wts) != n_assign or (n_assign and (min(tok) < 0 or max(tok) >= t))):
+                raise common.KernelInputError(f"cpu-native: assignment table does not fit {n_exp} experts and {t} "
+                                              f"tokens (start ({len(start)},), token ({len(tok)},), weight "
+                                              f"({len(wts)},))")
+            if n_exp == 0 or n_assign == 0:
+                return None
+            # ctypes refuses a float or a string where an int32 belongs (TypeError); the checks above keep every value
+            # in range (tokens below t, starts at most n_assign <= SMALL_TABLE)
             return ((ctypes.c_int32 * len(start))(*start), (ctypes.c_int32 * n_assign)(*tok),
                     (ctypes.c_float * n_assign)(*wts), n_assign)
-        except TypeError:  # a float where an index belongs, a string, ...
-            raise common.KernelInputError("cpu-native: assignment table: integer starts and tokens and real weights "
-                                          "expected") from None
-    start = np.asarray(assign_start, dtype=np.int32)
-    tok = np.asarray(assign_token, dtype=np.int32)
-    wts = np.asarray(assign_weight, dtype=np.float32)
+        start, tok = np.array(assign_start), np.array(assign_token)
+        if start.dtype.kind not in "iu" or (tok.size and tok.dtype.kind not in "iu"):
+            raise TypeError("indices")
+        wts = np.array(assign_weight, dtype=np.float32)
+    except common.KernelInputError:
+        raise
+    except (TypeError, ValueError):  # a float or a string where an index belongs, a ragged list, ...
+        raise common.KernelInputError("cpu-native: assignment table: integer starts and tokens and real weights "
+                                      "expected") from None
     n_assign = int(start[-1]) if n_exp and start.shape == (n_exp + 1,) else 0
+    # checked before the int32 conversion, so that an out-of-range value is refused, never wrapped
     if (start.shape != (n_exp + 1,) or (n_exp and (int(start[0]) != 0 or bool((start[1:] < start[:-1]).any())))
             or tok.shape != (n_assign,) or wts.shape != (n_assign,)
             or (n_assign and (int(tok.min()) < 0 or int(tok.max()) >= t))):
@@ -398,7 +413,8 @@ def _assignment_table(assign_start, assign_token, assign_weight, n_exp: int, t: 
                                       f"(start {start.shape}, token {tok.shape}, weight {wts.shape})")
     if n_exp == 0 or n_assign == 0:
         return None
-    # ctypes arrays over the numpy buffers: passed as pointers, and they keep the arrays alive
+    start, tok = start.astype(np.int32), tok.astype(np.int32)  # new C-contiguous arrays (n_assign < 2^31 here)
+    # ctypes arrays over them: passed as pointers, and they keep the arrays alive
     return (np.ctypeslib.as_ctypes(start), np.ctypeslib.as_ctypes(tok), np.ctypeslib.as_ctypes(wts), n_assign)
 
 

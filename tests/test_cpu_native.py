@@ -165,10 +165,49 @@ def test_every_work_split_and_schedule_gives_the_default_bit_for_bit(defines, pr
             assert torch.equal(got.view(torch.int32), default.view(torch.int32)), f"{name} threads {threads}"
 
 
-def test_an_unknown_build_option_is_one_line():
+def test_an_unknown_build_option_or_value_is_one_line():
     layout = RowLayout.build(*SHAPES["tiny-k"][:3])
     with pytest.raises(CpuSiteError, match="build option 'FAST_MATH=1': one of ROW_CHUNK"):
         NativeLayer(layout, defines=("FAST_MATH=1",))
+    for bad in ("ROW_CHUNK=0", "DOWN_CHUNK=-4", "STAGE_OVERLAP=2", "ROW_SCHEDULE=auto", "ROW_SCHEDULE=guided,0"):
+        with pytest.raises(CpuSiteError, match="ROW_CHUNK and DOWN_CHUNK take a positive integer"):
+            NativeLayer(layout, defines=(bad,))
+
+
+@pytest.mark.parametrize("defines", [(), ("STAGE_OVERLAP=1",)], ids=["default", "overlap"])
+def test_a_layout_with_no_intermediate_gives_zeros_and_returns(defines):
+    layout = RowLayout.build(4, 0, 2)  # an accepted layout whose down rows read nothing: no gate/up item to wait for
+    rows = torch.zeros(2, layout.row_bytes, dtype=torch.uint8)
+    out = np.full((1, 4), np.nan, dtype=np.float32)
+    NativeLayer(layout, "fp32", defines=defines).run_arrays([rows[0].data_ptr(), rows[1].data_ptr()], [0, 1, 2],
+                                                            [0, 0], [0.5, 0.5], np.ones((1, 4), np.float16), out, 3)
+    assert np.array_equal(out, np.zeros((1, 4), np.float32))
+
+
+def test_large_tables_are_copied_checked_before_narrowing_and_refused_in_one_line():
+    h, i, b, e, k = SHAPES["partial-blocks"]
+    layout = RowLayout.build(h, i, b)
+    rows = _rows(layout, e, 47)
+    native = NativeLayer(layout)
+    m = cpu_native.SMALL_TABLE // k + 3
+    x, ids, w = _batch(h, e, k, m, 47)
+    order, start, tok, wts = cpu_native.assignments_arrays(ids.numpy(), w.numpy())
+    ptrs = [rows[z].data_ptr() for z in order]
+    want = np.empty((m, h), np.float32)
+    native.run_arrays(ptrs, start, tok, wts, x.numpy(), want)
+    strided = np.repeat(np.asarray(tok, dtype=np.int32), 2)[::2]  # a strided view, as a caller might slice one
+    got = np.full((m, h), np.nan, np.float32)
+    native.run_arrays(ptrs, np.asarray(start, dtype=np.int64), strided, np.asarray(wts), x.numpy(), got)
+    assert np.array_equal(got.view(np.int32), want.view(np.int32))
+    wrapped = np.asarray(tok, dtype=np.int64)
+    wrapped[0] += 2 ** 32  # would wrap to a valid token in int32: refused instead
+    with pytest.raises(KernelInputError, match="assignment table does not fit"):
+        native.run_arrays(ptrs, start, wrapped, wts, x.numpy(), got)
+    for bad_start, bad_tok in (([0.0] + start[1:], tok), (start, ["a"] * len(tok)), ([0, None] + start[2:], tok)):
+        with pytest.raises(KernelInputError, match="integer starts and tokens"):
+            native.run_arrays(ptrs, bad_start, bad_tok, wts, x.numpy(), got)
+    with pytest.raises(KernelInputError, match="integer starts and tokens"):  # the small path too
+        native.run_arrays(ptrs[:1], [0, None], [0], [1.0], x.numpy()[:1], got[:1])
 
 
 def _host(name: str, layers: int, seed: int):

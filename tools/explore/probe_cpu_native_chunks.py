@@ -10,8 +10,8 @@ a result) and times each on batch-1 layer calls through the engine's path (``pre
 the call), top-k experts (8 for OLMoE, 4 for Qwen1.5-MoE) taken in turn from random qpacked rows: ``dram`` walks a
 set larger than the last-level cache, ``cached`` repeats the same k experts (what the arithmetic alone allows). Each
 variant's time is the median and the best of the steps in --seconds; GB/s = the call's expert bytes / that time. An
-int64-sum read at the same thread count is measured before and after. The outputs of every variant are checked
-bitwise against the first's.
+int64-sum read at the same thread count is measured before and after. On the cached data (the same experts in
+every variant) each variant's output is checked bitwise against the first variant's.
 
     PYTHONPATH=. python3 tools/explore/probe_cpu_native_chunks.py [--shapes olmoe,qwen1.5-moe] [--threads all,1]
         [--seconds 1.0] [--variants "LABEL;LABEL"] [--precisions i16,fp32]
