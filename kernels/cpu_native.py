@@ -420,11 +420,12 @@ def _assignment_table(assign_start, assign_token, assign_weight, n_exp: int, t: 
 
 class _PendingCalls:
     """How many calls a thread prepared on its kept scratch that have not run yet (decremented by the thread that runs
-    them, hence the lock)."""
+    them, or when a call is dropped unrun, hence the lock; re-entrant because a drop may happen in a garbage
+    collection that starts inside ``add`` on the same thread)."""
 
     def __init__(self):
         self.count = 0
-        self.lock = threading.Lock()
+        self.lock = threading.RLock()
 
     def add(self, n: int) -> None:
         with self.lock:
@@ -453,9 +454,17 @@ class NativeCall:
             if rc != 0:
                 raise CpuSiteError(f"cpu-native: the kernel returned {rc}")
         finally:
-            owner, self._owner = self._owner, None
-            if owner is not None:
-                owner.add(-1)
+            self._release()
+
+    def __del__(self):
+        # dropped without running (a cancelled job): its scratch is free again, so the preparing thread goes back
+        # to its kept buffers instead of allocating fresh ones for every later call
+        self._release()
+
+    def _release(self) -> None:
+        owner, self._owner = getattr(self, "_owner", None), None
+        if owner is not None:
+            owner.add(-1)
 
 
 def assignments(topk_ids: torch.Tensor, topk_weights: torch.Tensor, experts=None):

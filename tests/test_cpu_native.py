@@ -354,6 +354,30 @@ def test_the_array_path_takes_small_and_large_tables_alike(precision):
         native.run_arrays([rows[0].data_ptr()], [0, 1], [0.5], [1.0], x.numpy()[:1], out[:1])
 
 
+def test_a_prepared_call_dropped_unrun_gives_its_scratch_back():
+    h, i, b, e, k = SHAPES["olmoe-like"]
+    layout = RowLayout.build(h, i, b)
+    rows = _rows(layout, e, 49)
+    native = NativeLayer(layout)
+    x, out = np.ones((1, h), np.float16), np.empty((1, h), np.float32)
+    args = ([rows[0].data_ptr()], [0, 1], [0], [1.0], x, out)
+    first = native.prepare_arrays(*args)
+    kept = native._scratch.arrays[0]
+    state = native._scratch.state
+    assert state.count == 1
+    fresh = native.prepare_arrays(*args)  # the first still owns the kept scratch: this one gets its own
+    assert fresh._keep[1][0] is not kept
+    del first, fresh
+    import gc
+
+    gc.collect()
+    assert state.count == 0
+    again = native.prepare_arrays(*args)
+    assert again._keep[1][0] is kept  # back on the kept buffers
+    again()
+    assert state.count == 0 and np.isfinite(out).all()
+
+
 def test_the_array_path_refuses_bad_arrays_in_one_line():
     h, i, b, e, k = SHAPES["olmoe-like"]
     host, rows, layout = _host("olmoe-like", layers=1, seed=3)
