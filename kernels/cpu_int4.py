@@ -368,10 +368,8 @@ class _ExpertPool:
 
 def _check_ids(topk_ids, num_experts: int) -> None:
     """topk_ids: an integer (T, k) CPU tensor or numpy array; the first id outside [0, E) raises, naming its place."""
-    if topk_ids.numel() if isinstance(topk_ids, torch.Tensor) else topk_ids.size:
-        if int(topk_ids.min()) >= 0 and int(topk_ids.max()) < num_experts:  # the common case: two reductions
-            return
-    else:
+    empty = (topk_ids.numel() if isinstance(topk_ids, torch.Tensor) else topk_ids.size) == 0
+    if empty or (int(topk_ids.min()) >= 0 and int(topk_ids.max()) < num_experts):  # the common case: two reductions
         return
     bad = (topk_ids < 0) | (topk_ids >= num_experts)
     if bad.any():

@@ -251,22 +251,14 @@ class NativeLayer:
         common.check_tensor("x", x, torch.float32, 2, shape=(None, h), device=torch.device("cpu"))
         if threads is not None and (isinstance(threads, bool) or not isinstance(threads, int) or threads < 1):
             raise common.KernelInputError(f"threads {threads!r}: a positive integer or None expected")
-        start = torch.as_tensor(assign_start, dtype=torch.int32)
-        tok = torch.as_tensor(assign_token, dtype=torch.int32)
-        wts = torch.as_tensor(assign_weight, dtype=torch.float32)
-        n_assign = int(start[-1]) if n_exp else 0
         t = x.shape[0]
-        # the C kernel indexes with these unchecked: a bad table is one line here, never a stray read there
-        if (start.shape != (n_exp + 1,) or (n_exp and (int(start[0]) != 0 or bool((start[1:] < start[:-1]).any())))
-                or tok.shape != (n_assign,) or wts.shape != (n_assign,)
-                or (n_assign and (int(tok.min()) < 0 or int(tok.max()) >= t))):
-            raise common.KernelInputError(f"cpu-native: assignment table does not fit {n_exp} experts and {t} tokens "
-                                          f"(start {tuple(start.shape)}, token {tuple(tok.shape)}, weight "
-                                          f"{tuple(wts.shape)})")
+        # the C kernel indexes with the table unchecked: a bad one is one line here, never a stray read there
+        table = _assignment_table(assign_start, assign_token, assign_weight, n_exp, t)
         cpu = torch.device("cpu")
         out = common.empty((t, h), torch.float32, cpu)  # every element written by the kernel (tests poison these)
-        if n_exp == 0 or n_assign == 0:
+        if table is None:
             return out.zero_()
+        start, tok, wts, n_assign = table
         x_split = common.empty((t, h), torch.float32, cpu)
         h_split = common.empty((n_assign, i), torch.float32, cpu)
         y = common.empty((n_assign, h), torch.float32, cpu)
@@ -277,7 +269,7 @@ class NativeLayer:
                   common.empty((t, nb_h), torch.int32, cpu), common.empty((n_assign, i), torch.int16, cpu),
                   common.empty((n_assign, nb_i), torch.float32, cpu), common.empty((n_assign, nb_i), torch.int32, cpu)]
         ptrs = (ctypes.c_void_p * n_exp)(*row_ptrs)
-        rc = self.fn(ptrs, n_exp, start.data_ptr(), tok.data_ptr(), wts.data_ptr(), x.data_ptr(), t, h, i,
+        rc = self.fn(ptrs, n_exp, start, tok, wts, x.data_ptr(), t, h, i,
                      self.layout.block_size, self.offsets.data_ptr(), x_split.data_ptr(), h_split.data_ptr(),
                      y.data_ptr(), out.data_ptr(), threads or torch.get_num_threads(), int(bool(q16)),
                      *([b.data_ptr() for b in q16] or [None] * 6), self.prefetch_bytes, 0)
@@ -395,10 +387,13 @@ def _assignment_table(assign_start, assign_token, assign_weight, n_exp: int, t: 
             # in range (tokens below t, starts at most n_assign <= SMALL_TABLE)
             return ((ctypes.c_int32 * len(start))(*start), (ctypes.c_int32 * n_assign)(*tok),
                     (ctypes.c_float * n_assign)(*wts), n_assign)
-        start, tok = np.array(assign_start), np.array(assign_token)
+        # torch tensors (run's table from ``assignments``) as numpy views first; np.array then copies
+        start, tok, wts = (v.numpy() if isinstance(v, torch.Tensor) else v
+                           for v in (assign_start, assign_token, assign_weight))
+        start, tok = np.array(start), np.array(tok)
         if start.dtype.kind not in "iu" or (tok.size and tok.dtype.kind not in "iu"):
             raise TypeError("indices")
-        wts = np.array(assign_weight, dtype=np.float32)
+        wts = np.array(wts, dtype=np.float32)
     except common.KernelInputError:
         raise
     except (TypeError, ValueError):  # a float or a string where an index belongs, a ragged list, ...
