@@ -29,6 +29,36 @@ def interpreting(device: torch.device) -> bool:
     return device.type == "cpu" or os.environ.get("TRITON_INTERPRET") == "1"
 
 
+# Programmatic dependent launch (PDL) of the decode chain's kernels. Each chained kernel starts with
+# ``runmap.kernels.core.chain_wait``: it waits until the launch before it has completed and its writes are visible,
+# then lets the launch after it start. So the next kernel's programs are already resident, blocked at their wait,
+# when this one ends, instead of being launched then: ~0.5 us less per launch boundary on the H200
+# (tools/explore/probe_decode_pdl.py, results/kernels/pdl/). Nothing is read or written before the wait, so the
+# values are bitwise those of plain launches; RUNMAP_PDL=0 switches it off (for A/B measurements).
+PDL_ENV = "RUNMAP_PDL"
+
+
+_UNCHAINED = {"CHAINED": False}
+
+
+@functools.lru_cache(maxsize=None)
+def _chained_cuda(index: int | None, setting: str) -> dict:
+    if setting == "0":
+        return _UNCHAINED
+    capable = torch.cuda.get_device_capability(index if index is not None else torch.cuda.current_device()) >= (9, 0)
+    return {"CHAINED": True, "launch_pdl": True} if capable else _UNCHAINED
+
+
+def chained(device: torch.device) -> dict:
+    """Launch keywords of a kernel that takes a ``CHAINED`` constexpr: ``{"CHAINED": True, "launch_pdl": True}`` on a
+    CUDA device of compute capability 9.0 or later (Hopper) unless RUNMAP_PDL=0, else ``{"CHAINED": False}`` (the
+    interpreter, older GPUs, or switched off). Read at each launch (a CUDA graph keeps what it was captured with);
+    callers unpack the result and never change it."""
+    if device.type != "cuda" or os.environ.get("TRITON_INTERPRET") == "1":
+        return _UNCHAINED
+    return _chained_cuda(device.index, os.environ.get(PDL_ENV, "1"))
+
+
 @dataclasses.dataclass(frozen=True)
 class ProjSections:
     """Where one projection lives inside an expert row.

@@ -10,6 +10,19 @@ over runtime values, and fixed trip counts let the compiler pipeline the loads).
 """
 import triton
 import triton.language as tl
+from triton.language.extra.cuda import gdc_launch_dependents, gdc_wait
+
+
+@triton.jit
+def chain_wait(CHAINED: tl.constexpr):
+    """First statement of a kernel in the decode chain (``runmap.kernels.common.chained``). CHAINED: wait until the
+    launch before this one has completed and its writes are visible (``griddepcontrol.wait``), then let the launch
+    after this one start its programs (they block at their own wait). Every chained kernel waits before it reads or
+    writes anything, so a kernel that starts early has every launch before it completed by the time it passes its
+    wait. Not CHAINED: nothing (plain stream order)."""
+    if CHAINED:
+        gdc_wait()
+        gdc_launch_dependents()
 
 
 @triton.jit

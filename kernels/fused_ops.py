@@ -25,6 +25,7 @@ import triton
 import triton.language as tl
 
 from runmap.kernels import common
+from runmap.kernels.core import chain_wait
 
 
 @triton.jit
@@ -184,7 +185,8 @@ def _inv_rms(x32, N, eps):
 
 @triton.jit
 def _add_rms_norm_kernel(x_ptr, y_ptr, w_ptr, x_out_ptr, h_out_ptr, N, eps,
-                         HAS_Y: tl.constexpr, BLOCK_N: tl.constexpr):
+                         HAS_Y: tl.constexpr, BLOCK_N: tl.constexpr, CHAINED: tl.constexpr = False):
+    chain_wait(CHAINED)
     m = tl.program_id(0)
     offs_n = tl.arange(0, BLOCK_N)
     mask = offs_n < N
@@ -208,7 +210,7 @@ def add_rms_norm(x, y, w, eps):
     h = torch.empty_like(x)
     x_out = torch.empty_like(x) if y is not None else x
     common.launch(_add_rms_norm_kernel[(m,)], x, y if y is not None else x, w, x_out, h, n, eps,
-                  HAS_Y=y is not None, BLOCK_N=triton.next_power_of_2(n))
+                  HAS_Y=y is not None, BLOCK_N=triton.next_power_of_2(n), **common.chained(x.device))
     return x_out, h
 
 
@@ -217,7 +219,9 @@ def add_rms_norm(x, y, w, eps):
 # 83 us per call on the H200), then one tiny program per token row does softmax + top-k.
 
 @triton.jit
-def _router_logits_kernel(h_ptr, w_ptr, logits_ptr, E, H: tl.constexpr, BLOCK_E: tl.constexpr, BLOCK_H: tl.constexpr):
+def _router_logits_kernel(h_ptr, w_ptr, logits_ptr, E, H: tl.constexpr, BLOCK_E: tl.constexpr, BLOCK_H: tl.constexpr,
+                          CHAINED: tl.constexpr = False):
+    chain_wait(CHAINED)
     m = tl.program_id(0)
     offs_e = tl.program_id(1) * BLOCK_E + tl.arange(0, BLOCK_E)  # (BE,) experts of this program
     e_mask = offs_e < E
@@ -237,7 +241,9 @@ ROUTER_ROWS_MIN = 1024
 
 
 @triton.jit
-def _router_topk_kernel(logits_ptr, ids_ptr, wts_ptr, E, TOPK: tl.constexpr, NORM: tl.constexpr, E_P2: tl.constexpr):
+def _router_topk_kernel(logits_ptr, ids_ptr, wts_ptr, E, TOPK: tl.constexpr, NORM: tl.constexpr, E_P2: tl.constexpr,
+                        CHAINED: tl.constexpr = False):
+    chain_wait(CHAINED)
     m = tl.program_id(0)
     offs_e = tl.arange(0, E_P2)
     logits = tl.load(logits_ptr + m * E + offs_e, mask=offs_e < E, other=float("-inf"))
@@ -267,7 +273,8 @@ def _router_topk_kernel(logits_ptr, ids_ptr, wts_ptr, E, TOPK: tl.constexpr, NOR
 @triton.jit
 def _add_norm_router_kernel(x_ptr, y_ptr, nw_ptr, rw_ptr, x_out_ptr, h_out_ptr, logits_ptr, E, eps,
                             H: tl.constexpr, H_P2: tl.constexpr, HAS_Y: tl.constexpr,
-                            BLOCK_E: tl.constexpr, BLOCK_H: tl.constexpr):
+                            BLOCK_E: tl.constexpr, BLOCK_H: tl.constexpr, CHAINED: tl.constexpr = False):
+    chain_wait(CHAINED)
     m = tl.program_id(0)
     eb = tl.program_id(1)
     offs_n = tl.arange(0, H_P2)
@@ -326,7 +333,7 @@ def add_norm_router_logits(x, y, norm_w, router32, eps):
     block_e = 2
     common.launch(_add_norm_router_kernel[(m, triton.cdiv(e, block_e))], x, y if y is not None else x, norm_w,
                   router32, x_out, h, logits, e, eps, H=hid, H_P2=triton.next_power_of_2(hid), HAS_Y=y is not None,
-                  BLOCK_E=block_e, BLOCK_H=_router_block_h(hid))
+                  BLOCK_E=block_e, BLOCK_H=_router_block_h(hid), **common.chained(x.device))
     return x_out, h, logits
 
 
@@ -349,7 +356,7 @@ def route_topk(logits, top_k: int, norm_topk_prob: bool):
     ids = torch.empty(n, top_k, dtype=torch.int64, device=logits.device)
     wts = torch.empty(n, top_k, dtype=torch.float32, device=logits.device)
     common.launch(_router_topk_kernel[(n,)], logits, ids, wts, e, TOPK=top_k, NORM=norm_topk_prob,
-                  E_P2=triton.next_power_of_2(e), **_one_warp(logits.device))
+                  E_P2=triton.next_power_of_2(e), **_one_warp(logits.device), **common.chained(logits.device))
     return ids, wts
 
 
@@ -369,7 +376,7 @@ def route_fused(h, router32, top_k: int, norm_topk_prob: bool):
     else:
         block_e = 2
         common.launch(_router_logits_kernel[(n, triton.cdiv(e, block_e))], h, router32, logits, e, H=hid,
-                      BLOCK_E=block_e, BLOCK_H=_router_block_h(hid))
+                      BLOCK_E=block_e, BLOCK_H=_router_block_h(hid), **common.chained(h.device))
     return route_topk(logits, top_k, norm_topk_prob)
 
 
@@ -430,13 +437,15 @@ def _attend_split(q, k_ptr, v_ptr, part_ptr, ml_ptr, b, hq, sp, slot, pad, base,
 def _decode_attn_split_kernel(q_ptr, k_ptr, v_ptr, part_ptr, ml_ptr, slot_ptr, pad_ptr,
                               stride_cb, stride_ch, stride_cs, scale,
                               N_KEYS: tl.constexpr, NH: tl.constexpr, NKV: tl.constexpr, D: tl.constexpr,
-                              D_P2: tl.constexpr, BLOCK_N: tl.constexpr, SPLITS: tl.constexpr):
+                              D_P2: tl.constexpr, BLOCK_N: tl.constexpr, SPLITS: tl.constexpr,
+                              CHAINED: tl.constexpr = False):
     """One (row, query head, split): ``_attend_split`` of the row's q.
 
     Why splits: one program per (row, head) kept 16 of the H200's 132 SMs busy at batch 1 and walked the keys
     serially (a while loop is not software-pipelined): 12.9 us per layer for <= 256 keys (the decode profile in
     results/campaigns/h200-prefill). D_P2: the head dim rounded up to a power of two (tl.arange needs one;
     Qwen3-style configs may use e.g. 96), lanes from D masked off."""
+    chain_wait(CHAINED)
     b = tl.program_id(0)
     hq = tl.program_id(1)
     sp = tl.program_id(2)
@@ -455,7 +464,7 @@ def _decode_attn_prologue_split_kernel(
     k_ptr, v_ptr, part_ptr, ml_ptr, slot_ptr, pad_ptr, stride_cb, stride_ch, stride_cs, scale, eps,
     N_KEYS: tl.constexpr, NH: tl.constexpr, NKV: tl.constexpr, HALF: tl.constexpr,
     NH_P2: tl.constexpr, NKV_P2: tl.constexpr, HALF_P2: tl.constexpr, HAS_NORM: tl.constexpr,
-    BLOCK_N: tl.constexpr, SPLITS: tl.constexpr):
+    BLOCK_N: tl.constexpr, SPLITS: tl.constexpr, CHAINED: tl.constexpr = False):
     """``_decode_attn_split_kernel`` with the attention prologue (``_qk_norm_rope_kv_kernel``) folded in, for one new
     token per row. Each program normalizes (the norm spans every head: the whole q row is summed, as the prologue
     sums it) and rotates its own head of q; the program whose split holds the new slot also normalizes and rotates
@@ -464,6 +473,7 @@ def _decode_attn_prologue_split_kernel(
     slot, so no program waits for another. Same values as the two launches: the prologue's arithmetic, then the
     unchanged key loop. (A first version rotated every head in every program: at batch 8 the launch took 297 us per
     step against 220 for the two it replaced; results/campaigns/h200-decode.)"""
+    chain_wait(CHAINED)
     b = tl.program_id(0)
     hq = tl.program_id(1)
     sp = tl.program_id(2)
@@ -505,8 +515,9 @@ def _decode_attn_prologue_split_kernel(
 
 @triton.jit
 def _decode_attn_combine_kernel(part_ptr, ml_ptr, out_ptr, NH: tl.constexpr, D: tl.constexpr, D_P2: tl.constexpr,
-                                SPLITS: tl.constexpr):
+                                SPLITS: tl.constexpr, CHAINED: tl.constexpr = False):
     """One (row, query head): the splits' partial softmaxes rescaled to their common max and summed; fp16 out."""
+    chain_wait(CHAINED)
     b = tl.program_id(0)
     hq = tl.program_id(1)
     offs_s = tl.arange(0, SPLITS)
@@ -538,7 +549,7 @@ def _combine_splits(part, ml, D: int):
     B, nh, splits, d_p2 = part.shape
     out = torch.empty(B, 1, nh * D, dtype=torch.float16, device=part.device)
     common.launch(_decode_attn_combine_kernel[(B, nh)], part, ml, out, NH=nh, D=D, D_P2=d_p2, SPLITS=splits,
-                  **_one_warp(out.device))
+                  **_one_warp(out.device), **common.chained(out.device))
     return out
 
 
@@ -562,7 +573,8 @@ def decode_attention(q, k_cache, v_cache, slot, pad, n_keys: int):
     part, ml = _split_buffers(B, nh, splits, d_p2, q.device)
     common.launch(_decode_attn_split_kernel[(B, nh, splits)], q, k_cache, v_cache, part, ml, slot, pad,
                   k_cache.stride(0), k_cache.stride(1), k_cache.stride(2), D ** -0.5,
-                  N_KEYS=n_keys, NH=nh, NKV=nkv, D=D, D_P2=d_p2, BLOCK_N=block_n, SPLITS=splits)
+                  N_KEYS=n_keys, NH=nh, NKV=nkv, D=D, D_P2=d_p2, BLOCK_N=block_n, SPLITS=splits,
+                  **common.chained(q.device))
     return _combine_splits(part, ml, D)
 
 
@@ -600,7 +612,7 @@ def decode_attention_with_prologue(qkv, q_norm, k_norm, positions, slot, inv_fre
                   D ** -0.5, eps,
                   N_KEYS=n_keys, NH=nh, NKV=nkv, HALF=half, NH_P2=triton.next_power_of_2(nh),
                   NKV_P2=triton.next_power_of_2(nkv), HALF_P2=half, HAS_NORM=has_norm, BLOCK_N=block_n,
-                  SPLITS=splits)
+                  SPLITS=splits, **common.chained(qkv.device))
     return _combine_splits(part, ml, D)
 
 
@@ -612,8 +624,9 @@ def decode_attention_with_prologue(qkv, q_norm, k_norm, positions, slot, inv_fre
 
 @triton.jit
 def _gemv_kernel(x_ptr, w_ptr, b_ptr, y_ptr, N, K: tl.constexpr, HAS_BIAS: tl.constexpr,
-                 BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
+                 BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, CHAINED: tl.constexpr = False):
     """y[n] = sum_k x[k] w[n, k] (+ b[n]) for BLOCK_N rows n: products summed per lane in fp32, reduced once."""
+    chain_wait(CHAINED)
     offs_n = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)  # (BN,)
     n_mask = offs_n < N
     offs_k = tl.arange(0, BLOCK_K)
@@ -652,7 +665,7 @@ def _launch_gemv(x, w, b, y) -> None:
     n, k = w.shape
     block_n = _gemv_block_n(n)
     common.launch(_gemv_kernel[(triton.cdiv(n, block_n),)], x, w, b if b is not None else w, y, n, K=k,
-                  HAS_BIAS=b is not None, BLOCK_N=block_n, BLOCK_K=512)  # Triton's default 4 warps (the probe's)
+                  HAS_BIAS=b is not None, BLOCK_N=block_n, BLOCK_K=512, **common.chained(x.device))  # Triton's default 4 warps (the probe's)
 
 
 # ---- the shared expert of one token (Qwen2-MoE), added to the routed output --------------------------------
@@ -663,8 +676,9 @@ def _launch_gemv(x, w, b, y) -> None:
 
 @triton.jit
 def _shared_down_kernel(gu_ptr, w_ptr, y_ptr, out_ptr, N, I: tl.constexpr, BLOCK_N: tl.constexpr,
-                        BLOCK_K: tl.constexpr):
+                        BLOCK_K: tl.constexpr, CHAINED: tl.constexpr = False):
     """out[n] = fp16(y[n] + sigmoid(gu[2I]) * fp16(sum_k a[k] w[n, k])), a = fp16(silu(gu[k]) * gu[I + k])."""
+    chain_wait(CHAINED)
     offs_n = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)  # (BN,)
     n_mask = offs_n < N
     offs_k = tl.arange(0, BLOCK_K)
@@ -707,5 +721,5 @@ def shared_expert_one_row(h, gate_up_gate, down, y):
     out = torch.empty_like(y)
     block_n = _gemv_block_n(H)
     common.launch(_shared_down_kernel[(triton.cdiv(H, block_n),)], gu, down, y.contiguous(), out, H, I=I,
-                  BLOCK_N=block_n, BLOCK_K=512)
+                  BLOCK_N=block_n, BLOCK_K=512, **common.chained(h.device))
     return out

@@ -21,7 +21,7 @@ from __future__ import annotations
 import triton
 import triton.language as tl
 
-from runmap.kernels.core import expert_row, slot_block_scales, store_pair_h, store_slot_sum, token_slots
+from runmap.kernels.core import chain_wait, expert_row, slot_block_scales, store_pair_h, store_slot_sum, token_slots
 
 
 @triton.jit
@@ -81,9 +81,10 @@ def _words_gate_up_kernel(
     gate_w, gate_s, up_w, up_s,  # section offsets inside a row (bytes / fp16 elements)
     magic,  # int32 0x4B000000 (see _nibble)
     N: tl.constexpr, K: tl.constexpr, NB: tl.constexpr, QBLOCK: tl.constexpr, TOPK: tl.constexpr,
-    BLOCK_N: tl.constexpr, SUB: tl.constexpr, EVEN: tl.constexpr,
+    BLOCK_N: tl.constexpr, SUB: tl.constexpr, EVEN: tl.constexpr, CHAINED: tl.constexpr = False,
 ):
     """Program (p, n): h[p, n-tile] = fp16(silu(x[t] Wg^T) * (x[t] Wu^T)) for pair p = t*k + j."""
+    chain_wait(CHAINED)
     WPB: tl.constexpr = QBLOCK // 8  # words per scale block of one weight row
     KW: tl.constexpr = K // 8  # words per weight row
     pid_p = tl.program_id(0)
@@ -126,10 +127,11 @@ def _words_down_kernel(
     h_ptr, ids_ptr, wts_ptr, row_table_ptr, w_ptr, s_ptr, y_ptr,  # h (T*k, I) fp16, wts (T*k,) fp32, y (T, H) fp16
     n_experts, n_rows, row_bytes, stride_ym, down_w, down_s, magic,
     N: tl.constexpr, K: tl.constexpr, NB: tl.constexpr, QBLOCK: tl.constexpr, TOPK: tl.constexpr,
-    TOPK_P2: tl.constexpr, BLOCK_N: tl.constexpr, SUB: tl.constexpr, EVEN: tl.constexpr,
+    TOPK_P2: tl.constexpr, BLOCK_N: tl.constexpr, SUB: tl.constexpr, EVEN: tl.constexpr, CHAINED: tl.constexpr = False,
 ):
     """Program (t, n): y[t, n-tile] = fp16(sum_j wts[t, j] * (h[t*k + j] Wd_e^T)), the k slots as one
     (TOPK_P2, BN, QBLOCK/8) tile of words per scale block, summed over j in a fixed order."""
+    chain_wait(CHAINED)
     WPB: tl.constexpr = QBLOCK // 8
     KW: tl.constexpr = K // 8
     t = tl.program_id(0)

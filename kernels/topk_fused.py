@@ -185,6 +185,7 @@ def topk_gate_up(x, topk_ids, storage, row_table, layout: RowLayout, config: dic
             N=g.n, K=g.k, NB=g.nb, QBLOCK=layout.block_size, TOPK=k,
             BLOCK_N=cfg["BLOCK_N"], SUB=cfg["SUB"],
             EVEN=_even(g.k, g.n, g.nb, layout.block_size, cfg["BLOCK_N"], cfg["SUB"]), **common.launch_opts(cfg),
+            **common.chained(x.device),
         )
         return h
     if family == "blocks":
@@ -237,6 +238,7 @@ def topk_down(h, topk_ids, topk_weights, storage, row_table, layout: RowLayout,
             row_table.numel(), storage.shape[0], layout.row_bytes, y.stride(0), d.w_off, d.s_off, MAGIC_F32,
             N=d.n, K=d.k, NB=d.nb, QBLOCK=layout.block_size, TOPK=k, TOPK_P2=common.next_pow2(k),
             BLOCK_N=cfg["DOWN_BLOCK_N"], SUB=cfg["DOWN_SUB"], EVEN=even, **_down_launch_opts(cfg),
+            **common.chained(dev),
         )
         return y
     if family == "blocks":

@@ -18,13 +18,15 @@ GEMV (6,144 x 2,048 fp16) -> the o GEMV (2,048 x 2,048, reading the first 2,048 
 gate/up and down launches (``topk-fused`` "words" kernels, 8 of 64 experts, random qpacked rows) -> the next layer;
 16 layers of distinct weights per CUDA graph (the weights come from HBM). Variants: the product launches, PDL only,
 PDL + L2 prefetch (the GEMVs' weight tiles, the down launch's expert rows once the route is known), and prefetch
-without PDL. Every variant's final activation is compared with the product launches' (bitwise: the arithmetic is
+without PDL. "plain" and "pdl" are the product's launches (``runmap.kernels.common.chained``, RUNMAP_PDL=0 / 1) since
+the product chains its decode kernels; the first run of this probe (dd807e6) had its own PDL wrappers there. Every variant's final activation is compared with the product launches' (bitwise: the arithmetic is
 the same). Times are per layer, median of 30 replays, two passes; bytes per layer / time as a fraction of the same-run
 device copy.
 """
 from __future__ import annotations
 
 import argparse
+import os
 import time
 from pathlib import Path
 
@@ -36,6 +38,7 @@ from triton.language.extra.cuda import gdc_launch_dependents, gdc_wait
 from runmap.atomic import write_json
 from runmap.bench.kernel_workload import copy_bandwidth, graph_us, model_layers, routing, MODELS
 from runmap.kernels import common
+from runmap.kernels.common import PDL_ENV
 from runmap.kernels.core import token_slots
 from runmap.kernels.fused_ops import _gemv_kernel, _launch_gemv
 from runmap.kernels.gemv_words import _words_down_kernel, _words_gate_up_kernel
@@ -98,7 +101,7 @@ def _down_pdl_kernel(h_ptr, ids_ptr, wts_ptr, row_table_ptr, w_ptr, s_ptr, y_ptr
 def gemv(x, w, pdl: bool, prefetch: bool):
     n, k = w.shape
     y = torch.empty(n, dtype=torch.float16, device=x.device)
-    if not pdl and not prefetch:
+    if not prefetch:  # the product's launch, chained or not as RUNMAP_PDL says (run() sets it)
         _launch_gemv(x, w, None, y)
         return y
     block_n = 16 if n >= 4096 else 4
@@ -109,7 +112,7 @@ def gemv(x, w, pdl: bool, prefetch: bool):
 
 
 def experts(x, ids, wts, storage, table, layout, pdl: bool, prefetch: bool):
-    if not pdl and not prefetch:
+    if not prefetch:  # the product's launches (chained or not as RUNMAP_PDL says)
         return topk_down(topk_gate_up(x, ids, storage, table, layout), ids, wts, storage, table, layout)
     t, k = ids.shape
     cfg = default_config(storage.device, t * k)
@@ -154,6 +157,7 @@ def main(argv=None):
 
     def chain(pdl, prefetch, dense=True, moe=True):
         def run():
+            os.environ[PDL_ENV] = "1" if pdl else "0"
             x = x0
             for layer in range(LAYERS):
                 if dense:
