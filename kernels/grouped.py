@@ -33,7 +33,7 @@ import triton
 import triton.language as tl
 
 from runmap.kernels import common
-from runmap.kernels.core import dot_tiles, expert_row, nibbles_f16, resolve_row, silu_mul
+from runmap.kernels.core import chain_wait, dot_tiles, expert_row, nibbles_f16, resolve_row, silu_mul
 from runmap.format.qpack import RowLayout
 
 DECODE_MAX_PAIRS = 128
@@ -126,8 +126,9 @@ def _grouped_gate_up_kernel(
     N: tl.constexpr, K: tl.constexpr, NB: tl.constexpr, QBLOCK: tl.constexpr, TOPK: tl.constexpr,
     SORTED: tl.constexpr, P_PAD: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, TILE_SCALE: tl.constexpr,
-    DEQ_ASM: tl.constexpr,
+    DEQ_ASM: tl.constexpr, CHAINED: tl.constexpr = False,
 ):
+    chain_wait(CHAINED)
     pid0 = tl.program_id(0)
     offs_n = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)  # (BN,) over I
     n_mask = offs_n < N
@@ -154,8 +155,9 @@ def _grouped_down_kernel(
     N: tl.constexpr, K: tl.constexpr, NB: tl.constexpr, QBLOCK: tl.constexpr,
     SORTED: tl.constexpr, P_PAD: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, TILE_SCALE: tl.constexpr,
-    DEQ_ASM: tl.constexpr,
+    DEQ_ASM: tl.constexpr, CHAINED: tl.constexpr = False,
 ):
+    chain_wait(CHAINED)
     pid0 = tl.program_id(0)
     offs_n = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)  # (BN,) over H
     n_mask = offs_n < N
@@ -176,8 +178,9 @@ def _grouped_down_kernel(
 
 
 @triton.jit
-def _sum_topk_kernel(ypair_ptr, y_ptr, H, TOPK: tl.constexpr, BLOCK_N: tl.constexpr):
+def _sum_topk_kernel(ypair_ptr, y_ptr, H, TOPK: tl.constexpr, BLOCK_N: tl.constexpr, CHAINED: tl.constexpr = False):
     """y[t] = fp16(sum_j ypair[t * TOPK + j]), j ascending (fixed order: deterministic)."""
+    chain_wait(CHAINED)
     t = tl.program_id(0).to(tl.int64)
     offs_n = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
     n_mask = offs_n < H
@@ -461,7 +464,7 @@ def grouped_gate_up(x, topk_ids, order, row_table, storage, layout: RowLayout, c
         SORTED=sorted_mode, P_PAD=p_pad,
         BLOCK_M=cfg["BLOCK_M"], BLOCK_N=cfg["BLOCK_N"], BLOCK_K=bk,
         TILE_SCALE=common.tile_scale(bk, layout.block_size), DEQ_ASM=deq_asm,
-        **common.launch_opts(cfg),
+        **common.launch_opts(cfg), **common.chained(dev),
     )
     return h
 
@@ -495,7 +498,7 @@ def grouped_down(h, topk_ids, topk_weights, order, row_table, storage, layout: R
         SORTED=sorted_mode, P_PAD=p_pad,
         BLOCK_M=cfg["BLOCK_M"], BLOCK_N=cfg["DOWN_BLOCK_N"], BLOCK_K=bk,
         TILE_SCALE=common.tile_scale(bk, layout.block_size), DEQ_ASM=deq_asm,
-        **common.launch_opts(cfg),
+        **common.launch_opts(cfg), **common.chained(dev),
     )
     return ypair
 
@@ -506,7 +509,8 @@ def sum_topk(ypair: torch.Tensor, t: int, k: int) -> torch.Tensor:
     hidden = ypair.shape[1]
     y = common.empty((t, hidden), torch.float16, ypair.device)
     block_n = 1024 if common.interpreting(ypair.device) else 256
-    common.launch(_sum_topk_kernel[(t, triton.cdiv(hidden, block_n))], ypair, y, hidden, TOPK=k, BLOCK_N=block_n)
+    common.launch(_sum_topk_kernel[(t, triton.cdiv(hidden, block_n))], ypair, y, hidden, TOPK=k, BLOCK_N=block_n,
+                  **common.chained(ypair.device))
     return y
 
 
