@@ -68,6 +68,7 @@ from runmap.bench.checks import RECORD_VERSION, RECORD_VERSIONS  # what it write
 from runmap.bench.registry import BASELINE_KINDS, HF_KINDS
 from runmap.engine.engine import DEFAULT_FUSED, FUSED_OPS
 from runmap.engine.generation import GenerationResult, GenerationRun
+from runmap.kernels.common import chained
 from runmap.engine.telemetry import DECODE_PATHS, PREFILL_PATHS, EngineStats
 from runmap.provenance import utc_timestamp
 from runmap.residency.observations import OBSERVATION_NAMES as REQUIRED_ZERO
@@ -803,7 +804,10 @@ def run_config(engine: BenchEngine, c: BenchConfig, model_cfg: ModelConfig, ctx:
                    **({"prefill_passes": {k: getattr(d, f"prefill_passes_{k}") for k in PREFILL_PATHS}}
                       if c.kind in ("engine", "engine-fp16") else {}),
                    "warmup_new_tokens": warm_tokens if p["warmup"] else 0,
-                   "full_length_warmup": eager_first},
+                   "full_length_warmup": eager_first,
+                   # programmatic dependent launch of the chained kernels (runmap.kernels.common.chained; RUNMAP_PDL)
+                   **({"chained_launches": chained(ctx.device)["CHAINED"]} if c.kind in ("engine", "engine-fp16")
+                      else {})},
     }
     if routing_rec is not None:
         rec["routing"] = routing_rec
