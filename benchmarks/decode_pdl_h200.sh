@@ -6,6 +6,7 @@
 #
 #   RUNMAP_GIT_COMMIT=<sha> OUT=$OUT bash benchmarks/decode_pdl_h200.sh
 #
+# MODELS="olmoe" (default "olmoe qwen") runs a subset.
 # Writes $OUT/{olmoe,qwen}-pdl{0,1}.tar.gz (each run's campaign folder) and $OUT/{olmoe,qwen}-pdl{0,1}.log.
 set -uo pipefail
 : "${OUT:?set OUT}"
@@ -19,11 +20,16 @@ run() {  # NAME SPEC DIRECT ONLY PDL
   cat "$tmp/bench.log" >> "$OUT/$1-pdl$5.log" 2>/dev/null
   tail -3 "$OUT/$1-pdl$5.log"
 }
+MODELS=${MODELS:-olmoe qwen}
 for pdl in 0 1; do
-  run olmoe specs/campaigns/h200-floor.yaml "olmoe=olmoe-1b-7b-0924" 'engine__grouped__r64__b(1|8)__p128__d128' $pdl
+  case " $MODELS " in *" olmoe "*)
+    run olmoe specs/campaigns/h200-floor.yaml "olmoe=olmoe-1b-7b-0924" 'engine__grouped__r64__b(1|8)__p128__d128' $pdl;;
+  esac
 done
 for pdl in 0 1; do
-  run qwen specs/campaigns/h200-qwen-decode.yaml "qwen=qwen1.5-moe-a2.7b" 'engine__grouped' $pdl
+  case " $MODELS " in *" qwen "*)
+    run qwen specs/campaigns/h200-qwen-decode.yaml "qwen=qwen1.5-moe-a2.7b" 'engine__grouped' $pdl;;
+  esac
 done
 for pdl in 0 1; do
   RUNMAP_PDL=$pdl timeout 90 python3 -m runmap generate --packed /tmp/runmap-h200/pk-olmoe \

@@ -26,6 +26,14 @@ def chain_wait(CHAINED: tl.constexpr):
 
 
 @triton.jit
+def prefetch_l2(ptrs):
+    """One ``prefetch.global.L2`` per element of the pointer tensor ``ptrs`` (GPU only: inline PTX). A hint: it
+    changes no value, and an address inside an allocation is all it needs to be harmless."""
+    tl.inline_asm_elementwise("prefetch.global.L2 [$1]; // $0", "=r,l", [ptrs], dtype=tl.int32, is_pure=False,
+                              pack=1)
+
+
+@triton.jit
 def nibbles_f16(packed):
     """uint8 tile -> (low, high) fp16 tiles of q in [-8, 7].
 

@@ -395,12 +395,26 @@ def _split_keys(slot, pad, sp, N_KEYS: tl.constexpr, BLOCK_N: tl.constexpr, SPLI
 
 
 @triton.jit
+def _preload_first_block(k_ptr, v_ptr, slot, pad, sp, base, stride_cs, offs_d, d_ok, N_KEYS: tl.constexpr,
+                         BLOCK_N: tl.constexpr, SPLITS: tl.constexpr):
+    """Split ``sp``'s first key block of k and v (BLOCK_N, D_P2) fp16 as ``_attend_split`` reads it, except the new
+    slot's row (zeros): the keys before the slot were written by earlier steps, so a chained launch reads them before
+    its wait, while the launch before it (the q|k|v projection) still runs; this launch writes the new slot itself."""
+    n0, end, _covered = _split_keys(slot, pad, sp, N_KEYS, BLOCK_N, SPLITS)
+    j = n0 + tl.arange(0, BLOCK_N)
+    ok = ((j >= pad) & (j < end) & (j != slot))[:, None] & d_ok[None, :]
+    off = base + j[:, None] * stride_cs + offs_d[None, :]
+    return tl.load(k_ptr + off, mask=ok, other=0.0), tl.load(v_ptr + off, mask=ok, other=0.0)
+
+
+@triton.jit
 def _attend_split(q, k_ptr, v_ptr, part_ptr, ml_ptr, b, hq, sp, slot, pad, base, stride_cs, offs_d, d_ok,
                   N_KEYS: tl.constexpr, NH: tl.constexpr, D_P2: tl.constexpr, BLOCK_N: tl.constexpr,
-                  SPLITS: tl.constexpr):
+                  SPLITS: tl.constexpr, k_pre, v_pre, PRELOADED: tl.constexpr):
     """Online softmax of q (D_P2,) fp32 (scaled) over split ``sp``'s share of the keys pad .. slot of row b's cache
     (base: offset of the row's kv head); writes the unnormalized output to part[b, hq, sp] and (running max, sum of
-    exponentials) to ml[b, hq, sp]."""
+    exponentials) to ml[b, hq, sp]. PRELOADED: k_pre / v_pre (BLOCK_N, D_P2) fp16 are the split's first key block as
+    ``_preload_first_block`` read it (the new slot's row left out); only that row is read again here."""
     offs_n = tl.arange(0, BLOCK_N)
     m_i = tl.full((), float("-inf"), dtype=tl.float32)
     l_i = tl.zeros((), dtype=tl.float32)
@@ -411,18 +425,28 @@ def _attend_split(q, k_ptr, v_ptr, part_ptr, ml_ptr, b, hq, sp, slot, pad, base,
     # bucket) only caps the end. The row's blocks are dealt to the splits in contiguous, block-aligned runs.
     # (While loops: the interpreter cannot take loaded scalars as range() bounds.)
     n0, end, _covered = _split_keys(slot, pad, sp, N_KEYS, BLOCK_N, SPLITS)
+    n_first = n0
     while n0 < end:
         j = n0 + offs_n
         valid = (j >= pad) & (j < end)  # end <= slot + 1 and <= N_KEYS: never a key past the bucket
         kv_off = base + j[:, None] * stride_cs + offs_d[None, :]
         kv_ok = valid[:, None] & d_ok[None, :]
-        k = tl.load(k_ptr + kv_off, mask=kv_ok, other=0.0).to(tl.float32)  # (BLOCK_N, D_P2)
+        if PRELOADED:  # the first block from the preload but for the new slot's row; later blocks from memory
+            fresh = (n0 != n_first) | (j == slot)  # (BLOCK_N,)
+            k = tl.load(k_ptr + kv_off, mask=kv_ok & fresh[:, None], other=0.0)
+            k = tl.where(fresh[:, None], k, k_pre).to(tl.float32)  # (BLOCK_N, D_P2)
+        else:
+            k = tl.load(k_ptr + kv_off, mask=kv_ok, other=0.0).to(tl.float32)  # (BLOCK_N, D_P2)
         s = tl.where(valid, tl.sum(k * q[None, :], axis=1), float("-inf"))  # (BLOCK_N,)
         m_new = tl.maximum(m_i, tl.max(s, axis=0))
         m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)  # no valid key in the block yet
         alpha = tl.exp(m_i - m_safe)
         p = tl.exp(s - m_safe)
-        v = tl.load(v_ptr + kv_off, mask=kv_ok, other=0.0).to(tl.float32)
+        if PRELOADED:
+            v = tl.load(v_ptr + kv_off, mask=kv_ok & fresh[:, None], other=0.0)
+            v = tl.where(fresh[:, None], v, v_pre).to(tl.float32)
+        else:
+            v = tl.load(v_ptr + kv_off, mask=kv_ok, other=0.0).to(tl.float32)
         acc = acc * alpha + tl.sum(p[:, None] * v, axis=0)
         l_i = l_i * alpha + tl.sum(p, axis=0)
         m_i = m_new
@@ -455,7 +479,7 @@ def _decode_attn_split_kernel(q_ptr, k_ptr, v_ptr, part_ptr, ml_ptr, slot_ptr, p
     q = tl.load(q_ptr + (b * NH + hq) * D + offs_d, mask=d_ok, other=0.0).to(tl.float32) * scale  # (D_P2,)
     _attend_split(q, k_ptr, v_ptr, part_ptr, ml_ptr, b, hq, sp, tl.load(slot_ptr), tl.load(pad_ptr + b),
                   b.to(tl.int64) * stride_cb + hk * stride_ch, stride_cs, offs_d, d_ok, N_KEYS, NH, D_P2, BLOCK_N,
-                  SPLITS)
+                  SPLITS, q, q, False)  # nothing preloaded (q stands in for the unused tiles)
 
 
 @triton.jit
@@ -472,14 +496,22 @@ def _decode_attn_prologue_split_kernel(
     values) and, after a barrier, attends it from the cache like every other key. Other programs never read the new
     slot, so no program waits for another. Same values as the two launches: the prologue's arithmetic, then the
     unchanged key loop. (A first version rotated every head in every program: at batch 8 the launch took 297 us per
-    step against 220 for the two it replaced; results/campaigns/h200-decode.)"""
-    chain_wait(CHAINED)
+    step against 220 for the two it replaced; results/campaigns/h200-decode.)
+    Before ``chain_wait`` (while the q|k|v projection still runs, in a chained step) it reads the slot, the row's pad
+    and its split's first block of earlier keys: written by the host's copies and by earlier steps, never by the
+    launch before this one."""
     b = tl.program_id(0)
     hq = tl.program_id(1)
     sp = tl.program_id(2)
     hk = hq // (NH // NKV)
     slot = tl.load(slot_ptr)
     pad = tl.load(pad_ptr + b)
+    base = b.to(tl.int64) * stride_cb + hk * stride_ch  # int64: a large cache passes 2^31 elements
+    D: tl.constexpr = 2 * HALF
+    offs_dd = tl.arange(0, D)
+    k_pre, v_pre = _preload_first_block(k_ptr, v_ptr, slot, pad, sp, base, stride_cs, offs_dd, offs_dd < D, N_KEYS,
+                                        BLOCK_N, SPLITS)
+    chain_wait(CHAINED)
     pos = tl.load(pos_ptr + b).to(tl.float32)
     offs_d = tl.arange(0, HALF_P2)
     d_ok = offs_d < HALF
@@ -490,7 +522,6 @@ def _decode_attn_prologue_split_kernel(
     row = qkv_ptr + b * stride_qkv_b
     q1, q2 = _norm_rope_head(row, qw_ptr, tl.arange(0, NH_P2), offs_d, NH, hq, HALF, cos, sin, eps,
                              HAS_NORM)  # (HALF_P2,) fp16 each
-    base = b.to(tl.int64) * stride_cb + hk * stride_ch  # int64: a large cache passes 2^31 elements
     # the writer of the new k / v: the split whose share holds the slot (the only one that reads it), or split 0
     # where no share holds it (nothing attends it then; the separate prologue writes it all the same)
     n0, end, covered = _split_keys(slot, pad, sp, N_KEYS, BLOCK_N, SPLITS)
@@ -506,11 +537,9 @@ def _decode_attn_prologue_split_kernel(
     tl.debug_barrier()  # this program's cache writes are visible to all its threads before the key loop
     # q of this head as one (D,) vector, first half then second half as the cache lays out D (HALF is a power of
     # two here: the wrapper checks), scaled as _decode_attn_split_kernel scales the q it loads
-    D: tl.constexpr = 2 * HALF
     q = tl.reshape(tl.permute(tl.join(q1.to(tl.float32), q2.to(tl.float32)), (1, 0)), (D,)) * scale  # q1 then q2
-    offs_dd = tl.arange(0, D)
     _attend_split(q, k_ptr, v_ptr, part_ptr, ml_ptr, b, hq, sp, slot, pad, base, stride_cs, offs_dd, offs_dd < D,
-                  N_KEYS, NH, D, BLOCK_N, SPLITS)
+                  N_KEYS, NH, D, BLOCK_N, SPLITS, k_pre, v_pre, True)
 
 
 @triton.jit
@@ -625,13 +654,20 @@ def decode_attention_with_prologue(qkv, q_norm, k_norm, positions, slot, inv_fre
 @triton.jit
 def _gemv_kernel(x_ptr, w_ptr, b_ptr, y_ptr, N, K: tl.constexpr, HAS_BIAS: tl.constexpr,
                  BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, CHAINED: tl.constexpr = False):
-    """y[n] = sum_k x[k] w[n, k] (+ b[n]) for BLOCK_N rows n: products summed per lane in fp32, reduced once."""
-    chain_wait(CHAINED)
+    """y[n] = sum_k x[k] w[n, k] (+ b[n]) for BLOCK_N rows n: products summed per lane in fp32, reduced once.
+
+    The first BLOCK_K columns of the weights are loaded before ``chain_wait``: a projection's weights are written by
+    no kernel, so in a chained step that load overlaps the launch before this one (x, its output, is read after)."""
     offs_n = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)  # (BN,)
     n_mask = offs_n < N
     offs_k = tl.arange(0, BLOCK_K)
-    acc = tl.zeros((BLOCK_N, BLOCK_K), tl.float32)
-    for k0 in range(0, K, BLOCK_K):
+    k_mask = offs_k < K
+    w = tl.load(w_ptr + offs_n[:, None] * K + offs_k[None, :], mask=n_mask[:, None] & k_mask[None, :],
+                other=0.0)  # (BN, BK) fp16: the first K chunk
+    chain_wait(CHAINED)
+    x = tl.load(x_ptr + offs_k, mask=k_mask, other=0.0)  # (BK,)
+    acc = w.to(tl.float32) * x.to(tl.float32)[None, :]  # (BN, BK)
+    for k0 in range(BLOCK_K, K, BLOCK_K):
         k_mask = (k0 + offs_k) < K
         w = tl.load(w_ptr + offs_n[:, None] * K + k0 + offs_k[None, :], mask=n_mask[:, None] & k_mask[None, :],
                     other=0.0)  # (BN, BK) fp16

@@ -33,7 +33,7 @@ import triton
 import triton.language as tl
 
 from runmap.kernels import common
-from runmap.kernels.core import chain_wait, dot_tiles, expert_row, nibbles_f16, resolve_row, silu_mul
+from runmap.kernels.core import chain_wait, dot_tiles, expert_row, nibbles_f16, prefetch_l2, resolve_row, silu_mul
 from runmap.format.qpack import RowLayout
 
 DECODE_MAX_PAIRS = 128
@@ -155,12 +155,22 @@ def _grouped_down_kernel(
     N: tl.constexpr, K: tl.constexpr, NB: tl.constexpr, QBLOCK: tl.constexpr,
     SORTED: tl.constexpr, P_PAD: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, TILE_SCALE: tl.constexpr,
-    DEQ_ASM: tl.constexpr, CHAINED: tl.constexpr = False,
+    DEQ_ASM: tl.constexpr, CHAINED: tl.constexpr = False, PF_LINES: tl.constexpr = 1,
 ):
-    chain_wait(CHAINED)
     pid0 = tl.program_id(0)
     offs_n = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)  # (BN,) over H
     n_mask = offs_n < N
+    if CHAINED and not SORTED:
+        # a decode step: while the gate/up launch still runs, pull this program's rows of its pair's down weights
+        # into L2. The route was written two launches back (complete once the gate/up launch passed its wait, which
+        # is before this launch could start); and a prefetch is only a hint, so even a stale id would cost
+        # bandwidth, never a value (the row is resolved again below, after the wait).
+        row, _ok = resolve_row(tl.load(ids_ptr + pid0), row_table_ptr, n_experts, n_rows)
+        n0 = tl.program_id(1) * BLOCK_N
+        span = tl.minimum(BLOCK_N, N - n0) * (K // 2)  # bytes of this program's rows: contiguous, K / 2 each
+        first = w_ptr + row * row_bytes + down_w + n0.to(tl.int64) * (K // 2)
+        prefetch_l2(first + tl.minimum(tl.arange(0, PF_LINES) * 128, span - 1))  # PF_LINES >= span / 128
+    chain_wait(CHAINED)
     if SORTED:
         pairs, lane_ok, expert, active = _sorted_group(order_ptr, ids_ptr, pid0, BLOCK_M)
         if active:
@@ -498,6 +508,7 @@ def grouped_down(h, topk_ids, topk_weights, order, row_table, storage, layout: R
         SORTED=sorted_mode, P_PAD=p_pad,
         BLOCK_M=cfg["BLOCK_M"], BLOCK_N=cfg["DOWN_BLOCK_N"], BLOCK_K=bk,
         TILE_SCALE=common.tile_scale(bk, layout.block_size), DEQ_ASM=deq_asm,
+        PF_LINES=common.next_pow2(triton.cdiv(cfg["DOWN_BLOCK_N"] * (d.k // 2), 128)),
         **common.launch_opts(cfg), **common.chained(dev),
     )
     return ypair
