@@ -33,8 +33,9 @@ def interpreting(device: torch.device) -> bool:
 # ``runmap.kernels.core.chain_wait``: it waits until the launch before it has completed and its writes are visible,
 # then lets the launch after it start. So the next kernel's programs are already resident, blocked at their wait,
 # when this one ends, instead of being launched then: ~0.5 us less per launch boundary on the H200
-# (tools/explore/probe_decode_pdl.py, results/kernels/pdl/). Nothing is read or written before the wait, so the
-# values are bitwise those of plain launches; RUNMAP_PDL=0 switches it off (for A/B measurements).
+# (tools/explore/probe_decode_pdl.py, results/kernels/pdl/). Before its wait a chained kernel writes nothing and
+# reads only what the launch before it does not write (docs/kernels.md), so the values are those of plain launches;
+# RUNMAP_PDL=0 switches it off (for A/B measurements).
 PDL_ENV = "RUNMAP_PDL"
 
 

@@ -15,11 +15,12 @@ from triton.language.extra.cuda import gdc_launch_dependents, gdc_wait
 
 @triton.jit
 def chain_wait(CHAINED: tl.constexpr):
-    """First statement of a kernel in the decode chain (``runmap.kernels.common.chained``). CHAINED: wait until the
-    launch before this one has completed and its writes are visible (``griddepcontrol.wait``), then let the launch
-    after this one start its programs (they block at their own wait). Every chained kernel waits before it reads or
-    writes anything, so a kernel that starts early has every launch before it completed by the time it passes its
-    wait. Not CHAINED: nothing (plain stream order)."""
+    """The wait of a kernel in the decode chain (``runmap.kernels.common.chained``). CHAINED: wait until the launch
+    before this one has completed and its writes are visible (``griddepcontrol.wait``), then let the launch after
+    this one start its programs (they block at their own wait). Since every chained kernel signals only after its
+    wait, a kernel that starts early has every launch before its predecessor completed: before this call it may
+    read what its predecessor does not write (weights, earlier steps' keys), and must write nothing.
+    Not CHAINED: nothing (plain stream order)."""
     if CHAINED:
         gdc_wait()
         gdc_launch_dependents()
