@@ -186,16 +186,16 @@ def _inv_rms(x32, N, eps):
 @triton.jit
 def _add_rms_norm_kernel(x_ptr, y_ptr, w_ptr, x_out_ptr, h_out_ptr, N, eps,
                          HAS_Y: tl.constexpr, BLOCK_N: tl.constexpr, CHAINED: tl.constexpr = False):
-    chain_wait(CHAINED)
     m = tl.program_id(0)
     offs_n = tl.arange(0, BLOCK_N)
     mask = offs_n < N
+    w = tl.load(w_ptr + offs_n, mask=mask, other=0.0).to(tl.float32)  # the norm's weight: no kernel writes it
+    chain_wait(CHAINED)
     x = _added(x_ptr, y_ptr, m * N + offs_n, mask, HAS_Y)
     if HAS_Y:
         tl.store(x_out_ptr + m * N + offs_n, x, mask=mask)
     x32 = x.to(tl.float32)
     r = _inv_rms(x32, N, eps)
-    w = tl.load(w_ptr + offs_n, mask=mask, other=0.0).to(tl.float32)
     tl.store(h_out_ptr + m * N + offs_n, (x32 * r * w).to(tl.float16), mask=mask)
 
 
@@ -274,24 +274,32 @@ def _router_topk_kernel(logits_ptr, ids_ptr, wts_ptr, E, TOPK: tl.constexpr, NOR
 def _add_norm_router_kernel(x_ptr, y_ptr, nw_ptr, rw_ptr, x_out_ptr, h_out_ptr, logits_ptr, E, eps,
                             H: tl.constexpr, H_P2: tl.constexpr, HAS_Y: tl.constexpr,
                             BLOCK_E: tl.constexpr, BLOCK_H: tl.constexpr, CHAINED: tl.constexpr = False):
-    chain_wait(CHAINED)
     m = tl.program_id(0)
     eb = tl.program_id(1)
     offs_n = tl.arange(0, H_P2)
     mask = offs_n < H
+    offs_e = eb * BLOCK_E + tl.arange(0, BLOCK_E)  # (BE,)
+    e_mask = offs_e < E
+    offs_h = tl.arange(0, BLOCK_H)
+    # weights no kernel writes, read before the wait: the norm's (the whole row) and the router's first H chunk
+    nw = tl.load(nw_ptr + offs_n, mask=mask, other=0.0).to(tl.float32)
+    w_first = tl.load(rw_ptr + offs_e[:, None] * H + offs_h[None, :], mask=e_mask[:, None] & (offs_h < H)[None, :],
+                      other=0.0)  # (BE, BH) fp32
+    chain_wait(CHAINED)
     x = _added(x_ptr, y_ptr, m * H + offs_n, mask, HAS_Y)  # (H_P2,) fp16
     x32 = x.to(tl.float32)
     r = _inv_rms(x32, H, eps)  # the same reduction as _add_rms_norm_kernel
     if eb == 0:
         if HAS_Y:
             tl.store(x_out_ptr + m * H + offs_n, x, mask=mask)
-        nw = tl.load(nw_ptr + offs_n, mask=mask, other=0.0).to(tl.float32)
         tl.store(h_out_ptr + m * H + offs_n, (x32 * r * nw).to(tl.float16), mask=mask)
-    offs_e = eb * BLOCK_E + tl.arange(0, BLOCK_E)  # (BE,)
-    e_mask = offs_e < E
-    offs_h = tl.arange(0, BLOCK_H)
-    acc = tl.zeros((BLOCK_E, BLOCK_H), dtype=tl.float32)
-    for h0 in range(0, H, BLOCK_H):  # chunks of the normed row, recomputed elementwise as above
+    # chunks of the normed row, recomputed elementwise as above; the first with the router weights read ahead
+    hm = offs_h < H
+    xc = _added(x_ptr, y_ptr, m * H + offs_h, hm, HAS_Y)
+    nwc = tl.load(nw_ptr + offs_h, mask=hm, other=0.0).to(tl.float32)
+    hc = (xc.to(tl.float32) * r * nwc).to(tl.float16).to(tl.float32)  # (BH,) the stored fp16 norm output
+    acc = w_first * hc[None, :]  # (BE, BH)
+    for h0 in range(BLOCK_H, H, BLOCK_H):
         hm = (h0 + offs_h) < H
         xc = _added(x_ptr, y_ptr, m * H + h0 + offs_h, hm, HAS_Y)
         nwc = tl.load(nw_ptr + h0 + offs_h, mask=hm, other=0.0).to(tl.float32)
