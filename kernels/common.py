@@ -55,8 +55,8 @@ def chained(device: torch.device) -> dict:
     CUDA device of compute capability 9.0 or later (Hopper) unless RUNMAP_PDL=0, else ``{"CHAINED": False}`` (the
     interpreter, older GPUs, or switched off). Read at each launch (a CUDA graph keeps what it was captured with);
     callers unpack the result and never change it."""
-    if device.type != "cuda" or os.environ.get("TRITON_INTERPRET") == "1":
-        return _UNCHAINED
+    if device.type != "cuda" or torch.version.hip is not None or os.environ.get("TRITON_INTERPRET") == "1":
+        return _UNCHAINED  # (ROCm reports capabilities like 9.4 too: griddepcontrol is NVIDIA PTX)
     return _chained_cuda(device.index, os.environ.get(PDL_ENV, "1"))
 
 

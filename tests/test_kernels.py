@@ -519,3 +519,45 @@ def test_chained_launch_keywords(monkeypatch):
         assert kc.chained(cuda) == {"CHAINED": False}
     finally:
         kc._chained_cuda.cache_clear()
+
+
+def test_chained_kernels_write_nothing_before_their_wait():
+    """The chain's rule as the source states it (the interpreter never runs a kernel chained, so no test run can see
+    a race): every Triton kernel with a CHAINED parameter calls chain_wait(CHAINED) exactly once, in its own body and
+    not under a condition; before that call it stores nothing and calls, besides tl.*, only helpers that store
+    nothing either (docs/kernels.md, "The decode chain")."""
+    import ast
+    import inspect
+
+    import runmap.kernels.core as core
+    import runmap.kernels.fused_ops as fused_ops
+    import runmap.kernels.gemv_words as gemv_words
+    import runmap.kernels.grouped as grouped
+
+    modules = (core, fused_ops, gemv_words, grouped)
+    functions = {fn.name: fn for m in modules for fn in ast.parse(inspect.getsource(m)).body
+                 if isinstance(fn, ast.FunctionDef)}
+
+    def calls(node):
+        for sub in ast.walk(node):
+            if isinstance(sub, ast.Call):
+                f = sub.func
+                yield (f.attr if isinstance(f, ast.Attribute) else getattr(f, "id", "")), isinstance(f, ast.Name)
+
+    def stores(name):
+        return "store" in name or "atomic" in name
+
+    read_ahead_helpers = {"_preload_first_block", "resolve_row", "prefetch_l2", "_split_keys"}
+    for helper in read_ahead_helpers:  # and what they call in turn
+        assert not any(stores(n) for n, _ in calls(functions[helper])), helper
+    chained = [fn for fn in functions.values() if "CHAINED" in [a.arg for a in fn.args.args] and fn.name != "chain_wait"]
+    assert len(chained) >= 13, [fn.name for fn in chained]
+    for fn in chained:
+        assert sum(n == "chain_wait" for n, _ in calls(fn)) == 1, f"{fn.name}: chain_wait not called exactly once"
+        top = [i for i, st in enumerate(fn.body) if isinstance(st, ast.Expr) and isinstance(st.value, ast.Call)
+               and getattr(st.value.func, "id", "") == "chain_wait"]
+        assert len(top) == 1, f"{fn.name}: chain_wait must be a statement of the kernel's own body"
+        for st in fn.body[:top[0]]:
+            for name, bare in calls(st):
+                assert not stores(name), f"{fn.name}: {name} before chain_wait"
+                assert not bare or name in read_ahead_helpers, f"{fn.name}: helper {name} before chain_wait"

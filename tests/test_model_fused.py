@@ -203,6 +203,43 @@ def test_decode_attention_with_prologue_equals_the_three_launches(nh, nkv, D, no
     assert torch.allclose(out.float(), ref.float(), rtol=tol, atol=tol, equal_nan=True)
 
 
+@pytest.mark.parametrize("nh,nkv,D,norm", [(4, 2, 16, False), (2, 1, 128, True)])
+# splits of two and four blocks: the slot in a split's later block (row 0) or its first (row 1), a pad inside the
+# first block, a pad at the slot
+@pytest.mark.parametrize("slot,n_keys,pads", [(1000, 1024, (0, 40)), (1023, 1024, (5, 1023)), (1990, 2048, (0, 33))])
+def test_decode_attention_with_prologue_reads_ahead_only_earlier_keys(nh, nkv, D, norm, slot, n_keys, pads,
+                                                                      test_device):
+    """The attention launch reads its split's first key block before its chained wait (docs/kernels.md) and the new
+    slot's row after writing it: with the slot's old k / v poisoned (NaN) and splits of several blocks, the output
+    and the cache equal qk_norm_rope_kv followed by decode_attention (a stale slot row would bring the NaN in)."""
+    import runmap.kernels.fused_ops as fo
+
+    g = torch.Generator().manual_seed(slot + D)
+    dev = torch.device(test_device)
+    B = 2
+    qkv = (torch.randn(B, 1, (nh + 2 * nkv) * D, generator=g) * 2).half().to(dev)
+    qn = (1 + 0.1 * torch.randn(nh * D, generator=g)).half().to(dev) if norm else None
+    kn = (1 + 0.1 * torch.randn(nkv * D, generator=g)).half().to(dev) if norm else None
+    pad = torch.tensor(pads, device=dev)
+    positions = (slot - pad).clamp(min=0).reshape(B, 1)
+    slots = torch.tensor([slot], device=dev)
+    inv_freq = (1.0 / 10000 ** (torch.arange(0, D, 2).float() / D)).to(dev)
+    kc = (torch.randn(B, nkv, n_keys, D, generator=g) * 3).half()
+    vc = torch.randn(B, nkv, n_keys, D, generator=g).half()
+    kc[:, :, slot] = float("nan")
+    vc[:, :, slot] = float("nan")
+    kc, vc = kc.to(dev), vc.to(dev)
+    kc2, vc2 = kc.clone(), vc.clone()
+    q = fo.qk_norm_rope_kv(qkv, qn, kn, positions, slots, inv_freq, kc, vc, num_heads=nh, num_kv_heads=nkv, eps=1e-6)
+    ref = fo.decode_attention(q, kc, vc, slots, pad, n_keys)
+    out = fo.decode_attention_with_prologue(qkv, qn, kn, positions, slots, inv_freq, kc2, vc2, pad, n_keys,
+                                            num_heads=nh, num_kv_heads=nkv, eps=1e-6)
+    assert torch.equal(kc2.cpu(), kc.cpu()) and torch.equal(vc2.cpu(), vc.cpu())
+    assert not torch.isnan(out.float()).any()
+    tol = 0.0 if dev.type == "cpu" else 2e-3
+    assert torch.allclose(out.float(), ref.float(), rtol=tol, atol=tol)
+
+
 @triton.jit
 def _split_keys_probe_kernel(slot_ptr, pad_ptr, out_ptr, N_KEYS: tl.constexpr, BLOCK_N: tl.constexpr,
                              SPLITS: tl.constexpr):

@@ -19,8 +19,8 @@ gate/up and down launches (``topk-fused`` "words" kernels, 8 of 64 experts, rand
 16 layers of distinct weights per CUDA graph (the weights come from HBM). Variants: the product launches, PDL only,
 PDL + L2 prefetch (the GEMVs' weight tiles, the down launch's expert rows once the route is known), and prefetch
 without PDL. "plain" and "pdl" are the product's launches (``runmap.kernels.common.chained``, RUNMAP_PDL=0 / 1) since
-the product chains its decode kernels; the first run of this probe (dd807e6) had its own PDL wrappers there. Every variant's final activation is compared with the product launches' (bitwise: the arithmetic is
-the same). Times are per layer, median of 30 replays, two passes; bytes per layer / time as a fraction of the same-run
+the product chains its decode kernels; the first run of this probe (dd807e6) had its own PDL wrappers there. Every
+variant's final activation is compared with the plain launches' (bitwise: the arithmetic is the same). Times are per layer, median of 30 replays, two passes; bytes per layer / time as a fraction of the same-run
 device copy.
 """
 from __future__ import annotations
@@ -57,11 +57,10 @@ def _prefetch_l2(ptrs):
 
 @triton.jit
 def _gemv_pdl_kernel(x_ptr, w_ptr, b_ptr, y_ptr, N, K: tl.constexpr, HAS_BIAS: tl.constexpr, BLOCK_N: tl.constexpr,
-                     BLOCK_K: tl.constexpr, PDL: tl.constexpr, PREFETCH: tl.constexpr):
+                     BLOCK_K: tl.constexpr, PDL: tl.constexpr, PREFETCH: tl.constexpr, LINES: tl.constexpr = 1):
     if PREFETCH:  # the program's BLOCK_N whole weight rows: contiguous (N % BLOCK_N == 0 here)
-        LINES: tl.constexpr = BLOCK_N * K * 2 // 128
         base = w_ptr.to(tl.pointer_type(tl.int8)) + tl.program_id(0).to(tl.int64) * BLOCK_N * K * 2
-        _prefetch_l2(base + tl.arange(0, LINES) * 128)
+        _prefetch_l2(base + tl.minimum(tl.arange(0, LINES) * 128, BLOCK_N * K * 2 - 1))
     if PDL:
         gdc_wait()
         gdc_launch_dependents()
@@ -84,13 +83,13 @@ def _gate_up_pdl_kernel(x_ptr, ids_ptr, row_table_ptr, w_ptr, s_ptr, h_ptr, n_ex
 def _down_pdl_kernel(h_ptr, ids_ptr, wts_ptr, row_table_ptr, w_ptr, s_ptr, y_ptr, n_experts, n_rows, row_bytes,
                      stride_ym, down_w, down_s, magic, N: tl.constexpr, K: tl.constexpr, NB: tl.constexpr,
                      QBLOCK: tl.constexpr, TOPK: tl.constexpr, TOPK_P2: tl.constexpr, BLOCK_N: tl.constexpr,
-                     SUB: tl.constexpr, EVEN: tl.constexpr, PDL: tl.constexpr, PREFETCH: tl.constexpr):
+                     SUB: tl.constexpr, EVEN: tl.constexpr, PDL: tl.constexpr, PREFETCH: tl.constexpr,
+                     LINES: tl.constexpr = 1):
     if PREFETCH:  # the route was complete before the gate/up launch passed its wait: the rows are known
         _p, _s_ok, w_row, _s_row, _ok, _gw = token_slots(tl.program_id(0), ids_ptr, wts_ptr, row_table_ptr, w_ptr,
                                                         s_ptr, n_experts, n_rows, row_bytes, TOPK, TOPK_P2)
-        LINES: tl.constexpr = BLOCK_N * K // 2 // 128  # this program's BLOCK_N rows of K / 2 bytes: contiguous
-        first = w_row + down_w + tl.program_id(1) * BLOCK_N * (K // 2)  # (S,)
-        _prefetch_l2(first[:, None] + tl.arange(0, LINES)[None, :] * 128)
+        first = w_row + down_w + tl.program_id(1) * BLOCK_N * (K // 2)  # (S,) this program's rows: contiguous
+        _prefetch_l2(first[:, None] + tl.minimum(tl.arange(0, LINES) * 128, BLOCK_N * (K // 2) - 1)[None, :])
     if PDL:
         gdc_wait()
         gdc_launch_dependents()
@@ -107,7 +106,8 @@ def gemv(x, w, pdl: bool, prefetch: bool):
     block_n = 16 if n >= 4096 else 4
     assert n % block_n == 0
     _gemv_pdl_kernel[(n // block_n,)](x, w, w, y, n, K=k, HAS_BIAS=False, BLOCK_N=block_n, BLOCK_K=512, PDL=pdl,
-                                     PREFETCH=prefetch, launch_pdl=pdl)
+                                     PREFETCH=prefetch, LINES=triton.next_power_of_2(triton.cdiv(block_n * k * 2, LINE)),
+                                     launch_pdl=pdl)
     return y
 
 
@@ -132,7 +132,8 @@ def experts(x, ids, wts, storage, table, layout, pdl: bool, prefetch: bool):
         h, ids, wts, table, storage, storage.view(torch.float16), y, table.numel(), storage.shape[0],
         layout.row_bytes, y.stride(0), d.w_off, d.s_off, MAGIC_F32, N=d.n, K=d.k, NB=d.nb, QBLOCK=layout.block_size,
         TOPK=k, TOPK_P2=common.next_pow2(k), BLOCK_N=cfg["DOWN_BLOCK_N"], SUB=cfg["DOWN_SUB"], EVEN=even, PDL=pdl,
-        PREFETCH=prefetch, num_warps=cfg["DOWN_num_warps"], launch_pdl=pdl)
+        PREFETCH=prefetch, LINES=triton.next_power_of_2(triton.cdiv(cfg["DOWN_BLOCK_N"] * d.k // 2, LINE)),
+        num_warps=cfg["DOWN_num_warps"], launch_pdl=pdl)
     return y
 
 
