@@ -281,9 +281,9 @@ def _add_norm_router_kernel(x_ptr, y_ptr, nw_ptr, rw_ptr, x_out_ptr, h_out_ptr, 
     offs_e = eb * BLOCK_E + tl.arange(0, BLOCK_E)  # (BE,)
     e_mask = offs_e < E
     offs_h = tl.arange(0, BLOCK_H)
-    # weights no kernel writes, read before the wait: the norm's (the whole row, by the program that stores the norm)
+    # weights no kernel writes, read before the wait: the norm's (the whole row; only program 0 of the row uses it)
     # and the router's first H chunk
-    nw = tl.load(nw_ptr + offs_n, mask=mask & (eb == 0), other=0.0).to(tl.float32)
+    nw = tl.load(nw_ptr + offs_n, mask=mask, other=0.0).to(tl.float32)
     w_first = tl.load(rw_ptr + offs_e[:, None] * H + offs_h[None, :], mask=e_mask[:, None] & (offs_h < H)[None, :],
                       other=0.0)  # (BE, BH) fp32
     chain_wait(CHAINED)
