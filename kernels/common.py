@@ -35,17 +35,18 @@ def interpreting(device: torch.device) -> bool:
 # when this one ends, instead of being launched then: ~0.5 us less per launch boundary on the H200
 # (tools/explore/probe_decode_pdl.py, results/kernels/pdl/). Before its wait a chained kernel writes nothing and
 # reads only what the launch before it does not write (docs/kernels.md), so the values are those of plain launches;
-# RUNMAP_PDL=0 switches it off (for A/B measurements).
+# RUNMAP_PDL=0 in the environment of the process switches it off (for A/B measurements).
 PDL_ENV = "RUNMAP_PDL"
 
 
 _UNCHAINED = {"CHAINED": False}
+_chain_setting: dict = {}  # CUDA device index -> launch keywords, decided at the first launch (reset_chained)
 
 
-@functools.lru_cache(maxsize=None)
-def _chained_cuda(index: int | None, setting: str) -> dict:
-    if setting == "0":
-        return _UNCHAINED
+def _chained_cuda(index: int | None) -> dict:
+    if torch.version.hip is not None or os.environ.get("TRITON_INTERPRET") == "1" \
+            or os.environ.get(PDL_ENV, "1") == "0":
+        return _UNCHAINED  # (ROCm reports capabilities like 9.4 too: griddepcontrol is NVIDIA PTX)
     capable = torch.cuda.get_device_capability(index if index is not None else torch.cuda.current_device()) >= (9, 0)
     return {"CHAINED": True, "launch_pdl": True} if capable else _UNCHAINED
 
@@ -53,11 +54,21 @@ def _chained_cuda(index: int | None, setting: str) -> dict:
 def chained(device: torch.device) -> dict:
     """Launch keywords of a kernel that takes a ``CHAINED`` constexpr: ``{"CHAINED": True, "launch_pdl": True}`` on a
     CUDA device of compute capability 9.0 or later (Hopper) unless RUNMAP_PDL=0, else ``{"CHAINED": False}`` (the
-    interpreter, older GPUs, or switched off). Read at each launch (a CUDA graph keeps what it was captured with);
-    callers unpack the result and never change it."""
-    if device.type != "cuda" or torch.version.hip is not None or os.environ.get("TRITON_INTERPRET") == "1":
-        return _UNCHAINED  # (ROCm reports capabilities like 9.4 too: griddepcontrol is NVIDIA PTX)
-    return _chained_cuda(device.index, os.environ.get(PDL_ENV, "1"))
+    interpreter, older GPUs, ROCm, or switched off). Decided at the first launch on each device (a dictionary lookup
+    afterwards: eager passes launch hundreds of kernels); ``reset_chained`` reads RUNMAP_PDL again. Callers unpack
+    the result and never change it."""
+    if device.type != "cuda":
+        return _UNCHAINED
+    kw = _chain_setting.get(device.index)
+    if kw is None:
+        kw = _chain_setting[device.index] = _chained_cuda(device.index)
+    return kw
+
+
+def reset_chained() -> None:
+    """Forget the decided setting: the next launch reads RUNMAP_PDL (and the device) again. For probes and tests that
+    switch it within one process; a CUDA graph keeps what it was captured with."""
+    _chain_setting.clear()
 
 
 @dataclasses.dataclass(frozen=True)

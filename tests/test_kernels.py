@@ -496,29 +496,33 @@ def test_decoded_once_mode_gives_nan_rows_for_a_non_resident_expert(device):
 
 def test_chained_launch_keywords(monkeypatch):
     """Programmatic dependent launch only where it exists and is wanted: a CUDA device of compute capability 9.0 or
-    later, RUNMAP_PDL not 0, not the interpreter; everywhere else the kernels get CHAINED=False and no launch_pdl."""
+    later, RUNMAP_PDL not 0, not the interpreter; everywhere else the kernels get CHAINED=False and no launch_pdl. The
+    decision is kept until reset_chained."""
     from runmap.kernels import common as kc
 
     capability = {"value": (9, 0)}
     monkeypatch.setattr(torch.cuda, "get_device_capability", lambda index=None: capability["value"])
-    kc._chained_cuda.cache_clear()
     monkeypatch.delenv("TRITON_INTERPRET", raising=False)
     monkeypatch.delenv(kc.PDL_ENV, raising=False)
     cuda = torch.device("cuda", 0)
+    kc.reset_chained()
     try:
         assert kc.chained(torch.device("cpu")) == {"CHAINED": False}
         assert kc.chained(cuda) == {"CHAINED": True, "launch_pdl": True}
         monkeypatch.setenv(kc.PDL_ENV, "0")
+        assert kc.chained(cuda) == {"CHAINED": True, "launch_pdl": True}  # decided at the first launch
+        kc.reset_chained()
         assert kc.chained(cuda) == {"CHAINED": False}
         monkeypatch.setenv(kc.PDL_ENV, "1")
         monkeypatch.setenv("TRITON_INTERPRET", "1")
+        kc.reset_chained()
         assert kc.chained(cuda) == {"CHAINED": False}
         monkeypatch.delenv("TRITON_INTERPRET")
-        kc._chained_cuda.cache_clear()
         capability["value"] = (8, 0)  # Ampere: no griddepcontrol
+        kc.reset_chained()
         assert kc.chained(cuda) == {"CHAINED": False}
     finally:
-        kc._chained_cuda.cache_clear()
+        kc.reset_chained()
 
 
 def test_chained_kernels_write_nothing_before_their_wait():

@@ -38,7 +38,7 @@ from triton.language.extra.cuda import gdc_launch_dependents, gdc_wait
 from runmap.atomic import write_json
 from runmap.bench.kernel_workload import copy_bandwidth, graph_us, model_layers, routing, MODELS
 from runmap.kernels import common
-from runmap.kernels.common import PDL_ENV
+from runmap.kernels.common import PDL_ENV, reset_chained
 from runmap.kernels.core import token_slots
 from runmap.kernels.fused_ops import _gemv_kernel, _launch_gemv
 from runmap.kernels.gemv_words import _words_down_kernel, _words_gate_up_kernel
@@ -159,6 +159,7 @@ def main(argv=None):
     def chain(pdl, prefetch, dense=True, moe=True):
         def run():
             os.environ[PDL_ENV] = "1" if pdl else "0"
+            reset_chained()
             x = x0
             for layer in range(LAYERS):
                 if dense:
