@@ -166,6 +166,18 @@ def test_add_norm_router_logits_equals_the_two_launches(m, e, hid, with_y, test_
     assert torch.equal(ids.cpu(), ids_ref.cpu()) and torch.allclose(w.cpu(), w_ref.cpu(), rtol=1e-5, atol=1e-6)
 
 
+def _prologue_case(nh, nkv, D, norm, slot, pads, g, dev):
+    """A new token per row for the attention launch with its prologue: (qkv (2, 1, (nh + 2 nkv) D) fp16, q / k norm
+    weights or None, pad (2,), positions (2, 1), slots (1,), inv_freq (D / 2,))."""
+    qkv = (torch.randn(2, 1, (nh + 2 * nkv) * D, generator=g) * 2).half().to(dev)
+    qn = (1 + 0.1 * torch.randn(nh * D, generator=g)).half().to(dev) if norm else None
+    kn = (1 + 0.1 * torch.randn(nkv * D, generator=g)).half().to(dev) if norm else None
+    pad = torch.tensor(pads, device=dev)
+    positions = (slot - pad).clamp(min=0).reshape(2, 1)
+    inv_freq = (1.0 / 10000 ** (torch.arange(0, D, 2).float() / D)).to(dev)
+    return qkv, qn, kn, pad, positions, torch.tensor([slot], device=dev), inv_freq
+
+
 @pytest.mark.filterwarnings("ignore:invalid value encountered:RuntimeWarning")  # the keyless row's 0 / 0
 @pytest.mark.parametrize("nh,nkv,D,norm", [(4, 2, 16, True), (4, 4, 32, False), (2, 1, 128, True)])
 # the last two: no split's share holds the slot (a pad past the slot's block; a slot past the bucket), where split 0
@@ -182,13 +194,7 @@ def test_decode_attention_with_prologue_equals_the_three_launches(nh, nkv, D, no
     g = torch.Generator().manual_seed(slot * 7 + D)
     dev = torch.device(test_device)
     B = 2
-    qkv = (torch.randn(B, 1, (nh + 2 * nkv) * D, generator=g) * 2).half().to(dev)
-    qn = (1 + 0.1 * torch.randn(nh * D, generator=g)).half().to(dev) if norm else None
-    kn = (1 + 0.1 * torch.randn(nkv * D, generator=g)).half().to(dev) if norm else None
-    pad = torch.tensor(pads, device=dev)
-    positions = (slot - pad).clamp(min=0).reshape(B, 1)
-    slots = torch.tensor([slot], device=dev)
-    inv_freq = (1.0 / 10000 ** (torch.arange(0, D, 2).float() / D)).to(dev)
+    qkv, qn, kn, pad, positions, slots, inv_freq = _prologue_case(nh, nkv, D, norm, slot, pads, g, dev)
     kc = (torch.randn(B + 1, nkv, n_keys + 8, D, generator=g) * 3).half().to(dev)  # one row more than the batch
     vc = torch.randn(B + 1, nkv, n_keys + 8, D, generator=g).half().to(dev)
     kc2, vc2 = kc.clone(), vc.clone()
@@ -217,13 +223,7 @@ def test_decode_attention_with_prologue_reads_ahead_only_earlier_keys(nh, nkv, D
     g = torch.Generator().manual_seed(slot + D)
     dev = torch.device(test_device)
     B = 2
-    qkv = (torch.randn(B, 1, (nh + 2 * nkv) * D, generator=g) * 2).half().to(dev)
-    qn = (1 + 0.1 * torch.randn(nh * D, generator=g)).half().to(dev) if norm else None
-    kn = (1 + 0.1 * torch.randn(nkv * D, generator=g)).half().to(dev) if norm else None
-    pad = torch.tensor(pads, device=dev)
-    positions = (slot - pad).clamp(min=0).reshape(B, 1)
-    slots = torch.tensor([slot], device=dev)
-    inv_freq = (1.0 / 10000 ** (torch.arange(0, D, 2).float() / D)).to(dev)
+    qkv, qn, kn, pad, positions, slots, inv_freq = _prologue_case(nh, nkv, D, norm, slot, pads, g, dev)
     kc = (torch.randn(B, nkv, n_keys, D, generator=g) * 3).half()
     vc = torch.randn(B, nkv, n_keys, D, generator=g).half()
     kc[:, :, slot] = float("nan")
