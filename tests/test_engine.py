@@ -492,3 +492,30 @@ def test_logits_on_imposed_routes_replay_the_reported_ones_across_passes(packs):
         eng.logits(prompt, routes=routes[:12, :2, :2])
     assert eng.imposed is None and eng.routes is None  # restored
     eng.close()
+
+
+@pytest.mark.parametrize("resident", [None, 5])
+def test_chained_launches_change_no_token(packs, monkeypatch, test_device, resident):
+    """Programmatic dependent launch (runmap.kernels.common.chained) changes when the decode chain's kernels start,
+    never what they compute: greedy tokens of two rows, full residency (captured decode graphs) and partial residency
+    (the segment chain), equal with RUNMAP_PDL=0 and 1. GPU only (Hopper): elsewhere nothing is chained."""
+    if test_device != "cuda" or torch.cuda.get_device_capability() < (9, 0):
+        pytest.skip("programmatic dependent launch needs a CUDA device of compute capability 9.0 or later")
+    from runmap.kernels import common
+
+    tokens = {}
+    try:
+        for setting in ("0", "1"):
+            monkeypatch.setenv(common.PDL_ENV, setting)
+            common.reset_chained()
+            eng = Engine.from_pack(packs["tiny-olmoe"], executor="grouped", device="cuda", max_batch=2,
+                                   max_seq_len=64, resident=resident)
+            try:
+                assert common.chained(eng.device)["CHAINED"] == (setting == "1")
+                run = eng.run([[5, 6, 7, 8, 9], [10, 11]], max_new_tokens=24, ignore_eos=True)
+                tokens[setting] = [r.token_ids for r in run.results]
+            finally:
+                eng.close()
+    finally:
+        common.reset_chained()
+    assert tokens["0"] == tokens["1"]
