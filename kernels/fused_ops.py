@@ -709,8 +709,9 @@ def _gemv_block_n(n: int) -> int:
 def _launch_gemv(x, w, b, y) -> None:
     n, k = w.shape
     block_n = _gemv_block_n(n)
+    # Triton's default 4 warps (the probe's)
     common.launch(_gemv_kernel[(triton.cdiv(n, block_n),)], x, w, b if b is not None else w, y, n, K=k,
-                  HAS_BIAS=b is not None, BLOCK_N=block_n, BLOCK_K=512, **common.chained(x.device))  # Triton's default 4 warps (the probe's)
+                  HAS_BIAS=b is not None, BLOCK_N=block_n, BLOCK_K=512, **common.chained(x.device))
 
 
 # ---- the shared expert of one token (Qwen2-MoE), added to the routed output --------------------------------

@@ -68,8 +68,8 @@ from runmap.bench.checks import RECORD_VERSION, RECORD_VERSIONS  # what it write
 from runmap.bench.registry import BASELINE_KINDS, HF_KINDS
 from runmap.engine.engine import DEFAULT_FUSED, FUSED_OPS
 from runmap.engine.generation import GenerationResult, GenerationRun
-from runmap.kernels.common import chained
 from runmap.engine.telemetry import DECODE_PATHS, PREFILL_PATHS, EngineStats
+from runmap.kernels.common import chained
 from runmap.provenance import utc_timestamp
 from runmap.residency.observations import OBSERVATION_NAMES as REQUIRED_ZERO
 from runmap.residency.regimes import regime_of
@@ -800,14 +800,13 @@ def run_config(engine: BenchEngine, c: BenchConfig, model_cfg: ModelConfig, ctx:
         "engine": {**{k: v for k, v in engine_info.items() if k not in ("pack", "checkpoint", "budget_plan")},
                    "timed_wall_s": sw.seconds, "reported_executor": s1.executor,
                    "cuda_graphs": s1.cuda_graphs, "fused_ops": list(s1.fused), "skip_experts": s1.skip_experts,
-                   # the timed runs' prefill passes by path (runmap.engine.prefill_graph)
-                   **({"prefill_passes": {k: getattr(d, f"prefill_passes_{k}") for k in PREFILL_PATHS}}
+                   # the engine's own: the timed runs' prefill passes by path (runmap.engine.prefill_graph), and
+                   # whether the chained kernels launched with PDL (runmap.kernels.common.chained; RUNMAP_PDL)
+                   **({"prefill_passes": {k: getattr(d, f"prefill_passes_{k}") for k in PREFILL_PATHS},
+                       "chained_launches": chained(ctx.device)["CHAINED"]}
                       if c.kind in ("engine", "engine-fp16") else {}),
                    "warmup_new_tokens": warm_tokens if p["warmup"] else 0,
-                   "full_length_warmup": eager_first,
-                   # programmatic dependent launch of the chained kernels (runmap.kernels.common.chained; RUNMAP_PDL)
-                   **({"chained_launches": chained(ctx.device)["CHAINED"]} if c.kind in ("engine", "engine-fp16")
-                      else {})},
+                   "full_length_warmup": eager_first},
     }
     if routing_rec is not None:
         rec["routing"] = routing_rec

@@ -59,21 +59,21 @@ def main(argv=None):
     marker = next((n for n in names if "_gemv_kernel" in n), None)
     starts = [i for i, n in enumerate(names) if n == marker]
     step_starts = starts[::args.markers_per_step] if marker else []
-    steps = []
-    for a, b in zip(step_starts[-17:-1], step_starts[-16:]):
+    windows = list(zip(step_starts[-17:-1], step_starts[-16:]))  # the last 16 whole steps (fewer in a short trace)
+    steps, by_name = [], defaultdict(list)
+    for a, b in windows:
         ks = kernels[a:b]
         gaps = [ks[i + 1]["ts"] - (ks[i]["ts"] + ks[i]["dur"]) for i in range(len(ks) - 1)]
         steps.append({"kernels": len(ks), "span_us": ks[-1]["ts"] + ks[-1]["dur"] - ks[0]["ts"],
                       "sum_dur_us": sum(k["dur"] for k in ks), "gap_sum_us": sum(gaps),
                       "overlaps": sum(g < 0 for g in gaps), "gap_median_us": statistics.median(gaps) if gaps else 0})
-    by_name = defaultdict(list)
-    for a, b in zip(step_starts[-17:-1], step_starts[-16:]):
-        for k in kernels[a:b]:
+        for k in ks:
             by_name[k["name"][:60]].append(k["dur"])
-    per_kernel = sorted(((n, sum(v) / 16, len(v) / 16) for n, v in by_name.items()), key=lambda r: -r[1])
+    n_steps = max(len(windows), 1)
+    per_kernel = sorted(((n, sum(v) / n_steps, len(v) / n_steps) for n, v in by_name.items()), key=lambda r: -r[1])
     if steps:
         med = {k: statistics.median(s[k] for s in steps) for k in steps[0]}
-        print(f"per step (median of {len(steps)}): {len(steps) and med}")
+        print(f"per step (median of {len(steps)}): {med}")
     for n, us, cnt in per_kernel[:14]:
         print(f"  {us:8.1f} us/step  {cnt:5.1f} launches  {n}")
     write_json(args.out, {"kind": "decode-chain-gaps-probe", "pdl": os.environ.get("RUNMAP_PDL", "1"),

@@ -39,7 +39,7 @@ from runmap.atomic import write_json
 from runmap.bench.kernel_workload import copy_bandwidth, graph_us, model_layers, routing, MODELS
 from runmap.kernels import common
 from runmap.kernels.common import PDL_ENV, reset_chained
-from runmap.kernels.core import token_slots
+from runmap.kernels.core import prefetch_l2, token_slots
 from runmap.kernels.fused_ops import _gemv_kernel, _launch_gemv
 from runmap.kernels.gemv_words import _words_down_kernel, _words_gate_up_kernel
 from runmap.kernels.topk_fused import MAGIC_F32, _even, default_config, topk_down, topk_gate_up
@@ -49,18 +49,11 @@ LINE = 128  # bytes per L2 prefetch
 
 
 @triton.jit
-def _prefetch_l2(ptrs):
-    """One ``prefetch.global.L2`` per element of the pointer tensor ``ptrs`` (no result; not removable)."""
-    tl.inline_asm_elementwise("prefetch.global.L2 [$1]; // $0", "=r,l", [ptrs], dtype=tl.int32, is_pure=False,
-                              pack=1)
-
-
-@triton.jit
 def _gemv_pdl_kernel(x_ptr, w_ptr, b_ptr, y_ptr, N, K: tl.constexpr, HAS_BIAS: tl.constexpr, BLOCK_N: tl.constexpr,
                      BLOCK_K: tl.constexpr, PDL: tl.constexpr, PREFETCH: tl.constexpr, LINES: tl.constexpr = 1):
     if PREFETCH:  # the program's BLOCK_N whole weight rows: contiguous (N % BLOCK_N == 0 here)
         base = w_ptr.to(tl.pointer_type(tl.int8)) + tl.program_id(0).to(tl.int64) * BLOCK_N * K * 2
-        _prefetch_l2(base + tl.minimum(tl.arange(0, LINES) * 128, BLOCK_N * K * 2 - 1))
+        prefetch_l2(base + tl.minimum(tl.arange(0, LINES) * 128, BLOCK_N * K * 2 - 1))
     if PDL:
         gdc_wait()
         gdc_launch_dependents()
@@ -89,7 +82,7 @@ def _down_pdl_kernel(h_ptr, ids_ptr, wts_ptr, row_table_ptr, w_ptr, s_ptr, y_ptr
         _p, _s_ok, w_row, _s_row, _ok, _gw = token_slots(tl.program_id(0), ids_ptr, wts_ptr, row_table_ptr, w_ptr,
                                                         s_ptr, n_experts, n_rows, row_bytes, TOPK, TOPK_P2)
         first = w_row + down_w + tl.program_id(1) * BLOCK_N * (K // 2)  # (S,) this program's rows: contiguous
-        _prefetch_l2(first[:, None] + tl.minimum(tl.arange(0, LINES) * 128, BLOCK_N * (K // 2) - 1)[None, :])
+        prefetch_l2(first[:, None] + tl.minimum(tl.arange(0, LINES) * 128, BLOCK_N * (K // 2) - 1)[None, :])
     if PDL:
         gdc_wait()
         gdc_launch_dependents()
