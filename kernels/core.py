@@ -158,9 +158,31 @@ def store_slot_sum(part, s_ok, ok, y_ptr, t, stride_ym, offs_n, n_mask):
 
 
 @triton.jit
+def _row_scales(s_base, offs_n, n_mask, NB: tl.constexpr, SCALE_COLS: tl.constexpr):
+    """fp32 (BN, SCALE_COLS) scales of the rows offs_n, every block of them (columns past NB are 0)."""
+    offs_b = tl.arange(0, SCALE_COLS)
+    sm = n_mask[:, None] & (offs_b < NB)[None, :]
+    return tl.load(s_base + offs_n[:, None] * NB + offs_b[None, :], mask=sm, other=0.0).to(tl.float32)
+
+
+@triton.jit
+def _k_tile_scales(s_all, s_base, offs_n, n_mask, k0, NB: tl.constexpr, QBLOCK: tl.constexpr,
+                   SCALE_COLS: tl.constexpr):
+    """fp32 (BN,) scales of the K tile at k0 (inside one scale block): picked from the rows' scales loaded before
+    the loop (``s_all`` from ``_row_scales``; the pick adds exact zeros, so the value is the stored one), or loaded
+    here when SCALE_COLS is 0."""
+    if SCALE_COLS > 0:
+        pick = tl.arange(0, SCALE_COLS)[None, :] == k0 // QBLOCK  # (1, SC)
+        return tl.sum(tl.where(pick, s_all, 0.0), axis=1)
+    else:
+        return tl.load(s_base + offs_n * NB + k0 // QBLOCK, mask=n_mask, other=0.0).to(tl.float32)
+
+
+@triton.jit
 def dot_tiles(acc_a, acc_b, x_rows, m_mask, wa_base, sa_base, wb_base, sb_base, offs_n, n_mask,
               K: tl.constexpr, NB: tl.constexpr, BLOCK_K: tl.constexpr, QBLOCK: tl.constexpr,
-              TILE_SCALE: tl.constexpr, DUAL: tl.constexpr, DEQ_ASM: tl.constexpr = False):
+              TILE_SCALE: tl.constexpr, DUAL: tl.constexpr, DEQ_ASM: tl.constexpr = False,
+              SCALE_COLS: tl.constexpr = 0):
     """Tensor-core inner loop: acc_a (BM, BN) fp32 += x[rows, :K] @ dequant(Wa[offs_n, :K])^T, and the same
     into acc_b for Wb when DUAL (gate and up share the activation tile).
 
@@ -168,11 +190,21 @@ def dot_tiles(acc_a, acc_b, x_rows, m_mask, wa_base, sa_base, wb_base, sb_base, 
     wa_base / wb_base: uint8 pointers to a packed (N, K/2) section; sa_base / sb_base: fp16 pointers to its
     (N, NB) scales. offs_n / n_mask: (BN,) output columns. Masked bytes decode to -8 but meet x = 0.
     DEQ_ASM: decode nibbles with ``nibbles_f16_asm`` (GPU only; same values as ``nibbles_f16``).
+    SCALE_COLS (with TILE_SCALE; a power of two >= NB, or 0): load every scale of the program's rows once, before
+    the loop. Why: the weight and activation tiles stream through the compiler's asynchronous copies, but a scale
+    load inside the loop is a plain load whose result the same iteration needs, so each iteration waited a full
+    memory latency for 2 bytes per row (at decode sizes a program runs only 4-8 iterations).
     """
     HALF: tl.constexpr = BLOCK_K // 2
     KB: tl.constexpr = K // 2
     offs_j = tl.arange(0, HALF)
     w_cols = offs_n[None, :] * KB  # (1, BN) byte offset of each weight row
+    sa_all = sa_base
+    sb_all = sb_base
+    if TILE_SCALE and SCALE_COLS > 0:
+        sa_all = _row_scales(sa_base, offs_n, n_mask, NB, SCALE_COLS)  # (BN, SC) fp32
+        if DUAL:
+            sb_all = _row_scales(sb_base, offs_n, n_mask, NB, SCALE_COLS)
     for k0 in range(0, K, BLOCK_K):
         offs_kb = k0 // 2 + offs_j  # (HALF,) byte index = k // 2
         k_mask = offs_kb < KB
@@ -185,7 +217,7 @@ def dot_tiles(acc_a, acc_b, x_rows, m_mask, wa_base, sa_base, wb_base, sb_base, 
         pa = tl.load(wa_base + w_off, mask=wm, other=0)  # (HALF, BN) uint8
         lo, hi = nibbles_f16_asm(pa) if DEQ_ASM else nibbles_f16(pa)  # (HALF, BN) fp16 each
         if TILE_SCALE:
-            s = tl.load(sa_base + offs_n * NB + k0 // QBLOCK, mask=n_mask, other=0.0).to(tl.float32)  # (BN,)
+            s = _k_tile_scales(sa_all, sa_base, offs_n, n_mask, k0, NB, QBLOCK, SCALE_COLS)  # (BN,) fp32
             acc_a += (tl.dot(x_even, lo) + tl.dot(x_odd, hi)) * s[None, :]
         else:
             s_off = offs_n[None, :] * NB + (2 * offs_kb[:, None]) // QBLOCK  # (HALF, BN); k, k+1 share a block
@@ -196,7 +228,7 @@ def dot_tiles(acc_a, acc_b, x_rows, m_mask, wa_base, sa_base, wb_base, sb_base, 
             pb = tl.load(wb_base + w_off, mask=wm, other=0)
             lo, hi = nibbles_f16_asm(pb) if DEQ_ASM else nibbles_f16(pb)
             if TILE_SCALE:
-                s = tl.load(sb_base + offs_n * NB + k0 // QBLOCK, mask=n_mask, other=0.0).to(tl.float32)
+                s = _k_tile_scales(sb_all, sb_base, offs_n, n_mask, k0, NB, QBLOCK, SCALE_COLS)
                 acc_b += (tl.dot(x_even, lo) + tl.dot(x_odd, hi)) * s[None, :]
             else:
                 s = tl.load(sb_base + s_off, mask=wm, other=0.0)

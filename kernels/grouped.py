@@ -48,7 +48,7 @@ def _gate_up_group(pairs, lane_ok, expert, x_ptr, row_table_ptr, w_ptr, s_ptr, h
                    stride_xm, gate_w, gate_s, up_w, up_s, offs_n, n_mask,
                    N: tl.constexpr, K: tl.constexpr, NB: tl.constexpr, QBLOCK: tl.constexpr, TOPK: tl.constexpr,
                    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, TILE_SCALE: tl.constexpr,
-                   DEQ_ASM: tl.constexpr):
+                   DEQ_ASM: tl.constexpr, SCALE_COLS: tl.constexpr):
     """h[pairs] = fp16(silu(x Wg^T) * (x Wu^T)) for up to BLOCK_M pairs routed to ``expert``."""
     w_row, s_row, ok = expert_row(expert, row_table_ptr, w_ptr, s_ptr, n_experts, n_rows, row_bytes)
     x_rows = x_ptr + (pairs // TOPK).to(tl.int64) * stride_xm  # (BM,) token rows
@@ -56,7 +56,7 @@ def _gate_up_group(pairs, lane_ok, expert, x_ptr, row_table_ptr, w_ptr, s_ptr, h
     acc_u = tl.zeros((BLOCK_M, BLOCK_N), tl.float32)
     acc_g, acc_u = dot_tiles(acc_g, acc_u, x_rows, lane_ok & ok, w_row + gate_w, s_row + gate_s,
                              w_row + up_w, s_row + up_s, offs_n, n_mask, K, NB, BLOCK_K, QBLOCK, TILE_SCALE, True,
-                             DEQ_ASM)
+                             DEQ_ASM, SCALE_COLS)
     h = tl.where(ok, silu_mul(acc_g, acc_u), float("nan"))  # (BM, BN); NaN marks a non-resident expert
     h_ptrs = h_ptr + pairs.to(tl.int64)[:, None] * N + offs_n[None, :]
     tl.store(h_ptrs, h.to(tl.float16), mask=lane_ok[:, None] & n_mask[None, :])
@@ -67,14 +67,14 @@ def _down_group(pairs, lane_ok, expert, h_ptr, wts_ptr, row_table_ptr, w_ptr, s_
                 row_bytes, down_w, down_s, offs_n, n_mask,
                 N: tl.constexpr, K: tl.constexpr, NB: tl.constexpr, QBLOCK: tl.constexpr,
                 BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, TILE_SCALE: tl.constexpr,
-                DEQ_ASM: tl.constexpr):
+                DEQ_ASM: tl.constexpr, SCALE_COLS: tl.constexpr):
     """ypair[pairs] = gate weight * (h Wd^T) in fp32 for up to BLOCK_M pairs routed to ``expert``."""
     w_row, s_row, ok = expert_row(expert, row_table_ptr, w_ptr, s_ptr, n_experts, n_rows, row_bytes)
     h_rows = h_ptr + pairs.to(tl.int64) * K  # (BM,) rows of h
     acc = tl.zeros((BLOCK_M, BLOCK_N), tl.float32)
     acc, acc_unused = dot_tiles(acc, acc, h_rows, lane_ok & ok, w_row + down_w, s_row + down_s, w_ptr, s_ptr,
                                 offs_n, n_mask,
-                                K, NB, BLOCK_K, QBLOCK, TILE_SCALE, False, DEQ_ASM)
+                                K, NB, BLOCK_K, QBLOCK, TILE_SCALE, False, DEQ_ASM, SCALE_COLS)
     gw = tl.load(wts_ptr + pairs, mask=lane_ok, other=0.0)  # (BM,) fp32 gate weights
     out = tl.where(ok, acc * gw[:, None], float("nan"))
     y_ptrs = ypair_ptr + pairs.to(tl.int64)[:, None] * N + offs_n[None, :]
@@ -126,7 +126,7 @@ def _grouped_gate_up_kernel(
     N: tl.constexpr, K: tl.constexpr, NB: tl.constexpr, QBLOCK: tl.constexpr, TOPK: tl.constexpr,
     SORTED: tl.constexpr, P_PAD: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, TILE_SCALE: tl.constexpr,
-    DEQ_ASM: tl.constexpr, CHAINED: tl.constexpr = False,
+    DEQ_ASM: tl.constexpr, CHAINED: tl.constexpr = False, SCALE_COLS: tl.constexpr = 0,
 ):
     chain_wait(CHAINED)
     pid0 = tl.program_id(0)
@@ -137,7 +137,7 @@ def _grouped_gate_up_kernel(
         if active:
             _gate_up_group(pairs, lane_ok, expert, x_ptr, row_table_ptr, w_ptr, s_ptr, h_ptr, n_experts, n_rows,
                            row_bytes, stride_xm, gate_w, gate_s, up_w, up_s, offs_n, n_mask,
-                           N, K, NB, QBLOCK, TOPK, BLOCK_M, BLOCK_N, BLOCK_K, TILE_SCALE, DEQ_ASM)
+                           N, K, NB, QBLOCK, TOPK, BLOCK_M, BLOCK_N, BLOCK_K, TILE_SCALE, DEQ_ASM, SCALE_COLS)
     else:
         expert, match, rank, count, owner = _match_group(ids_ptr, pid0, P, P_PAD)
         for c0 in range(0, P_PAD, BLOCK_M):
@@ -145,7 +145,7 @@ def _grouped_gate_up_kernel(
                 pairs, lane_ok = _chunk_pairs(match, rank, count, c0, P_PAD, BLOCK_M)
                 _gate_up_group(pairs, lane_ok, expert, x_ptr, row_table_ptr, w_ptr, s_ptr, h_ptr, n_experts,
                                n_rows, row_bytes, stride_xm, gate_w, gate_s, up_w, up_s, offs_n, n_mask,
-                               N, K, NB, QBLOCK, TOPK, BLOCK_M, BLOCK_N, BLOCK_K, TILE_SCALE, DEQ_ASM)
+                               N, K, NB, QBLOCK, TOPK, BLOCK_M, BLOCK_N, BLOCK_K, TILE_SCALE, DEQ_ASM, SCALE_COLS)
 
 
 @triton.jit(do_not_specialize=["P"])
@@ -155,7 +155,7 @@ def _grouped_down_kernel(
     N: tl.constexpr, K: tl.constexpr, NB: tl.constexpr, QBLOCK: tl.constexpr,
     SORTED: tl.constexpr, P_PAD: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, TILE_SCALE: tl.constexpr,
-    DEQ_ASM: tl.constexpr, CHAINED: tl.constexpr = False, PF_LINES: tl.constexpr = 1,
+    DEQ_ASM: tl.constexpr, CHAINED: tl.constexpr = False, PF_LINES: tl.constexpr = 1, SCALE_COLS: tl.constexpr = 0,
 ):
     pid0 = tl.program_id(0)
     offs_n = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)  # (BN,) over H
@@ -176,7 +176,7 @@ def _grouped_down_kernel(
         if active:
             _down_group(pairs, lane_ok, expert, h_ptr, wts_ptr, row_table_ptr, w_ptr, s_ptr, ypair_ptr, n_experts,
                         n_rows, row_bytes, down_w, down_s, offs_n, n_mask,
-                        N, K, NB, QBLOCK, BLOCK_M, BLOCK_N, BLOCK_K, TILE_SCALE, DEQ_ASM)
+                        N, K, NB, QBLOCK, BLOCK_M, BLOCK_N, BLOCK_K, TILE_SCALE, DEQ_ASM, SCALE_COLS)
     else:
         expert, match, rank, count, owner = _match_group(ids_ptr, pid0, P, P_PAD)
         for c0 in range(0, P_PAD, BLOCK_M):
@@ -184,7 +184,7 @@ def _grouped_down_kernel(
                 pairs, lane_ok = _chunk_pairs(match, rank, count, c0, P_PAD, BLOCK_M)
                 _down_group(pairs, lane_ok, expert, h_ptr, wts_ptr, row_table_ptr, w_ptr, s_ptr, ypair_ptr,
                             n_experts, n_rows, row_bytes, down_w, down_s, offs_n, n_mask,
-                            N, K, NB, QBLOCK, BLOCK_M, BLOCK_N, BLOCK_K, TILE_SCALE, DEQ_ASM)
+                            N, K, NB, QBLOCK, BLOCK_M, BLOCK_N, BLOCK_K, TILE_SCALE, DEQ_ASM, SCALE_COLS)
 
 
 @triton.jit
@@ -303,6 +303,21 @@ def default_config(n_pairs: int, device: torch.device) -> dict:
                 "num_warps": 8, "num_stages": 3, "DEQUANT": True, **asm}
     return {"BLOCK_M": 64, "BLOCK_N": 64, "BLOCK_K": 128, "DOWN_BLOCK_N": 64, "DOWN_BLOCK_K": 128,
             "num_warps": 4, "num_stages": 3, "DEQUANT": False, **asm}
+
+
+# scale values a program may hold in registers for the whole K loop (BLOCK_N x next_pow2(NB) fp32 per section): a
+# decode or prefill tile of OLMoE / Qwen is 32-128 x 8; a long K (Mixtral's down, NB 56) at BLOCK_N 128 is past it
+SCALE_PRELOAD_MAX = 4096
+
+
+def scale_cols(cfg: dict, block_n: int, block_k: int, layout: RowLayout, nb: int) -> int:
+    """SCALE_COLS of ``core.dot_tiles`` for a launch: every scale of a program's rows loaded before its K loop
+    (config "PRELOAD_SCALES", default on) when the tile has one scale per row (TILE_SCALE) and they fit in
+    ``SCALE_PRELOAD_MAX`` values; 0 (a load per K tile) otherwise."""
+    cols = common.next_pow2(nb)
+    if not cfg.get("PRELOAD_SCALES", True) or not common.tile_scale(block_k, layout.block_size):
+        return 0
+    return cols if block_n * cols <= SCALE_PRELOAD_MAX else 0
 
 
 def _deq_asm(cfg: dict, device: torch.device) -> bool:
@@ -474,6 +489,7 @@ def grouped_gate_up(x, topk_ids, order, row_table, storage, layout: RowLayout, c
         SORTED=sorted_mode, P_PAD=p_pad,
         BLOCK_M=cfg["BLOCK_M"], BLOCK_N=cfg["BLOCK_N"], BLOCK_K=bk,
         TILE_SCALE=common.tile_scale(bk, layout.block_size), DEQ_ASM=deq_asm,
+        SCALE_COLS=scale_cols(cfg, cfg["BLOCK_N"], bk, layout, g.nb),
         **common.launch_opts(cfg), **common.chained(dev),
     )
     return h
@@ -509,6 +525,7 @@ def grouped_down(h, topk_ids, topk_weights, order, row_table, storage, layout: R
         BLOCK_M=cfg["BLOCK_M"], BLOCK_N=cfg["DOWN_BLOCK_N"], BLOCK_K=bk,
         TILE_SCALE=common.tile_scale(bk, layout.block_size), DEQ_ASM=deq_asm,
         PF_LINES=common.next_pow2(triton.cdiv(cfg["DOWN_BLOCK_N"] * (d.k // 2), 128)),
+        SCALE_COLS=scale_cols(cfg, cfg["DOWN_BLOCK_N"], bk, layout, d.nb),
         **common.launch_opts(cfg), **common.chained(dev),
     )
     return ypair

@@ -248,6 +248,30 @@ def test_grouped_nibble_decoding_forms_agree(shape_name, m, device):
     assert rel_err(asm, plain.float()) <= 1e-3  # same decoded values; only accumulation order may differ
 
 
+@pytest.mark.parametrize("m", [1, 3, 300])  # decode (one pair, repeated experts) and prefill (sorted runs)
+@pytest.mark.parametrize("shape_name", ["small-b256", "small-b64", "odd-b128"])
+def test_grouped_scales_loaded_before_the_loop_give_the_same_values(shape_name, m, device):
+    """Scales read once per program before the K loop (``core.dot_tiles`` SCALE_COLS) and scales read per K tile
+    give bitwise the same output, on partial last blocks (odd-b128: NB 3, a masked fourth column; small-b256's down:
+    K 320) and blocks smaller than the tile sweep (small-b64); and the preloaded path is the one the default
+    config takes on these shapes."""
+    from runmap.kernels import grouped
+
+    shape = SMALL[shape_name]
+    layout, storage, row_table, resident = make_layer(shape, device, 31)
+    x, ids, w = make_batch(shape, m, resident, device, 31)
+    cfg = grouped.default_config(m * shape[4], device)
+    for proj, bn, bk in (("gate", "BLOCK_N", "BLOCK_K"), ("down", "DOWN_BLOCK_N", "DOWN_BLOCK_K")):
+        sec = common.proj_sections(layout, proj)
+        k = common.pick_block_k(cfg[bk], layout.block_size)
+        assert grouped.scale_cols(cfg, cfg[bn], k, layout, sec.nb) >= sec.nb, proj
+    ref = reference_moe_f32(x, ids, w, storage, row_table, layout)
+    pre = moe_experts("grouped", x, ids, w, storage, row_table, layout, config={"PRELOAD_SCALES": True})
+    per_tile = moe_experts("grouped", x, ids, w, storage, row_table, layout, config={"PRELOAD_SCALES": False})
+    assert torch.isfinite(pre).all() and rel_err(pre, ref) <= TOL
+    assert torch.equal(pre, per_tile)
+
+
 def test_topk_fused_words_family_falls_back_when_unaligned(device, monkeypatch):
     """An activation whose rows are not 4-byte aligned cannot be read as 32-bit words: the "blocks" kernels
     run instead (same result within TOL); aligned inputs run the "words" kernels."""
