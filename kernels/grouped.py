@@ -286,9 +286,13 @@ def _dequant_down_kernel(h_ptr, ids_ptr, order_ptr, wts_ptr, row_table_ptr, wd_p
 def default_config(n_pairs: int, device: torch.device) -> dict:
     """Tiles by the static pair count (never by data). DEQ_ASM: inline-PTX nibble decoding
     (``runmap.kernels.core.nibbles_f16_asm``, same values), wherever kernels are compiled for a GPU.
-    DEQUANT: decode the weights once per pass (P >= DEQUANT_MIN_PAIRS; the module docstring)."""
+    DEQUANT: decode the weights once per pass (P >= DEQUANT_MIN_PAIRS; the module docstring).
+    PRELOAD_SCALES (``scale_cols``): sorted passes only. On the H200 (results/kernels/explore/h200-scale-preload.json)
+    it took OLMoE's layer at 512 tokens from 332 to 303 us and Qwen1.5-MoE's from 292 to 263, but slowed the decode
+    launches (OLMoE batch 1: 19.2 -> 23.5 us; there a layer is one wave of programs whose time is each program's
+    serial instruction chain, docs/kernels.md)."""
     decode = n_pairs <= DECODE_MAX_PAIRS
-    asm = {"DEQ_ASM": not common.interpreting(device)}
+    asm = {"DEQ_ASM": not common.interpreting(device), "PRELOAD_SCALES": not decode}
     dequant = n_pairs >= DEQUANT_MIN_PAIRS
     if common.interpreting(device):  # few, large programs: the interpreter pays per program and per op
         return {"BLOCK_M": 32 if decode else 64, "BLOCK_N": 512, "BLOCK_K": 256,
@@ -312,10 +316,10 @@ SCALE_PRELOAD_MAX = 4096
 
 def scale_cols(cfg: dict, block_n: int, block_k: int, layout: RowLayout, nb: int) -> int:
     """SCALE_COLS of ``core.dot_tiles`` for a launch: every scale of a program's rows loaded before its K loop
-    (config "PRELOAD_SCALES", default on) when the tile has one scale per row (TILE_SCALE) and they fit in
-    ``SCALE_PRELOAD_MAX`` values; 0 (a load per K tile) otherwise."""
+    (config "PRELOAD_SCALES"; ``default_config`` turns it on for sorted passes only) when the tile has one scale per
+    row (TILE_SCALE) and they fit in ``SCALE_PRELOAD_MAX`` values; 0 (a load per K tile) otherwise."""
     cols = common.next_pow2(nb)
-    if not cfg.get("PRELOAD_SCALES", True) or not common.tile_scale(block_k, layout.block_size):
+    if not cfg.get("PRELOAD_SCALES", False) or not common.tile_scale(block_k, layout.block_size):
         return 0
     return cols if block_n * cols <= SCALE_PRELOAD_MAX else 0
 

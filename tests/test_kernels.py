@@ -253,18 +253,21 @@ def test_grouped_nibble_decoding_forms_agree(shape_name, m, device):
 def test_grouped_scales_loaded_before_the_loop_give_the_same_values(shape_name, m, device):
     """Scales read once per program before the K loop (``core.dot_tiles`` SCALE_COLS) and scales read per K tile
     give bitwise the same output, on partial last blocks (odd-b128: NB 3, a masked fourth column; small-b256's down:
-    K 320) and blocks smaller than the tile sweep (small-b64); and the preloaded path is the one the default
-    config takes on these shapes."""
+    K 320) and blocks smaller than the tile sweep (small-b64); the preloaded path is the one the default config
+    takes for sorted passes (m = 300), the per-tile one for decode."""
     from runmap.kernels import grouped
 
     shape = SMALL[shape_name]
     layout, storage, row_table, resident = make_layer(shape, device, 31)
     x, ids, w = make_batch(shape, m, resident, device, 31)
     cfg = grouped.default_config(m * shape[4], device)
+    sorted_pass = m * shape[4] > grouped.DECODE_MAX_PAIRS
     for proj, bn, bk in (("gate", "BLOCK_N", "BLOCK_K"), ("down", "DOWN_BLOCK_N", "DOWN_BLOCK_K")):
         sec = common.proj_sections(layout, proj)
         k = common.pick_block_k(cfg[bk], layout.block_size)
-        assert grouped.scale_cols(cfg, cfg[bn], k, layout, sec.nb) >= sec.nb, proj
+        cols = grouped.scale_cols(cfg, cfg[bn], k, layout, sec.nb)
+        assert (cols >= sec.nb) if sorted_pass else cols == 0, proj
+        assert grouped.scale_cols(dict(cfg, PRELOAD_SCALES=True), cfg[bn], k, layout, sec.nb) >= sec.nb, proj
     ref = reference_moe_f32(x, ids, w, storage, row_table, layout)
     pre = moe_experts("grouped", x, ids, w, storage, row_table, layout, config={"PRELOAD_SCALES": True})
     per_tile = moe_experts("grouped", x, ids, w, storage, row_table, layout, config={"PRELOAD_SCALES": False})
