@@ -85,10 +85,12 @@ def reference_runs(packs):
 
 @pytest.mark.parametrize("executor", ["scalar", "grouped", "topk-fused"])
 @pytest.mark.parametrize("preset", PRESETS)
-def test_triton_executors_match_reference(packs, reference_runs, preset, executor):
+def test_triton_executors_match_reference(packs, reference_runs, preset, executor, test_device):
+    """Each Triton executor on the test device (the interpreter in CI; compiled kernels, fused ops and CUDA graphs with
+    RUNMAP_TEST_DEVICE=cuda) against the reference executor on the CPU, teacher-forced on the reference's tokens."""
     prompt = TRITON_PROMPT
     ref_outs, fed, ref_logs = reference_runs[preset]
-    eng = Engine.from_pack(packs[preset], executor=executor, device="cpu", max_batch=1, max_seq_len=16)
+    eng = Engine.from_pack(packs[preset], executor=executor, device=test_device, max_batch=1, max_seq_len=16)
     outs, _, logs = run_steps(eng, prompt, 2, teacher=fed)
     for i, (a, b) in enumerate(zip(outs, ref_outs)):
         # kernel tolerance: fp16 intermediate rounding of the W4A16 paths vs the FP32 reference
