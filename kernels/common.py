@@ -172,8 +172,8 @@ def check_storage(storage, layout: RowLayout, device=None) -> None:
 
 
 def launch_opts(cfg: dict) -> dict:
-    """num_warps / num_stages / maxnreg (a register cap per thread) of a config (ignored by the interpreter)."""
-    return {k: cfg[k] for k in ("num_warps", "num_stages", "maxnreg") if k in cfg}
+    """num_warps / num_stages of a config (ignored by the interpreter)."""
+    return {k: cfg[k] for k in ("num_warps", "num_stages") if k in cfg}
 
 
 def next_pow2(n: int) -> int:

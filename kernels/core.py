@@ -182,7 +182,7 @@ def _k_tile_scales(s_all, s_base, offs_n, n_mask, k0, NB: tl.constexpr, QBLOCK: 
 def dot_tiles(acc_a, acc_b, x_rows, m_mask, wa_base, sa_base, wb_base, sb_base, offs_n, n_mask,
               K: tl.constexpr, NB: tl.constexpr, BLOCK_K: tl.constexpr, QBLOCK: tl.constexpr,
               TILE_SCALE: tl.constexpr, DUAL: tl.constexpr, DEQ_ASM: tl.constexpr = False,
-              SCALE_COLS: tl.constexpr = 0, ROW_BYTES: tl.constexpr = 0):
+              SCALE_COLS: tl.constexpr = 0):
     """Tensor-core inner loop: acc_a (BM, BN) fp32 += x[rows, :K] @ dequant(Wa[offs_n, :K])^T, and the same
     into acc_b for Wb when DUAL (gate and up share the activation tile).
 
@@ -194,16 +194,11 @@ def dot_tiles(acc_a, acc_b, x_rows, m_mask, wa_base, sa_base, wb_base, sb_base, 
     the loop. Why: the weight and activation tiles stream through the compiler's asynchronous copies, but a scale
     load inside the loop is a plain load whose result the same iteration needs, so each iteration waited a full
     memory latency for 2 bytes per row (at decode sizes a program runs only 4-8 iterations).
-    ROW_BYTES (or 0: K / 2): the packed row length, when the loop covers only a K range of the rows (split K: the
-    caller offsets x_rows, the weight and the scale pointers to the range's start; the scale row length stays NB).
     """
     HALF: tl.constexpr = BLOCK_K // 2
     KB: tl.constexpr = K // 2
     offs_j = tl.arange(0, HALF)
-    if ROW_BYTES > 0:
-        w_cols = offs_n[None, :] * ROW_BYTES  # (1, BN) byte offset of each weight row
-    else:
-        w_cols = offs_n[None, :] * KB
+    w_cols = offs_n[None, :] * KB  # (1, BN) byte offset of each weight row
     sa_all = sa_base
     sb_all = sb_base
     if TILE_SCALE and SCALE_COLS > 0:

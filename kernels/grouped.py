@@ -149,59 +149,6 @@ def _grouped_gate_up_kernel(
 
 
 @triton.jit(do_not_specialize=["P"])
-def _grouped_gate_up_split_kernel(
-    x_ptr, ids_ptr, row_table_ptr, w_ptr, s_ptr, part_ptr,  # x (T, H) fp16, part (S, 2, P, I) fp32
-    P, n_experts, n_rows, row_bytes, stride_xm,
-    gate_w, gate_s, up_w, up_s,
-    N: tl.constexpr, K: tl.constexpr, NB: tl.constexpr, QBLOCK: tl.constexpr, TOPK: tl.constexpr,
-    P_PAD: tl.constexpr, SPLIT_K: tl.constexpr,
-    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, TILE_SCALE: tl.constexpr,
-    DEQ_ASM: tl.constexpr, CHAINED: tl.constexpr = False,
-):
-    """Decode stage 1 with K split in SPLIT_K ranges (grid axis 2): the gate and up dot products of range s over
-    pairs grouped as in ``_grouped_gate_up_kernel``, stored unfinished in fp32 (NaN for a non-resident expert);
-    ``_split_silu_kernel`` sums the ranges and applies silu(gate) * up."""
-    chain_wait(CHAINED)
-    pid0 = tl.program_id(0)
-    offs_n = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)  # (BN,) over I
-    n_mask = offs_n < N
-    K_RANGE: tl.constexpr = K // SPLIT_K
-    k_lo = tl.program_id(2) * K_RANGE  # a multiple of QBLOCK and BLOCK_K (the wrapper checks)
-    expert, match, rank, count, owner = _match_group(ids_ptr, pid0, P, P_PAD)
-    for c0 in range(0, P_PAD, BLOCK_M):
-        if owner & (c0 < count):
-            pairs, lane_ok = _chunk_pairs(match, rank, count, c0, P_PAD, BLOCK_M)
-            w_row, s_row, ok = expert_row(expert, row_table_ptr, w_ptr, s_ptr, n_experts, n_rows, row_bytes)
-            x_rows = x_ptr + (pairs // TOPK).to(tl.int64) * stride_xm + k_lo  # (BM,) this range of the token rows
-            acc_g = tl.zeros((BLOCK_M, BLOCK_N), tl.float32)
-            acc_u = tl.zeros((BLOCK_M, BLOCK_N), tl.float32)
-            acc_g, acc_u = dot_tiles(acc_g, acc_u, x_rows, lane_ok & ok, w_row + gate_w + k_lo // 2,
-                                     s_row + gate_s + k_lo // QBLOCK, w_row + up_w + k_lo // 2,
-                                     s_row + up_s + k_lo // QBLOCK, offs_n, n_mask, K_RANGE, NB, BLOCK_K, QBLOCK,
-                                     TILE_SCALE, True, DEQ_ASM, 0, K // 2)
-            rows = (tl.program_id(2) * 2 * P + pairs).to(tl.int64)  # (BM,) gate rows of range s; up rows P later
-            m = lane_ok[:, None] & n_mask[None, :]
-            tl.store(part_ptr + rows[:, None] * N + offs_n[None, :], tl.where(ok, acc_g, float("nan")), mask=m)
-            tl.store(part_ptr + (rows + P)[:, None] * N + offs_n[None, :], tl.where(ok, acc_u, float("nan")), mask=m)
-
-
-@triton.jit(do_not_specialize=["P"])
-def _split_silu_kernel(part_ptr, h_ptr, P, N: tl.constexpr, SPLIT_K: tl.constexpr, BLOCK_N: tl.constexpr,
-                       CHAINED: tl.constexpr = False):
-    """h[p] = fp16(silu(sum_s gate_s[p]) * sum_s up_s[p]), ranges summed in ascending order (deterministic)."""
-    chain_wait(CHAINED)
-    p = tl.program_id(0).to(tl.int64)
-    offs_n = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
-    n_mask = offs_n < N
-    g = tl.zeros((BLOCK_N,), tl.float32)
-    u = tl.zeros((BLOCK_N,), tl.float32)
-    for s in tl.static_range(SPLIT_K):
-        g += tl.load(part_ptr + (s * 2 * P + p) * N + offs_n, mask=n_mask, other=0.0)
-        u += tl.load(part_ptr + ((s * 2 + 1) * P + p) * N + offs_n, mask=n_mask, other=0.0)
-    tl.store(h_ptr + p * N + offs_n, silu_mul(g, u).to(tl.float16), mask=n_mask)
-
-
-@triton.jit(do_not_specialize=["P"])
 def _grouped_down_kernel(
     h_ptr, ids_ptr, order_ptr, wts_ptr, row_table_ptr, w_ptr, s_ptr, ypair_ptr,  # h (P, I) fp16, ypair (P, H) fp32
     P, n_experts, n_rows, row_bytes, down_w, down_s,
@@ -353,11 +300,8 @@ def default_config(n_pairs: int, device: torch.device) -> dict:
     # Best configs of the H200 sweeps (results/kernels/bench/h200.json, explore/h200-prefill.json).
     if decode:
         bn = 32 if n_pairs <= 16 else 64
-        # SPLIT_K (split_k): up to 16 pairs the gate/up launch is one wave of programs whose time is one program's
-        # serial K loop (docs/kernels.md); two K ranges per program pair halve that loop and, at 127 registers,
-        # still fit one wave (4 programs per SM)
         return {"BLOCK_M": 16, "BLOCK_N": bn, "BLOCK_K": 256, "DOWN_BLOCK_N": bn, "DOWN_BLOCK_K": 256,
-                "num_warps": 4, "num_stages": 3, "DEQUANT": False, "SPLIT_K": 2 if n_pairs <= 16 else 1, **asm}
+                "num_warps": 4, "num_stages": 3, "DEQUANT": False, **asm}
     if dequant:
         return {"BLOCK_M": 128, "BLOCK_N": 128, "BLOCK_K": 64, "DOWN_BLOCK_N": 128, "DOWN_BLOCK_K": 64,
                 "num_warps": 8, "num_stages": 3, "DEQUANT": True, **asm}
@@ -378,17 +322,6 @@ def scale_cols(cfg: dict, block_n: int, block_k: int, layout: RowLayout, nb: int
     if not cfg.get("PRELOAD_SCALES", False) or not common.tile_scale(block_k, layout.block_size):
         return 0
     return cols if block_n * cols <= SCALE_PRELOAD_MAX else 0
-
-
-def split_k(cfg: dict, sorted_mode: bool, k: int, block_k: int, layout: RowLayout) -> int:
-    """K ranges of the decode gate/up launch (config "SPLIT_K", default 1): more programs, each with fewer K
-    iterations, then one launch that joins the ranges (``_split_silu_kernel``). 1 for sorted passes and where the
-    ranges would not start on whole K tiles and scale blocks."""
-    splits = int(cfg.get("SPLIT_K", 1))
-    if splits <= 1 or sorted_mode or k % (splits * max(block_k, layout.block_size)) or not common.tile_scale(
-            block_k, layout.block_size):
-        return 1
-    return splits
 
 
 def _deq_asm(cfg: dict, device: torch.device) -> bool:
@@ -551,22 +484,6 @@ def grouped_gate_up(x, topk_ids, order, row_table, storage, layout: RowLayout, c
     deq_asm = _deq_asm(cfg, dev)
     _order, grid0, sorted_mode, p_pad = plan
     bk = common.pick_block_k(cfg["BLOCK_K"], layout.block_size)
-    splits = split_k(cfg, sorted_mode, g.k, bk, layout)
-    if splits > 1:
-        part = common.empty((splits, 2, t * k, g.n), torch.float32, dev)
-        common.launch(_grouped_gate_up_split_kernel[(grid0, triton.cdiv(g.n, cfg["BLOCK_N"]), splits)],
-            x, topk_ids, row_table, storage, storage.view(torch.float16), part,
-            t * k, row_table.numel(), storage.shape[0], layout.row_bytes, x.stride(0),
-            g.w_off, g.s_off, u.w_off, u.s_off,
-            N=g.n, K=g.k, NB=g.nb, QBLOCK=layout.block_size, TOPK=k, P_PAD=p_pad, SPLIT_K=splits,
-            BLOCK_M=cfg["BLOCK_M"], BLOCK_N=cfg["BLOCK_N"], BLOCK_K=bk,
-            TILE_SCALE=common.tile_scale(bk, layout.block_size), DEQ_ASM=deq_asm,
-            **common.launch_opts(cfg), **common.chained(dev),
-        )
-        block = 1024 if common.interpreting(dev) else 256
-        common.launch(_split_silu_kernel[(t * k, triton.cdiv(g.n, block))], part, h, t * k, N=g.n, SPLIT_K=splits,
-                      BLOCK_N=block, **common.chained(dev))
-        return h
     grid = (grid0, triton.cdiv(g.n, cfg["BLOCK_N"]))
     common.launch(_grouped_gate_up_kernel[grid],
         x, topk_ids, order, row_table, storage, storage.view(torch.float16), h,

@@ -275,40 +275,6 @@ def test_grouped_scales_loaded_before_the_loop_give_the_same_values(shape_name, 
     assert torch.equal(pre, per_tile)
 
 
-SPLIT_SHAPES = {"k512-b256": (512, 320, 256, 8, 4), "small-b64": SMALL["small-b64"], "odd-b128": SMALL["odd-b128"]}
-
-
-@pytest.mark.parametrize("m", [1, 3, 17])  # decode passes (the split applies to the pair-matching form only)
-@pytest.mark.parametrize("shape_name", list(SPLIT_SHAPES))
-def test_grouped_decode_gate_up_split_over_k_matches_reference(shape_name, m, device, poison):
-    """SPLIT_K 2: the decode gate/up launch over two K ranges, joined by ``_split_silu_kernel``, matches the FP32
-    reference and the unsplit launch (only fp32 summation order differs) wherever the ranges start on whole K tiles
-    and scale blocks (k512-b256: 256-value ranges; small-b64: 128); elsewhere (odd-b128: H 288) it stays unsplit. A
-    non-resident expert's pairs come back NaN through the partial sums."""
-    from runmap.kernels import grouped
-
-    shape = SPLIT_SHAPES[shape_name]
-    layout, storage, row_table, resident = make_layer(shape, device, 37)
-    x, ids, w = make_batch(shape, m, resident, device, 37)
-    cfg = dict(grouped.default_config(m * shape[4], device), SPLIT_K=2)
-    g = common.proj_sections(layout, "gate")
-    bk = common.pick_block_k(cfg["BLOCK_K"], layout.block_size)
-    assert grouped.split_k(cfg, False, g.k, bk, layout) == (1 if shape_name == "odd-b128" else 2)
-    assert grouped.split_k(cfg, True, g.k, bk, layout) == 1  # sorted passes never split
-    ref = reference_moe_f32(x, ids, w, storage, row_table, layout)
-    poison.clear()
-    split = moe_experts("grouped", x, ids, w, storage, row_table, layout, config={"SPLIT_K": 2})
-    whole = moe_experts("grouped", x, ids, w, storage, row_table, layout)
-    assert torch.isfinite(split).all() and rel_err(split, ref) <= TOL
-    assert rel_err(split, whole.float()) <= 1e-3
-    e = int(ids[0, 0])
-    table = row_table.clone()
-    table[e] = -1
-    y = moe_experts("grouped", x, ids, w, storage, table, layout, validate=False, config={"SPLIT_K": 2})
-    hit = (ids == e).any(dim=1)
-    assert torch.isnan(y[hit]).all() and torch.isfinite(y[~hit]).all()
-
-
 def test_topk_fused_words_family_falls_back_when_unaligned(device, monkeypatch):
     """An activation whose rows are not 4-byte aligned cannot be read as 32-bit words: the "blocks" kernels
     run instead (same result within TOL); aligned inputs run the "words" kernels."""
