@@ -9,7 +9,8 @@
 #  1. GPU pytest of this tree: tests/test_kernels.py selected by GPU_K (default "grouped or scales"), then the
 #     engine against the reference executor and transformers, and chained launches changing no token (ENGINE_TESTS=0
 #     leaves these out);
-#  2. PROBE (a command, default none) under this tree, e.g. "tools/explore/probe_scale_preload.py --out {dir}/p.json";
+#  2. PROBE (a command, default none) under this tree, e.g. "tools/explore/probe_scale_preload.py --out {dir}/p.json",
+#     given what the budget leaves beyond PROBE_KEEP_S (default 150 s) for the decode rows (a skip is printed);
 #  3. packs synthesized directly (real OLMoE-1B-7B / Qwen1.5-MoE-A2.7B dimensions, random INT4 codes);
 #  4. ROUNDS (default 1) x alternating before / this: the engine decode rows of specs/campaigns/h200-floor.yaml
 #     (OLMoE, batch 1 and 8) and specs/campaigns/h200-qwen-decode.yaml (Qwen1.5-MoE, batch 1 and 8), full residency,
@@ -49,9 +50,14 @@ if [ "${ENGINE_TESTS:-1}" = 1 ]; then
 fi
 
 # 2. an optional probe under this tree ({dir} is the archive folder)
-if [ -n "${PROBE:-}" ] && [ "$(left)" -gt 200 ]; then
-  PYTHONPATH=. timeout $(( $(left) - 180 )) python3 ${PROBE//\{dir\}/$LOGS} > "$LOGS/probe.log" 2>&1
-  step "probe exit $?"; tail -12 "$LOGS/probe.log"
+if [ -n "${PROBE:-}" ]; then  # leaves PROBE_KEEP_S (default 150) for the decode rows
+  keep=${PROBE_KEEP_S:-150}
+  if [ "$(left)" -gt $(( keep + 30 )) ]; then
+    PYTHONPATH=. timeout $(( $(left) - keep )) python3 ${PROBE//\{dir\}/$LOGS} > "$LOGS/probe.log" 2>&1
+    step "probe exit $?"; tail -12 "$LOGS/probe.log"
+  else
+    step "probe skipped ($(left) s left, $keep kept for the decode rows)"
+  fi
 fi
 
 # 3. packs
