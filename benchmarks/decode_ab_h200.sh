@@ -9,7 +9,8 @@
 #  1. GPU pytest of this tree: tests/test_kernels.py selected by GPU_K (default "grouped or scales"), then the
 #     engine against the reference executor and transformers, and chained launches changing no token (ENGINE_TESTS=0
 #     leaves these out);
-#  2. PROBE (a command, default none) under this tree, e.g. "tools/explore/probe_scale_preload.py --out {dir}/p.json",
+#  2. PROBE (python3's arguments, default none) under this tree, e.g. "tools/explore/probe_scale_preload.py --out
+#     {dir}/p.json",
 #     given what the budget leaves beyond PROBE_KEEP_S (default 150 s) for the decode rows (a skip is printed);
 #  3. packs synthesized directly (real OLMoE-1B-7B / Qwen1.5-MoE-A2.7B dimensions, random INT4 codes);
 #  4. ROUNDS (default 1) x alternating before / this: the engine decode rows of specs/campaigns/h200-floor.yaml
@@ -73,11 +74,12 @@ case " $MODELS " in *" qwen "*) pack qwen qwen1.5-moe-a2.7b;; esac
 
 # 4. decode rows, alternating trees
 bench() {  # TREE MODEL ROUND
-  local dir=$THIS commit=$RUNMAP_GIT_COMMIT spec only preset
+  local dir=$THIS commit=$RUNMAP_GIT_COMMIT spec only
   [ "$1" = before ] && dir=$BEFORE && commit=$RUNMAP_BEFORE_COMMIT
   case $2 in
     olmoe) spec=specs/campaigns/h200-floor.yaml; only='engine__grouped__r64__b(1|8)__p128__d128';;
     qwen) spec=specs/campaigns/h200-qwen-decode.yaml; only='engine__grouped';;
+    *) step "MODELS: unknown model $2 (olmoe, qwen): skipped"; return;;
   esac
   if [ "$(left)" -lt 100 ]; then step "bench $1 $2 $3 skipped ($(left) s left)"; return; fi
   local camp=$WORK/camp-$1-$2-$3
@@ -94,10 +96,11 @@ for round in $(seq 1 "$ROUNDS"); do
   done
 done
 
-# 5. the same greedy text from both trees
+# 5. the same greedy text from both trees, each within half of what the budget leaves
+if [ "$(left)" -lt 40 ]; then step "generate skipped ($(left) s left)"; exit 0; fi
 for tree in before this; do
   dir=$THIS; [ "$tree" = before ] && dir=$BEFORE
-  (cd "$dir" && PYTHONPATH=$dir timeout 90 python3 -m runmap generate --packed "$WORK/pk-olmoe" \
+  (cd "$dir" && PYTHONPATH=$dir timeout $(( ($(left) - 10) / 2 )) python3 -m runmap generate --packed "$WORK/pk-olmoe" \
     --prompt "The capital of France" --max-new-tokens 64) > "$LOGS/gen-$tree.txt" 2> "$LOGS/gen-$tree.err"
 done
 cmp -s "$LOGS/gen-before.txt" "$LOGS/gen-this.txt" && step "generate: greedy text equal under both trees" \

@@ -288,9 +288,10 @@ def default_config(n_pairs: int, device: torch.device) -> dict:
     (``runmap.kernels.core.nibbles_f16_asm``, same values), wherever kernels are compiled for a GPU.
     DEQUANT: decode the weights once per pass (P >= DEQUANT_MIN_PAIRS; the module docstring).
     PRELOAD_SCALES (``scale_cols``): sorted passes only. On the H200 (results/kernels/explore/h200-scale-preload.json)
-    it took OLMoE's layer at 512 tokens from 332 to 303 us and Qwen1.5-MoE's from 292 to 263, but slowed the decode
-    launches (OLMoE batch 1: 19.2 -> 23.5 us; there a layer is one wave of programs whose time is each program's
-    serial instruction chain, docs/kernels.md)."""
+    it took OLMoE's layer at 512 tokens from 332 to 303 us and Qwen1.5-MoE's from 292 to 263; in the decode form it
+    was mixed (OLMoE batch 1 19.2 -> 23.5 us and the engine 1,292.7 -> 1,191.4 tok/s, Qwen1.5-MoE at 32 tokens 137 ->
+    151 us; other decode sizes within 3 %): there a layer is one wave of programs whose time is each program's serial
+    instruction chain (docs/kernels.md)."""
     decode = n_pairs <= DECODE_MAX_PAIRS
     asm = {"DEQ_ASM": not common.interpreting(device), "PRELOAD_SCALES": not decode}
     dequant = n_pairs >= DEQUANT_MIN_PAIRS

@@ -253,8 +253,9 @@ def test_grouped_nibble_decoding_forms_agree(shape_name, m, device):
 def test_grouped_scales_loaded_before_the_loop_give_the_same_values(shape_name, m, device):
     """Scales read once per program before the K loop (``core.dot_tiles`` SCALE_COLS) and scales read per K tile
     give bitwise the same output, on partial last blocks (odd-b128: NB 3, a masked fourth column; small-b256's down:
-    K 320) and blocks smaller than the tile sweep (small-b64); the preloaded path is the one the default config
-    takes for sorted passes (m = 300), the per-tile one for decode."""
+    K 320), blocks smaller than the tile sweep (small-b64) and K tiles smaller than a block (BLOCK_K 64 against
+    small-b256's 256); the preloaded path is the one the default config takes for sorted passes (m = 300), the
+    per-tile one for decode."""
     from runmap.kernels import grouped
 
     shape = SMALL[shape_name]
@@ -269,10 +270,13 @@ def test_grouped_scales_loaded_before_the_loop_give_the_same_values(shape_name, 
         assert (cols >= sec.nb) if sorted_pass else cols == 0, proj
         assert grouped.scale_cols(dict(cfg, PRELOAD_SCALES=True), cfg[bn], k, layout, sec.nb) >= sec.nb, proj
     ref = reference_moe_f32(x, ids, w, storage, row_table, layout)
-    pre = moe_experts("grouped", x, ids, w, storage, row_table, layout, config={"PRELOAD_SCALES": True})
-    per_tile = moe_experts("grouped", x, ids, w, storage, row_table, layout, config={"PRELOAD_SCALES": False})
-    assert torch.isfinite(pre).all() and rel_err(pre, ref) <= TOL
-    assert torch.equal(pre, per_tile)
+    # the default tiles, then K tiles of 64 (several tiles per 256-value scale block: the pick must follow k0)
+    for tiles in ({}, {"BLOCK_K": 64, "DOWN_BLOCK_K": 64}):
+        pre = moe_experts("grouped", x, ids, w, storage, row_table, layout, config={"PRELOAD_SCALES": True, **tiles})
+        per_tile = moe_experts("grouped", x, ids, w, storage, row_table, layout,
+                               config={"PRELOAD_SCALES": False, **tiles})
+        assert torch.isfinite(pre).all() and rel_err(pre, ref) <= TOL, tiles
+        assert torch.equal(pre, per_tile), tiles
 
 
 def test_topk_fused_words_family_falls_back_when_unaligned(device, monkeypatch):
