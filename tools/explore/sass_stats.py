@@ -107,7 +107,7 @@ def main():
     for bm, bn, bk, nw, ns in [(16, 32, 256, 4, 3), (64, 64, 128, 4, 3)]:
         for fam, deq_asm in (("dot", False), ("dot-asm", True)):
             ce = {"N": i, "K": h, "NB": h // q, "QBLOCK": q, "TOPK": topk, "SORTED": bm > 16, "P_PAD": 2 if bm > 16 else 8,
-                  "BLOCK_M": bm, "BLOCK_N": bn, "BLOCK_K": bk, "TILE_SCALE": True, "DEQ_ASM": deq_asm}
+                  "BLOCK_M": bm, "BLOCK_N": bn, "BLOCK_K": bk, "TILE_SCALE": True, "DEQ_ASM": deq_asm, "SCALE_COLS": 0}
             rows.append(("gate_up", fam, bn, bm, nw, 2 * bn * bk // 2,
                          compile_sass(grouped._grouped_gate_up_kernel, GROUPED_GATE_UP_SIG, ce, nw, args.dump,
                                       f"{fam}_gu_{bm}_{bn}_{bk}_{nw}", num_stages=ns)))
