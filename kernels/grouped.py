@@ -319,9 +319,9 @@ def scale_cols(cfg: dict, block_n: int, block_k: int, layout: RowLayout, nb: int
     """SCALE_COLS of ``core.dot_tiles`` for a launch: every scale of a program's rows loaded before its K loop
     (config "PRELOAD_SCALES"; ``default_config`` turns it on for sorted passes only) when the tile has one scale per
     row (TILE_SCALE) and they fit in ``SCALE_PRELOAD_MAX`` values; 0 (a load per K tile) otherwise."""
-    cols = common.next_pow2(nb)
     if not cfg.get("PRELOAD_SCALES", False) or not common.tile_scale(block_k, layout.block_size):
         return 0
+    cols = common.next_pow2(nb)
     return cols if block_n * cols <= SCALE_PRELOAD_MAX else 0
 
 
