@@ -9,7 +9,8 @@ import pytest
 import torch
 
 from runmap.engine.engine import Engine
-from runmap.engine.prefill_graph import PREFILL_BUCKETS, PREFILL_GRAPH_MAX_TOKENS, GraphPrefiller, prefill_bucket
+from runmap.engine.prefill_graph import (PREFILL_BUCKETS, PREFILL_GRAPH_MAX_ROW_TOKENS, PREFILL_GRAPH_MAX_TOKENS,
+                                         GraphPrefiller, prefill_bucket)
 from runmap.engine.model import run_pieces
 from test_model_support import build_packs
 
@@ -54,8 +55,11 @@ def test_bucket_for_keeps_passes_within_the_cache_the_chunk_and_the_token_cap(pa
     eng.prefill_chunk = 32
     assert g.bucket_for(1, 20) == 32 and g.bucket_for(1, 33) is None  # one pass never exceeds a chunk
     eng.prefill_chunk, eng.max_seq_len = 8192, 8192
-    assert g.bucket_for(1, 1000) == 1024 and g.bucket_for(1, 2048) == 2048 and g.bucket_for(1, 2049) is None
+    assert g.bucket_for(1, 1000) == 1024 and g.bucket_for(1, 2048) == 2048 and g.bucket_for(1, 2049) == 3072
+    # one row up to PREFILL_GRAPH_MAX_ROW_TOKENS, several rows up to PREFILL_GRAPH_MAX_TOKENS in all
+    assert g.bucket_for(1, 4096) == 4096 == PREFILL_GRAPH_MAX_ROW_TOKENS and g.bucket_for(1, 4097) is None
     assert g.bucket_for(2, 1100) is None  # 2 x 1,536 > PREFILL_GRAPH_MAX_TOKENS
+    assert g.bucket_for(2, 2048) is None and g.bucket_for(3, 700) is None
     assert 2 * 1024 <= PREFILL_GRAPH_MAX_TOKENS and g.bucket_for(2, 1000) == 1024
 
 

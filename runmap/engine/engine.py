@@ -82,11 +82,11 @@ Arguments:
 Residency: under full residency every expert row is published once at startup; the decode step reads
 static row tables and calls the executor with validate=False, so it is captured whole in a CUDA graph
 (one graph per (batch, KV-length bucket); attention reads only the bucket's KV prefix), and so is a prefill
-pass of up to 2,048 positions (runmap.engine.prefill_graph: padded on the right to its length bucket). Under partial
-residency every MoE call admits a request, leases the batch union of the routed ids (split into groups of at
-most max_group experts), runs the executor on the lease's rows and releases without a host wait: the release
-records an event on the compute stream that every later copy into a freed row waits for (the transport's
-release fence), so no row is rewritten while a queued kernel may still read it.
+pass of one row up to 4,096 positions or of several rows up to 2,048 in all (runmap.engine.prefill_graph: padded
+on the right to its length bucket). Under partial residency every MoE call admits a request, leases the batch
+union of the routed ids (split into groups of at most max_group experts), runs the executor on the lease's rows
+and releases without a host wait: the release records an event on the compute stream that every later copy into a
+freed row waits for (the transport's release fence), so no row is rewritten while a queued kernel may still read it.
 """
 from __future__ import annotations
 

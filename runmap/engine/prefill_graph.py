@@ -17,9 +17,11 @@ k distinct filler experts. ``Engine.prefill`` returns a copy of the logits: the 
 pool, which later captures may reuse.
 
 When it runs: ``Engine.prefill`` on CUDA under full residency with CUDA graphs (``Engine.use_graphs``) and no GPU
-budget (a captured pass keeps its activations in the graph pool, outside the budget's plan), last-position logits, the engine's own KV cache (rows 0..B-1), no per-layer route log, and B x Pb <= PREFILL_GRAPH_MAX_TOKENS with
-Pb within one prefill chunk and the KV cache. Longer passes keep the device busy about as long as the host needs to
-issue them and run eagerly; so do ``Engine.prefill_pieces`` (a server's joins, interleaved with decode steps).
+budget (a captured pass keeps its activations in the graph pool, outside the budget's plan), last-position logits,
+the engine's own KV cache (rows 0..B-1), no per-layer route log, and B x Pb <= PREFILL_GRAPH_MAX_TOKENS (one row:
+Pb <= PREFILL_GRAPH_MAX_ROW_TOKENS) with Pb within one prefill chunk and the KV cache. Longer passes keep the device
+busy longer than the host needs to issue them and run eagerly; so do ``Engine.prefill_pieces`` (a server's joins,
+interleaved with decode steps).
 """
 from __future__ import annotations
 
@@ -28,11 +30,18 @@ import torch
 
 # Length buckets of a captured pass: powers of two, and from 128 on every half step as well, so the padded tail
 # is at most a third of a pass above 128 positions.
-PREFILL_BUCKETS = (16, 32, 64, 128, 192, 256, 384, 512, 768, 1024, 1536, 2048)
-# rows x bucket of the largest captured pass. On the H200 an eager pass spent ~35 ms on the host at 2,048 tokens
-# (19.9 ms of device time: 1.26x transformers eager) and at 4,096 (37 ms, device-bound from there: 1.47x); past 2,048
-# a bucket's padded tail (up to a third of the pass) would cost more device time than the host time it saves
+PREFILL_BUCKETS = (16, 32, 64, 128, 192, 256, 384, 512, 768, 1024, 1536, 2048, 3072, 4096)
+# rows x bucket of the largest captured pass of several rows (a server's joins). On the H200 an eager pass spent
+# ~35 ms on the host at 2,048 tokens (19.9 ms of device time: 1.26x transformers eager); past 2,048 positions a
+# bucket's padded tail (up to a third of the pass) would cost more device time than the host time it saves
 PREFILL_GRAPH_MAX_TOKENS = 2048
+# the largest captured pass of one row (a request's own prompt). At 4,096 OLMoE positions an eager pass is about as
+# long on the device as on the host, and its time to first token moved with the host's load: 37.5-39.6 ms in three
+# campaigns, 42.5 ms in h200-floor-pdl against 34.4 ms of device time (1.27x transformers eager where the others
+# were 1.40-1.43x). Captured, the host issues one launch. Past 4,096 the device time dominates (8,192: 68.5 ms of
+# device time, 70.3 ms to the first token) and the pass's decoded-weights workspace and activations (~1.2 GB at
+# 4,096, OLMoE) would stay reserved in the graph pool for a few percent
+PREFILL_GRAPH_MAX_ROW_TOKENS = 4096
 
 
 def prefill_bucket(n: int) -> int | None:
@@ -79,7 +88,8 @@ class GraphPrefiller:
         """The bucket a pass of B rows x P positions runs at, or None when it runs eagerly."""
         e = self.e
         Pb = prefill_bucket(P)
-        if Pb is None or B * Pb > PREFILL_GRAPH_MAX_TOKENS or Pb > min(e.prefill_chunk, e.max_seq_len):
+        cap = PREFILL_GRAPH_MAX_ROW_TOKENS if B == 1 else PREFILL_GRAPH_MAX_TOKENS
+        if Pb is None or B * Pb > cap or Pb > min(e.prefill_chunk, e.max_seq_len):
             return None
         return Pb
 
