@@ -206,3 +206,19 @@ def test_a_gpu_budget_keeps_prefill_eager(packs, test_device):
     eng.budget_plan = object()  # what from_pack sets with gpu_budget= (a BudgetPlan)
     eng.prefill(tokens, pad)
     assert eng.prefill_paths == {"graphs": 1, "eager": 1}
+
+
+def test_warm_up_prepares_the_passes_of_one_row_and_of_max_batch_rows(packs):
+    """warm_up takes every bucket a captured pass of 1 row and of max_batch rows (padded and not) runs at, so that no
+    request of those shapes pays for a capture; nothing past the token caps. On the CPU the prefiller without graphs
+    records which passes it would capture."""
+    eng = Engine.from_pack(packs["tiny-olmoe"], executor="reference", device="cpu", max_batch=3, max_seq_len=1000,
+                           warm_up=False)
+    eng._prefiller = GraphPrefiller(eng, None, capture=False)
+    eng.warm_up()
+    got = {(B, Pb, padded) for (B, Pb, padded, _i, _r, row0) in eng._prefiller.passes if row0 == 0}
+    want = {(1, Pb, False) for Pb in PREFILL_BUCKETS if Pb <= 1000}
+    want |= {(3, Pb, padded) for Pb in PREFILL_BUCKETS if 3 * Pb <= PREFILL_GRAPH_MAX_TOKENS
+             for padded in (False, True)}
+    assert got == want
+    assert {(1, 768, False), (3, 512, False), (3, 512, True)} <= got and (3, 768, False) not in got

@@ -959,8 +959,9 @@ class Engine:
         """Compile and capture now what a request would otherwise pay for in its first call (on a fresh H200 host the
         first 512-token prefill took 6.7 s of Triton compilation, results/campaigns/h200-floor): one eager batch-1
         prefill per size class of pass up to one chunk (``prefill_warmup_shapes``: every size-derived kernel variant),
-        with CUDA graphs the capture of a batch-1 prefill at every length bucket (runmap.engine.prefill_graph), and a
-        decode step of 1 and of max_batch rows. The tokens are the pad id (only shapes matter). The routing workload
+        with CUDA graphs the capture of a prefill of 1 and of max_batch rows at every length bucket a captured pass
+        takes (runmap.engine.prefill_graph; max_batch rows padded and not), and a decode step of 1 and of max_batch
+        rows. The tokens are the pad id (only shapes matter). The routing workload
         and the route recorder are set aside meanwhile and the engine's and cache's counters restored after, so
         nothing the engine reports counts these passes. Returns (and keeps as ``warm_up_s``) the seconds it took."""
         self._check_open()
@@ -978,9 +979,14 @@ class Engine:
                 tokens = torch.full((1, lens[0]), int(self.pad_id), dtype=torch.long, device=dev)
                 run_pieces(self.prefill_pieces(tokens, zero, pad_host=[0]))  # eager: a server's passes compile too
             if self._graph_prefill():  # with the buffers of the engine's own routing workload and recorder
-                for n in PREFILL_BUCKETS:
-                    if self._prefiller.bucket_for(1, n) == n:
-                        self._prefiller.prepare(1, n, imposed=saved[0] is not None, recorded=saved[1] is not None)
+                # one row, and max_batch rows of equal and of unequal lengths (padded): a batch of max_batch prompts
+                # captured its pass in its first call otherwise (h200-floor-pdl: 77.6 ms to the first token of a
+                # batch of 8 against 10.7 ms warm)
+                for B, padded in sorted({(1, False), (self.max_batch, False), (self.max_batch, self.max_batch > 1)}):
+                    for n in PREFILL_BUCKETS:
+                        if self._prefiller.bucket_for(B, n) == n:
+                            self._prefiller.prepare(B, n, imposed=saved[0] is not None,
+                                                    recorded=saved[1] is not None, padded=padded)
             for B in sorted({1, self.max_batch}):
                 zeros = torch.zeros(B, dtype=torch.long, device=dev)
                 self.decode(zeros, 0, zeros)
