@@ -32,6 +32,10 @@ FORMS = {"plain": {"DEQ_ASM": False}, "asm": {"DEQ_ASM": True}}
 PREFILL_TILES = [  # (BLOCK_M, BLOCK_N, BLOCK_K, num_warps, num_stages); down uses the same N / K tiles
     (64, 32, 128, 4, 4), (64, 64, 128, 4, 3), (64, 128, 128, 8, 3), (128, 64, 64, 8, 3), (64, 64, 256, 4, 2),
     (128, 128, 64, 8, 3), (64, 32, 256, 4, 3), (64, 64, 128, 8, 4), (128, 64, 128, 8, 3), (64, 128, 64, 4, 4),
+    # 10-15: narrow row groups, for sorted passes with few rows per expert (a served decode step of 32 rows routes
+    # ~4 rows to each of OLMoE's 64 experts; a join of one or two prompts ~30)
+    (16, 64, 256, 4, 3), (16, 128, 128, 4, 3), (32, 64, 128, 4, 3), (32, 128, 128, 4, 3), (16, 64, 128, 4, 4),
+    (32, 64, 256, 4, 3),
 ]
 
 
@@ -56,10 +60,12 @@ def kernel_breakdown(fn, layers: int) -> dict:
     return dict(sorted(out.items(), key=lambda kv: -kv[1])[:12])
 
 
-def prefill(args, model, spec, layout, layers, table, gen, out, summary) -> None:
-    """Prefill rows of one model: every form of each --tiles config against bf16 (and --profile breakdowns)."""
+def prefill(args, model, spec, layout, layers, table, gen, out, summary, tokens: int = PREFILL_TOKENS) -> None:
+    """Prefill rows of one model at ``tokens`` routed tokens (a sorted pass when tokens x top-k is past the decode
+    form's pair count): every form of each --tiles config and the product's default config against bf16 (and
+    --profile breakdowns)."""
     h, i, e, k = spec["hidden"], spec["intermediate"], spec["experts"], spec["top_k"]
-    batches = random_batches(PREFILL_LAYERS, PREFILL_TOKENS, h, e, k, gen)
+    batches = random_batches(PREFILL_LAYERS, tokens, h, e, k, gen)
     x0, ids0, w0 = batches[0]
     ref = reference_moe_f32(x0, ids0, w0, layers[0], table, layout)
 
@@ -75,12 +81,15 @@ def prefill(args, model, spec, layout, layers, table, gen, out, summary) -> None
                 bf16_grouped_layer(x, ids, w, a.transpose(1, 2), b.transpose(1, 2), e, True)
         return graph_us(bstep, PREFILL_LAYERS, reps=15)
 
-    cfgs = [(PREFILL_TILES[int(n)], form) for n in args.tiles.split(",") for form in FORMS]
+    forms = args.forms.split(",")
+    cfgs = [(PREFILL_TILES[int(n)], form) for n in args.tiles.split(",") for form in forms]
+    dflt = grouped.default_config(tokens * k, torch.device("cuda"))
+    cfgs.append(("default", dflt))  # the product's own choice at this pair count, as it runs
     timings = {n: [] for n in range(len(cfgs))}
     base = [bf16_us()]
     for npass in range(2):
         for n, (tiles, form) in enumerate(cfgs):
-            cfg = tile_cfg(*tiles, form)
+            cfg = form if tiles == "default" else tile_cfg(*tiles, form)
 
             def step(cfg=cfg):
                 for (x, ids, w), st in zip(batches, layers[:PREFILL_LAYERS]):
@@ -89,7 +98,7 @@ def prefill(args, model, spec, layout, layers, table, gen, out, summary) -> None
                 if npass == 0:
                     y = moe_experts("grouped", x0, ids0, w0, layers[0], table, layout, validate=False, config=cfg)
                     err = float((y.float() - ref).norm() / ref.norm())
-                    out["checks"].append({"model": model, "tokens": PREFILL_TOKENS, "config": cfg, "rel_err": err})
+                    out["checks"].append({"model": model, "tokens": tokens, "config": cfg, "rel_err": err})
                     if not err <= 2e-3:
                         print(f"  {model} {tiles} {form}: WRONG rel err {err:.2e}", flush=True)
                         timings[n] = None
@@ -107,25 +116,29 @@ def prefill(args, model, spec, layout, layers, table, gen, out, summary) -> None
         if not timings[n]:
             continue
         us = min(timings[n])
-        row = {"model": model, "tokens": PREFILL_TOKENS, "kind": "prefill-grouped", "config": tile_cfg(*tiles, form),
+        cfg = form if tiles == "default" else tile_cfg(*tiles, form)
+        row = {"model": model, "tokens": tokens, "kind": "prefill-grouped", "config": cfg,
                "us": us, "passes_us": timings[n], "ratio_to_bf16": bf16 / us}
         out["rows"].append(row)
-        summary.append((model, "prefill", tiles, form, us, bf16 / us))
-    out["rows"].append({"model": model, "tokens": PREFILL_TOKENS, "kind": "prefill-bf16", "us": bf16,
+        shown = (tiles if tiles != "default" else
+                 tuple(cfg[c] for c in ("BLOCK_M", "BLOCK_N", "BLOCK_K", "num_warps", "num_stages")))
+        summary.append((model, f"prefill T={tokens}", shown, form if tiles != "default" else "default", us,
+                        bf16 / us))
+    out["rows"].append({"model": model, "tokens": tokens, "kind": "prefill-bf16", "us": bf16,
                         "passes_us": base})
     if args.profile:
-        dcfg = grouped.default_config(PREFILL_TOKENS * k, torch.device("cuda"))
+        dcfg = grouped.default_config(tokens * k, torch.device("cuda"))
         for form in FORMS:
             cfg = dict(dcfg, **FORMS[form])
             bd = kernel_breakdown(lambda cfg=cfg: [moe_experts("grouped", x, ids, w, st, table, layout,
                                                                 validate=False, config=cfg)
                                                    for (x, ids, w), st in zip(batches, layers)], PREFILL_LAYERS)
-            out["rows"].append({"model": model, "tokens": PREFILL_TOKENS, "kind": "prefill-kernels",
+            out["rows"].append({"model": model, "tokens": tokens, "kind": "prefill-kernels",
                                 "config": cfg, "us": sum(bd.values()), "kernels_us": bd})
             print(f"{model} prefill kernels ({form}): {bd}", flush=True)
         bd = kernel_breakdown(lambda: [bf16_grouped_layer(x, ids, w, a.transpose(1, 2), b.transpose(1, 2), e, True)
                                        for (x, ids, w), a, b in zip(xb, wgu, wd)], PREFILL_LAYERS)
-        out["rows"].append({"model": model, "tokens": PREFILL_TOKENS, "kind": "prefill-kernels",
+        out["rows"].append({"model": model, "tokens": tokens, "kind": "prefill-kernels",
                             "config": {"bf16": "torch._grouped_mm"}, "us": sum(bd.values()), "kernels_us": bd})
         print(f"{model} prefill kernels (bf16): {bd}", flush=True)
 
@@ -141,6 +154,9 @@ def main():
     ap.add_argument("--profile", action="store_true", help="add a per-kernel breakdown of the default configs")
     ap.add_argument("--decode-only", action="store_true", help="skip prefill: only the grouped decode tiles")
     ap.add_argument("--decode-tokens", default="1,8", help="decode batch sizes T (default %(default)s)")
+    ap.add_argument("--prefill-tokens", default=str(PREFILL_TOKENS),
+                    help="routed tokens of the sorted-pass rows, comma list (default %(default)s)")
+    ap.add_argument("--forms", default=",".join(FORMS), help="nibble-decoding forms of the tile rows (%(default)s)")
     args = ap.parse_args()
     gen = torch.Generator(device="cuda").manual_seed(0)
     out = {"copy": copy_bandwidth(1 << 30), "rows": [], "checks": []}
@@ -151,7 +167,8 @@ def main():
         h, e, k = spec["hidden"], spec["experts"], spec["top_k"]
         layout, layers, table = model_layers(spec, gen)
         if not args.decode_only:
-            prefill(args, model, spec, layout, layers, table, gen, out, summary)
+            for tokens in [int(v) for v in args.prefill_tokens.split(",")]:
+                prefill(args, model, spec, layout, layers, table, gen, out, summary, tokens)
         # decode through the grouped executor: forms at the default tiles, 16 layers in one CUDA graph
         for tokens in [int(v) for v in args.decode_tokens.split(",")]:
             dec = random_batches(LAYERS, tokens, h, e, k, gen)
