@@ -254,8 +254,8 @@ def test_grouped_scales_loaded_before_the_loop_give_the_same_values(shape_name, 
     """Scales read once per program before the K loop (``core.dot_tiles`` SCALE_COLS) and scales read per K tile
     give bitwise the same output, on partial last blocks (odd-b128: NB 3, a masked fourth column; small-b256's down:
     K 320), blocks smaller than the tile sweep (small-b64) and K tiles smaller than a block (BLOCK_K 64 against
-    small-b256's 256); the preloaded path is the one the default config takes for sorted passes (m = 300), the
-    per-tile one for decode."""
+    small-b256's 256); the preloaded path is the one the default config takes for sorted passes (m = 300) past the
+    narrow tiles' pair counts, the per-tile one for decode and for the narrow tiles."""
     from runmap.kernels import grouped
 
     shape = SMALL[shape_name]
@@ -267,7 +267,9 @@ def test_grouped_scales_loaded_before_the_loop_give_the_same_values(shape_name, 
         sec = common.proj_sections(layout, proj)
         k = common.pick_block_k(cfg[bk], layout.block_size)
         cols = grouped.scale_cols(cfg, cfg[bn], k, layout, sec.nb)
-        assert (cols >= sec.nb) if sorted_pass else cols == 0, proj
+        # on the GPU a sorted pass of few pairs per expert takes the narrow tiles, measured without the preload
+        preload = sorted_pass and (not ON_GPU or m * shape[4] > grouped.SMALL_SORTED_PAIRS[-1])
+        assert (cols >= sec.nb) if preload else cols == 0, proj
         assert grouped.scale_cols(dict(cfg, PRELOAD_SCALES=True), cfg[bn], k, layout, sec.nb) >= sec.nb, proj
     ref = reference_moe_f32(x, ids, w, storage, row_table, layout)
     # the default tiles, then K tiles of 64 (several tiles per 256-value scale block: the pick must follow k0)
@@ -277,6 +279,30 @@ def test_grouped_scales_loaded_before_the_loop_give_the_same_values(shape_name, 
                                config={"PRELOAD_SCALES": False, **tiles})
         assert torch.isfinite(pre).all() and rel_err(pre, ref) <= TOL, tiles
         assert torch.equal(pre, per_tile), tiles
+
+
+@pytest.mark.parametrize("m", [100, 400, 900])  # small-b64 (top-2): 200 / 800 / 1,800 pairs, one per narrow tile
+def test_grouped_narrow_tiles_of_small_sorted_passes_match_reference(m, device, monkeypatch):
+    """The GPU's tiles for sorted passes with few pairs per expert (BLOCK_M 16 and 32, ``SMALL_SORTED_PAIRS``) run
+    the sorted runs padded to 16 / 32 rows and match the reference, poisoned buffers and all; in the interpreter with
+    Triton's own nibble decoding (the inline PTX needs a GPU). Past the last bound the 64-row tile returns."""
+    from runmap.kernels import grouped
+
+    shape = SMALL["small-b64"]
+    pairs = m * shape[4]
+    monkeypatch.setattr(common, "interpreting", lambda dev: False)  # the tiles the GPU takes
+    cfg = grouped.default_config(pairs, torch.device("cuda"))
+    assert grouped.default_config(grouped.SMALL_SORTED_PAIRS[-1] + 1, torch.device("cuda"))["BLOCK_M"] == 64
+    monkeypatch.undo()
+    bound = next(b for b in grouped.SMALL_SORTED_PAIRS if pairs <= b)
+    assert cfg["BLOCK_M"] == (32 if bound == grouped.SMALL_SORTED_PAIRS[-1] else 16) and not cfg["PRELOAD_SCALES"]
+    if not ON_GPU:
+        cfg = {key: v for key, v in cfg.items() if key not in ("num_warps", "num_stages")} | {"DEQ_ASM": False}
+    layout, storage, row_table, resident = make_layer(shape, device, 37)
+    x, ids, w = make_batch(shape, m, resident, device, 37)
+    ref = reference_moe_f32(x, ids, w, storage, row_table, layout)
+    y = moe_experts("grouped", x, ids, w, storage, row_table, layout, config=cfg)
+    assert torch.isfinite(y).all() and rel_err(y, ref) <= TOL
 
 
 def test_topk_fused_words_family_falls_back_when_unaligned(device, monkeypatch):
