@@ -465,8 +465,9 @@ def sort_pairs(ids_flat: torch.Tensor, n_experts: int, block_m: int) -> torch.Te
 
 
 def _plan(n_pairs: int, n_experts: int, cfg: dict, ids_flat: torch.Tensor):
-    """-> (order tensor, grid dim 0, SORTED, P_PAD) for the pair-grouping mode."""
-    if n_pairs <= DECODE_MAX_PAIRS:
+    """-> (order tensor, grid dim 0, SORTED, P_PAD) for the pair-grouping mode. Config "SORTED": True takes the sorted
+    runs at any pair count (measurements of the decode sizes; ``default_config`` never sets it)."""
+    if n_pairs <= DECODE_MAX_PAIRS and not cfg.get("SORTED", False):
         return ids_flat, n_pairs, False, common.next_pow2(max(n_pairs, 2))
     order = sort_pairs(ids_flat, n_experts, cfg["BLOCK_M"])
     return order, order.numel() // cfg["BLOCK_M"], True, 2

@@ -305,6 +305,28 @@ def test_grouped_narrow_tiles_of_small_sorted_passes_match_reference(m, device, 
     assert torch.isfinite(y).all() and rel_err(y, ref) <= TOL
 
 
+@pytest.mark.parametrize("m", [1, 3, 17])
+def test_grouped_sorted_runs_forced_at_decode_sizes_match_reference(m, device, monkeypatch):
+    """Config SORTED takes the sorted runs at a decode pair count (how the decode sizes are measured against the
+    decode form); both forms match the reference on the same batch."""
+    from runmap.kernels import grouped
+
+    sorts = []
+    real_sort = grouped.sort_pairs
+    monkeypatch.setattr(grouped, "sort_pairs", lambda *a: sorts.append(a[0].numel()) or real_sort(*a))
+    shape = SMALL["small-b256"]
+    layout, storage, row_table, resident = make_layer(shape, device, 41)
+    x, ids, w = make_batch(shape, m, resident, device, 41)
+    ref = reference_moe_f32(x, ids, w, storage, row_table, layout)
+    tiles = {"BLOCK_M": 16} if ON_GPU else {}
+    dec = moe_experts("grouped", x, ids, w, storage, row_table, layout, config=tiles)
+    assert sorts == []  # the decode form sorts nothing
+    srt = moe_experts("grouped", x, ids, w, storage, row_table, layout, config={**tiles, "SORTED": True})
+    assert sorts == [m * shape[4]]
+    for y in (dec, srt):
+        assert torch.isfinite(y).all() and rel_err(y, ref) <= TOL
+
+
 def test_topk_fused_words_family_falls_back_when_unaligned(device, monkeypatch):
     """An activation whose rows are not 4-byte aligned cannot be read as 32-bit words: the "blocks" kernels
     run instead (same result within TOL); aligned inputs run the "words" kernels."""

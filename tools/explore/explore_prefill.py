@@ -39,9 +39,10 @@ PREFILL_TILES = [  # (BLOCK_M, BLOCK_N, BLOCK_K, num_warps, num_stages); down us
 ]
 
 
-def tile_cfg(bm, bn, bk, nw, ns, form):
-    return {"BLOCK_M": bm, "BLOCK_N": bn, "BLOCK_K": bk, "DOWN_BLOCK_N": bn, "DOWN_BLOCK_K": bk,
-            "num_warps": nw, "num_stages": ns, **FORMS[form]}
+def tile_cfg(bm, bn, bk, nw, ns, form, sorted_runs=False):
+    cfg = {"BLOCK_M": bm, "BLOCK_N": bn, "BLOCK_K": bk, "DOWN_BLOCK_N": bn, "DOWN_BLOCK_K": bk,
+           "num_warps": nw, "num_stages": ns, **FORMS[form]}
+    return {**cfg, "SORTED": True} if sorted_runs else cfg
 
 
 def kernel_breakdown(fn, layers: int) -> dict:
@@ -89,7 +90,7 @@ def prefill(args, model, spec, layout, layers, table, gen, out, summary, tokens:
     base = [bf16_us()]
     for npass in range(2):
         for n, (tiles, form) in enumerate(cfgs):
-            cfg = form if tiles == "default" else tile_cfg(*tiles, form)
+            cfg = form if tiles == "default" else tile_cfg(*tiles, form, args.sorted)
 
             def step(cfg=cfg):
                 for (x, ids, w), st in zip(batches, layers[:PREFILL_LAYERS]):
@@ -116,7 +117,7 @@ def prefill(args, model, spec, layout, layers, table, gen, out, summary, tokens:
         if not timings[n]:
             continue
         us = min(timings[n])
-        cfg = form if tiles == "default" else tile_cfg(*tiles, form)
+        cfg = form if tiles == "default" else tile_cfg(*tiles, form, args.sorted)
         row = {"model": model, "tokens": tokens, "kind": "prefill-grouped", "config": cfg,
                "us": us, "passes_us": timings[n], "ratio_to_bf16": bf16 / us}
         out["rows"].append(row)
@@ -157,6 +158,8 @@ def main():
     ap.add_argument("--prefill-tokens", default=str(PREFILL_TOKENS),
                     help="routed tokens of the sorted-pass rows, comma list (default %(default)s)")
     ap.add_argument("--forms", default=",".join(FORMS), help="nibble-decoding forms of the tile rows (%(default)s)")
+    ap.add_argument("--sorted", action="store_true",
+                    help="tile rows take the sorted runs at any pair count (config SORTED), the default row as it runs")
     args = ap.parse_args()
     gen = torch.Generator(device="cuda").manual_seed(0)
     out = {"copy": copy_bandwidth(1 << 30), "rows": [], "checks": []}
