@@ -37,6 +37,9 @@ from runmap.kernels.core import chain_wait, dot_tiles, expert_row, nibbles_f16, 
 from runmap.format.qpack import RowLayout
 
 DECODE_MAX_PAIRS = 128
+# pairs up to which ``default_config`` keeps the decode form on a GPU; from there to DECODE_MAX_PAIRS it asks for the
+# sorted runs (config SORTED). Measured at 32 pairs (decode form faster) and 64 (sorted faster); between them untested
+DECODE_FORM_MAX_PAIRS = 32
 # pairs from which a pass decodes the weights once (see the module docstring): 4,096 tokens at top-8. On the H200
 # (OLMoE) the decoded mode took 3.34 ms a layer at 8,192 tokens against 4.32 ms, but 1.09 against 0.97 ms at 2,048
 # (results/campaigns/h200-floor/probe-0fd2581)
@@ -301,6 +304,13 @@ def default_config(n_pairs: int, device: torch.device) -> dict:
         return {"BLOCK_M": 32 if decode else 64, "BLOCK_N": 512, "BLOCK_K": 256,
                 "DOWN_BLOCK_N": 512, "DOWN_BLOCK_K": 256, "DEQUANT": dequant, **asm}
     # Best configs of the H200 sweeps (results/kernels/bench/h200.json, explore/h200-prefill.json).
+    if decode and n_pairs > DECODE_FORM_MAX_PAIRS:
+        # sorted runs of 16 rows (config SORTED) where the decode form has more pairs to match: 64 pairs (OLMoE batch 8,
+        # Qwen1.5-MoE batch 16) 79.1 / 98.6 us per layer against 88.3 / 108.2, 128 pairs (OLMoE batch 16) 102.9 against
+        # 109.0 (results/kernels/explore/h200-sorted-decode.json, sort launches included); at 32 pairs (Qwen1.5-MoE
+        # batch 8) the decode form was faster, 73.1 against 75.2-79.3
+        return {"SORTED": True, "BLOCK_M": 16, "BLOCK_N": 64, "BLOCK_K": 128, "DOWN_BLOCK_N": 64, "DOWN_BLOCK_K": 128,
+                "num_warps": 4, "num_stages": 4, "DEQUANT": False, **asm, "PRELOAD_SCALES": False}
     if decode:
         bn = 32 if n_pairs <= 16 else 64
         return {"BLOCK_M": 16, "BLOCK_N": bn, "BLOCK_K": 256, "DOWN_BLOCK_N": bn, "DOWN_BLOCK_K": 256,

@@ -281,7 +281,7 @@ def test_grouped_scales_loaded_before_the_loop_give_the_same_values(shape_name, 
         assert torch.equal(pre, per_tile), tiles
 
 
-@pytest.mark.parametrize("m", [100, 400, 900])  # small-b64 (top-2): 200 / 800 / 1,800 pairs, one per narrow tile
+@pytest.mark.parametrize("m", [30, 100, 400, 900])  # small-b64 (top-2): 60 / 200 / 800 / 1,800 pairs: each narrow tile
 def test_grouped_narrow_tiles_of_small_sorted_passes_match_reference(m, device, monkeypatch):
     """The GPU's tiles for sorted passes with few pairs per expert (BLOCK_M 16 and 32, ``SMALL_SORTED_PAIRS``) run
     the sorted runs padded to 16 / 32 rows and match the reference, poisoned buffers and all; in the interpreter with
@@ -293,9 +293,14 @@ def test_grouped_narrow_tiles_of_small_sorted_passes_match_reference(m, device, 
     monkeypatch.setattr(common, "interpreting", lambda dev: False)  # the tiles the GPU takes
     cfg = grouped.default_config(pairs, torch.device("cuda"))
     assert grouped.default_config(grouped.SMALL_SORTED_PAIRS[-1] + 1, torch.device("cuda"))["BLOCK_M"] == 64
+    # decode pair counts past DECODE_FORM_MAX_PAIRS ask for the sorted runs; up to it the decode form stays
+    few, more = (grouped.default_config(n, torch.device("cuda")) for n in (grouped.DECODE_FORM_MAX_PAIRS,
+                                                                              grouped.DECODE_FORM_MAX_PAIRS + 1))
+    assert not few.get("SORTED") and more["SORTED"] and more["BLOCK_M"] == 16
     monkeypatch.undo()
     bound = next(b for b in grouped.SMALL_SORTED_PAIRS if pairs <= b)
     assert cfg["BLOCK_M"] == (32 if bound == grouped.SMALL_SORTED_PAIRS[-1] else 16) and not cfg["PRELOAD_SCALES"]
+    assert cfg.get("SORTED", False) == (pairs <= grouped.DECODE_MAX_PAIRS)  # the decode sizes ask for sorted runs
     if not ON_GPU:
         cfg = {key: v for key, v in cfg.items() if key not in ("num_warps", "num_stages")} | {"DEQ_ASM": False}
     layout, storage, row_table, resident = make_layer(shape, device, 37)
