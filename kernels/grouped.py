@@ -6,7 +6,8 @@ the expert's physical row from ``row_table`` (full and partial residency alike).
 
 Two ways of forming the groups, chosen from the static pair count P = T * k (never from data):
 
-* decode (P <= DECODE_MAX_PAIRS): no host-side preparation. Program p owns expert ids[p] if p is its
+* decode (P <= DECODE_MAX_PAIRS, unless the config asks for SORTED runs, as ``default_config`` does on a GPU past
+  DECODE_FORM_MAX_PAIRS): no host-side preparation. Program p owns expert ids[p] if p is its
   first occurrence; it finds the other pairs of that expert by comparing all P ids in registers
   (rank = prefix count) and processes them in chunks of BLOCK_M. Programs of repeated ids do nothing.
 * prefill: pairs are sorted by expert with a three-launch Triton counting sort (``sort_pairs``, no host
