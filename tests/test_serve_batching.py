@@ -338,15 +338,20 @@ def _bucket(n: int) -> int:
 
 
 def _kernel_variant(tokens: int, top_k: int, num_experts: int) -> tuple:
-    """The size-derived constexprs of the grouped executor for a pass routing ``tokens`` tokens
-    (runmap.kernels.grouped: P_PAD at decode size; above it the sort has none, only the decoded-weights mode's tiles
-    differ)."""
-    from runmap.kernels.grouped import DECODE_MAX_PAIRS, DEQUANT_MIN_PAIRS
+    """The size-derived constexprs of the grouped executor for a pass routing ``tokens`` tokens on a GPU
+    (runmap.kernels.grouped: P_PAD in the decode form; the tiles ``default_config`` picks by pair count, read from it
+    so that a new pair class is covered here as soon as it exists)."""
+    from unittest import mock
+
+    from runmap.kernels import common, grouped
 
     pairs = tokens * top_k
-    if pairs <= DECODE_MAX_PAIRS:
-        return ("decode", _bucket(max(pairs, 2)))
-    return ("sorted", pairs >= DEQUANT_MIN_PAIRS)  # decoded-weights mode: other tiles
+    with mock.patch.object(common, "interpreting", lambda dev: False):  # the GPU's tiles, not the interpreter's
+        cfg = grouped.default_config(pairs, torch.device("cuda"))
+    tiles = tuple(sorted(cfg.items()))
+    if pairs <= grouped.DECODE_MAX_PAIRS and not cfg.get("SORTED", False):
+        return ("decode", _bucket(max(pairs, 2)), tiles)
+    return ("sorted", tiles)
 
 
 @settings(max_examples=60, deadline=None)

@@ -264,7 +264,8 @@ def prefill_warmup_shapes(*, max_seq_len: int, prefill_chunk: int, max_batch: in
     """Prompt lengths of the prefills a server runs before it reports ready: one list of row lengths per pass.
 
     A Triton kernel compiles a variant per value of its size-derived constexprs (the grouped executor's pair
-    buckets: next power of two of the pair count at decode size; its decoded-weights mode's tiles), so a
+    buckets: next power of two of the pair count in the decode form; the tiles ``default_config`` picks by pair
+    count, whose bounds are powers of two; its decoded-weights mode's tiles), so a
     prefill of a new size class inside a request stalls every running row for the compilation (seconds: the
     first H200 load run saw time-to-first-token p99 of 2.8 s at 8 clients, results/serve/load/). The counts
     these constexprs round up are tokens per pass times powers of two, so one pass with T = 1 and with
