@@ -52,13 +52,22 @@ TOPK_CONFIGS = [  # "words" = kernels/gemv_words.py (default), "blocks" = kernel
     {"KERNEL": "tiles", "BLOCK_N": 16, "BLOCK_K": 512, "DOWN_BLOCK_N": 8, "DOWN_BLOCK_K": 1024, "num_warps": 4,
      "DOWN_num_warps": 4},
 ]
-GROUPED_DECODE_CONFIGS = [  # DEQ_ASM (inline-PTX nibble decoding) is the GPU default; one row without it
-    {"BLOCK_M": 16, "BLOCK_N": 32, "BLOCK_K": 256, "DOWN_BLOCK_N": 32, "DOWN_BLOCK_K": 256, "num_warps": 4, "num_stages": 3},
-    {"BLOCK_M": 16, "BLOCK_N": 32, "BLOCK_K": 256, "DOWN_BLOCK_N": 32, "DOWN_BLOCK_K": 256, "num_warps": 4, "num_stages": 3,
-     "DEQ_ASM": False},
-    {"BLOCK_M": 16, "BLOCK_N": 64, "BLOCK_K": 512, "DOWN_BLOCK_N": 64, "DOWN_BLOCK_K": 512, "num_warps": 2, "num_stages": 3},
-    {"BLOCK_M": 16, "BLOCK_N": 64, "BLOCK_K": 256, "DOWN_BLOCK_N": 64, "DOWN_BLOCK_K": 256, "num_warps": 4, "num_stages": 3},
-    {"BLOCK_M": 16, "BLOCK_N": 32, "BLOCK_K": 128, "DOWN_BLOCK_N": 32, "DOWN_BLOCK_K": 128, "num_warps": 4, "num_stages": 5},
+# DEQ_ASM (inline-PTX nibble decoding) is the GPU default; one row without it. The tiles below are the decode form's
+# (SORTED False: the GPU's default asks for sorted runs from 33 pairs, grouped.DECODE_FORM_MAX_PAIRS); the empty
+# config is the default as the product runs it
+_DECODE_FORM = {"BLOCK_M": 16, "SORTED": False}
+GROUPED_DECODE_CONFIGS = [
+    {},
+    {**_DECODE_FORM, "BLOCK_N": 32, "BLOCK_K": 256, "DOWN_BLOCK_N": 32, "DOWN_BLOCK_K": 256, "num_warps": 4,
+     "num_stages": 3},
+    {**_DECODE_FORM, "BLOCK_N": 32, "BLOCK_K": 256, "DOWN_BLOCK_N": 32, "DOWN_BLOCK_K": 256, "num_warps": 4,
+     "num_stages": 3, "DEQ_ASM": False},
+    {**_DECODE_FORM, "BLOCK_N": 64, "BLOCK_K": 512, "DOWN_BLOCK_N": 64, "DOWN_BLOCK_K": 512, "num_warps": 2,
+     "num_stages": 3},
+    {**_DECODE_FORM, "BLOCK_N": 64, "BLOCK_K": 256, "DOWN_BLOCK_N": 64, "DOWN_BLOCK_K": 256, "num_warps": 4,
+     "num_stages": 3},
+    {**_DECODE_FORM, "BLOCK_N": 32, "BLOCK_K": 128, "DOWN_BLOCK_N": 32, "DOWN_BLOCK_K": 128, "num_warps": 4,
+     "num_stages": 5},
 ]
 GROUPED_PREFILL_CONFIGS = [  # the best of results/kernels/explore/h200-prefill.json, and the previous default
     {"BLOCK_M": 64, "BLOCK_N": 64, "BLOCK_K": 128, "DOWN_BLOCK_N": 64, "DOWN_BLOCK_K": 128, "num_warps": 4, "num_stages": 3},

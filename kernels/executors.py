@@ -4,7 +4,7 @@
 |--------------|-----------------------------------------------------|--------------------|
 | reference    | torch, FP32 dequantize + matmul                     | yes                |
 | scalar       | 3 W4A16 launches per distinct routed expert         | yes (host loop)    |
-| grouped      | gate+up, down, k-sum (+ 2 sort launches in prefill) | no (validate=False)|
+| grouped      | gate+up, down, k-sum (+ 3 sort launches, sorted runs)| no (validate=False)|
 | topk-fused   | gate+up+SiLU·mul, down+weighted sum                 | no (validate=False)|
 
 Numerics: FP16 activations in and out, FP32 accumulation, the intermediate silu(gate)*up rounded to fp16

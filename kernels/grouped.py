@@ -319,7 +319,8 @@ def default_config(n_pairs: int, device: torch.device) -> dict:
     if dequant:
         return {"BLOCK_M": 128, "BLOCK_N": 128, "BLOCK_K": 64, "DOWN_BLOCK_N": 128, "DOWN_BLOCK_K": 64,
                 "num_warps": 8, "num_stages": 3, "DEQUANT": True, **asm}
-    # Sorted passes with few pairs per expert (a served decode step of 17-128 rows, a join of one or two prompts):
+    # Sorted passes with few pairs per expert (129-2,048 pairs: at top-8 a served decode step of 17-256 rows, a join of
+    # one or two prompts):
     # narrow row groups, scales loaded per K tile, as measured (results/kernels/explore/h200-sorted-small.json,
     # us per layer against the 64-row tile below): OLMoE 32 tokens (256 pairs) 95.8 against 204.9, 128 tokens 136.6
     # against 207.9, 256 tokens 192.5 against 209.6; Qwen1.5-MoE 128 tokens (512 pairs) 145.9 against 257.4, 256
@@ -477,7 +478,8 @@ def sort_pairs(ids_flat: torch.Tensor, n_experts: int, block_m: int) -> torch.Te
 
 def _plan(n_pairs: int, n_experts: int, cfg: dict, ids_flat: torch.Tensor):
     """-> (order tensor, grid dim 0, SORTED, P_PAD) for the pair-grouping mode. Config "SORTED": True takes the sorted
-    runs at any pair count (measurements of the decode sizes; ``default_config`` never sets it)."""
+    runs at any pair count (``default_config`` sets it on a GPU from DECODE_FORM_MAX_PAIRS + 1 to DECODE_MAX_PAIRS
+    pairs; False keeps the decode form there, for measurements)."""
     if n_pairs <= DECODE_MAX_PAIRS and not cfg.get("SORTED", False):
         return ids_flat, n_pairs, False, common.next_pow2(max(n_pairs, 2))
     order = sort_pairs(ids_flat, n_experts, cfg["BLOCK_M"])

@@ -248,7 +248,9 @@ def test_grouped_nibble_decoding_forms_agree(shape_name, m, device):
     assert rel_err(asm, plain.float()) <= 1e-3  # same decoded values; only accumulation order may differ
 
 
-@pytest.mark.parametrize("m", [1, 3, 300])  # decode (one pair, repeated experts) and prefill (sorted runs)
+# decode (one pair, repeated experts) and prefill (sorted runs); on the GPU 600 tokens pass the narrow tiles' pair
+# counts for every shape here, where the default preloads
+@pytest.mark.parametrize("m", [1, 3, 300] + ([600] if ON_GPU else []))
 @pytest.mark.parametrize("shape_name", ["small-b256", "small-b64", "odd-b128"])
 def test_grouped_scales_loaded_before_the_loop_give_the_same_values(shape_name, m, device):
     """Scales read once per program before the K loop (``core.dot_tiles`` SCALE_COLS) and scales read per K tile
@@ -282,7 +284,7 @@ def test_grouped_scales_loaded_before_the_loop_give_the_same_values(shape_name, 
 
 
 @pytest.mark.parametrize("m", [30, 100, 400, 900])  # small-b64 (top-2): 60 / 200 / 800 / 1,800 pairs: each narrow tile
-def test_grouped_narrow_tiles_of_small_sorted_passes_match_reference(m, device, monkeypatch):
+def test_grouped_narrow_tiles_of_small_sorted_passes_match_reference(m, device):
     """The GPU's tiles for sorted passes with few pairs per expert (BLOCK_M 16 and 32, ``SMALL_SORTED_PAIRS``) run
     the sorted runs padded to 16 / 32 rows and match the reference, poisoned buffers and all; in the interpreter with
     Triton's own nibble decoding (the inline PTX needs a GPU). Past the last bound the 64-row tile returns."""
@@ -290,14 +292,16 @@ def test_grouped_narrow_tiles_of_small_sorted_passes_match_reference(m, device, 
 
     shape = SMALL["small-b64"]
     pairs = m * shape[4]
-    monkeypatch.setattr(common, "interpreting", lambda dev: False)  # the tiles the GPU takes
-    cfg = grouped.default_config(pairs, torch.device("cuda"))
-    assert grouped.default_config(grouped.SMALL_SORTED_PAIRS[-1] + 1, torch.device("cuda"))["BLOCK_M"] == 64
-    # decode pair counts past DECODE_FORM_MAX_PAIRS ask for the sorted runs; up to it the decode form stays
-    few, more = (grouped.default_config(n, torch.device("cuda")) for n in (grouped.DECODE_FORM_MAX_PAIRS,
-                                                                              grouped.DECODE_FORM_MAX_PAIRS + 1))
+    from unittest import mock
+
+    # the tiles the GPU takes; a patch of its own, so the autouse poison patch stays in place for the run below
+    with mock.patch.object(common, "interpreting", lambda dev: False):
+        cfg = grouped.default_config(pairs, torch.device("cuda"))
+        assert grouped.default_config(grouped.SMALL_SORTED_PAIRS[-1] + 1, torch.device("cuda"))["BLOCK_M"] == 64
+        # decode pair counts past DECODE_FORM_MAX_PAIRS ask for the sorted runs; up to it the decode form stays
+        few, more = (grouped.default_config(n, torch.device("cuda")) for n in (grouped.DECODE_FORM_MAX_PAIRS,
+                                                                                  grouped.DECODE_FORM_MAX_PAIRS + 1))
     assert not few.get("SORTED") and more["SORTED"] and more["BLOCK_M"] == 16
-    monkeypatch.undo()
     bound = next(b for b in grouped.SMALL_SORTED_PAIRS if pairs <= b)
     assert cfg["BLOCK_M"] == (32 if bound == grouped.SMALL_SORTED_PAIRS[-1] else 16) and not cfg["PRELOAD_SCALES"]
     assert cfg.get("SORTED", False) == (pairs <= grouped.DECODE_MAX_PAIRS)  # the decode sizes ask for sorted runs

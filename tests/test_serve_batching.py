@@ -147,6 +147,7 @@ def test_joins_through_the_captured_join_passes_get_the_tokens_alone(packs, pipe
     from runmap.engine.prefill_graph import GraphPrefiller
 
     monkeypatch.setattr(prefill_graph, "PREFILL_GRAPH_MAX_TOKENS", 64)
+    monkeypatch.setattr(prefill_graph, "PREFILL_GRAPH_MAX_ROW_TOKENS", 64)  # one row too, whatever MAX_SEQ_LEN is
     eng = Engine.from_pack(packs["tiny-olmoe"], executor="reference", device="cpu", max_batch=3,
                            max_seq_len=MAX_SEQ_LEN)
     eng._prefiller = GraphPrefiller(eng, None, capture=False)

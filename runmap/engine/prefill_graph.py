@@ -38,9 +38,11 @@ PREFILL_GRAPH_MAX_TOKENS = 2048
 # the largest captured pass of one row (a request's own prompt). At 4,096 OLMoE positions an eager pass is about as
 # long on the device as on the host, and its time to first token moved with the host's load: 37.5-39.6 ms in three
 # campaigns, 42.5 ms in h200-floor-pdl against 34.4 ms of device time (1.27x transformers eager where the others
-# were 1.40-1.43x). Captured, the host issues one launch. Past 4,096 the device time dominates (8,192: 68.5 ms of
-# device time, 70.3 ms to the first token) and the pass's decoded-weights workspace and activations (~1.2 GB at
-# 4,096, OLMoE) would stay reserved in the graph pool for a few percent
+# were 1.40-1.43x); captured, 35.6 ms (h200-floor-graph4096). Only exactly 4,096 positions was measured: a prompt
+# just past 2,048 or 3,072 pays up to a third more device time for its padded tail, which at these lengths is about
+# the host time an eager pass would add. Past 4,096 the device time dominates (8,192: 68.5 ms of device time, 70.3 ms
+# to the first token) and the pass's decoded-weights workspace and activations (~1.2 GB at 4,096, OLMoE) would stay
+# reserved in the graph pool for a few percent
 PREFILL_GRAPH_MAX_ROW_TOKENS = 4096
 
 

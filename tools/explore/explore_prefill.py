@@ -179,8 +179,10 @@ def main():
             dcfgs = [("plain", dict(grouped.default_config(tokens * k, torch.device("cuda")), **FORMS["plain"]))]
             for bn, bk, nw, ns in itertools.product(*([int(v) for v in part.split(",")]
                                                       for part in args.decode_grid.split(":"))):
+                # the decode form (SORTED False): the GPU's default asks for sorted runs from 33 pairs
                 dcfgs.append(("asm", {"BLOCK_M": 16, "BLOCK_N": bn, "BLOCK_K": bk, "DOWN_BLOCK_N": bn,
-                                      "DOWN_BLOCK_K": bk, "num_warps": nw, "num_stages": ns, **FORMS["asm"]}))
+                                      "DOWN_BLOCK_K": bk, "num_warps": nw, "num_stages": ns, "SORTED": False,
+                                      **FORMS["asm"]}))
             for form, cfg in dcfgs:
                 try:
                     y = moe_experts("grouped", *dec[0], layers[0], table, layout, validate=False, config=cfg)

@@ -23,6 +23,7 @@ import torch
 from runmap.atomic import write_json
 from runmap.bench.kernel_workload import LAYERS, MODELS, copy_bandwidth, graph_us, model_layers, random_batches
 from runmap.kernels.executors import moe_experts
+from runmap.kernels import grouped
 from runmap.kernels.grouped import DECODE_MAX_PAIRS
 from runmap.kernels.reference import reference_moe_f32
 
@@ -65,7 +66,9 @@ def main() -> None:
             for pre in (False, True):
                 us = min(passes[pre])
                 gbps = expert_bytes / us / 1e3
-                sorted_pass = tokens * spec["top_k"] > DECODE_MAX_PAIRS  # the form the executor takes
+                pairs = tokens * spec["top_k"]  # the form the executor takes (the GPU's default sorts from 33 pairs)
+                sorted_pass = pairs > DECODE_MAX_PAIRS or grouped.default_config(pairs, torch.device("cuda")).get(
+                    "SORTED", False)
                 rows.append({"model": model, "tokens": tokens,
                              "kind": "prefill-grouped" if sorted_pass else "decode-grouped",
                              "config": {"PRELOAD_SCALES": pre}, "us": us, "passes_us": passes[pre],
