@@ -299,44 +299,42 @@ def default_config(n_pairs: int, device: torch.device) -> dict:
     151 us; other decode sizes within 3 %): there a layer is one wave of programs whose time is each program's serial
     instruction chain (docs/kernels.md)."""
     decode = n_pairs <= DECODE_MAX_PAIRS
-    asm = {"DEQ_ASM": not common.interpreting(device), "PRELOAD_SCALES": not decode}
-    dequant = n_pairs >= DEQUANT_MIN_PAIRS
+    deq_asm = not common.interpreting(device)
     if common.interpreting(device):  # few, large programs: the interpreter pays per program and per op
-        return {"BLOCK_M": 32 if decode else 64, "BLOCK_N": 512, "BLOCK_K": 256,
-                "DOWN_BLOCK_N": 512, "DOWN_BLOCK_K": 256, "DEQUANT": dequant, **asm}
+        return {"BLOCK_M": 32 if decode else 64, "BLOCK_N": 512, "BLOCK_K": 256, "DOWN_BLOCK_N": 512,
+                "DOWN_BLOCK_K": 256, "DEQUANT": n_pairs >= DEQUANT_MIN_PAIRS, "DEQ_ASM": deq_asm,
+                "PRELOAD_SCALES": not decode}
     # Best configs of the H200 sweeps (results/kernels/bench/h200.json, explore/h200-prefill.json).
-    if decode and n_pairs > DECODE_FORM_MAX_PAIRS:
+    per_tile = {"DEQUANT": False, "DEQ_ASM": deq_asm, "PRELOAD_SCALES": False}  # a scale load per K tile
+    if n_pairs <= DECODE_FORM_MAX_PAIRS:
+        bn = 32 if n_pairs <= 16 else 64
+        return _tiles(16, bn, 256, 4, 3, **per_tile)
+    if decode:
         # sorted runs of 16 rows (config SORTED) where the decode form has more pairs to match: 64 pairs (OLMoE batch 8,
         # Qwen1.5-MoE batch 16) 79.1 / 98.6 us per layer against 88.3 / 108.2, 128 pairs (OLMoE batch 16) 102.9 against
         # 109.0 (results/kernels/explore/h200-sorted-decode.json, sort launches included); at 32 pairs (Qwen1.5-MoE
-        # batch 8) the decode form was faster, 73.1 against 75.2-79.3
-        return {"SORTED": True, "BLOCK_M": 16, "BLOCK_N": 64, "BLOCK_K": 128, "DOWN_BLOCK_N": 64, "DOWN_BLOCK_K": 128,
-                "num_warps": 4, "num_stages": 4, "DEQUANT": False, **asm, "PRELOAD_SCALES": False}
-    if decode:
-        bn = 32 if n_pairs <= 16 else 64
-        return {"BLOCK_M": 16, "BLOCK_N": bn, "BLOCK_K": 256, "DOWN_BLOCK_N": bn, "DOWN_BLOCK_K": 256,
-                "num_warps": 4, "num_stages": 3, "DEQUANT": False, **asm}
-    if dequant:
-        return {"BLOCK_M": 128, "BLOCK_N": 128, "BLOCK_K": 64, "DOWN_BLOCK_N": 128, "DOWN_BLOCK_K": 64,
-                "num_warps": 8, "num_stages": 3, "DEQUANT": True, **asm}
+        # batch 8) the decode form was faster, 73.1 against 75.2-79.3. The tiles of the 257-1,024-pair class below
+        return _tiles(16, 64, 128, 4, 4, SORTED=True, **per_tile)
+    if n_pairs >= DEQUANT_MIN_PAIRS:
+        return _tiles(128, 128, 64, 8, 3, DEQUANT=True, DEQ_ASM=deq_asm, PRELOAD_SCALES=True)
     # Sorted passes with few pairs per expert (129-2,048 pairs: at top-8 a served decode step of 17-256 rows, a join of
-    # one or two prompts):
-    # narrow row groups, scales loaded per K tile, as measured (results/kernels/explore/h200-sorted-small.json,
-    # us per layer against the 64-row tile below): OLMoE 32 tokens (256 pairs) 95.8 against 204.9, 128 tokens 136.6
-    # against 207.9, 256 tokens 192.5 against 209.6; Qwen1.5-MoE 128 tokens (512 pairs) 145.9 against 257.4, 256
-    # tokens 185.8 against 258.3
-    small = {"DEQUANT": False, **asm, "PRELOAD_SCALES": False}
+    # one or two prompts): narrow row groups, scales loaded per K tile, as measured
+    # (results/kernels/explore/h200-sorted-small.json, us per layer against the 64-row tile below): OLMoE 32 tokens
+    # (256 pairs) 95.8 against 204.9, 128 tokens 136.6 against 207.9, 256 tokens 192.5 against 209.6; Qwen1.5-MoE
+    # 128 tokens (512 pairs) 145.9 against 257.4, 256 tokens 185.8 against 258.3
     if n_pairs <= SMALL_SORTED_PAIRS[0]:
-        return {"BLOCK_M": 16, "BLOCK_N": 128, "BLOCK_K": 256, "DOWN_BLOCK_N": 128, "DOWN_BLOCK_K": 256,
-                "num_warps": 4, "num_stages": 3, **small}
+        return _tiles(16, 128, 256, 4, 3, **per_tile)
     if n_pairs <= SMALL_SORTED_PAIRS[1]:
-        return {"BLOCK_M": 16, "BLOCK_N": 64, "BLOCK_K": 128, "DOWN_BLOCK_N": 64, "DOWN_BLOCK_K": 128,
-                "num_warps": 4, "num_stages": 4, **small}
+        return _tiles(16, 64, 128, 4, 4, **per_tile)
     if n_pairs <= SMALL_SORTED_PAIRS[2]:
-        return {"BLOCK_M": 32, "BLOCK_N": 128, "BLOCK_K": 128, "DOWN_BLOCK_N": 128, "DOWN_BLOCK_K": 128,
-                "num_warps": 4, "num_stages": 3, **small}
-    return {"BLOCK_M": 64, "BLOCK_N": 64, "BLOCK_K": 128, "DOWN_BLOCK_N": 64, "DOWN_BLOCK_K": 128,
-            "num_warps": 4, "num_stages": 3, "DEQUANT": False, **asm}
+        return _tiles(32, 128, 128, 4, 3, **per_tile)
+    return _tiles(64, 64, 128, 4, 3, DEQUANT=False, DEQ_ASM=deq_asm, PRELOAD_SCALES=True)
+
+
+def _tiles(block_m: int, block_n: int, block_k: int, num_warps: int, num_stages: int, **flags) -> dict:
+    """A GPU config whose down launch takes the gate/up launch's N and K tiles, plus ``flags``."""
+    return {"BLOCK_M": block_m, "BLOCK_N": block_n, "BLOCK_K": block_k, "DOWN_BLOCK_N": block_n,
+            "DOWN_BLOCK_K": block_k, "num_warps": num_warps, "num_stages": num_stages, **flags}
 
 
 # scale values a program may hold in registers for the whole K loop (BLOCK_N x next_pow2(NB) fp32 per section): a
