@@ -102,7 +102,7 @@ from runmap.arch.config import ModelConfig
 from runmap.engine.generation import (GenerationError, GenerationResult, GenerationRun, encode_prompt, generate_batch,
                                      prefill_warmup_shapes)
 from runmap.engine.model import KVCache, Transformer, experts_dense_torch, load_weights, run_pieces
-from runmap.engine.prefill_graph import PREFILL_BUCKETS, GraphPrefiller
+from runmap.engine.prefill_graph import GraphPrefiller
 from runmap.kernels.registry import CPU_SITE_EXECUTORS, EXECUTOR_NAMES as EXECUTORS, GRAPH_SAFE_EXECUTORS as GRAPH_EXECUTORS
 from runmap.engine.telemetry import DECODE_PATHS, PREFILL_PATHS
 from runmap.residency.regimes import regime_of
@@ -983,10 +983,8 @@ class Engine:
                 # captured its pass in its first call otherwise (h200-floor-pdl: 77.6 ms to the first token of a
                 # batch of 8 against 10.7 ms warm)
                 for B, padded in sorted({(1, False), (self.max_batch, False), (self.max_batch, self.max_batch > 1)}):
-                    for n in PREFILL_BUCKETS:
-                        if self._prefiller.bucket_for(B, n) == n:
-                            self._prefiller.prepare(B, n, imposed=saved[0] is not None,
-                                                    recorded=saved[1] is not None, padded=padded)
+                    self._prefiller.prepare_buckets(B, imposed=saved[0] is not None, recorded=saved[1] is not None,
+                                                    padded=padded)
             for B in sorted({1, self.max_batch}):
                 zeros = torch.zeros(B, dtype=torch.long, device=dev)
                 self.decode(zeros, 0, zeros)
@@ -1258,17 +1256,10 @@ class Engine:
         without graph prefill (CPU, partial residency, a GPU budget)."""
         if not self._graph_prefill():
             return 0
-        from runmap.engine.prefill_graph import PREFILL_BUCKETS
-
-        n = 0
-        for B in range(1, self.max_batch + 1):
-            for Pb in PREFILL_BUCKETS:
-                if self._prefiller.bucket_for(B, Pb) != Pb:
-                    continue
-                self._prefiller.prepare(B, Pb, imposed=self.imposed is not None, recorded=self.routes is not None,
-                                        padded=B > 1, row0=self.max_batch - B)
-                n += 1
-        return n
+        return sum(self._prefiller.prepare_buckets(B, imposed=self.imposed is not None,
+                                                   recorded=self.routes is not None, padded=B > 1,
+                                                   row0=self.max_batch - B)
+                   for B in range(1, self.max_batch + 1))
 
     def prefill_pieces(self, tokens: torch.Tensor, pad: torch.Tensor, all_logits: bool = False, *, kv=None,
                        pad_host=None):

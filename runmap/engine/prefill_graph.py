@@ -110,6 +110,13 @@ class GraphPrefiller:
         if self.capture and st.graph is None:
             self._capture(st)
 
+    def prepare_buckets(self, B: int, *, imposed: bool, recorded: bool, padded: bool = False, row0: int = 0) -> int:
+        """``prepare`` at every length bucket a captured pass of B rows takes (``bucket_for``); returns how many."""
+        buckets = [Pb for Pb in PREFILL_BUCKETS if self.bucket_for(B, Pb) == Pb]
+        for Pb in buckets:
+            self.prepare(B, Pb, imposed=imposed, recorded=recorded, padded=padded, row0=row0)
+        return len(buckets)
+
     def _forward(self, st: _CapturedPass):
         """The pass over st's static inputs; the same launches whether captured or not."""
         e = self.e
