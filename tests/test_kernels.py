@@ -288,12 +288,12 @@ def test_grouped_narrow_tiles_of_small_sorted_passes_match_reference(m, device):
     """The GPU's tiles for sorted passes with few pairs per expert (BLOCK_M 16 and 32, ``SMALL_SORTED_PAIRS``) run
     the sorted runs padded to 16 / 32 rows and match the reference, poisoned buffers and all; in the interpreter with
     Triton's own nibble decoding (the inline PTX needs a GPU). Past the last bound the 64-row tile returns."""
+    from unittest import mock
+
     from runmap.kernels import grouped
 
     shape = SMALL["small-b64"]
     pairs = m * shape[4]
-    from unittest import mock
-
     # the tiles the GPU takes; a patch of its own, so the autouse poison patch stays in place for the run below
     with mock.patch.object(common, "interpreting", lambda dev: False):
         cfg = grouped.default_config(pairs, torch.device("cuda"))

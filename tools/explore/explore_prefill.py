@@ -82,16 +82,16 @@ def prefill(args, model, spec, layout, layers, table, gen, out, summary, tokens:
                 bf16_grouped_layer(x, ids, w, a.transpose(1, 2), b.transpose(1, 2), e, True)
         return graph_us(bstep, PREFILL_LAYERS, reps=15)
 
-    forms = args.forms.split(",")
-    cfgs = [(PREFILL_TILES[int(n)], form) for n in args.tiles.split(",") for form in forms]
+    # (tiles as shown, form label, config): each --tiles row per form, then the product's own choice at this pair
+    # count, as it runs
+    cfgs = [(tiles, form, tile_cfg(*tiles, form, args.sorted))
+            for tiles in (PREFILL_TILES[int(n)] for n in args.tiles.split(",")) for form in args.forms.split(",")]
     dflt = grouped.default_config(tokens * k, torch.device("cuda"))
-    cfgs.append(("default", dflt))  # the product's own choice at this pair count, as it runs
+    cfgs.append((tuple(dflt[c] for c in ("BLOCK_M", "BLOCK_N", "BLOCK_K", "num_warps", "num_stages")), "default", dflt))
     timings = {n: [] for n in range(len(cfgs))}
     base = [bf16_us()]
     for npass in range(2):
-        for n, (tiles, form) in enumerate(cfgs):
-            cfg = form if tiles == "default" else tile_cfg(*tiles, form, args.sorted)
-
+        for n, (tiles, form, cfg) in enumerate(cfgs):
             def step(cfg=cfg):
                 for (x, ids, w), st in zip(batches, layers[:PREFILL_LAYERS]):
                     moe_experts("grouped", x, ids, w, st, table, layout, validate=False, config=cfg)
@@ -113,18 +113,14 @@ def prefill(args, model, spec, layout, layers, table, gen, out, summary, tokens:
         base.append(bf16_us())
     bf16 = min(base)
     print(f"{model} prefill bf16 torch._grouped_mm: {[round(b, 1) for b in base]} us/layer", flush=True)
-    for n, (tiles, form) in enumerate(cfgs):
+    for n, (tiles, form, cfg) in enumerate(cfgs):
         if not timings[n]:
             continue
         us = min(timings[n])
-        cfg = form if tiles == "default" else tile_cfg(*tiles, form, args.sorted)
         row = {"model": model, "tokens": tokens, "kind": "prefill-grouped", "config": cfg,
                "us": us, "passes_us": timings[n], "ratio_to_bf16": bf16 / us}
         out["rows"].append(row)
-        shown = (tiles if tiles != "default" else
-                 tuple(cfg[c] for c in ("BLOCK_M", "BLOCK_N", "BLOCK_K", "num_warps", "num_stages")))
-        summary.append((model, f"prefill T={tokens}", shown, form if tiles != "default" else "default", us,
-                        bf16 / us))
+        summary.append((model, f"prefill T={tokens}", tiles, form, us, bf16 / us))
     out["rows"].append({"model": model, "tokens": tokens, "kind": "prefill-bf16", "us": bf16,
                         "passes_us": base})
     if args.profile:
