@@ -222,3 +222,46 @@ def test_warm_up_prepares_the_passes_of_one_row_and_of_max_batch_rows(packs):
              for padded in (False, True)}
     assert got == want
     assert {(1, 768, False), (3, 512, False), (3, 512, True)} <= got and (3, 768, False) not in got
+
+
+def test_a_concurrent_join_computes_what_a_whole_join_computes(packs, test_device):
+    """--join-mode concurrent: a join's captured pass replays on a stream of its own while the running rows' decode
+    steps replay theirs. Its graph has a memory pool and a capture stream (cuBLAS workspace) of its own, and it
+    writes KV rows no running row reads, so the tokens of every request equal those of the same schedule with whole
+    joins (the test waits for each pass before its rows join, so both runs join at the same steps)."""
+    if test_device != "cuda":
+        pytest.skip("a side stream beside captured decode steps needs CUDA")
+    from runmap.serve.batching import BatchRunner, SamplingParams, Sequence
+
+    eng = _engine(packs, test_device, max_batch=4)
+    eng.prepare_join_passes()
+    joins = [st for key, st in eng._prefiller.passes.items() if key[-1] > 0]
+    assert joins and eng._prefiller.join_pool is not None and eng._prefiller.join_stream is not None
+    gen = torch.Generator().manual_seed(5)
+    prompts = [torch.randint(1, eng.cfg.vocab_size, (n,), generator=gen).tolist() for n in (9, 30, 4, 17, 23, 12)]
+
+    def run(concurrent: bool):
+        seqs = [Sequence(p, SamplingParams(max_new_tokens=14 + i, ignore_eos=True)) for i, p in enumerate(prompts)]
+        with torch.inference_mode():
+            r = BatchRunner(eng, concurrent=concurrent, join_tokens=0)  # every request joins alone
+            waiting, steps = list(seqs), 0
+            while waiting or r.rows or r.joining:
+                if r.joining:
+                    torch.cuda.synchronize(eng.device)  # the pass is done: its rows join at this boundary
+                    r.advance_join(None)
+                    assert r.finish_join()
+                elif waiting and (not r.rows or steps % 3 == 0):
+                    if r.rows:
+                        assert r.begin_join(waiting[:1]) == 1
+                    else:
+                        assert r.admit_many(waiting[:1]) == 1
+                    waiting.pop(0)
+                r.step()  # with a join begun: a decode step queued beside its pass
+                steps += 1
+                assert steps < 500
+        return [s.token_ids for s in seqs], r.counters
+
+    whole, cw = run(False)
+    conc, cc = run(True)
+    assert cw["concurrent_joins"] == 0 and cc["concurrent_joins"] >= 3, cc
+    assert conc == whole

@@ -59,25 +59,42 @@ def _alone(eng, reqs):
                          seed=p.seed)[0] for ids, p in reqs]
 
 
+class _RunningPass:
+    """Stands in, on the CPU, for a concurrent join's CUDA event: its pass reads as still running for the first
+    ``n`` queries (the CPU ran it already; what is tested is the runner's order of joins, steps and leaves)."""
+
+    def __init__(self, n: int):
+        self.n = n
+
+    def query(self) -> bool:
+        self.n -= 1
+        return self.n < 0
+
+
 def _run_schedule(eng, reqs, *, pipelined: bool, seed: int, cancel: int | None = None, joint: bool | str = False):
     """Admit requests at random step boundaries (FIFO, as the scheduler does); returns (seqs, runner, refusals).
     joint: the requests that arrived by then join together (admit_many), as the server admits them;
     "interleaved": and while rows run, the join's prefill is spread over the next steps (begin_join, then 0 to 3
-    of its pieces per step boundary), as the server runs it."""
+    of its pieces per step boundary), as the server runs it; "concurrent": and while rows run, the join's pass
+    reads as running beside 0 to 4 more steps before its rows may join."""
     rng = random.Random(seed)
     seqs = [Sequence(ids, p) for ids, p in reqs]
     waiting, refused, steps = list(seqs), 0, 0
     with torch.inference_mode():
-        r = BatchRunner(eng, pipelined=pipelined, interleave=joint == "interleaved")
+        r = BatchRunner(eng, pipelined=pipelined, interleave=joint == "interleaved",
+                        concurrent=joint == "concurrent")
+        if joint == "concurrent":  # the CPU has no side stream: the pass's completion event is simulated
+            r._pass_done_event = lambda stream: _RunningPass(rng.randint(0, 4))
         while waiting or r.rows or r.joining:
             if r.joining:
                 for _ in range(rng.randint(0, 3)):
                     if r.advance_join(0.0):
                         break
                 r.finish_join()
-            elif joint == "interleaved" and r.rows and r.can_interleave() and rng.random() < 0.5:
+            elif joint in ("interleaved", "concurrent") and r.rows and rng.random() < 0.5 and \
+                    (joint == "concurrent" or r.can_interleave()):
                 arrived = waiting[: rng.randint(1, 3)]
-                n = r.begin_join(arrived)
+                n = r.begin_join(arrived, interleave=joint == "interleaved")
                 refused += n < len(arrived)
                 del waiting[:n]
             elif joint and (not r.rows or rng.random() < 0.5):
@@ -98,13 +115,14 @@ def _run_schedule(eng, reqs, *, pipelined: bool, seed: int, cancel: int | None =
     return seqs, r, refused
 
 
-@pytest.mark.parametrize("joint", [False, True, "interleaved"], ids=["one-by-one", "joint", "interleaved"])
+@pytest.mark.parametrize("joint", [False, True, "interleaved", "concurrent"],
+                         ids=["one-by-one", "joint", "interleaved", "concurrent"])
 @pytest.mark.parametrize("pipelined", [False, True], ids=["cpu-order", "pipelined"])
 @pytest.mark.parametrize("preset", ["tiny-olmoe", "tiny-qwen2-moe"])
 def test_every_request_gets_its_tokens_alone_whatever_the_schedule(engines, preset, pipelined, joint, monkeypatch):
     eng = engines[preset]
     totals = {"joined_running": 0, "shifts": 0, "row_moves": 0, "refused": 0}
-    joints = padded = interleaved = moved = 0
+    joints = padded = interleaved = concurrent = waits = moved = 0
     move = BatchRunner._move_kv
 
     def counting_move(self, src, dst, *a):  # a join whose rows moved down: rows left during its prefill
@@ -117,6 +135,8 @@ def test_every_request_gets_its_tokens_alone_whatever_the_schedule(engines, pres
         alone = _alone(eng, reqs)
         seqs, r, refused = _run_schedule(eng, reqs, pipelined=pipelined, seed=seed, joint=joint)
         interleaved += r.counters["interleaved_joins"]
+        concurrent += r.counters["concurrent_joins"]
+        waits += r.counters["join_waits"]  # step boundaries at which a concurrent pass was still running
         joints += r.counters["admitted"] - r.counters["joins"]  # requests that joined beside another one
         padded += r.counters["padded_joins"]  # ... in a group of different prompt lengths (a padded prefill)
         for k, (a, s) in enumerate(zip(alone, seqs)):
@@ -134,6 +154,8 @@ def test_every_request_gets_its_tokens_alone_whatever_the_schedule(engines, pres
     # joins are prefilled into the cache's last rows (where a server's captured passes write), interleaved ones when
     # rows left during their prefill
     assert (interleaved > 0) == (joint == "interleaved"), interleaved
+    # concurrent schedules had rows decode while a join's pass ran, and took its rows in only once it was done
+    assert (concurrent > 0) == (waits > 0) == (joint == "concurrent"), (concurrent, waits)
     assert moved > 0, moved
 
 
@@ -494,6 +516,35 @@ def test_the_scheduler_interleaves_joins_with_running_rows_and_outputs_stay_thos
             assert kind == "done" and seq.token_ids == a.token_ids, k
         assert sched.runner.counters["interleaved_joins"] > before["interleaved_joins"]
         assert max(spans) > 0, spans  # some prefill had decode steps between its layers
+        assert sched.alive and sched.waiting == 0 and sched.runner.rows == 0 and not sched.runner.joining
+    finally:
+        sched.stop()
+
+
+@pytest.mark.parametrize("pipelined", [False, True], ids=["cpu-order", "pipelined"])
+def test_the_scheduler_runs_concurrent_joins_beside_running_rows_and_outputs_stay_those_alone(engines, pipelined,
+                                                                                             monkeypatch):
+    """--join-mode concurrent: a join begun while rows run leaves them decoding until its pass is done (on the CPU the
+    pass's completion is simulated: it reads as running for 3 queries), then its rows join; every request's tokens
+    are still its tokens alone, and no join waits for a pass that is not done."""
+    from runmap.serve.scheduler import Scheduler
+
+    monkeypatch.setattr(BatchRunner, "_pass_done_event", lambda self, stream: _RunningPass(3))
+    eng = engines["tiny-olmoe"]
+    reqs = [(ids, SamplingParams(max_new_tokens=12, temperature=p.temperature, top_p=p.top_p, seed=p.seed))
+            for ids, p in _requests(eng, 12, n=7)]
+    alone = _alone(eng, reqs)
+    sched = Scheduler(eng, pipelined=pipelined, concurrent_joins=True)
+    sched.start()
+    try:
+        _ready(sched)
+        before = dict(sched.runner.counters)
+        events = _collect(sched, reqs, stagger_s=0.02)
+        for k, a in enumerate(alone):
+            kind, seq = events[k][-1]
+            assert kind == "done" and seq.token_ids == a.token_ids, k
+        c = sched.runner.counters
+        assert c["concurrent_joins"] > before["concurrent_joins"] and c["join_waits"] > before["join_waits"], c
         assert sched.alive and sched.waiting == 0 and sched.runner.rows == 0 and not sched.runner.joining
     finally:
         sched.stop()

@@ -72,8 +72,10 @@ def add_arguments(p) -> None:
                    help="how waiting requests join running rows: whole (default): the running rows wait for the "
                         "joint prefill at a step boundary; interleaved: the prefill runs a layer at a time between "
                         "the running rows' decode steps, on a CUDA stream of its own, where the decode step allows "
-                        "it (full residency with CUDA graphs). On the H200 interleaved served fewer tokens per second "
-                        "than whole at 8 and 64 clients (the engine thread is host-bound: results/serve/load/README.md)")
+                        "it (full residency with CUDA graphs); concurrent: the prefill's captured pass runs at once "
+                        "on a CUDA stream of its own beside the decode steps (same condition, and a pass short "
+                        "enough to be captured). On the H200 interleaved served fewer tokens per second than whole "
+                        "(the engine thread is host-bound: results/serve/load/README.md)")
     p.add_argument("--max-seq-len", type=_positive, default=None, metavar="N",
                    help="context: prompt + completion tokens per request (default min(max_position_embeddings, 4096))")
     p.add_argument("--device", default=None, help="cuda | cpu (default: cuda when available)")

@@ -877,17 +877,20 @@ def _end_capture(graph: torch.cuda.CUDAGraph) -> None:
             pass
 
 
-def capture_graph(fn, device, pool) -> tuple:
+def capture_graph(fn, device, pool, stream=None) -> tuple:
     """fn run twice on a side stream (cuBLAS handles, Triton compilation: nothing of that inside a capture), then
-    captured into a CUDA graph sharing ``pool``: (graph, what the captured call returned)."""
-    side = torch.cuda.Stream(device)
+    captured into a CUDA graph sharing ``pool``: (graph, what the captured call returned). ``stream``: capture on
+    that stream (its warm-up runs there too) instead of torch's one default capture stream. Why: cuBLAS keeps a
+    workspace per handle and stream, and a captured GEMM keeps the capture stream's; two graphs that may replay at
+    the same time (a server's join beside its decode steps) must not share it."""
+    side = torch.cuda.Stream(device) if stream is None else stream
     side.wait_stream(torch.cuda.current_stream())
     with torch.cuda.stream(side):
         for _ in range(2):
             fn()
     torch.cuda.current_stream().wait_stream(side)
     g = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(g, pool=pool):
+    with torch.cuda.graph(g, pool=pool, stream=stream):
         out = fn()
     return g, out
 

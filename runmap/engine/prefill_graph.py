@@ -82,6 +82,12 @@ class GraphPrefiller:
 
     def __init__(self, engine, pool, capture: bool = True):
         self.e, self.pool, self.capture = engine, pool, capture
+        # Passes into KV rows past the first (a server's joins: row0 > 0) get a memory pool and a capture stream of
+        # their own, made at their first capture: a server may replay one beside its decode steps (runmap serve
+        # --join-mode concurrent), and two graphs replaying at the same time must share neither intermediate
+        # buffers (a pool's memory is reused across its graphs) nor a cuBLAS workspace (engine.capture_graph)
+        self.join_pool = None
+        self.join_stream = None
         # (rows, bucket, padded, routing workload on, route recorder on, first KV row) -> pass: a pass captured without
         # the workload's or the recorder's buffers (warm_up sets both aside) never serves a run that has them
         self.passes: dict[tuple, _CapturedPass] = {}
@@ -136,7 +142,12 @@ class GraphPrefiller:
     def _capture(self, st: _CapturedPass) -> None:
         from runmap.engine.engine import capture_graph
 
-        st.graph, st.out = capture_graph(lambda: self._forward(st), self.e.device, self.pool)
+        pool, stream = self.pool, None
+        if st.row0 > 0:
+            if self.join_pool is None:
+                self.join_pool, self.join_stream = torch.cuda.graph_pool_handle(), torch.cuda.Stream(self.e.device)
+            pool, stream = self.join_pool, self.join_stream
+        st.graph, st.out = capture_graph(lambda: self._forward(st), self.e.device, pool, stream)
 
     def run(self, tokens: torch.Tensor, pad: torch.Tensor, pad_h: np.ndarray, Pb: int, *, row0: int = 0,
             padded: bool = False) -> torch.Tensor:

@@ -22,6 +22,13 @@ and leave a running batch between decode steps:
   ``finish_join``, at a step boundary once the pass is done, moves the rows down to the first free rows (rows
   may have left meanwhile) and to the shared slot, and they are part of the next step. Only when a decode step
   touches neither the routed experts' host path nor a routing workload (``can_interleave``); one join at a time.
+* **Concurrent join.** A whole join whose pass is a captured graph (full residency with CUDA graphs) may instead
+  replay it at once on a CUDA stream of its own while rows run (``concurrent``): the decode steps keep being
+  launched on the compute stream and the device runs both, so the running rows need not wait for the prefill, and
+  the host pays one replay, not a layer's launches per step. ``finish_join`` takes the rows in at the first step
+  boundary after the pass is done (an event query, no host wait). The pass writes the cache's last k rows, which
+  no running row reads (k <= max_batch - rows, and rows only leave while it runs); its graph has a memory pool and
+  a cuBLAS workspace of its own (runmap.engine.prefill_graph).
 * **Room.** A row that has generated k of its m tokens still needs m - 1 - k decode steps, i.e. slots
   slot .. slot + m - 2 - k. A request joins only when every row (it included) has that room before
   ``max_seq_len``; when it does not, the slots left of the earliest prompt (min pad) are reclaimed by
@@ -89,6 +96,7 @@ class _Join:
     running_at_begin: bool
     queued: object = None  # CUDA event recorded once all the pass's work is queued (its flag read comes next)
     logits: torch.Tensor | None = None
+    done: object = None  # a concurrent join's CUDA event, recorded after its pass (query(): the pass is complete)
 
 
 class Sequence:
@@ -126,11 +134,12 @@ class BatchRunner:
     decode step for every row; rows that finish leave the batch inside ``step``."""
 
     def __init__(self, engine, *, decode: Callable[[list[int]], str] | None = None, pipelined: bool | None = None,
-                 join_tokens: int = JOIN_TOKENS, interleave: bool = False):
+                 join_tokens: int = JOIN_TOKENS, interleave: bool = False, concurrent: bool = False):
         """join_tokens: the most prompt tokens (rows x longest prompt, padding included) one joint prefill takes;
         a longer single prompt still joins, alone. 0: every request is prefilled alone. interleave: joins begun
         with ``begin_join`` while rows run may spread their prefill over several decode steps (``can_interleave``);
-        False: every join stalls the running rows for its whole prefill."""
+        concurrent: a whole join begun while rows run replays its captured pass on a stream of its own beside the
+        decode steps (``concurrent_stream``); neither: every join stalls the running rows for its whole prefill."""
         if join_tokens < 0:
             raise ValueError(f"join_tokens must be >= 0, got {join_tokens}")
         self.eng = engine
@@ -146,9 +155,12 @@ class BatchRunner:
         self._pad_dev: torch.Tensor | None = None  # int64 (B,) device copy of self.pad (None: pads changed since)
         # pipelined=True on the CPU runs the CUDA order of operations synchronously (the tests use it)
         self.pipelined = self.dev.type == "cuda" if pipelined is None else bool(pipelined)
-        self.counters = {"admitted": 0, "joined_running": 0, "joins": 0, "interleaved_joins": 0, "padded_joins": 0,
-                         "shifts": 0, "row_moves": 0, "steps": 0, "speculative_dropped": 0}
+        self.counters = {"admitted": 0, "joined_running": 0, "joins": 0, "interleaved_joins": 0,
+                         "concurrent_joins": 0, "padded_joins": 0, "shifts": 0, "row_moves": 0, "steps": 0,
+                         "speculative_dropped": 0, "join_waits": 0}
         self.interleave = bool(interleave)
+        self.concurrent = bool(concurrent)
+        self._join_stream = None  # CUDA: the stream concurrent joins replay their passes on
         self._pending: _Join | None = None  # the joint prefill in progress (begin_join .. finish_join)
         self._side = None  # CUDA: the stream interleaved prefills run on
         self._lead: bool = False  # the cache's full-residency request is held (Engine.experts.begin)
@@ -213,7 +225,7 @@ class BatchRunner:
         changed). Their first tokens are sampled but read at the next step."""
         if self.joining:
             raise RuntimeError("a join is in progress (begin_join); finish it before admitting more")
-        n = self.begin_join(seqs, interleave=False)
+        n = self.begin_join(seqs, interleave=False, concurrent=False)
         if n:
             self.advance_join(None)
             joined = self.finish_join()
@@ -233,12 +245,35 @@ class BatchRunner:
         return (self.interleave and bool(self.seqs) and e.imposed is None and e.routes is None
                 and getattr(e.experts, "full", False) and (self.dev.type != "cuda" or e.use_graphs))
 
-    def begin_join(self, seqs: list[Sequence], *, interleave: bool = True) -> int:
+    def concurrent_stream(self, k: int, P: int):
+        """The CUDA stream a whole join of k rows x P positions begun now replays its captured pass on, beside the
+        running rows' decode steps; None when it runs in line (no row running, not ``concurrent``, the CPU, a pass
+        that is not captured, or a decode step that draws from a routing workload, records routes or calls the
+        routed experts' host path: their order against the pass would change)."""
+        e = self.eng
+        if not (self.concurrent and self.seqs and self.dev.type == "cuda" and e.imposed is None and e.routes is None
+                and getattr(e.experts, "full", False) and e.join_pass_bucket(k, P) is not None):
+            return None
+        if self._join_stream is None:
+            # high priority: the pass's thread blocks go first where both want the device, so a joining request's
+            # first token is not held back by a stream of decode steps (the running rows take what it leaves)
+            self._join_stream = torch.cuda.Stream(self.dev, priority=-1)
+        return self._join_stream
+
+    def _pass_done_event(self, stream):
+        """A CUDA event recorded on ``stream`` after the work queued there so far (None without a stream)."""
+        if stream is None:
+            return None
+        ev = torch.cuda.Event()
+        ev.record(stream)
+        return ev
+
+    def begin_join(self, seqs: list[Sequence], *, interleave: bool = True, concurrent: bool = True) -> int:
         """Start the joint prefill of the longest prefix of ``seqs`` that fits (as ``admit_many`` chooses it);
         returns how many it takes (0: nothing started). With ``interleave`` (and ``can_interleave()``) the pass
         runs on a side stream, piece by piece in ``advance_join`` between decode steps, into free KV rows past the
-        running ones; otherwise ``advance_join(None)`` runs it whole. ``finish_join`` makes its rows part of the
-        batch."""
+        running ones; otherwise ``advance_join(None)`` runs it whole -- beside the decode steps where ``concurrent``
+        and ``concurrent_stream`` allow it. ``finish_join`` makes its rows part of the batch."""
         if self.joining:
             raise RuntimeError("a join is already in progress")
         for seq in seqs:
@@ -288,17 +323,24 @@ class BatchRunner:
         if not side:
             # whole: the pass runs now, into the cache's last k rows (free: k <= max_batch - running rows), where the
             # server's warm-up captured a pass per shape (Scheduler._warmup: Engine.prepare_join_passes); eager when
-            # none fits. finish_join moves the rows to the running ones' side.
+            # none fits. finish_join moves the rows to the running ones' side. Concurrent: the captured pass is
+            # queued on a stream of its own, after what the compute stream has queued so far (the step in flight)
             row0 = self.max_batch - k
+            beside = concurrent and self.concurrent and bool(self.seqs)  # rows run that the pass may run beside
+            stream = self.concurrent_stream(k, tokens.shape[1]) if beside else None
             try:
-                logits = self.eng.prefill(self._upload(tokens), self._upload(pad), pad_host=pad.tolist(),
-                                          kv_row0=row0, padded_pass=k > 1)
+                with self._on(stream):
+                    if stream is not None:
+                        stream.wait_stream(torch.cuda.current_stream(self.dev))
+                    logits = self.eng.prefill(self._upload(tokens), self._upload(pad), pad_host=pad.tolist(),
+                                              kv_row0=row0, padded_pass=k > 1)
+                    done = self._pass_done_event(stream) if beside else None
             except BaseException:
                 if not self.seqs:
                     self._release()
                 raise
-            self._pending = _Join(group=group, row0=row0, P=tokens.shape[1], pieces=None, stream=None,
-                                  interleaved=False, running_at_begin=bool(self.seqs), logits=logits)
+            self._pending = _Join(group=group, row0=row0, P=tokens.shape[1], pieces=None, stream=stream,
+                                  interleaved=False, running_at_begin=bool(self.seqs), logits=logits, done=done)
             return k
         row0 = len(self.seqs)
         with self._on(stream):
@@ -343,6 +385,11 @@ class BatchRunner:
         j = self._pending
         if j is None or j.logits is None:
             return False
+        if j.done is not None and self.seqs and not j.done.query():
+            # a concurrent pass still running beside the decode steps: taking its rows now would make the next step
+            # wait for it (with no row running, the compute stream just waits for it on the device)
+            self.counters["join_waits"] += 1
+            return False
         group = j.group
         target = self._target(group)
         if target is None:  # the running rows advanced during the pass: wait for some to finish
@@ -363,6 +410,7 @@ class BatchRunner:
             self.counters["joined_running"] += k
         self.counters["joins"] += 1
         self.counters["interleaved_joins"] += j.interleaved
+        self.counters["concurrent_joins"] += j.done is not None
         self.counters["padded_joins"] += len(set(lens)) > 1
         self.seqs.extend(group)
         self.pad.extend(target - n for n in lens)

@@ -104,7 +104,7 @@ class Ticket:
 
 class Scheduler:
     def __init__(self, engine, *, metrics=None, info: dict | None = None, decode=None, pipelined=None,
-                 join_tokens: int = JOIN_TOKENS, interleave_joins: bool = False,
+                 join_tokens: int = JOIN_TOKENS, interleave_joins: bool = False, concurrent_joins: bool = False,
                  after_iteration: Callable[[], None] | None = None):
         self.eng, self.metrics = engine, metrics
         # called by the engine thread after each pass of its loop (and while it waits idle, every STATS_EVERY_S):
@@ -112,6 +112,7 @@ class Scheduler:
         self.after_iteration = after_iteration
         self.join_tokens = join_tokens
         self.interleave_joins = interleave_joins
+        self.concurrent_joins = concurrent_joins
         self.info = dict(info or {})
         self.max_batch = engine.max_batch
         self.decode_text = decode
@@ -259,7 +260,8 @@ class Scheduler:
         try:
             with torch.inference_mode():
                 self.runner = BatchRunner(self.eng, decode=self.decode_text, pipelined=self.pipelined,
-                                          join_tokens=self.join_tokens, interleave=self.interleave_joins)
+                                          join_tokens=self.join_tokens, interleave=self.interleave_joins,
+                                          concurrent=self.concurrent_joins)
                 t0 = time.perf_counter()
                 if self.eng.device.type == "cuda":  # the interpreter (CPU) compiles nothing
                     from runmap.kernels.common import compile_log
@@ -333,11 +335,12 @@ class Scheduler:
         r.admit_many([warm(ids), warm(longer)][: eng.max_batch - r.rows])  # two lengths: a padded joint prefill
         while r.rows:
             r.step()
-        if self.interleave_joins and eng.max_batch > 1:  # a join whose prefill runs between decode steps
+        if (self.interleave_joins or self.concurrent_joins) and eng.max_batch > 1:
+            # a join whose prefill runs between (interleaved) or beside (concurrent) the running rows' decode steps
             r.admit(Sequence(ids, SamplingParams(max_new_tokens=max(1, min(8, eng.max_seq_len - len(ids) + 1)),
                                                  temperature=0.0, ignore_eos=True)))
             r.step()
-            if r.rows and r.can_interleave() and r.begin_join([warm(ids)]):
+            if r.rows and r.begin_join([warm(ids)], interleave=r.can_interleave()):
                 while r.joining:
                     r.advance_join(JOIN_SLICE_S)
                     r.finish_join()
@@ -444,8 +447,9 @@ class Scheduler:
     def _admit(self) -> None:
         """Every waiting request that fits joins, together (one joint prefill: runmap.serve.batching). With
         --join-mode whole the prefill runs now while the running rows wait; with interleaved, while rows are running,
-        it is spread over the next decode steps (a slice of JOIN_SLICE_S of host time per step) and one join is in
-        progress at a time."""
+        it is spread over the next decode steps (a slice of JOIN_SLICE_S of host time per step); with concurrent, while
+        rows are running, its captured pass runs on a stream of its own beside the next decode steps and the rows join
+        at the first step boundary after it is done. One join is in progress at a time."""
         r = self.runner
         if r.joining:
             self._advance_join()
