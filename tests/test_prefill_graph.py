@@ -251,11 +251,9 @@ def test_a_concurrent_join_computes_what_a_whole_join_computes(packs, test_devic
                     r.advance_join(None)
                     assert r.finish_join()
                 elif waiting and (not r.rows or steps % 3 == 0):
-                    if r.rows:
-                        assert r.begin_join(waiting[:1]) == 1
-                    else:
-                        assert r.admit_many(waiting[:1]) == 1
-                    waiting.pop(0)
+                    # 0: no KV room for it yet (it waits for rows to finish)
+                    n = r.begin_join(waiting[:1]) if r.rows else r.admit_many(waiting[:1])
+                    del waiting[:n]
                 r.step()  # with a join begun: a decode step queued beside its pass
                 steps += 1
                 assert steps < 500

@@ -329,9 +329,9 @@ class BatchRunner:
             beside = concurrent and self.concurrent and bool(self.seqs)  # rows run that the pass may run beside
             stream = self.concurrent_stream(k, tokens.shape[1]) if beside else None
             try:
+                if stream is not None:  # (read before entering the stream's context, where it is the current one)
+                    stream.wait_stream(torch.cuda.current_stream(self.dev))
                 with self._on(stream):
-                    if stream is not None:
-                        stream.wait_stream(torch.cuda.current_stream(self.dev))
                     logits = self.eng.prefill(self._upload(tokens), self._upload(pad), pad_host=pad.tolist(),
                                               kv_row0=row0, padded_pass=k > 1)
                     done = self._pass_done_event(stream) if beside else None
