@@ -234,9 +234,10 @@ def test_a_concurrent_join_computes_what_a_whole_join_computes(packs, test_devic
     from runmap.serve.batching import BatchRunner, SamplingParams, Sequence
 
     eng = _engine(packs, test_device, max_batch=4)
-    eng.prepare_join_passes()
+    eng.prepare_join_passes(concurrent=True)
     joins = [st for key, st in eng._prefiller.passes.items() if key[-1] > 0]
-    assert joins and eng._prefiller.join_pool is not None and eng._prefiller.join_stream is not None
+    assert joins and all(st.separate for st in joins) and eng.join_pass_concurrent(2, 20)
+    assert eng._prefiller.join_pool is not None and eng._prefiller.join_stream is not None
     gen = torch.Generator().manual_seed(5)
     prompts = [torch.randint(1, eng.cfg.vocab_size, (n,), generator=gen).tolist() for n in (9, 30, 4, 17, 23, 12)]
 

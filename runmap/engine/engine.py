@@ -1253,12 +1253,26 @@ class Engine:
             return None
         return self._prefiller.bucket_for(B, P)
 
-    def prepare_join_passes(self) -> int:
+    def join_pass_concurrent(self, B: int, P: int) -> bool:
+        """Whether the join pass of B rows x P positions into the cache's last B rows (B < max_batch) is captured in
+        a pool and on a capture stream of its own, so that it may replay beside decode steps (``prepare_join_passes``
+        with concurrent=True)."""
+        Pb = self.join_pass_bucket(B, P)
+        if Pb is None or B >= self.max_batch:
+            return False
+        st = self._prefiller.passes.get((B, Pb, B > 1, self.imposed is not None, self.routes is not None,
+                                         self.max_batch - B))
+        return st is not None and st.graph is not None and st.separate
+
+    def prepare_join_passes(self, concurrent: bool = False) -> int:
         """Capture, now, the passes a server's whole joins replay (``BatchRunner``: B rows into the cache's last B
-        rows, padded when B > 1) at every row count and length bucket a captured pass takes; returns how many. Nothing
-        without graph prefill (CPU, partial residency, a GPU budget)."""
+        rows, padded when B > 1) at every row count and length bucket a captured pass takes; returns how many.
+        ``concurrent``: those of fewer than max_batch rows into a memory pool and on a capture stream of their own
+        (runmap serve --join-mode concurrent replays them beside decode steps). Nothing without graph prefill (CPU,
+        partial residency, a GPU budget)."""
         if not self._graph_prefill():
             return 0
+        self._prefiller.separate_joins = concurrent
         return sum(self._prefiller.prepare_buckets(B, imposed=self.imposed is not None,
                                                    recorded=self.routes is not None, padded=B > 1,
                                                    row0=self.max_batch - B)

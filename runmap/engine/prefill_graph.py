@@ -74,6 +74,7 @@ class _CapturedPass:
         self.recorded = torch.zeros(L, B * Pb, k, dtype=torch.long, device=dev) if recorded else None
         self.graph: torch.cuda.CUDAGraph | None = None
         self.out: torch.Tensor | None = None  # float32 (B, V): the captured pass's logits (a static buffer)
+        self.separate = False  # captured into the prefiller's join pool, on its join stream
 
 
 class GraphPrefiller:
@@ -82,10 +83,13 @@ class GraphPrefiller:
 
     def __init__(self, engine, pool, capture: bool = True):
         self.e, self.pool, self.capture = engine, pool, capture
-        # Passes into KV rows past the first (a server's joins: row0 > 0) get a memory pool and a capture stream of
-        # their own, made at their first capture: a server may replay one beside its decode steps (runmap serve
-        # --join-mode concurrent), and two graphs replaying at the same time must share neither intermediate
-        # buffers (a pool's memory is reused across its graphs) nor a cuBLAS workspace (engine.capture_graph)
+        # With ``separate_joins`` (Engine.prepare_join_passes(concurrent=True)), passes into KV rows past the first
+        # (a server's joins: row0 > 0) are captured into a memory pool and on a capture stream of their own, made at
+        # the first such capture: a server then replays them beside its decode steps (runmap serve --join-mode
+        # concurrent), and two graphs replaying at the same time must share neither intermediate buffers (a pool's
+        # memory is reused across its graphs) nor a cuBLAS workspace (engine.capture_graph). Off by default: the
+        # second pool holds the largest join pass's working set once more
+        self.separate_joins = False
         self.join_pool = None
         self.join_stream = None
         # (rows, bucket, padded, routing workload on, route recorder on, first KV row) -> pass: a pass captured without
@@ -143,7 +147,8 @@ class GraphPrefiller:
         from runmap.engine.engine import capture_graph
 
         pool, stream = self.pool, None
-        if st.row0 > 0:
+        st.separate = self.separate_joins and st.row0 > 0
+        if st.separate:
             if self.join_pool is None:
                 self.join_pool, self.join_stream = torch.cuda.graph_pool_handle(), torch.cuda.Stream(self.e.device)
             pool, stream = self.join_pool, self.join_stream

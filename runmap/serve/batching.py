@@ -248,11 +248,11 @@ class BatchRunner:
     def concurrent_stream(self, k: int, P: int):
         """The CUDA stream a whole join of k rows x P positions begun now replays its captured pass on, beside the
         running rows' decode steps; None when it runs in line (no row running, not ``concurrent``, the CPU, a pass
-        that is not captured, or a decode step that draws from a routing workload, records routes or calls the
+        not captured in a pool of its own (``Engine.join_pass_concurrent``), or a decode step that draws from a routing workload, records routes or calls the
         routed experts' host path: their order against the pass would change)."""
         e = self.eng
         if not (self.concurrent and self.seqs and self.dev.type == "cuda" and e.imposed is None and e.routes is None
-                and getattr(e.experts, "full", False) and e.join_pass_bucket(k, P) is not None):
+                and getattr(e.experts, "full", False) and e.join_pass_concurrent(k, P)):
             return None
         if self._join_stream is None:
             # high priority: the pass's thread blocks go first where both want the device, so a joining request's

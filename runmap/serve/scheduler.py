@@ -302,7 +302,7 @@ class Scheduler:
                 self._warm_prefills()
                 # the captured passes whole joins replay (one per rows x length bucket; none under partial residency
                 # or a GPU budget): a join then costs the host a few copies and one launch instead of an eager pass
-                n = eng.prepare_join_passes()
+                n = eng.prepare_join_passes(concurrent=self.concurrent_joins)
                 if n:
                     log.info("captured %d join prefill passes", n)
             slots = [len(ids)]

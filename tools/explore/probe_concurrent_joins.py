@@ -58,7 +58,7 @@ def first_diff(a, b):
 dev = torch.device("cuda" if torch.cuda.is_available() else "cpu")
 t0 = time.perf_counter()
 eng = Engine.from_pack(args.packed, device=dev, max_batch=args.max_batch, max_seq_len=1024)
-eng.prepare_join_passes()
+eng.prepare_join_passes(concurrent=True)
 record["load_s"] = time.perf_counter() - t0
 rng = random.Random(0)
 V = eng.cfg.vocab_size
