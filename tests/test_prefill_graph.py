@@ -236,7 +236,7 @@ def test_a_concurrent_join_computes_what_a_whole_join_computes(packs, test_devic
     eng = _engine(packs, test_device, max_batch=4)
     eng.prepare_join_passes(concurrent=True)
     joins = [st for key, st in eng._prefiller.passes.items() if key[-1] > 0]
-    assert joins and all(st.separate for st in joins) and eng.join_pass_concurrent(2, 20)
+    assert joins and all(st.in_join_pool for st in joins) and eng.join_pass_concurrent(2, 20)
     assert eng._prefiller.join_pool is not None and eng._prefiller.join_stream is not None
     gen = torch.Generator().manual_seed(5)
     prompts = [torch.randint(1, eng.cfg.vocab_size, (n,), generator=gen).tolist() for n in (9, 30, 4, 17, 23, 12)]
@@ -264,3 +264,9 @@ def test_a_concurrent_join_computes_what_a_whole_join_computes(packs, test_devic
     conc, cc = run(True)
     assert cw["concurrent_joins"] == 0 and cc["concurrent_joins"] >= 3, cc
     assert conc == whole
+    # passes captured into the shared pool (prepare_join_passes without concurrent) never replay beside decode steps
+    eng = _engine(packs, test_device, max_batch=4)
+    eng.prepare_join_passes()
+    assert not eng.join_pass_concurrent(2, 20)
+    again, ca = run(True)
+    assert ca["concurrent_joins"] == 0 and ca["joins"] == cw["joins"] and again == whole

@@ -61,7 +61,9 @@ def _alone(eng, reqs):
 
 class _RunningPass:
     """Stands in, on the CPU, for a concurrent join's CUDA event: its pass reads as still running for the first
-    ``n`` queries (the CPU ran it already; what is tested is the runner's order of joins, steps and leaves)."""
+    ``n`` queries (the CPU ran it already; what is tested is the runner's order of joins, steps and leaves). On the
+    CPU no join has a side stream, so the tests that install it create a state a CUDA run reaches with one (a
+    pending pass beside running rows), not one it reaches without (there the join runs in line)."""
 
     def __init__(self, n: int):
         self.n = n
@@ -136,7 +138,7 @@ def test_every_request_gets_its_tokens_alone_whatever_the_schedule(engines, pres
         seqs, r, refused = _run_schedule(eng, reqs, pipelined=pipelined, seed=seed, joint=joint)
         interleaved += r.counters["interleaved_joins"]
         concurrent += r.counters["concurrent_joins"]
-        waits += r.counters["join_waits"]  # step boundaries at which a concurrent pass was still running
+        waits += r.counters["join_not_done"]  # step boundaries at which a concurrent pass was still running
         joints += r.counters["admitted"] - r.counters["joins"]  # requests that joined beside another one
         padded += r.counters["padded_joins"]  # ... in a group of different prompt lengths (a padded prefill)
         for k, (a, s) in enumerate(zip(alone, seqs)):
@@ -521,6 +523,35 @@ def test_the_scheduler_interleaves_joins_with_running_rows_and_outputs_stay_thos
         sched.stop()
 
 
+def test_a_concurrent_join_whose_running_rows_all_leave_joins_an_empty_batch(engines, monkeypatch):
+    """Every running row finishes while a concurrent join's pass still reads as running: the join then no longer
+    waits for it (nothing runs beside it; the compute stream waits on the device), its rows take the batch from
+    slot 0 and the full-residency lease is held throughout."""
+    monkeypatch.setattr(BatchRunner, "_pass_done_event", lambda self, stream: _RunningPass(10**9))
+    eng = engines["tiny-olmoe"]
+    (a_ids, _), (b_ids, _) = _requests(eng, 13, n=2)
+    short, joiner = SamplingParams(max_new_tokens=3), SamplingParams(max_new_tokens=5)
+    alone = _alone(eng, [(b_ids, joiner)])[0]
+    with torch.inference_mode():
+        r = BatchRunner(eng, pipelined=False, concurrent=True)
+        assert r.admit(Sequence(a_ids, short))
+        r.step()
+        seq = Sequence(b_ids, joiner)
+        assert r.begin_join([seq]) == 1
+        steps = 0
+        while r.rows:
+            r.advance_join(None)
+            assert not r.finish_join()  # rows still run beside the pass, which never reads as done
+            assert r._lead
+            r.step()
+            steps += 1
+        assert steps >= 1 and r.slot == 0 and r.joining and r._lead
+        assert r.finish_join() and r.rows == 1 and r.counters["concurrent_joins"] == 1
+        while r.rows:
+            r.step()
+    assert seq.token_ids == alone.token_ids and not r._lead
+
+
 @pytest.mark.parametrize("pipelined", [False, True], ids=["cpu-order", "pipelined"])
 def test_the_scheduler_runs_concurrent_joins_beside_running_rows_and_outputs_stay_those_alone(engines, pipelined,
                                                                                              monkeypatch):
@@ -544,7 +575,11 @@ def test_the_scheduler_runs_concurrent_joins_beside_running_rows_and_outputs_sta
             kind, seq = events[k][-1]
             assert kind == "done" and seq.token_ids == a.token_ids, k
         c = sched.runner.counters
-        assert c["concurrent_joins"] > before["concurrent_joins"] and c["join_waits"] > before["join_waits"], c
+        joins = c["concurrent_joins"] - before["concurrent_joins"]
+        # more checks found a pass not done than joins began: decode steps ran while passes were pending (the check
+        # right after each begin_join accounts for one per join)
+        assert joins > 0 and c["join_not_done"] - before["join_not_done"] > joins, c
+        assert before["concurrent_joins"] >= 1  # the warm-up ran a concurrent join too
         assert sched.alive and sched.waiting == 0 and sched.runner.rows == 0 and not sched.runner.joining
     finally:
         sched.stop()

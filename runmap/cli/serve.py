@@ -75,7 +75,8 @@ def add_arguments(p) -> None:
                         "it (full residency with CUDA graphs); concurrent: the prefill's captured pass runs at once "
                         "on a CUDA stream of its own beside the decode steps (same condition, and a pass short "
                         "enough to be captured). On the H200 interleaved served fewer tokens per second than whole "
-                        "(the engine thread is host-bound: results/serve/load/README.md)")
+                        "(the engine thread is host-bound) and concurrent about as many (32 clients: 0.74 of the "
+                        "offline batch against 0.72; results/serve/load/README.md)")
     p.add_argument("--max-seq-len", type=_positive, default=None, metavar="N",
                    help="context: prompt + completion tokens per request (default min(max_position_embeddings, 4096))")
     p.add_argument("--device", default=None, help="cuda | cpu (default: cuda when available)")

@@ -1254,15 +1254,15 @@ class Engine:
         return self._prefiller.bucket_for(B, P)
 
     def join_pass_concurrent(self, B: int, P: int) -> bool:
-        """Whether the join pass of B rows x P positions into the cache's last B rows (B < max_batch) is captured in
-        a pool and on a capture stream of its own, so that it may replay beside decode steps (``prepare_join_passes``
-        with concurrent=True)."""
+        """Whether the join pass of B rows x P positions into the cache's last B rows is captured in a pool and on a
+        capture stream of its own, so that it may replay beside decode steps (``prepare_join_passes`` with
+        concurrent=True; a pass captured before without it keeps the shared pool and runs in line)."""
         Pb = self.join_pass_bucket(B, P)
-        if Pb is None or B >= self.max_batch:
+        if Pb is None:
             return False
         st = self._prefiller.passes.get((B, Pb, B > 1, self.imposed is not None, self.routes is not None,
                                          self.max_batch - B))
-        return st is not None and st.graph is not None and st.separate
+        return st is not None and st.graph is not None and st.in_join_pool
 
     def prepare_join_passes(self, concurrent: bool = False) -> int:
         """Capture, now, the passes a server's whole joins replay (``BatchRunner``: B rows into the cache's last B

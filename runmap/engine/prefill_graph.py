@@ -74,7 +74,7 @@ class _CapturedPass:
         self.recorded = torch.zeros(L, B * Pb, k, dtype=torch.long, device=dev) if recorded else None
         self.graph: torch.cuda.CUDAGraph | None = None
         self.out: torch.Tensor | None = None  # float32 (B, V): the captured pass's logits (a static buffer)
-        self.separate = False  # captured into the prefiller's join pool, on its join stream
+        self.in_join_pool = False  # captured into the prefiller's join pool, on its join stream
 
 
 class GraphPrefiller:
@@ -147,10 +147,16 @@ class GraphPrefiller:
         from runmap.engine.engine import capture_graph
 
         pool, stream = self.pool, None
-        st.separate = self.separate_joins and st.row0 > 0
-        if st.separate:
+        st.in_join_pool = self.separate_joins and st.row0 > 0
+        if st.in_join_pool:
             if self.join_pool is None:
-                self.join_pool, self.join_stream = torch.cuda.graph_pool_handle(), torch.cuda.Stream(self.e.device)
+                # From the high-priority stream pool: torch hands out each pool's streams in rotation, and the
+                # low-priority one also holds torch's default capture stream (the decode graphs' and their cuBLAS
+                # workspace's), which a low-priority draw can return after enough draws
+                self.join_stream = torch.cuda.Stream(self.e.device, priority=-1)
+                if self.join_stream == torch.cuda.graphs.graph.default_capture_stream:
+                    raise RuntimeError("the join passes' capture stream is torch's default capture stream")
+                self.join_pool = torch.cuda.graph_pool_handle()
             pool, stream = self.join_pool, self.join_stream
         st.graph, st.out = capture_graph(lambda: self._forward(st), self.e.device, pool, stream)
 

@@ -157,7 +157,7 @@ class BatchRunner:
         self.pipelined = self.dev.type == "cuda" if pipelined is None else bool(pipelined)
         self.counters = {"admitted": 0, "joined_running": 0, "joins": 0, "interleaved_joins": 0,
                          "concurrent_joins": 0, "padded_joins": 0, "shifts": 0, "row_moves": 0, "steps": 0,
-                         "speculative_dropped": 0, "join_waits": 0}
+                         "speculative_dropped": 0, "join_not_done": 0}
         self.interleave = bool(interleave)
         self.concurrent = bool(concurrent)
         self._join_stream = None  # CUDA: the stream concurrent joins replay their passes on
@@ -246,12 +246,12 @@ class BatchRunner:
                 and getattr(e.experts, "full", False) and (self.dev.type != "cuda" or e.use_graphs))
 
     def concurrent_stream(self, k: int, P: int):
-        """The CUDA stream a whole join of k rows x P positions begun now replays its captured pass on, beside the
-        running rows' decode steps; None when it runs in line (no row running, not ``concurrent``, the CPU, a pass
-        not captured in a pool of its own (``Engine.join_pass_concurrent``), or a decode step that draws from a routing workload, records routes or calls the
-        routed experts' host path: their order against the pass would change)."""
+        """The CUDA stream a whole join of k rows x P positions begun beside running rows replays its captured pass
+        on; None when it runs in line (the CPU, a pass not captured in a pool of its own, see
+        ``Engine.join_pass_concurrent``, or a decode step that draws from a routing workload, records routes or
+        calls the routed experts' host path: their order against the pass would change)."""
         e = self.eng
-        if not (self.concurrent and self.seqs and self.dev.type == "cuda" and e.imposed is None and e.routes is None
+        if not (self.dev.type == "cuda" and e.imposed is None and e.routes is None
                 and getattr(e.experts, "full", False) and e.join_pass_concurrent(k, P)):
             return None
         if self._join_stream is None:
@@ -336,6 +336,8 @@ class BatchRunner:
                                               kv_row0=row0, padded_pass=k > 1)
                     done = self._pass_done_event(stream) if beside else None
             except BaseException:
+                if stream is not None:  # a pass queued before the failure must not outlive it: the next join's rows
+                    torch.cuda.current_stream(self.dev).wait_stream(stream)
                 if not self.seqs:
                     self._release()
                 raise
@@ -388,7 +390,7 @@ class BatchRunner:
         if j.done is not None and self.seqs and not j.done.query():
             # a concurrent pass still running beside the decode steps: taking its rows now would make the next step
             # wait for it (with no row running, the compute stream just waits for it on the device)
-            self.counters["join_waits"] += 1
+            self.counters["join_not_done"] += 1
             return False
         group = j.group
         target = self._target(group)

@@ -304,7 +304,8 @@ class Scheduler:
                 # or a GPU budget): a join then costs the host a few copies and one launch instead of an eager pass
                 n = eng.prepare_join_passes(concurrent=self.concurrent_joins)
                 if n:
-                    log.info("captured %d join prefill passes", n)
+                    where = " (in a pool of their own: they replay beside decode steps)" if self.concurrent_joins else ""
+                    log.info("captured %d join prefill passes%s", n, where)
             slots = [len(ids)]
             if dev.type == "cuda":
                 slots, b = [], 256

@@ -1,7 +1,7 @@
 """Concurrent joins on the GPU (runmap serve --join-mode concurrent; issue 17, item 6): do they compute what whole
 joins compute, do they survive a server's load, and what do they serve per second against whole joins?
 
-Three stages on one engine (full residency, CUDA graphs), each written to --out as soon as it ends (a device fault
+Two stages on one engine (full residency, CUDA graphs), each written to --out as soon as it ends (a device fault
 ends the process; the stages before it stay recorded):
 
   tokens   the same requests through BatchRunner three ways: alone (Engine.generate), whole joins and concurrent
@@ -11,7 +11,9 @@ ends the process; the stages before it stay recorded):
            divergence in the concurrent run only; near-tie rounding as late divergences in both.
   load     runmap.serve.scheduler.Scheduler itself (no HTTP) under --clients threads that each submit a greedy
            request of --max-tokens tokens as soon as their last one finished, for --seconds per join mode: tokens
-           per second, joins, concurrent joins and the step boundaries at which a pass was still running.
+           per second, joins, concurrent joins and the checks that found a pass not yet done (one at the boundary
+           where each join began, the others at later ones). The join passes are captured once, for concurrent
+           joins (their own pool); a whole join replays the same passes in line.
 
     PYTHONPATH=. python3 tools/explore/probe_concurrent_joins.py --packed PACK --out OUT.json
 """
@@ -97,7 +99,7 @@ with torch.inference_mode():
     record["stages"]["tokens"] = {"whole": run(False), "concurrent": run(True)}
     save()
     print("tokens:", {k: (v["equal_to_alone"], v["first_differences"][:6], v["counters"]["concurrent_joins"],
-                          v["counters"]["join_waits"]) for k, v in record["stages"]["tokens"].items()}, flush=True)
+                          v["counters"]["join_not_done"]) for k, v in record["stages"]["tokens"].items()}, flush=True)
 
 # ---- load ------------------------------------------------------------------------------------------------------
 record["stages"]["load"] = {}
@@ -146,6 +148,6 @@ for mode in args.modes.split(","):
     record["stages"]["load"][mode] = point
     save()
     print(f"load {mode}: {point['tok_s']:.0f} tok/s, joins {point['counters']['joins']}, concurrent "
-          f"{point['counters']['concurrent_joins']}, waits {point['counters']['join_waits']}, steps "
+          f"{point['counters']['concurrent_joins']}, not done {point['counters']['join_not_done']}, steps "
           f"{point['counters']['steps']}, errors {len(errors)}, failed {sched.failed}", flush=True)
 print("end", flush=True)
