@@ -45,7 +45,9 @@ time to first token and duration are recorded apart from the windows), then for 
   2. measure: generated tok/s over the window (the server's own token counter read at the window's start and
      end; the clients' count, from the usage chunks, is kept beside it), p50/p99 time to first token (request
      sent -> first content chunk), p50/p99 inter-token latency (between content chunks of a request), requests
-     completed in the window, errors, mean running / waiting rows of the scheduler;
+     completed in the window, errors, mean running / waiting rows of the scheduler, each client's turnaround
+     between two requests (its stream ended -> its next request sent: a closed-loop client holds no row then),
+     and the CPU seconds of this process (the HTTP side), of the engine's child process and of the clients;
   3. once the server is idle, time the engine's own batched decode at batch min(clients, --max-batch) on the
      same engine, between scheduler steps: Engine.run on the first prompts of the set, max_new_tokens
      --max-tokens, EOS ignored (every row decodes), --offline-warmup untimed then --offline-repeats timed
@@ -295,6 +297,12 @@ def summarize_window(records: list, *, clients: int, t_start: float, t_end: floa
         if n:
             client_tokens += r["tokens"] * sum(1 for t in r["chunks"] if t <= t_end) / n
     ttft = [r["chunks"][0] - r["t_send"] for r in ok if r["chunks"]]
+    # each client's turnaround between two requests (a closed-loop client holds no row meanwhile)
+    by_client: dict = {}
+    for r in records:
+        by_client.setdefault(r["client"], []).append(r)
+    gaps = [b["t_send"] - a["t_done"] for rs in by_client.values()
+            for a, b in zip(sorted(rs, key=lambda r: r["t_send"]), sorted(rs, key=lambda r: r["t_send"])[1:])]
     itl = [b - a for r in ok for a, b in zip(r["chunks"], r["chunks"][1:])]
     msgs = []
     for r in errors:
@@ -314,6 +322,7 @@ def summarize_window(records: list, *, clients: int, t_start: float, t_end: floa
         "mean_running_rows": sum(running) / len(running) if running else None,
         "mean_waiting_requests": sum(waiting) / len(waiting) if waiting else None,
         "drain_s": max((r["t_done"] for r in records), default=t_end) - t_end,
+        "client_gap_s": _dist([max(0.0, g) for g in gaps]),
     }
 
 
@@ -432,6 +441,35 @@ def offline_throughput(srv: InProcessServer, prompts: list[str], *, batch: int, 
             "new_tokens": runs[-1]["new_tokens"], "prompt_tokens": runs[-1]["prompt_tokens"]}
 
 
+def _cpu_seconds(pid: int | None = None) -> float | None:
+    """CPU seconds (user + system, every thread) a process has used: this one (pid None) from os.times(), another
+    from /proc/PID/stat; None where that cannot be read (no /proc, a process that has gone)."""
+    if pid is None:
+        t = os.times()
+        return t.user + t.system
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            fields = f.read().rsplit(")", 1)[1].split()  # after the command name, which may hold spaces
+        return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")  # utime, stime
+    except (OSError, ValueError, IndexError):
+        return None
+
+
+def _cpu_snapshot(srv: "InProcessServer") -> dict:
+    """CPU seconds so far of this process, of the engine's child process and of the other children (the clients)."""
+    import multiprocessing
+
+    proc = getattr(srv.scheduler, "proc", None)  # runmap.serve.engine_process.EngineProcess (--engine-process on)
+    engine_pid = proc.pid if proc is not None else None
+    clients = [_cpu_seconds(p.pid) for p in multiprocessing.active_children() if p.pid != engine_pid]
+    return {"bench_process": _cpu_seconds(), "engine_process": _cpu_seconds(engine_pid) if engine_pid else None,
+            "client_processes": None if not clients or None in clients else sum(clients)}
+
+
+def _cpu_delta(a: dict, b: dict) -> dict:
+    return {k: None if a[k] is None or b[k] is None else max(0.0, b[k] - a[k]) for k in a}
+
+
 def run_window(srv: InProcessServer, pool, *, clients: int, procs: int, job: dict, duration_s: float) -> dict:
     """One client count: start the clients on the workers, read the server's token counter at the window's
     start and end, sample the scheduler's rows, collect the request records once every client finished."""
@@ -446,6 +484,7 @@ def run_window(srv: InProcessServer, pool, *, clients: int, procs: int, job: dic
     n0 = sched.totals["generated_tokens"]
     late0 = sched.compiles_after_ready()
     busy0, count0, pc0 = dict(sched.time_in), sched.counters(), time.perf_counter()
+    cpu0 = _cpu_snapshot(srv)
     samples = []
     while (now := time.monotonic()) < t_end:
         samples.append((sched.running, sched.waiting))
@@ -453,6 +492,7 @@ def run_window(srv: InProcessServer, pool, *, clients: int, procs: int, job: dic
     n1 = sched.totals["generated_tokens"]
     late1 = sched.compiles_after_ready()
     busy1, count1, pc1 = dict(sched.time_in), sched.counters(), time.perf_counter()
+    cpu1 = _cpu_snapshot(srv)
     records = []
     for f in futs:
         try:
@@ -462,6 +502,7 @@ def run_window(srv: InProcessServer, pool, *, clients: int, procs: int, job: dic
     point = summarize_window(records, clients=clients, t_start=t_start, t_end=t_end, server_tokens=n1 - n0,
                              samples=samples)
     # Triton kernel variants compiled inside the window (each one stalled every running row); None on the CPU
+    point["cpu_s"] = _cpu_delta(cpu0, cpu1)  # where the host's time went: HTTP side, engine, clients
     point["kernel_compiles"] = None if late0 is None else {"count": late1["count"] - late0["count"],
                                                            "variants": late1["variants"][len(late0["variants"]):]}
     # the engine thread over the window: its time admitting (joint prefills), stepping, snapshotting and running
@@ -514,6 +555,16 @@ def print_table(rec: dict) -> None:
         print(f"{pt['clients']:>7} {'':>14}" + "".join(f" {e[k] / wall:>6.2f}" for k in ("admit_s", "step_s", "stats_s", "idle_s"))
               + f" {'':>21} {e['joins']:>6} {e['admitted']:>8} "
               + f"{f(None if qw['p50'] is None else qw['p50'] * 1e3):>8}/{f(None if qw['p99'] is None else qw['p99'] * 1e3)} ms")
+    print(f"{'clients':>7} host cores (CPU s / window s): {'bench':>6} {'engine':>7} {'clients':>8}   "
+          f"client turnaround p50/p99")
+    for pt in rec["points"]:
+        cpu, gap = pt.get("cpu_s"), pt.get("client_gap_s")
+        if cpu is None or gap is None:
+            continue
+        cores = [f(None if cpu[k] is None else cpu[k] / pt["duration_s"], ".2f")
+                 for k in ("bench_process", "engine_process", "client_processes")]
+        print(f"{pt['clients']:>7} {'':>29} {cores[0]:>6} {cores[1]:>7} {cores[2]:>8}   "
+              f"{f(ms(gap, 'p50')):>8}/{f(ms(gap, 'p99'))} ms")
     for t in rec["targets"]["checks"]:
         print(f"target ratio >= {rec['targets']['ratio_to_offline_min']} at {t['clients']} clients: "
               f"{'met' if t['met'] else 'NOT met'} ({t['ratio']:.2f})")

@@ -123,6 +123,10 @@ def test_the_numbers_of_each_point_agree(bench_run):
         # a join in progress at either edge of the window may be counted by one and not the other
         assert 1 <= e["joins"] <= e["admitted"] and abs(e["queue_wait_s"]["n"] - e["admitted"]) <= 2 * c
         assert 0 <= e["queue_wait_s"]["p50"] <= e["queue_wait_s"]["max"]
+        # the host's CPU over the window: the benchmark's process and the clients worked, and the clients came back
+        cpu, gap = p["cpu_s"], p["client_gap_s"]
+        assert cpu["bench_process"] > 0 and cpu["client_processes"] > 0 and cpu["engine_process"] is None
+        assert gap["n"] >= 1 and 0 <= gap["p50"] <= gap["max"] < p["duration_s"]
     assert rec["server"]["kernel_compiles_after_ready"] is None
     assert rec["targets"]["checks"] == []  # neither 8 nor 32 clients ran
 
@@ -131,9 +135,12 @@ def test_the_table_and_the_plot(bench_run):
     out = bench_run["proc"].stdout
     assert "clients" in out and "ratio" in out and f"wrote {bench_run['out']}" in out
     rows = [ln.split() for ln in out.splitlines() if ln.split() and ln.split()[0] in {str(c) for c in CLIENTS}]
-    # the main table, then the engine thread's share of each window: a row per client count in each
-    assert [r[0] for r in rows] == [str(c) for c in CLIENTS] * 2
-    assert "engine thread:" in out and all(len(r) == 9 for r in rows[len(CLIENTS):])
+    # the main table, the engine thread's share of each window, then the host's cores and the clients' turnaround: a
+    # row per client count in each
+    n = len(CLIENTS)
+    assert [r[0] for r in rows] == [str(c) for c in CLIENTS] * 3
+    assert "engine thread:" in out and all(len(r) == 9 for r in rows[n:2 * n])
+    assert "host cores" in out and all(len(r) == 6 for r in rows[2 * n:])
     assert bench_run["png"].read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
 
 
