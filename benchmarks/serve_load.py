@@ -299,10 +299,9 @@ def summarize_window(records: list, *, clients: int, t_start: float, t_end: floa
     ttft = [r["chunks"][0] - r["t_send"] for r in ok if r["chunks"]]
     # each client's turnaround between two requests (a closed-loop client holds no row meanwhile)
     by_client: dict = {}
-    for r in records:
+    for r in sorted(records, key=lambda r: r["t_send"]):
         by_client.setdefault(r["client"], []).append(r)
-    gaps = [b["t_send"] - a["t_done"] for rs in by_client.values()
-            for a, b in zip(sorted(rs, key=lambda r: r["t_send"]), sorted(rs, key=lambda r: r["t_send"])[1:])]
+    gaps = [b["t_send"] - a["t_done"] for rs in by_client.values() for a, b in zip(rs, rs[1:])]
     itl = [b - a for r in ok for a, b in zip(r["chunks"], r["chunks"][1:])]
     msgs = []
     for r in errors:

@@ -1260,9 +1260,9 @@ class Engine:
         Pb = self.join_pass_bucket(B, P)
         if Pb is None:
             return False
-        st = self._prefiller.passes.get((B, Pb, B > 1, self.imposed is not None, self.routes is not None,
-                                         self.max_batch - B))
-        return st is not None and st.graph is not None and st.in_join_pool
+        st = self._prefiller.captured(B, Pb, B > 1, self.imposed is not None, self.routes is not None,
+                                      self.max_batch - B)
+        return st is not None and st.in_join_pool
 
     def prepare_join_passes(self, concurrent: bool = False) -> int:
         """Capture, now, the passes a server's whole joins replay (``BatchRunner``: B rows into the cache's last B

@@ -105,6 +105,11 @@ class GraphPrefiller:
             return None
         return Pb
 
+    def captured(self, B: int, Pb: int, padded: bool, imposed: bool, recorded: bool, row0: int = 0):
+        """The pass of that key if it has been captured, else None (nothing is made)."""
+        st = self.passes.get((B, Pb, padded, imposed, recorded, row0))
+        return st if st is not None and st.graph is not None else None
+
     def _pass(self, B: int, Pb: int, padded: bool, imposed: bool, recorded: bool, row0: int = 0) -> _CapturedPass:
         key = (B, Pb, padded, imposed, recorded, row0)
         if key not in self.passes:

@@ -139,7 +139,7 @@ class BatchRunner:
         a longer single prompt still joins, alone. 0: every request is prefilled alone. interleave: joins begun
         with ``begin_join`` while rows run may spread their prefill over several decode steps (``can_interleave``);
         concurrent: a whole join begun while rows run replays its captured pass on a stream of its own beside the
-        decode steps (``concurrent_stream``); neither: every join stalls the running rows for its whole prefill."""
+        decode steps (``can_join_concurrently``); neither: every join stalls the running rows for its whole prefill."""
         if join_tokens < 0:
             raise ValueError(f"join_tokens must be >= 0, got {join_tokens}")
         self.eng = engine
@@ -160,9 +160,8 @@ class BatchRunner:
                          "speculative_dropped": 0, "join_not_done": 0}
         self.interleave = bool(interleave)
         self.concurrent = bool(concurrent)
-        self._join_stream = None  # CUDA: the stream concurrent joins replay their passes on
         self._pending: _Join | None = None  # the joint prefill in progress (begin_join .. finish_join)
-        self._side = None  # CUDA: the stream interleaved prefills run on
+        self._side = None  # CUDA: the stream interleaved and concurrent prefills run on (_side_stream)
         self._lead: bool = False  # the cache's full-residency request is held (Engine.experts.begin)
 
     # ---- capacity --------------------------------------------------------------------------------------
@@ -245,20 +244,28 @@ class BatchRunner:
         return (self.interleave and bool(self.seqs) and e.imposed is None and e.routes is None
                 and getattr(e.experts, "full", False) and (self.dev.type != "cuda" or e.use_graphs))
 
-    def concurrent_stream(self, k: int, P: int):
-        """The CUDA stream a whole join of k rows x P positions begun beside running rows replays its captured pass
-        on; None when it runs in line (the CPU, a pass not captured in a pool of its own, see
+    def can_join_concurrently(self, k: int, P: int) -> bool:
+        """Whether a whole join of k rows x P positions begun beside running rows may replay its captured pass on the
+        side stream; False: it runs in line (the CPU, a pass not captured in a pool of its own, see
         ``Engine.join_pass_concurrent``, or a decode step that draws from a routing workload, records routes or
         calls the routed experts' host path: their order against the pass would change)."""
         e = self.eng
-        if not (self.dev.type == "cuda" and e.imposed is None and e.routes is None
-                and getattr(e.experts, "full", False) and e.join_pass_concurrent(k, P)):
-            return None
-        if self._join_stream is None:
-            # high priority: the pass's thread blocks go first where both want the device, so a joining request's
-            # first token is not held back by a stream of decode steps (the running rows take what it leaves)
-            self._join_stream = torch.cuda.Stream(self.dev, priority=-1)
-        return self._join_stream
+        return (self.dev.type == "cuda" and e.imposed is None and e.routes is None
+                and getattr(e.experts, "full", False) and e.join_pass_concurrent(k, P))
+
+    def _side_stream(self):
+        """The CUDA stream a join's prefill runs on beside the decode steps (interleaved or concurrent), made at its
+        first use, once it waits for what the compute stream has queued so far: the free rows the join writes may
+        still be read by that work (a leaving row's move, the previous join's move)."""
+        if self._side is None:
+            # From the high-priority pool: torch hands out pool streams round-robin, and the decode graphs were
+            # captured on low-priority pool streams whose cuBLAS workspaces (one per handle and stream) their
+            # GEMMs kept; an eager GEMM on one of those streams would share a workspace with a graph replaying
+            # at the same time on the compute stream. High priority also lets a pass's thread blocks go first where
+            # both want the device, so a joining request's first token is not held back by the decode steps.
+            self._side = torch.cuda.Stream(self.dev, priority=-1)
+        self._side.wait_stream(torch.cuda.current_stream(self.dev))  # read here, outside the side stream's context
+        return self._side
 
     def _pass_done_event(self, stream):
         """A CUDA event recorded on ``stream`` after the work queued there so far (None without a stream)."""
@@ -273,7 +280,7 @@ class BatchRunner:
         returns how many it takes (0: nothing started). With ``interleave`` (and ``can_interleave()``) the pass
         runs on a side stream, piece by piece in ``advance_join`` between decode steps, into free KV rows past the
         running ones; otherwise ``advance_join(None)`` runs it whole -- beside the decode steps where ``concurrent``
-        and ``concurrent_stream`` allow it. ``finish_join`` makes its rows part of the batch."""
+        and ``can_join_concurrently`` allow it. ``finish_join`` makes its rows part of the batch."""
         if self.joining:
             raise RuntimeError("a join is already in progress")
         for seq in seqs:
@@ -306,17 +313,7 @@ class BatchRunner:
         if not self._lead:
             self.eng.experts.begin()  # what Engine.run does around its groups (full residency: lease every row)
             self._lead = True
-        stream = None
-        if side and self.dev.type == "cuda":
-            if self._side is None:
-                # From the high-priority pool: torch hands out pool streams round-robin, and the decode graphs were
-                # captured on low-priority pool streams whose cuBLAS workspaces (one per handle and stream) their
-                # GEMMs kept; an eager GEMM on one of those streams would share a workspace with a graph replaying
-                # at the same time on the compute stream.
-                self._side = torch.cuda.Stream(self.dev, priority=-1)
-            stream = self._side
-            # the free rows may still be read by work queued before now (a leaving row's move): wait for it
-            stream.wait_stream(torch.cuda.current_stream(self.dev))
+        stream = self._side_stream() if side and self.dev.type == "cuda" else None
         k = len(group)
         # (k, P) left-padded as generate_batch pads a batch (P the longest prompt), (k,) each row's padding
         tokens, pad = left_pad([s.prompt_ids for s in group], self.eng.pad_id)
@@ -327,10 +324,8 @@ class BatchRunner:
             # queued on a stream of its own, after what the compute stream has queued so far (the step in flight)
             row0 = self.max_batch - k
             beside = concurrent and self.concurrent and bool(self.seqs)  # rows run that the pass may run beside
-            stream = self.concurrent_stream(k, tokens.shape[1]) if beside else None
+            stream = self._side_stream() if beside and self.can_join_concurrently(k, tokens.shape[1]) else None
             try:
-                if stream is not None:  # (read before entering the stream's context, where it is the current one)
-                    stream.wait_stream(torch.cuda.current_stream(self.dev))
                 with self._on(stream):
                     logits = self.eng.prefill(self._upload(tokens), self._upload(pad), pad_host=pad.tolist(),
                                               kv_row0=row0, padded_pass=k > 1)
