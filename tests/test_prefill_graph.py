@@ -270,3 +270,52 @@ def test_a_concurrent_join_computes_what_a_whole_join_computes(packs, test_devic
     assert not eng.join_pass_concurrent(2, 20)
     again, ca = run(True)
     assert ca["concurrent_joins"] == 0 and ca["joins"] == cw["joins"] and again == whole
+
+
+def test_a_mixed_step_computes_the_decode_step_and_the_prompt_alone(packs, test_device):
+    """--join-mode mixed: one pass (runmap.engine.mixed_step) decodes the running rows and prefills a joining prompt,
+    left-padded to its bucket so that it ends at the shared slot, in the cache's last row. Its logits are those of the
+    plain decode step for the rows and of the prompt prefilled alone for the prompt; its keys and values are the
+    alone pass's, moved to end at the slot. Rows bucket past the running ones (dummy rows) and a prompt shorter than
+    its bucket are both exercised; on CUDA the step is a captured graph."""
+    from runmap.engine.mixed_step import MIXED_MAX_PROMPT, mixed_rows
+
+    eng = _engine(packs, test_device, max_batch=4)
+    dev = eng.device
+    gen = torch.Generator().manual_seed(11)
+    V = eng.cfg.vocab_size
+    rows = [torch.randint(1, V, (n,), generator=gen).tolist() for n in (21, 26)]  # running rows, left-padded
+    prompt = torch.randint(1, V, (13,), generator=gen).tolist()  # bucket 16: three padding positions
+    P0, P = 26, len(prompt)
+    tokens = torch.tensor([[eng.pad_id] * (P0 - len(r)) + r for r in rows], device=dev)
+    pad = torch.tensor([P0 - len(r) for r in rows], device=dev)
+    with torch.inference_mode():
+        eng.experts.begin()
+        try:
+            first = eng.prefill(tokens, pad).argmax(-1)  # (2,): the rows' first tokens, KV slots 0..25 of rows 0, 1
+            slot = P0
+            saved = eng.kv.k.clone(), eng.kv.v.clone()
+            want_rows = eng.decode(first, slot, pad).clone()  # (2, V)
+            want_kv = eng.kv.k[:, :2, :, slot].clone()
+            alone = eng.prefill(torch.tensor([prompt], device=dev), torch.zeros(1, dtype=torch.long, device=dev),
+                                kv=eng.kv.rows(2, 3)).clone()  # (1, V), keys at slots 0..P-1 of row 2
+            alone_k = eng.kv.k[:, 2, :, :P].clone()
+            eng.kv.k.copy_(saved[0])
+            eng.kv.v.copy_(saved[1])
+            key = eng.mixed_step_key(2, P, slot)
+            assert key is not None and key[0] == mixed_rows(2, 4) == 3 and key[1] == 16  # one dummy decode row
+            got = eng.mixed_step(first, slot, pad, torch.tensor(prompt, device=dev), key)  # (3, V)
+        finally:
+            eng.experts.end()
+    assert got.shape == (3, V) and torch.isfinite(got).all()
+    tol = dict(atol=0.05, rtol=0.0) if test_device == "cuda" else dict(atol=2e-3, rtol=0.0)
+    torch.testing.assert_close(got[:2], want_rows, **tol)
+    torch.testing.assert_close(got[2:], alone, **tol)
+    assert (got[:2].argmax(-1) == want_rows.argmax(-1)).all() and got[2].argmax() == alone[0].argmax()
+    # the rows' new keys at the slot, and the prompt's keys in the last row ending at the slot
+    torch.testing.assert_close(eng.kv.k[:, :2, :, slot], want_kv, atol=2e-2, rtol=0.0)
+    torch.testing.assert_close(eng.kv.k[:, 3, :, slot + 1 - P:slot + 1], alone_k, atol=2e-2, rtol=0.0)
+    # shapes a mixed step does not take: a prompt whose bucket ends before slot 0, one past the largest bucket, a
+    # batch with no free row
+    assert eng.mixed_step_key(2, 20, 10) is None and eng.mixed_step_key(2, MIXED_MAX_PROMPT + 1, 90) is None
+    assert eng.mixed_step_key(4, 5, 40) is None

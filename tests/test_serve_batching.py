@@ -78,13 +78,14 @@ def _run_schedule(eng, reqs, *, pipelined: bool, seed: int, cancel: int | None =
     joint: the requests that arrived by then join together (admit_many), as the server admits them;
     "interleaved": and while rows run, the join's prefill is spread over the next steps (begin_join, then 0 to 3
     of its pieces per step boundary), as the server runs it; "concurrent": and while rows run, the join's pass
-    reads as running beside 0 to 4 more steps before its rows may join."""
+    reads as running beside 0 to 4 more steps before its rows may join; "mixed": and while rows run, the first arrived
+    request's prompt is computed inside the next decode step where it fits (else it joins whole)."""
     rng = random.Random(seed)
     seqs = [Sequence(ids, p) for ids, p in reqs]
     waiting, refused, steps = list(seqs), 0, 0
     with torch.inference_mode():
         r = BatchRunner(eng, pipelined=pipelined, interleave=joint == "interleaved",
-                        concurrent=joint == "concurrent")
+                        concurrent=joint == "concurrent", mixed=joint == "mixed")
         if joint == "concurrent":  # the CPU has no side stream: the pass's completion event is simulated
             r._pass_done_event = lambda stream: _RunningPass(rng.randint(0, 4))
         while waiting or r.rows or r.joining:
@@ -93,8 +94,8 @@ def _run_schedule(eng, reqs, *, pipelined: bool, seed: int, cancel: int | None =
                     if r.advance_join(0.0):
                         break
                 r.finish_join()
-            elif joint in ("interleaved", "concurrent") and r.rows and rng.random() < 0.5 and \
-                    (joint == "concurrent" or r.can_interleave()):
+            elif joint in ("interleaved", "concurrent", "mixed") and r.rows and rng.random() < 0.5 and \
+                    (joint != "interleaved" or r.can_interleave()):
                 arrived = waiting[: rng.randint(1, 3)]
                 n = r.begin_join(arrived, interleave=joint == "interleaved")
                 refused += n < len(arrived)
@@ -117,14 +118,14 @@ def _run_schedule(eng, reqs, *, pipelined: bool, seed: int, cancel: int | None =
     return seqs, r, refused
 
 
-@pytest.mark.parametrize("joint", [False, True, "interleaved", "concurrent"],
-                         ids=["one-by-one", "joint", "interleaved", "concurrent"])
+@pytest.mark.parametrize("joint", [False, True, "interleaved", "concurrent", "mixed"],
+                         ids=["one-by-one", "joint", "interleaved", "concurrent", "mixed"])
 @pytest.mark.parametrize("pipelined", [False, True], ids=["cpu-order", "pipelined"])
 @pytest.mark.parametrize("preset", ["tiny-olmoe", "tiny-qwen2-moe"])
 def test_every_request_gets_its_tokens_alone_whatever_the_schedule(engines, preset, pipelined, joint, monkeypatch):
     eng = engines[preset]
     totals = {"joined_running": 0, "shifts": 0, "row_moves": 0, "refused": 0}
-    joints = padded = interleaved = concurrent = waits = moved = 0
+    joints = padded = interleaved = concurrent = waits = moved = mixed = 0
     move = BatchRunner._move_kv
 
     def counting_move(self, src, dst, *a):  # a join whose rows moved down: rows left during its prefill
@@ -138,6 +139,7 @@ def test_every_request_gets_its_tokens_alone_whatever_the_schedule(engines, pres
         seqs, r, refused = _run_schedule(eng, reqs, pipelined=pipelined, seed=seed, joint=joint)
         interleaved += r.counters["interleaved_joins"]
         concurrent += r.counters["concurrent_joins"]
+        mixed += r.counters["mixed_joins"]  # requests whose prompt ran inside a decode step
         waits += r.counters["join_not_done"]  # step boundaries at which a concurrent pass was still running
         joints += r.counters["admitted"] - r.counters["joins"]  # requests that joined beside another one
         padded += r.counters["padded_joins"]  # ... in a group of different prompt lengths (a padded prefill)
@@ -158,6 +160,7 @@ def test_every_request_gets_its_tokens_alone_whatever_the_schedule(engines, pres
     assert (interleaved > 0) == (joint == "interleaved"), interleaved
     # concurrent schedules had rows decode while a join's pass ran, and took its rows in only once it was done
     assert (concurrent > 0) == (waits > 0) == (joint == "concurrent"), (concurrent, waits)
+    assert (mixed > 0) == (joint == "mixed"), mixed
     assert moved > 0, moved
 
 

@@ -103,6 +103,7 @@ from runmap.engine.generation import (GenerationError, GenerationResult, Generat
                                      prefill_warmup_shapes)
 from runmap.engine.model import KVCache, Transformer, experts_dense_torch, load_weights, run_pieces
 from runmap.engine.prefill_graph import GraphPrefiller
+from runmap.engine.mixed_step import MixedStepper
 from runmap.kernels.registry import CPU_SITE_EXECUTORS, EXECUTOR_NAMES as EXECUTORS, GRAPH_SAFE_EXECUTORS as GRAPH_EXECUTORS
 from runmap.engine.telemetry import DECODE_PATHS, PREFILL_PATHS
 from runmap.residency.regimes import regime_of
@@ -949,6 +950,8 @@ class Engine:
             device.type == "cuda" else None
         if self.use_graphs:
             self._prefiller = GraphPrefiller(self, self._pool)
+        self._mixer: MixedStepper | None = None  # mixed steps (mixed_step), made at first use
+        self.mixed_steps = {"graphs": 0, "eager": 0}  # mixed steps by the path that ran them
         self.last_timing: dict | None = None
         self.warm_up_s: float | None = None  # seconds of warm_up() (from_pack runs it on CUDA, full residency)
         self.budget_plan = None  # runmap.engine.budget.BudgetPlan when built with gpu_budget
@@ -1278,6 +1281,39 @@ class Engine:
                                                    row0=self.max_batch - B)
                    for B in range(1, self.max_batch + 1))
 
+    def mixed_step_key(self, B: int, P: int, slot: int):
+        """The shape of a mixed step (runmap.engine.mixed_step) of B running rows at KV slot ``slot`` and a joining
+        prompt of P tokens, or None when none can run: partial residency, a routing workload or a route recorder, on
+        CUDA without captured passes (no CUDA graphs, a GPU budget), or a shape MixedStepper.key refuses."""
+        if self.imposed is not None or self.routes is not None or self.skip_experts \
+                or not getattr(self.experts, "full", False):
+            return None
+        if self.device.type == "cuda" and not self._graph_prefill():
+            return None
+        return self._mixed_stepper().key(B, P, slot)
+
+    def mixed_step(self, tokens: torch.Tensor, slot: int, pad: torch.Tensor, prompt: torch.Tensor, key) -> torch.Tensor:
+        """One decode step of the running rows with a joining prompt computed in it: tokens int64 (B,), slot int, pad
+        int64 (B,), prompt int64 (P,) (device), key = ``mixed_step_key(B, P, slot)`` -> float32 (B + 1, V), the rows'
+        logits then the prompt's last position's. The prompt's keys and values land in the cache's last row, slots
+        slot - Pb + 1 .. slot (left-padded to its bucket Pb; pad slot + 1 - P): the caller moves them to row B."""
+        self.mixed_steps["graphs" if self.device.type == "cuda" else "eager"] += 1
+        with torch.inference_mode():  # its static buffers are inference tensors
+            return self._mixed_stepper().run(tokens, slot, pad, prompt, key)
+
+    def prepare_mixed_steps(self) -> int:
+        """Capture every mixed-step shape now (a server's warm-up under --join-mode mixed); returns how many (0 on the
+        CPU and wherever ``mixed_step_key`` refuses every shape)."""
+        if self.mixed_step_key(1, 1, 0) is None and self.mixed_step_key(1, 1, self.max_seq_len - 1) is None:
+            return 0
+        with torch.inference_mode():
+            return self._mixed_stepper().prepare()
+
+    def _mixed_stepper(self) -> MixedStepper:
+        if self._mixer is None:
+            self._mixer = MixedStepper(self, self._pool, capture=self.device.type == "cuda")
+        return self._mixer
+
     def prefill_pieces(self, tokens: torch.Tensor, pad: torch.Tensor, all_logits: bool = False, *, kv=None,
                        pad_host=None):
         """``prefill`` as a generator that yields after each layer's work is queued and returns the logits, so
@@ -1410,6 +1446,7 @@ class Engine:
             self._pool = torch.cuda.graph_pool_handle()
         if self._prefiller is not None:
             self._prefiller = GraphPrefiller(self, self._pool)
+        self._mixer = None
 
     # ---- public API ---------------------------------------------------------------------------------------
     def encode(self, prompt, chat: bool = False) -> list[int]:
@@ -1560,6 +1597,7 @@ class Engine:
         self._mixed_segments.clear()
         self._retired.clear()
         self._prefiller = None
+        self._mixer = None
         self._pool = None
         self.kv = self.model = self.experts = None
         self._closed = True

@@ -340,10 +340,18 @@ class Transformer:
         """h fp16 (B, T, H) -> fp16 (B, T, H); writes k, v at ``slots`` (int64 (T,)) of rows 0..B-1.
         rope: (cos, sin) fp32 (B, 1, T, D) for the torch prologue; mask: bool (B, 1, T, n_keys), or None for
         plain causal attention (prefill from slot 0 without padding)."""
-        cfg, lw = self.cfg, self.w.layers[layer]
-        B, T, _ = h.shape
-        nh, nkv, D = cfg.num_heads, cfg.num_kv_heads, cfg.head_dim
+        lw = self.w.layers[layer]
         qkv = self._proj(h, lw.qkv, lw.qkv_bias)  # (B, T, (nh + 2 nkv) D)
+        o = self._attend(layer, qkv, positions, rope, kv, slots, pad, mask, n_keys)  # (B, T, nh*D)
+        return self._proj(o, lw.o)
+
+    def _attend(self, layer, qkv, positions, rope, kv: KVCache, slots, pad, mask, n_keys):
+        """The attention between the projections: qkv fp16 (B, T, (nh + 2 nkv) D) -> o fp16 (B, T, nh*D), before the
+        output projection; q/k norm, RoPE and the KV write at ``slots`` of rows 0..B-1 of ``kv`` included (arguments
+        as ``attention``)."""
+        cfg, lw = self.cfg, self.w.layers[layer]
+        B, T, _ = qkv.shape
+        nh, nkv, D = cfg.num_heads, cfg.num_kv_heads, cfg.head_dim
         kc, vc = kv.k[layer, :B], kv.v[layer, :B]  # (B, nkv, S, D) views
         decode_attn = T == 1 and "attn" in self.fused and n_keys <= DECODE_ATTN_MAX_KEYS
         if "prologue" in self.fused and self.per_head_qk_norm:
@@ -353,10 +361,9 @@ class Transformer:
             from runmap.kernels.fused_ops import decode_attention_with_prologue
 
             # the prologue folded into the attention launch (a power-of-two head dim: both real families use 128)
-            o = decode_attention_with_prologue(qkv, lw.q_norm, lw.k_norm, positions, slots, self.w.inv_freq, kc, vc,
-                                               pad, n_keys, num_heads=nh, num_kv_heads=nkv,
-                                               eps=cfg.rms_norm_eps)  # (B, 1, nh*D)
-            return self._proj(o, lw.o)
+            return decode_attention_with_prologue(qkv, lw.q_norm, lw.k_norm, positions, slots, self.w.inv_freq, kc,
+                                                  vc, pad, n_keys, num_heads=nh, num_kv_heads=nkv,
+                                                  eps=cfg.rms_norm_eps)  # (B, 1, nh*D)
         if "prologue" in self.fused:
             from runmap.kernels.fused_ops import qk_norm_rope_kv
 
@@ -380,8 +387,7 @@ class Transformer:
         if decode_attn:
             from runmap.kernels.fused_ops import decode_attention
 
-            o = decode_attention(q.contiguous(), kc, vc, slots, pad, n_keys)  # (B, 1, nh*D)
-            return self._proj(o, lw.o)
+            return decode_attention(q.contiguous(), kc, vc, slots, pad, n_keys)  # (B, 1, nh*D)
         keys, vals = kc[:, :, :n_keys], vc[:, :, :n_keys]  # (B, nkv, n_keys, D)
         gqa = nkv != nh
         if q.is_cuda:
@@ -400,9 +406,8 @@ class Transformer:
             if mask is None:
                 mask = attention_mask(slots, torch.zeros(B, dtype=torch.long), n_keys)
             o = F.scaled_dot_product_attention(q.float(), keys.float(), vals.float(), attn_mask=mask,
-                                               enable_gqa=gqa).to(h.dtype)
-        o = o.transpose(1, 2).reshape(B, T, nh * D)  # (B, T, nh*D)
-        return self._proj(o, lw.o)
+                                               enable_gqa=gqa).to(qkv.dtype)
+        return o.transpose(1, 2).reshape(B, T, nh * D)  # (B, T, nh*D)
 
     def _sdpa_backends(self, T: int, gqa: bool):
         """The backends context of a CUDA attention call over T new tokens per row: ``sdpa_backends`` for a prefill
@@ -490,6 +495,72 @@ class Transformer:
             x = self._last(x, last_position)  # (B, H): only the last position is sampled from
         x = rms_norm(x, w.final_norm, eps)
         return linear(x, w.lm_head).float()  # (B, V) or (B, T, V)
+
+
+    def forward_mixed(self, dec_tok, dec_pos, slot, dec_pad, join_tok, join_pos, join_slots, join_pad, kv: KVCache,
+                      join_row: int, n_keys: int, experts: ExpertsFn):
+        """A decode step of Bd rows and a joining prompt's prefill as one pass (a server's mixed join): every dense
+        projection, norm, router and routed-experts call runs once over the N = Bd + Pb tokens of both, so the
+        weights are read once for the two; only attention runs apart, each part with its own rows, slots and mask.
+
+        dec_tok    int64 (Bd, 1)  the running rows' tokens, written at KV slot ``slot`` of rows 0..Bd-1
+        dec_pos    int64 (Bd, 1)  their RoPE positions (slot - dec_pad)
+        slot       int64 (1,)     the step's shared KV slot
+        dec_pad    int64 (Bd,)    the running rows' left padding
+        join_tok   int64 (1, Pb)  the joining prompt, left-padded so that its last token lands at ``slot``
+        join_pos   int64 (1, Pb)  its RoPE positions (0.. for the prompt; padding positions clamped to 0)
+        join_slots int64 (Pb,)    its KV slots, slot - Pb + 1 .. slot, in row ``join_row`` of ``kv``
+        join_pad   int64 (1,)     its left padding (slot + 1 - prompt length): the mask hides slots below it
+        n_keys     both parts attend KV slots [0, n_keys) (> slot); a Python int
+        returns    float32 logits (Bd + 1, V): the running rows' next tokens and the prompt's first
+        Every position is routed (the prompt's left padding too: a graph cannot select a data-dependent row count);
+        padding rows' outputs are never read, and their keys sit below the row's pad."""
+        cfg, w = self.cfg, self.w
+        Bd, Pb = dec_tok.shape[0], join_tok.shape[1]
+        N = Bd + Pb
+        x = w.embed[torch.cat([dec_tok.reshape(-1), join_tok.reshape(-1)])]  # (N, H) fp16
+        kv_join = kv.rows(join_row, join_row + 1)
+        rope_dec = rope_join = None
+        if "prologue" not in self.fused:
+            rope_dec = rope_cos_sin(dec_pos, w.inv_freq)  # (Bd, 1, 1, D) x2
+            rope_join = rope_cos_sin(join_pos, w.inv_freq)  # (1, 1, Pb, D) x2
+        fused_decode_attn = "attn" in self.fused and n_keys <= DECODE_ATTN_MAX_KEYS
+        mask_dec = None if fused_decode_attn else attention_mask(slot, dec_pad, n_keys)  # (Bd, 1, 1, n_keys)
+        mask_join = attention_mask(join_slots, join_pad, n_keys)  # (1, 1, Pb, n_keys)
+        eps = cfg.rms_norm_eps
+
+        def attention(layer, h):  # h fp16 (N, H) -> fp16 (N, H)
+            lw = w.layers[layer]
+            qkv = linear(h, lw.qkv, lw.qkv_bias)  # (N, (nh + 2 nkv) D): one read of the weights for both parts
+            o_dec = self._attend(layer, qkv[:Bd].view(Bd, 1, -1), dec_pos, rope_dec, kv, slot, dec_pad, mask_dec,
+                                 n_keys)  # (Bd, 1, nh*D)
+            o_join = self._attend(layer, qkv[Bd:].view(1, Pb, -1), join_pos, rope_join, kv_join, join_slots,
+                                  join_pad, mask_join, n_keys)  # (1, Pb, nh*D)
+            return linear(torch.cat([o_dec.reshape(Bd, -1), o_join.reshape(Pb, -1)]), lw.o)  # (N, H)
+
+        def last(t):  # (N, H) -> (Bd + 1, H): the rows sampled from, every running row and the prompt's last position
+            return torch.cat([t[:Bd], t[N - 1:]])  # slices: no index tensor to copy in (a graph captures this)
+
+        if "norm" in self.fused:
+            from runmap.kernels.fused_ops import NORM_ROUTER_MAX_ROWS, add_norm_router_logits, add_rms_norm
+
+            norms = [lw.attn_norm for lw in w.layers] + [w.final_norm]
+            _, h = add_rms_norm(x, None, norms[0], eps)
+            norm_router = self._fused_router() and self.imposed is None and N <= NORM_ROUTER_MAX_ROWS
+            for layer, lw in enumerate(w.layers):
+                a = attention(layer, h)
+                logits = None
+                if norm_router:
+                    x, h, logits = add_norm_router_logits(x, a, lw.mlp_norm, lw.router32, eps)  # ..., (N, E)
+                else:
+                    x, h = add_rms_norm(x, a, lw.mlp_norm, eps)
+                y = self.moe_block(layer, h, experts, None, logits)  # (N, H)
+                x, h = add_rms_norm(x, y, norms[layer + 1], eps)  # next layer's input norm, or the final norm
+            return linear(last(h), w.lm_head).float()  # (Bd + 1, V)
+        for layer, lw in enumerate(w.layers):
+            x = x + attention(layer, rms_norm(x, lw.attn_norm, eps))
+            x = x + self.moe_block(layer, rms_norm(x, lw.mlp_norm, eps), experts, None)
+        return linear(rms_norm(last(x), w.final_norm, eps), w.lm_head).float()  # (Bd + 1, V)
 
 
 # ---- torch reference for routed experts (tests and the fp16 baseline) -----------------------------

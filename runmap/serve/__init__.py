@@ -11,4 +11,4 @@ reports, through runmap.bench.report) and ``app`` (the FastAPI application). Not
 
 # How waiting requests join running rows (runmap serve --join-mode; runmap.serve.batching): the first is the default.
 # A plain tuple here, so that the CLI's parser can list them without importing torch.
-JOIN_MODES = ("whole", "interleaved", "concurrent")
+JOIN_MODES = ("whole", "interleaved", "concurrent", "mixed")

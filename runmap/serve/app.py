@@ -151,7 +151,8 @@ class Server:
     def _scheduler_kwargs(self) -> dict:
         return {"pipelined": self.pipelined, "join_tokens": self.join_tokens,
                 "interleave_joins": self.join_mode == "interleaved",
-                "concurrent_joins": self.join_mode == "concurrent"}
+                "concurrent_joins": self.join_mode == "concurrent",
+                "mixed_joins": self.join_mode == "mixed"}
 
     def _load_failed(self, message: str) -> None:
         self.load_error = message

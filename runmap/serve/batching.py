@@ -97,6 +97,8 @@ class _Join:
     queued: object = None  # CUDA event recorded once all the pass's work is queued (its flag read comes next)
     logits: torch.Tensor | None = None
     done: object = None  # a concurrent join's CUDA event, recorded after its pass (query(): the pass is complete)
+    mixed: bool = False  # a mixed join: its prompt is computed inside the next decode step (``step``)
+    consumed: bool = False  # ... and that step has run: its row is running (finish_join ends the join)
 
 
 class Sequence:
@@ -134,12 +136,15 @@ class BatchRunner:
     decode step for every row; rows that finish leave the batch inside ``step``."""
 
     def __init__(self, engine, *, decode: Callable[[list[int]], str] | None = None, pipelined: bool | None = None,
-                 join_tokens: int = JOIN_TOKENS, interleave: bool = False, concurrent: bool = False):
+                 join_tokens: int = JOIN_TOKENS, interleave: bool = False, concurrent: bool = False,
+                 mixed: bool = False):
         """join_tokens: the most prompt tokens (rows x longest prompt, padding included) one joint prefill takes;
         a longer single prompt still joins, alone. 0: every request is prefilled alone. interleave: joins begun
         with ``begin_join`` while rows run may spread their prefill over several decode steps (``can_interleave``);
         concurrent: a whole join begun while rows run replays its captured pass on a stream of its own beside the
-        decode steps (``can_join_concurrently``); neither: every join stalls the running rows for its whole prefill."""
+        decode steps (``can_join_concurrently``); mixed: a join begun while rows run computes its prompt inside the next
+        decode step, one request per step (``mixed_fits``); none: every join stalls the running rows for its whole
+        prefill."""
         if join_tokens < 0:
             raise ValueError(f"join_tokens must be >= 0, got {join_tokens}")
         self.eng = engine
@@ -157,9 +162,10 @@ class BatchRunner:
         self.pipelined = self.dev.type == "cuda" if pipelined is None else bool(pipelined)
         self.counters = {"admitted": 0, "joined_running": 0, "joins": 0, "interleaved_joins": 0,
                          "concurrent_joins": 0, "padded_joins": 0, "shifts": 0, "row_moves": 0, "steps": 0,
-                         "speculative_dropped": 0, "join_not_done": 0}
+                         "speculative_dropped": 0, "join_not_done": 0, "mixed_joins": 0}
         self.interleave = bool(interleave)
         self.concurrent = bool(concurrent)
+        self.mixed = bool(mixed)
         self._pending: _Join | None = None  # the joint prefill in progress (begin_join .. finish_join)
         self._side = None  # CUDA: the stream interleaved and concurrent prefills run on (_side_stream)
         self._lead: bool = False  # the cache's full-residency request is held (Engine.experts.begin)
@@ -224,7 +230,7 @@ class BatchRunner:
         changed). Their first tokens are sampled but read at the next step."""
         if self.joining:
             raise RuntimeError("a join is in progress (begin_join); finish it before admitting more")
-        n = self.begin_join(seqs, interleave=False, concurrent=False)
+        n = self.begin_join(seqs, interleave=False, concurrent=False, mixed=False)
         if n:
             self.advance_join(None)
             joined = self.finish_join()
@@ -253,6 +259,28 @@ class BatchRunner:
         return (self.dev.type == "cuda" and e.imposed is None and e.routes is None
                 and getattr(e.experts, "full", False) and e.join_pass_concurrent(k, P))
 
+    def mixed_fits(self, seq: Sequence):
+        """The engine's mixed-step shape (``Engine.mixed_step_key``) for ``seq`` joining at the next decode step, or None
+        when it must join whole: no row runs (or none needs another step), no free row, a prompt that does not fit a
+        mixed step's buckets or ends past the shared slot, or no KV room for its tokens after the slot."""
+        if not (self.mixed and self.seqs and len(self.seqs) < self.max_batch):
+            return None
+        if self.pipelined and not any(self._steps_left(s) > 0 for s in self.seqs):
+            return None  # the next step would not be launched: every row is at its last token
+        # the prompt ends at the step's slot; its m - 1 later tokens take slots slot + 1 .. slot + m - 1
+        if self.slot + seq.params.max_new_tokens > self.max_seq_len:
+            return None
+        return self.eng.mixed_step_key(len(self.seqs), len(seq.prompt_ids), self.slot)
+
+    def _open(self, seq: Sequence) -> None:
+        """A joining request's row state: stop rules and streaming (``_Row``), and its generator when it samples."""
+        seq.row = _Row(0, len(seq.prompt_ids), self.decode_text, tuple(seq.params.stop),
+                       frozenset() if seq.params.ignore_eos else self.eos_ids, self._emitter(seq))
+        if seq.params.temperature > 0:
+            seq.gen = torch.Generator(device=self.dev)
+            seed = seq.params.seed if seq.params.seed is not None else int(torch.randint(0, 2**62, ()).item())
+            seq.gen.manual_seed(seed)
+
     def _side_stream(self):
         """The CUDA stream a join's prefill runs on beside the decode steps (interleaved or concurrent), made at its
         first use, once it waits for what the compute stream has queued so far: the free rows the join writes may
@@ -275,16 +303,23 @@ class BatchRunner:
         ev.record(stream)
         return ev
 
-    def begin_join(self, seqs: list[Sequence], *, interleave: bool = True, concurrent: bool = True) -> int:
+    def begin_join(self, seqs: list[Sequence], *, interleave: bool = True, concurrent: bool = True,
+                   mixed: bool = True) -> int:
         """Start the joint prefill of the longest prefix of ``seqs`` that fits (as ``admit_many`` chooses it);
-        returns how many it takes (0: nothing started). With ``interleave`` (and ``can_interleave()``) the pass
-        runs on a side stream, piece by piece in ``advance_join`` between decode steps, into free KV rows past the
-        running ones; otherwise ``advance_join(None)`` runs it whole -- beside the decode steps where ``concurrent``
+        returns how many it takes (0: nothing started). With ``mixed`` (and ``mixed_fits`` for the first request) that
+        request alone joins inside the next decode step (``step``); with ``interleave`` (and ``can_interleave()``)
+        the pass runs on a side stream, piece by piece in ``advance_join`` between decode steps, into free KV rows past
+        the running ones; otherwise ``advance_join(None)`` runs it whole -- beside the decode steps where ``concurrent``
         and ``can_join_concurrently`` allow it. ``finish_join`` makes its rows part of the batch."""
         if self.joining:
             raise RuntimeError("a join is already in progress")
         for seq in seqs:
             self.check(len(seq.prompt_ids), seq.params.max_new_tokens)
+        if mixed and seqs and self.mixed_fits(seqs[0]) is not None:
+            self._open(seqs[0])
+            self._pending = _Join(group=[seqs[0]], row0=self.max_batch - 1, P=len(seqs[0].prompt_ids), pieces=None,
+                                  stream=None, interleaved=False, running_at_begin=True, mixed=True)
+            return 1
         free = self.max_batch - len(self.seqs)
         side = interleave and self.can_interleave()
         # a whole join replays a captured pass when one fits (Engine.join_pass_bucket): the group then stops before
@@ -304,12 +339,7 @@ class BatchRunner:
         if not group:
             return 0
         for seq in group:
-            seq.row = _Row(0, len(seq.prompt_ids), self.decode_text, tuple(seq.params.stop),
-                           frozenset() if seq.params.ignore_eos else self.eos_ids, self._emitter(seq))
-            if seq.params.temperature > 0:
-                seq.gen = torch.Generator(device=self.dev)
-                seed = seq.params.seed if seq.params.seed is not None else int(torch.randint(0, 2**62, ()).item())
-                seq.gen.manual_seed(seed)
+            self._open(seq)
         if not self._lead:
             self.eng.experts.begin()  # what Engine.run does around its groups (full residency: lease every row)
             self._lead = True
@@ -354,6 +384,15 @@ class BatchRunner:
         j = self._pending
         if j is None:
             raise RuntimeError("no join in progress")
+        if j.mixed:
+            if j.consumed or self.seqs:
+                return j.consumed  # the next decode step computes it
+            # every running row left before a step could take it (the CPU order runs the step after the leaves):
+            # it joins whole, into the empty batch (which has room for any request ``check`` lets in)
+            self._pending = None
+            n = self.begin_join(j.group, interleave=False, concurrent=False, mixed=False)
+            assert n == len(j.group), "a single request always joins an empty batch"
+            j = self._pending
         t_end = None if budget_s is None else time.perf_counter() + budget_s
         try:
             while j.logits is None:
@@ -380,6 +419,10 @@ class BatchRunner:
         """Make a completed join's rows part of the batch (False: its prefill is not complete, or the rows have no
         KV room yet; try again at a later step boundary). Their first tokens are sampled, read at the next step."""
         j = self._pending
+        if j is not None and j.mixed:
+            if j.consumed:  # its step ran (``_launch``): its row is running already
+                self._pending = None
+            return j.consumed
         if j is None or j.logits is None:
             return False
         if j.done is not None and self.seqs and not j.done.query():
@@ -420,7 +463,7 @@ class BatchRunner:
         """Forget the join in progress, if any, without finishing its rows (their requests are the caller's); returns
         its group. Its pass is closed; its KV rows hold nothing anyone reads."""
         j, self._pending = self._pending, None
-        if j is None:
+        if j is None or j.consumed:  # a consumed mixed join's row is a running row: not the caller's
             return []
         if j.pieces is not None:
             j.pieces.close()
@@ -500,13 +543,15 @@ class BatchRunner:
             # queued behind the copy: the device runs it while the host reads. Not when every row is at its
             # last token by length: that step could write past the last KV slot and would be dropped anyway.
             if any(self._steps_left(s) > 0 for s in self.seqs):
-                nxt = self._decode(self.cur)
+                nxt = self._launch(self.cur)
         if ev is not None:
             ev.synchronize()
         for s, tid in zip(self.seqs, host.tolist()):
             if s.row.finish is None and not s.cancelled:
                 s.row.push(int(tid), s.params.max_new_tokens)
-        gone = [b for b, s in enumerate(self.seqs) if s.cancelled or s.row.finish is not None]
+        # a row that joined in the step just launched (mixed) has no token read yet: it may leave from the next step
+        gone = [b for b, s in enumerate(self.seqs[:B]) if s.cancelled or s.row.finish is not None]
+        B = len(self.seqs)
         keep = [b for b in range(B) if b not in set(gone)]
         if nxt is not None and not keep:
             self.counters["speculative_dropped"] += 1
@@ -517,8 +562,35 @@ class BatchRunner:
             nxt = nxt[self._upload(self._order(B, gone))]
         self.cur = nxt if keep else None
         if not self.pipelined and self.seqs:
-            self.cur = self._decode(self.cur)
+            self.cur = self._launch(self.cur)
         return left
+
+    def _launch(self, tok: torch.Tensor) -> torch.Tensor:
+        """The next decode step: a mixed one when a mixed join is pending and still fits (the CPU order runs it after
+        the rows that finished left, so it may not), a plain one otherwise. Returns the sampled tokens of every row,
+        a joined one last."""
+        j = self._pending
+        if j is None or not j.mixed or j.consumed:
+            return self._decode(tok)
+        seq = j.group[0]
+        key = self.mixed_fits(seq)
+        if key is None:
+            return self._decode(tok)  # advance_join makes it a whole join once no row runs
+        B, P, s = len(self.seqs), len(seq.prompt_ids), self.slot
+        if self._pad_dev is None:
+            self._pad_dev = self._upload(list(self.pad))
+        logits = self.eng.mixed_step(tok, s, self._pad_dev, self._upload(seq.prompt_ids), key)  # (B + 1, V)
+        if j.row0 != B:  # the prompt's keys and values, slots s + 1 - P .. s, from the cache's last row to row B
+            for t in (self.eng.kv.k, self.eng.kv.v):
+                t[:, B, :, s + 1 - P:s + 1].copy_(t[:, j.row0, :, s + 1 - P:s + 1])
+        self.seqs.append(seq)
+        self.pad.append(s + 1 - P)
+        self._pad_dev = None
+        self.slot += 1
+        j.consumed = True
+        for key_ in ("steps", "joins", "mixed_joins", "admitted", "joined_running"):
+            self.counters[key_] += 1
+        return self._sample(logits, self.seqs)
 
     def _order(self, B: int, gone: list[int]) -> list[int]:
         """Old row index of each new row 0..B'-1 after ``_remove(gone)`` (the same moves, replayed)."""
@@ -562,7 +634,8 @@ class BatchRunner:
 
     def abort_all(self, reason: str = "cancelled") -> list[Sequence]:
         """Every row leaves now (shutdown, or after an engine failure): finish_reason ``reason``."""
-        left = list(self.seqs) + (list(self._pending.group) if self._pending is not None else [])
+        j = self._pending
+        left = list(self.seqs) + (list(j.group) if j is not None and not j.consumed else [])
         self.seqs, self.pad, self.cur, self.slot = [], [], None, 0
         self._pad_dev = None
         try:

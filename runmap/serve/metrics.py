@@ -94,12 +94,14 @@ class _EngineCollector:
         adm.add_metric(["joined_running"], float(batch.get("joined_running", 0)))
         yield adm
         joins = CounterMetricFamily("runmap_batch_joins", "Joint prefills run: whole at a step boundary, "
-                                    "interleaved with the running rows' decode steps, or concurrent with them (a "
-                                    "captured pass on a stream of its own)", labels=["how"])
+                                    "interleaved with the running rows' decode steps, concurrent with them (a "
+                                    "captured pass on a stream of its own), or mixed into one (a prompt computed "
+                                    "inside a decode step)", labels=["how"])
         joins.add_metric(["whole"], float(batch.get("joins", 0) - batch.get("interleaved_joins", 0)
-                                          - batch.get("concurrent_joins", 0)))
+                                          - batch.get("concurrent_joins", 0) - batch.get("mixed_joins", 0)))
         joins.add_metric(["interleaved"], float(batch.get("interleaved_joins", 0)))
         joins.add_metric(["concurrent"], float(batch.get("concurrent_joins", 0)))
+        joins.add_metric(["mixed"], float(batch.get("mixed_joins", 0)))
         yield joins
         steps = CounterMetricFamily("runmap_decode_steps", "Batched decode steps run")
         steps.add_metric([], float(batch.get("steps", 0)))

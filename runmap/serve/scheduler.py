@@ -105,7 +105,7 @@ class Ticket:
 class Scheduler:
     def __init__(self, engine, *, metrics=None, info: dict | None = None, decode=None, pipelined=None,
                  join_tokens: int = JOIN_TOKENS, interleave_joins: bool = False, concurrent_joins: bool = False,
-                 after_iteration: Callable[[], None] | None = None):
+                 mixed_joins: bool = False, after_iteration: Callable[[], None] | None = None):
         self.eng, self.metrics = engine, metrics
         # called by the engine thread after each pass of its loop (and while it waits idle, every STATS_EVERY_S):
         # the engine process (runmap.serve.engine_process) sends the pass's events to the HTTP process from there
@@ -113,6 +113,7 @@ class Scheduler:
         self.join_tokens = join_tokens
         self.interleave_joins = interleave_joins
         self.concurrent_joins = concurrent_joins
+        self.mixed_joins = mixed_joins
         self.info = dict(info or {})
         self.max_batch = engine.max_batch
         self.decode_text = decode
@@ -261,7 +262,7 @@ class Scheduler:
             with torch.inference_mode():
                 self.runner = BatchRunner(self.eng, decode=self.decode_text, pipelined=self.pipelined,
                                           join_tokens=self.join_tokens, interleave=self.interleave_joins,
-                                          concurrent=self.concurrent_joins)
+                                          concurrent=self.concurrent_joins, mixed=self.mixed_joins)
                 t0 = time.perf_counter()
                 if self.eng.device.type == "cuda":  # the interpreter (CPU) compiles nothing
                     from runmap.kernels.common import compile_log
@@ -306,6 +307,9 @@ class Scheduler:
                 if n:
                     where = " (in a pool of their own: they replay beside decode steps)" if self.concurrent_joins else ""
                     log.info("captured %d join prefill passes%s", n, where)
+                if self.mixed_joins:  # every rows x prompt x KV-length bucket of a mixed step (runmap.engine.mixed_step)
+                    n = eng.prepare_mixed_steps()
+                    log.info("captured %d mixed steps (a joining prompt computed inside a decode step)", n)
             slots = [len(ids)]
             if dev.type == "cuda":
                 slots, b = [], 256
@@ -336,11 +340,15 @@ class Scheduler:
         r.admit_many([warm(ids), warm(longer)][: eng.max_batch - r.rows])  # two lengths: a padded joint prefill
         while r.rows:
             r.step()
-        if (self.interleave_joins or self.concurrent_joins) and eng.max_batch > 1:
-            # a join whose prefill runs between (interleaved) or beside (concurrent) the running rows' decode steps
-            r.admit(Sequence(ids, SamplingParams(max_new_tokens=max(1, min(8, eng.max_seq_len - len(ids) + 1)),
+        if (self.interleave_joins or self.concurrent_joins or self.mixed_joins) and eng.max_batch > 1:
+            # a join whose prefill runs between (interleaved) or beside (concurrent) the running rows' decode steps, or
+            # inside one (mixed: once the shared slot is past the prompt's smallest length bucket)
+            steps = 17 if self.mixed_joins else 1
+            r.admit(Sequence(ids, SamplingParams(max_new_tokens=max(1, min(steps + 8, eng.max_seq_len - len(ids) + 1)),
                                                  temperature=0.0, ignore_eos=True)))
-            r.step()
+            for _ in range(steps):
+                if r.rows:
+                    r.step()
             if r.rows and r.begin_join([warm(ids)], interleave=r.can_interleave()):
                 while r.joining:
                     r.advance_join(JOIN_SLICE_S)
