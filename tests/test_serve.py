@@ -365,10 +365,10 @@ def test_metrics_parse_and_count_what_ran(server):
     assert val("runmap_inter_token_latency_seconds", "_count") >= 8
     assert val("runmap_expert_cache_hits", "_total") > 0 and val("runmap_expert_cache_misses", "_total") == 0
     assert val("runmap_requests_running") == 0 and val("runmap_ready") == 1
-    joins = sum(val("runmap_batch_joins", "_total", how=how) for how in ("whole", "interleaved", "concurrent"))
+    joins = sum(val("runmap_batch_joins", "_total", how=how) for how in ("whole", "interleaved", "concurrent", "mixed"))
     assert joins == t["batch"]["joins"] >= 1 and val("runmap_batch_joins", "_total", how="interleaved") == \
         t["batch"]["interleaved_joins"] and val("runmap_batch_joins", "_total", how="concurrent") == \
-        t["batch"]["concurrent_joins"]
+        t["batch"]["concurrent_joins"] and val("runmap_batch_joins", "_total", how="mixed") == t["batch"]["mixed_joins"]
     obs = {s.labels["observation"]: s for s in fam["runmap_contract_observation"].samples}
     assert set(obs) == set(t["observations"]) and len(obs) == 5
     for name, s in obs.items():

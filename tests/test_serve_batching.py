@@ -588,6 +588,60 @@ def test_the_scheduler_runs_concurrent_joins_beside_running_rows_and_outputs_sta
         sched.stop()
 
 
+@pytest.mark.parametrize("pipelined", [False, True], ids=["cpu-order", "pipelined"])
+def test_the_scheduler_runs_mixed_joins_inside_decode_steps_and_outputs_stay_those_alone(engines, pipelined):
+    """--join-mode mixed: a request arriving while rows run has its prompt computed inside the next decode step
+    (one request per step) once the shared slot is past its prompt's length bucket, and joins whole otherwise;
+    every request's tokens are still its tokens alone, and the warm-up ran a mixed join."""
+    from runmap.serve.scheduler import Scheduler
+
+    eng = engines["tiny-olmoe"]
+    reqs = [(ids, SamplingParams(max_new_tokens=24, temperature=p.temperature, top_p=p.top_p, seed=p.seed))
+            for ids, p in _requests(eng, 14, n=8)]
+    alone = _alone(eng, reqs)
+    sched = Scheduler(eng, pipelined=pipelined, mixed_joins=True)
+    sched.start()
+    try:
+        _ready(sched)
+        before = dict(sched.runner.counters)
+        assert before["mixed_joins"] >= 1  # the warm-up's join rode in a decode step
+        events = _collect(sched, reqs, stagger_s=0.03)
+        for k, a in enumerate(alone):
+            kind, seq = events[k][-1]
+            assert kind == "done" and seq.token_ids == a.token_ids, k
+        c = sched.runner.counters
+        assert c["mixed_joins"] > before["mixed_joins"], c
+        assert sched.alive and sched.waiting == 0 and sched.runner.rows == 0 and not sched.runner.joining
+    finally:
+        sched.stop()
+
+
+def test_a_mixed_join_whose_running_rows_all_leave_joins_whole(engines):
+    """CPU order: every running row finishes at the step boundary where a mixed join waits for its step; the join
+    then runs whole into the empty batch (from slot 0), its request gets its tokens alone and the full-residency
+    lease is held throughout."""
+    eng = engines["tiny-olmoe"]
+    (a_ids, _), (b_ids, _) = _requests(eng, 15, n=2)
+    joiner = SamplingParams(max_new_tokens=5)
+    alone = _alone(eng, [(b_ids, joiner)])[0]
+    with torch.inference_mode():
+        r = BatchRunner(eng, pipelined=False, mixed=True)
+        long = SamplingParams(max_new_tokens=20, ignore_eos=True)
+        assert r.admit(Sequence(a_ids, long))
+        while r.slot < 16 + len(a_ids):  # past the prompt's bucket (16): a mixed step can take it
+            r.step()
+        seq = Sequence(b_ids, joiner)
+        r.seqs[0].cancel()  # the running row leaves at the next step boundary, before the step is launched
+        assert r.begin_join([seq]) == 1 and r.joining and r._pending.mixed
+        r.step()
+        assert r.rows == 0 and r.joining and r._lead and r.counters["mixed_joins"] == 0
+        r.advance_join(None)  # no row runs: it joins whole
+        assert r.finish_join() and r.rows == 1 and r.counters["mixed_joins"] == 0 and r.counters["joins"] == 2
+        while r.rows:
+            r.step()
+    assert seq.token_ids == alone.token_ids and not r._lead
+
+
 def test_an_interleaved_join_that_fails_midway_answers_its_head_and_the_rest_are_served(engines, monkeypatch):
     """A prefill that raises after some of its layers ran between decode steps: the head of its group gets the
     error, the group's other requests wait again at the front of the queue and are served as alone (the running

@@ -29,6 +29,14 @@ and leave a running batch between decode steps:
   boundary after the pass is done (an event query, no host wait). The pass writes the cache's last k rows, which
   no running row reads (k <= max_batch - rows, and rows only leave while it runs); its graph has a memory pool and
   a cuBLAS workspace of its own (runmap.engine.prefill_graph).
+* **Mixed join.** While rows run, a waiting request may instead join inside the next decode step
+  (``mixed``; ``Engine.mixed_step``, runmap.engine.mixed_step): the step computes the running rows' tokens and the
+  prompt's together, the prompt left-padded to its length bucket and written into the cache's last row so that it
+  ends at the step's slot (pad = slot + 1 - P); after the step its keys and values move to row B and the row is
+  part of the batch, its first token sampled from that step. One request per step; ``mixed_fits`` says when (rows
+  running, a free row, the prompt's bucket no longer than the shared slot, KV room after it); otherwise it joins
+  whole. On the CPU order of operations the step runs after the leaving rows left: when none is left, the join runs
+  whole at the next boundary.
 * **Room.** A row that has generated k of its m tokens still needs m - 1 - k decode steps, i.e. slots
   slot .. slot + m - 2 - k. A request joins only when every row (it included) has that room before
   ``max_seq_len``; when it does not, the slots left of the earliest prompt (min pad) are reclaimed by
