@@ -512,6 +512,8 @@ def run_window(srv: InProcessServer, pool, *, clients: int, procs: int, job: dic
         **busy, "idle_s": max(0.0, (pc1 - pc0) - sum(busy.values())),
         "joins": count1["joins"] - count0["joins"], "steps": count1["steps"] - count0["steps"],
         "admitted": count1["admitted"] - count0["admitted"],
+        # joins by how they ran beside the rows (the rest whole): counters a runner of that mode has
+        **{k: count1.get(k, 0) - count0.get(k, 0) for k in ("interleaved_joins", "concurrent_joins", "mixed_joins")},
         "queue_wait_s": _dist([w for t, w in list(sched.queue_waits) if pc0 <= t <= pc1])}
     return point
 
@@ -544,7 +546,7 @@ def print_table(rec: dict) -> None:
               f"{f(pt['mean_running_rows']):>5} {f(pt.get('ratio_to_offline_e2e'), '.2f'):>9} "
               f"{f((pt.get('kernel_compiles') or {}).get('count'), 'd'):>8}")
     print(f"{'clients':>7} engine thread: {'admit':>6} {'steps':>6} {'stats':>6} {'idle':>6} (share of the window)"
-          f" {'joins':>6} {'admitted':>8} {'queue wait p50/p99':>19}")
+          f" {'joins':>6} {'mixed':>6} {'admitted':>8} {'queue wait p50/p99':>19}")
     for pt in rec["points"]:
         e = pt.get("engine_thread")
         if e is None:
@@ -552,7 +554,7 @@ def print_table(rec: dict) -> None:
         wall = sum(e[k] for k in ("admit_s", "step_s", "stats_s", "calls_s", "idle_s")) or 1.0
         qw = e["queue_wait_s"]
         print(f"{pt['clients']:>7} {'':>14}" + "".join(f" {e[k] / wall:>6.2f}" for k in ("admit_s", "step_s", "stats_s", "idle_s"))
-              + f" {'':>21} {e['joins']:>6} {e['admitted']:>8} "
+              + f" {'':>21} {e['joins']:>6} {e.get('mixed_joins', 0):>6} {e['admitted']:>8} "
               + f"{f(None if qw['p50'] is None else qw['p50'] * 1e3):>8}/{f(None if qw['p99'] is None else qw['p99'] * 1e3)} ms")
     print(f"{'clients':>7} host cores (CPU s / window s): {'bench':>6} {'engine':>7} {'clients':>8}   "
           f"client turnaround p50/p99")
