@@ -122,6 +122,8 @@ def test_the_numbers_of_each_point_agree(bench_run):
         assert e["step_s"] > 0 and e["admit_s"] > 0 and e["steps"] > 0
         # a join in progress at either edge of the window may be counted by one and not the other
         assert 1 <= e["joins"] <= e["admitted"] and abs(e["queue_wait_s"]["n"] - e["admitted"]) <= 2 * c
+        # the default join mode (whole): no join ran beside or inside the decode steps
+        assert e["interleaved_joins"] == e["concurrent_joins"] == e["mixed_joins"] == 0
         assert 0 <= e["queue_wait_s"]["p50"] <= e["queue_wait_s"]["max"]
         # the host's CPU over the window: the benchmark's process and the clients worked, and the clients came back
         cpu, gap = p["cpu_s"], p["client_gap_s"]
@@ -139,7 +141,7 @@ def test_the_table_and_the_plot(bench_run):
     # row per client count in each
     n = len(CLIENTS)
     assert [r[0] for r in rows] == [str(c) for c in CLIENTS] * 3
-    assert "engine thread:" in out and all(len(r) == 9 for r in rows[n:2 * n])
+    assert "engine thread:" in out and all(len(r) == 10 for r in rows[n:2 * n])
     assert "host cores" in out and all(len(r) == 6 for r in rows[2 * n:])
     assert bench_run["png"].read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
 
