@@ -384,3 +384,55 @@ def test_shared_expert_one_row_refuses_what_it_cannot_run():
         shared_expert_one_row(torch.zeros(2, 8).half(), torch.zeros(11, 8).half(), torch.zeros(8, 5).half(), y)
     with pytest.raises(ValueError, match="shared_expert_one_row"):  # gate | up | gate row must be 2 Is + 1 rows
         shared_expert_one_row(h, torch.zeros(10, 8).half(), torch.zeros(8, 5).half(), y)
+
+
+@pytest.mark.parametrize("preset,fused", [("tiny-olmoe", ()), ("tiny-olmoe", ALL), ("tiny-qwen2-moe", ALL),
+                                          ("tiny-olmoe", ("attn",)), ("tiny-olmoe", ("norm", "router")),
+                                          ("tiny-olmoe", ("prologue",))])
+@pytest.mark.parametrize("extra_keys", [0, 7], ids=["n_keys=slot+1", "n_keys-past-slot"])
+@cpu_model
+def test_a_mixed_pass_equals_a_decode_step_and_the_prompt_alone(preset, fused, extra_keys):
+    """Transformer.forward_mixed (a server's mixed join) with the fused ops as a GPU runs them: the running rows'
+    logits and new keys are those of a plain decode step, the prompt's (left-padded to 8 positions, ending at the
+    step's slot in the cache's last row) those of the prompt prefilled alone from slot 0; the extra decode row is a
+    dummy. Stale cache contents (random) must be masked; attending keys past the slot (a KV-length bucket) changes
+    nothing."""
+    cfg, _ = load_preset(preset)
+    nonrouted, rows, layout = random_case(cfg, seed=2)
+    model, experts = our_model(cfg, nonrouted, rows, layout)
+    if model.per_head_qk_norm:  # the fused prologue takes the whole-projection norm only
+        fused = tuple(op for op in fused if op != "prologue")
+    model.fused = frozenset(fused)
+    g = torch.Generator().manual_seed(0)
+    MB, P, Pb, T0 = 5, 5, 8, 8
+    tokens = torch.randint(3, cfg.vocab_size, (2, T0), generator=g)
+    pad = torch.tensor([0, 2])
+    slots = torch.arange(T0)
+    kv = KVCache(cfg, MB, 32, "cpu")
+    torch.nn.init.normal_(kv.k)
+    torch.nn.init.normal_(kv.v)
+    first = model.forward(tokens, (slots[None] - pad[:, None]).clamp(min=0), kv, slots, pad, T0, experts).argmax(-1)
+    slot, n_keys = T0, T0 + 1 + extra_keys
+    saved = kv.k.clone(), kv.v.clone()
+    want = model.forward(first.view(2, 1), (slot - pad).view(2, 1), kv, torch.tensor([slot]), pad, n_keys, experts)
+    want_k = kv.k[:, :2, :, slot].clone()
+    prompt = torch.randint(3, cfg.vocab_size, (1, P), generator=g)
+    alone = model.forward(prompt, torch.arange(P)[None], kv.rows(MB - 2, MB - 1), torch.arange(P),
+                          torch.zeros(1, dtype=torch.long), P, experts)
+    alone_k = kv.k[:, MB - 2, :, :P].clone()
+    kv.k.copy_(saved[0])
+    kv.v.copy_(saved[1])
+    step_slot = torch.tensor([slot])
+    dec_pad = torch.tensor([0, 2, slot])  # row 2: a dummy that sees only its own key
+    dec_tok = torch.cat([first, torch.tensor([0])]).view(3, 1)
+    join_tok = torch.cat([torch.zeros(1, Pb - P, dtype=torch.long), prompt], 1)
+    join_slots = slot - Pb + 1 + torch.arange(Pb)
+    join_pad = torch.tensor([slot + 1 - P])
+    got = model.forward_mixed(dec_tok, (step_slot - dec_pad).unsqueeze(1), step_slot, dec_pad, join_tok,
+                              (join_slots[None] - join_pad[:, None]).clamp(min=0), join_slots, join_pad, kv, MB - 1,
+                              n_keys, experts)
+    assert got.shape == (4, cfg.vocab_size)
+    torch.testing.assert_close(got[:2], want, atol=3e-3, rtol=0)
+    torch.testing.assert_close(got[3:], alone, atol=3e-3, rtol=0)
+    torch.testing.assert_close(kv.k[:, :2, :, slot], want_k, atol=3e-3, rtol=0)
+    torch.testing.assert_close(kv.k[:, MB - 1, :, slot + 1 - P:slot + 1], alone_k, atol=3e-3, rtol=0)

@@ -272,13 +272,14 @@ def test_a_concurrent_join_computes_what_a_whole_join_computes(packs, test_devic
     assert ca["concurrent_joins"] == 0 and ca["joins"] == cw["joins"] and again == whole
 
 
-def test_a_mixed_step_computes_the_decode_step_and_the_prompt_alone(packs, test_device):
+def test_a_mixed_step_computes_the_decode_step_and_the_prompt_alone(packs, test_device, monkeypatch):
     """--join-mode mixed: one pass (runmap.engine.mixed_step) decodes the running rows and prefills a joining prompt,
     left-padded to its bucket so that it ends at the shared slot, in the cache's last row. Its logits are those of the
     plain decode step for the rows and of the prompt prefilled alone for the prompt; its keys and values are the
     alone pass's, moved to end at the slot. Rows bucket past the running ones (dummy rows) and a prompt shorter than
     its bucket are both exercised; on CUDA the step is a captured graph."""
-    from runmap.engine.mixed_step import MIXED_MAX_PROMPT, mixed_rows
+    from runmap.engine import mixed_step
+    from runmap.engine.mixed_step import mixed_rows
 
     eng = _engine(packs, test_device, max_batch=4)
     dev = eng.device
@@ -315,7 +316,8 @@ def test_a_mixed_step_computes_the_decode_step_and_the_prompt_alone(packs, test_
     # the rows' new keys at the slot, and the prompt's keys in the last row ending at the slot
     torch.testing.assert_close(eng.kv.k[:, :2, :, slot], want_kv, atol=2e-2, rtol=0.0)
     torch.testing.assert_close(eng.kv.k[:, 3, :, slot + 1 - P:slot + 1], alone_k, atol=2e-2, rtol=0.0)
-    # shapes a mixed step does not take: a prompt whose bucket ends before slot 0, one past the largest bucket, a
-    # batch with no free row
-    assert eng.mixed_step_key(2, 20, 10) is None and eng.mixed_step_key(2, MIXED_MAX_PROMPT + 1, 90) is None
-    assert eng.mixed_step_key(4, 5, 40) is None
+    # shapes a mixed step does not take: a prompt whose bucket ends before slot 0, a batch with no free row, a prompt
+    # past the largest mixed prompt (cut to 32 here, so that its bucket still fits the slot)
+    assert eng.mixed_step_key(2, 20, 10) is None and eng.mixed_step_key(4, 5, 40) is None
+    monkeypatch.setattr(mixed_step, "MIXED_MAX_PROMPT", 32)
+    assert eng.mixed_step_key(2, 32, 90) is not None and eng.mixed_step_key(2, 33, 90) is None

@@ -642,6 +642,28 @@ def test_a_mixed_join_whose_running_rows_all_leave_joins_whole(engines):
     assert seq.token_ids == alone.token_ids and not r._lead
 
 
+def test_a_mixed_join_whose_rows_all_leave_before_it_is_finished_gives_the_lease_back(engines):
+    """The runner's API allows steps between a mixed join's step and finish_join: when every row (the joined one
+    too) leaves meanwhile, finish_join still ends the join and gives the full-residency lease back."""
+    eng = engines["tiny-olmoe"]
+    (a_ids, _), (b_ids, _) = _requests(eng, 16, n=2)
+    with torch.inference_mode():
+        r = BatchRunner(eng, pipelined=True, mixed=True)
+        assert r.admit(Sequence(a_ids, SamplingParams(max_new_tokens=30, ignore_eos=True)))
+        while r.slot < 16 + len(a_ids):
+            r.step()
+        seq = Sequence(b_ids, SamplingParams(max_new_tokens=4))
+        assert r.begin_join([seq]) == 1
+        r.step()  # the mixed step: the joined request is a row, the join not yet finished
+        assert r.join_running and r.rows == 2 and r.counters["mixed_joins"] == 1
+        for s in r.seqs:
+            s.cancel()
+        r.step()
+        assert r.rows == 0 and r._lead  # the pending join keeps the lease until it ends
+        assert r.finish_join() and not r.joining and not r._lead
+        assert seq.finish_reason == "cancelled"
+
+
 def test_an_interleaved_join_that_fails_midway_answers_its_head_and_the_rest_are_served(engines, monkeypatch):
     """A prefill that raises after some of its layers ran between decode steps: the head of its group gets the
     error, the group's other requests wait again at the front of the queue and are served as alone (the running

@@ -76,7 +76,8 @@ def add_arguments(p) -> None:
                         "on a CUDA stream of its own beside the decode steps (same condition, and a pass short "
                         "enough to be captured); mixed: a waiting request's prompt (up to 512 tokens) is computed "
                         "inside the next decode step, one request per step, so the weights are read once for both "
-                        "(same condition). On the H200 interleaved served fewer tokens per second than whole "
+                        "(full residency with CUDA graphs, no --gpu-budget; otherwise, and for a longer prompt, a "
+                        "whole join; not yet measured on a GPU). On the H200 interleaved served fewer tokens per second than whole "
                         "(the engine thread is host-bound) and concurrent about as many (32 clients: 0.74 of the "
                         "offline batch against 0.72; results/serve/load/README.md)")
     p.add_argument("--max-seq-len", type=_positive, default=None, metavar="N",

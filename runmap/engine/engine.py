@@ -1304,7 +1304,7 @@ class Engine:
     def prepare_mixed_steps(self) -> int:
         """Capture every mixed-step shape now (a server's warm-up under --join-mode mixed); returns how many (0 on the
         CPU and wherever ``mixed_step_key`` refuses every shape)."""
-        if self.mixed_step_key(1, 1, 0) is None and self.mixed_step_key(1, 1, self.max_seq_len - 1) is None:
+        if self.mixed_step_key(1, 1, self.max_seq_len - 1) is None:  # partial residency, no graphs, a budget, ...
             return 0
         with torch.inference_mode():
             return self._mixed_stepper().prepare()

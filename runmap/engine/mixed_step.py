@@ -44,7 +44,7 @@ class _MixedInputs:
     """The fixed-address inputs of one mixed-step shape: tok int64 (Bc, 1), pad int64 (Bc,), slot int64 (1,), the
     joining prompt jtok int64 (1, Pb) and its pad jpad int64 (1,)."""
 
-    def __init__(self, engine, Bc: int, Pb: int):
+    def __init__(self, engine, Bc: int, Pb: int, out: torch.Tensor):
         dev = engine.device
         self.Bc, self.Pb = Bc, Pb
         self.tok = torch.full((Bc, 1), int(engine.pad_id), dtype=torch.long, device=dev)
@@ -52,7 +52,10 @@ class _MixedInputs:
         self.slot = torch.full((1,), Pb - 1, dtype=torch.long, device=dev)
         self.jtok = torch.full((1, Pb), int(engine.pad_id), dtype=torch.long, device=dev)
         self.jpad = torch.zeros(1, dtype=torch.long, device=dev)
-        self.graphs: dict[int, tuple] = {}  # n_keys -> (graph, logits float32 (Bc + 1, V))
+        # float32 (Bc + 1, V): the logits every graph of this rows bucket writes (one buffer per bucket, not one per
+        # graph: a graph's own output would stay allocated in the pool, 6.4 MB per OLMoE graph of 32 rows)
+        self.out = out
+        self.graphs: dict[int, torch.cuda.CUDAGraph] = {}  # n_keys -> graph
 
 
 class MixedStepper:
@@ -61,6 +64,7 @@ class MixedStepper:
     def __init__(self, engine, pool, capture: bool):
         self.e, self.pool, self.capture = engine, pool, capture
         self.shapes: dict[tuple[int, int], _MixedInputs] = {}
+        self.outputs: dict[int, torch.Tensor] = {}  # rows bucket -> the logits buffer its graphs share
 
     def key(self, B: int, P: int, slot: int) -> tuple[int, int, int] | None:
         """(decode rows, prompt bucket, KV-length bucket) of a mixed step of B running rows at KV slot ``slot`` and a
@@ -69,38 +73,43 @@ class MixedStepper:
         e = self.e
         Pb = prefill_bucket(P)
         if not 1 <= B <= e.max_batch - 1 or Pb is None or Pb > MIXED_MAX_PROMPT or Pb > slot + 1 \
-                or slot >= e.max_seq_len:
+                or Pb > e.prefill_chunk or slot >= e.max_seq_len:
             return None
         n_keys = e.bucket(slot + 1) if e.device.type == "cuda" else slot + 1
         return mixed_rows(B, e.max_batch), Pb, n_keys
 
     def _inputs(self, Bc: int, Pb: int) -> _MixedInputs:
         if (Bc, Pb) not in self.shapes:
-            self.shapes[(Bc, Pb)] = _MixedInputs(self.e, Bc, Pb)
+            if Bc not in self.outputs:
+                self.outputs[Bc] = torch.empty(Bc + 1, self.e.cfg.vocab_size, dtype=torch.float32, device=self.e.device)
+            self.shapes[(Bc, Pb)] = _MixedInputs(self.e, Bc, Pb, self.outputs[Bc])
         return self.shapes[(Bc, Pb)]
 
     def _forward(self, st: _MixedInputs, n_keys: int) -> torch.Tensor:
-        """The pass over st's static inputs; the same launches whether captured or not."""
+        """The pass over st's static inputs into st.out; the same launches whether captured or not."""
         e = self.e
         dec_pos = (st.slot - st.pad).unsqueeze(1)  # (Bc, 1)
         join_slots = st.slot - st.Pb + 1 + torch.arange(st.Pb, device=e.device)  # (Pb,)
         join_pos = (join_slots[None, :] - st.jpad[:, None]).clamp_(min=0)  # (1, Pb)
         e.experts.validate = False  # no host sync inside a graph: static tables of full residency
         try:
-            return e.model.forward_mixed(st.tok, dec_pos, st.slot, st.pad, st.jtok, join_pos, join_slots, st.jpad,
-                                         e.kv, e.max_batch - 1, n_keys, e.experts)
+            return st.out.copy_(e.model.forward_mixed(st.tok, dec_pos, st.slot, st.pad, st.jtok, join_pos, join_slots,
+                                                      st.jpad, e.kv, e.max_batch - 1, n_keys, e.experts))
         finally:
             e.experts.validate = True
 
     def _capture(self, st: _MixedInputs, n_keys: int) -> None:
         from runmap.engine.engine import capture_graph
 
-        st.graphs[n_keys] = capture_graph(lambda: self._forward(st, n_keys), self.e.device, self.pool)
+        st.graphs[n_keys], _ = capture_graph(lambda: self._forward(st, n_keys), self.e.device, self.pool)
 
     def prepare(self) -> int:
         """Capture every mixed-step shape now (a server's warm-up): each rows bucket x prompt bucket x KV-length bucket
-        a step can take; returns how many. The inputs are the pad token and a slot at the prompt bucket's end: only the
-        shapes matter, and the dummy writes land in the cache's free rows. Nothing without capture."""
+        a step can take; returns how many. The inputs are the pad token and a slot at the KV bucket's end: only the
+        shapes matter, and the writes land in rows no request holds (the batch must be empty). Each capture runs the
+        pass three times (two warm-up runs, then the capture: runmap.engine.engine.capture_graph); for max batch 32 and
+        a 1,024-token context that is 88 graphs (4 rows buckets x 22 prompt / KV-length pairs). Nothing without
+        capture."""
         if not self.capture:
             return 0
         e = self.e
@@ -118,7 +127,7 @@ class MixedStepper:
                     break
                 st = self._inputs(Bc, Pb)
                 for n_keys in kv_buckets:
-                    if Pb <= n_keys and n_keys not in st.graphs:
+                    if Pb <= n_keys and Pb <= e.prefill_chunk and n_keys not in st.graphs:
                         st.slot.fill_(n_keys - 1)
                         st.pad.fill_(n_keys - 1)
                         self._capture(st, n_keys)
@@ -143,8 +152,8 @@ class MixedStepper:
         if self.capture:
             if n_keys not in st.graphs:
                 self._capture(st, n_keys)
-            g, out = st.graphs[n_keys]
-            g.replay()
+            st.graphs[n_keys].replay()
+            out = st.out
         else:
             out = self._forward(st, n_keys)
-        return torch.cat([out[:B], out[Bc:]])  # (B + 1, V): a copy, the graph's output is reused by the next replay
+        return torch.cat([out[:B], out[Bc:]])  # (B + 1, V): a copy, the buffer is rewritten by the next step

@@ -250,6 +250,11 @@ class BatchRunner:
         """A joint prefill is in progress (begin_join called, finish_join not yet done)."""
         return self._pending is not None
 
+    @property
+    def join_running(self) -> bool:
+        """The pending join's rows already run (a mixed join whose step ran; ``finish_join`` has not yet ended it)."""
+        return self._pending is not None and self._pending.consumed
+
     def can_interleave(self) -> bool:
         """Whether a join begun now may run its prefill between decode steps: rows are running, and a decode step
         neither calls the routed experts' host path (full residency; on CUDA a captured graph) nor draws from a
@@ -269,8 +274,9 @@ class BatchRunner:
 
     def mixed_fits(self, seq: Sequence):
         """The engine's mixed-step shape (``Engine.mixed_step_key``) for ``seq`` joining at the next decode step, or None
-        when it must join whole: no row runs (or none needs another step), no free row, a prompt that does not fit a
-        mixed step's buckets or ends past the shared slot, or no KV room for its tokens after the slot."""
+        when it must join whole: no row runs (or, in the pipelined order, none needs another step), no free row, a
+        prompt that does not fit a mixed step's buckets or whose bucket is longer than the shared slot, no KV room for
+        its tokens after the slot, or an engine that runs no mixed step (see ``Engine.mixed_step_key``)."""
         if not (self.mixed and self.seqs and len(self.seqs) < self.max_batch):
             return None
         if self.pipelined and not any(self._steps_left(s) > 0 for s in self.seqs):
@@ -430,6 +436,8 @@ class BatchRunner:
         if j is not None and j.mixed:
             if j.consumed:  # its step ran (``_launch``): its row is running already
                 self._pending = None
+                if not self.seqs:  # every row left meanwhile (steps ran before this call): _remove kept the lease
+                    self._release()
             return j.consumed
         if j is None or j.logits is None:
             return False
@@ -472,6 +480,8 @@ class BatchRunner:
         its group. Its pass is closed; its KV rows hold nothing anyone reads."""
         j, self._pending = self._pending, None
         if j is None or j.consumed:  # a consumed mixed join's row is a running row: not the caller's
+            if j is not None and not self.seqs:
+                self._release()
             return []
         if j.pieces is not None:
             j.pieces.close()

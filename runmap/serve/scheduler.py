@@ -594,8 +594,11 @@ class Scheduler:
 
     def _update_gauges(self) -> None:
         if self.metrics is not None:
-            # a joining request counts as running (its prefill is under way), not as waiting
-            self.metrics.running.set((self.runner.rows if self.runner is not None else 0) + len(self._joining))
+            # a joining request counts as running (its prefill is under way), not as waiting; once a mixed join's step
+            # ran, its request is one of the runner's rows already
+            r = self.runner
+            joining = 0 if r is not None and r.join_running else len(self._joining)
+            self.metrics.running.set((r.rows if r is not None else 0) + joining)
             self.metrics.waiting.set(len(self._waiting))
 
     def _refresh_stats(self, force: bool = False) -> None:
