@@ -14,6 +14,11 @@ Three stages on one engine (full residency, CUDA graphs), each written to --out 
            request of --max-tokens tokens as soon as their last one finished, for --seconds per join mode.
 
     PYTHONPATH=. python3 tools/explore/probe_mixed_step.py --packed PACK --out OUT.json
+
+A CPU rehearsal of the script itself (tokens and load stages; the timing stage needs CUDA):
+    TRITON_INTERPRET=1 PYTHONPATH=. python3 tools/explore/probe_mixed_step.py --packed TINY_PACK --out /tmp/p.json \
+        --device cpu --executor reference --stages tokens,load --requests 4 --max-batch 4 --clients 4 --seconds 3 \
+        --max-tokens 8
 """
 import argparse
 import json
@@ -42,6 +47,8 @@ ap.add_argument("--clients", type=int, default=32)
 ap.add_argument("--seconds", type=float, default=20.0, help="load stage: seconds per join mode")
 ap.add_argument("--modes", default="whole,mixed", help="load stage: join modes, in this order")
 ap.add_argument("--stages", default="timing,tokens,load")
+ap.add_argument("--device", default="cuda")
+ap.add_argument("--executor", default="grouped")
 args = ap.parse_args()
 stages = set(args.stages.split(","))
 
@@ -60,9 +67,9 @@ def first_diff(a, b):
     return next((i for i, (x, y) in enumerate(zip(a, b)) if x != y), None if len(a) == len(b) else min(len(a), len(b)))
 
 
-dev = torch.device("cuda")
+dev = torch.device(args.device)
 t0 = time.perf_counter()
-eng = Engine.from_pack(args.packed, device=dev, max_batch=args.max_batch, max_seq_len=1024)
+eng = Engine.from_pack(args.packed, device=dev, executor=args.executor, max_batch=args.max_batch, max_seq_len=1024)
 record["load_s"] = time.perf_counter() - t0
 t0 = time.perf_counter()
 with torch.inference_mode():
@@ -93,7 +100,7 @@ def device_ms(fn):
 
 
 # ---- timing ----------------------------------------------------------------------------------------------------
-if "timing" in stages:
+if "timing" in stages and dev.type == "cuda":
     rows_out = []
     with torch.inference_mode():
         eng.experts.begin()
@@ -142,7 +149,8 @@ if "tokens" in stages:
                         r.finish_join()
                 r.step()
                 steps += 1
-            torch.cuda.synchronize()
+            if dev.type == "cuda":
+                torch.cuda.synchronize()
             diffs = [first_diff(s.token_ids, a) for s, a in zip(seqs, alone)]
             return {"equal_to_alone": sum(d is None for d in diffs), "requests": len(seqs),
                     "first_differences": sorted(d for d in diffs if d is not None), "steps": steps,
