@@ -616,6 +616,55 @@ def test_the_scheduler_runs_mixed_joins_inside_decode_steps_and_outputs_stay_tho
         sched.stop()
 
 
+@pytest.mark.parametrize("pipelined", [False, True], ids=["cpu-order", "pipelined"])
+def test_mixed_joins_with_dummy_rows_and_longer_prompts_get_their_tokens_alone(packs, pipelined):
+    """A batch of up to 9 rows: mixed steps round the running rows up to 8 (several dummy rows) and take prompts of
+    the 16-, 32- and 64-position buckets, as many joins as the shared slot allows; every request's tokens are still
+    its tokens alone (greedy and seeded sampling)."""
+    from runmap.engine.engine import Engine
+
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        eng = Engine.from_pack(packs["tiny-olmoe"], executor="reference", device="cpu", max_batch=10, max_seq_len=160)
+        rng = random.Random(21)
+        reqs = []
+        for k in range(14):
+            n = rng.choice([3, 12, 20, 30, 45, 60])
+            ids = [rng.randrange(3, eng.cfg.vocab_size) for _ in range(n)]
+            reqs.append((ids, SamplingParams(max_new_tokens=rng.randint(6, 30), temperature=0.8 if k % 4 == 0 else 0.0,
+                                             top_p=0.9, seed=200 + k)))
+        alone = _alone(eng, reqs)
+        seqs = [Sequence(ids, p) for ids, p in reqs]
+        buckets = set()
+        with torch.inference_mode():
+            r = BatchRunner(eng, pipelined=pipelined, mixed=True)
+            waiting, steps = list(seqs), 0
+            while waiting or r.rows or r.joining:
+                if r.joining:
+                    r.advance_join(None)
+                    r.finish_join()
+                elif waiting and (not r.rows or steps % 2 == 0):
+                    key = r.mixed_fits(waiting[0])
+                    n = r.begin_join(waiting[:2], interleave=False)
+                    if n and r.joining and r._pending.mixed:
+                        buckets.add((r.rows, key[0], key[1]))  # (rows, decode rows, prompt bucket) of its step
+                    elif n and r.joining:
+                        r.advance_join(None)
+                        assert r.finish_join()
+                    del waiting[:n]
+                r.step()
+                steps += 1
+                assert steps < 3000
+    finally:
+        torch.set_num_threads(threads)
+    for k, (a, s) in enumerate(zip(alone, seqs)):
+        assert s.token_ids == a.token_ids and s.finish_reason == a.finish_reason, k
+    # the steps took prompts of several buckets, and some of them ran rows past the running ones (dummy rows)
+    assert {Pb for _, _, Pb in buckets} >= {32, 64}, buckets
+    assert r.counters["mixed_joins"] >= 5 and any(B < Bc for B, Bc, _ in buckets), (r.counters, buckets)
+
+
 def test_a_mixed_join_whose_running_rows_all_leave_joins_whole(engines):
     """CPU order: every running row finishes at the step boundary where a mixed join waits for its step; the join
     then runs whole into the empty batch (from slot 0), its request gets its tokens alone and the full-residency
