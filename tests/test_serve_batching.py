@@ -487,6 +487,27 @@ def _collect(sched, reqs, *, stagger_s=0.0):
     return events
 
 
+def _serve_each_alone(sched, reqs, alone, *, stagger_s: float, around=None):
+    """Start ``sched``, submit ``reqs`` ``stagger_s`` apart (inside the context ``around()`` makes, if any) and stop it;
+    asserts that each request ends with its tokens alone and that the scheduler ends idle and alive. Returns the
+    runner's counters before the requests (after warm-up) and after them."""
+    import contextlib
+
+    sched.start()
+    try:
+        _ready(sched)
+        before = dict(sched.runner.counters)
+        with (around or contextlib.nullcontext)():
+            events = _collect(sched, reqs, stagger_s=stagger_s)
+        for k, a in enumerate(alone):
+            kind, seq = events[k][-1]
+            assert kind == "done" and seq.token_ids == a.token_ids, k
+        assert sched.alive and sched.waiting == 0 and sched.runner.rows == 0 and not sched.runner.joining
+        return before, dict(sched.runner.counters)
+    finally:
+        sched.stop()
+
+
 @pytest.mark.parametrize("pipelined", [False, True], ids=["cpu-order", "pipelined"])
 def test_the_scheduler_interleaves_joins_with_running_rows_and_outputs_stay_those_alone(engines, pipelined, monkeypatch):
     """--join-mode interleaved: requests arriving while rows run join through prefills spread over decode steps;
@@ -568,24 +589,13 @@ def test_the_scheduler_runs_concurrent_joins_beside_running_rows_and_outputs_sta
     reqs = [(ids, SamplingParams(max_new_tokens=12, temperature=p.temperature, top_p=p.top_p, seed=p.seed))
             for ids, p in _requests(eng, 12, n=7)]
     alone = _alone(eng, reqs)
-    sched = Scheduler(eng, pipelined=pipelined, concurrent_joins=True)
-    sched.start()
-    try:
-        _ready(sched)
-        before = dict(sched.runner.counters)
-        events = _collect(sched, reqs, stagger_s=0.02)
-        for k, a in enumerate(alone):
-            kind, seq = events[k][-1]
-            assert kind == "done" and seq.token_ids == a.token_ids, k
-        c = sched.runner.counters
-        joins = c["concurrent_joins"] - before["concurrent_joins"]
-        # more checks found a pass not done than joins began: decode steps ran while passes were pending (the check
-        # right after each begin_join accounts for one per join)
-        assert joins > 0 and c["join_not_done"] - before["join_not_done"] > joins, c
-        assert before["concurrent_joins"] >= 1  # the warm-up ran a concurrent join too
-        assert sched.alive and sched.waiting == 0 and sched.runner.rows == 0 and not sched.runner.joining
-    finally:
-        sched.stop()
+    before, c = _serve_each_alone(Scheduler(eng, pipelined=pipelined, concurrent_joins=True), reqs, alone,
+                                  stagger_s=0.02)
+    joins = c["concurrent_joins"] - before["concurrent_joins"]
+    # more checks found a pass not done than joins began: decode steps ran while passes were pending (the check right
+    # after each begin_join accounts for one per join)
+    assert joins > 0 and c["join_not_done"] - before["join_not_done"] > joins, c
+    assert before["concurrent_joins"] >= 1  # the warm-up ran a concurrent join too
 
 
 @pytest.mark.parametrize("pipelined", [False, True], ids=["cpu-order", "pipelined"])
@@ -599,21 +609,9 @@ def test_the_scheduler_runs_mixed_joins_inside_decode_steps_and_outputs_stay_tho
     reqs = [(ids, SamplingParams(max_new_tokens=24, temperature=p.temperature, top_p=p.top_p, seed=p.seed))
             for ids, p in _requests(eng, 14, n=8)]
     alone = _alone(eng, reqs)
-    sched = Scheduler(eng, pipelined=pipelined, mixed_joins=True)
-    sched.start()
-    try:
-        _ready(sched)
-        before = dict(sched.runner.counters)
-        assert before["mixed_joins"] >= 1  # the warm-up's join rode in a decode step
-        events = _collect(sched, reqs, stagger_s=0.03)
-        for k, a in enumerate(alone):
-            kind, seq = events[k][-1]
-            assert kind == "done" and seq.token_ids == a.token_ids, k
-        c = sched.runner.counters
-        assert c["mixed_joins"] > before["mixed_joins"], c
-        assert sched.alive and sched.waiting == 0 and sched.runner.rows == 0 and not sched.runner.joining
-    finally:
-        sched.stop()
+    before, c = _serve_each_alone(Scheduler(eng, pipelined=pipelined, mixed_joins=True), reqs, alone, stagger_s=0.03)
+    assert before["mixed_joins"] >= 1  # the warm-up's join rode in a decode step
+    assert c["mixed_joins"] > before["mixed_joins"], c
 
 
 @pytest.mark.parametrize("pipelined", [False, True], ids=["cpu-order", "pipelined"])
