@@ -606,8 +606,8 @@ class BatchRunner:
         self._pad_dev = None
         self.slot += 1
         j.consumed = True
-        for key_ in ("steps", "joins", "mixed_joins", "admitted", "joined_running"):
-            self.counters[key_] += 1
+        for counter in ("steps", "joins", "mixed_joins", "admitted", "joined_running"):
+            self.counters[counter] += 1
         return self._sample(logits, self.seqs)
 
     def _order(self, B: int, gone: list[int]) -> list[int]:
