@@ -321,3 +321,21 @@ def test_a_mixed_step_computes_the_decode_step_and_the_prompt_alone(packs, test_
     assert eng.mixed_step_key(2, 20, 10) is None and eng.mixed_step_key(4, 5, 40) is None
     monkeypatch.setattr(mixed_step, "MIXED_MAX_PROMPT", 32)
     assert eng.mixed_step_key(2, 32, 90) is not None and eng.mixed_step_key(2, 33, 90) is None
+
+
+def test_mixed_step_shapes_are_the_smallest_that_hold_them():
+    """A mixed step pads its prompt to the smallest of MIXED_BUCKETS that holds it (none past MIXED_MAX_PROMPT) and
+    rounds its decode rows up to a multiple of MIXED_ROWS_STEP below the row its prompt takes."""
+    from runmap.engine.mixed_step import MIXED_BUCKETS, MIXED_MAX_PROMPT, MIXED_ROWS_STEP, mixed_bucket, mixed_rows
+
+    for n in range(1, MIXED_MAX_PROMPT + 40):
+        b = mixed_bucket(n)
+        if n > MIXED_MAX_PROMPT:
+            assert b is None
+            continue
+        assert b in MIXED_BUCKETS and b >= n and all(c < n for c in MIXED_BUCKETS if c < b)
+    for max_batch in (2, 3, 9, 32, 64):
+        for B in range(1, max_batch):
+            Bc = mixed_rows(B, max_batch)
+            assert B <= Bc <= max_batch - 1 and (Bc % MIXED_ROWS_STEP == 0 or Bc == max_batch - 1)
+            assert Bc - B < MIXED_ROWS_STEP

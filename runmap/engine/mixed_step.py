@@ -7,7 +7,7 @@ Why: on the H200 a served OLMoE batch of 32 closed-loop clients spent about a fi
 inside the decode step (``Transformer.forward_mixed``) reads them once for both.
 
 What a mixed step computes: the running rows 0..B-1 decode one token at the shared slot s, as a decode step does; the
-joining prompt of P tokens is left-padded to its length bucket Pb (``prefill_graph.prefill_bucket``) and written into
+joining prompt of P tokens is left-padded to its length bucket Pb (``mixed_bucket``) and written into
 the cache's last row at slots s - Pb + 1 .. s, its pad s + 1 - P, so that it ends at the shared slot as a whole join
 leaves it (``runmap.serve.batching``); the runner then moves its keys and values to row B. The step returns logits for
 the B rows and the prompt's last position. To keep the number of captured graphs small the decode part runs over
@@ -25,7 +25,7 @@ from __future__ import annotations
 
 import torch
 
-from runmap.engine.prefill_graph import PREFILL_BUCKETS, prefill_bucket
+from runmap.engine.prefill_graph import PREFILL_BUCKETS
 
 # decode rows of a mixed step are rounded up to a multiple of this (capped at max_batch - 1): with a graph per exact
 # row count a server of 32 rows would capture 31 x length buckets x KV buckets graphs
@@ -33,6 +33,16 @@ MIXED_ROWS_STEP = 8
 # the longest joining prompt a mixed step takes (its bucket); a longer one joins whole. At 512 positions a mixed step
 # is a 512-token prefill with the decode rows riding along; past it the pass's own length dominates the step
 MIXED_MAX_PROMPT = 512
+# the joining prompt's length buckets (a captured graph each, per rows bucket and KV-length bucket): the prefill
+# passes' own up to MIXED_MAX_PROMPT. A prompt is padded to the next one, and its padding is computed like its tokens
+# (above 128 positions up to a third of the pass); finer buckets waste less and capture more graphs
+MIXED_BUCKETS = tuple(b for b in PREFILL_BUCKETS if b <= MIXED_MAX_PROMPT)
+
+
+def mixed_bucket(n: int) -> int | None:
+    """The positions a joining prompt of n tokens takes in a mixed step (the smallest of MIXED_BUCKETS >= n), or None
+    past MIXED_MAX_PROMPT."""
+    return next((b for b in MIXED_BUCKETS if b >= n and b <= MIXED_MAX_PROMPT), None)
 
 
 def mixed_rows(B: int, max_batch: int) -> int:
@@ -71,9 +81,9 @@ class MixedStepper:
         P-token prompt, or None when there is none: no free row for the prompt, a prompt past MIXED_MAX_PROMPT, or one
         whose bucket does not end at the slot (Pb > slot + 1: the rows would first have to move right, a whole join)."""
         e = self.e
-        Pb = prefill_bucket(P)
-        if not 1 <= B <= e.max_batch - 1 or Pb is None or Pb > MIXED_MAX_PROMPT or Pb > slot + 1 \
-                or Pb > e.prefill_chunk or slot >= e.max_seq_len:
+        Pb = mixed_bucket(P)
+        if not 1 <= B <= e.max_batch - 1 or Pb is None or Pb > slot + 1 or Pb > e.prefill_chunk \
+                or slot >= e.max_seq_len:
             return None
         n_keys = e.bucket(slot + 1) if e.device.type == "cuda" else slot + 1
         return mixed_rows(B, e.max_batch), Pb, n_keys
@@ -122,7 +132,7 @@ class MixedStepper:
             b *= 2
         n = 0
         for Bc in rows:
-            for Pb in PREFILL_BUCKETS:
+            for Pb in MIXED_BUCKETS:
                 if Pb > MIXED_MAX_PROMPT:
                     break
                 st = self._inputs(Bc, Pb)

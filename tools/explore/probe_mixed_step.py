@@ -15,6 +15,9 @@ Three stages on one engine (full residency, CUDA graphs), each written to --out 
 
     PYTHONPATH=. python3 tools/explore/probe_mixed_step.py --packed PACK --out OUT.json
 
+--mixed-buckets and --rows-step set the step's shape knobs (runmap.engine.mixed_step.MIXED_BUCKETS, MIXED_ROWS_STEP)
+for the run, e.g. finer prompt buckets against the padding the default ones compute.
+
 A CPU rehearsal of the script itself (tokens and load stages; the timing stage needs CUDA):
     TRITON_INTERPRET=1 PYTHONPATH=. python3 tools/explore/probe_mixed_step.py --packed TINY_PACK --out /tmp/p.json \
         --device cpu --executor reference --stages tokens,load --requests 4 --max-batch 4 --clients 4 --seconds 3 \
@@ -28,6 +31,7 @@ import torch
 
 from join_probe import ProbeRecord, compare_tokens, ifeval_like_prompts, load_stage  # tools/explore/join_probe.py
 from runmap.bench.cuda_timing import event_times_ms
+from runmap.engine import mixed_step
 from runmap.engine.engine import Engine
 
 ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
@@ -44,12 +48,21 @@ ap.add_argument("--seconds", type=float, default=20.0, help="load stage: seconds
 ap.add_argument("--modes", default="whole,mixed", help="load stage: join modes, in this order")
 ap.add_argument("--stages", default="timing,tokens,load")
 ap.add_argument("--device", default="cuda")
+ap.add_argument("--mixed-buckets", default=None, metavar="B,B,...",
+                help="the joining prompt's length buckets (runmap.engine.mixed_step.MIXED_BUCKETS) for this run")
+ap.add_argument("--rows-step", type=int, default=None,
+                help="decode rows of a mixed step rounded up to a multiple of this (MIXED_ROWS_STEP) for this run")
 ap.add_argument("--executor", default="grouped")
 args = ap.parse_args()
 stages = set(args.stages.split(","))
+if args.mixed_buckets:  # knobs of the step's shapes, read at each call: set before anything is captured
+    mixed_step.MIXED_BUCKETS = tuple(sorted(int(b) for b in args.mixed_buckets.split(",")))
+if args.rows_step:
+    mixed_step.MIXED_ROWS_STEP = args.rows_step
 
 record = ProbeRecord(args.out, probe="mixed steps", packed=args.packed, max_batch=args.max_batch,
-                     max_tokens=args.max_tokens,
+                     max_tokens=args.max_tokens, mixed_buckets=list(mixed_step.MIXED_BUCKETS),
+                     rows_step=mixed_step.MIXED_ROWS_STEP,
                      device=torch.cuda.get_device_name() if torch.cuda.is_available() else "cpu")
 dev = torch.device(args.device)
 t0 = time.perf_counter()
