@@ -1218,6 +1218,13 @@ class Engine:
             b *= 2
         return min(b, self.max_seq_len)
 
+    def kv_buckets(self) -> list[int]:
+        """Every value ``bucket`` takes, ascending: the KV lengths a captured decode step (or mixed step) is keyed by."""
+        out = [self.bucket(1)]
+        while out[-1] < self.max_seq_len:
+            out.append(self.bucket(out[-1] + 1))
+        return out
+
     def prefill(self, tokens: torch.Tensor, pad: torch.Tensor, all_logits: bool = False, *, kv=None,
                 pad_host=None, kv_row0: int | None = None, padded_pass: bool = False) -> torch.Tensor:
         """tokens int64 (B, P), pad int64 (B,) (device) -> float32 (B, V) (or (B, P, V) with all_logits).
@@ -1281,14 +1288,19 @@ class Engine:
                                                    row0=self.max_batch - B)
                    for B in range(1, self.max_batch + 1))
 
+    @property
+    def steps_stay_on_device(self) -> bool:
+        """Full residency with neither a routing workload nor a route recorder: a step's routed experts never call the
+        expert cache's host path and no host code reads its routes, so a server may queue other work beside or inside
+        its steps (interleaved, concurrent and mixed joins) without changing their order against either."""
+        return self.imposed is None and self.routes is None and bool(getattr(self.experts, "full", False))
+
     def mixed_step_key(self, B: int, P: int, slot: int):
         """The shape of a mixed step (runmap.engine.mixed_step) of B running rows at KV slot ``slot`` and a joining
-        prompt of P tokens, or None when none can run: partial residency, a routing workload or a route recorder, on
-        CUDA without captured passes (no CUDA graphs, a GPU budget), or a shape MixedStepper.key refuses."""
-        if self.imposed is not None or self.routes is not None or self.skip_experts \
-                or not getattr(self.experts, "full", False):
-            return None
-        if self.device.type == "cuda" and not self._graph_prefill():
+        prompt of P tokens, or None when none can run: not ``steps_stay_on_device`` (partial residency, a routing
+        workload or a route recorder), on CUDA without captured passes (no CUDA graphs, a GPU budget), or a shape
+        MixedStepper.key refuses."""
+        if not self.steps_stay_on_device or (self.device.type == "cuda" and not self._graph_prefill()):
             return None
         return self._mixed_stepper().key(B, P, slot)
 

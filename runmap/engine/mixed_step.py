@@ -123,25 +123,17 @@ class MixedStepper:
         if not self.capture:
             return 0
         e = self.e
-        rows = sorted({mixed_rows(B, e.max_batch) for B in range(1, e.max_batch)})
-        kv_buckets, b = [], 256
-        while True:
-            kv_buckets.append(min(b, e.max_seq_len))
-            if b >= e.max_seq_len:
-                break
-            b *= 2
+        # the shapes ``key`` gives: each running-row count with each bucket's longest prompt at each KV bucket's last slot
+        keys = {self.key(B, Pb, n_keys - 1) for B in range(1, e.max_batch) for Pb in MIXED_BUCKETS
+                for n_keys in e.kv_buckets()} - {None}
         n = 0
-        for Bc in rows:
-            for Pb in MIXED_BUCKETS:
-                if Pb > MIXED_MAX_PROMPT:
-                    break
-                st = self._inputs(Bc, Pb)
-                for n_keys in kv_buckets:
-                    if Pb <= n_keys and Pb <= e.prefill_chunk and n_keys not in st.graphs:
-                        st.slot.fill_(n_keys - 1)
-                        st.pad.fill_(n_keys - 1)
-                        self._capture(st, n_keys)
-                        n += 1
+        for Bc, Pb, n_keys in sorted(keys):
+            st = self._inputs(Bc, Pb)
+            if n_keys not in st.graphs:
+                st.slot.fill_(n_keys - 1)
+                st.pad.fill_(n_keys - 1)
+                self._capture(st, n_keys)
+                n += 1
         return n
 
     def run(self, tok: torch.Tensor, slot: int, pad: torch.Tensor, prompt: torch.Tensor, key) -> torch.Tensor:

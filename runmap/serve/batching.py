@@ -221,10 +221,13 @@ class BatchRunner:
                 t[layer, dst:dst + k, :, to:to + hi - lo].copy_(block)
 
     def _move_row(self, src: int, dst: int) -> None:
-        lo = self.pad[src]
-        for t in (self.eng.kv.k, self.eng.kv.v):
-            t[:, dst, :, lo:self.slot].copy_(t[:, src, :, lo:self.slot])
+        self._copy_row_kv(src, dst, self.pad[src], self.slot)
         self.counters["row_moves"] += 1
+
+    def _copy_row_kv(self, src: int, dst: int, lo: int, hi: int) -> None:
+        """Keys and values of row src at slots lo..hi-1 into row dst (src != dst), every layer."""
+        for t in (self.eng.kv.k, self.eng.kv.v):
+            t[:, dst, :, lo:hi].copy_(t[:, src, :, lo:hi])
 
     # ---- admission ------------------------------------------------------------------------------------------
     def admit(self, seq: Sequence) -> bool:
@@ -260,8 +263,8 @@ class BatchRunner:
         neither calls the routed experts' host path (full residency; on CUDA a captured graph) nor draws from a
         routing workload or records routes (both would interleave the two passes' streams)."""
         e = self.eng
-        return (self.interleave and bool(self.seqs) and e.imposed is None and e.routes is None
-                and getattr(e.experts, "full", False) and (self.dev.type != "cuda" or e.use_graphs))
+        return (self.interleave and bool(self.seqs) and e.steps_stay_on_device
+                and (self.dev.type != "cuda" or e.use_graphs))
 
     def can_join_concurrently(self, k: int, P: int) -> bool:
         """Whether a whole join of k rows x P positions begun beside running rows may replay its captured pass on the
@@ -269,8 +272,7 @@ class BatchRunner:
         ``Engine.join_pass_concurrent``, or a decode step that draws from a routing workload, records routes or
         calls the routed experts' host path: their order against the pass would change)."""
         e = self.eng
-        return (self.dev.type == "cuda" and e.imposed is None and e.routes is None
-                and getattr(e.experts, "full", False) and e.join_pass_concurrent(k, P))
+        return self.dev.type == "cuda" and e.steps_stay_on_device and e.join_pass_concurrent(k, P)
 
     def mixed_fits(self, seq: Sequence):
         """The engine's mixed-step shape (``Engine.mixed_step_key``) for ``seq`` joining at the next decode step, or None
@@ -599,8 +601,7 @@ class BatchRunner:
             self._pad_dev = self._upload(list(self.pad))
         logits = self.eng.mixed_step(tok, s, self._pad_dev, self._upload(seq.prompt_ids), key)  # (B + 1, V)
         if j.row0 != B:  # the prompt's keys and values, slots s + 1 - P .. s, from the cache's last row to row B
-            for t in (self.eng.kv.k, self.eng.kv.v):
-                t[:, B, :, s + 1 - P:s + 1].copy_(t[:, j.row0, :, s + 1 - P:s + 1])
+            self._copy_row_kv(j.row0, B, s + 1 - P, s + 1)
         self.seqs.append(seq)
         self.pad.append(s + 1 - P)
         self._pad_dev = None

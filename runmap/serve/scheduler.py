@@ -312,12 +312,7 @@ class Scheduler:
                     log.info("captured %d mixed steps (a joining prompt computed inside a decode step)", n)
             slots = [len(ids)]
             if dev.type == "cuda":
-                slots, b = [], 256
-                while True:
-                    slots.append(min(b, eng.max_seq_len) - 1)
-                    if b >= eng.max_seq_len:
-                        break
-                    b *= 2
+                slots = [n - 1 for n in eng.kv_buckets()]
             for B in range(1, eng.max_batch + 1):
                 tok = torch.zeros(B, dtype=torch.long, device=dev)
                 pad = torch.zeros(B, dtype=torch.long, device=dev)
@@ -458,7 +453,9 @@ class Scheduler:
         --join-mode whole the prefill runs now while the running rows wait; with interleaved, while rows are running,
         it is spread over the next decode steps (a slice of JOIN_SLICE_S of host time per step); with concurrent, while
         rows are running, its captured pass runs on a stream of its own beside the next decode steps and the rows join
-        at the first step boundary after it is done. One join is in progress at a time."""
+        at the first step boundary after it is done; with mixed, while rows are running, the first waiting request's
+        prompt is computed inside the next decode step (BatchRunner.mixed_fits; otherwise the join is whole). One join
+        is in progress at a time."""
         r = self.runner
         if r.joining:
             self._advance_join()
