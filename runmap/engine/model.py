@@ -463,7 +463,20 @@ class Transformer:
         causal = causal_fresh and (T == n_keys or cfg.num_kv_heads == cfg.num_heads)
         need_mask = not causal and not (T == 1 and "attn" in self.fused and n_keys <= DECODE_ATTN_MAX_KEYS)
         mask = attention_mask(slots, pad, n_keys) if need_mask else None  # (B, 1, T, n_keys), once per pass
-        eps = cfg.rms_norm_eps
+
+        def attention(layer, h):  # h fp16 (B, T, H) -> (B, T, H)
+            return self.attention(layer, h, positions, rope, kv, slots, pad, mask, n_keys)
+
+        t, normed = yield from self._decoder_layers(x, attention, experts, token_rows)
+        # (B, V): only the last position is sampled from; (B, T, V) with all_logits
+        return self._logits(t, normed, (lambda t: t) if all_logits else (lambda t: self._last(t, last_position)))
+
+    def _decoder_layers(self, x, attention, experts: ExpertsFn, token_rows):
+        """The decoder layers over the pass's embeddings x fp16 (..., H), as a generator that yields after each layer's
+        work is queued. attention(layer, h) -> fp16 shaped like h: the pass's attention over its normed input. Returns
+        (t, normed): with the fused norm ("norm") the final-normed hidden states (normed True), otherwise the residual
+        stream, which ``_logits`` normalizes after selecting the rows sampled from (normed False)."""
+        w, eps, H = self.w, self.cfg.rms_norm_eps, x.shape[-1]
         if "norm" in self.fused:
             from runmap.kernels.fused_ops import NORM_ROUTER_MAX_ROWS, add_norm_router_logits, add_rms_norm
 
@@ -471,30 +484,31 @@ class Transformer:
             _, h = add_rms_norm(x, None, norms[0], eps)
             # decode steps: the router's logits come out of the norm's launch (fused_ops.add_norm_router_logits)
             norm_router = (self._fused_router() and self.imposed is None and token_rows is None
-                           and B * T <= NORM_ROUTER_MAX_ROWS)
+                           and x.numel() // H <= NORM_ROUTER_MAX_ROWS)
             for layer, lw in enumerate(w.layers):
-                a = self.attention(layer, h, positions, rope, kv, slots, pad, mask, n_keys)  # (B, T, H)
+                a = attention(layer, h)
                 logits = None
                 if norm_router:
-                    x, h, logits = add_norm_router_logits(x, a, lw.mlp_norm, lw.router32, eps)  # ..., (B*T, E)
+                    x, h, logits = add_norm_router_logits(x, a, lw.mlp_norm, lw.router32, eps)  # ..., (rows, E)
                 else:
                     x, h = add_rms_norm(x, a, lw.mlp_norm, eps)
-                y = self.moe_block(layer, h.reshape(B * T, -1), experts, token_rows, logits).reshape(B, T, -1)
+                y = self.moe_block(layer, h.reshape(-1, H), experts, token_rows, logits).reshape(h.shape)
                 x, h = add_rms_norm(x, y, norms[layer + 1], eps)  # next layer's input norm, or the final norm
                 yield
-            if not all_logits:
-                h = self._last(h, last_position)  # (B, H): only the last position is sampled from
-            return linear(h, w.lm_head).float()
+            return h, True
         for layer, lw in enumerate(w.layers):
-            h = rms_norm(x, lw.attn_norm, eps)
-            x = x + self.attention(layer, h, positions, rope, kv, slots, pad, mask, n_keys)
-            h = rms_norm(x, lw.mlp_norm, eps).reshape(B * T, -1)  # (B*T, H)
-            x = x + self.moe_block(layer, h, experts, token_rows).reshape(B, T, -1)
+            x = x + attention(layer, rms_norm(x, lw.attn_norm, eps))
+            h = rms_norm(x, lw.mlp_norm, eps).reshape(-1, H)  # (rows, H)
+            x = x + self.moe_block(layer, h, experts, token_rows).reshape(x.shape)
             yield
-        if not all_logits:
-            x = self._last(x, last_position)  # (B, H): only the last position is sampled from
-        x = rms_norm(x, w.final_norm, eps)
-        return linear(x, w.lm_head).float()  # (B, V) or (B, T, V)
+        return x, False
+
+    def _logits(self, t, normed: bool, select) -> torch.Tensor:
+        """float32 logits of the rows ``select(t)`` picks from ``_decoder_layers``' result (t, normed)."""
+        t = select(t)
+        if not normed:
+            t = rms_norm(t, self.w.final_norm, self.cfg.rms_norm_eps)
+        return linear(t, self.w.lm_head).float()
 
 
     def forward_mixed(self, dec_tok, dec_pos, slot, dec_pad, join_tok, join_pos, join_slots, join_pad, kv: KVCache,
@@ -515,7 +529,7 @@ class Transformer:
         returns    float32 logits (Bd + 1, V): the running rows' next tokens and the prompt's first
         Every position is routed (the prompt's left padding too: a graph cannot select a data-dependent row count);
         padding rows' outputs are never read, and their keys sit below the row's pad."""
-        cfg, w = self.cfg, self.w
+        w = self.w
         Bd, Pb = dec_tok.shape[0], join_tok.shape[1]
         N = Bd + Pb
         x = w.embed[torch.cat([dec_tok.reshape(-1), join_tok.reshape(-1)])]  # (N, H) fp16
@@ -527,7 +541,6 @@ class Transformer:
         fused_decode_attn = "attn" in self.fused and n_keys <= DECODE_ATTN_MAX_KEYS
         mask_dec = None if fused_decode_attn else attention_mask(slot, dec_pad, n_keys)  # (Bd, 1, 1, n_keys)
         mask_join = attention_mask(join_slots, join_pad, n_keys)  # (1, 1, Pb, n_keys)
-        eps = cfg.rms_norm_eps
 
         def attention(layer, h):  # h fp16 (N, H) -> fp16 (N, H)
             lw = w.layers[layer]
@@ -541,26 +554,8 @@ class Transformer:
         def last(t):  # (N, H) -> (Bd + 1, H): the rows sampled from, every running row and the prompt's last position
             return torch.cat([t[:Bd], t[N - 1:]])  # slices: no index tensor to copy in (a graph captures this)
 
-        if "norm" in self.fused:
-            from runmap.kernels.fused_ops import NORM_ROUTER_MAX_ROWS, add_norm_router_logits, add_rms_norm
-
-            norms = [lw.attn_norm for lw in w.layers] + [w.final_norm]
-            _, h = add_rms_norm(x, None, norms[0], eps)
-            norm_router = self._fused_router() and self.imposed is None and N <= NORM_ROUTER_MAX_ROWS
-            for layer, lw in enumerate(w.layers):
-                a = attention(layer, h)
-                logits = None
-                if norm_router:
-                    x, h, logits = add_norm_router_logits(x, a, lw.mlp_norm, lw.router32, eps)  # ..., (N, E)
-                else:
-                    x, h = add_rms_norm(x, a, lw.mlp_norm, eps)
-                y = self.moe_block(layer, h, experts, None, logits)  # (N, H)
-                x, h = add_rms_norm(x, y, norms[layer + 1], eps)  # next layer's input norm, or the final norm
-            return linear(last(h), w.lm_head).float()  # (Bd + 1, V)
-        for layer, lw in enumerate(w.layers):
-            x = x + attention(layer, rms_norm(x, lw.attn_norm, eps))
-            x = x + self.moe_block(layer, rms_norm(x, lw.mlp_norm, eps), experts, None)
-        return linear(rms_norm(last(x), w.final_norm, eps), w.lm_head).float()  # (Bd + 1, V)
+        t, normed = run_pieces(self._decoder_layers(x, attention, experts, None))
+        return self._logits(t, normed, last)  # (Bd + 1, V)
 
 
 # ---- torch reference for routed experts (tests and the fp16 baseline) -----------------------------
