@@ -338,7 +338,11 @@ class Scheduler:
         if (self.interleave_joins or self.concurrent_joins or self.mixed_joins) and eng.max_batch > 1:
             # a join whose prefill runs between (interleaved) or beside (concurrent) the running rows' decode steps, or
             # inside one (mixed: once the shared slot is past the prompt's smallest length bucket)
-            steps = 17 if self.mixed_joins else 1
+            steps = 1
+            if self.mixed_joins:  # until the shared slot reaches the end of the prompt's bucket: a mixed step can take it
+                from runmap.engine.mixed_step import mixed_bucket
+
+                steps = max(1, (mixed_bucket(len(ids)) or 0) - len(ids))
             r.admit(Sequence(ids, SamplingParams(max_new_tokens=max(1, min(steps + 8, eng.max_seq_len - len(ids) + 1)),
                                                  temperature=0.0, ignore_eos=True)))
             for _ in range(steps):
