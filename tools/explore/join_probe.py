@@ -31,6 +31,19 @@ class ProbeRecord:
         self.save()
 
 
+def add_stage_arguments(ap, *, seconds: float, modes: str) -> None:
+    """The arguments of the stages here, which both join-mode probes take: the pack, the record, the tokens stage's
+    requests and the load stage's clients, window and join modes (defaults ``seconds`` and ``modes``)."""
+    ap.add_argument("--packed", required=True)
+    ap.add_argument("--out", required=True)
+    ap.add_argument("--requests", type=int, default=24, help="requests of the tokens stage")
+    ap.add_argument("--max-tokens", type=int, default=128)
+    ap.add_argument("--max-batch", type=int, default=32)
+    ap.add_argument("--clients", type=int, default=32)
+    ap.add_argument("--seconds", type=float, default=seconds, help="load stage: seconds per join mode")
+    ap.add_argument("--modes", default=modes, help="load stage: join modes, in this order")
+
+
 def ifeval_like_prompts(vocab_size: int, n: int, seed: int = 0) -> list[list[int]]:
     """n random prompts with the lengths of the served IFEval set under the chat template (44-362 tokens, mean
     ~126)."""

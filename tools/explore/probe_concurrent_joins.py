@@ -22,18 +22,12 @@ import time
 
 import torch
 
-from join_probe import ProbeRecord, compare_tokens, ifeval_like_prompts, load_stage  # tools/explore/join_probe.py
+# tools/explore/join_probe.py (this folder is the script's first import path)
+from join_probe import ProbeRecord, add_stage_arguments, compare_tokens, ifeval_like_prompts, load_stage
 from runmap.engine.engine import Engine
 
 ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-ap.add_argument("--packed", required=True)
-ap.add_argument("--out", required=True)
-ap.add_argument("--requests", type=int, default=24, help="requests of the tokens stage")
-ap.add_argument("--max-tokens", type=int, default=128)
-ap.add_argument("--max-batch", type=int, default=32)
-ap.add_argument("--clients", type=int, default=32)
-ap.add_argument("--seconds", type=float, default=25.0, help="load stage: seconds per join mode")
-ap.add_argument("--modes", default="whole,concurrent", help="load stage: join modes, in this order")
+add_stage_arguments(ap, seconds=25.0, modes="whole,concurrent")
 args = ap.parse_args()
 
 record = ProbeRecord(args.out, probe="concurrent joins", packed=args.packed, max_batch=args.max_batch,

@@ -29,23 +29,17 @@ import time
 
 import torch
 
-from join_probe import ProbeRecord, compare_tokens, ifeval_like_prompts, load_stage  # tools/explore/join_probe.py
+# tools/explore/join_probe.py (this folder is the script's first import path)
+from join_probe import ProbeRecord, add_stage_arguments, compare_tokens, ifeval_like_prompts, load_stage
 from runmap.bench.cuda_timing import event_times_ms
 from runmap.engine import mixed_step
 from runmap.engine.engine import Engine
 
 ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-ap.add_argument("--packed", required=True)
-ap.add_argument("--out", required=True)
 ap.add_argument("--rows", default="8,16,31", help="timing: running rows")
 ap.add_argument("--prompts", default="64,128,256,362", help="timing: prompt lengths")
 ap.add_argument("--repeats", type=int, default=20)
-ap.add_argument("--requests", type=int, default=24, help="requests of the tokens stage")
-ap.add_argument("--max-tokens", type=int, default=128)
-ap.add_argument("--max-batch", type=int, default=32)
-ap.add_argument("--clients", type=int, default=32)
-ap.add_argument("--seconds", type=float, default=20.0, help="load stage: seconds per join mode")
-ap.add_argument("--modes", default="whole,mixed", help="load stage: join modes, in this order")
+add_stage_arguments(ap, seconds=20.0, modes="whole,mixed")
 ap.add_argument("--stages", default="timing,tokens,load")
 ap.add_argument("--device", default="cuda")
 ap.add_argument("--mixed-buckets", default=None, metavar="B,B,...",
