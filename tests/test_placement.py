@@ -399,7 +399,7 @@ def test_auto_sees_the_emulated_link_and_the_record_says_emulation(packs, tmp_pa
     assert rec["config"]["emulate_link_gb_s"] == 0.5 and any("EMULATION" in n for n in rec["notes"])
     assert rec["sites"]["placement"]["costs"]["h2d_gb_s"] <= 0.5
     # the timed run's 2 decode steps (decode_len 3: the first token is the prefill's), eager on the CPU
-    assert rec["sites"]["decode_steps"] == {"graphs": 0, "chain": 0, "chain_cpu": 0, "per_call": 2}
+    assert rec["sites"]["decode_steps"] == {"graphs": 0, "chain": 0, "chain_groups": 0, "chain_cpu": 0, "per_call": 2}
 
 
 @pytest.mark.parametrize("workers", [1, 3, 64])

@@ -18,20 +18,19 @@ def packs(tmp_path_factory):
 def test_segment_chain_equals_the_per_call_path(packs, preset, routing, test_device):
     seg_mode = True if test_device == "cuda" else "eager"  # the CPU runs the chain without graphs
     executor = "grouped" if test_device == "cuda" else "reference"  # the interpreter is slow; the chain is the same
-    # max_group = max(k, min(k*B, resident // 2)) = k: batch 1 takes the chain, batch 2 does not
+    # max_group = max(k, min(k*B, resident // 2)) = k: batch 1 takes the chain with one lease per layer (batch 2 the
+    # grouped chain, whose leases differ from the per-call path's token groups: the tests below)
     resident = 6 if preset == "tiny-olmoe" else 4  # of 8 (top-4) / of 6 (top-2)
     runs = {}
     for segments in (False, seg_mode):
         eng = Engine.from_pack(packs[preset], executor=executor, device=test_device, resident=resident, max_batch=2,
                                max_seq_len=48, routing=routing, record_routes=True, segments=segments)
         assert eng.use_segments == bool(segments)
-        out = []
-        for prompts in ([[5, 9, 1, 4, 7]], [[5, 9, 1, 4, 7], [8, 3, 2]]):
-            out.append([r.token_ids for r in eng.generate(prompts, max_new_tokens=6)])
+        out = [[r.token_ids for r in eng.generate([[5, 9, 1, 4, 7]], max_new_tokens=6)]]
         st = eng.stats()
         runs[bool(segments)] = (out, st.hits, st.misses, eng.routes.trace())
         if segments:
-            assert 1 in eng._segments and 2 not in eng._segments  # batch 2 fell back to the per-call path
+            assert not eng._segments[1].grouped and eng.decode_paths["chain"] == 5
     (a, ha, ma, ta), (b, hb, mb, tb) = runs[False], runs[True]
     assert a == b and ma == mb
     # the same lookups; on CUDA the warm-up before a capture runs the chain twice more (hits, never new misses)
@@ -67,6 +66,69 @@ def test_teacher_forced_logits_of_the_chain_equal_full_residency(packs, test_dev
     assert torch.allclose(full, part, atol=1e-3 * full.abs().max().item(), rtol=0), (full - part).abs().max()
 
 
+def _teacher_forced(eng, prompts, teacher):
+    """float32 (steps, B, V): the logits of each decode step of ``prompts`` (left-padded) fed ``teacher``'s tokens."""
+    dev, B = eng.device, len(prompts)
+    P = max(len(p) for p in prompts)
+    pad = torch.tensor([P - len(p) for p in prompts], device=dev)
+    tokens = torch.tensor([[eng.pad_id] * (P - len(p)) + p for p in prompts], device=dev)
+    steps = []
+    with torch.inference_mode():
+        eng._begin_group(prompts)
+        eng.experts.begin()
+        try:
+            eng.prefill(tokens, pad)
+            for s, row in enumerate(zip(*teacher)):
+                steps.append(eng.decode(torch.tensor(row, device=dev), P + s, pad).float().cpu().clone())
+        finally:
+            eng.experts.end()
+    return torch.stack(steps)
+
+
+@pytest.mark.parametrize("preset, resident, prefetch", [("tiny-olmoe", 4, False), ("tiny-olmoe", 5, True),
+                                                        ("tiny-olmoe", 6, False), ("tiny-qwen2-moe", 4, False),
+                                                        ("tiny-qwen2-moe", 3, True)])
+def test_a_batch_past_one_lease_runs_the_grouped_chain_with_full_residencys_logits(packs, test_device, preset,
+                                                                                   resident, prefetch, monkeypatch):
+    """A batch whose union may exceed one lease (top_k x B > max_group) decodes through the grouped chain: each layer's
+    union in groups of at most max_group experts, resident ones first, each group leased and released in turn. Every
+    routed pair is computed exactly once, so the teacher-forced logits equal full residency's at every step."""
+    from runmap.engine.engine import SegmentDecoder
+
+    seg_mode = True if test_device == "cuda" else "eager"
+    executor = "grouped" if test_device == "cuda" else "reference"
+    prompts = [[5, 9, 1, 4, 7, 2], [8, 3, 2], [6, 6, 1, 9]]
+    teacher = [[3, 8, 8, 1, 6, 2, 9, 4], [1, 2, 3, 4, 5, 6, 7, 1], [9, 9, 2, 5, 3, 8, 1, 6]]
+    seen, real = [], SegmentDecoder._expert_groups
+
+    def groups(self, layer):
+        out = real(self, layer)
+        seen.append((layer, out, np.unique(self.host_ids_np[layer]).tolist(), set(self.e.experts.cache.mapping(layer))))
+        return out
+    monkeypatch.setattr(SegmentDecoder, "_expert_groups", groups)
+    full = _teacher_forced(Engine.from_pack(packs[preset], executor=executor, device=test_device, max_batch=3,
+                                            max_seq_len=48), prompts, teacher)
+    eng = Engine.from_pack(packs[preset], executor=executor, device=test_device, resident=resident, max_batch=3,
+                           max_seq_len=48, segments=seg_mode, prefetch=prefetch)
+    cache = eng.experts.cache
+    assert eng.cfg.top_k * 3 > cache.max_group
+    part = _teacher_forced(eng, prompts, teacher)
+    assert eng.decode_paths["chain_groups"] == len(teacher[0]) and eng.decode_paths["per_call"] == 0
+    assert torch.allclose(full, part, atol=1e-3 * full.abs().max().item(), rtol=0), (full - part).abs().max()
+    assert eng.stats().misses > 0 and any(len(g) > 1 for _, g, _, _ in seen)  # some layer call ran several groups
+    for layer, gs, union, mapped in seen:
+        assert sorted(e for g in gs for e in g) == union  # each routed expert in exactly one group
+        assert all(1 <= len(g) <= cache.max_group for g in gs)
+        order = [e for g in gs for e in g]
+        hits = [e in mapped for e in order]
+        assert hits == sorted(hits, reverse=True)  # the experts resident at the decision come first
+    # a group's request lives for its group only: nothing stays admitted or leased
+    assert cache.counters["requests_released"] == cache.counters["requests_admitted"]
+    assert not cache._requests and all(not sum(c.values()) for c in cache._leased)
+    chain = eng._segments[3]
+    assert chain.grouped and chain.groups_run == len(seen) + sum(len(g) - 1 for _, g, _, _ in seen)
+
+
 def test_the_chain_holds_one_request_per_step_and_gives_every_one_back(packs, test_device, monkeypatch):
     # one admission and one release per decode step (not per layer): the lease/release cost of a step is paid once
     from runmap.engine.engine import SegmentDecoder
@@ -96,18 +158,21 @@ def test_the_chain_holds_one_request_per_step_and_gives_every_one_back(packs, te
         assert torch.equal(eng.experts.static_tables[layer].cpu(), cache._current.tables[layer].cpu())
 
 
-def test_a_failure_between_segments_leaves_no_lease_and_the_next_run_is_unchanged(packs, test_device, monkeypatch):
+@pytest.mark.parametrize("batch", [1, 2])
+def test_a_failure_between_segments_leaves_no_lease_and_the_next_run_is_unchanged(packs, test_device, monkeypatch,
+                                                                                   batch):
     # a miss transaction that fails in the middle of a step (after earlier layers of the step were leased): the
-    # step's one request is released, nothing stays leased, and a later run computes what a fresh engine computes
+    # step's one request is released, nothing stays leased, and a later run computes what a fresh engine computes.
+    # Batch 2 runs the grouped chain (top_k x 2 > max_group): the failing group's request is released as well.
     from runmap.residency.cache import ExpertCache, TransactionAborted
 
     seg_mode = True if test_device == "cuda" else "eager"
     executor = "grouped" if test_device == "cuda" else "reference"
     # the model's own routing: deterministic, so "unchanged" can be compared (a calibrated stream advances per run);
     # 4 of 8 resident, so that decode steps miss past layer 0
-    kw = dict(executor=executor, device=test_device, resident=4, max_batch=1, max_seq_len=48, routing="model",
+    kw = dict(executor=executor, device=test_device, resident=4, max_batch=batch, max_seq_len=48, routing="model",
               segments=seg_mode)
-    prompt = [[5, 9, 1, 4, 7]]
+    prompt = [[5, 9, 1, 4, 7], [2, 7, 7, 3, 1]][:batch]
     fresh = Engine.from_pack(packs["tiny-olmoe"], **kw)
     want = [r.token_ids for r in fresh.generate(prompt, max_new_tokens=6, ignore_eos=True)]
     eng = Engine.from_pack(packs["tiny-olmoe"], **kw)
@@ -133,7 +198,8 @@ def test_a_failure_between_segments_leaves_no_lease_and_the_next_run_is_unchange
     monkeypatch.setattr(SegmentDecoder, "run", chain_step)
     monkeypatch.setattr(ExpertCache, "_transaction", failing)
     with pytest.raises((TransactionAborted, RuntimeError)):
-        eng.generate([[8, 3, 2, 6]], max_new_tokens=12, ignore_eos=True)
+        eng.generate([[8, 3, 2, 6], [1, 5, 9, 9]][:batch], max_new_tokens=12, ignore_eos=True)
+    assert eng._segments[batch].grouped == (batch == 2)
     assert calls and not cache._requests and all(not sum(c.values()) for c in cache._leased)
     assert cache.counters["requests_released"] == cache.counters["requests_admitted"]
     monkeypatch.setattr(ExpertCache, "_transaction", real)
@@ -215,7 +281,7 @@ def test_a_failure_inside_a_capture_ends_the_capture(monkeypatch):
 
     dec = engine_mod.SegmentDecoder.__new__(engine_mod.SegmentDecoder)
     dec.e = type("E", (), {"device": torch.device("cpu")})()
-    dec.pool, dec.capture_graphs = None, None
+    dec.pool, dec.capture_graphs, dec.grouped = None, None, False
     dec._run_eager = lambda n_keys: None
 
     def oom(n_keys):

@@ -564,7 +564,15 @@ class SegmentDecoder(_StaticStepInputs):
     step's leases (one per layer) and is released once the last segment is queued (the transport's release fence
     orders any later copy into those rows after it): one admission and one release per step, not per layer.
 
-    Used when every layer's batch union fits one lease (top_k x B <= max_group); a larger batch decodes eagerly.
+    Used when every layer's batch union fits one lease (top_k x B <= max_group). A larger batch runs the grouped
+    chain (``grouped=True``): the routing segment also copies the layer's input and gate weights to static device
+    buffers and zeroes an FP32 sum; the host splits the layer's union into groups of at most max_group experts (the
+    resident ones first, so that only the last groups miss) and, per group, admits a request, leases the group,
+    copies the group's row table, ids and keep mask (one int32 row) to the device and replays the layer's group graph
+    (the executor over every (token, slot) pair, the pairs of other groups pointed at one of this group's experts with
+    their gate weight zeroed, added to the sum), then releases the request, so that the next group's miss transaction
+    may evict this group's experts behind the release fence. The next segment reads the sum. Every routed pair is
+    computed once; only the order of the FP32 additions differs from one lease. No request is held across layers.
     ``capture=False`` runs the same chain without graphs (the CPU, and the warm-up before a capture).
 
     With a placement that may compute absent experts at the CPU site (``cpu``, and ``auto`` where the link is
@@ -574,9 +582,12 @@ class SegmentDecoder(_StaticStepInputs):
     pointed at a row the step's request pins); while it runs, the host computes the CPU-site experts from the host
     source and copies their FP32 sum to a static device buffer, which the segment after adds (2L + 1 segments)."""
 
-    def __init__(self, engine: "Engine", batch: int, pool, capture: bool, mixed: bool = False):
+    def __init__(self, engine: "Engine", batch: int, pool, capture: bool, mixed: bool = False,
+                 grouped: bool = False):
         super().__init__(engine, batch)
         self.pool, self.capture = pool, capture
+        if mixed and grouped:
+            raise EngineError("a segment chain with a CPU part runs batches whose union fits one lease only")
         cfg, dev = engine.cfg, engine.device
         self.L, self.k = cfg.num_layers, cfg.top_k
         self.host_ids = torch.zeros(self.L, batch, self.k, dtype=torch.long, pin_memory=dev.type == "cuda")
@@ -606,6 +617,21 @@ class SegmentDecoder(_StaticStepInputs):
             self.cpu_set = [False] * self.L  # cpu_out[l] holds a non-zero sum
             self.cpu_parts = 0  # layer calls of this chain whose CPU part computed experts
             self._jobs: list = [None] * self.L  # the CPU part in flight on the site's job thread, per layer
+        # grouped chain: batches whose union may exceed one lease (class docstring)
+        self.grouped = bool(grouped)
+        if self.grouped:
+            pin, E, Bk = dev.type == "cuda", cfg.num_experts, batch * self.k
+            self.max_groups = -(-min(E, Bk) // engine.experts.cache.max_group)
+            # per layer and group one int32 row the host writes after the group's lease: the row table (E,) of the
+            # group's experts, the pairs' ids (B k) (another group's expert -> the group's first) and keep mask (B k);
+            # one host row per group, so a row is never rewritten while its copy to the device may be pending
+            self.group_host = torch.zeros(self.L, self.max_groups, E + 2 * Bk, dtype=torch.int32, pin_memory=pin)
+            self.group_host_np = self.group_host.numpy()
+            self.group_slots = torch.zeros(self.L, E + 2 * Bk, dtype=torch.int32, device=dev)  # the group being run
+            self.group_x = self.group_gw = self.group_sum = None  # (L, B, H) / (L, B, k) / (L, B, H), at first use
+            self.group_graphs: list | None = None  # per layer: the group step captured (with the first chain)
+            self.group_pool = None
+            self.groups_run = 0  # group steps of this chain (a layer call runs one or more)
         self.chains: dict[int, tuple[list, torch.Tensor]] = {}  # n_keys -> (graphs, logits)
         self._keep: list = []  # tensors living across segment boundaries (kept out of the pool's reuse)
         self.capture_graphs: list | None = None  # the chain being captured
@@ -624,6 +650,8 @@ class SegmentDecoder(_StaticStepInputs):
             return self._mixed_experts(layer, x, ids, gw)
         ex = self.e.experts
         pred = ex.predict(layer, x) if ex.predict is not None and layer + 1 < self.L else None  # (B, k)
+        if self.grouped:
+            return self._grouped_experts(layer, x, ids, gw, pred)
         if self.capture_graphs is not None:  # capturing: end this segment after the ids are copied out
             self.host_ids[layer].copy_(ids, non_blocking=True)
             if pred is not None:
@@ -638,6 +666,88 @@ class SegmentDecoder(_StaticStepInputs):
         if pred is not None and self.capture_graphs is None:  # eager: the experts are queued, the prefetch overlaps them
             ex.prefetch(layer + 1, pred.cpu())
         return out
+
+    def _grouped_experts(self, layer, x, ids, gw, pred):
+        """The routed experts of ``layer`` in groups of at most max_group (class docstring): x fp16 (B, H), ids int64
+        (B, k), gw fp32 (B, k), pred int64 (B, k) or None -> fp16 (B, H)."""
+        ex = self.e.experts
+        capturing = self.capture_graphs is not None
+        if self.group_x is None:  # static inputs and sums of the group steps, at fixed addresses for their graphs
+            self.group_x = torch.zeros(self.L, *x.shape, dtype=x.dtype, device=x.device)
+            self.group_gw = torch.zeros(self.L, *gw.shape, dtype=torch.float32, device=x.device)
+            self.group_sum = torch.zeros(self.L, *x.shape, dtype=torch.float32, device=x.device)
+        self.group_x[layer].copy_(x)
+        self.group_gw[layer].copy_(gw)
+        self.group_sum[layer].zero_()
+        self.host_ids[layer].copy_(ids, non_blocking=capturing)
+        if capturing:
+            if pred is not None:
+                self.host_pred[layer + 1].copy_(pred, non_blocking=True)
+                self._keep.append(pred)
+            self._keep += [x, ids, gw]
+            self._cut()  # the host runs the layer's groups here (run)
+        else:
+            self._run_groups(layer)
+            if pred is not None:  # the groups are queued: the prefetch overlaps them
+                ex.prefetch(layer + 1, pred.cpu())
+        return self.group_sum[layer].to(x.dtype)
+
+    def _expert_groups(self, layer) -> list[list[int]]:
+        """This step's union of routed experts of ``layer`` in groups of at most max_group: the experts resident now
+        first, so that the groups before the last misses are all hits and no miss evicts an expert a later group
+        of this step would have found."""
+        cache = self.e.experts.cache
+        union = np.unique(self.host_ids_np[layer]).tolist()
+        mapped = cache.mapping(layer)
+        order = [e for e in union if e in mapped] + [e for e in union if e not in mapped]
+        cap = cache.max_group
+        return [order[i:i + cap] for i in range(0, len(order), cap)]
+
+    def _run_groups(self, layer) -> None:
+        """Lease, run and release each group of ``layer`` in turn (graphs replayed when captured, else eagerly)."""
+        ex = self.e.experts
+        if ex.placement is not None:  # auto's reuse estimate sees the layer's whole union once, as on one lease
+            ex.placement.observe(layer, self.host_ids_np[layer].reshape(-1).tolist())
+        for g, group in enumerate(self._expert_groups(layer)):
+            req = ex.cache.admit()
+            try:
+                lease = ex._timed(req.acquire, layer, group, None)
+                self._write_group(layer, g, lease)
+                self.group_slots[layer].copy_(self.group_host[layer, g], non_blocking=True)  # on the compute stream
+                if self.group_graphs is not None:
+                    self.group_graphs[layer].replay()
+                else:
+                    self._group_step(layer)
+            finally:
+                # without waiting for the group step: the release fence orders any later copy into its rows after it
+                req.release()
+            self.groups_run += 1
+
+    def _write_group(self, layer, g, lease) -> None:
+        """Group ``g``'s int32 row of ``layer`` (group_host) from its lease: row table, ids and keep mask."""
+        E, Bk = self.e.cfg.num_experts, self.B * self.k
+        buf = self.group_host_np[layer, g]
+        for e, row in lease.rows.items():
+            buf[e] = row
+        flat = self.host_ids_np[layer].reshape(-1)  # (B k,)
+        inside = np.isin(flat, lease.experts)
+        buf[E:E + Bk] = np.where(inside, flat, lease.experts[0])
+        buf[E + Bk:] = inside
+
+    def _group_step(self, layer) -> None:
+        """One group of ``layer`` on the device: the executor over every pair through the group's row table, the pairs
+        outside the group zero-weighted, added to the layer's FP32 sum (fixed addresses: captured once per layer)."""
+        E, B, k = self.e.cfg.num_experts, self.B, self.k
+        slots = self.group_slots[layer]
+        table, ids, keep = slots[:E], slots[E:E + B * k].view(B, k), slots[E + B * k:].view(B, k)
+        y = self.e.experts.static_experts(layer, self.group_x[layer], ids, self.group_gw[layer] * keep, table=table)
+        self.group_sum[layer].add_(y.to(torch.float32))  # (B, H)
+
+    def _capture_groups(self) -> None:
+        """Each layer's group step as a CUDA graph of its own pool (it replays between the chain's segments)."""
+        self.group_pool = torch.cuda.graph_pool_handle()
+        self.group_graphs = [capture_graph(functools.partial(self._group_step, layer), self.e.device,
+                                           self.group_pool)[0] for layer in range(self.L)]
 
     def _mixed_experts(self, layer, x, ids, gw):
         """The routed experts of ``layer`` with a CPU site (class docstring): x fp16 (B, H), ids int64 (B, k),
@@ -729,6 +839,9 @@ class SegmentDecoder(_StaticStepInputs):
 
     def _lease(self, layer):
         ex = self.e.experts
+        if self.grouped:
+            self._run_groups(layer)
+            return
         if not self.mixed:
             lease = ex.acquire(self._req, layer, self.host_ids_np[layer])
             if ex.static_sources[layer] is not lease.row_table:
@@ -783,9 +896,13 @@ class SegmentDecoder(_StaticStepInputs):
         finally:
             e.model.imposed = e.model.route_sink = None
 
+    def _admit_step(self):
+        """The step's one request (the grouped chain holds none: each group's request lives for its group only)."""
+        self._req = None if self.grouped else self.e.experts.cache.admit()
+
     def _run_eager(self, n_keys):
         self.capture_graphs = None
-        self._req = self.e.experts.cache.admit()
+        self._admit_step()
         try:
             out = self._forward(n_keys)
         finally:
@@ -800,6 +917,8 @@ class SegmentDecoder(_StaticStepInputs):
                 self._run_eager(n_keys)
         torch.cuda.current_stream().wait_stream(side)
         torch.cuda.synchronize(self.e.device)
+        if self.grouped and self.group_graphs is None:  # after the eager runs: the static buffers exist
+            self._capture_groups()
         with torch.cuda.stream(side):
             g = torch.cuda.CUDAGraph()
             g.capture_begin(pool=self.pool)
@@ -833,7 +952,7 @@ class SegmentDecoder(_StaticStepInputs):
                 self._capture(n_keys)
             graphs, out = self.chains[n_keys]
             ev = torch.cuda.Event()
-            self._req = e.experts.cache.admit()
+            self._admit_step()
             done = False
             try:
                 for i, g in enumerate(graphs):
@@ -857,7 +976,7 @@ class SegmentDecoder(_StaticStepInputs):
                         e.experts.prefetch(layer, self.host_pred[layer].numpy())
                     ev.record()
                     ev.synchronize()  # this layer's routed ids are in pinned memory
-                    self._lease(layer)
+                    self._lease(layer)  # grouped: each group of the layer leased, queued and released
                 done = True
             finally:
                 if not done:  # a failure between segments: no kernel of this chain reads those rows any more
@@ -1388,15 +1507,19 @@ class Engine:
                 self._retire(self._graphs.get(B))
                 self._graphs[B] = GraphDecoder(self, B, self._pool)
             return self._graphs[B].run(tokens, slot, pad)
-        if self.use_segments and self.cfg.top_k * B <= self.experts.cache.max_group:
-            # the placement is asked once per step: a step on which it may give the CPU site experts runs the chain
-            # with a CPU part per layer; otherwise (auto while its rule transfers) the plain chain, as placement gpu
-            mixed = self.experts.mixed
-            self.decode_paths["chain_cpu" if mixed else "chain"] += 1
+        # the placement is asked once per step: a step on which it may give the CPU site experts runs the chain
+        # with a CPU part per layer; otherwise (auto while its rule transfers) the plain chain, as placement gpu. A
+        # batch whose union may exceed one lease runs the grouped chain, or the per-call path when it needs a CPU part.
+        fits = self.use_segments and self.cfg.top_k * B <= self.experts.cache.max_group
+        mixed = self.use_segments and self.experts.mixed
+        if self.use_segments and (fits or not mixed):
+            grouped = not fits
+            self.decode_paths["chain_cpu" if mixed else "chain_groups" if grouped else "chain"] += 1
             chains = self._mixed_segments if mixed else self._segments
             if B not in chains or not chains[B].fits(self):
                 self._retire(chains.get(B))
-                chains[B] = SegmentDecoder(self, B, self._pool, capture=self.device.type == "cuda", mixed=mixed)
+                chains[B] = SegmentDecoder(self, B, self._pool, capture=self.device.type == "cuda", mixed=mixed,
+                                           grouped=grouped)
             return chains[B].run(tokens, slot, pad)
         self.decode_paths["per_call"] += 1
         slots = torch.tensor([slot], device=self.device)
