@@ -33,9 +33,11 @@ Arguments:
                    (BASELINE ONLY: every expert dequantized once to FP16 on the device, torch matmuls,
                    no cache; exists so that the effect of compression can be isolated)
     max_group      largest batch union leased at once (partial residency; default min(top_k x max_batch,
-                   resident // 2), at least top_k); larger unions are split into token groups
+                   resident // 2), at least top_k); larger unions are split into token groups (per-call path) or
+                   expert groups (grouped segment chain)
     cuda_graphs    capture the decode step in CUDA graphs: whole under full residency, as segments cut at each
-                   routing decision under partial residency (SegmentDecoder; batches whose union fits one lease)
+                   routing decision under partial residency (SegmentDecoder; a batch whose union may exceed one
+                   lease in groups of leases per layer)
     segments       partial residency: decode in CUDA-graph segments (True, with cuda_graphs); "eager" also runs the
                    segment chain on the CPU, without graphs (tests); False: the per-call eager path
     prefill_chunk  prompt tokens per row per prefill forward pass (bounds activation memory of long prompts); None =
