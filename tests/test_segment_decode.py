@@ -103,9 +103,20 @@ def test_a_batch_past_one_lease_runs_the_grouped_chain_with_full_residencys_logi
 
     def groups(self, layer):
         out = real(self, layer)
-        seen.append((layer, out, np.unique(self.host_ids_np[layer]).tolist(), set(self.e.experts.cache.mapping(layer))))
+        mapped = set(self.e.experts.cache.mapping(layer))
+        assert [m for _, m in out] == [any(e not in mapped for e in g) for g, _ in out]
+        seen.append((layer, [g for g, _ in out], np.unique(self.host_ids_np[layer]).tolist(), mapped))
+        # the all-hit groups (first) share one request, each group that misses has its own
+        requests.append(sum(m for _, m in out) + (not out[0][1]))
         return out
+    run_groups, requests, admitted = SegmentDecoder._run_groups, [], []
+
+    def counted(self, layer):
+        before = self.e.experts.cache.counters["requests_admitted"]
+        run_groups(self, layer)
+        admitted.append(self.e.experts.cache.counters["requests_admitted"] - before)
     monkeypatch.setattr(SegmentDecoder, "_expert_groups", groups)
+    monkeypatch.setattr(SegmentDecoder, "_run_groups", counted)
     full = _teacher_forced(Engine.from_pack(packs[preset], executor=executor, device=test_device, max_batch=3,
                                             max_seq_len=48), prompts, teacher)
     eng = Engine.from_pack(packs[preset], executor=executor, device=test_device, resident=resident, max_batch=3,
@@ -122,7 +133,8 @@ def test_a_batch_past_one_lease_runs_the_grouped_chain_with_full_residencys_logi
         order = [e for g in gs for e in g]
         hits = [e in mapped for e in order]
         assert hits == sorted(hits, reverse=True)  # the experts resident at the decision come first
-    # a group's request lives for its group only: nothing stays admitted or leased
+    assert admitted == requests and max(requests) > 1
+    # no request outlives its layer call: nothing stays admitted or leased
     assert cache.counters["requests_released"] == cache.counters["requests_admitted"]
     assert not cache._requests and all(not sum(c.values()) for c in cache._leased)
     chain = eng._segments[3]

@@ -569,12 +569,13 @@ class SegmentDecoder(_StaticStepInputs):
     Used when every layer's batch union fits one lease (top_k x B <= max_group). A larger batch runs the grouped
     chain (``grouped=True``): the routing segment also copies the layer's input and gate weights to static device
     buffers and zeroes an FP32 sum; the host splits the layer's union into groups of at most max_group experts (the
-    resident ones first, so that only the last groups miss) and, per group, admits a request, leases the group,
-    copies the group's row table, ids and keep mask (one int32 row) to the device and replays the layer's group graph
-    (the executor over every (token, slot) pair, the pairs of other groups pointed at one of this group's experts with
-    their gate weight zeroed, added to the sum), then releases the request, so that the next group's miss transaction
-    may evict this group's experts behind the release fence. The next segment reads the sum. Every routed pair is
-    computed once; only the order of the FP32 additions differs from one lease. No request is held across layers.
+    resident ones first, so that only the last groups miss) and, per group, leases the group, copies the group's row
+    table, ids and keep mask (one int32 row) to the device and replays the layer's group graph (the executor over
+    every (token, slot) pair, the pairs of other groups pointed at one of this group's experts with their gate weight
+    zeroed, added to the sum). The all-hit groups share one request; before each group that misses the earlier
+    request is released, so that its miss transaction may evict their experts behind the release fence. The next
+    segment reads the sum. Every routed pair is computed once; only the order of the FP32 additions differs from one
+    lease. No request is held across layers.
     ``capture=False`` runs the same chain without graphs (the CPU, and the warm-up before a capture).
 
     With a placement that may compute absent experts at the CPU site (``cpu``, and ``auto`` where the link is
@@ -694,25 +695,36 @@ class SegmentDecoder(_StaticStepInputs):
                 ex.prefetch(layer + 1, pred.cpu())
         return self.group_sum[layer].to(x.dtype)
 
-    def _expert_groups(self, layer) -> list[list[int]]:
-        """This step's union of routed experts of ``layer`` in groups of at most max_group: the experts resident now
-        first, so that the groups before the last misses are all hits and no miss evicts an expert a later group
-        of this step would have found."""
+    def _expert_groups(self, layer) -> list[tuple[list[int], bool]]:
+        """This step's union of routed experts of ``layer`` in groups of at most max_group, each with whether it holds
+        an expert absent now: the resident experts first, so that the groups before the last misses are all hits and
+        no miss evicts an expert a later group of this step would have found."""
         cache = self.e.experts.cache
         union = np.unique(self.host_ids_np[layer]).tolist()
         mapped = cache.mapping(layer)
         order = [e for e in union if e in mapped] + [e for e in union if e not in mapped]
         cap = cache.max_group
-        return [order[i:i + cap] for i in range(0, len(order), cap)]
+        groups = [order[i:i + cap] for i in range(0, len(order), cap)]
+        return [(g, any(e not in mapped for e in g)) for g in groups]
 
     def _run_groups(self, layer) -> None:
-        """Lease, run and release each group of ``layer`` in turn (graphs replayed when captured, else eagerly)."""
+        """Lease, run and release the groups of ``layer`` in turn (graphs replayed when captured, else eagerly). The
+        all-hit groups share one request; each group that misses gets its own, admitted after the earlier groups'
+        request was released, so that its transaction may recycle the rows their leases protected (a release costs
+        the host ~40-85 us on the H200, results/campaigns/h200-txn-host-path/phases.log)."""
         ex = self.e.experts
         if ex.placement is not None:  # auto's reuse estimate sees the layer's whole union once, as on one lease
             ex.placement.observe(layer, self.host_ids_np[layer].reshape(-1).tolist())
-        for g, group in enumerate(self._expert_groups(layer)):
-            req = ex.cache.admit()
-            try:
+        req = None
+        try:
+            for g, (group, misses) in enumerate(self._expert_groups(layer)):
+                if req is not None and misses:
+                    # without waiting for the queued group steps: the release fence orders any later copy into the
+                    # rows their leases held after them
+                    req, old = None, req
+                    old.release()
+                if req is None:
+                    req = ex.cache.admit()
                 lease = ex._timed(req.acquire, layer, group, None)
                 self._write_group(layer, g, lease)
                 self.group_slots[layer].copy_(self.group_host[layer, g], non_blocking=True)  # on the compute stream
@@ -720,10 +732,10 @@ class SegmentDecoder(_StaticStepInputs):
                     self.group_graphs[layer].replay()
                 else:
                     self._group_step(layer)
-            finally:
-                # without waiting for the group step: the release fence orders any later copy into its rows after it
+                self.groups_run += 1
+        finally:
+            if req is not None:
                 req.release()
-            self.groups_run += 1
 
     def _write_group(self, layer, g, lease) -> None:
         """Group ``g``'s int32 row of ``layer`` (group_host) from its lease: row table, ids and keep mask."""
