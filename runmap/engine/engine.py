@@ -571,8 +571,8 @@ class SegmentDecoder(_StaticStepInputs):
     buffers and zeroes an FP32 sum; the host splits the layer's union into groups of at most max_group experts (the
     resident ones first, so that only the last groups miss) and, per group, leases the group, copies the group's row
     table, ids and keep mask (one int32 row) to the device and replays the layer's group graph (the executor over
-    every (token, slot) pair, the pairs of other groups pointed at one of this group's experts with their gate weight
-    zeroed, added to the sum). The all-hit groups share one request; before each group that misses the earlier
+    every (token, slot) pair, the pairs of other groups pointed at this group's experts in turn with their gate
+    weight zeroed, added to the sum). The all-hit groups share one request; before each group that misses the earlier
     request is released, so that its miss transaction may evict their experts behind the release fence. The next
     segment reads the sum. Every routed pair is computed once; only the order of the FP32 additions differs from one
     lease. No request is held across layers.
@@ -745,7 +745,13 @@ class SegmentDecoder(_StaticStepInputs):
             buf[e] = row
         flat = self.host_ids_np[layer].reshape(-1)  # (B k,)
         inside = np.isin(flat, lease.experts)
-        buf[E:E + Bk] = np.where(inside, flat, lease.experts[0])
+        ids = buf[E:E + Bk]
+        ids[:] = flat
+        # the pairs of other groups go to the group's experts in turn, not all to one: the executor serves an expert's
+        # pairs in blocks of rows (16 in batch 8's sorted runs), and one expert holding every outside pair would
+        # take several blocks, each reading its weights again
+        outside = ~inside
+        ids[outside] = np.resize(np.asarray(lease.experts, dtype=np.int32), int(outside.sum()))
         buf[E + Bk:] = inside
 
     def _group_step(self, layer) -> None:
