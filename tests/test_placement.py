@@ -326,8 +326,8 @@ def test_prefetch_refusals(packs):
     pack, cfg = packs["tiny-olmoe"]
     with pytest.raises(EngineError, match="needs partial residency"):
         _engine(pack, prefetch=True)
-    with pytest.raises(EngineError, match="checkpoint's own routing"):
-        _engine(pack, resident=cfg.top_k, prefetch=True, routing="calibrated")
+    # a routing workload is served by its own prediction (tests/test_routing_workload.py), no longer refused
+    assert _engine(pack, resident=cfg.top_k, prefetch=True, routing="calibrated").imposed.predicting
     with pytest.raises(EngineError, match="choose one of the two"):  # a prefetch would be silently skipped
         _engine(pack, resident=cfg.top_k, prefetch=True, expert_placement="cpu")
 

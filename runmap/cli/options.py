@@ -54,10 +54,11 @@ def add_residency_arguments(p) -> None:
                         "no compiler")
 
     p.add_argument("--prefetch", action="store_true",
-                   help="partial residency: while a layer computes, move the experts the next layer's router predicts "
-                        "from this layer's input (a miss transaction with no lease; a wrong guess costs bandwidth, "
-                        "never a result). Off by default; needs the checkpoint's own routing, the default "
-                        "--expert-placement gpu")
+                   help="partial residency: while a layer computes, move the experts predicted for the next layer "
+                        "(a miss transaction with no lease; a wrong guess costs bandwidth, never a result): with the "
+                        "checkpoint's own routing, the next layer's router on this layer's input; under --routing "
+                        "calibrated or trace, the workload's own prediction from each stream's past (docs/engine.md). "
+                        "Off by default; needs the default --expert-placement gpu")
 
 
 def placement_line(eng) -> str | None:

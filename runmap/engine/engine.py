@@ -158,6 +158,16 @@ def _next_layer_predictor(model, cfg):
     return predict
 
 
+def _workload_predictor(model):
+    """predict(layer, x) -> int64 (N, k) or None: under a routing workload, the workload's own prediction of layer + 1's
+    ids for these rows (``model.imposed_pred``, made from each stream's past before the step was drawn; the router's
+    prediction would name the model's experts, not the imposed ones). None when the pass has none (a replay)."""
+    def predict(layer, x):
+        pred = model.imposed_pred
+        return None if pred is None else pred[layer + 1]
+    return predict
+
+
 # ---- routed-experts backends -------------------------------------------------------------------------
 
 class CachedExperts:
@@ -296,7 +306,9 @@ class CachedExperts:
         """Publish the predicted experts of ``layer`` (int64 (N, k) host) that are absent, most often predicted
         first, at most max_group of them (the cache's prefetch: a miss transaction with no lease; a prediction
         that finds no room or fails before publication is dropped, never an error of the request)."""
-        counts = Counter(predicted.reshape(-1).tolist())
+        counts = Counter(e for e in predicted.reshape(-1).tolist() if e >= 0)  # -1: no prediction (a trace's start)
+        if not counts:
+            return
         self._timed(self.cache.prefetch, layer, [e for e, _ in counts.most_common(self.cache.max_group)])
 
     @property
@@ -493,12 +505,16 @@ class _StaticStepInputs:
         self.pad = torch.zeros(batch, dtype=torch.long, device=dev)
         # imposed routes are copied in before each step; recorded routes are copied out by the step itself
         self.imposed = torch.zeros(L, batch, k, dtype=torch.long, device=dev) if engine.imposed is not None else None
+        # the workload's predictions of the same ids (next-layer prefetch under a routing workload)
+        self.imposed_pred = torch.zeros(L, batch, k, dtype=torch.long, device=dev) \
+            if getattr(engine.imposed, "predicting", False) else None
         self.recorded = torch.zeros(L, batch, k, dtype=torch.long, device=dev) if engine.routes is not None else None
 
     def fits(self, engine: "Engine") -> bool:
         """Whether these buffers serve the engine's current routing workload and route recorder: a step captured
         without them (warm_up sets both aside) would route by the router and record nothing."""
         return (self.imposed is not None) == (engine.imposed is not None) and \
+            (self.imposed_pred is not None) == bool(getattr(engine.imposed, "predicting", False)) and \
             (self.recorded is not None) == (engine.routes is not None)
 
     def _load(self, tok, slot: int, pad) -> np.ndarray:
@@ -509,6 +525,8 @@ class _StaticStepInputs:
         real = np.ones((self.B, 1), dtype=bool)
         if self.imposed is not None:
             self.imposed.copy_(host_to_device(self.e.imposed.draw(real), self.e.device), non_blocking=True)
+            if self.imposed_pred is not None:
+                self.imposed_pred.copy_(host_to_device(self.e.imposed.prediction, self.e.device), non_blocking=True)
         return real
 
 
@@ -908,13 +926,13 @@ class SegmentDecoder(_StaticStepInputs):
     def _forward(self, n_keys):
         e = self.e
         pos = (self.slot - self.pad).unsqueeze(1)  # (B, 1)
-        e.model.imposed = self.imposed
+        e.model.imposed, e.model.imposed_pred = self.imposed, self.imposed_pred
         if self.recorded is not None:
             e.model.route_sink = lambda layer, ids: self.recorded[layer].copy_(ids)
         try:
             return e.model.forward(self.tok, pos, e.kv, self.slot, self.pad, n_keys, self._experts)
         finally:
-            e.model.imposed = e.model.route_sink = None
+            e.model.imposed = e.model.imposed_pred = e.model.route_sink = None
 
     def _admit_step(self):
         """The step's one request (the grouped chain holds none: each group's request lives for its group only)."""
@@ -1241,12 +1259,10 @@ class Engine:
                 raise EngineError(str(e)) from None
             resident = budget_plan.resident
         resident = E if resident is None else int(resident)
-        if prefetch and (resident == E or spec.kind != "model"):
+        if prefetch and resident == E:
             reader.close()
-            raise EngineError(
-                "prefetch predicts the next layer's experts with its router: it needs partial residency and the "
-                f"checkpoint's own routing (got resident={resident} of {E}, routing {spec.name!r}; a routing "
-                "workload's own next-step prediction is not implemented)")
+            raise EngineError(f"prefetch moves predicted experts into spare rows: it needs partial residency (got "
+                              f"resident={resident} of {E})")
         if not cfg.top_k <= resident <= E:
             reader.close()
             raise EngineError(f"resident={resident} must be in [{cfg.top_k}, {E}]: at least top_k={cfg.top_k} "
@@ -1320,7 +1336,14 @@ class Engine:
                 # the CPU site's kernel: the executor itself when it is a CPU site, else the placement's choice
                 experts.cpu_executor = executor if executor in CPU_SITE_EXECUTORS else cpu_executor
                 if prefetch:
-                    experts.predict = _next_layer_predictor(model, cfg)
+                    # the checkpoint's routing: layer L + 1's router on layer L's input; a routing workload: its own
+                    # prediction from each stream's past (the router's would name the model's experts, not the
+                    # workload's), made when the step is drawn
+                    if imposed is None:
+                        experts.predict = _next_layer_predictor(model, cfg)
+                    else:
+                        imposed.predicting = True
+                        experts.predict = _workload_predictor(model)
                 if expert_placement != "gpu":
                     from runmap.engine.placement import make_placement
 
@@ -1573,12 +1596,14 @@ class Engine:
             return
         if self.imposed is not None:
             self.model.imposed = host_to_device(self.imposed.draw(real), self.device)  # (L, n, k)
+            if getattr(self.imposed, "predicting", False):  # its prediction of the same rows, for the prefetch
+                self.model.imposed_pred = host_to_device(self.imposed.prediction, self.device)  # (L, n, k)
         if self.routes is not None:
             self.model.route_sink = self.routes.sink
         try:
             yield
         finally:
-            self.model.imposed = self.model.route_sink = None
+            self.model.imposed = self.model.imposed_pred = self.model.route_sink = None
         if self.routes is not None:
             self.routes.end_pass(real, decode=decode)
 

@@ -273,6 +273,9 @@ class Transformer:
         # top-k of the n routed rows of the next forward pass (the router still runs and weighs them);
         # route_sink(layer, ids) sees every MoE layer's ids (device tensors, no host sync) for route traces.
         self.imposed: torch.Tensor | None = None
+        # with next-layer prefetch under a routing workload: the workload's prediction of the same rows' ids, int64
+        # (L, n, k) device (-1 = none), made from each stream's past before its step was drawn (ImposedRouting)
+        self.imposed_pred: torch.Tensor | None = None
         self.route_sink: Callable[[int, torch.Tensor], None] | None = None
         # CUDA only: which fused Triton ops (runmap.kernels.fused_ops) replace torch sequences; empty = pure torch.
         # "prologue": q/k norm + RoPE + KV write; "norm": residual add + RMSNorm; "router": logits + softmax

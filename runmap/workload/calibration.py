@@ -97,6 +97,33 @@ class StreamSampler:
         np.put_along_axis(out, order, take, axis=1)
         return out
 
+    def predict(self) -> np.ndarray:
+        """int64 (L, k): per layer the k experts most likely in the next draw, from this stream's past and the model's
+        parameters only (no random draw, so a prediction never changes the routes). Each expert is scored by an
+        approximation of its chance to be drawn: an expert of the previous token ``reuse + (1 - reuse) q_e``, any
+        other ``q_e``, where ``q_e`` spreads the expected fresh slots ``k (1 - reuse)`` by popularity, the ``recall``
+        share over the recent window's experts and the rest over all, each pool's weight less the expected weight of
+        the kept experts (each term capped at 1). Before the first token: the most popular.
+        What this cannot see is what a next-layer router would: the token's own hidden state (the model has no
+        cross-layer signal), so it predicts mostly the previous token's experts."""
+        p, k = self.p, self.k
+        w = np.exp(self.logw)  # (L, E) popularity
+        kept = np.zeros(w.shape, dtype=bool)
+        if self.prev is not None:
+            np.put_along_axis(kept, self.prev, True, axis=1)
+        reuse = p.reuse if self.prev is not None else 0.0
+        fresh = k * (1.0 - reuse)  # expected slots not kept from the previous token
+        held = reuse * np.where(kept, w, 0.0)  # expected weight the kept experts take out of the fresh draws
+        recall = p.recall if self.t else 0.0
+        q = np.minimum(1.0, fresh * (1.0 - recall) * w / (w.sum(1, keepdims=True) - held.sum(1, keepdims=True)))
+        if self.t:
+            win = self.recent[:min(self.t, p.window)].any(0)  # (L, E)
+            ww = np.where(win, w, 0.0)
+            rest = np.maximum(ww.sum(1, keepdims=True) - np.where(win, held, 0.0).sum(1, keepdims=True), 1e-300)
+            q = np.minimum(1.0, q + np.minimum(1.0, fresh * recall * ww / rest))
+        score = np.where(kept, reuse + (1.0 - reuse) * q, q)
+        return np.argsort(-score, axis=1, kind="stable")[:, :k].astype(np.int64)  # (L, k) most likely first
+
     def next(self) -> np.ndarray:
         L, k, rng, p = self.L, self.k, self.rng, self.p
         chosen = np.zeros((L, self.E), dtype=bool)

@@ -103,6 +103,10 @@ class ImposedRouting:
         else:
             raise RoutingError(f"routing {spec.name!r} is the model's own; nothing to impose")
         self._streams: list = []
+        # next-layer prefetch (Engine.from_pack's prefetch): each draw also predicts, before a stream's step is drawn,
+        # that step's experts from the stream's past only (``_predict``); int64 (L, n, k) as the draw, -1 = none
+        self.predicting = False
+        self.prediction: np.ndarray | None = None
 
     def begin(self, batch: int) -> None:
         """New streams for the ``batch`` rows of the next generate group (or one prefill)."""
@@ -123,15 +127,32 @@ class ImposedRouting:
         B, T = real.shape
         if B > len(self._streams):
             raise RoutingError(f"a forward pass of {B} rows, but begin() opened {len(self._streams)} streams")
-        out = []
+        out, pred = [], []
         for b in range(B):
             for t in range(T):
                 if real[b, t]:
+                    if self.predicting:  # before the step is drawn: the prediction never sees it
+                        pred.append(self._predict(b))
                     out.append(self._step(b))
+        if self.predicting:
+            self.prediction = (np.ascontiguousarray(np.stack(pred).transpose(1, 0, 2)) if pred else
+                               np.zeros((self.L, 0, self.k), dtype=np.int64))  # (L, n, k)
         if not out:
             return np.zeros((self.L, 0, self.k), dtype=np.int64)
         ids = np.stack(out).astype(np.int64, copy=False)  # (n, L, k)
         return np.ascontiguousarray(ids.transpose(1, 0, 2))  # (L, n, k)
+
+    def _predict(self, b: int) -> np.ndarray:
+        """int64 (L, k): row b's next step as predicted from its stream's past. Calibrated: the most likely experts
+        under the routing model (StreamSampler.predict). Trace: the stream's previous step (-1, no prediction, at
+        its first); the trace's own next step is the future and is never read."""
+        s = self._streams[b]
+        if self.trace is not None:
+            stream, pos = s
+            if pos == 0:
+                return np.full((self.L, self.k), -1, dtype=np.int64)
+            return np.asarray(stream[(pos - 1) % len(stream)], dtype=np.int64)
+        return s.predict()
 
     def _step(self, b: int) -> np.ndarray:
         """int64 (L, k): the next step of row b's stream."""

@@ -1,0 +1,24 @@
+#!/usr/bin/env bash
+# One device call for the grouped segment chain (batch 8 under partial residency; issue 24 item 8, issue 25 item 6)
+# and prefetch from the calibrated workload's own prediction (issue 24 item 4): the segment-chain and routing-workload
+# tests on the GPU (captured chains, grouped and one-lease), then the h200-grouped-chain campaign (OLMoE 30 / 48 of 64,
+# batch 1 and 8, calibrated, contract v2, prefetch off / on at 30):
+#
+#   RUNMAP_GIT_COMMIT=<sha> bash benchmarks/grouped_chain_h200.sh [BUDGET_S]     (repo root, $OUT set)
+#
+# Files back: gpu-pytest.log, h200-campaign.tar.gz, bench.log, prepare-olmoe.log.
+set -uo pipefail
+: "${OUT:?set OUT to the directory whose files come back}"
+BUDGET=${1:-570}
+T0=$(date +%s)
+export PYTHONUNBUFFERED=1 PYTHONPATH=.
+mkdir -p "$OUT"
+left() { echo $(( BUDGET - $(date +%s) + T0 )); }
+step() { echo "[$(( $(date +%s) - T0 ))s] $*"; }
+RUNMAP_TEST_DEVICE=cuda timeout 180 python3 -m pytest -q -p no:cacheprovider tests/test_segment_decode.py \
+  tests/test_routing_workload.py -k "chain or segment or grouped or prefetch or prediction" > "$OUT/gpu-pytest.log" 2>&1
+step "gpu pytest (segment chains, workload prefetch) exit $?"; tail -3 "$OUT/gpu-pytest.log"
+RUNMAP_SPEC=specs/campaigns/h200-grouped-chain.yaml RUNMAP_DIRECT="olmoe=olmoe-1b-7b-0924" RUNMAP_MODELS=olmoe \
+  bash benchmarks/run_h200_campaign.sh $(( $(left) - 20 ))
+rm -f "$OUT/prepare-qwen.log"
+step "done ($(left) s left)"
