@@ -165,6 +165,7 @@ def _workload_predictor(model):
     def predict(layer, x):
         pred = model.imposed_pred
         return None if pred is None else pred[layer + 1]
+    predict.from_workload = True
     return predict
 
 
@@ -592,8 +593,8 @@ class SegmentDecoder(_StaticStepInputs):
     every (token, slot) pair, the pairs of other groups pointed at this group's experts in turn with their gate
     weight zeroed, added to the sum). The all-hit groups share one request; before each group that misses the earlier
     request is released, so that its miss transaction may evict their experts behind the release fence. The next
-    segment reads the sum. Every routed pair is computed once; only the order of the FP32 additions differs from one
-    lease. No request is held across layers.
+    segment reads the sum. Every routed pair is computed once; the executor rounds each group's sum to FP16 before
+    the FP32 sum adds it (one rounding per group instead of one per layer call). No request is held across layers.
     ``capture=False`` runs the same chain without graphs (the CPU, and the warm-up before a capture).
 
     With a placement that may compute absent experts at the CPU site (``cpu``, and ``auto`` where the link is
@@ -615,8 +616,12 @@ class SegmentDecoder(_StaticStepInputs):
         self.host_ids_np = self.host_ids.numpy()  # (L, B, k) the same pinned memory, read without a torch call
         # next-layer prefetch: layer l + 1's predicted ids (its router on layer l's MoE input), written by the segment
         # that routes layer l and read on the host while the next segment runs (row 0 is unused)
+        # (a workload's predictor has nothing to give while the engine runs without its workload: warm_up)
+        ex = engine.experts
+        predicts = getattr(ex, "predict", None) is not None and \
+            (not getattr(ex.predict, "from_workload", False) or self.imposed_pred is not None)
         self.host_pred = (torch.zeros(self.L, batch, self.k, dtype=torch.long, pin_memory=dev.type == "cuda")
-                          if engine.experts.predict is not None else None)
+                          if predicts else None)
         # mixed sites: the chain of the steps on which the placement may give the CPU site experts
         self.mixed = bool(mixed)
         if self.mixed:
@@ -649,7 +654,12 @@ class SegmentDecoder(_StaticStepInputs):
             self.group_host = torch.zeros(self.L, self.max_groups, E + 2 * Bk, dtype=torch.int32, pin_memory=pin)
             self.group_host_np = self.group_host.numpy()
             self.group_slots = torch.zeros(self.L, E + 2 * Bk, dtype=torch.int32, device=dev)  # the group being run
-            self.group_x = self.group_gw = self.group_sum = None  # (L, B, H) / (L, B, k) / (L, B, H), at first use
+            # each layer's MoE input fp16 (B, H), gate weights fp32 (B, k) and the groups' FP32 sum (B, H), at the fixed
+            # addresses the group graphs read and write
+            H = cfg.hidden_size
+            self.group_x = torch.zeros(self.L, batch, H, dtype=torch.float16, device=dev)
+            self.group_gw = torch.zeros(self.L, batch, self.k, dtype=torch.float32, device=dev)
+            self.group_sum = torch.zeros(self.L, batch, H, dtype=torch.float32, device=dev)
             self.group_graphs: list | None = None  # per layer: the group step captured (with the first chain)
             self.group_pool = None
             self.groups_run = 0  # group steps of this chain (a layer call runs one or more)
@@ -670,7 +680,7 @@ class SegmentDecoder(_StaticStepInputs):
         if self.mixed:
             return self._mixed_experts(layer, x, ids, gw)
         ex = self.e.experts
-        pred = ex.predict(layer, x) if ex.predict is not None and layer + 1 < self.L else None  # (B, k)
+        pred = ex.predict(layer, x) if self.host_pred is not None and layer + 1 < self.L else None  # (B, k)
         if self.grouped:
             return self._grouped_experts(layer, x, ids, gw, pred)
         if self.capture_graphs is not None:  # capturing: end this segment after the ids are copied out
@@ -693,10 +703,6 @@ class SegmentDecoder(_StaticStepInputs):
         (B, k), gw fp32 (B, k), pred int64 (B, k) or None -> fp16 (B, H)."""
         ex = self.e.experts
         capturing = self.capture_graphs is not None
-        if self.group_x is None:  # static inputs and sums of the group steps, at fixed addresses for their graphs
-            self.group_x = torch.zeros(self.L, *x.shape, dtype=x.dtype, device=x.device)
-            self.group_gw = torch.zeros(self.L, *gw.shape, dtype=torch.float32, device=x.device)
-            self.group_sum = torch.zeros(self.L, *x.shape, dtype=torch.float32, device=x.device)
         self.group_x[layer].copy_(x)
         self.group_gw[layer].copy_(gw)
         self.group_sum[layer].zero_()
@@ -955,7 +961,7 @@ class SegmentDecoder(_StaticStepInputs):
                 self._run_eager(n_keys)
         torch.cuda.current_stream().wait_stream(side)
         torch.cuda.synchronize(self.e.device)
-        if self.grouped and self.group_graphs is None:  # after the eager runs: the static buffers exist
+        if self.grouped and self.group_graphs is None:  # after the eager runs (Triton compiled, cuBLAS handles made)
             self._capture_groups()
         with torch.cuda.stream(side):
             g = torch.cuda.CUDAGraph()

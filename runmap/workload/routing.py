@@ -103,8 +103,9 @@ class ImposedRouting:
         else:
             raise RoutingError(f"routing {spec.name!r} is the model's own; nothing to impose")
         self._streams: list = []
-        # next-layer prefetch (Engine.from_pack's prefetch): each draw also predicts, before a stream's step is drawn,
-        # that step's experts from the stream's past only (``_predict``); int64 (L, n, k) as the draw, -1 = none
+        # next-layer prefetch (Engine.from_pack's prefetch): each draw also predicts the experts of its rows, from each
+        # stream's past before the pass (``_predict``; one prediction for every position of a row in the pass);
+        # int64 (L, n, k) as the draw, -1 = none
         self.predicting = False
         self.prediction: np.ndarray | None = None
 
@@ -129,10 +130,13 @@ class ImposedRouting:
             raise RoutingError(f"a forward pass of {B} rows, but begin() opened {len(self._streams)} streams")
         out, pred = [], []
         for b in range(B):
+            # one prediction per row and pass, made before any of its positions is drawn: in a prefill every layer
+            # runs over all positions at once, so no position's next-layer routing is known to a predictor yet
+            row_pred = self._predict(b) if self.predicting and real[b].any() else None
             for t in range(T):
                 if real[b, t]:
-                    if self.predicting:  # before the step is drawn: the prediction never sees it
-                        pred.append(self._predict(b))
+                    if row_pred is not None:
+                        pred.append(row_pred)
                     out.append(self._step(b))
         if self.predicting:
             self.prediction = (np.ascontiguousarray(np.stack(pred).transpose(1, 0, 2)) if pred else
