@@ -9,16 +9,14 @@
 # Files back: gpu-pytest.log, h200-campaign.tar.gz, bench.log, prepare-olmoe.log.
 set -uo pipefail
 : "${OUT:?set OUT to the directory whose files come back}"
-BUDGET=${1:-570}
-T0=$(date +%s)
-export PYTHONUNBUFFERED=1 PYTHONPATH=.
 mkdir -p "$OUT"
-left() { echo $(( BUDGET - $(date +%s) + T0 )); }
-step() { echo "[$(( $(date +%s) - T0 ))s] $*"; }
+SECONDS=0  # bash counts the call's seconds from here
+export PYTHONUNBUFFERED=1 PYTHONPATH=.
 RUNMAP_TEST_DEVICE=cuda timeout 180 python3 -m pytest -q -p no:cacheprovider tests/test_segment_decode.py \
   tests/test_routing_workload.py -k "chain or segment or grouped or prefetch or prediction" > "$OUT/gpu-pytest.log" 2>&1
-step "gpu pytest (segment chains, workload prefetch) exit $?"; tail -3 "$OUT/gpu-pytest.log"
+echo "[${SECONDS}s] gpu pytest (segment chains, workload prefetch) exit $?"
+tail -3 "$OUT/gpu-pytest.log"
 RUNMAP_SPEC=specs/campaigns/h200-grouped-chain.yaml RUNMAP_DIRECT="olmoe=olmoe-1b-7b-0924" RUNMAP_MODELS=olmoe \
-  bash benchmarks/run_h200_campaign.sh $(( $(left) - 20 ))
+  bash benchmarks/run_h200_campaign.sh $(( ${1:-570} - SECONDS - 20 ))
 rm -f "$OUT/prepare-qwen.log"
-step "done ($(left) s left)"
+echo "[${SECONDS}s] done"
