@@ -188,6 +188,47 @@ def test_auto_split_divides_a_calls_absent_experts_between_the_sites():
     assert slow_cpu.cpu_count(1, 0.0) == 0 and not slow_cpu.uses_cpu_now()  # share 1/31: never worth a CPU part
 
 
+@pytest.mark.parametrize("preset", PRESETS)
+@pytest.mark.parametrize("placement", ["cpu", "auto-split"])
+def test_a_batch_past_one_lease_with_a_cpu_site_runs_the_grouped_chain(packs, preset, placement, test_device):
+    """A batch whose union may exceed one lease (2 rows, max_group = top_k) with a CPU site: the grouped chain with a
+    CPU part (each group's absent experts that the placement gives the CPU site left out of its device step, the
+    layer's CPU-site experts computed once every group is queued and added before the residual) gives the per-call
+    path's greedy tokens and its logits up to the FP32 order of the sums; nothing stays leased or admitted."""
+    from runmap.engine.engine import Engine
+
+    pack, cfg = packs[preset]
+    runs = {}
+    for segments in (False, "eager" if test_device == "cpu" else True):
+        eng = _record_decode(Engine.from_pack(
+            pack, executor="reference" if test_device == "cpu" else "grouped", device=test_device,
+            resident=cfg.top_k + 1, max_batch=2, max_seq_len=48, segments=segments,
+            expert_placement="cpu" if placement == "cpu" else "auto"))
+        try:
+            cache = eng.experts.cache
+            assert cfg.top_k * 2 > cache.max_group
+            if placement == "auto-split":  # the CPU twice the link: absent experts split both ways
+                eng.experts.placement = AutoPlacement(PlacementCosts(5.0, 10.0, cache.row_bytes, "test"),
+                                                      cache.counters, resident=cache.resident, learn=False,
+                                                      split=True)
+            toks = [r.token_ids for r in eng.generate(CHAIN_PROMPTS, max_new_tokens=8)]
+            runs[segments] = (toks, eng.decoded, cache.counters["cpu_site_experts"])
+            if segments:
+                chain = eng._mixed_segments[2]
+                assert chain.mixed and chain.grouped and chain.cpu_parts > 0 and chain.groups_run > 0
+                # auto runs the grouped chain without a CPU part on a step where it would transfer everything
+                steps = eng.decode_paths["chain_cpu"] + eng.decode_paths["chain_groups"]
+                assert steps == len(eng.decoded) and eng.decode_paths["per_call"] == 0
+                assert eng.decode_paths["chain_groups"] == 0 or placement == "auto-split"
+            assert cache.outstanding_leases() == 0 and cache.live_requests() == 0
+        finally:
+            eng.close()
+    (toks_p, logits_p, cpu_p), (toks_c, logits_c, cpu_c) = runs.values()
+    assert toks_c == toks_p and len(logits_c) == len(logits_p) > 0 and cpu_p > 0 and cpu_c > 0
+    for a, b in zip(logits_c, logits_p):
+        assert torch.allclose(a, b, atol=1e-3 * b.abs().max().item(), rtol=0), (a - b).abs().max()
+
+
 def test_the_segment_chain_with_a_split_auto_equals_the_per_call_path(packs):
     """auto with split (share 2/3): within one decode, some absent experts are transferred and others
     computed on the CPU; the chain (CPU part on the job thread, started at the placement decision) and the per-call

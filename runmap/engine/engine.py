@@ -602,14 +602,15 @@ class SegmentDecoder(_StaticStepInputs):
     gate weights to pinned host memory; the host leases the group with the placement, and the next segment runs the
     device part (the executor over the static row table with the CPU-site slots' gate weights zeroed and their ids
     pointed at a row the step's request pins); while it runs, the host computes the CPU-site experts from the host
-    source and copies their FP32 sum to a static device buffer, which the segment after adds (2L + 1 segments)."""
+    source and copies their FP32 sum to a static device buffer, which the segment after adds (2L + 1 segments). The
+    grouped chain with a CPU site keeps L + 1 segments: each group's lease asks the placement, the experts it gives
+    the CPU site get keep 0 in the group's device step, and the layer's CPU-site experts are computed at once (on the
+    job thread, started once every group is queued) and their sum copied in before the next segment."""
 
     def __init__(self, engine: "Engine", batch: int, pool, capture: bool, mixed: bool = False,
                  grouped: bool = False):
         super().__init__(engine, batch)
         self.pool, self.capture = pool, capture
-        if mixed and grouped:
-            raise EngineError("a segment chain with a CPU part runs batches whose union fits one lease only")
         cfg, dev = engine.cfg, engine.device
         self.L, self.k = cfg.num_layers, cfg.top_k
         self.host_ids = torch.zeros(self.L, batch, self.k, dtype=torch.long, pin_memory=dev.type == "cuda")
@@ -677,12 +678,12 @@ class SegmentDecoder(_StaticStepInputs):
         self.capture_graphs.append(nxt)
 
     def _experts(self, layer, x, ids, gw):
-        if self.mixed:
-            return self._mixed_experts(layer, x, ids, gw)
         ex = self.e.experts
         pred = ex.predict(layer, x) if self.host_pred is not None and layer + 1 < self.L else None  # (B, k)
         if self.grouped:
             return self._grouped_experts(layer, x, ids, gw, pred)
+        if self.mixed:
+            return self._mixed_experts(layer, x, ids, gw)
         if self.capture_graphs is not None:  # capturing: end this segment after the ids are copied out
             self.host_ids[layer].copy_(ids, non_blocking=True)
             if pred is not None:
@@ -707,16 +708,21 @@ class SegmentDecoder(_StaticStepInputs):
         self.group_gw[layer].copy_(gw)
         self.group_sum[layer].zero_()
         self.host_ids[layer].copy_(ids, non_blocking=capturing)
+        if self.mixed:  # the CPU part reads the layer's input and gate weights from pinned memory
+            self.host_x[layer].copy_(x, non_blocking=capturing)
+            self.host_gw[layer].copy_(gw, non_blocking=capturing)
         if capturing:
             if pred is not None:
                 self.host_pred[layer + 1].copy_(pred, non_blocking=True)
                 self._keep.append(pred)
             self._keep += [x, ids, gw]
-            self._cut()  # the host runs the layer's groups here (run)
+            self._cut()  # the host runs the layer's groups (and collects its CPU part) here (run)
         else:
-            self._run_groups(layer)
+            self._lease(layer)
             if pred is not None:  # the groups are queued: the prefetch overlaps them
                 ex.prefetch(layer + 1, pred.cpu())
+        if self.mixed:  # as the per-call path adds the two sums
+            return (self.group_sum[layer] + self.cpu_out[layer]).to(x.dtype)
         return self.group_sum[layer].to(x.dtype)
 
     def _expert_groups(self, layer) -> list[tuple[list[int], bool]]:
@@ -735,10 +741,14 @@ class SegmentDecoder(_StaticStepInputs):
         """Lease, run and release the groups of ``layer`` in turn (graphs replayed when captured, else eagerly). The
         all-hit groups share one request; each group that misses gets its own, admitted after the earlier groups'
         request was released, so that its transaction may recycle the rows their leases protected (a release costs
-        the host ~40-85 us on the H200, results/campaigns/h200-txn-host-path/phases.log)."""
+        the host ~40-85 us on the H200, results/campaigns/h200-txn-host-path/phases.log). With a CPU site (mixed)
+        each lease asks the placement about its group's absent experts; those it gives the CPU site are left out of
+        the group's device step (keep 0) and computed, all of the layer's at once, once every group is queued."""
         ex = self.e.experts
         if ex.placement is not None:  # auto's reuse estimate sees the layer's whole union once, as on one lease
             ex.placement.observe(layer, self.host_ids_np[layer].reshape(-1).tolist())
+        place = ex.placement if self.mixed else None
+        on_cpu: list[int] = []
         req = None
         try:
             for g, (group, misses) in enumerate(self._expert_groups(layer)):
@@ -749,7 +759,10 @@ class SegmentDecoder(_StaticStepInputs):
                     old.release()
                 if req is None:
                     req = ex.cache.admit()
-                lease = ex._timed(req.acquire, layer, group, None)
+                lease = ex._timed(req.acquire, layer, group, place)
+                on_cpu += lease.cpu_experts
+                if not lease.experts:  # every expert of the group is at the CPU site
+                    continue
                 self._write_group(layer, g, lease)
                 self.group_slots[layer].copy_(self.group_host[layer, g], non_blocking=True)  # on the compute stream
                 if self.group_graphs is not None:
@@ -760,6 +773,10 @@ class SegmentDecoder(_StaticStepInputs):
         finally:
             if req is not None:
                 req.release()
+        if self.mixed:
+            self.layer_cpu[layer] = cpu = tuple(sorted(on_cpu))
+            if cpu:  # on the site's job thread while the device runs the groups (collected by _cpu_part)
+                self._start_cpu_part(layer, cpu)
 
     def _write_group(self, layer, g, lease) -> None:
         """Group ``g``'s int32 row of ``layer`` (group_host) from its lease: row table, ids and keep mask."""
@@ -885,6 +902,8 @@ class SegmentDecoder(_StaticStepInputs):
         ex = self.e.experts
         if self.grouped:
             self._run_groups(layer)
+            if self.mixed:
+                self._cpu_part(layer)
             return
         if not self.mixed:
             lease = ex.acquire(self._req, layer, self.host_ids_np[layer])
@@ -979,7 +998,7 @@ class SegmentDecoder(_StaticStepInputs):
             finally:
                 graphs, self.capture_graphs = self.capture_graphs, None
         torch.cuda.current_stream().wait_stream(side)
-        want = 2 * self.L + 1 if self.mixed else self.L + 1
+        want = 2 * self.L + 1 if self.mixed and not self.grouped else self.L + 1
         if len(graphs) != want:
             raise EngineError(f"segment capture made {len(graphs)} graphs for {self.L} MoE layers (expected {want})")
         self.chains[n_keys] = (graphs, out)
@@ -1003,7 +1022,7 @@ class SegmentDecoder(_StaticStepInputs):
                     g.replay()
                     if i == len(graphs) - 1:
                         break
-                    if self.mixed:
+                    if self.mixed and not self.grouped:
                         layer, part = divmod(i, 2)
                         if part == 0:  # layer's routing is queued: wait for its ids, lease with the placement
                             ev.record()
@@ -1558,11 +1577,10 @@ class Engine:
             return self._graphs[B].run(tokens, slot, pad)
         # the placement is asked once per step: a step on which it may give the CPU site experts runs the chain
         # with a CPU part per layer; otherwise (auto while its rule transfers) the plain chain, as placement gpu. A
-        # batch whose union may exceed one lease runs the grouped chain, or the per-call path when it needs a CPU part.
-        fits = self.use_segments and self.cfg.top_k * B <= self.experts.cache.max_group
-        mixed = self.use_segments and self.experts.mixed
-        if self.use_segments and (fits or not mixed):
-            grouped = not fits
+        # batch whose union may exceed one lease runs the grouped chain (with a CPU part when mixed).
+        if self.use_segments:
+            mixed = self.experts.mixed
+            grouped = self.cfg.top_k * B > self.experts.cache.max_group
             self.decode_paths["chain_cpu" if mixed else "chain_groups" if grouped else "chain"] += 1
             chains = self._mixed_segments if mixed else self._segments
             if B not in chains or not chains[B].fits(self):
