@@ -7,7 +7,9 @@ replays, host event waits (the segment before a decision, and the miss copies in
 copy monitor on / off (off only here, to price it: the product never runs without it), and the mixed chain of
 placement cpu or auto (``--variants``: the CPU part's start and collection, the row-table / keep-mask write, the CPU
 site's call and kernel, on the job thread: inclusive times there overlap the main thread's), with a
-cProfile of one mixed-chain decode (``--profile``).
+cProfile of one mixed-chain decode (``--profile``). ``--batch 8`` decodes 8 rows (per token = over every row's
+tokens): past max_group / top_k the grouped chain runs, and its group decisions, group-row writes and per-layer
+group runs are timed too.
 
     PYTHONPATH=. python3 tools/explore/probe_segment_phases.py --work /tmp/probe --out $OUT/phases.json
 """
@@ -53,7 +55,7 @@ def instrument():
     for name in ("admit", "_acquire", "_release", "_transaction", "_copy_rows", "_wait_all", "_group",
                  "_reclaim_retiring", "_reclaim_fenced"):
         setattr(C, name, timed(f"cache.{name}", getattr(C, name)))
-    for name in ("_cpu_part", "_write_slots", "_start_cpu_part"):
+    for name in ("_cpu_part", "_write_slots", "_start_cpu_part", "_run_groups", "_expert_groups", "_write_group"):
         setattr(S, name, timed(f"segment.{name}", getattr(S, name)))
     from runmap.kernels import cpu_int4, cpu_native  # the engine's module names (kernels/ is runmap.kernels)
 
@@ -78,6 +80,8 @@ def main():
     ap.add_argument("--preset", default="olmoe-1b-7b-0924")
     ap.add_argument("--resident", type=int, default=30)
     ap.add_argument("--decode", type=int, default=64)
+    ap.add_argument("--batch", type=int, default=1,
+                    help="rows decoded together (past max_group / top_k the grouped chain runs; times are per token)")
     ap.add_argument("--out", default=None)
     ap.add_argument("--variants", default="calibrated:v1:monitor,calibrated:v2:monitor,calibrated:v2:off,model:v2:monitor",
                     help="routing:contract:monitor|off[:cpu] (cpu: placement cpu, the mixed chain)")
@@ -95,12 +99,12 @@ def main():
     link = h2d_bandwidth(dev)
     print("pinned H2D", link, flush=True)
     instrument()
-    prompts = [[(17 * i + 3) % 1000 + 5 for i in range(32)]]
+    prompts = [[(17 * i + 3 + 101 * b) % 1000 + 5 for i in range(32)] for b in range(a.batch)]
     rows, host = [], None
     for variant in a.variants.split(","):
         routing, contract, mon, *rest = variant.split(":")
         monitor, placement = mon == "monitor", (rest[0] if rest else "gpu")
-        eng = Engine.from_pack(pk, resident=a.resident, device=dev, max_batch=1, max_seq_len=512, routing=routing,
+        eng = Engine.from_pack(pk, resident=a.resident, device=dev, max_batch=a.batch, max_seq_len=512, routing=routing,
                                host_source=host, cache_contract=contract, expert_placement=placement)
         host = host or eng.host_source
         cache = eng.experts.cache
@@ -127,6 +131,7 @@ def main():
             pstats.Stats(prof, stream=buf).sort_stats("tottime").print_stats(25)
             print(buf.getvalue(), flush=True)
         row = {"routing": eng.routing, "contract": contract, "copy_monitor": monitor, "placement": placement,
+               "batch": a.batch,
                "decode_paths": dict(eng.decode_paths), "resident": a.resident,
                "decode_tok_s": run.decode_tok_s, "misses_per_token": d.misses / n,
                "h2d_bytes_per_token": d.bytes_h2d / n, "phases": phases}
