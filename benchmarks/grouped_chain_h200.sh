@@ -6,7 +6,7 @@
 #
 #   RUNMAP_GIT_COMMIT=<sha> bash benchmarks/grouped_chain_h200.sh [BUDGET_S]     (repo root, $OUT set)
 #
-# Files back: gpu-pytest.log, h200-campaign.tar.gz, bench.log, prepare-olmoe.log.
+# Files back: gpu-pytest.log, h200-campaign.tar.gz, bench.log, prepare-olmoe.log, phases-b8.log, phases-b8.json.
 set -uo pipefail
 : "${OUT:?set OUT to the directory whose files come back}"
 mkdir -p "$OUT"
@@ -19,4 +19,12 @@ tail -3 "$OUT/gpu-pytest.log"
 RUNMAP_SPEC=specs/campaigns/h200-grouped-chain.yaml RUNMAP_DIRECT="olmoe=olmoe-1b-7b-0924" RUNMAP_MODELS=olmoe \
   bash benchmarks/run_h200_campaign.sh $(( ${1:-570} - SECONDS - 20 ))
 rm -f "$OUT/prepare-qwen.log"
+# where the grouped chain's host time goes, at batch 8, on the campaign's pack, while the budget allows
+PACK=${RUNMAP_WORK:-/tmp/runmap-h200}/pk-olmoe
+if [ $(( ${1:-570} - SECONDS )) -gt 70 ] && [ -f "$PACK/manifest.json" ]; then
+  mkdir -p /tmp/probe && ln -sfn "$PACK" /tmp/probe/pk-olmoe-1b-7b-0924
+  timeout $(( ${1:-570} - SECONDS - 10 )) python3 tools/explore/probe_segment_phases.py --work /tmp/probe --batch 8 \
+    --decode 24 --variants calibrated:v2:monitor --out "$OUT/phases-b8.json" > "$OUT/phases-b8.log" 2>&1
+  echo "[${SECONDS}s] phases probe (batch 8) exit $?"; grep -E "tok/s|segment\.|cache\._transaction" "$OUT/phases-b8.log"
+fi
 echo "[${SECONDS}s] done"
