@@ -190,13 +190,22 @@ def test_auto_split_divides_a_calls_absent_experts_between_the_sites():
 
 @pytest.mark.parametrize("preset", PRESETS)
 @pytest.mark.parametrize("placement", ["cpu", "auto-split"])
-def test_a_batch_past_one_lease_with_a_cpu_site_runs_the_grouped_chain(packs, preset, placement, test_device):
+def test_a_batch_past_one_lease_with_a_cpu_site_runs_the_grouped_chain(packs, preset, placement, test_device,
+                                                                       monkeypatch):
     """A batch whose union may exceed one lease (2 rows, max_group = top_k) with a CPU site: the grouped chain with a
-    CPU part (each group's absent experts that the placement gives the CPU site left out of its device step, the
-    layer's CPU-site experts computed once every group is queued and added before the residual) gives the per-call
-    path's greedy tokens and its logits up to the FP32 order of the sums; nothing stays leased or admitted."""
-    from runmap.engine.engine import Engine
+    CPU part (the placement asked once per layer; the experts it gives the CPU site computed on the job thread while
+    the device groups hold the rest, added before the residual) gives the per-call path's greedy tokens and its
+    logits up to the FP32 order of the sums; nothing stays leased or admitted. Under placement cpu nothing is
+    transferred, so each layer call holds one request."""
+    from runmap.engine.engine import Engine, SegmentDecoder
 
+    run_groups, admitted = SegmentDecoder._run_groups, []
+
+    def counted(self, layer):
+        before = self.e.experts.cache.counters["requests_admitted"]
+        run_groups(self, layer)
+        admitted.append(self.e.experts.cache.counters["requests_admitted"] - before)
+    monkeypatch.setattr(SegmentDecoder, "_run_groups", counted)
     pack, cfg = packs[preset]
     runs = {}
     for segments in (False, "eager" if test_device == "cpu" else True):
@@ -217,7 +226,7 @@ def test_a_batch_past_one_lease_with_a_cpu_site_runs_the_grouped_chain(packs, pr
                 chain = eng._mixed_segments[2]
                 assert chain.mixed and chain.grouped and chain.cpu_parts > 0 and chain.groups_run > 0
                 # auto runs the grouped chain without a CPU part on a step where it would transfer everything
-                steps = eng.decode_paths["chain_cpu"] + eng.decode_paths["chain_groups"]
+                steps = eng.decode_paths["chain_groups_cpu"] + eng.decode_paths["chain_groups"]
                 assert steps == len(eng.decoded) and eng.decode_paths["per_call"] == 0
                 assert eng.decode_paths["chain_groups"] == 0 or placement == "auto-split"
             assert cache.outstanding_leases() == 0 and cache.live_requests() == 0
@@ -225,6 +234,7 @@ def test_a_batch_past_one_lease_with_a_cpu_site_runs_the_grouped_chain(packs, pr
             eng.close()
     (toks_p, logits_p, cpu_p), (toks_c, logits_c, cpu_c) = runs.values()
     assert toks_c == toks_p and len(logits_c) == len(logits_p) > 0 and cpu_p > 0 and cpu_c > 0
+    assert admitted and (placement != "cpu" or set(admitted) == {1})
     for a, b in zip(logits_c, logits_p):
         assert torch.allclose(a, b, atol=1e-3 * b.abs().max().item(), rtol=0), (a - b).abs().max()
 
@@ -440,7 +450,8 @@ def test_auto_sees_the_emulated_link_and_the_record_says_emulation(packs, tmp_pa
     assert rec["config"]["emulate_link_gb_s"] == 0.5 and any("EMULATION" in n for n in rec["notes"])
     assert rec["sites"]["placement"]["costs"]["h2d_gb_s"] <= 0.5
     # the timed run's 2 decode steps (decode_len 3: the first token is the prefill's), eager on the CPU
-    assert rec["sites"]["decode_steps"] == {"graphs": 0, "chain": 0, "chain_groups": 0, "chain_cpu": 0, "per_call": 2}
+    assert rec["sites"]["decode_steps"] == {"graphs": 0, "chain": 0, "chain_groups": 0, "chain_cpu": 0, "chain_groups_cpu": 0,
+                                            "per_call": 2}
 
 
 @pytest.mark.parametrize("workers", [1, 3, 64])

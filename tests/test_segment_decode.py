@@ -102,13 +102,14 @@ def test_a_batch_past_one_lease_runs_the_grouped_chain_with_full_residencys_logi
     seen, real = [], SegmentDecoder._expert_groups
 
     def groups(self, layer):
-        out = real(self, layer)
+        out, cpu = real(self, layer)
+        assert cpu == ()  # no CPU site here
         mapped = set(self.e.experts.cache.mapping(layer))
         assert [m for _, m in out] == [any(e not in mapped for e in g) for g, _ in out]
         seen.append((layer, [g for g, _ in out], np.unique(self.host_ids_np[layer]).tolist(), mapped))
         # the all-hit groups (first) share one request, each group that misses has its own
         requests.append(sum(m for _, m in out) + (not out[0][1]))
-        return out
+        return out, cpu
     run_groups, requests, admitted = SegmentDecoder._run_groups, [], []
 
     def counted(self, layer):

@@ -619,7 +619,8 @@ class SegmentDecoder(_StaticStepInputs):
         # that routes layer l and read on the host while the next segment runs (row 0 is unused)
         # (a workload's predictor has nothing to give while the engine runs without its workload: warm_up)
         ex = engine.experts
-        predicts = getattr(ex, "predict", None) is not None and \
+        # (nor under a CPU site: a prefetch would transfer what the placement computes where it lies)
+        predicts = getattr(ex, "predict", None) is not None and not mixed and \
             (not getattr(ex.predict, "from_workload", False) or self.imposed_pred is not None)
         self.host_pred = (torch.zeros(self.L, batch, self.k, dtype=torch.long, pin_memory=dev.type == "cuda")
                           if predicts else None)
@@ -725,33 +726,46 @@ class SegmentDecoder(_StaticStepInputs):
             return (self.group_sum[layer] + self.cpu_out[layer]).to(x.dtype)
         return self.group_sum[layer].to(x.dtype)
 
-    def _expert_groups(self, layer) -> list[tuple[list[int], bool]]:
-        """This step's union of routed experts of ``layer`` in groups of at most max_group, each with whether it holds
-        an expert absent now: the resident experts first, so that the groups before the last misses are all hits and
-        no miss evicts an expert a later group of this step would have found."""
+    def _expert_groups(self, layer) -> tuple[list[tuple[list[int], bool]], tuple]:
+        """This step's union of routed experts of ``layer``: (the experts the device computes, in groups of at most
+        max_group, each with whether it transfers an expert absent now; the experts the CPU site computes). The
+        resident experts come first, so that the groups before the last misses are all hits and no miss evicts an
+        expert a later group of this step would have found. With a CPU site (mixed) the placement is asked once, about
+        every absent expert of the layer, as on one lease (its choice is checked again by the cache at the lease that
+        places them)."""
         cache = self.e.experts.cache
         union = np.unique(self.host_ids_np[layer]).tolist()
         mapped = cache.mapping(layer)
-        order = [e for e in union if e in mapped] + [e for e in union if e not in mapped]
+        absent = [e for e in union if e not in mapped]
+        cpu = ()
+        if self.mixed and absent:
+            cpu = tuple(sorted({int(e) for e in self.e.experts.placement(tuple(absent))}))
+            absent = [e for e in absent if e not in cpu]
+        order = [e for e in union if e in mapped] + absent
         cap = cache.max_group
         groups = [order[i:i + cap] for i in range(0, len(order), cap)]
-        return [(g, any(e not in mapped for e in g)) for g in groups]
+        return [(g, any(e not in mapped for e in g)) for g in groups], cpu
 
     def _run_groups(self, layer) -> None:
         """Lease, run and release the groups of ``layer`` in turn (graphs replayed when captured, else eagerly). The
         all-hit groups share one request; each group that misses gets its own, admitted after the earlier groups'
         request was released, so that its transaction may recycle the rows their leases protected (a release costs
         the host ~40-85 us on the H200, results/campaigns/h200-txn-host-path/phases.log). With a CPU site (mixed)
-        each lease asks the placement about its group's absent experts; those it gives the CPU site are left out of
-        the group's device step (keep 0) and computed, all of the layer's at once, once every group is queued."""
+        the experts the placement gives it are computed at once on the site's job thread, started before the first
+        group so that it overlaps the groups' leases, transfers and device steps; they are leased last with every one
+        placed at the CPU site (no row, counted by the cache) and collected by ``_cpu_part``."""
         ex = self.e.experts
         if ex.placement is not None:  # auto's reuse estimate sees the layer's whole union once, as on one lease
             ex.placement.observe(layer, self.host_ids_np[layer].reshape(-1).tolist())
-        place = ex.placement if self.mixed else None
-        on_cpu: list[int] = []
+        groups, cpu = self._expert_groups(layer)
+        if self.mixed:
+            self.layer_cpu[layer] = cpu
+            if cpu:
+                self._start_cpu_part(layer, cpu)
+        cap = ex.cache.max_group
         req = None
         try:
-            for g, (group, misses) in enumerate(self._expert_groups(layer)):
+            for g, (group, misses) in enumerate(groups):
                 if req is not None and misses:
                     # without waiting for the queued group steps: the release fence orders any later copy into the
                     # rows their leases held after them
@@ -759,10 +773,7 @@ class SegmentDecoder(_StaticStepInputs):
                     old.release()
                 if req is None:
                     req = ex.cache.admit()
-                lease = ex._timed(req.acquire, layer, group, place)
-                on_cpu += lease.cpu_experts
-                if not lease.experts:  # every expert of the group is at the CPU site
-                    continue
+                lease = ex._timed(req.acquire, layer, group, None)
                 self._write_group(layer, g, lease)
                 self.group_slots[layer].copy_(self.group_host[layer, g], non_blocking=True)  # on the compute stream
                 if self.group_graphs is not None:
@@ -770,13 +781,14 @@ class SegmentDecoder(_StaticStepInputs):
                 else:
                     self._group_step(layer)
                 self.groups_run += 1
+            for i in range(0, len(cpu), cap):  # the CPU site's experts: a lease that places every one of them there
+                if req is None:
+                    req = ex.cache.admit()
+                part = cpu[i:i + cap]
+                req.acquire(layer, part, lambda absent, part=part: part)
         finally:
             if req is not None:
                 req.release()
-        if self.mixed:
-            self.layer_cpu[layer] = cpu = tuple(sorted(on_cpu))
-            if cpu:  # on the site's job thread while the device runs the groups (collected by _cpu_part)
-                self._start_cpu_part(layer, cpu)
 
     def _write_group(self, layer, g, lease) -> None:
         """Group ``g``'s int32 row of ``layer`` (group_host) from its lease: row table, ids and keep mask."""
@@ -836,8 +848,9 @@ class SegmentDecoder(_StaticStepInputs):
     def _start_cpu_part(self, layer, experts) -> None:
         """Start the CPU-site experts ``experts`` of ``layer`` on the site's job thread (cpu-native executors), from
         the pinned copies of the layer's input, ids and gate weights into host_cpu_out[layer]: called from the
-        placement decision, so the kernel runs while the host finishes the lease (a miss transaction's copies
-        included) and the device part runs. Other CPU executors run in ``_cpu_part``, on this thread."""
+        placement decision (inside the one-lease chain's lease; in the grouped chain before its first group), so the
+        kernel runs while the host finishes the leases (miss transactions' copies included) and the device part runs.
+        Other CPU executors run in ``_cpu_part``, on this thread."""
         site = self.e.experts.site()
         if not site.native:
             return
@@ -1581,7 +1594,7 @@ class Engine:
         if self.use_segments:
             mixed = self.experts.mixed
             grouped = self.cfg.top_k * B > self.experts.cache.max_group
-            self.decode_paths["chain_cpu" if mixed else "chain_groups" if grouped else "chain"] += 1
+            self.decode_paths[("chain_groups" if grouped else "chain") + ("_cpu" if mixed else "")] += 1
             chains = self._mixed_segments if mixed else self._segments
             if B not in chains or not chains[B].fits(self):
                 self._retire(chains.get(B))
