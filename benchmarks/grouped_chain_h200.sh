@@ -12,8 +12,9 @@ set -uo pipefail
 mkdir -p "$OUT"
 SECONDS=0  # bash counts the call's seconds from here
 export PYTHONUNBUFFERED=1 PYTHONPATH=.
-RUNMAP_TEST_DEVICE=cuda timeout 180 python3 -m pytest -q -p no:cacheprovider tests/test_segment_decode.py \
-  tests/test_routing_workload.py -k "chain or segment or grouped or prefetch or prediction" > "$OUT/gpu-pytest.log" 2>&1
+RUNMAP_TEST_DEVICE=cuda timeout 240 python3 -m pytest -q -p no:cacheprovider tests/test_segment_decode.py \
+  tests/test_routing_workload.py tests/test_placement.py -k "segment or grouped or prefetch or prediction" \
+  > "$OUT/gpu-pytest.log" 2>&1
 echo "[${SECONDS}s] gpu pytest (segment chains, workload prefetch) exit $?"
 tail -3 "$OUT/gpu-pytest.log"
 RUNMAP_SPEC=specs/campaigns/h200-grouped-chain.yaml RUNMAP_DIRECT="olmoe=olmoe-1b-7b-0924" RUNMAP_MODELS=olmoe \
