@@ -233,10 +233,17 @@ def test_a_batch_past_one_lease_with_a_cpu_site_runs_the_grouped_chain(packs, pr
         finally:
             eng.close()
     (toks_p, logits_p, cpu_p), (toks_c, logits_c, cpu_c) = runs.values()
-    assert toks_c == toks_p and len(logits_c) == len(logits_p) > 0 and cpu_p > 0 and cpu_c > 0
+    assert len(logits_c) == len(logits_p) > 0 and cpu_p > 0 and cpu_c > 0
     assert admitted and (placement != "cpu" or set(admitted) == {1})
-    for a, b in zip(logits_c, logits_p):
-        assert torch.allclose(a, b, atol=1e-3 * b.abs().max().item(), rtol=0), (a - b).abs().max()
+    for a, b in zip(logits_c, logits_p):  # step by step while both decoded the same tokens
+        atol = 1e-3 * b.abs().max().item()
+        assert torch.allclose(a, b, atol=atol, rtol=0), (a - b).abs().max()
+        if not torch.equal(a.argmax(-1), b.argmax(-1)):  # the sums' order may only flip a near tie
+            top2 = b.topk(2, dim=-1).values
+            assert ((top2[:, 0] - top2[:, 1]) <= 2 * atol).any()
+            break
+    else:
+        assert toks_c == toks_p
 
 
 def test_the_segment_chain_with_a_split_auto_equals_the_per_call_path(packs):
