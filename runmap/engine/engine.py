@@ -603,9 +603,9 @@ class SegmentDecoder(_StaticStepInputs):
     device part (the executor over the static row table with the CPU-site slots' gate weights zeroed and their ids
     pointed at a row the step's request pins); while it runs, the host computes the CPU-site experts from the host
     source and copies their FP32 sum to a static device buffer, which the segment after adds (2L + 1 segments). The
-    grouped chain with a CPU site keeps L + 1 segments: each group's lease asks the placement, the experts it gives
-    the CPU site get keep 0 in the group's device step, and the layer's CPU-site experts are computed at once (on the
-    job thread, started once every group is queued) and their sum copied in before the next segment."""
+    grouped chain with a CPU site keeps L + 1 segments: the placement is asked once per layer about every absent
+    expert, the experts it gives the CPU site start on the job thread before the first group (their pairs keep 0 in
+    the groups' device steps), and their sum is copied in before the next segment."""
 
     def __init__(self, engine: "Engine", batch: int, pool, capture: bool, mixed: bool = False,
                  grouped: bool = False):
@@ -651,7 +651,7 @@ class SegmentDecoder(_StaticStepInputs):
             pin, E, Bk = dev.type == "cuda", cfg.num_experts, batch * self.k
             self.max_groups = -(-min(E, Bk) // engine.experts.cache.max_group)
             # per layer and group one int32 row the host writes after the group's lease: the row table (E,) of the
-            # group's experts, the pairs' ids (B k) (another group's expert -> the group's first) and keep mask (B k);
+            # group's experts, the pairs' ids (B k) (other groups' pairs spread over this group's) and keep mask (B k);
             # one host row per group, so a row is never rewritten while its copy to the device may be pending
             self.group_host = torch.zeros(self.L, self.max_groups, E + 2 * Bk, dtype=torch.int32, pin_memory=pin)
             self.group_host_np = self.group_host.numpy()
@@ -973,7 +973,7 @@ class SegmentDecoder(_StaticStepInputs):
             e.model.imposed = e.model.imposed_pred = e.model.route_sink = None
 
     def _admit_step(self):
-        """The step's one request (the grouped chain holds none: each group's request lives for its group only)."""
+        """The step's one request (the grouped chain holds none: its requests live within one layer call)."""
         self._req = None if self.grouped else self.e.experts.cache.admit()
 
     def _run_eager(self, n_keys):
