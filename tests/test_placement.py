@@ -427,7 +427,11 @@ def test_bench_records_carry_the_placement_and_prefetch(packs, tmp_path):
     assert s["prefetch"] is True and s["prefetched_experts"] >= s["prefetch_used"] >= 0
     if s["prefetched_experts"]:
         assert s["prefetch_accuracy"] == pytest.approx(s["prefetch_used"] / s["prefetched_experts"])
-    assert "sites" not in plain and plain["config"]["expert_placement"] == "gpu" and plain["config"]["prefetch"] is False
+    assert plain["config"]["expert_placement"] == "gpu" and plain["config"]["prefetch"] is False
+    # a partial-residency row says which path decoded it (3 decode steps after the prefill's token, per call on the CPU)
+    assert plain["sites"] == {"expert_placement": "gpu", "prefetch": False,
+                              "decode_steps": {"graphs": 0, "chain": 0, "chain_groups": 0, "chain_cpu": 0,
+                                               "chain_groups_cpu": 0, "per_call": 3}}
 
 
 # ---- an emulated slower link (issue 25 item 6: the consumer-link experiment) ------------------------------------

@@ -89,11 +89,14 @@ CHECK_EXECUTOR = "reference"
 def _site_record(st: EngineStats, d) -> dict | None:
     """The record's ``sites`` block: what the CPU site and next-layer prefetch did in this configuration's timed runs
     (``d``: the counter deltas over them; the engine may be shared with other rows) and the placement's plan
-    (``st``: the stats after them). None when neither was on."""
-    if st.placement is None and not st.prefetch:
+    (``st``: the stats after them), and the decode steps by the path that ran them. None when neither was on and
+    every decode step was a full-residency CUDA graph (or there was none): a partial-residency row always says which
+    path decoded it (the one-lease chain, the grouped chain, per call)."""
+    steps = {k: getattr(d, f"decode_steps_{k}") for k in DECODE_PATHS}
+    if st.placement is None and not st.prefetch and not any(v for k, v in steps.items() if k != "graphs"):
         return None
     out = {"expert_placement": st.placement["mode"] if st.placement is not None else "gpu", "prefetch": st.prefetch,
-           "decode_steps": {k: getattr(d, f"decode_steps_{k}") for k in DECODE_PATHS}}
+           "decode_steps": steps}
     if st.placement is not None:
         out["placement"] = dict(st.placement)
         out["cpu_site_experts"] = d.cpu_site_experts
