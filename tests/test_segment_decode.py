@@ -39,33 +39,6 @@ def test_segment_chain_equals_the_per_call_path(packs, preset, routing, test_dev
         assert np.array_equal(x, y)
 
 
-def test_teacher_forced_logits_of_the_chain_equal_full_residency(packs, test_device):
-    """Item 7: partial residency through the segment chain gives full residency's logits at every step."""
-    seg_mode = True if test_device == "cuda" else "eager"
-    executor = "grouped" if test_device == "cuda" else "reference"
-    prompt, teacher = [5, 9, 1, 4, 7, 2], [3, 8, 8, 1, 6, 2, 9, 4]
-    logits = {}
-    for resident in (None, 4):
-        eng = Engine.from_pack(packs["tiny-olmoe"], executor=executor, device=test_device, resident=resident,
-                               max_batch=1, max_seq_len=48, segments=seg_mode)
-        dev = eng.device
-        pad = torch.zeros(1, dtype=torch.long, device=dev)
-        steps = []
-        with torch.inference_mode():
-            eng.experts.begin()
-            try:
-                eng.prefill(torch.tensor([prompt], device=dev), pad)
-                for s, t in enumerate(teacher):
-                    steps.append(eng.decode(torch.tensor([t], device=dev), len(prompt) + s, pad)[0].float().cpu().clone())
-            finally:
-                eng.experts.end()
-        if resident is not None:
-            assert 1 in eng._segments and eng.stats().misses > 0
-        logits[resident] = torch.stack(steps)
-    full, part = logits[None], logits[4]
-    assert torch.allclose(full, part, atol=1e-3 * full.abs().max().item(), rtol=0), (full - part).abs().max()
-
-
 def _teacher_forced(eng, prompts, teacher):
     """float32 (steps, B, V): the logits of each decode step of ``prompts`` (left-padded) fed ``teacher``'s tokens."""
     dev, B = eng.device, len(prompts)
@@ -83,6 +56,22 @@ def _teacher_forced(eng, prompts, teacher):
         finally:
             eng.experts.end()
     return torch.stack(steps)
+
+
+def test_teacher_forced_logits_of_the_chain_equal_full_residency(packs, test_device):
+    """Item 7: partial residency through the segment chain gives full residency's logits at every step."""
+    seg_mode = True if test_device == "cuda" else "eager"
+    executor = "grouped" if test_device == "cuda" else "reference"
+    prompt, teacher = [5, 9, 1, 4, 7, 2], [3, 8, 8, 1, 6, 2, 9, 4]
+    logits = {}
+    for resident in (None, 4):
+        eng = Engine.from_pack(packs["tiny-olmoe"], executor=executor, device=test_device, resident=resident,
+                               max_batch=1, max_seq_len=48, segments=seg_mode)
+        logits[resident] = _teacher_forced(eng, [prompt], [teacher])  # (steps, 1, V)
+        if resident is not None:
+            assert 1 in eng._segments and eng.stats().misses > 0
+    full, part = logits[None], logits[4]
+    assert torch.allclose(full, part, atol=1e-3 * full.abs().max().item(), rtol=0), (full - part).abs().max()
 
 
 @pytest.mark.parametrize("preset, resident, prefetch", [("tiny-olmoe", 4, False), ("tiny-olmoe", 5, True),

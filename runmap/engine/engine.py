@@ -508,14 +508,14 @@ class _StaticStepInputs:
         self.imposed = torch.zeros(L, batch, k, dtype=torch.long, device=dev) if engine.imposed is not None else None
         # the workload's predictions of the same ids (next-layer prefetch under a routing workload)
         self.imposed_pred = torch.zeros(L, batch, k, dtype=torch.long, device=dev) \
-            if getattr(engine.imposed, "predicting", False) else None
+            if engine.workload_predicts else None
         self.recorded = torch.zeros(L, batch, k, dtype=torch.long, device=dev) if engine.routes is not None else None
 
     def fits(self, engine: "Engine") -> bool:
         """Whether these buffers serve the engine's current routing workload and route recorder: a step captured
         without them (warm_up sets both aside) would route by the router and record nothing."""
         return (self.imposed is not None) == (engine.imposed is not None) and \
-            (self.imposed_pred is not None) == bool(getattr(engine.imposed, "predicting", False)) and \
+            (self.imposed_pred is not None) == engine.workload_predicts and \
             (self.recorded is not None) == (engine.routes is not None)
 
     def _load(self, tok, slot: int, pad) -> np.ndarray:
@@ -620,7 +620,7 @@ class SegmentDecoder(_StaticStepInputs):
         # (a workload's predictor has nothing to give while the engine runs without its workload: warm_up)
         ex = engine.experts
         # (nor under a CPU site: a prefetch would transfer what the placement computes where it lies)
-        predicts = getattr(ex, "predict", None) is not None and not mixed and \
+        predicts = ex.predict is not None and not mixed and \
             (not getattr(ex.predict, "from_workload", False) or self.imposed_pred is not None)
         self.host_pred = (torch.zeros(self.L, batch, self.k, dtype=torch.long, pin_memory=dev.type == "cuda")
                           if predicts else None)
@@ -679,52 +679,36 @@ class SegmentDecoder(_StaticStepInputs):
         self.capture_graphs.append(nxt)
 
     def _experts(self, layer, x, ids, gw):
+        if self.mixed and not self.grouped:
+            return self._mixed_experts(layer, x, ids, gw)
         ex = self.e.experts
         pred = ex.predict(layer, x) if self.host_pred is not None and layer + 1 < self.L else None  # (B, k)
-        if self.grouped:
-            return self._grouped_experts(layer, x, ids, gw, pred)
-        if self.mixed:
-            return self._mixed_experts(layer, x, ids, gw)
-        if self.capture_graphs is not None:  # capturing: end this segment after the ids are copied out
-            self.host_ids[layer].copy_(ids, non_blocking=True)
+        capturing = self.capture_graphs is not None
+        if self.grouped:  # the group steps' inputs at fixed addresses, their sum zeroed (class docstring)
+            self.group_x[layer].copy_(x)
+            self.group_gw[layer].copy_(gw)
+            self.group_sum[layer].zero_()
+            if self.mixed:  # the CPU part reads the layer's input and gate weights from pinned memory
+                self.host_x[layer].copy_(x, non_blocking=capturing)
+                self.host_gw[layer].copy_(gw, non_blocking=capturing)
+        self.host_ids[layer].copy_(ids, non_blocking=capturing)
+        if capturing:  # end this segment after the ids are copied out: the host decides between segments (run)
             if pred is not None:
                 self.host_pred[layer + 1].copy_(pred, non_blocking=True)
                 self._keep.append(pred)
             self._keep += [x, ids, gw]
             self._cut()
         else:  # eager chain: the host decision right here
-            self.host_ids[layer].copy_(ids)
             self._lease(layer)
-        out = ex.static_experts(layer, x, ids, gw)
-        if pred is not None and self.capture_graphs is None:  # eager: the experts are queued, the prefetch overlaps them
+        if not self.grouped:
+            out = ex.static_experts(layer, x, ids, gw)
+        elif self.mixed:  # as the per-call path adds the two sums
+            out = (self.group_sum[layer] + self.cpu_out[layer]).to(x.dtype)
+        else:
+            out = self.group_sum[layer].to(x.dtype)
+        if pred is not None and not capturing:  # the experts are queued: the prefetch overlaps them
             ex.prefetch(layer + 1, pred.cpu())
         return out
-
-    def _grouped_experts(self, layer, x, ids, gw, pred):
-        """The routed experts of ``layer`` in groups of at most max_group (class docstring): x fp16 (B, H), ids int64
-        (B, k), gw fp32 (B, k), pred int64 (B, k) or None -> fp16 (B, H)."""
-        ex = self.e.experts
-        capturing = self.capture_graphs is not None
-        self.group_x[layer].copy_(x)
-        self.group_gw[layer].copy_(gw)
-        self.group_sum[layer].zero_()
-        self.host_ids[layer].copy_(ids, non_blocking=capturing)
-        if self.mixed:  # the CPU part reads the layer's input and gate weights from pinned memory
-            self.host_x[layer].copy_(x, non_blocking=capturing)
-            self.host_gw[layer].copy_(gw, non_blocking=capturing)
-        if capturing:
-            if pred is not None:
-                self.host_pred[layer + 1].copy_(pred, non_blocking=True)
-                self._keep.append(pred)
-            self._keep += [x, ids, gw]
-            self._cut()  # the host runs the layer's groups (and collects its CPU part) here (run)
-        else:
-            self._lease(layer)
-            if pred is not None:  # the groups are queued: the prefetch overlaps them
-                ex.prefetch(layer + 1, pred.cpu())
-        if self.mixed:  # as the per-call path adds the two sums
-            return (self.group_sum[layer] + self.cpu_out[layer]).to(x.dtype)
-        return self.group_sum[layer].to(x.dtype)
 
     def _expert_groups(self, layer) -> tuple[list[tuple[list[int], bool]], tuple]:
         """This step's union of routed experts of ``layer``: (the experts the device computes, in groups of at most
@@ -1489,6 +1473,12 @@ class Engine:
                    for B in range(1, self.max_batch + 1))
 
     @property
+    def workload_predicts(self) -> bool:
+        """The routing workload also predicts each pass's ids (next-layer prefetch; ImposedRouting.predicting). A
+        replayed route list (``logits``' check) predicts nothing."""
+        return bool(getattr(self.imposed, "predicting", False))
+
+    @property
     def steps_stay_on_device(self) -> bool:
         """Full residency with neither a routing workload nor a route recorder: a step's routed experts never call the
         expert cache's host path and no host code reads its routes, so a server may queue other work beside or inside
@@ -1633,7 +1623,7 @@ class Engine:
             return
         if self.imposed is not None:
             self.model.imposed = host_to_device(self.imposed.draw(real), self.device)  # (L, n, k)
-            if getattr(self.imposed, "predicting", False):  # its prediction of the same rows, for the prefetch
+            if self.workload_predicts:  # its prediction of the same rows, for the prefetch
                 self.model.imposed_pred = host_to_device(self.imposed.prediction, self.device)  # (L, n, k)
         if self.routes is not None:
             self.model.route_sink = self.routes.sink
