@@ -513,7 +513,6 @@ class Transformer:
             t = rms_norm(t, self.w.final_norm, self.cfg.rms_norm_eps)
         return linear(t, self.w.lm_head).float()
 
-
     def forward_mixed(self, dec_tok, dec_pos, slot, dec_pad, join_tok, join_pos, join_slots, join_pad, kv: KVCache,
                       join_row: int, n_keys: int, experts: ExpertsFn):
         """A decode step of Bd rows and a joining prompt's prefill as one pass (a server's mixed join): every dense
