@@ -1,0 +1,209 @@
+"""Can the GPU compute an absent expert straight from the registered host source, and how fast? (issue 24 item 8:
+partial residency at batch 1 runs at ~0.49 of its transfer bound because the host waits for every miss
+transaction's copies before it publishes and launches the next segment.)
+
+Contract v2 already registers the whole host source as pinned memory. Registered memory is also mapped into the
+device's address space, so a kernel can read an absent expert's row over the link itself, with no copy, no
+transaction and no host round trip: the idea of a "host-read site" beside the CPU site. This probe measures what
+such a site would cost, with the project's own grouped W4A16 executor unchanged:
+
+1. one layer of OLMoE-shaped experts (64, 2048 x 1024, block 256) built by ``runmap.kernels.check.make_layer``, in
+   device memory and copied into page-aligned host memory registered with cudaHostRegister (portable, mapped,
+   read-only); the host copy is wrapped as a CUDA tensor through ``__cuda_array_interface__`` (its pointer is the
+   host pointer: unified addressing), so the executor reads the host bytes as if they were a storage;
+2. correctness: the executor over the host-mapped storage against the same executor over device storage
+   (bit-identical expected: same kernel, same bytes) and against the FP32 reference;
+3. timing (CUDA graphs of one executor call, CUDA events, median of 5 rounds of 50 replays): m = 1 / 2 / 4 / 8
+   distinct experts of one token read (a) from device memory, (b) from host memory through the mapping; (c) m rows
+   copied by DMA from the registered source into device rows (what a miss transaction moves) followed by (a);
+   batch 8 with a union of ~20 experts the same three ways. Expert bytes per second of (b) and (c), and the same
+   run's pinned copy rate of 256 MB.
+
+    PYTHONPATH=. python3 tools/explore/probe_host_read.py --out $OUT/host-read.json       (a CUDA machine)
+    TRITON_INTERPRET=1 PYTHONPATH=. python3 tools/explore/probe_host_read.py --device cpu --shape tiny   (plumbing only)
+
+On the CPU (the interpreter) there is no mapping to measure: the host storage is used as is, to check the plumbing.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import mmap
+import statistics
+import sys
+from pathlib import Path
+
+import numpy as np
+import torch
+
+_REGISTER_PORTABLE, _REGISTER_MAPPED, _REGISTER_READ_ONLY = 1, 2, 8
+
+
+class _MappedRows:
+    """A ``__cuda_array_interface__`` over registered host memory: torch.as_tensor(..., device="cuda") then gives a
+    CUDA uint8 (rows, row_bytes) tensor whose kernels read the host bytes over the link (unified addressing: the
+    device pointer of registered memory is its host pointer)."""
+
+    def __init__(self, ptr: int, rows: int, row_bytes: int):
+        self.__cuda_array_interface__ = {"shape": (rows, row_bytes), "typestr": "|u1", "data": (ptr, False),
+                                         "version": 2, "strides": None}
+
+
+def host_copy(storage: torch.Tensor, register: bool):
+    """storage uint8 (R, row_bytes) -> (page-aligned host numpy copy, its mmap, registered?)."""
+    rows, row_bytes = storage.shape
+    buf = mmap.mmap(-1, rows * row_bytes)  # anonymous, page-aligned
+    arr = np.frombuffer(buf, dtype=np.uint8).reshape(rows, row_bytes)
+    arr[:] = storage.cpu().numpy()
+    if register:
+        err = torch.cuda.cudart().cudaHostRegister(arr.ctypes.data, arr.nbytes,
+                                                    _REGISTER_PORTABLE | _REGISTER_MAPPED | _REGISTER_READ_ONLY)
+        code = int(getattr(err, "value", err))
+        if code != 0:
+            sys.exit(f"probe_host_read: cudaHostRegister of {arr.nbytes} bytes failed (error {code})")
+    return arr, buf
+
+
+def graph_of(fn):
+    """A CUDA graph of one call of fn (warmed up on a side stream first), or None when capture fails."""
+    s = torch.cuda.Stream()
+    s.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(s):
+        for _ in range(3):
+            fn()
+    torch.cuda.current_stream().wait_stream(s)
+    g = torch.cuda.CUDAGraph()
+    try:
+        with torch.cuda.graph(g):
+            fn()
+    except Exception as exc:  # noqa: BLE001 - a probe: report and time eagerly instead
+        print(f"  capture failed ({type(exc).__name__}: {exc}); timing eagerly")
+        return None
+    return g
+
+
+def device_us(fn, rounds: int = 5, reps: int = 50) -> float:
+    """Median over rounds of the mean device time of one call (CUDA events around reps calls)."""
+    g = graph_of(fn)
+    run = g.replay if g is not None else fn
+    out = []
+    for _ in range(rounds):
+        a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        a.record()
+        for _ in range(reps):
+            run()
+        b.record()
+        b.synchronize()
+        out.append(1e3 * a.elapsed_time(b) / reps)
+    return round(statistics.median(out), 2)
+
+
+def link_gb_s(dev) -> float:
+    src = torch.empty(256 << 20, dtype=torch.uint8, pin_memory=True)
+    dst = torch.empty_like(src, device=dev)
+    best = 0.0
+    for _ in range(5):
+        a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        a.record()
+        dst.copy_(src, non_blocking=True)
+        b.record()
+        b.synchronize()
+        best = max(best, src.numel() / (1e-3 * a.elapsed_time(b)) / 1e9)
+    return round(best, 2)
+
+
+def main(argv=None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
+                                 formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--device", default="cuda", help="cuda (measures) or cpu (the interpreter: plumbing only)")
+    ap.add_argument("--shape", default="olmoe", help="an ExpertShape name of runmap.kernels.check.SHAPES "
+                                                     "(olmoe; tiny: small-b256)")
+    ap.add_argument("--executor", default="grouped")
+    ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--out", type=Path, help="write the results as JSON here")
+    args = ap.parse_args(argv)
+    dev = torch.device(args.device)
+    if dev.type == "cuda" and not torch.cuda.is_available():
+        sys.exit("probe_host_read: no CUDA device; use --device cpu with TRITON_INTERPRET=1 for the plumbing")
+
+    from runmap.kernels.check import SHAPES, make_layer
+    from runmap.kernels.executors import moe_experts
+    from runmap.kernels.reference import reference_moe_f32
+
+    shapes = {s.name: s for group in SHAPES.values() for s in group}
+    shape = shapes["small-b256" if args.shape == "tiny" else args.shape]
+    layout, storage, table, resident = make_layer(shape, dev, args.seed)  # (R, row_bytes), int32 (E,), 3/4 of E
+    arr, _buf = host_copy(storage, register=dev.type == "cuda")
+    if dev.type == "cuda":
+        host_storage = torch.as_tensor(_MappedRows(arr.ctypes.data, *arr.shape), device=dev)
+        assert host_storage.data_ptr() == arr.ctypes.data
+    else:
+        host_storage = torch.from_numpy(arr)
+    row_bytes = layout.row_bytes
+    k = shape.top_k
+    resident = resident.cpu()
+    gen = torch.Generator(device="cpu").manual_seed(args.seed + 7)
+    result = {"shape": shape.to_dict(), "executor": args.executor, "device": str(dev), "cases": []}
+    if dev.type == "cuda":
+        result["device_name"] = torch.cuda.get_device_name(dev)
+        result["link_gb_s"] = link_gb_s(dev)
+        print(f"{result['device_name']}: pinned H2D {result['link_gb_s']} GB/s; expert row {row_bytes} B")
+
+    def batch(t: int, m: int):
+        """t tokens over a union of m experts (each token k of them when m >= k, else m), fresh random inputs."""
+        union = resident[torch.randperm(resident.numel(), generator=gen)[:m]]
+        kk = min(k, m)
+        ids = torch.stack([union[torch.randperm(m, generator=gen)[:kk]] for _ in range(t)])
+        x = torch.randn(t, layout.hidden_size, generator=gen).to(torch.float16)
+        w = torch.softmax(torch.randn(t, kk, generator=gen), dim=1)
+        return x.to(dev), ids.to(dev).contiguous(), w.to(dev).contiguous(), union
+
+    cases = [(1, 1), (1, 2), (1, 4), (1, 8), (8, 20)] if dev.type == "cuda" else [(1, 2), (3, 5)]
+    for t, m in cases:
+        x, ids, w, union = batch(t, m)
+        y_dev = moe_experts(args.executor, x, ids, w, storage, table, layout, validate=False)
+        y_host = moe_experts(args.executor, x, ids, w, host_storage, table, layout, validate=False)
+        ref = reference_moe_f32(x, ids, w, storage, table, layout)
+        err = float((y_host.float() - ref).norm() / ref.norm())
+        same = bool(torch.equal(y_host, y_dev))
+        case = {"tokens": t, "experts": m, "bytes": m * row_bytes, "host_equals_device": same,
+                "rel_error_vs_fp32": round(err, 6), "pass": same and err <= 2e-3}
+        if dev.type == "cuda":
+            rows = torch.as_tensor(table.cpu()[union].long())
+            dst = torch.empty(m, row_bytes, dtype=torch.uint8, device=dev)
+            src_cpu = [torch.from_numpy(arr[int(r)]) for r in rows]  # the same bytes as host tensors (DMA source)
+
+            def copy_then_compute():
+                for j in range(m):
+                    dst[j].copy_(src_cpu[j], non_blocking=True)  # (row_bytes,) registered host -> device, DMA
+                moe_experts(args.executor, x, ids, w, storage, table, layout, validate=False)
+
+            def copy_only():
+                for j in range(m):
+                    dst[j].copy_(src_cpu[j], non_blocking=True)
+
+            case["device_us"] = device_us(lambda: moe_experts(args.executor, x, ids, w, storage, table, layout,
+                                                              validate=False))
+            case["host_read_us"] = device_us(lambda: moe_experts(args.executor, x, ids, w, host_storage, table,
+                                                                 layout, validate=False))
+            case["copy_us"] = device_us(copy_only)
+            case["copy_then_compute_us"] = device_us(copy_then_compute)
+            case["host_read_gb_s"] = round(m * row_bytes / case["host_read_us"] / 1e3, 2)
+            case["copy_gb_s"] = round(m * row_bytes / case["copy_us"] / 1e3, 2)
+            case["host_read_vs_copy_then_compute"] = round(case["copy_then_compute_us"] / case["host_read_us"], 3)
+        result["cases"].append(case)
+        print(" ".join(f"{k_}={v}" for k_, v in case.items()))
+    if dev.type == "cuda":
+        torch.cuda.synchronize()
+        torch.cuda.cudart().cudaHostUnregister(arr.ctypes.data)
+    ok = all(c["pass"] for c in result["cases"])
+    result["pass"] = ok
+    if args.out:
+        args.out.parent.mkdir(parents=True, exist_ok=True)
+        args.out.write_text(json.dumps(result, indent=1) + "\n")
+    print("correctness:", "passed" if ok else "FAILED")
+    return 0 if ok else 1
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
