@@ -65,21 +65,15 @@ def host_copy(storage: torch.Tensor, register: bool):
 
 
 def graph_of(fn):
-    """A CUDA graph of one call of fn (warmed up on a side stream first), or None when capture fails."""
-    s = torch.cuda.Stream()
-    s.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(s):
-        for _ in range(3):
-            fn()
-    torch.cuda.current_stream().wait_stream(s)
-    g = torch.cuda.CUDAGraph()
+    """A CUDA graph of one call of fn (runmap's capture_graph: warmed up on a side stream first), or None when
+    capture fails (then the call is timed eagerly)."""
+    from runmap.engine.engine import capture_graph
+
     try:
-        with torch.cuda.graph(g):
-            fn()
+        return capture_graph(fn, torch.device("cuda"), None)[0]
     except Exception as exc:  # noqa: BLE001 - a probe: report and time eagerly instead
         print(f"  capture failed ({type(exc).__name__}: {exc}); timing eagerly")
         return None
-    return g
 
 
 def device_us(fn, rounds: int = 5, reps: int = 50) -> float:
