@@ -12,12 +12,13 @@ from __future__ import annotations
 import json
 import time
 
+import numpy as np
 import pytest
 import torch
 from hypothesis import given, settings, strategies as st
 
-from runmap.engine.placement import (AutoPlacement, CpuPlacement, InUseRate, PlacementCosts, PlacementError,
-                                     make_placement)
+from runmap.engine.placement import (DECODE_CALL_TOKENS, AutoPlacement, CpuPlacement, InUseRate, PlacementCosts,
+                                     PlacementError, make_placement)
 
 PRESETS = ("tiny-olmoe", "tiny-qwen2-moe")
 
@@ -516,7 +517,7 @@ def test_auto_on_a_link_faster_than_the_cpu_site_runs_the_plain_path(packs):
         cache = eng.experts.cache
         eng.experts.placement = AutoPlacement(PlacementCosts(10.0, 1.0, cache.row_bytes, "test"), cache.counters,
                                                       learn=False)
-        assert not eng.experts.mixed and eng.experts.placement.may_use_cpu() is False
+        assert not eng.experts.mixed(1) and eng.experts.placement.may_use_cpu() is False
         eng.logits(_prompt(cfg, n=4))
         assert cache.counters["cpu_site_experts"] == 0 and cache.counters["misses"] > 0
         assert eng.telemetry()["placement"]["transfer_if_hit_rate_above"] == 0
@@ -631,13 +632,13 @@ def test_auto_in_the_segment_chain_follows_its_rule_from_step_to_step(packs):
         seen = {"hits": 0, "misses": 100, "cpu_site_experts": 0}  # the counters the rule reads: hit rate 0
         eng.experts.placement = auto = AutoPlacement(PlacementCosts(9.0, 10.0, cache.row_bytes, "test"), seen,
                                                              learn=False, split=False)
-        assert auto.may_use_cpu() and eng.experts.mixed
+        assert auto.may_use_cpu() and eng.experts.mixed(1)
         eng.generate(CHAIN_PROMPTS[:1], max_new_tokens=4)
         cpu_first = cache.counters["cpu_site_experts"]
         assert cpu_first > 0 and eng._mixed_segments[1].cpu_parts > 0 and not eng._segments
         assert auto.decisions["cpu"] > 0 and auto.decisions["transfer"] == 0
         seen["hits"] = 900  # hit rate 0.9: transfer from now on
-        assert not eng.experts.mixed
+        assert not eng.experts.mixed(1)
         misses = cache.counters["misses"]
         eng.generate(CHAIN_PROMPTS[1:], max_new_tokens=4)
         assert 1 in eng._segments and cache.counters["cpu_site_experts"] == cpu_first
@@ -846,6 +847,31 @@ def test_auto_replaces_its_build_time_rates_by_what_it_observes_in_use():
     for _ in range(4):
         learning.observe_transfer(1000, 1000 / 0.1e9)
     assert learning.h2d_gb_s() == pytest.approx(0.1) and learning.uses_cpu_now()
+
+
+def test_auto_learns_the_cpu_rate_of_decode_steps_apart_from_prompt_passes():
+    """A prompt pass's CPU-site calls (many tokens per expert) run far below a decode step's; what the passes teach
+    must not decide the decode steps. The link here (2 GB/s) is slower than the CPU at decode size (8 GB/s in use)
+    and faster than it in passes (0.5 GB/s in use): at hit rate 0.5 a decode step computes on the CPU, a pass
+    transfers, whichever was observed last."""
+    counters = {"hits": 1, "misses": 1, "cpu_site_experts": 0}  # h = 0.5
+    auto = AutoPlacement(PlacementCosts(h2d_gb_s=2.0, cpu_gb_s=3.0, row_bytes=1000, source="test"), counters,
+                         split=False)
+    auto.observe(0, np.zeros((64, 2), dtype=np.int64))  # a 64-token pass routes: its calls are of the pass class
+    for _ in range(4):
+        auto.observe_cpu(4000, 4000 / 0.5e9)
+    assert auto.cpu_gb_s() == pytest.approx(0.5) and auto.cpu_gb_s(1) == 3.0  # decode: still the probe's rate
+    for _ in range(4):
+        auto.observe_cpu(4000, 4000 / 8e9, tokens=1)  # decode steps, told their size
+    assert auto.cpu_gb_s(1) == pytest.approx(8.0) and auto.cpu_gb_s(64) == pytest.approx(0.5)
+    assert auto.uses_cpu_now(1) and auto(("a", "b")) == ("a", "b")  # a decode step: the CPU site
+    assert not auto.uses_cpu_now(64) and auto(("a", "b")) == ()  # a pass: the link
+    auto.observe(0, np.zeros((DECODE_CALL_TOKENS, 2), dtype=np.int64))  # the largest call of the decode class
+    assert auto.cpu_gb_s() == pytest.approx(8.0) and auto.uses_cpu_now()
+    auto.observe(0, np.zeros((DECODE_CALL_TOKENS + 1, 2), dtype=np.int64))
+    assert auto.cpu_gb_s() == pytest.approx(0.5) and not auto.uses_cpu_now()
+    d = auto.describe()["in_use"]
+    assert d["cpu_calls"] == 4 and d["cpu_passes_calls"] == 4 and d["cpu_passes_gb_s"] == pytest.approx(0.5)
 
 
 def test_the_engine_tells_auto_what_its_cpu_calls_and_transfers_cost(packs):

@@ -273,7 +273,7 @@ class CachedExperts:
         if self.predict is not None and layer + 1 < self.num_layers:
             nxt = self.predict(layer, x)  # (N, k) device: queued before this layer's experts, read with ids below
         ids_h = ids.cpu()  # host decision: which experts to lease (partial residency only)
-        if self.mixed:
+        if self.mixed(x.shape[0]):
             return self._placed(layer, x, ids, gw, ids_h)
         if nxt is not None:
             nxt = nxt.cpu()
@@ -312,12 +312,12 @@ class CachedExperts:
             return
         self._timed(self.cache.prefetch, layer, [e for e, _ in counts.most_common(self.cache.max_group)])
 
-    @property
-    def mixed(self) -> bool:
-        """True when this layer call (per-call path) or decode step (segment chain) may compute absent experts at the
-        CPU site: always with placement cpu; with auto only while its rule would choose the CPU at the current hit
-        rate (auto on a link faster than the CPU site never does). Otherwise the plain path or chain runs."""
-        return self.placement is not None and self.placement.uses_cpu_now()
+    def mixed(self, tokens: int) -> bool:
+        """True when a layer call (per-call path) or decode step (segment chain) of ``tokens`` tokens may compute absent
+        experts at the CPU site: always with placement cpu; with auto only while its rule would choose the CPU at the
+        current hit rate and the CPU site's rate for calls of that size (auto on a link faster than the CPU site never
+        does). Otherwise the plain path or chain runs."""
+        return self.placement is not None and self.placement.uses_cpu_now(tokens)
 
     def site(self):
         """The CPU site over the cache's host source (runmap.kernels.cpu_int4.CpuExpertSite), built on first use."""
@@ -740,7 +740,7 @@ class SegmentDecoder(_StaticStepInputs):
         placed at the CPU site (no row, counted by the cache) and collected by ``_cpu_part``."""
         ex = self.e.experts
         if ex.placement is not None:  # auto's reuse estimate sees the layer's whole union once, as on one lease
-            ex.placement.observe(layer, self.host_ids_np[layer].reshape(-1).tolist())
+            ex.placement.observe(layer, self.host_ids_np[layer])  # (B, k): its rows are the call's tokens
         groups, cpu = self._expert_groups(layer)
         if self.mixed:
             self.layer_cpu[layer] = cpu
@@ -1582,7 +1582,7 @@ class Engine:
         # with a CPU part per layer; otherwise (auto while its rule transfers) the plain chain, as placement gpu. A
         # batch whose union may exceed one lease runs the grouped chain (with a CPU part when mixed).
         if self.use_segments:
-            mixed = self.experts.mixed
+            mixed = self.experts.mixed(B)
             grouped = self.cfg.top_k * B > self.experts.cache.max_group
             self.decode_paths[("chain_groups" if grouped else "chain") + ("_cpu" if mixed else "")] += 1
             chains = self._mixed_segments if mixed else self._segments

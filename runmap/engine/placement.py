@@ -28,7 +28,8 @@ resident count per layer, whichever site computed them; its hit rate is the hit 
 residency with every miss transferred. Not modelled: a batch's tokens sharing a CPU expert (the CPU cost is per expert
 read, as the transfer's is). The rates are measured on this machine when the engine is built (``measure_costs``: one
 expert alone, best of a few), then replaced by what the engine observes in use (``InUseRate``): the wall time of each
-CPU-site call per expert byte it read, and of each acquisition that moved experts per byte moved, host work included. On
+CPU-site call per expert byte it read (decode-sized calls and prompt passes learned apart, ``DECODE_CALL_TOKENS``), and
+of each acquisition that moved experts per byte moved, host work included. On
 the H200 host the build-time probe said 0.14 ms per OLMoE expert on the CPU where a decode step's CPU part took ~1 ms per
 expert (results/campaigns/h200-host-overhead), so a rule fed only the probe chose the CPU where it was the slower site.
 ``h`` starts from 0 (no evidence of reuse yet). The plan (rates, their source, threshold, decisions so far) is in the
@@ -45,7 +46,8 @@ ones first): those the cache would most likely evict again first. ``uses_cpu_now
 the expected number of absent experts, (1 - h) x the mean group size, would give the CPU one. Not measured in decode
 yet: in the one H200 campaign with split on (results/campaigns/h200-placement-split) every auto decode step ran the
 plain chain, because the CPU rate auto learned in use from the prefill's CPU-site calls (2-7 GB/s per expert byte:
-many tokens per expert, host work included) stayed below the transfer rate, so its decode rows are transfer rows. Off
+many tokens per expert, host work included) stayed below the transfer rate, so its decode rows are transfer rows. The
+CPU rate is now learned per call size class (decode steps apart from prompt passes), which that campaign lacked; off
 by default until a decode measurement says otherwise.
 """
 from __future__ import annotations
@@ -54,6 +56,12 @@ import dataclasses
 import time
 
 PLACEMENTS = ("gpu", "cpu", "auto")
+# Layer calls of at most this many tokens (decode steps up to batch 16) learn and use one in-use CPU rate, larger calls
+# (prompt passes) another. Why: the CPU site reads each expert once per call whatever its tokens, but its arithmetic
+# grows with them, so a pass's rate per expert byte is several times lower than a decode step's (on the H200 host
+# 2-7 GB/s in prefill against 20-40 GB/s at batch 1, results/campaigns/h200-placement-split); one shared rate learned
+# from the prompt's passes kept every decode step on the link when the CPU was the faster site there.
+DECODE_CALL_TOKENS = 16
 
 
 class PlacementError(ValueError):
@@ -196,10 +204,10 @@ class Placement:
         """False when this placement can never give the CPU site an expert (the engine then runs the plain path)."""
         return False
 
-    def uses_cpu_now(self) -> bool:
-        """True when the next layer call or decode step may give the CPU site an expert. Read at each layer call of
-        the per-call path and at each decode step: when it is False the plain path (or plain segment chain) runs,
-        whose transfers are exactly what this placement would choose."""
+    def uses_cpu_now(self, tokens: int | None = None) -> bool:
+        """True when the next layer call or decode step (of ``tokens`` tokens) may give the CPU site an expert. Read at
+        each layer call of the per-call path and at each decode step: when it is False the plain path (or plain
+        segment chain) runs, whose transfers are exactly what this placement would choose."""
         return self.may_use_cpu()
 
     def describe(self) -> dict:
@@ -238,12 +246,21 @@ class AutoPlacement(Placement):
         self.reuse = ReuseEstimator(resident, track_recency=split) if resident is not None else None
         self.decisions = {"transfer": 0, "cpu": 0}
         self.split_calls = 0  # layer calls whose absent experts went to both sites
-        self.cpu_in_use = InUseRate()  # CPU-site calls: expert bytes read / wall seconds
+        # CPU-site calls: expert bytes read / wall seconds, decode-sized calls and prompt passes apart
+        # (DECODE_CALL_TOKENS)
+        self.cpu_in_use = InUseRate()
+        self.cpu_in_use_passes = InUseRate()
         self.h2d_in_use = InUseRate()  # acquisitions that moved experts: bytes moved / wall seconds
+        self.call_tokens = 1  # tokens of the layer call being decided (observe, uses_cpu_now), 1 until told
 
-    def cpu_gb_s(self) -> float:
-        """The CPU site's rate: observed in use once there is enough of it, else the build-time probe's."""
-        seen = self.cpu_in_use.gb_s if self.learn else None
+    def _cpu_rate(self, tokens: int | None = None) -> InUseRate:
+        n = self.call_tokens if tokens is None else tokens
+        return self.cpu_in_use if n <= DECODE_CALL_TOKENS else self.cpu_in_use_passes
+
+    def cpu_gb_s(self, tokens: int | None = None) -> float:
+        """The CPU site's rate for a layer call of ``tokens`` tokens (default: the call being decided): observed in use
+        on calls of its size class once there is enough of it, else the build-time probe's (one expert at batch 1)."""
+        seen = self._cpu_rate(tokens).gb_s if self.learn else None
         return seen if seen is not None else self.costs.cpu_gb_s
 
     def h2d_gb_s(self) -> float:
@@ -252,20 +269,25 @@ class AutoPlacement(Placement):
         seen = self.h2d_in_use.gb_s if self.learn else None
         return min(seen, self.costs.h2d_gb_s) if seen is not None else self.costs.h2d_gb_s
 
-    def observe_cpu(self, nbytes: int, seconds: float) -> None:
-        """One CPU-site call: the expert bytes it read (experts x row bytes) and its wall time."""
-        self.cpu_in_use.add(nbytes, seconds)
+    def observe_cpu(self, nbytes: int, seconds: float, tokens: int | None = None) -> None:
+        """One CPU-site call of ``tokens`` tokens (default: the call being decided): the expert bytes it read (experts x
+        row bytes) and its wall time, counted in its size class's rate."""
+        self._cpu_rate(tokens).add(nbytes, seconds)
 
     def observe_transfer(self, nbytes: int, seconds: float) -> None:
         """One acquisition that moved expert bytes host -> device and its wall time."""
         self.h2d_in_use.add(nbytes, seconds)
 
     def observe(self, layer: int, ids) -> None:
-        """ids: a layer call's routed expert ids, (n, k) or flat (a host tensor, an array or a sequence)."""
-        if self.reuse is not None:
-            import numpy as np  # here, not at import: the CLI's option module imports this one for PLACEMENTS
+        """ids: a layer call's routed expert ids, (n, k) or flat (a host tensor, an array or a sequence). A 2-D ids
+        also says the call's token count n (the CPU rate's size class for the decision that follows)."""
+        import numpy as np  # here, not at import: the CLI's option module imports this one for PLACEMENTS
 
-            self.reuse.observe(layer, np.asarray(ids).reshape(-1).tolist())
+        arr = np.asarray(ids)
+        if arr.ndim == 2:
+            self.call_tokens = int(arr.shape[0])
+        if self.reuse is not None:
+            self.reuse.observe(layer, arr.reshape(-1).tolist())
 
     def may_use_cpu(self) -> bool:
         """Without split, a link at least as fast as the CPU site transfers at every hit rate (threshold 0). With split
@@ -307,12 +329,15 @@ class AutoPlacement(Placement):
             return 0.0
         return (1.0 - self.hit_rate()) * self.reuse.uses / self.reuse.calls
 
-    def uses_cpu_now(self) -> bool:
-        """True when the next call or step may give the CPU site experts: without split, the rule at the current hit
-        rate; with split, also where a call with the expected number of absent experts would give it one. False
-        keeps the engine on its plain path or plain segment chain, so a decision to transfer everything costs no
-        more than placement ``gpu`` (measured before: auto's transfers through the mixed per-call path ran 2.8x
-        slower than gpu's segment chain, results/campaigns/h200-placement)."""
+    def uses_cpu_now(self, tokens: int | None = None) -> bool:
+        """True when the next call or step (of ``tokens`` tokens, when given: its CPU rate's size class) may give the
+        CPU site experts: without split, the rule at the current hit rate; with split, also where a call with the
+        expected number of absent experts would give it one. False keeps the engine on its plain path or plain segment
+        chain, so a decision to transfer everything costs no more than placement ``gpu`` (measured before: auto's
+        transfers through the mixed per-call path ran 2.8x slower than gpu's segment chain,
+        results/campaigns/h200-placement)."""
+        if tokens is not None:
+            self.call_tokens = int(tokens)
         h = self.hit_rate()
         if not self.transfer(h) and self.may_use_cpu():
             return True
@@ -343,6 +368,8 @@ class AutoPlacement(Placement):
         return {"mode": self.name, "costs": self.costs.to_dict(), "hit_rate": h, "hit_rate_source": source,
                 "rates_used": {"cpu_gb_s": self.cpu_gb_s(), "h2d_gb_s": self.h2d_gb_s(), "learn": self.learn},
                 "in_use": {"cpu_gb_s": self.cpu_in_use.gb_s, "cpu_calls": self.cpu_in_use.calls,
+                           "cpu_passes_gb_s": self.cpu_in_use_passes.gb_s,
+                           "cpu_passes_calls": self.cpu_in_use_passes.calls,
                            "h2d_gb_s": self.h2d_in_use.gb_s, "h2d_calls": self.h2d_in_use.calls},
                 "transfer_if_hit_rate_above": max(0.0, 1.0 - self.h2d_gb_s() / self.cpu_gb_s()),
                 "now": "transfer" if self.transfer(h) else "cpu", "decisions": dict(self.decisions),
