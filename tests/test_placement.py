@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import json
 import time
+import types
 
 import numpy as np
 import pytest
@@ -155,8 +156,13 @@ def test_auto_rule():
     counters.update(hits=20)  # h = 0.5
     assert slow_link((4,)) == (4,)
     assert CpuPlacement()((1, 2)) == (1, 2)
-    with pytest.raises(ValueError, match="choose one of gpu, cpu, auto"):
+    with pytest.raises(ValueError, match="choose one of gpu, cpu, auto, auto-split"):
         make_placement("disk")
+    costs = PlacementCosts(1.0, 4.0, 100, "test")
+    split = make_placement("auto-split", cache=types.SimpleNamespace(counters=counters, resident=4), costs=costs)
+    plain = make_placement("auto", cache=types.SimpleNamespace(counters=counters, resident=4), costs=costs)
+    assert split.split and split.describe()["mode"] == "auto-split" and split.describe()["split"]
+    assert not plain.split and plain.describe()["mode"] == "auto"
 
 
 def test_auto_split_divides_a_calls_absent_experts_between_the_sites():
@@ -437,13 +443,15 @@ def test_bench_records_carry_the_placement_and_prefetch(packs, tmp_path):
 
 # ---- an emulated slower link (issue 25 item 6: the consumer-link experiment) ------------------------------------
 
-def test_auto_sees_the_emulated_link_and_the_record_says_emulation(packs, tmp_path):
+@pytest.mark.parametrize("placement", ["auto", "auto-split"])
+def test_auto_sees_the_emulated_link_and_the_record_says_emulation(packs, tmp_path, placement):
     from runmap.bench import campaign as bench
     from runmap.conformance.schemas import validate_document
 
     pack, cfg = packs["tiny-olmoe"]
-    eng = _engine(pack, resident=cfg.top_k, expert_placement="auto", emulate_link_gb_s=0.001)  # 1 MB/s
+    eng = _engine(pack, resident=cfg.top_k, expert_placement=placement, emulate_link_gb_s=0.001)  # 1 MB/s
     try:
+        assert eng.experts.placement.split == (placement == "auto-split")
         costs = eng.experts.placement.costs
         assert costs.h2d_gb_s == 0.001 and "emulated link" in costs.source
         assert eng.experts.cache.transport.describe()["emulation"] is True
@@ -453,12 +461,12 @@ def test_auto_sees_the_emulated_link_and_the_record_says_emulation(packs, tmp_pa
             "models": {"m": {"preset": "tiny-olmoe", "pack": str(pack)}},
             "groups": [{"name": "auto", "kind": "engine", "models": ["m"], "resident": [cfg.top_k],
                         "executors": ["reference"], "batch": [1], "prompt_len": 4, "decode_len": 3,
-                        "params": {"expert_placement": "auto", "emulate_link_gb_s": 0.5}}]}
+                        "params": {"expert_placement": placement, "emulate_link_gb_s": 0.5}}]}
     summary = bench.run_campaign(spec, tmp_path, progress=False, measure_bandwidth=False, command="pytest")
     assert not summary["failed"], summary["failed"]
     (rec,) = bench.load_records(tmp_path / "em")
     assert validate_document({k: v for k, v in rec.items() if k != "_path"}, "bench-record.schema.json") == []
-    assert rec["id"].endswith("__placement-auto.link0p5gbs")
+    assert rec["id"].endswith(f"__placement-{placement}.link0p5gbs") and rec["sites"]["placement"]["mode"] == placement
     assert rec["config"]["emulate_link_gb_s"] == 0.5 and any("EMULATION" in n for n in rec["notes"])
     assert rec["sites"]["placement"]["costs"]["h2d_gb_s"] <= 0.5
     # the timed run's 2 decode steps (decode_len 3: the first token is the prefill's), eager on the CPU

@@ -41,7 +41,10 @@ def add_residency_arguments(p) -> None:
                         "copied into a spare row first (default), cpu = computed on the host CPU from the host copy, "
                         "nothing transferred, auto = at each layer call, for its absent experts, whichever the rates "
                         "measured at startup and then in use (host->device copy, CPU expert) and the routes' reuse say "
-                        "is cheaper; the plan is printed. The route never changes, only where each routed expert runs. "
+                        "is cheaper (the CPU's rate learned apart for decode steps and prompt passes), auto-split = auto "
+                        "dividing each call's absent experts between the CPU and the link so that both work at once "
+                        "(opt-in: not yet shown faster in decode); the plan is printed. The route never changes, only "
+                        "where each routed expert runs. "
                         "Decode steps that may use the CPU run the CUDA-graph segment chain with a CPU part per layer "
                         "(docs/engine.md)")
 

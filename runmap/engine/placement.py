@@ -35,7 +35,7 @@ expert (results/campaigns/h200-host-overhead), so a rule fed only the probe chos
 ``h`` starts from 0 (no evidence of reuse yet). The plan (rates, their source, threshold, decisions so far) is in the
 engine's telemetry and printed by the CLI.
 
-Split (``split=True``; off by default: not measured in decode, see the end of this paragraph). The CPU site and the
+Split (``split=True``, placement ``auto-split``; off by default: not measured in decode, see the end of this paragraph). The CPU site and the
 link work at once: in the segment chain the CPU part starts on the site's job thread as soon as the placement has
 chosen, while the miss transaction copies the rest and the device computes. A call whose ``n`` absent experts are
 divided, ``c`` to the CPU, takes max(c / cpu_rate, (n - c) / h2d_rate) per byte, least at c = n x share, share = cpu /
@@ -55,7 +55,8 @@ from __future__ import annotations
 import dataclasses
 import time
 
-PLACEMENTS = ("gpu", "cpu", "auto")
+# auto-split: auto with split=True (the module docstring's "Split"), opt-in until a decode measurement says it helps
+PLACEMENTS = ("gpu", "cpu", "auto", "auto-split")
 # Layer calls of at most this many tokens (decode steps up to batch 16) learn and use one in-use CPU rate, larger calls
 # (prompt passes) another. Why: the CPU site reads each expert once per call whatever its tokens, but its arithmetic
 # grows with them, so a pass's rate per expert byte is several times lower than a decode step's (on the H200 host
@@ -240,6 +241,7 @@ class AutoPlacement(Placement):
         self.costs = costs
         self.learn = learn
         self.split = split
+        self.name = "auto-split" if split else "auto"  # the registry's name (PLACEMENTS), in telemetry and records
         # h: with ``resident`` (the engine's case) a shadow LRU of the routes at that residency; without it, the
         # counters given (hits, misses, cpu_site_experts), e.g. the cache's own
         self.counters = counters
@@ -388,4 +390,4 @@ def make_placement(name: str, *, cache=None, site=None, costs: PlacementCosts | 
         return CpuPlacement()
     if costs is None:
         costs = measure_costs(site, cache.host, cache.device, transport=cache.transport)
-    return AutoPlacement(costs, cache.counters, resident=cache.resident)
+    return AutoPlacement(costs, cache.counters, resident=cache.resident, split=name == "auto-split")
