@@ -882,6 +882,29 @@ def test_auto_learns_the_cpu_rate_of_decode_steps_apart_from_prompt_passes():
     assert d["cpu_calls"] == 4 and d["cpu_passes_calls"] == 4 and d["cpu_passes_gb_s"] == pytest.approx(0.5)
 
 
+def test_a_prompt_pass_is_classed_by_the_token_groups_its_cpu_site_calls_run(packs):
+    """The per-call path leases a pass in token groups of at most max_group experts (top_k here: one token each), and
+    each group is one CPU-site call: the rule must decide with the groups' size class, not the pass's 40 tokens (a
+    prompt-pass rate, never learned from these calls), and learn the calls' rates in that class."""
+    pack, cfg = packs["tiny-olmoe"]
+    eng = _engine(pack, resident=cfg.top_k, expert_placement="auto", max_group=cfg.top_k)
+    try:
+        cache = eng.experts.cache
+        # the CPU far faster than the link: every absent expert of every call goes to the CPU site
+        eng.experts.placement = auto = AutoPlacement(PlacementCosts(1e-6, 4.0, cache.row_bytes, "test"),
+                                                     cache.counters, resident=cfg.top_k, split=False)
+        asked, ask = [], auto.uses_cpu_now
+        auto.uses_cpu_now = lambda tokens=None: asked.append(tokens) or ask(tokens)
+        eng.logits(_prompt(cfg, n=40))
+        assert cache.counters["cpu_site_experts"] > 0 and asked
+        assert max(asked) <= DECODE_CALL_TOKENS  # the groups' size, not the pass's
+        assert auto.cpu_in_use.calls > 0 and auto.cpu_in_use_passes.calls == 0
+        rates = auto.describe()["rates_used"]
+        assert rates["call_tokens"] <= DECODE_CALL_TOKENS and rates["cpu_gb_s_passes"] == 4.0  # still the probe's
+    finally:
+        eng.close()
+
+
 def test_the_engine_tells_auto_what_its_cpu_calls_and_transfers_cost(packs):
     """Per-call path with a CPU part: every CPU-site call and every acquisition that moved bytes reaches auto."""
     pack, cfg = packs["tiny-olmoe"]

@@ -73,6 +73,11 @@ def placement_line(eng) -> str | None:
     if d["mode"] == "cpu":
         return "expert placement cpu: absent experts are computed on the CPU from the host source (no transfers)"
     c = d["costs"]
-    return (f"expert placement auto: host->device {c['h2d_gb_s']:.1f} GB/s, CPU site {c['cpu_gb_s']:.1f} GB/s per "
-            f"expert ({c['row_bytes']} B rows): transfer a miss when the hit rate is above "
-            f"{d['transfer_if_hit_rate_above']:.2f}, else compute it on the CPU")
+    head = (f"expert placement {d['mode']}: host->device {c['h2d_gb_s']:.1f} GB/s, CPU site {c['cpu_gb_s']:.1f} GB/s "
+            f"per expert ({c['row_bytes']} B rows): ")
+    if d.get("split"):
+        return head + (f"each layer call's absent experts divided, the CPU taking ~{d['cpu_share']:.2f} of them while "
+                       f"the link moves the rest (more to the link when the hit rate is above "
+                       f"{d['transfer_if_hit_rate_above']:.2f})")
+    return head + (f"transfer a miss when the hit rate is above {d['transfer_if_hit_rate_above']:.2f}, else compute it "
+                   "on the CPU")

@@ -273,7 +273,8 @@ class CachedExperts:
         if self.predict is not None and layer + 1 < self.num_layers:
             nxt = self.predict(layer, x)  # (N, k) device: queued before this layer's experts, read with ids below
         ids_h = ids.cpu()  # host decision: which experts to lease (partial residency only)
-        if self.mixed(x.shape[0]):
+        # the CPU site's calls are per token group (at most max_group experts each): their size is the rate's class
+        if self.mixed(max(len(rows) for rows in self._groups(ids_h))):
             return self._placed(layer, x, ids, gw, ids_h)
         if nxt is not None:
             nxt = nxt.cpu()

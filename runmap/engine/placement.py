@@ -368,7 +368,10 @@ class AutoPlacement(Placement):
         source = (f"shadow LRU of the routed experts at {self.reuse.capacity} per layer ({self.reuse.uses} uses)"
                   if self.reuse is not None else "the counters given")
         return {"mode": self.name, "costs": self.costs.to_dict(), "hit_rate": h, "hit_rate_source": source,
-                "rates_used": {"cpu_gb_s": self.cpu_gb_s(), "h2d_gb_s": self.h2d_gb_s(), "learn": self.learn},
+                # the rates of the call being decided (call_tokens tokens); the CPU's two size classes side by side
+                "rates_used": {"cpu_gb_s": self.cpu_gb_s(), "h2d_gb_s": self.h2d_gb_s(), "learn": self.learn,
+                               "call_tokens": self.call_tokens, "cpu_gb_s_decode": self.cpu_gb_s(1),
+                               "cpu_gb_s_passes": self.cpu_gb_s(DECODE_CALL_TOKENS + 1)},
                 "in_use": {"cpu_gb_s": self.cpu_in_use.gb_s, "cpu_calls": self.cpu_in_use.calls,
                            "cpu_passes_gb_s": self.cpu_in_use_passes.gb_s,
                            "cpu_passes_calls": self.cpu_in_use_passes.calls,
