@@ -145,9 +145,9 @@ def test_auto_placement_follows_its_rule_and_stays_equal(packs, full_logits, pre
 
 def test_auto_rule():
     counters = {"hits": 0, "misses": 0, "cpu_site_experts": 0}
-    fast_link = AutoPlacement(PlacementCosts(8.0, 4.0, 100, "test"), counters, split=False)
+    fast_link = AutoPlacement(PlacementCosts(8.0, 4.0, 100, "test"), counters, learn=False, split=False)
     assert fast_link((3, 5)) == () and fast_link.decisions == {"transfer": 2, "cpu": 0}  # link >= CPU: transfer
-    slow_link = AutoPlacement(PlacementCosts(1.0, 4.0, 100, "test"), counters, split=False)
+    slow_link = AutoPlacement(PlacementCosts(1.0, 4.0, 100, "test"), counters, learn=False, split=False)
     assert slow_link((3,)) == (3,)  # no reuse seen yet: one CPU use (0.25) beats a transfer (1)
     counters.update(hits=80, misses=10, cpu_site_experts=10)  # h = 0.8 > 1 - 1/4: reuse pays for the transfer
     assert slow_link.hit_rate() == pytest.approx(0.8) and slow_link((4, 6)) == ()
@@ -791,7 +791,7 @@ def test_auto_reads_the_shadow_lru_not_the_cache_counters():
 
     costs = PlacementCosts(h2d_gb_s=5.0, cpu_gb_s=10.0, row_bytes=1000, source="test")  # transfer if h > 0.5
     never_hit = {"hits": 0, "misses": 0, "cpu_site_experts": 1000}
-    auto = AutoPlacement(costs, never_hit, resident=4, split=False)
+    auto = AutoPlacement(costs, never_hit, resident=4, learn=False, split=False)  # the rule alone: no exploration
     assert auto.hit_rate() == 0.0 and auto((7,)) == (7,)  # no evidence yet: the CPU
     for _ in range(3):
         auto.observe(0, torch.tensor([[1, 2], [2, 3]]))  # one batch's union {1, 2, 3}, reused
@@ -880,6 +880,27 @@ def test_auto_learns_the_cpu_rate_of_decode_steps_apart_from_prompt_passes():
     assert auto.cpu_gb_s() == pytest.approx(0.5) and not auto.uses_cpu_now()
     d = auto.describe()["in_use"]
     assert d["cpu_calls"] == 4 and d["cpu_passes_calls"] == 4 and d["cpu_passes_gb_s"] == pytest.approx(0.5)
+
+
+def test_auto_explores_the_cpu_site_until_its_rate_is_measured_in_use():
+    """A build-time probe that says the CPU site is slow (here 0.01 GB/s against a 10 GB/s link) would keep the rule on
+    the link for good, since a site never chosen is never measured: while a call size class has fewer than min_calls
+    CPU-site calls in use, each call gives the CPU one absent expert (the least recently routed), then the rule decides
+    with the measured rate. Without learn the rule alone decides from the start."""
+    counters = {"hits": 0, "misses": 0, "cpu_site_experts": 0}
+    costs = PlacementCosts(h2d_gb_s=10.0, cpu_gb_s=0.01, row_bytes=1000, source="test")
+    fixed = AutoPlacement(costs, counters, resident=4, learn=False)
+    assert not fixed.uses_cpu_now(1) and fixed((5, 6)) == () and fixed.explored == 0
+    auto = AutoPlacement(costs, counters, resident=4)
+    assert auto.exploring(1) and auto.uses_cpu_now(1)  # the step runs the path with a CPU part
+    for call in range(4):
+        assert auto((5, 6, 7)) == (5,) and auto.explored == call + 1  # one expert of the call, the rest transferred
+        auto.observe_cpu(1000, 1000 / 20e9)  # measured in use: 20 GB/s, twice the link
+    assert not auto.exploring(1) and auto.cpu_gb_s(1) == pytest.approx(20.0)
+    assert auto((5, 6, 7)) == (5, 6, 7) and auto.explored == 4  # the rule now, with the rate from use: the CPU
+    assert auto.exploring(64) and auto.uses_cpu_now(64)  # prompt passes are a class of their own, not measured yet
+    assert auto((5, 6)) == (5,)  # a pass's call: one expert to the CPU (its rule, with the probe's rate, transfers)
+    assert auto.describe()["explored"] == 5 and auto.decisions == {"transfer": 9, "cpu": 8}
 
 
 def test_a_prompt_pass_is_classed_by_the_token_groups_its_cpu_site_calls_run(packs):

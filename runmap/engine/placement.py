@@ -49,6 +49,13 @@ plain chain, because the CPU rate auto learned in use from the prefill's CPU-sit
 many tokens per expert, host work included) stayed below the transfer rate, so its decode rows are transfer rows. The
 CPU rate is now learned per call size class (decode steps apart from prompt passes), which that campaign lacked; off
 by default until a decode measurement says otherwise.
+
+Exploration (``exploring``). A site the rule never chooses is never measured in use, so a build-time probe taken at a
+bad moment would stand for good (on the H200 host one engine's probe said 0.19 GB/s where the engine built just before
+it in the same process measured 11.3, results/campaigns/h200-link13-split, and that auto-split never gave the CPU an
+expert). While a call size class has fewer than ``InUseRate.min_calls`` CPU-site calls in use, each of its calls gives
+the CPU site one absent expert (the least recently routed) whatever the rule says, and the engine runs the path with a
+CPU part for it; from then on the measured rate decides. ``learn=False`` (the rule alone) never explores.
 """
 from __future__ import annotations
 
@@ -247,6 +254,7 @@ class AutoPlacement(Placement):
         self.counters = counters
         self.reuse = ReuseEstimator(resident, track_recency=split) if resident is not None else None
         self.decisions = {"transfer": 0, "cpu": 0}
+        self.explored = 0  # absent experts given to the CPU site to measure its rate in use (exploring)
         self.split_calls = 0  # layer calls whose absent experts went to both sites
         # CPU-site calls: expert bytes read / wall seconds, decode-sized calls and prompt passes apart
         # (DECODE_CALL_TOKENS)
@@ -314,11 +322,25 @@ class AutoPlacement(Placement):
         c, r = self.cpu_gb_s(), self.h2d_gb_s()
         return c / (c + r)
 
+    def exploring(self, tokens: int | None = None) -> bool:
+        """True while the CPU site's rate for calls of this size class has not been measured in use (fewer than its
+        ``min_calls`` calls) and the rule learns: such a call gives the CPU site one absent expert whatever the rule
+        says, so that the rate it decides with comes from use. Why: a site the rule never chooses is never measured,
+        and a build-time probe taken while the host was busy (0.19 GB/s on the H200 host where another engine of the
+        same process measured 11.3, results/campaigns/h200-link13-split) would otherwise stand for good."""
+        rate = self._cpu_rate(tokens)
+        return self.learn and rate.calls < rate.min_calls
+
     def cpu_count(self, n: int, h: float) -> int:
         """How many of ``n`` absent experts go to the CPU site at hit rate ``h``. Without split: all or none (the
         rule). With split, the sites work at once, so the call takes max(c / cpu, (n - c) / h2d): where the rule
         favours transferring, the CPU takes floor(n x share) (it finishes no later than the link), else
         n - floor(n x (1 - share)) (the link finishes no later than the CPU)."""
+        c = self._rule_count(n, h)
+        return max(c, 1) if n and self.exploring() else c
+
+    def _rule_count(self, n: int, h: float) -> int:
+        """cpu_count by the rule alone (no exploration)."""
         favour_transfer = self.transfer(h)
         if not self.split:
             return 0 if favour_transfer else n
@@ -340,6 +362,8 @@ class AutoPlacement(Placement):
         results/campaigns/h200-placement)."""
         if tokens is not None:
             self.call_tokens = int(tokens)
+        if self.exploring():
+            return True
         h = self.hit_rate()
         if not self.transfer(h) and self.may_use_cpu():
             return True
@@ -350,7 +374,10 @@ class AutoPlacement(Placement):
 
     def __call__(self, absent: tuple) -> tuple:
         n = len(absent)
-        c = self.cpu_count(n, self.hit_rate())
+        h = self.hit_rate()
+        c = self.cpu_count(n, h)
+        if c and not self._rule_count(n, h):  # the one expert exploration gave the CPU site
+            self.explored += 1
         self.decisions["transfer"] += n - c
         self.decisions["cpu"] += c
         if c == n:
@@ -378,7 +405,7 @@ class AutoPlacement(Placement):
                            "h2d_gb_s": self.h2d_in_use.gb_s, "h2d_calls": self.h2d_in_use.calls},
                 "transfer_if_hit_rate_above": max(0.0, 1.0 - self.h2d_gb_s() / self.cpu_gb_s()),
                 "now": "transfer" if self.transfer(h) else "cpu", "decisions": dict(self.decisions),
-                "split": self.split, "cpu_share": self.cpu_share() if self.split else None,
+                "split": self.split, "cpu_share": self.cpu_share() if self.split else None, "explored": self.explored,
                 "split_calls": self.split_calls}
 
 
