@@ -903,6 +903,34 @@ def test_auto_explores_the_cpu_site_until_its_rate_is_measured_in_use():
     assert auto.describe()["explored"] == 5 and auto.decisions == {"transfer": 9, "cpu": 8}
 
 
+def test_an_engine_whose_cpu_probe_was_wrong_measures_the_cpu_in_decode_and_then_uses_it(packs):
+    """End to end in the decode segment chain: the build-time probe says the CPU site is far slower than the link, so
+    the rule alone would transfer every miss for good; exploration gives the CPU site one expert per layer call until
+    four decode-sized calls are measured, and with the measured rate (here made 100x the link) the chain then computes
+    the misses on the CPU. The tokens equal placement gpu's throughout (the route never changes)."""
+    pack, cfg = packs["tiny-olmoe"]
+    ref = _chain_engine(pack, cfg.top_k, "gpu", "eager")
+    try:
+        want = ref.generate(CHAIN_PROMPTS[:1], max_new_tokens=6)
+    finally:
+        ref.close()
+    eng = _chain_engine(pack, cfg.top_k, "auto", "eager")
+    try:
+        cache = eng.experts.cache
+        eng.experts.placement = auto = AutoPlacement(PlacementCosts(10.0, 1e-6, cache.row_bytes, "test"),
+                                                     cache.counters, resident=cfg.top_k)
+        observe = auto.observe_cpu
+        auto.observe_cpu = lambda nbytes, seconds, tokens=None: observe(nbytes, nbytes / 1000e9, tokens)  # 1 TB/s
+        got = eng.generate(CHAIN_PROMPTS[:1], max_new_tokens=6)
+        assert got == want
+        assert auto.explored > 0 and auto.cpu_in_use.calls >= auto.cpu_in_use.min_calls
+        assert not auto.exploring(1) and auto.cpu_gb_s(1) == pytest.approx(1000.0)
+        # after exploring, decode steps ran the chain with a CPU part and gave the CPU more than one expert per call
+        assert eng.decode_paths["chain_cpu"] > 0 and auto.decisions["cpu"] > auto.explored
+    finally:
+        eng.close()
+
+
 def test_a_prompt_pass_is_classed_by_the_token_groups_its_cpu_site_calls_run(packs):
     """The per-call path leases a pass in token groups of at most max_group experts (top_k here: one token each), and
     each group is one CPU-site call: the rule must decide with the groups' size class, not the pass's 40 tokens (a
