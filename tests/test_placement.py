@@ -885,8 +885,9 @@ def test_auto_learns_the_cpu_rate_of_decode_steps_apart_from_prompt_passes():
 def test_auto_explores_the_cpu_site_until_its_rate_is_measured_in_use():
     """A build-time probe that says the CPU site is slow (here 0.01 GB/s against a 10 GB/s link) would keep the rule on
     the link for good, since a site never chosen is never measured: while a call size class has fewer than min_calls
-    CPU-site calls in use, each call gives the CPU one absent expert (the least recently routed), then the rule decides
-    with the measured rate. Without learn the rule alone decides from the start."""
+    CPU-site calls in use, each call gives the CPU one absent expert (the lowest id, without split), then the rule decides
+    with the measured rate. Without learn the rule alone decides from the start, and a class whose calls are not
+    expected to miss does not explore (it would keep the engine on the path with a CPU part for nothing)."""
     counters = {"hits": 0, "misses": 0, "cpu_site_experts": 0}
     costs = PlacementCosts(h2d_gb_s=10.0, cpu_gb_s=0.01, row_bytes=1000, source="test")
     fixed = AutoPlacement(costs, counters, resident=4, learn=False)
@@ -901,6 +902,10 @@ def test_auto_explores_the_cpu_site_until_its_rate_is_measured_in_use():
     assert auto.exploring(64) and auto.uses_cpu_now(64)  # prompt passes are a class of their own, not measured yet
     assert auto((5, 6)) == (5,)  # a pass's call: one expert to the CPU (its rule, with the probe's rate, transfers)
     assert auto.describe()["explored"] == 5 and auto.decisions == {"transfer": 9, "cpu": 8}
+    resident = AutoPlacement(costs, counters, resident=4)
+    for _ in range(50):
+        resident.observe(0, np.array([[1, 2]]))  # every call all hit after the first: ~0.04 experts expected absent
+    assert not resident.exploring(1) and not resident.uses_cpu_now(1)
 
 
 def test_an_engine_whose_cpu_probe_was_wrong_measures_the_cpu_in_decode_and_then_uses_it(packs):
@@ -909,9 +914,10 @@ def test_an_engine_whose_cpu_probe_was_wrong_measures_the_cpu_in_decode_and_then
     four decode-sized calls are measured, and with the measured rate (here made 100x the link) the chain then computes
     the misses on the CPU. The tokens equal placement gpu's throughout (the route never changes)."""
     pack, cfg = packs["tiny-olmoe"]
+    prompt = _prompt(cfg, n=DECODE_CALL_TOKENS + 8)  # its prefill is a pass: it measures the passes' class only
     ref = _chain_engine(pack, cfg.top_k, "gpu", "eager")
     try:
-        want = ref.generate(CHAIN_PROMPTS[:1], max_new_tokens=6)
+        want = ref.generate([prompt], max_new_tokens=6)
     finally:
         ref.close()
     eng = _chain_engine(pack, cfg.top_k, "auto", "eager")
@@ -921,9 +927,10 @@ def test_an_engine_whose_cpu_probe_was_wrong_measures_the_cpu_in_decode_and_then
                                                      cache.counters, resident=cfg.top_k)
         observe = auto.observe_cpu
         auto.observe_cpu = lambda nbytes, seconds, tokens=None: observe(nbytes, nbytes / 1000e9, tokens)  # 1 TB/s
-        got = eng.generate(CHAIN_PROMPTS[:1], max_new_tokens=6)
-        assert got == want
-        assert auto.explored > 0 and auto.cpu_in_use.calls >= auto.cpu_in_use.min_calls
+        got = eng.generate([prompt], max_new_tokens=6)
+        assert [r.token_ids for r in got] == [r.token_ids for r in want]
+        assert auto.explored > 0 and auto.cpu_in_use_passes.calls > 0
+        assert auto.cpu_in_use.calls >= auto.cpu_in_use.min_calls  # decode-sized calls: only the decode chain's
         assert not auto.exploring(1) and auto.cpu_gb_s(1) == pytest.approx(1000.0)
         # after exploring, decode steps ran the chain with a CPU part and gave the CPU more than one expert per call
         assert eng.decode_paths["chain_cpu"] > 0 and auto.decisions["cpu"] > auto.explored
@@ -931,10 +938,10 @@ def test_an_engine_whose_cpu_probe_was_wrong_measures_the_cpu_in_decode_and_then
         eng.close()
 
 
-def test_a_prompt_pass_is_classed_by_the_token_groups_its_cpu_site_calls_run(packs):
-    """The per-call path leases a pass in token groups of at most max_group experts (top_k here: one token each), and
-    each group is one CPU-site call: the rule must decide with the groups' size class, not the pass's 40 tokens (a
-    prompt-pass rate, never learned from these calls), and learn the calls' rates in that class."""
+def test_a_prompt_pass_is_classed_by_its_size_whatever_its_token_groups(packs):
+    """The per-call path leases a pass in token groups of at most max_group experts (top_k here: a token or two each),
+    each one CPU-site call on this thread: the rule decides and learns them as the pass they belong to (40 tokens:
+    the passes' class), not as decode steps, whose CPU part runs on the site's job thread beside the device."""
     pack, cfg = packs["tiny-olmoe"]
     eng = _engine(pack, resident=cfg.top_k, expert_placement="auto", max_group=cfg.top_k)
     try:
@@ -945,11 +952,9 @@ def test_a_prompt_pass_is_classed_by_the_token_groups_its_cpu_site_calls_run(pac
         asked, ask = [], auto.uses_cpu_now
         auto.uses_cpu_now = lambda tokens=None: asked.append(tokens) or ask(tokens)
         eng.logits(_prompt(cfg, n=40))
-        assert cache.counters["cpu_site_experts"] > 0 and asked
-        assert max(asked) <= DECODE_CALL_TOKENS  # the groups' size, not the pass's
-        assert auto.cpu_in_use.calls > 0 and auto.cpu_in_use_passes.calls == 0
-        rates = auto.describe()["rates_used"]
-        assert rates["call_tokens"] <= DECODE_CALL_TOKENS and rates["cpu_gb_s_passes"] == 4.0  # still the probe's
+        assert cache.counters["cpu_site_experts"] > 0 and set(asked) == {40}
+        assert auto.cpu_in_use_passes.calls > 0 and auto.cpu_in_use.calls == 0
+        assert auto.describe()["rates_used"]["call_tokens"] == 40
     finally:
         eng.close()
 

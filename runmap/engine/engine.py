@@ -273,8 +273,9 @@ class CachedExperts:
         if self.predict is not None and layer + 1 < self.num_layers:
             nxt = self.predict(layer, x)  # (N, k) device: queued before this layer's experts, read with ids below
         ids_h = ids.cpu()  # host decision: which experts to lease (partial residency only)
-        # the CPU site's calls are per token group (at most max_group experts each): their size is the rate's class
-        if self.mixed(max(len(rows) for rows in self._groups(ids_h))):
+        # the call's size is the CPU rate's class, for the decision here and for every group call of _placed
+        # (a prompt pass's groups of a few tokens are still a pass: synchronous on this thread, not a decode step)
+        if self.mixed(x.shape[0]):
             return self._placed(layer, x, ids, gw, ids_h)
         if nxt is not None:
             nxt = nxt.cpu()
@@ -338,7 +339,8 @@ class CachedExperts:
             sel = rows if len(rows) < x.shape[0] else None  # None: the whole batch
             req = self.cache.admit()
             try:
-                lease = self.acquire(req, layer, ids_h if sel is None else ids_h[rows], place=self.placement)
+                lease = self.acquire(req, layer, ids_h if sel is None else ids_h[rows], place=self.placement,
+                                     tokens=x.shape[0])
                 xs, idss, gws, ids_hs = ((x, ids, gw, ids_h) if sel is None else
                                          (x[rows].contiguous(), ids[rows], gw[rows], ids_h[rows]))
                 on_cpu = torch.isin(ids_hs, torch.tensor(lease.cpu_experts, dtype=ids_hs.dtype))  # (n, k) bool
@@ -382,11 +384,14 @@ class CachedExperts:
         out = torch.zeros(x.shape[0], x.shape[1], dtype=torch.float32, device=x.device)
         return out.index_add_(0, tok, y.to(torch.float32))
 
-    def acquire(self, req, layer, ids, place=None):
+    def acquire(self, req, layer, ids, place=None, tokens: int | None = None):
         """``req.acquire(layer, ids, place)``, timed as ``_timed`` says; the placement sees every layer call's
-        routed ids first, whichever path makes it (auto's reuse estimate)."""
+        routed ids first, whichever path makes it (auto's reuse estimate). ``tokens``: the size of the whole call
+        when ``ids`` are one token group of it (auto's CPU rate class; default the rows of ``ids``)."""
         if self.placement is not None:
             self.placement.observe(layer, ids)
+            if tokens is not None and hasattr(self.placement, "call_tokens"):
+                self.placement.call_tokens = int(tokens)
         return self._timed(req.acquire, layer, ids, place)
 
     def observe_cpu(self, n_experts: int, seconds: float) -> None:

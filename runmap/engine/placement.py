@@ -54,8 +54,11 @@ Exploration (``exploring``). A site the rule never chooses is never measured in 
 bad moment would stand for good (on the H200 host one engine's probe said 0.19 GB/s where the engine built just before
 it in the same process measured 11.3, results/campaigns/h200-link13-split, and that auto-split never gave the CPU an
 expert). While a call size class has fewer than ``InUseRate.min_calls`` CPU-site calls in use, each of its calls gives
-the CPU site one absent expert (the least recently routed) whatever the rule says, and the engine runs the path with a
-CPU part for it; from then on the measured rate decides. ``learn=False`` (the rule alone) never explores.
+the CPU site one absent expert (with split the least recently routed, else the lowest id) whatever the rule says, and
+the engine runs the path with a CPU part for it, while absent experts are to be expected (a class that never misses
+does not explore); from then on the measured rate decides. The four calls are taken once: a rate measured on them stays
+until calls on the CPU site measure it again (no periodic re-exploration). ``learn=False`` (the rule alone) never
+explores.
 """
 from __future__ import annotations
 
@@ -329,7 +332,16 @@ class AutoPlacement(Placement):
         and a build-time probe taken while the host was busy (0.19 GB/s on the H200 host where another engine of the
         same process measured 11.3, results/campaigns/h200-link13-split) would otherwise stand for good."""
         rate = self._cpu_rate(tokens)
-        return self.learn and rate.calls < rate.min_calls
+        # only while calls have absent experts to give: a class that never misses would otherwise keep the engine on
+        # the path with a CPU part (a longer chain) for good, with nothing ever measured
+        return self.learn and rate.calls < rate.min_calls and self._misses_expected()
+
+    def _misses_expected(self) -> bool:
+        """Absent experts are to be expected at the next call: the shadow LRU's expected count is at least half an
+        expert (no shadow: the counters say some call missed)."""
+        if self.reuse is None:
+            return bool(self.counters["misses"] or self.counters["cpu_site_experts"])
+        return not self.reuse.calls or self.expected_absent() >= 0.5
 
     def cpu_count(self, n: int, h: float) -> int:
         """How many of ``n`` absent experts go to the CPU site at hit rate ``h``. Without split: all or none (the
