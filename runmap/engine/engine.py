@@ -389,9 +389,7 @@ class CachedExperts:
         routed ids first, whichever path makes it (auto's reuse estimate). ``tokens``: the size of the whole call
         when ``ids`` are one token group of it (auto's CPU rate class; default the rows of ``ids``)."""
         if self.placement is not None:
-            self.placement.observe(layer, ids)
-            if tokens is not None and hasattr(self.placement, "call_tokens"):
-                self.placement.call_tokens = int(tokens)
+            self.placement.observe(layer, ids, tokens)
         return self._timed(req.acquire, layer, ids, place)
 
     def observe_cpu(self, n_experts: int, seconds: float) -> None:

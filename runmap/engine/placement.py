@@ -205,8 +205,9 @@ class Placement:
 
     name = "gpu"
 
-    def observe(self, layer: int, ids) -> None:
-        """Told every layer call's routed ids before the cache is asked (only auto uses them)."""
+    def observe(self, layer: int, ids, tokens: int | None = None) -> None:
+        """Told every layer call's routed ids before the cache is asked (only auto uses them); ``tokens``: the size of
+        the whole call when ``ids`` are one token group of it."""
 
     def __call__(self, absent: tuple) -> tuple:
         return ()
@@ -291,13 +292,16 @@ class AutoPlacement(Placement):
         """One acquisition that moved expert bytes host -> device and its wall time."""
         self.h2d_in_use.add(nbytes, seconds)
 
-    def observe(self, layer: int, ids) -> None:
-        """ids: a layer call's routed expert ids, (n, k) or flat (a host tensor, an array or a sequence). A 2-D ids
-        also says the call's token count n (the CPU rate's size class for the decision that follows)."""
+    def observe(self, layer: int, ids, tokens: int | None = None) -> None:
+        """ids: a layer call's routed expert ids, (n, k) or flat (a host tensor, an array or a sequence). The call's
+        token count (the CPU rate's size class for the decision that follows) is ``tokens`` when given (``ids`` are one
+        token group of a larger call), else n of a 2-D ids."""
         import numpy as np  # here, not at import: the CLI's option module imports this one for PLACEMENTS
 
         arr = np.asarray(ids)
-        if arr.ndim == 2:
+        if tokens is not None:
+            self.call_tokens = int(tokens)
+        elif arr.ndim == 2:
             self.call_tokens = int(arr.shape[0])
         if self.reuse is not None:
             self.reuse.observe(layer, arr.reshape(-1).tolist())
@@ -348,8 +352,11 @@ class AutoPlacement(Placement):
         rule). With split, the sites work at once, so the call takes max(c / cpu, (n - c) / h2d): where the rule
         favours transferring, the CPU takes floor(n x share) (it finishes no later than the link), else
         n - floor(n x (1 - share)) (the link finishes no later than the CPU)."""
-        c = self._rule_count(n, h)
-        return max(c, 1) if n and self.exploring() else c
+        return self._explored_count(n, self._rule_count(n, h))
+
+    def _explored_count(self, n: int, rule: int) -> int:
+        """The rule's CPU count ``rule`` of ``n`` absent experts, raised to one while exploring."""
+        return max(rule, 1) if n and self.exploring() else rule
 
     def _rule_count(self, n: int, h: float) -> int:
         """cpu_count by the rule alone (no exploration)."""
@@ -386,9 +393,9 @@ class AutoPlacement(Placement):
 
     def __call__(self, absent: tuple) -> tuple:
         n = len(absent)
-        h = self.hit_rate()
-        c = self.cpu_count(n, h)
-        if c and not self._rule_count(n, h):  # the one expert exploration gave the CPU site
+        rule = self._rule_count(n, self.hit_rate())
+        c = self._explored_count(n, rule)
+        if c != rule:  # the one expert exploration gave the CPU site
             self.explored += 1
         self.decisions["transfer"] += n - c
         self.decisions["cpu"] += c

@@ -104,20 +104,6 @@ def device_us(fn, rounds: int = 5, reps: int = 20) -> float:
     return round(statistics.median(out), 2)
 
 
-def link_gb_s(dev) -> float:
-    src = torch.empty(256 << 20, dtype=torch.uint8, pin_memory=True)
-    dst = torch.empty_like(src, device=dev)
-    best = 0.0
-    for _ in range(5):
-        a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        a.record()
-        dst.copy_(src, non_blocking=True)
-        b.record()
-        b.synchronize()
-        best = max(best, src.numel() / (1e-3 * a.elapsed_time(b)) / 1e9)
-    return round(best, 2)
-
-
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
                                  formatter_class=argparse.RawDescriptionHelpFormatter)
@@ -154,7 +140,9 @@ def main(argv=None) -> int:
     result = {"shape": shape.to_dict(), "executor": args.executor, "device": str(dev), "cases": []}
     if dev.type == "cuda":
         result["device_name"] = torch.cuda.get_device_name(dev)
-        result["link_gb_s"] = link_gb_s(dev)
+        from runmap.bench.metrics import h2d_bandwidth
+
+        result["link_gb_s"] = round(h2d_bandwidth(dev)["value"], 2)  # the records' same-run pinned copy rate
         print(f"{result['device_name']}: pinned H2D {result['link_gb_s']} GB/s; expert row {row_bytes} B")
 
     def batch(t: int, m: int):
