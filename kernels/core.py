@@ -109,6 +109,23 @@ def expert_row(expert, row_table_ptr, w_ptr, s_ptr, n_experts, n_rows, row_bytes
 
 
 @triton.jit
+def expert_site_row(expert, row_table_ptr, w_ptr, s_ptr, n_experts, n_rows, row_bytes, host_off, n_host_rows):
+    """``expert_row`` with a host-read site: a row table entry r in [R, R + n_host_rows) names row r - R of the host
+    source, a second (n_host_rows, row_bytes) storage whose first byte lies ``host_off`` bytes (int64, a multiple of
+    16, either sign) from ``w_ptr``: registered host memory mapped into the device's address space, read over the
+    link. Entries in [0, R) are device rows as before; anything else (-1: neither) gives ok False. An offset from
+    the device storage's pointer rather than a second pointer keeps one select of integers (no pointer select)."""
+    ok_e = (expert >= 0) & (expert < n_experts)
+    row = tl.load(row_table_ptr + expert, mask=ok_e, other=-1)
+    on_device = (row >= 0) & (row < n_rows)
+    on_host = (row >= n_rows) & (row < n_rows + n_host_rows)
+    ok = ok_e & (on_device | on_host)
+    byte = tl.where(on_host, host_off + (row - n_rows).to(tl.int64) * row_bytes,
+                    tl.where(ok, row, 0).to(tl.int64) * row_bytes)  # from w_ptr; row 0 when not ok
+    return w_ptr + byte, s_ptr + byte // 2, ok
+
+
+@triton.jit
 def store_pair_h(part_g, part_u, ok, h_ptr, pid_p, N: tl.constexpr, offs_n, n_mask):
     """Epilogue of a decode gate/up GEMV program: h[pid_p, offs_n] = fp16(silu(g) * up), g / up the sums of
     the (BN, X) fp32 partial products over X; NaN when the pair's expert is not resident (``ok`` False)."""

@@ -85,7 +85,7 @@ def scalar_moe(x, topk_ids, topk_weights, storage, row_table, layout: RowLayout,
 
 def moe_experts(executor: str, x: torch.Tensor, topk_ids: torch.Tensor, topk_weights: torch.Tensor,
                 storage: torch.Tensor, row_table: torch.Tensor, layout: RowLayout, *, validate: bool = True,
-                config: dict | None = None) -> torch.Tensor:
+                config: dict | None = None, host_rows: torch.Tensor | None = None) -> torch.Tensor:
     """Routed-expert MoE output of one layer.
 
     Args:
@@ -97,12 +97,24 @@ def moe_experts(executor: str, x: torch.Tensor, topk_ids: torch.Tensor, topk_wei
             expert) -- this synchronizes. False skips it and never synchronizes for grouped/topk-fused
             (CUDA-graph capturable); a non-resident id then yields NaN rows, never another expert.
         config: optional tile override passed to the kernel wrappers (benchmarks).
+        host_rows: the host-read site (grouped only): uint8 (n, row_bytes), on a GPU registered host memory mapped
+            into the device's address space; row_table entries R .. R + n - 1 then name its rows, which the kernels
+            read over the link. Needs validate=False (the host check knows device rows only).
     Returns:
         float16 (T, H).
     """
     if executor not in EXECUTORS:
         raise common.KernelInputError(f"executor: {executor!r}, expected one of {EXECUTOR_NAMES}")
     check_inputs(x, topk_ids, topk_weights, storage, row_table, layout)
+    if host_rows is not None:
+        if executor != "grouped":
+            raise common.KernelInputError(f"host_rows: the host-read site runs on the grouped executor only, not "
+                                          f"{executor!r}")
+        if validate:
+            raise common.KernelInputError("host_rows: needs validate=False (host rows are past the device rows the "
+                                          "routing check knows)")
+        return EXECUTORS[executor].load()(x, topk_ids, topk_weights, storage, row_table, layout, config,
+                                          host_rows=host_rows)
     if validate or not EXECUTORS[executor].graph_safe:  # the host-synchronizing paths always check routing
         check_routing(topk_ids, row_table, storage.shape[0])
     return EXECUTORS[executor].load()(x, topk_ids, topk_weights, storage, row_table, layout, config)

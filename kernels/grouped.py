@@ -34,7 +34,8 @@ import triton
 import triton.language as tl
 
 from runmap.kernels import common
-from runmap.kernels.core import chain_wait, dot_tiles, expert_row, nibbles_f16, prefetch_l2, resolve_row, silu_mul
+from runmap.kernels.core import (chain_wait, dot_tiles, expert_row, expert_site_row, nibbles_f16, prefetch_l2, resolve_row,
+                                 silu_mul)
 from runmap.format.qpack import RowLayout
 
 DECODE_MAX_PAIRS = 128
@@ -51,12 +52,13 @@ SMALL_SORTED_PAIRS = (256, 1024, 2048)
 
 @triton.jit
 def _gate_up_group(pairs, lane_ok, expert, x_ptr, row_table_ptr, w_ptr, s_ptr, h_ptr, n_experts, n_rows, row_bytes,
-                   stride_xm, gate_w, gate_s, up_w, up_s, offs_n, n_mask,
+                   host_off, n_host_rows, stride_xm, gate_w, gate_s, up_w, up_s, offs_n, n_mask,
                    N: tl.constexpr, K: tl.constexpr, NB: tl.constexpr, QBLOCK: tl.constexpr, TOPK: tl.constexpr,
                    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, TILE_SCALE: tl.constexpr,
                    DEQ_ASM: tl.constexpr, SCALE_COLS: tl.constexpr):
     """h[pairs] = fp16(silu(x Wg^T) * (x Wu^T)) for up to BLOCK_M pairs routed to ``expert``."""
-    w_row, s_row, ok = expert_row(expert, row_table_ptr, w_ptr, s_ptr, n_experts, n_rows, row_bytes)
+    w_row, s_row, ok = expert_site_row(expert, row_table_ptr, w_ptr, s_ptr, n_experts, n_rows, row_bytes, host_off,
+                                       n_host_rows)
     x_rows = x_ptr + (pairs // TOPK).to(tl.int64) * stride_xm  # (BM,) token rows
     acc_g = tl.zeros((BLOCK_M, BLOCK_N), tl.float32)
     acc_u = tl.zeros((BLOCK_M, BLOCK_N), tl.float32)
@@ -70,12 +72,13 @@ def _gate_up_group(pairs, lane_ok, expert, x_ptr, row_table_ptr, w_ptr, s_ptr, h
 
 @triton.jit
 def _down_group(pairs, lane_ok, expert, h_ptr, wts_ptr, row_table_ptr, w_ptr, s_ptr, ypair_ptr, n_experts, n_rows,
-                row_bytes, down_w, down_s, offs_n, n_mask,
+                row_bytes, host_off, n_host_rows, down_w, down_s, offs_n, n_mask,
                 N: tl.constexpr, K: tl.constexpr, NB: tl.constexpr, QBLOCK: tl.constexpr,
                 BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, TILE_SCALE: tl.constexpr,
                 DEQ_ASM: tl.constexpr, SCALE_COLS: tl.constexpr):
     """ypair[pairs] = gate weight * (h Wd^T) in fp32 for up to BLOCK_M pairs routed to ``expert``."""
-    w_row, s_row, ok = expert_row(expert, row_table_ptr, w_ptr, s_ptr, n_experts, n_rows, row_bytes)
+    w_row, s_row, ok = expert_site_row(expert, row_table_ptr, w_ptr, s_ptr, n_experts, n_rows, row_bytes, host_off,
+                                       n_host_rows)
     h_rows = h_ptr + pairs.to(tl.int64) * K  # (BM,) rows of h
     acc = tl.zeros((BLOCK_M, BLOCK_N), tl.float32)
     acc, acc_unused = dot_tiles(acc, acc, h_rows, lane_ok & ok, w_row + down_w, s_row + down_s, w_ptr, s_ptr,
@@ -124,10 +127,10 @@ def _chunk_pairs(match, rank, count, c0, P_PAD: tl.constexpr, BLOCK_M: tl.conste
 
 # do_not_specialize: the pair count P (and the sort's chunk count) changes with every prompt length; Triton would
 # otherwise compile a variant per "== 1" / "% 16 == 0" class of it inside a request (a stall of seconds in a server)
-@triton.jit(do_not_specialize=["P"])
+@triton.jit(do_not_specialize=["P", "host_off", "n_host_rows"])
 def _grouped_gate_up_kernel(
     x_ptr, ids_ptr, order_ptr, row_table_ptr, w_ptr, s_ptr, h_ptr,  # x (T, H) fp16, h (P, I) fp16
-    P, n_experts, n_rows, row_bytes, stride_xm,
+    P, n_experts, n_rows, row_bytes, host_off, n_host_rows, stride_xm,  # host_*: the host-read site (expert_site_row)
     gate_w, gate_s, up_w, up_s,  # section offsets inside a row (bytes / fp16 elements)
     N: tl.constexpr, K: tl.constexpr, NB: tl.constexpr, QBLOCK: tl.constexpr, TOPK: tl.constexpr,
     SORTED: tl.constexpr, P_PAD: tl.constexpr,
@@ -142,7 +145,7 @@ def _grouped_gate_up_kernel(
         pairs, lane_ok, expert, active = _sorted_group(order_ptr, ids_ptr, pid0, BLOCK_M)
         if active:
             _gate_up_group(pairs, lane_ok, expert, x_ptr, row_table_ptr, w_ptr, s_ptr, h_ptr, n_experts, n_rows,
-                           row_bytes, stride_xm, gate_w, gate_s, up_w, up_s, offs_n, n_mask,
+                           row_bytes, host_off, n_host_rows, stride_xm, gate_w, gate_s, up_w, up_s, offs_n, n_mask,
                            N, K, NB, QBLOCK, TOPK, BLOCK_M, BLOCK_N, BLOCK_K, TILE_SCALE, DEQ_ASM, SCALE_COLS)
     else:
         expert, match, rank, count, owner = _match_group(ids_ptr, pid0, P, P_PAD)
@@ -150,14 +153,14 @@ def _grouped_gate_up_kernel(
             if owner & (c0 < count):
                 pairs, lane_ok = _chunk_pairs(match, rank, count, c0, P_PAD, BLOCK_M)
                 _gate_up_group(pairs, lane_ok, expert, x_ptr, row_table_ptr, w_ptr, s_ptr, h_ptr, n_experts,
-                               n_rows, row_bytes, stride_xm, gate_w, gate_s, up_w, up_s, offs_n, n_mask,
+                               n_rows, row_bytes, host_off, n_host_rows, stride_xm, gate_w, gate_s, up_w, up_s, offs_n, n_mask,
                                N, K, NB, QBLOCK, TOPK, BLOCK_M, BLOCK_N, BLOCK_K, TILE_SCALE, DEQ_ASM, SCALE_COLS)
 
 
-@triton.jit(do_not_specialize=["P"])
+@triton.jit(do_not_specialize=["P", "host_off", "n_host_rows"])
 def _grouped_down_kernel(
     h_ptr, ids_ptr, order_ptr, wts_ptr, row_table_ptr, w_ptr, s_ptr, ypair_ptr,  # h (P, I) fp16, ypair (P, H) fp32
-    P, n_experts, n_rows, row_bytes, down_w, down_s,
+    P, n_experts, n_rows, row_bytes, host_off, n_host_rows, down_w, down_s,
     N: tl.constexpr, K: tl.constexpr, NB: tl.constexpr, QBLOCK: tl.constexpr,
     SORTED: tl.constexpr, P_PAD: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, TILE_SCALE: tl.constexpr,
@@ -171,17 +174,19 @@ def _grouped_down_kernel(
         # into L2. The route was written two launches back (complete once the gate/up launch passed its wait, which
         # is before this launch could start); and a prefetch is only a hint, so even a stale id would cost
         # bandwidth, never a value (the row is resolved again below, after the wait).
-        row, _ok = resolve_row(tl.load(ids_ptr + pid0), row_table_ptr, n_experts, n_rows)
+        # (a host-read row's lines are pulled over the link early: a hint like any other)
+        w_row, _s_row, _ok = expert_site_row(tl.load(ids_ptr + pid0), row_table_ptr, w_ptr, s_ptr, n_experts, n_rows,
+                                             row_bytes, host_off, n_host_rows)
         n0 = tl.program_id(1) * BLOCK_N
         span = tl.minimum(BLOCK_N, N - n0) * (K // 2)  # bytes of this program's rows: contiguous, K / 2 each
-        first = w_ptr + row * row_bytes + down_w + n0.to(tl.int64) * (K // 2)
+        first = w_row + down_w + n0.to(tl.int64) * (K // 2)
         prefetch_l2(first + tl.minimum(tl.arange(0, PF_LINES) * 128, span - 1))  # PF_LINES >= span / 128
     chain_wait(CHAINED)
     if SORTED:
         pairs, lane_ok, expert, active = _sorted_group(order_ptr, ids_ptr, pid0, BLOCK_M)
         if active:
             _down_group(pairs, lane_ok, expert, h_ptr, wts_ptr, row_table_ptr, w_ptr, s_ptr, ypair_ptr, n_experts,
-                        n_rows, row_bytes, down_w, down_s, offs_n, n_mask,
+                        n_rows, row_bytes, host_off, n_host_rows, down_w, down_s, offs_n, n_mask,
                         N, K, NB, QBLOCK, BLOCK_M, BLOCK_N, BLOCK_K, TILE_SCALE, DEQ_ASM, SCALE_COLS)
     else:
         expert, match, rank, count, owner = _match_group(ids_ptr, pid0, P, P_PAD)
@@ -189,7 +194,7 @@ def _grouped_down_kernel(
             if owner & (c0 < count):
                 pairs, lane_ok = _chunk_pairs(match, rank, count, c0, P_PAD, BLOCK_M)
                 _down_group(pairs, lane_ok, expert, h_ptr, wts_ptr, row_table_ptr, w_ptr, s_ptr, ypair_ptr,
-                            n_experts, n_rows, row_bytes, down_w, down_s, offs_n, n_mask,
+                            n_experts, n_rows, row_bytes, host_off, n_host_rows, down_w, down_s, offs_n, n_mask,
                             N, K, NB, QBLOCK, BLOCK_M, BLOCK_N, BLOCK_K, TILE_SCALE, DEQ_ASM, SCALE_COLS)
 
 
@@ -484,6 +489,23 @@ def _plan(n_pairs: int, n_experts: int, cfg: dict, ids_flat: torch.Tensor):
     return order, order.numel() // cfg["BLOCK_M"], True, 2
 
 
+def host_site(storage: torch.Tensor, host_rows: torch.Tensor | None, layout: RowLayout) -> tuple[int, int]:
+    """-> (host_off, n_host_rows) kernel arguments for the host-read site (``expert_site_row``): host_rows, when given,
+    is uint8 (n, row_bytes) on storage's device -- on a GPU registered host memory mapped into the device's address
+    space (``runmap.residency.transport.mapped_rows``), read over the link -- and a row table entry R + i names its
+    row i. (0, 0) without it: every entry past the device rows is then "not resident" as before."""
+    if host_rows is None:
+        return 0, 0
+    common.check_tensor("host_rows", host_rows, torch.uint8, 2, device=storage.device)
+    if host_rows.shape[1] != layout.row_bytes:
+        raise common.KernelInputError(f"host_rows: row_bytes {host_rows.shape[1]} != layout.row_bytes {layout.row_bytes}")
+    off = host_rows.data_ptr() - storage.data_ptr()
+    if off % 16:
+        raise common.KernelInputError(f"host_rows: starts {off} bytes from storage, not a multiple of 16 (the kernels' "
+                                      "vector loads and the fp16 scale view need aligned rows)")
+    return off, host_rows.shape[0]
+
+
 def _check_routing_args(topk_ids, row_table, device):
     common.check_tensor("topk_ids", topk_ids, (torch.int32, torch.int64), 2, device=device)
     common.check_tensor("row_table", row_table, torch.int32, 1, device=device)
@@ -491,14 +513,16 @@ def _check_routing_args(topk_ids, row_table, device):
         raise common.KernelInputError("row_table: empty (no experts)")
 
 
-def grouped_gate_up(x, topk_ids, order, row_table, storage, layout: RowLayout, cfg: dict, plan) -> torch.Tensor:
+def grouped_gate_up(x, topk_ids, order, row_table, storage, layout: RowLayout, cfg: dict, plan,
+                    host_rows: torch.Tensor | None = None) -> torch.Tensor:
     """Stage 1: h[p] = fp16(silu(x[t] Wg_e^T) * (x[t] Wu_e^T)) for every pair p = t*k + j, e = topk_ids[t, j].
 
     Args:
         x: float16 (T, H) contiguous. topk_ids: int32/int64 (T, k) contiguous.
         order: from ``_plan`` (int32 sorted slots for prefill; topk_ids itself for decode).
-        row_table: int32 (E,). storage: uint8 (R, row_bytes). layout: RowLayout.
-        cfg: tiles and DEQ_ASM (``default_config``).
+        row_table: int32 (E,); an entry R + i names row i of host_rows. storage: uint8 (R, row_bytes).
+        layout: RowLayout. cfg: tiles and DEQ_ASM (``default_config``).
+        host_rows: None, or uint8 (n, row_bytes) the host-read site's rows (``host_site``).
     Returns:
         float16 (T*k, I).
     """
@@ -510,6 +534,7 @@ def grouped_gate_up(x, topk_ids, order, row_table, storage, layout: RowLayout, c
     if t != x.shape[0]:
         raise common.KernelInputError(f"topk_ids: {t} rows but x has {x.shape[0]} tokens")
     g, u = common.proj_sections(layout, "gate"), common.proj_sections(layout, "up")
+    host_off, n_host = host_site(storage, host_rows, layout)
     h = common.empty((t * k, g.n), torch.float16, dev)
     deq_asm = _deq_asm(cfg, dev)
     _order, grid0, sorted_mode, p_pad = plan
@@ -517,7 +542,7 @@ def grouped_gate_up(x, topk_ids, order, row_table, storage, layout: RowLayout, c
     grid = (grid0, triton.cdiv(g.n, cfg["BLOCK_N"]))
     common.launch(_grouped_gate_up_kernel[grid],
         x, topk_ids, order, row_table, storage, storage.view(torch.float16), h,
-        t * k, row_table.numel(), storage.shape[0], layout.row_bytes, x.stride(0),
+        t * k, row_table.numel(), storage.shape[0], layout.row_bytes, host_off, n_host, x.stride(0),
         g.w_off, g.s_off, u.w_off, u.s_off,
         N=g.n, K=g.k, NB=g.nb, QBLOCK=layout.block_size, TOPK=k,
         SORTED=sorted_mode, P_PAD=p_pad,
@@ -530,12 +555,12 @@ def grouped_gate_up(x, topk_ids, order, row_table, storage, layout: RowLayout, c
 
 
 def grouped_down(h, topk_ids, topk_weights, order, row_table, storage, layout: RowLayout, cfg: dict,
-                 plan) -> torch.Tensor:
+                 plan, host_rows: torch.Tensor | None = None) -> torch.Tensor:
     """Stage 2: ypair[p] = topk_weights[t, j] * (h[p] Wd_e^T) in fp32.
 
     Args:
         h: float16 (T*k, I) contiguous (stage 1). topk_ids: int32/int64 (T, k). topk_weights: float32 (T, k).
-        order, row_table, storage, layout: as in ``grouped_gate_up``.
+        order, row_table, storage, layout, host_rows: as in ``grouped_gate_up``.
     Returns:
         float32 (T*k, H).
     """
@@ -546,6 +571,7 @@ def grouped_down(h, topk_ids, topk_weights, order, row_table, storage, layout: R
     common.check_tensor("h", h, torch.float16, 2, shape=(t * k, layout.intermediate_size), device=dev)
     common.check_tensor("topk_weights", topk_weights, torch.float32, 2, shape=(t, k), device=dev)
     d = common.proj_sections(layout, "down")
+    host_off, n_host = host_site(storage, host_rows, layout)
     ypair = common.empty((t * k, d.n), torch.float32, dev)
     deq_asm = _deq_asm(cfg, dev)
     _order, grid0, sorted_mode, p_pad = plan
@@ -553,7 +579,7 @@ def grouped_down(h, topk_ids, topk_weights, order, row_table, storage, layout: R
     grid = (grid0, triton.cdiv(d.n, cfg["DOWN_BLOCK_N"]))
     common.launch(_grouped_down_kernel[grid],
         h, topk_ids, order, topk_weights, row_table, storage, storage.view(torch.float16), ypair,
-        t * k, row_table.numel(), storage.shape[0], layout.row_bytes, d.w_off, d.s_off,
+        t * k, row_table.numel(), storage.shape[0], layout.row_bytes, host_off, n_host, d.w_off, d.s_off,
         N=d.n, K=d.k, NB=d.nb, QBLOCK=layout.block_size,
         SORTED=sorted_mode, P_PAD=p_pad,
         BLOCK_M=cfg["BLOCK_M"], BLOCK_N=cfg["DOWN_BLOCK_N"], BLOCK_K=bk,
@@ -626,10 +652,12 @@ def _dequant_stages(x, topk_ids, topk_weights, storage, row_table, layout: RowLa
 
 
 def grouped_moe(x, topk_ids, topk_weights, storage, row_table, layout: RowLayout,
-                config: dict | None = None) -> torch.Tensor:
+                config: dict | None = None, host_rows: torch.Tensor | None = None) -> torch.Tensor:
     """All three stages. Arguments as ``runmap.kernels.executors.moe_experts``; returns float16 (T, H).
     Never synchronizes with the host; buffer sizes depend only on T, k, E and the config. config "DEQUANT"
-    (default: P >= DEQUANT_MIN_PAIRS) decodes the weights once for the pass instead of in each tile's loop."""
+    (default: P >= DEQUANT_MIN_PAIRS) decodes the weights once for the pass instead of in each tile's loop.
+    host_rows: the host-read site's rows (``host_site``); the decoded mode does not read them (its dequantized
+    copy of every resident expert is what partial residency has no room for), so it is off with them."""
     common.check_storage(storage, layout)
     _check_routing_args(topk_ids, row_table, storage.device)
     t, k = topk_ids.shape
@@ -637,12 +665,14 @@ def grouped_moe(x, topk_ids, topk_weights, storage, row_table, layout: RowLayout
         return common.empty((0, layout.hidden_size), torch.float16, storage.device)
     cfg = dict(default_config(t * k, storage.device), **(config or {}))
     ids_flat = topk_ids.reshape(-1)
+    if host_rows is not None:
+        cfg["DEQUANT"] = False
     if cfg.get("DEQUANT") and t * k > DECODE_MAX_PAIRS:  # the decoded path runs over sorted runs only
         common.check_tensor("x", x, torch.float16, 2, shape=(t, layout.hidden_size), device=storage.device)
         plan = _plan(t * k, row_table.numel(), cfg, ids_flat)
         return sum_topk(_dequant_stages(x, topk_ids, topk_weights, storage, row_table, layout, cfg, plan), t, k)
     plan = _plan(t * k, row_table.numel(), cfg, ids_flat)
     order = plan[0]
-    h = grouped_gate_up(x, topk_ids, order, row_table, storage, layout, cfg, plan)
-    ypair = grouped_down(h, topk_ids, topk_weights, order, row_table, storage, layout, cfg, plan)
+    h = grouped_gate_up(x, topk_ids, order, row_table, storage, layout, cfg, plan, host_rows)
+    ypair = grouped_down(h, topk_ids, topk_weights, order, row_table, storage, layout, cfg, plan, host_rows)
     return sum_topk(ypair, t, k)
