@@ -5,6 +5,7 @@ import os
 
 os.environ.setdefault("TRITON_INTERPRET", "1")
 
+import numpy as np
 import pytest
 import torch
 from hypothesis import given, settings, strategies as st
@@ -107,3 +108,154 @@ def test_host_rows_are_refused_where_they_cannot_be_honoured():
     if (odd.data_ptr() - storage.data_ptr()) % 16:
         with pytest.raises(common.KernelInputError, match="multiple of 16"):
             moe_experts("grouped", x, ids, w, storage, table, layout, validate=False, host_rows=odd)
+
+
+# ---- the engine with placement host-read -------------------------------------------------------------------------
+
+PRESETS = ("tiny-olmoe", "tiny-qwen2-moe")
+PROMPTS = ["the cache holds", "experts that were read from the host"]
+
+
+def _recorded_engine(pack, test_device, **kw):
+    """An engine whose decode steps' logits (float32 (B, V) each) are kept in ``eng.decoded``."""
+    from runmap.engine.engine import Engine
+
+    eng = Engine.from_pack(pack, executor="grouped", device=test_device, max_batch=2, max_seq_len=48, **kw)
+    eng.decoded, decode = [], eng.decode
+
+    def recording(*a, **k):
+        out = decode(*a, **k)
+        eng.decoded.append(out.detach().to("cpu").clone())
+        return out
+    eng.decode = recording
+    return eng
+
+
+@pytest.mark.parametrize("preset", PRESETS)
+@pytest.mark.parametrize("policy", ["lfu-decay", "lru"])
+def test_host_read_decode_equals_full_residency_and_runs_no_transaction_inside_a_step(seed3_tiny_packs, preset,
+                                                                                       policy, test_device):
+    """Greedy decode at the smallest residency (top_k of E resident), batch 2 (a union past one lease): the host-read
+    steps give full residency's decode logits exactly (the same grouped kernel over the same bytes, wherever they
+    lie), every absent expert is counted as a host read, residency changes only by promotions between steps, and
+    nothing is left held."""
+    pack, cfg = seed3_tiny_packs[preset]
+    runs = {}
+    for placement in ("full", "host-read"):
+        kw = {} if placement == "full" else dict(resident=cfg.top_k, expert_placement="host-read", policy=policy,
+                                                  cache_contract="v2")
+        eng = _recorded_engine(pack, test_device, **kw)
+        try:
+            c0 = dict(eng.experts.cache.counters)
+            toks = [r.token_ids for r in eng.generate(PROMPTS, max_new_tokens=6, ignore_eos=True)]
+            runs[placement] = (toks, eng.decoded)
+            if placement == "host-read":
+                cache = eng.experts.cache
+                c = cache.counters
+                assert eng.use_host_read and eng.decode_paths["host_read"] == len(eng.decoded) > 0
+                assert all(v == 0 for k, v in eng.decode_paths.items() if k != "host_read")
+                reads = c["host_reads"] - c0["host_reads"]
+                assert reads > 0 and c["host_read_bytes"] - c0["host_read_bytes"] == reads * cache.row_bytes
+                # a promotion is one transaction of one expert; the prompt's passes ran the others
+                assert c["promotions"] <= c["transactions"] - c0["transactions"]
+                assert cache.outstanding_leases() == 0 and cache.live_requests() == 0
+                st = eng.stats()
+                assert st.host_reads == c["host_reads"] and st.decode_steps_host_read == len(eng.decoded)
+                tel = eng.telemetry()
+                assert tel["placement"]["mode"] == "host-read"
+                assert all(o["status"] == "OBSERVED" and o["value"] == 0 for o in tel["observations"].values()
+                           if "value" in o and o.get("unit") != "bytes/s")
+        finally:
+            eng.close()
+    (toks_f, logits_f), (toks_h, logits_h) = runs["full"], runs["host-read"]
+    assert toks_h == toks_f and len(logits_h) == len(logits_f) > 0
+    assert all(torch.equal(a, b) for a, b in zip(logits_h, logits_f))
+
+
+def test_the_engine_refuses_host_read_where_it_cannot_run(seed3_tiny_packs):
+    from runmap.engine.engine import Engine, EngineError
+
+    pack, cfg = seed3_tiny_packs["tiny-olmoe"]
+    with pytest.raises(EngineError, match="grouped executor only"):
+        Engine.from_pack(pack, executor="reference", device="cpu", resident=cfg.top_k, expert_placement="host-read")
+    with pytest.raises(EngineError, match="none is absent"):
+        Engine.from_pack(pack, executor="grouped", device="cpu", expert_placement="host-read")
+    with pytest.raises(EngineError, match="prefetch"):
+        Engine.from_pack(pack, executor="grouped", device="cpu", resident=cfg.top_k, expert_placement="host-read",
+                         prefetch=True)
+
+
+def _cache(experts=8, resident=3, policy="lfu-decay"):
+    from runmap.format.qpack import RowLayout
+    from runmap.residency.cache import ExpertCache
+    from runmap.residency.host_source import HostSource
+
+    layout = RowLayout.build(64, 64, 64)
+    gen = torch.Generator().manual_seed(0)
+    rows = [torch.randint(0, 256, (experts, layout.row_bytes), dtype=torch.uint8, generator=gen) for _ in range(2)]
+    return ExpertCache(HostSource.from_rows(rows, layout), resident=resident, max_group=2, policy=policy)
+
+
+def test_host_reads_are_counted_against_the_requests_generation_and_seen_by_the_policy():
+    cache = _cache()
+    req = cache.admit()
+    mapped = set(req.mapping(0))
+    absent = next(e for e in range(8) if e not in mapped)
+    hit = next(iter(mapped))
+    c0 = dict(cache.counters)
+    assert req.note_host_reads(0, np.array([[hit, absent], [absent, hit]])) == 1  # the union: one absent expert
+    c = cache.counters
+    assert (c["hits"] - c0["hits"], c["misses"] - c0["misses"], c["host_reads"] - c0["host_reads"]) == (1, 1, 1)
+    assert c["host_read_bytes"] - c0["host_read_bytes"] == cache.row_bytes
+    assert c["transactions"] == c0["transactions"]  # nothing moved
+    assert cache.policy.value(0, absent, cache._tick) > 0
+    with pytest.raises(IndexError):
+        req.note_host_reads(0, [8])
+    req.release()
+    with pytest.raises(Exception, match="released"):
+        req.note_host_reads(0, [hit])
+
+
+def test_promotion_publishes_the_hottest_host_read_only_past_the_margin():
+    cache = _cache()
+    mapped = dict(cache.mapping(0))
+    absent = sorted(e for e in range(8) if e not in mapped)
+    a, b = absent[:2]
+    req = cache.admit()
+    req.note_host_reads(0, [a])
+    req.release()
+    # one use of a against residents never used: a's value ~1 >= 0 + margin 1 only just; margin 2 refuses
+    assert cache.promote(0, [a], margin=2.0) == ()
+    gen0 = cache.generation
+    for _ in range(3):
+        req = cache.admit()
+        req.note_host_reads(0, [a, b])
+        req.note_host_reads(0, [a])
+        req.release()
+    got = cache.promote(0, [a, b], margin=1.0)
+    assert got == (a,) and cache.generation == gen0 + 1 and a in cache.mapping(0)
+    assert cache.counters["promotions"] == 1 and len(cache.mapping(0)) == cache.resident
+    # the row it filled holds a's bytes (the transaction's copy, checked like any)
+    row = cache.mapping(0)[a]
+    assert torch.equal(cache.storage(0)[row], cache.host.row_tensor(0, a))
+    # a resident expert is never promoted again, and nothing absent means nothing to do
+    assert cache.promote(0, [a], margin=0.0) == ()
+
+
+def test_promotion_never_takes_a_row_a_live_request_can_read():
+    cache = _cache(resident=3)
+    holder = cache.admit()  # pins the generation: its rows stay its experts' bytes until released
+    pinned = dict(holder.mapping(0))
+    before = {e: cache.storage(0)[r].clone() for e, r in pinned.items()}
+    absent = [e for e in range(8) if e not in pinned]
+    for e in absent[:4]:
+        req = cache.admit()
+        for _ in range(4):
+            req.note_host_reads(0, [e])
+        req.release()
+        cache.promote(0, [e], margin=1.0)
+    for e, r in pinned.items():  # every row the held generation maps still holds its expert
+        assert torch.equal(cache.storage(0)[r], before[e])
+    assert cache.counters["promotions"] + cache.counters["promotions_skipped"] >= 1
+    holder.release()
+    assert cache.outstanding_leases() == 0 and cache.live_requests() == 0

@@ -141,6 +141,19 @@ def _without_decoded_mode(moe, *args, config=None, **kwargs):
     return moe(*args, config={**(config or {}), "DEQUANT": False}, **kwargs)
 
 
+def _check_host_read(executor: str, resident: int, experts: int, device, contract: str) -> None:
+    """Placement host-read's preconditions, each an EngineError naming the value and what is allowed."""
+    if executor != "grouped":
+        raise EngineError(f"expert placement 'host-read' runs on the grouped executor only (its kernels read host rows); "
+                          f"got executor {executor!r}")
+    if resident >= experts:
+        raise EngineError(f"expert placement 'host-read' reads absent experts from the host source; with all {experts} "
+                          "experts resident none is absent: give --resident N below it or a --gpu-budget")
+    if torch.device(device).type == "cuda" and contract != "v2":
+        raise EngineError("expert placement 'host-read' reads the registered host source over the link: it needs "
+                          "contract v2 (--contract v2), which registers and maps it")
+
+
 def _check_routing():
     """The executors' host routing check (runmap.kernels.executors.check_routing), imported on first use."""
     from runmap.kernels.executors import check_routing
@@ -204,6 +217,7 @@ class CachedExperts:
         # the published row table each static table was last refreshed from: a generation's tables are immutable
         # and a layer's is replaced only when that layer publishes, so an unchanged one needs no copy
         self.static_sources: list | None = None if self.full else [None] * self.num_layers
+        self.host_rows: list | None = None  # the host-read site's rows per layer (enable_host_read), else None
 
     @contextlib.contextmanager
     def checked_pass(self):
@@ -434,6 +448,43 @@ class CachedExperts:
         if cur:
             groups.append(cur)
         return groups
+
+    # ---- the host-read site (placement host-read, HostReadDecoder) -----------------------------------------------
+    def enable_host_read(self) -> None:
+        """Set up the host-read site: each layer's host rows (the registered host source mapped into the device's
+        address space; runmap.residency.transport.mapped_rows) and the (L, E) int32 row tables of its steps at fixed
+        addresses, entry e = e's device row where resident in the step's generation, else R + e (host row e)."""
+        from runmap.residency.transport import mapped_rows
+
+        c, L, E = self.cache, self.num_layers, self.cache.num_experts
+        self.host_rows = [mapped_rows(c.host, layer, c.device) for layer in range(L)]  # uint8 (E, row_bytes) each
+        pin = c.device.type == "cuda"
+        self._hr_host = torch.zeros(L, E, dtype=torch.int32, pin_memory=pin)  # written here, copied to hr_tables
+        self.hr_tables = torch.full((L, E), -1, dtype=torch.int32, device=c.device)
+        self._hr_generation: int | None = None  # the generation hr_tables hold
+
+    def point_host_read_tables(self, req) -> None:
+        """Make hr_tables name ``req``'s generation (a copy on the compute stream, queued before the step that reads
+        them; none when they already do). The request pins that generation, so its rows stay what the tables say
+        until it is released."""
+        if req.generation == self._hr_generation:
+            return
+        R, E = self.cache.rows_per_layer, self.cache.num_experts
+        buf = self._hr_host.numpy()  # (L, E); the step before this one was waited for, so no copy still reads it
+        buf[:] = R + np.arange(E, dtype=np.int32)[None, :]  # absent: host row e
+        for layer in range(self.num_layers):
+            m = req.mapping(layer)
+            if m:
+                buf[layer, list(m.keys())] = list(m.values())
+        self.hr_tables.copy_(self._hr_host, non_blocking=True)
+        self._hr_generation = req.generation
+
+    def host_read_experts(self, layer, x, ids, gw):
+        """A host-read step's layer: x fp16 (N, H), ids int64 (N, k), gw fp32 (N, k) -> fp16 (N, H); resident experts
+        from their device rows, absent ones from the host rows, in the same launches (validate=False: capturable)."""
+        with self.cache.monitored():  # a copy out of expert rows in the step would show when it is captured
+            return self.moe(self.executor, x, ids, gw, self.storage[layer], self.hr_tables[layer], self.layout,
+                            validate=False, host_rows=self.host_rows[layer])
 
     def telemetry(self) -> dict:
         return self.cache.telemetry()
@@ -1051,6 +1102,79 @@ class SegmentDecoder(_StaticStepInputs):
         return out
 
 
+class HostReadDecoder(GraphDecoder):
+    """Partial-residency decode steps with the host-read site (placement host-read): one CUDA graph per KV-length
+    bucket, as under full residency. Each layer's experts run through the grouped executor with the step's row
+    table (CachedExperts.hr_tables): resident experts from their device rows, absent ones read over the link from
+    the registered host source, so no miss transaction and no host round trip happen inside the step. The step also
+    copies every layer's routed ids into pinned host memory.
+
+    Per step: admit a request (it pins the generation whose rows the step reads), point the tables at that
+    generation, replay, wait, tell the cache what each layer routed (hits and host reads, seen by the eviction
+    policy), release; then, between steps, ask the cache to promote each layer's hottest host-read expert
+    (ExpertCache.promote: a miss transaction under every rule of the contract). ``capture=False`` runs the same
+    step eagerly (the CPU)."""
+
+    def __init__(self, engine: "Engine", batch: int, pool, capture: bool):
+        super().__init__(engine, batch, pool)
+        self.capture = capture
+        L, k, dev = engine.cfg.num_layers, engine.cfg.top_k, engine.device
+        self.routed = torch.zeros(L, batch, k, dtype=torch.long, device=dev)  # the step's ids, written by the step
+        self.host_ids = torch.zeros(L, batch, k, dtype=torch.long, pin_memory=dev.type == "cuda")
+        self.host_ids_np = self.host_ids.numpy()
+        self.promoted = 0  # experts promoted between this decoder's steps
+
+    def _experts(self, layer, x, ids, gw):
+        self.routed[layer].copy_(ids)
+        return self.e.experts.host_read_experts(layer, x, ids, gw)
+
+    def _step(self, n_keys):
+        e = self.e
+        pos = (self.slot - self.pad).unsqueeze(1)  # (B, 1)
+        e.model.imposed = self.imposed
+        if self.recorded is not None:
+            e.model.route_sink = lambda layer, ids: self.recorded[layer].copy_(ids)
+        try:
+            out = e.model.forward(self.tok, pos, e.kv, self.slot, self.pad, n_keys, self._experts)
+        finally:
+            e.model.imposed = e.model.route_sink = None
+        self.host_ids.copy_(self.routed, non_blocking=self.capture)  # (L, B, k) read after the step's wait
+        return out
+
+    def run(self, tok, slot: int, pad) -> torch.Tensor:
+        """tok int64 (B,), slot int, pad int64 (B,) -> float32 logits (B, V) (a static buffer when captured)."""
+        e = self.e
+        ex = e.experts
+        n_keys = e.bucket(slot + 1) if e.device.type == "cuda" else slot + 1
+        real = self._load(tok, slot, pad)
+        req = ex.cache.admit()
+        waited = not self.capture
+        try:
+            ex.point_host_read_tables(req)
+            if not self.capture:
+                out = self._step(n_keys)
+            else:
+                if n_keys not in self.graphs:
+                    self._capture(n_keys)
+                g, out = self.graphs[n_keys]
+                g.replay()
+                torch.cuda.current_stream(e.device).synchronize()  # the routed ids are in pinned memory
+                waited = True
+            ids = self.host_ids_np
+            for layer in range(ex.num_layers):
+                req.note_host_reads(layer, ids[layer])
+        finally:
+            if not waited:  # a failure before the wait: no queued kernel may read the pinned rows after the release
+                torch.cuda.current_stream(e.device).synchronize()
+            req.release()
+        margin = ex.placement.margin
+        for layer in range(ex.num_layers):
+            self.promoted += len(ex.cache.promote(layer, ids[layer], margin))
+        if self.recorded is not None:
+            e.routes.end_pass(real, self.recorded, decode=True)
+        return out
+
+
 def _end_capture(graph: torch.cuda.CUDAGraph) -> None:
     """End ``graph``'s capture after a failure inside it, discarding the graph: the stream leaves capture mode whether
     or not the capture was already invalidated (the error that ends an invalid capture is the one being handled)."""
@@ -1110,6 +1234,7 @@ class Engine:
             self.experts = SkipExperts(experts)
         self.kv = KVCache(cfg, max_batch, max_seq_len, device)
         self.routing, self.imposed, self.routes = routing, imposed, routes  # name, ImposedRouting, RouteRecorder
+        self.cuda_graphs = bool(cuda_graphs)
         # reference and scalar synchronize with the host on every call, so they cannot be captured
         self.use_graphs = bool(cuda_graphs and device.type == "cuda" and resident == cfg.num_experts
                                and expert_format == "int4" and executor in GRAPH_EXECUTORS)
@@ -1125,12 +1250,16 @@ class Engine:
         self._graphs: dict[int, GraphDecoder] = {}
         self._segments: dict[int, SegmentDecoder] = {}  # batch -> chain without a CPU site
         self._mixed_segments: dict[int, SegmentDecoder] = {}  # batch -> chain with a CPU part per layer
+        self._host_read: dict[int, HostReadDecoder] = {}  # batch -> host-read steps (placement host-read)
         self.decode_paths = dict.fromkeys(DECODE_PATHS, 0)  # decode steps by the path that ran them
         self.prefill_paths = dict.fromkeys(PREFILL_PATHS, 0)  # prefill passes by the path that ran them
         self._retired: list = []  # decoders replaced by _retire, kept until the pool is replaced
         self._prefiller: GraphPrefiller | None = None  # short prefill passes as CUDA graphs (use_graphs only)
-        self._pool = torch.cuda.graph_pool_handle() if (self.use_graphs or self.use_segments) and \
-            device.type == "cuda" else None
+        # placement host-read: partial-residency decode steps whole, with absent experts read from the host source
+        self.use_host_read = bool(isinstance(experts, CachedExperts) and experts.host_rows is not None
+                                  and not self.skip_experts)
+        self._pool = torch.cuda.graph_pool_handle() if (self.use_graphs or self.use_segments or self.use_host_read) \
+            and device.type == "cuda" else None
         if self.use_graphs:
             self._prefiller = GraphPrefiller(self, self._pool)
         self._mixer: MixedStepper | None = None  # mixed steps (mixed_step), made at first use
@@ -1352,7 +1481,15 @@ class Engine:
                     from runmap.residency.transport import pace
 
                     pace(transport, emulate_link_gb_s)
-                kw = dict(resident=resident, max_group=group, device=device, policy=policy, transport=transport)
+                cache_policy = policy
+                if expert_placement == "host-read":
+                    _check_host_read(executor, resident, E, device, cache_contract)
+                    if policy == "lfu-decay":  # its half-life in decode steps: one tick per layer each step
+                        from runmap.engine.placement import HostReadPlacement
+                        from runmap.residency.eviction import LFUDecayPolicy
+
+                        cache_policy = LFUDecayPolicy(half_life=HostReadPlacement().half_life_tokens * cfg.num_layers)
+                kw = dict(resident=resident, max_group=group, device=device, policy=cache_policy, transport=transport)
                 if host_source is not None:
                     host_source.watch_reader(reader)  # closed; a read through it is still observed
                     cache = ExpertCache.from_host(host_source, **kw)
@@ -1373,7 +1510,11 @@ class Engine:
                 if expert_placement != "gpu":
                     from runmap.engine.placement import make_placement
 
-                    experts.placement = make_placement(expert_placement, cache=cache, site=experts.site())
+                    experts.placement = make_placement(expert_placement, cache=cache,
+                                                       site=experts.site() if expert_placement.startswith("auto")
+                                                       else None)
+                    if expert_placement == "host-read":
+                        experts.enable_host_read()
                     if experts.placement.may_use_cpu():
                         # every expert repacked now: a decode step never pays a first use's repack (~30 ms each)
                         t_rep = time.perf_counter()
@@ -1582,6 +1723,14 @@ class Engine:
                 self._retire(self._graphs.get(B))
                 self._graphs[B] = GraphDecoder(self, B, self._pool)
             return self._graphs[B].run(tokens, slot, pad)
+        if self.use_host_read:
+            self.decode_paths["host_read"] += 1
+            dec = self._host_read.get(B)
+            if dec is None or not dec.fits(self):
+                self._retire(dec)
+                dec = self._host_read[B] = HostReadDecoder(self, B, self._pool,
+                                                           capture=self.device.type == "cuda" and self.cuda_graphs)
+            return dec.run(tokens, slot, pad)
         # the placement is asked once per step: a step on which it may give the CPU site experts runs the chain
         # with a CPU part per layer; otherwise (auto while its rule transfers) the plain chain, as placement gpu. A
         # batch whose union may exceed one lease runs the grouped chain (with a CPU part when mixed).
@@ -1652,6 +1801,7 @@ class Engine:
         self._graphs.clear()
         self._segments.clear()
         self._mixed_segments.clear()
+        self._host_read.clear()
         self._retired.clear()
         if self._pool is not None:
             self._pool = torch.cuda.graph_pool_handle()

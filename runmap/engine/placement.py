@@ -66,7 +66,8 @@ import dataclasses
 import time
 
 # auto-split: auto with split=True (the module docstring's "Split"), opt-in until a decode measurement says it helps
-PLACEMENTS = ("gpu", "cpu", "auto", "auto-split")
+# host-read: absent experts read by the GPU straight from the registered host source in decode steps (HostReadPlacement)
+PLACEMENTS = ("gpu", "cpu", "auto", "auto-split", "host-read")
 # Layer calls of at most this many tokens (decode steps up to batch 16) learn and use one in-use CPU rate, larger calls
 # (prompt passes) another. Why: the CPU site reads each expert once per call whatever its tokens, but its arithmetic
 # grows with them, so a pass's rate per expert byte is several times lower than a decode step's (on the H200 host
@@ -224,6 +225,27 @@ class Placement:
 
     def describe(self) -> dict:
         return {"mode": self.name}
+
+
+class HostReadPlacement(Placement):
+    """Decode steps compute absent experts on the GPU from the host source itself, read over the link by the grouped
+    executor through the registered mapping (runmap.kernels.core.expert_site_row): no miss transaction and no host
+    round trip inside a step, so the whole step is one CUDA graph as under full residency. Residency changes between
+    steps: after each step the cache promotes, per layer, the step's hottest host-read expert when the eviction policy
+    values it above the coldest resident by ``margin`` (ExpertCache.promote; with lfu-decay over a half-life of
+    ``half_life_tokens`` decode steps that converges on the most used experts with a fraction of a promotion per token).
+    Prompt passes run the miss transactions of placement gpu (a pass reads each expert many times). Nothing goes to
+    the CPU site."""
+
+    name = "host-read"
+
+    def __init__(self, margin: float = 1.0, half_life_tokens: float = 512.0):
+        if margin < 0 or half_life_tokens <= 0:
+            raise PlacementError(f"host-read: margin {margin} must be >= 0 and half_life_tokens {half_life_tokens} > 0")
+        self.margin, self.half_life_tokens = float(margin), float(half_life_tokens)
+
+    def describe(self) -> dict:
+        return {"mode": self.name, "promotion_margin": self.margin, "half_life_tokens": self.half_life_tokens}
 
 
 class CpuPlacement(Placement):
@@ -437,6 +459,8 @@ def make_placement(name: str, *, cache=None, site=None, costs: PlacementCosts | 
         return Placement()
     if name == "cpu":
         return CpuPlacement()
+    if name == "host-read":
+        return HostReadPlacement()
     if costs is None:
         costs = measure_costs(site, cache.host, cache.device, transport=cache.transport)
     return AutoPlacement(costs, cache.counters, resident=cache.resident, split=name == "auto-split")

@@ -27,7 +27,7 @@ from runmap.provenance import utc_timestamp
 SCHEMA_VERSION = "runmap-telemetry-v1"
 from runmap.residency.observations import OBSERVATION_NAMES as OBS_NAMES, REQUIRED_ZERO as OBS_UNITS
 
-DECODE_PATHS = ("graphs", "chain", "chain_groups", "chain_cpu", "chain_groups_cpu", "per_call")  # Engine.decode_paths; fields decode_steps_<path> below
+DECODE_PATHS = ("graphs", "chain", "chain_groups", "chain_cpu", "chain_groups_cpu", "host_read", "per_call")  # Engine.decode_paths; fields decode_steps_<path> below
 PREFILL_PATHS = ("graphs", "eager")  # Engine.prefill_paths; fields prefill_passes_<path> below
 
 
@@ -50,6 +50,11 @@ class PhaseSiteCounters:
     prefetch_used: int = 0
     prefetches_skipped: int = 0
     prefetches_aborted: int = 0
+    # the host-read site (placement host-read): absent experts its decode steps read over the link, their bytes, and the
+    # experts promoted into device rows between steps (ExpertCache.note_host_reads / promote)
+    host_reads: int = 0
+    host_read_bytes: int = 0
+    promotions: int = 0
     # decode steps by the path that ran them (Engine.decode, DECODE_PATHS): full-residency CUDA graphs, the
     # partial-residency segment chain (one lease per layer, or groups of leases for a batch whose union may exceed
     # one: chain_groups), either with a CPU part (chain_cpu, chain_groups_cpu), or eager layer calls (the per-call path)
@@ -58,6 +63,7 @@ class PhaseSiteCounters:
     decode_steps_chain_groups: int = 0
     decode_steps_chain_cpu: int = 0
     decode_steps_chain_groups_cpu: int = 0
+    decode_steps_host_read: int = 0
     decode_steps_per_call: int = 0
     # Engine.prefill calls by the path that ran them (PREFILL_PATHS): a captured CUDA graph of the prompt padded to its
     # length bucket (runmap.engine.prefill_graph), or the eager pass
@@ -172,7 +178,8 @@ def snapshot(engine, cache: dict | None = None) -> EngineStats:
     sites = dict(placement=MappingProxyType(placement.describe()) if placement is not None else None,
                  prefetch=getattr(engine.experts, "predict", None) is not None, row_bytes=cap["row_bytes"],
                  **{k: c.get(k, 0) for k in ("cpu_site_experts", "prefetches", "prefetched_experts", "prefetch_used",
-                                             "prefetches_skipped", "prefetches_aborted")})
+                                             "prefetches_skipped", "prefetches_aborted", "host_reads",
+                                             "host_read_bytes", "promotions")})
     return EngineStats(**common, **sites, has_cache=True, policy=cache["policy"], hits=c["hits"], misses=c["misses"],
                        evictions=c["evictions"], bytes_h2d=c["bytes_h2d"], h2d_seconds=engine.experts.h2d_seconds,
                        generations=c["generations"],

@@ -26,6 +26,13 @@ Vocabulary
   no room is skipped (``prefetches_skipped``, after the busy refusal it counts) and one whose copies fail before
   publication is aborted as any transaction and reported, not raised (``prefetches_aborted``); a failure after
   publication faults the cache as always. ``prefetch_used`` counts prefetched experts a later lease used.
+* **Host-read site** (``req.note_host_reads(layer, ids)``, ``cache.promote(layer, ids)``): a decode step that reads
+  absent experts straight from the registered host source over the link (the GPU's kernels, through a row table
+  whose absent entries name host rows) runs no transaction: its request pins the generation whose rows it reads, as
+  any request, and afterwards tells the cache what it routed (hits, and misses served by the host source in
+  ``host_reads`` / ``host_read_bytes``; the eviction policy sees every use). Residency changes between steps only,
+  by ``promote``: a miss transaction with no lease for the hottest absent expert, when the eviction policy values it
+  above the coldest evictable resident by a margin, with every rule of a miss transaction.
 * **Failures**: before publication -> ``TransactionAborted`` (spares and staging back, rows with an
   unfinished copy fenced until its event completes, the old generation stays authoritative); after
   publication -> FAULTED, every later admission or acquisition raises ``CacheFaultedError``.
@@ -134,6 +141,17 @@ class Request:
             raise CacheError(f"request {self.id} is released; it pins no generation")
         return min(self._gen.maps[layer].values())  # never empty: a generation maps resident >= 1 experts per layer
 
+    def mapping(self, layer: int) -> MappingProxyType:
+        """{expert: row} of ``layer`` in this request's latest generation: rows it pins (their bytes stay a complete
+        published expert until release), what a host-read step may read from the device."""
+        return self._gen.maps[layer]
+
+    def note_host_reads(self, layer: int, expert_ids) -> int:
+        """After a host-read step of this request: its routed ids of ``layer`` (any int shape) were read from this
+        request's generation where mapped and from the host source elsewhere. Counts hits, misses and host reads
+        and lets the eviction policy see the uses; returns the host reads. No transaction, no lease."""
+        return self._cache._note_host_reads(self, layer, expert_ids)
+
     def acquire_all(self, layer: int) -> Lease:
         """Lease every expert of ``layer`` (full residency only: no miss can happen)."""
         if not self._cache.full_residency:
@@ -184,7 +202,8 @@ class ExpertCache:
             "requests_admitted", "requests_released", "leases", "hits", "misses", "all_hit_leases",
             "transactions", "transactions_aborted", "busy_refusals", "bytes_h2d", "staging_reuses",
             "staging_waits", "evictions", "rows_recycled", "rows_fenced", "faults", "cpu_site_experts",
-            "prefetches", "prefetched_experts", "prefetches_skipped", "prefetches_aborted", "prefetch_used")})
+            "prefetches", "prefetched_experts", "prefetches_skipped", "prefetches_aborted", "prefetch_used",
+            "host_reads", "host_read_bytes", "promotions", "promotions_skipped")})
         # per layer: experts a prefetch published that no lease has used yet (prefetch accuracy)
         self._prefetched: list[set[int]] = [set() for _ in range(self.num_layers)]
         self._storage = [self.transport.alloc_storage(self.rows_per_layer, self.row_bytes)
@@ -334,6 +353,61 @@ class ExpertCache:
             # that follows (LRU: most recent)
             self.policy.touch(layer, tuple(missing), self._tick)
             return tuple(missing)
+
+    def promote(self, layer: int, expert_ids, margin: float = 1.0) -> tuple:
+        """Host-read residency: publish the absent expert of ``expert_ids`` (this step's host reads of ``layer``) that
+        the eviction policy values most, when that value exceeds the coldest evictable resident's by ``margin``
+        (lfu-decay: uses; lru: ticks), through a miss transaction with no lease. Returns the published expert (a
+        1-tuple) or () when none qualified or the transaction found no room or aborted (``promotions_skipped``; the
+        next step reads the expert from the host source again). Raises CacheFaultedError as ``prefetch``."""
+        with self._lock, self._watch():
+            self._check_faulted()
+            cur = self._current
+            mapped = cur.maps[layer]
+            absent = [e for e in self._step_union(layer, expert_ids) if e not in mapped]
+            protected = self._protected(layer, ())
+            evictable = [e for e in mapped if e not in protected]
+            if not absent or (len(mapped) >= self.resident and not evictable):
+                return ()
+            value = self.policy.value
+            best = max(absent, key=lambda e: (value(layer, e, self._tick), -e))
+            if len(mapped) >= self.resident:
+                coldest = min(value(layer, e, self._tick) for e in evictable)
+                if value(layer, best, self._tick) < coldest + margin:
+                    return ()
+            try:
+                with self._watch(transaction=True):
+                    self._transaction(layer, (best,), cur, [best])
+            except (CacheBusyError, TransactionAborted):
+                self.counters["promotions_skipped"] += 1
+                return ()
+            self.counters["promotions"] += 1
+            return (best,)
+
+    def _step_union(self, layer: int, expert_ids) -> tuple:
+        """A host-read step's batch union of ``layer`` (sorted), checked like ``_group`` but with no max_group bound:
+        the step leases nothing, so its union may be any size."""
+        if not (0 <= layer < self.num_layers):
+            raise IndexError(f"layer {layer} out of range [0, {self.num_layers})")
+        group = tuple(sorted({int(i) for i in np.asarray(expert_ids).reshape(-1).tolist()}))
+        if group and not (0 <= group[0] and group[-1] < self.num_experts):
+            raise IndexError(f"layer {layer}: expert ids {group} outside [0, {self.num_experts})")
+        return group
+
+    def _note_host_reads(self, req: Request, layer: int, expert_ids) -> int:
+        with self._lock:
+            if req.released:
+                raise CacheError(f"request {req.id} was released; note a step's host reads before releasing it")
+            group = self._step_union(layer, expert_ids)
+            self._tick += 1
+            mapped = req._gen.maps[layer]
+            reads = sum(1 for e in group if e not in mapped)
+            self.counters["hits"] += len(group) - reads
+            self.counters["misses"] += reads
+            self.counters["host_reads"] += reads
+            self.counters["host_read_bytes"] += reads * self.row_bytes
+            self.policy.touch(layer, group, self._tick)
+            return reads
 
     def monitored(self):
         """Context manager: copies out of expert storage made inside the block (e.g. by the code that reads

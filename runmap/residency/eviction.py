@@ -21,6 +21,11 @@ class EvictionPolicy:
         """Pick ``n`` victims among ``candidates`` (len(candidates) >= n)."""
         raise NotImplementedError
 
+    def value(self, layer: int, expert: int, tick: int) -> float:
+        """How much the policy wants ``expert`` kept at ``tick`` (higher: kept longer); ``choose`` evicts the lowest.
+        The host-read site's promotion compares an absent expert's value with the coldest resident's."""
+        raise NotImplementedError
+
     def forget(self, layer: int, experts) -> None:
         """Drop history of evicted experts (LRU) or keep it (frequency policies decide)."""
 
@@ -40,6 +45,9 @@ class LRUPolicy(EvictionPolicy):
     def choose(self, layer, candidates, n, tick):
         order = sorted(candidates, key=lambda e: (self.last.get((layer, e), -1), e))
         return order[:n]
+
+    def value(self, layer, expert, tick):
+        return float(self.last.get((layer, expert), -1))  # the tick of its last use
 
 
 class LFUDecayPolicy(EvictionPolicy):
@@ -65,6 +73,9 @@ class LFUDecayPolicy(EvictionPolicy):
         for e in experts:
             key = (layer, e)
             self.score[key] = (self._value(key, tick) + 1.0, tick)
+
+    def value(self, layer, expert, tick):
+        return self._value((layer, expert), tick)  # decayed uses
 
     def choose(self, layer, candidates, n, tick):
         def rank(e):

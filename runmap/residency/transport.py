@@ -350,9 +350,37 @@ class CpuDirectTransport(CpuTransport):
         return self.h2d(dst_row, host_row)
 
 
-# cudaHostRegister flags (CUDA runtime API): the pages stay read-only (the host source is mprotect-ed), and
-# the registration is usable from every CUDA context of the process.
-_HOST_REGISTER_PORTABLE, _HOST_REGISTER_READ_ONLY = 0x01, 0x08
+# cudaHostRegister flags (CUDA runtime API): the pages stay read-only (the host source is mprotect-ed), the
+# registration is usable from every CUDA context of the process, and the range is mapped into the device's address
+# space (the host-read site's kernels read it there; with unified addressing its device pointer is its host pointer).
+_HOST_REGISTER_PORTABLE, _HOST_REGISTER_MAPPED, _HOST_REGISTER_READ_ONLY = 0x01, 0x02, 0x08
+
+
+class _MappedArray:
+    """``__cuda_array_interface__`` of registered, mapped host memory: torch.as_tensor(..., device=cuda) of it is a CUDA
+    uint8 (rows, row_bytes) tensor whose kernels read the host bytes over the link. Declared writable only because
+    torch refuses read-only device buffers; the pages are write-protected and registered read-only, so a write
+    through it faults instead of changing the host source."""
+
+    def __init__(self, ptr: int, rows: int, row_bytes: int):
+        self.__cuda_array_interface__ = {"shape": (rows, row_bytes), "typestr": "|u1", "data": (ptr, False),
+                                         "version": 2, "strides": None}
+
+
+def mapped_rows(host, layer: int, device) -> torch.Tensor:
+    """The host-read site's rows of ``layer``: uint8 (E, row_bytes), expert e at row e, on ``device``. On a GPU the
+    registered host source mapped into the device's address space (contract v2's registration; a kernel reading it
+    reads host memory over the link), never a copy; on the CPU the host source itself."""
+    dev = torch.device(device)
+    arr = host.array[layer]  # (E, row_bytes) uint8, read-only pages
+    if dev.type == "cpu":
+        return host._tensor[layer]  # the host source's internal alias (read-only pages; torch has no read-only tensor)
+    reg = getattr(host, "pinned_registration", None)
+    if not reg or not (reg[0] <= arr.ctypes.data and arr.ctypes.data + arr.nbytes <= reg[0] + reg[1]):
+        raise TransferError("the host-read site needs the host source registered and mapped (contract v2: "
+                            "--contract v2)")
+    with torch.cuda.device(dev):
+        return torch.as_tensor(_MappedArray(arr.ctypes.data, *arr.shape), device=dev)
 
 
 class PinnedSourceTransport(CudaTransport):
@@ -372,8 +400,8 @@ class PinnedSourceTransport(CudaTransport):
         if getattr(host, "pinned_registration", None):
             self.registered_bytes = arr.nbytes  # another engine of this process registered it already
             return
-        err = torch.cuda.cudart().cudaHostRegister(arr.ctypes.data, arr.nbytes,
-                                                    _HOST_REGISTER_PORTABLE | _HOST_REGISTER_READ_ONLY)
+        err = torch.cuda.cudart().cudaHostRegister(
+            arr.ctypes.data, arr.nbytes, _HOST_REGISTER_PORTABLE | _HOST_REGISTER_MAPPED | _HOST_REGISTER_READ_ONLY)
         code = int(getattr(err, "value", err))
         if code != 0:
             raise TransferError(f"resident-qpacked-cache-v2: pinning the {arr.nbytes / 2**30:.2f} GiB host source "
