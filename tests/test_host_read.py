@@ -259,3 +259,30 @@ def test_promotion_never_takes_a_row_a_live_request_can_read():
     assert cache.counters["promotions"] + cache.counters["promotions_skipped"] >= 1
     holder.release()
     assert cache.outstanding_leases() == 0 and cache.live_requests() == 0
+
+
+def test_a_host_read_bench_record_counts_its_reads_in_the_bytes_per_token(seed3_tiny_packs, tmp_path):
+    from runmap.bench import campaign as bench
+    from runmap.conformance.schemas import validate_document
+
+    pack, cfg = seed3_tiny_packs["tiny-olmoe"]
+    spec = {"name": "hr", "description": "host-read", "device": "cpu", "defaults": {"repeats": 1, "warmup": 0},
+            "models": {"m": {"preset": "tiny-olmoe", "pack": str(pack)}},
+            "groups": [{"name": "hr", "kind": "engine", "models": ["m"], "resident": [cfg.top_k],
+                        "executors": ["grouped"], "batch": [1], "prompt_len": 4, "decode_len": 4,
+                        "params": {"expert_placement": "host-read", "policy": "lfu-decay", "routing": "calibrated"}}]}
+    summary = bench.run_campaign(spec, tmp_path, progress=False, measure_bandwidth=False, command="pytest")
+    assert not summary["failed"], summary["failed"]
+    (rec,) = bench.load_records(tmp_path / "hr")
+    assert validate_document({k: v for k, v in rec.items() if k != "_path"}, "bench-record.schema.json") == []
+    s = rec["sites"]
+    assert "__placement-host-read" in rec["id"] and s["expert_placement"] == "host-read"
+    assert s["decode_steps"]["host_read"] == 3 and s["host_reads"] > 0  # decode_len 4: the first token is the prefill's
+    from runmap.format.packfile import PackReader
+
+    with PackReader(pack) as reader:
+        assert s["host_read_bytes"] == s["host_reads"] * reader.layout.row_bytes
+    # what crossed the link per decoded token: the transactions' copies (promotions) and the host reads
+    per_tok = rec["h2d"]["bytes_per_token"]["value"]
+    assert per_tok * 3 >= s["host_read_bytes"] > 0
+    assert rec["routing"]["misses_per_token"]["value"] * 3 >= s["host_reads"]

@@ -100,6 +100,8 @@ def _site_record(st: EngineStats, d) -> dict | None:
     if st.placement is not None:
         out["placement"] = dict(st.placement)
         out["cpu_site_experts"] = d.cpu_site_experts
+        if st.placement["mode"] == "host-read":
+            out.update(host_reads=d.host_reads, host_read_bytes=d.host_read_bytes, promotions=d.promotions)
     if st.prefetch:
         n = d.prefetched_experts
         out.update({"prefetches": d.prefetches, "prefetched_experts": n, "prefetch_used": d.prefetch_used,
@@ -708,7 +710,8 @@ def run_config(engine: BenchEngine, c: BenchConfig, model_cfg: ModelConfig, ctx:
         else:
             h2d_rate = bm.unknown("host->device bytes without a measured transfer time")
         # decode steps' bytes only: the prompt's misses are the prefill's, not a decoded token's
-        h2d_per_tok = (bm.observed(d.decode_bytes_h2d / decode_tokens) if decode_tokens else
+        # host-read steps' reads cross the link as a copy's bytes would (prompt passes never host-read: decode's)
+        h2d_per_tok = (bm.observed((d.decode_bytes_h2d + d.host_read_bytes) / decode_tokens) if decode_tokens else
                        bm.unknown("no tokens generated"))
         h2d_prefill = bm.observed(d.prefill_bytes_h2d)
         cache = {k: _bytes_measure(getattr(s1, k), f"engine reports no {k}")

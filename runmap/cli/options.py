@@ -43,7 +43,11 @@ def add_residency_arguments(p) -> None:
                         "measured at startup and then in use (host->device copy, CPU expert) and the routes' reuse say "
                         "is cheaper (the CPU's rate learned apart for decode steps and prompt passes), auto-split = auto "
                         "dividing each call's absent experts between the CPU and the link so that both work at once "
-                        "(opt-in: not yet shown faster in decode); the plan is printed. The route never changes, only "
+                        "(opt-in: not yet shown faster in decode), host-read = decode steps read absent experts "
+                        "straight from the host copy over the link inside one CUDA graph (no transfer, no host round "
+                        "trip), the most used experts promoted into device rows between steps (grouped executor; on a "
+                        "GPU needs --cache-contract v2); the plan is printed. The route "
+                        "never changes, only "
                         "where each routed expert runs. "
                         "Decode steps that may use the CPU run the CUDA-graph segment chain with a CPU part per layer "
                         "(docs/engine.md)")
@@ -72,6 +76,11 @@ def placement_line(eng) -> str | None:
     d = pl.describe()
     if d["mode"] == "cpu":
         return "expert placement cpu: absent experts are computed on the CPU from the host source (no transfers)"
+    if d["mode"] == "host-read":
+        return (f"expert placement host-read: decode steps read absent experts from the host source over the link; "
+                f"between steps a host-read expert is promoted when the {eng.experts.cache.policy.name} policy values "
+                f"it {d['promotion_margin']:g} above the coldest resident (half-life {d['half_life_tokens']:g} steps "
+                f"under lfu-decay)")
     c = d["costs"]
     head = (f"expert placement {d['mode']}: host->device {c['h2d_gb_s']:.1f} GB/s, CPU site {c['cpu_gb_s']:.1f} GB/s "
             f"per expert ({c['row_bytes']} B rows): ")

@@ -4,7 +4,7 @@ Stable Python API (the IFEval and campaign code call exactly this)::
 
     from runmap.engine.engine import Engine
     eng = Engine.from_pack(pack_dir, *, executor="grouped", resident=None, device=None, max_batch=8,
-                           max_seq_len=None, policy="lru", expert_format="int4", max_group=None,
+                           max_seq_len=None, policy=None, expert_format="int4", max_group=None,
                            cuda_graphs=True, prefill_chunk=None, fused=True, host_source=None,
                            skip_experts=False, verify_pack=None, routing="model", routing_seed=0,
                            record_routes=False, cache_contract="v1", segments=True, gpu_budget=None,
@@ -28,7 +28,8 @@ Arguments:
     max_batch      rows decoded together; longer prompt lists are processed in groups of max_batch
     max_seq_len    KV cache length (prompt + new tokens); None = min(max_position_embeddings, 4096).
                    The KV cache (max_batch x max_seq_len) is allocated once at startup.
-    policy         eviction policy of the cache (partial residency)
+    policy         eviction policy of the cache (partial residency): "lru" or "lfu-decay"; None = lru, or
+                   lfu-decay (half-life in decode steps) under expert_placement="host-read"
     expert_format  "int4" (the product: qpacked experts through the cache and an executor) or "fp16"
                    (BASELINE ONLY: every expert dequantized once to FP16 on the device, torch matmuls,
                    no cache; exists so that the effect of compression can be isolated)
@@ -151,7 +152,7 @@ def _check_host_read(executor: str, resident: int, experts: int, device, contrac
                           "experts resident none is absent: give --resident N below it or a --gpu-budget")
     if torch.device(device).type == "cuda" and contract != "v2":
         raise EngineError("expert placement 'host-read' reads the registered host source over the link: it needs "
-                          "contract v2 (--contract v2), which registers and maps it")
+                          "contract v2 (--cache-contract v2), which registers and maps it")
 
 
 def _check_routing():
@@ -1337,7 +1338,7 @@ class Engine:
 
     @classmethod
     def from_pack(cls, pack_dir, *, executor: str = "grouped", resident: int | None = None, device=None,
-                  max_batch: int = 8, max_seq_len: int | None = None, policy: str = "lru",
+                  max_batch: int = 8, max_seq_len: int | None = None, policy: str | None = None,
                   expert_format: str = "int4", max_group: int | None = None, cuda_graphs: bool = True,
                   prefill_chunk: int | None = None, fused=True, host_source=None,
                   skip_experts: bool = False, verify_pack: bool | None = None, routing: str = "model",
@@ -1481,6 +1482,8 @@ class Engine:
                     from runmap.residency.transport import pace
 
                     pace(transport, emulate_link_gb_s)
+                if policy is None:  # host-read promotes by use counts; the miss transaction evicts least recent
+                    policy = "lfu-decay" if expert_placement == "host-read" else "lru"
                 cache_policy = policy
                 if expert_placement == "host-read":
                     _check_host_read(executor, resident, E, device, cache_contract)
