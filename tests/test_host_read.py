@@ -1,10 +1,6 @@
 """The host-read site: the grouped executor computing absent experts from a second storage (on a GPU registered host
 memory mapped into the device's address space; here, in the interpreter, a second host tensor) named by row table
 entries past the device rows (runmap.kernels.core.expert_site_row)."""
-import os
-
-os.environ.setdefault("TRITON_INTERPRET", "1")
-
 import numpy as np
 import pytest
 import torch
@@ -19,32 +15,44 @@ SMALL = {s.name: s for group in SHAPES.values() for s in group}
 TOL = 2e-3  # relative Frobenius error against the FP32 reference, as the executor's own check
 
 
+_KEEP: list = []  # pinned host buffers whose device views a test still uses
+
+
 def _split(storage, table, experts, on_host):
     """The layer's experts moved apart: those in ``on_host`` only in a host row storage (E rows, expert e at row e,
     the rest poisoned), the others in a device storage of their own rows; -> (device storage, host rows, table)
-    whose entries past the device rows name host rows."""
+    whose entries past the device rows name host rows. On a GPU the host rows are pinned host memory seen through
+    its device mapping (unified addressing), so the kernels read them over the link."""
     R = storage.shape[0]
     rows = storage.clone()
     host = torch.randint(0, 256, (experts, storage.shape[1]), dtype=torch.uint8)  # poison: never read unless named
     split = table.clone()
     for e in on_host:
         r = int(table[e])
-        host[e] = storage[r]
-        rows[r] = torch.randint(0, 256, (storage.shape[1],), dtype=torch.uint8)  # the device copy is gone
+        host[e] = storage[r].cpu()
+        rows[r] = torch.randint(0, 256, (storage.shape[1],), dtype=torch.uint8).to(storage.device)  # the copy is gone
         split[e] = R + e
+    if storage.device.type == "cuda":
+        from runmap.residency.transport import _MappedArray
+
+        pinned = host.pin_memory()
+        _KEEP.append(pinned)
+        host = torch.as_tensor(_MappedArray(pinned.data_ptr(), *pinned.shape), device=storage.device)
     return rows, host, split
 
 
 @pytest.mark.parametrize("shape_name", ["small-b256", "small-b64", "small-mixtral"])
 @pytest.mark.parametrize("tokens", [1, 3])
-def test_host_rows_compute_what_device_rows_do(shape_name, tokens):
+def test_host_rows_compute_what_device_rows_do(shape_name, tokens, test_device):
     shape = SMALL[shape_name]
-    layout, storage, table, resident = make_layer(shape, torch.device("cpu"), seed=11)
+    dev = torch.device(test_device)
+    layout, storage, table, resident = make_layer(shape, dev, seed=11)
+    resident = resident.cpu()
     gen = torch.Generator().manual_seed(5)
     k = shape.top_k
-    ids = torch.stack([resident[torch.randperm(resident.numel(), generator=gen)[:k]] for _ in range(tokens)])
-    x = torch.randn(tokens, shape.hidden, generator=gen).to(torch.float16)
-    w = torch.softmax(torch.randn(tokens, k, generator=gen), dim=1)
+    ids = torch.stack([resident[torch.randperm(resident.numel(), generator=gen)[:k]] for _ in range(tokens)]).to(dev)
+    x = torch.randn(tokens, shape.hidden, generator=gen).to(torch.float16).to(dev)
+    w = torch.softmax(torch.randn(tokens, k, generator=gen), dim=1).to(dev)
     on_host = sorted(set(ids[:, ::2].reshape(-1).tolist()))  # half the routed slots' experts read from the host rows
     dev_rows, host, split = _split(storage, table, shape.experts, on_host)
     want = moe_experts("grouped", x, ids, w, storage, table, layout, validate=False)
@@ -57,13 +65,17 @@ def test_host_rows_compute_what_device_rows_do(shape_name, tokens):
 @settings(max_examples=8, deadline=None)
 @given(seed=st.integers(0, 2**16), tokens=st.integers(1, 4), host_share=st.floats(0.0, 1.0))
 def test_any_split_of_experts_between_sites_gives_the_same_output(seed, tokens, host_share):
+    import os
+
+    dev = torch.device(os.environ.get("RUNMAP_TEST_DEVICE", "cpu"))  # (a fixture does not mix with @given)
     shape = SMALL["small-b64"]
-    layout, storage, table, resident = make_layer(shape, torch.device("cpu"), seed=seed)
+    layout, storage, table, resident = make_layer(shape, dev, seed=seed)
+    resident = resident.cpu()
     gen = torch.Generator().manual_seed(seed + 1)
     k = shape.top_k
-    ids = torch.stack([resident[torch.randperm(resident.numel(), generator=gen)[:k]] for _ in range(tokens)])
-    x = torch.randn(tokens, shape.hidden, generator=gen).to(torch.float16)
-    w = torch.softmax(torch.randn(tokens, k, generator=gen), dim=1)
+    ids = torch.stack([resident[torch.randperm(resident.numel(), generator=gen)[:k]] for _ in range(tokens)]).to(dev)
+    x = torch.randn(tokens, shape.hidden, generator=gen).to(torch.float16).to(dev)
+    w = torch.softmax(torch.randn(tokens, k, generator=gen), dim=1).to(dev)
     used = sorted(set(ids.reshape(-1).tolist()))
     on_host = [e for e, u in zip(used, torch.rand(len(used), generator=gen).tolist()) if u < host_share]
     dev_rows, host, split = _split(storage, table, shape.experts, on_host)
@@ -72,13 +84,14 @@ def test_any_split_of_experts_between_sites_gives_the_same_output(seed, tokens, 
     assert torch.equal(got, want)
 
 
-def test_an_entry_past_both_sites_gives_nan_never_another_row():
+def test_an_entry_past_both_sites_gives_nan_never_another_row(test_device):
     shape = SMALL["small-b256"]
-    layout, storage, table, resident = make_layer(shape, torch.device("cpu"), seed=3)
+    dev = torch.device(test_device)
+    layout, storage, table, resident = make_layer(shape, dev, seed=3)
     k = shape.top_k
     ids = resident[:k].view(1, k).clone()
-    x = torch.randn(1, shape.hidden).to(torch.float16)
-    w = torch.softmax(torch.randn(1, k), dim=1)
+    x = torch.randn(1, shape.hidden).to(torch.float16).to(dev)
+    w = torch.softmax(torch.randn(1, k), dim=1).to(dev)
     dev_rows, host, split = _split(storage, table, shape.experts, [int(ids[0, 0])])
     bad = split.clone()
     bad[int(ids[0, 1])] = storage.shape[0] + shape.experts  # one past the host rows

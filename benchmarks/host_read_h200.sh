@@ -1,0 +1,28 @@
+#!/usr/bin/env bash
+# One device call for the host-read site (issue 24 item 8): its GPU tests (real registered host memory mapped into the
+# device, captured steps, logits equal to full residency), the grouped executor's kernel check at the full shapes (its
+# kernels now resolve host rows too), then the h200-host-read campaign on directly synthesized OLMoE and Qwen1.5-MoE
+# packs:
+#
+#   RUNMAP_GIT_COMMIT=<sha> bash benchmarks/host_read_h200.sh [BUDGET_S]     (repo root, $OUT set; carry wheels/)
+#
+# Files back: gpu-pytest.log, kernels-grouped.json, h200-campaign.tar.gz, bench.log, prepare-{olmoe,qwen}.log.
+set -uo pipefail
+: "${OUT:?set OUT to the directory whose files come back}"
+mkdir -p "$OUT"
+SECONDS=0
+export PYTHONUNBUFFERED=1 PYTHONPATH=.
+python3 -c "import jsonschema" 2>/dev/null || { [ -d wheels ] && python3 -m pip install -q --no-index --find-links wheels/ \
+  --break-system-packages jsonschema==4.26.0; }
+RUNMAP_TEST_DEVICE=cuda timeout 150 python3 -m pytest -q -p no:cacheprovider tests/test_host_read.py \
+  -k "not bench_record" > "$OUT/gpu-pytest.log" 2>&1
+echo "[${SECONDS}s] gpu pytest (host-read) exit $?"
+tail -3 "$OUT/gpu-pytest.log"
+timeout 120 python3 -m runmap.cli.check_kernels --device cuda --shapes full --executors grouped --m 1,2,3,8,17,64,300 \
+  --out "$OUT/kernels-grouped.json" --no-progress > "$OUT/kernels-grouped.log" 2>&1
+echo "[${SECONDS}s] kernel check (grouped, full shapes) exit $?"
+tail -2 "$OUT/kernels-grouped.log"
+RUNMAP_SPEC=specs/campaigns/h200-host-read.yaml RUNMAP_DIRECT="olmoe=olmoe-1b-7b-0924 qwen=qwen1.5-moe-a2.7b" \
+  bash benchmarks/run_h200_campaign.sh $(( ${1:-570} - SECONDS - 15 ))
+rm -f "$OUT/kernels-grouped.log"
+echo "[${SECONDS}s] done"
