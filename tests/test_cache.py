@@ -566,8 +566,8 @@ def test_a_new_cache_reports_its_capacity_counters_and_rows():
         "transactions": 0, "transactions_aborted": 0, "busy_refusals": 0, "bytes_h2d": 2 * 3 * RB,
         "staging_reuses": 4, "staging_waits": 0, "evictions": 0, "rows_recycled": 0, "rows_fenced": 0, "faults": 0,
         "cpu_site_experts": 0, "prefetches": 0, "prefetched_experts": 0, "prefetches_skipped": 0,
-        "prefetches_aborted": 0, "prefetch_used": 0,
-        "generations": 1, "bytes_h2d_transport": 2 * 3 * RB, "leases_outstanding": 0, "staging_free": 2,
+        "prefetches_aborted": 0, "prefetch_used": 0, "host_reads": 0, "host_read_bytes": 0, "promotions": 0,
+        "promotions_skipped": 0, "generations": 1, "bytes_h2d_transport": 2 * 3 * RB, "leases_outstanding": 0, "staging_free": 2,
         "writebacks": 0, "bytes_d2h": 0}
     assert tel["observations"] == cache_observations(cache.transport, cache.host, cache.copy_monitor)
     assert tel["observations"]["request_pack_reads"]["status"] == "OBSERVED" and tel["observations_all_zero"] is True
