@@ -127,7 +127,7 @@ def _chunk_pairs(match, rank, count, c0, P_PAD: tl.constexpr, BLOCK_M: tl.conste
 
 # do_not_specialize: the pair count P (and the sort's chunk count) changes with every prompt length; Triton would
 # otherwise compile a variant per "== 1" / "% 16 == 0" class of it inside a request (a stall of seconds in a server)
-@triton.jit(do_not_specialize=["P", "host_off", "n_host_rows"])
+@triton.jit(do_not_specialize=["P", "n_host_rows"])  # host_off: specialized (a multiple of 16: aligned loads)
 def _grouped_gate_up_kernel(
     x_ptr, ids_ptr, order_ptr, row_table_ptr, w_ptr, s_ptr, h_ptr,  # x (T, H) fp16, h (P, I) fp16
     P, n_experts, n_rows, row_bytes, host_off, n_host_rows, stride_xm,  # host_*: the host-read site (expert_site_row)
@@ -157,7 +157,7 @@ def _grouped_gate_up_kernel(
                                N, K, NB, QBLOCK, TOPK, BLOCK_M, BLOCK_N, BLOCK_K, TILE_SCALE, DEQ_ASM, SCALE_COLS)
 
 
-@triton.jit(do_not_specialize=["P", "host_off", "n_host_rows"])
+@triton.jit(do_not_specialize=["P", "n_host_rows"])  # host_off: specialized (a multiple of 16: aligned loads)
 def _grouped_down_kernel(
     h_ptr, ids_ptr, order_ptr, wts_ptr, row_table_ptr, w_ptr, s_ptr, ypair_ptr,  # h (P, I) fp16, ypair (P, H) fp32
     P, n_experts, n_rows, row_bytes, host_off, n_host_rows, down_w, down_s,

@@ -1149,18 +1149,18 @@ class HostReadDecoder(GraphDecoder):
         n_keys = e.bucket(slot + 1) if e.device.type == "cuda" else slot + 1
         real = self._load(tok, slot, pad)
         req = ex.cache.admit()
-        waited = not self.capture
+        waited = e.device.type != "cuda"
         try:
             ex.point_host_read_tables(req)
             if not self.capture:
-                out = self._step(n_keys)
+                out = self._step(n_keys)  # ends with a blocking copy of the ids: the step's kernels are done
             else:
                 if n_keys not in self.graphs:
                     self._capture(n_keys)
                 g, out = self.graphs[n_keys]
                 g.replay()
                 torch.cuda.current_stream(e.device).synchronize()  # the routed ids are in pinned memory
-                waited = True
+            waited = True
             ids = self.host_ids_np
             for layer in range(ex.num_layers):
                 req.note_host_reads(layer, ids[layer])
@@ -1168,11 +1168,11 @@ class HostReadDecoder(GraphDecoder):
             if not waited:  # a failure before the wait: no queued kernel may read the pinned rows after the release
                 torch.cuda.current_stream(e.device).synchronize()
             req.release()
-        margin = ex.placement.margin
-        for layer in range(ex.num_layers):
-            self.promoted += len(ex.cache.promote(layer, ids[layer], margin))
-        if self.recorded is not None:
+        if self.recorded is not None:  # the step ran: its routes are recorded whatever a promotion does next
             e.routes.end_pass(real, self.recorded, decode=True)
+        margin = ex.placement.margin
+        for layer in range(ex.num_layers):  # timed like any transfer (the records' h2d rate)
+            self.promoted += len(ex._timed(ex.cache.promote, layer, ids[layer], margin))
         return out
 
 
@@ -1430,6 +1430,12 @@ class Engine:
         if expert_format == "fp16" and resident != E:
             reader.close()
             raise EngineError("expert_format='fp16' is a full-residency baseline; it cannot be combined with resident")
+        if expert_placement == "host-read":
+            try:
+                _check_host_read(executor, resident, E, device, cache_contract)
+            except EngineError:
+                reader.close()
+                raise
         if max_seq_len is None:
             max_seq_len = min(cfg.max_position_embeddings, 4096)
         if budget_plan is not None and device.type == "cuda":
@@ -1486,7 +1492,6 @@ class Engine:
                     policy = "lfu-decay" if expert_placement == "host-read" else "lru"
                 cache_policy = policy
                 if expert_placement == "host-read":
-                    _check_host_read(executor, resident, E, device, cache_contract)
                     if policy == "lfu-decay":  # its half-life in decode steps: one tick per layer each step
                         from runmap.engine.placement import HostReadPlacement
                         from runmap.residency.eviction import LFUDecayPolicy
@@ -1959,6 +1964,7 @@ class Engine:
         self._graphs.clear()
         self._segments.clear()
         self._mixed_segments.clear()
+        self._host_read.clear()
         self._retired.clear()
         self._prefiller = None
         self._mixer = None
