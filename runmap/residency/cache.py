@@ -398,6 +398,7 @@ class ExpertCache:
         with self._lock:
             if req.released:
                 raise CacheError(f"request {req.id} was released; note a step's host reads before releasing it")
+            self._check_faulted()
             group = self._step_union(layer, expert_ids)
             self._tick += 1
             mapped = req._gen.maps[layer]

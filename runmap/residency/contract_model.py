@@ -34,6 +34,7 @@ import random
 import sys
 from collections import Counter
 
+import numpy as np
 import torch
 from hypothesis import HealthCheck, Phase, seed as hyp_seed, settings, strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, initialize, invariant, precondition, rule
@@ -552,6 +553,44 @@ class PrefetchEvictsLeased(_PrefetchFlag):
         return set(group) if self._prefetching else super()._protected(layer, group)
 
 
+class _PromoteFlag(ExpertCache):
+    """Base of the host-read mutants: ``_promoting`` is True while a promotion runs."""
+
+    _promoting = False
+
+    def promote(self, layer, expert_ids, margin=1.0):
+        self._promoting = True
+        try:
+            return super().promote(layer, expert_ids, margin)
+        finally:
+            self._promoting = False
+
+
+class PublishPromotionEarly(_PromoteFlag):
+    """A promotion publishes its row without waiting for the copy (the step that routed it already ran)."""
+
+    def _wait_all(self, submitted):
+        if not self._promoting:
+            super()._wait_all(submitted)
+
+
+class PromoteEvictsLeased(_PromoteFlag):
+    """A promotion that evicts any resident expert, even one a live lease reads ("it is only between steps")."""
+
+    def _protected(self, layer, group):
+        return set(group) if self._promoting else super()._protected(layer, group)
+
+
+class HostReadsAsHits(ExpertCache):
+    """Host reads counted as hits: the hit rate of a host-read step reads as if every expert were resident."""
+
+    def _note_host_reads(self, req, layer, expert_ids):
+        reads = super()._note_host_reads(req, layer, expert_ids)
+        self.counters["misses"] -= reads
+        self.counters["hits"] += reads
+        return reads
+
+
 MUTANTS = {
     "publish-before-transfer": PublishBeforeTransfer,
     "recycle-with-live-lease": RecycleWithLiveLease,
@@ -570,6 +609,9 @@ MUTANTS = {
     "publish-prefetch-early": PublishPrefetchEarly,
     "prefetch-when-faulted": PrefetchWhenFaulted,
     "prefetch-evicts-leased": PrefetchEvictsLeased,
+    "publish-promotion-early": PublishPromotionEarly,
+    "promote-evicts-leased": PromoteEvictsLeased,
+    "host-reads-as-hits": HostReadsAsHits,
 }
 # broken transports, run with the real cache (CUDA-events mode only: a controlled transport would hide them)
 TRANSPORT_MUTANTS = {"event-before-copy": EventBeforeCopyTransport}
@@ -600,14 +642,15 @@ INVARIANTS = (
     "generations_strictly_increase", "abort_keeps_generation", "faulted_admits_nothing",
     "required_zero_observations", "lease_gets_exactly_its_group", "eviction_respects_leases",
     "spares_only_from_free_rows", "counters_match_model", "request_block_gives_everything_back",
-    "cpu_site_experts_never_leased", "prefetch_publishes_like_a_miss",
+    "cpu_site_experts_never_leased", "prefetch_publishes_like_a_miss", "host_reads_move_nothing",
+    "promotion_publishes_like_a_miss",
 )
 CUDA_INVARIANTS = ("events_fence_their_copies",)  # checked in the cuda mode only
 MODEL_COUNTERS = ("hits", "misses", "bytes_h2d", "bytes_h2d_transport", "evictions", "leases_outstanding",
                   "staging_free", "transactions", "transactions_aborted", "busy_refusals", "faults",
                   "requests_admitted", "requests_released", "leases", "all_hit_leases", "rows_fenced", "rows_recycled",
                   "cpu_site_experts", "prefetches", "prefetched_experts", "prefetches_skipped", "prefetches_aborted",
-                  "prefetch_used")
+                  "prefetch_used", "host_reads", "host_read_bytes", "promotions", "promotions_skipped")
 # where a request block's body raises (besides acquire): the device kernel, or the CPU site computing the experts a
 # mixed placement gave it (as an Exception or a BaseException)
 BLOCK_RAISES = (None, "kernel", "kernel-interrupt", "cpu-site", "cpu-site-interrupt")
@@ -1181,6 +1224,138 @@ class CacheContractMachine(RuleBasedStateMachine):
             self.clock += 1
             for e in missing:
                 self.last_use[(layer, e)] = self.clock
+
+    @precondition(lambda self: self.cache is not None and not self.cache.full_residency and bool(self.reqs))
+    @rule(data=st.data())
+    def host_read_step(self, data):
+        """A host-read decode step of a live request (placement host-read): its routed ids of one layer, a batch union
+        of any size, read from the request's generation where mapped and from the host source elsewhere. The cache
+        counts hits and host reads and moves, publishes and leases nothing; the rows the step read hold their
+        experts' bytes."""
+        self._step("host_read_step")
+        d = data.draw
+        r = self.reqs[d(st.sampled_from(sorted(self.reqs)), label="request")]
+        layer = d(st.integers(0, self.L - 1), label="layer")
+        ids = d(st.lists(st.integers(0, self.E - 1), min_size=1, max_size=2 * self.E), label="routed")
+        gen_before, moved_before = self.cache.generation, self.cache.counters["bytes_h2d"]
+        if self.faulted:
+            try:
+                r.handle.note_host_reads(layer, np.array(ids))
+            except CacheFaultedError:
+                return
+            raise ContractViolation("a FAULTED cache counted a host-read step")
+        reads = r.handle.note_host_reads(layer, np.array(ids))
+        group = sorted(set(ids))
+        req_map = self.history[r.gen][layer]
+        want = sum(e not in req_map for e in group)
+        check(reads == want, f"host-read step {group} on generation {r.gen}: {reads} host reads, expected {want}")
+        check(self.cache.generation == gen_before and self.cache.counters["bytes_h2d"] == moved_before,
+              "a host-read step published or moved expert bytes")
+        read = [e for e in group if e in req_map]  # what the step's kernels read from device rows
+        if read:
+            rows = torch.tensor([req_map[e] for e in read], device=self.cache.storage(layer).device)
+            with self._reading():
+                ok = torch.equal(self.cache.storage(layer).index_select(0, rows),
+                                 self.expected[layer].index_select(0, torch.tensor(read, device=rows.device)))
+            check(ok, f"layer {layer}: a host-read step of generation {r.gen} read rows that do not hold {read}")
+        self._note("host_reads_move_nothing")
+        self.m["hits"] += len(group) - want
+        self.m["misses"] += want
+        self.m["host_reads"] += want
+        self.m["host_read_bytes"] += want * self.layout.row_bytes
+        self.clock += 1
+        for e in group:
+            self.last_use[(layer, e)] = self.clock
+
+    @precondition(lambda self: self.cache is not None and not self.cache.full_residency)
+    @rule(data=st.data())
+    def promote(self, data):
+        """Between host-read steps: the hottest of a step's absent experts published when the policy values it above
+        the coldest evictable resident by the margin (LRU predicted from the model's use order; lfu-decay's values
+        read from the cache's policy), through a miss transaction with no lease and the same failure injection as a
+        prefetch: skipped without room, aborted before publication, FAULTED after it."""
+        self._step("promote")
+        d = data.draw
+        layer = d(st.integers(0, self.L - 1), label="layer")
+        ids = d(st.lists(st.integers(0, self.E - 1), min_size=1, max_size=2 * self.E), label="host_read")
+        margin = d(st.sampled_from([0.0, 1.0]), label="margin")
+        cur_map = self.history[self.gen][layer]
+        absent = [e for e in sorted(set(ids)) if e not in cur_map]
+        evictable = [e for e in cur_map if e not in self._leased(layer)]
+        if self.policy == "lru":
+            def value(e):
+                return self.last_use.get((layer, e), -1)
+        else:
+            def value(e):
+                return self.cache.policy.value(layer, e, self.cache._tick)
+        best, n_evict, moved, interrupt = None, 0, 0, False
+        if self.faulted:
+            expect = "faulted"
+        elif not absent or (len(cur_map) >= self.resident and not evictable):
+            expect = "none"
+        else:
+            best = max(absent, key=lambda e: (value(e), -e))
+            full = len(cur_map) >= self.resident
+            if full and not value(best) >= min(value(e) for e in evictable) + margin:
+                expect = "none"
+            else:
+                n_evict = len(cur_map) + 1 - self.resident
+                if len(self._model_free(layer)) < 1:
+                    expect = "busy"
+                else:
+                    expect, moved, interrupt = self._arm_failure(d, [best])
+        n_events = len(self.transport.events) if self.controlled else 0
+        gen_before = self.cache.generation
+        got, published = "ok", None
+        try:
+            published = self.cache.promote(layer, np.array(ids), margin)
+        except CacheFaultedError:
+            got = "faulted" if expect == "faulted" else "fault"
+        except InjectedInterrupt:
+            got = "interrupt"
+        except ContractViolation:
+            raise
+        except Exception as e:
+            raise ContractViolation(f"promote raised {type(e).__name__}: {e} (a promotion must not fail a request)") from e
+        expect, moved, interrupt = self._settle(expect, moved, interrupt, [best] if best is not None else [], n_events)
+        self.stats.outcomes[f"promote_{expect if not interrupt else 'interrupt'}"] += 1
+        if interrupt:
+            check(got == "interrupt", f"promote {ids}: an injected interrupt ({expect} point) surfaced as {got}")
+        elif expect in ("fault", "faulted"):
+            check(got == expect, f"promote {ids}: expected {expect}, got {got}")
+        else:
+            check(got == "ok", f"promote {ids}: expected {expect}, got {got}")
+            want = (best,) if expect == "miss" else ()
+            check(published == want, f"promote {ids} (margin {margin}): published {published}, expected {want} "
+                                     f"({expect})")
+        self.m["bytes_h2d"] += moved * self.layout.row_bytes
+        self.m["bytes_h2d_transport"] += moved * self.layout.row_bytes
+        if expect == "busy":
+            self.m["busy_refusals"] += 1
+            self.m["promotions_skipped"] += 1
+        if expect in ("busy", "abort", "faulted", "none"):
+            check(self.cache.generation == gen_before, f"promote {expect}: generation moved {gen_before} -> "
+                                                       f"{self.cache.generation}")
+        if expect == "abort":
+            self.m["transactions_aborted"] += 1
+            if not interrupt:
+                self.m["promotions_skipped"] += 1
+            left = [ev for ev in self.transport.events[n_events:] if ev.state == "pending"]
+            for ev in left:
+                self.fenced[layer].append((self._row_of(layer, ev.dst), ev))
+            self.m["rows_fenced"] += len(left)
+            return
+        if expect in ("miss", "fault"):
+            self._check_publication(layer, (best,), [best], n_evict, cur_map)
+            self.m["transactions"] += 1
+            self.m["evictions"] += max(n_evict, 0)
+            self._note("promotion_publishes_like_a_miss")
+        if expect == "fault":
+            self.m["faults"] += 1
+            self.faulted = True
+            return
+        if expect == "miss":
+            self.m["promotions"] += 1
 
     @precondition(lambda self: self.cache is not None and self.cache.full_residency and bool(self.reqs))
     @rule(data=st.data())
