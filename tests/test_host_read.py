@@ -302,3 +302,41 @@ def test_a_host_read_bench_record_counts_its_reads_in_the_bytes_per_token(seed3_
     assert per_tok * 3 == pytest.approx(s["promotions"] * row_bytes + s["host_read_bytes"])
     # a decode step's misses are exactly its host reads (promotions run between steps and miss nothing)
     assert rec["routing"]["misses_per_token"]["value"] * 3 == pytest.approx(s["host_reads"])
+
+
+@settings(max_examples=25, deadline=None)
+@given(data=st.data(), policy=st.sampled_from(["lru", "lfu-inf", "lfu-decay"]), margin=st.sampled_from([0.0, 1.0]))
+def test_a_whole_step_at_once_does_what_its_layers_one_by_one_do(data, policy, margin):
+    """The engine's vectorized calls (note_host_read_step, promote_step) against the per-layer definitions
+    (note_host_reads, promote) on two equal caches: the same counters, mappings and policy history after every step.
+    (lfu-decay with its default half-life: values in floating point, equal here because both compute them alike.)"""
+    from runmap.residency.eviction import LFUDecayPolicy
+
+    def make():
+        pol = {"lru": "lru", "lfu-inf": LFUDecayPolicy(half_life=float("inf")),
+               "lfu-decay": LFUDecayPolicy(half_life=16.0)}[policy]
+        return _cache(experts=8, resident=3, policy=pol)
+
+    a, b = make(), make()
+    L = a.num_layers
+    for _ in range(data.draw(st.integers(1, 6), label="steps")):
+        ids = np.array(data.draw(st.lists(st.lists(st.integers(0, 7), min_size=2, max_size=4), min_size=L,
+                                          max_size=L).filter(lambda rows: len({len(r) for r in rows}) == 1),
+                                 label="ids"))
+        ra, rb = a.admit(), b.admit()
+        got = a.note_host_read_step(ra, ids)
+        want = sum(rb.note_host_reads(layer, ids[layer]) for layer in range(L))
+        ra.release()
+        rb.release()
+        assert got == want
+        got_p = a.promote_step(ids, margin)
+        want_p = [b.promote(layer, ids[layer], margin) for layer in range(L)]
+        assert got_p == want_p
+        assert dict(a.counters) == dict(b.counters)
+        assert [a.mapping(layer) for layer in range(L)] == [b.mapping(layer) for layer in range(L)]
+        for c in (a, b):
+            c.policy._grow(L, 8)  # the arrays grow with the ids seen: compare them at the layer's full size
+        np.testing.assert_array_equal(a.policy._t, b.policy._t)
+        np.testing.assert_allclose(a.policy._s, b.policy._s, rtol=1e-12)
+    with pytest.raises(IndexError):
+        a.note_host_read_step(a.admit(), np.full((L, 1), 8))

@@ -1161,18 +1161,16 @@ class HostReadDecoder(GraphDecoder):
                 g.replay()
                 torch.cuda.current_stream(e.device).synchronize()  # the routed ids are in pinned memory
             waited = True
-            ids = self.host_ids_np
-            for layer in range(ex.num_layers):
-                req.note_host_reads(layer, ids[layer])
+            ids = self.host_ids_np  # (L, B, k)
+            ex.cache.note_host_read_step(req, ids)
         finally:
             if not waited:  # a failure before the wait: no queued kernel may read the pinned rows after the release
                 torch.cuda.current_stream(e.device).synchronize()
             req.release()
         if self.recorded is not None:  # the step ran: its routes are recorded whatever a promotion does next
             e.routes.end_pass(real, self.recorded, decode=True)
-        margin = ex.placement.margin
-        for layer in range(ex.num_layers):  # timed like any transfer (the records' h2d rate)
-            self.promoted += len(ex._timed(ex.cache.promote, layer, ids[layer], margin))
+        # timed like any transfer (the records' h2d rate)
+        self.promoted += sum(map(len, ex._timed(ex.cache.promote_step, ids, ex.placement.margin)))
         return out
 
 

@@ -198,6 +198,7 @@ class ExpertCache:
         self._pins: Counter = Counter()  # generation number -> live requests pinning it
         self._leased: list[Counter] = [Counter() for _ in range(self.num_layers)]  # expert -> live leases
         self._requests: dict[int, Request] = {}
+        self._masks: dict[int, np.ndarray] = {}  # generation -> bool (L, E) mapped (_resident_mask)
         self.counters = Counter({k: 0 for k in (
             "requests_admitted", "requests_released", "leases", "hits", "misses", "all_hit_leases",
             "transactions", "transactions_aborted", "busy_refusals", "bytes_h2d", "staging_reuses",
@@ -383,6 +384,90 @@ class ExpertCache:
                 return ()
             self.counters["promotions"] += 1
             return (best,)
+
+    def _resident_mask(self, gen: Generation) -> np.ndarray:
+        """bool (L, E): mapped in ``gen`` (kept for the last few generations: a host-read step asks once per step)."""
+        hit = self._masks.get(gen.number)
+        if hit is None:
+            hit = np.zeros((self.num_layers, self.num_experts), dtype=bool)
+            for layer, m in enumerate(gen.maps):
+                hit[layer, list(m.keys())] = True
+            if len(self._masks) > 4:
+                self._masks.pop(next(iter(self._masks)))
+            self._masks[gen.number] = hit
+        return hit
+
+    def _step_mask(self, ids) -> np.ndarray:
+        """ids int (L, ...) -> bool (L, E): each layer's batch union, checked."""
+        a = np.asarray(ids)
+        if a.shape[:1] != (self.num_layers,):
+            raise ValueError(f"a host-read step's ids must be (layers={self.num_layers}, ...), got {a.shape}")
+        flat = a.reshape(self.num_layers, -1).astype(np.int64)
+        if flat.size and (flat.min() < 0 or flat.max() >= self.num_experts):
+            raise IndexError(f"a host-read step's expert ids {sorted(set(flat.ravel().tolist()))} outside "
+                             f"[0, {self.num_experts})")
+        used = np.zeros((self.num_layers, self.num_experts), dtype=bool)
+        used[np.arange(self.num_layers)[:, None], flat] = True
+        return used
+
+    def note_host_read_step(self, req: Request, ids) -> int:
+        """``req.note_host_reads`` for every layer of one step at once, in layer order (the same counters, policy uses
+        and ticks as L calls): ids int (L, ...) the step's routed ids. Returns the step's host reads."""
+        with self._lock:
+            if req.released:
+                raise CacheError(f"request {req.id} was released; note a step's host reads before releasing it")
+            self._check_faulted()
+            used = self._step_mask(ids)
+            reads = int((used & ~self._resident_mask(req._gen)).sum())
+            looked = int(used.sum())
+            ticks = self._tick + 1 + np.arange(self.num_layers)
+            self._tick += self.num_layers
+            self.counters["hits"] += looked - reads
+            self.counters["misses"] += reads
+            self.counters["host_reads"] += reads
+            self.counters["host_read_bytes"] += reads * self.row_bytes
+            self.policy.touch_layers(used, ticks)
+            return reads
+
+    def promote_step(self, ids, margin: float = 1.0) -> list[tuple]:
+        """``promote`` of every layer in turn for one step's host reads (ids int (L, ...)), the policy's values of
+        all layers computed at once: the same decisions and transactions as L calls. Returns each layer's result."""
+        with self._lock, self._watch():
+            self._check_faulted()
+            used = self._step_mask(ids)
+            values = self.policy.values_all(self.num_layers, self.num_experts, self._tick)  # (L, E)
+            out = []
+            for layer in range(self.num_layers):
+                cur = self._current
+                mapped = cur.maps[layer]
+                res = self._resident_mask(cur)[layer]
+                absent = used[layer] & ~res
+                if not absent.any():
+                    out.append(())
+                    continue
+                leased = self._leased[layer]
+                evictable = res.copy()
+                if leased:
+                    evictable[[e for e, n in leased.items() if n > 0]] = False
+                full = len(mapped) >= self.resident
+                if full and not evictable.any():
+                    out.append(())
+                    continue
+                v = values[layer]
+                best = int(np.flatnonzero(absent)[np.argmax(v[absent])])  # the first of the highest: lowest id
+                if full and v[best] < v[evictable].min() + margin:
+                    out.append(())
+                    continue
+                try:
+                    with self._watch(transaction=True):
+                        self._transaction(layer, (best,), cur, [best])
+                except (CacheBusyError, TransactionAborted):
+                    self.counters["promotions_skipped"] += 1
+                    out.append(())
+                    continue
+                self.counters["promotions"] += 1
+                out.append((best,))
+            return out
 
     def _step_union(self, layer: int, expert_ids) -> tuple:
         """A host-read step's batch union of ``layer`` (sorted), checked like ``_group`` but with no max_group bound:
