@@ -340,3 +340,31 @@ def test_a_whole_step_at_once_does_what_its_layers_one_by_one_do(data, policy, m
         np.testing.assert_allclose(a.policy._s, b.policy._s, rtol=1e-12)
     with pytest.raises(IndexError):
         a.note_host_read_step(a.admit(), np.full((L, 1), 8))
+
+
+@pytest.mark.parametrize("placement", ["gpu", "host-read"])
+def test_a_partial_residency_warm_up_leaves_counters_and_policy_as_they_were(seed3_tiny_packs, placement):
+    """Engine.warm_up under partial residency (from_pack runs it on CUDA): pad-token passes and decode steps run, then
+    the counters, decode-path counts and the eviction policy's history (scores, last uses, clock) are what they were
+    and nothing is left held."""
+    from runmap.engine.engine import Engine
+
+    pack, cfg = seed3_tiny_packs["tiny-olmoe"]
+    kw = dict(expert_placement="host-read") if placement == "host-read" else {}
+    eng = Engine.from_pack(pack, executor="grouped", device="cpu", resident=cfg.top_k, max_batch=2, max_seq_len=48,
+                           policy="lfu-decay", **kw)
+    try:
+        cache = eng.experts.cache
+        req = cache.admit()  # some history first, so that a restore is not a reset
+        req.note_host_reads(0, [0, 1, 2])
+        req.release()
+        before = (dict(cache.counters), dict(eng.decode_paths), cache.policy._t.copy(), cache.policy._s.copy(),
+                  cache._tick)
+        assert eng.warm_up() > 0
+        assert dict(cache.counters) == before[0] and dict(eng.decode_paths) == before[1]
+        np.testing.assert_array_equal(cache.policy._t, before[2])
+        np.testing.assert_array_equal(cache.policy._s, before[3])
+        assert cache._tick == before[4]
+        assert cache.outstanding_leases() == 0 and cache.live_requests() == 0
+    finally:
+        eng.close()
