@@ -640,7 +640,7 @@ def test_chained_kernels_write_nothing_before_their_wait():
     def stores(name):
         return "store" in name or "atomic" in name
 
-    read_ahead_helpers = {"_preload_first_block", "resolve_row", "prefetch_l2", "_split_keys"}
+    read_ahead_helpers = {"_preload_first_block", "resolve_row", "expert_site_row", "prefetch_l2", "_split_keys"}
     for helper in read_ahead_helpers:  # and what they call in turn
         assert not any(stores(n) for n, _ in calls(functions[helper])), helper
     chained = [fn for fn in functions.values() if "CHAINED" in [a.arg for a in fn.args.args] and fn.name != "chain_wait"]
