@@ -40,3 +40,21 @@ def seed3_tiny_packs(tmp_path_factory):
         pack_checkpoint(ck, root / f"pk-{name}", device="cpu")
         out[name] = (root / f"pk-{name}", cfg)
     return out
+
+
+def _record_decode(eng):
+    """Keep a copy of every decode step's logits (float32 (B, V)) of ``eng`` in ``eng.decoded``; returns eng."""
+    eng.decoded, decode = [], eng.decode
+
+    def recording(*a, **k):
+        out = decode(*a, **k)
+        eng.decoded.append(out.detach().to("cpu").clone())
+        return out
+    eng.decode = recording
+    return eng
+
+
+@pytest.fixture
+def record_decode():
+    """The function that makes an engine keep its decode steps' logits (``_record_decode``)."""
+    return _record_decode

@@ -130,25 +130,13 @@ PRESETS = ("tiny-olmoe", "tiny-qwen2-moe")
 PROMPTS = ["the cache holds", "experts that were read from the host"]
 
 
-def _recorded_engine(pack, test_device, **kw):
-    """An engine whose decode steps' logits (float32 (B, V) each) are kept in ``eng.decoded``."""
-    from runmap.engine.engine import Engine
-
-    eng = Engine.from_pack(pack, executor="grouped", device=test_device, max_batch=2, max_seq_len=48, **kw)
-    eng.decoded, decode = [], eng.decode
-
-    def recording(*a, **k):
-        out = decode(*a, **k)
-        eng.decoded.append(out.detach().to("cpu").clone())
-        return out
-    eng.decode = recording
-    return eng
 
 
 @pytest.mark.parametrize("preset", PRESETS)
 @pytest.mark.parametrize("policy", ["lfu-decay", "lru"])
 def test_host_read_decode_equals_full_residency_and_runs_no_transaction_inside_a_step(seed3_tiny_packs, preset,
-                                                                                       policy, test_device):
+                                                                                       policy, test_device,
+                                                                                       record_decode):
     """Greedy decode at the smallest residency (top_k of E resident), batch 2 (a union past one lease): the host-read
     steps give full residency's decode logits exactly (the same grouped kernel over the same bytes, wherever they
     lie), every absent expert is counted as a host read, residency changes only by promotions between steps, and
@@ -158,7 +146,10 @@ def test_host_read_decode_equals_full_residency_and_runs_no_transaction_inside_a
     for placement in ("full", "host-read"):
         kw = {} if placement == "full" else dict(resident=cfg.top_k, expert_placement="host-read", policy=policy,
                                                   cache_contract="v2")
-        eng = _recorded_engine(pack, test_device, **kw)
+        from runmap.engine.engine import Engine
+
+        eng = record_decode(Engine.from_pack(pack, executor="grouped", device=test_device, max_batch=2, max_seq_len=48,
+                                             **kw))
         try:
             c0 = dict(eng.experts.cache.counters)
             toks = [r.token_ids for r in eng.generate(PROMPTS, max_new_tokens=6, ignore_eos=True)]

@@ -198,7 +198,7 @@ def test_auto_split_divides_a_calls_absent_experts_between_the_sites():
 @pytest.mark.parametrize("preset", PRESETS)
 @pytest.mark.parametrize("placement", ["cpu", "auto-split"])
 def test_a_batch_past_one_lease_with_a_cpu_site_runs_the_grouped_chain(packs, preset, placement, test_device,
-                                                                       monkeypatch):
+                                                                       monkeypatch, record_decode):
     """A batch whose union may exceed one lease (2 rows, max_group = top_k) with a CPU site: the grouped chain with a
     CPU part (the placement asked once per layer; the experts it gives the CPU site computed on the job thread while
     the device groups hold the rest, added before the residual) gives the per-call path's greedy tokens and its
@@ -216,7 +216,7 @@ def test_a_batch_past_one_lease_with_a_cpu_site_runs_the_grouped_chain(packs, pr
     pack, cfg = packs[preset]
     runs = {}
     for segments in (False, "eager" if test_device == "cpu" else True):
-        eng = _record_decode(Engine.from_pack(
+        eng = record_decode(Engine.from_pack(
             pack, executor="reference" if test_device == "cpu" else "grouped", device=test_device,
             resident=cfg.top_k + 1, max_batch=2, max_seq_len=48, segments=segments,
             expert_placement="cpu" if placement == "cpu" else "auto"))
@@ -253,14 +253,14 @@ def test_a_batch_past_one_lease_with_a_cpu_site_runs_the_grouped_chain(packs, pr
         assert toks_c == toks_p
 
 
-def test_the_segment_chain_with_a_split_auto_equals_the_per_call_path(packs):
+def test_the_segment_chain_with_a_split_auto_equals_the_per_call_path(packs, record_decode):
     """auto with split (share 2/3): within one decode, some absent experts are transferred and others
     computed on the CPU; the chain (CPU part on the job thread, started at the placement decision) and the per-call
     path make the same decisions and give the same logits bit for bit, the same tokens and the same counters."""
     pack, cfg = packs["tiny-olmoe"]
     runs = {}
     for segments in (False, "eager"):
-        eng = _record_decode(_chain_engine(pack, cfg.top_k, "auto", segments))
+        eng = record_decode(_chain_engine(pack, cfg.top_k, "auto", segments))
         try:
             cache = eng.experts.cache
             # CPU twice the link: share 2/3, the CPU favoured below h = 0.5, so splits go both ways
@@ -540,24 +540,12 @@ def _chain_engine(pack, resident, placement, segments):
                             max_seq_len=48, segments=segments, expert_placement=placement)
 
 
-def _record_decode(eng):
-    """Keep a copy of every decode step's logits (float32 (B, V)) in ``eng.decoded``."""
-    eng.decoded, decode = [], eng.decode
-
-    def recording(*a, **k):
-        out = decode(*a, **k)
-        eng.decoded.append(out.detach().to("cpu").clone())
-        return out
-    eng.decode = recording
-    return eng
-
-
 CHAIN_PROMPTS = ["the cache holds", "experts"]
 
 
 @pytest.mark.parametrize("preset", PRESETS)
 @pytest.mark.parametrize("where", ["top_k", "half"])
-def test_the_segment_chain_with_a_cpu_site_equals_the_per_call_path(packs, preset, where, test_device):
+def test_the_segment_chain_with_a_cpu_site_equals_the_per_call_path(packs, preset, where, test_device, record_decode):
     """Placement cpu in the decode chain (each layer: routing segment, device part with the CPU-site slots'
     weights zeroed, CPU part added by the next segment; captured as CUDA graphs on a GPU) gives the per-call
     path's decode logits exactly at batch 1 (zeroed slots add exact zeros to the device part's FP32 sum), hence its
@@ -569,7 +557,7 @@ def test_the_segment_chain_with_a_cpu_site_equals_the_per_call_path(packs, prese
     resident = cfg.top_k if where == "top_k" else (cfg.top_k + cfg.num_experts) // 2
     runs = {}
     for segments in (False, "eager" if test_device == "cpu" else True):
-        eng = _record_decode(Engine.from_pack(
+        eng = record_decode(Engine.from_pack(
             pack, executor="reference" if test_device == "cpu" else "grouped", device=test_device,
             resident=resident, max_batch=1, max_seq_len=48, segments=segments, expert_placement="cpu"))
         try:
@@ -603,14 +591,14 @@ class _NothingOnTheCpu(CpuPlacement):
         return ()
 
 
-def test_a_layer_without_cpu_experts_after_one_with_them_adds_nothing_stale(packs):
+def test_a_layer_without_cpu_experts_after_one_with_them_adds_nothing_stale(packs, record_decode):
     """After steps with CPU-site experts, steps whose layers have none (the placement gives the CPU nothing) must
     neither keep the old mask (slots zeroed) nor add the old CPU sum: the chain's decode logits equal the per-call
     path's, which has no such buffers, through both phases."""
     pack, cfg = packs["tiny-olmoe"]
     logits = {}
     for segments in (False, "eager"):
-        eng = _record_decode(_chain_engine(pack, cfg.top_k, "cpu", segments))
+        eng = record_decode(_chain_engine(pack, cfg.top_k, "cpu", segments))
         try:
             eng.generate(CHAIN_PROMPTS[:1], max_new_tokens=4)
             cpu_first = eng.experts.cache.counters["cpu_site_experts"]

@@ -517,68 +517,72 @@ class CpuPlacedAsHits(ExpertCache):
         return lease
 
 
-class _PrefetchFlag(ExpertCache):
-    """Base of the prefetch mutants: ``_prefetching`` is True while a prefetch runs."""
+class _Flagged(ExpertCache):
+    """Base of the mutants of one transaction with no lease (``FLAGGED``: "prefetch" or "promote"): ``_flagged`` is True
+    while that operation runs, and each mutant breaks a rule only then."""
 
-    _prefetching = False
+    FLAGGED = ""
+    _flagged = False
+
+    def _while_flagged(self, op, call, *args):
+        if op != self.FLAGGED:
+            return call(*args)
+        self._flagged = True
+        try:
+            return call(*args)
+        finally:
+            self._flagged = False
 
     def prefetch(self, layer, expert_ids):
-        self._prefetching = True
-        try:
-            return super().prefetch(layer, expert_ids)
-        finally:
-            self._prefetching = False
+        return self._while_flagged("prefetch", super().prefetch, layer, expert_ids)
+
+    def promote(self, layer, expert_ids, margin=1.0):
+        return self._while_flagged("promote", super().promote, layer, expert_ids, margin)
 
 
-class PublishPrefetchEarly(_PrefetchFlag):
-    """A prefetch publishes its predicted rows without waiting for their copies (it is "only a prediction")."""
-
+class _PublishEarly(_Flagged):
     def _wait_all(self, submitted):
-        if not self._prefetching:
+        if not self._flagged:
             super()._wait_all(submitted)
 
 
-class PrefetchWhenFaulted(_PrefetchFlag):
+class _EvictsLeased(_Flagged):
+    def _protected(self, layer, group):
+        return set(group) if self._flagged else super()._protected(layer, group)
+
+
+class PublishPrefetchEarly(_PublishEarly):
+    """A prefetch publishes its predicted rows without waiting for their copies (it is "only a prediction")."""
+
+    FLAGGED = "prefetch"
+
+
+class PrefetchWhenFaulted(_Flagged):
     """A prefetch that skips the FAULTED check ("only a prediction")."""
 
+    FLAGGED = "prefetch"
+
     def _check_faulted(self):
-        if not self._prefetching:
+        if not self._flagged:
             super()._check_faulted()
 
 
-class PrefetchEvictsLeased(_PrefetchFlag):
+class PrefetchEvictsLeased(_EvictsLeased):
     """A prefetch that protects only its own predicted group, not the experts live leases read."""
 
-    def _protected(self, layer, group):
-        return set(group) if self._prefetching else super()._protected(layer, group)
+    FLAGGED = "prefetch"
 
 
-class _PromoteFlag(ExpertCache):
-    """Base of the host-read mutants: ``_promoting`` is True while a promotion runs."""
-
-    _promoting = False
-
-    def promote(self, layer, expert_ids, margin=1.0):
-        self._promoting = True
-        try:
-            return super().promote(layer, expert_ids, margin)
-        finally:
-            self._promoting = False
-
-
-class PublishPromotionEarly(_PromoteFlag):
+class PublishPromotionEarly(_PublishEarly):
     """A promotion publishes its row without waiting for the copy (the step that routed it already ran)."""
 
-    def _wait_all(self, submitted):
-        if not self._promoting:
-            super()._wait_all(submitted)
+    FLAGGED = "promote"
 
 
-class PromoteEvictsLeased(_PromoteFlag):
+class PromoteEvictsLeased(_EvictsLeased):
     """A promotion that evicts any resident expert, even one a live lease reads ("it is only between steps")."""
 
-    def _protected(self, layer, group):
-        return set(group) if self._promoting else super()._protected(layer, group)
+    FLAGGED = "promote"
 
 
 class HostReadsAsHits(ExpertCache):
@@ -1170,54 +1174,13 @@ class CacheContractMachine(RuleBasedStateMachine):
                 expect, moved, interrupt = self._arm_failure(d, missing)
         n_events = len(self.transport.events) if self.controlled else 0
         gen_before = self.cache.generation
-        got, published = "ok", None
-        try:
-            published = self.cache.prefetch(layer, torch.tensor(group))
-        except CacheFaultedError:
-            got = "faulted" if expect == "faulted" else "fault"
-        except InjectedInterrupt:
-            got = "interrupt"
-        except ContractViolation:
-            raise
-        except Exception as e:
-            raise ContractViolation(f"prefetch raised {type(e).__name__}: {e} (a prediction must not fail a request)") from e
+        got, published = self._run_leaseless(lambda: self.cache.prefetch(layer, torch.tensor(group)), expect,
+                                             "prefetch (a prediction)")
         expect, moved, interrupt = self._settle(expect, moved, interrupt, missing, n_events)
-        self.stats.outcomes[f"prefetch_{expect if not interrupt else 'interrupt'}"] += 1
-        if interrupt:
-            check(got == "interrupt", f"prefetch {group}: an injected interrupt ({expect} point) surfaced as {got}")
-        elif expect in ("fault", "faulted"):
-            check(got == expect, f"prefetch {group}: expected {expect}, got {got}")
-        else:
-            check(got == "ok", f"prefetch {group}: expected {expect}, got {got}")
-            want = tuple(missing) if expect == "miss" else ()
-            check(published == want, f"prefetch {group}: published {published}, expected {want} ({expect})")
-        self.m["bytes_h2d"] += moved * self.layout.row_bytes
-        self.m["bytes_h2d_transport"] += moved * self.layout.row_bytes
-        if expect == "busy":
-            self.m["busy_refusals"] += 1
-            self.m["prefetches_skipped"] += 1
-        if expect in ("busy", "abort", "faulted", "resident"):
-            check(self.cache.generation == gen_before, f"prefetch {expect}: generation moved {gen_before} -> "
-                                                       f"{self.cache.generation}")
-        if expect == "abort":
-            self.m["transactions_aborted"] += 1
-            if not interrupt:
-                self.m["prefetches_aborted"] += 1
-            left = [ev for ev in self.transport.events[n_events:] if ev.state == "pending"]
-            for ev in left:
-                self.fenced[layer].append((self._row_of(layer, ev.dst), ev))
-            self.m["rows_fenced"] += len(left)
-            return
-        if expect in ("miss", "fault"):
-            self._check_publication(layer, group, missing, n_evict, cur_map)
-            self.m["transactions"] += 1
-            self.m["evictions"] += max(n_evict, 0)
-            self._note("prefetch_publishes_like_a_miss")
-        if expect == "fault":
-            self.m["faults"] += 1
-            self.faulted = True
-            return
-        if expect == "miss":
+        if self._leaseless_outcome(f"prefetch {group}", "prefetch", layer, expect, got, interrupt, published,
+                                   tuple(missing) if expect == "miss" else (), moved, gen_before, n_events,
+                                   (group, missing, n_evict, cur_map), quiet="resident", skipped="prefetches_skipped",
+                                   aborted="prefetches_aborted", note="prefetch_publishes_like_a_miss"):
             self.m["prefetches"] += 1
             self.m["prefetched_experts"] += len(missing)
             self.prefetched[layer] |= set(missing)
@@ -1306,56 +1269,74 @@ class CacheContractMachine(RuleBasedStateMachine):
                     expect, moved, interrupt = self._arm_failure(d, [best])
         n_events = len(self.transport.events) if self.controlled else 0
         gen_before = self.cache.generation
-        got, published = "ok", None
+        got, published = self._run_leaseless(lambda: self.cache.promote(layer, np.array(ids), margin), expect,
+                                             "promote (a promotion)")
+        expect, moved, interrupt = self._settle(expect, moved, interrupt, [best] if best is not None else [], n_events)
+        if self._leaseless_outcome(f"promote {ids} (margin {margin})", "promote", layer, expect, got, interrupt,
+                                   published, (best,) if expect == "miss" else (), moved, gen_before, n_events,
+                                   ((best,), [best], n_evict, cur_map), quiet="none", skipped="promotions_skipped",
+                                   aborted="promotions_skipped", note="promotion_publishes_like_a_miss"):
+            self.m["promotions"] += 1
+
+    @staticmethod
+    def _run_leaseless(call, expect, what):
+        """Run a transaction with no lease -> (got, what it published): "ok", "fault" / "faulted" (CacheFaultedError,
+        "faulted" when the cache was already), "interrupt" (an injected BaseException). Any other exception is a
+        violation: neither a prediction nor a promotion may fail the request around it."""
         try:
-            published = self.cache.promote(layer, np.array(ids), margin)
+            return "ok", call()
         except CacheFaultedError:
-            got = "faulted" if expect == "faulted" else "fault"
+            return ("faulted" if expect == "faulted" else "fault"), None
         except InjectedInterrupt:
-            got = "interrupt"
+            return "interrupt", None
         except ContractViolation:
             raise
         except Exception as e:
-            raise ContractViolation(f"promote raised {type(e).__name__}: {e} (a promotion must not fail a request)") from e
-        expect, moved, interrupt = self._settle(expect, moved, interrupt, [best] if best is not None else [], n_events)
-        self.stats.outcomes[f"promote_{expect if not interrupt else 'interrupt'}"] += 1
+            raise ContractViolation(f"{what} raised {type(e).__name__}: {e}; it must not fail a request") from e
+
+    def _leaseless_outcome(self, what, kind, layer, expect, got, interrupt, published, want, moved, gen_before,
+                           n_events, publication, *, quiet, skipped, aborted, note) -> bool:
+        """What a transaction with no lease (a prefetch, a promotion) shares after it ran: the outcome against the
+        prediction, the bytes moved, a refusal for room (``skipped``), an unchanged generation when nothing was to be
+        published (``quiet``: the outcome that needs no transaction), on an abort its count (``aborted``, unless
+        interrupted) and the rows left fenced behind copies still in flight, and a publication (``publication``:
+        group, missing, victims to expect, the mapping before) checked like a miss's, FAULTED after it when injected.
+        Returns True when it published and the cache is not FAULTED (the caller counts its own success)."""
+        self.stats.outcomes[f"{kind}_{expect if not interrupt else 'interrupt'}"] += 1
         if interrupt:
-            check(got == "interrupt", f"promote {ids}: an injected interrupt ({expect} point) surfaced as {got}")
+            check(got == "interrupt", f"{what}: an injected interrupt ({expect} point) surfaced as {got}")
         elif expect in ("fault", "faulted"):
-            check(got == expect, f"promote {ids}: expected {expect}, got {got}")
+            check(got == expect, f"{what}: expected {expect}, got {got}")
         else:
-            check(got == "ok", f"promote {ids}: expected {expect}, got {got}")
-            want = (best,) if expect == "miss" else ()
-            check(published == want, f"promote {ids} (margin {margin}): published {published}, expected {want} "
-                                     f"({expect})")
+            check(got == "ok", f"{what}: expected {expect}, got {got}")
+            check(published == want, f"{what}: published {published}, expected {want} ({expect})")
         self.m["bytes_h2d"] += moved * self.layout.row_bytes
         self.m["bytes_h2d_transport"] += moved * self.layout.row_bytes
         if expect == "busy":
             self.m["busy_refusals"] += 1
-            self.m["promotions_skipped"] += 1
-        if expect in ("busy", "abort", "faulted", "none"):
-            check(self.cache.generation == gen_before, f"promote {expect}: generation moved {gen_before} -> "
+            self.m[skipped] += 1
+        if expect in ("busy", "abort", "faulted", quiet):
+            check(self.cache.generation == gen_before, f"{what} {expect}: generation moved {gen_before} -> "
                                                        f"{self.cache.generation}")
         if expect == "abort":
             self.m["transactions_aborted"] += 1
             if not interrupt:
-                self.m["promotions_skipped"] += 1
+                self.m[aborted] += 1
             left = [ev for ev in self.transport.events[n_events:] if ev.state == "pending"]
             for ev in left:
                 self.fenced[layer].append((self._row_of(layer, ev.dst), ev))
             self.m["rows_fenced"] += len(left)
-            return
+            return False
         if expect in ("miss", "fault"):
-            self._check_publication(layer, (best,), [best], n_evict, cur_map)
+            group, missing, n_evict, cur_map = publication
+            self._check_publication(layer, group, missing, n_evict, cur_map)
             self.m["transactions"] += 1
             self.m["evictions"] += max(n_evict, 0)
-            self._note("promotion_publishes_like_a_miss")
+            self._note(note)
         if expect == "fault":
             self.m["faults"] += 1
             self.faulted = True
-            return
-        if expect == "miss":
-            self.m["promotions"] += 1
+        return expect == "miss"
 
     @precondition(lambda self: self.cache is not None and self.cache.full_residency and bool(self.reqs))
     @rule(data=st.data())
