@@ -132,19 +132,21 @@ PROMPTS = ["the cache holds", "experts that were read from the host"]
 
 
 
-@pytest.mark.parametrize("preset", PRESETS)
+@pytest.mark.parametrize("preset,where", [("tiny-olmoe", "top_k"), ("tiny-olmoe", "half"), ("tiny-qwen2-moe", "top_k")])
 @pytest.mark.parametrize("policy", ["lfu-decay", "lru"])
-def test_host_read_decode_equals_full_residency_and_runs_no_transaction_inside_a_step(seed3_tiny_packs, preset,
+def test_host_read_decode_equals_full_residency_and_runs_no_transaction_inside_a_step(seed3_tiny_packs, preset, where,
                                                                                        policy, test_device,
                                                                                        record_decode):
-    """Greedy decode at the smallest residency (top_k of E resident), batch 2 (a union past one lease): the host-read
+    """Greedy decode at the smallest residency (top_k of E resident) and a middle one, batch 2 (a union past one
+    lease at top_k): the host-read
     steps give full residency's decode logits exactly (the same grouped kernel over the same bytes, wherever they
     lie), every absent expert is counted as a host read, residency changes only by promotions between steps, and
     nothing is left held."""
     pack, cfg = seed3_tiny_packs[preset]
     runs = {}
     for placement in ("full", "host-read"):
-        kw = {} if placement == "full" else dict(resident=cfg.top_k, expert_placement="host-read", policy=policy,
+        resident = cfg.top_k if where == "top_k" else (cfg.top_k + cfg.num_experts) // 2
+        kw = {} if placement == "full" else dict(resident=resident, expert_placement="host-read", policy=policy,
                                                   cache_contract="v2")
         from runmap.engine.engine import Engine
 
