@@ -361,3 +361,32 @@ def test_a_partial_residency_warm_up_leaves_counters_and_policy_as_they_were(see
         assert cache.outstanding_leases() == 0 and cache.live_requests() == 0
     finally:
         eng.close()
+
+
+def test_work_inside_policy_kept_teaches_the_policy_nothing(seed3_tiny_packs):
+    """Engine.policy_kept (the engine's and the server's warm-ups): requests inside it use and promote experts, and
+    afterwards the eviction policy's uses, scores and clock are what they were before; outside it they stay."""
+    from runmap.engine.engine import Engine
+
+    pack, cfg = seed3_tiny_packs["tiny-olmoe"]
+    eng = Engine.from_pack(pack, executor="grouped", device="cpu", resident=cfg.top_k, max_batch=1, max_seq_len=48,
+                           expert_placement="host-read")
+    try:
+        pol = eng.experts.cache.policy
+
+        def state():
+            return pol._t.copy(), pol._s.copy(), eng.experts.cache._tick
+
+        before = state()
+        with eng.policy_kept():
+            eng.generate(["warm"], max_new_tokens=3, ignore_eos=True)
+            inside = state()
+            assert inside[2] > before[2] and not np.array_equal(inside[0], before[0])  # the requests were seen
+        after = state()
+        assert after[2] == before[2]
+        np.testing.assert_array_equal(after[0], before[0])
+        np.testing.assert_array_equal(after[1], before[1])
+        eng.generate(["real"], max_new_tokens=3, ignore_eos=True)
+        assert eng.experts.cache._tick > before[2]  # outside it, uses count
+    finally:
+        eng.close()

@@ -1271,6 +1271,23 @@ class Engine:
         # the expert cache's hits / misses / host->device bytes made by prefill passes (telemetry splits by phase)
         self.prefill_counts = {"hits": 0, "misses": 0, "bytes_h2d": 0, "cpu_site_experts": 0}
 
+    @contextlib.contextmanager
+    def policy_kept(self):
+        """Around work whose routes are not a user's (a warm-up's pad tokens): under partial residency the eviction
+        policy's history (uses, scores, clock) is put back afterwards, so that neither the miss transactions' victims
+        nor host-read's promotions learn from it; the experts that work brought in stay, as after any request."""
+        cache = self._expert_cache()
+        if cache is None or cache.full_residency:
+            yield
+            return
+        with cache._lock:
+            saved = cache.policy._t.copy(), cache.policy._s.copy(), cache._tick
+        try:
+            yield
+        finally:
+            with cache._lock:
+                cache.policy._t, cache.policy._s, cache._tick = saved
+
     @torch.inference_mode()
     def warm_up(self) -> float:
         """Compile and capture now what a request would otherwise pay for in its first call (on a fresh H200 host the
@@ -1280,17 +1297,18 @@ class Engine:
         takes (runmap.engine.prefill_graph; max_batch rows padded and not), and a decode step of 1 and of max_batch
         rows. The tokens are the pad id (only shapes matter). The routing workload
         and the route recorder are set aside meanwhile and the engine's and cache's counters restored after, so
-        nothing the engine reports counts these passes. Returns (and keeps as ``warm_up_s``) the seconds it took."""
+        nothing the engine reports counts these passes; under partial residency the eviction policy's history is put
+        back too (``policy_kept``). Returns (and keeps as ``warm_up_s``) the seconds it took."""
         self._check_open()
+        with self.policy_kept():
+            return self._warm_up()
+
+    def _warm_up(self) -> float:
         t0 = time.perf_counter()
         dev = self.device
         saved = self.imposed, self.routes, dict(self.prefill_counts), dict(self.decode_paths)
         cache = self._expert_cache()
         counters = dict(cache.counters) if cache is not None else None
-        # partial residency: the passes' uses of pad-token routes must not teach the eviction policy (host-read's
-        # promotions follow it); the experts they brought in stay, as after any request
-        policy = (cache.policy._t.copy(), cache.policy._s.copy(), cache._tick) \
-            if cache is not None and not cache.full_residency else None
         self.imposed = self.routes = None
         self.experts.begin()
         try:
@@ -1319,9 +1337,6 @@ class Engine:
             if counters is not None:
                 cache.counters.clear()
                 cache.counters.update(counters)
-            if policy is not None:
-                with cache._lock:
-                    cache.policy._t, cache.policy._s, cache._tick = policy
         self.warm_up_s = time.perf_counter() - t0
         return self.warm_up_s
 

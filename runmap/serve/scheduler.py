@@ -290,7 +290,12 @@ class Scheduler:
 
     def _warmup(self) -> None:
         """One prefill, then a decode step at every batch size (and on CUDA at every KV-length bucket the
-        decode step attends, the key of its CUDA graphs), so no request pays for compilation or capture."""
+        decode step attends, the key of its CUDA graphs), so no request pays for compilation or capture. Under partial
+        residency the eviction policy forgets these pad-token routes after (``Engine.policy_kept``)."""
+        with self.eng.policy_kept():
+            self._warm_shapes()
+
+    def _warm_shapes(self) -> None:
         eng = self.eng
         dev = eng.device
         ids = eng.tokenizer.encode("Hello") or [0]
