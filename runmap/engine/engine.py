@@ -1111,9 +1111,9 @@ class HostReadDecoder(GraphDecoder):
     copies every layer's routed ids into pinned host memory.
 
     Per step: admit a request (it pins the generation whose rows the step reads), point the tables at that
-    generation, replay, wait, tell the cache what each layer routed (hits and host reads, seen by the eviction
-    policy), release; then, between steps, ask the cache to promote each layer's hottest host-read expert
-    (ExpertCache.promote: a miss transaction under every rule of the contract). ``capture=False`` runs the same
+    generation, replay, wait, tell the cache what each layer routed (ExpertCache.note_host_read_step: hits and host
+    reads, seen by the eviction policy), release; then, between steps, ask the cache to promote each layer's hottest
+    host-read expert (ExpertCache.promote_step: a miss transaction under every rule of the contract). ``capture=False`` runs the same
     step eagerly (the CPU)."""
 
     def __init__(self, engine: "Engine", batch: int, pool, capture: bool):
