@@ -1273,20 +1273,11 @@ class Engine:
 
     @contextlib.contextmanager
     def policy_kept(self):
-        """Around work whose routes are not a user's (a warm-up's pad tokens): under partial residency the eviction
-        policy's history (uses, scores, clock) is put back afterwards, so that neither the miss transactions' victims
-        nor host-read's promotions learn from it; the experts that work brought in stay, as after any request."""
+        """Around work whose routes are not a user's (a warm-up's pad tokens): under partial residency the cache's
+        eviction policy forgets it (ExpertCache.policy_kept)."""
         cache = self._expert_cache()
-        if cache is None or cache.full_residency:
+        with (cache.policy_kept() if cache is not None and not cache.full_residency else contextlib.nullcontext()):
             yield
-            return
-        with cache._lock:
-            saved = cache.policy._t.copy(), cache.policy._s.copy(), cache._tick
-        try:
-            yield
-        finally:
-            with cache._lock:
-                cache.policy._t, cache.policy._s, cache._tick = saved
 
     @torch.inference_mode()
     def warm_up(self) -> float:

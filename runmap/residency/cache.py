@@ -363,27 +363,43 @@ class ExpertCache:
         next step reads the expert from the host source again). Raises CacheFaultedError as ``prefetch``."""
         with self._lock, self._watch():
             self._check_faulted()
-            cur = self._current
-            mapped = cur.maps[layer]
-            absent = [e for e in self._step_union(layer, expert_ids) if e not in mapped]
-            protected = self._protected(layer, ())
-            evictable = [e for e in mapped if e not in protected]
-            if not absent or (len(mapped) >= self.resident and not evictable):
-                return ()
-            value = self.policy.value
-            best = max(absent, key=lambda e: (value(layer, e, self._tick), -e))
-            if len(mapped) >= self.resident:
-                coldest = min(value(layer, e, self._tick) for e in evictable)
-                if value(layer, best, self._tick) < coldest + margin:
-                    return ()
-            try:
-                with self._watch(transaction=True):
-                    self._transaction(layer, (best,), cur, [best])
-            except (CacheBusyError, TransactionAborted):
-                self.counters["promotions_skipped"] += 1
-                return ()
-            self.counters["promotions"] += 1
-            return (best,)
+            used = self._used_mask(layer, expert_ids)
+            values = self.policy.values_all(self.num_layers, self.num_experts, self._tick)[layer]
+            return self._promote_layer(layer, used, values, margin)
+
+    def promote_step(self, ids, margin: float = 1.0) -> list[tuple]:
+        """``promote`` of every layer in turn for one step's host reads (ids int (L, ...)), the policy's values of
+        all layers computed at once: the same decisions and transactions as L calls. Returns each layer's result."""
+        with self._lock, self._watch():
+            self._check_faulted()
+            used = self._used_mask(None, ids)
+            values = self.policy.values_all(self.num_layers, self.num_experts, self._tick)  # (L, E)
+            return [self._promote_layer(layer, used[layer], values[layer], margin) for layer in range(self.num_layers)]
+
+    def _promote_layer(self, layer: int, used: np.ndarray, values: np.ndarray, margin: float) -> tuple:
+        """``promote``'s rule for ``layer`` (under the lock): used bool (E,) the step's union, values float (E,) the
+        policy's values at the current tick (a promotion changes none of them)."""
+        cur = self._current
+        res = self._resident_mask(cur)[layer]
+        absent = used & ~res
+        if not absent.any():
+            return ()
+        evictable = res.copy()
+        evictable[list(self._protected(layer, ()))] = False
+        full = len(cur.maps[layer]) >= self.resident
+        if full and not evictable.any():
+            return ()
+        best = int(np.flatnonzero(absent)[np.argmax(values[absent])])  # the first of the highest: the lowest id
+        if full and values[best] < values[evictable].min() + margin:
+            return ()
+        try:
+            with self._watch(transaction=True):
+                self._transaction(layer, (best,), cur, [best])
+        except (CacheBusyError, TransactionAborted):
+            self.counters["promotions_skipped"] += 1
+            return ()
+        self.counters["promotions"] += 1
+        return (best,)
 
     def _resident_mask(self, gen: Generation) -> np.ndarray:
         """bool (L, E): mapped in ``gen`` (kept for the last few generations: a host-read step asks once per step)."""
@@ -397,103 +413,70 @@ class ExpertCache:
             self._masks[gen.number] = hit
         return hit
 
-    def _step_mask(self, ids) -> np.ndarray:
-        """ids int (L, ...) -> bool (L, E): each layer's batch union, checked."""
+    def _used_mask(self, layer: int | None, ids) -> np.ndarray:
+        """A host-read step's batch unions as a checked bool mask: ``layer`` given, ids of that layer (any int shape)
+        -> (E,); None, ids int (L, ...) of every layer -> (L, E). No max_group bound: a host-read step leases
+        nothing, so its union may be any size."""
+        rows = self.num_layers if layer is None else 1
         a = np.asarray(ids)
-        if a.shape[:1] != (self.num_layers,):
-            raise ValueError(f"a host-read step's ids must be (layers={self.num_layers}, ...), got {a.shape}")
-        flat = a.reshape(self.num_layers, -1).astype(np.int64)
+        if layer is None and a.shape[:1] != (rows,):
+            raise ValueError(f"a host-read step's ids must be (layers={rows}, ...), got {a.shape}")
+        if layer is not None and not (0 <= layer < self.num_layers):
+            raise IndexError(f"layer {layer} out of range [0, {self.num_layers})")
+        flat = a.reshape(rows, -1).astype(np.int64)
         if flat.size and (flat.min() < 0 or flat.max() >= self.num_experts):
-            raise IndexError(f"a host-read step's expert ids {sorted(set(flat.ravel().tolist()))} outside "
-                             f"[0, {self.num_experts})")
-        used = np.zeros((self.num_layers, self.num_experts), dtype=bool)
-        used[np.arange(self.num_layers)[:, None], flat] = True
-        return used
+            where = "a host-read step" if layer is None else f"layer {layer}"
+            raise IndexError(f"{where}: expert ids {sorted(set(flat.ravel().tolist()))} outside [0, {self.num_experts})")
+        used = np.zeros((rows, self.num_experts), dtype=bool)
+        used[np.arange(rows)[:, None], flat] = True
+        return used if layer is None else used[0]
 
     def note_host_read_step(self, req: Request, ids) -> int:
         """``req.note_host_reads`` for every layer of one step at once, in layer order (the same counters, policy uses
         and ticks as L calls): ids int (L, ...) the step's routed ids. Returns the step's host reads."""
         with self._lock:
-            if req.released:
-                raise CacheError(f"request {req.id} was released; note a step's host reads before releasing it")
-            self._check_faulted()
-            used = self._step_mask(ids)
-            reads = int((used & ~self._resident_mask(req._gen)).sum())
-            looked = int(used.sum())
+            self._check_noting(req)
+            used = self._used_mask(None, ids)
             ticks = self._tick + 1 + np.arange(self.num_layers)
             self._tick += self.num_layers
-            self.counters["hits"] += looked - reads
-            self.counters["misses"] += reads
-            self.counters["host_reads"] += reads
-            self.counters["host_read_bytes"] += reads * self.row_bytes
             self.policy.touch_layers(used, ticks)
-            return reads
-
-    def promote_step(self, ids, margin: float = 1.0) -> list[tuple]:
-        """``promote`` of every layer in turn for one step's host reads (ids int (L, ...)), the policy's values of
-        all layers computed at once: the same decisions and transactions as L calls. Returns each layer's result."""
-        with self._lock, self._watch():
-            self._check_faulted()
-            used = self._step_mask(ids)
-            values = self.policy.values_all(self.num_layers, self.num_experts, self._tick)  # (L, E)
-            out = []
-            for layer in range(self.num_layers):
-                cur = self._current
-                mapped = cur.maps[layer]
-                res = self._resident_mask(cur)[layer]
-                absent = used[layer] & ~res
-                if not absent.any():
-                    out.append(())
-                    continue
-                leased = self._leased[layer]
-                evictable = res.copy()
-                if leased:
-                    evictable[[e for e, n in leased.items() if n > 0]] = False
-                full = len(mapped) >= self.resident
-                if full and not evictable.any():
-                    out.append(())
-                    continue
-                v = values[layer]
-                best = int(np.flatnonzero(absent)[np.argmax(v[absent])])  # the first of the highest: lowest id
-                if full and v[best] < v[evictable].min() + margin:
-                    out.append(())
-                    continue
-                try:
-                    with self._watch(transaction=True):
-                        self._transaction(layer, (best,), cur, [best])
-                except (CacheBusyError, TransactionAborted):
-                    self.counters["promotions_skipped"] += 1
-                    out.append(())
-                    continue
-                self.counters["promotions"] += 1
-                out.append((best,))
-            return out
-
-    def _step_union(self, layer: int, expert_ids) -> tuple:
-        """A host-read step's batch union of ``layer`` (sorted), checked like ``_group`` but with no max_group bound:
-        the step leases nothing, so its union may be any size."""
-        if not (0 <= layer < self.num_layers):
-            raise IndexError(f"layer {layer} out of range [0, {self.num_layers})")
-        group = tuple(sorted({int(i) for i in np.asarray(expert_ids).reshape(-1).tolist()}))
-        if group and not (0 <= group[0] and group[-1] < self.num_experts):
-            raise IndexError(f"layer {layer}: expert ids {group} outside [0, {self.num_experts})")
-        return group
+            return self._count_host_reads(used, self._resident_mask(req._gen))
 
     def _note_host_reads(self, req: Request, layer: int, expert_ids) -> int:
         with self._lock:
-            if req.released:
-                raise CacheError(f"request {req.id} was released; note a step's host reads before releasing it")
-            self._check_faulted()
-            group = self._step_union(layer, expert_ids)
+            self._check_noting(req)
+            used = self._used_mask(layer, expert_ids)
             self._tick += 1
-            mapped = req._gen.maps[layer]
-            reads = sum(1 for e in group if e not in mapped)
-            self.counters["hits"] += len(group) - reads
-            self.counters["misses"] += reads
-            self.counters["host_reads"] += reads
-            self.counters["host_read_bytes"] += reads * self.row_bytes
-            self.policy.touch(layer, group, self._tick)
-            return reads
+            self.policy.touch(layer, np.flatnonzero(used), self._tick)
+            return self._count_host_reads(used, self._resident_mask(req._gen)[layer])
+
+    @contextlib.contextmanager
+    def policy_kept(self):
+        """Around work whose routes are not a user's (a warm-up's pad tokens): the eviction policy's history (uses,
+        scores) and the cache's clock are put back afterwards, so that neither a miss transaction's victims nor a
+        promotion learn from it; the experts that work brought in stay, as after any request."""
+        with self._lock:
+            saved = self.policy._t.copy(), self.policy._s.copy(), self._tick
+        try:
+            yield
+        finally:
+            with self._lock:
+                self.policy._t, self.policy._s, self._tick = saved
+
+    def _check_noting(self, req: Request) -> None:
+        if req.released:
+            raise CacheError(f"request {req.id} was released; note a step's host reads before releasing it")
+        self._check_faulted()
+
+    def _count_host_reads(self, used: np.ndarray, resident: np.ndarray) -> int:
+        """Count a host-read step's uses (bool masks of the same shape): hits where resident, misses served by the
+        host source elsewhere. Returns the host reads."""
+        reads = int((used & ~resident).sum())
+        self.counters["hits"] += int(used.sum()) - reads
+        self.counters["misses"] += reads
+        self.counters["host_reads"] += reads
+        self.counters["host_read_bytes"] += reads * self.row_bytes
+        return reads
 
     def monitored(self):
         """Context manager: copies out of expert storage made inside the block (e.g. by the code that reads

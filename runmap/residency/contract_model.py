@@ -1249,8 +1249,10 @@ class CacheContractMachine(RuleBasedStateMachine):
             def value(e):
                 return self.last_use.get((layer, e), -1)
         else:
+            lfu = self.cache.policy.values_all(self.L, self.E, self.cache._tick)[layer]
+
             def value(e):
-                return self.cache.policy.value(layer, e, self.cache._tick)
+                return float(lfu[e])
         best, n_evict, moved, interrupt = None, 0, 0, False
         if self.faulted:
             expect = "faulted"
