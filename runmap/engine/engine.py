@@ -598,6 +598,10 @@ class GraphDecoder(_StaticStepInputs):
         self.pool = pool
         self.graphs: dict[int, tuple[torch.cuda.CUDAGraph, torch.Tensor]] = {}
 
+    def _experts(self, layer, x, ids, gw):
+        """The step's routed experts (Transformer.forward's callback): the engine's, full residency's static tables."""
+        return self.e.experts(layer, x, ids, gw)
+
     def _step(self, n_keys):
         e = self.e
         pos = (self.slot - self.pad).unsqueeze(1)  # (B, 1)
@@ -606,7 +610,7 @@ class GraphDecoder(_StaticStepInputs):
         if self.recorded is not None:
             e.model.route_sink = lambda layer, ids: self.recorded[layer].copy_(ids)
         try:
-            return e.model.forward(self.tok, pos, e.kv, self.slot, self.pad, n_keys, e.experts)
+            return e.model.forward(self.tok, pos, e.kv, self.slot, self.pad, n_keys, self._experts)
         finally:
             e.experts.validate = True
             e.model.imposed = e.model.route_sink = None
@@ -1130,15 +1134,7 @@ class HostReadDecoder(GraphDecoder):
         return self.e.experts.host_read_experts(layer, x, ids, gw)
 
     def _step(self, n_keys):
-        e = self.e
-        pos = (self.slot - self.pad).unsqueeze(1)  # (B, 1)
-        e.model.imposed = self.imposed
-        if self.recorded is not None:
-            e.model.route_sink = lambda layer, ids: self.recorded[layer].copy_(ids)
-        try:
-            out = e.model.forward(self.tok, pos, e.kv, self.slot, self.pad, n_keys, self._experts)
-        finally:
-            e.model.imposed = e.model.route_sink = None
+        out = super()._step(n_keys)
         self.host_ids.copy_(self.routed, non_blocking=self.capture)  # (L, B, k) read after the step's wait
         return out
 
