@@ -33,11 +33,11 @@ def _split(storage, table, experts, on_host):
         rows[r] = torch.randint(0, 256, (storage.shape[1],), dtype=torch.uint8).to(storage.device)  # the copy is gone
         split[e] = R + e
     if storage.device.type == "cuda":
-        from runmap.residency.transport import _MappedArray
+        from runmap.residency.transport import MappedArray
 
         pinned = host.pin_memory()
         _KEEP.append(pinned)
-        host = torch.as_tensor(_MappedArray(pinned.data_ptr(), *pinned.shape), device=storage.device)
+        host = torch.as_tensor(MappedArray(pinned.data_ptr(), *pinned.shape), device=storage.device)
     return rows, host, split
 
 

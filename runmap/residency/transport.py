@@ -354,9 +354,10 @@ class CpuDirectTransport(CpuTransport):
 # registration is usable from every CUDA context of the process, and the range is mapped into the device's address
 # space (the host-read site's kernels read it there; with unified addressing its device pointer is its host pointer).
 _HOST_REGISTER_PORTABLE, _HOST_REGISTER_MAPPED, _HOST_REGISTER_READ_ONLY = 0x01, 0x02, 0x08
+HOST_REGISTER_FLAGS = _HOST_REGISTER_PORTABLE | _HOST_REGISTER_MAPPED | _HOST_REGISTER_READ_ONLY
 
 
-class _MappedArray:
+class MappedArray:
     """``__cuda_array_interface__`` of registered, mapped host memory: torch.as_tensor(..., device=cuda) of it is a CUDA
     uint8 (rows, row_bytes) tensor whose kernels read the host bytes over the link. Declared writable only because
     torch refuses read-only device buffers; the pages are write-protected and registered read-only, so a write
@@ -380,7 +381,7 @@ def mapped_rows(host, layer: int, device) -> torch.Tensor:
         raise TransferError("the host-read site needs the host source registered and mapped (contract v2: "
                             "--contract v2)")
     with torch.cuda.device(dev):
-        return torch.as_tensor(_MappedArray(arr.ctypes.data, *arr.shape), device=dev)
+        return torch.as_tensor(MappedArray(arr.ctypes.data, *arr.shape), device=dev)
 
 
 class PinnedSourceTransport(CudaTransport):
@@ -400,8 +401,7 @@ class PinnedSourceTransport(CudaTransport):
         if getattr(host, "pinned_registration", None):
             self.registered_bytes = arr.nbytes  # another engine of this process registered it already
             return
-        err = torch.cuda.cudart().cudaHostRegister(
-            arr.ctypes.data, arr.nbytes, _HOST_REGISTER_PORTABLE | _HOST_REGISTER_MAPPED | _HOST_REGISTER_READ_ONLY)
+        err = torch.cuda.cudart().cudaHostRegister(arr.ctypes.data, arr.nbytes, HOST_REGISTER_FLAGS)
         code = int(getattr(err, "value", err))
         if code != 0:
             raise TransferError(f"resident-qpacked-cache-v2: pinning the {arr.nbytes / 2**30:.2f} GiB host source "

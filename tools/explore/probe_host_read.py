@@ -37,17 +37,7 @@ from pathlib import Path
 import numpy as np
 import torch
 
-_REGISTER_PORTABLE, _REGISTER_MAPPED, _REGISTER_READ_ONLY = 1, 2, 8
-
-
-class _MappedRows:
-    """A ``__cuda_array_interface__`` over registered host memory: torch.as_tensor(..., device="cuda") then gives a
-    CUDA uint8 (rows, row_bytes) tensor whose kernels read the host bytes over the link (unified addressing: the
-    device pointer of registered memory is its host pointer)."""
-
-    def __init__(self, ptr: int, rows: int, row_bytes: int):
-        self.__cuda_array_interface__ = {"shape": (rows, row_bytes), "typestr": "|u1", "data": (ptr, False),
-                                         "version": 2, "strides": None}
+from runmap.residency.transport import HOST_REGISTER_FLAGS, MappedArray
 
 
 def host_copy(storage: torch.Tensor, register: bool):
@@ -57,8 +47,7 @@ def host_copy(storage: torch.Tensor, register: bool):
     arr = np.frombuffer(buf, dtype=np.uint8).reshape(rows, row_bytes)
     arr[:] = storage.cpu().numpy()
     if register:
-        err = torch.cuda.cudart().cudaHostRegister(arr.ctypes.data, arr.nbytes,
-                                                    _REGISTER_PORTABLE | _REGISTER_MAPPED | _REGISTER_READ_ONLY)
+        err = torch.cuda.cudart().cudaHostRegister(arr.ctypes.data, arr.nbytes, HOST_REGISTER_FLAGS)
         code = int(getattr(err, "value", err))
         if code != 0:
             sys.exit(f"probe_host_read: cudaHostRegister of {arr.nbytes} bytes failed (error {code})")
@@ -127,7 +116,7 @@ def main(argv=None) -> int:
     layout, storage, table, resident = make_layer(shape, dev, args.seed)  # (R, row_bytes), int32 (E,), 3/4 of E
     arr, _buf = host_copy(storage, register=dev.type == "cuda")
     if dev.type == "cuda":
-        host_storage = torch.as_tensor(_MappedRows(arr.ctypes.data, *arr.shape), device=dev)
+        host_storage = torch.as_tensor(MappedArray(arr.ctypes.data, *arr.shape), device=dev)
         # a view, not a copy; that the host pointer is also the device's is unified addressing (every 64-bit Linux
         # CUDA device since Fermi): a kernel reading it reads host memory over the link
         assert host_storage.data_ptr() == arr.ctypes.data
