@@ -1503,7 +1503,7 @@ class Engine:
                         from runmap.engine.placement import HostReadPlacement
                         from runmap.residency.eviction import LFUDecayPolicy
 
-                        cache_policy = LFUDecayPolicy(half_life=HostReadPlacement().half_life_tokens * cfg.num_layers)
+                        cache_policy = LFUDecayPolicy(half_life=HostReadPlacement.HALF_LIFE_TOKENS * cfg.num_layers)
                 kw = dict(resident=resident, max_group=group, device=device, policy=cache_policy, transport=transport)
                 if host_source is not None:
                     host_source.watch_reader(reader)  # closed; a read through it is still observed

@@ -238,8 +238,9 @@ class HostReadPlacement(Placement):
     the CPU site."""
 
     name = "host-read"
+    HALF_LIFE_TOKENS = 512.0  # the lfu-decay policy's half-life the engine builds for it, in decode steps
 
-    def __init__(self, margin: float = 1.0, half_life_tokens: float = 512.0):
+    def __init__(self, margin: float = 1.0, half_life_tokens: float = HALF_LIFE_TOKENS):
         if margin < 0 or half_life_tokens <= 0:
             raise PlacementError(f"host-read: margin {margin} must be >= 0 and half_life_tokens {half_life_tokens} > 0")
         self.margin, self.half_life_tokens = float(margin), float(half_life_tokens)
