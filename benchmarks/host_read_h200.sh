@@ -6,7 +6,10 @@
 #
 #   RUNMAP_GIT_COMMIT=<sha> bash benchmarks/host_read_h200.sh [BUDGET_S]     (repo root, $OUT set; carry wheels/)
 #
-# Files back: gpu-pytest.log, kernels-grouped.json, h200-campaign.tar.gz, bench.log, prepare-{olmoe,qwen}.log.
+# and the host part of a host-read step on this host's CPU (tools/explore/probe_host_read_host_cost.py, ~10 s).
+#
+# Files back: gpu-pytest.log, kernels-grouped.json, host-read-host-cost-h200.log, h200-campaign.tar.gz, bench.log,
+# prepare-{olmoe,qwen}.log.
 set -uo pipefail
 : "${OUT:?set OUT to the directory whose files come back}"
 mkdir -p "$OUT"
@@ -22,6 +25,11 @@ timeout 120 python3 -m runmap.cli.check_kernels --device cuda --shapes full --ex
   --out "$OUT/kernels-grouped.json" --no-progress > "$OUT/kernels-grouped.log" 2>&1
 echo "[${SECONDS}s] kernel check (grouped, full shapes) exit $?"
 tail -2 "$OUT/kernels-grouped.log"
+{ timeout 40 python3 tools/explore/probe_host_read_host_cost.py --steps 400 --warmup 100
+  timeout 30 python3 tools/explore/probe_host_read_host_cost.py --family qwen2_moe --resident 30 --steps 400 \
+    --warmup 100 | grep "per step"; } > "$OUT/host-read-host-cost-h200.log" 2>&1
+echo "[${SECONDS}s] host part of a host-read step (this host's CPU)"
+grep "per step" "$OUT/host-read-host-cost-h200.log" | cut -c1-150
 RUNMAP_SPEC=specs/campaigns/h200-host-read.yaml RUNMAP_DIRECT="olmoe=olmoe-1b-7b-0924 qwen=qwen1.5-moe-a2.7b" \
   bash benchmarks/run_h200_campaign.sh $(( ${1:-570} - SECONDS - 15 ))
 rm -f "$OUT/kernels-grouped.log"

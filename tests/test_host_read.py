@@ -62,6 +62,32 @@ def test_host_rows_compute_what_device_rows_do(shape_name, tokens, test_device):
     assert float((got.float() - ref).norm() / ref.norm()) <= TOL
 
 
+@pytest.mark.parametrize("tokens", [3, 8])
+@pytest.mark.parametrize("preload_scales", [False, True])
+def test_host_rows_in_sorted_runs_compute_what_device_rows_do(tokens, preload_scales, test_device):
+    """The sorted-runs form (config SORTED: what a GPU's batch 8 of OLMoE takes, 64 pairs), with and without the scales
+    preloaded per run: host rows read there give the device rows' output bit for bit."""
+    from runmap.kernels.grouped import default_config
+
+    shape = SMALL["small-b64"]
+    dev = torch.device(test_device)
+    layout, storage, table, resident = make_layer(shape, dev, seed=23)
+    resident = resident.cpu()
+    gen = torch.Generator().manual_seed(tokens)
+    k = shape.top_k
+    ids = torch.stack([resident[torch.randperm(resident.numel(), generator=gen)[:k]] for _ in range(tokens)]).to(dev)
+    x = torch.randn(tokens, shape.hidden, generator=gen).to(torch.float16).to(dev)
+    w = torch.softmax(torch.randn(tokens, k, generator=gen), dim=1).to(dev)
+    cfg = {**default_config(64, dev), "SORTED": True, "PRELOAD_SCALES": preload_scales}
+    on_host = sorted(set(ids[:, 1::2].reshape(-1).tolist()))
+    dev_rows, host, split = _split(storage, table, shape.experts, on_host)
+    want = moe_experts("grouped", x, ids, w, storage, table, layout, validate=False, config=cfg)
+    got = moe_experts("grouped", x, ids, w, dev_rows, split, layout, validate=False, config=cfg, host_rows=host)
+    assert torch.equal(got, want)
+    ref = reference_moe_f32(x, ids, w, storage, table, layout)
+    assert float((got.float() - ref).norm() / ref.norm()) <= TOL
+
+
 @settings(max_examples=8, deadline=None)
 @given(seed=st.integers(0, 2**16), tokens=st.integers(1, 4), host_share=st.floats(0.0, 1.0))
 def test_any_split_of_experts_between_sites_gives_the_same_output(seed, tokens, host_share):
@@ -177,6 +203,48 @@ def test_host_read_decode_equals_full_residency_and_runs_no_transaction_inside_a
     (toks_f, logits_f), (toks_h, logits_h) = runs["full"], runs["host-read"]
     assert toks_h == toks_f and len(logits_h) == len(logits_f) > 0
     assert all(torch.equal(a, b) for a, b in zip(logits_h, logits_f))
+
+
+def test_a_step_promotes_from_the_step_before_while_its_own_request_pins_its_generation(seed3_tiny_packs):
+    """Promotion runs beside the next step (CachedExperts.promote_pending): each decode step's promote_step gets the
+    ids the step before noted, runs while that step's own request is live (its generation pinned, so a victim's row
+    is not reused under it), and the last step's ids stay pending; policy_kept sets a pending promotion aside."""
+    from runmap.engine.engine import Engine
+
+    pack, cfg = seed3_tiny_packs["tiny-olmoe"]
+    eng = Engine.from_pack(pack, executor="grouped", device="cpu", resident=cfg.top_k, max_batch=1, max_seq_len=48,
+                           expert_placement="host-read", policy="lfu-decay")
+    try:
+        ex, cache = eng.experts, eng.experts.cache
+        events = []
+        note, promote = cache.note_host_read_step, cache.promote_step
+
+        def noting(req, ids):
+            events.append(("note", req.generation, np.array(ids, copy=True)))
+            return note(req, ids)
+
+        def promoting(ids, margin=1.0):
+            events.append(("promote", cache.live_requests(), np.array(ids, copy=True)))
+            return promote(ids, margin)
+
+        cache.note_host_read_step, cache.promote_step = noting, promoting
+        eng.generate(PROMPTS[:1], max_new_tokens=6, ignore_eos=True)
+        kinds = [e[0] for e in events]
+        assert kinds[0] == "note" and kinds.count("note") == 5  # 6 tokens: the first is the prefill's
+        assert kinds == ["note"] + ["promote", "note"] * 4  # from the second step on: promote, then the step's note
+        for i in range(1, len(events), 2):
+            _, live, ids = events[i]
+            assert live == 1  # the running step's request
+            np.testing.assert_array_equal(ids, events[i - 1][2])  # the step before's ids
+        np.testing.assert_array_equal(ex._pending_promotion, events[-1][2])  # the last step's: promoted next time
+        pending = ex._pending_promotion
+        with eng.policy_kept():
+            assert ex._pending_promotion is None
+        assert ex._pending_promotion is pending
+        assert ex.promote_pending() >= 0 and ex._pending_promotion is None and ex.promote_pending() == 0
+        assert cache.outstanding_leases() == 0 and cache.live_requests() == 0
+    finally:
+        eng.close()
 
 
 def test_the_engine_refuses_host_read_where_it_cannot_run(seed3_tiny_packs):

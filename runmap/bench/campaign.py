@@ -74,7 +74,7 @@ from runmap.provenance import utc_timestamp
 from runmap.residency.observations import OBSERVATION_NAMES as REQUIRED_ZERO
 from runmap.residency.regimes import regime_of
 
-DEFAULT_PARAMS = {"repeats": 3, "warmup": 1, "warmup_new_tokens": 4, "policy": "lru", "seed": 0,
+DEFAULT_PARAMS = {"repeats": 3, "warmup": 1, "warmup_new_tokens": 4, "policy": None, "seed": 0,
                   "cuda_graphs": True, "fused": True, "skip_experts": False, "check": False,
                   "check_prompt_len": 24, "check_tolerance": 0.01, "check_min_route_agreement": 0.5,
                   "routing": "model",
@@ -756,7 +756,9 @@ def run_config(engine: BenchEngine, c: BenchConfig, model_cfg: ModelConfig, ctx:
             "expert_format": c.expert_format, "block_size": engine_info.get("block_size"),
             "batch": c.batch, "prompt_len": c.prompt_len, "decode_len": c.decode_len,
             "repeats": len(decode), "warmup": p["warmup"], "max_batch": p["max_batch"],
-            "max_seq_len": p["max_seq_len"], "policy": p["policy"] if is_engine else None,
+            "max_seq_len": p["max_seq_len"],
+            # the policy the cache ran (None asks for the engine's default: lru, lfu-decay under placement host-read)
+            "policy": (s1.policy if s1.has_cache else p["policy"]) if is_engine else None,
             "seed": p["seed"], "pack": engine_info.get("pack"), "checkpoint": engine_info.get("checkpoint"),
             "variant": c.variant,
             "cuda_graphs": bool(p["cuda_graphs"]) if is_engine else None,

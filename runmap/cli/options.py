@@ -45,7 +45,7 @@ def add_residency_arguments(p) -> None:
                         "dividing each call's absent experts between the CPU and the link so that both work at once "
                         "(opt-in: not yet shown faster in decode), host-read = decode steps read absent experts "
                         "straight from the host copy over the link inside one CUDA graph (no transfer, no host round "
-                        "trip), the most used experts promoted into device rows between steps (grouped executor; on a "
+                        "trip), the most used experts promoted into device rows while the next step runs (grouped executor; on a "
                         "GPU needs --cache-contract v2); the plan is printed. The route "
                         "never changes, only "
                         "where each routed expert runs. "
@@ -78,7 +78,7 @@ def placement_line(eng) -> str | None:
         return "expert placement cpu: absent experts are computed on the CPU from the host source (no transfers)"
     if d["mode"] == "host-read":
         return (f"expert placement host-read: decode steps read absent experts from the host source over the link; "
-                f"between steps a host-read expert is promoted when the {eng.experts.cache.policy.name} policy values "
+                f"beside the next step a host-read expert is promoted when the {eng.experts.cache.policy.name} policy values "
                 f"it {d['promotion_margin']:g} above the coldest resident (half-life {d['half_life_tokens']:g} steps "
                 f"under lfu-decay)")
     c = d["costs"]

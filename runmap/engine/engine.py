@@ -219,6 +219,7 @@ class CachedExperts:
         # and a layer's is replaced only when that layer publishes, so an unchanged one needs no copy
         self.static_sources: list | None = None if self.full else [None] * self.num_layers
         self.host_rows: list | None = None  # the host-read site's rows per layer (enable_host_read), else None
+        self._pending_promotion: np.ndarray | None = None  # the last host-read step's ids, not yet promoted from
 
     @contextlib.contextmanager
     def checked_pass(self):
@@ -463,6 +464,7 @@ class CachedExperts:
         self._hr_host = torch.zeros(L, E, dtype=torch.int32, pin_memory=pin)  # written here, copied to hr_tables
         self.hr_tables = torch.full((L, E), -1, dtype=torch.int32, device=c.device)
         self._hr_generation: int | None = None  # the generation hr_tables hold
+        self._hr_maps: list = [None] * L  # per layer the mapping (an immutable generation's) _hr_host was written from
 
     def point_host_read_tables(self, req) -> None:
         """Make hr_tables name ``req``'s generation (a copy on the compute stream, queued before the step that reads
@@ -472,13 +474,43 @@ class CachedExperts:
             return
         R, E = self.cache.rows_per_layer, self.cache.num_experts
         buf = self._hr_host.numpy()  # (L, E); the step before this one was waited for, so no copy still reads it
-        buf[:] = R + np.arange(E, dtype=np.int32)[None, :]  # absent: host row e
         for layer in range(self.num_layers):
             m = req.mapping(layer)
+            if self._hr_maps[layer] is m:  # a publication replaces one layer's mapping object and shares the others
+                continue
+            buf[layer] = R + np.arange(E, dtype=np.int32)  # absent: host row e
             if m:
                 buf[layer, list(m.keys())] = list(m.values())
+            self._hr_maps[layer] = m
         self.hr_tables.copy_(self._hr_host, non_blocking=True)
         self._hr_generation = req.generation
+
+    def defer_promotion(self, ids: np.ndarray) -> None:
+        """Keep a host-read step's routed ids (int (L, B, k), copied) for ``promote_pending``, which the next step calls
+        once its own work is queued: a promotion's host work and copy then run beside that step instead of between
+        the two. The next step reads the expert from the host source once more; that is the price."""
+        self._pending_promotion = np.array(ids, copy=True)
+
+    def promote_pending(self) -> int:
+        """Promote from the reads kept by ``defer_promotion`` (ExpertCache.promote_step, timed as a transfer), once;
+        returns the experts promoted. Safe beside a queued host-read step: a promotion publishes into a spare row and
+        its victim's row is reused only after every request pinning the victim's generation (that step's) is
+        released."""
+        ids, self._pending_promotion = self._pending_promotion, None
+        if ids is None:
+            return 0
+        return sum(map(len, self._timed(self.cache.promote_step, ids, self.placement.margin)))
+
+    @contextlib.contextmanager
+    def policy_kept(self):
+        """ExpertCache.policy_kept, and a pending promotion set aside meanwhile and put back after (work inside, a
+        warm-up's pad-token steps, neither uses it nor leaves its own)."""
+        saved, self._pending_promotion = self._pending_promotion, None
+        try:
+            with self.cache.policy_kept():
+                yield
+        finally:
+            self._pending_promotion = saved
 
     def host_read_experts(self, layer, x, ids, gw):
         """A host-read step's layer: x fp16 (N, H), ids int64 (N, k), gw fp32 (N, k) -> fp16 (N, H); resident experts
@@ -1115,10 +1147,11 @@ class HostReadDecoder(GraphDecoder):
     copies every layer's routed ids into pinned host memory.
 
     Per step: admit a request (it pins the generation whose rows the step reads), point the tables at that
-    generation, replay, wait, tell the cache what each layer routed (ExpertCache.note_host_read_step: hits and host
-    reads, seen by the eviction policy), release; then, between steps, ask the cache to promote each layer's hottest
-    host-read expert (ExpertCache.promote_step: a miss transaction under every rule of the contract). ``capture=False`` runs the same
-    step eagerly (the CPU)."""
+    generation, replay; while the step runs, ask the cache to promote each layer's hottest host-read expert of the
+    step before (CachedExperts.promote_pending -> ExpertCache.promote_step: a miss transaction under every rule of
+    the contract, publishing a generation this step does not read); wait, tell the cache what each layer routed
+    (ExpertCache.note_host_read_step: hits and host reads, seen by the eviction policy), release, and keep the ids
+    for the next step's promotion. ``capture=False`` runs the same step eagerly (the CPU), its promotion after it."""
 
     def __init__(self, engine: "Engine", batch: int, pool, capture: bool):
         super().__init__(engine, batch, pool)
@@ -1127,7 +1160,6 @@ class HostReadDecoder(GraphDecoder):
         self.routed = torch.zeros(L, batch, k, dtype=torch.long, device=dev)  # the step's ids, written by the step
         self.host_ids = torch.zeros(L, batch, k, dtype=torch.long, pin_memory=dev.type == "cuda")
         self.host_ids_np = self.host_ids.numpy()
-        self.promoted = 0  # experts promoted between this decoder's steps
 
     def _experts(self, layer, x, ids, gw):
         self.routed[layer].copy_(ids)
@@ -1155,6 +1187,8 @@ class HostReadDecoder(GraphDecoder):
                     self._capture(n_keys)
                 g, out = self.graphs[n_keys]
                 g.replay()
+            ex.promote_pending()  # the step before's promotions, beside this step (on the CPU: after it)
+            if self.capture:
                 torch.cuda.current_stream(e.device).synchronize()  # the routed ids are in pinned memory
             waited = True
             ids = self.host_ids_np  # (L, B, k)
@@ -1163,10 +1197,9 @@ class HostReadDecoder(GraphDecoder):
             if not waited:  # a failure before the wait: no queued kernel may read the pinned rows after the release
                 torch.cuda.current_stream(e.device).synchronize()
             req.release()
-        if self.recorded is not None:  # the step ran: its routes are recorded whatever a promotion does next
+        ex.defer_promotion(ids)  # promoted beside the next step
+        if self.recorded is not None:
             e.routes.end_pass(real, self.recorded, decode=True)
-        # timed like any transfer (the records' h2d rate)
-        self.promoted += sum(map(len, ex._timed(ex.cache.promote_step, ids, ex.placement.margin)))
         return out
 
 
@@ -1271,8 +1304,9 @@ class Engine:
     def policy_kept(self):
         """Around work whose routes are not a user's (a warm-up's pad tokens): under partial residency the cache's
         eviction policy forgets it (ExpertCache.policy_kept)."""
-        cache = self._expert_cache()
-        with (cache.policy_kept() if cache is not None and not cache.full_residency else contextlib.nullcontext()):
+        inner = self.experts.inner if isinstance(self.experts, SkipExperts) else self.experts
+        keep = isinstance(inner, CachedExperts) and not inner.cache.full_residency
+        with (inner.policy_kept() if keep else contextlib.nullcontext()):
             yield
 
     @torch.inference_mode()

@@ -51,7 +51,7 @@ class PhaseSiteCounters:
     prefetches_skipped: int = 0
     prefetches_aborted: int = 0
     # the host-read site (placement host-read): absent experts its decode steps read over the link, their bytes, and the
-    # experts promoted into device rows between steps (ExpertCache.note_host_reads / promote)
+    # experts promoted into device rows beside the next step (ExpertCache.note_host_reads / promote)
     host_reads: int = 0
     host_read_bytes: int = 0
     promotions: int = 0

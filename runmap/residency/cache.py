@@ -30,9 +30,10 @@ Vocabulary
   absent experts straight from the registered host source over the link (the GPU's kernels, through a row table
   whose absent entries name host rows) runs no transaction: its request pins the generation whose rows it reads, as
   any request, and afterwards tells the cache what it routed (hits, and misses served by the host source in
-  ``host_reads`` / ``host_read_bytes``; the eviction policy sees every use). Residency changes between steps only,
-  by ``promote``: a miss transaction with no lease for the hottest absent expert, when the eviction policy values it
-  above the coldest evictable resident by a margin, with every rule of a miss transaction.
+  ``host_reads`` / ``host_read_bytes``; the eviction policy sees every use). Residency changes only by ``promote``: a
+  miss transaction with no lease for the hottest absent expert, when the eviction policy values it above the coldest
+  evictable resident by a margin, with every rule of a miss transaction (the engine runs it while the next step
+  runs: that step's request pins the generation it reads, so a victim's row is not reused under it).
 * **Failures**: before publication -> ``TransactionAborted`` (spares and staging back, rows with an
   unfinished copy fenced until its event completes, the old generation stays authoritative); after
   publication -> FAULTED, every later admission or acquisition raises ``CacheFaultedError``.
@@ -198,7 +199,7 @@ class ExpertCache:
         self._pins: Counter = Counter()  # generation number -> live requests pinning it
         self._leased: list[Counter] = [Counter() for _ in range(self.num_layers)]  # expert -> live leases
         self._requests: dict[int, Request] = {}
-        self._masks: dict[int, np.ndarray] = {}  # generation -> bool (L, E) mapped (_resident_mask)
+        self._masks: dict[int, tuple] = {}  # generation -> (its maps, bool (L, E) mapped) (_resident_mask)
         self.counters = Counter({k: 0 for k in (
             "requests_admitted", "requests_released", "leases", "hits", "misses", "all_hit_leases",
             "transactions", "transactions_aborted", "busy_refusals", "bytes_h2d", "staging_reuses",
@@ -374,7 +375,24 @@ class ExpertCache:
             self._check_faulted()
             used = self._used_mask(None, ids)
             values = self.policy.values_all(self.num_layers, self.num_experts, self._tick)  # (L, E)
-            return [self._promote_layer(layer, used[layer], values[layer], margin) for layer in range(self.num_layers)]
+            out: list[tuple] = [()] * self.num_layers
+            for layer in self._promotion_candidates(used, values, margin):
+                out[layer] = self._promote_layer(layer, used[layer], values[layer], margin)
+            return out
+
+    def _promotion_candidates(self, used: np.ndarray, values: np.ndarray, margin: float) -> list[int]:
+        """The layers ``_promote_layer`` could promote in, decided for all layers at once (under the lock): every layer
+        with an absent used expert whose best value reaches the coldest resident's + ``margin``, or that is not full.
+        Exact: evictable experts are residents, so the coldest evictable is never colder than the coldest resident,
+        and a layer left out would fail ``_promote_layer``'s own test; a promotion in one layer changes no other
+        layer's mapping or any value. ``used``, ``values``: (L, E)."""
+        cur = self._current
+        res = self._resident_mask(cur)  # (L, E)
+        absent = used & ~res
+        best = np.where(absent, values, -np.inf).max(1)  # (L,) the hottest absent expert's value
+        coldest = np.where(res, values, np.inf).min(1)  # (L,) the coldest resident's
+        full = np.array([len(m) >= self.resident for m in cur.maps])
+        return np.flatnonzero(absent.any(1) & (~full | (best >= coldest + margin))).tolist()
 
     def _promote_layer(self, layer: int, used: np.ndarray, values: np.ndarray, margin: float) -> tuple:
         """``promote``'s rule for ``layer`` (under the lock): used bool (E,) the step's union, values float (E,) the
@@ -403,14 +421,20 @@ class ExpertCache:
 
     def _resident_mask(self, gen: Generation) -> np.ndarray:
         """bool (L, E): mapped in ``gen`` (kept for the last few generations: a host-read step asks once per step)."""
-        hit = self._masks.get(gen.number)
-        if hit is None:
-            hit = np.zeros((self.num_layers, self.num_experts), dtype=bool)
-            for layer, m in enumerate(gen.maps):
+        kept = self._masks.get(gen.number)
+        if kept is not None:
+            return kept[1]
+        # from the newest kept generation's mask, redoing only the layers whose mapping is another object (a
+        # publication replaces one layer's and shares the others'), else from nothing
+        base = self._masks[next(reversed(self._masks))] if self._masks else None
+        hit = base[1].copy() if base is not None else np.zeros((self.num_layers, self.num_experts), dtype=bool)
+        for layer, m in enumerate(gen.maps):
+            if base is None or base[0][layer] is not m:
+                hit[layer] = False
                 hit[layer, list(m.keys())] = True
-            if len(self._masks) > 4:
-                self._masks.pop(next(iter(self._masks)))
-            self._masks[gen.number] = hit
+        if len(self._masks) > 4:
+            self._masks.pop(next(iter(self._masks)))
+        self._masks[gen.number] = (gen.maps, hit)
         return hit
 
     def _used_mask(self, layer: int | None, ids) -> np.ndarray:
