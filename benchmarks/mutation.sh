@@ -45,6 +45,10 @@
 #                         after-placement-prefetch.json)
 #   pace                  transport.pace, the emulated slower host link of the consumer-link experiment (a6aa5cf;
 #                         33; after-pace.json)
+#   host-read             the host-read site's cache operations (placement host-read): noting a step's host reads
+#                         (Request.note_host_reads, note_host_read_step, their masks and counters), promotion
+#                         (promote, promote_step, its all-layer pre-filter, _promote_layer), the resident masks, and the
+#                         eviction policies' whole-step arrays (touch_layers, values_all, _grow); after-host-read.json
 # MUTATION_RERUN=1 benchmarks/mutation.sh LABEL: re-run the survivors (and the mutants no test reached) of an
 # earlier run of LABEL that no re-run has killed yet (MUTATION_NAMES: only those matching these patterns), in its
 # scratch copy against the working tree (refused if a function they mutate changed since, so the mutants are the
@@ -180,6 +184,13 @@ construction-rest) SCOPE="$R.host_source.x__sha256__mutmut_* ${H}from_rows__mutm
 placement-prefetch) SCOPE="${C}prefetch__mutmut_* $R.cache.xǁRequestǁacquire__mutmut_* ${C}_acquire__mutmut_*
  ${C}_transaction__mutmut_115 ${C}_transaction__mutmut_126" ;;
 pace) SCOPE="$R.transport.x_pace__mutmut_*" ;;
+host-read) SCOPE="${C}promote__mutmut_* ${C}promote_step__mutmut_* ${C}_promotion_candidates__mutmut_*
+ ${C}_promote_layer__mutmut_* ${C}_resident_mask__mutmut_* ${C}_used_mask__mutmut_* ${C}note_host_read_step__mutmut_*
+ ${C}_note_host_reads__mutmut_* ${C}_check_noting__mutmut_* ${C}_count_host_reads__mutmut_*
+ $R.cache.xǁRequestǁnote_host_reads__mutmut_* $R.cache.xǁRequestǁmapping__mutmut_*
+ $R.eviction.xǁEvictionPolicyǁtouch_layers__mutmut_* $R.eviction.xǁEvictionPolicyǁ_touch_mask__mutmut_*
+ $R.eviction.xǁEvictionPolicyǁ_grow__mutmut_* $R.eviction.xǁLFUDecayPolicyǁ_touch_mask__mutmut_*
+ $R.eviction.xǁLFUDecayPolicyǁvalues_all__mutmut_* $R.eviction.xǁLRUPolicyǁvalues_all__mutmut_*" ;;
 *) SCOPE=$MUTATION_SCOPE ;;
 esac
 [ "$SCOPE" = all ] && SCOPE=""

@@ -390,8 +390,19 @@ def test_a_whole_step_at_once_does_what_its_layers_one_by_one_do(data, policy, m
         ra.release()
         rb.release()
         assert got == want
+        # sometimes a live lease on a layer's coldest-or-not resident expert (a running step's): promotion must not
+        # evict it, and the all-layer pre-filter must still pick the layers the per-layer rule would
+        held = []
+        if data.draw(st.booleans(), label="lease held"):
+            layer = data.draw(st.integers(0, L - 1), label="leased layer")
+            e = data.draw(st.sampled_from(sorted(a.mapping(layer))), label="leased expert")
+            held = [c.admit() for c in (a, b)]
+            for r in held:
+                r.acquire(layer, [e])
         got_p = a.promote_step(ids, margin)
         want_p = [b.promote(layer, ids[layer], margin) for layer in range(L)]
+        for r in held:
+            r.release()
         assert got_p == want_p
         assert dict(a.counters) == dict(b.counters)
         assert [a.mapping(layer) for layer in range(L)] == [b.mapping(layer) for layer in range(L)]
