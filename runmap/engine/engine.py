@@ -1187,7 +1187,9 @@ class HostReadDecoder(GraphDecoder):
                     self._capture(n_keys)
                 g, out = self.graphs[n_keys]
                 g.replay()
-            ex.promote_pending()  # the step before's promotions, beside this step (on the CPU: after it)
+            # the step before's promotions, beside this step (on the CPU: after it). One that raises ends the step
+            # unnoted: the cache is then FAULTED (noting would raise too) or the process is being interrupted
+            ex.promote_pending()
             if self.capture:
                 torch.cuda.current_stream(e.device).synchronize()  # the routed ids are in pinned memory
             waited = True
@@ -1894,6 +1896,10 @@ class Engine:
                     seed=None if seed is None else seed + g0)
                 results += res
                 timings.append(tim)
+            if self.use_host_read:
+                # the last step's promotions now, not beside the next run's first step: they then count in this run
+                # (a campaign row's record), and the next run does not start from another run's reads
+                self.experts.promote_pending()
         finally:
             self.experts.end()
         out = GenerationRun.combine(results, timings)

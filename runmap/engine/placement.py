@@ -230,9 +230,9 @@ class Placement:
 class HostReadPlacement(Placement):
     """Decode steps compute absent experts on the GPU from the host source itself, read over the link by the grouped
     executor through the registered mapping (runmap.kernels.core.expert_site_row): no miss transaction and no host
-    round trip inside a step, so the whole step is one CUDA graph as under full residency. Residency changes between
-    steps: after each step the cache promotes, per layer, the step's hottest host-read expert when the eviction policy
-    values it above the coldest resident by ``margin`` (ExpertCache.promote; with lfu-decay over a half-life of
+    round trip inside a step, so the whole step is one CUDA graph as under full residency. Residency changes beside
+    the steps: while the next step runs the cache promotes, per layer, a step's hottest host-read expert when the
+    eviction policy values it above the coldest resident by ``margin`` (ExpertCache.promote; with lfu-decay over a half-life of
     ``half_life_tokens`` decode steps that converges on the most used experts with a fraction of a promotion per token).
     Prompt passes run the miss transactions of placement gpu (a pass reads each expert many times). Nothing goes to
     the CPU site."""
@@ -241,7 +241,7 @@ class HostReadPlacement(Placement):
     HALF_LIFE_TOKENS = 512.0  # the lfu-decay policy's half-life the engine builds for it, in decode steps
 
     def __init__(self, margin: float = 1.0, half_life_tokens: float = HALF_LIFE_TOKENS):
-        if margin < 0 or half_life_tokens <= 0:
+        if not (margin >= 0 and half_life_tokens > 0):  # (NaN fails both)
             raise PlacementError(f"host-read: margin {margin} must be >= 0 and half_life_tokens {half_life_tokens} > 0")
         self.margin, self.half_life_tokens = float(margin), float(half_life_tokens)
 
