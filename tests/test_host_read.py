@@ -263,14 +263,14 @@ def test_the_engine_refuses_host_read_where_it_cannot_run(seed3_tiny_packs):
                          prefetch=True)
 
 
-def _cache(experts=8, resident=3, policy="lfu-decay", prefill=True):
+def _cache(experts=8, resident=3, policy="lfu-decay", prefill=True, layers=2):
     from runmap.format.qpack import RowLayout
     from runmap.residency.cache import ExpertCache
     from runmap.residency.host_source import HostSource
 
     layout = RowLayout.build(64, 64, 64)
     gen = torch.Generator().manual_seed(0)
-    rows = [torch.randint(0, 256, (experts, layout.row_bytes), dtype=torch.uint8, generator=gen) for _ in range(2)]
+    rows = [torch.randint(0, 256, (experts, layout.row_bytes), dtype=torch.uint8, generator=gen) for _ in range(layers)]
     return ExpertCache(HostSource.from_rows(rows, layout), resident=resident, max_group=2, policy=policy,
                        prefill=prefill)
 
@@ -418,6 +418,41 @@ def test_a_whole_step_at_once_does_what_its_layers_one_by_one_do(data, policy, m
         np.testing.assert_allclose(a.policy._s, b.policy._s, rtol=1e-12)
     with pytest.raises(IndexError):
         a.note_host_read_step(a.admit(), np.full((L, 1), 8))
+
+
+@settings(max_examples=40, deadline=None)
+@given(data=st.data(), margin=st.sampled_from([0.0, 1.0]), prefill=st.booleans())
+def test_promotion_visits_only_the_layers_that_could_promote(data, margin, prefill):
+    """promote_step's all-layer pre-filter (ExpertCache._promotion_candidates) is where its host time is saved: it
+    hands the per-layer rule only layers where this step used an absent expert and, when the layer is full, the
+    hottest such expert reaches the coldest resident's value + margin; the rule never sees the others."""
+    cache = _cache(experts=8, resident=3, layers=4, prefill=prefill)
+    L = cache.num_layers
+    visited = []
+    rule = cache._promote_layer
+
+    def spy(layer, used, values, margin_):
+        visited.append((layer, used.copy(), values.copy()))
+        return rule(layer, used, values, margin_)
+
+    cache._promote_layer = spy
+    for _ in range(data.draw(st.integers(1, 6), label="steps")):
+        width = data.draw(st.integers(1, 3), label="ids per layer")
+        ids = np.array(data.draw(st.lists(st.lists(st.integers(0, 7), min_size=width, max_size=width), min_size=L,
+                                          max_size=L), label="ids"))
+        req = cache.admit()
+        cache.note_host_read_step(req, ids)
+        req.release()
+        # each layer's residency as the rule finds it (a promotion changes only its own layer)
+        resident = cache._resident_mask(cache._current).copy()
+        full = [len(cache.mapping(layer)) >= cache.resident for layer in range(L)]
+        visited.clear()
+        cache.promote_step(ids, margin)
+        for layer, used, values in visited:
+            absent = used & ~resident[layer]
+            assert absent.any(), f"layer {layer} visited with no absent expert used"
+            if full[layer]:
+                assert values[absent].max() >= values[resident[layer]].min() + margin, f"layer {layer} cannot promote"
 
 
 @pytest.mark.parametrize("placement", ["gpu", "host-read"])
