@@ -463,17 +463,15 @@ class CachedExperts:
         pin = c.device.type == "cuda"
         self._hr_host = torch.zeros(L, E, dtype=torch.int32, pin_memory=pin)  # written here, copied to hr_tables
         self.hr_tables = torch.full((L, E), -1, dtype=torch.int32, device=c.device)
-        self._hr_generation: int | None = None  # the generation hr_tables hold
-        self._hr_maps: list = [None] * L  # per layer the mapping (an immutable generation's) _hr_host was written from
+        self._hr_maps: list = [None] * L  # per layer the mapping (an immutable generation's) hr_tables hold
 
     def point_host_read_tables(self, req) -> None:
         """Make hr_tables name ``req``'s generation (a copy on the compute stream, queued before the step that reads
         them; none when they already do). The request pins that generation, so its rows stay what the tables say
         until it is released."""
-        if req.generation == self._hr_generation:
-            return
         R, E = self.cache.rows_per_layer, self.cache.num_experts
         buf = self._hr_host.numpy()  # (L, E); the step before this one was waited for, so no copy still reads it
+        changed = False
         for layer in range(self.num_layers):
             m = req.mapping(layer)
             if self._hr_maps[layer] is m:  # a publication replaces one layer's mapping object and shares the others
@@ -482,8 +480,9 @@ class CachedExperts:
             if m:
                 buf[layer, list(m.keys())] = list(m.values())
             self._hr_maps[layer] = m
-        self.hr_tables.copy_(self._hr_host, non_blocking=True)
-        self._hr_generation = req.generation
+            changed = True
+        if changed:
+            self.hr_tables.copy_(self._hr_host, non_blocking=True)
 
     def defer_promotion(self, ids: np.ndarray) -> None:
         """Keep a host-read step's routed ids (int (L, B, k), copied) for ``promote_pending``, which the next step calls
@@ -1306,8 +1305,8 @@ class Engine:
     def policy_kept(self):
         """Around work whose routes are not a user's (a warm-up's pad tokens): under partial residency the cache's
         eviction policy forgets it (ExpertCache.policy_kept)."""
-        inner = self.experts.inner if isinstance(self.experts, SkipExperts) else self.experts
-        keep = isinstance(inner, CachedExperts) and not inner.cache.full_residency
+        inner = self._cached_experts()
+        keep = inner is not None and not inner.cache.full_residency
         with (inner.policy_kept() if keep else contextlib.nullcontext()):
             yield
 
@@ -1730,10 +1729,15 @@ class Engine:
                 for k in self.prefill_counts:
                     self.prefill_counts[k] += cache.counters[k] - before[k]
 
+    def _cached_experts(self) -> "CachedExperts | None":
+        """The routed experts' CachedExperts, under a SkipExperts wrapper too (None for the fp16 baseline)."""
+        inner = self.experts.inner if isinstance(self.experts, SkipExperts) else self.experts
+        return inner if isinstance(inner, CachedExperts) else None
+
     def _expert_cache(self):
         """The routed experts' ExpertCache (None for the fp16 baseline)."""
-        inner = self.experts.inner if isinstance(self.experts, SkipExperts) else self.experts
-        return inner.cache if isinstance(inner, CachedExperts) else None
+        inner = self._cached_experts()
+        return inner.cache if inner is not None else None
 
     def _prefill(self, tokens, pad, all_logits: bool, kv, pad_host):
         if pad_host is None:
