@@ -189,11 +189,15 @@ def test_host_read_decode_equals_full_residency_and_runs_no_transaction_inside_a
                 assert all(v == 0 for k, v in eng.decode_paths.items() if k != "host_read")
                 reads = c["host_reads"] - c0["host_reads"]
                 assert reads > 0 and c["host_read_bytes"] - c0["host_read_bytes"] == reads * cache.row_bytes
-                # a promotion is one transaction of one expert; the prompt's passes ran the others
-                assert c["promotions"] <= c["transactions"] - c0["transactions"]
+                # every transaction is a promotion of one expert: the prompts' passes read absent experts from the
+                # host source too (CachedExperts._host_read_pass) instead of moving them
+                assert c["promotions"] - c0["promotions"] == c["transactions"] - c0["transactions"]
                 assert cache.outstanding_leases() == 0 and cache.live_requests() == 0
                 st = eng.stats()
                 assert st.host_reads == c["host_reads"] and st.decode_steps_host_read == len(eng.decoded)
+                assert st.prefill_bytes_h2d == 0 and 0 < st.prefill_host_reads == st.prefill_misses
+                assert st.prefill_host_read_bytes == st.prefill_host_reads * cache.row_bytes
+                assert st.prefill_host_reads < reads
                 tel = eng.telemetry()
                 assert tel["placement"]["mode"] == "host-read"
                 assert all(o["status"] == "OBSERVED" and o["value"] == 0 for o in tel["observations"].values()
@@ -203,6 +207,50 @@ def test_host_read_decode_equals_full_residency_and_runs_no_transaction_inside_a
     (toks_f, logits_f), (toks_h, logits_h) = runs["full"], runs["host-read"]
     assert toks_h == toks_f and len(logits_h) == len(logits_f) > 0
     assert all(torch.equal(a, b) for a, b in zip(logits_h, logits_f))
+
+
+def test_a_prompt_pass_reads_absent_experts_from_the_host_and_checks_its_routing_first(seed3_tiny_packs, test_device):
+    """An eager layer call under placement host-read (a prompt's pass): the same output as the layer at full
+    residency, no transaction, its reads counted against the request's generation; an id outside [0, E) raises
+    naming the layer before anything is counted or computed, and leaves no request live."""
+    from runmap.engine.engine import Engine
+
+    pack, cfg = seed3_tiny_packs["tiny-olmoe"]
+    engines = {p: Engine.from_pack(pack, executor="grouped", device=test_device, max_batch=1, max_seq_len=48,
+                                   **({} if p == "full" else dict(resident=cfg.top_k + 1, expert_placement="host-read",
+                                                                   cache_contract="v2")))
+               for p in ("full", "host-read")}
+    try:
+        gen = torch.Generator().manual_seed(7)
+        n, E, k = 13, cfg.num_experts, cfg.top_k
+        x = torch.randn(n, cfg.hidden_size, generator=gen).to(torch.float16).to(test_device)
+        ids = torch.stack([torch.randperm(E, generator=gen)[:k] for _ in range(n)]).to(test_device)  # (n, k)
+        gw = torch.softmax(torch.randn(n, k, generator=gen), dim=1).to(test_device)
+        hr, cache = engines["host-read"].experts, engines["host-read"].experts.cache
+        engines["full"].experts.begin()
+        try:
+            want = engines["full"].experts(1, x, ids, gw)
+        finally:
+            engines["full"].experts.end()
+        c0 = dict(cache.counters)
+        got = hr(1, x, ids, gw)
+        assert torch.equal(got, want)
+        resident = set(cache.mapping(1))
+        used = set(ids.reshape(-1).tolist())
+        assert len(used - resident) > 0  # the call did read from the host
+        assert cache.counters["host_reads"] - c0["host_reads"] == len(used - resident)
+        assert cache.counters["hits"] - c0["hits"] == len(used & resident)
+        assert cache.counters["transactions"] == c0["transactions"] and cache.live_requests() == 0
+        bad = ids.clone()
+        bad[5, 1] = E
+        c1 = dict(cache.counters)
+        with pytest.raises(IndexError, match=rf"layer 1: expert ids .* outside \[0, {E}\)"):
+            hr(1, x, bad, gw)
+        moved = {k for k, v in cache.counters.items() if v != c1[k]}
+        assert moved == {"requests_admitted", "requests_released"} and cache.live_requests() == 0
+    finally:
+        for eng in engines.values():
+            eng.close()
 
 
 def test_a_step_promotes_from_the_step_before_while_its_own_request_pins_its_generation(seed3_tiny_packs):
@@ -362,6 +410,9 @@ def test_a_host_read_bench_record_counts_its_reads_in_the_bytes_per_token(seed3_
     with PackReader(pack) as reader:
         row_bytes = reader.layout.row_bytes
     assert s["host_read_bytes"] == s["host_reads"] * row_bytes
+    # the prompt's pass read its absent experts from the host source as well: no transaction, no copied byte
+    assert s["prefill_host_reads"] > 0 and s["prefill_host_read_bytes"] == s["prefill_host_reads"] * row_bytes
+    assert rec["h2d"]["prefill_bytes"]["value"] == s["prefill_host_read_bytes"]
     # what crossed the link in the 3 decode steps: the promotions' copies (one expert each) and the host reads
     per_tok = rec["h2d"]["bytes_per_token"]["value"]
     assert per_tok * 3 == pytest.approx(s["promotions"] * row_bytes + s["host_read_bytes"])

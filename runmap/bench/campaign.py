@@ -101,7 +101,9 @@ def _site_record(st: EngineStats, d) -> dict | None:
         out["placement"] = dict(st.placement)
         out["cpu_site_experts"] = d.cpu_site_experts
         if st.placement["mode"] == "host-read":
-            out.update(host_reads=d.host_reads, host_read_bytes=d.host_read_bytes, promotions=d.promotions)
+            out.update(host_reads=d.decode_host_reads, host_read_bytes=d.decode_host_read_bytes,
+                       prefill_host_reads=d.prefill_host_reads, prefill_host_read_bytes=d.prefill_host_read_bytes,
+                       promotions=d.promotions)
     if st.prefetch:
         n = d.prefetched_experts
         out.update({"prefetches": d.prefetches, "prefetched_experts": n, "prefetch_used": d.prefetch_used,
@@ -710,10 +712,10 @@ def run_config(engine: BenchEngine, c: BenchConfig, model_cfg: ModelConfig, ctx:
         else:
             h2d_rate = bm.unknown("host->device bytes without a measured transfer time")
         # decode steps' bytes only: the prompt's misses are the prefill's, not a decoded token's
-        # host-read steps' reads cross the link as a copy's bytes would (prompt passes never host-read: decode's)
-        h2d_per_tok = (bm.observed((d.decode_bytes_h2d + d.host_read_bytes) / decode_tokens) if decode_tokens else
-                       bm.unknown("no tokens generated"))
-        h2d_prefill = bm.observed(d.prefill_bytes_h2d)
+        # host-read steps' reads cross the link as a copy's bytes would (a prompt pass's reads are the prefill's)
+        h2d_per_tok = (bm.observed((d.decode_bytes_h2d + d.decode_host_read_bytes) / decode_tokens) if decode_tokens
+                       else bm.unknown("no tokens generated"))
+        h2d_prefill = bm.observed(d.prefill_bytes_h2d + d.prefill_host_read_bytes)
         cache = {k: _bytes_measure(getattr(s1, k), f"engine reports no {k}")
                  for k in ("resident_bytes", "spare_bytes", "staging_bytes")}
     if c.kind in HF_KINDS:  # nothing in transformers' model is instrumented for the cache contract

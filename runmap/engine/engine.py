@@ -285,6 +285,8 @@ class CachedExperts:
             with self.cache.monitored():
                 return self.moe(self.executor, x, ids, gw, self.storage[layer], self.tables[layer], self.layout,
                                 validate=validate)
+        if self.host_rows is not None:  # placement host-read: a prompt's pass (its decode steps are HostReadDecoder's)
+            return self._host_read_pass(layer, x, ids, gw)
         nxt = None
         if self.predict is not None and layer + 1 < self.num_layers:
             nxt = self.predict(layer, x)  # (N, k) device: queued before this layer's experts, read with ids below
@@ -517,6 +519,31 @@ class CachedExperts:
         with self.cache.monitored():  # a copy out of expert rows in the step would show when it is captured
             return self.moe(self.executor, x, ids, gw, self.storage[layer], self.hr_tables[layer], self.layout,
                             validate=False, host_rows=self.host_rows[layer])
+
+    def _host_read_pass(self, layer, x, ids, gw):
+        """Placement host-read, an eager layer call (a prompt's pass, a served join): x fp16 (N, H), ids int64 (N, k),
+        gw fp32 (N, k) -> fp16 (N, H). One request pins the current generation; resident experts are read from their
+        device rows and absent ones over the link from the host source, each once per row tile of its pairs (the
+        grouped executor's sorted runs: once for a short prompt), in one call. No miss transaction: placement gpu's
+        path would split the call into token groups of at most max_group experts (one token each at top-8) and move
+        each group's absent experts, ~30 transactions per layer of a 32-token prompt. The reads are noted as a
+        decode step's are (hits, host reads, the policy's uses); nothing is promoted from a prompt."""
+        ids_h = ids.cpu()  # (N, k): checked and noted before anything runs
+        req = self.cache.admit()
+        try:
+            req.note_host_reads(layer, ids_h.numpy())  # raises on an id outside [0, E) (the routing check)
+            R, E = self.cache.rows_per_layer, self.cache.num_experts
+            table = R + np.arange(E, dtype=np.int32)  # (E,) absent: host row e
+            m = req.mapping(layer)
+            if m:
+                table[list(m.keys())] = list(m.values())
+            with self.cache.monitored():  # a copy out of expert rows here would count in expert_d2h_bytes
+                return self.moe(self.executor, x, ids, gw, self.storage[layer], host_to_device(table, x.device),
+                                self.layout, validate=False, host_rows=self.host_rows[layer])
+        finally:
+            # released without waiting for the kernels: a row this request pins is rewritten only after its release
+            # event on the compute stream (CudaTransport.note_release), i.e. after these kernels ran
+            req.release()
 
     def telemetry(self) -> dict:
         return self.cache.telemetry()
@@ -1299,7 +1326,8 @@ class Engine:
         self._runs: list[dict] = []
         self._closed = False
         # the expert cache's hits / misses / host->device bytes made by prefill passes (telemetry splits by phase)
-        self.prefill_counts = {"hits": 0, "misses": 0, "bytes_h2d": 0, "cpu_site_experts": 0}
+        self.prefill_counts = {"hits": 0, "misses": 0, "bytes_h2d": 0, "cpu_site_experts": 0, "host_reads": 0,
+                              "host_read_bytes": 0}
 
     @contextlib.contextmanager
     def policy_kept(self):

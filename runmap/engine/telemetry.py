@@ -44,6 +44,8 @@ class PhaseSiteCounters:
     prefill_misses: int = 0
     prefill_bytes_h2d: int = 0
     prefill_cpu_site_experts: int = 0
+    prefill_host_reads: int = 0  # placement host-read: a prompt pass reads absent experts over the link too
+    prefill_host_read_bytes: int = 0
     cpu_site_experts: int = 0
     prefetches: int = 0
     prefetched_experts: int = 0
@@ -154,6 +156,14 @@ class CounterDelta(PhaseSiteCounters):
     @property
     def decode_bytes_h2d(self) -> int:
         return self.bytes_h2d - self.prefill_bytes_h2d
+
+    @property
+    def decode_host_reads(self) -> int:
+        return self.host_reads - self.prefill_host_reads
+
+    @property
+    def decode_host_read_bytes(self) -> int:
+        return self.host_read_bytes - self.prefill_host_read_bytes
 
 
 def snapshot(engine, cache: dict | None = None) -> EngineStats:
