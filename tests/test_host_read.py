@@ -178,6 +178,10 @@ def test_host_read_decode_equals_full_residency_and_runs_no_transaction_inside_a
 
         eng = record_decode(Engine.from_pack(pack, executor="grouped", device=test_device, max_batch=2, max_seq_len=48,
                                              **kw))
+        # the prompts' passes eager on both sides: full residency's captured prefill pads the prompt to its length
+        # bucket, and on the H200 its KV cache then differs in the last bits (tiny OLMoE's decode logits up to 9.8e-4
+        # apart, against 0 with its prefill eager: results/residency/host-read-equal-h200.log); this is about the steps
+        eng._prefiller = None
         try:
             c0 = dict(eng.experts.cache.counters)
             toks = [r.token_ids for r in eng.generate(PROMPTS, max_new_tokens=6, ignore_eos=True)]
@@ -253,7 +257,7 @@ def test_a_prompt_pass_reads_absent_experts_from_the_host_and_checks_its_routing
             eng.close()
 
 
-def test_a_step_promotes_from_the_step_before_while_its_own_request_pins_its_generation(seed3_tiny_packs):
+def test_a_step_promotes_from_the_step_before_while_its_own_request_pins_its_generation(seed3_tiny_packs, test_device):
     """Promotion runs beside the next step (CachedExperts.promote_pending): each decode step's promote_step gets the
     ids the step before noted, runs while that step's own request is live (its generation pinned, so a victim's row
     is not reused under it), and the run promotes from its last step's ids before it returns; policy_kept sets a
@@ -261,8 +265,8 @@ def test_a_step_promotes_from_the_step_before_while_its_own_request_pins_its_gen
     from runmap.engine.engine import Engine
 
     pack, cfg = seed3_tiny_packs["tiny-olmoe"]
-    eng = Engine.from_pack(pack, executor="grouped", device="cpu", resident=cfg.top_k, max_batch=1, max_seq_len=48,
-                           expert_placement="host-read", policy="lfu-decay")
+    eng = Engine.from_pack(pack, executor="grouped", device=test_device, resident=cfg.top_k, max_batch=1, max_seq_len=48,
+                           expert_placement="host-read", policy="lfu-decay", cache_contract="v2")
     try:
         ex, cache = eng.experts, eng.experts.cache
         events = []

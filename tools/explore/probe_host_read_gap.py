@@ -1,0 +1,66 @@
+"""Where a host-read decode step's time goes beyond its transfer bound, on a GPU: the wall time per decoded token
+against the device time of the step's captured graph replayed alone (the same tables, so the same host reads), with
+the engine's promotions on (margin 1 use, the default) and off (an infinite margin).
+
+    PYTHONPATH=. python3 tools/explore/probe_host_read_gap.py --pack DIR [--resident 30,60] [--batch 1]
+
+DIR: an OLMoE pack (e.g. `runmap synth DIR --preset olmoe-1b-7b-0924 --direct-pack`); calibrated routing, contract
+v2, a 32-token prompt and 128 new tokens per run, 2 runs per variant. Prints one line per (resident, promotions).
+"""
+import argparse
+import math
+import time
+
+import torch
+
+from runmap.engine.engine import Engine
+
+
+def replay_us(decoder, reps: int = 50) -> float:
+    """Device time (us) of one replay of the decoder's longest captured step graph."""
+    g, _ = decoder.graphs[max(decoder.graphs)]
+    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    torch.cuda.synchronize()
+    start.record()
+    for _ in range(reps):
+        g.replay()
+    end.record()
+    torch.cuda.synchronize()
+    return start.elapsed_time(end) * 1e3 / reps
+
+
+def main():
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--pack", required=True)
+    ap.add_argument("--resident", default="30,60")
+    ap.add_argument("--batch", type=int, default=1)
+    args = ap.parse_args()
+    prompt = list(range(100, 132))
+    print("resident batch promotions  decode tok/s (runs)   wall us/step  replay us  gap us  promoted/step")
+    for resident in (int(r) for r in args.resident.split(",")):
+        eng = Engine.from_pack(args.pack, executor="grouped", device="cuda", resident=resident, max_batch=args.batch,
+                               max_seq_len=192, expert_placement="host-read", cache_contract="v2",
+                               routing="calibrated")
+        try:
+            place, cache = eng.experts.placement, eng.experts.cache
+            default_margin = place.margin
+            for label, margin in (("on", default_margin), ("off", math.inf)):
+                place.margin = margin
+                rates, promoted = [], 0
+                for _ in range(2):
+                    p0 = cache.counters["promotions"]
+                    run = eng.run([prompt] * args.batch, max_new_tokens=128, ignore_eos=True)
+                    rates.append(run.decode_tok_s)
+                    promoted += cache.counters["promotions"] - p0
+                wall = 1e6 * args.batch / max(rates)
+                rep = replay_us(eng._host_read[args.batch])
+                print(f"{resident:8d} {args.batch:5d} {label:10s}  {max(rates):9.1f} ({', '.join(f'{r:.1f}' for r in rates)})"
+                      f"  {wall:12.0f} {rep:10.0f} {wall - rep:7.0f}  {promoted / (2 * 127):.2f}", flush=True)
+            place.margin = default_margin
+        finally:
+            eng.close()
+        time.sleep(0.5)
+
+
+if __name__ == "__main__":
+    main()
