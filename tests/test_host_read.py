@@ -258,10 +258,10 @@ def test_a_prompt_pass_reads_absent_experts_from_the_host_and_checks_its_routing
 
 
 def test_a_step_promotes_from_the_step_before_while_its_own_request_pins_its_generation(seed3_tiny_packs, test_device):
-    """Promotion runs beside the next step (CachedExperts.promote_pending): each decode step's promote_step gets the
-    ids the step before noted, runs while that step's own request is live (its generation pinned, so a victim's row
-    is not reused under it), and the run promotes from its last step's ids before it returns; policy_kept sets a
-    pending promotion aside."""
+    """One step in flight (HostReadDecoder): a step is noted while the next one is queued (both requests live), then
+    promoted from (CachedExperts.promote_pending) beside that next step, whose own request is live (its generation
+    pinned, so a victim's row is not reused under it); the run ends its last step and promotes from its ids before
+    it returns; policy_kept sets a pending promotion aside."""
     from runmap.engine.engine import Engine
 
     pack, cfg = seed3_tiny_packs["tiny-olmoe"]
@@ -273,7 +273,7 @@ def test_a_step_promotes_from_the_step_before_while_its_own_request_pins_its_gen
         note, promote = cache.note_host_read_step, cache.promote_step
 
         def noting(req, ids):
-            events.append(("note", req.generation, np.array(ids, copy=True)))
+            events.append(("note", cache.live_requests(), np.array(ids, copy=True)))
             return note(req, ids)
 
         def promoting(ids, margin=1.0):
@@ -284,12 +284,15 @@ def test_a_step_promotes_from_the_step_before_while_its_own_request_pins_its_gen
         eng.generate(PROMPTS[:1], max_new_tokens=6, ignore_eos=True)
         kinds = [e[0] for e in events]
         assert kinds.count("note") == 5  # 6 tokens: the first is the prefill's
-        # from the second step on: promote, then the step's note; the last step's promotions at the end of the run
-        assert kinds == ["note"] + ["promote", "note"] * 4 + ["promote"]
-        for i in range(1, len(events), 2):
-            _, live, ids = events[i]
-            assert live == (1 if i < len(events) - 1 else 0)  # the running step's request; none at the end
-            np.testing.assert_array_equal(ids, events[i - 1][2])  # the step before's ids
+        # step t noted once step t + 1 is queued, then promoted from beside it; the last step ended by the run
+        assert kinds == ["note", "promote"] * 5
+        for i in range(0, len(events), 2):
+            last = i == len(events) - 2
+            assert events[i][1] == (1 if last else 2)  # the noted step's request and the queued step's
+            _, live, ids = events[i + 1]
+            assert live == (0 if last else 1)  # the running step's request; none at the end
+            np.testing.assert_array_equal(ids, events[i][2])  # the ids just noted
+        assert len({events[i][2].tobytes() for i in range(0, len(events), 2)}) > 1  # each step's own ids
         assert ex._pending_promotion is None  # nothing of this run is left for the next
         ex.defer_promotion(events[-2][2])
         pending = ex._pending_promotion
@@ -300,6 +303,70 @@ def test_a_step_promotes_from_the_step_before_while_its_own_request_pins_its_gen
         assert cache.outstanding_leases() == 0 and cache.live_requests() == 0
     finally:
         eng.close()
+
+
+@pytest.mark.parametrize("fail_at", ["note", "step"])
+def test_a_failure_with_a_step_in_flight_leaves_no_request_live(seed3_tiny_packs, test_device, fail_at):
+    """A failure while a host-read step is in flight (its noting raises, or the next step's replay does) ends both
+    steps: the error reaches the caller and no request, lease or pending promotion is left; the engine runs again."""
+    from runmap.engine.engine import Engine
+
+    pack, cfg = seed3_tiny_packs["tiny-olmoe"]
+    eng = Engine.from_pack(pack, executor="grouped", device=test_device, resident=cfg.top_k, max_batch=1, max_seq_len=48,
+                           expert_placement="host-read", cache_contract="v2", cuda_graphs=False)
+    try:
+        cache, dec_calls = eng.experts.cache, []
+        note = cache.note_host_read_step
+        step = type(eng.experts).host_read_experts
+
+        def failing_note(req, ids):
+            dec_calls.append("note")
+            if dec_calls.count("note") == 3:
+                raise RuntimeError("injected: noting failed")
+            return note(req, ids)
+
+        def failing_step(self, layer, x, ids, gw):
+            if layer == 0:
+                dec_calls.append("step")
+                if dec_calls.count("step") == 4:
+                    raise RuntimeError("injected: a step failed")
+            return step(self, layer, x, ids, gw)
+
+        if fail_at == "note":
+            cache.note_host_read_step = failing_note
+        else:
+            eng.experts.host_read_experts = failing_step.__get__(eng.experts)
+        with pytest.raises(RuntimeError, match="injected"):
+            eng.generate(PROMPTS[:1], max_new_tokens=8, ignore_eos=True)
+        assert cache.live_requests() == 0 and cache.outstanding_leases() == 0
+        assert all(dec.in_flight is None for dec in eng._host_read.values())
+        cache.note_host_read_step = note
+        eng.experts.host_read_experts = step.__get__(eng.experts)
+        out = eng.generate(PROMPTS[:1], max_new_tokens=4, ignore_eos=True)
+        assert len(out[0].token_ids) == 4 and cache.live_requests() == 0
+    finally:
+        eng.close()
+
+
+def test_a_step_in_flight_ends_before_another_batch_size_steps_and_at_close(seed3_tiny_packs):
+    """Engine.decode keeps one host-read step in flight per engine: a step of another batch size ends (notes) it
+    first; close releases a step still in flight."""
+    from runmap.engine.engine import Engine
+
+    pack, cfg = seed3_tiny_packs["tiny-olmoe"]
+    eng = Engine.from_pack(pack, executor="grouped", device="cpu", resident=cfg.top_k, max_batch=2, max_seq_len=48,
+                           expert_placement="host-read")
+    cache = eng.experts.cache
+    one, two = torch.tensor([5]), torch.tensor([5, 7])
+    eng.decode(one, 3, torch.zeros(1, dtype=torch.long))
+    assert cache.live_requests() == 1 and eng._host_read[1].in_flight is not None
+    reads = cache.counters["host_reads"] + cache.counters["hits"]
+    eng.decode(two, 3, torch.zeros(2, dtype=torch.long))
+    assert eng._host_read[1].in_flight is None and eng._host_read[2].in_flight is not None
+    assert cache.live_requests() == 1
+    assert cache.counters["host_reads"] + cache.counters["hits"] > reads  # the batch-1 step was noted
+    eng.close()
+    assert cache.live_requests() == 0
 
 
 def test_the_engine_refuses_host_read_where_it_cannot_run(seed3_tiny_packs):

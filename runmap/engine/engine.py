@@ -463,28 +463,33 @@ class CachedExperts:
         c, L, E = self.cache, self.num_layers, self.cache.num_experts
         self.host_rows = [mapped_rows(c.host, layer, c.device) for layer in range(L)]  # uint8 (E, row_bytes) each
         pin = c.device.type == "cuda"
-        self._hr_host = torch.zeros(L, E, dtype=torch.int32, pin_memory=pin)  # written here, copied to hr_tables
+        # two host copies of the tables, used by steps in turn: a step's copy to hr_tables may still be queued while
+        # the host points the next step's (HostReadDecoder keeps one step in flight), never two steps later
+        self._hr_host = [torch.zeros(L, E, dtype=torch.int32, pin_memory=pin) for _ in range(2)]
+        self._hr_host_maps: list = [[None] * L for _ in range(2)]  # per copy and layer the mapping written there
         self.hr_tables = torch.full((L, E), -1, dtype=torch.int32, device=c.device)
         self._hr_maps: list = [None] * L  # per layer the mapping (an immutable generation's) hr_tables hold
 
-    def point_host_read_tables(self, req) -> None:
-        """Make hr_tables name ``req``'s generation (a copy on the compute stream, queued before the step that reads
-        them; none when they already do). The request pins that generation, so its rows stay what the tables say
-        until it is released."""
+    def point_host_read_tables(self, req, turn: int = 0) -> None:
+        """Make hr_tables name ``req``'s generation (a copy from host copy ``turn`` on the compute stream, queued
+        before the step that reads them; none when they already do). The request pins that generation, so its rows
+        stay what the tables say until it is released. Host copy ``turn`` was last copied from two steps ago, and the
+        step in between waited for that one, so no queued copy still reads it."""
         R, E = self.cache.rows_per_layer, self.cache.num_experts
-        buf = self._hr_host.numpy()  # (L, E); the step before this one was waited for, so no copy still reads it
+        buf, written = self._hr_host[turn].numpy(), self._hr_host_maps[turn]  # (L, E), [mapping] * L
         changed = False
         for layer in range(self.num_layers):
             m = req.mapping(layer)
-            if self._hr_maps[layer] is m:  # a publication replaces one layer's mapping object and shares the others
-                continue
-            buf[layer] = R + np.arange(E, dtype=np.int32)  # absent: host row e
-            if m:
-                buf[layer, list(m.keys())] = list(m.values())
-            self._hr_maps[layer] = m
-            changed = True
+            if written[layer] is not m:  # a publication replaces one layer's mapping object and shares the others
+                buf[layer] = R + np.arange(E, dtype=np.int32)  # absent: host row e
+                if m:
+                    buf[layer, list(m.keys())] = list(m.values())
+                written[layer] = m
+            if self._hr_maps[layer] is not m:
+                self._hr_maps[layer] = m
+                changed = True
         if changed:
-            self.hr_tables.copy_(self._hr_host, non_blocking=True)
+            self.hr_tables.copy_(self._hr_host[turn], non_blocking=True)
 
     def defer_promotion(self, ids: np.ndarray) -> None:
         """Keep a host-read step's routed ids (int (L, B, k), copied) for ``promote_pending``, which the next step calls
@@ -1169,66 +1174,105 @@ class HostReadDecoder(GraphDecoder):
     """Partial-residency decode steps with the host-read site (placement host-read): one CUDA graph per KV-length
     bucket, as under full residency. Each layer's experts run through the grouped executor with the step's row
     table (CachedExperts.hr_tables): resident experts from their device rows, absent ones read over the link from
-    the registered host source, so no miss transaction and no host round trip happen inside the step. The step also
-    copies every layer's routed ids into pinned host memory.
+    the registered host source, so no miss transaction and no host round trip happen inside the step. After the
+    step the stream copies every layer's routed ids into pinned host memory (two buffers, used in turn).
 
-    Per step: admit a request (it pins the generation whose rows the step reads), point the tables at that
-    generation, replay; while the step runs, ask the cache to promote each layer's hottest host-read expert of the
-    step before (CachedExperts.promote_pending -> ExpertCache.promote_step: a miss transaction under every rule of
-    the contract, publishing a generation this step does not read); wait, tell the cache what each layer routed
-    (ExpertCache.note_host_read_step: hits and host reads, seen by the eviction policy), release, and keep the ids
-    for the next step's promotion. ``capture=False`` runs the same step eagerly (the CPU), its promotion after it."""
+    Per step t: admit a request (it pins the generation whose rows the step reads), point the tables at that
+    generation, queue the replay and the copy of its ids; then finish step t - 1 while step t runs: wait for it,
+    tell the cache what each layer routed (ExpertCache.note_host_read_step: hits and host reads, seen by the eviction
+    policy), release its request, and promote from its ids (CachedExperts.promote_pending -> ExpertCache.promote_step:
+    a miss transaction under every rule of the contract, publishing a generation step t does not read). The call
+    returns with step t queued, so the host's work between two steps (the caller's sampling and stop checks
+    included) runs beside a step instead of in a gap between two: the device waited ~190 us of host time per OLMoE
+    step on the H200 host when each step was finished before the next was queued
+    (results/residency/host-read-host-cost-h200.log). ``finish`` ends the step in flight (Engine.run calls it after
+    a run's last step, so that a record counts all of its steps). ``capture=False`` runs the same step eagerly (the
+    CPU: done when queued)."""
 
     def __init__(self, engine: "Engine", batch: int, pool, capture: bool):
         super().__init__(engine, batch, pool)
         self.capture = capture
         L, k, dev = engine.cfg.num_layers, engine.cfg.top_k, engine.device
         self.routed = torch.zeros(L, batch, k, dtype=torch.long, device=dev)  # the step's ids, written by the step
-        self.host_ids = torch.zeros(L, batch, k, dtype=torch.long, pin_memory=dev.type == "cuda")
-        self.host_ids_np = self.host_ids.numpy()
+        pin = dev.type == "cuda"
+        # (L, B, k) each: step t's ids land in buffer t % 2, read by the host while step t + 1 runs
+        self.host_ids = [torch.zeros(L, batch, k, dtype=torch.long, pin_memory=pin) for _ in range(2)]
+        self._turn = 0
+        self.in_flight = None  # (request, event or None, buffer) of the step queued and not yet finished
 
     def _experts(self, layer, x, ids, gw):
         self.routed[layer].copy_(ids)
         return self.e.experts.host_read_experts(layer, x, ids, gw)
 
-    def _step(self, n_keys):
-        out = super()._step(n_keys)
-        self.host_ids.copy_(self.routed, non_blocking=self.capture)  # (L, B, k) read after the step's wait
-        return out
-
     def run(self, tok, slot: int, pad) -> torch.Tensor:
-        """tok int64 (B,), slot int, pad int64 (B,) -> float32 logits (B, V) (a static buffer when captured)."""
+        """tok int64 (B,), slot int, pad int64 (B,) -> float32 logits (B, V) (a static buffer, valid until the next
+        call), queued on the current stream (the caller reads them as any device result)."""
         e = self.e
         ex = e.experts
-        n_keys = e.bucket(slot + 1) if e.device.type == "cuda" else slot + 1
+        cuda = e.device.type == "cuda"
+        n_keys = e.bucket(slot + 1) if cuda else slot + 1
         real = self._load(tok, slot, pad)
+        turn = self._turn
         req = ex.cache.admit()
-        waited = e.device.type != "cuda"
         try:
-            ex.point_host_read_tables(req)
+            ex.point_host_read_tables(req, turn)
             if not self.capture:
-                out = self._step(n_keys)  # ends with a blocking copy of the ids: the step's kernels are done
+                out = self._step(n_keys)
             else:
                 if n_keys not in self.graphs:
                     self._capture(n_keys)
                 g, out = self.graphs[n_keys]
                 g.replay()
-            # the step before's promotions, beside this step (on the CPU: after it). One that raises ends the step
-            # unnoted: the cache is then FAULTED (noting would raise too) or the process is being interrupted
-            ex.promote_pending()
-            if self.capture:
-                torch.cuda.current_stream(e.device).synchronize()  # the routed ids are in pinned memory
-            waited = True
-            ids = self.host_ids_np  # (L, B, k)
-            ex.cache.note_host_read_step(req, ids)
-        finally:
-            if not waited:  # a failure before the wait: no queued kernel may read the pinned rows after the release
+            self.host_ids[turn].copy_(self.routed, non_blocking=cuda)  # (L, B, k), after the step on the stream
+            ev = None
+            if cuda:
+                ev = torch.cuda.Event()
+                ev.record(torch.cuda.current_stream(e.device))
+        except BaseException:
+            # nothing queued may read rows a released request pinned: wait for the device, then end both steps
+            # unnoted (a failure here leaves the cache FAULTED, or the process is being interrupted)
+            if cuda:
                 torch.cuda.current_stream(e.device).synchronize()
             req.release()
-        ex.defer_promotion(ids)  # promoted beside the next step
+            self.abandon()
+            raise
+        prev, self.in_flight = self.in_flight, (req, ev, turn)
+        self._turn = 1 - turn
         if self.recorded is not None:
             e.routes.end_pass(real, self.recorded, decode=True)
+        if prev is not None:
+            self._finish(prev)
+        ex.promote_pending()  # from step t - 1's ids, beside step t (on the CPU: after it)
         return out
+
+    def finish(self) -> None:
+        """End the step in flight, if any (wait, note, release; its promotion is left pending, as after any step)."""
+        prev, self.in_flight = self.in_flight, None
+        if prev is not None:
+            self._finish(prev)
+
+    def abandon(self) -> None:
+        """After a failure: release the step in flight without noting it (the caller has waited for the device)."""
+        prev, self.in_flight = self.in_flight, None
+        if prev is not None:
+            prev[0].release()
+
+    def _finish(self, step) -> None:
+        req, ev, turn = step
+        ex = self.e.experts
+        try:
+            if ev is not None:
+                ev.synchronize()  # its routed ids are in pinned memory
+            ids = self.host_ids[turn].numpy()  # (L, B, k)
+            ex.cache.note_host_read_step(req, ids)
+        except BaseException:
+            if ev is not None:
+                torch.cuda.current_stream(self.e.device).synchronize()
+            req.release()
+            self.abandon()
+            raise
+        req.release()
+        ex.defer_promotion(ids)  # promoted beside the next step
 
 
 def _end_capture(graph: torch.cuda.CUDAGraph) -> None:
@@ -1332,11 +1376,33 @@ class Engine:
     @contextlib.contextmanager
     def policy_kept(self):
         """Around work whose routes are not a user's (a warm-up's pad tokens): under partial residency the cache's
-        eviction policy forgets it (ExpertCache.policy_kept)."""
+        eviction policy forgets it (ExpertCache.policy_kept). A user's host-read step still in flight is ended
+        (noted) before; the work's own steps are ended inside."""
         inner = self._cached_experts()
         keep = inner is not None and not inner.cache.full_residency
+        self.finish_decode_steps()
         with (inner.policy_kept() if keep else contextlib.nullcontext()):
-            yield
+            try:
+                yield
+                self.finish_decode_steps()
+            except BaseException:
+                self._abandon_decode_steps()
+                raise
+
+    def finish_decode_steps(self) -> None:
+        """End the host-read step still in flight, if any (HostReadDecoder.finish: wait for it, note its reads,
+        release its request). ``run`` does it after a run's last step; a caller driving ``decode`` itself (a server)
+        calls it before reading the cache's counters of its last step."""
+        for dec in self._host_read.values():
+            dec.finish()
+
+    def _abandon_decode_steps(self) -> None:
+        """After a failure: wait for the device and release any host-read step in flight without noting it."""
+        if any(dec.in_flight is not None for dec in self._host_read.values()):
+            if self.device.type == "cuda":
+                torch.cuda.current_stream(self.device).synchronize()
+            for dec in self._host_read.values():
+                dec.abandon()
 
     @torch.inference_mode()
     def warm_up(self) -> float:
@@ -1377,6 +1443,7 @@ class Engine:
             for B in sorted({1, self.max_batch}):
                 zeros = torch.zeros(B, dtype=torch.long, device=dev)
                 self.decode(zeros, 0, zeros)
+            self.finish_decode_steps()  # noted before the counters are put back below
             if dev.type == "cuda":
                 torch.cuda.synchronize(dev)
         finally:
@@ -1811,7 +1878,12 @@ class Engine:
         if self.use_host_read:
             self.decode_paths["host_read"] += 1
             dec = self._host_read.get(B)
+            for other in self._host_read.values():  # another batch size's step in flight ends first
+                if other is not dec:
+                    other.finish()
             if dec is None or not dec.fits(self):
+                if dec is not None:
+                    dec.finish()
                 self._retire(dec)
                 dec = self._host_read[B] = HostReadDecoder(self, B, self._pool,
                                                            capture=self.device.type == "cuda" and self.cuda_graphs)
@@ -1881,6 +1953,7 @@ class Engine:
 
     def reset_graphs(self) -> None:
         """Drop every captured decode graph and its memory pool (after changing executor / fused ops)."""
+        self.finish_decode_steps()
         if self.device.type == "cuda":
             torch.cuda.synchronize(self.device)
         self._graphs.clear()
@@ -1929,9 +2002,13 @@ class Engine:
                 results += res
                 timings.append(tim)
             if self.use_host_read:
-                # the last step's promotions now, not beside the next run's first step: they then count in this run
-                # (a campaign row's record), and the next run does not start from another run's reads
+                # the last step ended and its promotions made now, not beside the next run's first step: they then
+                # count in this run (a campaign row's record), and the next run does not start from another run's reads
+                self.finish_decode_steps()
                 self.experts.promote_pending()
+        except BaseException:
+            self._abandon_decode_steps()
+            raise
         finally:
             self.experts.end()
         out = GenerationRun.combine(results, timings)
@@ -2037,6 +2114,7 @@ class Engine:
         graphs) by dropping every reference to it; later calls raise EngineError. Idempotent."""
         if self._closed:
             return
+        self._abandon_decode_steps()  # a host-read step in flight: waited for and released, not noted
         self.experts.end()  # a held full-residency request is released before its rows are dropped
         if getattr(self.experts, "cpu_site", None) is not None:
             self.experts.cpu_site.close()  # the CPU site's expert worker threads (kernels/cpu_int4.py)
