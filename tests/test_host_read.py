@@ -281,7 +281,12 @@ def test_a_step_promotes_from_the_step_before_while_its_own_request_pins_its_gen
             return promote(ids, margin)
 
         cache.note_host_read_step, cache.promote_step = noting, promoting
+        cache.transport.note_release = lambda: events.append(("marker", None, None))
         eng.generate(PROMPTS[:1], max_new_tokens=6, ignore_eos=True)
+        first = next(i for i, e in enumerate(events) if e[0] == "note")
+        assert [e[0] for e in events[:first]].count("marker") >= cfg.num_layers  # the prompt pass's layer calls
+        # a step is released after the host waited for it: no marker that would hold a promotion behind the next step
+        events = events[first:]
         kinds = [e[0] for e in events]
         assert kinds.count("note") == 5  # 6 tokens: the first is the prefill's
         # step t noted once step t + 1 is queued, then promoted from beside it; the last step ended by the run
@@ -392,6 +397,42 @@ def _cache(experts=8, resident=3, policy="lfu-decay", prefill=True, layers=2):
     rows = [torch.randint(0, 256, (experts, layout.row_bytes), dtype=torch.uint8, generator=gen) for _ in range(layers)]
     return ExpertCache(HostSource.from_rows(rows, layout), resident=resident, max_group=2, policy=policy,
                        prefill=prefill)
+
+
+def test_a_release_after_waiting_records_no_marker_and_still_frees_its_rows():
+    """Request.release(waited=True) (a host-read step the host waited for, ended while the next one runs) records no
+    release marker, which would order the next promotion's copy after the running step; a plain release does. Either
+    way the request's pins go, and a row it kept from reuse is reclaimed."""
+    from runmap.format.qpack import RowLayout
+    from runmap.residency.cache import ExpertCache
+    from runmap.residency.host_source import HostSource
+    from runmap.residency.transport import CpuTransport
+
+    class Counting(CpuTransport):
+        markers = 0
+
+        def note_release(self):
+            Counting.markers += 1
+
+    layout = RowLayout.build(64, 64, 64)
+    gen = torch.Generator().manual_seed(0)
+    rows = [torch.randint(0, 256, (8, layout.row_bytes), dtype=torch.uint8, generator=gen)]
+    cache = ExpertCache(HostSource.from_rows(rows, layout), resident=3, max_group=2, policy="lru", prefill=True,
+                        transport=Counting())
+    for waited in (False, True):
+        holder = cache.admit()  # pins the generation that maps the victim
+        victim_rows = set(cache.mapping(0).values())
+        miss = next(e for e in range(8) if e not in cache.mapping(0))
+        with cache.admit() as req:
+            req.acquire(0, [miss])
+        retiring = victim_rows - set(cache.mapping(0).values())
+        assert retiring and retiring <= set(cache.row_states(0)["retiring"])  # the victim's row waits for the holder
+        before = Counting.markers
+        holder.release(waited=waited)
+        assert Counting.markers == before + (0 if waited else 1)
+        assert cache.live_requests() == 0
+        states = cache.row_states(0)
+        assert not retiring & set(states["retiring"]) and retiring <= set(states["free"]) | set(states["fenced"])
 
 
 def test_host_reads_are_counted_against_the_requests_generation_and_seen_by_the_policy():

@@ -1198,7 +1198,8 @@ class HostReadDecoder(GraphDecoder):
         # (L, B, k) each: step t's ids land in buffer t % 2, read by the host while step t + 1 runs
         self.host_ids = [torch.zeros(L, batch, k, dtype=torch.long, pin_memory=pin) for _ in range(2)]
         self._turn = 0
-        self.in_flight = None  # (request, event or None, buffer) of the step queued and not yet finished
+        self.in_flight = None  # (request, event or None, buffer) of the step queued and not yet ended
+        self._ending = None  # the step before it while run / finish end it
 
     def _experts(self, layer, x, ids, gw):
         self.routed[layer].copy_(ids)
@@ -1236,42 +1237,52 @@ class HostReadDecoder(GraphDecoder):
             req.release()
             self.abandon()
             raise
-        prev, self.in_flight = self.in_flight, (req, ev, turn)
+        # step t - 1 stays reachable (self._ending) until released, whatever interrupts what follows
+        self._ending, self.in_flight = self.in_flight, (req, ev, turn)
         self._turn = 1 - turn
-        if self.recorded is not None:
-            e.routes.end_pass(real, self.recorded, decode=True)
-        if prev is not None:
-            self._finish(prev)
-        ex.promote_pending()  # from step t - 1's ids, beside step t (on the CPU: after it)
+        try:
+            self._finish()
+            if self.recorded is not None:
+                e.routes.end_pass(real, self.recorded, decode=True)
+            ex.promote_pending()  # from step t - 1's ids, beside step t (on the CPU: after it)
+        except BaseException:
+            if cuda:
+                torch.cuda.current_stream(e.device).synchronize()
+            self.abandon()
+            raise
         return out
 
     def finish(self) -> None:
         """End the step in flight, if any (wait, note, release; its promotion is left pending, as after any step)."""
-        prev, self.in_flight = self.in_flight, None
-        if prev is not None:
-            self._finish(prev)
-
-    def abandon(self) -> None:
-        """After a failure: release the step in flight without noting it (the caller has waited for the device)."""
-        prev, self.in_flight = self.in_flight, None
-        if prev is not None:
-            prev[0].release()
-
-    def _finish(self, step) -> None:
-        req, ev, turn = step
-        ex = self.e.experts
+        self._ending, self.in_flight = self.in_flight, None
         try:
-            if ev is not None:
-                ev.synchronize()  # its routed ids are in pinned memory
-            ids = self.host_ids[turn].numpy()  # (L, B, k)
-            ex.cache.note_host_read_step(req, ids)
+            self._finish()
         except BaseException:
-            if ev is not None:
-                torch.cuda.current_stream(self.e.device).synchronize()
-            req.release()
             self.abandon()
             raise
-        req.release()
+
+    def abandon(self) -> None:
+        """After a failure: release the steps not yet ended without noting them (the caller has waited for the
+        device). Releasing a request twice does nothing."""
+        ending, self._ending = self._ending, None
+        flight, self.in_flight = self.in_flight, None
+        for step in (ending, flight):
+            if step is not None:
+                step[0].release()
+
+    def _finish(self) -> None:
+        """End ``self._ending`` (the step before the one in flight), if any: wait for it, note its routed ids,
+        release its request and keep the ids for the next promotion."""
+        if self._ending is None:
+            return
+        req, ev, turn = self._ending
+        ex = self.e.experts
+        if ev is not None:
+            ev.synchronize()  # its routed ids are in pinned memory, its kernels done
+        ids = self.host_ids[turn].numpy()  # (L, B, k)
+        ex.cache.note_host_read_step(req, ids)
+        req.release(waited=True)  # its kernels are done (ev): no release marker behind the step now running
+        self._ending = None
         ex.defer_promotion(ids)  # promoted beside the next step
 
 
@@ -1398,7 +1409,7 @@ class Engine:
 
     def _abandon_decode_steps(self) -> None:
         """After a failure: wait for the device and release any host-read step in flight without noting it."""
-        if any(dec.in_flight is not None for dec in self._host_read.values()):
+        if any(dec.in_flight is not None or dec._ending is not None for dec in self._host_read.values()):
             if self.device.type == "cuda":
                 torch.cuda.current_stream(self.device).synchronize()
             for dec in self._host_read.values():
@@ -1983,6 +1994,7 @@ class Engine:
             ignore_eos: bool = False) -> GenerationRun:
         """``generate`` returning a typed GenerationRun (results, prefill / decode seconds, token counts)."""
         self._check_open()
+        self.finish_decode_steps()  # a step left in flight by a caller of decode counts there, not in this run
         if isinstance(prompts, str) or (prompts and isinstance(prompts[0], int)):
             raise GenerationError("prompts must be a list of strings or a list of token-id lists")
         ids = [self.encode(p, chat) for p in prompts]

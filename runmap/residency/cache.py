@@ -159,8 +159,12 @@ class Request:
             raise CacheError("acquire_all needs full residency (resident == experts per layer)")
         return self._cache._acquire(self, layer, range(self._cache.num_experts))
 
-    def release(self) -> None:
-        self._cache._release(self)
+    def release(self, waited: bool = False) -> None:
+        """Give back the request's leases and pins. ``waited=True``: the caller has waited for every kernel that read
+        its rows (an event recorded after them), so no release marker is recorded and later copies into the rows it
+        frees are not ordered after work queued since (a host-read step ends the step before while the next one
+        runs; a marker behind the running step would hold the promotion's copy until that step ends)."""
+        self._cache._release(self, waited)
 
     def __enter__(self):
         return self
@@ -593,13 +597,14 @@ class ExpertCache:
             req.leases.append(lease)
             return lease
 
-    def _release(self, req: Request) -> None:
+    def _release(self, req: Request, waited: bool = False) -> None:
         with self._lock, self._watch():
             if req.released:
                 return
             req.released = True
             try:
-                self.transport.note_release()
+                if not waited:
+                    self.transport.note_release()
             except BaseException as exc:
                 # Without the release marker later copies cannot be ordered after this request's reads:
                 # drop its leases and pins (nothing leaks) but recycle nothing, and fault the cache.

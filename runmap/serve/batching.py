@@ -647,9 +647,14 @@ class BatchRunner:
         return left
 
     def _release(self) -> None:
-        if self._lead:
-            self.eng.experts.end()
-            self._lead = False
+        try:
+            # a host-read step still in flight (placement host-read keeps one) is noted now: its counters belong to
+            # this batch, not to whatever runs next (an offline run's record)
+            self.eng.finish_decode_steps()
+        finally:
+            if self._lead:
+                self.eng.experts.end()
+                self._lead = False
 
     def abort_all(self, reason: str = "cancelled") -> list[Sequence]:
         """Every row leaves now (shutdown, or after an engine failure): finish_reason ``reason``."""
