@@ -462,34 +462,33 @@ class CachedExperts:
 
         c, L, E = self.cache, self.num_layers, self.cache.num_experts
         self.host_rows = [mapped_rows(c.host, layer, c.device) for layer in range(L)]  # uint8 (E, row_bytes) each
-        pin = c.device.type == "cuda"
-        # two host copies of the tables, used by steps in turn: a step's copy to hr_tables may still be queued while
-        # the host points the next step's (HostReadDecoder keeps one step in flight), never two steps later
-        self._hr_host = [torch.zeros(L, E, dtype=torch.int32, pin_memory=pin) for _ in range(2)]
-        self._hr_host_maps: list = [[None] * L for _ in range(2)]  # per copy and layer the mapping written there
+        self._hr_host = np.zeros((L, E), dtype=np.int32)  # what hr_tables hold, kept on the host
         self.hr_tables = torch.full((L, E), -1, dtype=torch.int32, device=c.device)
         self._hr_maps: list = [None] * L  # per layer the mapping (an immutable generation's) hr_tables hold
 
-    def point_host_read_tables(self, req, turn: int = 0) -> None:
-        """Make hr_tables name ``req``'s generation (a copy from host copy ``turn`` on the compute stream, queued
-        before the step that reads them; none when they already do). The request pins that generation, so its rows
-        stay what the tables say until it is released. Host copy ``turn`` was last copied from two steps ago, and the
-        step in between waited for that one, so no queued copy still reads it."""
-        R, E = self.cache.rows_per_layer, self.cache.num_experts
-        buf, written = self._hr_host[turn].numpy(), self._hr_host_maps[turn]  # (L, E), [mapping] * L
+    def host_read_table(self, mapping) -> np.ndarray:
+        """int32 (E,) row table of one layer for the host-read site: ``mapping``'s device row where the expert is
+        mapped, else R + e (row e of the layer's host rows)."""
+        table = self.cache.rows_per_layer + np.arange(self.cache.num_experts, dtype=np.int32)
+        if mapping:
+            table[list(mapping.keys())] = list(mapping.values())
+        return table
+
+    def point_host_read_tables(self, req) -> None:
+        """Make hr_tables name ``req``'s generation (a copy on the compute stream, queued before the step that reads
+        them; none when they already do). The request pins that generation, so its rows stay what the tables say
+        until it is released. The copy's source is a pinned snapshot, which torch's pinned-memory allocator does not
+        reuse before the copy ran (a step still in flight may have one queued)."""
         changed = False
         for layer in range(self.num_layers):
             m = req.mapping(layer)
-            if written[layer] is not m:  # a publication replaces one layer's mapping object and shares the others
-                buf[layer] = R + np.arange(E, dtype=np.int32)  # absent: host row e
-                if m:
-                    buf[layer, list(m.keys())] = list(m.values())
-                written[layer] = m
-            if self._hr_maps[layer] is not m:
+            if self._hr_maps[layer] is not m:  # a publication replaces one layer's mapping object and shares the others
+                self._hr_host[layer] = self.host_read_table(m)
                 self._hr_maps[layer] = m
                 changed = True
         if changed:
-            self.hr_tables.copy_(self._hr_host[turn], non_blocking=True)
+            src = torch.from_numpy(self._hr_host)
+            self.hr_tables.copy_(src.pin_memory() if self.cache.device.type == "cuda" else src, non_blocking=True)
 
     def defer_promotion(self, ids: np.ndarray) -> None:
         """Keep a host-read step's routed ids (int (L, B, k), copied) for ``promote_pending``, which the next step calls
@@ -537,14 +536,10 @@ class CachedExperts:
         req = self.cache.admit()
         try:
             req.note_host_reads(layer, ids_h.numpy())  # raises on an id outside [0, E) (the routing check)
-            R, E = self.cache.rows_per_layer, self.cache.num_experts
-            table = R + np.arange(E, dtype=np.int32)  # (E,) absent: host row e
-            m = req.mapping(layer)
-            if m:
-                table[list(m.keys())] = list(m.values())
+            table = host_to_device(self.host_read_table(req.mapping(layer)), x.device)  # int32 (E,)
             with self.cache.monitored():  # a copy out of expert rows here would count in expert_d2h_bytes
-                return self.moe(self.executor, x, ids, gw, self.storage[layer], host_to_device(table, x.device),
-                                self.layout, validate=False, host_rows=self.host_rows[layer])
+                return self.moe(self.executor, x, ids, gw, self.storage[layer], table, self.layout, validate=False,
+                                host_rows=self.host_rows[layer])
         finally:
             # released without waiting for the kernels: a row this request pins is rewritten only after its release
             # event on the compute stream (CudaTransport.note_release), i.e. after these kernels ran
@@ -1216,7 +1211,7 @@ class HostReadDecoder(GraphDecoder):
         turn = self._turn
         req = ex.cache.admit()
         try:
-            ex.point_host_read_tables(req, turn)
+            ex.point_host_read_tables(req)
             if not self.capture:
                 out = self._step(n_keys)
             else:
