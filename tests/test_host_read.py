@@ -362,15 +362,17 @@ def test_a_step_in_flight_ends_before_another_batch_size_steps_and_at_close(seed
     eng = Engine.from_pack(pack, executor="grouped", device="cpu", resident=cfg.top_k, max_batch=2, max_seq_len=48,
                            expert_placement="host-read")
     cache = eng.experts.cache
-    one, two = torch.tensor([5]), torch.tensor([5, 7])
-    eng.decode(one, 3, torch.zeros(1, dtype=torch.long))
-    assert cache.live_requests() == 1 and eng._host_read[1].in_flight is not None
-    reads = cache.counters["host_reads"] + cache.counters["hits"]
-    eng.decode(two, 3, torch.zeros(2, dtype=torch.long))
-    assert eng._host_read[1].in_flight is None and eng._host_read[2].in_flight is not None
-    assert cache.live_requests() == 1
-    assert cache.counters["host_reads"] + cache.counters["hits"] > reads  # the batch-1 step was noted
-    eng.close()
+    try:
+        one, two = torch.tensor([5]), torch.tensor([5, 7])
+        eng.decode(one, 3, torch.zeros(1, dtype=torch.long))
+        assert cache.live_requests() == 1 and eng._host_read[1].in_flight is not None
+        reads = cache.counters["host_reads"] + cache.counters["hits"]
+        eng.decode(two, 3, torch.zeros(2, dtype=torch.long))
+        assert eng._host_read[1].in_flight is None and eng._host_read[2].in_flight is not None
+        assert cache.live_requests() == 1
+        assert cache.counters["host_reads"] + cache.counters["hits"] > reads  # the batch-1 step was noted
+    finally:
+        eng.close()
     assert cache.live_requests() == 0
 
 
