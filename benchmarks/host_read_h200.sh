@@ -10,29 +10,48 @@
 #
 # Files back: gpu-pytest.log, kernels-grouped.json, host-read-host-cost-h200.log, h200-campaign.tar.gz, bench.log,
 # prepare-{olmoe,qwen}.log.
+# RUNMAP_STAGES (default "tests kernels host-cost campaign") picks the stages; "gap" runs
+# tools/explore/probe_host_read_gap.py (wall time per step against the step's graph replayed alone, promotions on and
+# off; OLMoE 30 and 60 of 64 at batch 1, 60 at batch 8; ~2 min) on the campaign's OLMoE pack, synthesized first, and
+# writes host-read-gap-h200.log.
 set -uo pipefail
 : "${OUT:?set OUT to the directory whose files come back}"
 mkdir -p "$OUT"
 SECONDS=0
 export PYTHONUNBUFFERED=1 PYTHONPATH=.
+STAGES=" ${RUNMAP_STAGES:-tests kernels host-cost campaign} "
+stage() { [[ "$STAGES" == *" $1 "* ]]; }
+WORK=${RUNMAP_WORK:-/tmp/runmap-h200}
 python3 -c "import jsonschema" 2>/dev/null || { [ -d wheels ] && python3 -m pip install -q --no-index --find-links wheels/ \
   --break-system-packages jsonschema==4.26.0; }
 # 150 s cut the first run at 25 of 30 tests (2026-12-05; Triton compiles each test's variants on a fresh host);
 # --tb=short keeps the log of a failure small enough to come back
-RUNMAP_TEST_DEVICE=cuda timeout 240 python3 -m pytest -q --tb=short -p no:cacheprovider tests/test_host_read.py \
+if stage gap && [ ! -f "$WORK/pk-olmoe/manifest.json" ]; then  # beside the tests (the campaign finds it present)
+  mkdir -p "$WORK"
+  python3 -m runmap synth "$WORK/pk-olmoe" --preset olmoe-1b-7b-0924 --direct-pack --force --no-progress \
+    > "$OUT/prepare-olmoe.log" 2>&1 &
+fi
+stage tests && { RUNMAP_TEST_DEVICE=cuda timeout 240 python3 -m pytest -q --tb=short -p no:cacheprovider tests/test_host_read.py \
   -k "not bench_record" > "$OUT/gpu-pytest.log" 2>&1
 echo "[${SECONDS}s] gpu pytest (host-read) exit $?"
-tail -3 "$OUT/gpu-pytest.log"
-timeout 120 python3 -m runmap.cli.check_kernels --device cuda --shapes full --executors grouped --m 1,2,3,8,17,64,300 \
+tail -3 "$OUT/gpu-pytest.log"; }
+wait
+if stage gap; then
+  { timeout 150 python3 tools/explore/probe_host_read_gap.py --pack "$WORK/pk-olmoe" --resident 30,60
+    timeout 60 python3 tools/explore/probe_host_read_gap.py --pack "$WORK/pk-olmoe" --resident 60 --batch 8 | tail -2
+  } > "$OUT/host-read-gap-h200.log" 2>&1
+  echo "[${SECONDS}s] host-read gap probe"; cat "$OUT/host-read-gap-h200.log" | cut -c1-150
+fi
+stage kernels && { timeout 120 python3 -m runmap.cli.check_kernels --device cuda --shapes full --executors grouped --m 1,2,3,8,17,64,300 \
   --out "$OUT/kernels-grouped.json" --no-progress > "$OUT/kernels-grouped.log" 2>&1
 echo "[${SECONDS}s] kernel check (grouped, full shapes) exit $?"
-tail -2 "$OUT/kernels-grouped.log"
-{ timeout 40 python3 tools/explore/probe_host_read_host_cost.py --steps 400 --warmup 100
+tail -2 "$OUT/kernels-grouped.log"; }
+stage host-cost && { { timeout 40 python3 tools/explore/probe_host_read_host_cost.py --steps 400 --warmup 100
   timeout 30 python3 tools/explore/probe_host_read_host_cost.py --family qwen2_moe --resident 30 --steps 400 \
     --warmup 100 | grep "per step"; } > "$OUT/host-read-host-cost-h200.log" 2>&1
 echo "[${SECONDS}s] host part of a host-read step (this host's CPU)"
-grep "per step" "$OUT/host-read-host-cost-h200.log" | cut -c1-150
-RUNMAP_SPEC=specs/campaigns/h200-host-read.yaml RUNMAP_DIRECT="olmoe=olmoe-1b-7b-0924 qwen=qwen1.5-moe-a2.7b" \
+grep "per step" "$OUT/host-read-host-cost-h200.log" | cut -c1-150; }
+stage campaign && RUNMAP_SPEC=specs/campaigns/h200-host-read.yaml RUNMAP_DIRECT="olmoe=olmoe-1b-7b-0924 qwen=qwen1.5-moe-a2.7b" \
   bash benchmarks/run_h200_campaign.sh $(( ${1:-570} - SECONDS - 15 ))
 rm -f "$OUT/kernels-grouped.log"
 echo "[${SECONDS}s] done"
