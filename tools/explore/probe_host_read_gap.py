@@ -29,6 +29,26 @@ def replay_us(decoder, reps: int = 50) -> float:
     return start.elapsed_time(end) * 1e3 / reps
 
 
+def host_pairs(decoder, ex) -> int:
+    """Distinct (layer, expert) host reads of the decoder's last replayed step (its routed ids against the tables)."""
+    routed = decoder.routed.reshape(decoder.routed.shape[0], -1).cpu().numpy()  # (L, B*k)
+    tables = ex.hr_tables.cpu().numpy()  # (L, E)
+    R = ex.cache.rows_per_layer
+    return sum(len({int(e) for e in row if tables[layer, e] >= R}) for layer, row in enumerate(routed))
+
+
+def replay_all_device_us(decoder, ex) -> float:
+    """replay_us with every host entry of hr_tables pointing at device row 0 (restored after)."""
+    saved = ex.hr_tables.clone()
+    R = ex.cache.rows_per_layer
+    ex.hr_tables.copy_(torch.where(saved >= R, torch.zeros_like(saved), saved))
+    try:
+        return replay_us(decoder)
+    finally:
+        ex.hr_tables.copy_(saved)
+        torch.cuda.synchronize()
+
+
 def main():
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--pack", required=True)
@@ -36,7 +56,8 @@ def main():
     ap.add_argument("--batch", type=int, default=1)
     args = ap.parse_args()
     prompt = list(range(100, 132))
-    print("resident batch promotions  decode tok/s (runs)   wall us/step  replay us  gap us  promoted/step")
+    print("resident batch promotions  decode tok/s (runs)   wall us/step  replay us  gap us  promoted/step"
+          "  | all-device replay us  host reads/step  their us  link GB/s")
     for resident in (int(r) for r in args.resident.split(",")):
         eng = Engine.from_pack(args.pack, executor="grouped", device="cuda", resident=resident, max_batch=args.batch,
                                max_seq_len=192, expert_placement="host-read", cache_contract="v2",
@@ -53,9 +74,15 @@ def main():
                     rates.append(run.decode_tok_s)
                     promoted += cache.counters["promotions"] - p0
                 wall = 1e6 * args.batch / max(rates)
-                rep = replay_us(eng._host_read[args.batch])
+                dec = eng._host_read[args.batch]
+                rep = replay_us(dec)
+                n_host = host_pairs(dec, eng.experts)
+                dev_only = replay_all_device_us(dec, eng.experts)
+                host_us = rep - dev_only
+                gbs = n_host * cache.row_bytes / host_us / 1e3 if host_us > 0 else float("nan")
                 print(f"{resident:8d} {args.batch:5d} {label:10s}  {max(rates):9.1f} ({', '.join(f'{r:.1f}' for r in rates)})"
-                      f"  {wall:12.0f} {rep:10.0f} {wall - rep:7.0f}  {promoted / (2 * 127):.2f}", flush=True)
+                      f"  {wall:12.0f} {rep:10.0f} {wall - rep:7.0f}  {promoted / (2 * 127):.2f}"
+                      f"  | {dev_only:10.0f} {n_host:15d} {host_us:9.0f} {gbs:9.1f}", flush=True)
             place.margin = default_margin
         finally:
             eng.close()
