@@ -353,21 +353,21 @@ def test_a_failure_with_a_step_in_flight_leaves_no_request_live(seed3_tiny_packs
         eng.close()
 
 
-def test_a_step_in_flight_ends_before_another_batch_size_steps_and_at_close(seed3_tiny_packs):
+def test_a_step_in_flight_ends_before_another_batch_size_steps_and_at_close(seed3_tiny_packs, test_device):
     """Engine.decode keeps one host-read step in flight per engine: a step of another batch size ends (notes) it
     first; close releases a step still in flight."""
     from runmap.engine.engine import Engine
 
     pack, cfg = seed3_tiny_packs["tiny-olmoe"]
-    eng = Engine.from_pack(pack, executor="grouped", device="cpu", resident=cfg.top_k, max_batch=2, max_seq_len=48,
-                           expert_placement="host-read")
+    eng = Engine.from_pack(pack, executor="grouped", device=test_device, resident=cfg.top_k, max_batch=2,
+                           max_seq_len=48, expert_placement="host-read")
     cache = eng.experts.cache
     try:
-        one, two = torch.tensor([5]), torch.tensor([5, 7])
-        eng.decode(one, 3, torch.zeros(1, dtype=torch.long))
+        one, two = torch.tensor([5], device=test_device), torch.tensor([5, 7], device=test_device)
+        eng.decode(one, 3, torch.zeros(1, dtype=torch.long, device=test_device))
         assert cache.live_requests() == 1 and eng._host_read[1].in_flight is not None
         reads = cache.counters["host_reads"] + cache.counters["hits"]
-        eng.decode(two, 3, torch.zeros(2, dtype=torch.long))
+        eng.decode(two, 3, torch.zeros(2, dtype=torch.long, device=test_device))
         assert eng._host_read[1].in_flight is None and eng._host_read[2].in_flight is not None
         assert cache.live_requests() == 1
         assert cache.counters["host_reads"] + cache.counters["hits"] > reads  # the batch-1 step was noted
@@ -621,7 +621,7 @@ def test_promotion_visits_only_the_layers_that_could_promote(data, margin, prefi
 
 
 @pytest.mark.parametrize("placement", ["gpu", "host-read"])
-def test_a_partial_residency_warm_up_leaves_counters_and_policy_as_they_were(seed3_tiny_packs, placement):
+def test_a_partial_residency_warm_up_leaves_counters_and_policy_as_they_were(seed3_tiny_packs, placement, test_device):
     """Engine.warm_up under partial residency (from_pack runs it on CUDA): pad-token passes and decode steps run, then
     the counters, decode-path counts and the eviction policy's history (scores, last uses, clock) are what they were
     and nothing is left held."""
@@ -629,8 +629,8 @@ def test_a_partial_residency_warm_up_leaves_counters_and_policy_as_they_were(see
 
     pack, cfg = seed3_tiny_packs["tiny-olmoe"]
     kw = dict(expert_placement="host-read") if placement == "host-read" else {}
-    eng = Engine.from_pack(pack, executor="grouped", device="cpu", resident=cfg.top_k, max_batch=2, max_seq_len=48,
-                           policy="lfu-decay", **kw)
+    eng = Engine.from_pack(pack, executor="grouped", device=test_device, resident=cfg.top_k, max_batch=2,
+                           max_seq_len=48, policy="lfu-decay", **kw)
     try:
         cache = eng.experts.cache
         req = cache.admit()  # some history first, so that a restore is not a reset
@@ -648,14 +648,14 @@ def test_a_partial_residency_warm_up_leaves_counters_and_policy_as_they_were(see
         eng.close()
 
 
-def test_work_inside_policy_kept_teaches_the_policy_nothing(seed3_tiny_packs):
+def test_work_inside_policy_kept_teaches_the_policy_nothing(seed3_tiny_packs, test_device):
     """Engine.policy_kept (the engine's and the server's warm-ups): requests inside it use and promote experts, and
     afterwards the eviction policy's uses, scores and clock are what they were before; outside it they stay."""
     from runmap.engine.engine import Engine
 
     pack, cfg = seed3_tiny_packs["tiny-olmoe"]
-    eng = Engine.from_pack(pack, executor="grouped", device="cpu", resident=cfg.top_k, max_batch=1, max_seq_len=48,
-                           expert_placement="host-read")
+    eng = Engine.from_pack(pack, executor="grouped", device=test_device, resident=cfg.top_k, max_batch=1,
+                           max_seq_len=48, expert_placement="host-read")
     try:
         pol = eng.experts.cache.policy
 
