@@ -360,7 +360,7 @@ def test_a_step_in_flight_ends_before_another_batch_size_steps_and_at_close(seed
 
     pack, cfg = seed3_tiny_packs["tiny-olmoe"]
     eng = Engine.from_pack(pack, executor="grouped", device=test_device, resident=cfg.top_k, max_batch=2,
-                           max_seq_len=48, expert_placement="host-read")
+                           max_seq_len=48, expert_placement="host-read", cache_contract="v2")
     cache = eng.experts.cache
     try:
         one, two = torch.tensor([5], device=test_device), torch.tensor([5, 7], device=test_device)
@@ -628,7 +628,7 @@ def test_a_partial_residency_warm_up_leaves_counters_and_policy_as_they_were(see
     from runmap.engine.engine import Engine
 
     pack, cfg = seed3_tiny_packs["tiny-olmoe"]
-    kw = dict(expert_placement="host-read") if placement == "host-read" else {}
+    kw = dict(expert_placement="host-read", cache_contract="v2") if placement == "host-read" else {}
     eng = Engine.from_pack(pack, executor="grouped", device=test_device, resident=cfg.top_k, max_batch=2,
                            max_seq_len=48, policy="lfu-decay", **kw)
     try:
@@ -655,7 +655,7 @@ def test_work_inside_policy_kept_teaches_the_policy_nothing(seed3_tiny_packs, te
 
     pack, cfg = seed3_tiny_packs["tiny-olmoe"]
     eng = Engine.from_pack(pack, executor="grouped", device=test_device, resident=cfg.top_k, max_batch=1,
-                           max_seq_len=48, expert_placement="host-read")
+                           max_seq_len=48, expert_placement="host-read", cache_contract="v2")
     try:
         pol = eng.experts.cache.policy
 
