@@ -363,14 +363,15 @@ def test_a_step_in_flight_ends_before_another_batch_size_steps_and_at_close(seed
                            max_seq_len=48, expert_placement="host-read", cache_contract="v2")
     cache = eng.experts.cache
     try:
-        one, two = torch.tensor([5], device=test_device), torch.tensor([5, 7], device=test_device)
-        eng.decode(one, 3, torch.zeros(1, dtype=torch.long, device=test_device))
-        assert cache.live_requests() == 1 and eng._host_read[1].in_flight is not None
-        reads = cache.counters["host_reads"] + cache.counters["hits"]
-        eng.decode(two, 3, torch.zeros(2, dtype=torch.long, device=test_device))
-        assert eng._host_read[1].in_flight is None and eng._host_read[2].in_flight is not None
-        assert cache.live_requests() == 1
-        assert cache.counters["host_reads"] + cache.counters["hits"] > reads  # the batch-1 step was noted
+        with torch.inference_mode():  # as Engine.run calls it (CUDA: the captured steps' buffers are inference tensors)
+            one, two = torch.tensor([5], device=test_device), torch.tensor([5, 7], device=test_device)
+            eng.decode(one, 3, torch.zeros(1, dtype=torch.long, device=test_device))
+            assert cache.live_requests() == 1 and eng._host_read[1].in_flight is not None
+            reads = cache.counters["host_reads"] + cache.counters["hits"]
+            eng.decode(two, 3, torch.zeros(2, dtype=torch.long, device=test_device))
+            assert eng._host_read[1].in_flight is None and eng._host_read[2].in_flight is not None
+            assert cache.live_requests() == 1
+            assert cache.counters["host_reads"] + cache.counters["hits"] > reads  # the batch-1 step was noted
     finally:
         eng.close()
     assert cache.live_requests() == 0
