@@ -13,7 +13,8 @@
 # RUNMAP_STAGES (default "tests kernels host-cost campaign") picks the stages; "gap" runs
 # tools/explore/probe_host_read_gap.py (wall time per step against the step's graph replayed alone, promotions on and
 # off; OLMoE 30 and 60 of 64 at batch 1, 60 at batch 8; ~2 min) on the campaign's OLMoE pack, synthesized first, and
-# writes host-read-gap-h200.log.
+# writes host-read-gap-h200.log; "promotion-cost" runs tools/explore/probe_promotion_cost.py (OLMoE 60 of 64, batch 8:
+# host time of the promotions, CUDA runtime calls, device idle gaps; ~1 min) into promotion-cost.log.
 set -uo pipefail
 : "${OUT:?set OUT to the directory whose files come back}"
 mkdir -p "$OUT"
@@ -27,7 +28,7 @@ python3 -c "import jsonschema" 2>/dev/null || { [ -d wheels ] && python3 -m pip 
 # 150 s cut the first run at 25 of 30 tests and 240 s a later one at 33 of 34 (2026-12-05; Triton compiles each
 # test's variants on a fresh host);
 # --tb=short keeps the log of a failure small enough to come back
-if stage gap && [ ! -f "$WORK/pk-olmoe/manifest.json" ]; then  # beside the tests (the campaign finds it present)
+if { stage gap || stage promotion-cost; } && [ ! -f "$WORK/pk-olmoe/manifest.json" ]; then  # beside the tests (the campaign finds it present)
   mkdir -p "$WORK"
   python3 -m runmap synth "$WORK/pk-olmoe" --preset olmoe-1b-7b-0924 --direct-pack --force --no-progress \
     > "$OUT/prepare-olmoe.log" 2>&1 &
@@ -42,6 +43,11 @@ if stage gap; then
     timeout 60 python3 tools/explore/probe_host_read_gap.py --pack "$WORK/pk-olmoe" --resident 60 --batch 8 | tail -2
   } > "$OUT/host-read-gap-h200.log" 2>&1
   echo "[${SECONDS}s] host-read gap probe"; cat "$OUT/host-read-gap-h200.log" | cut -c1-150
+fi
+if stage promotion-cost; then
+  timeout 120 python3 tools/explore/probe_promotion_cost.py --pack "$WORK/pk-olmoe" --resident 60 --batch 8 \
+    > "$OUT/promotion-cost.log" 2>&1
+  echo "[${SECONDS}s] promotion cost probe"; grep -v "^USDT\|^STAGE" "$OUT/promotion-cost.log" | cut -c1-150
 fi
 stage kernels && { timeout 120 python3 -m runmap.cli.check_kernels --device cuda --shapes full --executors grouped --m 1,2,3,8,17,64,300 \
   --out "$OUT/kernels-grouped.json" --no-progress > "$OUT/kernels-grouped.log" 2>&1
