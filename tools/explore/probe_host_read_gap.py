@@ -1,14 +1,14 @@
 """Where a host-read decode step's time goes beyond its transfer bound, on a GPU: the wall time per decoded token
 against the device time of the step's captured graph replayed alone (the same tables, so the same host reads), with
-the engine's promotions on (margin 1 use, the default) and off (an infinite margin).
+the engine's promotions at chosen margins (default: the engine's, 1 use, then an infinite one: none).
 
     PYTHONPATH=. python3 tools/explore/probe_host_read_gap.py --pack DIR [--resident 30,60] [--batch 1]
+        [--margins default,inf] [--fresh]
 
 DIR: an OLMoE pack (e.g. `runmap synth DIR --preset olmoe-1b-7b-0924 --direct-pack`); calibrated routing, contract
-v2, a 32-token prompt and 128 new tokens per run, 2 runs per variant. Prints one line per (resident, promotions).
+v2, a 32-token prompt and 128 new tokens per run, 2 runs per variant. Prints one line per (resident, margin).
 """
 import argparse
-import math
 import time
 
 import torch
@@ -54,19 +54,33 @@ def main():
     ap.add_argument("--pack", required=True)
     ap.add_argument("--resident", default="30,60")
     ap.add_argument("--batch", type=int, default=1)
+    ap.add_argument("--margins", default="default,inf",
+                    help="promotion margins, in order (default: the engine's, then inf = no promotion)")
+    ap.add_argument("--fresh", action="store_true",
+                    help="a new engine per margin (each starts from the same cache; default: one engine per residency, "
+                         "so a later margin starts from the cache the earlier ones shaped)")
     args = ap.parse_args()
     prompt = list(range(100, 132))
-    print("resident batch promotions  decode tok/s (runs)   wall us/step  replay us  gap us  promoted/step"
+    print("resident batch margin      decode tok/s (runs)   wall us/step  replay us  gap us  promoted/step"
           "  | all-device replay us  host reads/step  their us  link GB/s")
+
+    def build(resident):
+        return Engine.from_pack(args.pack, executor="grouped", device="cuda", resident=resident, max_batch=args.batch,
+                                max_seq_len=192, expert_placement="host-read", cache_contract="v2", routing="calibrated")
+
+    margins = args.margins.split(",")
     for resident in (int(r) for r in args.resident.split(",")):
-        eng = Engine.from_pack(args.pack, executor="grouped", device="cuda", resident=resident, max_batch=args.batch,
-                               max_seq_len=192, expert_placement="host-read", cache_contract="v2",
-                               routing="calibrated")
+        eng = None
         try:
-            place, cache = eng.experts.placement, eng.experts.cache
-            default_margin = place.margin
-            for label, margin in (("on", default_margin), ("off", math.inf)):
-                place.margin = margin
+            for i, label in enumerate(margins):
+                if eng is None or args.fresh:
+                    if eng is not None:
+                        eng.close()
+                        time.sleep(0.5)
+                    eng = build(resident)
+                    default_margin = eng.experts.placement.margin
+                place, cache = eng.experts.placement, eng.experts.cache
+                place.margin = default_margin if label == "default" else float(label)
                 rates, promoted = [], 0
                 for _ in range(2):
                     p0 = cache.counters["promotions"]
@@ -80,12 +94,13 @@ def main():
                 dev_only = replay_all_device_us(dec, eng.experts)
                 host_us = rep - dev_only
                 gbs = n_host * cache.row_bytes / host_us / 1e3 if host_us > 0 else float("nan")
-                print(f"{resident:8d} {args.batch:5d} {label:10s}  {max(rates):9.1f} ({', '.join(f'{r:.1f}' for r in rates)})"
-                      f"  {wall:12.0f} {rep:10.0f} {wall - rep:7.0f}  {promoted / (2 * 127):.2f}"
-                      f"  | {dev_only:10.0f} {n_host:15d} {host_us:9.0f} {gbs:9.1f}", flush=True)
-            place.margin = default_margin
+                print(f"{resident:8d} {args.batch:5d} {place.margin:<10g}  {max(rates):9.1f} "
+                      f"({', '.join(f'{r:.1f}' for r in rates)})  {wall:12.0f} {rep:10.0f} {wall - rep:7.0f}  "
+                      f"{promoted / (2 * 127):.2f}  | {dev_only:10.0f} {n_host:15d} {host_us:9.0f} {gbs:9.1f}",
+                      flush=True)
         finally:
-            eng.close()
+            if eng is not None:
+                eng.close()
         time.sleep(0.5)
 
 

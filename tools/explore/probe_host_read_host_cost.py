@@ -19,6 +19,12 @@ the promotions are serial, as an estimate.
 
 Prints per-phase host microseconds per step (median and mean over the steps after ``--warmup``), the serial and the
 beside-the-step sums, and promotions, host reads and hits per step.
+
+    PYTHONPATH=. python3 tools/explore/probe_host_read_host_cost.py --family olmoe --resident 60 --margins 1,4,16,inf
+
+``--margins`` instead sweeps the promotion margin (uses of lfu-decay; inf = no promotion) in the engine's order
+(beside) and prints, per batch and margin, what the margin decides: promotions and host reads per decoded token,
+the hit rate, and the rows that cross the link per token (host reads + promotions: each promotion copies one row).
 """
 from __future__ import annotations
 
@@ -63,8 +69,10 @@ def build(family: str, resident: int, row_bytes_hint: int, spares: int):
 
 
 def run(family: str, resident: int, batch: int, steps: int, warmup: int, row_bytes: int, spares: int, seed: int,
-        order: str):
+        order: str, margin: float | None = None):
     fam, L, E, cache, ex = build(family, resident, row_bytes, spares)
+    if margin is not None:
+        ex.placement.margin = margin
     rng = np.random.default_rng(seed)
     pop = np.stack([popularity(fam.params, E, rng) for _ in range(L)])  # (L, E), one model for every stream
     streams = [StreamSampler(fam.params, pop, fam.top_k, np.random.default_rng(seed + 1 + b)) for b in range(batch)]
@@ -121,8 +129,13 @@ def main():
     ap.add_argument("--orders", default="between,beside",
                     help="where the promotions run: between (after a step, before the next: serial) and/or beside (while "
                          "the next step runs, as HostReadDecoder does now); default both")
+    ap.add_argument("--margins", default=None,
+                    help="comma-separated promotion margins to sweep (e.g. 1,4,16,inf); prints counts, not times")
     args = ap.parse_args()
     torch.set_num_threads(1)
+    if args.margins:
+        sweep_margins(args)
+        return
     print(f"# {platform.processor() or platform.machine()}, {torch.get_num_threads()} torch thread; python "
           f"{platform.python_version()}; torch {torch.__version__}; {args.family} {args.resident} resident, "
           f"{args.steps} steps ({args.warmup} warm-up), row {args.row_bytes} B")
@@ -140,6 +153,20 @@ def main():
             print(f"{order:7s}  {b:5d}  per step: promotions {p:.2f}, host reads {r:.1f}, hits {h:.1f} (hit rate "
                   f"{h / (h + r):.3f}); the device waits {serial:.0f} us of it (with {row_us:.0f} us per promoted "
                   f"{args.family} row at {LINK_GB_S} GB/s where serial: an estimate)")
+
+
+def sweep_margins(args) -> None:
+    """--margins: per batch and margin, what the promotions decide (counts over the steps after the warm-up)."""
+    print(f"# {args.family} {args.resident} resident, {args.steps} steps ({args.warmup} warm-up), seed {args.seed}, "
+          f"order beside")
+    print("batch  margin  promotions/token  host reads/token  hit rate  link rows/token")
+    for b in (int(x) for x in args.batches.split(",")):
+        for margin in (float(x) for x in args.margins.split(",")):
+            _phases, promoted, reads, hits = run(args.family, args.resident, b, args.steps, args.warmup,
+                                                 args.row_bytes, args.spares, args.seed, "beside", margin)
+            p, r, h = (statistics.fmean(x) for x in (promoted, reads, hits))
+            print(f"{b:5d}  {margin:6g}  {p / b:16.3f}  {r / b:16.2f}  {h / (h + r):8.3f}  {(p + r) / b:15.2f}",
+                  flush=True)
 
 
 if __name__ == "__main__":
