@@ -353,6 +353,12 @@ def test_a_failure_with_a_step_in_flight_leaves_no_request_live(seed3_tiny_packs
         eng.close()
 
 
+def _host_read_contract(device: str) -> str:
+    """v2 on CUDA (host-read maps the registered host source there, which only v2 registers); on the CPU the default,
+    v1, so that these tests keep covering host-read under both contracts between the two devices."""
+    return "v2" if device == "cuda" else "v1"
+
+
 def test_a_step_in_flight_ends_before_another_batch_size_steps_and_at_close(seed3_tiny_packs, test_device):
     """Engine.decode keeps one host-read step in flight per engine: a step of another batch size ends (notes) it
     first; close releases a step still in flight."""
@@ -360,7 +366,8 @@ def test_a_step_in_flight_ends_before_another_batch_size_steps_and_at_close(seed
 
     pack, cfg = seed3_tiny_packs["tiny-olmoe"]
     eng = Engine.from_pack(pack, executor="grouped", device=test_device, resident=cfg.top_k, max_batch=2,
-                           max_seq_len=48, expert_placement="host-read", cache_contract="v2")
+                           max_seq_len=48, expert_placement="host-read",
+                           cache_contract=_host_read_contract(test_device))
     cache = eng.experts.cache
     try:
         with torch.inference_mode():  # as Engine.run calls it (CUDA: the captured steps' buffers are inference tensors)
@@ -629,7 +636,8 @@ def test_a_partial_residency_warm_up_leaves_counters_and_policy_as_they_were(see
     from runmap.engine.engine import Engine
 
     pack, cfg = seed3_tiny_packs["tiny-olmoe"]
-    kw = dict(expert_placement="host-read", cache_contract="v2") if placement == "host-read" else {}
+    kw = dict(expert_placement="host-read", cache_contract=_host_read_contract(test_device)) \
+        if placement == "host-read" else {}
     eng = Engine.from_pack(pack, executor="grouped", device=test_device, resident=cfg.top_k, max_batch=2,
                            max_seq_len=48, policy="lfu-decay", **kw)
     try:
@@ -656,7 +664,8 @@ def test_work_inside_policy_kept_teaches_the_policy_nothing(seed3_tiny_packs, te
 
     pack, cfg = seed3_tiny_packs["tiny-olmoe"]
     eng = Engine.from_pack(pack, executor="grouped", device=test_device, resident=cfg.top_k, max_batch=1,
-                           max_seq_len=48, expert_placement="host-read", cache_contract="v2")
+                           max_seq_len=48, expert_placement="host-read",
+                           cache_contract=_host_read_contract(test_device))
     try:
         pol = eng.experts.cache.policy
 

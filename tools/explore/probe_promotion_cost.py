@@ -1,16 +1,16 @@
 """What a host-read promotion costs a decode step on a GPU, and why (issue 24 item 8).
 
 The gap probe (probe_host_read_gap.py; results/residency/host-read-gap-h100.log) found promotions nearly free at OLMoE
-30 of 64 batch 1 (~12 us of step time each) and costly at 60 of 64 batch 8 (~700 us each: 2,257 tok/s with them,
-2,829 without), far above a row's bytes over the link (~57 us). This probe looks for the cause in one engine:
+30 of 64 batch 1 and costly at 60 of 64 batch 8 (2,257 tok/s with them, 2,829 without: 717 us a step more at ~1
+promotion a step), far above a row's bytes over the link (~57 us). This probe looks for the cause in one engine:
 
 * the host time of each ``CachedExperts.promote_pending`` call and of the rest of ``HostReadDecoder.run``, split by
   whether the call promoted (wrapped with perf_counter);
 * the CUDA runtime calls made during the run (torch.profiler, CPU side): synchronizations (stream, event, device),
   allocations (cudaMalloc / cudaFree / cudaHostAlloc), copies, with their counts and host time: a promotion that
   makes a device-wide synchronization or an allocator call shows here;
-* the device's idle time on the compute stream: gaps between consecutive kernels (CUPTI, graph replays included)
-  longer than 5 us, summed, and how many of them follow a promoting step.
+* the device's idle time: gaps longer than 5 us between consecutive device activities (CUPTI, kernels inside graph
+  replays included, all streams merged), their count, sum and largest.
 
     PYTHONPATH=. python3 tools/explore/probe_promotion_cost.py --pack DIR [--resident 60] [--batch 8] [--tokens 96]
 
@@ -80,7 +80,7 @@ def main():
         ex.promote_pending, dec.run = real_promote, real_run
         promotions = cache.counters["promotions"] - p0
         print(f"resident {args.resident}/{cache.num_experts}, batch {args.batch}, {args.tokens} tokens: decode "
-              f"{run.decode_tok_s:.1f} tok/s, {promotions} promotions")
+              f"{run.decode_tok_s:.1f} tok/s under the profiler (its overhead included), {promotions} promotions")
 
         # host time of the decoder's run and of promote_pending, by whether the step promoted
         def stats(xs):
@@ -95,7 +95,8 @@ def main():
         # CUDA runtime calls on the host
         print(f"{'runtime call':24s} {'count':>7s} {'host us total':>14s}")
         for ev in prof.key_averages():
-            if ev.key in RUNTIME_CALLS:
+            # by prefix: some CUPTI versions report versioned names (cudaLaunchKernelExC_v11060 and the like)
+            if ev.key.startswith(RUNTIME_CALLS):
                 print(f"{ev.key:24s} {ev.count:7d} {ev.cpu_time_total:14.0f}")
 
         # device idle gaps between consecutive kernels / copies (all streams merged: an upper bound on the compute
