@@ -26,15 +26,15 @@ stage() { [[ "$STAGES" == *" $1 "* ]]; }
 WORK=${RUNMAP_WORK:-/tmp/runmap-h200}
 python3 -c "import jsonschema" 2>/dev/null || { [ -d wheels ] && python3 -m pip install -q --no-index --find-links wheels/ \
   --break-system-packages jsonschema==4.26.0; }
-# 150 s cut the first run at 25 of 30 tests and 240 s a later one at 33 of 34 (2026-12-05; Triton compiles each
-# test's variants on a fresh host);
-# --tb=short keeps the log of a failure small enough to come back
 if { stage gap || stage promotion-cost; } && [ ! -f "$WORK/pk-olmoe/manifest.json" ]; then  # beside the tests (the campaign finds it present)
   mkdir -p "$WORK"
   python3 -m runmap synth "$WORK/pk-olmoe" --preset olmoe-1b-7b-0924 --direct-pack --force --no-progress \
     > "$OUT/synth-olmoe.log" 2>&1 &
   SYNTH_PID=$!
 fi
+# 150 s cut the first run at 25 of 30 tests and 240 s a later one at 33 of 34 (2026-12-05; Triton compiles each
+# test's variants on a fresh host);
+# --tb=short keeps the log of a failure small enough to come back
 stage tests && { RUNMAP_TEST_DEVICE=cuda timeout 360 python3 -m pytest -q --tb=short -p no:cacheprovider tests/test_host_read.py \
   -k "not bench_record" > "$OUT/gpu-pytest.log" 2>&1
 echo "[${SECONDS}s] gpu pytest (host-read) exit $?"

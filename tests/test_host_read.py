@@ -397,7 +397,7 @@ def test_the_engine_refuses_host_read_where_it_cannot_run(seed3_tiny_packs):
                          prefetch=True)
 
 
-def _cache(experts=8, resident=3, policy="lfu-decay", prefill=True, layers=2):
+def _cache(experts=8, resident=3, policy="lfu-decay", prefill=True, layers=2, transport=None):
     from runmap.format.qpack import RowLayout
     from runmap.residency.cache import ExpertCache
     from runmap.residency.host_source import HostSource
@@ -406,16 +406,13 @@ def _cache(experts=8, resident=3, policy="lfu-decay", prefill=True, layers=2):
     gen = torch.Generator().manual_seed(0)
     rows = [torch.randint(0, 256, (experts, layout.row_bytes), dtype=torch.uint8, generator=gen) for _ in range(layers)]
     return ExpertCache(HostSource.from_rows(rows, layout), resident=resident, max_group=2, policy=policy,
-                       prefill=prefill)
+                       prefill=prefill, transport=transport)
 
 
 def test_a_release_after_waiting_records_no_marker_and_still_frees_its_rows():
     """Request.release(waited=True) (a host-read step the host waited for, ended while the next one runs) records no
     release marker, which would order the next promotion's copy after the running step; a plain release does. Either
     way the request's pins go, and a row it kept from reuse is reclaimed."""
-    from runmap.format.qpack import RowLayout
-    from runmap.residency.cache import ExpertCache
-    from runmap.residency.host_source import HostSource
     from runmap.residency.transport import CpuTransport
 
     class Counting(CpuTransport):
@@ -424,11 +421,7 @@ def test_a_release_after_waiting_records_no_marker_and_still_frees_its_rows():
         def note_release(self):
             Counting.markers += 1
 
-    layout = RowLayout.build(64, 64, 64)
-    gen = torch.Generator().manual_seed(0)
-    rows = [torch.randint(0, 256, (8, layout.row_bytes), dtype=torch.uint8, generator=gen)]
-    cache = ExpertCache(HostSource.from_rows(rows, layout), resident=3, max_group=2, policy="lru", prefill=True,
-                        transport=Counting())
+    cache = _cache(experts=8, resident=3, policy="lru", layers=1, transport=Counting())
     for waited in (False, True):
         holder = cache.admit()  # pins the generation that maps the victim
         victim_rows = set(cache.mapping(0).values())
