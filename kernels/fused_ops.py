@@ -264,6 +264,40 @@ def _router_topk_kernel(logits_ptr, ids_ptr, wts_ptr, E, TOPK: tl.constexpr, NOR
     tl.store(wts_ptr + m * TOPK + offs_k, wts)
 
 
+
+# ---- gate weights of imposed expert ids (routing workloads) -------------------------------------------
+# Under a routing workload (runmap.workload.routing) the ids come from the workload and the router only weighs them:
+# softmax over the row's logits, the probabilities of the imposed ids, rescaled to the sum of the router's own
+# top-k probabilities (1 under norm_topk_prob). In torch that was ~7 launches per MoE layer inside a captured step
+# (~0.4 ms of a 1.25 ms OLMoE step on an H100, results/campaigns/h100-host-read-complete); here it is one, fed by the
+# same logits as the router's own top-k.
+
+@triton.jit
+def _imposed_weights_kernel(logits_ptr, ids_ptr, wts_ptr, E, TOPK: tl.constexpr, NORM: tl.constexpr,
+                            E_P2: tl.constexpr, CHAINED: tl.constexpr = False):
+    chain_wait(CHAINED)
+    m = tl.program_id(0)
+    offs_e = tl.arange(0, E_P2)
+    logits = tl.load(logits_ptr + m * E + offs_e, mask=offs_e < E, other=float("-inf"))
+    p = tl.exp(logits - tl.max(logits, axis=0))
+    p = p / tl.sum(p, axis=0)  # (E_P2,) softmax over experts, 0 past E
+    offs_k = tl.arange(0, TOPK)
+    ids = tl.load(ids_ptr + m * TOPK + offs_k)  # (TOPK,) int64 in [0, E): the caller checked them
+    # the probability of each imposed id: a (TOPK, E_P2) selection summed over experts
+    w = tl.sum(tl.where(ids[:, None] == offs_e[None, :], p[None, :], 0.0), axis=1)  # (TOPK,)
+    if NORM:
+        own = 1.0
+    else:  # the router's own top-k probabilities' sum: TOPK rounds of the row's maximum, as _router_topk_kernel
+        own = 0.0
+        q = p
+        for j in tl.static_range(TOPK):
+            best = tl.max(q, axis=0)
+            own += best
+            idx = tl.min(tl.where(q == best, offs_e, E_P2), axis=0)
+            q = tl.where(offs_e == idx, -1.0, q)
+    tl.store(wts_ptr + m * TOPK + offs_k, w * (own / tl.sum(w, axis=0)))
+
+
 # ---- residual add + RMSNorm + router logits in one launch (decode) --------------------------------------
 # A decode step ran add_rms_norm and then the logits kernel for the same row: two launches of ~2 us of latency
 # each for a few KB of activations. Here each (row, block of experts) program recomputes the row's add + norm
@@ -369,14 +403,40 @@ def route_topk(logits, top_k: int, norm_topk_prob: bool):
     return ids, wts
 
 
-def route_fused(h, router32, top_k: int, norm_topk_prob: bool):
-    """h fp16 (N, H) contiguous, router32 fp32 (E, H) -> ids int64 (N, k), weights fp32 (N, k) (descending).
-    top_k must be a power of two (OLMoE 8, Qwen1.5-MoE 4); the model uses the torch router otherwise."""
+def imposed_weights_from_logits(logits, ids, norm_topk_prob: bool):
+    """Gate weights of imposed expert ids, one launch (``runmap.engine.model.imposed_weights`` on logits already
+    computed, e.g. by ``add_norm_router_logits``).
+
+    Args:
+        logits: fp32 (N, E) contiguous, the router's logits of the N rows.
+        ids: int64 (N, k) contiguous, k a power of two, each in [0, E) (not checked here: a captured step cannot
+            read them back; the workload draws them in range and the experts' call checks them).
+        norm_topk_prob: the family's flag (the rescaling target is 1 when set, else the router's own top-k sum).
+    Returns:
+        fp32 (N, k): softmax(logits)[ids] * own / sum over k of softmax(logits)[ids].
+    """
+    n, e = logits.shape
+    k = ids.shape[-1]
+    if k & (k - 1) or logits.dtype != torch.float32 or not logits.is_contiguous() or ids.dtype != torch.int64 \
+            or tuple(ids.shape) != (n, k) or not ids.is_contiguous():
+        raise ValueError(f"imposed_weights_from_logits: needs contiguous fp32 logits (N, E) ({logits.dtype} "
+                         f"{tuple(logits.shape)}) and contiguous int64 ids (N, k), k a power of two ({ids.dtype} "
+                         f"{tuple(ids.shape)})")
+    wts = torch.empty(n, k, dtype=torch.float32, device=logits.device)
+    common.launch(_imposed_weights_kernel[(n,)], logits, ids, wts, e, TOPK=k, NORM=norm_topk_prob,
+                  E_P2=triton.next_power_of_2(e), **_one_warp(logits.device), **common.chained(logits.device))
+    return wts
+
+
+def router_logits(h, router32):
+    """h fp16 (N, H) contiguous, router32 fp32 (E, H) contiguous -> fp32 logits (N, E): the logits ``route_fused``
+    takes its top-k of (a program per row and pair of experts, or one FP32 GEMM from ROUTER_ROWS_MIN rows)."""
     n, hid = h.shape
     e = router32.shape[0]
-    if top_k & (top_k - 1) or h.dtype != torch.float16 or not h.is_contiguous() or router32.dtype != torch.float32:
-        raise ValueError(f"route_fused: needs a power-of-two top_k ({top_k}), contiguous fp16 h ({h.dtype}) "
-                         f"and an fp32 router ({router32.dtype})")
+    if h.dtype != torch.float16 or not h.is_contiguous() or router32.dtype != torch.float32 \
+            or tuple(router32.shape) != (e, hid):
+        raise ValueError(f"router_logits: needs contiguous fp16 h (N, H) ({h.dtype} {tuple(h.shape)}) and an fp32 "
+                         f"router (E, H) ({router32.dtype} {tuple(router32.shape)})")
     logits = torch.empty(n, e, dtype=torch.float32, device=h.device)
     if n >= ROUTER_ROWS_MIN:
         # one FP32 GEMM (cuBLAS; TF32 stays off unless the process turned it on): the rows kernel measured ~7 TFLOP/s
@@ -386,7 +446,18 @@ def route_fused(h, router32, top_k: int, norm_topk_prob: bool):
         block_e = 2
         common.launch(_router_logits_kernel[(n, triton.cdiv(e, block_e))], h, router32, logits, e, H=hid,
                       BLOCK_E=block_e, BLOCK_H=_router_block_h(hid), **common.chained(h.device))
-    return route_topk(logits, top_k, norm_topk_prob)
+    return logits
+
+
+def route_fused(h, router32, top_k: int, norm_topk_prob: bool):
+    """h fp16 (N, H) contiguous, router32 fp32 (E, H) -> ids int64 (N, k), weights fp32 (N, k) (descending).
+    top_k must be a power of two (OLMoE 8, Qwen1.5-MoE 4); the model uses the torch router otherwise."""
+    n, hid = h.shape
+    e = router32.shape[0]
+    if top_k & (top_k - 1) or h.dtype != torch.float16 or not h.is_contiguous() or router32.dtype != torch.float32:
+        raise ValueError(f"route_fused: needs a power-of-two top_k ({top_k}), contiguous fp16 h ({h.dtype}) "
+                         f"and an fp32 router ({router32.dtype})")
+    return route_topk(router_logits(h, router32), top_k, norm_topk_prob)
 
 
 # ---- decode attention (one new token per row) -----------------------------------------------------------

@@ -56,6 +56,41 @@ def test_fused_ops_match_torch(preset, fused):
         assert torch.equal(v0[0], v1[0])  # layer 0: v is a pure copy of the same projection
 
 
+@pytest.mark.parametrize("preset", ["tiny-olmoe", "tiny-qwen2-moe"])
+@cpu_model
+def test_fused_ops_under_imposed_routes_match_torch(preset):
+    """A routing workload's ids (runmap.workload.routing) through the fused ops: the decode step takes the gate
+    weights from the fused norm's logits, the prefill from the router kernel's; the logits equal the torch path's
+    on the same imposed ids, and differ from the router's own routing (the ids did reach the experts)."""
+    cfg, _ = load_preset(preset)
+    nonrouted, rows, layout = random_case(cfg, seed=3)
+    model, experts = our_model(cfg, nonrouted, rows, layout)
+    g = torch.Generator().manual_seed(1)
+    tokens = torch.randint(3, cfg.vocab_size, (2, 5), generator=g)
+    pad = torch.tensor([0, 2])
+    slots = torch.arange(5)
+    pos = (slots[None] - pad[:, None]).clamp(min=0)
+    E, L, k = cfg.num_experts, cfg.num_layers, cfg.top_k
+    draw = lambda n: torch.stack([torch.stack([torch.randperm(E, generator=g)[:k] for _ in range(n)])
+                                  for _ in range(L)])  # (L, n, k) int64
+    imposed_prefill, imposed_step = draw(2 * 5), draw(2)
+    results = []
+    for ops, imposed in (((), True), (ALL, True), (ALL, False)):
+        model.fused = frozenset(ops)
+        kv = KVCache(cfg, 2, 8, "cpu")
+        model.imposed = imposed_prefill if imposed else None
+        a = model.forward(tokens, pos, kv, slots, pad, 5, experts)  # (B, V)
+        model.imposed = imposed_step if imposed else None
+        b = model.forward(tokens[:, :1], pos[:, -1:] + 1, kv, torch.tensor([5]), pad, 6, experts)
+        model.imposed = None
+        results.append((a, b))
+    (a0, b0), (a1, b1), (a2, b2) = results
+    for name, x, y in (("prefill logits", a0, a1), ("decode logits", b0, b1)):
+        err, bound = (x.float() - y.float()).abs().max().item(), 2e-3 * y.float().abs().max().item() + 1e-3
+        assert err <= bound, f"{preset} {name}: max |diff| {err:.3g} > {bound:.3g}"
+    assert (b1.float() - b2.float()).abs().max().item() > 10 * bound, "the imposed ids changed nothing"
+
+
 @pytest.mark.parametrize("n,e,hid,k,norm", [(1, 64, 2048, 8, False), (3, 60, 96, 4, True), (5, 7, 40, 2, False)])
 def test_route_fused_matches_torch_router(n, e, hid, k, norm, test_device):
     """Same expert ids (descending probability) and weights as model.route, odd expert / hidden counts."""
@@ -97,6 +132,47 @@ def test_route_fused_of_long_passes_matches_torch_router(n, e, hid, monkeypatch,
     assert grids == [] and n >= fo.ROUTER_ROWS_MIN
     assert torch.equal(ids.cpu(), ids_ref.cpu())
     assert torch.allclose(w.cpu(), w_ref.cpu(), rtol=1e-5, atol=1e-6)
+
+
+
+@pytest.mark.parametrize("n,e,hid,k,norm", [(1, 64, 2048, 8, False), (8, 64, 2048, 8, False), (3, 60, 96, 4, True),
+                                            (5, 7, 40, 2, False), (1030, 60, 40, 4, True)])
+def test_imposed_weights_from_logits_match_the_torch_weights(n, e, hid, k, norm, test_device):
+    """The one-launch gate weights of imposed ids (routing workloads) equal model.imposed_weights on fresh random
+    rows and ids (distinct per row, drawn anywhere in [0, E), not the router's top-k), odd expert / hidden counts, a
+    pass long enough for the GEMM logits; the output buffer is poisoned first and no NaN survives."""
+    import runmap.kernels.fused_ops as fo
+    from runmap.engine.model import imposed_weights
+
+    g = torch.Generator().manual_seed(n * 7 + e)
+    dev = torch.device(test_device)
+    h = torch.randn(n, hid, generator=g).half()
+    router32 = (torch.randn(e, hid, generator=g) * 0.2).half().float()
+    ids = torch.stack([torch.randperm(e, generator=g)[:k] for _ in range(n)])  # (n, k) int64
+    ref = imposed_weights(h.float().half(), router32, ids, k, norm).double()  # torch on the CPU, fp32
+    logits = fo.router_logits(h.to(dev), router32.to(dev))
+    assert torch.allclose(logits.cpu(), h.float() @ router32.t(), rtol=1e-4, atol=1e-4)
+    w = fo.imposed_weights_from_logits(logits, ids.to(dev), norm).cpu().double()
+    assert w.shape == (n, k) and torch.isfinite(w).all()
+    assert torch.allclose(w, ref, rtol=1e-4, atol=1e-6), (w - ref).abs().max()
+    if norm:
+        assert torch.allclose(w.sum(-1), torch.ones(n, dtype=torch.double), atol=1e-5)
+    else:  # rescaled to the router's own top-k sum, which is < 1 and > the imposed ids' sum only when they differ
+        own = torch.softmax(h.float() @ router32.t(), -1).topk(k, -1).values.sum(-1).double()
+        assert torch.allclose(w.sum(-1), own, rtol=1e-4)
+
+
+def test_imposed_weights_from_logits_refuse_what_they_cannot_run():
+    from runmap.kernels.fused_ops import imposed_weights_from_logits, router_logits
+
+    with pytest.raises(ValueError, match="k a power of two"):
+        imposed_weights_from_logits(torch.zeros(2, 8), torch.zeros(2, 3, dtype=torch.int64), True)
+    with pytest.raises(ValueError, match="int64 ids"):
+        imposed_weights_from_logits(torch.zeros(2, 8), torch.zeros(2, 4, dtype=torch.int32), True)
+    with pytest.raises(ValueError, match="fp32 logits"):
+        imposed_weights_from_logits(torch.zeros(2, 8).half(), torch.zeros(2, 4, dtype=torch.int64), True)
+    with pytest.raises(ValueError, match="fp32 router"):
+        router_logits(torch.zeros(2, 8).half(), torch.zeros(4, 6))
 
 
 def test_route_fused_refuses_a_top_k_it_cannot_tile():

@@ -301,7 +301,14 @@ class Transformer:
         hr = h if token_rows is None else h.index_select(0, token_rows)  # (n, H)
         if self.imposed is not None:
             ids = self.imposed[layer]  # (n, k) int64: the workload's experts for these rows
-            gw = imposed_weights(hr, lw.router32, ids, cfg.top_k, cfg.norm_topk_prob)  # (n, k) fp32
+            if self._fused_router():  # one launch on the logits (the fused norm's, or the router kernel's)
+                from runmap.kernels.fused_ops import imposed_weights_from_logits, router_logits
+
+                if logits is None:
+                    logits = router_logits(hr.contiguous(), lw.router32)  # (n, E) fp32
+                gw = imposed_weights_from_logits(logits, ids.contiguous(), cfg.norm_topk_prob)  # (n, k) fp32
+            else:
+                gw = imposed_weights(hr, lw.router32, ids, cfg.top_k, cfg.norm_topk_prob)  # (n, k) fp32
         elif logits is not None:
             from runmap.kernels.fused_ops import route_topk
 
@@ -486,8 +493,7 @@ class Transformer:
             norms = [lw.attn_norm for lw in w.layers] + [w.final_norm]
             _, h = add_rms_norm(x, None, norms[0], eps)
             # decode steps: the router's logits come out of the norm's launch (fused_ops.add_norm_router_logits)
-            norm_router = (self._fused_router() and self.imposed is None and token_rows is None
-                           and x.numel() // H <= NORM_ROUTER_MAX_ROWS)
+            norm_router = (self._fused_router() and token_rows is None and x.numel() // H <= NORM_ROUTER_MAX_ROWS)
             for layer, lw in enumerate(w.layers):
                 a = attention(layer, h)
                 logits = None
