@@ -22,18 +22,24 @@ cpu_model = pytest.mark.skipif(os.environ.get("RUNMAP_TEST_DEVICE", "cpu") != "c
                                reason="builds the model on the CPU (Triton interpreter only)")
 
 
+def _two_row_prompt_case(preset: str, weights_seed: int, tokens_seed: int):
+    """A tiny model on random weights and a two-row prompt of 5 positions, row 1 left-padded by 2: (cfg, model,
+    experts, generator, tokens (2, 5), pad (2,), slots (5,), positions (2, 5))."""
+    cfg, _ = load_preset(preset)
+    nonrouted, rows, layout = random_case(cfg, seed=weights_seed)
+    model, experts = our_model(cfg, nonrouted, rows, layout)
+    g = torch.Generator().manual_seed(tokens_seed)
+    tokens = torch.randint(3, cfg.vocab_size, (2, 5), generator=g)
+    pad = torch.tensor([0, 2])
+    slots = torch.arange(5)
+    return cfg, model, experts, g, tokens, pad, slots, (slots[None] - pad[:, None]).clamp(min=0)
+
+
 @pytest.mark.parametrize("preset,fused", [("tiny-olmoe", (op,)) for op in ALL] +
                          [("tiny-qwen2-moe", ALL), ("tiny-olmoe", ALL)])
 @cpu_model
 def test_fused_ops_match_torch(preset, fused):
-    cfg, _ = load_preset(preset)
-    nonrouted, rows, layout = random_case(cfg, seed=2)
-    model, experts = our_model(cfg, nonrouted, rows, layout)
-    g = torch.Generator().manual_seed(0)
-    tokens = torch.randint(3, cfg.vocab_size, (2, 5), generator=g)
-    pad = torch.tensor([0, 2])
-    slots = torch.arange(5)
-    pos = (slots[None] - pad[:, None]).clamp(min=0)
+    cfg, model, experts, _, tokens, pad, slots, pos = _two_row_prompt_case(preset, 2, 0)
     results = []
     for ops in ((), fused):
         model.fused = frozenset(ops)
@@ -62,14 +68,7 @@ def test_fused_ops_under_imposed_routes_match_torch(preset):
     """A routing workload's ids (runmap.workload.routing) through the fused ops: the decode step takes the gate
     weights from the fused norm's logits, the prefill from the router kernel's; the logits equal the torch path's
     on the same imposed ids, and differ from the router's own routing (the ids did reach the experts)."""
-    cfg, _ = load_preset(preset)
-    nonrouted, rows, layout = random_case(cfg, seed=3)
-    model, experts = our_model(cfg, nonrouted, rows, layout)
-    g = torch.Generator().manual_seed(1)
-    tokens = torch.randint(3, cfg.vocab_size, (2, 5), generator=g)
-    pad = torch.tensor([0, 2])
-    slots = torch.arange(5)
-    pos = (slots[None] - pad[:, None]).clamp(min=0)
+    cfg, model, experts, g, tokens, pad, slots, pos = _two_row_prompt_case(preset, 3, 1)
     E, L, k = cfg.num_experts, cfg.num_layers, cfg.top_k
     draw = lambda n: torch.stack([torch.stack([torch.randperm(E, generator=g)[:k] for _ in range(n)])
                                   for _ in range(L)])  # (L, n, k) int64
