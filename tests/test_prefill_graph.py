@@ -94,7 +94,8 @@ def test_padded_pass_gives_the_eager_logits_and_cache(packs, test_device, length
         for b in range(B):  # left pads' slots hold nothing anyone reads
             s = slice(int(pad_h[b]), P)
             for mine, ref in ((eng.kv.k, k_want), (eng.kv.v, v_want)):
-                assert (mine[:, b, :, s].float() - ref[:, b, :, s].float()).abs().max().item() <= tol
+                ref_bs = ref[:, b, :, s].float()  # fp16 values: a rounding step grows with them (1 ulp at 4-8 is 3.9e-3)
+                assert (mine[:, b, :, s].float() - ref_bs).abs().max().item() <= tol * max(1.0, ref_bs.abs().max().item())
     assert len(eng._prefiller.passes) <= n_passes + 1
 
 
