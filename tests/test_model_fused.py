@@ -65,16 +65,18 @@ def test_fused_ops_match_torch(preset, fused):
 @pytest.mark.parametrize("preset", ["tiny-olmoe", "tiny-qwen2-moe"])
 @cpu_model
 def test_fused_ops_under_imposed_routes_match_torch(preset):
-    """A routing workload's ids (runmap.workload.routing) through the fused ops: the decode step takes the gate
-    weights from the fused norm's logits, the prefill from the router kernel's; the logits equal the torch path's
-    on the same imposed ids, and differ from the router's own routing (the ids did reach the experts)."""
+    """A routing workload's ids (runmap.workload.routing) through the fused ops: with "imposed" the decode step takes
+    the gate weights from the fused norm's logits, the prefill from the router kernel's; without it the torch weights
+    beside the other fused ops. The logits equal the torch path's on the same imposed ids, and differ from the
+    router's own routing (the ids did reach the experts)."""
     cfg, model, experts, g, tokens, pad, slots, pos = _two_row_prompt_case(preset, 3, 1)
     E, L, k = cfg.num_experts, cfg.num_layers, cfg.top_k
     draw = lambda n: torch.stack([torch.stack([torch.randperm(E, generator=g)[:k] for _ in range(n)])
                                   for _ in range(L)])  # (L, n, k) int64
     imposed_prefill, imposed_step = draw(2 * 5), draw(2)
     results = []
-    for ops, imposed in (((), True), (ALL, True), (ALL, False)):
+    # "imposed" (opt-in) takes the one-launch weights; ALL alone keeps imposed_weights' torch ops beside the fused rest
+    for ops, imposed in (((), True), (ALL + ("imposed",), True), (ALL, True), (ALL + ("imposed",), False)):
         model.fused = frozenset(ops)
         kv = KVCache(cfg, 2, 8, "cpu")
         model.imposed = imposed_prefill if imposed else None
@@ -83,8 +85,9 @@ def test_fused_ops_under_imposed_routes_match_torch(preset):
         b = model.forward(tokens[:, :1], pos[:, -1:] + 1, kv, torch.tensor([5]), pad, 6, experts)
         model.imposed = None
         results.append((a, b))
-    (a0, b0), (a1, b1), (a2, b2) = results
-    for name, x, y in (("prefill logits", a0, a1), ("decode logits", b0, b1)):
+    (a0, b0), (a1, b1), (a3, b3), (a2, b2) = results
+    for name, x, y in (("prefill logits", a0, a1), ("decode logits", b0, b1), ("prefill, torch weights", a0, a3),
+                       ("decode, torch weights", b0, b3)):
         err, bound = (x.float() - y.float()).abs().max().item(), 2e-3 * y.float().abs().max().item() + 1e-3
         assert err <= bound, f"{preset} {name}: max |diff| {err:.3g} > {bound:.3g}"
     assert (b1.float() - b2.float()).abs().max().item() > 10 * bound, "the imposed ids changed nothing"

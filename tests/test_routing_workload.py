@@ -362,6 +362,30 @@ def test_transfer_bound_formula():
     assert other["timing"]["transfer_bound_tok_s"]["status"] == "UNKNOWN"  # no full-residency twin with its routing
 
 
+def test_an_ab_of_fused_ops_bounds_each_side_by_its_own_full_step():
+    """Two full-residency records of one run differing only in config.fused: each partial record takes the full step
+    of its own fused ops, whichever order the records come in."""
+    from runmap.bench import campaign as bench
+
+    obs = lambda v: {"status": "OBSERVED", "value": v}  # noqa: E731
+
+    def rec(regime, tok_s, fused, per_tok=None):
+        return {"run_id": "x", "kind": "engine", "regime": regime, "executor": "grouped",
+                "config": {"model": "m", "batch": 1, "prompt_len": 4, "decode_len": 8, "routing": "calibrated:olmoe",
+                           "skip_experts": False, "fused": fused},
+                "timing": {"decode_tok_s": {"median": tok_s}},
+                "h2d": {"bytes_per_token": obs(per_tok) if per_tok else {"status": "UNKNOWN"},
+                        "link_gb_s": obs(50.0)}, "ratios": {}}
+
+    default, opt_in = ["attn", "norm", "router"], ["router", "norm", "imposed", "attn"]
+    for order in (0, 1):
+        fulls = [rec("full", 1000.0, default), rec("full", 500.0, list(reversed(opt_in)))]
+        a, b = rec("partial", 100.0, default, 50e6), rec("partial", 100.0, opt_in, 50e6)
+        bench.attach_transfer_bounds((fulls if order else fulls[::-1]) + [a, b])
+        assert a["timing"]["transfer_bound_tok_s"]["value"] == pytest.approx(1 / 2e-3)  # 1 ms + 1 ms
+        assert b["timing"]["transfer_bound_tok_s"]["value"] == pytest.approx(1 / 3e-3)  # 2 ms + 1 ms
+
+
 def test_an_emulated_link_bounds_with_its_own_rate():
     """config.emulate_link_gb_s below the measured link: the bound uses the emulated rate and says so; above it,
     the measured link still bounds (an emulation never makes the link faster)."""

@@ -921,13 +921,14 @@ def attach_ratios(records: list[dict]) -> list[dict]:
 def attach_transfer_bounds(records: list[dict]) -> None:
     """Partial-residency records: timing.transfer_bound_tok_s = 1 / (full-residency seconds per token + missed
     bytes per token / same-run pinned H2D rate), the full-residency record being the same run's with the same
-    model, executor, batch, lengths and routing; and ratios.decode_vs_transfer_bound. A record of an emulated slower
+    model, executor, batch, lengths, routing and fused ops (an A/B of fused ops in one run bounds each side by its
+    own full step); and ratios.decode_vs_transfer_bound. A record of an emulated slower
     link (config.emulate_link_gb_s) is bounded by that link's rate where it is below the measured one (its
     ``source`` says so)."""
     def key(r):
         c = r["config"]
         return (r["run_id"], c["model"], r["executor"], c["batch"], c["prompt_len"], c["decode_len"], c.get("routing"),
-                c.get("skip_experts"))
+                c.get("skip_experts"), tuple(sorted(c.get("fused") or ())))
 
     full = {key(r): r for r in records if r["kind"] == "engine" and r["regime"] == "full"}
     for r in records:
@@ -935,8 +936,8 @@ def attach_transfer_bounds(records: list[dict]) -> None:
             continue
         f, link, per_tok = full.get(key(r)), r["h2d"].get("link_gb_s"), r["h2d"].get("bytes_per_token")
         if f is None:
-            bound = bm.unknown(f"no full-residency record with the same model, executor, batch, lengths and routing "
-                               f"in run {r['run_id']}")
+            bound = bm.unknown(f"no full-residency record with the same model, executor, batch, lengths, routing "
+                               f"and fused ops in run {r['run_id']}")
         elif not (link and bm.is_observed(link)) or not bm.is_observed(per_tok):
             bound = bm.unknown("no same-run pinned H2D rate or no observed bytes per token")
         else:

@@ -280,7 +280,8 @@ class Transformer:
         # CUDA only: which fused Triton ops (runmap.kernels.fused_ops) replace torch sequences; empty = pure torch.
         # "prologue": q/k norm + RoPE + KV write; "norm": residual add + RMSNorm; "router": logits + softmax
         # + top-k; "attn": decode attention (T = 1); "gemv": the q|k|v and o projections of a single token.
-        # Together in a decode step: "prologue" + "attn" run as one launch, "norm" + "router" as one (and top-k)
+        # Together in a decode step: "prologue" + "attn" run as one launch, "norm" + "router" as one (and top-k).
+        # "imposed" (with "router"): a routing workload's gate weights from those logits in one launch
         self.fused: frozenset = frozenset()
         # CUDA prefill without grouped KV heads (OLMoE): the scaled_dot_product_attention backends torch may pick from
         # (None: all of torch's). cuDNN attention is left out: it builds an execution plan for every new shape
@@ -290,6 +291,11 @@ class Transformer:
 
     def _fused_router(self) -> bool:
         return "router" in self.fused and self.cfg.top_k & (self.cfg.top_k - 1) == 0  # kernels tile k as a power of 2
+
+    def _fused_imposed(self) -> bool:
+        """Imposed ids' gate weights in one launch on the fused router's logits (fused op "imposed"), instead of
+        ``imposed_weights``' torch ops (~7 launches per MoE layer)."""
+        return "imposed" in self.fused and self._fused_router()
 
     def moe_block(self, layer: int, h: torch.Tensor, experts: ExpertsFn, token_rows: torch.Tensor | None,
                   logits: torch.Tensor | None = None):
@@ -301,7 +307,7 @@ class Transformer:
         hr = h if token_rows is None else h.index_select(0, token_rows)  # (n, H)
         if self.imposed is not None:
             ids = self.imposed[layer]  # (n, k) int64: the workload's experts for these rows
-            if self._fused_router():  # one launch on the logits (the fused norm's, or the router kernel's)
+            if self._fused_imposed():  # one launch on the logits (the fused norm's, or the router kernel's)
                 from runmap.kernels.fused_ops import imposed_weights_from_logits, router_logits
 
                 if logits is None:
@@ -493,7 +499,8 @@ class Transformer:
             norms = [lw.attn_norm for lw in w.layers] + [w.final_norm]
             _, h = add_rms_norm(x, None, norms[0], eps)
             # decode steps: the router's logits come out of the norm's launch (fused_ops.add_norm_router_logits)
-            norm_router = (self._fused_router() and token_rows is None and x.numel() // H <= NORM_ROUTER_MAX_ROWS)
+            norm_router = (self._fused_router() and (self.imposed is None or self._fused_imposed())
+                           and token_rows is None and x.numel() // H <= NORM_ROUTER_MAX_ROWS)
             for layer, lw in enumerate(w.layers):
                 a = attention(layer, h)
                 logits = None
