@@ -268,9 +268,10 @@ def _router_topk_kernel(logits_ptr, ids_ptr, wts_ptr, E, TOPK: tl.constexpr, NOR
 # ---- gate weights of imposed expert ids (routing workloads) -------------------------------------------
 # Under a routing workload (runmap.workload.routing) the ids come from the workload and the router only weighs them:
 # softmax over the row's logits, the probabilities of the imposed ids, rescaled to the sum of the router's own
-# top-k probabilities (1 under norm_topk_prob). In torch that was ~7 launches per MoE layer inside a captured step
-# (~0.4 ms of a 1.25 ms OLMoE step on an H100, results/campaigns/h100-host-read-complete); here it is one, fed by the
-# same logits as the router's own top-k.
+# top-k probabilities (1 under norm_topk_prob). In torch that is ~7 launches per MoE layer inside a captured step
+# (an OLMoE full-residency step under the workload took ~0.4 ms more than under the router's own ids on an H100,
+# results/campaigns/h100-host-read-complete; attributed, not profiled); here it is one, fed by the same logits as the
+# router's own top-k.
 
 @triton.jit
 def _imposed_weights_kernel(logits_ptr, ids_ptr, wts_ptr, E, TOPK: tl.constexpr, NORM: tl.constexpr,
@@ -403,25 +404,27 @@ def route_topk(logits, top_k: int, norm_topk_prob: bool):
     return ids, wts
 
 
-def imposed_weights_from_logits(logits, ids, norm_topk_prob: bool):
+def imposed_weights_from_logits(logits, ids, top_k: int, norm_topk_prob: bool):
     """Gate weights of imposed expert ids, one launch (``runmap.engine.model.imposed_weights`` on logits already
     computed, e.g. by ``add_norm_router_logits``).
 
     Args:
         logits: fp32 (N, E) contiguous, the router's logits of the N rows.
-        ids: int64 (N, k) contiguous, k a power of two, each in [0, E) (not checked here: a captured step cannot
-            read them back; the workload draws them in range and the experts' call checks them).
+        ids: int64 (N, k) contiguous on the logits' device, k = top_k, each in [0, E) (not checked here: a captured
+            step cannot read them back; the workload draws them in range and the experts' call checks them).
+        top_k: the family's top-k, a power of two (the router's own top-k sum is taken over top_k experts).
         norm_topk_prob: the family's flag (the rescaling target is 1 when set, else the router's own top-k sum).
     Returns:
         fp32 (N, k): softmax(logits)[ids] * own / sum over k of softmax(logits)[ids].
     """
     n, e = logits.shape
-    k = ids.shape[-1]
-    if k & (k - 1) or logits.dtype != torch.float32 or not logits.is_contiguous() or ids.dtype != torch.int64 \
-            or tuple(ids.shape) != (n, k) or not ids.is_contiguous():
+    k = top_k
+    if k < 1 or k & (k - 1) or logits.dtype != torch.float32 or not logits.is_contiguous() \
+            or ids.dtype != torch.int64 or tuple(ids.shape) != (n, k) or not ids.is_contiguous() \
+            or ids.device != logits.device:
         raise ValueError(f"imposed_weights_from_logits: needs contiguous fp32 logits (N, E) ({logits.dtype} "
-                         f"{tuple(logits.shape)}) and contiguous int64 ids (N, k), k a power of two ({ids.dtype} "
-                         f"{tuple(ids.shape)})")
+                         f"{tuple(logits.shape)}, {logits.device}) and contiguous int64 ids (N, top_k) on the same "
+                         f"device, top_k a power of two ({ids.dtype} {tuple(ids.shape)}, {ids.device}, top_k {top_k})")
     wts = torch.empty(n, k, dtype=torch.float32, device=logits.device)
     common.launch(_imposed_weights_kernel[(n,)], logits, ids, wts, e, TOPK=k, NORM=norm_topk_prob,
                   E_P2=triton.next_power_of_2(e), **_one_warp(logits.device), **common.chained(logits.device))
@@ -434,9 +437,9 @@ def router_logits(h, router32):
     n, hid = h.shape
     e = router32.shape[0]
     if h.dtype != torch.float16 or not h.is_contiguous() or router32.dtype != torch.float32 \
-            or tuple(router32.shape) != (e, hid):
-        raise ValueError(f"router_logits: needs contiguous fp16 h (N, H) ({h.dtype} {tuple(h.shape)}) and an fp32 "
-                         f"router (E, H) ({router32.dtype} {tuple(router32.shape)})")
+            or tuple(router32.shape) != (e, hid) or not router32.is_contiguous():
+        raise ValueError(f"router_logits: needs contiguous fp16 h (N, H) ({h.dtype} {tuple(h.shape)}) and a contiguous "
+                         f"fp32 router (E, H) ({router32.dtype} {tuple(router32.shape)})")
     logits = torch.empty(n, e, dtype=torch.float32, device=h.device)
     if n >= ROUTER_ROWS_MIN:
         # one FP32 GEMM (cuBLAS; TF32 stays off unless the process turned it on): the rows kernel measured ~7 TFLOP/s

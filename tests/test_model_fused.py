@@ -65,10 +65,10 @@ def test_fused_ops_match_torch(preset, fused):
 @pytest.mark.parametrize("preset", ["tiny-olmoe", "tiny-qwen2-moe"])
 @cpu_model
 def test_fused_ops_under_imposed_routes_match_torch(preset):
-    """A routing workload's ids (runmap.workload.routing) through the fused ops: with "imposed" the decode step takes
-    the gate weights from the fused norm's logits, the prefill from the router kernel's; without it the torch weights
-    beside the other fused ops. The logits equal the torch path's on the same imposed ids, and differ from the
-    router's own routing (the ids did reach the experts)."""
+    """A routing workload's ids (runmap.workload.routing) through the fused ops: with "imposed" and "norm" the gate
+    weights come from the fused norm's logits, with "imposed" and "router" alone from the router kernel's
+    (``router_logits``); without "imposed" the torch weights beside the other fused ops. The logits equal the torch
+    path's on the same imposed ids, and differ from the router's own routing (the ids did reach the experts)."""
     cfg, model, experts, g, tokens, pad, slots, pos = _two_row_prompt_case(preset, 3, 1)
     E, L, k = cfg.num_experts, cfg.num_layers, cfg.top_k
     draw = lambda n: torch.stack([torch.stack([torch.randperm(E, generator=g)[:k] for _ in range(n)])
@@ -76,7 +76,8 @@ def test_fused_ops_under_imposed_routes_match_torch(preset):
     imposed_prefill, imposed_step = draw(2 * 5), draw(2)
     results = []
     # "imposed" (opt-in) takes the one-launch weights; ALL alone keeps imposed_weights' torch ops beside the fused rest
-    for ops, imposed in (((), True), (ALL + ("imposed",), True), (ALL, True), (ALL + ("imposed",), False)):
+    for ops, imposed in (((), True), (ALL + ("imposed",), True), (ALL, True), (("router", "imposed"), True),
+                         (ALL + ("imposed",), False)):
         model.fused = frozenset(ops)
         kv = KVCache(cfg, 2, 8, "cpu")
         model.imposed = imposed_prefill if imposed else None
@@ -85,9 +86,10 @@ def test_fused_ops_under_imposed_routes_match_torch(preset):
         b = model.forward(tokens[:, :1], pos[:, -1:] + 1, kv, torch.tensor([5]), pad, 6, experts)
         model.imposed = None
         results.append((a, b))
-    (a0, b0), (a1, b1), (a3, b3), (a2, b2) = results
+    (a0, b0), (a1, b1), (a3, b3), (a4, b4), (a2, b2) = results
     for name, x, y in (("prefill logits", a0, a1), ("decode logits", b0, b1), ("prefill, torch weights", a0, a3),
-                       ("decode, torch weights", b0, b3)):
+                       ("decode, torch weights", b0, b3), ("prefill, router kernel's logits", a0, a4),
+                       ("decode, router kernel's logits", b0, b4)):
         err, bound = (x.float() - y.float()).abs().max().item(), 2e-3 * y.float().abs().max().item() + 1e-3
         assert err <= bound, f"{preset} {name}: max |diff| {err:.3g} > {bound:.3g}"
     assert (b1.float() - b2.float()).abs().max().item() > 10 * bound, "the imposed ids changed nothing"
@@ -154,7 +156,7 @@ def test_imposed_weights_from_logits_match_the_torch_weights(n, e, hid, k, norm,
     ref = imposed_weights(h.float().half(), router32, ids, k, norm).double()  # torch on the CPU, fp32
     logits = fo.router_logits(h.to(dev), router32.to(dev))
     assert torch.allclose(logits.cpu(), h.float() @ router32.t(), rtol=1e-4, atol=1e-4)
-    w = fo.imposed_weights_from_logits(logits, ids.to(dev), norm).cpu().double()
+    w = fo.imposed_weights_from_logits(logits, ids.to(dev), k, norm).cpu().double()
     assert w.shape == (n, k) and torch.isfinite(w).all()
     assert torch.allclose(w, ref, rtol=1e-4, atol=1e-6), (w - ref).abs().max()
     if norm:
@@ -167,14 +169,17 @@ def test_imposed_weights_from_logits_match_the_torch_weights(n, e, hid, k, norm,
 def test_imposed_weights_from_logits_refuse_what_they_cannot_run():
     from runmap.kernels.fused_ops import imposed_weights_from_logits, router_logits
 
-    with pytest.raises(ValueError, match="k a power of two"):
-        imposed_weights_from_logits(torch.zeros(2, 8), torch.zeros(2, 3, dtype=torch.int64), True)
-    with pytest.raises(ValueError, match="int64 ids"):
-        imposed_weights_from_logits(torch.zeros(2, 8), torch.zeros(2, 4, dtype=torch.int32), True)
+    for ids, top_k in ((torch.zeros(2, 3, dtype=torch.int64), 3), (torch.zeros(2, 0, dtype=torch.int64), 0),
+                       (torch.zeros(2, 4, dtype=torch.int64), 2), (torch.zeros(2, 4, dtype=torch.int32), 4),
+                       (torch.zeros(2, 4, dtype=torch.int64, device="meta"), 4)):
+        with pytest.raises(ValueError, match="top_k a power of two"):  # odd / zero / mismatched k, dtype, device
+            imposed_weights_from_logits(torch.zeros(2, 8), ids, top_k, True)
     with pytest.raises(ValueError, match="fp32 logits"):
-        imposed_weights_from_logits(torch.zeros(2, 8).half(), torch.zeros(2, 4, dtype=torch.int64), True)
+        imposed_weights_from_logits(torch.zeros(2, 8).half(), torch.zeros(2, 4, dtype=torch.int64), 4, True)
     with pytest.raises(ValueError, match="fp32 router"):
         router_logits(torch.zeros(2, 8).half(), torch.zeros(4, 6))
+    with pytest.raises(ValueError, match="contiguous fp32 router"):
+        router_logits(torch.zeros(2, 8).half(), torch.zeros(8, 4).t())
 
 
 def test_route_fused_refuses_a_top_k_it_cannot_tile():

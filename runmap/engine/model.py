@@ -312,7 +312,7 @@ class Transformer:
 
                 if logits is None:
                     logits = router_logits(hr.contiguous(), lw.router32)  # (n, E) fp32
-                gw = imposed_weights_from_logits(logits, ids.contiguous(), cfg.norm_topk_prob)  # (n, k) fp32
+                gw = imposed_weights_from_logits(logits, ids.contiguous(), cfg.top_k, cfg.norm_topk_prob)  # (n, k)
             else:
                 gw = imposed_weights(hr, lw.router32, ids, cfg.top_k, cfg.norm_topk_prob)  # (n, k) fp32
         elif logits is not None:
