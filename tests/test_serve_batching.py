@@ -484,8 +484,10 @@ def _ready(sched, timeout=120):
         time.sleep(0.05)
 
 
-def _collect(sched, reqs, *, stagger_s=0.0):
-    """Submit ``reqs`` (ids, params) to a running scheduler (``stagger_s`` apart) and wait for every last event."""
+def _collect(sched, reqs, *, stagger_s=0.0, stagger_steps=0):
+    """Submit ``reqs`` (ids, params) to a running scheduler (``stagger_s`` apart, or ``stagger_steps`` decode steps
+    apart: the next one once the runner has stepped that many times since, or after 10 s, so that a schedule that
+    needs rows to be running at an arrival does not depend on this CPU's speed) and wait for every last event."""
     import threading
     import time
 
@@ -501,13 +503,17 @@ def _collect(sched, reqs, *, stagger_s=0.0):
                     done.set()
         return sink
     for k, (ids, p) in enumerate(reqs):
+        target = sched.runner.counters["steps"] + stagger_steps
         sched.submit(Ticket(ids, p, sink_for(k)))
         time.sleep(stagger_s)
+        deadline = time.monotonic() + 10.0
+        while stagger_steps and sched.runner.counters["steps"] < target and time.monotonic() < deadline:
+            time.sleep(0.002)
     assert done.wait(180), events
     return events
 
 
-def _serve_each_alone(sched, reqs, alone, *, stagger_s: float, around=None):
+def _serve_each_alone(sched, reqs, alone, *, stagger_s: float, stagger_steps: int = 0, around=None):
     """Start ``sched``, submit ``reqs`` ``stagger_s`` apart (inside the context ``around()`` makes, if any) and stop it;
     asserts that each request ends with its tokens alone and that the scheduler ends idle and alive. Returns the
     runner's counters before the requests (after warm-up) and after them."""
@@ -518,7 +524,7 @@ def _serve_each_alone(sched, reqs, alone, *, stagger_s: float, around=None):
         _ready(sched)
         before = dict(sched.runner.counters)
         with (around or contextlib.nullcontext)():
-            events = _collect(sched, reqs, stagger_s=stagger_s)
+            events = _collect(sched, reqs, stagger_s=stagger_s, stagger_steps=stagger_steps)
         for k, a in enumerate(alone):
             kind, seq = events[k][-1]
             assert kind == "done" and seq.token_ids == a.token_ids, k
@@ -629,7 +635,10 @@ def test_the_scheduler_runs_mixed_joins_inside_decode_steps_and_outputs_stay_tho
     reqs = [(ids, SamplingParams(max_new_tokens=24, temperature=p.temperature, top_p=p.top_p, seed=p.seed))
             for ids, p in _requests(eng, 14, n=8)]
     alone = _alone(eng, reqs)
-    before, c = _serve_each_alone(Scheduler(eng, pipelined=pipelined, mixed_joins=True), reqs, alone, stagger_s=0.03)
+    # each arrival 14 decode steps after the one before: the running rows' shared slot is then past a short prompt's
+    # 16-position bucket while they still run (24 new tokens each); a fixed time apart missed that on a loaded CPU
+    before, c = _serve_each_alone(Scheduler(eng, pipelined=pipelined, mixed_joins=True), reqs, alone, stagger_s=0.0,
+                                  stagger_steps=14)
     assert before["mixed_joins"] >= 1  # the warm-up's join rode in a decode step
     assert c["mixed_joins"] > before["mixed_joins"], c
 
