@@ -75,7 +75,10 @@ def test_controlled_transport_defers_bytes_until_completion():
     assert tr.query(ev) and dst.tolist() == [9, 9, 9, 9]  # the copy read the buffer at completion
 
 
-def test_cli_writes_a_valid_report(tmp_path):
+def test_cli_writes_a_valid_report(tmp_path, monkeypatch):
+    """The CLI's report: the run, each mutant's entry, the transport mutants listed as not applicable. Two mutants
+    stand for the list here (each one's catch is test_model_catches_mutant's; all of them took ~2 min of CI)."""
+    monkeypatch.setattr(cm, "MUTANTS", {n: cm.MUTANTS[n] for n in ("publish-before-transfer", "host-reads-as-hits")})
     out = tmp_path / "contract" / "report.json"
     rc = main(["contract", "--examples", "120", "--mutant-examples", "800", "--no-progress", "--out", str(out)])
     doc = json.loads(out.read_text())

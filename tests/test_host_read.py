@@ -156,6 +156,8 @@ PRESETS = ("tiny-olmoe", "tiny-qwen2-moe")
 PROMPTS = ["the cache holds", "experts that were read from the host"]
 
 
+# (tokens, decode logits) of full residency per (pack, device), computed once for the parametrizations below
+_FULL_RESIDENCY_RUNS: dict = {}
 
 
 @pytest.mark.parametrize("preset,where", [("tiny-olmoe", "top_k"), ("tiny-olmoe", "half"), ("tiny-qwen2-moe", "top_k")])
@@ -171,6 +173,10 @@ def test_host_read_decode_equals_full_residency_and_runs_no_transaction_inside_a
     pack, cfg = seed3_tiny_packs[preset]
     runs = {}
     for placement in ("full", "host-read"):
+        full_key = (str(pack), test_device)  # full residency's run depends on neither the policy nor the residency
+        if placement == "full" and full_key in _FULL_RESIDENCY_RUNS:
+            runs["full"] = _FULL_RESIDENCY_RUNS[full_key]
+            continue
         resident = cfg.top_k if where == "top_k" else (cfg.top_k + cfg.num_experts) // 2
         kw = {} if placement == "full" else dict(resident=resident, expert_placement="host-read", policy=policy,
                                                   cache_contract="v2")
@@ -186,6 +192,8 @@ def test_host_read_decode_equals_full_residency_and_runs_no_transaction_inside_a
             c0 = dict(eng.experts.cache.counters)
             toks = [r.token_ids for r in eng.generate(PROMPTS, max_new_tokens=6, ignore_eos=True)]
             runs[placement] = (toks, eng.decoded)
+            if placement == "full":
+                _FULL_RESIDENCY_RUNS[full_key] = runs["full"]
             if placement == "host-read":
                 cache = eng.experts.cache
                 c = cache.counters
