@@ -342,7 +342,11 @@ def test_split_keys_deal_every_key_once_and_one_split_holds_the_slot(n_keys, tes
     from runmap.kernels.fused_ops import attention_splits
 
     block_n, splits = attention_splits(n_keys)  # as the wrappers
-    cases = [(slot, pad) for slot in range(0, n_keys + 40, 7) for pad in (0, 1, 31, 32, 33, slot, slot + 1, slot + 40)]
+    # every 7th slot up to 96 keys; past that a sparser stride (the interpreter runs each program in Python) plus the
+    # slots around the first two block edges and the last
+    block_edges = {e + d for e in (block_n, 2 * block_n, n_keys) for d in (-1, 0, 1)}
+    slots = sorted(set(range(0, n_keys + 40, 7 if n_keys <= 96 else 29)) | block_edges | {n_keys + 39})
+    cases = [(slot, pad) for slot in slots for pad in (0, 1, 31, 32, 33, slot, slot + 1, slot + 40)]
     slot_t = torch.tensor([c[0] for c in cases], dtype=torch.int64, device=test_device)
     pad_t = torch.tensor([c[1] for c in cases], dtype=torch.int64, device=test_device)
     out = torch.full((len(cases), splits, 3), -7, dtype=torch.int32, device=test_device)
