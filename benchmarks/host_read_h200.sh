@@ -8,10 +8,13 @@
 #
 # and the host part of a host-read step on this host's CPU (tools/explore/probe_host_read_host_cost.py, ~10 s).
 #
-# Files back: gpu-pytest.log, kernels-grouped.json, host-read-host-cost-h200.log, h200-campaign.tar.gz, bench.log,
-# prepare-{olmoe,qwen}.log; with stage gap / promotion-cost: host-read-gap.log / promotion-cost.log, synth-olmoe.log.
-# The script exits 0 whatever a stage did: read each stage's line and log.
-# RUNMAP_STAGES (default "tests kernels host-cost campaign") picks the stages; "gap" runs
+# Files back: gpu-pytest.log, kernels-grouped.json, host-read-host-cost-h200.log, host-read-rate.log, h200-campaign.tar.gz,
+# bench.log, prepare-{olmoe,qwen}.log; with stage gap / promotion-cost: host-read-gap.log / promotion-cost.log,
+# synth-olmoe.log. The script exits 0 whatever a stage did: read each stage's line and log.
+# RUNMAP_STAGES (default "tests kernels host-cost read-rate campaign") picks the stages; "read-rate" runs
+# tools/explore/probe_host_read.py (~30 s): the rate at which this GPU's kernels read registered host memory against
+# its copy engine's, which bounds every host-read row (two H100s of 2026-12-06 read at 15-28 GB/s against 38-46 by
+# copy, results/campaigns/h100-host-read-slow-link); "gap" runs
 # tools/explore/probe_host_read_gap.py (wall time per step against the step's graph replayed alone, promotions on and
 # off; OLMoE 30 and 60 of 64 at batch 1, 60 at batch 8; ~2 min) on the campaign's OLMoE pack, synthesized first, and
 # writes host-read-gap.log; "promotion-cost" runs tools/explore/probe_promotion_cost.py (OLMoE 60 of 64, batch 8:
@@ -21,7 +24,7 @@ set -uo pipefail
 mkdir -p "$OUT"
 SECONDS=0
 export PYTHONUNBUFFERED=1 PYTHONPATH=.
-STAGES=" ${RUNMAP_STAGES:-tests kernels host-cost campaign} "
+STAGES=" ${RUNMAP_STAGES:-tests kernels host-cost read-rate campaign} "
 stage() { [[ "$STAGES" == *" $1 "* ]]; }
 WORK=${RUNMAP_WORK:-/tmp/runmap-h200}
 python3 -c "import jsonschema" 2>/dev/null || { [ -d wheels ] && python3 -m pip install -q --no-index --find-links wheels/ \
@@ -63,6 +66,9 @@ stage host-cost && { { timeout 40 python3 tools/explore/probe_host_read_host_cos
     --warmup 100 | grep "per step"; } > "$OUT/host-read-host-cost-h200.log" 2>&1
 echo "[${SECONDS}s] host part of a host-read step (this host's CPU)"
 grep "per step" "$OUT/host-read-host-cost-h200.log" | cut -c1-150; }
+stage read-rate && { timeout 90 python3 tools/explore/probe_host_read.py > "$OUT/host-read-rate.log" 2>&1
+echo "[${SECONDS}s] host-read rate probe exit $?"
+grep -o "^tokens=[0-9]* experts=[0-9]*\|host_read_gb_s=[0-9.]*\|copy_gb_s=[0-9.]*" "$OUT/host-read-rate.log" | paste -d' ' - - -; }
 CAMPAIGN_S=$(( ${1:-570} - SECONDS - 15 ))
 if stage campaign && [ "$CAMPAIGN_S" -lt 90 ]; then  # two packs to prepare and a bench deadline of at least ~30 s
   echo "[${SECONDS}s] campaign skipped: ${CAMPAIGN_S}s of the budget left"
