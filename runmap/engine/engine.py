@@ -119,8 +119,9 @@ FUSED_OPS = ("prologue", "norm", "router", "attn", "gemv", "imposed")
 # Default on CUDA. "imposed" (the gate weights of a routing workload's ids in one launch on the fused router's logits,
 # instead of ~7 torch launches per MoE layer) passed its GPU tests on an H100 on 2026-12-06 and, in the same call,
 # lifted calibrated full-residency decode from 800 to 1,162 tok/s (OLMoE batch 1) and 373 to 479 (Qwen1.5-MoE)
-# (results/campaigns/h100-imposed-fused). The router is two launches (logits over many programs, then softmax + top-k): 5.4 us per
-# layer vs 16.5 us for torch's linear + softmax + topk on the H200 (results/kernels/explore/h200-decode.json).
+# (results/campaigns/h100-imposed-fused). The router is two launches (logits over many programs, then softmax +
+# top-k): 5.4 us per layer vs 16.5 us for torch's linear + softmax + topk on the H200
+# (results/kernels/explore/h200-decode.json).
 # In a decode step the logits launch is the norm's (add_norm_router_logits) and the prologue is the attention's.
 DEFAULT_FUSED = ("prologue", "norm", "router", "attn", "gemv", "imposed")
 
