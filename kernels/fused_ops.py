@@ -267,10 +267,9 @@ def _router_topk_kernel(logits_ptr, ids_ptr, wts_ptr, E, TOPK: tl.constexpr, NOR
 # ---- gate weights of imposed expert ids (routing workloads) -------------------------------------------
 # Under a routing workload (runmap.workload.routing) the ids come from the workload and the router only weighs them:
 # softmax over the row's logits, the probabilities of the imposed ids, rescaled to the sum of the router's own
-# top-k probabilities (1 under norm_topk_prob). In torch that is ~7 launches per MoE layer inside a captured step
-# (an OLMoE full-residency step under the workload took ~0.4 ms more than under the router's own ids on an H100,
-# results/campaigns/h100-host-read-complete; attributed, not profiled); here it is one, fed by the same logits as the
-# router's own top-k.
+# top-k probabilities (1 under norm_topk_prob). In torch that is ~7 launches per MoE layer inside a captured step;
+# here it is one, fed by the same logits as the router's own top-k (an A/B on an H100 took 0.39 ms off a 1.25 ms
+# OLMoE full-residency step: results/campaigns/h100-imposed-fused).
 
 @triton.jit
 def _imposed_weights_kernel(logits_ptr, ids_ptr, wts_ptr, E, TOPK: tl.constexpr, NORM: tl.constexpr,

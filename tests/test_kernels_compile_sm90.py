@@ -10,7 +10,7 @@ from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
 
-# fused_ops._imposed_weights_kernel (the opt-in fused op "imposed"): every (NORM, CHAINED) form at OLMoE's top-8 of
+# fused_ops._imposed_weights_kernel (the fused op "imposed", compiled here before it first ran on a GPU): every (NORM, CHAINED) form at OLMoE's top-8 of
 # 64, Qwen1.5-MoE's top-4 of 60 (padded to 64) and a tiny top-2 of 7 (padded to 8); prints the cubin sizes as JSON
 SCRIPT = r"""
 import json

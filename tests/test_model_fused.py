@@ -75,7 +75,7 @@ def test_fused_ops_under_imposed_routes_match_torch(preset):
                                   for _ in range(L)])  # (L, n, k) int64
     imposed_prefill, imposed_step = draw(2 * 5), draw(2)
     results = []
-    # "imposed" (opt-in) takes the one-launch weights; ALL alone keeps imposed_weights' torch ops beside the fused rest
+    # "imposed" takes the one-launch weights; ALL alone keeps imposed_weights' torch ops beside the fused rest
     for ops, imposed in (((), True), (ALL + ("imposed",), True), (ALL, True), (("router", "imposed"), True),
                          (ALL + ("imposed",), False)):
         model.fused = frozenset(ops)

@@ -377,10 +377,10 @@ def test_an_ab_of_fused_ops_bounds_each_side_by_its_own_full_step():
                 "h2d": {"bytes_per_token": obs(per_tok) if per_tok else {"status": "UNKNOWN"},
                         "link_gb_s": obs(50.0)}, "ratios": {}}
 
-    default, opt_in = ["attn", "norm", "router"], ["router", "norm", "imposed", "attn"]
+    without_imposed, with_imposed = ["attn", "norm", "router"], ["router", "norm", "imposed", "attn"]
     for order in (0, 1):
-        fulls = [rec("full", 1000.0, default), rec("full", 500.0, list(reversed(opt_in)))]
-        a, b = rec("partial", 100.0, default, 50e6), rec("partial", 100.0, opt_in, 50e6)
+        fulls = [rec("full", 1000.0, without_imposed), rec("full", 500.0, list(reversed(with_imposed)))]
+        a, b = rec("partial", 100.0, without_imposed, 50e6), rec("partial", 100.0, with_imposed, 50e6)
         bench.attach_transfer_bounds((fulls if order else fulls[::-1]) + [a, b])
         assert a["timing"]["transfer_bound_tok_s"]["value"] == pytest.approx(1 / 2e-3)  # 1 ms + 1 ms
         assert b["timing"]["transfer_bound_tok_s"]["value"] == pytest.approx(1 / 3e-3)  # 2 ms + 1 ms

@@ -514,7 +514,7 @@ def _collect(sched, reqs, *, stagger_s=0.0, stagger_steps=0):
 
 
 def _serve_each_alone(sched, reqs, alone, *, stagger_s: float, stagger_steps: int = 0, around=None):
-    """Start ``sched``, submit ``reqs`` ``stagger_s`` apart (inside the context ``around()`` makes, if any) and stop it;
+    """Start ``sched``, submit ``reqs`` ``stagger_s`` and ``stagger_steps`` apart (``_collect``; inside the context ``around()`` makes, if any) and stop it;
     asserts that each request ends with its tokens alone and that the scheduler ends idle and alive. Returns the
     runner's counters before the requests (after warm-up) and after them."""
     import contextlib
