@@ -962,3 +962,126 @@ def test_the_engine_tells_auto_what_its_cpu_calls_and_transfers_cost(packs):
             assert auto.h2d_in_use.calls > 0
     finally:
         eng.close()
+
+
+# ---- auto as placement host-read (the host-read site measured at build) -------------------------------------------
+
+def test_auto_becomes_host_read_only_where_that_site_is_possible_and_at_least_as_fast_as_the_cpu_site():
+    from runmap.engine.placement import HostReadPlacement, auto_chooses_host_read
+
+    cache = types.SimpleNamespace(counters={"hits": 0, "misses": 0, "cpu_site_experts": 0}, resident=4)
+    measured = []
+
+    def rate(value):
+        def measure():
+            measured.append(value)
+            return value
+        return measure
+
+    base = PlacementCosts(h2d_gb_s=40.0, cpu_gb_s=30.0, row_bytes=100, source="test")
+    fast = make_placement("auto", cache=cache, costs=base, host_read_rate=rate(30.0))  # a tie goes to host-read
+    assert isinstance(fast, HostReadPlacement) and measured == [30.0]
+    d = fast.describe()
+    assert d["mode"] == "host-read" and d["requested"] == "auto" and d["costs"]["host_read_gb_s"] == 30.0
+    assert "30.0 GB/s >= the CPU site's 30.0" in d["why"]
+    slow = make_placement("auto-split", cache=cache, costs=base, host_read_rate=rate(29.9))
+    assert isinstance(slow, AutoPlacement) and slow.split and slow.describe()["costs"]["host_read_gb_s"] == 29.9
+    # a rate given with the costs is used as is, never measured again
+    given = make_placement("auto", cache=cache, costs=PlacementCosts(40.0, 30.0, 100, "test", host_read_gb_s=50.0),
+                           host_read_rate=rate(1.0))
+    assert isinstance(given, HostReadPlacement) and measured == [30.0, 29.9]
+    # where the site is not possible (no measuring callable) a given rate decides nothing and is not reported
+    impossible = make_placement("auto", cache=cache, costs=PlacementCosts(40.0, 30.0, 100, "test", host_read_gb_s=50.0))
+    assert isinstance(impossible, AutoPlacement) and impossible.describe()["costs"]["host_read_gb_s"] is None
+    assert not auto_chooses_host_read(base) and "requested" not in HostReadPlacement().describe()
+
+
+@pytest.mark.parametrize("host_read_gb_s,policy", [(2.0, None), (2.0, "lru"), (0.5, None)])
+def test_an_engine_asked_for_auto_runs_host_read_when_it_is_the_cheaper_site(packs, host_read_gb_s, policy,
+                                                                            test_device, record_decode):
+    """With the host-read site given faster than the CPU site, ``auto`` builds placement host-read's engine (host rows,
+    the whole-step decoder, lfu-decay unless a policy was asked for) and decodes what placement host-read decodes,
+    bit for bit; given slower, it stays auto with no host rows."""
+    from runmap.engine.engine import Engine
+    from runmap.engine.placement import HostReadPlacement
+
+    pack, cfg = packs["tiny-olmoe"]
+    costs = PlacementCosts(h2d_gb_s=1.0, cpu_gb_s=1.0, row_bytes=100, source="test", host_read_gb_s=host_read_gb_s)
+    kw = dict(executor="grouped", device=test_device, resident=cfg.top_k, max_batch=2, max_seq_len=48,
+              cache_contract="v2", policy=policy, warm_up=False)
+    eng = record_decode(Engine.from_pack(pack, expert_placement="auto", placement_costs=costs, **kw))
+    try:
+        d = eng.telemetry()["placement"]
+        if host_read_gb_s < costs.cpu_gb_s:
+            assert d["mode"] == "auto" and d["costs"]["host_read_gb_s"] == 0.5
+            assert not eng.use_host_read and eng.experts.host_rows is None
+            assert eng.experts.cache.policy.name == "lru"
+            return
+        assert isinstance(eng.experts.placement, HostReadPlacement) and d["requested"] == "auto"
+        assert eng.use_host_read and eng.experts.host_rows is not None
+        assert eng.experts.cache.policy.name == (policy or "lfu-decay")
+        eng._prefiller = None  # eager prompt passes on both sides (as the host-read equality test above)
+        got = [r.token_ids for r in eng.generate(PROMPTS_HR, max_new_tokens=5, ignore_eos=True)]
+        assert eng.decode_paths["host_read"] > 0
+        got_logits = list(eng.decoded)
+    finally:
+        eng.close()
+    ref = record_decode(Engine.from_pack(pack, expert_placement="host-read", **kw))
+    try:
+        ref._prefiller = None
+        want = [r.token_ids for r in ref.generate(PROMPTS_HR, max_new_tokens=5, ignore_eos=True)]
+        assert got == want
+        assert len(got_logits) == len(ref.decoded) > 0 and all(torch.equal(a, b)
+                                                                 for a, b in zip(got_logits, ref.decoded))
+    finally:
+        ref.close()
+
+
+PROMPTS_HR = ["the cache holds", "experts read from the host"]
+
+
+def test_auto_never_chooses_host_read_where_that_placement_cannot_run(packs):
+    from runmap.engine.engine import Engine
+
+    pack, cfg = packs["tiny-olmoe"]
+    costs = PlacementCosts(h2d_gb_s=1.0, cpu_gb_s=1.0, row_bytes=100, source="test", host_read_gb_s=9.0)
+    eng = Engine.from_pack(pack, executor="reference", device="cpu", resident=cfg.top_k, max_batch=1, max_seq_len=48,
+                           expert_placement="auto", placement_costs=costs)  # host-read runs on the grouped executor only
+    try:
+        d = eng.telemetry()["placement"]
+        assert d["mode"] == "auto" and d["costs"]["host_read_gb_s"] is None and eng.experts.host_rows is None
+    finally:
+        eng.close()
+
+
+def test_the_host_read_rate_is_measured_on_distinct_experts_and_a_policy_changes_only_before_requests(packs):
+    """measure_host_read_gb_s runs the executor over the host rows (plumbing on the CPU: a positive, finite rate);
+    replace_policy refuses once a request was admitted."""
+    from runmap.engine.engine import Engine
+    from runmap.residency.cache import CacheConfigError
+
+    pack, cfg = packs["tiny-olmoe"]
+    eng = Engine.from_pack(pack, executor="grouped", device="cpu", resident=cfg.top_k, max_batch=1, max_seq_len=48)
+    try:
+        calls = []
+        moe = eng.experts.moe
+
+        def spy(executor, x, ids, gw, storage, table, layout, **kw):
+            calls.append((ids.tolist(), int(table.min()), kw["host_rows"].shape))
+            return moe(executor, x, ids, gw, storage, table, layout, **kw)
+
+        eng.experts.moe = spy
+        rate = eng.experts.measure_host_read_gb_s(repeats=3)
+        eng.experts.moe = moe
+        assert np.isfinite(rate) and rate > 0 and len(calls) == 4
+        timed = [tuple(ids[0]) for ids, _, _ in calls[1:]]
+        assert len({e for t in timed for e in t}) == min(3 * cfg.top_k, cfg.num_experts)  # no expert read twice
+        cache = eng.experts.cache
+        assert all(lo == cache.rows_per_layer and shape[0] == cfg.num_experts for _, lo, shape in calls)  # all host
+        cache.replace_policy("lfu-decay")
+        assert cache.policy.name == "lfu-decay"
+        eng.generate(["one request"], max_new_tokens=1)
+        with pytest.raises(CacheConfigError, match="before the first request"):
+            cache.replace_policy("lru")
+    finally:
+        eng.close()

@@ -160,6 +160,15 @@ def _check_host_read(executor: str, resident: int, experts: int, device, contrac
                           "contract v2 (--cache-contract v2), which registers and maps it")
 
 
+def _host_read_possible(executor: str, resident: int, experts: int, device, contract: str) -> bool:
+    """Placement host-read's preconditions (_check_host_read) hold: ``auto`` may then choose it."""
+    try:
+        _check_host_read(executor, resident, experts, device, contract)
+    except EngineError:
+        return False
+    return True
+
+
 def _check_routing():
     """The executors' host routing check (runmap.kernels.executors.check_routing), imported on first use."""
     from runmap.kernels.executors import check_routing
@@ -470,6 +479,36 @@ class CachedExperts:
         self._hr_host = np.zeros((L, E), dtype=np.int32)  # what hr_tables hold, kept on the host
         self.hr_tables = torch.full((L, E), -1, dtype=torch.int32, device=c.device)
         self._hr_maps: list = [None] * L  # per layer the mapping (an immutable generation's) hr_tables hold
+
+    def measure_host_read_gb_s(self, layer: int = 0, repeats: int = 5) -> float:
+        """The host-read site's rate (GB/s of expert bytes) for placement ``auto``'s choice: the executor computing one
+        token's top_k experts with every one read from the host source (on a GPU over the link, through the mapping),
+        best of ``repeats`` calls, each on experts no earlier call read (so none is served from the device's L2)
+        while the layer has enough; one untimed call first (compilation, the first touch of the mapping)."""
+        from runmap.residency.transport import mapped_rows
+
+        c, k = self.cache, self.top_k
+        dev, E = c.device, c.num_experts
+        host = mapped_rows(c.host, layer, dev)  # uint8 (E, row_bytes)
+        table = host_to_device(c.rows_per_layer + np.arange(E, dtype=np.int32), dev)  # int32 (E,): all host rows
+        gen = torch.Generator().manual_seed(0)
+        x = torch.randn(1, self.layout.hidden_size, generator=gen).to(device=dev, dtype=torch.float16)  # (1, H)
+        gw = torch.full((1, k), 1.0 / k, dtype=torch.float32, device=dev)  # (1, k)
+
+        def call(i):
+            ids = torch.tensor([[(i * k + j) % E for j in range(k)]], dtype=torch.int64, device=dev)  # (1, k)
+            self.moe(self.executor, x, ids, gw, self.storage[layer], table, self.layout, validate=False,
+                     host_rows=host)
+            if dev.type == "cuda":
+                torch.cuda.synchronize(dev)
+
+        call(repeats)  # untimed: the experts after the timed ones' (they wrap around only in a small layer)
+        best = float("inf")
+        for i in range(repeats):
+            t0 = time.perf_counter()
+            call(i)
+            best = min(best, time.perf_counter() - t0)
+        return k * c.row_bytes / max(best, 1e-9) / 1e9
 
     def host_read_table(self, mapping) -> np.ndarray:
         """int32 (E,) row table of one layer for the host-read site: ``mapping``'s device row where the expert is
@@ -1494,7 +1533,10 @@ class Engine:
                   segments=True, gpu_budget: int | None = None, budget_kv_rows: int | None = None,
                   expert_placement: str = "gpu", prefetch: bool = False,
                   emulate_link_gb_s: float | None = None, warm_up: bool | None = None,
-                  cpu_executor: str = "cpu-native") -> "Engine":
+                  cpu_executor: str = "cpu-native", placement_costs=None) -> "Engine":
+        """placement_costs: a runmap.engine.placement.PlacementCosts to decide ``auto`` / ``auto-split`` with instead of
+        the rates measured at build (tests, what-if runs); its host_read_gb_s counts only where placement host-read is
+        possible (grouped executor, partial residency, contract v2 on a GPU), where build measures it otherwise."""
         from runmap.format.packfile import PackReader
         from runmap.engine.tokenization import Tokenizer
 
@@ -1636,6 +1678,7 @@ class Engine:
                     from runmap.residency.transport import pace
 
                     pace(transport, emulate_link_gb_s)
+                policy_asked = policy
                 if policy is None:  # host-read promotes by use counts; the miss transaction evicts least recent
                     policy = "lfu-decay" if expert_placement == "host-read" else "lru"
                 cache_policy = policy
@@ -1664,12 +1707,26 @@ class Engine:
                         imposed.predicting = True
                         experts.predict = _workload_predictor(model)
                 if expert_placement != "gpu":
-                    from runmap.engine.placement import make_placement
+                    from runmap.engine.placement import HostReadPlacement, make_placement
 
+                    auto = expert_placement.startswith("auto")
+                    host_read_rate = None  # auto: measures the host-read site where that placement is possible here
+                    given_read = placement_costs is not None and placement_costs.host_read_gb_s is not None
+                    # measured on a GPU only: on the CPU device the host source is the device's own memory, no link to
+                    # read over; there a given rate (tests, what-if runs) exercises the choice and is never re-measured
+                    if auto and (device.type == "cuda" or given_read) and _host_read_possible(
+                            executor, resident, E, device, cache_contract):
+                        host_read_rate = experts.measure_host_read_gb_s
                     experts.placement = make_placement(expert_placement, cache=cache,
-                                                       site=experts.site() if expert_placement.startswith("auto")
-                                                       else None)
-                    if expert_placement == "host-read":
+                                                       site=experts.site() if auto and placement_costs is None
+                                                       else None, costs=placement_costs,
+                                                       host_read_rate=host_read_rate)
+                    if isinstance(experts.placement, HostReadPlacement):
+                        if auto and policy_asked in (None, "lfu-decay"):  # as placement host-read asked by name
+                            from runmap.residency.eviction import LFUDecayPolicy
+
+                            cache.replace_policy(LFUDecayPolicy(
+                                half_life=HostReadPlacement.HALF_LIFE_TOKENS * cfg.num_layers))
                         experts.enable_host_read()
                     if experts.placement.may_use_cpu():
                         # every expert repacked now: a decode step never pays a first use's repack (~30 ms each)

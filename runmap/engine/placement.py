@@ -50,6 +50,17 @@ many tokens per expert, host work included) stayed below the transfer rate, so i
 CPU rate is now learned per call size class (decode steps apart from prompt passes), which that campaign lacked; off
 by default until a decode measurement says otherwise.
 
+The host-read site under ``auto`` (``auto_chooses_host_read``). Where placement host-read is possible (grouped
+executor, partial residency, contract v2 on a GPU) the engine also measures it when the engine is built: the grouped
+executor computing one token's top_k experts straight from the registered host rows, distinct experts at each repeat
+(best of a few; ``CachedExperts.measure_host_read_gb_s``). Host-read and the CPU site both pay per use; host-read's
+steps stay one CUDA graph and it promotes the most used experts beside the steps, so it has the transfer's reuse too.
+``auto`` becomes placement host-read for the engine's life when its rate is at least the CPU site's, and stays the
+rule above otherwise (the two together in one step are not built). Not modelled against the copy chain: on every
+machine measured host-read ran at 0.75-1.05 of the copy rate's transfer bound where the chain ran at 0.43
+(results/campaigns/h100-host-read-complete, h100-host-read-slow-link). The choice, both rates and why are in the
+placement's telemetry (``requested: auto``).
+
 Exploration (``exploring``). A site the rule never chooses is never measured in use, so a build-time probe taken at a
 bad moment would stand for good (on the H200 host one engine's probe said 0.19 GB/s where the engine built just before
 it in the same process measured 11.3, results/campaigns/h200-link13-split, and that auto-split never gave the CPU an
@@ -88,6 +99,9 @@ class PlacementCosts:
     cpu_gb_s: float  # the CPU site computing one expert for one token (batch-1 decode), repacked already
     row_bytes: int
     source: str  # how they were measured
+    # the host-read site (the GPU's kernels reading the registered host source over the link) computing one token's
+    # top_k experts, where that site is possible (grouped executor, partial residency, contract v2 on a GPU); else None
+    host_read_gb_s: float | None = None
 
     def to_dict(self) -> dict:
         return dataclasses.asdict(self)
@@ -240,13 +254,22 @@ class HostReadPlacement(Placement):
     name = "host-read"
     HALF_LIFE_TOKENS = 512.0  # the lfu-decay policy's half-life the engine builds for it, in decode steps
 
-    def __init__(self, margin: float = 1.0, half_life_tokens: float = HALF_LIFE_TOKENS):
+    def __init__(self, margin: float = 1.0, half_life_tokens: float = HALF_LIFE_TOKENS,
+                 chosen_by: PlacementCosts | None = None, requested: str = "host-read"):
+        """chosen_by: the measured rates with which ``auto`` (``requested``) chose this placement; None when asked
+        for by name."""
         if not (margin >= 0 and half_life_tokens > 0):  # (NaN fails both)
             raise PlacementError(f"host-read: margin {margin} must be >= 0 and half_life_tokens {half_life_tokens} > 0")
         self.margin, self.half_life_tokens = float(margin), float(half_life_tokens)
+        self.chosen_by, self.requested = chosen_by, requested
 
     def describe(self) -> dict:
-        return {"mode": self.name, "promotion_margin": self.margin, "half_life_tokens": self.half_life_tokens}
+        d = {"mode": self.name, "promotion_margin": self.margin, "half_life_tokens": self.half_life_tokens}
+        if self.chosen_by is not None:
+            d.update(requested=self.requested, costs=self.chosen_by.to_dict(),
+                     why=f"host-read {self.chosen_by.host_read_gb_s:.1f} GB/s >= the CPU site's "
+                         f"{self.chosen_by.cpu_gb_s:.1f} GB/s per expert byte")
+        return d
 
 
 class CpuPlacement(Placement):
@@ -451,9 +474,18 @@ class AutoPlacement(Placement):
                 "split_calls": self.split_calls}
 
 
-def make_placement(name: str, *, cache=None, site=None, costs: PlacementCosts | None = None) -> Placement:
+def auto_chooses_host_read(costs: PlacementCosts) -> bool:
+    """True when ``auto`` should run as placement host-read (module docstring): the host-read site was measured here
+    and computes an expert byte at least as fast as the CPU site (both are paid at each use)."""
+    return costs.host_read_gb_s is not None and costs.host_read_gb_s >= costs.cpu_gb_s
+
+
+def make_placement(name: str, *, cache=None, site=None, costs: PlacementCosts | None = None,
+                   host_read_rate=None) -> Placement:
     """The placement registered under ``name`` (PLACEMENTS). ``auto`` measures its costs on ``cache``'s host
-    source and device through ``site`` (a runmap.kernels.cpu_int4.CpuExpertSite) unless ``costs`` is given."""
+    source and device through ``site`` (a runmap.kernels.cpu_int4.CpuExpertSite) unless ``costs`` is given;
+    ``host_read_rate`` (a callable returning GB/s, given where placement host-read is possible) measures the host-read
+    site too unless ``costs`` holds its rate, and ``auto`` is then placement host-read when ``auto_chooses_host_read``."""
     if name not in PLACEMENTS:
         raise PlacementError(f"expert placement {name!r}: choose one of {', '.join(PLACEMENTS)}")
     if name == "gpu":
@@ -464,4 +496,11 @@ def make_placement(name: str, *, cache=None, site=None, costs: PlacementCosts | 
         return HostReadPlacement()
     if costs is None:
         costs = measure_costs(site, cache.host, cache.device, transport=cache.transport)
+    if host_read_rate is not None and costs.host_read_gb_s is None:
+        costs = dataclasses.replace(costs, host_read_gb_s=float(host_read_rate()),
+                                    source=costs.source + "; the host-read site on one token's top_k experts")
+    if host_read_rate is None and costs.host_read_gb_s is not None:
+        costs = dataclasses.replace(costs, host_read_gb_s=None)  # given, but the site is not possible in this engine
+    if auto_chooses_host_read(costs):
+        return HostReadPlacement(chosen_by=costs, requested=name)
     return AutoPlacement(costs, cache.counters, resident=cache.resident, split=name == "auto-split")

@@ -830,6 +830,18 @@ class ExpertCache:
                 self._since[layer][r] = 1
             self.policy.touch(layer, maps[layer], 0)
 
+    def replace_policy(self, policy) -> None:
+        """Use another eviction policy (a name or an EvictionPolicy) from now on, told the startup residency as the
+        first one was. Only before the first request: a policy's history is the uses it saw, and a new one would
+        miss them (the engine calls it when placement auto becomes host-read, whose promotions count uses)."""
+        with self._lock:
+            if self.counters["requests_admitted"]:
+                raise CacheConfigError("replace_policy: the eviction policy can change only before the first request "
+                                       f"({self.counters['requests_admitted']} admitted)")
+            self.policy = make_policy(policy)
+            for layer in range(self.num_layers):
+                self.policy.touch(layer, self._current.maps[layer], 0)
+
     # --- inspection -------------------------------------------------------------------------------------
     def row_states(self, layer: int) -> dict[str, list[int]]:
         """Rows of ``layer`` by state (published, free, fenced, retiring); used by checks and tests."""
