@@ -978,22 +978,26 @@ def test_auto_becomes_host_read_only_where_that_site_is_possible_and_at_least_as
             return value
         return measure
 
-    base = PlacementCosts(h2d_gb_s=40.0, cpu_gb_s=30.0, row_bytes=100, source="test")
-    fast = make_placement("auto", cache=cache, costs=base, host_read_rate=rate(30.0))  # a tie goes to host-read
+    cpu_fastest = PlacementCosts(h2d_gb_s=20.0, cpu_gb_s=30.0, row_bytes=100, source="test")
+    fast = make_placement("auto", cache=cache, costs=cpu_fastest, host_read_rate=rate(30.0))  # a tie: host-read
     assert isinstance(fast, HostReadPlacement) and measured == [30.0]
     d = fast.describe()
     assert d["mode"] == "host-read" and d["requested"] == "auto" and d["costs"]["host_read_gb_s"] == 30.0
-    assert "30.0 GB/s >= the CPU site's 30.0" in d["why"]
-    slow = make_placement("auto-split", cache=cache, costs=base, host_read_rate=rate(29.9))
+    assert "30.0 GB/s per expert byte is not above both the host-read site's 30.0 and the copy's 20.0" in d["why"]
+    slow = make_placement("auto-split", cache=cache, costs=cpu_fastest, host_read_rate=rate(29.9))
     assert isinstance(slow, AutoPlacement) and slow.split and slow.describe()["costs"]["host_read_gb_s"] == 29.9
+    # a slower host-read site still wins where the copy beats the CPU (the rule alone would run the chain)
+    copy_faster = PlacementCosts(h2d_gb_s=40.0, cpu_gb_s=30.0, row_bytes=100, source="test")
+    assert isinstance(make_placement("auto", cache=cache, costs=copy_faster, host_read_rate=rate(10.0)),
+                      HostReadPlacement)
     # a rate given with the costs is used as is, never measured again
-    given = make_placement("auto", cache=cache, costs=PlacementCosts(40.0, 30.0, 100, "test", host_read_gb_s=50.0),
+    given = make_placement("auto", cache=cache, costs=PlacementCosts(20.0, 30.0, 100, "test", host_read_gb_s=50.0),
                            host_read_rate=rate(1.0))
-    assert isinstance(given, HostReadPlacement) and measured == [30.0, 29.9]
+    assert isinstance(given, HostReadPlacement) and measured == [30.0, 29.9, 10.0]
     # where the site is not possible (no measuring callable) a given rate decides nothing and is not reported
     impossible = make_placement("auto", cache=cache, costs=PlacementCosts(40.0, 30.0, 100, "test", host_read_gb_s=50.0))
     assert isinstance(impossible, AutoPlacement) and impossible.describe()["costs"]["host_read_gb_s"] is None
-    assert not auto_chooses_host_read(base) and "requested" not in HostReadPlacement().describe()
+    assert not auto_chooses_host_read(cpu_fastest) and "requested" not in HostReadPlacement().describe()
 
 
 @pytest.mark.parametrize("host_read_gb_s,policy", [(2.0, None), (2.0, "lru"), (0.5, None)])
@@ -1006,7 +1010,7 @@ def test_an_engine_asked_for_auto_runs_host_read_when_it_is_the_cheaper_site(pac
     from runmap.engine.placement import HostReadPlacement
 
     pack, cfg = packs["tiny-olmoe"]
-    costs = PlacementCosts(h2d_gb_s=1.0, cpu_gb_s=1.0, row_bytes=100, source="test", host_read_gb_s=host_read_gb_s)
+    costs = PlacementCosts(h2d_gb_s=0.5, cpu_gb_s=1.0, row_bytes=100, source="test", host_read_gb_s=host_read_gb_s)
     kw = dict(executor="grouped", device=test_device, resident=cfg.top_k, max_batch=2, max_seq_len=48,
               cache_contract="v2", policy=policy, warm_up=False)
     eng = record_decode(Engine.from_pack(pack, expert_placement="auto", placement_costs=costs, **kw))
@@ -1054,14 +1058,16 @@ def test_auto_never_chooses_host_read_where_that_placement_cannot_run(packs):
         eng.close()
 
 
-def test_the_host_read_rate_is_measured_on_distinct_experts_and_a_policy_changes_only_before_requests(packs):
+def test_the_host_read_rate_is_measured_on_distinct_experts_and_a_policy_changes_only_before_requests(packs,
+                                                                                                      test_device):
     """measure_host_read_gb_s runs the executor over the host rows (plumbing on the CPU: a positive, finite rate);
     replace_policy refuses once a request was admitted."""
     from runmap.engine.engine import Engine
     from runmap.residency.cache import CacheConfigError
 
     pack, cfg = packs["tiny-olmoe"]
-    eng = Engine.from_pack(pack, executor="grouped", device="cpu", resident=cfg.top_k, max_batch=1, max_seq_len=48)
+    eng = Engine.from_pack(pack, executor="grouped", device=test_device, resident=cfg.top_k, max_batch=1,
+                           max_seq_len=48, cache_contract="v2", warm_up=False)  # v2: the mapping on a GPU
     try:
         calls = []
         moe = eng.experts.moe

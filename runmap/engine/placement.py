@@ -53,12 +53,14 @@ by default until a decode measurement says otherwise.
 The host-read site under ``auto`` (``auto_chooses_host_read``). Where placement host-read is possible (grouped
 executor, partial residency, contract v2 on a GPU) the engine also measures it when the engine is built: the grouped
 executor computing one token's top_k experts straight from the registered host rows, distinct experts at each repeat
-(best of a few; ``CachedExperts.measure_host_read_gb_s``). Host-read and the CPU site both pay per use; host-read's
-steps stay one CUDA graph and it promotes the most used experts beside the steps, so it has the transfer's reuse too.
-``auto`` becomes placement host-read for the engine's life when its rate is at least the CPU site's, and stays the
-rule above otherwise (the two together in one step are not built). Not modelled against the copy chain: on every
-machine measured host-read ran at 0.75-1.05 of the copy rate's transfer bound where the chain ran at 0.43
-(results/campaigns/h100-host-read-complete, h100-host-read-slow-link). The choice, both rates and why are in the
+(best of a few; ``CachedExperts.measure_host_read_gb_s``). ``auto`` becomes placement host-read for the engine's
+life unless the CPU site is faster than both the host-read site and the link's copy, and then stays the rule above
+(which, with the CPU faster than the copy, gives the CPU the misses that reuse does not pay for; the two sites
+together in one step are not built). Why not the rule alone: host-read and the CPU site both pay at each use, but
+host-read's steps stay one CUDA graph and it promotes the most used experts beside them (the transfer's reuse), and
+where the copy is the faster way over the link the rule would transfer through the chain, which host-read beat on
+every machine measured: 0.75-1.05 of the copy rate's transfer bound against the chain's 0.43
+(results/campaigns/h100-host-read-complete, h100-host-read-slow-link). The choice, the three rates and why are in the
 placement's telemetry (``requested: auto``).
 
 Exploration (``exploring``). A site the rule never chooses is never measured in use, so a build-time probe taken at a
@@ -266,9 +268,10 @@ class HostReadPlacement(Placement):
     def describe(self) -> dict:
         d = {"mode": self.name, "promotion_margin": self.margin, "half_life_tokens": self.half_life_tokens}
         if self.chosen_by is not None:
-            d.update(requested=self.requested, costs=self.chosen_by.to_dict(),
-                     why=f"host-read {self.chosen_by.host_read_gb_s:.1f} GB/s >= the CPU site's "
-                         f"{self.chosen_by.cpu_gb_s:.1f} GB/s per expert byte")
+            c = self.chosen_by
+            d.update(requested=self.requested, costs=c.to_dict(),
+                     why=f"the CPU site's {c.cpu_gb_s:.1f} GB/s per expert byte is not above both the host-read "
+                         f"site's {c.host_read_gb_s:.1f} and the copy's {c.h2d_gb_s:.1f}")
         return d
 
 
@@ -476,8 +479,8 @@ class AutoPlacement(Placement):
 
 def auto_chooses_host_read(costs: PlacementCosts) -> bool:
     """True when ``auto`` should run as placement host-read (module docstring): the host-read site was measured here
-    and computes an expert byte at least as fast as the CPU site (both are paid at each use)."""
-    return costs.host_read_gb_s is not None and costs.host_read_gb_s >= costs.cpu_gb_s
+    and the CPU site is not faster than both it and the link's copy."""
+    return costs.host_read_gb_s is not None and costs.cpu_gb_s <= max(costs.host_read_gb_s, costs.h2d_gb_s)
 
 
 def make_placement(name: str, *, cache=None, site=None, costs: PlacementCosts | None = None,
