@@ -1028,6 +1028,13 @@ def test_an_engine_asked_for_auto_runs_host_read_when_it_is_the_cheaper_site(pac
         got = [r.token_ids for r in eng.generate(PROMPTS_HR, max_new_tokens=5, ignore_eos=True)]
         assert eng.decode_paths["host_read"] > 0
         got_logits = list(eng.decoded)
+        from runmap.cli.options import placement_line
+        from runmap.conformance.schemas import load_schemas
+
+        doc = eng.telemetry()
+        assert load_schemas().validate_document(doc, "telemetry") == []
+        assert doc["placement"]["costs"]["host_read_gb_s"] == 2.0
+        assert placement_line(eng).startswith("expert placement host-read (chosen by auto: the CPU site's 1.0 GB/s")
     finally:
         eng.close()
     ref = record_decode(Engine.from_pack(pack, expert_placement="host-read", **kw))
