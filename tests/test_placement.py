@@ -1052,17 +1052,22 @@ PROMPTS_HR = ["the cache holds", "experts read from the host"]
 
 
 def test_auto_never_chooses_host_read_where_that_placement_cannot_run(packs):
-    from runmap.engine.engine import Engine
+    from runmap.engine.engine import Engine, EngineError
 
     pack, cfg = packs["tiny-olmoe"]
     costs = PlacementCosts(h2d_gb_s=1.0, cpu_gb_s=1.0, row_bytes=100, source="test", host_read_gb_s=9.0)
-    eng = Engine.from_pack(pack, executor="reference", device="cpu", resident=cfg.top_k, max_batch=1, max_seq_len=48,
-                           expert_placement="auto", placement_costs=costs)  # host-read runs on the grouped executor only
-    try:
-        d = eng.telemetry()["placement"]
-        assert d["mode"] == "auto" and d["costs"]["host_read_gb_s"] is None and eng.experts.host_rows is None
-    finally:
-        eng.close()
+    for kw in (dict(executor="reference"),  # host-read runs on the grouped executor only
+               dict(executor="grouped", emulate_link_gb_s=5.0)):  # an emulated link paces copies, not the reads
+        eng = Engine.from_pack(pack, device="cpu", resident=cfg.top_k, max_batch=1, max_seq_len=48, warm_up=False,
+                               cache_contract="v2", expert_placement="auto", placement_costs=costs, **kw)
+        try:
+            d = eng.telemetry()["placement"]
+            assert d["mode"] == "auto" and d["costs"]["host_read_gb_s"] is None and eng.experts.host_rows is None
+        finally:
+            eng.close()
+    with pytest.raises(EngineError, match="cannot be emulated"):
+        Engine.from_pack(pack, executor="grouped", device="cpu", resident=cfg.top_k, cache_contract="v2",
+                         expert_placement="host-read", emulate_link_gb_s=5.0)
 
 
 def test_the_host_read_rate_is_measured_on_distinct_experts_and_a_policy_changes_only_before_requests(packs,

@@ -1623,6 +1623,9 @@ class Engine:
         if expert_placement == "host-read":
             try:
                 _check_host_read(executor, resident, E, device, cache_contract)
+                if emulate_link_gb_s is not None:
+                    raise EngineError("expert placement 'host-read' reads over the real link inside its kernels; an "
+                                      "emulated link (emulate_link_gb_s) paces copies only, so it cannot be emulated")
             except EngineError:
                 reader.close()
                 raise
@@ -1714,8 +1717,9 @@ class Engine:
                     given_read = placement_costs is not None and placement_costs.host_read_gb_s is not None
                     # measured on a GPU only: on the CPU device the host source is the device's own memory, no link to
                     # read over; there a given rate (tests, what-if runs) exercises the choice and is never re-measured
-                    if auto and (device.type == "cuda" or given_read) and _host_read_possible(
-                            executor, resident, E, device, cache_contract):
+                    # never under an emulated link: its pace holds for copies, not for the kernels' reads
+                    if auto and emulate_link_gb_s is None and (device.type == "cuda" or given_read) and \
+                            _host_read_possible(executor, resident, E, device, cache_contract):
                         host_read_rate = experts.measure_host_read_gb_s
                     experts.placement = make_placement(expert_placement, cache=cache,
                                                        site=experts.site() if auto and placement_costs is None
