@@ -209,8 +209,9 @@ elif [ -n "$CMAKE" ] && [ -n "$CXX_OK" ]; then
       || { echo "configure failed (exit $?)"; exit 2; }
     echo "configure $(( $(date +%s) - B0 ))s"
     [ -n "${RUNMAP_LLAMA_CONFIGURE_ONLY:-}" ] && { echo "RUNMAP_LLAMA_CONFIGURE_ONLY: not built"; exit 4; }
-    # what is left after the build: quantize (~50 s on 16 cores) and the rows (~45 s)
-    timeout $(( $(left) - 110 > 60 ? $(left) - 110 : 60 )) \
+    # what is left after the build: quantize (~45-50 s on 16 cores) and the ten rows (~40 s, each started only while
+    # 45 s are left, so ~85 s)
+    timeout $(( $(left) - 140 > 60 ? $(left) - 140 : 60 )) \
       cmake --build "$BUILD" --target llama-bench llama-quantize llama-batched-bench -j "$JOBS" > "$R/logs/build.log" 2>&1 \
       || { echo "build failed or timed out (exit $?)"; exit 3; }
     echo "$BUILD_FLAGS" > "$BUILD/runmap-build-flags.txt"
@@ -266,7 +267,7 @@ fi
 # --- 4. quantize ------------------------------------------------------------------------------------------------
 if [ ! -f "$Q4" ] && [ -f "$BF16" ] && [ -x "$QUANT_BIN" ]; then
   log "quantize: llama-quantize bf16 -> $QUANT with $NPROC threads"
-  if timeout $(( $(left) - 50 > 30 ? $(left) - 50 : 30 )) "$QUANT_BIN" "$BF16" "$Q4" "$QUANT" "$NPROC" > "$R/logs/quantize.log" 2>&1; then
+  if timeout $(( $(left) - 90 > 30 ? $(left) - 90 : 30 )) "$QUANT_BIN" "$BF16" "$Q4" "$QUANT" "$NPROC" > "$R/logs/quantize.log" 2>&1; then
     echo "$STAMP" > "$Q4.stamp"
     log "quantize done: $(du -h "$Q4" | cut -f1) ($(stat -c %s "$Q4") bytes); $(grep -E 'model size|quant size' "$R/logs/quantize.log" | tr '\n' ' ')"
     rm -f "$BF16" "$BF16.stamp"

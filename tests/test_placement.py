@@ -966,7 +966,7 @@ def test_the_engine_tells_auto_what_its_cpu_calls_and_transfers_cost(packs):
 
 # ---- auto as placement host-read (the host-read site measured at build) -------------------------------------------
 
-def test_auto_becomes_host_read_only_where_that_site_is_possible_and_at_least_as_fast_as_the_cpu_site():
+def test_auto_becomes_host_read_where_that_site_is_possible_unless_the_cpu_site_is_the_fastest():
     from runmap.engine.placement import HostReadPlacement, auto_chooses_host_read
 
     cache = types.SimpleNamespace(counters={"hits": 0, "misses": 0, "cpu_site_experts": 0}, resident=4)
@@ -984,12 +984,15 @@ def test_auto_becomes_host_read_only_where_that_site_is_possible_and_at_least_as
     d = fast.describe()
     assert d["mode"] == "host-read" and d["requested"] == "auto" and d["costs"]["host_read_gb_s"] == 30.0
     assert "30.0 GB/s per expert byte is not above both the host-read site's 30.0 and the copy's 20.0" in d["why"]
-    slow = make_placement("auto-split", cache=cache, costs=cpu_fastest, host_read_rate=rate(29.9))
-    assert isinstance(slow, AutoPlacement) and slow.split and slow.describe()["costs"]["host_read_gb_s"] == 29.9
+    slow = make_placement("auto", cache=cache, costs=cpu_fastest, host_read_rate=rate(29.9))
+    assert isinstance(slow, AutoPlacement) and slow.describe()["costs"]["host_read_gb_s"] == 29.9
     # a slower host-read site still wins where the copy beats the CPU (the rule alone would run the chain)
     copy_faster = PlacementCosts(h2d_gb_s=40.0, cpu_gb_s=30.0, row_bytes=100, source="test")
     assert isinstance(make_placement("auto", cache=cache, costs=copy_faster, host_read_rate=rate(10.0)),
                       HostReadPlacement)
+    # auto-split stays the rule and never measures the site
+    split = make_placement("auto-split", cache=cache, costs=copy_faster, host_read_rate=rate(99.0))
+    assert isinstance(split, AutoPlacement) and split.split and split.describe()["costs"]["host_read_gb_s"] is None
     # a rate given with the costs is used as is, never measured again
     given = make_placement("auto", cache=cache, costs=PlacementCosts(20.0, 30.0, 100, "test", host_read_gb_s=50.0),
                            host_read_rate=rate(1.0))
@@ -999,8 +1002,16 @@ def test_auto_becomes_host_read_only_where_that_site_is_possible_and_at_least_as
     assert isinstance(impossible, AutoPlacement) and impossible.describe()["costs"]["host_read_gb_s"] is None
     assert not auto_chooses_host_read(cpu_fastest) and "requested" not in HostReadPlacement().describe()
 
+    def broken():
+        raise RuntimeError("no mapping here")
 
-@pytest.mark.parametrize("host_read_gb_s,policy", [(2.0, None), (2.0, "lru"), (0.5, None)])
+    failed = make_placement("auto", cache=cache, costs=copy_faster, host_read_rate=broken)  # the rule, and why
+    c = failed.describe()["costs"]
+    assert isinstance(failed, AutoPlacement) and c["host_read_gb_s"] is None
+    assert "could not be measured (RuntimeError: no mapping here)" in c["source"]
+
+
+@pytest.mark.parametrize("host_read_gb_s,policy", [(2.0, None), (2.0, "lfu-decay"), (2.0, "lru"), (0.5, None)])
 def test_an_engine_asked_for_auto_runs_host_read_when_it_is_the_cheaper_site(packs, host_read_gb_s, policy,
                                                                             test_device, record_decode):
     """With the host-read site given faster than the CPU site, ``auto`` builds placement host-read's engine (host rows,
@@ -1023,11 +1034,13 @@ def test_an_engine_asked_for_auto_runs_host_read_when_it_is_the_cheaper_site(pac
             return
         assert isinstance(eng.experts.placement, HostReadPlacement) and d["requested"] == "auto"
         assert eng.use_host_read and eng.experts.host_rows is not None
-        assert eng.experts.cache.policy.name == (policy or "lfu-decay")
+        assert eng.experts.cache.policy.name == (policy or "lfu-decay") and eng.experts.cpu_site is None
         eng._prefiller = None  # eager prompt passes on both sides (as the host-read equality test above)
         got = [r.token_ids for r in eng.generate(PROMPTS_HR, max_new_tokens=5, ignore_eos=True)]
         assert eng.decode_paths["host_read"] > 0
         got_logits = list(eng.decoded)
+        got_policy = eng.experts.cache.policy
+        got_counts = {k: eng.experts.cache.counters[k] for k in ("host_reads", "promotions", "evictions", "hits")}
         from runmap.cli.options import placement_line
         from runmap.conformance.schemas import load_schemas
 
@@ -1044,6 +1057,12 @@ def test_an_engine_asked_for_auto_runs_host_read_when_it_is_the_cheaper_site(pac
         assert got == want
         assert len(got_logits) == len(ref.decoded) > 0 and all(torch.equal(a, b)
                                                                  for a, b in zip(got_logits, ref.decoded))
+        # the same policy (its half-life too) decides the same promotions: the logits alone could not tell, host and
+        # device rows holding the same bytes
+        want_policy = ref.experts.cache.policy
+        assert got_policy.name == want_policy.name and getattr(got_policy, "rate", None) == getattr(want_policy, "rate",
+                                                                                                    None)
+        assert got_counts == {k: ref.experts.cache.counters[k] for k in got_counts} and got_counts["promotions"] > 0
     finally:
         ref.close()
 

@@ -39,8 +39,9 @@ def add_residency_arguments(p) -> None:
     p.add_argument("--expert-placement", choices=PLACEMENTS, default="gpu",
                    help="where a routed expert that is not resident on the GPU is computed (partial residency): gpu = "
                         "copied into a spare row first (default), cpu = computed on the host CPU from the host copy, "
-                        "nothing transferred, auto = host-read (below) where it is possible and measured at startup at "
-                        "least as fast as the CPU site, else at each layer call, for its absent experts, whichever the "
+                        "nothing transferred, auto = host-read (below) where it is possible unless the CPU site measures "
+                        "faster at startup than both the GPU's reads of host memory and the copy (never under an emulated "
+                        "link), else at each layer call, for its absent experts, whichever the "
                         "rates measured at startup and then in use (host->device copy, CPU expert) and the routes' reuse "
                         "say is cheaper (the CPU's rate learned apart for decode steps and prompt passes), auto-split = auto "
                         "dividing each call's absent experts between the CPU and the link so that both work at once "
@@ -78,8 +79,7 @@ def placement_line(eng) -> str | None:
     if d["mode"] == "cpu":
         return "expert placement cpu: absent experts are computed on the CPU from the host source (no transfers)"
     if d["mode"] == "host-read":
-        chosen = (f" (chosen by {d['requested']}: {d['why']}; host->device copy {d['costs']['h2d_gb_s']:.1f} GB/s)"
-                  if "requested" in d else "")
+        chosen = f" (chosen by {d['requested']}: {d['why']})" if "requested" in d else ""
         return (f"expert placement host-read{chosen}: decode steps read absent experts from the host source over the link; "
                 f"beside the next step a host-read expert is promoted when the {eng.experts.cache.policy.name} policy values "
                 f"it {d['promotion_margin']:g} above the coldest resident (half-life {d['half_life_tokens']:g} steps "

@@ -29,7 +29,8 @@ Arguments:
     max_seq_len    KV cache length (prompt + new tokens); None = min(max_position_embeddings, 4096).
                    The KV cache (max_batch x max_seq_len) is allocated once at startup.
     policy         eviction policy of the cache (partial residency): "lru" or "lfu-decay"; None = lru, or
-                   lfu-decay (half-life in decode steps) under expert_placement="host-read"
+                   lfu-decay (half-life in decode steps) under expert_placement="host-read" (also where "auto"
+                   becomes host-read)
     expert_format  "int4" (the product: qpacked experts through the cache and an executor) or "fp16"
                    (BASELINE ONLY: every expert dequantized once to FP16 on the device, torch matmuls,
                    no cache; exists so that the effect of compression can be isolated)
@@ -484,7 +485,9 @@ class CachedExperts:
         """The host-read site's rate (GB/s of expert bytes) for placement ``auto``'s choice: the executor computing one
         token's top_k experts with every one read from the host source (on a GPU over the link, through the mapping),
         best of ``repeats`` calls, each on experts no earlier call read (so none is served from the device's L2)
-        while the layer has enough; one untimed call first (compilation, the first touch of the mapping)."""
+        while the layer has enough; one untimed call first (compilation, the first touch of the mapping). On a GPU
+        each call is timed by events while the device is held busy until its launches are queued, so the host's
+        launch work (which a decode step's graph does not pay) is not in the rate; on the CPU by the wall clock."""
         from runmap.residency.transport import mapped_rows
 
         c, k = self.cache, self.top_k
@@ -495,19 +498,29 @@ class CachedExperts:
         x = torch.randn(1, self.layout.hidden_size, generator=gen).to(device=dev, dtype=torch.float16)  # (1, H)
         gw = torch.full((1, k), 1.0 / k, dtype=torch.float32, device=dev)  # (1, k)
 
-        def call(i):
-            ids = torch.tensor([[(i * k + j) % E for j in range(k)]], dtype=torch.int64, device=dev)  # (1, k)
-            self.moe(self.executor, x, ids, gw, self.storage[layer], table, self.layout, validate=False,
-                     host_rows=host)
-            if dev.type == "cuda":
-                torch.cuda.synchronize(dev)
+        # (1, k) each: call i reads experts i*k .. i*k + k - 1 (wrapping only in a layer of fewer than (repeats+1) k)
+        ids = [torch.tensor([[(i * k + j) % E for j in range(k)]], dtype=torch.int64).to(dev) for i in range(repeats + 1)]
 
-        call(repeats)  # untimed: the experts after the timed ones' (they wrap around only in a small layer)
+        def call(i):
+            self.moe(self.executor, x, ids[i], gw, self.storage[layer], table, self.layout, validate=False,
+                     host_rows=host)
+
+        call(repeats)  # untimed: the experts after the timed ones'
         best = float("inf")
         for i in range(repeats):
-            t0 = time.perf_counter()
-            call(i)
-            best = min(best, time.perf_counter() - t0)
+            if dev.type == "cuda":
+                start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+                torch.cuda._sleep(1_000_000)  # ~0.5 ms of device time: the call's launches are queued meanwhile
+                start.record()
+                call(i)
+                end.record()
+                end.synchronize()
+                seconds = start.elapsed_time(end) / 1e3
+            else:
+                t0 = time.perf_counter()
+                call(i)
+                seconds = time.perf_counter() - t0
+            best = min(best, seconds)
         return k * c.row_bytes / max(best, 1e-9) / 1e9
 
     def host_read_table(self, mapping) -> np.ndarray:
@@ -1726,6 +1739,9 @@ class Engine:
                                                        else None, costs=placement_costs,
                                                        host_read_rate=host_read_rate)
                     if isinstance(experts.placement, HostReadPlacement):
+                        if experts.cpu_site is not None:  # auto's rate probe built it; host-read never uses it
+                            experts.cpu_site.close()
+                            experts.cpu_site = None
                         if auto and policy_asked in (None, "lfu-decay"):  # as placement host-read asked by name
                             from runmap.residency.eviction import LFUDecayPolicy
 

@@ -61,7 +61,8 @@ host-read's steps stay one CUDA graph and it promotes the most used experts besi
 where the copy is the faster way over the link the rule would transfer through the chain, which host-read beat on
 every machine measured: 0.75-1.05 of the copy rate's transfer bound against the chain's 0.43
 (results/campaigns/h100-host-read-complete, h100-host-read-slow-link). The choice, the three rates and why are in the
-placement's telemetry (``requested: auto``).
+placement's telemetry (``requested: auto``). ``auto-split`` stays the rule (an experiment dividing calls between the
+CPU and the link), and under an emulated link neither measures the host-read site (the pace holds for copies only).
 
 Exploration (``exploring``). A site the rule never chooses is never measured in use, so a build-time probe taken at a
 bad moment would stand for good (on the H200 host one engine's probe said 0.19 GB/s where the engine built just before
@@ -488,7 +489,9 @@ def make_placement(name: str, *, cache=None, site=None, costs: PlacementCosts | 
     """The placement registered under ``name`` (PLACEMENTS). ``auto`` measures its costs on ``cache``'s host
     source and device through ``site`` (a runmap.kernels.cpu_int4.CpuExpertSite) unless ``costs`` is given;
     ``host_read_rate`` (a callable returning GB/s, given where placement host-read is possible) measures the host-read
-    site too unless ``costs`` holds its rate, and ``auto`` is then placement host-read when ``auto_chooses_host_read``."""
+    site too unless ``costs`` holds its rate, and ``auto`` is then placement host-read when ``auto_chooses_host_read``
+    (``auto-split`` never: it is the rule dividing calls between the CPU and the link). A measurement that raises
+    leaves the rule, with the error in ``costs.source``."""
     if name not in PLACEMENTS:
         raise PlacementError(f"expert placement {name!r}: choose one of {', '.join(PLACEMENTS)}")
     if name == "gpu":
@@ -499,9 +502,15 @@ def make_placement(name: str, *, cache=None, site=None, costs: PlacementCosts | 
         return HostReadPlacement()
     if costs is None:
         costs = measure_costs(site, cache.host, cache.device, transport=cache.transport)
+    if name != "auto":
+        host_read_rate = None  # auto-split is the rule dividing calls between the CPU and the link: it stays the rule
     if host_read_rate is not None and costs.host_read_gb_s is None:
-        costs = dataclasses.replace(costs, host_read_gb_s=float(host_read_rate()),
-                                    source=costs.source + "; the host-read site on one token's top_k experts")
+        try:
+            costs = dataclasses.replace(costs, host_read_gb_s=float(host_read_rate()),
+                                        source=costs.source + "; the host-read site on one token's top_k experts")
+        except Exception as e:  # the rule still runs, as before this site existed; the record says why
+            costs = dataclasses.replace(costs, source=costs.source + f"; the host-read site could not be measured "
+                                                                     f"({type(e).__name__}: {e}), so it is not chosen")
     if host_read_rate is None and costs.host_read_gb_s is not None:
         costs = dataclasses.replace(costs, host_read_gb_s=None)  # given, but the site is not possible in this engine
     if auto_chooses_host_read(costs):

@@ -835,9 +835,9 @@ class ExpertCache:
         first one was. Only before the first request: a policy's history is the uses it saw, and a new one would
         miss them (the engine calls it when placement auto becomes host-read, whose promotions count uses)."""
         with self._lock:
-            if self.counters["requests_admitted"]:
+            if self.counters["requests_admitted"] or self._tick:  # (a prefetch or promotion ticks the clock too)
                 raise CacheConfigError("replace_policy: the eviction policy can change only before the first request "
-                                       f"({self.counters['requests_admitted']} admitted)")
+                                       f"({self.counters['requests_admitted']} admitted, clock at {self._tick})")
             self.policy = make_policy(policy)
             for layer in range(self.num_layers):
                 self.policy.touch(layer, self._current.maps[layer], 0)
