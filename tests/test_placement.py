@@ -1059,6 +1059,9 @@ def test_an_engine_asked_for_auto_runs_host_read_when_it_is_the_cheaper_site(pac
                                                                  for a, b in zip(got_logits, ref.decoded))
         # the same policy (its half-life too) decides the same promotions: the logits alone could not tell, host and
         # device rows holding the same bytes
+        asked = ref.telemetry()["placement"]  # host-read by name: its read rate measured on a GPU, never on the CPU
+        assert asked.get("requested") is None and (asked["host_read_gb_s"] is None if test_device == "cpu"
+                                                    else asked["host_read_gb_s"] > 0)
         want_policy = ref.experts.cache.policy
         assert got_policy.name == want_policy.name and getattr(got_policy, "rate", None) == getattr(want_policy, "rate",
                                                                                                     None)

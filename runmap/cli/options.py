@@ -79,7 +79,8 @@ def placement_line(eng) -> str | None:
     if d["mode"] == "cpu":
         return "expert placement cpu: absent experts are computed on the CPU from the host source (no transfers)"
     if d["mode"] == "host-read":
-        chosen = f" (chosen by {d['requested']}: {d['why']})" if "requested" in d else ""
+        chosen = f" (chosen by {d['requested']}: {d['why']})" if "requested" in d else (
+            f" (the GPU reads host memory here at {d['host_read_gb_s']:.1f} GB/s)" if d.get("host_read_gb_s") else "")
         return (f"expert placement host-read{chosen}: decode steps read absent experts from the host source over the link; "
                 f"beside the next step a host-read expert is promoted when the {eng.experts.cache.policy.name} policy values "
                 f"it {d['promotion_margin']:g} above the coldest resident (half-life {d['half_life_tokens']:g} steps "

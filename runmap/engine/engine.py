@@ -1747,6 +1747,13 @@ class Engine:
 
                             cache.replace_policy(LFUDecayPolicy(
                                 half_life=HostReadPlacement.HALF_LIFE_TOKENS * cfg.num_layers))
+                        elif not auto and device.type == "cuda":
+                            # asked by name: its machine's read rate recorded all the same (GPUs of one kind read
+                            # host memory at 25-58 GB/s, results/campaigns/h100-host-read-slow-link); not on the CPU
+                            try:
+                                experts.placement.read_gb_s = experts.measure_host_read_gb_s()
+                            except Exception:  # informational only: the steps themselves fail loudly if reads do
+                                experts.placement.read_gb_s = None
                         experts.enable_host_read()
                     if experts.placement.may_use_cpu():
                         # every expert repacked now: a decode step never pays a first use's repack (~30 ms each)

@@ -265,9 +265,13 @@ class HostReadPlacement(Placement):
             raise PlacementError(f"host-read: margin {margin} must be >= 0 and half_life_tokens {half_life_tokens} > 0")
         self.margin, self.half_life_tokens = float(margin), float(half_life_tokens)
         self.chosen_by, self.requested = chosen_by, requested
+        # the host-read site's rate measured at build (one token's top_k experts over the link), GB/s; None = not
+        # measured (the CPU device); with chosen_by it is chosen_by.host_read_gb_s
+        self.read_gb_s = chosen_by.host_read_gb_s if chosen_by is not None else None
 
     def describe(self) -> dict:
-        d = {"mode": self.name, "promotion_margin": self.margin, "half_life_tokens": self.half_life_tokens}
+        d = {"mode": self.name, "promotion_margin": self.margin, "half_life_tokens": self.half_life_tokens,
+             "host_read_gb_s": self.read_gb_s}
         if self.chosen_by is not None:
             c = self.chosen_by
             d.update(requested=self.requested, costs=c.to_dict(),
