@@ -1548,8 +1548,9 @@ class Engine:
                   emulate_link_gb_s: float | None = None, warm_up: bool | None = None,
                   cpu_executor: str = "cpu-native", placement_costs=None) -> "Engine":
         """placement_costs: a runmap.engine.placement.PlacementCosts to decide ``auto`` / ``auto-split`` with instead of
-        the rates measured at build (tests, what-if runs); its host_read_gb_s counts only where placement host-read is
-        possible (grouped executor, partial residency, contract v2 on a GPU), where build measures it otherwise."""
+        the rates measured at build (tests, what-if runs); its host_read_gb_s counts for ``auto`` only and only where
+        placement host-read is possible (grouped executor, partial residency, contract v2 on a GPU, no emulated link),
+        where build measures it otherwise."""
         from runmap.format.packfile import PackReader
         from runmap.engine.tokenization import Tokenizer
 
