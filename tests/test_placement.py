@@ -1035,6 +1035,8 @@ def test_an_engine_asked_for_auto_runs_host_read_when_it_is_the_cheaper_site(pac
         assert isinstance(eng.experts.placement, HostReadPlacement) and d["requested"] == "auto"
         assert eng.use_host_read and eng.experts.host_rows is not None
         assert eng.experts.cache.policy.name == (policy or "lfu-decay") and eng.experts.cpu_site is None
+        if policy == "lru":  # an asked-for policy is kept; the decode below is the same code with either policy
+            return
         eng._prefiller = None  # eager prompt passes on both sides (as the host-read equality test above)
         got = [r.token_ids for r in eng.generate(PROMPTS_HR, max_new_tokens=5, ignore_eos=True)]
         assert eng.decode_paths["host_read"] > 0
