@@ -6,10 +6,11 @@ trimmed source tarball the device call carries, turns a tiny synthetic OLMoE che
   hash), the GGUF says olmoe with the preset's layers, experts and top-k, and its tensors are the checkpoint's
   (token embeddings, a router, and one expert's gate / up / down projections taken from the stacked
   ffn_*_exps tensors at that expert's index), to f16 rounding;
-* a checkpoint that is not runmap's synthetic one still gets the converter's own refusal.
+* a checkpoint that is not runmap's synthetic one still gets the converter's own refusal;
+* tiny-qwen2-moe converts too (qwen2moe, the shared expert and its gate kept): the first step of a Qwen1.5-MoE row.
 
 Needs .llama-cpp/llama-cpp-src.tar.gz (ignored by git; `python benchmarks/llama_cpp_source.py` writes it from
-PyPI); without it the module is skipped, as in CI. About 10-15 s on the 2-core machine (two converter runs).
+PyPI); without it the module is skipped, as in CI. About 15-25 s on the 2-core machine (three converter runs).
 """
 from __future__ import annotations
 
@@ -164,3 +165,40 @@ def test_a_checkpoint_that_is_not_synthetic_keeps_the_converters_refusal(source,
     assert "not a runmap synthetic checkpoint" in log
     assert "NotImplementedError: BPE pre-tokenizer was not recognized" in log
     assert not (tmp_path / "x.gguf").exists()
+
+
+def test_a_qwen2_moe_checkpoint_converts_with_its_shared_expert(source, tmp_path):
+    """The same converter on tiny-qwen2-moe (Qwen1.5-MoE's layout: a shared expert with its own gate): the GGUF says
+    qwen2moe with the preset's layers, experts and top-k, keeps the shared expert, and one routed expert's gate
+    projection is the checkpoint's. What a Qwen1.5-MoE row beside llama.cpp (issue 25 item 6) converts first."""
+    import numpy as np
+    import torch
+    from safetensors.torch import load_file
+
+    from runmap.arch.config import load_preset
+    from runmap.synth.checkpoint import write_synthetic
+
+    cfg = load_preset("tiny-qwen2-moe")[0]
+    ck = write_synthetic(cfg, tmp_path / "tiny-qwen2-moe", seed=0, init="routing")
+    out = tmp_path / "tiny-qwen2-moe-f16.gguf"
+    r = _convert(source, ck, out)
+    assert r.returncode == 0, (r.stdout + r.stderr)[-4000:]
+    assert "pre-tokenizer answer: gpt-2" in r.stdout + r.stderr
+    want = ["blk.1.ffn_gate_exps.weight", "blk.1.ffn_gate_inp_shexp.weight"]
+    d = subprocess.run([sys.executable, "-c", DUMP, str(out), ",".join(want)], capture_output=True, text=True,
+                       env=dict(os.environ, PYTHONPATH=str(source / "gguf-py")), timeout=120)
+    assert d.returncode == 0, d.stderr[-3000:]
+    g = json.loads(d.stdout)
+    m, t = g["meta"], g["tensors"]
+    assert m["general.architecture"] == "qwen2moe" and m["qwen2moe.block_count"] == cfg.num_layers
+    assert m["qwen2moe.expert_count"] == cfg.num_experts and m["qwen2moe.expert_used_count"] == cfg.top_k
+    assert m["qwen2moe.expert_shared_feed_forward_length"] == cfg.shared_expert_intermediate_size
+    assert t["blk.1.ffn_gate_shexp.weight"]["shape"] == [cfg.hidden_size, cfg.shared_expert_intermediate_size]
+    assert t["blk.1.ffn_gate_inp_shexp.weight"]["shape"] == [cfg.hidden_size, 1]
+    sd = load_file(str(ck / "model.safetensors"))
+    e = cfg.num_experts - 2
+    got = torch.from_numpy(np.asarray(t["blk.1.ffn_gate_exps.weight"]["data"], dtype=np.float32)[e])
+    assert torch.equal(got, sd[f"model.layers.1.mlp.experts.{e}.gate_proj.weight"].to(torch.float16).float())
+    shared_gate = np.asarray(t["blk.1.ffn_gate_inp_shexp.weight"]["data"], dtype=np.float32).reshape(-1)
+    assert torch.equal(torch.from_numpy(shared_gate), sd["model.layers.1.mlp.shared_expert_gate.weight"].float()
+                       .reshape(-1))
