@@ -79,7 +79,7 @@ EOF
 )
 [ -z "$PYMISS" ] && log "python modules for the converter: present" || { MISSING+=("python:$PYMISS"); log "MISSING python modules: $PYMISS (the converter needs them)"; }
 FREE_GB=$(df --output=avail -B1G "$WORK" | tail -1 | tr -d ' ')
-log "free disk in $WORK: ${FREE_GB} GB (a 7B run needs ~30: bf16 checkpoint 13.8 + bf16 GGUF 13.8 at peak)"
+log "free disk in $WORK: ${FREE_GB} GB (bf16 checkpoint + bf16 GGUF at the conversion's peak: OLMoE-1B-7B ~28, Qwen1.5-MoE-A2.7B ~57)"
 if [ "${FREE_GB:-0}" -lt 30 ] && [ ! -f "$WORK/$PRESET-Q4_K_M.gguf" ]; then
   log "WARNING: under 30 GB free: the conversion may run out of disk (a warm machine's campaign packs in /tmp/runmap-h200: $(du -sh /tmp/runmap-h200 2>/dev/null | cut -f1))"
 fi

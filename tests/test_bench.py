@@ -319,3 +319,19 @@ def test_nonrouted_bytes_follow_the_adapter_inventory():
     h, shared = qwen.hidden_size, qwen.shared_expert_intermediate_size
     # layer 0 reads a dense MLP (gate, up, down of 5632) instead of the shared expert, its gate and the router
     assert extra == 2 * 3 * h * 5632 - 2 * (3 * h * shared + h + qwen.num_experts * h)
+
+@pytest.mark.parametrize("name,model,layers", [("h200-llama-matched", "olmoe", 16),
+                                               ("h200-llama-matched-qwen", "qwen", 24)])
+def test_the_matched_specs_hold_each_llama_cpp_rows_gpu_expert_rows(name, model, layers):
+    """Each matched row's resident experts + top_k spares are llama.cpp's --n-cpu-moe row's GPU expert rows,
+    E (L - n) / L per layer (clipped at top_k), and every row names the budget it matches."""
+    from runmap.arch.config import load_preset
+
+    spec = bench.load_spec(REPO / "specs" / "campaigns" / f"{name}.yaml")
+    configs = bench.expand(spec)
+    cfg = load_preset(spec["models"][model]["preset"])[0]
+    assert cfg.num_layers == layers and {c.model for c in configs} == {model}
+    for c in configs:
+        n = c.p["matched_n_cpu_moe"]
+        rows = cfg.num_experts * (cfg.num_layers - n) // cfg.num_layers
+        assert c.resident == (cfg.num_experts if n == 0 else max(cfg.top_k, rows - cfg.top_k)), c.id
