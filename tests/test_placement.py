@@ -1009,6 +1009,10 @@ def test_auto_becomes_host_read_where_that_site_is_possible_unless_the_cpu_site_
     c = failed.describe()["costs"]
     assert isinstance(failed, AutoPlacement) and c["host_read_gb_s"] is None
     assert "could not be measured (RuntimeError: no mapping here)" in c["source"]
+    # host-read asked by name records the rate it measures, and nothing where the measurement raises
+    assert make_placement("host-read", host_read_rate=rate(12.5)).describe()["host_read_gb_s"] == 12.5
+    assert make_placement("host-read", host_read_rate=broken).describe()["host_read_gb_s"] is None
+    assert make_placement("host-read").describe()["host_read_gb_s"] is None
 
 
 @pytest.mark.parametrize("host_read_gb_s,policy", [(2.0, None), (2.0, "lfu-decay"), (2.0, "lru"), (0.5, None)])

@@ -148,7 +148,8 @@ def _without_decoded_mode(moe, *args, config=None, **kwargs):
     return moe(*args, config={**(config or {}), "DEQUANT": False}, **kwargs)
 
 
-def _check_host_read(executor: str, resident: int, experts: int, device, contract: str) -> None:
+def _check_host_read(executor: str, resident: int, experts: int, device, contract: str,
+                     emulate_link_gb_s: float | None = None) -> None:
     """Placement host-read's preconditions, each an EngineError naming the value and what is allowed."""
     if executor != "grouped":
         raise EngineError(f"expert placement 'host-read' runs on the grouped executor only (its kernels read host rows); "
@@ -159,12 +160,17 @@ def _check_host_read(executor: str, resident: int, experts: int, device, contrac
     if torch.device(device).type == "cuda" and contract != "v2":
         raise EngineError("expert placement 'host-read' reads the registered host source over the link: it needs "
                           "contract v2 (--cache-contract v2), which registers and maps it")
+    if emulate_link_gb_s is not None:
+        raise EngineError("expert placement 'host-read' reads over the real link inside its kernels; an emulated link "
+                          "(emulate_link_gb_s) paces copies only, so it cannot be emulated")
 
 
-def _host_read_possible(executor: str, resident: int, experts: int, device, contract: str) -> bool:
-    """Placement host-read's preconditions (_check_host_read) hold: ``auto`` may then choose it."""
+def _host_read_possible(executor: str, resident: int, experts: int, device, contract: str,
+                        emulate_link_gb_s: float | None) -> bool:
+    """Placement host-read's preconditions (_check_host_read) hold: ``auto`` may then choose it, and its rate can be
+    measured."""
     try:
-        _check_host_read(executor, resident, experts, device, contract)
+        _check_host_read(executor, resident, experts, device, contract, emulate_link_gb_s)
     except EngineError:
         return False
     return True
@@ -1636,10 +1642,7 @@ class Engine:
             raise EngineError("expert_format='fp16' is a full-residency baseline; it cannot be combined with resident")
         if expert_placement == "host-read":
             try:
-                _check_host_read(executor, resident, E, device, cache_contract)
-                if emulate_link_gb_s is not None:
-                    raise EngineError("expert placement 'host-read' reads over the real link inside its kernels; an "
-                                      "emulated link (emulate_link_gb_s) paces copies only, so it cannot be emulated")
+                _check_host_read(executor, resident, E, device, cache_contract, emulate_link_gb_s)
             except EngineError:
                 reader.close()
                 raise
@@ -1702,9 +1705,8 @@ class Engine:
                 if expert_placement == "host-read":
                     if policy == "lfu-decay":  # its half-life in decode steps: one tick per layer each step
                         from runmap.engine.placement import HostReadPlacement
-                        from runmap.residency.eviction import LFUDecayPolicy
 
-                        cache_policy = LFUDecayPolicy(half_life=HostReadPlacement.HALF_LIFE_TOKENS * cfg.num_layers)
+                        cache_policy = HostReadPlacement.eviction_policy(cfg.num_layers)
                 kw = dict(resident=resident, max_group=group, device=device, policy=cache_policy, transport=transport)
                 if host_source is not None:
                     host_source.watch_reader(reader)  # closed; a read through it is still observed
@@ -1727,13 +1729,12 @@ class Engine:
                     from runmap.engine.placement import HostReadPlacement, make_placement
 
                     auto = expert_placement.startswith("auto")
-                    host_read_rate = None  # auto: measures the host-read site where that placement is possible here
+                    host_read_rate = None  # measures the host-read site where that placement is possible here
                     given_read = placement_costs is not None and placement_costs.host_read_gb_s is not None
                     # measured on a GPU only: on the CPU device the host source is the device's own memory, no link to
-                    # read over; there a given rate (tests, what-if runs) exercises the choice and is never re-measured
-                    # never under an emulated link: its pace holds for copies, not for the kernels' reads
-                    if auto and emulate_link_gb_s is None and (device.type == "cuda" or given_read) and \
-                            _host_read_possible(executor, resident, E, device, cache_contract):
+                    # read over; there a rate given to auto (tests, what-if runs) exercises its choice
+                    if (device.type == "cuda" or (auto and given_read)) and _host_read_possible(
+                            executor, resident, E, device, cache_contract, emulate_link_gb_s):
                         host_read_rate = experts.measure_host_read_gb_s
                     experts.placement = make_placement(expert_placement, cache=cache,
                                                        site=experts.site() if auto and placement_costs is None
@@ -1744,17 +1745,7 @@ class Engine:
                             experts.cpu_site.close()
                             experts.cpu_site = None
                         if auto and policy_asked in (None, "lfu-decay"):  # as placement host-read asked by name
-                            from runmap.residency.eviction import LFUDecayPolicy
-
-                            cache.replace_policy(LFUDecayPolicy(
-                                half_life=HostReadPlacement.HALF_LIFE_TOKENS * cfg.num_layers))
-                        elif not auto and device.type == "cuda":
-                            # asked by name: its machine's read rate recorded all the same (GPUs of one kind read
-                            # host memory at 25-58 GB/s, results/campaigns/h100-host-read-slow-link); not on the CPU
-                            try:
-                                experts.placement.read_gb_s = experts.measure_host_read_gb_s()
-                            except Exception:  # informational only: the steps themselves fail loudly if reads do
-                                experts.placement.read_gb_s = None
+                            cache.replace_policy(HostReadPlacement.eviction_policy(cfg.num_layers))
                         experts.enable_host_read()
                     if experts.placement.may_use_cpu():
                         # every expert repacked now: a decode step never pays a first use's repack (~30 ms each)

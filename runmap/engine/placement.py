@@ -258,16 +258,25 @@ class HostReadPlacement(Placement):
     HALF_LIFE_TOKENS = 512.0  # the lfu-decay policy's half-life the engine builds for it, in decode steps
 
     def __init__(self, margin: float = 1.0, half_life_tokens: float = HALF_LIFE_TOKENS,
-                 chosen_by: PlacementCosts | None = None, requested: str = "host-read"):
+                 chosen_by: PlacementCosts | None = None, requested: str = "host-read",
+                 read_gb_s: float | None = None):
         """chosen_by: the measured rates with which ``auto`` (``requested``) chose this placement; None when asked
-        for by name."""
+        for by name. read_gb_s: the host-read site's rate measured at build (one token's top_k experts over the link;
+        GPUs of one kind read host memory at 25-58 GB/s, results/campaigns/h100-host-read-slow-link), None where not
+        measured (the CPU device, a failed measurement); with chosen_by, its host_read_gb_s."""
         if not (margin >= 0 and half_life_tokens > 0):  # (NaN fails both)
             raise PlacementError(f"host-read: margin {margin} must be >= 0 and half_life_tokens {half_life_tokens} > 0")
         self.margin, self.half_life_tokens = float(margin), float(half_life_tokens)
         self.chosen_by, self.requested = chosen_by, requested
-        # the host-read site's rate measured at build (one token's top_k experts over the link), GB/s; None = not
-        # measured (the CPU device); with chosen_by it is chosen_by.host_read_gb_s
-        self.read_gb_s = chosen_by.host_read_gb_s if chosen_by is not None else None
+        self.read_gb_s = chosen_by.host_read_gb_s if chosen_by is not None else read_gb_s
+
+    @classmethod
+    def eviction_policy(cls, num_layers: int):
+        """The lfu-decay policy the engine builds for host-read: a half-life of HALF_LIFE_TOKENS decode steps, one tick
+        per layer each step."""
+        from runmap.residency.eviction import LFUDecayPolicy
+
+        return LFUDecayPolicy(half_life=cls.HALF_LIFE_TOKENS * num_layers)
 
     def describe(self) -> dict:
         d = {"mode": self.name, "promotion_margin": self.margin, "half_life_tokens": self.half_life_tokens,
@@ -488,6 +497,14 @@ def auto_chooses_host_read(costs: PlacementCosts) -> bool:
     return costs.host_read_gb_s is not None and costs.cpu_gb_s <= max(costs.host_read_gb_s, costs.h2d_gb_s)
 
 
+def _measured(host_read_rate) -> tuple[float | None, str | None]:
+    """(the host-read site's rate from ``host_read_rate()``, None) or (None, the error it raised)."""
+    try:
+        return float(host_read_rate()), None
+    except Exception as e:  # a measurement, never a result: the caller records or ignores it
+        return None, f"{type(e).__name__}: {e}"
+
+
 def make_placement(name: str, *, cache=None, site=None, costs: PlacementCosts | None = None,
                    host_read_rate=None) -> Placement:
     """The placement registered under ``name`` (PLACEMENTS). ``auto`` measures its costs on ``cache``'s host
@@ -495,26 +512,26 @@ def make_placement(name: str, *, cache=None, site=None, costs: PlacementCosts | 
     ``host_read_rate`` (a callable returning GB/s, given where placement host-read is possible) measures the host-read
     site too unless ``costs`` holds its rate, and ``auto`` is then placement host-read when ``auto_chooses_host_read``
     (``auto-split`` never: it is the rule dividing calls between the CPU and the link). A measurement that raises
-    leaves the rule, with the error in ``costs.source``."""
+    leaves the rule, with the error in ``costs.source``. Placement ``host-read`` records the rate it measures (None
+    where it raises)."""
     if name not in PLACEMENTS:
         raise PlacementError(f"expert placement {name!r}: choose one of {', '.join(PLACEMENTS)}")
     if name == "gpu":
         return Placement()
     if name == "cpu":
         return CpuPlacement()
-    if name == "host-read":
-        return HostReadPlacement()
+    if name == "host-read":  # the rate only recorded: the steps themselves fail loudly if the reads do
+        return HostReadPlacement(read_gb_s=_measured(host_read_rate)[0] if host_read_rate is not None else None)
     if costs is None:
         costs = measure_costs(site, cache.host, cache.device, transport=cache.transport)
     if name != "auto":
         host_read_rate = None  # auto-split is the rule dividing calls between the CPU and the link: it stays the rule
     if host_read_rate is not None and costs.host_read_gb_s is None:
-        try:
-            costs = dataclasses.replace(costs, host_read_gb_s=float(host_read_rate()),
-                                        source=costs.source + "; the host-read site on one token's top_k experts")
-        except Exception as e:  # the rule still runs, as before this site existed; the record says why
-            costs = dataclasses.replace(costs, source=costs.source + f"; the host-read site could not be measured "
-                                                                     f"({type(e).__name__}: {e}), so it is not chosen")
+        rate, error = _measured(host_read_rate)
+        costs = dataclasses.replace(  # a failed measurement: the rule still runs, as before this site existed
+            costs, host_read_gb_s=rate, source=costs.source + (
+                "; the host-read site on one token's top_k experts" if error is None else
+                f"; the host-read site could not be measured ({error}), so it is not chosen"))
     if host_read_rate is None and costs.host_read_gb_s is not None:
         costs = dataclasses.replace(costs, host_read_gb_s=None)  # given, but the site is not possible in this engine
     if auto_chooses_host_read(costs):

@@ -40,7 +40,6 @@ from runmap.engine.engine import CachedExperts
 from runmap.engine.placement import HostReadPlacement
 from runmap.format.qpack import RowLayout
 from runmap.residency.cache import ExpertCache
-from runmap.residency.eviction import LFUDecayPolicy
 from runmap.residency.host_source import HostSource
 from runmap.workload.calibration import StreamSampler, family_params, popularity
 
@@ -59,7 +58,7 @@ def build(family: str, resident: int, row_bytes_hint: int, spares: int):
     gen = torch.Generator().manual_seed(0)
     rows = [torch.randint(0, 256, (E, layout.row_bytes), dtype=torch.uint8, generator=gen) for _ in range(L)]
     host = HostSource.from_rows(rows, layout)
-    policy = LFUDecayPolicy(half_life=HostReadPlacement.HALF_LIFE_TOKENS * L)  # as Engine.from_pack builds it
+    policy = HostReadPlacement.eviction_policy(L)  # as Engine.from_pack builds it
     cache = ExpertCache(host, resident=resident, spares=spares, max_group=max(fam.top_k, 1), device="cpu",
                         policy=policy, copy_monitor=True)
     experts = CachedExperts(cache, "grouped", layout, fam.top_k)
