@@ -80,6 +80,14 @@ def _convert(source: Path, ck: Path, out: Path):
                           cwd=REPO, timeout=300)
 
 
+def _dump(source: Path, gguf: Path, want: list[str]) -> dict:
+    """{"meta": ..., "tensors": ...} of a GGUF, the tensors named in ``want`` with their data (DUMP)."""
+    d = subprocess.run([sys.executable, "-c", DUMP, str(gguf), ",".join(want)], capture_output=True, text=True,
+                       env=dict(os.environ, PYTHONPATH=str(source / "gguf-py")), timeout=120)
+    assert d.returncode == 0, d.stderr[-3000:]
+    return json.loads(d.stdout)
+
+
 @pytest.fixture(scope="module")
 def converted(source, checkpoint, tmp_path_factory):
     out = tmp_path_factory.mktemp("gguf") / "tiny-olmoe-f16.gguf"
@@ -87,10 +95,7 @@ def converted(source, checkpoint, tmp_path_factory):
     assert r.returncode == 0, (r.stdout + r.stderr)[-4000:]
     want = ["token_embd.weight", "blk.1.ffn_gate_inp.weight", "blk.1.ffn_gate_exps.weight",
             "blk.1.ffn_up_exps.weight", "blk.1.ffn_down_exps.weight"]
-    d = subprocess.run([sys.executable, "-c", DUMP, str(out), ",".join(want)], capture_output=True, text=True,
-                       env=dict(os.environ, PYTHONPATH=str(source / "gguf-py")), timeout=120)
-    assert d.returncode == 0, d.stderr[-3000:]
-    return {"proc": r, "out": out, **json.loads(d.stdout)}
+    return {"proc": r, "out": out, **_dump(source, out, want)}
 
 
 def test_the_source_is_the_pinned_one(source):
@@ -184,11 +189,7 @@ def test_a_qwen2_moe_checkpoint_converts_with_its_shared_expert(source, tmp_path
     r = _convert(source, ck, out)
     assert r.returncode == 0, (r.stdout + r.stderr)[-4000:]
     assert "pre-tokenizer answer: gpt-2" in r.stdout + r.stderr
-    want = ["blk.1.ffn_gate_exps.weight", "blk.1.ffn_gate_inp_shexp.weight"]
-    d = subprocess.run([sys.executable, "-c", DUMP, str(out), ",".join(want)], capture_output=True, text=True,
-                       env=dict(os.environ, PYTHONPATH=str(source / "gguf-py")), timeout=120)
-    assert d.returncode == 0, d.stderr[-3000:]
-    g = json.loads(d.stdout)
+    g = _dump(source, out, ["blk.1.ffn_gate_exps.weight", "blk.1.ffn_gate_inp_shexp.weight"])
     m, t = g["meta"], g["tensors"]
     assert m["general.architecture"] == "qwen2moe" and m["qwen2moe.block_count"] == cfg.num_layers
     assert m["qwen2moe.expert_count"] == cfg.num_experts and m["qwen2moe.expert_used_count"] == cfg.top_k
