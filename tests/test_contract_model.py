@@ -113,6 +113,18 @@ def test_telemetry_matches_its_schema():
     assert list(v.iter_errors(tel))
 
 
+@pytest.mark.parametrize("option", ["--examples", "--steps", "--mutant-examples"])
+@pytest.mark.parametrize("value", ["0", "-2", "ten"])
+def test_cli_refuses_a_count_below_one_in_one_line(tmp_path, capsys, option, value):
+    """A count the state machine cannot run (Hypothesis would raise InvalidArgument only after the main run, for
+    --mutant-examples 0) is refused before anything runs: exit 2, the option named, no report."""
+    with pytest.raises(SystemExit) as e:
+        main(["contract", option, value, "--no-progress", "--out", str(tmp_path / "r.json")])
+    err = capsys.readouterr().err.strip().splitlines()[-1]
+    assert e.value.code == 2 and f"argument {option}:" in err and "Traceback" not in err
+    assert not (tmp_path / "r.json").exists()
+
+
 def test_cli_refuses_cuda_events_without_cuda(tmp_path, capsys):
     rc = main(["contract", "--events", "cuda", "--no-progress", "--out", str(tmp_path / "r.json")])
     assert rc == 2 and not (tmp_path / "r.json").exists()

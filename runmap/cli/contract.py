@@ -6,6 +6,7 @@ import sys
 import time
 from pathlib import Path
 from runmap.atomic import write_json
+from runmap.cli.options import int_at_least
 from runmap.provenance import device_name, library_versions, package_version, utc_timestamp
 
 HELP = "run the property suite of the expert cache contract (resident-qpacked-cache-v1) and write its report"
@@ -37,8 +38,8 @@ REPORT_VERSION = "contract-report-v1"
 
 
 def add_arguments(p) -> None:
-    p.add_argument("--examples", type=int, default=300, help="Hypothesis examples (state machine runs); default 300")
-    p.add_argument("--steps", type=int, default=30, help="rules per example (stateful_step_count); default 30")
+    p.add_argument("--examples", type=int_at_least(1), default=300, help="Hypothesis examples (state machine runs); default 300")
+    p.add_argument("--steps", type=int_at_least(1), default=30, help="rules per example (stateful_step_count); default 30")
     p.add_argument("--seed", type=int, default=0, help="Hypothesis seed; default 0")
     p.add_argument("--device", choices=("cpu", "cuda"), default="cpu",
                    help="where the cache's device rows live: cpu tensors, or cuda (pinned staging, streams, events)")
@@ -49,7 +50,7 @@ def add_arguments(p) -> None:
                    help="v1 (default): pageable host source -> pinned staging -> device; v2: the host source "
                         "registered (pinned) once and copied straight into spare rows (docs/cache-contract.md)")
     p.add_argument("--out", default="results/contract/report.json", help="report path (JSON); default %(default)s")
-    p.add_argument("--mutant-examples", type=int, default=400,
+    p.add_argument("--mutant-examples", type=int_at_least(1), default=400,
                    help="example budget per mutant before it counts as uncaught; default 400")
     p.add_argument("--no-mutants", action="store_true", help="skip the mutation check")
     p.add_argument("--no-progress", action="store_true", help="no progress bar")
@@ -104,9 +105,6 @@ def run(args) -> int:
 
     from runmap.residency import contract_model as cm
 
-    if args.examples < 1 or args.steps < 1:
-        print("runmap contract: --examples and --steps must be positive", file=sys.stderr)
-        return 2
     if args.device == "cuda" and not torch.cuda.is_available():
         print("runmap contract: --device cuda requested but CUDA is not available", file=sys.stderr)
         return 1
