@@ -460,11 +460,13 @@ def test_partial_residency_runs_without_the_decoded_mode_and_with_short_passes(p
     from runmap.engine.budget import PREFILL_CHUNK_UNDER_BUDGET
     from runmap.engine.engine import PREFILL_CHUNK
 
-    monkeypatch.setattr(grouped, "DEQUANT_MIN_PAIRS", 129)
+    # the shortest prompt past a lowered threshold that is still a sorted pass (over DECODE_MAX_PAIRS = 128 pairs):
+    # 33 tokens x top_k 4 = 132 pairs (the interpreter's time grows with the pairs)
+    monkeypatch.setattr(grouped, "DEQUANT_MIN_PAIRS", grouped.DECODE_MAX_PAIRS + 1)
     entered = []
     real = grouped._dequant_stages
     monkeypatch.setattr(grouped, "_dequant_stages", lambda *a, **kw: entered.append(1) or real(*a, **kw))
-    prompt = [(13 * i + 5) % 500 for i in range(48)]
+    prompt = [(13 * i + 5) % 500 for i in range(33)]
     for resident, want_chunk, want_decoded in ((None, PREFILL_CHUNK, True), (4, PREFILL_CHUNK_UNDER_BUDGET, False)):
         eng = Engine.from_pack(packs["tiny-olmoe"], executor="grouped", resident=resident, device=test_device,
                                max_batch=1, max_seq_len=64)
