@@ -402,3 +402,37 @@ def test_a_broken_pipe_that_is_not_standard_output_is_an_error(monkeypatch, caps
     monkeypatch.setattr(cli_main, "_stdout_is_pipe", lambda: False)
     assert main(["validate", "results/campaigns/h200-host-overhead/campaign.json"]) == 1
     assert "BrokenPipeError" in capsys.readouterr().err
+
+
+class _Built(Exception):
+    """Raised by the stand-ins below once the command has said how it builds its engine."""
+
+
+@pytest.mark.parametrize("command", ["generate", "logits", "serve"])
+def test_every_engine_command_takes_the_cache_contract_and_passes_it_on(fixtures, monkeypatch, command):
+    """--cache-contract is a residency option of every command that builds an engine (placement host-read needs v2 on
+    a GPU): each passes what was asked to Engine.from_pack, and v1 stays the default."""
+    from runmap.engine.engine import Engine
+    import runmap.serve.app as app
+
+    seen = []
+
+    def from_pack(pack, **kw):
+        seen.append(kw)
+        raise _Built()
+
+    monkeypatch.setattr(Engine, "from_pack", staticmethod(from_pack))
+
+    class Server:  # serve hands its loader to the server: call it here instead of starting one
+        def __init__(self, load_engine, **kw):
+            load_engine()
+
+    monkeypatch.setattr(app, "Server", Server)
+    tail = {"generate": ["--prompt", "x"], "logits": ["--tokens", "1,2", "--out", "unused.safetensors"],
+            "serve": ["--port", "0"]}[command]
+    for contract in ("v2", None):
+        argv = [command, "--packed", str(fixtures["pack"]), "--resident", "4", *tail]
+        argv += ["--cache-contract", contract] if contract else []
+        with contextlib.suppress(_Built):
+            main(argv)
+        assert seen and seen[-1]["cache_contract"] == (contract or "v1"), (argv, seen)

@@ -39,9 +39,6 @@ def add_arguments(p) -> None:
                    help="int4 (default, the product) or fp16 (baseline: dequantized experts, no cache)")
     p.add_argument("--telemetry", default=None, metavar="FILE",
                    help="write the run's telemetry JSON here (default: no telemetry file)")
-    p.add_argument("--cache-contract", choices=("v1", "v2"), default="v1",
-                   help="v1 (default): host source -> pinned staging -> GPU; v2: the host source pinned once and "
-                        "copied straight into spare rows (docs/cache-contract.md)")
     p.add_argument("--routing", default="model", type=routing_argument, metavar="NAME", help=ROUTING_HELP)
     p.add_argument("--routing-seed", type=int, default=0, metavar="S", help="seed of the calibrated routing (default 0)")
     p.add_argument("--trace", default=None, metavar="FILE",

@@ -23,7 +23,9 @@ def int_at_least(minimum: int):
 
 
 def add_residency_arguments(p) -> None:
-    """``--resident N | --gpu-budget SIZE`` (mutually exclusive): how many experts per layer stay on the GPU."""
+    """``--resident N | --gpu-budget SIZE`` (mutually exclusive): how many experts per layer stay on the GPU; and how
+    the others are reached: ``--prefill-chunk``, ``--expert-placement``, ``--cache-contract``, ``--cpu-executor``,
+    ``--prefetch``."""
     res = p.add_mutually_exclusive_group()
     res.add_argument("--resident", type=int, default=None, metavar="N",
                      help="routed experts per layer on the device (default: all = full residency)")
@@ -53,6 +55,11 @@ def add_residency_arguments(p) -> None:
                         "where each routed expert runs. "
                         "Decode steps that may use the CPU run the CUDA-graph segment chain with a CPU part per layer "
                         "(docs/engine.md)")
+
+    p.add_argument("--cache-contract", choices=("v1", "v2"), default="v1",
+                   help="partial residency: v1 (default): host source -> pinned staging -> GPU; v2: the host source "
+                        "pinned once and copied straight into spare rows, which --expert-placement host-read needs on "
+                        "a GPU (docs/cache-contract.md)")
 
     p.add_argument("--cpu-executor", choices=CPU_SITE_EXECUTORS, default="cpu-native",
                    help="the CPU site's kernel for --expert-placement cpu/auto: cpu-native (default) = a C kernel "

@@ -179,6 +179,7 @@ def run(args) -> int:
                              max_batch=args.max_batch, max_seq_len=args.max_seq_len,
                              expert_placement=args.expert_placement, cpu_executor=args.cpu_executor,
                              prefetch=args.prefetch, prefill_chunk=args.prefill_chunk,
+                             cache_contract=args.cache_contract,
                              warm_up=False,  # the scheduler warms up every shape it serves
                              **({"gpu_budget": args.gpu_budget} if args.gpu_budget is not None
                                 else {"resident": resident}))
