@@ -436,3 +436,32 @@ def test_every_engine_command_takes_the_cache_contract_and_passes_it_on(fixtures
         with contextlib.suppress(_Built):
             main(argv)
         assert seen and seen[-1]["cache_contract"] == (contract or "v1"), (argv, seen)
+
+
+@pytest.mark.parametrize("argv", [
+    ["generate", "--packed", "P", "--prompt", "x", "--max-new-tokens", "-5"],
+    ["generate", "--packed", "P", "--prompt", "x", "--temperature", "-1"],
+    ["generate", "--packed", "P", "--prompt", "x", "--top-p", "2"],
+    ["generate", "--packed", "P", "--prompt", "x", "--top-p", "nan"],
+    ["generate", "--packed", "P", "--prompt", "x", "--resident", "-1"],
+    ["serve", "--packed", "P", "--resident", "0"],
+    ["pack", "CK", "OUT", "--block-size", "7"],
+    ["synth", "OUT", "--preset", "tiny-olmo"],
+    ["synth", "OUT", "--preset", "tiny-olmoe", "--shard-size", "0"],
+    ["synth", "OUT", "--preset", "tiny-olmoe", "--direct-pack", "--block-size", "0"],
+    ["logits", "--packed", "P", "--out", "o.safetensors", "--tokens", "a,b"],
+    ["ifeval", "generate", "--packed", "P", "--out", "a.jsonl", "--shard", "3/2"],
+    ["ifeval", "generate", "--packed", "P", "--out", "a.jsonl", "--limit", "-1"],
+    ["ifeval", "score", "--responses", "r.jsonl", "--out", "o", "--limit", "0"],
+    ["ifeval", "merge", "a.jsonl", "--out", "o.jsonl", "--limit", "0"],
+])
+def test_an_out_of_range_value_is_a_usage_error(argv, capsys, tmp_path, monkeypatch):
+    """Exit 2 (runmap --help: a malformed or out-of-range argument value), one line naming the option, before
+    anything is read or written."""
+    monkeypatch.chdir(tmp_path)
+    with pytest.raises(SystemExit) as e:
+        main(argv)
+    err = capsys.readouterr().err.strip().splitlines()
+    option = argv[-2]  # the bad value is the last
+    assert e.value.code == 2 and f"argument {option}:" in err[-1] and not any("Traceback" in l for l in err), err
+    assert list(tmp_path.iterdir()) == []

@@ -316,3 +316,25 @@ def test_undetectable_language_counts_as_followed_and_logs_nothing(caplog):
     assert not caplog.records, [x.getMessage()[:80] for x in caplog.records]
     assert S.score_prompt(checkers, rec, "This answer is plainly written in English.")["strict"][
         "follow_instruction_list"] == [False]
+
+
+def test_responses_of_a_limited_generation_are_scored_on_its_prompts(tmp_path, capsys):
+    """`ifeval generate --limit N` answers the first N prompts: score takes N from the sidecar (or --limit) and scores
+    those prompts; without either, the missing answers are an error naming them."""
+    inputs = [json.loads(l) for l in GPT4_INPUTS.read_text().splitlines()[:3]]
+    by_prompt = {r["prompt"]: r for r in map(json.loads, GPT4_RESPONSES.read_text().splitlines())}
+    responses = tmp_path / "answers.jsonl"
+    responses.write_text("".join(json.dumps(by_prompt[r["prompt"]]) + "\n" for r in inputs))
+    argv = ["ifeval", "score", "--inputs", str(GPT4_INPUTS), "--responses", str(responses), "--no-progress"]
+
+    assert main(argv + ["--out", str(tmp_path / "none")]) == 1
+    assert "no response for 538 input prompt(s)" in capsys.readouterr().err
+    assert main(argv + ["--out", str(tmp_path / "flag"), "--limit", "3"]) == 0
+    assert json.loads((tmp_path / "flag" / "summary.json").read_text())["inputs"]["prompts"] == 3
+    S.sidecar_path(responses).write_text(json.dumps(
+        {"status": "complete", "inputs": {"path": str(GPT4_INPUTS), "sha256": S.sha256_file(GPT4_INPUTS), "limit": 3}}))
+    assert main(argv + ["--out", str(tmp_path / "sidecar")]) == 0
+    summary = json.loads((tmp_path / "sidecar" / "summary.json").read_text())
+    assert summary["inputs"]["prompts"] == 3 and summary["prompt_level"]["strict"]["total"] == 3
+    flagged = json.loads((tmp_path / "flag" / "summary.json").read_text())
+    assert summary["prompt_level"] == flagged["prompt_level"]

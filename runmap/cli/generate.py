@@ -1,7 +1,7 @@
 """``runmap generate``: stream a completion of one prompt to stdout."""
 from __future__ import annotations
 
-from runmap.cli.options import add_residency_arguments, placement_line
+from runmap.cli.options import add_residency_arguments, float_in, int_at_least, placement_line
 from runmap.kernels.registry import EXECUTOR_NAMES, executor_help
 from runmap.workload.routing import ROUTING_HELP, routing_argument
 
@@ -27,13 +27,13 @@ def add_arguments(p) -> None:
     p.add_argument("--executor", default="grouped", choices=EXECUTOR_NAMES,
                    help="W4A16 executor (default grouped; on a machine without a GPU the Triton executors run in "
                         "Triton's interpreter, slowly). " + executor_help())
-    p.add_argument("--max-new-tokens", type=int, default=128, metavar="N", help="default 128")
-    p.add_argument("--temperature", type=float, default=0.0, metavar="T", help="0 = greedy (default)")
-    p.add_argument("--top-p", type=float, default=1.0, metavar="P", help="nucleus sampling mass (default 1.0)")
+    p.add_argument("--max-new-tokens", type=int_at_least(1), default=128, metavar="N", help="default 128")
+    p.add_argument("--temperature", type=float_in(0.0), default=0.0, metavar="T", help="0 = greedy (default)")
+    p.add_argument("--top-p", type=float_in(0.0, 1.0, low_open=True), default=1.0, metavar="P", help="nucleus sampling mass (default 1.0)")
     p.add_argument("--seed", type=int, default=None, metavar="S", help="sampling seed")
     p.add_argument("--stop", action="append", default=[], metavar="TEXT", help="stop string (repeatable)")
     p.add_argument("--device", default=None, help="cuda | cpu (default: cuda when available)")
-    p.add_argument("--max-seq-len", type=int, default=None, metavar="N",
+    p.add_argument("--max-seq-len", type=int_at_least(1), default=None, metavar="N",
                    help="KV cache length (default: min(max_position_embeddings, 4096))")
     p.add_argument("--expert-format", default="int4", choices=["int4", "fp16"],
                    help="int4 (default, the product) or fp16 (baseline: dequantized experts, no cache)")

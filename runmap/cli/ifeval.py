@@ -5,6 +5,8 @@ import argparse
 import sys
 from pathlib import Path
 
+from runmap.cli.options import int_at_least
+
 HELP = "IFEval: generate answers with a packed model (generate, optionally one shard), merge shards, score"
 DESCRIPTION = """\
 IFEval (instruction-following evaluation), two steps:
@@ -48,6 +50,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     sc.add_argument("--out", type=Path, required=True, help="output folder for results.jsonl and summary.json")
     sc.add_argument("--meta", type=Path, default=None,
                     help="generation metadata JSON (default: RESPONSES.meta.json when it exists)")
+    sc.add_argument("--limit", type=int_at_least(1), default=None, metavar="N",
+                    help="score the first N prompts of --inputs only (default: the --limit the responses were "
+                         "generated with, from the metadata; else every prompt)")
     sc.add_argument("--no-progress", action="store_true", help="no progress bar")
     sc.set_defaults(_ifeval_run=_run_score)
 
@@ -61,7 +66,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                     help="shard answer files (each with its SHARD.jsonl.meta.json), any order")
     mg.add_argument("--inputs", type=Path, default=DEFAULT_INPUTS,
                     help=f"the IFEval input JSONL the shards were generated from (default {DEFAULT_INPUTS})")
-    mg.add_argument("--limit", type=int, default=None, help="the --limit the shards were generated with")
+    mg.add_argument("--limit", type=int_at_least(1), default=None, help="the --limit the shards were generated with")
     mg.add_argument("--out", type=Path, required=True, help="merged answers JSONL; sidecar OUT.meta.json")
     mg.set_defaults(_ifeval_run=_run_merge)
 
@@ -78,7 +83,8 @@ def _run_score(args) -> int:
     from runmap.ifeval.score import IFEvalError, format_table, score_files, write_outputs
 
     try:
-        results, summary = score_files(args.inputs, args.responses, meta=args.meta, progress=not args.no_progress)
+        results, summary = score_files(args.inputs, args.responses, meta=args.meta, progress=not args.no_progress,
+                                       limit=args.limit)
         res_path, sum_path = write_outputs(args.out, results, summary)
     except (IFEvalError, OSError) as e:  # bad input file or unwritable output: exit 1 (2 is for usage errors)
         print(f"runmap ifeval score: error: {e}", file=sys.stderr)

@@ -22,12 +22,71 @@ def int_at_least(minimum: int):
     return parse
 
 
+def float_in(low: float, high: float = float("inf"), *, low_open: bool = False):
+    """argparse ``type=``: a float in [low, high] (``low_open``: (low, high]), else one line saying which."""
+    import argparse
+    import math
+
+    def parse(text: str) -> float:
+        try:
+            v = float(text)
+        except ValueError:
+            raise argparse.ArgumentTypeError(f"not a number: {text!r}") from None
+        if math.isnan(v) or v < low or (low_open and v == low) or v > high:
+            left = "(" if low_open else "["
+            right = f"{high:g}]" if math.isfinite(high) else "inf)"
+            raise argparse.ArgumentTypeError(f"must be in {left}{low:g}, {right}, got {text}")
+        return v
+
+    return parse
+
+
+def even_block_size(text: str) -> int:
+    """argparse ``type=``: an INT4 scale block size, a positive even integer (qpack's rule)."""
+    import argparse
+
+    v = int_at_least(2)(text)
+    if v % 2:
+        raise argparse.ArgumentTypeError(f"must be even (two INT4 values per byte), got {v}")
+    return v
+
+
+def checked_text(check):
+    """argparse ``type=``: the text itself once ``check(text)`` accepts it; its error (a ValueError) is the usage
+    error's one line, without the option name it repeats (argparse names the option)."""
+    import argparse
+
+    def parse(text: str) -> str:
+        try:
+            check(text)
+        except ValueError as e:
+            msg = str(e)
+            if msg.startswith("--"):  # "--shard '3/2': ..." -> "'3/2': ..."; "--tokens: ..." -> "..."
+                msg = msg.split(" ", 1)[-1]
+            raise argparse.ArgumentTypeError(msg) from None
+        return text
+
+    return parse
+
+
+def preset_argument(text: str) -> str:
+    """argparse ``type=``: the name of a model preset (runmap/arch/presets)."""
+    import argparse
+
+    from runmap.arch.config import preset_names
+
+    names = preset_names()
+    if text not in names:
+        raise argparse.ArgumentTypeError(f"unknown preset {text!r}; choose one of {', '.join(names)}")
+    return text
+
+
 def add_residency_arguments(p) -> None:
     """``--resident N | --gpu-budget SIZE`` (mutually exclusive): how many experts per layer stay on the GPU; and how
     the others are reached: ``--prefill-chunk``, ``--expert-placement``, ``--cache-contract``, ``--cpu-executor``,
     ``--prefetch``."""
     res = p.add_mutually_exclusive_group()
-    res.add_argument("--resident", type=int, default=None, metavar="N",
+    res.add_argument("--resident", type=int_at_least(1), default=None, metavar="N",
                      help="routed experts per layer on the device (default: all = full residency)")
     res.add_argument("--gpu-budget", type=size_argument, default=None, metavar="SIZE",
                      help="instead of --resident: plan the GPU memory (non-routed weights, KV cache, workspaces, spare "

@@ -3,6 +3,8 @@ from __future__ import annotations
 
 import sys
 
+from runmap.cli.options import even_block_size
+
 HELP = "pack a local HF checkpoint into INT4 qpacked expert rows + FP16 non-routed tensors + manifest.json"
 DESCRIPTION = """\
 Pack CHECKPOINT_DIR (config.json + model.safetensors or shards with model.safetensors.index.json, an
@@ -27,7 +29,7 @@ Exit status: 0 ok, 1 bad input (message names the file and tensor), 2 usage, 130
 def add_arguments(p) -> None:
     p.add_argument("checkpoint_dir", metavar="CHECKPOINT_DIR", help="local Hugging Face checkpoint directory")
     p.add_argument("out_dir", metavar="OUT_DIR", help="pack directory to create")
-    p.add_argument("--block-size", type=int, default=256, help="values per FP16 scale block along K (even; default 256)")
+    p.add_argument("--block-size", type=even_block_size, default=256, help="values per FP16 scale block along K (even; default 256)")
     p.add_argument("--device", default="auto", choices=["auto", "cpu", "cuda"],
                    help="where the quantization arithmetic runs (auto: cuda if available); the bytes are identical")
     p.add_argument("--force", action="store_true", help="replace an existing OUT_DIR that is a pack (never a file or another directory): the finished new "

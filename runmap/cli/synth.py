@@ -4,6 +4,7 @@ from __future__ import annotations
 import sys
 
 from runmap.arch.base import EXPERT_LAYOUTS
+from runmap.cli.options import even_block_size, float_in, int_at_least, preset_argument
 
 HELP = "write a deterministic synthetic HF checkpoint (BF16 safetensors + tokenizer) of a model preset"
 DESCRIPTION = """\
@@ -28,17 +29,17 @@ Examples:
 
 def add_arguments(p) -> None:
     p.add_argument("out_dir", metavar="OUT_DIR", help="checkpoint directory to create")
-    p.add_argument("--preset", required=True, help="model preset name, e.g. tiny-olmoe, tiny-qwen2-moe, olmoe-1b-7b-0924")
+    p.add_argument("--preset", required=True, type=preset_argument, help="model preset name, e.g. tiny-olmoe, tiny-qwen2-moe, olmoe-1b-7b-0924")
     p.add_argument("--seed", type=int, default=0, help="random seed (default 0)")
     p.add_argument("--direct-pack", action="store_true",
                    help="write OUT_DIR as a pack synthesized directly (random INT4 codes; speed runs only, labelled "
                         "in its manifest) instead of a checkpoint")
-    p.add_argument("--workers", type=int, default=None, help="--direct-pack: writer threads (default min(16, CPUs))")
-    p.add_argument("--block-size", type=int, default=None, help="--direct-pack: INT4 scale block (default 256)")
+    p.add_argument("--workers", type=int_at_least(1), default=None, help="--direct-pack: writer threads (default min(16, CPUs))")
+    p.add_argument("--block-size", type=even_block_size, default=None, help="--direct-pack: INT4 scale block (default 256)")
     p.add_argument("--expert-layout", default=None, choices=EXPERT_LAYOUTS,
                    help="per-expert: experts.{e}.{gate,up,down}_proj.weight (hub layout); "
                         "fused: experts.gate_up_proj (E,2I,H) + experts.down_proj (E,H,I)")
-    p.add_argument("--shard-size", type=float, default=None, help="maximum shard size in GiB (default 2)")
+    p.add_argument("--shard-size", type=float_in(0.0, low_open=True), default=None, help="maximum shard size in GiB (default 2)")
     p.add_argument("--device", default=None, choices=["cpu", "cuda"],
                    help="random number generator device (values differ between cpu and cuda; default cpu)")
     p.add_argument("--init", default=None, choices=["hf", "routing"],

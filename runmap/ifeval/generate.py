@@ -29,6 +29,7 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from runmap.resources import data_dir
 from runmap.kernels.registry import EXECUTOR_NAMES
+from runmap.cli.options import checked_text, int_at_least
 from runmap.atomic import write_json
 from runmap.provenance import sha256_file, utc_timestamp
 
@@ -294,25 +295,31 @@ def _generate_into(f, prompts: list[Prompt], out: Path, engine, settings: Genera
 # --------------------------------------------------------------------------- CLI
 
 
+def _check_shard(text: str) -> None:
+    from runmap.ifeval.shard import parse_shard  # (shard imports this module)
+
+    parse_shard(text)
+
+
 def add_generate_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--packed", type=Path, required=True, help="pack directory (runmap pack output: manifest.json, "
                                                              "tensors, tokenizer with chat template)")
     p.add_argument("--out", type=Path, required=True,
                    help="answers JSONL (appended to; a rerun skips answered prompts); sidecar OUT.meta.json")
     p.add_argument("--inputs", type=Path, default=DEFAULT_INPUTS, help=f"IFEval input JSONL (default {DEFAULT_INPUTS})")
-    p.add_argument("--limit", type=int, default=None, help="only the first N prompts of --inputs")
-    p.add_argument("--max-new-tokens", type=int, default=1280, help="new tokens per answer at most (default 1280)")
-    p.add_argument("--batch-size", type=int, default=32,
+    p.add_argument("--limit", type=int_at_least(1), default=None, help="only the first N prompts of --inputs")
+    p.add_argument("--max-new-tokens", type=int_at_least(1), default=1280, help="new tokens per answer at most (default 1280)")
+    p.add_argument("--batch-size", type=int_at_least(1), default=32,
                    help="prompts per engine.generate call and the engine's max_batch (default 32; 32-64 on an H200)")
     p.add_argument("--executor", default="grouped", choices=EXECUTOR_NAMES,
                    help="routed-expert arithmetic path (default grouped)")
-    p.add_argument("--resident", type=int, default=None,
+    p.add_argument("--resident", type=int_at_least(1), default=None,
                    help="experts per layer resident on the GPU (partial regime); default: all (full regime)")
     p.add_argument("--device", default=None, help="torch device (default: the engine's choice, cuda when present)")
-    p.add_argument("--max-seq-len", type=int, default=None,
+    p.add_argument("--max-seq-len", type=int_at_least(1), default=None,
                    help="KV-cache length; default: longest chat-formatted prompt + --max-new-tokens")
     p.add_argument("--stop", action="append", default=[], help="stop string (repeatable); default: EOS only")
-    p.add_argument("--shard", default=None, metavar="I/N",
+    p.add_argument("--shard", default=None, metavar="I/N", type=checked_text(_check_shard),
                    help="answer only shard I of N (1 <= I <= N) of the selected prompts: those whose rank in key order "
                         "is I-1 mod N; the sidecar records the shard, `runmap ifeval merge` joins the N files")
     p.add_argument("--model-name", default=None, help="model name recorded in the metadata (default: the pack "

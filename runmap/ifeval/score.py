@@ -364,13 +364,35 @@ def sidecar_path(responses: Path) -> Path:
     return responses.with_name(responses.name + ".meta.json")
 
 
-def score_files(inputs: Path, responses: Path, meta: Path | None = None, progress: bool = False):
+def _read_generation(meta: Path) -> dict:
+    """The generation sidecar ``meta`` as a dict; IFEvalError naming the file if it is not one."""
+    try:
+        generation = json.loads(Path(meta).read_text(encoding="utf-8"))
+    except (OSError, json.JSONDecodeError) as e:
+        raise IFEvalError(f"{meta}: cannot read generation metadata ({e})") from None
+    if not isinstance(generation, dict):
+        raise IFEvalError(f"{meta}: generation metadata must be a JSON object")
+    return generation
+
+
+def score_files(inputs: Path, responses: Path, meta: Path | None = None, progress: bool = False,
+                limit: int | None = None):
     """Score ``responses`` against ``inputs``. Returns (per-prompt results, summary dict).
 
     meta: generation sidecar; defaults to ``sidecar_path(responses)`` when that file exists.
+    limit: score the first ``limit`` input prompts only (``runmap ifeval generate --limit``); default: the limit
+    the sidecar records, else every prompt.
     """
     checkers = load_checkers()
     recs = load_inputs(inputs, known_ids=checkers.classes)
+    if meta is None and sidecar_path(responses).is_file():
+        meta = sidecar_path(responses)
+    generation = _read_generation(meta) if meta is not None else None
+    if limit is None and generation is not None:
+        recorded = (generation.get("inputs") or {}).get("limit")
+        limit = recorded if isinstance(recorded, int) and not isinstance(recorded, bool) and recorded > 0 else None
+    if limit is not None:
+        recs = recs[:limit]
     answers = load_responses(responses, recs)
     it = recs
     if progress:
@@ -378,16 +400,7 @@ def score_files(inputs: Path, responses: Path, meta: Path | None = None, progres
 
         it = tqdm(recs, desc="ifeval score", unit="prompt", file=sys.stderr)
     results = [score_prompt(checkers, r, answers[r.prompt]) for r in it]
-    if meta is None and sidecar_path(responses).is_file():
-        meta = sidecar_path(responses)
-    generation = None
-    if meta is not None:
-        try:
-            generation = json.loads(Path(meta).read_text(encoding="utf-8"))
-        except (OSError, json.JSONDecodeError) as e:
-            raise IFEvalError(f"{meta}: cannot read generation metadata ({e})") from None
-        if not isinstance(generation, dict):
-            raise IFEvalError(f"{meta}: generation metadata must be a JSON object")
+    if generation is not None:
         if generation.get("status") != "complete":
             raise IFEvalError(f"{meta}: generation status is {generation.get('status')!r}, not 'complete'; "
                               f"rerun `runmap ifeval generate` with the same arguments to finish it")

@@ -179,7 +179,7 @@ def write_synthetic(
     embedding_std(cfg, init)  # refuses an unknown init before anything is written
     out = Path(out_dir)
     if out.exists() and not overwrite:
-        raise FileExistsError(f"{out}: already exists (use overwrite)")
+        raise FileExistsError(f"{out}: already exists (pass --force, overwrite=True, to replace it)")
     out.parent.mkdir(parents=True, exist_ok=True)
     tmp = Path(tempfile.mkdtemp(prefix="." + out.name + ".tmp-", dir=out.parent))
     try:
