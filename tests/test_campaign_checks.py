@@ -156,6 +156,9 @@ def test_runmap_validate_runs_the_checks(tmp_path, records, capsys):
     assert main(["validate", str(tmp_path), "-q"]) == 1
     out = capsys.readouterr().out
     assert "CAMPAIGN" in out and "full-no-misses" in out and "NOT CONFORMANT" in out
+    # every file valid, yet not conformant: the verdict's line says why and where
+    verdict = out.strip().splitlines()[-1]
+    assert "0 failed" in verdict and f"1 campaign check errors ({tmp_path / 'campaigns' / 't'})" in verdict, verdict
 
 
 def test_every_record_version_is_checked_and_validates(records):

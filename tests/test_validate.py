@@ -213,3 +213,28 @@ def test_list_schemas_and_help(capsys):
         main(["validate", "--help"])
     assert e.value.code == 0
     assert "x-artifact-glob" in capsys.readouterr().out
+
+
+def test_artifacts_written_anywhere_are_claimed_by_their_marker(tmp_path, capsys):
+    """`runmap bench --out DIR`, `generate --telemetry FILE`, `contract --out FILE` write wherever they are told: a
+    campaign folder under any name, a record, a telemetry file named freely are validated (by their top-level marker,
+    x-artifact-marker, or campaign.json's name), a marked file that breaks its schema fails, and a JSON file with no
+    marker stays unchecked."""
+    src = REPO_ROOT / "results/campaigns/h100-llama-matched-qwen"
+    camp = tmp_path / "my-bench-output" / "run1"
+    (camp / "records").mkdir(parents=True)
+    shutil.copy(src / "campaign.json", camp / "campaign.json")
+    record = sorted((src / "records").glob("*.json"))[0]
+    shutil.copy(record, camp / "records" / record.name)
+    shutil.copy(REPO_ROOT / "results/contract/h200.json", tmp_path / "my-bench-output" / "contract-run.json")
+    (tmp_path / "my-bench-output" / "other.json").write_text(json.dumps({"hello": 1}))
+    rc, out = run_cli(capsys, tmp_path / "my-bench-output", "-v")
+    assert rc == 0 and "3 files checked, 0 failed" in out, out
+    for schema in ("bench-campaign", "bench-record", "contract-report"):
+        assert f"[{schema}.schema.json]" in out, (schema, out)
+    assert f"unchecked {tmp_path / 'my-bench-output' / 'other.json'}" in out
+    broken = json.loads(record.read_text())
+    del broken["timing"]
+    (camp / "records" / "broken.json").write_text(json.dumps(broken))
+    rc, out = run_cli(capsys, camp)
+    assert rc == 1 and "FAIL" in out and "broken.json" in out and "'timing' is a required property" in out, out

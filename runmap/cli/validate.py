@@ -216,8 +216,13 @@ def run(args: argparse.Namespace) -> int:
 
     t = summary["totals"]
     verdict = "CONFORMANT" if summary["conformant"] else "NOT CONFORMANT"
+    # the campaign checks' errors make a run non-conformant with every file valid: the line says so, and where
+    failing = campaign_checks.errors(campaign_findings)
+    campaigns = sorted({f.file.split("/records/")[0] for f in failing if f.file and "/records/" in f.file})
+    checks = (f", {len(failing)} campaign check errors" + (f" ({', '.join(campaigns)})" if campaigns else "")
+              if failing else "")
     print(f"{verdict}: {t['files_checked']} files checked, {t['files_failed']} failed "
-          f"({t['violations']} violations), {t['observation_violations']} contract violations, "
+          f"({t['violations']} violations), {t['observation_violations']} contract violations{checks}, "
           f"{t['unchecked']} unchecked, {t['warnings']} warnings"
           + (f"; summary: {args.summary}" if args.summary else ""))
     return 0 if summary["conformant"] else 1

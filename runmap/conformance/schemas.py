@@ -13,6 +13,10 @@ Discovery convention (every schema author follows it):
   the pack directory itself (write patterns from the most specific directory you know).
 * ``"x-artifact-format"`` is ``"json"``, ``"jsonl"`` (every non-empty line is one document) or ``"yaml"``.
   Without it the file extension decides (.jsonl, .yaml/.yml, else JSON).
+* ``"x-artifact-marker"`` (JSON artifacts a command writes wherever its ``--out`` says): an object mapping top-level
+  keys to the list of values that identify the artifact, e.g. ``{"schema": ["runmap-telemetry-v1"]}``. A ``.json``
+  file that no glob claims is claimed by every schema whose marker its top-level object carries (every key, with one
+  of its values), so a record, a telemetry file or a trace validates at any path.
 * A file claimed by several schemas must satisfy all of them. A file claimed by none is "unchecked";
   an unchecked ``*.json``/``*.jsonl`` below a ``results`` directory also produces a warning, because an
   artifact without a schema is a gap.
@@ -36,6 +40,7 @@ SCHEMA_DIR = SCHEMAS_DIR
 ID_BASE = "https://horizon-runmap.invalid/schemas/"
 GLOB_KEY = "x-artifact-glob"
 FORMAT_KEY = "x-artifact-format"
+MARKER_KEY = "x-artifact-marker"
 FORMATS = ("json", "jsonl", "yaml")
 MAX_ERRORS_PER_DOCUMENT = 20  # enough to fix a file; a broken generator would otherwise print thousands
 # Directories never walked: tool state and caches, and dot-directories (temporary outputs being
@@ -79,6 +84,12 @@ class Schema:
     contents: dict
     globs: tuple[str, ...]
     fmt: str | None  # x-artifact-format, or None = by extension
+    marker: tuple[tuple[str, tuple], ...] = ()  # x-artifact-marker as ((key, allowed values), ...)
+
+    def marks(self, doc: Any) -> bool:
+        """True when ``doc`` (a parsed JSON document) carries this schema's marker."""
+        return bool(self.marker) and isinstance(doc, dict) and all(
+            k in doc and any(doc[k] == v and type(doc[k]) is type(v) for v in allowed) for k, allowed in self.marker)
 
     @property
     def id(self) -> str:
@@ -207,7 +218,11 @@ class SchemaSet:
             fmt = contents.get(FORMAT_KEY)
             if fmt is not None and fmt not in FORMATS:
                 raise SchemaError(f"{p}: {FORMAT_KEY} must be one of {FORMATS}, got {fmt!r}")
-            self.schemas[p.name] = Schema(p.name, p, contents, tuple(globs), fmt)
+            marker = contents.get(MARKER_KEY, {})
+            if not isinstance(marker, dict) or not all(isinstance(v, list) and v for v in marker.values()):
+                raise SchemaError(f"{p}: {MARKER_KEY} must map top-level keys to non-empty lists of values")
+            self.schemas[p.name] = Schema(p.name, p, contents, tuple(globs), fmt,
+                                          tuple((k, tuple(v)) for k, v in sorted(marker.items())))
         self.registry = Registry().with_resources(
             (s.id, Resource.from_contents(s.contents, default_specification=DRAFT202012)) for s in self.schemas.values()
         )
@@ -246,6 +261,17 @@ class SchemaSet:
             out.append(Violation(file, s.name, "$", "", f"... and {len(errors) - MAX_ERRORS_PER_DOCUMENT} more errors", line))
         return out
 
+    def _marked(self, path: Path) -> Any:
+        """The parsed top level of a .json file that some schema's marker claims, else None (not .json, unreadable,
+        not JSON, or no marker on it: the file stays unchecked, as before markers)."""
+        if path.suffix.lower() != ".json" or not any(s.marker for s in self.schemas.values()):
+            return None
+        try:
+            doc = json.loads(path.read_text(encoding="utf-8"))
+        except (OSError, UnicodeDecodeError, ValueError):
+            return None
+        return doc if any(s.marks(doc) for s in self.schemas.values()) else None
+
     def validate_file(self, path: str | Path, schemas: list[str] | None = None, label: str | None = None):
         """Validate a file against the named schemas, or against every schema that claims it.
 
@@ -254,13 +280,19 @@ class SchemaSet:
         path = Path(path)
         label = label or str(path)
         used = [self.get(n) for n in schemas] if schemas else self.matching(path)
-        if not used:
-            return [], [], []
-        fmt = _format_for(path, used)
         docs: list[tuple[int | None, Any]] = []
+        if not used:
+            doc = self._marked(path)
+            if doc is None:
+                return [], [], []
+            used = [s for s in self.schemas.values() if s.marks(doc)]
+            docs.append((None, doc))
+        fmt = _format_for(path, used)
         violations: list[Violation] = []
         try:
-            if fmt == "jsonl":
+            if docs:  # read already, for its marker
+                pass
+            elif fmt == "jsonl":
                 for i, raw in enumerate(path.read_text(encoding="utf-8").splitlines(), start=1):
                     if not raw.strip():
                         continue
