@@ -465,3 +465,14 @@ def test_an_out_of_range_value_is_a_usage_error(argv, capsys, tmp_path, monkeypa
     option = argv[-2]  # the bad value is the last
     assert e.value.code == 2 and f"argument {option}:" in err[-1] and not any("Traceback" in l for l in err), err
     assert list(tmp_path.iterdir()) == []
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="the error of a machine without CUDA")
+@pytest.mark.parametrize("command", ["generate", "logits"])
+def test_device_cuda_without_cuda_is_one_clear_line(fixtures, capsys, command):
+    """--device cuda where torch sees no GPU: exit 1 and one line saying so (never a fallback to the CPU, never an
+    internal assertion)."""
+    tail = ["--prompt", "x"] if command == "generate" else ["--tokens", "1,2", "--out", "unused.safetensors"]
+    rc = main([command, "--packed", str(fixtures["pack"]), "--device", "cuda", *tail])
+    err = capsys.readouterr().err.strip().splitlines()
+    assert rc == 1 and len(err) == 1 and "no CUDA device here" in err[0] and "Error" not in err[0], err

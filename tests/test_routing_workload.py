@@ -112,8 +112,9 @@ def test_bad_trace_is_one_clear_error(tmp_path, corrupt, needle):
     corrupt(d)
     p = tmp_path / "bad.routes.json"
     p.write_text(json.dumps(d))
-    with pytest.raises(TraceError, match=needle):
+    with pytest.raises(TraceError, match=needle) as e:
         read_trace(p)
+    assert str(e.value).count(str(p)) == 1, str(e.value)  # the file named once
 
 
 def test_routing_names():

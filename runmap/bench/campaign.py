@@ -1212,6 +1212,10 @@ def run_campaign(spec: dict, out_root: Path, *, configs: list[BenchConfig] | Non
     engine, key, info = None, None, {}
     raised = True
     bar = tqdm(configs, desc=f"bench {spec['name']}", unit="cfg", disable=not progress, dynamic_ncols=True)
+    if not progress:  # nor transformers' own bars (a baseline's "Loading weights") in logs asked to have none
+        from transformers.utils import logging as hf_logging
+
+        hf_logging.disable_progress_bar()
     try:
         for c in bar:
             if deadline_s is not None and time.perf_counter() - t_start > deadline_s:

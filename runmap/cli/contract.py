@@ -28,7 +28,7 @@ its copy (TRANSPORT_MUTANTS); mutants whose fault needs injected failures are li
 The report (schemas/contract-report.schema.json) is written atomically. Exit status 1 when the cache
 violates the contract, a mutant goes uncaught, or an invariant / injected failure kind was never exercised.
 
-  runmap contract                                   # CPU, default budget (< 1 min)
+  runmap contract                                   # CPU, default budget (~1-3 min on 2 cores)
   runmap contract --examples 1000 --seed 7
   runmap contract --device cuda --out results/contract/h200.json
   runmap contract --device cuda --events cuda --examples 60 --out results/contract/h200-cuda-events.json

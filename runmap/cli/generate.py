@@ -72,7 +72,7 @@ def run(args) -> int:
         res = eng.generate([args.prompt], max_new_tokens=args.max_new_tokens, temperature=args.temperature,
                            top_p=args.top_p, seed=args.seed, stop=args.stop, chat=args.chat, on_token=on_token)[0]
     except (ValueError, FileNotFoundError, RuntimeError) as e:  # bad input, cache fault, kernel/device failure
-        print(f"runmap generate: {type(e).__name__}: {e}", file=sys.stderr)
+        print(f"runmap generate: error: {e}", file=sys.stderr)
         return 1
     sys.stdout.write("\n")
     if eng.budget_plan is not None:

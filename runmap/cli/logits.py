@@ -63,7 +63,7 @@ def run(args) -> int:
             print(eng.budget_plan.describe(), file=sys.stderr)
         logits = eng.logits(ids)  # (T, V) fp32
     except (ValueError, FileNotFoundError, RuntimeError) as e:  # bad input, cache fault, kernel/device failure
-        print(f"runmap logits: {type(e).__name__}: {e}", file=sys.stderr)
+        print(f"runmap logits: error: {e}", file=sys.stderr)
         return 1
     meta = {"executor": eng.executor, "regime": eng.regime, "resident": str(eng.resident),
             "pack": str(args.packed), "pack_identity": str(eng.pack_identity), "arch": eng.cfg.arch}

@@ -46,20 +46,30 @@ unless a path given on the command line (or a subcommand's documented default) s
 UNEXPECTED_HINT = "set RUNMAP_TRACEBACK=1 to see the traceback"
 
 
+class HelpFormatter(argparse.RawDescriptionHelpFormatter):
+    """argparse's help, wrapped at spaces only: an option or a path with a hyphen (--cache-contract,
+    docs/cache-contract.md) is never split across two lines."""
+
+    def _split_lines(self, text, width):
+        import textwrap
+
+        return textwrap.wrap(self._whitespace_matcher.sub(" ", text).strip(), width, break_on_hyphens=False)
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
         prog="runmap",
         description=(
-            "Horizon RunMap: run Mixture-of-Experts models (OLMoE, Qwen2-MoE) on one GPU with routed experts "
+            "Horizon RunMap: run Mixture-of-Experts models (OLMoE, Qwen2-MoE, Qwen3-MoE, Mixtral) on one GPU with routed experts "
             "compressed to INT4 qpacked rows, W4A16 Triton kernels and a strict expert-residency cache."
         ),
         epilog=EXIT_STATUS,
-        formatter_class=argparse.RawDescriptionHelpFormatter,
+        formatter_class=HelpFormatter,
     )
     sub = parser.add_subparsers(dest="command", metavar="COMMAND")
     for name, mod in SUBCOMMANDS.items():
         p = sub.add_parser(name, help=mod.HELP, description=getattr(mod, "DESCRIPTION", mod.HELP),
-                           formatter_class=argparse.RawDescriptionHelpFormatter)
+                           formatter_class=HelpFormatter)
         mod.add_arguments(p)
         p.set_defaults(_run=mod.run)
     return parser

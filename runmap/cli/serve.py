@@ -143,10 +143,15 @@ def run(args) -> int:
         print(f"runmap serve: {msg}", file=sys.stderr)
         return 1
 
-    from runmap.format.packfile import is_pack_dir
+    from runmap.format.packfile import MANIFEST, PackError, PackReader, is_pack_dir
 
     pack = Path(args.packed)
     if not is_pack_dir(pack):
+        if (pack / MANIFEST).is_file():  # a manifest that is not a pack's: the reader says what is wrong with it
+            try:
+                PackReader(pack, verify=False).close()
+            except PackError as e:
+                return fail(str(e))
         return fail(f"{pack}: not a runmap pack (no manifest.json of a pack; make one with `runmap pack`)")
     resident = args.resident
     if args.gpu_budget is not None:

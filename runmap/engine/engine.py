@@ -1568,6 +1568,9 @@ class Engine:
         if expert_format not in EXPERT_FORMATS:
             raise EngineError(f"unknown expert_format {expert_format!r}; choose one of {list(EXPERT_FORMATS)}")
         device = torch.device(device if device is not None else ("cuda" if torch.cuda.is_available() else "cpu"))
+        if device.type == "cuda" and not torch.cuda.is_available():  # never a silent fallback to the CPU
+            raise EngineError(f"device {device}: no CUDA device here (torch.cuda.is_available() is False); "
+                              "use --device cpu")
         from runmap.engine.placement import PLACEMENTS
 
         if expert_placement not in PLACEMENTS:

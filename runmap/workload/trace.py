@@ -71,8 +71,8 @@ def read_trace(path) -> RouteTrace:
     except (OSError, UnicodeDecodeError, json.JSONDecodeError) as e:
         raise TraceError(f"{p}: not a JSON route trace ({e})") from None
     bad = validate_document(doc, "route-trace.schema.json", file=str(p))
-    if bad:
-        raise TraceError(f"{p}: {bad[0]}")
+    if bad:  # a Violation names the file itself
+        raise TraceError(f"{bad[0]} (not a route trace: `runmap generate --trace FILE` writes one)")
     L, E, k = doc["num_layers"], doc["num_experts"], doc["top_k"]
     dtype = np.dtype(doc["dtype"]).newbyteorder("<")
     streams, prompts = [], []
