@@ -63,10 +63,18 @@ def _strip_prefix(message: str, path: str) -> str:
     return message[len(path) + 2:] if message.startswith(path + ": ") else message
 
 
-def _check_packs(report) -> None:
+# a pack's own JSON files and their schemas: the schemas' globs claim them below a folder named packs/ only, so a pack
+# validated where it lies (runmap validate /data/olmoe-pack) has them checked here
+PACK_FILE_SCHEMAS = {"config.json": "hf-checkpoint", **{n: "hf-aux" for n in (
+    "generation_config.json", "tokenizer.json", "tokenizer_config.json", "special_tokens_map.json", "added_tokens.json",
+    "vocab.json", "chat_template.json")}}
+
+
+def _check_packs(report, schema_set=None) -> None:
     """Recompute every digest of every pack whose manifest was validated; each problem becomes a violation of
-    that manifest's file result, naming the file at fault."""
-    from runmap.conformance.schemas import Violation, display_path
+    that manifest's file result, naming the file at fault. With ``schema_set``, the pack's config and tokenizer
+    files no glob claimed are validated against their schemas too."""
+    from runmap.conformance.schemas import FileResult, Violation, display_path
     from runmap.format.packfile import FORMAT_NAME, MANIFEST, check_pack
 
     results = {f.path: f for f in report.checked}
@@ -78,9 +86,20 @@ def _check_packs(report) -> None:
         if res is None:
             continue
         pack = Path(label).parent
+        corrupt = set()
         for file, message in check_pack(pack):
+            corrupt.add(Path(file).name)
             res.violations.append(Violation(display_path(Path(file)), MANIFEST_SCHEMA, "$.files", "",
                                             "pack integrity: " + _strip_prefix(message, file)))
+        # (a file whose digest is wrong has its one violation above: its bytes are not the pack's)
+        for name, schema in PACK_FILE_SCHEMAS.items() if schema_set is not None else ():
+            f = pack / name
+            lab = display_path(f)
+            if f.is_file() and lab not in results and name not in corrupt:
+                used, violations, _docs = schema_set.validate_file(f, [schema], label=lab)
+                results[lab] = FileResult(lab, used, violations)
+                report.checked.append(results[lab])
+                report.unchecked[:] = [u for u in report.unchecked if u != lab]
         # the files the manifest records are checked by their digests: no longer "unchecked"
         files = doc.get("files") if isinstance(doc.get("files"), list) else []
         covered = {display_path(pack / e["file"]) for e in files
@@ -164,7 +183,7 @@ def run(args: argparse.Namespace) -> int:
     else:
         report = validate_tree(*paths, schema_set=ss, keep_documents=True)
         _half_written_packs(report, paths)
-    _check_packs(report)
+    _check_packs(report, ss)
 
     command = ["runmap", "validate", *map(str, args.paths)]
     for flag, value in (("--schema", args.schema), ("--schemas-dir", args.schemas_dir), ("--summary", args.summary)):
