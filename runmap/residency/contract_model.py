@@ -832,8 +832,9 @@ class CacheContractMachine(RuleBasedStateMachine):
         if isinstance(exc, InjectedInterrupt):
             self.stats.outcomes["interrupt_outside_block"] += 1  # the request stays live, as a caller may keep it
 
-    def _acquire_step(self, r: _Req, data):
-        """One acquisition by request ``r`` with its prediction, failure injection and checks.
+    def _acquire_step(self, r: _Req, data, prefer_cpu: bool = False):
+        """One acquisition by request ``r`` with its prediction, failure injection and checks. ``prefer_cpu``: place
+        at least one absent expert at the CPU site when there is one (a block that injects a CPU-site failure).
         Returns (outcome, the exception the cache raised or None, the lease or None)."""
         d = data.draw
         layer = d(st.integers(0, self.L - 1), label="layer")
@@ -854,8 +855,8 @@ class CacheContractMachine(RuleBasedStateMachine):
         # of the lease: no row, no transfer, no publication, no eviction on their behalf; counted apart.
         absent = tuple(e for e in group if e not in req_map and e not in cur_map)
         place, on_cpu, asked = None, (), []
-        if absent and not self.faulted and d(st.booleans(), label="placed"):
-            on_cpu = tuple(sorted(d(st.sets(st.sampled_from(absent)), label="on_cpu")))
+        if absent and not self.faulted and (prefer_cpu or d(st.booleans(), label="placed")):
+            on_cpu = tuple(sorted(d(st.sets(st.sampled_from(absent), min_size=int(prefer_cpu)), label="on_cpu")))
 
             def place(seen):
                 asked.append(tuple(seen))
@@ -1107,7 +1108,8 @@ class CacheContractMachine(RuleBasedStateMachine):
                 rid = h.id
                 self.reqs[rid] = r = _Req(h, self.gen)
                 for i in range(calls):
-                    got, exc, lease = self._acquire_step(r, data)
+                    got, exc, lease = self._acquire_step(r, data, prefer_cpu=bool(raises) and raises.startswith(
+                        "cpu-site") and i == calls - 1)
                     if exc is not None:
                         ended = f"acquire_{got}"
                         raise exc
