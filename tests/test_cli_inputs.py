@@ -408,8 +408,8 @@ class _Built(Exception):
     """Raised by the stand-ins below once the command has said how it builds its engine."""
 
 
-@pytest.mark.parametrize("command", ["generate", "logits", "serve"])
-def test_every_engine_command_takes_the_cache_contract_and_passes_it_on(fixtures, monkeypatch, command):
+@pytest.mark.parametrize("command", ["generate", "logits", "serve", "ifeval"])
+def test_every_engine_command_takes_the_cache_contract_and_passes_it_on(fixtures, monkeypatch, command, tmp_path):
     """--cache-contract is a residency option of every command that builds an engine (placement host-read needs v2 on
     a GPU): each passes what was asked to Engine.from_pack, and v1 stays the default."""
     from runmap.engine.engine import Engine
@@ -429,9 +429,11 @@ def test_every_engine_command_takes_the_cache_contract_and_passes_it_on(fixtures
 
     monkeypatch.setattr(app, "Server", Server)
     tail = {"generate": ["--prompt", "x"], "logits": ["--tokens", "1,2", "--out", "unused.safetensors"],
-            "serve": ["--port", "0"]}[command]
+            "serve": ["--port", "0"],
+            "ifeval": ["--out", str(tmp_path / "answers.jsonl"), "--limit", "1", "--max-new-tokens", "4"]}[command]
     for contract in ("v2", None):
-        argv = [command, "--packed", str(fixtures["pack"]), "--resident", "4", *tail]
+        head = ["ifeval", "generate"] if command == "ifeval" else [command]
+        argv = [*head, "--packed", str(fixtures["pack"]), "--resident", "4", *tail]
         argv += ["--cache-contract", contract] if contract else []
         with contextlib.suppress(_Built):
             main(argv)

@@ -337,4 +337,13 @@ def test_responses_of_a_limited_generation_are_scored_on_its_prompts(tmp_path, c
     summary = json.loads((tmp_path / "sidecar" / "summary.json").read_text())
     assert summary["inputs"]["prompts"] == 3 and summary["prompt_level"]["strict"]["total"] == 3
     flagged = json.loads((tmp_path / "flag" / "summary.json").read_text())
-    assert summary["prompt_level"] == flagged["prompt_level"]
+    assert summary["prompt_level"] == flagged["prompt_level"] and summary["inputs"]["limit"] == 3
+    from runmap.conformance.schemas import validate_file
+
+    assert validate_file(tmp_path / "flag" / "summary.json", "ifeval-summary") == []  # (limit recorded)
+    assert main(argv + ["--out", str(tmp_path / "other"), "--limit", "2"]) == 1  # not what was generated
+    assert "answer the first 3 prompts" in capsys.readouterr().err
+    other = tmp_path / "other-inputs.jsonl"  # the same first prompts, another file: not what was generated from
+    other.write_text("".join(GPT4_INPUTS.read_text().splitlines(keepends=True)[:5]))
+    assert main(argv[:3] + [str(other)] + argv[4:] + ["--out", str(tmp_path / "o2")]) == 1
+    assert "generated from other inputs" in capsys.readouterr().err

@@ -23,7 +23,7 @@ def int_at_least(minimum: int):
 
 
 def float_in(low: float, high: float = float("inf"), *, low_open: bool = False):
-    """argparse ``type=``: a float in [low, high] (``low_open``: (low, high]), else one line saying which."""
+    """argparse ``type=``: a finite float in [low, high] (``low_open``: (low, high]), else one line saying which."""
     import argparse
     import math
 
@@ -32,7 +32,7 @@ def float_in(low: float, high: float = float("inf"), *, low_open: bool = False):
             v = float(text)
         except ValueError:
             raise argparse.ArgumentTypeError(f"not a number: {text!r}") from None
-        if math.isnan(v) or v < low or (low_open and v == low) or v > high:
+        if not math.isfinite(v) or v < low or (low_open and v == low) or v > high:
             left = "(" if low_open else "["
             right = f"{high:g}]" if math.isfinite(high) else "inf)"
             raise argparse.ArgumentTypeError(f"must be in {left}{low:g}, {right}, got {text}")

@@ -183,7 +183,7 @@ def run(args: argparse.Namespace) -> int:
     else:
         report = validate_tree(*paths, schema_set=ss, keep_documents=True)
         _half_written_packs(report, paths)
-    _check_packs(report, ss)
+    _check_packs(report, None if args.schema else ss)  # --schema: only the files and schema named
 
     command = ["runmap", "validate", *map(str, args.paths)]
     for flag, value in (("--schema", args.schema), ("--schemas-dir", args.schemas_dir), ("--summary", args.summary)):

@@ -41,6 +41,7 @@ ID_BASE = "https://horizon-runmap.invalid/schemas/"
 GLOB_KEY = "x-artifact-glob"
 FORMAT_KEY = "x-artifact-format"
 MARKER_KEY = "x-artifact-marker"
+MARKER_MAX_BYTES = 64 << 20  # a .json larger than this is never read for a marker (stays unchecked unless a glob claims it)
 FORMATS = ("json", "jsonl", "yaml")
 MAX_ERRORS_PER_DOCUMENT = 20  # enough to fix a file; a broken generator would otherwise print thousands
 # Directories never walked: tool state and caches, and dot-directories (temporary outputs being
@@ -265,6 +266,11 @@ class SchemaSet:
         """The parsed top level of a .json file that some schema's marker claims, else None (not .json, unreadable,
         not JSON, or no marker on it: the file stays unchecked, as before markers)."""
         if path.suffix.lower() != ".json" or not any(s.marker for s in self.schemas.values()):
+            return None
+        try:  # what a command writes is small; a large data file (a checkpoint's index is ~100 KB) is not read whole
+            if path.stat().st_size > MARKER_MAX_BYTES:
+                return None
+        except OSError:
             return None
         try:
             doc = json.loads(path.read_text(encoding="utf-8"))

@@ -316,6 +316,9 @@ def add_generate_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--resident", type=int_at_least(1), default=None,
                    help="experts per layer resident on the GPU (partial regime); default: all (full regime)")
     p.add_argument("--device", default=None, help="torch device (default: the engine's choice, cuda when present)")
+    p.add_argument("--cache-contract", choices=("v1", "v2"), default="v1",
+                   help="partial residency: v1 (default) host source -> pinned staging -> GPU, v2 the host source pinned "
+                        "once and copied straight into spare rows (docs/cache-contract.md); the answers are the same")
     p.add_argument("--max-seq-len", type=int_at_least(1), default=None,
                    help="KV-cache length; default: longest chat-formatted prompt + --max-new-tokens")
     p.add_argument("--stop", action="append", default=[], help="stop string (repeatable); default: EOS only")
@@ -421,7 +424,8 @@ def run_cli(args) -> int:
 
     t0 = time.perf_counter()
     engine = Engine.from_pack(args.packed, executor=args.executor, resident=args.resident, device=args.device,
-                              max_batch=args.batch_size, max_seq_len=max_seq_len)
+                              max_batch=args.batch_size, max_seq_len=max_seq_len,
+                              cache_contract=getattr(args, "cache_contract", "v1"))
     load_s = time.perf_counter() - t0
     meta = {
         "model": model,

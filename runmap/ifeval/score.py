@@ -388,9 +388,12 @@ def score_files(inputs: Path, responses: Path, meta: Path | None = None, progres
     if meta is None and sidecar_path(responses).is_file():
         meta = sidecar_path(responses)
     generation = _read_generation(meta) if meta is not None else None
-    if limit is None and generation is not None:
-        recorded = (generation.get("inputs") or {}).get("limit")
-        limit = recorded if isinstance(recorded, int) and not isinstance(recorded, bool) and recorded > 0 else None
+    recorded = (generation.get("inputs") or {}).get("limit") if generation is not None else None
+    recorded = recorded if isinstance(recorded, int) and not isinstance(recorded, bool) and recorded > 0 else None
+    if limit is not None and recorded is not None and limit != recorded:
+        raise IFEvalError(f"{meta}: the responses answer the first {recorded} prompts (generate --limit {recorded}); "
+                          f"--limit {limit} asks for {limit}")
+    limit = recorded if limit is None else limit
     if limit is not None:
         recs = recs[:limit]
     answers = load_responses(responses, recs)
@@ -404,13 +407,14 @@ def score_files(inputs: Path, responses: Path, meta: Path | None = None, progres
         if generation.get("status") != "complete":
             raise IFEvalError(f"{meta}: generation status is {generation.get('status')!r}, not 'complete'; "
                               f"rerun `runmap ifeval generate` with the same arguments to finish it")
-        want = generation.get("inputs", {}).get("sha256")
-        if want is not None and generation.get("inputs", {}).get("limit") is None and want != sha256_file(inputs):
+        want = generation.get("inputs", {}).get("sha256")  # of the whole inputs file, a --limit run's too
+        if want is not None and want != sha256_file(inputs):
             raise IFEvalError(f"{meta}: responses were generated from other inputs (sha256 {want[:12]}...)")
     summary = {
         "kind": SUMMARY_KIND,
         "version": 1,
-        "inputs": {"path": str(inputs), "sha256": sha256_file(inputs), "prompts": len(recs)},
+        "inputs": {"path": str(inputs), "sha256": sha256_file(inputs), "prompts": len(recs),
+                   **({} if limit is None else {"limit": limit})},
         "responses": {"path": str(responses), "sha256": sha256_file(responses)},
         "checker": {
             "package": checkers.package,

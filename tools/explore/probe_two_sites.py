@@ -15,8 +15,9 @@ Three measurements, each over about --seconds of work, every call on experts no 
       (the call `CachedExperts.measure_host_read_gb_s` times), calls queued back to back, timed by CUDA events;
   cpu alone: the CPU site (cpu-native, on its job thread, the team one thread smaller than the cores, as in the
       decode chain) computing m experts for one token per call, back to back, for each m of --cpu-experts;
-  both: the two loops at once (the CPU on its job thread, the GPU's calls queued from this thread), each side's
-      rate over its own span, and the span where both ran.
+  both: the two loops at once (the CPU on its job thread, started 50 ms first and stopped when the GPU's calls are
+      done; the GPU's calls queued from this thread), each side's rate over its own span (the CPU's includes those
+      edges, so the sum of the two rates is off by a few per cent at most).
 
 GB/s are of expert bytes (qpacked rows) read. Prints a table and, with --json, writes the figures.
 """
