@@ -301,7 +301,9 @@ def test_cli_synth(tmp_path):
     r = CheckpointReader(tmp_path / "s")
     assert set(r.expert_layout.values()) == {"fused"} and r.config == load_preset("tiny-qwen2-moe")[0]
     assert cli_main(["synth", "--preset", "tiny-qwen2-moe", str(tmp_path / "s")]) == 1
-    assert cli_main(["synth", "--preset", "no-such-model", str(tmp_path / "t")]) == 1
+    with pytest.raises(SystemExit) as e:  # a usage error, before anything is written
+        cli_main(["synth", "--preset", "no-such-model", str(tmp_path / "t")])
+    assert e.value.code == 2 and not (tmp_path / "t").exists()
 
 
 @pytest.mark.parametrize("preset", ["tiny-qwen3-moe", "tiny-mixtral"])

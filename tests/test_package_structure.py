@@ -15,7 +15,7 @@ REPO_ROOT = Path(__file__).resolve().parent.parent
 # Rank of each part of the package: a module may import a module of its own part or of a lower rank.
 # Parts of equal rank are independent of each other (kernels and residency do not know each other).
 RANKS = {
-    "": 0, "resources": 0, "atomic": 0, "provenance": 0, "gpuslot": 0,  # the package root and its plain utilities
+    "": 0, "resources": 0, "atomic": 0, "provenance": 0, "gpuslot": 0, "argtypes": 0,  # the root and its plain utilities
     "arch": 1, "conformance": 1,
     "format": 2,
     "kernels": 3, "residency": 3, "workload": 3,

@@ -1568,9 +1568,6 @@ class Engine:
         if expert_format not in EXPERT_FORMATS:
             raise EngineError(f"unknown expert_format {expert_format!r}; choose one of {list(EXPERT_FORMATS)}")
         device = torch.device(device if device is not None else ("cuda" if torch.cuda.is_available() else "cpu"))
-        if device.type == "cuda" and not torch.cuda.is_available():  # never a silent fallback to the CPU
-            raise EngineError(f"device {device}: no CUDA device here (torch.cuda.is_available() is False); "
-                              "use --device cpu")
         from runmap.engine.placement import PLACEMENTS
 
         if expert_placement not in PLACEMENTS:
@@ -1586,6 +1583,9 @@ class Engine:
         if executor in CPU_SITE_EXECUTORS and device.type != "cpu":
             raise EngineError(f"executor {executor!r} computes on the CPU from the host source: use device='cpu' "
                               "(a mixed device/CPU placement is not implemented yet)")
+        if device.type == "cuda" and not torch.cuda.is_available():  # never a silent fallback to the CPU
+            raise EngineError(f"device {device}: no CUDA device here (torch.cuda.is_available() is False); "
+                              "use --device cpu")
         if device.type == "cuda" and device.index is None:
             device = torch.device("cuda", torch.cuda.current_device())
         if max_batch < 1 or (prefill_chunk is not None and prefill_chunk < 1):

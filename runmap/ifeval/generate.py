@@ -29,7 +29,7 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from runmap.resources import data_dir
 from runmap.kernels.registry import EXECUTOR_NAMES
-from runmap.cli.options import checked_text, int_at_least
+from runmap.argtypes import checked_text, int_at_least
 from runmap.atomic import write_json
 from runmap.provenance import sha256_file, utc_timestamp
 

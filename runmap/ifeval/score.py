@@ -407,8 +407,10 @@ def score_files(inputs: Path, responses: Path, meta: Path | None = None, progres
         if generation.get("status") != "complete":
             raise IFEvalError(f"{meta}: generation status is {generation.get('status')!r}, not 'complete'; "
                               f"rerun `runmap ifeval generate` with the same arguments to finish it")
-        want = generation.get("inputs", {}).get("sha256")  # of the whole inputs file, a --limit run's too
-        if want is not None and want != sha256_file(inputs):
+        # the sha256 of the whole inputs file generate read: a --limit run may be scored against those inputs cut to
+        # its prompts (a file of the first N lines), so there only the prompts themselves are matched
+        want = generation.get("inputs", {}).get("sha256")
+        if want is not None and generation.get("inputs", {}).get("limit") is None and want != sha256_file(inputs):
             raise IFEvalError(f"{meta}: responses were generated from other inputs (sha256 {want[:12]}...)")
     summary = {
         "kind": SUMMARY_KIND,
