@@ -20,7 +20,7 @@ the output). Exit status: 0 ok, 1 bad input (the message names it), 2 usage."""
 
 def add_arguments(p) -> None:
     p.add_argument("--packed", required=True, metavar="DIR", help="pack directory (runmap pack)")
-    p.add_argument("--tokens", required=True, metavar="IDS", type=checked_text(lambda t: parse_tokens(t)), help="comma-separated token ids, e.g. 1,2,3")
+    p.add_argument("--tokens", required=True, metavar="IDS", type=checked_text(parse_tokens), help="comma-separated token ids, e.g. 1,2,3")
     p.add_argument("--executor", default="reference", choices=EXECUTOR_NAMES,
                    help="default reference: the FP32 torch truth")
     add_residency_arguments(p)

@@ -262,21 +262,20 @@ class SchemaSet:
             out.append(Violation(file, s.name, "$", "", f"... and {len(errors) - MAX_ERRORS_PER_DOCUMENT} more errors", line))
         return out
 
-    def _marked(self, path: Path) -> Any:
-        """The parsed top level of a .json file that some schema's marker claims, else None (not .json, unreadable,
-        not JSON, or no marker on it: the file stays unchecked, as before markers)."""
+    def _marked(self, path: Path) -> tuple[list[Schema], Any]:
+        """(the schemas whose marker a .json file's top level carries, that parsed document); ([], None) when there are
+        none (not .json, too large, unreadable, not JSON, no marker on it: the file stays unchecked, as before
+        markers)."""
         if path.suffix.lower() != ".json" or not any(s.marker for s in self.schemas.values()):
-            return None
+            return [], None
         try:  # what a command writes is small; a large data file (a checkpoint's index is ~100 KB) is not read whole
             if path.stat().st_size > MARKER_MAX_BYTES:
-                return None
-        except OSError:
-            return None
-        try:
+                return [], None
             doc = json.loads(path.read_text(encoding="utf-8"))
         except (OSError, UnicodeDecodeError, ValueError):
-            return None
-        return doc if any(s.marks(doc) for s in self.schemas.values()) else None
+            return [], None
+        marking = [s for s in self.schemas.values() if s.marks(doc)]
+        return marking, doc if marking else None
 
     def validate_file(self, path: str | Path, schemas: list[str] | None = None, label: str | None = None):
         """Validate a file against the named schemas, or against every schema that claims it.
@@ -288,17 +287,14 @@ class SchemaSet:
         used = [self.get(n) for n in schemas] if schemas else self.matching(path)
         docs: list[tuple[int | None, Any]] = []
         if not used:
-            doc = self._marked(path)
-            if doc is None:
+            used, doc = self._marked(path)
+            if not used:
                 return [], [], []
-            used = [s for s in self.schemas.values() if s.marks(doc)]
-            docs.append((None, doc))
+            docs.append((None, doc))  # read already, for its marker
         fmt = _format_for(path, used)
         violations: list[Violation] = []
         try:
-            if docs:  # read already, for its marker
-                pass
-            elif fmt == "jsonl":
+            if not docs and fmt == "jsonl":
                 for i, raw in enumerate(path.read_text(encoding="utf-8").splitlines(), start=1):
                     if not raw.strip():
                         continue
@@ -306,7 +302,7 @@ class SchemaSet:
                         docs.append((i, json.loads(raw)))
                     except json.JSONDecodeError as e:
                         violations.append(Violation(label, None, "$", "", f"not valid JSON: {e.msg} (column {e.colno})", i))
-            else:
+            elif not docs:
                 docs.append((None, load_document(path, fmt)))
         except (OSError, UnicodeDecodeError, ValueError) as e:
             msg = str(e).replace(str(path), "").lstrip(": ") or type(e).__name__

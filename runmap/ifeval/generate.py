@@ -425,7 +425,7 @@ def run_cli(args) -> int:
     t0 = time.perf_counter()
     engine = Engine.from_pack(args.packed, executor=args.executor, resident=args.resident, device=args.device,
                               max_batch=args.batch_size, max_seq_len=max_seq_len,
-                              cache_contract=getattr(args, "cache_contract", "v1"))
+                              cache_contract=args.cache_contract)
     load_s = time.perf_counter() - t0
     meta = {
         "model": model,

@@ -1107,9 +1107,9 @@ class CacheContractMachine(RuleBasedStateMachine):
                 self.m["requests_admitted"] += 1
                 rid = h.id
                 self.reqs[rid] = r = _Req(h, self.gen)
+                cpu_fault = bool(raises) and raises.startswith("cpu-site")  # injected after the last call's CPU site
                 for i in range(calls):
-                    got, exc, lease = self._acquire_step(r, data, prefer_cpu=bool(raises) and raises.startswith(
-                        "cpu-site") and i == calls - 1)
+                    got, exc, lease = self._acquire_step(r, data, prefer_cpu=cpu_fault and i == calls - 1)
                     if exc is not None:
                         ended = f"acquire_{got}"
                         raise exc
@@ -1121,7 +1121,7 @@ class CacheContractMachine(RuleBasedStateMachine):
                             raise InjectedInterrupt("injected interrupt inside the expert kernel")
                         raise InjectedError("injected failure inside the expert kernel")
                     self._cpu_site(lease)
-                    if raises and raises.startswith("cpu-site") and i == calls - 1:
+                    if cpu_fault and i == calls - 1:
                         ended = raises
                         self.stats.rules[f"inject_{raises}" + ("" if lease.cpu_experts else "_no_cpu_experts")] += 1
                         if raises == "cpu-site-interrupt":
