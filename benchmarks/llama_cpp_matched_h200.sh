@@ -20,6 +20,8 @@
 # and llama.cpp's --n-cpu-moe 0 / 6 / 12 / 18 / 24 of its 24 layers. Its bf16 checkpoint + bf16 GGUF need ~57 GB of
 # disk at the conversion's peak, so the engine's direct pack (~8 GB) is synthesized after llama.cpp's rows, not beside
 # them, and a cold machine needs two calls (the spec's budget_note).
+# RUNMAP_MATCHED_SPEC=<spec> runs that spec's engine rows instead (specs/campaigns/two-site-matched.yaml: placement
+# two-site against host-read at --n-cpu-moe 8 / 12 / 16).
 # Files back: llama-cpp.tar.gz + llama-cpp/steps.log, h200-campaign.tar.gz, bench.log, prepare-*.log.
 set -uo pipefail
 BUDGET=${1:-570}
@@ -32,6 +34,7 @@ case "$MODEL" in
   qwen) PRESET=qwen1.5-moe-a2.7b; SPEC=specs/campaigns/h200-llama-matched-qwen.yaml; NCMOE="0 6 12 18 24";;
   *) echo "RUNMAP_MATCHED_MODEL=$MODEL: choose olmoe or qwen"; exit 2;;
 esac
+SPEC=${RUNMAP_MATCHED_SPEC:-$SPEC}  # another spec of the engine's rows at the same budgets (e.g. two-site-matched.yaml)
 export RUNMAP_LLAMA_PRESET=$PRESET RUNMAP_LLAMA_NCMOE=${RUNMAP_LLAMA_NCMOE:-$NCMOE}
 DIRECT=()
 if [ "${RUNMAP_MATCHED_DIRECT:-0}" = 1 ]; then

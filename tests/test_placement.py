@@ -438,7 +438,7 @@ def test_bench_records_carry_the_placement_and_prefetch(packs, tmp_path):
     # a partial-residency row says which path decoded it (3 decode steps after the prefill's token, per call on the CPU)
     assert plain["sites"] == {"expert_placement": "gpu", "prefetch": False,
                               "decode_steps": {"graphs": 0, "chain": 0, "chain_groups": 0, "chain_cpu": 0,
-                                               "chain_groups_cpu": 0, "host_read": 0, "per_call": 3}}
+                                               "chain_groups_cpu": 0, "host_read": 0, "two_site": 0, "per_call": 3}}
 
 
 # ---- an emulated slower link (issue 25 item 6: the consumer-link experiment) ------------------------------------
@@ -471,7 +471,7 @@ def test_auto_sees_the_emulated_link_and_the_record_says_emulation(packs, tmp_pa
     assert rec["sites"]["placement"]["costs"]["h2d_gb_s"] <= 0.5
     # the timed run's 2 decode steps (decode_len 3: the first token is the prefill's), eager on the CPU
     assert rec["sites"]["decode_steps"] == {"graphs": 0, "chain": 0, "chain_groups": 0, "chain_cpu": 0, "chain_groups_cpu": 0,
-                                            "host_read": 0, "per_call": 2}
+                                            "host_read": 0, "two_site": 0, "per_call": 2}
 
 
 @pytest.mark.parametrize("workers", [1, 3, 64])

@@ -79,10 +79,10 @@ DEFAULT_PARAMS = {"repeats": 3, "warmup": 1, "warmup_new_tokens": 4, "policy": N
                   "check_prompt_len": 24, "check_tolerance": 0.01, "check_min_route_agreement": 0.5,
                   "routing": "model",
                   "cache_contract": "v1", "gpu_budget": None, "expert_placement": "gpu", "prefetch": False,
-                  "emulate_link_gb_s": None, "matched_n_cpu_moe": None, "max_group": None,
+                  "emulate_link_gb_s": None, "matched_n_cpu_moe": None, "max_group": None, "two_site_share": None,
                   "profile": False, "profile_top": 12}
 VARIANT_PARAMS = ("cuda_graphs", "fused", "skip_experts", "routing", "cache_contract", "expert_placement", "prefetch",
-                  "emulate_link_gb_s")
+                  "emulate_link_gb_s", "two_site_share")
 CHECK_EXECUTOR = "reference"
 
 
@@ -100,7 +100,7 @@ def _site_record(st: EngineStats, d) -> dict | None:
     if st.placement is not None:
         out["placement"] = dict(st.placement)
         out["cpu_site_experts"] = d.cpu_site_experts
-        if st.placement["mode"] == "host-read":
+        if st.placement["mode"] in ("host-read", "two-site"):
             out.update(host_reads=d.decode_host_reads, host_read_bytes=d.decode_host_read_bytes,
                        prefill_host_reads=d.prefill_host_reads, prefill_host_read_bytes=d.prefill_host_read_bytes,
                        promotions=d.promotions)
@@ -224,6 +224,8 @@ def variant_tag(p: dict) -> str:
         parts.append("placement-" + p["expert_placement"])
     if p.get("prefetch"):
         parts.append("prefetch")
+    if p.get("two_site_share") is not None:  # 0.5 -> share0p5
+        parts.append("share" + f"{p['two_site_share']:g}".replace(".", "p"))
     if p.get("max_group") is not None and p.get("matched_n_cpu_moe") is None:  # (a matched row's is implied)
         parts.append(f"maxgroup{p['max_group']}")
     if p.get("emulate_link_gb_s") is not None:  # 13 -> link13gbs; 12.5 -> link12p5gbs
@@ -775,6 +777,8 @@ def run_config(engine: BenchEngine, c: BenchConfig, model_cfg: ModelConfig, ctx:
             "prefetch": bool(p.get("prefetch")) if is_engine else None,
             # an EMULATED slower host link (runmap.residency.transport.pace): misses paced to this rate; null = real
             "emulate_link_gb_s": p.get("emulate_link_gb_s") if is_engine else None,
+            # placement two-site's CPU share fixed by the spec (null: from the measured rates, or another placement)
+            "two_site_share": p.get("two_site_share") if is_engine else None,
             # the llama.cpp --n-cpu-moe row whose GPU expert bytes this residency matches (resident = E(L-n)/L)
             "matched_n_cpu_moe": p.get("matched_n_cpu_moe") if is_engine else None,
             # --gpu-budget: the budget asked for (bytes) and the engine's plan of it, which set `resident`
@@ -1036,6 +1040,7 @@ class EngineBuilder:
             expert_placement=p.get("expert_placement", "gpu") if c.kind == "engine" else "gpu",
             prefetch=bool(p.get("prefetch")) and c.kind == "engine",
             emulate_link_gb_s=p.get("emulate_link_gb_s") if c.kind == "engine" else None,
+            two_site_share=p.get("two_site_share") if c.kind == "engine" else None,
             # the replayed hit rates of partial residency need the routes that ran (full residency has no misses)
             record_routes=c.kind == "engine" and c.regime != "full")
         bm.sync(device)

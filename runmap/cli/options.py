@@ -48,7 +48,9 @@ def add_residency_arguments(p) -> None:
                         "(opt-in: not yet shown faster in decode), host-read = decode steps read absent experts "
                         "straight from the host copy over the link inside one CUDA graph (no transfer, no host round "
                         "trip), the most used experts promoted into device rows while the next step runs (grouped executor; on a "
-                        "GPU needs --cache-contract v2); the plan is printed. The route "
+                        "GPU needs --cache-contract v2), two-site = host-read's reads plus the CPU site in the same "
+                        "step: each layer's absent experts divided between the two by their measured rates (the "
+                        "segment chain with a CPU part per layer; same needs as host-read); the plan is printed. The route "
                         "never changes, only "
                         "where each routed expert runs. "
                         "Decode steps that may use the CPU run the CUDA-graph segment chain with a CPU part per layer "
@@ -90,6 +92,15 @@ def placement_line(eng) -> str | None:
                 f"beside the next step a host-read expert is promoted when the {eng.experts.cache.policy.name} policy values "
                 f"it {d['promotion_margin']:g} above the coldest resident (half-life {d['half_life_tokens']:g} steps "
                 f"under lfu-decay)")
+    if d["mode"] == "two-site":
+        def rate(v):
+            return "unmeasured" if v is None else f"{v:.1f} GB/s"
+        share = (f"a fixed share {d['fixed_share']:g}" if d["fixed_share"] is not None else
+                 f"~{d['cpu_share']:.2f} of them (CPU site {rate(d['cpu_gb_s'])}, the GPU's host reads "
+                 f"{rate(d['host_read_gb_s'])}; 1/2 where either is unmeasured)")
+        return (f"expert placement two-site: in each decode step every layer's absent experts are divided, the CPU "
+                f"site computing {share} while the GPU reads the rest over the link; the hottest promoted after each "
+                f"step ({eng.experts.cache.policy.name} policy, margin {d['promotion_margin']:g})")
     c = d["costs"]
     head = (f"expert placement {d['mode']}: host->device {c['h2d_gb_s']:.1f} GB/s, CPU site {c['cpu_gb_s']:.1f} GB/s "
             f"per expert ({c['row_bytes']} B rows): ")

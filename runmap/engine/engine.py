@@ -148,21 +148,26 @@ def _without_decoded_mode(moe, *args, config=None, **kwargs):
     return moe(*args, config={**(config or {}), "DEQUANT": False}, **kwargs)
 
 
+# the placements whose decode steps read absent experts over the link from the registered host source
+HOST_READ_PLACEMENTS = ("host-read", "two-site")
+
+
 def _check_host_read(executor: str, resident: int, experts: int, device, contract: str,
-                     emulate_link_gb_s: float | None = None) -> None:
-    """Placement host-read's preconditions, each an EngineError naming the value and what is allowed."""
+                     emulate_link_gb_s: float | None = None, placement: str = "host-read") -> None:
+    """Placement host-read's (and two-site's) preconditions, each an EngineError naming the value and what is
+    allowed."""
     if executor != "grouped":
-        raise EngineError(f"expert placement 'host-read' runs on the grouped executor only (its kernels read host rows); "
-                          f"got executor {executor!r}")
+        raise EngineError(f"expert placement {placement!r} runs on the grouped executor only (its kernels read host "
+                          f"rows); got executor {executor!r}")
     if resident >= experts:
-        raise EngineError(f"expert placement 'host-read' reads absent experts from the host source; with all {experts} "
-                          "experts resident none is absent: give --resident N below it or a --gpu-budget")
+        raise EngineError(f"expert placement {placement!r} reads absent experts from the host source; with all "
+                          f"{experts} experts resident none is absent: give --resident N below it or a --gpu-budget")
     if torch.device(device).type == "cuda" and contract != "v2":
-        raise EngineError("expert placement 'host-read' reads the registered host source over the link: it needs "
+        raise EngineError(f"expert placement {placement!r} reads the registered host source over the link: it needs "
                           "contract v2 (--cache-contract v2), which registers and maps it")
     if emulate_link_gb_s is not None:
-        raise EngineError("expert placement 'host-read' reads over the real link inside its kernels; an emulated link "
-                          "(emulate_link_gb_s) paces copies only, so it cannot be emulated")
+        raise EngineError(f"expert placement {placement!r} reads over the real link inside its kernels; an emulated "
+                          "link (emulate_link_gb_s) paces copies only, so it cannot be emulated")
 
 
 def _host_read_possible(executor: str, resident: int, experts: int, device, contract: str,
@@ -451,13 +456,16 @@ class CachedExperts:
                 observe(self.cache.counters["bytes_h2d"] - bytes0, seconds)
         return out
 
-    def static_experts(self, layer, x, ids, gw, table=None):
+    def static_experts(self, layer, x, ids, gw, table=None, host_read: bool = False):
         """Segment decode: the executor on the layer's whole storage through a row table at a fixed address (the
         layer's static table, refreshed from the lease before the segment runs, or ``table``: int32 (E,) device);
-        validate=False, so it can be captured."""
+        validate=False, so it can be captured. ``host_read``: entries R + e of ``table`` read host row e over the
+        link (the two-site chain)."""
         table = self.static_tables[layer] if table is None else table
+        extra = {"host_rows": self.host_rows[layer]} if host_read else {}
         with self.cache.monitored():  # a copy out of expert rows in the segment would show when it is captured
-            return self.moe(self.executor, x, ids, gw, self.storage[layer], table, self.layout, validate=False)
+            return self.moe(self.executor, x, ids, gw, self.storage[layer], table, self.layout, validate=False,
+                            **extra)
 
     def _groups(self, ids_h: torch.Tensor) -> list[list[int]]:
         """Split token rows so that each group's union of expert ids has at most max_group members."""
@@ -786,11 +794,23 @@ class SegmentDecoder(_StaticStepInputs):
     source and copies their FP32 sum to a static device buffer, which the segment after adds (2L + 1 segments). The
     grouped chain with a CPU site keeps L + 1 segments: the placement is asked once per layer about every absent
     expert, the experts it gives the CPU site start on the job thread before the first group (their pairs keep 0 in
-    the groups' device steps), and their sum is copied in before the next segment."""
+    the groups' device steps), and their sum is copied in before the next segment.
+
+    Placement two-site (``two_site=True``, with ``mixed``; docs/engine.md "Two sites in one step"): the same 2L + 1
+    segments, without a lease. The step's one request pins the generation it reads. Once a layer's ids arrive the
+    host splits the layer's absent experts (TwoSitePlacement.split), notes the layer's reads with the cache
+    (``note_host_reads`` with the CPU's share as ``cpu``: it checks the ids and counts hits, host reads and CPU-site
+    experts), starts the CPU part and writes the slots row: a resident expert -> its row in the pinned generation,
+    an absent one the GPU computes -> R + e (host row e, read over the link by the executor), one at the CPU site ->
+    a row the request pins with keep 0. Any batch runs this one chain: nothing is leased, so no group bound applies.
+    After the step (its request released) the hottest absent experts are promoted as under host-read."""
 
     def __init__(self, engine: "Engine", batch: int, pool, capture: bool, mixed: bool = False,
-                 grouped: bool = False):
+                 grouped: bool = False, two_site: bool = False):
         super().__init__(engine, batch)
+        if two_site and (grouped or not mixed):
+            raise EngineError("the two-site chain is the one-lease mixed chain's shape: mixed=True, grouped=False")
+        self.two_site = bool(two_site)
         self.pool, self.capture = pool, capture
         cfg, dev = engine.cfg, engine.device
         self.L, self.k = cfg.num_layers, cfg.top_k
@@ -1002,7 +1022,8 @@ class SegmentDecoder(_StaticStepInputs):
             self._lease(layer)
         E, (B, k) = self.e.cfg.num_experts, ids.shape
         table, keep = self.slots[layer, :E], self.slots[layer, E:].view(B, k).to(torch.float32)  # (E,), (B, k)
-        out = ex.static_experts(layer, x, ids, gw * keep, table=table)  # (B, H) fp16: the leased experts only
+        # (B, H) fp16: the leased experts only (two-site: the resident and host-read ones)
+        out = ex.static_experts(layer, x, ids, gw * keep, table=table, host_read=self.two_site)
         if capturing:
             self._keep.append(out)
             self._cut()  # the host collects the CPU part here and copies its sum to cpu_out
@@ -1078,6 +1099,9 @@ class SegmentDecoder(_StaticStepInputs):
 
     def _lease(self, layer):
         ex = self.e.experts
+        if self.two_site:
+            self._split_sites(layer)
+            return
         if self.grouped:
             self._run_groups(layer)
             if self.mixed:
@@ -1111,6 +1135,35 @@ class SegmentDecoder(_StaticStepInputs):
                 buf[e], keep[j] = pinned, 0
             else:
                 buf[e], keep[j] = row, 1
+        self.slots[layer].copy_(self.host_slots[layer], non_blocking=True)  # (E + B k,) on the compute stream
+
+    def _split_sites(self, layer) -> None:
+        """Two-site chain: divide ``layer``'s absent experts between the link and the CPU site, note the layer's reads,
+        start the CPU part and write the slots row (class docstring), copied to the device in one transfer."""
+        ex = self.e.experts
+        req = self._req
+        ids = self.host_ids_np[layer]  # (B, k)
+        flat = ids.reshape(-1)
+        mapping = req.mapping(layer)
+        experts, pairs = np.unique(flat, return_counts=True)
+        absent = [(int(e), int(n)) for e, n in zip(experts.tolist(), pairs.tolist()) if int(e) not in mapping]
+        cpu = ex.placement.split(absent) if absent else ()
+        req.note_host_reads(layer, ids, cpu=cpu)  # checks every id is in [0, E) before any is used below
+        self.layer_cpu[layer] = cpu
+        if cpu:
+            self._start_cpu_part(layer, cpu)
+        E, R = self.e.cfg.num_experts, ex.cache.rows_per_layer
+        buf = self.host_slots_np[layer]
+        keep = buf[E:]
+        pinned = req.pinned_row(layer) if cpu else None
+        for j, e in enumerate(flat.tolist()):
+            row = mapping.get(e)
+            if row is not None:
+                buf[e], keep[j] = row, 1
+            elif e in cpu:
+                buf[e], keep[j] = pinned, 0
+            else:
+                buf[e], keep[j] = R + e, 1
         self.slots[layer].copy_(self.host_slots[layer], non_blocking=True)  # (E + B k,) on the compute stream
 
     def _drain_jobs(self) -> None:
@@ -1223,6 +1276,9 @@ class SegmentDecoder(_StaticStepInputs):
                 if not done:  # a failure between segments: no kernel of this chain reads those rows any more
                     torch.cuda.current_stream(e.device).synchronize()
                 self._release()  # every segment reading the step's rows is queued
+        if self.two_site:  # while the last segment runs: a promotion's copy waits for the release fence of its rows
+            e.experts.defer_promotion(self.host_ids_np)
+            e.experts.promote_pending()
         if self.recorded is not None:
             e.routes.end_pass(real, self.recorded, decode=True)
         return out
@@ -1420,6 +1476,7 @@ class Engine:
         self._segments: dict[int, SegmentDecoder] = {}  # batch -> chain without a CPU site
         self._mixed_segments: dict[int, SegmentDecoder] = {}  # batch -> chain with a CPU part per layer
         self._host_read: dict[int, HostReadDecoder] = {}  # batch -> host-read steps (placement host-read)
+        self._two_site: dict[int, SegmentDecoder] = {}  # batch -> two-site chains (placement two-site)
         self.decode_paths = dict.fromkeys(DECODE_PATHS, 0)  # decode steps by the path that ran them
         self.prefill_paths = dict.fromkeys(PREFILL_PATHS, 0)  # prefill passes by the path that ran them
         self._retired: list = []  # decoders replaced by _retire, kept until the pool is replaced
@@ -1427,6 +1484,8 @@ class Engine:
         # placement host-read: partial-residency decode steps whole, with absent experts read from the host source
         self.use_host_read = bool(isinstance(experts, CachedExperts) and experts.host_rows is not None
                                   and not self.skip_experts)
+        # placement two-site: host-read's sites plus the CPU site in one step, the segment chain with a CPU part
+        self.use_two_site = self.use_host_read and getattr(experts.placement, "name", None) == "two-site"
         self._pool = torch.cuda.graph_pool_handle() if (self.use_graphs or self.use_segments or self.use_host_read) \
             and device.type == "cuda" else None
         if self.use_graphs:
@@ -1552,8 +1611,10 @@ class Engine:
                   segments=True, gpu_budget: int | None = None, budget_kv_rows: int | None = None,
                   expert_placement: str = "gpu", prefetch: bool = False,
                   emulate_link_gb_s: float | None = None, warm_up: bool | None = None,
-                  cpu_executor: str = "cpu-native", placement_costs=None) -> "Engine":
-        """placement_costs: a runmap.engine.placement.PlacementCosts to decide ``auto`` / ``auto-split`` with instead of
+                  cpu_executor: str = "cpu-native", placement_costs=None,
+                  two_site_share: float | None = None) -> "Engine":
+        """two_site_share: placement two-site's CPU share of each layer's absent experts, fixed (None: from the measured
+        rates, runmap.engine.placement.TwoSitePlacement). placement_costs: a runmap.engine.placement.PlacementCosts to decide ``auto`` / ``auto-split`` with instead of
         the rates measured at build (tests, what-if runs); its host_read_gb_s counts for ``auto`` only and only where
         placement host-read is possible (grouped executor, partial residency, contract v2 on a GPU, no emulated link),
         where build measures it otherwise."""
@@ -1643,9 +1704,9 @@ class Engine:
         if expert_format == "fp16" and resident != E:
             reader.close()
             raise EngineError("expert_format='fp16' is a full-residency baseline; it cannot be combined with resident")
-        if expert_placement == "host-read":
+        if expert_placement in HOST_READ_PLACEMENTS:
             try:
-                _check_host_read(executor, resident, E, device, cache_contract, emulate_link_gb_s)
+                _check_host_read(executor, resident, E, device, cache_contract, emulate_link_gb_s, expert_placement)
             except EngineError:
                 reader.close()
                 raise
@@ -1703,9 +1764,9 @@ class Engine:
                     pace(transport, emulate_link_gb_s)
                 policy_asked = policy
                 if policy is None:  # host-read promotes by use counts; the miss transaction evicts least recent
-                    policy = "lfu-decay" if expert_placement == "host-read" else "lru"
+                    policy = "lfu-decay" if expert_placement in HOST_READ_PLACEMENTS else "lru"
                 cache_policy = policy
-                if expert_placement == "host-read":
+                if expert_placement in HOST_READ_PLACEMENTS:
                     if policy == "lfu-decay":  # its half-life in decode steps: one tick per layer each step
                         from runmap.engine.placement import HostReadPlacement
 
@@ -1732,6 +1793,7 @@ class Engine:
                     from runmap.engine.placement import HostReadPlacement, make_placement
 
                     auto = expert_placement.startswith("auto")
+                    two_site = expert_placement == "two-site"
                     host_read_rate = None  # measures the host-read site where that placement is possible here
                     given_read = placement_costs is not None and placement_costs.host_read_gb_s is not None
                     # measured on a GPU only: on the CPU device the host source is the device's own memory, no link to
@@ -1740,11 +1802,13 @@ class Engine:
                             executor, resident, E, device, cache_contract, emulate_link_gb_s):
                         host_read_rate = experts.measure_host_read_gb_s
                     experts.placement = make_placement(expert_placement, cache=cache,
-                                                       site=experts.site() if auto and placement_costs is None
-                                                       else None, costs=placement_costs,
-                                                       host_read_rate=host_read_rate)
+                                                       site=experts.site() if (auto and placement_costs is None)
+                                                       or two_site else None, costs=placement_costs,
+                                                       host_read_rate=host_read_rate, share=two_site_share,
+                                                       top_k=cfg.top_k)
                     if isinstance(experts.placement, HostReadPlacement):
-                        if experts.cpu_site is not None:  # auto's rate probe built it; host-read never uses it
+                        if experts.cpu_site is not None and not experts.placement.may_use_cpu():
+                            # auto's rate probe built it; host-read never uses it (two-site does)
                             experts.cpu_site.close()
                             experts.cpu_site = None
                         if auto and policy_asked in (None, "lfu-decay"):  # as placement host-read asked by name
@@ -1965,6 +2029,15 @@ class Engine:
                 self._retire(self._graphs.get(B))
                 self._graphs[B] = GraphDecoder(self, B, self._pool)
             return self._graphs[B].run(tokens, slot, pad)
+        if self.use_two_site:
+            self.decode_paths["two_site"] += 1
+            dec = self._two_site.get(B)
+            if dec is None or not dec.fits(self):
+                self._retire(dec)
+                dec = self._two_site[B] = SegmentDecoder(self, B, self._pool,
+                                                         capture=self.device.type == "cuda" and self.cuda_graphs,
+                                                         mixed=True, two_site=True)
+            return dec.run(tokens, slot, pad)
         if self.use_host_read:
             self.decode_paths["host_read"] += 1
             dec = self._host_read.get(B)
@@ -2050,6 +2123,7 @@ class Engine:
         self._segments.clear()
         self._mixed_segments.clear()
         self._host_read.clear()
+        self._two_site.clear()
         self._retired.clear()
         if self._pool is not None:
             self._pool = torch.cuda.graph_pool_handle()
@@ -2215,6 +2289,7 @@ class Engine:
         self._segments.clear()
         self._mixed_segments.clear()
         self._host_read.clear()
+        self._two_site.clear()
         self._retired.clear()
         self._prefiller = None
         self._mixer = None

@@ -81,7 +81,9 @@ import time
 
 # auto-split: auto with split=True (the module docstring's "Split"), opt-in until a decode measurement says it helps
 # host-read: absent experts read by the GPU straight from the registered host source in decode steps (HostReadPlacement)
-PLACEMENTS = ("gpu", "cpu", "auto", "auto-split", "host-read")
+# two-site: host-read's steps with a share of each layer's absent experts computed at the CPU site in the same step
+# (TwoSitePlacement)
+PLACEMENTS = ("gpu", "cpu", "auto", "auto-split", "host-read", "two-site")
 # Layer calls of at most this many tokens (decode steps up to batch 16) learn and use one in-use CPU rate, larger calls
 # (prompt passes) another. Why: the CPU site reads each expert once per call whatever its tokens, but its arithmetic
 # grows with them, so a pass's rate per expert byte is several times lower than a decode step's (on the H200 host
@@ -287,6 +289,94 @@ class HostReadPlacement(Placement):
                      why=f"the CPU site's {c.cpu_gb_s:.1f} GB/s per expert byte is not above both the host-read "
                          f"site's {c.host_read_gb_s:.1f} and the copy's {c.h2d_gb_s:.1f}")
         return d
+
+
+class TwoSitePlacement(HostReadPlacement):
+    """Both sites in one decode step (docs/engine.md, "Two sites in one step"): each MoE layer's absent experts are
+    divided between the GPU, which reads its share over the link from the registered host source as under
+    placement host-read, and the CPU site, which computes the rest from the same host source at the same time. The
+    step is the segment chain with a CPU part per layer (runmap.engine.engine.SegmentDecoder, ``two_site``): one
+    request pins the generation for the whole step, no lease and no miss transaction inside it; the host splits each
+    layer's absent experts once its routed ids arrive. Residency changes as under host-read: after each step the
+    hottest absent expert of a layer is promoted when the policy values it above the coldest resident by ``margin``
+    (the CPU site's uses count: its experts were routed). Prompt passes run as host-read's (the GPU reads every
+    absent expert: a pass's many tokens per expert are the GPU's work).
+
+    The split. A layer with ``n`` absent experts gives the CPU site round(n x share) of them, share = cpu / (cpu +
+    read): the two sites then finish together when each reads at its rate. ``read`` is the host-read site's rate
+    measured at build (one token's top_k experts over the link; not observable inside a captured step), ``cpu`` the
+    CPU site's rate learned in use (the job's seconds per expert byte, ``InUseRate``) once it has enough calls, before
+    that the build probe's (a call of top_k / 2 experts for one token). Where a rate is missing (the CPU device, where
+    no link is read; a failed probe) the share is 1/2. ``share`` given fixes it (benchmarks sweeping it; tests). The
+    CPU takes the experts with the fewest routed pairs in the step (its work grows with them, the GPU's reads do not),
+    lowest id first among equals."""
+
+    name = "two-site"
+
+    def __init__(self, read_gb_s: float | None, cpu_gb_s: float | None, row_bytes: int, *,
+                 share: float | None = None, margin: float = 1.0, probe: str = ""):
+        super().__init__(margin=margin, read_gb_s=read_gb_s)
+        if share is not None and not 0.0 <= share <= 1.0:  # (NaN fails too)
+            raise PlacementError(f"two-site: share {share} must be in [0, 1]")
+        self.fixed_share, self.probe_cpu_gb_s, self.row_bytes, self.probe = share, cpu_gb_s, int(row_bytes), probe
+        self.cpu_rate = InUseRate()
+        self.calls = 0  # layer calls split
+        self.cpu_experts = 0  # experts given to the CPU site
+        self.absent_experts = 0  # absent experts seen by the split
+
+    def may_use_cpu(self) -> bool:
+        return True
+
+    def observe_cpu(self, nbytes: int, seconds: float, tokens: int | None = None) -> None:
+        self.cpu_rate.add(nbytes, seconds)
+
+    def cpu_gb_s(self) -> float | None:
+        """The CPU site's rate the split uses: in use once measured there, else the build probe's (None: neither)."""
+        rate = self.cpu_rate.gb_s
+        return rate if rate is not None else self.probe_cpu_gb_s
+
+    def share(self) -> float:
+        if self.fixed_share is not None:
+            return self.fixed_share
+        cpu, read = self.cpu_gb_s(), self.read_gb_s
+        if not cpu or not read:
+            return 0.5
+        return cpu / (cpu + read)
+
+    def split(self, absent_pairs) -> tuple:
+        """``absent_pairs``: (expert, routed pairs in the step) of each absent expert of one layer -> the experts the
+        CPU site computes (sorted)."""
+        absent_pairs = list(absent_pairs)
+        n = len(absent_pairs)
+        c = min(n, int(round(n * self.share())))
+        self.calls += 1
+        self.absent_experts += n
+        self.cpu_experts += c
+        chosen = sorted(absent_pairs, key=lambda ep: (ep[1], ep[0]))[:c]
+        return tuple(sorted(int(e) for e, _ in chosen))
+
+    def describe(self) -> dict:
+        d = super().describe()
+        d.update(mode=self.name, cpu_share=self.share(), fixed_share=self.fixed_share,
+                 cpu_gb_s=self.cpu_gb_s(), cpu_gb_s_probe=self.probe_cpu_gb_s, cpu_gb_s_in_use=self.cpu_rate.gb_s,
+                 cpu_calls_in_use=self.cpu_rate.calls, split_calls=self.calls, split_absent=self.absent_experts,
+                 split_cpu=self.cpu_experts, probe=self.probe)
+        return d
+
+
+def measure_cpu_call_gb_s(site, layer: int, top_k: int, hidden_size: int, row_bytes: int,
+                          repeats: int = 5) -> float:
+    """The CPU site computing top_k / 2 experts (at least one) for one token in one call, best of ``repeats`` after
+    an untimed call: GB/s of expert bytes read (the two-site split's starting CPU rate)."""
+    import torch
+
+    n = max(1, top_k // 2)
+    x = torch.randn(1, hidden_size, generator=torch.Generator().manual_seed(0)).to(torch.float16)  # (1, H)
+    ids = torch.arange(top_k, dtype=torch.int64).view(1, top_k)  # (1, k)
+    gw = torch.full((1, top_k), 1.0 / top_k, dtype=torch.float32)  # (1, k)
+    subset = tuple(range(n))
+    site.moe_subset(layer, x, ids, gw, subset)
+    return n * row_bytes / max(_best_seconds(lambda: site.moe_subset(layer, x, ids, gw, subset), repeats), 1e-9) / 1e9
 
 
 class CpuPlacement(Placement):
@@ -506,14 +596,15 @@ def _measured(host_read_rate) -> tuple[float | None, str | None]:
 
 
 def make_placement(name: str, *, cache=None, site=None, costs: PlacementCosts | None = None,
-                   host_read_rate=None) -> Placement:
+                   host_read_rate=None, share: float | None = None, top_k: int = 1) -> Placement:
     """The placement registered under ``name`` (PLACEMENTS). ``auto`` measures its costs on ``cache``'s host
     source and device through ``site`` (a runmap.kernels.cpu_int4.CpuExpertSite) unless ``costs`` is given;
     ``host_read_rate`` (a callable returning GB/s, given where placement host-read is possible) measures the host-read
     site too unless ``costs`` holds its rate, and ``auto`` is then placement host-read when ``auto_chooses_host_read``
     (``auto-split`` never: it is the rule dividing calls between the CPU and the link). A measurement that raises
     leaves the rule, with the error in ``costs.source``. Placement ``host-read`` records the rate it measures (None
-    where it raises)."""
+    where it raises). ``two-site`` measures the host-read site (where ``host_read_rate`` is given) and the CPU site
+    ``site`` on a call of top_k / 2 experts; ``share`` fixes its CPU share (TwoSitePlacement)."""
     if name not in PLACEMENTS:
         raise PlacementError(f"expert placement {name!r}: choose one of {', '.join(PLACEMENTS)}")
     if name == "gpu":
@@ -522,6 +613,14 @@ def make_placement(name: str, *, cache=None, site=None, costs: PlacementCosts | 
         return CpuPlacement()
     if name == "host-read":  # the rate only recorded: the steps themselves fail loudly if the reads do
         return HostReadPlacement(read_gb_s=_measured(host_read_rate)[0] if host_read_rate is not None else None)
+    if name == "two-site":
+        read, error = _measured(host_read_rate) if host_read_rate is not None else (None, "not measured here")
+        cpu, cpu_error = _measured(lambda: measure_cpu_call_gb_s(site, 0, top_k, cache.host.layout.hidden_size,
+                                                                  cache.row_bytes))
+        read_how = "one token's top_k experts over the link" if error is None else error
+        cpu_how = "a call of top_k / 2 experts for one token" if cpu_error is None else cpu_error
+        probe = f"host-read site: {read_how}; CPU site: {cpu_how}"
+        return TwoSitePlacement(read, cpu, cache.row_bytes, share=share, probe=probe)
     if costs is None:
         costs = measure_costs(site, cache.host, cache.device, transport=cache.transport)
     if name != "auto":

@@ -27,7 +27,8 @@ from runmap.provenance import utc_timestamp
 SCHEMA_VERSION = "runmap-telemetry-v1"
 from runmap.residency.observations import OBSERVATION_NAMES as OBS_NAMES, REQUIRED_ZERO as OBS_UNITS
 
-DECODE_PATHS = ("graphs", "chain", "chain_groups", "chain_cpu", "chain_groups_cpu", "host_read", "per_call")  # Engine.decode_paths; fields decode_steps_<path> below
+DECODE_PATHS = ("graphs", "chain", "chain_groups", "chain_cpu", "chain_groups_cpu", "host_read", "two_site",
+                "per_call")  # Engine.decode_paths; fields decode_steps_<path> below
 PREFILL_PATHS = ("graphs", "eager")  # Engine.prefill_paths; fields prefill_passes_<path> below
 
 
@@ -59,13 +60,15 @@ class PhaseSiteCounters:
     promotions: int = 0
     # decode steps by the path that ran them (Engine.decode, DECODE_PATHS): full-residency CUDA graphs, the
     # partial-residency segment chain (one lease per layer, or groups of leases for a batch whose union may exceed
-    # one: chain_groups), either with a CPU part (chain_cpu, chain_groups_cpu), or eager layer calls (the per-call path)
+    # one: chain_groups), either with a CPU part (chain_cpu, chain_groups_cpu), placement host-read's one-graph steps,
+    # placement two-site's chain (host reads and a CPU part per layer), or eager layer calls (the per-call path)
     decode_steps_graphs: int = 0
     decode_steps_chain: int = 0
     decode_steps_chain_groups: int = 0
     decode_steps_chain_cpu: int = 0
     decode_steps_chain_groups_cpu: int = 0
     decode_steps_host_read: int = 0
+    decode_steps_two_site: int = 0
     decode_steps_per_call: int = 0
     # Engine.prefill calls by the path that ran them (PREFILL_PATHS): a captured CUDA graph of the prompt padded to its
     # length bucket (runmap.engine.prefill_graph), or the eager pass

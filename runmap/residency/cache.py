@@ -147,11 +147,16 @@ class Request:
         published expert until release), what a host-read step may read from the device."""
         return self._gen.maps[layer]
 
-    def note_host_reads(self, layer: int, expert_ids) -> int:
+    def note_host_reads(self, layer: int, expert_ids, cpu=()) -> int:
         """After a host-read step of this request: its routed ids of ``layer`` (any int shape) were read from this
         request's generation where mapped and from the host source elsewhere. Counts hits, misses and host reads
-        and lets the eviction policy see the uses; returns the host reads. No transaction, no lease."""
-        return self._cache._note_host_reads(self, layer, expert_ids)
+        and lets the eviction policy see the uses; returns the host reads. No transaction, no lease.
+
+        ``cpu``: the experts of the union that the CPU site computed from the host source instead (a two-site step,
+        placement two-site): each must be routed in ``expert_ids`` and absent from this request's generation
+        (CacheError otherwise, nothing counted). They count in ``cpu_site_experts``, never in hits, misses or host
+        reads; the eviction policy sees their use like any other (a promotion may then bring the hottest in)."""
+        return self._cache._note_host_reads(self, layer, expert_ids, cpu)
 
     def acquire_all(self, layer: int) -> Lease:
         """Lease every expert of ``layer`` (full residency only: no miss can happen)."""
@@ -470,13 +475,23 @@ class ExpertCache:
             self.policy.touch_layers(used, ticks)
             return self._count_host_reads(used, self._resident_mask(req._gen))
 
-    def _note_host_reads(self, req: Request, layer: int, expert_ids) -> int:
+    def _note_host_reads(self, req: Request, layer: int, expert_ids, cpu=()) -> int:
         with self._lock:
             self._check_noting(req)
             used = self._used_mask(layer, expert_ids)
+            resident = self._resident_mask(req._gen)[layer]
+            on_cpu = np.zeros_like(used)
+            cpu = sorted({int(e) for e in cpu})
+            if cpu:
+                bad = [e for e in cpu if not (0 <= e < self.num_experts) or not used[e] or resident[e]]
+                if bad:
+                    raise CacheError(f"layer {layer}: experts {bad} at the CPU site are not absent experts routed in "
+                                     f"this step (only those may go there)")
+                on_cpu[cpu] = True
             self._tick += 1
             self.policy.touch(layer, np.flatnonzero(used), self._tick)
-            return self._count_host_reads(used, self._resident_mask(req._gen)[layer])
+            self.counters["cpu_site_experts"] += len(cpu)
+            return self._count_host_reads(used & ~on_cpu, resident)
 
     @contextlib.contextmanager
     def policy_kept(self):

@@ -588,11 +588,24 @@ class PromoteEvictsLeased(_EvictsLeased):
 class HostReadsAsHits(ExpertCache):
     """Host reads counted as hits: the hit rate of a host-read step reads as if every expert were resident."""
 
-    def _note_host_reads(self, req, layer, expert_ids):
-        reads = super()._note_host_reads(req, layer, expert_ids)
+    def _note_host_reads(self, req, layer, expert_ids, cpu=()):
+        reads = super()._note_host_reads(req, layer, expert_ids, cpu)
         self.counters["misses"] -= reads
         self.counters["hits"] += reads
         return reads
+
+
+class CpuSiteAsHostReads(ExpertCache):
+    """A two-site step's CPU-site experts counted as host reads too ("they were absent and read from the host"): the
+    link's bytes per token read higher than what crossed it."""
+
+    def _note_host_reads(self, req, layer, expert_ids, cpu=()):
+        n = len(set(int(e) for e in cpu))
+        reads = super()._note_host_reads(req, layer, expert_ids, cpu)
+        self.counters["misses"] += n
+        self.counters["host_reads"] += n
+        self.counters["host_read_bytes"] += n * self.row_bytes
+        return reads + n
 
 
 MUTANTS = {
@@ -616,6 +629,7 @@ MUTANTS = {
     "publish-promotion-early": PublishPromotionEarly,
     "promote-evicts-leased": PromoteEvictsLeased,
     "host-reads-as-hits": HostReadsAsHits,
+    "cpu-site-as-host-reads": CpuSiteAsHostReads,
 }
 # broken transports, run with the real cache (CUDA-events mode only: a controlled transport would hide them)
 TRANSPORT_MUTANTS = {"event-before-copy": EventBeforeCopyTransport}
@@ -647,7 +661,7 @@ INVARIANTS = (
     "required_zero_observations", "lease_gets_exactly_its_group", "eviction_respects_leases",
     "spares_only_from_free_rows", "counters_match_model", "request_block_gives_everything_back",
     "cpu_site_experts_never_leased", "prefetch_publishes_like_a_miss", "host_reads_move_nothing",
-    "promotion_publishes_like_a_miss",
+    "promotion_publishes_like_a_miss", "two_site_counts_cpu_apart",
 )
 CUDA_INVARIANTS = ("events_fence_their_copies",)  # checked in the cuda mode only
 MODEL_COUNTERS = ("hits", "misses", "bytes_h2d", "bytes_h2d_transport", "evictions", "leases_outstanding",
@@ -1193,27 +1207,52 @@ class CacheContractMachine(RuleBasedStateMachine):
     @precondition(lambda self: self.cache is not None and not self.cache.full_residency and bool(self.reqs))
     @rule(data=st.data())
     def host_read_step(self, data):
-        """A host-read decode step of a live request (placement host-read): its routed ids of one layer, a batch union
-        of any size, read from the request's generation where mapped and from the host source elsewhere. The cache
-        counts hits and host reads and moves, publishes and leases nothing; the rows the step read hold their
-        experts' bytes."""
+        """A host-read decode step of a live request (placement host-read, or two-site with some of its absent experts
+        computed at the CPU site): its routed ids of one layer, a batch union of any size, read from the request's
+        generation where mapped and from the host source elsewhere. The cache counts hits, host reads and CPU-site
+        experts apart and moves, publishes and leases nothing; the rows the step read hold their experts' bytes. A
+        CPU share naming an expert that is resident or not routed is refused, counting nothing."""
         self._step("host_read_step")
         d = data.draw
         r = self.reqs[d(st.sampled_from(sorted(self.reqs)), label="request")]
         layer = d(st.integers(0, self.L - 1), label="layer")
         ids = d(st.lists(st.integers(0, self.E - 1), min_size=1, max_size=2 * self.E), label="routed")
+        group = sorted(set(ids))
+        req_map = self.history[r.gen][layer]
+        absent = [e for e in group if e not in req_map]
+        cpu = d(st.lists(st.sampled_from(absent), unique=True), label="cpu_site") if absent else []
+        not_cpu = [e for e in range(self.E) if e not in absent]  # resident in the generation, or not routed
+        if not_cpu and d(st.integers(0, 7), label="bad_cpu_share") == 0:
+            cpu = cpu + [d(st.sampled_from(not_cpu), label="not_a_cpu_expert")]
+            self._step("host_read_step_refused")
+            before = dict(self.cache.counters)
+            try:
+                r.handle.note_host_reads(layer, np.array(ids), cpu=cpu)
+            except CacheFaultedError:
+                check(self.faulted, "a live cache raised CacheFaultedError for a refused CPU share")
+                return
+            except CacheError:
+                check(dict(self.cache.counters) == before, "a refused CPU share counted something")
+                return
+            raise ContractViolation(f"layer {layer}: CPU-site experts {cpu} of a step routing {group} on generation "
+                                    f"{r.gen} were accepted, though not all are absent experts it routed")
         gen_before, moved_before = self.cache.generation, self.cache.counters["bytes_h2d"]
         if self.faulted:
             try:
-                r.handle.note_host_reads(layer, np.array(ids))
+                r.handle.note_host_reads(layer, np.array(ids), cpu=cpu)
             except CacheFaultedError:
                 return
             raise ContractViolation("a FAULTED cache counted a host-read step")
-        reads = r.handle.note_host_reads(layer, np.array(ids))
-        group = sorted(set(ids))
-        req_map = self.history[r.gen][layer]
-        want = sum(e not in req_map for e in group)
-        check(reads == want, f"host-read step {group} on generation {r.gen}: {reads} host reads, expected {want}")
+        cpu_before = self.cache.counters["cpu_site_experts"]
+        reads = r.handle.note_host_reads(layer, np.array(ids), cpu=cpu)
+        want = len(absent) - len(cpu)
+        check(reads == want, f"host-read step {group} on generation {r.gen} with {cpu} at the CPU site: {reads} host "
+                             f"reads, expected {want}")
+        check(self.cache.counters["cpu_site_experts"] - cpu_before == len(cpu),
+              f"host-read step {group}: {len(cpu)} CPU-site experts counted as "
+              f"{self.cache.counters['cpu_site_experts'] - cpu_before}")
+        if cpu:
+            self._note("two_site_counts_cpu_apart")
         check(self.cache.generation == gen_before and self.cache.counters["bytes_h2d"] == moved_before,
               "a host-read step published or moved expert bytes")
         read = [e for e in group if e in req_map]  # what the step's kernels read from device rows
@@ -1224,7 +1263,8 @@ class CacheContractMachine(RuleBasedStateMachine):
                                  self.expected[layer].index_select(0, torch.tensor(read, device=rows.device)))
             check(ok, f"layer {layer}: a host-read step of generation {r.gen} read rows that do not hold {read}")
         self._note("host_reads_move_nothing")
-        self.m["hits"] += len(group) - want
+        self.m["hits"] += len(group) - len(absent)
+        self.m["cpu_site_experts"] += len(cpu)
         self.m["misses"] += want
         self.m["host_reads"] += want
         self.m["host_read_bytes"] += want * self.layout.row_bytes

@@ -1,0 +1,27 @@
+#!/usr/bin/env bash
+# One device call for placement two-site (docs/engine.md, "Two sites in one step"): its GPU tests (the two-site chain
+# captured as CUDA graphs, registered host memory read by the grouped executor beside the CPU site, decode logits equal
+# to full residency's), then specs/campaigns/two-site-matched.yaml (two-site against host-read at llama.cpp's
+# --n-cpu-moe 8 / 12 / 16 GPU expert bytes, OLMoE, calibrated routing) on a directly synthesized pack:
+#
+#   RUNMAP_GIT_COMMIT=<sha> bash benchmarks/two_site_h200.sh [BUDGET_S]     (repo root, $OUT set; carry wheels/)
+#
+# llama.cpp's rows at the same budgets in the same call: benchmarks/llama_cpp_matched_h200.sh with
+# RUNMAP_MATCHED_SPEC=specs/campaigns/two-site-matched.yaml (it builds llama.cpp first).
+# Files back: gpu-pytest-two-site.log, h200-campaign.tar.gz, bench.log, prepare-olmoe.log. Exits 0 whatever a stage did.
+set -uo pipefail
+: "${OUT:?set OUT to the directory whose files come back}"
+BUDGET=${1:-480}
+mkdir -p "$OUT"
+SECONDS=0
+export PYTHONUNBUFFERED=1 PYTHONPATH=.
+# the tests validate telemetry against its schema: jsonschema from the carried wheels/ (the GPU machine lacks it)
+python3 -c "import jsonschema" 2>/dev/null || { [ -d wheels ] && python3 -m pip install -q --no-index --find-links wheels/ \
+  --break-system-packages jsonschema==4.26.0; }
+RUNMAP_TEST_DEVICE=cuda timeout "${RUNMAP_TEST_TIMEOUT:-200}" python3 -m pytest -q --tb=short -p no:cacheprovider \
+  tests/test_two_site.py > "$OUT/gpu-pytest-two-site.log" 2>&1
+echo "[${SECONDS}s] gpu pytest (two-site) exit $?"
+tail -3 "$OUT/gpu-pytest-two-site.log"
+RUNMAP_DIRECT=olmoe=olmoe-1b-7b-0924 RUNMAP_SPEC=specs/campaigns/two-site-matched.yaml RUNMAP_MODELS=olmoe \
+  bash benchmarks/run_h200_campaign.sh $(( BUDGET - SECONDS ))
+exit 0

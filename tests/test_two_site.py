@@ -1,0 +1,174 @@
+"""Placement two-site (docs/engine.md, "Two sites in one step"): in one decode step each layer's absent experts are
+divided between the GPU, which reads them over the link from the host source (as placement host-read), and the CPU
+site, which computes them from the same host source at the same time.
+
+* decode logits equal full residency's: exactly with no CPU share (the same grouped kernel over the same bytes,
+  wherever they lie), within the CPU kernel's tolerance with one, for tiny-olmoe and tiny-qwen2-moe;
+* the cache counts a CPU-site expert once, as a CPU-site expert, never as a hit, miss or host read, and refuses one
+  that is resident or not routed, counting nothing;
+* the split gives the CPU round(n x share) of a layer's n absent experts, those with the fewest routed pairs.
+"""
+from __future__ import annotations
+
+import numpy as np
+import pytest
+import torch
+from hypothesis import given, settings, strategies as st
+
+from runmap.engine.placement import PlacementError, TwoSitePlacement
+
+PROMPTS = ["the cache holds", "experts that were read from the host"]
+# cpu-native's FP32 sum of the CPU share added to the device part's: tests/test_placement.py measured up to 9.2e-4
+# of max |logit| for a mixed placement on these packs
+LOGITS_REL = 2e-3
+
+_FULL: dict = {}  # (pack, device) -> (tokens, decode logits) of full residency
+
+
+def _contract(device: str) -> str:
+    # v2 on CUDA (the host source registered and mapped for the GPU's reads); v1 on the CPU, as tests/test_host_read.py
+    return "v2" if device == "cuda" else "v1"
+
+
+def _run(pack, device, record_decode, **kw):
+    from runmap.engine.engine import Engine
+
+    eng = record_decode(Engine.from_pack(pack, executor="grouped", device=device, max_batch=2, max_seq_len=48, **kw))
+    eng._prefiller = None  # both sides' prompt passes eager (tests/test_host_read.py says why): this is about the steps
+    return eng
+
+
+def _full(pack, device, record_decode):
+    key = (str(pack), device)
+    if key not in _FULL:
+        eng = _run(pack, device, record_decode)
+        try:
+            _FULL[key] = ([r.token_ids for r in eng.generate(PROMPTS, max_new_tokens=6, ignore_eos=True)],
+                          eng.decoded)
+        finally:
+            eng.close()
+    return _FULL[key]
+
+
+@pytest.mark.parametrize("preset,share", [("tiny-olmoe", 0.0), ("tiny-olmoe", 0.5), ("tiny-olmoe", 1.0),
+                                          ("tiny-qwen2-moe", 0.5), ("tiny-olmoe", None)])
+def test_two_site_decode_equals_full_residency(seed3_tiny_packs, preset, share, test_device, record_decode):
+    """Greedy decode at batch 2 with top_k of E experts resident (most absent): every decode step runs the two-site
+    chain, the CPU site takes its share of the absent experts and the GPU reads the rest from the host, the decode
+    logits equal full residency's (exactly without a CPU share), residency changes only by promotions between steps,
+    nothing is left held and every observation is zero. share None: from the rates (1/2 on the CPU device, where no
+    link is read)."""
+    import json
+
+    from runmap.conformance.schemas import load_schemas
+
+    pack, cfg = seed3_tiny_packs[preset]
+    toks_f, logits_f = _full(pack, test_device, record_decode)
+    eng = _run(pack, test_device, record_decode, resident=cfg.top_k, expert_placement="two-site",
+               cache_contract=_contract(test_device), two_site_share=share)
+    try:
+        cache = eng.experts.cache
+        c0 = dict(cache.counters)
+        toks = [r.token_ids for r in eng.generate(PROMPTS, max_new_tokens=6, ignore_eos=True)]
+        steps = len(eng.decoded)
+        assert eng.use_two_site and eng.decode_paths["two_site"] == steps > 0
+        assert all(v == 0 for k, v in eng.decode_paths.items() if k != "two_site")
+        c = {k: cache.counters[k] - c0[k] for k in cache.counters}
+        plan = eng.experts.placement
+        if share == 0.0:
+            assert c["cpu_site_experts"] == 0 and c["host_reads"] > 0
+        elif share == 1.0:  # the decode steps read nothing over the link (the prompts' passes do)
+            st_ = eng.stats()
+            assert c["cpu_site_experts"] > 0 and st_.host_reads == st_.prefill_host_reads > 0
+        else:
+            assert c["cpu_site_experts"] > 0 and c["host_reads"] > 0
+            assert plan.share() == 0.5
+        assert c["cpu_site_experts"] == plan.cpu_experts and plan.absent_experts >= plan.cpu_experts
+        assert c["promotions"] == c["transactions"]  # no miss transaction: only promotions move experts
+        assert cache.outstanding_leases() == 0 and cache.live_requests() == 0
+        tel = eng.telemetry()
+        assert load_schemas().validate_document(json.loads(json.dumps(tel)), "telemetry") == []
+        assert tel["placement"]["mode"] == "two-site" and tel["placement"]["split_cpu"] == plan.cpu_experts
+        assert all(o["status"] == "OBSERVED" and o["value"] == 0 for o in tel["observations"].values()
+                   if "value" in o and o.get("unit") != "bytes/s")
+    finally:
+        eng.close()
+    assert toks == toks_f and len(eng.decoded) == len(logits_f)
+    for t, (a, b) in enumerate(zip(eng.decoded, logits_f)):
+        if share == 0.0:
+            assert torch.equal(a, b), f"step {t}: the GPU's host reads alone differ from full residency"
+        else:
+            err, bound = float((a - b).abs().max()), LOGITS_REL * float(b.abs().max())
+            assert err <= bound, f"step {t}: max |diff| {err:.3g} > {bound:.3g}"
+
+
+def _cache(experts=8, resident=3, layers=2):
+    from runmap.format.qpack import RowLayout
+    from runmap.residency.cache import ExpertCache
+    from runmap.residency.host_source import HostSource
+
+    layout = RowLayout.build(64, 64, 64)
+    gen = torch.Generator().manual_seed(0)
+    rows = [torch.randint(0, 256, (experts, layout.row_bytes), dtype=torch.uint8, generator=gen) for _ in range(layers)]
+    return ExpertCache(HostSource.from_rows(rows, layout), resident=resident, max_group=2, policy="lfu-decay")
+
+
+def test_cpu_site_experts_of_a_host_read_step_are_counted_apart_and_checked():
+    from runmap.residency.cache import CacheError
+
+    cache = _cache()
+    req = cache.admit()
+    mapped = sorted(req.mapping(0))
+    absent = [e for e in range(8) if e not in mapped][:3]
+    hit = mapped[0]
+    c0 = dict(cache.counters)
+    # union: one hit, three absent; the CPU site computes two of them, the GPU reads one over the link
+    assert req.note_host_reads(0, np.array([[hit, absent[0]], [absent[1], absent[2]]]), cpu=absent[1:]) == 1
+    d = {k: cache.counters[k] - c0[k] for k in ("hits", "misses", "host_reads", "host_read_bytes", "cpu_site_experts",
+                                                "transactions")}
+    assert d == {"hits": 1, "misses": 1, "host_reads": 1, "host_read_bytes": cache.row_bytes, "cpu_site_experts": 2,
+                 "transactions": 0}
+    assert all(cache.policy.value(0, e, cache._tick) > 0 for e in absent)  # the policy saw the CPU's uses too
+    before = dict(cache.counters)
+    with pytest.raises(CacheError, match=rf"experts \[{hit}\] at the CPU site"):
+        req.note_host_reads(0, [hit, absent[0]], cpu=[hit])  # resident: not the CPU's
+    with pytest.raises(CacheError, match=rf"experts \[{absent[1]}\] at the CPU site"):
+        req.note_host_reads(0, [absent[0]], cpu=[absent[1]])  # not routed in this step
+    assert dict(cache.counters) == before  # a refused note counts nothing
+    req.release()
+
+
+@settings(max_examples=60, deadline=None)
+@given(pairs=st.dictionaries(st.integers(0, 63), st.integers(1, 16), max_size=24),
+       share=st.floats(0.0, 1.0))
+def test_the_split_gives_the_cpu_its_share_of_the_cheapest_experts(pairs, share):
+    plan = TwoSitePlacement(None, None, 1024, share=share)
+    chosen = plan.split(pairs.items())
+    n = len(pairs)
+    assert len(chosen) == min(n, round(n * share)) and set(chosen) <= set(pairs)
+    assert list(chosen) == sorted(chosen)
+    if chosen and len(chosen) < n:  # no expert left to the link is cheaper for the CPU than one it took
+        assert max((pairs[e], e) for e in chosen) < min((pairs[e], e) for e in pairs if e not in chosen)
+
+
+def test_the_share_follows_the_rates_and_the_cpu_rate_learned_in_use():
+    plan = TwoSitePlacement(30.0, 10.0, 1 << 20)
+    assert plan.share() == pytest.approx(0.25)
+    for _ in range(4):  # four CPU parts at 30 GB/s replace the probe's 10
+        plan.observe_cpu(30 << 20, (30 << 20) / 30e9)
+    assert plan.share() == pytest.approx(0.5)
+    assert TwoSitePlacement(None, 10.0, 1).share() == 0.5  # the link's rate unmeasured
+    assert TwoSitePlacement(30.0, 10.0, 1, share=0.8).share() == 0.8
+    for bad in (-0.1, 1.5, float("nan")):
+        with pytest.raises(PlacementError, match="share"):
+            TwoSitePlacement(30.0, 10.0, 1, share=bad)
+
+
+def test_the_engine_refuses_two_site_where_host_reads_cannot_run(seed3_tiny_packs):
+    from runmap.engine.engine import Engine, EngineError
+
+    pack, cfg = seed3_tiny_packs["tiny-olmoe"]
+    with pytest.raises(EngineError, match="'two-site' runs on the grouped executor only"):
+        Engine.from_pack(pack, executor="reference", device="cpu", resident=cfg.top_k, expert_placement="two-site")
+    with pytest.raises(EngineError, match="'two-site' reads absent experts"):
+        Engine.from_pack(pack, executor="grouped", device="cpu", expert_placement="two-site")
