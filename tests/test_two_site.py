@@ -15,7 +15,7 @@ import pytest
 import torch
 from hypothesis import given, settings, strategies as st
 
-from runmap.engine.placement import PlacementError, TwoSitePlacement
+from runmap.engine.placement import SHARE_ONE, PlacementError, TwoSitePlacement
 
 PROMPTS = ["the cache holds", "experts that were read from the host"]
 # cpu-native's FP32 sum of the CPU share added to the device part's: tests/test_placement.py measured up to 9.2e-4
@@ -68,13 +68,15 @@ def test_two_site_decode_equals_full_residency(seed3_tiny_packs, preset, share, 
                cache_contract=_contract(test_device), two_site_share=share)
     try:
         cache = eng.experts.cache
+        plan = eng.experts.placement
         c0 = dict(cache.counters)
+        split0 = (plan.cpu_experts, plan.absent_experts)  # (on CUDA the engine's warm-up split too)
         toks = [r.token_ids for r in eng.generate(PROMPTS, max_new_tokens=6, ignore_eos=True)]
         steps = len(eng.decoded)
         assert eng.use_two_site and eng.decode_paths["two_site"] == steps > 0
         assert all(v == 0 for k, v in eng.decode_paths.items() if k != "two_site")
         c = {k: cache.counters[k] - c0[k] for k in cache.counters}
-        plan = eng.experts.placement
+        split_cpu, split_absent = plan.cpu_experts - split0[0], plan.absent_experts - split0[1]
         if share == 0.0:
             assert c["cpu_site_experts"] == 0 and c["host_reads"] > 0
         elif share == 1.0:  # the decode steps read nothing over the link (the prompts' passes do)
@@ -82,13 +84,16 @@ def test_two_site_decode_equals_full_residency(seed3_tiny_packs, preset, share, 
             assert c["cpu_site_experts"] > 0 and st_.host_reads == st_.prefill_host_reads > 0
         else:
             assert c["cpu_site_experts"] > 0 and c["host_reads"] > 0
-            assert plan.share() == 0.5
-        assert c["cpu_site_experts"] == plan.cpu_experts and plan.absent_experts >= plan.cpu_experts
+            if share is not None or test_device == "cpu":  # (on a GPU the rates decide the share)
+                assert plan.share() == 0.5
+        # every CPU-site expert the host's split chose was counted once (on CUDA a chain's capture runs eager steps too)
+        assert c["cpu_site_experts"] == split_cpu and split_absent >= split_cpu
         assert c["promotions"] == c["transactions"]  # no miss transaction: only promotions move experts
         assert cache.outstanding_leases() == 0 and cache.live_requests() == 0
         tel = eng.telemetry()
         assert load_schemas().validate_document(json.loads(json.dumps(tel)), "telemetry") == []
         assert tel["placement"]["mode"] == "two-site" and tel["placement"]["split_cpu"] == plan.cpu_experts
+        assert set(tel["placement"]) >= {"cpu_share", "cpu_gb_s", "host_read_gb_s", "probe"}
         assert all(o["status"] == "OBSERVED" and o["value"] == 0 for o in tel["observations"].values()
                    if "value" in o and o.get("unit") != "bytes/s")
     finally:
@@ -145,7 +150,9 @@ def test_the_split_gives_the_cpu_its_share_of_the_cheapest_experts(pairs, share)
     plan = TwoSitePlacement(None, None, 1024, share=share)
     chosen = plan.split(pairs.items())
     n = len(pairs)
-    assert len(chosen) == min(n, round(n * share)) and set(chosen) <= set(pairs)
+    q = round(share * SHARE_ONE)
+    assert plan.share_q() == q and len(chosen) == min(n, (n * q + SHARE_ONE // 2) // SHARE_ONE)
+    assert abs(len(chosen) - n * share) <= 0.5 + n / SHARE_ONE and set(chosen) <= set(pairs)
     assert list(chosen) == sorted(chosen)
     if chosen and len(chosen) < n:  # no expert left to the link is cheaper for the CPU than one it took
         assert max((pairs[e], e) for e in chosen) < min((pairs[e], e) for e in pairs if e not in chosen)
@@ -172,3 +179,60 @@ def test_the_engine_refuses_two_site_where_host_reads_cannot_run(seed3_tiny_pack
         Engine.from_pack(pack, executor="reference", device="cpu", resident=cfg.top_k, expert_placement="two-site")
     with pytest.raises(EngineError, match="'two-site' reads absent experts"):
         Engine.from_pack(pack, executor="grouped", device="cpu", expert_placement="two-site")
+
+
+def _host_rule(ids, table, R, q):
+    """The split as the host applies it (TwoSitePlacement.split on the absent experts the table names) -> the slots
+    row the kernel should write: int32 (E + B k,)."""
+    E = table.shape[0]
+    flat = ids.reshape(-1)
+    experts, pairs = np.unique(flat, return_counts=True)
+    absent = [(e, n) for e, n in zip(experts.tolist(), pairs.tolist()) if table[e] >= R]
+    cpu = TwoSitePlacement(None, None, 1).split(absent, q)
+    out = table.copy()
+    out[list(cpu)] = table[table < R].min()
+    keep = np.array([0 if e in cpu else 1 for e in flat.tolist()], dtype=np.int32)
+    return np.concatenate([out, keep]), cpu
+
+
+@pytest.mark.parametrize("E,B,k", [(8, 1, 4), (64, 1, 8), (64, 8, 8), (60, 3, 4), (60, 8, 4), (128, 5, 8), (7, 2, 2)])
+def test_the_split_kernel_decides_what_the_host_rule_decides(E, B, k, test_device):
+    """runmap.kernels.site_split against the host's rule on fresh random steps: random residency (a random
+    permutation of rows, R of them resident), random routed ids (distinct per token), shares 0 / a random one / 1,
+    an output poisoned first; the row table and keep mask equal exactly."""
+    from runmap.kernels.site_split import SHARE_ONE as KERNEL_SHARE_ONE, two_site_split
+
+    assert KERNEL_SHARE_ONE == SHARE_ONE
+    rng = np.random.default_rng(E * 100 + B * 10 + k)
+    for trial in range(4):
+        resident = int(rng.integers(1, E))
+        R = resident + int(rng.integers(0, 3))  # spare rows past the resident ones
+        table = (R + np.arange(E)).astype(np.int32)
+        on_device = rng.choice(E, resident, replace=False)
+        table[on_device] = rng.permutation(R)[:resident]
+        ids = np.stack([rng.choice(E, k, replace=False) for _ in range(B)]).astype(np.int64)
+        for q in (0, int(rng.integers(1, SHARE_ONE)), SHARE_ONE):
+            out = torch.full((E + B * k,), -7, dtype=torch.int32, device=test_device)
+            share = torch.tensor([q], dtype=torch.int32, device=test_device)
+            two_site_split(torch.from_numpy(ids).to(test_device), torch.from_numpy(table).to(test_device), share, R, out)
+            want, cpu = _host_rule(ids, table, R, q)
+            got = out.cpu().numpy()
+            assert np.array_equal(got, want), (trial, q, cpu, got, want)
+            if q == SHARE_ONE:  # every absent expert on the CPU: the device part reads no host row
+                assert (got[:E][np.unique(ids)] < R).all()
+
+
+def test_the_split_kernel_refuses_bad_arguments(test_device):
+    from runmap.kernels.common import KernelInputError
+    from runmap.kernels.site_split import two_site_split
+
+    ids = torch.zeros(1, 4, dtype=torch.int64, device=test_device)
+    table = torch.arange(8, dtype=torch.int32, device=test_device)
+    share = torch.zeros(1, dtype=torch.int32, device=test_device)
+    out = torch.zeros(12, dtype=torch.int32, device=test_device)
+    with pytest.raises(KernelInputError, match="ids: dtype int32"):
+        two_site_split(ids.to(torch.int32), table, share, 4, out)
+    with pytest.raises(KernelInputError, match="out: shape"):
+        two_site_split(ids, table, share, 4, out[:11])
+    with pytest.raises(KernelInputError, match="resident_rows"):
+        two_site_split(ids, table, share, 0, out)

@@ -797,13 +797,17 @@ class SegmentDecoder(_StaticStepInputs):
     the groups' device steps), and their sum is copied in before the next segment.
 
     Placement two-site (``two_site=True``, with ``mixed``; docs/engine.md "Two sites in one step"): the same 2L + 1
-    segments, without a lease. The step's one request pins the generation it reads. Once a layer's ids arrive the
-    host splits the layer's absent experts (TwoSitePlacement.split), notes the layer's reads with the cache
-    (``note_host_reads`` with the CPU's share as ``cpu``: it checks the ids and counts hits, host reads and CPU-site
-    experts), starts the CPU part and writes the slots row: a resident expert -> its row in the pinned generation,
-    an absent one the GPU computes -> R + e (host row e, read over the link by the executor), one at the CPU site ->
-    a row the request pins with keep 0. Any batch runs this one chain: nothing is leased, so no group bound applies.
-    After the step (its request released) the hottest absent experts are promoted as under host-read."""
+    segments, without a lease, and the device part does not wait for the host. The step's one request pins the
+    generation it reads; the host-read tables are pointed at it and the step's CPU share (fixed-point) copied to the
+    device before the first segment. Each layer's device part starts with runmap.kernels.site_split: from the routed
+    ids and the generation's table it decides on the device which absent experts the CPU site computes and writes the
+    slots row (a resident expert -> its device row, an absent one the GPU computes -> R + e, host row e read over the
+    link by the executor, one at the CPU site -> the lowest resident row with keep 0). So the host queues the device
+    part right after the routing segment, then waits for the ids, applies the same rule (TwoSitePlacement.split with
+    the step's share), notes the layer's reads with the cache (``note_host_reads`` with the CPU's share as ``cpu``:
+    it checks the ids and counts hits, host reads and CPU-site experts), starts the CPU part and collects it while
+    the device part runs. Any batch runs this one chain: nothing is leased, so no group bound applies. After the step
+    (its request released) the hottest absent experts are promoted as under host-read."""
 
     def __init__(self, engine: "Engine", batch: int, pool, capture: bool, mixed: bool = False,
                  grouped: bool = False, two_site: bool = False):
@@ -811,6 +815,14 @@ class SegmentDecoder(_StaticStepInputs):
         if two_site and (grouped or not mixed):
             raise EngineError("the two-site chain is the one-lease mixed chain's shape: mixed=True, grouped=False")
         self.two_site = bool(two_site)
+        if self.two_site:  # the step's CPU share in units of SHARE_ONE, on the device for the split kernel
+            pin = engine.device.type == "cuda"
+            self.share_host = torch.zeros(1, dtype=torch.int32, pin_memory=pin)
+            self.share_dev = torch.zeros(1, dtype=torch.int32, device=engine.device)
+            self._share_q = 0
+            from runmap.kernels.site_split import two_site_split  # (kernels import once the backend is chosen)
+
+            self._split_kernel = two_site_split
         self.pool, self.capture = pool, capture
         cfg, dev = engine.cfg, engine.device
         self.L, self.k = cfg.num_layers, cfg.top_k
@@ -1017,9 +1029,14 @@ class SegmentDecoder(_StaticStepInputs):
         self.host_gw[layer].copy_(gw, non_blocking=capturing)
         if capturing:
             self._keep += [x, ids, gw]
-            self._cut()  # the host leases here: routing decision, placement, CPU part started, row table and mask
-        else:
+            # the host leases here: routing decision, placement, CPU part started, row table and mask (two-site: the
+            # device part is queued first and the host's part runs beside it)
+            self._cut()
+        elif not self.two_site:
             self._lease(layer)
+        if self.two_site:  # the slots row decided on the device (class docstring)
+            self._split_kernel(ids.contiguous(), ex.hr_tables[layer], self.share_dev, ex.cache.rows_per_layer,
+                               self.slots[layer])
         E, (B, k) = self.e.cfg.num_experts, ids.shape
         table, keep = self.slots[layer, :E], self.slots[layer, E:].view(B, k).to(torch.float32)  # (E,), (B, k)
         # (B, H) fp16: the leased experts only (two-site: the resident and host-read ones)
@@ -1028,6 +1045,8 @@ class SegmentDecoder(_StaticStepInputs):
             self._keep.append(out)
             self._cut()  # the host collects the CPU part here and copies its sum to cpu_out
         else:
+            if self.two_site:
+                self._lease(layer)
             self._cpu_part(layer)
         return (out.to(torch.float32) + self.cpu_out[layer]).to(out.dtype)  # as the per-call path adds the two sums
 
@@ -1138,33 +1157,19 @@ class SegmentDecoder(_StaticStepInputs):
         self.slots[layer].copy_(self.host_slots[layer], non_blocking=True)  # (E + B k,) on the compute stream
 
     def _split_sites(self, layer) -> None:
-        """Two-site chain: divide ``layer``'s absent experts between the link and the CPU site, note the layer's reads,
-        start the CPU part and write the slots row (class docstring), copied to the device in one transfer."""
+        """Two-site chain, on the host: the CPU site's share of ``layer``'s absent experts by the rule the device part's
+        split kernel applied (the step's share), the layer's reads noted, the CPU part started (class docstring)."""
         ex = self.e.experts
         req = self._req
         ids = self.host_ids_np[layer]  # (B, k)
-        flat = ids.reshape(-1)
         mapping = req.mapping(layer)
-        experts, pairs = np.unique(flat, return_counts=True)
-        absent = [(int(e), int(n)) for e, n in zip(experts.tolist(), pairs.tolist()) if int(e) not in mapping]
-        cpu = ex.placement.split(absent) if absent else ()
-        req.note_host_reads(layer, ids, cpu=cpu)  # checks every id is in [0, E) before any is used below
+        experts, pairs = np.unique(ids, return_counts=True)
+        absent = [(e, n) for e, n in zip(experts.tolist(), pairs.tolist()) if e not in mapping]
+        cpu = ex.placement.split(absent, self._share_q) if absent else ()
+        req.note_host_reads(layer, ids, cpu=cpu)  # checks every id is in [0, E) before the CPU site reads any
         self.layer_cpu[layer] = cpu
         if cpu:
             self._start_cpu_part(layer, cpu)
-        E, R = self.e.cfg.num_experts, ex.cache.rows_per_layer
-        buf = self.host_slots_np[layer]
-        keep = buf[E:]
-        pinned = req.pinned_row(layer) if cpu else None
-        for j, e in enumerate(flat.tolist()):
-            row = mapping.get(e)
-            if row is not None:
-                buf[e], keep[j] = row, 1
-            elif e in cpu:
-                buf[e], keep[j] = pinned, 0
-            else:
-                buf[e], keep[j] = R + e, 1
-        self.slots[layer].copy_(self.host_slots[layer], non_blocking=True)  # (E + B k,) on the compute stream
 
     def _drain_jobs(self) -> None:
         """Wait for every CPU part still in flight (a failure between segments): their buffers are reused next step."""
@@ -1191,8 +1196,17 @@ class SegmentDecoder(_StaticStepInputs):
             e.model.imposed = e.model.imposed_pred = e.model.route_sink = None
 
     def _admit_step(self):
-        """The step's one request (the grouped chain holds none: its requests live within one layer call)."""
-        self._req = None if self.grouped else self.e.experts.cache.admit()
+        """The step's one request (the grouped chain holds none: its requests live within one layer call). Two-site:
+        the host-read tables pointed at its generation and the step's CPU share copied to the device, both queued
+        before the step's first segment."""
+        ex = self.e.experts
+        self._req = None if self.grouped else ex.cache.admit()
+        if self.two_site:
+            ex.point_host_read_tables(self._req)
+            self._share_q = ex.placement.share_q()
+            self.share_host[0] = self._share_q
+            # (a pinned source rewritten only at the next step's start, after this step's events were waited for)
+            self.share_dev.copy_(self.share_host, non_blocking=True)
 
     def _run_eager(self, n_keys):
         self.capture_graphs = None
@@ -1253,6 +1267,15 @@ class SegmentDecoder(_StaticStepInputs):
                     g.replay()
                     if i == len(graphs) - 1:
                         break
+                    if self.two_site:
+                        layer, part = divmod(i, 2)
+                        if part == 0:  # layer's routing is queued: its device part is queued next, without waiting
+                            ev.record()
+                        else:  # the device part runs: the host's share of the layer beside it
+                            ev.synchronize()  # layer's routed ids (and input, gate weights) are in pinned memory
+                            self._lease(layer)
+                            self._cpu_part(layer)
+                        continue
                     if self.mixed and not self.grouped:
                         layer, part = divmod(i, 2)
                         if part == 0:  # layer's routing is queued: wait for its ids, lease with the placement

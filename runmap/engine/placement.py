@@ -90,6 +90,9 @@ PLACEMENTS = ("gpu", "cpu", "auto", "auto-split", "host-read", "two-site")
 # 2-7 GB/s in prefill against 20-40 GB/s at batch 1, results/campaigns/h200-placement-split); one shared rate learned
 # from the prompt's passes kept every decode step on the link when the CPU was the faster site there.
 DECODE_CALL_TOKENS = 16
+# placement two-site's share in fixed point (runmap.kernels.site_split.SHARE_ONE, the same value: the device's split
+# and the host's must round alike; here without importing the kernels, as the CLI's parser imports this module)
+SHARE_ONE = 1024
 
 
 class PlacementError(ValueError):
@@ -302,8 +305,11 @@ class TwoSitePlacement(HostReadPlacement):
     (the CPU site's uses count: its experts were routed). Prompt passes run as host-read's (the GPU reads every
     absent expert: a pass's many tokens per expert are the GPU's work).
 
-    The split. A layer with ``n`` absent experts gives the CPU site round(n x share) of them, share = cpu / (cpu +
-    read): the two sites then finish together when each reads at its rate. ``read`` is the host-read site's rate
+    The split. A layer with ``n`` absent experts gives the CPU site about n x share of them, share = cpu / (cpu +
+    read): the two sites then finish together when each reads at its rate. In integers, so that the captured step's
+    kernel (runmap.kernels.site_split, which decides on the device so that the device part never waits for the host)
+    and the host (which starts the CPU part from the ids it reads back) round alike: the share is fixed at each step's
+    start as q = round(share x SHARE_ONE) and c = (n q + SHARE_ONE / 2) // SHARE_ONE. ``read`` is the host-read site's rate
     measured at build (one token's top_k experts over the link; not observable inside a captured step), ``cpu`` the
     CPU site's rate learned in use (the job's seconds per expert byte, ``InUseRate``) once it has enough calls, before
     that the build probe's (a call of top_k / 2 experts for one token). Where a rate is missing (the CPU device, where
@@ -343,12 +349,17 @@ class TwoSitePlacement(HostReadPlacement):
             return 0.5
         return cpu / (cpu + read)
 
-    def split(self, absent_pairs) -> tuple:
+    def share_q(self) -> int:
+        """The share in units of SHARE_ONE, as a step fixes it for the device and the host."""
+        return int(round(self.share() * SHARE_ONE))
+
+    def split(self, absent_pairs, share_q: int | None = None) -> tuple:
         """``absent_pairs``: (expert, routed pairs in the step) of each absent expert of one layer -> the experts the
-        CPU site computes (sorted)."""
+        CPU site computes (sorted). ``share_q``: the step's share in units of SHARE_ONE (default: now's)."""
         absent_pairs = list(absent_pairs)
         n = len(absent_pairs)
-        c = min(n, int(round(n * self.share())))
+        q = self.share_q() if share_q is None else int(share_q)
+        c = min(n, (n * q + SHARE_ONE // 2) // SHARE_ONE)
         self.calls += 1
         self.absent_experts += n
         self.cpu_experts += c

@@ -1,0 +1,78 @@
+"""The two-site split on the device: which of a decode step's absent experts of one layer the CPU site computes,
+decided inside the captured step so that the device part never waits for the host
+(runmap.engine.engine.SegmentDecoder, placement two-site; docs/engine.md, "Two sites in one step").
+
+The rule (the host applies the same one to the ids it reads back, ``runmap.engine.placement.TwoSitePlacement.split``):
+an expert is absent when the step routes it and the generation's host-read table maps it to a host row (entry >= R);
+of the n absent experts the CPU site takes c = (n * share + SHARE_ONE / 2) // SHARE_ONE in integers, those with the
+fewest routed pairs, the lower id first among equals. The kernel writes the device part's row table, the generation's
+table with each CPU-site expert pointed at the lowest resident row (a complete published expert the step's request
+pins; its gate weight is zeroed), and the keep mask of the step's (token, slot) pairs (0 where the CPU site computes
+the pair's expert).
+
+One program: E <= 256 experts and B x k <= 1,024 pairs, a few (E, E) and (E, B k) comparisons.
+"""
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+from runmap.kernels import common
+
+# the share's fixed-point unit: share 0.5 is 512 (integers, so that the device and the host round alike)
+SHARE_ONE = 1024
+
+
+@triton.jit
+def _two_site_split_kernel(ids_ptr, table_ptr, share_ptr, out_ptr, E, BK, R,
+                           E_P2: tl.constexpr, BK_P2: tl.constexpr, SHARE_ONE: tl.constexpr):
+    offs_e = tl.arange(0, E_P2)
+    offs_j = tl.arange(0, BK_P2)
+    e_ok = offs_e < E
+    ids = tl.load(ids_ptr + offs_j, mask=offs_j < BK, other=-1).to(tl.int32)  # (BK_P2,) -1 past the pairs
+    table = tl.load(table_ptr + offs_e, mask=e_ok, other=0)  # (E_P2,) int32: a device row < R, or R + e
+    routes = ids[None, :] == offs_e[:, None]  # (E_P2, BK_P2): pair j routes expert e
+    pairs = tl.sum(routes.to(tl.int32), axis=1)  # (E_P2,) routed pairs per expert
+    absent = (pairs > 0) & (table >= R) & e_ok
+    n = tl.sum(absent.to(tl.int32), axis=0)
+    c = (n * tl.load(share_ptr) + SHARE_ONE // 2) // SHARE_ONE  # experts the CPU site takes
+    key = pairs * E_P2 + offs_e  # (E_P2,) distinct: fewest pairs first, then the lower id
+    key_absent = tl.where(absent, key, 2147483647)
+    rank = tl.sum((key_absent[None, :] < key[:, None]).to(tl.int32), axis=1)  # (E_P2,) absent experts before e
+    on_cpu = absent & (rank < c)
+    pinned = tl.min(tl.where((table < R) & e_ok, table, 2147483647), axis=0)  # the lowest resident row
+    tl.store(out_ptr + offs_e, tl.where(on_cpu, pinned, table), mask=e_ok)
+    pair_on_cpu = tl.sum((routes & on_cpu[:, None]).to(tl.int32), axis=0)  # (BK_P2,) 1 where the CPU has the pair
+    tl.store(out_ptr + E + offs_j, 1 - pair_on_cpu, mask=offs_j < BK)
+
+
+def two_site_split(ids: torch.Tensor, table: torch.Tensor, share: torch.Tensor, resident_rows: int,
+                   out: torch.Tensor) -> torch.Tensor:
+    """Write one layer's two-site split into ``out`` (module docstring), one launch (capturable: no value is read
+    back).
+
+    Args:
+        ids: int64 (B, k) contiguous, the step's routed ids of the layer (ids outside [0, E) route nothing here: the
+            executor gives their rows NaN and the host's note of the step raises on them).
+        table: int32 (E,) contiguous, the generation's host-read row table (entry < resident_rows: a device row;
+            resident_rows + e: host row e), at least one device row among its entries.
+        share: int32 (1,), the CPU site's share in units of SHARE_ONE (0..SHARE_ONE).
+        resident_rows: R, the rows of the layer's device storage.
+        out: int32 (E + B k,) contiguous: the device part's row table (E,), then the keep mask of the pairs (B k,)
+            in ids' order (1: the device computes the pair, 0: the CPU site does).
+    Returns:
+        ``out``.
+    """
+    common.check_tensor("ids", ids, dtype=torch.int64, ndim=2)
+    dev = ids.device
+    common.check_tensor("table", table, dtype=torch.int32, ndim=1, device=dev)
+    bk, E = ids.numel(), table.numel()
+    common.check_tensor("share", share, dtype=torch.int32, shape=(1,), device=dev)
+    common.check_tensor("out", out, dtype=torch.int32, shape=(E + bk,), device=dev)
+    if not (1 <= E <= 256 and 1 <= bk <= 1024 and resident_rows >= 1):
+        raise common.KernelInputError(f"two_site_split: needs 1 <= E ({E}) <= 256, 1 <= B k ({bk}) <= 1024 and "
+                                      f"resident_rows ({resident_rows}) >= 1")
+    common.launch(_two_site_split_kernel[(1,)], ids, table, share, out, E, bk, resident_rows,
+                  E_P2=triton.next_power_of_2(E), BK_P2=triton.next_power_of_2(bk), SHARE_ONE=SHARE_ONE)
+    return out
