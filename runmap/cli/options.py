@@ -50,7 +50,8 @@ def add_residency_arguments(p) -> None:
                         "trip), the most used experts promoted into device rows while the next step runs (grouped executor; on a "
                         "GPU needs --cache-contract v2), two-site = host-read's reads plus the CPU site in the same "
                         "step: each layer's absent experts divided between the two by their measured rates (the "
-                        "segment chain with a CPU part per layer; same needs as host-read); the plan is printed. The route "
+                        "segment chain with a CPU part per layer; same needs as host-read; it paid at batch 8 with many "
+                        "misses and lost at batch 1, docs/engine.md); the plan is printed. The route "
                         "never changes, only "
                         "where each routed expert runs. "
                         "Decode steps that may use the CPU run the CUDA-graph segment chain with a CPU part per layer "
@@ -94,7 +95,7 @@ def placement_line(eng) -> str | None:
                 f"under lfu-decay)")
     if d["mode"] == "two-site":
         def rate(v):
-            return "unmeasured" if v is None else f"{v:.1f} GB/s"
+            return "unmeasured" if v is None else f"{v:.3g} GB/s"
         share = (f"a fixed share {d['fixed_share']:g}" if d["fixed_share"] is not None else
                  f"~{d['cpu_share']:.2f} of them (CPU site {rate(d['cpu_gb_s'])}, the GPU's host reads "
                  f"{rate(d['host_read_gb_s'])}; 1/2 where either is unmeasured)")
