@@ -392,16 +392,17 @@ def test_a_step_in_flight_ends_before_another_batch_size_steps_and_at_close(seed
     assert cache.live_requests() == 0
 
 
-def test_the_engine_refuses_host_read_where_it_cannot_run(seed3_tiny_packs):
+@pytest.mark.parametrize("placement", ["host-read", "two-site"])  # two-site reads over the link as host-read does
+def test_the_engine_refuses_host_read_where_it_cannot_run(seed3_tiny_packs, placement):
     from runmap.engine.engine import Engine, EngineError
 
     pack, cfg = seed3_tiny_packs["tiny-olmoe"]
-    with pytest.raises(EngineError, match="grouped executor only"):
-        Engine.from_pack(pack, executor="reference", device="cpu", resident=cfg.top_k, expert_placement="host-read")
-    with pytest.raises(EngineError, match="none is absent"):
-        Engine.from_pack(pack, executor="grouped", device="cpu", expert_placement="host-read")
+    with pytest.raises(EngineError, match=f"'{placement}' runs on the grouped executor only"):
+        Engine.from_pack(pack, executor="reference", device="cpu", resident=cfg.top_k, expert_placement=placement)
+    with pytest.raises(EngineError, match=f"'{placement}' reads absent experts .* none is absent"):
+        Engine.from_pack(pack, executor="grouped", device="cpu", expert_placement=placement)
     with pytest.raises(EngineError, match="prefetch"):
-        Engine.from_pack(pack, executor="grouped", device="cpu", resident=cfg.top_k, expert_placement="host-read",
+        Engine.from_pack(pack, executor="grouped", device="cpu", resident=cfg.top_k, expert_placement=placement,
                          prefetch=True)
 
 

@@ -89,6 +89,15 @@ def test_two_site_decode_equals_full_residency(seed3_tiny_packs, preset, share, 
         # every CPU-site expert the host's split chose was counted once (on CUDA a chain's capture runs eager steps too)
         assert c["cpu_site_experts"] == split_cpu and split_absent >= split_cpu
         assert c["promotions"] == c["transactions"]  # no miss transaction: only promotions move experts
+        # the last step's slots rows, decided on the device, against the host's split of the same ids: the pairs the
+        # device zeroed are exactly the CPU site's experts, the others read their device row or host row R + e
+        dec, E, R = eng._two_site[2], cfg.num_experts, cache.rows_per_layer
+        slots = dec.slots.cpu().numpy()
+        for layer in range(cfg.num_layers):
+            flat, keep, table = dec.host_ids_np[layer].reshape(-1), slots[layer, E:], slots[layer, :E]
+            assert set(flat[keep == 0].tolist()) == set(dec.layer_cpu[layer]), layer
+            for e in set(flat[keep == 1].tolist()):
+                assert table[e] < R or table[e] == R + e, (layer, e, table[e])
         assert cache.outstanding_leases() == 0 and cache.live_requests() == 0
         tel = eng.telemetry()
         assert load_schemas().validate_document(json.loads(json.dumps(tel)), "telemetry") == []
@@ -171,16 +180,6 @@ def test_the_share_follows_the_rates_and_the_cpu_rate_learned_in_use():
             TwoSitePlacement(30.0, 10.0, 1, share=bad)
 
 
-def test_the_engine_refuses_two_site_where_host_reads_cannot_run(seed3_tiny_packs):
-    from runmap.engine.engine import Engine, EngineError
-
-    pack, cfg = seed3_tiny_packs["tiny-olmoe"]
-    with pytest.raises(EngineError, match="'two-site' runs on the grouped executor only"):
-        Engine.from_pack(pack, executor="reference", device="cpu", resident=cfg.top_k, expert_placement="two-site")
-    with pytest.raises(EngineError, match="'two-site' reads absent experts"):
-        Engine.from_pack(pack, executor="grouped", device="cpu", expert_placement="two-site")
-
-
 def _host_rule(ids, table, R, q):
     """The split as the host applies it (TwoSitePlacement.split on the absent experts the table names) -> the slots
     row the kernel should write: int32 (E + B k,)."""
@@ -222,6 +221,38 @@ def test_the_split_kernel_decides_what_the_host_rule_decides(E, B, k, test_devic
                 assert (got[:E][np.unique(ids)] < R).all()
 
 
+def test_an_id_outside_the_layer_routes_nothing_in_the_split(test_device):
+    """An id past E (a routing bug the host's note then raises on) is not an expert of the split: the kernel's row
+    table and the other pairs' keep flags are those of the step without it, and its own pair keeps 1 (the executor
+    gives its row NaN, never another expert's)."""
+    from runmap.kernels.site_split import two_site_split
+
+    E, R = 16, 4
+    table = (R + np.arange(E)).astype(np.int32)
+    table[[1, 5, 9, 12]] = [0, 1, 2, 3]
+    good = np.array([[2, 1, 7], [7, 3, 5]], dtype=np.int64)  # absent 2, 3, 7 (7 twice), resident 1, 5
+    bad = np.array([[2, 1, E + 3, 7], [7, 3, 5, E]], dtype=np.int64)
+    for q in (SHARE_ONE // 2, SHARE_ONE):
+        want, _ = _host_rule(good, table, R, q)
+        out = torch.full((E + bad.size,), -7, dtype=torch.int32, device=test_device)
+        two_site_split(torch.from_numpy(bad).to(test_device), torch.from_numpy(table).to(test_device),
+                       torch.tensor([q], dtype=torch.int32, device=test_device), R, out)
+        got = out.cpu().numpy()
+        assert np.array_equal(got[:E], want[:E])
+        keep = got[E:].reshape(bad.shape)
+        assert keep[0, 2] == 1 and keep[1, 3] == 1
+        assert np.array_equal(np.delete(keep.reshape(-1), [2, 7]), want[E:])
+
+
+def test_a_share_for_another_placement_is_refused(seed3_tiny_packs):
+    from runmap.engine.engine import Engine, EngineError
+
+    pack, cfg = seed3_tiny_packs["tiny-olmoe"]
+    with pytest.raises(EngineError, match="two_site_share=0.5 is placement two-site's"):
+        Engine.from_pack(pack, executor="grouped", device="cpu", resident=cfg.top_k, expert_placement="host-read",
+                         two_site_share=0.5)
+
+
 def test_the_split_kernel_refuses_bad_arguments(test_device):
     from runmap.kernels.common import KernelInputError
     from runmap.kernels.site_split import two_site_split
@@ -236,3 +267,45 @@ def test_the_split_kernel_refuses_bad_arguments(test_device):
         two_site_split(ids, table, share, 4, out[:11])
     with pytest.raises(KernelInputError, match="resident_rows"):
         two_site_split(ids, table, share, 0, out)
+
+
+def test_a_campaign_refuses_a_share_without_placement_two_site():
+    from runmap.bench.campaign import BenchError, expand
+
+    group = {"name": "hr", "kind": "engine", "models": ["m"], "resident": [4], "executors": ["grouped"], "batch": [1],
+             "prompt_len": 4, "decode_len": 3, "params": {"expert_placement": "host-read", "two_site_share": 0.5}}
+    spec = {"name": "s", "description": "d", "device": "cpu", "defaults": {"repeats": 1},
+            "models": {"m": {"preset": "tiny-olmoe"}}, "groups": [group]}
+    with pytest.raises(BenchError, match="two_site_share fixes placement two-site's CPU share; expert_placement is "
+                                         "'host-read'"):
+        expand(spec)
+    group["params"]["expert_placement"] = "two-site"
+    (cfg,) = expand(spec)
+    assert cfg.id.endswith("placement-two-site.share0p5") and cfg.p["two_site_share"] == 0.5
+
+
+def test_a_captures_warm_up_steps_leave_counts_and_policy_as_they_were(seed3_tiny_packs):
+    """SegmentDecoder._uncounted, around a two-site capture's eager warm-up steps (on CUDA; here around eager steps of
+    the same chain): the cache's counters, its policy's clock and the placement's split counts are put back, as a
+    host-read capture (which notes nothing) leaves them; the steps themselves did count."""
+    from runmap.engine.engine import Engine, SegmentDecoder
+
+    pack, cfg = seed3_tiny_packs["tiny-olmoe"]
+    eng = Engine.from_pack(pack, executor="grouped", device="cpu", resident=cfg.top_k, max_batch=2, max_seq_len=48,
+                           expert_placement="two-site", two_site_share=0.5)
+    try:
+        ex = eng.experts
+        dec = SegmentDecoder(eng, 2, None, capture=False, mixed=True, two_site=True)
+        tokens, pad = torch.tensor([5, 9]), torch.zeros(2, dtype=torch.long)
+        with torch.inference_mode():
+            dec.run(tokens, 3, pad)  # a counted step first: the policy has history to keep
+            before = dict(ex.cache.counters), ex.cache._tick, ex.placement.split_counts()
+            with dec._uncounted():
+                dec._load(tokens, 4, pad)
+                dec._run_eager(5)
+                dec._run_eager(5)
+                assert ex.placement.split_counts()[0] > before[2][0]  # the steps split (and noted) inside
+        assert (dict(ex.cache.counters), ex.cache._tick, ex.placement.split_counts()) == before
+        assert ex.cache.live_requests() == 0
+    finally:
+        eng.close()

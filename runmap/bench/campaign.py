@@ -377,6 +377,9 @@ def expand(spec: dict, packs: dict | None = None) -> list[BenchConfig]:
                 if odd:
                     raise BenchError(f"group {g['name']!r}: {odd} are engine options; a {g['kind']} baseline "
                                      "runs its own path")
+            if gp.get("two_site_share") is not None and gp.get("expert_placement") != "two-site":
+                raise BenchError(f"group {g['name']!r}: two_site_share fixes placement two-site's CPU share; "
+                                 f"expert_placement is {gp.get('expert_placement', 'gpu')!r}")
             if gp["check"] and gp["skip_experts"]:
                 raise BenchError(f"group {g['name']!r}: check with skip_experts compares zeroed experts with the "
                                  "reference; drop one of them")

@@ -806,8 +806,9 @@ class SegmentDecoder(_StaticStepInputs):
     part right after the routing segment, then waits for the ids, applies the same rule (TwoSitePlacement.split with
     the step's share), notes the layer's reads with the cache (``note_host_reads`` with the CPU's share as ``cpu``:
     it checks the ids and counts hits, host reads and CPU-site experts), starts the CPU part and collects it while
-    the device part runs. Any batch runs this one chain: nothing is leased, so no group bound applies. After the step
-    (its request released) the hottest absent experts are promoted as under host-read."""
+    the device part runs. Any batch up to the split kernel's bound (B x top_k <= 1,024, E <= 256; checked when the
+    engine is built) runs this one chain: nothing is leased, so no group bound applies. After the step (its request
+    released) the hottest absent experts are promoted as under host-read."""
 
     def __init__(self, engine: "Engine", batch: int, pool, capture: bool, mixed: bool = False,
                  grouped: bool = False, two_site: bool = False):
@@ -1165,8 +1166,9 @@ class SegmentDecoder(_StaticStepInputs):
         mapping = req.mapping(layer)
         experts, pairs = np.unique(ids, return_counts=True)
         absent = [(e, n) for e, n in zip(experts.tolist(), pairs.tolist()) if e not in mapping]
-        cpu = ex.placement.split(absent, self._share_q) if absent else ()
+        cpu = ex.placement.split(absent, self._share_q, count=False) if absent else ()
         req.note_host_reads(layer, ids, cpu=cpu)  # checks every id is in [0, E) before the CPU site reads any
+        ex.placement.count_split(len(absent), len(cpu))  # (a refused layer is not a split)
         self.layer_cpu[layer] = cpu
         if cpu:
             self._start_cpu_part(layer, cpu)
@@ -1210,17 +1212,35 @@ class SegmentDecoder(_StaticStepInputs):
 
     def _run_eager(self, n_keys):
         self.capture_graphs = None
-        self._admit_step()
         try:
+            self._admit_step()  # (inside: a failure after the admission, in the two-site copies, releases it below)
             out = self._forward(n_keys)
         finally:
             self._release()
         return out
 
+    @contextlib.contextmanager
+    def _uncounted(self):
+        """Two-site: the capture's eager warm-up steps (real steps: they note reads, run CPU parts) leave the cache's
+        counters, its eviction policy and the placement's split counts as they were, as a host-read capture, which
+        notes nothing, does (the CPU site's rate they measured stays: real calls). Other chains: nothing."""
+        if not self.two_site:
+            yield
+            return
+        ex = self.e.experts
+        counters, split = dict(ex.cache.counters), ex.placement.split_counts()
+        with ex.policy_kept():
+            try:
+                yield
+            finally:
+                ex.cache.counters.clear()
+                ex.cache.counters.update(counters)
+                ex.placement.split_counts(split)
+
     def _capture(self, n_keys):
         side = torch.cuda.Stream(self.e.device)
         side.wait_stream(torch.cuda.current_stream())
-        with torch.cuda.stream(side):  # warm-up outside capture (Triton compilation, cuBLAS handles)
+        with torch.cuda.stream(side), self._uncounted():  # warm-up outside capture (Triton compilation, cuBLAS handles)
             for _ in range(2):
                 self._run_eager(n_keys)
         torch.cuda.current_stream().wait_stream(side)
@@ -1260,9 +1280,9 @@ class SegmentDecoder(_StaticStepInputs):
                 self._capture(n_keys)
             graphs, out = self.chains[n_keys]
             ev = torch.cuda.Event()
-            self._admit_step()
             done = False
             try:
+                self._admit_step()
                 for i, g in enumerate(graphs):
                     g.replay()
                     if i == len(graphs) - 1:
@@ -1727,6 +1747,15 @@ class Engine:
         if expert_format == "fp16" and resident != E:
             reader.close()
             raise EngineError("expert_format='fp16' is a full-residency baseline; it cannot be combined with resident")
+        if two_site_share is not None and expert_placement != "two-site":
+            reader.close()
+            raise EngineError(f"two_site_share={two_site_share} is placement two-site's; expert placement "
+                              f"{expert_placement!r} has no CPU share to fix")
+        if expert_placement == "two-site" and (E > 256 or cfg.top_k * max_batch > 1024):
+            reader.close()
+            raise EngineError(f"expert placement 'two-site' splits up to 256 experts and 1,024 routed pairs per layer "
+                              f"on the device; this engine has {E} experts and max_batch {max_batch} x top_k "
+                              f"{cfg.top_k} = {cfg.top_k * max_batch} pairs")
         if expert_placement in HOST_READ_PLACEMENTS:
             try:
                 _check_host_read(executor, resident, E, device, cache_contract, emulate_link_gb_s, expert_placement)

@@ -354,18 +354,30 @@ class TwoSitePlacement(HostReadPlacement):
         """The share in units of SHARE_ONE, as a step fixes it for the device and the host."""
         return int(round(self.share() * SHARE_ONE))
 
-    def split(self, absent_pairs, share_q: int | None = None) -> tuple:
+    def split(self, absent_pairs, share_q: int | None = None, count: bool = True) -> tuple:
         """``absent_pairs``: (expert, routed pairs in the step) of each absent expert of one layer -> the experts the
-        CPU site computes (sorted). ``share_q``: the step's share in units of SHARE_ONE (default: now's)."""
+        CPU site computes (sorted). ``share_q``: the step's share in units of SHARE_ONE (default: now's). ``count``:
+        add the layer to the split counts now (False: the caller does, ``count_split``, once the cache accepted it)."""
         absent_pairs = list(absent_pairs)
         n = len(absent_pairs)
         q = self.share_q() if share_q is None else int(share_q)
         c = min(n, (n * q + SHARE_ONE // 2) // SHARE_ONE)
-        self.calls += 1
-        self.absent_experts += n
-        self.cpu_experts += c
+        if count:
+            self.count_split(n, c)
         chosen = sorted(absent_pairs, key=lambda ep: (ep[1], ep[0]))[:c]
         return tuple(sorted(int(e) for e, _ in chosen))
+
+    def count_split(self, absent: int, cpu: int) -> None:
+        """One layer split: ``absent`` absent experts, ``cpu`` of them given to the CPU site."""
+        self.calls += 1
+        self.absent_experts += absent
+        self.cpu_experts += cpu
+
+    def split_counts(self, restore: tuple | None = None) -> tuple:
+        """(calls, absent experts, CPU experts) so far; with ``restore``, set them back to it first."""
+        if restore is not None:
+            self.calls, self.absent_experts, self.cpu_experts = restore
+        return self.calls, self.absent_experts, self.cpu_experts
 
     def describe(self) -> dict:
         d = super().describe()

@@ -1227,14 +1227,15 @@ class CacheContractMachine(RuleBasedStateMachine):
         if not_cpu and d(st.integers(0, 7), label="bad_cpu_share") == 0:
             cpu = cpu + [d(st.sampled_from(not_cpu), label="not_a_cpu_expert")]
             self._step("host_read_step_refused")
-            before = dict(self.cache.counters)
+            before, tick = dict(self.cache.counters), self.cache._tick
             try:
                 r.handle.note_host_reads(layer, np.array(ids), cpu=cpu)
             except CacheFaultedError:
                 check(self.faulted, "a live cache raised CacheFaultedError for a refused CPU share")
                 return
             except CacheError:
-                check(dict(self.cache.counters) == before, "a refused CPU share counted something")
+                check(dict(self.cache.counters) == before and self.cache._tick == tick,
+                      "a refused CPU share counted something or moved the policy's clock")
                 return
             raise ContractViolation(f"layer {layer}: CPU-site experts {cpu} of a step routing {group} on generation "
                                     f"{r.gen} were accepted, though not all are absent experts it routed")

@@ -6,8 +6,9 @@ replays, host event waits (the segment before a decision, and the miss copies in
 (admission + acquisition), the miss transaction and its parts, the copy monitor. Variants: contract v1 / v2, the
 copy monitor on / off (off only here, to price it: the product never runs without it), and the mixed chain of
 placement cpu or auto (``--variants``: the CPU part's start and collection, the row-table / keep-mask write, the CPU
-site's call and kernel, on the job thread: inclusive times there overlap the main thread's), with a
-cProfile of one mixed-chain decode (``--profile``). ``--batch 8`` decodes 8 rows (per token = over every row's
+site's call and kernel, on the job thread: inclusive times there overlap the main thread's), or placement two-site
+(``calibrated:v2:monitor:two-site``: its host split per layer, ``segment._split_sites``, the event waits, the CPU part),
+with a cProfile of one mixed-chain decode (``--profile``). ``--batch 8`` decodes 8 rows (per token = over every row's
 tokens): past max_group / top_k the grouped chain runs, and its group decisions, group-row writes and per-layer
 group runs are timed too.
 
@@ -55,7 +56,8 @@ def instrument():
     for name in ("admit", "_acquire", "_release", "_transaction", "_copy_rows", "_wait_all", "_group",
                  "_reclaim_retiring", "_reclaim_fenced"):
         setattr(C, name, timed(f"cache.{name}", getattr(C, name)))
-    for name in ("_cpu_part", "_write_slots", "_start_cpu_part", "_run_groups", "_expert_groups", "_write_group"):
+    for name in ("_cpu_part", "_write_slots", "_start_cpu_part", "_run_groups", "_expert_groups", "_write_group",
+                 "_split_sites"):
         setattr(S, name, timed(f"segment.{name}", getattr(S, name)))
     from runmap.kernels import cpu_int4, cpu_native  # the engine's module names (kernels/ is runmap.kernels)
 
@@ -84,7 +86,8 @@ def main():
                     help="rows decoded together (past max_group / top_k the grouped chain runs; times are per token)")
     ap.add_argument("--out", default=None)
     ap.add_argument("--variants", default="calibrated:v1:monitor,calibrated:v2:monitor,calibrated:v2:off,model:v2:monitor",
-                    help="routing:contract:monitor|off[:cpu] (cpu: placement cpu, the mixed chain)")
+                    help="routing:contract:monitor|off[:PLACEMENT] (cpu: placement cpu, the mixed chain; two-site: "
+                         "its chain, contract v2)")
     ap.add_argument("--profile", action="store_true", help="cProfile one 16-token decode of each cpu variant")
     a = ap.parse_args()
     from tools.explore.probe_partial_decode import build_pack
