@@ -8,6 +8,7 @@ from pathlib import Path
 from runmap.atomic import write_json
 from runmap.cli.options import int_at_least
 from runmap.provenance import device_name, library_versions, package_version, utc_timestamp
+from runmap.residency.contracts import CONTRACT_NAMES
 
 HELP = "run the property suite of the expert cache contract (resident-qpacked-cache-v1) and write its report"
 DESCRIPTION = """\
@@ -46,7 +47,7 @@ def add_arguments(p) -> None:
     p.add_argument("--events", choices=("controlled", "cuda"), default="controlled",
                    help="who decides copy completion: the test's controlled transport (failures injected), or the "
                         "real CUDA events (needs --device cuda); default %(default)s")
-    p.add_argument("--contract", choices=("v1", "v2"), default="v1",
+    p.add_argument("--contract", choices=CONTRACT_NAMES, default="v1",
                    help="v1 (default): pageable host source -> pinned staging -> device; v2: the host source "
                         "registered (pinned) once and copied straight into spare rows (docs/cache-contract.md)")
     p.add_argument("--out", default="results/contract/report.json", help="report path (JSON); default %(default)s")

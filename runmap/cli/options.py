@@ -4,6 +4,7 @@ from __future__ import annotations
 from runmap.engine.budget import size_argument
 from runmap.engine.placement import PLACEMENTS
 from runmap.kernels.registry import CPU_SITE_EXECUTORS
+from runmap.residency.contracts import CONTRACT_NAMES
 # the argparse value types, defined below the engine (runmap.ifeval uses them too), named here for every command
 from runmap.argtypes import checked_text, even_block_size, float_in, int_at_least  # noqa: F401
 
@@ -57,7 +58,7 @@ def add_residency_arguments(p) -> None:
                         "Decode steps that may use the CPU run the CUDA-graph segment chain with a CPU part per layer "
                         "(docs/engine.md)")
 
-    p.add_argument("--cache-contract", choices=("v1", "v2"), default="v1",
+    p.add_argument("--cache-contract", choices=CONTRACT_NAMES, default="v1",
                    help="partial residency: v1 (default): host source -> pinned staging -> GPU; v2: the host source "
                         "pinned once and copied straight into spare rows, which --expert-placement host-read needs on "
                         "a GPU (docs/cache-contract.md)")

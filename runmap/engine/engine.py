@@ -112,6 +112,7 @@ from runmap.engine.mixed_step import MixedStepper
 from runmap.kernels.registry import CPU_SITE_EXECUTORS, EXECUTOR_NAMES as EXECUTORS, GRAPH_SAFE_EXECUTORS as GRAPH_EXECUTORS
 from runmap.engine.telemetry import DECODE_PATHS, PREFILL_PATHS
 from runmap.residency.regimes import regime_of
+from runmap.residency.contracts import CONTRACT_NAMES
 from runmap.workload.routing import ImposedRouting, RoutingError, parse_routing
 
 EXPERT_FORMATS = ("int4", "fp16")
@@ -1667,8 +1668,8 @@ class Engine:
         t0 = time.perf_counter()
         if executor not in EXECUTORS:
             raise EngineError(f"unknown executor {executor!r}; choose one of {list(EXECUTORS)}")
-        if cache_contract not in ("v1", "v2"):
-            raise EngineError(f"unknown cache_contract {cache_contract!r}; choose 'v1' or 'v2'")
+        if cache_contract not in CONTRACT_NAMES:
+            raise EngineError(f"unknown cache_contract {cache_contract!r}; choose one of {list(CONTRACT_NAMES)}")
         if expert_format not in EXPERT_FORMATS:
             raise EngineError(f"unknown expert_format {expert_format!r}; choose one of {list(EXPERT_FORMATS)}")
         device = torch.device(device if device is not None else ("cuda" if torch.cuda.is_available() else "cpu"))

@@ -29,6 +29,7 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from runmap.resources import data_dir
 from runmap.kernels.registry import EXECUTOR_NAMES
+from runmap.residency.contracts import CONTRACT_NAMES
 from runmap.argtypes import checked_text, int_at_least
 from runmap.atomic import write_json
 from runmap.provenance import sha256_file, utc_timestamp
@@ -316,7 +317,7 @@ def add_generate_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--resident", type=int_at_least(1), default=None,
                    help="experts per layer resident on the GPU (partial regime); default: all (full regime)")
     p.add_argument("--device", default=None, help="torch device (default: the engine's choice, cuda when present)")
-    p.add_argument("--cache-contract", choices=("v1", "v2"), default="v1",
+    p.add_argument("--cache-contract", choices=CONTRACT_NAMES, default="v1",
                    help="partial residency: v1 (default) host source -> pinned staging -> GPU, v2 the host source pinned "
                         "once and copied straight into spare rows (docs/cache-contract.md); the answers are the same")
     p.add_argument("--max-seq-len", type=int_at_least(1), default=None,

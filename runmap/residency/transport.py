@@ -40,9 +40,7 @@ class Event:
         self.nbytes = nbytes
 
 
-CONTRACT_V1 = "resident-qpacked-cache-v1"
-CONTRACT_V2 = "resident-qpacked-cache-v2"
-CACHE_CONTRACTS = {"v1": CONTRACT_V1, "v2": CONTRACT_V2}
+from runmap.residency.contracts import CACHE_CONTRACTS, CONTRACT_V1, CONTRACT_V2  # noqa: F401 (re-exported)
 
 
 class Transport:
