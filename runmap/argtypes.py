@@ -48,19 +48,29 @@ def even_block_size(text: str) -> int:
     return v
 
 
+def parsed_by(parse):
+    """argparse ``type=``: ``parse(text)``'s value (the option's value is parsed once, here); its ValueError is the
+    usage error's one line, without the option name it repeats (argparse names the option): "--shard '3/2': ..." ->
+    "'3/2': ..."; "--tokens: ..." -> "..."."""
+    import argparse
+
+    def value(text: str):
+        try:
+            return parse(text)
+        except ValueError as e:
+            msg = str(e)
+            if msg.startswith("--"):
+                msg = msg.split(" ", 1)[-1]
+            raise argparse.ArgumentTypeError(msg) from None
+
+    return value
+
+
 def checked_text(check):
     """argparse ``type=``: the text itself once ``check(text)`` accepts it; its error (a ValueError) is the usage
     error's one line, without the option name it repeats (argparse names the option)."""
-    import argparse
-
-    def parse(text: str) -> str:
-        try:
-            check(text)
-        except ValueError as e:
-            msg = str(e)
-            if msg.startswith("--"):  # "--shard '3/2': ..." -> "'3/2': ..."; "--tokens: ..." -> "..."
-                msg = msg.split(" ", 1)[-1]
-            raise argparse.ArgumentTypeError(msg) from None
+    def accepted(text: str) -> str:
+        check(text)
         return text
 
-    return parse
+    return parsed_by(accepted)

@@ -3,7 +3,8 @@ from __future__ import annotations
 
 from pathlib import Path
 from runmap.atomic import atomic_path
-from runmap.cli.options import add_residency_arguments, checked_text, placement_line
+from runmap.argtypes import parsed_by
+from runmap.cli.options import add_residency_arguments, placement_line
 from runmap.kernels.registry import EXECUTOR_NAMES
 
 HELP = "write a prompt's logits (every position) to a safetensors file"
@@ -20,7 +21,8 @@ the output). Exit status: 0 ok, 1 bad input (the message names it), 2 usage."""
 
 def add_arguments(p) -> None:
     p.add_argument("--packed", required=True, metavar="DIR", help="pack directory (runmap pack)")
-    p.add_argument("--tokens", required=True, metavar="IDS", type=checked_text(parse_tokens), help="comma-separated token ids, e.g. 1,2,3")
+    p.add_argument("--tokens", required=True, metavar="IDS", type=parsed_by(parse_tokens),
+                   help="comma-separated token ids, e.g. 1,2,3")
     p.add_argument("--executor", default="reference", choices=EXECUTOR_NAMES,
                    help="default reference: the FP32 torch truth")
     add_residency_arguments(p)
@@ -49,7 +51,7 @@ def run(args) -> int:
     from runmap.engine.engine import Engine
 
     try:
-        ids = parse_tokens(args.tokens)
+        ids = args.tokens  # int ids (parsed by the option's type)
         out = Path(args.out)
         eng = Engine.from_pack(args.packed, executor=args.executor, resident=args.resident, gpu_budget=args.gpu_budget,
                                device=args.device,
