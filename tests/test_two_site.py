@@ -10,6 +10,8 @@ site, which computes them from the same host source at the same time.
 """
 from __future__ import annotations
 
+import os
+
 import numpy as np
 import pytest
 import torch
@@ -50,8 +52,10 @@ def _full(pack, device, record_decode):
     return _FULL[key]
 
 
+# share None (from the rates) is 1/2 on the CPU device, where no link is read (the 0.5 case's run): on a GPU only
 @pytest.mark.parametrize("preset,share", [("tiny-olmoe", 0.0), ("tiny-olmoe", 0.5), ("tiny-olmoe", 1.0),
-                                          ("tiny-qwen2-moe", 0.5), ("tiny-olmoe", None)])
+                                          ("tiny-qwen2-moe", 0.5)]
+                         + ([("tiny-olmoe", None)] if os.environ.get("RUNMAP_TEST_DEVICE") == "cuda" else []))
 def test_two_site_decode_equals_full_residency(seed3_tiny_packs, preset, share, test_device, record_decode):
     """Greedy decode at batch 2 with top_k of E experts resident (most absent): every decode step runs the two-site
     chain, the CPU site takes its share of the absent experts and the GPU reads the rest from the host, the decode
@@ -84,7 +88,7 @@ def test_two_site_decode_equals_full_residency(seed3_tiny_packs, preset, share, 
             assert c["cpu_site_experts"] > 0 and st_.host_reads == st_.prefill_host_reads > 0
         else:
             assert c["cpu_site_experts"] > 0 and c["host_reads"] > 0
-            if share is not None or test_device == "cpu":  # (on a GPU the rates decide the share)
+            if share is not None:  # (None: the rates decide)
                 assert plan.share() == 0.5
         # every CPU-site expert the host's split chose was counted once (on CUDA a chain's capture runs eager steps too)
         assert c["cpu_site_experts"] == split_cpu and split_absent >= split_cpu
