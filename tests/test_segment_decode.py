@@ -288,7 +288,7 @@ def test_a_failure_inside_a_capture_ends_the_capture(monkeypatch):
 
     dec = engine_mod.SegmentDecoder.__new__(engine_mod.SegmentDecoder)
     dec.e = type("E", (), {"device": torch.device("cpu")})()
-    dec.pool, dec.capture_graphs, dec.grouped = None, None, False
+    dec.pool, dec.capture_graphs, dec.grouped, dec.two_site = None, None, False, False
     dec._run_eager = lambda n_keys: None
 
     def oom(n_keys):
