@@ -160,7 +160,7 @@ def test_cpu_site_experts_of_a_host_read_step_are_counted_apart_and_checked():
 @given(pairs=st.dictionaries(st.integers(0, 63), st.integers(1, 16), max_size=24),
        share=st.floats(0.0, 1.0))
 def test_the_split_gives_the_cpu_its_share_of_the_cheapest_experts(pairs, share):
-    plan = TwoSitePlacement(None, None, 1024, share=share)
+    plan = TwoSitePlacement(None, None, share=share)
     chosen = plan.split(pairs.items())
     n = len(pairs)
     q = round(share * SHARE_ONE)
@@ -172,16 +172,16 @@ def test_the_split_gives_the_cpu_its_share_of_the_cheapest_experts(pairs, share)
 
 
 def test_the_share_follows_the_rates_and_the_cpu_rate_learned_in_use():
-    plan = TwoSitePlacement(30.0, 10.0, 1 << 20)
+    plan = TwoSitePlacement(30.0, 10.0)
     assert plan.share() == pytest.approx(0.25)
     for _ in range(4):  # four CPU parts at 30 GB/s replace the probe's 10
         plan.observe_cpu(30 << 20, (30 << 20) / 30e9)
     assert plan.share() == pytest.approx(0.5)
-    assert TwoSitePlacement(None, 10.0, 1).share() == 0.5  # the link's rate unmeasured
-    assert TwoSitePlacement(30.0, 10.0, 1, share=0.8).share() == 0.8
+    assert TwoSitePlacement(None, 10.0).share() == 0.5  # the link's rate unmeasured
+    assert TwoSitePlacement(30.0, 10.0, share=0.8).share() == 0.8
     for bad in (-0.1, 1.5, float("nan")):
         with pytest.raises(PlacementError, match="share"):
-            TwoSitePlacement(30.0, 10.0, 1, share=bad)
+            TwoSitePlacement(30.0, 10.0, share=bad)
 
 
 def _host_rule(ids, table, R, q):
@@ -191,7 +191,7 @@ def _host_rule(ids, table, R, q):
     flat = ids.reshape(-1)
     experts, pairs = np.unique(flat, return_counts=True)
     absent = [(e, n) for e, n in zip(experts.tolist(), pairs.tolist()) if table[e] >= R]
-    cpu = TwoSitePlacement(None, None, 1).split(absent, q)
+    cpu = TwoSitePlacement(None, None).split(absent, q)
     out = table.copy()
     out[list(cpu)] = table[table < R].min()
     keep = np.array([0 if e in cpu else 1 for e in flat.tolist()], dtype=np.int32)

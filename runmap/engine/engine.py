@@ -1167,7 +1167,7 @@ class SegmentDecoder(_StaticStepInputs):
         mapping = req.mapping(layer)
         experts, pairs = np.unique(ids, return_counts=True)
         absent = [(e, n) for e, n in zip(experts.tolist(), pairs.tolist()) if e not in mapping]
-        cpu = ex.placement.split(absent, self._share_q, count=False) if absent else ()
+        cpu = ex.placement.split(absent, self._share_q) if absent else ()
         req.note_host_reads(layer, ids, cpu=cpu)  # checks every id is in [0, E) before the CPU site reads any
         ex.placement.count_split(len(absent), len(cpu))  # (a refused layer is not a split)
         self.layer_cpu[layer] = cpu

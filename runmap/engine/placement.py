@@ -320,12 +320,12 @@ class TwoSitePlacement(HostReadPlacement):
 
     name = "two-site"
 
-    def __init__(self, read_gb_s: float | None, cpu_gb_s: float | None, row_bytes: int, *,
+    def __init__(self, read_gb_s: float | None, cpu_gb_s: float | None, *,
                  share: float | None = None, margin: float = 1.0, probe: str = ""):
         super().__init__(margin=margin, read_gb_s=read_gb_s)
         if share is not None and not 0.0 <= share <= 1.0:  # (NaN fails too)
             raise PlacementError(f"two-site: share {share} must be in [0, 1]")
-        self.fixed_share, self.probe_cpu_gb_s, self.row_bytes, self.probe = share, cpu_gb_s, int(row_bytes), probe
+        self.fixed_share, self.probe_cpu_gb_s, self.probe = share, cpu_gb_s, probe
         self.cpu_rate = InUseRate()
         self.calls = 0  # layer calls split
         self.cpu_experts = 0  # experts given to the CPU site
@@ -354,16 +354,14 @@ class TwoSitePlacement(HostReadPlacement):
         """The share in units of SHARE_ONE, as a step fixes it for the device and the host."""
         return int(round(self.share() * SHARE_ONE))
 
-    def split(self, absent_pairs, share_q: int | None = None, count: bool = True) -> tuple:
+    def split(self, absent_pairs, share_q: int | None = None) -> tuple:
         """``absent_pairs``: (expert, routed pairs in the step) of each absent expert of one layer -> the experts the
-        CPU site computes (sorted). ``share_q``: the step's share in units of SHARE_ONE (default: now's). ``count``:
-        add the layer to the split counts now (False: the caller does, ``count_split``, once the cache accepted it)."""
+        CPU site computes (sorted). ``share_q``: the step's share in units of SHARE_ONE (default: now's). Counts
+        nothing: the caller counts the layer (``count_split``) once the cache has accepted its note."""
         absent_pairs = list(absent_pairs)
         n = len(absent_pairs)
         q = self.share_q() if share_q is None else int(share_q)
         c = min(n, (n * q + SHARE_ONE // 2) // SHARE_ONE)
-        if count:
-            self.count_split(n, c)
         chosen = sorted(absent_pairs, key=lambda ep: (ep[1], ep[0]))[:c]
         return tuple(sorted(int(e) for e, _ in chosen))
 
@@ -644,7 +642,7 @@ def make_placement(name: str, *, cache=None, site=None, costs: PlacementCosts | 
         read_how = "one token's top_k experts over the link" if error is None else error
         cpu_how = "a call of top_k / 2 experts for one token" if cpu_error is None else cpu_error
         probe = f"host-read site: {read_how}; CPU site: {cpu_how}"
-        return TwoSitePlacement(read, cpu, cache.row_bytes, share=share, probe=probe)
+        return TwoSitePlacement(read, cpu, share=share, probe=probe)
     if costs is None:
         costs = measure_costs(site, cache.host, cache.device, transport=cache.transport)
     if name != "auto":
