@@ -6,6 +6,9 @@
 #
 #   RUNMAP_GIT_COMMIT=<sha> bash benchmarks/two_site_h200.sh [BUDGET_S]     (repo root, $OUT set; carry wheels/)
 #
+# RUNMAP_TWO_SITE_SPEC=<spec> runs another spec's rows (specs/campaigns/auto-sites-matched.yaml: placement auto with
+# both sites against host-read and two-site); the GPU tests then include auto's host-read choice (tests/test_placement.py).
+#
 # llama.cpp's rows at the same budgets in the same call: benchmarks/llama_cpp_matched_h200.sh with
 # RUNMAP_MATCHED_SPEC=specs/campaigns/two-site-matched.yaml (it builds llama.cpp first).
 # Files back: gpu-pytest-two-site.log, h200-campaign.tar.gz, bench.log, prepare-olmoe.log. Exits 0 whatever a stage did.
@@ -18,10 +21,13 @@ export PYTHONUNBUFFERED=1 PYTHONPATH=.
 # the tests validate telemetry against its schema: jsonschema from the carried wheels/ (the GPU machine lacks it)
 python3 -c "import jsonschema" 2>/dev/null || { [ -d wheels ] && python3 -m pip install -q --no-index --find-links wheels/ \
   --break-system-packages jsonschema==4.26.0; }
+SPEC=${RUNMAP_TWO_SITE_SPEC:-specs/campaigns/two-site-matched.yaml}
+TESTS=(tests/test_two_site.py)
+[ "$SPEC" != specs/campaigns/two-site-matched.yaml ] && TESTS+=(tests/test_placement.py -k "two_site or both_sites or chooser or auto_runs_host_read or rate_is_measured")
 RUNMAP_TEST_DEVICE=cuda timeout "${RUNMAP_TEST_TIMEOUT:-200}" python3 -m pytest -q --tb=short -p no:cacheprovider \
-  tests/test_two_site.py > "$OUT/gpu-pytest-two-site.log" 2>&1
+  "${TESTS[@]}" > "$OUT/gpu-pytest-two-site.log" 2>&1
 echo "[${SECONDS}s] gpu pytest (two-site) exit $?"
 tail -3 "$OUT/gpu-pytest-two-site.log"
-RUNMAP_DIRECT=olmoe=olmoe-1b-7b-0924 RUNMAP_SPEC=specs/campaigns/two-site-matched.yaml RUNMAP_MODELS=olmoe \
+RUNMAP_DIRECT=olmoe=olmoe-1b-7b-0924 RUNMAP_SPEC="$SPEC" RUNMAP_MODELS=olmoe \
   bash benchmarks/run_h200_campaign.sh $(( BUDGET - SECONDS ))
 exit 0

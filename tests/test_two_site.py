@@ -15,7 +15,7 @@ import os
 import numpy as np
 import pytest
 import torch
-from hypothesis import given, settings, strategies as st
+from hypothesis import assume, given, settings, strategies as st
 
 from runmap.engine.placement import SHARE_ONE, PlacementError, TwoSitePlacement
 
@@ -313,3 +313,171 @@ def test_a_captures_warm_up_steps_leave_counts_and_policy_as_they_were(seed3_tin
         assert ex.cache.live_requests() == 0
     finally:
         eng.close()
+
+
+# ---- placement auto with both sites: the step chosen per batch size by measured step time ----------------------------
+
+def _drive(chooser, batch, durations, n, slot0=40):
+    """Run ``n`` steps at ``batch`` on a fake clock, each step taking durations[mode]; returns the modes in order."""
+    now, modes = 0.0, []
+    for i in range(n):
+        mode = chooser.mode(batch, slot0 + i, now=now)
+        modes.append(mode)
+        now += durations[mode]
+    return modes
+
+
+def test_the_step_chooser_probes_both_steps_then_runs_the_faster_and_revisits_the_slower():
+    from runmap.engine.placement import StepChooser
+
+    ch = StepChooser(min_batch=4, probe_steps=3, revisit_steps=6)
+    assert _drive(ch, 2, {"host-read": 1.0, "two-site": 0.1}, 9) == ["host-read"] * 9  # below min_batch: host-read
+    assert ch.describe()["by_batch"] == {}  # (and nothing kept for it)
+    modes = _drive(ch, 8, {"host-read": 2e-3, "two-site": 1e-3}, 5 + 5 + 6 + 5 + 6)
+    assert modes == ["host-read"] * 5 + ["two-site"] * 5 + ["two-site"] * 6 + ["host-read"] * 5 + ["two-site"] * 6
+    d = ch.describe()["by_batch"]["8"]
+    assert d["chosen"] == "two-site" and d["choices"] == 2 and d["steps"] == {"host-read": 10, "two-site": 17}
+    # a run of one mode times its steps 2..n-1 (a step is timed at the third call of its run): 3 per probe of 5; the
+    # winner's run goes on through its 6 steps (3 + 6), and after the slower's probe 4 of its next 6; the probed step's
+    # old times were dropped (3)
+    assert d["timed"]["host-read"] == 3 and d["timed"]["two-site"] == 3 + 6 + 4
+    assert d["median_ms"]["host-read"] == pytest.approx(2.0) and d["median_ms"]["two-site"] == pytest.approx(1.0)
+    # another batch size has its own probes; a slower two-site step loses
+    assert _drive(ch, 5, {"host-read": 1e-3, "two-site": 3e-3}, 16)[10:] == ["host-read"] * 6
+
+
+def test_the_step_chooser_times_only_steps_at_consecutive_slots_and_otherwise_keeps_host_read():
+    """Slots that never follow each other (one-token runs) time nothing: after the probes host-read runs."""
+    from runmap.engine.placement import StepChooser
+
+    ch = StepChooser(min_batch=1, probe_steps=2, revisit_steps=4)
+    now, modes = 0.0, []
+    for i in range(12):
+        modes.append(ch.mode(1, 10 * i, now=now))  # slots 0, 10, 20, ...
+        now += 1e-3 if modes[-1] == "two-site" else 5e-3
+    assert modes[:8] == ["host-read"] * 4 + ["two-site"] * 4 and modes[8:] == ["host-read"] * 4
+    d = ch.describe()["by_batch"]["1"]
+    assert d["timed"] == {"host-read": 0, "two-site": 0} and d["chosen"] == "host-read"
+    with pytest.raises(PlacementError, match="must be >= 1"):
+        StepChooser(probe_steps=0)
+
+
+@settings(max_examples=60, deadline=None)
+@given(hr=st.floats(1e-4, 1.0), ts=st.floats(1e-4, 1.0), probe=st.integers(1, 6), revisit=st.integers(1, 20),
+       extra=st.integers(0, 40))
+def test_the_step_chooser_runs_the_step_that_measured_faster(hr, ts, probe, revisit, extra):
+    """Constant step times (1 % apart at least: the fake clock's sums round): after the two probes the faster step
+    runs for revisit steps, then the slower is probed again; every call is counted once under the mode it ran."""
+    from runmap.engine.placement import StepChooser
+
+    assume(abs(hr - ts) > 0.01 * max(hr, ts))
+    ch = StepChooser(min_batch=2, probe_steps=probe, revisit_steps=revisit)
+    n = 2 * (probe + 2) + revisit + extra
+    modes = _drive(ch, 3, {"host-read": hr, "two-site": ts}, n)
+    p = probe + 2
+    best = "two-site" if ts < hr else "host-read"
+    other = "host-read" if best == "two-site" else "two-site"
+    assert modes[:p] == ["host-read"] * p and modes[p:2 * p] == ["two-site"] * p
+    assert modes[2 * p:2 * p + revisit] == [best] * revisit
+    assert modes[2 * p + revisit:2 * p + revisit + p] == [other] * min(p, extra)
+    d = ch.describe()["by_batch"]["3"]
+    assert sum(d["steps"].values()) == n and d["chosen"] == best
+
+
+def _auto_both(pack, cfg, device, record_decode, **kw):
+    from runmap.engine.engine import Engine
+    from runmap.engine.placement import PlacementCosts
+
+    # the host-read site given faster than the CPU site: auto chooses host-read's steps, with both sites at batch >= 4
+    costs = PlacementCosts(h2d_gb_s=0.5, cpu_gb_s=1.0, row_bytes=100, source="test", host_read_gb_s=2.0)
+    eng = record_decode(Engine.from_pack(pack, executor="grouped", device=device, resident=cfg.top_k, max_batch=4,
+                                         max_seq_len=48, cache_contract=_contract(device), expert_placement="auto",
+                                         placement_costs=costs, **kw))
+    eng._prefiller = None
+    return eng
+
+
+PROMPTS_4 = PROMPTS + ["a token routed elsewhere", "and one more row"]
+
+
+def test_auto_with_both_sites_probes_both_steps_at_batch_4_and_decodes_what_full_residency_decodes(
+        seed3_tiny_packs, test_device, record_decode):
+    """auto (the host-read site measured faster than the CPU site, max batch 4) becomes two-site with a step chooser:
+    batch 2 runs host-read's steps only (bit for bit full residency's logits), batch 4 probes both steps (host-read,
+    then the two-site chain with the CPU site's share) and the logits stay within the CPU kernel's tolerance of full
+    residency's; the telemetry validates and says what ran."""
+    import json
+
+    from runmap.cli.options import placement_line
+    from runmap.conformance.schemas import load_schemas
+    from runmap.engine.engine import Engine
+    from runmap.engine.placement import StepChooser
+
+    pack, cfg = seed3_tiny_packs["tiny-olmoe"]
+    full = record_decode(Engine.from_pack(pack, executor="grouped", device=test_device, max_batch=4, max_seq_len=48))
+    full._prefiller = None
+    try:
+        want2 = [r.token_ids for r in full.generate(PROMPTS, max_new_tokens=5, ignore_eos=True)]
+        logits2 = list(full.decoded)
+        want4 = [r.token_ids for r in full.generate(PROMPTS_4, max_new_tokens=9, ignore_eos=True)]
+        logits4 = full.decoded[len(logits2):]
+    finally:
+        full.close()
+    eng = _auto_both(pack, cfg, test_device, record_decode)
+    try:
+        plan = eng.experts.placement
+        assert isinstance(plan.steps, StepChooser) and eng.use_two_site and eng.experts.cpu_site is not None
+        plan.steps = StepChooser(min_batch=4, probe_steps=1, revisit_steps=3)  # probes of 3 steps: 8 steps see both
+        got2 = [r.token_ids for r in eng.generate(PROMPTS, max_new_tokens=5, ignore_eos=True)]
+        assert eng.decode_paths["two_site"] == 0 and eng.decode_paths["host_read"] == len(logits2)
+        assert got2 == want2 and all(torch.equal(a, b) for a, b in zip(eng.decoded, logits2))
+        n2 = len(eng.decoded)
+        got4 = [r.token_ids for r in eng.generate(PROMPTS_4, max_new_tokens=9, ignore_eos=True)]
+        assert eng.decode_paths["two_site"] > 0 and eng.decode_paths["host_read"] > len(logits2)
+        assert eng.experts.cache.counters["cpu_site_experts"] > 0
+        d = plan.steps.describe()["by_batch"]["4"]
+        rest = len(logits4) - 6  # the steps after both probes (8 decode steps: the prompt's pass gave the first token)
+        assert d["steps"] == {"host-read": 3 + rest * (d["chosen"] == "host-read"),
+                              "two-site": 3 + rest * (d["chosen"] == "two-site")} and d["choices"] == 1
+        assert eng.experts.cache.outstanding_leases() == 0 and eng.experts.cache.live_requests() == 0
+        tel = json.loads(json.dumps(eng.telemetry()))
+        assert load_schemas().validate_document(tel, "telemetry") == []
+        pl = tel["placement"]
+        assert pl["mode"] == "two-site" and pl["requested"] == "auto" and pl["steps"]["by_batch"]["4"] == d
+        assert "from batch 4 up the two-site step where it measures faster" in pl["why"]
+        assert placement_line(eng).startswith("expert placement two-site (chosen by auto: the CPU site's 1.0 GB/s")
+    finally:
+        eng.close()
+    assert got4 == want4 and len(eng.decoded) - n2 == len(logits4)
+    for t, (a, b) in enumerate(zip(eng.decoded[n2:], logits4)):
+        err, bound = float((a - b).abs().max()), LOGITS_REL * float(b.abs().max())
+        assert err <= bound, f"step {t}: max |diff| {err:.3g} > {bound:.3g}"
+
+
+def test_auto_with_both_sites_warms_both_steps_up_without_asking_its_chooser(seed3_tiny_packs, record_decode):
+    """warm_up runs host-read's step at batch 1 and both steps at the max batch, asks the chooser nothing and leaves
+    the counters, paths and split counts as they were; a max batch below 4 keeps auto as plain host-read."""
+    from runmap.engine.placement import HostReadPlacement, TwoSitePlacement
+
+    pack, cfg = seed3_tiny_packs["tiny-olmoe"]
+    eng = _auto_both(pack, cfg, "cpu", record_decode, warm_up=False, segments="eager")
+    try:
+        plan, cache = eng.experts.placement, eng.experts.cache
+        before = dict(cache.counters), dict(eng.decode_paths), plan.split_counts()
+        eng.warm_up()
+        assert plan.steps.describe()["by_batch"] == {}
+        assert set(eng._host_read) == {1, 4} and set(eng._two_site) == {4}
+        assert (dict(cache.counters), dict(eng.decode_paths), plan.split_counts()) == before
+    finally:
+        eng.close()
+    from runmap.engine.engine import Engine
+    from runmap.engine.placement import PlacementCosts
+
+    costs = PlacementCosts(h2d_gb_s=0.5, cpu_gb_s=1.0, row_bytes=100, source="test", host_read_gb_s=2.0)
+    small = Engine.from_pack(pack, executor="grouped", device="cpu", resident=cfg.top_k, max_batch=3, max_seq_len=48,
+                             expert_placement="auto", placement_costs=costs, warm_up=False)
+    try:
+        assert type(small.experts.placement) is HostReadPlacement and not small.use_two_site
+        assert not isinstance(small.experts.placement, TwoSitePlacement) and small.experts.cpu_site is None
+    finally:
+        small.close()

@@ -100,6 +100,11 @@ def placement_line(eng) -> str | None:
         share = (f"a fixed share {d['fixed_share']:g}" if d["fixed_share"] is not None else
                  f"~{d['cpu_share']:.2f} of them (CPU site {rate(d['cpu_gb_s'])}, the GPU's host reads "
                  f"{rate(d['host_read_gb_s'])}; 1/2 where either is unmeasured)")
+        if "steps" in d:  # auto with both sites (runmap.engine.placement.StepChooser)
+            return (f"expert placement two-site (chosen by {d['requested']}: {d['why']}): decode steps of fewer than "
+                    f"{d['steps']['min_batch']} rows read absent experts over the link; larger ones probe both steps and "
+                    f"run the faster, the two-site step dividing each layer's absent experts, the CPU site computing "
+                    f"{share}; the hottest promoted after each step ({eng.experts.cache.policy.name} policy)")
         return (f"expert placement two-site: in each decode step every layer's absent experts are divided, the CPU "
                 f"site computing {share} while the GPU reads the rest over the link; the hottest promoted after each "
                 f"step ({eng.experts.cache.policy.name} policy, margin {d['promotion_margin']:g})")

@@ -1521,6 +1521,7 @@ class Engine:
         self._mixed_segments: dict[int, SegmentDecoder] = {}  # batch -> chain with a CPU part per layer
         self._host_read: dict[int, HostReadDecoder] = {}  # batch -> host-read steps (placement host-read)
         self._two_site: dict[int, SegmentDecoder] = {}  # batch -> two-site chains (placement two-site)
+        self._step_mode: str | None = None  # warm_up: the step a two-site placement runs, its chooser not asked
         self.decode_paths = dict.fromkeys(DECODE_PATHS, 0)  # decode steps by the path that ran them
         self.prefill_paths = dict.fromkeys(PREFILL_PATHS, 0)  # prefill passes by the path that ran them
         self._retired: list = []  # decoders replaced by _retire, kept until the pool is replaced
@@ -1595,6 +1596,8 @@ class Engine:
         t0 = time.perf_counter()
         dev = self.device
         saved = self.imposed, self.routes, dict(self.prefill_counts), dict(self.decode_paths)
+        split_counts = getattr(getattr(self.experts, "placement", None), "split_counts", None)  # two-site's
+        splits = split_counts() if split_counts is not None else None
         cache = self._expert_cache()
         counters = dict(cache.counters) if cache is not None else None
         self.imposed = self.routes = None
@@ -1612,9 +1615,18 @@ class Engine:
                 for B, padded in sorted({(1, False), (self.max_batch, False), (self.max_batch, self.max_batch > 1)}):
                     self._prefiller.prepare_buckets(B, imposed=saved[0] is not None, recorded=saved[1] is not None,
                                                     padded=padded)
+            steps = getattr(self.experts.placement, "steps", None) if self.use_two_site else None
             for B in sorted({1, self.max_batch}):
                 zeros = torch.zeros(B, dtype=torch.long, device=dev)
-                self.decode(zeros, 0, zeros)
+                # placement auto with both sites: each step its chooser may run at B captured, the chooser not asked
+                # (it would count these steps); placement two-site by name: its one step
+                for mode in (("host-read", "two-site") if steps is not None and B >= steps.min_batch else
+                             ("host-read",) if steps is not None else (None,)):
+                    self._step_mode = mode
+                    try:
+                        self.decode(zeros, 0, zeros)
+                    finally:
+                        self._step_mode = None
             self.finish_decode_steps()  # noted before the counters are put back below
             if dev.type == "cuda":
                 torch.cuda.synchronize(dev)
@@ -1623,6 +1635,8 @@ class Engine:
             self.imposed, self.routes = saved[0], saved[1]
             self.prefill_counts.update(saved[2])
             self.decode_paths.update(saved[3])
+            if splits is not None:
+                split_counts(splits)
             if counters is not None:
                 cache.counters.clear()
                 cache.counters.update(counters)
@@ -1854,11 +1868,16 @@ class Engine:
                     if (device.type == "cuda" or (auto and given_read)) and _host_read_possible(
                             executor, resident, E, device, cache_contract, emulate_link_gb_s):
                         host_read_rate = experts.measure_host_read_gb_s
+                    from runmap.engine.placement import TWO_SITE_MIN_BATCH
+
+                    # auto may run the two-site step where a batch can be large enough for it to pay and the split
+                    # kernel's bounds hold (as for placement two-site above)
+                    both_sites = max_batch >= TWO_SITE_MIN_BATCH and E <= 256 and cfg.top_k * max_batch <= 1024
                     experts.placement = make_placement(expert_placement, cache=cache,
                                                        site=experts.site() if (auto and placement_costs is None)
                                                        or two_site else None, costs=placement_costs,
                                                        host_read_rate=host_read_rate, share=two_site_share,
-                                                       top_k=cfg.top_k)
+                                                       top_k=cfg.top_k, both_sites=both_sites)
                     if isinstance(experts.placement, HostReadPlacement):
                         if experts.cpu_site is not None and not experts.placement.may_use_cpu():
                             # auto's rate probe built it; host-read never uses it (two-site does)
@@ -2082,8 +2101,10 @@ class Engine:
                 self._retire(self._graphs.get(B))
                 self._graphs[B] = GraphDecoder(self, B, self._pool)
             return self._graphs[B].run(tokens, slot, pad)
-        if self.use_two_site:
+        if self.use_two_site and (self._step_mode or self.experts.placement.step_mode(B, slot)) == "two-site":
             self.decode_paths["two_site"] += 1
+            for other in self._host_read.values():  # (placement auto: its host-read step in flight ends first)
+                other.finish()
             dec = self._two_site.get(B)
             if dec is None or not dec.fits(self):
                 self._retire(dec)

@@ -321,10 +321,15 @@ class TwoSitePlacement(HostReadPlacement):
     name = "two-site"
 
     def __init__(self, read_gb_s: float | None, cpu_gb_s: float | None, *,
-                 share: float | None = None, margin: float = 1.0, probe: str = ""):
-        super().__init__(margin=margin, read_gb_s=read_gb_s)
+                 share: float | None = None, margin: float = 1.0, probe: str = "",
+                 steps: "StepChooser | None" = None, chosen_by: PlacementCosts | None = None):
+        """steps: with it, each decode step is host-read's or the two-site chain as it chooses (placement auto with
+        both sites, ``chosen_by`` its measured rates); without, every decode step is the two-site chain."""
+        super().__init__(margin=margin, read_gb_s=read_gb_s, chosen_by=chosen_by,
+                         requested="auto" if chosen_by is not None else "two-site")
         if share is not None and not 0.0 <= share <= 1.0:  # (NaN fails too)
             raise PlacementError(f"two-site: share {share} must be in [0, 1]")
+        self.steps = steps
         self.fixed_share, self.probe_cpu_gb_s, self.probe = share, cpu_gb_s, probe
         self.cpu_rate = InUseRate()
         self.calls = 0  # layer calls split
@@ -333,6 +338,11 @@ class TwoSitePlacement(HostReadPlacement):
 
     def may_use_cpu(self) -> bool:
         return True
+
+    def step_mode(self, batch: int, slot: int) -> str:
+        """``two-site`` or ``host-read``: which step decodes ``batch`` rows at KV slot ``slot`` now (always two-site
+        when asked for by name)."""
+        return "two-site" if self.steps is None else self.steps.mode(batch, slot)
 
     def observe_cpu(self, nbytes: int, seconds: float, tokens: int | None = None) -> None:
         self.cpu_rate.add(nbytes, seconds)
@@ -379,11 +389,122 @@ class TwoSitePlacement(HostReadPlacement):
 
     def describe(self) -> dict:
         d = super().describe()
+        if self.chosen_by is not None:
+            c = self.chosen_by
+            d["why"] = (f"the CPU site's {c.cpu_gb_s:.1f} GB/s per expert byte is not above both the host-read site's "
+                        f"{c.host_read_gb_s:.1f} and the copy's {c.h2d_gb_s:.1f}, so host-read's steps, and from batch "
+                        f"{self.steps.min_batch} up the two-site step where it measures faster")
+        if self.steps is not None:
+            d["steps"] = self.steps.describe()
         d.update(mode=self.name, cpu_share=self.share(), fixed_share=self.fixed_share,
                  cpu_gb_s=self.cpu_gb_s(), cpu_gb_s_probe=self.probe_cpu_gb_s, cpu_gb_s_in_use=self.cpu_rate.gb_s,
                  cpu_calls_in_use=self.cpu_rate.calls, split_calls=self.calls, split_absent=self.absent_experts,
                  split_cpu=self.cpu_experts, probe=self.probe)
         return d
+
+
+# Placement auto with both sites: below this decode batch size it runs host-read's steps only. Measured: the two-site
+# step lost at batch 1 in every row on two H100 hosts (0.47-0.82x host-read, results/campaigns/h100-two-site and
+# h100-two-site-repeat: the chain's host wait per layer costs ~1.4 ms a token) and won only at batch 8 with many misses.
+TWO_SITE_MIN_BATCH = 4
+
+
+class StepChooser:
+    """Which decode step runs at each batch size, host-read's one graph (``host-read``) or the two-site chain
+    (``two-site``), from their wall time per step measured in use (placement ``auto`` where both sites exist,
+    docs/engine.md "Two sites in one step"). Why measured and not modelled: the two-site step pays a host wait per layer
+    that the host-read step does not, and gains only where a step has enough absent experts for the CPU site's share
+    to outweigh it (at batch 8 on one H100 host: 1.20-1.34x host-read at 16 of 64 resident, 0.83-0.88x at 32 of 64);
+    neither term is known before the steps run.
+
+    Per batch size (at least ``min_batch``; smaller batches always run host-read): ``probe_steps`` + 2 steps of
+    host-read, then as many of two-site, then the faster by the median of its measured steps for ``revisit_steps``
+    steps, then the slower is probed again (the winner keeps being measured while it runs). A step's time is the wall
+    time from one ``mode`` call to the next of the same batch size, counted only when both calls and the one before
+    them ran the same mode at consecutive KV slots: so a host-read step (one in flight while the next is queued) is
+    timed in its steady state, and the first two-site step after host-read (which ends the host-read step in flight
+    first) is not counted. A probe that timed no step (slots never consecutive, e.g. one-token runs) leaves host-read
+    (the engine's step without a CPU part)."""
+
+    MODES = ("host-read", "two-site")
+
+    def __init__(self, min_batch: int = TWO_SITE_MIN_BATCH, probe_steps: int = 8, revisit_steps: int = 512,
+                 window: int = 16):
+        if not (min_batch >= 1 and probe_steps >= 1 and revisit_steps >= 1 and window >= 1):
+            raise PlacementError(f"step chooser: min_batch {min_batch}, probe_steps {probe_steps}, revisit_steps "
+                                 f"{revisit_steps} and window {window} must be >= 1")
+        self.min_batch, self.probe_steps, self.revisit_steps = int(min_batch), int(probe_steps), int(revisit_steps)
+        self.window = int(window)
+        self._batches: dict[int, dict] = {}  # batch -> its state (``_state``)
+
+    def _state(self, batch: int) -> dict:
+        st = self._batches.get(batch)
+        if st is None:
+            # phase: (mode run, steps left in the phase, what follows: "probe-two-site" | "use")
+            st = self._batches[batch] = {"times": {m: [] for m in self.MODES}, "phase": ("host-read",
+                                         self.probe_steps + 2, "probe-two-site"), "last": None, "run": 0,
+                                         "steps": dict.fromkeys(self.MODES, 0), "choices": 0, "chosen": None}
+        return st
+
+    def faster(self, batch: int) -> str | None:
+        """The mode whose measured steps at ``batch`` have the lower median, None before both have one."""
+        st = self._batches.get(batch)
+        if st is None or not all(st["times"].values()):
+            return None
+        med = {m: _median(v) for m, v in st["times"].items()}
+        return "two-site" if med["two-site"] < med["host-read"] else "host-read"
+
+    def _next_phase(self, st: dict, batch: int, after: str) -> tuple:
+        """The phase after one whose successor is ``after``: a probe of a mode (its old times dropped), or the faster
+        mode used for revisit_steps steps."""
+        if after == "use":
+            best = self.faster(batch) or "host-read"
+            st["choices"] += 1
+            st["chosen"] = best
+            other = "two-site" if best == "host-read" else "host-read"
+            return best, self.revisit_steps, f"probe-{other}"
+        probed = after.removeprefix("probe-")
+        st["times"][probed].clear()  # what it measured before: another cache state, another KV length
+        return probed, self.probe_steps + 2, "use"
+
+    def mode(self, batch: int, slot: int, now: float | None = None) -> str:
+        """The mode of the decode step about to run at ``batch`` rows and KV slot ``slot`` (called once per step, at
+        its start; ``now``: the wall clock, perf_counter by default), counting the time since the step before."""
+        if batch < self.min_batch:
+            return "host-read"
+        now = time.perf_counter() if now is None else float(now)
+        st = self._state(batch)
+        mode, left, after = st["phase"]
+        if left <= 0:
+            mode, left, after = self._next_phase(st, batch, after)
+        st["phase"] = (mode, left - 1, after)
+        last = st["last"]
+        consecutive = last is not None and last[0] == mode and last[1] + 1 == int(slot)
+        if consecutive and st["run"] >= 2:
+            times = st["times"][mode]
+            times.append(now - last[2])
+            del times[:-self.window]
+        st["run"] = st["run"] + 1 if consecutive else 1
+        st["last"] = (mode, int(slot), now)
+        st["steps"][mode] += 1
+        return mode
+
+    def describe(self) -> dict:
+        """Per batch size (as a string): the mode chosen last (None while the first probes run), the median measured
+        step of each mode in ms (None: none timed), the steps run and timed of each mode, how many choices were made."""
+        out = {}
+        for b, st in sorted(self._batches.items()):
+            out[str(b)] = {"chosen": st["chosen"], "choices": st["choices"], "steps": dict(st["steps"]),
+                           "timed": {m: len(v) for m, v in st["times"].items()},
+                           "median_ms": {m: (_median(v) * 1e3 if v else None) for m, v in st["times"].items()}}
+        return {"min_batch": self.min_batch, "probe_steps": self.probe_steps, "revisit_steps": self.revisit_steps,
+                "by_batch": out}
+
+
+def _median(values) -> float:
+    v = sorted(values)
+    n = len(v)
+    return v[n // 2] if n % 2 else 0.5 * (v[n // 2 - 1] + v[n // 2])
 
 
 def measure_cpu_call_gb_s(site, layer: int, top_k: int, hidden_size: int, row_bytes: int,
@@ -618,7 +739,8 @@ def _measured(host_read_rate) -> tuple[float | None, str | None]:
 
 
 def make_placement(name: str, *, cache=None, site=None, costs: PlacementCosts | None = None,
-                   host_read_rate=None, share: float | None = None, top_k: int = 1) -> Placement:
+                   host_read_rate=None, share: float | None = None, top_k: int = 1,
+                   both_sites: bool = False) -> Placement:
     """The placement registered under ``name`` (PLACEMENTS). ``auto`` measures its costs on ``cache``'s host
     source and device through ``site`` (a runmap.kernels.cpu_int4.CpuExpertSite) unless ``costs`` is given;
     ``host_read_rate`` (a callable returning GB/s, given where placement host-read is possible) measures the host-read
@@ -626,7 +748,10 @@ def make_placement(name: str, *, cache=None, site=None, costs: PlacementCosts | 
     (``auto-split`` never: it is the rule dividing calls between the CPU and the link). A measurement that raises
     leaves the rule, with the error in ``costs.source``. Placement ``host-read`` records the rate it measures (None
     where it raises). ``two-site`` measures the host-read site (where ``host_read_rate`` is given) and the CPU site
-    ``site`` on a call of top_k / 2 experts; ``share`` fixes its CPU share (TwoSitePlacement)."""
+    ``site`` on a call of top_k / 2 experts; ``share`` fixes its CPU share (TwoSitePlacement). ``both_sites``
+    (the engine can run the two-site step: batches of TWO_SITE_MIN_BATCH rows or more, the split kernel's bounds): where
+    ``auto`` becomes host-read it becomes TwoSitePlacement with a StepChooser instead, host-read's steps below
+    TWO_SITE_MIN_BATCH rows and, from there, whichever step measures faster (its CPU rate to start from: the costs')."""
     if name not in PLACEMENTS:
         raise PlacementError(f"expert placement {name!r}: choose one of {', '.join(PLACEMENTS)}")
     if name == "gpu":
@@ -656,5 +781,8 @@ def make_placement(name: str, *, cache=None, site=None, costs: PlacementCosts | 
     if host_read_rate is None and costs.host_read_gb_s is not None:
         costs = dataclasses.replace(costs, host_read_gb_s=None)  # given, but the site is not possible in this engine
     if auto_chooses_host_read(costs):
+        if both_sites and name == "auto":
+            return TwoSitePlacement(costs.host_read_gb_s, costs.cpu_gb_s, steps=StepChooser(), chosen_by=costs,
+                                    probe=f"as auto's costs: {costs.source}")
         return HostReadPlacement(chosen_by=costs, requested=name)
     return AutoPlacement(costs, cache.counters, resident=cache.resident, split=name == "auto-split")
