@@ -55,9 +55,11 @@ executor, partial residency, contract v2 on a GPU) the engine also measures it w
 executor computing one token's top_k experts straight from the registered host rows, distinct experts at each repeat
 (best of a few; ``CachedExperts.measure_host_read_gb_s``). ``auto`` becomes placement host-read for the engine's
 life unless the CPU site is faster than both the host-read site and the link's copy, and then stays the rule above
-(which, with the CPU faster than the copy, gives the CPU the misses that reuse does not pay for; both sites in one
-step are placement ``two-site``, which auto does not choose: measured, it pays only at batch > 1 with many misses,
-docs/engine.md). Why not the rule alone: host-read and the CPU site both pay at each use, but
+(which, with the CPU faster than the copy, gives the CPU the misses that reuse does not pay for). Where the engine
+can also run the two-site step (a max batch of at least TWO_SITE_MIN_BATCH rows, the split kernel's bounds) ``auto``
+becomes TwoSitePlacement with a StepChooser instead: host-read's steps below that batch size, and from there whichever
+of host-read's step and the two-site step measures faster at each batch size (measured, the two-site step pays only at
+batch > 1 with many misses, docs/engine.md). Why not the rule alone: host-read and the CPU site both pay at each use, but
 host-read's steps stay one CUDA graph and it promotes the most used experts beside them (the transfer's reuse), and
 where the copy is the faster way over the link the rule would transfer through the chain, which host-read beat on
 every machine measured: 0.75-1.05 of the copy rate's transfer bound against the chain's 0.43
