@@ -86,10 +86,13 @@ def test_two_site_decode_equals_full_residency(seed3_tiny_packs, preset, share, 
         elif share == 1.0:  # the decode steps read nothing over the link (the prompts' passes do)
             st_ = eng.stats()
             assert c["cpu_site_experts"] > 0 and st_.host_reads == st_.prefill_host_reads > 0
+        elif share is None:  # the rates decide (on a GPU a tiny expert's host read can be so fast that the CPU's
+            # share rounds to none of a layer's few absent experts): the share is theirs
+            cpu, read = plan.cpu_gb_s(), plan.read_gb_s
+            assert cpu > 0 and read > 0 and plan.share() == pytest.approx(cpu / (cpu + read))
+            assert c["cpu_site_experts"] + c["host_reads"] > 0
         else:
-            assert c["cpu_site_experts"] > 0 and c["host_reads"] > 0
-            if share is not None:  # (None: the rates decide)
-                assert plan.share() == 0.5
+            assert c["cpu_site_experts"] > 0 and c["host_reads"] > 0 and plan.share() == 0.5
         # every CPU-site expert the host's split chose was counted once (on CUDA a chain's capture runs eager steps too)
         assert c["cpu_site_experts"] == split_cpu and split_absent >= split_cpu
         assert c["promotions"] == c["transactions"]  # no miss transaction: only promotions move experts
@@ -288,6 +291,9 @@ def test_a_campaign_refuses_a_share_without_placement_two_site():
     assert cfg.id.endswith("placement-two-site.share0p5") and cfg.p["two_site_share"] == 0.5
 
 
+@pytest.mark.skipif(os.environ.get("RUNMAP_TEST_DEVICE") == "cuda",
+                    reason="the CPU device's eager chain standing in for a capture (on a GPU the capture itself runs: "
+                           "the warm-up test below)")
 def test_a_captures_warm_up_steps_leave_counts_and_policy_as_they_were(seed3_tiny_packs):
     """SegmentDecoder._uncounted, around a two-site capture's eager warm-up steps (on CUDA; here around eager steps of
     the same chain): the cache's counters, its policy's clock and the placement's split counts are put back, as a
@@ -454,13 +460,15 @@ def test_auto_with_both_sites_probes_both_steps_at_batch_4_and_decodes_what_full
         assert err <= bound, f"step {t}: max |diff| {err:.3g} > {bound:.3g}"
 
 
-def test_auto_with_both_sites_warms_both_steps_up_without_asking_its_chooser(seed3_tiny_packs, record_decode):
-    """warm_up runs host-read's step at batch 1 and both steps at the max batch, asks the chooser nothing and leaves
-    the counters, paths and split counts as they were; a max batch below 4 keeps auto as plain host-read."""
+def test_auto_with_both_sites_warms_both_steps_up_without_asking_its_chooser(seed3_tiny_packs, test_device,
+                                                                             record_decode):
+    """warm_up runs host-read's step at batch 1 and both steps at the max batch (on a GPU: captures them), asks the
+    chooser nothing and leaves the counters, paths and split counts as they were; a max batch below 4 keeps auto as
+    plain host-read."""
     from runmap.engine.placement import HostReadPlacement, TwoSitePlacement
 
     pack, cfg = seed3_tiny_packs["tiny-olmoe"]
-    eng = _auto_both(pack, cfg, "cpu", record_decode, warm_up=False, segments="eager")
+    eng = _auto_both(pack, cfg, test_device, record_decode, warm_up=False)
     try:
         plan, cache = eng.experts.placement, eng.experts.cache
         before = dict(cache.counters), dict(eng.decode_paths), plan.split_counts()
@@ -474,8 +482,9 @@ def test_auto_with_both_sites_warms_both_steps_up_without_asking_its_chooser(see
     from runmap.engine.placement import PlacementCosts
 
     costs = PlacementCosts(h2d_gb_s=0.5, cpu_gb_s=1.0, row_bytes=100, source="test", host_read_gb_s=2.0)
-    small = Engine.from_pack(pack, executor="grouped", device="cpu", resident=cfg.top_k, max_batch=3, max_seq_len=48,
-                             expert_placement="auto", placement_costs=costs, warm_up=False)
+    small = Engine.from_pack(pack, executor="grouped", device=test_device, resident=cfg.top_k, max_batch=3,
+                             max_seq_len=48, cache_contract=_contract(test_device), expert_placement="auto",
+                             placement_costs=costs, warm_up=False)
     try:
         assert type(small.experts.placement) is HostReadPlacement and not small.use_two_site
         assert not isinstance(small.experts.placement, TwoSitePlacement) and small.experts.cpu_site is None
