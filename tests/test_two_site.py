@@ -463,7 +463,7 @@ def test_auto_with_both_sites_probes_both_steps_at_batch_4_and_decodes_what_full
 def test_auto_with_both_sites_warms_both_steps_up_without_asking_its_chooser(seed3_tiny_packs, test_device,
                                                                              record_decode):
     """warm_up runs host-read's step at batch 1 and both steps at the max batch (on a GPU: captures them), asks the
-    chooser nothing and leaves the counters, paths and split counts as they were; a max batch below 4 keeps auto as
+    chooser nothing and leaves the counters, paths, split counts and the CPU rate learned in use as they were; a max batch below 4 keeps auto as
     plain host-read."""
     from runmap.engine.placement import HostReadPlacement, TwoSitePlacement
 
@@ -471,11 +471,12 @@ def test_auto_with_both_sites_warms_both_steps_up_without_asking_its_chooser(see
     eng = _auto_both(pack, cfg, test_device, record_decode, warm_up=False)
     try:
         plan, cache = eng.experts.placement, eng.experts.cache
-        before = dict(cache.counters), dict(eng.decode_paths), plan.split_counts()
+        before = dict(cache.counters), dict(eng.decode_paths), plan.split_counts(), plan.cpu_rate.calls
         eng.warm_up()
         assert plan.steps.describe()["by_batch"] == {}
         assert set(eng._host_read) == {1, 4} and set(eng._two_site) == {4}
-        assert (dict(cache.counters), dict(eng.decode_paths), plan.split_counts()) == before
+        # the warm-up's CPU-site calls (pad tokens) teach the CPU rate nothing
+        assert (dict(cache.counters), dict(eng.decode_paths), plan.split_counts(), plan.cpu_rate.calls) == before
     finally:
         eng.close()
     from runmap.engine.engine import Engine

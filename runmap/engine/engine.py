@@ -1596,8 +1596,8 @@ class Engine:
         t0 = time.perf_counter()
         dev = self.device
         saved = self.imposed, self.routes, dict(self.prefill_counts), dict(self.decode_paths)
-        split_counts = getattr(getattr(self.experts, "placement", None), "split_counts", None)  # two-site's
-        splits = split_counts() if split_counts is not None else None
+        placement = getattr(self.experts, "placement", None)
+        kept = placement.kept() if hasattr(placement, "kept") else None  # two-site's split counts and CPU rate
         cache = self._expert_cache()
         counters = dict(cache.counters) if cache is not None else None
         self.imposed = self.routes = None
@@ -1635,8 +1635,8 @@ class Engine:
             self.imposed, self.routes = saved[0], saved[1]
             self.prefill_counts.update(saved[2])
             self.decode_paths.update(saved[3])
-            if splits is not None:
-                split_counts(splits)
+            if kept is not None:
+                placement.put_back(kept)
             if counters is not None:
                 cache.counters.clear()
                 cache.counters.update(counters)
