@@ -42,7 +42,8 @@ def add_residency_arguments(p) -> None:
                         "copied into a spare row first (default), cpu = computed on the host CPU from the host copy, "
                         "nothing transferred, auto = host-read (below) where it is possible unless the CPU site measures "
                         "faster at startup than both the GPU's reads of host memory and the copy (never under an emulated "
-                        "link), else at each layer call, for its absent experts, whichever the "
+                        "link), and with --max-batch 4 or more also two-site's step (below) at the batch sizes from 4 "
+                        "where it measures faster than host-read's in use, else at each layer call, for its absent experts, whichever the "
                         "rates measured at startup and then in use (host->device copy, CPU expert) and the routes' reuse "
                         "say is cheaper (the CPU's rate learned apart for decode steps and prompt passes), auto-split = auto "
                         "dividing each call's absent experts between the CPU and the link so that both work at once "
@@ -101,10 +102,11 @@ def placement_line(eng) -> str | None:
                  f"~{d['cpu_share']:.2f} of them (CPU site {rate(d['cpu_gb_s'])}, the GPU's host reads "
                  f"{rate(d['host_read_gb_s'])}; 1/2 where either is unmeasured)")
         if "steps" in d:  # auto with both sites (runmap.engine.placement.StepChooser)
-            return (f"expert placement two-site (chosen by {d['requested']}: {d['why']}): decode steps of fewer than "
-                    f"{d['steps']['min_batch']} rows read absent experts over the link; larger ones probe both steps and "
-                    f"run the faster, the two-site step dividing each layer's absent experts, the CPU site computing "
-                    f"{share}; the hottest promoted after each step ({eng.experts.cache.policy.name} policy)")
+            return (f"expert placement auto: host-read, and from batch {d['steps']['min_batch']} the two-site step "
+                    f"where it measures faster ({d['why']}): decode steps read absent experts over the link; at "
+                    f"{d['steps']['min_batch']} rows or more both steps are probed and the faster runs, the two-site step "
+                    f"giving the CPU site {share}; the hottest promoted beside the steps "
+                    f"({eng.experts.cache.policy.name} policy, margin {d['promotion_margin']:g})")
         return (f"expert placement two-site: in each decode step every layer's absent experts are divided, the CPU "
                 f"site computing {share} while the GPU reads the rest over the link; the hottest promoted after each "
                 f"step ({eng.experts.cache.policy.name} policy, margin {d['promotion_margin']:g})")

@@ -1554,6 +1554,8 @@ class Engine:
         inner = self._cached_experts()
         keep = inner is not None and not inner.cache.full_residency
         self.finish_decode_steps()
+        placement = getattr(inner, "placement", None)
+        kept = placement.kept() if hasattr(placement, "kept") else None  # two-site's split counts and CPU rate
         with (inner.policy_kept() if keep else contextlib.nullcontext()):
             try:
                 yield
@@ -1561,6 +1563,30 @@ class Engine:
             except BaseException:
                 self._abandon_decode_steps()
                 raise
+            finally:
+                if kept is not None:
+                    placement.put_back(kept)
+
+    def warm_step_modes(self, batch: int) -> tuple:
+        """The decode steps a warm-up must run at ``batch`` rows (each inside ``forced_step``): placement auto with both
+        sites, host-read's step and, from its chooser's min_batch, the two-site step too; otherwise (None,), the one
+        step the engine runs."""
+        steps = getattr(self.experts.placement, "steps", None) if self.use_two_site else None
+        if steps is None:
+            return (None,)
+        return ("host-read", "two-site") if batch >= steps.min_batch else ("host-read",)
+
+    @contextlib.contextmanager
+    def forced_step(self, mode: str | None):
+        """Decode steps inside run ``mode`` (``host-read`` or ``two-site``; None: as the placement chooses) without
+        asking placement auto's step chooser, which would count them (warm-ups)."""
+        if mode not in (None, "host-read", "two-site"):
+            raise EngineError(f"forced step {mode!r}: host-read, two-site or None")
+        saved, self._step_mode = self._step_mode, mode
+        try:
+            yield
+        finally:
+            self._step_mode = saved
 
     def finish_decode_steps(self) -> None:
         """End the host-read step still in flight, if any (HostReadDecoder.finish: wait for it, note its reads,
@@ -1568,6 +1594,9 @@ class Engine:
         calls it before reading the cache's counters of its last step."""
         for dec in self._host_read.values():
             dec.finish()
+        steps = getattr(self.experts.placement, "steps", None) if self.use_two_site else None
+        if steps is not None:  # the next step is another run's: no step is timed across the two
+            steps.break_runs()
 
     def _abandon_decode_steps(self) -> None:
         """After a failure: wait for the device and release any host-read step in flight without noting it."""
@@ -1596,8 +1625,6 @@ class Engine:
         t0 = time.perf_counter()
         dev = self.device
         saved = self.imposed, self.routes, dict(self.prefill_counts), dict(self.decode_paths)
-        placement = getattr(self.experts, "placement", None)
-        kept = placement.kept() if hasattr(placement, "kept") else None  # two-site's split counts and CPU rate
         cache = self._expert_cache()
         counters = dict(cache.counters) if cache is not None else None
         self.imposed = self.routes = None
@@ -1615,18 +1642,11 @@ class Engine:
                 for B, padded in sorted({(1, False), (self.max_batch, False), (self.max_batch, self.max_batch > 1)}):
                     self._prefiller.prepare_buckets(B, imposed=saved[0] is not None, recorded=saved[1] is not None,
                                                     padded=padded)
-            steps = getattr(self.experts.placement, "steps", None) if self.use_two_site else None
             for B in sorted({1, self.max_batch}):
                 zeros = torch.zeros(B, dtype=torch.long, device=dev)
-                # placement auto with both sites: each step its chooser may run at B captured, the chooser not asked
-                # (it would count these steps); placement two-site by name: its one step
-                for mode in (("host-read", "two-site") if steps is not None and B >= steps.min_batch else
-                             ("host-read",) if steps is not None else (None,)):
-                    self._step_mode = mode
-                    try:
+                for mode in self.warm_step_modes(B):  # auto with both sites: each step its chooser may run at B
+                    with self.forced_step(mode):
                         self.decode(zeros, 0, zeros)
-                    finally:
-                        self._step_mode = None
             self.finish_decode_steps()  # noted before the counters are put back below
             if dev.type == "cuda":
                 torch.cuda.synchronize(dev)
@@ -1635,8 +1655,6 @@ class Engine:
             self.imposed, self.routes = saved[0], saved[1]
             self.prefill_counts.update(saved[2])
             self.decode_paths.update(saved[3])
-            if kept is not None:
-                placement.put_back(kept)
             if counters is not None:
                 cache.counters.clear()
                 cache.counters.update(counters)
@@ -2103,8 +2121,12 @@ class Engine:
             return self._graphs[B].run(tokens, slot, pad)
         if self.use_two_site and (self._step_mode or self.experts.placement.step_mode(B, slot)) == "two-site":
             self.decode_paths["two_site"] += 1
-            for other in self._host_read.values():  # (placement auto: its host-read step in flight ends first)
-                other.finish()
+            if any(d.in_flight is not None for d in self._host_read.values()):
+                # placement auto: its host-read step in flight ends first, and promotes from its reads now (the
+                # two-site step keeps its own reads for promotion, which would replace them)
+                for other in self._host_read.values():
+                    other.finish()
+                self.experts.promote_pending()
             dec = self._two_site.get(B)
             if dec is None or not dec.fits(self):
                 self._retire(dec)

@@ -387,7 +387,7 @@ class TwoSitePlacement(HostReadPlacement):
     def kept(self) -> tuple:
         """What a warm-up must leave as it was (``put_back``): the split counts and the CPU rate learned in use (the
         warm-up's pad-token steps give the CPU site few experts per call, slower per byte than a user's: on an H100
-        they left 3.6-6.2 GB/s learned where the steps after learned 37, results/campaigns/h100-auto-sites)."""
+        they left 3.6-4.4 GB/s learned where a user's batch-8 steps learned 36-39, results/campaigns/h100-auto-sites)."""
         return self.split_counts(), copy.deepcopy(self.cpu_rate)
 
     def put_back(self, kept: tuple) -> None:
@@ -502,8 +502,14 @@ class StepChooser:
         st["steps"][mode] += 1
         return mode
 
+    def break_runs(self) -> None:
+        """The next step of every batch size starts a new run (called when a run of decode steps ends): a step is never
+        timed across two runs, whatever their slots."""
+        for st in self._batches.values():
+            st["last"], st["run"] = None, 0
+
     def describe(self) -> dict:
-        """Per batch size (as a string): the mode chosen last (None while the first probes run), the median measured
+        """Per batch size (as a string), over the engine's life: the mode chosen last (None while the first probes run), the median measured
         step of each mode in ms (None: none timed), the steps run and timed of each mode, how many choices were made."""
         out = {}
         for b, st in sorted(self._batches.items()):

@@ -321,8 +321,10 @@ class Scheduler:
             for B in range(1, eng.max_batch + 1):
                 tok = torch.zeros(B, dtype=torch.long, device=dev)
                 pad = torch.zeros(B, dtype=torch.long, device=dev)
-                for s in slots:
-                    eng.decode(tok, s, pad)
+                for mode in eng.warm_step_modes(B):  # auto with both sites: both steps, its chooser not asked
+                    with eng.forced_step(mode):
+                        for s in slots:
+                            eng.decode(tok, s, pad)
             if dev.type == "cuda":
                 torch.cuda.synchronize(dev)
         finally:
