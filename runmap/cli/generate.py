@@ -76,7 +76,7 @@ def run(args) -> int:
         return 1
     sys.stdout.write("\n")
     if eng.budget_plan is not None:
-        print(eng.budget_plan.describe(), file=sys.stderr)
+        print(eng.budget_plan.describe(eng.device.type), file=sys.stderr)
     t = eng.last_timing
     if args.telemetry:
         telemetry.write(args.telemetry, eng.telemetry())

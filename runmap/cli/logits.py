@@ -62,7 +62,7 @@ def run(args) -> int:
         if placement_line(eng):
             print(placement_line(eng), file=sys.stderr)
         if eng.budget_plan is not None:
-            print(eng.budget_plan.describe(), file=sys.stderr)
+            print(eng.budget_plan.describe(eng.device.type), file=sys.stderr)
         logits = eng.logits(ids)  # (T, V) fp32
     except (ValueError, FileNotFoundError, RuntimeError) as e:  # bad input, cache fault, kernel/device failure
         print(f"runmap logits: error: {e}", file=sys.stderr)

@@ -163,7 +163,10 @@ def run(args) -> int:
         except BudgetError as e:
             return fail(str(e))
         resident = plan.resident
-        print(f"runmap serve: {plan.describe()}", file=sys.stderr, flush=True)
+        import torch
+
+        where = torch.device(args.device or ("cuda" if torch.cuda.is_available() else "cpu")).type  # as from_pack
+        print(f"runmap serve: {plan.describe(where)}", file=sys.stderr, flush=True)
     try:
         family = socket.getaddrinfo(args.host, args.port, type=socket.SOCK_STREAM)[0][0]
         sock = socket.socket(family, socket.SOCK_STREAM)

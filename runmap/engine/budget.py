@@ -99,9 +99,15 @@ class BudgetPlan:
                 f" + {self.resident} of {self.num_experts} experts/layer {_gib(self.experts)} = {_gib(self.total)}"
                 f" + allocator slack {_gib(self.slack)}")
 
-    def describe(self) -> str:
-        return (f"gpu budget {_gib(self.budget)}: {self.parts()} ({self.regime} residency; pinned host staging "
+    def describe(self, device_type: str = "cuda") -> str:
+        """The plan in one line; ``device_type`` "cpu": said to be the residency only (nothing caps a CPU device's
+        memory; the plan counts what a GPU would hold)."""
+        line = (f"gpu budget {_gib(self.budget)}: {self.parts()} ({self.regime} residency; pinned host staging "
                 f"{_gib(self.staging_host)} outside the budget)")
+        if device_type != "cuda":
+            line += (f"; on the {device_type} device only its residency applies ({self.resident} of {self.num_experts}"
+                     f" experts/layer): nothing caps memory there")
+        return line
 
     def to_dict(self) -> dict:
         return {**dataclasses.asdict(self), "total": self.total, "slack": self.slack, "regime": self.regime}
