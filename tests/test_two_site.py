@@ -404,6 +404,23 @@ def _auto_both(pack, cfg, device, record_decode, **kw):
 
 
 PROMPTS_4 = PROMPTS + ["a token routed elsewhere", "and one more row"]
+NEW_4 = 8  # new tokens of the 4-row runs: 7 decode steps (the prompt's pass gives the first)
+
+
+def _full_4(pack, device, record_decode):
+    """Full residency's tokens and decode logits of PROMPTS_4 (NEW_4 tokens each), computed once per pack and device."""
+    from runmap.engine.engine import Engine
+
+    key = (str(pack), device, 4)
+    if key not in _FULL:
+        eng = record_decode(Engine.from_pack(pack, executor="grouped", device=device, max_batch=4, max_seq_len=48))
+        eng._prefiller = None
+        try:
+            _FULL[key] = ([r.token_ids for r in eng.generate(PROMPTS_4, max_new_tokens=NEW_4, ignore_eos=True)],
+                          eng.decoded)
+        finally:
+            eng.close()
+    return _FULL[key]
 
 
 def test_auto_with_both_sites_probes_both_steps_at_batch_4_and_decodes_what_full_residency_decodes(
@@ -416,33 +433,25 @@ def test_auto_with_both_sites_probes_both_steps_at_batch_4_and_decodes_what_full
 
     from runmap.cli.options import placement_line
     from runmap.conformance.schemas import load_schemas
-    from runmap.engine.engine import Engine
     from runmap.engine.placement import StepChooser
 
     pack, cfg = seed3_tiny_packs["tiny-olmoe"]
-    full = record_decode(Engine.from_pack(pack, executor="grouped", device=test_device, max_batch=4, max_seq_len=48))
-    full._prefiller = None
-    try:
-        want2 = [r.token_ids for r in full.generate(PROMPTS, max_new_tokens=5, ignore_eos=True)]
-        logits2 = list(full.decoded)
-        want4 = [r.token_ids for r in full.generate(PROMPTS_4, max_new_tokens=9, ignore_eos=True)]
-        logits4 = full.decoded[len(logits2):]
-    finally:
-        full.close()
+    want2, logits2 = _full(pack, test_device, record_decode)
+    want4, logits4 = _full_4(pack, test_device, record_decode)
     eng = _auto_both(pack, cfg, test_device, record_decode)
     try:
         plan = eng.experts.placement
         assert isinstance(plan.steps, StepChooser) and eng.use_two_site and eng.experts.cpu_site is not None
-        plan.steps = StepChooser(min_batch=4, probe_steps=1, revisit_steps=3)  # probes of 3 steps: 8 steps see both
-        got2 = [r.token_ids for r in eng.generate(PROMPTS, max_new_tokens=5, ignore_eos=True)]
+        plan.steps = StepChooser(min_batch=4, probe_steps=1, revisit_steps=3)  # probes of 3 steps: 7 steps see both
+        got2 = [r.token_ids for r in eng.generate(PROMPTS, max_new_tokens=6, ignore_eos=True)]
         assert eng.decode_paths["two_site"] == 0 and eng.decode_paths["host_read"] == len(logits2)
         assert got2 == want2 and all(torch.equal(a, b) for a, b in zip(eng.decoded, logits2))
         n2 = len(eng.decoded)
-        got4 = [r.token_ids for r in eng.generate(PROMPTS_4, max_new_tokens=9, ignore_eos=True)]
+        got4 = [r.token_ids for r in eng.generate(PROMPTS_4, max_new_tokens=NEW_4, ignore_eos=True)]
         assert eng.decode_paths["two_site"] > 0 and eng.decode_paths["host_read"] > len(logits2)
         assert eng.experts.cache.counters["cpu_site_experts"] > 0
         d = plan.steps.describe()["by_batch"]["4"]
-        rest = len(logits4) - 6  # the steps after both probes (8 decode steps: the prompt's pass gave the first token)
+        rest = len(logits4) - 6  # the steps after both probes
         assert d["steps"] == {"host-read": 3 + rest * (d["chosen"] == "host-read"),
                               "two-site": 3 + rest * (d["chosen"] == "two-site")} and d["choices"] == 1
         assert eng.experts.cache.outstanding_leases() == 0 and eng.experts.cache.live_requests() == 0
@@ -501,10 +510,9 @@ def test_auto_hands_over_between_host_read_and_two_site_steps_without_losing_a_p
     logits stay within the CPU kernel's tolerance of full residency's at every step, every step's reads are offered
     for promotion exactly once (a host-read step still in flight when a two-site step starts included), and nothing is
     left held."""
-    from runmap.engine.engine import Engine
     from runmap.engine.placement import StepChooser
 
-    script = ["host-read", "host-read", "two-site", "host-read", "two-site", "two-site", "host-read", "host-read"]
+    script = ["host-read", "host-read", "two-site", "host-read", "two-site", "two-site", "host-read"]  # NEW_4 - 1
 
     class Scripted(StepChooser):
         def mode(self, batch, slot, now=None):
@@ -513,13 +521,7 @@ def test_auto_hands_over_between_host_read_and_two_site_steps_without_losing_a_p
                            - 1) % len(script)]
 
     pack, cfg = seed3_tiny_packs["tiny-olmoe"]
-    full = record_decode(Engine.from_pack(pack, executor="grouped", device=test_device, max_batch=4, max_seq_len=48))
-    full._prefiller = None
-    try:
-        want = [r.token_ids for r in full.generate(PROMPTS_4, max_new_tokens=len(script) + 1, ignore_eos=True)]
-        logits = list(full.decoded)
-    finally:
-        full.close()
+    want, logits = _full_4(pack, test_device, record_decode)
     eng = _auto_both(pack, cfg, test_device, record_decode)
     try:
         eng.experts.placement.steps = Scripted(min_batch=4)
@@ -531,7 +533,7 @@ def test_auto_hands_over_between_host_read_and_two_site_steps_without_losing_a_p
             return promote_step(ids, margin)
 
         eng.experts.cache.promote_step = spy
-        got = [r.token_ids for r in eng.generate(PROMPTS_4, max_new_tokens=len(script) + 1, ignore_eos=True)]
+        got = [r.token_ids for r in eng.generate(PROMPTS_4, max_new_tokens=NEW_4, ignore_eos=True)]
         assert eng.decode_paths["two_site"] == script.count("two-site")
         assert eng.decode_paths["host_read"] == script.count("host-read")
         assert len(offered) == len(script)  # each step's (L, B, k) reads once
