@@ -1567,11 +1567,16 @@ class Engine:
                 if kept is not None:
                     placement.put_back(kept)
 
+    @property
+    def _step_chooser(self):
+        """Placement auto with both sites: its StepChooser; None for every other placement."""
+        return getattr(self.experts.placement, "steps", None) if self.use_two_site else None
+
     def warm_step_modes(self, batch: int) -> tuple:
         """The decode steps a warm-up must run at ``batch`` rows (each inside ``forced_step``): placement auto with both
         sites, host-read's step and, from its chooser's min_batch, the two-site step too; otherwise (None,), the one
         step the engine runs."""
-        steps = getattr(self.experts.placement, "steps", None) if self.use_two_site else None
+        steps = self._step_chooser
         if steps is None:
             return (None,)
         return ("host-read", "two-site") if batch >= steps.min_batch else ("host-read",)
@@ -1594,9 +1599,8 @@ class Engine:
         calls it before reading the cache's counters of its last step."""
         for dec in self._host_read.values():
             dec.finish()
-        steps = getattr(self.experts.placement, "steps", None) if self.use_two_site else None
-        if steps is not None:  # the next step is another run's: no step is timed across the two
-            steps.break_runs()
+        if self._step_chooser is not None:  # the next step is another run's: no step is timed across the two
+            self._step_chooser.break_runs()
 
     def _abandon_decode_steps(self) -> None:
         """After a failure: wait for the device and release any host-read step in flight without noting it."""
@@ -1784,11 +1788,13 @@ class Engine:
             reader.close()
             raise EngineError(f"two_site_share={two_site_share} is placement two-site's; expert placement "
                               f"{expert_placement!r} has no CPU share to fix")
-        if expert_placement == "two-site" and (E > 256 or cfg.top_k * max_batch > 1024):
+        from runmap.engine.placement import TWO_SITE_MAX_EXPERTS, TWO_SITE_MAX_PAIRS, two_site_fits
+
+        if expert_placement == "two-site" and not two_site_fits(E, cfg.top_k, max_batch):
             reader.close()
-            raise EngineError(f"expert placement 'two-site' splits up to 256 experts and 1,024 routed pairs per layer "
-                              f"on the device; this engine has {E} experts and max_batch {max_batch} x top_k "
-                              f"{cfg.top_k} = {cfg.top_k * max_batch} pairs")
+            raise EngineError(f"expert placement 'two-site' splits up to {TWO_SITE_MAX_EXPERTS} experts and "
+                              f"{TWO_SITE_MAX_PAIRS:,} routed pairs per layer on the device; this engine has {E} experts "
+                              f"and max_batch {max_batch} x top_k {cfg.top_k} = {cfg.top_k * max_batch} pairs")
         if expert_placement in HOST_READ_PLACEMENTS:
             try:
                 _check_host_read(executor, resident, E, device, cache_contract, emulate_link_gb_s, expert_placement)
@@ -1890,7 +1896,7 @@ class Engine:
 
                     # auto may run the two-site step where a batch can be large enough for it to pay and the split
                     # kernel's bounds hold (as for placement two-site above)
-                    both_sites = max_batch >= TWO_SITE_MIN_BATCH and E <= 256 and cfg.top_k * max_batch <= 1024
+                    both_sites = max_batch >= TWO_SITE_MIN_BATCH and two_site_fits(E, cfg.top_k, max_batch)
                     experts.placement = make_placement(expert_placement, cache=cache,
                                                        site=experts.site() if (auto and placement_costs is None)
                                                        or two_site else None, costs=placement_costs,

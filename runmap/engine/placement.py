@@ -416,6 +416,16 @@ class TwoSitePlacement(HostReadPlacement):
         return d
 
 
+# The device split's bounds (runmap.kernels.site_split, one program: every expert and routed pair of a layer), here
+# without importing the kernels, as SHARE_ONE: the engine refuses placement two-site past them and auto never runs it.
+TWO_SITE_MAX_EXPERTS, TWO_SITE_MAX_PAIRS = 256, 1024
+
+
+def two_site_fits(num_experts: int, top_k: int, max_batch: int) -> bool:
+    """Whether the device split can decide a layer of ``num_experts`` experts at ``max_batch`` x ``top_k`` pairs."""
+    return num_experts <= TWO_SITE_MAX_EXPERTS and top_k * max_batch <= TWO_SITE_MAX_PAIRS
+
+
 # Placement auto with both sites: below this decode batch size it runs host-read's steps only. Measured: the two-site
 # step lost at batch 1 in every row on two H100 hosts (0.47-0.82x host-read, results/campaigns/h100-two-site and
 # h100-two-site-repeat: the chain's host wait per layer costs ~1.4 ms a token) and won only at batch 8 with many misses.
