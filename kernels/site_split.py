@@ -10,7 +10,14 @@ table with each CPU-site expert pointed at the lowest resident row (a complete p
 pins; its gate weight is zeroed), and the keep mask of the step's (token, slot) pairs (0 where the CPU site computes
 the pair's expert).
 
-One program: E <= 256 experts and B x k <= 1,024 pairs, a few (E, E) and (E, B k) comparisons.
+One program: E <= 256 experts and B x k <= 1,024 pairs, a few (E, E) and (E, B k) comparisons. The kernel also writes
+c, so that the one-graph step (below) knows on the device whether the layer waits for the host.
+
+``add_site_sum`` is the one-graph two-site step's join (``SegmentDecoder`` with ``one_graph``): after a layer's device
+part it adds the CPU site's FP32 sum, read from pinned host memory mapped into the device's address space, once the
+host has published it by writing the step's sequence number into the layer's flag (host memory too). A layer whose
+split gave the CPU nothing (c = 0) does not wait at all, so the whole step is one CUDA graph and the host joins only
+the layers that need it.
 """
 from __future__ import annotations
 
@@ -25,8 +32,9 @@ SHARE_ONE = 1024
 
 
 @triton.jit
-def _two_site_split_kernel(ids_ptr, table_ptr, share_ptr, out_ptr, E, BK, R,
-                           E_P2: tl.constexpr, BK_P2: tl.constexpr, SHARE_ONE: tl.constexpr):
+def _two_site_split_kernel(ids_ptr, table_ptr, share_ptr, out_ptr, count_ptr, E, BK, R,
+                           E_P2: tl.constexpr, BK_P2: tl.constexpr, SHARE_ONE: tl.constexpr,
+                           WRITE_COUNT: tl.constexpr):
     offs_e = tl.arange(0, E_P2)
     offs_j = tl.arange(0, BK_P2)
     e_ok = offs_e < E
@@ -41,6 +49,8 @@ def _two_site_split_kernel(ids_ptr, table_ptr, share_ptr, out_ptr, E, BK, R,
     key_absent = tl.where(absent, key, 2147483647)
     rank = tl.sum((key_absent[None, :] < key[:, None]).to(tl.int32), axis=1)  # (E_P2,) absent experts before e
     on_cpu = absent & (rank < c)
+    if WRITE_COUNT:
+        tl.store(count_ptr, tl.minimum(c, n))  # (c <= n for any share <= SHARE_ONE; the min keeps it so for any)
     pinned = tl.min(tl.where((table < R) & e_ok, table, 2147483647), axis=0)  # the lowest resident row
     tl.store(out_ptr + offs_e, tl.where(on_cpu, pinned, table), mask=e_ok)
     pair_on_cpu = tl.sum((routes & on_cpu[:, None]).to(tl.int32), axis=0)  # (BK_P2,) 1 where the CPU has the pair
@@ -48,7 +58,7 @@ def _two_site_split_kernel(ids_ptr, table_ptr, share_ptr, out_ptr, E, BK, R,
 
 
 def two_site_split(ids: torch.Tensor, table: torch.Tensor, share: torch.Tensor, resident_rows: int,
-                   out: torch.Tensor) -> torch.Tensor:
+                   out: torch.Tensor, count: torch.Tensor | None = None) -> torch.Tensor:
     """Write one layer's two-site split into ``out`` (module docstring), one launch (capturable: no value is read
     back).
 
@@ -61,6 +71,7 @@ def two_site_split(ids: torch.Tensor, table: torch.Tensor, share: torch.Tensor, 
         resident_rows: R, the rows of the layer's device storage.
         out: int32 (E + B k,) contiguous: the device part's row table (E,), then the keep mask of the pairs (B k,)
             in ids' order (1: the device computes the pair, 0: the CPU site does).
+        count: int32 (1,) or None: where to write c, the number of experts given to the CPU site.
     Returns:
         ``out``.
     """
@@ -70,9 +81,75 @@ def two_site_split(ids: torch.Tensor, table: torch.Tensor, share: torch.Tensor, 
     bk, E = ids.numel(), table.numel()
     common.check_tensor("share", share, dtype=torch.int32, shape=(1,), device=dev)
     common.check_tensor("out", out, dtype=torch.int32, shape=(E + bk,), device=dev)
+    if count is not None:
+        common.check_tensor("count", count, dtype=torch.int32, shape=(1,), device=dev)
     if not (1 <= E <= 256 and 1 <= bk <= 1024 and resident_rows >= 1):
         raise common.KernelInputError(f"two_site_split: needs 1 <= E ({E}) <= 256, 1 <= B k ({bk}) <= 1024 and "
                                       f"resident_rows ({resident_rows}) >= 1")
-    common.launch(_two_site_split_kernel[(1,)], ids, table, share, out, E, bk, resident_rows,
-                  E_P2=triton.next_power_of_2(E), BK_P2=triton.next_power_of_2(bk), SHARE_ONE=SHARE_ONE)
+    common.launch(_two_site_split_kernel[(1,)], ids, table, share, out, out if count is None else count, E, bk,
+                  resident_rows, E_P2=triton.next_power_of_2(E), BK_P2=triton.next_power_of_2(bk), SHARE_ONE=SHARE_ONE,
+                  WRITE_COUNT=count is not None)
+    return out
+
+
+# spins of the join's wait before it gives up (each one load of host memory over the link, ~1 us): a few seconds, far
+# past any CPU part, so that a host that never publishes (a bug, a crash mid-step) ends the step with an error flag
+# instead of hanging the device
+MAX_SPINS = 1 << 22
+
+
+@triton.jit
+def _add_site_sum_kernel(part_ptr, sum_ptr, count_ptr, flag_ptr, seq_ptr, err_ptr, y_ptr, N, max_spins,
+                         BLOCK: tl.constexpr):
+    pid = tl.program_id(0)
+    offs = pid * BLOCK + tl.arange(0, BLOCK)
+    inside = offs < N
+    y = tl.load(part_ptr + offs, mask=inside, other=0.0).to(tl.float32)  # (BLOCK,) the device part's output
+    if tl.load(count_ptr) > 0:  # the CPU site has experts of this layer: wait for the host's sum
+        seq = tl.load(seq_ptr)
+        flag = tl.load(flag_ptr, volatile=True)
+        spins = 0
+        while (flag != seq) & (spins < max_spins):
+            flag = tl.load(flag_ptr, volatile=True)
+            spins += 1
+        if flag == seq:  # (a load after the loop: issued only once the flag was seen, never from a stale cache line)
+            y += tl.load(sum_ptr + offs, mask=inside, other=0.0, volatile=True)
+        else:
+            tl.store(err_ptr, 1)
+    tl.store(y_ptr + offs, y.to(y_ptr.dtype.element_ty), mask=inside)
+
+
+def add_site_sum(part: torch.Tensor, site_sum: torch.Tensor, count: torch.Tensor, flag: torch.Tensor,
+                 seq: torch.Tensor, err: torch.Tensor, out: torch.Tensor | None = None,
+                 max_spins: int = MAX_SPINS) -> torch.Tensor:
+    """out = part + site_sum where count > 0 (after waiting until flag == seq), else part (module docstring); one
+    launch, capturable (no value is read back).
+
+    Args:
+        part: fp16 (B, H) contiguous, the layer's device part.
+        site_sum: fp32 (B, H) contiguous, the CPU site's sum: on a GPU pinned host memory viewed as a device tensor
+            (``runmap.residency.transport.mapped_tensor``), written by the host before it publishes.
+        count: int32 (1,), the experts the split gave the CPU site (``two_site_split``'s count).
+        flag: int32 (1,), the layer's publication flag, host memory viewed as a device tensor on a GPU.
+        seq: int32 (1,), this step's sequence number (the host writes it into ``flag`` once ``site_sum`` is whole).
+        err: int32 (1,): set to 1 when the wait gave up after ``max_spins`` loads (the sum is then left out); the host
+            checks it and raises.
+        out: fp16 (B, H) or None (allocated).
+    Returns:
+        ``out`` fp16 (B, H).
+    """
+    common.check_tensor("part", part, dtype=torch.float16, ndim=2)
+    dev = part.device
+    common.check_tensor("site_sum", site_sum, dtype=torch.float32, shape=tuple(part.shape), device=dev)
+    for name, t in (("count", count), ("flag", flag), ("seq", seq), ("err", err)):
+        common.check_tensor(name, t, dtype=torch.int32, shape=(1,), device=dev)
+    if out is None:
+        out = common.empty(part.shape, torch.float16, dev)
+    common.check_tensor("out", out, dtype=torch.float16, shape=tuple(part.shape), device=dev)
+    if max_spins < 1:
+        raise common.KernelInputError(f"add_site_sum: max_spins ({max_spins}) must be at least 1")
+    n = part.numel()
+    block = min(2048, triton.next_power_of_2(n))
+    common.launch(_add_site_sum_kernel[(triton.cdiv(n, block),)], part, site_sum, count, flag, seq, err, out, n,
+                  max_spins, BLOCK=block)
     return out

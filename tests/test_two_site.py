@@ -53,19 +53,26 @@ def _full(pack, device, record_decode):
 
 
 # share None (from the rates) is 1/2 on the CPU device, where no link is read (the 0.5 case's run): on a GPU only
-@pytest.mark.parametrize("preset,share", [("tiny-olmoe", 0.0), ("tiny-olmoe", 0.5), ("tiny-olmoe", 1.0),
-                                          ("tiny-qwen2-moe", 0.5)]
-                         + ([("tiny-olmoe", None)] if os.environ.get("RUNMAP_TEST_DEVICE") == "cuda" else []))
-def test_two_site_decode_equals_full_residency(seed3_tiny_packs, preset, share, test_device, record_decode):
+@pytest.mark.parametrize("preset,share,step", [("tiny-olmoe", 0.0, "chain"), ("tiny-olmoe", 0.5, "chain"),
+                                               ("tiny-olmoe", 1.0, "chain"), ("tiny-qwen2-moe", 0.5, "chain"),
+                                               ("tiny-olmoe", 0.0, "graph"), ("tiny-olmoe", 0.5, "graph"),
+                                               ("tiny-qwen2-moe", 0.5, "graph")]
+                         + ([("tiny-olmoe", None, "graph"), ("tiny-olmoe", 1.0, "graph")]
+                            if os.environ.get("RUNMAP_TEST_DEVICE") == "cuda" else []))
+def test_two_site_decode_equals_full_residency(seed3_tiny_packs, preset, share, step, test_device, record_decode,
+                                               monkeypatch):
     """Greedy decode at batch 2 with top_k of E experts resident (most absent): every decode step runs the two-site
-    chain, the CPU site takes its share of the absent experts and the GPU reads the rest from the host, the decode
+    step, the CPU site takes its share of the absent experts and the GPU reads the rest from the host, the decode
     logits equal full residency's (exactly without a CPU share), residency changes only by promotions between steps,
     nothing is left held and every observation is zero. share None: from the rates (1/2 on the CPU device, where no
-    link is read)."""
+    link is read). step: the 2L + 1 segment chain, or the one-graph step whose joins wait on the device for the
+    host's CPU sum (on the CPU device its eager steps: the host joins each layer before its join kernel is queued)."""
     import json
 
     from runmap.conformance.schemas import load_schemas
+    from runmap.engine.engine import TWO_SITE_STEP_ENV
 
+    monkeypatch.setenv(TWO_SITE_STEP_ENV, step)
     pack, cfg = seed3_tiny_packs[preset]
     toks_f, logits_f = _full(pack, test_device, record_decode)
     eng = _run(pack, test_device, record_decode, resident=cfg.top_k, expert_placement="two-site",
@@ -99,6 +106,11 @@ def test_two_site_decode_equals_full_residency(seed3_tiny_packs, preset, share, 
         # the last step's slots rows, decided on the device, against the host's split of the same ids: the pairs the
         # device zeroed are exactly the CPU site's experts, the others read their device row or host row R + e
         dec, E, R = eng._two_site[2], cfg.num_experts, cache.rows_per_layer
+        assert dec.one_graph == (step == "graph")
+        if dec.one_graph:  # the device's count of CPU-site experts per layer, as the host's rule decided them
+            assert dec.host_count_np.tolist() == [len(dec.layer_cpu[layer]) for layer in range(cfg.num_layers)]
+            assert dec.host_err_np[0, 0] == 0
+            assert (share == 0.0) == (dec.cpu_parts == 0)
         slots = dec.slots.cpu().numpy()
         for layer in range(cfg.num_layers):
             flat, keep, table = dec.host_ids_np[layer].reshape(-1), slots[layer, E:], slots[layer, :E]
@@ -121,6 +133,66 @@ def test_two_site_decode_equals_full_residency(seed3_tiny_packs, preset, share, 
         else:
             err, bound = float((a - b).abs().max()), LOGITS_REL * float(b.abs().max())
             assert err <= bound, f"step {t}: max |diff| {err:.3g} > {bound:.3g}"
+
+
+def test_a_one_graph_step_refuses_a_split_the_device_did_not_make(seed3_tiny_packs, test_device, record_decode,
+                                                                  monkeypatch):
+    """The host's rule giving the CPU site other experts than the device's split did would compute a sum the join adds
+    to the wrong pairs (or one the join never waits for): the step raises, naming the layer and both counts, and the
+    engine holds nothing afterwards."""
+    from runmap.engine.engine import TWO_SITE_STEP_ENV, EngineError
+
+    monkeypatch.setenv(TWO_SITE_STEP_ENV, "graph")
+    pack, cfg = seed3_tiny_packs["tiny-olmoe"]
+    eng = _run(pack, test_device, record_decode, resident=cfg.top_k, expert_placement="two-site",
+               cache_contract=_contract(test_device), two_site_share=0.5)
+    try:
+        real = TwoSitePlacement.split
+        monkeypatch.setattr(TwoSitePlacement, "split", lambda self, absent, q: real(self, absent, q)[:-1])
+        with pytest.raises(EngineError, match=r"two-site step, layer \d+: the device's split gave the CPU site \d+ "
+                                              r"experts, the host's rule \d+"):
+            eng.generate(PROMPTS, max_new_tokens=3, ignore_eos=True)
+        assert eng.experts.cache.outstanding_leases() == 0 and eng.experts.cache.live_requests() == 0
+    finally:
+        eng.close()
+
+
+@pytest.mark.parametrize("B,H", [(1, 64), (3, 100), (8, 2048), (5, 2050)])
+def test_the_join_adds_the_host_sum_only_where_the_cpu_site_has_experts(B, H, test_device):
+    """kernels/site_split.add_site_sum on fresh random inputs and odd shapes, output poisoned: published (flag ==
+    seq) -> part + sum in FP32 rounded once to fp16; no CPU-site expert (count 0) -> part, whatever the flag; a flag
+    never published -> part, and the error flag set after the bounded wait."""
+    from runmap.kernels.site_split import add_site_sum
+
+    gen = torch.Generator().manual_seed(B * 7 + H)
+    part = torch.randn(B, H, generator=gen).to(torch.float16).to(test_device)
+    site_sum = (torch.randn(B, H, generator=gen) * 3).to(test_device)
+    one = lambda v: torch.tensor([v], dtype=torch.int32, device=test_device)  # noqa: E731
+    for count, flag, seq, spins, adds, fails in [(3, 9, 9, 1 << 20, True, False), (0, 4, 9, 1 << 20, False, False),
+                                                 (2, 8, 9, 16, False, True)]:
+        err = one(0)
+        out = torch.full((B, H), float("nan"), dtype=torch.float16, device=test_device)
+        add_site_sum(part, site_sum, one(count), one(flag), one(seq), err, out=out, max_spins=spins)
+        want = (part.double() + site_sum.double()).to(torch.float16) if adds else part
+        assert torch.equal(out.cpu(), want.cpu()), (count, flag, seq)
+        assert int(err.item()) == int(fails)
+
+
+def test_the_join_refuses_bad_arguments(test_device):
+    from runmap.kernels.common import KernelInputError
+    from runmap.kernels.site_split import add_site_sum
+
+    part = torch.zeros(2, 8, dtype=torch.float16, device=test_device)
+    site_sum = torch.zeros(2, 8, dtype=torch.float32, device=test_device)
+    one = torch.zeros(1, dtype=torch.int32, device=test_device)
+    with pytest.raises(KernelInputError, match="site_sum: shape"):
+        add_site_sum(part, site_sum[:1], one, one, one, one)
+    with pytest.raises(KernelInputError, match="part: dtype"):
+        add_site_sum(part.float(), site_sum, one, one, one, one)
+    with pytest.raises(KernelInputError, match="flag: shape"):
+        add_site_sum(part, site_sum, one, torch.zeros(2, dtype=torch.int32, device=test_device), one, one)
+    with pytest.raises(KernelInputError, match="max_spins"):
+        add_site_sum(part, site_sum, one, one, one, one, max_spins=0)
 
 
 def _cache(experts=8, resident=3, layers=2):

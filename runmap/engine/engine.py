@@ -97,6 +97,7 @@ from __future__ import annotations
 
 import contextlib
 import functools
+import os
 import time
 from collections import Counter
 
@@ -116,6 +117,10 @@ from runmap.residency.contracts import CONTRACT_NAMES
 from runmap.workload.routing import ImposedRouting, RoutingError, parse_routing
 
 EXPERT_FORMATS = ("int4", "fp16")
+# The two-site step on a GPU: "graph" (default) captures the whole step as one CUDA graph whose layers wait on the device
+# for the host's CPU sum only where the split gave the CPU site experts (kernels/site_split.py add_site_sum); "chain"
+# is the earlier 2L + 1 segments with a host wait between each (for A/B measurements; docs/engine.md).
+TWO_SITE_STEP_ENV = "RUNMAP_TWO_SITE_STEP"
 PREFILL_CHUNK = 8192  # prompt tokens per row per prefill pass, by default (from_pack's prefill_chunk)
 FUSED_OPS = ("prologue", "norm", "router", "attn", "gemv", "imposed")
 # Default on CUDA. "imposed" (the gate weights of a routing workload's ids in one launch on the fused router's logits,
@@ -817,14 +822,20 @@ class SegmentDecoder(_StaticStepInputs):
         if two_site and (grouped or not mixed):
             raise EngineError("the two-site chain is the one-lease mixed chain's shape: mixed=True, grouped=False")
         self.two_site = bool(two_site)
-        if self.two_site:  # the step's CPU share in units of SHARE_ONE, on the device for the split kernel
+        # the one-graph two-site step (class docstring): on a GPU unless RUNMAP_TWO_SITE_STEP=chain; on the CPU device
+        # only when RUNMAP_TWO_SITE_STEP=graph (tests: its eager steps join each layer before queueing the join, so
+        # the interpreter, which runs the join's wait on this thread, finds the layer published)
+        self.one_graph = bool(two_site) and engine.experts.placement.step_form == "graph"
+        if self.two_site:  # the step's CPU share in units of SHARE_ONE and its sequence number, on the device
             pin = engine.device.type == "cuda"
-            self.share_host = torch.zeros(1, dtype=torch.int32, pin_memory=pin)
-            self.share_dev = torch.zeros(1, dtype=torch.int32, device=engine.device)
+            self.share_host = torch.zeros(2, dtype=torch.int32, pin_memory=pin)  # [share, seq]
+            self.step_dev = torch.zeros(2, dtype=torch.int32, device=engine.device)
+            self.share_dev, self.seq_dev = self.step_dev[0:1], self.step_dev[1:2]
             self._share_q = 0
-            from runmap.kernels.site_split import two_site_split  # (kernels import once the backend is chosen)
+            self._seq = 0  # steps admitted by this chain (the value a one-graph join waits for in its layer's flag)
+            from runmap.kernels.site_split import add_site_sum, two_site_split  # (kernels import once chosen)
 
-            self._split_kernel = two_site_split
+            self._split_kernel, self._join_kernel = two_site_split, add_site_sum
         self.pool, self.capture = pool, capture
         cfg, dev = engine.cfg, engine.device
         self.L, self.k = cfg.num_layers, cfg.top_k
@@ -860,6 +871,25 @@ class SegmentDecoder(_StaticStepInputs):
             self.cpu_set = [False] * self.L  # cpu_out[l] holds a non-zero sum
             self.cpu_parts = 0  # layer calls of this chain whose CPU part computed experts
             self._jobs: list = [None] * self.L  # the CPU part in flight on the site's job thread, per layer
+        if self.one_graph:
+            from runmap.residency.transport import mapped_tensor
+
+            L, H, pin = self.L, cfg.hidden_size, dev.type == "cuda"
+            self.count_dev = torch.zeros(L, dtype=torch.int32, device=dev)  # per layer: c, the split kernel's count
+            self.host_count = torch.zeros(L, dtype=torch.int32, pin_memory=pin)  # c copied out with the ids
+            self.host_count_np = self.host_count.numpy()
+            # per layer the host's publication flag (the step's sequence number once the CPU sum is whole) and a
+            # flag the join sets when it gave up waiting, both pinned host memory the device reads / writes directly
+            self.host_flags = torch.zeros(L, 1, dtype=torch.int32, pin_memory=pin)
+            self.host_flags_np = self.host_flags.numpy()
+            self.flags_dev = mapped_tensor(self.host_flags, dev)  # (L, 1)
+            self.host_err = torch.zeros(1, 1, dtype=torch.int32, pin_memory=pin)
+            self.host_err_np = self.host_err.numpy()
+            self.err_dev = mapped_tensor(self.host_err, dev).view(1)
+            self.sums_dev = mapped_tensor(self.host_cpu_out.view(L, batch * H), dev)  # (L, B H) the CPU sums
+            # recorded inside the captured step (external events): the host waits for layer l's ids, input, gate
+            # weights and count in pinned memory
+            self.events = [torch.cuda.Event(external=True) if pin else None for _ in range(L)]
         # grouped chain: batches whose union may exceed one lease (class docstring)
         self.grouped = bool(grouped)
         if self.grouped:
@@ -1029,13 +1059,15 @@ class SegmentDecoder(_StaticStepInputs):
         self.host_ids[layer].copy_(ids, non_blocking=capturing)
         self.host_x[layer].copy_(x, non_blocking=capturing)
         self.host_gw[layer].copy_(gw, non_blocking=capturing)
-        if capturing:
+        if capturing and not self.one_graph:
             self._keep += [x, ids, gw]
             # the host leases here: routing decision, placement, CPU part started, row table and mask (two-site: the
             # device part is queued first and the host's part runs beside it)
             self._cut()
         elif not self.two_site:
             self._lease(layer)
+        if self.one_graph:
+            return self._one_graph_experts(layer, x, ids, gw, capturing)
         if self.two_site:  # the slots row decided on the device (class docstring)
             self._split_kernel(ids.contiguous(), ex.hr_tables[layer], self.share_dev, ex.cache.rows_per_layer,
                                self.slots[layer])
@@ -1051,6 +1083,60 @@ class SegmentDecoder(_StaticStepInputs):
                 self._lease(layer)
             self._cpu_part(layer)
         return (out.to(torch.float32) + self.cpu_out[layer]).to(out.dtype)  # as the per-call path adds the two sums
+
+    def _one_graph_experts(self, layer, x, ids, gw, capturing):
+        """The one-graph two-site step's layer (class docstring): the split on the device with its count copied out
+        beside the ids, an event, the device part, then the join (``add_site_sum``), which waits only where the CPU
+        site has experts. Eager (not capturing), the host joins the layer right here, after queueing the join."""
+        ex = self.e.experts
+        E, (B, k) = self.e.cfg.num_experts, ids.shape
+        count = self.count_dev[layer:layer + 1]
+        self._split_kernel(ids.contiguous(), ex.hr_tables[layer], self.share_dev, ex.cache.rows_per_layer,
+                           self.slots[layer], count)
+        self.host_count[layer:layer + 1].copy_(count, non_blocking=capturing)
+        if self.events[layer] is not None:
+            self.events[layer].record()
+        table, keep = self.slots[layer, :E], self.slots[layer, E:].view(B, k).to(torch.float32)  # (E,), (B, k)
+        out = ex.static_experts(layer, x, ids, gw * keep, table=table, host_read=True)  # (B, H) fp16
+        if not capturing:  # eager: the layer published before its join is queued (its wait then ends at once)
+            self._join_layer(layer)
+        return self._join_kernel(out, self.sums_dev[layer].view(B, -1), count, self.flags_dev[layer], self.seq_dev,
+                                 self.err_dev)
+
+    def _join_layer(self, layer) -> None:
+        """The host's part of ``layer`` in the one-graph step: wait for the layer's ids, apply the split rule and note
+        the reads (``_split_sites``), check that the device's split gave the CPU site as many experts, compute them
+        into the pinned sum the join reads and publish it (the layer's flag := the step's sequence number). A layer
+        with none publishes nothing: its join does not wait."""
+        if self.events[layer] is not None:
+            self.events[layer].synchronize()
+        self._split_sites(layer, start=False)
+        cpu = self.layer_cpu[layer]
+        if int(self.host_count_np[layer]) != len(cpu):
+            raise EngineError(f"two-site step, layer {layer}: the device's split gave the CPU site "
+                              f"{int(self.host_count_np[layer])} experts, the host's rule {len(cpu)} ({list(cpu)})")
+        if not cpu:
+            return
+        ex = self.e.experts
+        site = ex.site()
+        t0 = time.perf_counter()
+        if site.native:  # on this thread: nothing else to drive until the join is published (no job hand-off)
+            threads = site.native_threads or max(1, torch.get_num_threads() - 1)
+            site.prepare_subset_arrays(layer, self.host_x_np[layer], self.host_ids_np[layer], self.host_gw_np[layer],
+                                       cpu, self.host_cpu_out_np[layer], threads)()
+        else:
+            with ex.cache.monitored():
+                yc = site.moe_subset(layer, self.host_x[layer], self.host_ids[layer], self.host_gw[layer], cpu)
+            self.host_cpu_out[layer].copy_(yc)  # (B, H) fp32
+        ex.observe_cpu(len(cpu), time.perf_counter() - t0)
+        self.cpu_parts += 1
+        self.host_flags_np[layer, 0] = self._seq  # after the sum's last store (the device reads the flag, then it)
+
+    def _unblock_joins(self) -> None:
+        """A step that failed between its layers: publish every layer, so that no join of the step's queued work
+        waits for a host that will not come (the step's output is not used: the failure propagates)."""
+        if self.one_graph:
+            self.host_flags_np[:, 0] = self._seq
 
     def _start_cpu_part(self, layer, experts) -> None:
         """Start the CPU-site experts ``experts`` of ``layer`` on the site's job thread (cpu-native executors), from
@@ -1158,9 +1244,10 @@ class SegmentDecoder(_StaticStepInputs):
                 buf[e], keep[j] = row, 1
         self.slots[layer].copy_(self.host_slots[layer], non_blocking=True)  # (E + B k,) on the compute stream
 
-    def _split_sites(self, layer) -> None:
+    def _split_sites(self, layer, start: bool = True) -> None:
         """Two-site chain, on the host: the CPU site's share of ``layer``'s absent experts by the rule the device part's
-        split kernel applied (the step's share), the layer's reads noted, the CPU part started (class docstring)."""
+        split kernel applied (the step's share), the layer's reads noted, the CPU part started (class docstring; the
+        one-graph step computes it itself: ``start=False``)."""
         ex = self.e.experts
         req = self._req
         ids = self.host_ids_np[layer]  # (B, k)
@@ -1171,7 +1258,7 @@ class SegmentDecoder(_StaticStepInputs):
         req.note_host_reads(layer, ids, cpu=cpu)  # checks every id is in [0, E) before the CPU site reads any
         ex.placement.count_split(len(absent), len(cpu))  # (a refused layer is not a split)
         self.layer_cpu[layer] = cpu
-        if cpu:
+        if cpu and start:
             self._start_cpu_part(layer, cpu)
 
     def _drain_jobs(self) -> None:
@@ -1205,18 +1292,28 @@ class SegmentDecoder(_StaticStepInputs):
         ex = self.e.experts
         self._req = None if self.grouped else ex.cache.admit()
         if self.two_site:
+            if self.one_graph and self.host_err_np[0, 0]:
+                raise EngineError("a two-site step's join gave up waiting for the host's CPU sum (an earlier step's "
+                                  "output left that sum out); the engine cannot go on")
             ex.point_host_read_tables(self._req)
             self._share_q = ex.placement.share_q()
-            self.share_host[0] = self._share_q
+            self._seq = self._seq % (2**31 - 1) + 1
+            self.share_host[0], self.share_host[1] = self._share_q, self._seq
             # (a pinned source rewritten only at the next step's start, after this step's events were waited for)
-            self.share_dev.copy_(self.share_host, non_blocking=True)
+            self.step_dev.copy_(self.share_host, non_blocking=True)
 
     def _run_eager(self, n_keys):
         self.capture_graphs = None
+        done = False
         try:
             self._admit_step()  # (inside: a failure after the admission, in the two-site copies, releases it below)
             out = self._forward(n_keys)
+            done = True
         finally:
+            if not done and self.one_graph:  # joins already queued must not wait for layers the host will not join
+                self._unblock_joins()
+                if self.e.device.type == "cuda":
+                    torch.cuda.current_stream(self.e.device).synchronize()
             self._release()
         return out
 
@@ -1264,7 +1361,7 @@ class SegmentDecoder(_StaticStepInputs):
             finally:
                 graphs, self.capture_graphs = self.capture_graphs, None
         torch.cuda.current_stream().wait_stream(side)
-        want = 2 * self.L + 1 if self.mixed and not self.grouped else self.L + 1
+        want = 1 if self.one_graph else 2 * self.L + 1 if self.mixed and not self.grouped else self.L + 1
         if len(graphs) != want:
             raise EngineError(f"segment capture made {len(graphs)} graphs for {self.L} MoE layers (expected {want})")
         self.chains[n_keys] = (graphs, out)
@@ -1284,6 +1381,12 @@ class SegmentDecoder(_StaticStepInputs):
             done = False
             try:
                 self._admit_step()
+                if self.one_graph:  # the whole step queued at once; the host joins the layers that need it
+                    graphs[0].replay()
+                    for layer in range(self.L):
+                        self._join_layer(layer)
+                    graphs = ()
+                    done = True
                 for i, g in enumerate(graphs):
                     g.replay()
                     if i == len(graphs) - 1:
@@ -1318,6 +1421,7 @@ class SegmentDecoder(_StaticStepInputs):
                 done = True
             finally:
                 if not done:  # a failure between segments: no kernel of this chain reads those rows any more
+                    self._unblock_joins()
                     torch.cuda.current_stream(e.device).synchronize()
                 self._release()  # every segment reading the step's rows is queued
         if self.two_site:  # while the last segment runs: a promotion's copy waits for the release fence of its rows
@@ -1531,6 +1635,11 @@ class Engine:
                                   and not self.skip_experts)
         # placement two-site: host-read's sites plus the CPU site in one step, the segment chain with a CPU part
         self.use_two_site = self.use_host_read and getattr(experts.placement, "name", None) == "two-site"
+        if self.use_two_site:  # the step's form (TWO_SITE_STEP_ENV; on the CPU device the chain unless asked)
+            form = os.environ.get(TWO_SITE_STEP_ENV, "graph" if device.type == "cuda" else "chain")
+            if form not in ("graph", "chain"):
+                raise EngineError(f"{TWO_SITE_STEP_ENV}={form!r}: allowed values are 'graph' and 'chain'")
+            experts.placement.step_form = form
         self._pool = torch.cuda.graph_pool_handle() if (self.use_graphs or self.use_segments or self.use_host_read) \
             and device.type == "cuda" else None
         if self.use_graphs:

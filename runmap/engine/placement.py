@@ -378,6 +378,11 @@ class TwoSitePlacement(HostReadPlacement):
         chosen = sorted(absent_pairs, key=lambda ep: (ep[1], ep[0]))[:c]
         return tuple(sorted(int(e) for e, _ in chosen))
 
+    # the two-site step's form, set by the engine that runs it (runmap.engine.engine.TWO_SITE_STEP_ENV): "graph", one
+    # CUDA graph per step whose layers wait on the device only where the CPU site has experts, or "chain", 2L + 1
+    # segments with a host wait between each
+    step_form: str | None = None
+
     def count_split(self, absent: int, cpu: int) -> None:
         """One layer split: ``absent`` absent experts, ``cpu`` of them given to the CPU site."""
         self.calls += 1
@@ -413,6 +418,8 @@ class TwoSitePlacement(HostReadPlacement):
                  cpu_gb_s=self.cpu_gb_s(), cpu_gb_s_probe=self.probe_cpu_gb_s, cpu_gb_s_in_use=self.cpu_rate.gb_s,
                  cpu_calls_in_use=self.cpu_rate.calls, split_calls=self.calls, split_absent=self.absent_experts,
                  split_cpu=self.cpu_experts, probe=self.probe)
+        if self.step_form is not None:
+            d["step_form"] = self.step_form
         return d
 
 
