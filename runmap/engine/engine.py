@@ -814,7 +814,15 @@ class SegmentDecoder(_StaticStepInputs):
     it checks the ids and counts hits, host reads and CPU-site experts), starts the CPU part and collects it while
     the device part runs. Any batch up to the split kernel's bound (B x top_k <= 1,024, E <= 256; checked when the
     engine is built) runs this one chain: nothing is leased, so no group bound applies. After the step (its request
-    released) the hottest absent experts are promoted as under host-read."""
+    released) the hottest absent experts are promoted as under host-read.
+
+    The one-graph form (``one_graph``: on a GPU by default, TWO_SITE_STEP_ENV): the same layers captured as ONE graph
+    per KV bucket. Each layer copies its ids, input and gate weights and the split kernel's count c of CPU-site experts
+    to pinned memory and records an external event; after the device part, kernels/site_split.add_site_sum adds the
+    CPU sum, which it reads from pinned host memory once the host has written the step's sequence number into the
+    layer's flag, and waits for nothing where c = 0. The host replays the step at once, then per layer waits for the
+    event, applies the same rule, checks its count against the device's, computes the CPU part on its own thread into
+    the pinned sum and publishes. So a layer that gives the CPU nothing costs no host round trip and no launch."""
 
     def __init__(self, engine: "Engine", batch: int, pool, capture: bool, mixed: bool = False,
                  grouped: bool = False, two_site: bool = False):
