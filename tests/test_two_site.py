@@ -96,7 +96,7 @@ def test_two_site_decode_equals_full_residency(seed3_tiny_packs, preset, share, 
         elif share is None:  # the rates decide (on a GPU a tiny expert's host read can be so fast that the CPU's
             # share rounds to none of a layer's few absent experts): the share is theirs
             cpu, read = plan.cpu_gb_s(), plan.read_gb_s
-            assert cpu > 0 and read > 0 and plan.share() == pytest.approx(cpu / (cpu + read)) < 1
+            assert cpu > 0 and read > 0 and plan.share() == pytest.approx(cpu / (cpu + read)) and plan.share() < 1
             assert c["host_reads"] > 0  # (a share below 1 leaves the GPU the rest)
         else:
             assert c["cpu_site_experts"] > 0 and c["host_reads"] > 0 and plan.share() == 0.5
@@ -111,6 +111,9 @@ def test_two_site_decode_equals_full_residency(seed3_tiny_packs, preset, share, 
             assert dec.host_count_np.tolist() == [len(dec.layer_cpu[layer]) for layer in range(cfg.num_layers)]
             assert dec.host_err_np[0, 0] == 0
             assert (share == 0.0) == (dec.cpu_parts == 0)
+            joins = plan.describe()["joins"]  # every decode step's layers joined once (warm-ups excluded)
+            assert joins["layers"] == steps * cfg.num_layers and (joins["cpu_layers"] > 0) == (share != 0.0)
+            assert joins["cpu_layers"] <= dec.cpu_parts  # (on a GPU the capture's eager steps count parts too)
         slots = dec.slots.cpu().numpy()
         for layer in range(cfg.num_layers):
             flat, keep, table = dec.host_ids_np[layer].reshape(-1), slots[layer, E:], slots[layer, :E]

@@ -121,6 +121,11 @@ EXPERT_FORMATS = ("int4", "fp16")
 # for the host's CPU sum only where the split gave the CPU site experts (kernels/site_split.py add_site_sum); "chain"
 # is the earlier 2L + 1 segments with a host wait between each (for A/B measurements; docs/engine.md).
 TWO_SITE_STEP_ENV = "RUNMAP_TWO_SITE_STEP"
+# How the one-graph step's host learns that a layer's routed ids are in pinned memory: "event" (default; an external
+# event recorded in the graph, cudaEventSynchronize) or "poll" (a spin on the count's slot in pinned memory, which the
+# graph's copy overwrites; for A/B measurements of the host's wake-up latency)
+TWO_SITE_WAIT_ENV = "RUNMAP_TWO_SITE_WAIT"
+POLL_LIMIT_S = 60.0  # a poll that long means the device stopped: the step raises instead of spinning for ever
 PREFILL_CHUNK = 8192  # prompt tokens per row per prefill pass, by default (from_pack's prefill_chunk)
 FUSED_OPS = ("prologue", "norm", "router", "attn", "gemv", "imposed")
 # Default on CUDA. "imposed" (the gate weights of a routing workload's ids in one launch on the fused router's logits,
@@ -834,6 +839,12 @@ class SegmentDecoder(_StaticStepInputs):
         # only when RUNMAP_TWO_SITE_STEP=graph (tests: its eager steps join each layer before queueing the join, so
         # the interpreter, which runs the join's wait on this thread, finds the layer published)
         self.one_graph = bool(two_site) and engine.experts.placement.step_form == "graph"
+        # how the host learns that a layer's ids are in pinned memory: an event recorded in the graph, or (poll) the
+        # count's copy landing in a slot the host set to -1 before the replay (TWO_SITE_WAIT_ENV)
+        wait = os.environ.get(TWO_SITE_WAIT_ENV, "event")
+        if wait not in ("event", "poll"):
+            raise EngineError(f"{TWO_SITE_WAIT_ENV}={wait!r}: allowed values are 'event' and 'poll'")
+        self.poll = self.one_graph and wait == "poll" and engine.device.type == "cuda"
         if self.two_site:  # the step's CPU share in units of SHARE_ONE and its sequence number, on the device
             pin = engine.device.type == "cuda"
             self.share_host = torch.zeros(2, dtype=torch.int32, pin_memory=pin)  # [share, seq]
@@ -1116,18 +1127,27 @@ class SegmentDecoder(_StaticStepInputs):
         the reads (``_split_sites``), check that the device's split gave the CPU site as many experts, compute them
         into the pinned sum the join reads and publish it (the layer's flag := the step's sequence number). A layer
         with none publishes nothing: its join does not wait."""
-        if self.events[layer] is not None:
+        t_wait = time.perf_counter()
+        if self.poll:  # the count's copy lands after the ids', input's and gate weights' (stream order)
+            count, spins = self.host_count_np, 0
+            while count[layer] < 0:
+                spins += 1
+                if not spins & 0xFFFF and time.perf_counter() - t_wait > POLL_LIMIT_S:
+                    raise EngineError(f"two-site step, layer {layer}: its ids did not arrive in {POLL_LIMIT_S:g} s")
+        elif self.events[layer] is not None:
             self.events[layer].synchronize()
+        t_split = time.perf_counter()
         self._split_sites(layer, start=False)
         cpu = self.layer_cpu[layer]
         if int(self.host_count_np[layer]) != len(cpu):
             raise EngineError(f"two-site step, layer {layer}: the device's split gave the CPU site "
                               f"{int(self.host_count_np[layer])} experts, the host's rule {len(cpu)} ({list(cpu)})")
-        if not cpu:
-            return
         ex = self.e.experts
-        site = ex.site()
         t0 = time.perf_counter()
+        if not cpu:
+            ex.placement.note_join(t_split - t_wait, t0 - t_split, 0.0, False)
+            return
+        site = ex.site()
         if site.native:  # on this thread: nothing else to drive until the join is published (no job hand-off)
             threads = site.native_threads or max(1, torch.get_num_threads() - 1)
             site.prepare_subset_arrays(layer, self.host_x_np[layer], self.host_ids_np[layer], self.host_gw_np[layer],
@@ -1136,9 +1156,11 @@ class SegmentDecoder(_StaticStepInputs):
             with ex.cache.monitored():
                 yc = site.moe_subset(layer, self.host_x[layer], self.host_ids[layer], self.host_gw[layer], cpu)
             self.host_cpu_out[layer].copy_(yc)  # (B, H) fp32
-        ex.observe_cpu(len(cpu), time.perf_counter() - t0)
-        self.cpu_parts += 1
+        t1 = time.perf_counter()
         self.host_flags_np[layer, 0] = self._seq  # after the sum's last store (the device reads the flag, then it)
+        ex.observe_cpu(len(cpu), t1 - t0)
+        ex.placement.note_join(t_split - t_wait, t0 - t_split, t1 - t0, True)
+        self.cpu_parts += 1
 
     def _unblock_joins(self) -> None:
         """A step that failed between its layers: publish every layer, so that no join of the step's queued work
@@ -1334,7 +1356,7 @@ class SegmentDecoder(_StaticStepInputs):
             yield
             return
         ex = self.e.experts
-        counters, split = dict(ex.cache.counters), ex.placement.split_counts()
+        counters, split, joins = dict(ex.cache.counters), ex.placement.split_counts(), list(ex.placement.joins)
         with ex.policy_kept():
             try:
                 yield
@@ -1342,6 +1364,7 @@ class SegmentDecoder(_StaticStepInputs):
                 ex.cache.counters.clear()
                 ex.cache.counters.update(counters)
                 ex.placement.split_counts(split)
+                ex.placement.joins = joins
 
     def _capture(self, n_keys):
         side = torch.cuda.Stream(self.e.device)
@@ -1390,6 +1413,8 @@ class SegmentDecoder(_StaticStepInputs):
             try:
                 self._admit_step()
                 if self.one_graph:  # the whole step queued at once; the host joins the layers that need it
+                    if self.poll:  # (every count of the step before was seen: no copy of it is pending)
+                        self.host_count_np[:] = -1
                     graphs[0].replay()
                     for layer in range(self.L):
                         self._join_layer(layer)

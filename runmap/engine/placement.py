@@ -338,6 +338,7 @@ class TwoSitePlacement(HostReadPlacement):
         self.calls = 0  # layer calls split
         self.cpu_experts = 0  # experts given to the CPU site
         self.absent_experts = 0  # absent experts seen by the split
+        self.joins = [0, 0, 0.0, 0.0, 0.0]  # the one-graph step's joined layers (note_join): n, with CPU, seconds
 
     def may_use_cpu(self) -> bool:
         return True
@@ -383,6 +384,16 @@ class TwoSitePlacement(HostReadPlacement):
     # segments with a host wait between each
     step_form: str | None = None
 
+    def note_join(self, wait_s: float, split_s: float, cpu_s: float, cpu: bool) -> None:
+        """One layer joined by the host in the one-graph step: seconds waiting for its ids, applying the split and
+        noting the reads, and computing the CPU part (0 where it had none)."""
+        j = self.joins
+        j[0] += 1
+        j[1] += int(cpu)
+        j[2] += wait_s
+        j[3] += split_s
+        j[4] += cpu_s
+
     def count_split(self, absent: int, cpu: int) -> None:
         """One layer split: ``absent`` absent experts, ``cpu`` of them given to the CPU site."""
         self.calls += 1
@@ -393,11 +404,12 @@ class TwoSitePlacement(HostReadPlacement):
         """What a warm-up must leave as it was (``put_back``): the split counts and the CPU rate learned in use (the
         warm-up's pad-token steps give the CPU site few experts per call, slower per byte than a user's: on an H100
         they left 3.6-4.4 GB/s learned where a user's batch-8 steps learned 36-39, results/campaigns/h100-auto-sites)."""
-        return self.split_counts(), copy.deepcopy(self.cpu_rate)
+        return self.split_counts(), copy.deepcopy(self.cpu_rate), list(self.joins)
 
     def put_back(self, kept: tuple) -> None:
         self.split_counts(kept[0])
         self.cpu_rate = kept[1]
+        self.joins = list(kept[2])
 
     def split_counts(self, restore: tuple | None = None) -> tuple:
         """(calls, absent experts, CPU experts) so far; with ``restore``, set them back to it first."""
@@ -420,6 +432,10 @@ class TwoSitePlacement(HostReadPlacement):
                  split_cpu=self.cpu_experts, probe=self.probe)
         if self.step_form is not None:
             d["step_form"] = self.step_form
+        if self.joins[0]:
+            n, ncpu, wait_s, split_s, cpu_s = self.joins
+            d["joins"] = {"layers": n, "cpu_layers": ncpu, "wait_us": 1e6 * wait_s / n, "split_us": 1e6 * split_s / n,
+                          "cpu_us_per_cpu_layer": 1e6 * cpu_s / ncpu if ncpu else None}
         return d
 
 
