@@ -1123,10 +1123,10 @@ class SegmentDecoder(_StaticStepInputs):
                                  self.err_dev)
 
     def _join_layer(self, layer) -> None:
-        """The host's part of ``layer`` in the one-graph step: wait for the layer's ids, apply the split rule and note
-        the reads (``_split_sites``), check that the device's split gave the CPU site as many experts, compute them
-        into the pinned sum the join reads and publish it (the layer's flag := the step's sequence number). A layer
-        with none publishes nothing: its join does not wait."""
+        """The host's part of ``layer`` in the one-graph step: wait for the layer's ids, apply the split rule
+        (``_split_sites``), check that the device's split gave the CPU site as many experts, compute them into the
+        pinned sum the join reads and publish it (the layer's flag := the step's sequence number), then note the
+        layer's reads. A layer with none publishes nothing: its join does not wait."""
         t_wait = time.perf_counter()
         if self.poll:  # the count's copy lands after the ids', input's and gate weights' (stream order)
             count, spins = self.host_count_np, 0
@@ -1137,16 +1137,17 @@ class SegmentDecoder(_StaticStepInputs):
         elif self.events[layer] is not None:
             self.events[layer].synchronize()
         t_split = time.perf_counter()
-        self._split_sites(layer, start=False)
+        n_absent = self._split_sites(layer, start=False, note=False)
         cpu = self.layer_cpu[layer]
         if int(self.host_count_np[layer]) != len(cpu):
             raise EngineError(f"two-site step, layer {layer}: the device's split gave the CPU site "
                               f"{int(self.host_count_np[layer])} experts, the host's rule {len(cpu)} ({list(cpu)})")
         ex = self.e.experts
-        t0 = time.perf_counter()
         if not cpu:
-            ex.placement.note_join(t_split - t_wait, t0 - t_split, 0.0, False)
+            self._note_split(layer, n_absent)
+            ex.placement.note_join(t_split - t_wait, time.perf_counter() - t_split, 0.0, False)
             return
+        t0 = time.perf_counter()
         site = ex.site()
         if site.native:  # on this thread: nothing else to drive until the join is published (no job hand-off)
             threads = site.native_threads or max(1, torch.get_num_threads() - 1)
@@ -1158,6 +1159,8 @@ class SegmentDecoder(_StaticStepInputs):
             self.host_cpu_out[layer].copy_(yc)  # (B, H) fp32
         t1 = time.perf_counter()
         self.host_flags_np[layer, 0] = self._seq  # after the sum's last store (the device reads the flag, then it)
+        self._note_split(layer, n_absent)  # (after the publication: a refusal still fails the step, whose output the
+        # failure discards)
         ex.observe_cpu(len(cpu), t1 - t0)
         ex.placement.note_join(t_split - t_wait, t0 - t_split, t1 - t0, True)
         self.cpu_parts += 1
@@ -1274,10 +1277,12 @@ class SegmentDecoder(_StaticStepInputs):
                 buf[e], keep[j] = row, 1
         self.slots[layer].copy_(self.host_slots[layer], non_blocking=True)  # (E + B k,) on the compute stream
 
-    def _split_sites(self, layer, start: bool = True) -> None:
+    def _split_sites(self, layer, start: bool = True, note: bool = True) -> int:
         """Two-site chain, on the host: the CPU site's share of ``layer``'s absent experts by the rule the device part's
         split kernel applied (the step's share), the layer's reads noted, the CPU part started (class docstring; the
-        one-graph step computes it itself: ``start=False``)."""
+        one-graph step computes it itself, ``start=False``, and notes the reads once it has published the CPU sum,
+        ``note=False`` then ``_note_split``: the note's bookkeeping is not on the step's critical path, and the CPU
+        kernel checks the ids itself before it reads a row). Returns the number of absent experts."""
         ex = self.e.experts
         req = self._req
         ids = self.host_ids_np[layer]  # (B, k)
@@ -1285,11 +1290,19 @@ class SegmentDecoder(_StaticStepInputs):
         experts, pairs = np.unique(ids, return_counts=True)
         absent = [(e, n) for e, n in zip(experts.tolist(), pairs.tolist()) if e not in mapping]
         cpu = ex.placement.split(absent, self._share_q) if absent else ()
-        req.note_host_reads(layer, ids, cpu=cpu)  # checks every id is in [0, E) before the CPU site reads any
-        ex.placement.count_split(len(absent), len(cpu))  # (a refused layer is not a split)
         self.layer_cpu[layer] = cpu
+        if note:
+            self._note_split(layer, len(absent))
         if cpu and start:
             self._start_cpu_part(layer, cpu)
+        return len(absent)
+
+    def _note_split(self, layer, n_absent: int) -> None:
+        """The layer's reads noted with the cache and its split counted (``_split_sites``)."""
+        cpu = self.layer_cpu[layer]
+        self._req.note_host_reads(layer, self.host_ids_np[layer], cpu=cpu)  # checks every id is in [0, E), the CPU
+        # site's experts routed and absent (nothing counted otherwise)
+        self.e.experts.placement.count_split(n_absent, len(cpu))  # (a refused layer is not a split)
 
     def _drain_jobs(self) -> None:
         """Wait for every CPU part still in flight (a failure between segments): their buffers are reused next step."""
