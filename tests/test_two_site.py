@@ -110,9 +110,10 @@ def test_two_site_decode_equals_full_residency(seed3_tiny_packs, preset, share, 
         if dec.one_graph:  # the device's count of CPU-site experts per layer, as the host's rule decided them
             assert dec.host_count_np.tolist() == [len(dec.layer_cpu[layer]) for layer in range(cfg.num_layers)]
             assert dec.host_err_np[0, 0] == 0
-            assert (share == 0.0) == (dec.cpu_parts == 0)
             joins = plan.describe()["joins"]  # every decode step's layers joined once (warm-ups excluded)
-            assert joins["layers"] == steps * cfg.num_layers and (joins["cpu_layers"] > 0) == (share != 0.0)
+            assert joins["layers"] == steps * cfg.num_layers
+            if share is not None:  # (from the rates, a GPU may give the CPU none of a tiny layer's absent experts)
+                assert (share == 0.0) == (dec.cpu_parts == 0) == (joins["cpu_layers"] == 0)
             assert joins["cpu_layers"] <= dec.cpu_parts  # (on a GPU the capture's eager steps count parts too)
         slots = dec.slots.cpu().numpy()
         for layer in range(cfg.num_layers):
