@@ -7,14 +7,7 @@
 #   RUNMAP_GIT_COMMIT=<sha> bash benchmarks/grouped_chain_h200.sh [BUDGET_S]     (repo root, $OUT set; carry wheels/)
 #
 # Files back: gpu-pytest.log, h200-campaign.tar.gz, bench.log, prepare-olmoe.log, phases-b8.log, phases-b8.json.
-set -uo pipefail
-: "${OUT:?set OUT to the directory whose files come back}"
-mkdir -p "$OUT"
-SECONDS=0  # bash counts the call's seconds from here
-export PYTHONUNBUFFERED=1 PYTHONPATH=.
-# the schema validation some of the tests do needs jsonschema, which the GPU machine lacks: from the carried wheels/
-python3 -c "import jsonschema" 2>/dev/null || { [ -d wheels ] && python3 -m pip install -q --no-index --find-links wheels/ \
-  --break-system-packages jsonschema==4.26.0; }
+source benchmarks/device_prelude.sh
 RUNMAP_TEST_DEVICE=cuda timeout 240 python3 -m pytest -q -p no:cacheprovider tests/test_segment_decode.py \
   tests/test_routing_workload.py tests/test_placement.py -k "segment or grouped or prefetch or prediction" \
   > "$OUT/gpu-pytest.log" 2>&1

@@ -19,16 +19,10 @@
 # off; OLMoE 30 and 60 of 64 at batch 1, 60 at batch 8; ~2 min) on the campaign's OLMoE pack, synthesized first, and
 # writes host-read-gap.log; "promotion-cost" runs tools/explore/probe_promotion_cost.py (OLMoE 60 of 64, batch 8:
 # host time of the promotions, CUDA runtime calls, device idle gaps; ~1 min) into promotion-cost.log.
-set -uo pipefail
-: "${OUT:?set OUT to the directory whose files come back}"
-mkdir -p "$OUT"
-SECONDS=0
-export PYTHONUNBUFFERED=1 PYTHONPATH=.
+source benchmarks/device_prelude.sh
 STAGES=" ${RUNMAP_STAGES:-tests kernels host-cost read-rate campaign} "
 stage() { [[ "$STAGES" == *" $1 "* ]]; }
 WORK=${RUNMAP_WORK:-/tmp/runmap-h200}
-python3 -c "import jsonschema" 2>/dev/null || { [ -d wheels ] && python3 -m pip install -q --no-index --find-links wheels/ \
-  --break-system-packages jsonschema==4.26.0; }
 if { stage gap || stage promotion-cost; } && [ ! -f "$WORK/pk-olmoe/manifest.json" ]; then  # beside the tests (the campaign finds it present)
   mkdir -p "$WORK"
   python3 -m runmap synth "$WORK/pk-olmoe" --preset olmoe-1b-7b-0924 --direct-pack --force --no-progress \

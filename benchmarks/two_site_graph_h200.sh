@@ -12,14 +12,8 @@
 # one-graph step, then its rates' two-site rows with the chain ("graph:graph:event:. chain:chain:event:<rates>").
 # Files back: gpu-pytest-two-site.log, NAME.tar.gz + bench-NAME.log per run, prepare-olmoe.log. Exits 0 whatever a
 # stage did.
-set -uo pipefail
-: "${OUT:?set OUT to the directory whose files come back}"
 BUDGET=${1:-560}
-mkdir -p "$OUT"
-SECONDS=0
-export PYTHONUNBUFFERED=1 PYTHONPATH=.
-python3 -c "import jsonschema" 2>/dev/null || { [ -d wheels ] && python3 -m pip install -q --no-index --find-links wheels/ \
-  --break-system-packages jsonschema==4.26.0; }
+source benchmarks/device_prelude.sh
 RUNMAP_TEST_DEVICE=cuda timeout "${RUNMAP_TEST_TIMEOUT:-200}" python3 -m pytest -q --tb=short -p no:cacheprovider \
   tests/test_two_site.py ${RUNMAP_TEST_K:+-k "$RUNMAP_TEST_K"} > "$OUT/gpu-pytest-two-site.log" 2>&1
 echo "[${SECONDS}s] gpu pytest (two-site) exit $?"

@@ -12,15 +12,8 @@
 # llama.cpp's rows at the same budgets in the same call: benchmarks/llama_cpp_matched_h200.sh with
 # RUNMAP_MATCHED_SPEC=specs/campaigns/two-site-matched.yaml (it builds llama.cpp first).
 # Files back: gpu-pytest-two-site.log, h200-campaign.tar.gz, bench.log, prepare-olmoe.log. Exits 0 whatever a stage did.
-set -uo pipefail
-: "${OUT:?set OUT to the directory whose files come back}"
 BUDGET=${1:-480}
-mkdir -p "$OUT"
-SECONDS=0
-export PYTHONUNBUFFERED=1 PYTHONPATH=.
-# the tests validate telemetry against its schema: jsonschema from the carried wheels/ (the GPU machine lacks it)
-python3 -c "import jsonschema" 2>/dev/null || { [ -d wheels ] && python3 -m pip install -q --no-index --find-links wheels/ \
-  --break-system-packages jsonschema==4.26.0; }
+source benchmarks/device_prelude.sh
 SPEC=${RUNMAP_TWO_SITE_SPEC:-specs/campaigns/two-site-matched.yaml}
 TESTS=(tests/test_two_site.py)
 [ "$SPEC" != specs/campaigns/two-site-matched.yaml ] && TESTS+=(tests/test_placement.py -k "two_site or both_sites or chooser or auto_runs_host_read or rate_is_measured")
