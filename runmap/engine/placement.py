@@ -302,9 +302,10 @@ class TwoSitePlacement(HostReadPlacement):
     """Both sites in one decode step (docs/engine.md, "Two sites in one step"): each MoE layer's absent experts are
     divided between the GPU, which reads its share over the link from the registered host source as under
     placement host-read, and the CPU site, which computes the rest from the same host source at the same time. The
-    step is the segment chain with a CPU part per layer (runmap.engine.engine.SegmentDecoder, ``two_site``): one
-    request pins the generation for the whole step, no lease and no miss transaction inside it; the host splits each
-    layer's absent experts once its routed ids arrive. Residency changes as under host-read: after each step the
+    step (runmap.engine.engine.SegmentDecoder, ``two_site``; on a GPU one CUDA graph whose layers wait on the device for
+    the host's CPU sum only where the split gave the CPU site experts, ``step_form`` "graph"; else the segment chain
+    with a CPU part per layer, "chain"): one request pins the generation for the whole step, no lease and no miss
+    transaction inside it; the host splits each layer's absent experts once its routed ids arrive. Residency changes as under host-read: after each step the
     hottest absent expert of a layer is promoted when the policy values it above the coldest resident by ``margin``
     (the CPU site's uses count: its experts were routed). Prompt passes run as host-read's (the GPU reads every
     absent expert: a pass's many tokens per expert are the GPU's work).
