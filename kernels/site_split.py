@@ -112,9 +112,12 @@ def _add_site_sum_kernel(part_ptr, sum_ptr, count_ptr, flag_ptr, seq_ptr, err_pt
         while (flag != seq) & (spins < max_spins):
             flag = tl.load(flag_ptr, volatile=True)
             spins += 1
-        if flag == seq:  # (a load after the loop: issued only once the flag was seen, never from a stale cache line)
+        # (the sum's loads come after the loop in program order and behind its branch, and are volatile: issued only
+        # once the flag was seen, never served from a stale cache line; no acquire fence is emitted)
+        if flag == seq:
             y += tl.load(sum_ptr + offs, mask=inside, other=0.0, volatile=True)
-        else:
+        else:  # gave up: the output is NaN, never a sum quietly left out, and the host raises at its next check
+            y += float("nan")
             tl.store(err_ptr, 1)
     tl.store(y_ptr + offs, y.to(y_ptr.dtype.element_ty), mask=inside)
 
@@ -122,8 +125,8 @@ def _add_site_sum_kernel(part_ptr, sum_ptr, count_ptr, flag_ptr, seq_ptr, err_pt
 def add_site_sum(part: torch.Tensor, site_sum: torch.Tensor, count: torch.Tensor, flag: torch.Tensor,
                  seq: torch.Tensor, err: torch.Tensor, out: torch.Tensor | None = None,
                  max_spins: int = MAX_SPINS) -> torch.Tensor:
-    """out = part + site_sum where count > 0 (after waiting until flag == seq), else part (module docstring); one
-    launch, capturable (no value is read back).
+    """out = part + site_sum where count > 0 (after waiting until flag == seq), else part (module docstring); NaN where
+    the wait gave up. One launch, capturable (no value is read back).
 
     Args:
         part: fp16 (B, H) contiguous, the layer's device part.
@@ -132,8 +135,8 @@ def add_site_sum(part: torch.Tensor, site_sum: torch.Tensor, count: torch.Tensor
         count: int32 (1,), the experts the split gave the CPU site (``two_site_split``'s count).
         flag: int32 (1,), the layer's publication flag, host memory viewed as a device tensor on a GPU.
         seq: int32 (1,), this step's sequence number (the host writes it into ``flag`` once ``site_sum`` is whole).
-        err: int32 (1,): set to 1 when the wait gave up after ``max_spins`` loads (the sum is then left out); the host
-            checks it and raises.
+        err: int32 (1,): set to 1 when the wait gave up after ``max_spins`` loads; the output is then NaN, and the
+            engine raises when it next checks (the next step of that decoder, or the run's end).
         out: fp16 (B, H) or None (allocated).
     Returns:
         ``out`` fp16 (B, H).

@@ -112,11 +112,14 @@ def test_two_site_decode_equals_full_residency(seed3_tiny_packs, preset, share, 
         if dec.one_graph:  # the device's count of CPU-site experts per layer, as the host's rule decided them
             assert dec.host_count_np.tolist() == [len(dec.layer_cpu[layer]) for layer in range(cfg.num_layers)]
             assert dec.host_err_np[0, 0] == 0
+            assert tel_form(plan) == ("graph", "event")
             joins = plan.describe()["joins"]  # every decode step's layers joined once (warm-ups excluded)
             assert joins["layers"] == steps * cfg.num_layers
             if share is not None:  # (from the rates, a GPU may give the CPU none of a tiny layer's absent experts)
                 assert (share == 0.0) == (dec.cpu_parts == 0) == (joins["cpu_layers"] == 0)
             assert joins["cpu_layers"] <= dec.cpu_parts  # (on a GPU the capture's eager steps count parts too)
+        else:
+            assert tel_form(plan) == ("chain", None) and "joins" not in plan.describe()
         slots = dec.slots.cpu().numpy()
         for layer in range(cfg.num_layers):
             flat, keep, table = dec.host_ids_np[layer].reshape(-1), slots[layer, E:], slots[layer, :E]
@@ -141,6 +144,11 @@ def test_two_site_decode_equals_full_residency(seed3_tiny_packs, preset, share, 
             assert err <= bound, f"step {t}: max |diff| {err:.3g} > {bound:.3g}"
 
 
+def tel_form(plan) -> tuple:
+    d = plan.describe()
+    return d.get("step_form"), d.get("step_wait")
+
+
 def test_a_one_graph_step_refuses_a_split_the_device_did_not_make(seed3_tiny_packs, test_device, record_decode,
                                                                   monkeypatch):
     """The host's rule giving the CPU site other experts than the device's split did would compute a sum the join adds
@@ -153,12 +161,31 @@ def test_a_one_graph_step_refuses_a_split_the_device_did_not_make(seed3_tiny_pac
     eng = _run(pack, test_device, record_decode, resident=cfg.top_k, expert_placement="two-site",
                cache_contract=_contract(test_device), two_site_share=0.5)
     try:
+        # first a run that captures the step (on a GPU; eager steps on the CPU device), so that the failures below
+        # happen in a replayed step, after the whole step was queued
+        before = [r.token_ids for r in eng.generate(PROMPTS, max_new_tokens=3, ignore_eos=True)]
         real = TwoSitePlacement.split
-        monkeypatch.setattr(TwoSitePlacement, "split", lambda self, absent, q: real(self, absent, q)[:-1])
-        with pytest.raises(EngineError, match=r"two-site step, layer \d+: the device's split gave the CPU site \d+ "
-                                              r"experts, the host's rule \d+"):
-            eng.generate(PROMPTS, max_new_tokens=3, ignore_eos=True)
-        assert eng.experts.cache.outstanding_leases() == 0 and eng.experts.cache.live_requests() == 0
+        dec = eng._two_site[2]
+
+        def fewer(self, absent, q):  # one expert fewer than the rule's
+            return real(self, absent, q)[:-1]
+
+        def others(self, absent, q):  # as many as the rule's, the most routed instead of the least
+            c = len(real(self, absent, q))
+            return tuple(sorted(e for e, _ in sorted(absent, key=lambda ep: (-ep[1], -ep[0]))[:c]))
+
+        for wrong, match in [(fewer, r"two-site step, layer \d+: the device's split gave the CPU site \d+ experts, "
+                                     r"the host's rule \d+"),
+                             (others, r"two-site step, layer \d+: the device's split gave the CPU site experts \[")]:
+            monkeypatch.setattr(TwoSitePlacement, "split", wrong)
+            with pytest.raises(EngineError, match=match):
+                eng.generate(PROMPTS, max_new_tokens=3, ignore_eos=True)
+            # every layer was published before the failure synchronized: nothing waits, nothing is held, no join gave
+            # up, and the engine decodes what it decoded before
+            assert dec.host_err_np[0, 0] == 0
+            assert eng.experts.cache.outstanding_leases() == 0 and eng.experts.cache.live_requests() == 0
+            monkeypatch.setattr(TwoSitePlacement, "split", real)
+            assert [r.token_ids for r in eng.generate(PROMPTS, max_new_tokens=3, ignore_eos=True)] == before
     finally:
         eng.close()
 
@@ -179,8 +206,11 @@ def test_the_join_adds_the_host_sum_only_where_the_cpu_site_has_experts(B, H, te
         err = one(0)
         out = torch.full((B, H), float("nan"), dtype=torch.float16, device=test_device)
         add_site_sum(part, site_sum, one(count), one(flag), one(seq), err, out=out, max_spins=spins)
-        want = (part.double() + site_sum.double()).to(torch.float16) if adds else part
-        assert torch.equal(out.cpu(), want.cpu()), (count, flag, seq)
+        if fails:  # gave up: NaN, never the part without the sum passed off as the layer's output
+            assert torch.isnan(out.cpu()).all(), (count, flag, seq)
+        else:  # the kernel's formula: the FP32 sum rounded once to fp16
+            want = (part.float() + site_sum).to(torch.float16) if adds else part
+            assert torch.equal(out.cpu(), want.cpu()), (count, flag, seq)
         assert int(err.item()) == int(fails)
 
 

@@ -117,8 +117,8 @@ from runmap.residency.contracts import CONTRACT_NAMES
 from runmap.workload.routing import ImposedRouting, RoutingError, parse_routing
 
 EXPERT_FORMATS = ("int4", "fp16")
-# The two-site step on a GPU: "graph" (default) captures the whole step as one CUDA graph whose layers wait on the device
-# for the host's CPU sum only where the split gave the CPU site experts (kernels/site_split.py add_site_sum); "chain"
+# The two-site step on a GPU: "graph" (default) captures the whole step as one CUDA graph whose layers wait on the
+# device for the host's CPU sum only where the split gave the CPU site experts (kernels/site_split.py add_site_sum); "chain"
 # is the earlier 2L + 1 segments with a host wait between each (for A/B measurements; docs/engine.md).
 TWO_SITE_STEP_ENV = "RUNMAP_TWO_SITE_STEP"
 # How the one-graph step's host learns that a layer's routed ids are in pinned memory: "event" (default; an external
@@ -841,10 +841,7 @@ class SegmentDecoder(_StaticStepInputs):
         self.one_graph = bool(two_site) and engine.experts.placement.step_form == "graph"
         # how the host learns that a layer's ids are in pinned memory: an event recorded in the graph, or (poll) the
         # count's copy landing in a slot the host set to -1 before the replay (TWO_SITE_WAIT_ENV)
-        wait = os.environ.get(TWO_SITE_WAIT_ENV, "event")
-        if wait not in ("event", "poll"):
-            raise EngineError(f"{TWO_SITE_WAIT_ENV}={wait!r}: allowed values are 'event' and 'poll'")
-        self.poll = self.one_graph and wait == "poll" and engine.device.type == "cuda"
+        self.poll = self.one_graph and engine.experts.placement.step_wait == "poll" and engine.device.type == "cuda"
         if self.two_site:  # the step's CPU share in units of SHARE_ONE and its sequence number, on the device
             pin = engine.device.type == "cuda"
             self.share_host = torch.zeros(2, dtype=torch.int32, pin_memory=pin)  # [share, seq]
@@ -897,6 +894,9 @@ class SegmentDecoder(_StaticStepInputs):
             self.count_dev = torch.zeros(L, dtype=torch.int32, device=dev)  # per layer: c, the split kernel's count
             self.host_count = torch.zeros(L, dtype=torch.int32, pin_memory=pin)  # c copied out with the ids
             self.host_count_np = self.host_count.numpy()
+            # and the device's keep mask of the pairs (0: the CPU site computes the pair's expert), checked by the host
+            self.host_keep = torch.zeros(L, batch * self.k, dtype=torch.int32, pin_memory=pin)
+            self.host_keep_np = self.host_keep.numpy()
             # per layer the host's publication flag (the step's sequence number once the CPU sum is whole) and a
             # flag the join sets when it gave up waiting, both pinned host memory the device reads / writes directly
             self.host_flags = torch.zeros(L, 1, dtype=torch.int32, pin_memory=pin)
@@ -1106,13 +1106,14 @@ class SegmentDecoder(_StaticStepInputs):
     def _one_graph_experts(self, layer, x, ids, gw, capturing):
         """The one-graph two-site step's layer (class docstring): the split on the device with its count copied out
         beside the ids, an event, the device part, then the join (``add_site_sum``), which waits only where the CPU
-        site has experts. Eager (not capturing), the host joins the layer right here, after queueing the join."""
+        site has experts. Eager (not capturing), the host joins the layer right here, before queueing the join."""
         ex = self.e.experts
         E, (B, k) = self.e.cfg.num_experts, ids.shape
         count = self.count_dev[layer:layer + 1]
         self._split_kernel(ids.contiguous(), ex.hr_tables[layer], self.share_dev, ex.cache.rows_per_layer,
                            self.slots[layer], count)
         self.host_count[layer:layer + 1].copy_(count, non_blocking=capturing)
+        self.host_keep[layer].copy_(self.slots[layer, E:], non_blocking=capturing)  # (B k,) which pairs the CPU has
         if self.events[layer] is not None:
             self.events[layer].record()
         table, keep = self.slots[layer, :E], self.slots[layer, E:].view(B, k).to(torch.float32)  # (E,), (B, k)
@@ -1142,6 +1143,12 @@ class SegmentDecoder(_StaticStepInputs):
         if int(self.host_count_np[layer]) != len(cpu):
             raise EngineError(f"two-site step, layer {layer}: the device's split gave the CPU site "
                               f"{int(self.host_count_np[layer])} experts, the host's rule {len(cpu)} ({list(cpu)})")
+        if cpu:  # the same experts, not only as many: the join adds the CPU's sum where the device zeroed pairs
+            flat = self.host_ids_np[layer].reshape(-1)
+            on_device_rule = set(flat[self.host_keep_np[layer] == 0].tolist())
+            if on_device_rule != set(cpu):
+                raise EngineError(f"two-site step, layer {layer}: the device's split gave the CPU site experts "
+                                  f"{sorted(on_device_rule)}, the host's rule {list(cpu)}")
         ex = self.e.experts
         if not cpu:
             self._note_split(layer, n_absent)
@@ -1164,6 +1171,21 @@ class SegmentDecoder(_StaticStepInputs):
         ex.observe_cpu(len(cpu), t1 - t0)
         ex.placement.note_join(t_split - t_wait, t0 - t_split, t1 - t0, True)
         self.cpu_parts += 1
+
+    def check_joins(self, wait: bool = False) -> None:
+        """Raise if a join of this chain gave up waiting for the host's CPU sum (its step's output was NaN, never a
+        sum quietly left out). ``wait``: first wait for the steps queued so far (a run's end). The chain refuses every
+        later step after it: something held the host for seconds, or a sum was never published."""
+        if not self.one_graph:
+            return
+        if wait and self.e.device.type == "cuda":
+            torch.cuda.current_stream(self.e.device).synchronize()
+        if self.host_err_np[0, 0]:
+            from runmap.kernels.site_split import MAX_SPINS
+
+            raise EngineError(f"a two-site step of batch {self.B}: a layer's join gave up waiting for the host's CPU "
+                              f"sum after {MAX_SPINS} polls (that step's output was NaN); this batch size's step "
+                              "refuses to run on")
 
     def _unblock_joins(self) -> None:
         """A step that failed between its layers: publish every layer, so that no join of the step's queued work
@@ -1335,9 +1357,7 @@ class SegmentDecoder(_StaticStepInputs):
         ex = self.e.experts
         self._req = None if self.grouped else ex.cache.admit()
         if self.two_site:
-            if self.one_graph and self.host_err_np[0, 0]:
-                raise EngineError("a two-site step's join gave up waiting for the host's CPU sum (an earlier step's "
-                                  "output left that sum out); the engine cannot go on")
+            self.check_joins()
             ex.point_host_read_tables(self._req)
             self._share_q = ex.placement.share_q()
             self._seq = self._seq % (2**31 - 1) + 1
@@ -1686,6 +1706,10 @@ class Engine:
             if form not in ("graph", "chain"):
                 raise EngineError(f"{TWO_SITE_STEP_ENV}={form!r}: allowed values are 'graph' and 'chain'")
             experts.placement.step_form = form
+            wait = os.environ.get(TWO_SITE_WAIT_ENV, "event")
+            if wait not in ("event", "poll"):
+                raise EngineError(f"{TWO_SITE_WAIT_ENV}={wait!r}: allowed values are 'event' and 'poll'")
+            experts.placement.step_wait = wait if form == "graph" else None
         self._pool = torch.cuda.graph_pool_handle() if (self.use_graphs or self.use_segments or self.use_host_read) \
             and device.type == "cuda" else None
         if self.use_graphs:
@@ -1756,6 +1780,8 @@ class Engine:
             dec.finish()
         if self._step_chooser is not None:  # the next step is another run's: no step is timed across the two
             self._step_chooser.break_runs()
+        for dec in self._two_site.values():  # a join that gave up in the run's last steps (its output was NaN)
+            dec.check_joins(wait=True)
 
     def _abandon_decode_steps(self) -> None:
         """After a failure: wait for the device and release any host-read step in flight without noting it."""

@@ -305,8 +305,9 @@ class TwoSitePlacement(HostReadPlacement):
     step (runmap.engine.engine.SegmentDecoder, ``two_site``; on a GPU one CUDA graph whose layers wait on the device for
     the host's CPU sum only where the split gave the CPU site experts, ``step_form`` "graph"; else the segment chain
     with a CPU part per layer, "chain"): one request pins the generation for the whole step, no lease and no miss
-    transaction inside it; the host splits each layer's absent experts once its routed ids arrive. Residency changes as under host-read: after each step the
-    hottest absent expert of a layer is promoted when the policy values it above the coldest resident by ``margin``
+    transaction inside it; the host splits each layer's absent experts once its routed ids arrive. Residency changes
+    as under host-read: after each step the hottest absent expert of a layer is promoted when the policy values it
+    above the coldest resident by ``margin``
     (the CPU site's uses count: its experts were routed). Prompt passes run as host-read's (the GPU reads every
     absent expert: a pass's many tokens per expert are the GPU's work).
 
@@ -384,6 +385,8 @@ class TwoSitePlacement(HostReadPlacement):
     # CUDA graph per step whose layers wait on the device only where the CPU site has experts, or "chain", 2L + 1
     # segments with a host wait between each
     step_form: str | None = None
+    # the one-graph form's wait for a layer's ids (runmap.engine.engine.TWO_SITE_WAIT_ENV): "event" or "poll"
+    step_wait: str | None = None
 
     def note_join(self, wait_s: float, split_s: float, cpu_s: float, cpu: bool) -> None:
         """One layer joined by the host in the one-graph step: seconds waiting for its ids, applying the split and
@@ -402,7 +405,8 @@ class TwoSitePlacement(HostReadPlacement):
         self.cpu_experts += cpu
 
     def kept(self) -> tuple:
-        """What a warm-up must leave as it was (``put_back``): the split counts and the CPU rate learned in use (the
+        """What a warm-up must leave as it was (``put_back``): the split counts, the one-graph step's join times and
+        the CPU rate learned in use (the
         warm-up's pad-token steps give the CPU site few experts per call, slower per byte than a user's: on an H100
         they left 3.6-4.4 GB/s learned where a user's batch-8 steps learned 36-39, results/campaigns/h100-auto-sites)."""
         return self.split_counts(), copy.deepcopy(self.cpu_rate), list(self.joins)
@@ -433,6 +437,8 @@ class TwoSitePlacement(HostReadPlacement):
                  split_cpu=self.cpu_experts, probe=self.probe)
         if self.step_form is not None:
             d["step_form"] = self.step_form
+        if self.step_wait is not None:
+            d["step_wait"] = self.step_wait
         if self.joins[0]:
             n, ncpu, wait_s, split_s, cpu_s = self.joins
             d["joins"] = {"layers": n, "cpu_layers": ncpu, "wait_us": 1e6 * wait_s / n, "split_us": 1e6 * split_s / n,
