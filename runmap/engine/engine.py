@@ -1155,15 +1155,10 @@ class SegmentDecoder(_StaticStepInputs):
             ex.placement.note_join(t_split - t_wait, time.perf_counter() - t_split, 0.0, False)
             return
         t0 = time.perf_counter()
-        site = ex.site()
-        if site.native:  # on this thread: nothing else to drive until the join is published (no job hand-off)
-            threads = site.native_threads or max(1, torch.get_num_threads() - 1)
-            site.prepare_subset_arrays(layer, self.host_x_np[layer], self.host_ids_np[layer], self.host_gw_np[layer],
-                                       cpu, self.host_cpu_out_np[layer], threads)()
+        if ex.site().native:  # on this thread: nothing else to drive until the join is published (no job hand-off)
+            self._native_cpu_call(layer, cpu)()
         else:
-            with ex.cache.monitored():
-                yc = site.moe_subset(layer, self.host_x[layer], self.host_ids[layer], self.host_gw[layer], cpu)
-            self.host_cpu_out[layer].copy_(yc)  # (B, H) fp32
+            self._cpu_part_here(layer, cpu)
         t1 = time.perf_counter()
         self.host_flags_np[layer, 0] = self._seq  # after the sum's last store (the device reads the flag, then it)
         self._note_split(layer, n_absent)  # (after the publication: a refusal still fails the step, whose output the
@@ -1171,6 +1166,14 @@ class SegmentDecoder(_StaticStepInputs):
         ex.observe_cpu(len(cpu), t1 - t0)
         ex.placement.note_join(t_split - t_wait, t0 - t_split, t1 - t0, True)
         self.cpu_parts += 1
+
+    def _replay_one_graph(self, graph) -> None:
+        """Queue the one-graph step, then join each layer on the host as its ids arrive."""
+        if self.poll:  # (every count of the step before was seen: no copy of it is pending)
+            self.host_count_np[:] = -1
+        graph.replay()
+        for layer in range(self.L):
+            self._join_layer(layer)
 
     def check_joins(self, wait: bool = False) -> None:
         """Raise if a join of this chain gave up waiting for the host's CPU sum (its step's output was NaN, never a
@@ -1202,15 +1205,9 @@ class SegmentDecoder(_StaticStepInputs):
         site = self.e.experts.site()
         if not site.native:
             return
-        # the caller's count (not the job thread's default) less one: the main thread keeps driving the device while
-        # the kernel runs, and a team thread sharing its core would hold back the whole team (h200-placement-split:
-        # with every core in the team the kernel took ~490 us per layer instead of ~300 and the host's lease work
-        # 2-3x longer)
-        threads = site.native_threads or max(1, torch.get_num_threads() - 1)
         # checked, grouped and bound here; the job thread then only enters the C kernel (which releases the GIL)
         t0 = time.perf_counter()
-        call = site.prepare_subset_arrays(layer, self.host_x_np[layer], self.host_ids_np[layer],
-                                          self.host_gw_np[layer], experts, self.host_cpu_out_np[layer], threads)
+        call = self._native_cpu_call(layer, experts)
         prepare_s = time.perf_counter() - t0
 
         def job():  # -> the CPU site's seconds for this call: its preparation here plus the kernel there (auto's rate)
@@ -1218,6 +1215,26 @@ class SegmentDecoder(_StaticStepInputs):
             call()
             return prepare_s + time.perf_counter() - t1
         self._jobs[layer] = site.submit(job)
+
+    def _native_cpu_call(self, layer, experts):
+        """The cpu-native site's call computing ``experts`` of ``layer`` from the pinned copies of the layer's input,
+        ids and gate weights into host_cpu_out[layer], checked and bound (``prepare_subset_arrays``), not yet run."""
+        site = self.e.experts.site()
+        # the caller's count (not the job thread's default) less one: the main thread keeps driving the device while
+        # the kernel runs, and a team thread sharing its core would hold back the whole team (h200-placement-split:
+        # with every core in the team the kernel took ~490 us per layer instead of ~300 and the host's lease work
+        # 2-3x longer)
+        threads = site.native_threads or max(1, torch.get_num_threads() - 1)
+        return site.prepare_subset_arrays(layer, self.host_x_np[layer], self.host_ids_np[layer],
+                                          self.host_gw_np[layer], experts, self.host_cpu_out_np[layer], threads)
+
+    def _cpu_part_here(self, layer, experts) -> None:
+        """A CPU executor without a job thread: ``experts`` of ``layer`` computed on this thread from the host copies of
+        the layer's input, ids and gate weights, their FP32 sum written to host_cpu_out[layer]."""
+        ex = self.e.experts
+        with ex.cache.monitored():  # as on the per-call path: a copy out of expert rows here would be counted
+            yc = ex.site().moe_subset(layer, self.host_x[layer], self.host_ids[layer], self.host_gw[layer], experts)
+        self.host_cpu_out[layer].copy_(yc)  # (B, H) fp32
 
     def _placing(self, layer):
         """The engine's placement, wrapped so that the experts it gives the CPU site start computing at once."""
@@ -1246,11 +1263,8 @@ class SegmentDecoder(_StaticStepInputs):
                         self._jobs[layer] = None
             else:
                 t_cpu = time.perf_counter()
-                with ex.cache.monitored():  # as on the per-call path: a copy out of expert rows here would be counted
-                    yc = ex.site().moe_subset(layer, self.host_x[layer], self.host_ids[layer], self.host_gw[layer],
-                                              cpu)
+                self._cpu_part_here(layer, cpu)
                 seconds = time.perf_counter() - t_cpu
-                self.host_cpu_out[layer].copy_(yc)  # (B, H) fp32
             ex.observe_cpu(len(cpu), seconds)
             self.cpu_out[layer].copy_(self.host_cpu_out[layer], non_blocking=True)
             self.cpu_set[layer] = True
@@ -1446,14 +1460,8 @@ class SegmentDecoder(_StaticStepInputs):
             try:
                 self._admit_step()
                 if self.one_graph:  # the whole step queued at once; the host joins the layers that need it
-                    if self.poll:  # (every count of the step before was seen: no copy of it is pending)
-                        self.host_count_np[:] = -1
-                    graphs[0].replay()
-                    for layer in range(self.L):
-                        self._join_layer(layer)
-                    graphs = ()
-                    done = True
-                for i, g in enumerate(graphs):
+                    self._replay_one_graph(graphs[0])
+                for i, g in enumerate(() if self.one_graph else graphs):
                     g.replay()
                     if i == len(graphs) - 1:
                         break
