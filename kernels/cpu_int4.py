@@ -665,6 +665,33 @@ class CpuExpertSite:
             self.layer_calls += 1  # a call that passed every check
         return call
 
+    def bind_masked_call(self, layer: int, x: np.ndarray, topk_ids: np.ndarray, keep: np.ndarray,
+                         topk_weights: np.ndarray, out: np.ndarray, threads: int | None = None):
+        """A call bound once to fixed arrays (cpu-native executors only) that computes, each time it is called, the
+        pairs of ``layer`` whose ``keep`` entry is 0 from the arrays as they are then: the one-graph two-site step's
+        host join, whose device split decided the CPU site's experts (runmap.kernels.cpu_native.MaskedCall's
+        contract; every call counts as a layer call).
+
+        Args:
+            layer: MoE layer index in [0, num_layers).
+            x: float16 (T, H). topk_ids: int64 (T, k). keep: int32 (T k,). topk_weights: float32 (T, k). All
+                C-contiguous and alive while the call is bound.
+            out: float32 (T, H), written whole on each call.
+            threads: OpenMP threads (default ``native_threads``, else torch.get_num_threads()).
+        """
+        if self._native is None:
+            raise CpuSiteError(f"bind_masked_call needs a cpu-native executor; this site runs {self.executor}")
+        if not 0 <= layer < self.num_layers:
+            raise common.KernelInputError(f"layer {layer} is not in [0, {self.num_layers})")
+        call = self._native.bind_masked(self._rows(layer), topk_ids, keep, topk_weights, x, out,
+                                        threads if threads is not None else self.native_threads or torch.get_num_threads())
+
+        def counted():
+            call()
+            with self._lock:
+                self.layer_calls += 1
+        return counted
+
     def submit(self, fn, *args) -> concurrent.futures.Future:
         """Run ``fn(*args)`` on the site's job thread (one, started on first use, stopped by ``close``): the decode
         chain's CPU part overlaps the device's work and the link's copies there. The C kernel releases the GIL."""

@@ -589,3 +589,65 @@ int runmap_moe_layer(const uint8_t *const *rows, int n_experts, const int32_t *a
 #endif
     return 0;
 }
+
+/* The CPU site's part of one layer as a device split left it (the one-graph two-site step, runmap/engine/engine.py):
+ * the routed pairs whose keep[j] is 0 are computed, every other pair is left to the device. The assignment table is
+ * built here, so the host's call is one bound ctypes call with no Python between the layer's ids arriving in pinned
+ * memory and its sum being published: experts ascending, within an expert the pairs in (token, slot) order, the
+ * order of kernels/cpu_native.py assignments_arrays, so the sum is bit for bit the table call's for the same experts.
+ *
+ * layer_rows:   (n_layer_experts,) addresses of the layer's qpacked row of every expert (read only).
+ * ids:          int64 (n_tokens, top_k) routed expert ids. keep: int32 (n_tokens * top_k), 0 = the CPU computes.
+ * weights:      float32 (n_tokens, top_k) gate weights.
+ * work:         int32 scratch of 2 * (n_layer_experts + 1) + n_tokens * top_k values.
+ * rows_sel:     scratch of n_layer_experts row addresses. weights_sel: float32 scratch of n_tokens * top_k values.
+ * The rest as runmap_moe_layer (its scratch sized for n_tokens * top_k assignments).
+ * Returns 0; 2 when a pair to compute names an expert outside [0, n_layer_experts) (nothing read, out untouched);
+ * with no pair to compute, out is zeroed.
+ */
+int runmap_moe_layer_masked(const uint8_t *const *layer_rows, int n_layer_experts, const int64_t *ids,
+                            const int32_t *keep, const float *weights, int top_k, int32_t *work,
+                            const uint8_t **rows_sel, float *weights_sel, const void *x, int n_tokens, int hidden,
+                            int intermediate, int block_size, const int64_t *offsets, float *x_split, float *h_split,
+                            float *y, float *out, int n_threads, int quantized, int16_t *x_q, float *x_scale,
+                            int32_t *x_sum, int16_t *h_q, float *h_scale, int32_t *h_sum, int prefetch, int x_half) {
+    const int n_pairs = n_tokens * top_k;
+    int32_t *cursor = work;                              /* per expert id: its pairs, then its next slot */
+    int32_t *start = work + (n_layer_experts + 1);       /* per computed expert: its first assignment */
+    int32_t *token = work + 2 * (n_layer_experts + 1);   /* per assignment: its token */
+    for (int e = 0; e < n_layer_experts; e++)
+        cursor[e] = 0;
+    for (int j = 0; j < n_pairs; j++) {
+        if (keep[j] != 0)
+            continue;
+        const int64_t e = ids[j];
+        if (e < 0 || e >= n_layer_experts)
+            return 2;
+        cursor[e]++;
+    }
+    int n_exp = 0;
+    start[0] = 0;
+    for (int e = 0; e < n_layer_experts; e++) {
+        if (cursor[e] == 0)
+            continue;
+        rows_sel[n_exp] = layer_rows[e];
+        start[n_exp + 1] = start[n_exp] + cursor[e];
+        cursor[e] = start[n_exp];
+        n_exp++;
+    }
+    if (n_exp == 0) {
+        for (int64_t v = 0; v < (int64_t)n_tokens * hidden; v++)
+            out[v] = 0.0f;
+        return 0;
+    }
+    for (int j = 0; j < n_pairs; j++) {
+        if (keep[j] != 0)
+            continue;
+        const int a = cursor[ids[j]]++;
+        token[a] = j / top_k;
+        weights_sel[a] = weights[j];
+    }
+    return runmap_moe_layer(rows_sel, n_exp, start, token, weights_sel, x, n_tokens, hidden, intermediate, block_size,
+                            offsets, x_split, h_split, y, out, n_threads, quantized, x_q, x_scale, x_sum, h_q, h_scale,
+                            h_sum, prefetch, x_half);
+}

@@ -163,18 +163,37 @@ _load_lock = threading.Lock()
 
 
 @functools.lru_cache(maxsize=None)
-def _function(march: str = "native", defines: tuple[str, ...] = ()):
-    """The loaded ``runmap_moe_layer`` with its argument types (ctypes.CDLL releases the GIL during a call)."""
+def _library(march: str = "native", defines: tuple[str, ...] = ()):
+    """The kernel's shared library, built if needed and loaded once per build."""
     with _load_lock:
         path = build(march, defines)
         try:
-            lib = ctypes.CDLL(str(path))
+            return ctypes.CDLL(str(path))
         except OSError as exc:
             raise NativeBuildError(f"cpu-native: loading {path} failed: {exc} (delete the folder to rebuild)") from None
-    fn = lib.runmap_moe_layer
-    p, i32 = ctypes.c_void_p, ctypes.c_int
-    fn.argtypes = [p, i32, p, p, p, p, i32, i32, i32, i32, p, p, p, p, p, i32, i32, p, p, p, p, p, p, i32, i32]
-    fn.restype = i32
+
+
+_P, _I32 = ctypes.c_void_p, ctypes.c_int
+# runmap_moe_layer's arguments from x on (kernels/cpu_native.c), shared by the masked entry point
+_LAYER_TAIL = [_P, _I32, _I32, _I32, _I32, _P, _P, _P, _P, _P, _I32, _I32, _P, _P, _P, _P, _P, _P, _I32, _I32]
+
+
+@functools.lru_cache(maxsize=None)
+def _function(march: str = "native", defines: tuple[str, ...] = ()):
+    """The loaded ``runmap_moe_layer`` with its argument types (ctypes.CDLL releases the GIL during a call)."""
+    fn = _library(march, defines).runmap_moe_layer
+    fn.argtypes = [_P, _I32, _P, _P, _P] + _LAYER_TAIL
+    fn.restype = _I32
+    return fn
+
+
+@functools.lru_cache(maxsize=None)
+def _masked_function(march: str = "native", defines: tuple[str, ...] = ()):
+    """The loaded ``runmap_moe_layer_masked`` (the layer's pairs a keep mask leaves to the CPU) with its argument
+    types."""
+    fn = _library(march, defines).runmap_moe_layer_masked
+    fn.argtypes = [_P, _I32, _P, _P, _P, _I32, _P, _P, _P] + _LAYER_TAIL
+    fn.restype = _I32
     return fn
 
 
@@ -229,6 +248,7 @@ class NativeLayer:
         self.prefetch_bytes = prefetch_bytes()
         self.offsets = section_offsets(layout)
         self.fn = _function(march, tuple(defines))
+        self._build = (march, tuple(defines))  # (the masked entry point of the same library: bind_masked)
         self._offsets_ptr = self.offsets.data_ptr()  # read once: run_arrays makes no torch call
         self._scratch = threading.local()  # run_arrays' buffers, per calling thread, grown as needed
 
@@ -361,6 +381,76 @@ class NativeLayer:
                 x_split_ptr, h_split_ptr, y_ptr, out.ctypes.data, threads or torch.get_num_threads(),
                 int(self.precision == "i16"), *q16_ptrs, self.prefetch_bytes, int(x.dtype == np.float16))
         return NativeCall(self.fn, args, out, keep=(x, scratch), owner=state)
+
+
+    def bind_masked(self, layer_rows: list[int], ids: np.ndarray, keep: np.ndarray, weights: np.ndarray,
+                    x: np.ndarray, out: np.ndarray, threads: int) -> "MaskedCall":
+        """Bind, once, the call that computes the pairs a device split left to the CPU (``keep`` 0) from arrays that
+        stay at these addresses and are rewritten between calls (the one-graph two-site step's pinned copies of a
+        layer's ids, keep mask, gate weights and input, runmap.engine.engine.SegmentDecoder): each call then reads
+        them as they are, builds its assignment table in C and writes ``out``, with nothing checked or converted per
+        call in Python. Shapes, dtypes and overlaps are checked here; expert ids are checked by the C code on every
+        call (a pair to compute naming an expert outside the layer: KernelInputError, nothing read).
+
+        Args:
+            layer_rows: (E,) addresses of the layer's qpacked row of every expert, alive while the call is bound.
+            ids: int64 (T, k) C-contiguous. keep: int32 (T k,) C-contiguous, 0 = computed here.
+            weights: float32 (T, k) C-contiguous gate weights.
+            x: float16 (T, H) C-contiguous activations. out: float32 (T, H) C-contiguous, every element written.
+            threads: OpenMP threads, >= 1.
+        """
+        h, i = self.layout.hidden_size, self.layout.intermediate_size
+        n_e = len(layer_rows)
+
+        def want(name, a, dtype, shape):
+            if (not isinstance(a, np.ndarray) or a.dtype != dtype or a.shape != shape or not a.flags.c_contiguous):
+                got = f"{a.dtype} {a.shape}" if isinstance(a, np.ndarray) else type(a).__name__
+                raise common.KernelInputError(f"cpu-native masked call: {name} must be a C-contiguous "
+                                              f"{np.dtype(dtype).name} {shape} array, got {got}")
+        if not isinstance(ids, np.ndarray) or ids.ndim != 2:
+            raise common.KernelInputError(f"cpu-native masked call: ids must be an int64 (T, k) array, got "
+                                          f"{getattr(ids, 'shape', type(ids).__name__)}")
+        t, k = ids.shape
+        want("ids", ids, np.int64, (t, k))
+        want("keep", keep, np.int32, (t * k,))
+        want("weights", weights, np.float32, (t, k))
+        want("x", x, np.float16, (t, h))
+        want("out", out, np.float32, (t, h))
+        if not out.flags.writeable or any(np.may_share_memory(out, a) for a in (ids, keep, weights, x)):
+            raise common.KernelInputError("cpu-native masked call: out must be writable and overlap no input")
+        if n_e < 1 or t < 1 or k < 1:
+            raise common.KernelInputError(f"cpu-native masked call: {n_e} experts, {t} tokens, top_k {k}: each "
+                                          "must be at least 1")
+        if isinstance(threads, bool) or not isinstance(threads, int) or threads < 1:
+            raise common.KernelInputError(f"threads {threads!r}: a positive integer expected")
+        tensors = self._allocate_scratch(t, t * k)  # its own, for every call of the binding (one call at a time)
+        work = np.empty(2 * (n_e + 1) + t * k, dtype=np.int32)
+        rows_sel = (ctypes.c_void_p * n_e)()
+        weights_sel = np.empty(t * k, dtype=np.float32)
+        rows = (ctypes.c_void_p * n_e)(*layer_rows)
+        ptrs = [b.data_ptr() for b in tensors]
+        q16_ptrs = ptrs[3:] if self.precision == "i16" else [None] * 6
+        args = (rows, n_e, ids.ctypes.data, keep.ctypes.data, weights.ctypes.data, k, work.ctypes.data, rows_sel,
+                weights_sel.ctypes.data, x.ctypes.data, t, h, i, self.layout.block_size, self._offsets_ptr, *ptrs[:3],
+                out.ctypes.data, threads, int(self.precision == "i16"), *q16_ptrs, self.prefetch_bytes, 1)
+        return MaskedCall(_masked_function(*self._build), args, keep=(ids, keep, weights, x, out, tensors, work,
+                                                                        rows_sel, weights_sel, rows))
+
+
+class MaskedCall:
+    """A bound ``runmap_moe_layer_masked`` call (``NativeLayer.bind_masked``): each call computes the pairs the keep
+    mask leaves to the CPU, as the bound arrays hold them then. Not re-entrant (one scratch)."""
+
+    def __init__(self, fn, args: tuple, keep: tuple):
+        self.fn, self.args, self._keep = fn, args, keep
+
+    def __call__(self) -> None:
+        rc = self.fn(*self.args)
+        if rc == 2:
+            raise common.KernelInputError("cpu-native masked call: a pair to compute names an expert outside the "
+                                          "layer's experts")
+        if rc != 0:
+            raise CpuSiteError(f"cpu-native: the kernel returned {rc}")
 
 
 SMALL_TABLE = 256  # assignments up to which the table is checked and converted in plain Python (decode calls)

@@ -308,6 +308,81 @@ def test_the_array_path_equals_the_torch_path_bit_for_bit(name, m, precision, da
         site.close()
 
 
+@settings(max_examples=20, deadline=None)
+@given(name=st.sampled_from(sorted(SHAPES)), m=st.integers(1, 5), precision=st.sampled_from(["fp32", "i16"]),
+       data=st.data())
+def test_a_masked_call_computes_the_pairs_its_keep_mask_leaves_it_as_the_subset_call(name, m, precision, data):
+    """The one-graph two-site join's call (``bind_masked_call``), bound once to fixed arrays that are rewritten between
+    calls: each call computes the experts of the pairs whose keep entry is 0, with the arrays' values at that call,
+    bit for bit what ``moe_subset`` computes for those experts (the same assignment order, built in C); no such pair
+    writes zeros. Every call counts as a layer call."""
+    h, i, b, e, k = SHAPES[name]
+    seed = data.draw(st.integers(0, 2**16))
+    host, rows, layout = _host(name, layers=2, seed=seed % 5)
+    site = CpuExpertSite(host, executor="cpu-native" if precision == "fp32" else "cpu-native-i16")
+    try:
+        x_a = np.zeros((m, h), dtype=np.float16)
+        ids_a, w_a = np.zeros((m, k), dtype=np.int64), np.zeros((m, k), dtype=np.float32)
+        keep_a = np.ones(m * k, dtype=np.int32)
+        out = np.full((m, h), np.nan, dtype=np.float32)
+        layer = data.draw(st.integers(0, 1))
+        call = site.bind_masked_call(layer, x_a, ids_a, keep_a, w_a, out, threads=data.draw(st.integers(1, 3)))
+        calls = site.layer_calls
+        for rep in range(2):  # the same binding, new values each time (as each step rewrites the pinned copies)
+            x, ids, w = _batch(h, e, k, m, seed + rep, duplicate=(m > 1))
+            routed = sorted({int(v) for v in ids.reshape(-1)})
+            part = data.draw(st.lists(st.sampled_from(routed), unique=True))
+            x_a[:], ids_a[:], w_a[:] = x.numpy(), ids.numpy(), w.numpy()
+            keep_a[:] = [0 if v in part else 1 for v in ids.reshape(-1).tolist()]
+            out.fill(np.nan)
+            call()
+            assert torch.equal(torch.from_numpy(out.copy()), site.moe_subset(layer, x, ids, w, part))
+        assert site.layer_calls == calls + 2 + 2  # two bound calls (and the two moe_subset references)
+    finally:
+        site.close()
+
+
+def test_a_masked_call_refuses_bad_arrays_and_an_id_outside_the_layer():
+    """Shapes, dtypes, contiguity and overlaps are refused in one line when the call is bound; an expert id outside
+    the layer is refused when a pair left to the CPU names it (nothing written), and ignored in a pair the device
+    keeps (the C code reads no row for it)."""
+    h, i, b, e, k = SHAPES["olmoe-like"]
+    host, rows, layout = _host("olmoe-like", layers=1, seed=3)
+    site = CpuExpertSite(host, executor="cpu-native")
+    m = 2
+    x = np.ones((m, h), dtype=np.float16)
+    ids, w = np.tile(np.arange(k, dtype=np.int64), (m, 1)), np.full((m, k), 0.25, dtype=np.float32)
+    keep, out = np.ones(m * k, dtype=np.int32), np.zeros((m, h), dtype=np.float32)
+    shared = np.zeros(m * h, dtype=np.float32)  # an output whose first half is the input
+    try:
+        bad = [(dict(x=x.astype(np.float32)), "x must be a C-contiguous float16"),
+               (dict(topk_ids=ids.astype(np.int32)), "ids must be a C-contiguous int64"),
+               (dict(keep=keep[:-1]), r"keep must be a C-contiguous int32 \(8,\)"),
+               (dict(topk_weights=np.ones((m, 2 * k), np.float32)[:, ::2]), "weights must be a C-contiguous"),
+               (dict(out=out[:, :-1]), "out must be a C-contiguous float32"),
+               (dict(x=shared.view(np.float16)[: m * h].reshape(m, h), out=shared.reshape(m, h)),
+                "out must be writable and overlap no input"),
+               (dict(threads=0), "threads 0"), (dict(layer=1), r"layer 1 is not in \[0, 1\)")]
+        for change, match in bad:
+            kw = dict(layer=0, x=x, topk_ids=ids, keep=keep, topk_weights=w, out=out, threads=2) | change
+            with pytest.raises(KernelInputError, match=match):
+                site.bind_masked_call(**kw)
+        call = site.bind_masked_call(0, x, ids, keep, w, out, threads=2)
+        ids[1, 2] = e + 5  # kept by the device: never read here
+        call()
+        assert np.array_equal(out, np.zeros_like(out))  # no pair left to the CPU: zeros
+        keep[1 * k + 2] = 0
+        out.fill(7.0)
+        with pytest.raises(KernelInputError, match="names an expert outside"):
+            call()
+        assert (out == 7.0).all()  # nothing written
+        ids[1, 2] = -1
+        with pytest.raises(KernelInputError, match="names an expert outside"):
+            call()
+    finally:
+        site.close()
+
+
 def test_prepared_calls_in_flight_never_share_scratch():
     """Two calls prepared on one thread before either runs (the second larger, so the kept scratch would grow under
     the first) each compute their own values: the second takes fresh buffers while the first owns the kept ones."""

@@ -112,14 +112,14 @@ def test_two_site_decode_equals_full_residency(seed3_tiny_packs, preset, share, 
         if dec.one_graph:  # the device's count of CPU-site experts per layer, as the host's rule decided them
             assert dec.host_count_np.tolist() == [len(dec.layer_cpu[layer]) for layer in range(cfg.num_layers)]
             assert dec.host_err_np[0, 0] == 0
-            assert tel_form(plan) == ("graph", "event")
+            assert tel_form(plan) == ("graph", "event", "mask")  # (a cpu-native site: the bound call's join)
             joins = plan.describe()["joins"]  # every decode step's layers joined once (warm-ups excluded)
             assert joins["layers"] == steps * cfg.num_layers
             if share is not None:  # (from the rates, a GPU may give the CPU none of a tiny layer's absent experts)
                 assert (share == 0.0) == (dec.cpu_parts == 0) == (joins["cpu_layers"] == 0)
             assert joins["cpu_layers"] <= dec.cpu_parts  # (on a GPU the capture's eager steps count parts too)
         else:
-            assert tel_form(plan) == ("chain", None) and "joins" not in plan.describe()
+            assert tel_form(plan) == ("chain", None, None) and "joins" not in plan.describe()
         slots = dec.slots.cpu().numpy()
         for layer in range(cfg.num_layers):
             flat, keep, table = dec.host_ids_np[layer].reshape(-1), slots[layer, E:], slots[layer, :E]
@@ -146,17 +146,20 @@ def test_two_site_decode_equals_full_residency(seed3_tiny_packs, preset, share, 
 
 def tel_form(plan) -> tuple:
     d = plan.describe()
-    return d.get("step_form"), d.get("step_wait")
+    return d.get("step_form"), d.get("step_wait"), d.get("step_join")
 
 
+@pytest.mark.parametrize("join", ["mask", "rule"])
 def test_a_one_graph_step_refuses_a_split_the_device_did_not_make(seed3_tiny_packs, test_device, record_decode,
-                                                                  monkeypatch):
+                                                                  monkeypatch, join):
     """The host's rule giving the CPU site other experts than the device's split did would compute a sum the join adds
     to the wrong pairs (or one the join never waits for): the step raises, naming the layer and both counts, and the
-    engine holds nothing afterwards."""
-    from runmap.engine.engine import TWO_SITE_STEP_ENV, EngineError
+    engine holds nothing afterwards. join: the bound call computing the device's pairs, checked after it publishes,
+    or the rule checked before anything is computed."""
+    from runmap.engine.engine import TWO_SITE_JOIN_ENV, TWO_SITE_STEP_ENV, EngineError
 
     monkeypatch.setenv(TWO_SITE_STEP_ENV, "graph")
+    monkeypatch.setenv(TWO_SITE_JOIN_ENV, join)
     pack, cfg = seed3_tiny_packs["tiny-olmoe"]
     eng = _run(pack, test_device, record_decode, resident=cfg.top_k, expert_placement="two-site",
                cache_contract=_contract(test_device), two_site_share=0.5)
@@ -166,6 +169,7 @@ def test_a_one_graph_step_refuses_a_split_the_device_did_not_make(seed3_tiny_pac
         before = [r.token_ids for r in eng.generate(PROMPTS, max_new_tokens=3, ignore_eos=True)]
         real = TwoSitePlacement.split
         dec = eng._two_site[2]
+        assert dec.mask_join == (join == "mask") and eng.experts.placement.describe()["step_join"] == join
 
         def fewer(self, absent, q):  # one expert fewer than the rule's
             return real(self, absent, q)[:-1]
@@ -188,6 +192,35 @@ def test_a_one_graph_step_refuses_a_split_the_device_did_not_make(seed3_tiny_pac
             assert [r.token_ids for r in eng.generate(PROMPTS, max_new_tokens=3, ignore_eos=True)] == before
     finally:
         eng.close()
+
+
+@pytest.mark.parametrize("env,value,match", [
+    ("RUNMAP_TWO_SITE_STEP", "graphs", r"RUNMAP_TWO_SITE_STEP='graphs': allowed values are 'graph' and 'chain'"),
+    ("RUNMAP_TWO_SITE_WAIT", "spin", r"RUNMAP_TWO_SITE_WAIT='spin': allowed values are 'event' and 'poll'"),
+    ("RUNMAP_TWO_SITE_JOIN", "fast", r"RUNMAP_TWO_SITE_JOIN='fast': allowed values are 'mask' and 'rule'"),
+    ("RUNMAP_TWO_SITE_JOIN", "mask", r"RUNMAP_TWO_SITE_JOIN=mask needs a cpu-native CPU executor; this engine's is "
+                                     r"cpu-int4")])
+def test_the_two_site_step_options_are_checked_when_the_engine_is_built(seed3_tiny_packs, monkeypatch, env, value,
+                                                                         match):
+    """A bad value of an option of the two-site step is one line naming it and what is allowed, at build; the bound
+    call's join needs the C kernel's site (another CPU executor joins by the rule)."""
+    from runmap.engine.engine import Engine, EngineError
+
+    monkeypatch.setenv("RUNMAP_TWO_SITE_STEP", "graph")
+    monkeypatch.setenv(env, value)
+    pack, cfg = seed3_tiny_packs["tiny-olmoe"]
+    with pytest.raises(EngineError, match=match):
+        Engine.from_pack(pack, executor="grouped", device="cpu", max_batch=2, max_seq_len=48, resident=cfg.top_k,
+                         expert_placement="two-site", cpu_executor="cpu-int4", two_site_share=0.5)
+    if env == "RUNMAP_TWO_SITE_JOIN" and value == "mask":  # unset, such an engine joins by the rule
+        monkeypatch.delenv(env)
+        eng = Engine.from_pack(pack, executor="grouped", device="cpu", max_batch=2, max_seq_len=48,
+                               resident=cfg.top_k, expert_placement="two-site", cpu_executor="cpu-int4",
+                               two_site_share=0.5)
+        try:
+            assert eng.experts.placement.describe()["step_join"] == "rule"
+        finally:
+            eng.close()
 
 
 @pytest.mark.parametrize("B,H", [(1, 64), (3, 100), (8, 2048), (5, 2050)])

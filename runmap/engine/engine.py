@@ -125,6 +125,12 @@ TWO_SITE_STEP_ENV = "RUNMAP_TWO_SITE_STEP"
 # event recorded in the graph, cudaEventSynchronize) or "poll" (a spin on the count's slot in pinned memory, which the
 # graph's copy overwrites; for A/B measurements of the host's wake-up latency)
 TWO_SITE_WAIT_ENV = "RUNMAP_TWO_SITE_WAIT"
+# How the one-graph step's host computes a layer's CPU part: "mask" (the default with a cpu-native site) runs a call
+# bound once to the layer's pinned ids, keep mask, gate weights and input, which computes the pairs the device split
+# left to the CPU with no Python in between, and checks the split against the host's rule after publishing the sum;
+# "rule" (the only form for other CPU executors) applies the rule and checks the split first, then prepares the
+# call from the rule's experts (for A/B measurements of the host's per-layer cost; docs/engine.md)
+TWO_SITE_JOIN_ENV = "RUNMAP_TWO_SITE_JOIN"
 POLL_LIMIT_S = 60.0  # a poll that long means the device stopped: the step raises instead of spinning for ever
 PREFILL_CHUNK = 8192  # prompt tokens per row per prefill pass, by default (from_pack's prefill_chunk)
 FUSED_OPS = ("prologue", "norm", "router", "attn", "gemv", "imposed")
@@ -909,6 +915,10 @@ class SegmentDecoder(_StaticStepInputs):
             # recorded inside the captured step (external events): the host waits for layer l's ids, input, gate
             # weights and count in pinned memory
             self.events = [torch.cuda.Event(external=True) if pin else None for _ in range(L)]
+            # join "mask": per layer a call bound to its pinned ids, keep mask, gate weights and input (made on first
+            # use, one scratch for all: the layers are joined one after another)
+            self.mask_join = engine.experts.placement.step_join == "mask"
+            self._masked: list = [None] * L
         # grouped chain: batches whose union may exceed one lease (class docstring)
         self.grouped = bool(grouped)
         if self.grouped:
@@ -1124,10 +1134,15 @@ class SegmentDecoder(_StaticStepInputs):
                                  self.err_dev)
 
     def _join_layer(self, layer) -> None:
-        """The host's part of ``layer`` in the one-graph step: wait for the layer's ids, apply the split rule
-        (``_split_sites``), check that the device's split gave the CPU site as many experts, compute them into the
-        pinned sum the join reads and publish it (the layer's flag := the step's sequence number), then note the
-        layer's reads. A layer with none publishes nothing: its join does not wait."""
+        """The host's part of ``layer`` in the one-graph step: wait for the layer's ids, compute the CPU site's experts
+        into the pinned sum the join reads and publish it (the layer's flag := the step's sequence number), and check
+        the device's split against the host's rule (``_split_sites``: the same experts, not only as many), then note
+        the layer's reads. A layer with none publishes nothing: its join does not wait.
+
+        Join "mask" (``mask_join``): the CPU computes the pairs the device's keep mask left it, in one bound call,
+        and the rule is checked after the publication (a mismatch still fails the step, whose output the failure
+        discards; the C kernel checks each id it reads before it reads a row). Join "rule": the rule and the check
+        first, then a call prepared from the rule's experts."""
         t_wait = time.perf_counter()
         if self.poll:  # the count's copy lands after the ids', input's and gate weights' (stream order)
             count, spins = self.host_count_np, 0
@@ -1137,19 +1152,28 @@ class SegmentDecoder(_StaticStepInputs):
                     raise EngineError(f"two-site step, layer {layer}: its ids did not arrive in {POLL_LIMIT_S:g} s")
         elif self.events[layer] is not None:
             self.events[layer].synchronize()
-        t_split = time.perf_counter()
-        n_absent = self._split_sites(layer, start=False, note=False)
-        cpu = self.layer_cpu[layer]
-        if int(self.host_count_np[layer]) != len(cpu):
-            raise EngineError(f"two-site step, layer {layer}: the device's split gave the CPU site "
-                              f"{int(self.host_count_np[layer])} experts, the host's rule {len(cpu)} ({list(cpu)})")
-        if cpu:  # the same experts, not only as many: the join adds the CPU's sum where the device zeroed pairs
-            flat = self.host_ids_np[layer].reshape(-1)
-            on_device_rule = set(flat[self.host_keep_np[layer] == 0].tolist())
-            if on_device_rule != set(cpu):
-                raise EngineError(f"two-site step, layer {layer}: the device's split gave the CPU site experts "
-                                  f"{sorted(on_device_rule)}, the host's rule {list(cpu)}")
         ex = self.e.experts
+        t_split = time.perf_counter()
+        if self.mask_join:
+            t0 = t_split
+            device_cpu = int(self.host_count_np[layer]) > 0
+            if device_cpu:
+                call = self._masked[layer]
+                if call is None:
+                    call = self._masked[layer] = self._bind_masked(layer)
+                call()
+                self.host_flags_np[layer, 0] = self._seq  # after the sum's last store (the device reads the flag,
+                # then the sum)
+            t1 = time.perf_counter()
+            n_absent, cpu = self._check_split(layer)
+            t_checked = time.perf_counter()
+            self._note_split(layer, n_absent)
+            if device_cpu:
+                ex.observe_cpu(len(cpu), t1 - t0)
+                self.cpu_parts += 1
+            ex.placement.note_join(t_split - t_wait, t_checked - t1, t1 - t0, device_cpu)
+            return
+        n_absent, cpu = self._check_split(layer)
         if not cpu:
             self._note_split(layer, n_absent)
             ex.placement.note_join(t_split - t_wait, time.perf_counter() - t_split, 0.0, False)
@@ -1166,6 +1190,31 @@ class SegmentDecoder(_StaticStepInputs):
         ex.observe_cpu(len(cpu), t1 - t0)
         ex.placement.note_join(t_split - t_wait, t0 - t_split, t1 - t0, True)
         self.cpu_parts += 1
+
+    def _check_split(self, layer) -> tuple[int, tuple]:
+        """The host's rule applied to ``layer``'s ids (``_split_sites``) and checked against the device's split: as
+        many experts (its count) and the same ones (the pairs its keep mask zeroed). Returns (absent experts, the
+        CPU site's experts); raises EngineError naming the layer and both sides otherwise."""
+        n_absent = self._split_sites(layer, start=False, note=False)
+        cpu = self.layer_cpu[layer]
+        if int(self.host_count_np[layer]) != len(cpu):
+            raise EngineError(f"two-site step, layer {layer}: the device's split gave the CPU site "
+                              f"{int(self.host_count_np[layer])} experts, the host's rule {len(cpu)} ({list(cpu)})")
+        if cpu:  # the same experts, not only as many: the join adds the CPU's sum where the device zeroed pairs
+            flat = self.host_ids_np[layer].reshape(-1)
+            on_device_rule = set(flat[self.host_keep_np[layer] == 0].tolist())
+            if on_device_rule != set(cpu):
+                raise EngineError(f"two-site step, layer {layer}: the device's split gave the CPU site experts "
+                                  f"{sorted(on_device_rule)}, the host's rule {list(cpu)}")
+        return n_absent, cpu
+
+    def _bind_masked(self, layer):
+        """Join "mask": the CPU site's call bound to ``layer``'s pinned ids, keep mask, gate weights and input,
+        writing its pinned sum (``CpuExpertSite.bind_masked_call``), with the team ``_native_cpu_call`` uses."""
+        site = self.e.experts.site()
+        threads = site.native_threads or max(1, torch.get_num_threads() - 1)
+        return site.bind_masked_call(layer, self.host_x_np[layer], self.host_ids_np[layer], self.host_keep_np[layer],
+                                     self.host_gw_np[layer], self.host_cpu_out_np[layer], threads)
 
     def _replay_one_graph(self, graph) -> None:
         """Queue the one-graph step, then join each layer on the host as its ids arrive."""
@@ -1718,6 +1767,16 @@ class Engine:
             if wait not in ("event", "poll"):
                 raise EngineError(f"{TWO_SITE_WAIT_ENV}={wait!r}: allowed values are 'event' and 'poll'")
             experts.placement.step_wait = wait if form == "graph" else None
+            join = os.environ.get(TWO_SITE_JOIN_ENV)
+            if join not in (None, "mask", "rule"):
+                raise EngineError(f"{TWO_SITE_JOIN_ENV}={join!r}: allowed values are 'mask' and 'rule'")
+            if form == "graph":
+                native = experts.site().native
+                if join == "mask" and not native:
+                    raise EngineError(f"{TWO_SITE_JOIN_ENV}=mask needs a cpu-native CPU executor; this engine's is "
+                                      f"{experts.cpu_executor}")
+                join = join or ("mask" if native else "rule")
+            experts.placement.step_join = join if form == "graph" else None
         self._pool = torch.cuda.graph_pool_handle() if (self.use_graphs or self.use_segments or self.use_host_read) \
             and device.type == "cuda" else None
         if self.use_graphs:

@@ -387,6 +387,9 @@ class TwoSitePlacement(HostReadPlacement):
     step_form: str | None = None
     # the one-graph form's wait for a layer's ids (runmap.engine.engine.TWO_SITE_WAIT_ENV): "event" or "poll"
     step_wait: str | None = None
+    # the one-graph form's host join (runmap.engine.engine.TWO_SITE_JOIN_ENV): "mask" (the device split's pairs in one
+    # bound call, the rule checked after the publication) or "rule" (the rule and its check first)
+    step_join: str | None = None
 
     def note_join(self, wait_s: float, split_s: float, cpu_s: float, cpu: bool) -> None:
         """One layer joined by the host in the one-graph step: seconds waiting for its ids, applying the split and
@@ -439,6 +442,8 @@ class TwoSitePlacement(HostReadPlacement):
             d["step_form"] = self.step_form
         if self.step_wait is not None:
             d["step_wait"] = self.step_wait
+        if self.step_join is not None:
+            d["step_join"] = self.step_join
         if self.joins[0]:
             n, ncpu, wait_s, split_s, cpu_s = self.joins
             d["joins"] = {"layers": n, "cpu_layers": ncpu, "wait_us": 1e6 * wait_s / n, "split_us": 1e6 * split_s / n,
