@@ -9,6 +9,15 @@ import os
 if os.environ.get("RUNMAP_TEST_DEVICE", "cpu") == "cpu":
     os.environ.setdefault("TRITON_INTERPRET", "1")
 
+# Under pytest-xdist (the README's command: one worker process per core of CI's 2-core machine) BLAS, OpenMP and torch
+# thread pools sized to every core in each worker oversubscribe the cores, and their spinning threads then wait on
+# each other: tests/test_host_read.py + tests/test_placement.py took 294 s with -n 2 on the 2-core VM, 120 s with one
+# thread per worker. A worker therefore starts its pools at one thread unless OMP_NUM_THREADS says otherwise (tests that
+# are about thread counts set them explicitly); set before numpy and torch are imported.
+if os.environ.get("PYTEST_XDIST_WORKER") and "OMP_NUM_THREADS" not in os.environ:
+    for var in ("OMP_NUM_THREADS", "OPENBLAS_NUM_THREADS", "MKL_NUM_THREADS"):
+        os.environ.setdefault(var, "1")
+
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
 
@@ -18,6 +27,35 @@ from hypothesis import HealthCheck, settings  # noqa: E402
 settings.register_profile("ci", deadline=None, suppress_health_check=[HealthCheck.too_slow], derandomize=True)
 settings.register_profile("dev", deadline=None, suppress_health_check=[HealthCheck.too_slow])
 settings.load_profile(os.environ.get("HYPOTHESIS_PROFILE", "ci"))
+
+
+# Sweeps whose every point runs on a GPU (RUNMAP_TEST_DEVICE=cuda) but only a representative part in the CPU
+# interpreter, where each point costs seconds to minutes: ``@pytest.mark.sweep(predicate)`` on a parametrized test,
+# ``predicate(params) -> bool`` (params: the point's parameter dict) naming the points the CPU run leaves out. They are
+# deselected (listed by ``-ra``'s summary as deselected, never as passed), and RUNMAP_TEST_SWEEP=1 runs them on the CPU
+# too. Why: CI's 2-core machine must finish the suite in 25 minutes (README, "Tests").
+SWEEP_ENV = "RUNMAP_TEST_SWEEP"
+
+
+def pytest_configure(config):
+    config.addinivalue_line("markers", "sweep(predicate): the points of a parameter sweep for which predicate(params) "
+                                       "is true run on a GPU or with RUNMAP_TEST_SWEEP=1 only (tests/conftest.py)")
+
+
+def pytest_collection_modifyitems(config, items):
+    if os.environ.get("RUNMAP_TEST_DEVICE", "cpu") != "cpu" or os.environ.get(SWEEP_ENV) == "1":
+        return
+    kept, left_out = [], []
+    for item in items:
+        mark = item.get_closest_marker("sweep")
+        params = getattr(getattr(item, "callspec", None), "params", None)
+        if mark is not None and params is not None and mark.args[0](params):
+            left_out.append(item)
+        else:
+            kept.append(item)
+    if left_out:
+        config.hook.pytest_deselected(items=left_out)
+        items[:] = kept
 
 
 @pytest.fixture(scope="session")

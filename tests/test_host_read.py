@@ -162,6 +162,9 @@ _FULL_RESIDENCY_RUNS: dict = {}
 
 @pytest.mark.parametrize("preset,where", [("tiny-olmoe", "top_k"), ("tiny-olmoe", "half"), ("tiny-qwen2-moe", "top_k")])
 @pytest.mark.parametrize("policy", ["lfu-decay", "lru"])
+# the CPU run: each pack and residency once, both policies (conftest.py, sweep)
+@pytest.mark.sweep(lambda p: (p["policy"], p["preset"], p["where"]) not in {
+    ("lfu-decay", "tiny-olmoe", "top_k"), ("lru", "tiny-olmoe", "half"), ("lru", "tiny-qwen2-moe", "top_k")})
 def test_host_read_decode_equals_full_residency_and_runs_no_transaction_inside_a_step(seed3_tiny_packs, preset, where,
                                                                                        policy, test_device,
                                                                                        record_decode):

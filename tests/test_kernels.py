@@ -217,6 +217,8 @@ def test_property_grouped_and_fused_agree_with_reference(h_blocks, i_half, b, m,
     {"KERNEL": "words", "BLOCK_N": 64, "SUB": 1, "DOWN_BLOCK_N": 16, "DOWN_SUB": 4},
 ])
 @pytest.mark.parametrize("shape_name", ["small-b64", "odd-b128"])
+# the CPU run: each kernel's first config on small-b64, its second on odd-b128 (conftest.py, sweep)
+@pytest.mark.sweep(lambda p: (p["shape_name"] == "small-b64") != (p["config"]["BLOCK_N"] == 16))
 def test_topk_fused_tile_configs(shape_name, config, device):
     """The benchmark's tile sweep must not change results: other GEMV tilings stay within TOL."""
     shape = SMALL[shape_name]
@@ -252,6 +254,8 @@ def test_grouped_nibble_decoding_forms_agree(shape_name, m, device):
 # counts for every shape here, where the default preloads
 @pytest.mark.parametrize("m", [1, 3, 300] + ([600] if ON_GPU else []))
 @pytest.mark.parametrize("shape_name", ["small-b256", "small-b64", "odd-b128"])
+# the CPU run: the preloaded path on partial last blocks (odd-b128, 300), the per-tile one on the two others (conftest.py)
+@pytest.mark.sweep(lambda p: (p["shape_name"], p["m"]) not in {("odd-b128", 300), ("small-b256", 3), ("small-b64", 1)})
 def test_grouped_scales_loaded_before_the_loop_give_the_same_values(shape_name, m, device):
     """Scales read once per program before the K loop (``core.dot_tiles`` SCALE_COLS) and scales read per K tile
     give bitwise the same output, on partial last blocks (odd-b128: NB 3, a masked fourth column; small-b256's down:
@@ -284,6 +288,7 @@ def test_grouped_scales_loaded_before_the_loop_give_the_same_values(shape_name, 
 
 
 @pytest.mark.parametrize("m", [30, 100, 400, 900])  # small-b64 (top-2): 60 / 200 / 800 / 1,800 pairs: each narrow tile
+@pytest.mark.sweep(lambda p: p["m"] in (100, 900))  # the CPU run: one pass of each narrow tile (conftest.py)
 def test_grouped_narrow_tiles_of_small_sorted_passes_match_reference(m, device):
     """The GPU's tiles for sorted passes with few pairs per expert (BLOCK_M 16 and 32, ``SMALL_SORTED_PAIRS``) run
     the sorted runs padded to 16 / 32 rows and match the reference, poisoned buffers and all; in the interpreter with
@@ -534,6 +539,8 @@ def test_the_compile_log_counts_variants_and_keeps_an_earlier_hook():
 
 @pytest.mark.parametrize("m", [150, 300])  # sorted runs (P > DECODE_MAX_PAIRS)
 @pytest.mark.parametrize("shape_name", ["small-b256", "small-b64", "odd-b128", "small-b96"])
+# the CPU run: every shape once, two at each m (conftest.py, sweep)
+@pytest.mark.sweep(lambda p: (p["m"] == 150) != (p["shape_name"] in ("small-b256", "odd-b128")))
 def test_grouped_decoded_once_mode_matches_reference(shape_name, m, device, poison):
     """The large-pass mode (weights decoded to fp16 once per pass, then fp16 grouped GEMMs), forced on small
     shapes: within TOL of the FP32 reference on partial blocks, odd N and per-element scales, every buffer

@@ -1016,6 +1016,8 @@ def test_auto_becomes_host_read_where_that_site_is_possible_unless_the_cpu_site_
 
 
 @pytest.mark.parametrize("host_read_gb_s,policy", [(2.0, None), (2.0, "lfu-decay"), (2.0, "lru"), (0.5, None)])
+# the CPU run: no policy asked (which takes lfu-decay) and lru; lfu-decay asked by name on a GPU (conftest.py, sweep)
+@pytest.mark.sweep(lambda p: p["policy"] == "lfu-decay")
 def test_an_engine_asked_for_auto_runs_host_read_when_it_is_the_cheaper_site(packs, host_read_gb_s, policy,
                                                                             test_device, record_decode):
     """With the host-read site given faster than the CPU site, ``auto`` builds placement host-read's engine (host rows,

@@ -141,6 +141,12 @@ def _run_schedule(eng, reqs, *, pipelined: bool, seed: int, cancel: int | None =
     return seqs, r, refused
 
 
+# the CPU run: tiny-olmoe every schedule in CPU order and the pipelined loop's joint and mixed joins, tiny-qwen2-moe one
+# schedule of each loop; a GPU every point (conftest.py, sweep)
+@pytest.mark.sweep(lambda p: (p["preset"], p["pipelined"], p["joint"]) not in {
+    ("tiny-olmoe", False, j) for j in (False, True, "interleaved", "concurrent", "mixed")}
+    | {("tiny-olmoe", True, True), ("tiny-olmoe", True, "mixed"), ("tiny-qwen2-moe", False, "mixed"),
+       ("tiny-qwen2-moe", True, "concurrent")})
 @pytest.mark.parametrize("joint", [False, True, "interleaved", "concurrent", "mixed"],
                          ids=["one-by-one", "joint", "interleaved", "concurrent", "mixed"])
 @pytest.mark.parametrize("pipelined", [False, True], ids=["cpu-order", "pipelined"])

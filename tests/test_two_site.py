@@ -61,6 +61,8 @@ def _full(pack, device, record_decode):
                          + ([("tiny-olmoe", 0.0, "graph"), ("tiny-qwen2-moe", 0.5, "graph"),
                              ("tiny-olmoe", None, "graph"), ("tiny-olmoe", 1.0, "graph")]
                             if os.environ.get("RUNMAP_TEST_DEVICE") == "cuda" else []))
+# the CPU run: the chain's share 1.0 (every absent expert on the CPU) only with RUNMAP_TEST_SWEEP=1 (conftest.py)
+@pytest.mark.sweep(lambda p: p["share"] == 1.0 and p["step"] == "chain")
 def test_two_site_decode_equals_full_residency(seed3_tiny_packs, preset, share, step, test_device, record_decode,
                                                monkeypatch):
     """Greedy decode at batch 2 with top_k of E experts resident (most absent): every decode step runs the two-site
