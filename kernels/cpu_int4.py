@@ -665,8 +665,15 @@ class CpuExpertSite:
             self.layer_calls += 1  # a call that passed every check
         return call
 
+    def masked_scratch(self, tokens: int, top_k: int):
+        """Scratch that masked calls of ``tokens`` x ``top_k`` pairs which never run at the same time may share
+        (``bind_masked_call``'s ``scratch``; cpu-native executors only)."""
+        if self._native is None:
+            raise CpuSiteError(f"masked_scratch needs a cpu-native executor; this site runs {self.executor}")
+        return self._native.masked_scratch(tokens, top_k, self.num_experts)
+
     def bind_masked_call(self, layer: int, x: np.ndarray, topk_ids: np.ndarray, keep: np.ndarray,
-                         topk_weights: np.ndarray, out: np.ndarray, threads: int | None = None):
+                         topk_weights: np.ndarray, out: np.ndarray, threads: int | None = None, scratch=None):
         """A call bound once to fixed arrays (cpu-native executors only) that computes, each time it is called, the
         pairs of ``layer`` whose ``keep`` entry is 0 from the arrays as they are then: the one-graph two-site step's
         host join, whose device split decided the CPU site's experts (runmap.kernels.cpu_native.MaskedCall's
@@ -678,13 +685,16 @@ class CpuExpertSite:
                 C-contiguous and alive while the call is bound.
             out: float32 (T, H), written whole on each call.
             threads: OpenMP threads (default ``native_threads``, else torch.get_num_threads()).
+            scratch: from ``masked_scratch`` for these T and k, shared with bound calls that never run at the same
+                time (None: the call's own).
         """
         if self._native is None:
             raise CpuSiteError(f"bind_masked_call needs a cpu-native executor; this site runs {self.executor}")
         if not 0 <= layer < self.num_layers:
             raise common.KernelInputError(f"layer {layer} is not in [0, {self.num_layers})")
         call = self._native.bind_masked(self._rows(layer), topk_ids, keep, topk_weights, x, out,
-                                        threads if threads is not None else self.native_threads or torch.get_num_threads())
+                                        threads if threads is not None else self.native_threads or torch.get_num_threads(),
+                                        scratch)
 
         def counted():
             call()

@@ -640,10 +640,13 @@ int runmap_moe_layer_masked(const uint8_t *const *layer_rows, int n_layer_expert
             out[v] = 0.0f;
         return 0;
     }
-    for (int j = 0; j < n_pairs; j++) {
+    for (int j = 0; j < n_pairs; j++) { /* (the ids checked again: each pass reads them from memory the device wrote) */
         if (keep[j] != 0)
             continue;
-        const int a = cursor[ids[j]]++;
+        const int64_t e = ids[j];
+        if (e < 0 || e >= n_layer_experts || cursor[e] >= n_pairs)
+            return 2;
+        const int a = cursor[e]++;
         token[a] = j / top_k;
         weights_sel[a] = weights[j];
     }

@@ -383,8 +383,16 @@ class NativeLayer:
         return NativeCall(self.fn, args, out, keep=(x, scratch), owner=state)
 
 
+    def masked_scratch(self, t: int, k: int, n_experts: int) -> "MaskedScratch":
+        """Scratch for masked calls of ``t`` tokens, top ``k`` and ``n_experts`` experts per layer, which calls that
+        never run at the same time may share (``bind_masked``'s ``scratch``: one per decoder, whose layers are joined
+        one after another)."""
+        return MaskedScratch(self._allocate_scratch(t, t * k), np.empty(2 * (n_experts + 1) + t * k, dtype=np.int32),
+                             (ctypes.c_void_p * n_experts)(), np.empty(t * k, dtype=np.float32), (t, k, n_experts))
+
     def bind_masked(self, layer_rows: list[int], ids: np.ndarray, keep: np.ndarray, weights: np.ndarray,
-                    x: np.ndarray, out: np.ndarray, threads: int) -> "MaskedCall":
+                    x: np.ndarray, out: np.ndarray, threads: int,
+                    scratch: "MaskedScratch | None" = None) -> "MaskedCall":
         """Bind, once, the call that computes the pairs a device split left to the CPU (``keep`` 0) from arrays that
         stay at these addresses and are rewritten between calls (the one-graph two-site step's pinned copies of a
         layer's ids, keep mask, gate weights and input, runmap.engine.engine.SegmentDecoder): each call then reads
@@ -398,6 +406,8 @@ class NativeLayer:
             weights: float32 (T, k) C-contiguous gate weights.
             x: float16 (T, H) C-contiguous activations. out: float32 (T, H) C-contiguous, every element written.
             threads: OpenMP threads, >= 1.
+            scratch: from ``masked_scratch`` for these T, k and E, shared with calls that never run at the same time;
+                None: the call's own.
         """
         h, i = self.layout.hidden_size, self.layout.intermediate_size
         n_e = len(layer_rows)
@@ -423,10 +433,12 @@ class NativeLayer:
                                           "must be at least 1")
         if isinstance(threads, bool) or not isinstance(threads, int) or threads < 1:
             raise common.KernelInputError(f"threads {threads!r}: a positive integer expected")
-        tensors = self._allocate_scratch(t, t * k)  # its own, for every call of the binding (one call at a time)
-        work = np.empty(2 * (n_e + 1) + t * k, dtype=np.int32)
-        rows_sel = (ctypes.c_void_p * n_e)()
-        weights_sel = np.empty(t * k, dtype=np.float32)
+        if scratch is None:
+            scratch = self.masked_scratch(t, k, n_e)
+        elif not isinstance(scratch, MaskedScratch) or scratch.size != (t, k, n_e):
+            raise common.KernelInputError(f"cpu-native masked call: scratch for (T, k, E) = "
+                                          f"{getattr(scratch, 'size', None)}, the call has {(t, k, n_e)}")
+        tensors, work, rows_sel, weights_sel = scratch.tensors, scratch.work, scratch.rows_sel, scratch.weights_sel
         rows = (ctypes.c_void_p * n_e)(*layer_rows)
         ptrs = [b.data_ptr() for b in tensors]
         q16_ptrs = ptrs[3:] if self.precision == "i16" else [None] * 6
@@ -437,9 +449,18 @@ class NativeLayer:
                                                                         rows_sel, weights_sel, rows))
 
 
+class MaskedScratch:
+    """The buffers of masked calls (``NativeLayer.masked_scratch``): the kernel's scratch tensors, the C code's int32
+    work array, its selected row addresses and weights, and the (T, k, E) they are sized for."""
+
+    def __init__(self, tensors: list, work: np.ndarray, rows_sel, weights_sel: np.ndarray, size: tuple):
+        self.tensors, self.work, self.rows_sel, self.weights_sel, self.size = tensors, work, rows_sel, weights_sel, size
+
+
 class MaskedCall:
     """A bound ``runmap_moe_layer_masked`` call (``NativeLayer.bind_masked``): each call computes the pairs the keep
-    mask leaves to the CPU, as the bound arrays hold them then. Not re-entrant (one scratch)."""
+    mask leaves to the CPU, as the bound arrays hold them then. Not re-entrant, nor concurrent with another call bound
+    to the same scratch."""
 
     def __init__(self, fn, args: tuple, keep: tuple):
         self.fn, self.args, self._keep = fn, args, keep

@@ -325,19 +325,23 @@ def test_a_masked_call_computes_the_pairs_its_keep_mask_leaves_it_as_the_subset_
         ids_a, w_a = np.zeros((m, k), dtype=np.int64), np.zeros((m, k), dtype=np.float32)
         keep_a = np.ones(m * k, dtype=np.int32)
         out = np.full((m, h), np.nan, dtype=np.float32)
-        layer = data.draw(st.integers(0, 1))
-        call = site.bind_masked_call(layer, x_a, ids_a, keep_a, w_a, out, threads=data.draw(st.integers(1, 3)))
+        # both layers bound to the same arrays and one shared scratch, as a decoder's layers (joined one at a time)
+        scratch = site.masked_scratch(m, k)
+        threads = data.draw(st.integers(1, 3))
+        bound = [site.bind_masked_call(layer, x_a, ids_a, keep_a, w_a, out, threads=threads, scratch=scratch)
+                 for layer in range(2)]
         calls = site.layer_calls
-        for rep in range(2):  # the same binding, new values each time (as each step rewrites the pinned copies)
+        for rep in range(3):  # the same bindings, new values each time (as each step rewrites the pinned copies)
+            layer = data.draw(st.integers(0, 1))
             x, ids, w = _batch(h, e, k, m, seed + rep, duplicate=(m > 1))
             routed = sorted({int(v) for v in ids.reshape(-1)})
             part = data.draw(st.lists(st.sampled_from(routed), unique=True))
             x_a[:], ids_a[:], w_a[:] = x.numpy(), ids.numpy(), w.numpy()
             keep_a[:] = [0 if v in part else 1 for v in ids.reshape(-1).tolist()]
             out.fill(np.nan)
-            call()
+            bound[layer]()
             assert torch.equal(torch.from_numpy(out.copy()), site.moe_subset(layer, x, ids, w, part))
-        assert site.layer_calls == calls + 2 + 2  # two bound calls (and the two moe_subset references)
+        assert site.layer_calls == calls + 3 + 3  # three bound calls (and the three moe_subset references)
     finally:
         site.close()
 
@@ -362,7 +366,9 @@ def test_a_masked_call_refuses_bad_arrays_and_an_id_outside_the_layer():
                (dict(out=out[:, :-1]), "out must be a C-contiguous float32"),
                (dict(x=shared.view(np.float16)[: m * h].reshape(m, h), out=shared.reshape(m, h)),
                 "out must be writable and overlap no input"),
-               (dict(threads=0), "threads 0"), (dict(layer=1), r"layer 1 is not in \[0, 1\)")]
+               (dict(threads=0), "threads 0"), (dict(layer=1), r"layer 1 is not in \[0, 1\)"),
+               (dict(scratch=site.masked_scratch(m + 1, k)), r"scratch for \(T, k, E\) = \(3, 4, 8\), the call has "
+                                                             r"\(2, 4, 8\)")]
         for change, match in bad:
             kw = dict(layer=0, x=x, topk_ids=ids, keep=keep, topk_weights=w, out=out, threads=2) | change
             with pytest.raises(KernelInputError, match=match):

@@ -916,9 +916,10 @@ class SegmentDecoder(_StaticStepInputs):
             # weights and count in pinned memory
             self.events = [torch.cuda.Event(external=True) if pin else None for _ in range(L)]
             # join "mask": per layer a call bound to its pinned ids, keep mask, gate weights and input (made on first
-            # use, one scratch for all: the layers are joined one after another)
+            # use), all sharing one scratch: the layers are joined one after another
             self.mask_join = engine.experts.placement.step_join == "mask"
             self._masked: list = [None] * L
+            self._masked_scratch = None
         # grouped chain: batches whose union may exceed one lease (class docstring)
         self.grouped = bool(grouped)
         if self.grouped:
@@ -1200,12 +1201,13 @@ class SegmentDecoder(_StaticStepInputs):
         if int(self.host_count_np[layer]) != len(cpu):
             raise EngineError(f"two-site step, layer {layer}: the device's split gave the CPU site "
                               f"{int(self.host_count_np[layer])} experts, the host's rule {len(cpu)} ({list(cpu)})")
-        if cpu:  # the same experts, not only as many: the join adds the CPU's sum where the device zeroed pairs
-            flat = self.host_ids_np[layer].reshape(-1)
-            on_device_rule = set(flat[self.host_keep_np[layer] == 0].tolist())
-            if on_device_rule != set(cpu):
-                raise EngineError(f"two-site step, layer {layer}: the device's split gave the CPU site experts "
-                                  f"{sorted(on_device_rule)}, the host's rule {list(cpu)}")
+        # the same experts, not only as many (the join adds the CPU's sum where the device zeroed pairs), and no zeroed
+        # pair where the rule gives the CPU none (its pairs would be dropped)
+        flat = self.host_ids_np[layer].reshape(-1)
+        on_device_rule = set(flat[self.host_keep_np[layer] == 0].tolist())
+        if on_device_rule != set(cpu):
+            raise EngineError(f"two-site step, layer {layer}: the device's split gave the CPU site experts "
+                              f"{sorted(on_device_rule)}, the host's rule {list(cpu)}")
         return n_absent, cpu
 
     def _bind_masked(self, layer):
@@ -1213,8 +1215,11 @@ class SegmentDecoder(_StaticStepInputs):
         writing its pinned sum (``CpuExpertSite.bind_masked_call``), with the team ``_native_cpu_call`` uses."""
         site = self.e.experts.site()
         threads = site.native_threads or max(1, torch.get_num_threads() - 1)
+        if self._masked_scratch is None:
+            self._masked_scratch = site.masked_scratch(self.B, self.k)
         return site.bind_masked_call(layer, self.host_x_np[layer], self.host_ids_np[layer], self.host_keep_np[layer],
-                                     self.host_gw_np[layer], self.host_cpu_out_np[layer], threads)
+                                     self.host_gw_np[layer], self.host_cpu_out_np[layer], threads,
+                                     self._masked_scratch)
 
     def _replay_one_graph(self, graph) -> None:
         """Queue the one-graph step, then join each layer on the host as its ids arrive."""
