@@ -1212,13 +1212,12 @@ class SegmentDecoder(_StaticStepInputs):
 
     def _bind_masked(self, layer):
         """Join "mask": the CPU site's call bound to ``layer``'s pinned ids, keep mask, gate weights and input,
-        writing its pinned sum (``CpuExpertSite.bind_masked_call``), with the team ``_native_cpu_call`` uses."""
+        writing its pinned sum (``CpuExpertSite.bind_masked_call``), with the team of ``_cpu_threads``."""
         site = self.e.experts.site()
-        threads = site.native_threads or max(1, torch.get_num_threads() - 1)
         if self._masked_scratch is None:
             self._masked_scratch = site.masked_scratch(self.B, self.k)
         return site.bind_masked_call(layer, self.host_x_np[layer], self.host_ids_np[layer], self.host_keep_np[layer],
-                                     self.host_gw_np[layer], self.host_cpu_out_np[layer], threads,
+                                     self.host_gw_np[layer], self.host_cpu_out_np[layer], self._cpu_threads(),
                                      self._masked_scratch)
 
     def _replay_one_graph(self, graph) -> None:
@@ -1273,14 +1272,16 @@ class SegmentDecoder(_StaticStepInputs):
     def _native_cpu_call(self, layer, experts):
         """The cpu-native site's call computing ``experts`` of ``layer`` from the pinned copies of the layer's input,
         ids and gate weights into host_cpu_out[layer], checked and bound (``prepare_subset_arrays``), not yet run."""
-        site = self.e.experts.site()
-        # the caller's count (not the job thread's default) less one: the main thread keeps driving the device while
-        # the kernel runs, and a team thread sharing its core would hold back the whole team (h200-placement-split:
-        # with every core in the team the kernel took ~490 us per layer instead of ~300 and the host's lease work
-        # 2-3x longer)
-        threads = site.native_threads or max(1, torch.get_num_threads() - 1)
-        return site.prepare_subset_arrays(layer, self.host_x_np[layer], self.host_ids_np[layer],
-                                          self.host_gw_np[layer], experts, self.host_cpu_out_np[layer], threads)
+        return self.e.experts.site().prepare_subset_arrays(layer, self.host_x_np[layer], self.host_ids_np[layer],
+                                                           self.host_gw_np[layer], experts,
+                                                           self.host_cpu_out_np[layer], self._cpu_threads())
+
+    def _cpu_threads(self) -> int:
+        """The cpu-native site's team for this chain's CPU parts: the site's own count, else the caller's count (not
+        the job thread's default) less one: the main thread keeps driving the device while the kernel runs, and a team
+        thread sharing its core would hold back the whole team (h200-placement-split: with every core in the team the
+        kernel took ~490 us per layer instead of ~300 and the host's lease work 2-3x longer)."""
+        return self.e.experts.site().native_threads or max(1, torch.get_num_threads() - 1)
 
     def _cpu_part_here(self, layer, experts) -> None:
         """A CPU executor without a job thread: ``experts`` of ``layer`` computed on this thread from the host copies of
