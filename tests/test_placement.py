@@ -1019,12 +1019,15 @@ def test_auto_becomes_host_read_where_that_site_is_possible_unless_the_cpu_site_
 # the CPU run: no policy asked (which takes lfu-decay) and lru; lfu-decay asked by name on a GPU (conftest.py, sweep)
 @pytest.mark.sweep(lambda p: p["policy"] == "lfu-decay")
 def test_an_engine_asked_for_auto_runs_host_read_when_it_is_the_cheaper_site(packs, host_read_gb_s, policy,
-                                                                            test_device, record_decode):
-    """With the host-read site given faster than the CPU site, ``auto`` builds placement host-read's engine (host rows,
-    the whole-step decoder, lfu-decay unless a policy was asked for) and decodes what placement host-read decodes,
-    bit for bit; given slower, it stays auto with no host rows."""
-    from runmap.engine.engine import Engine
+                                                                            test_device, record_decode, monkeypatch):
+    """With the host-read site given faster than the CPU site and no batch the two-site step may run at (its chooser's
+    minimum above the max batch), ``auto`` builds placement host-read's engine (host rows, the whole-step decoder,
+    lfu-decay unless a policy was asked for) and decodes what placement host-read decodes, bit for bit; given slower,
+    it stays auto with no host rows."""
+    from runmap.engine.engine import TWO_SITE_MIN_BATCH_ENV, Engine
     from runmap.engine.placement import HostReadPlacement
+
+    monkeypatch.setenv(TWO_SITE_MIN_BATCH_ENV, "3")  # max batch 2: host-read's step only (tests/test_two_site.py: both)
 
     pack, cfg = packs["tiny-olmoe"]
     costs = PlacementCosts(h2d_gb_s=0.5, cpu_gb_s=1.0, row_bytes=100, source="test", host_read_gb_s=host_read_gb_s)

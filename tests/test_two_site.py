@@ -615,10 +615,11 @@ def test_auto_with_both_sites_probes_both_steps_at_batch_4_and_decodes_what_full
 
 
 def test_auto_with_both_sites_warms_both_steps_up_without_asking_its_chooser(seed3_tiny_packs, test_device,
-                                                                             record_decode):
-    """warm_up runs host-read's step at batch 1 and both steps at the max batch (on a GPU: captures them), asks the
-    chooser nothing and leaves the counters, paths, split counts and the CPU rate learned in use as they were; a max batch below 4 keeps auto as
-    plain host-read."""
+                                                                             record_decode, monkeypatch):
+    """warm_up runs both steps at batch 1 and at the max batch (on a GPU: captures them), asks the chooser nothing and
+    leaves the counters, paths, split counts and the CPU rate learned in use as they were. RUNMAP_TWO_SITE_MIN_BATCH
+    sets the chooser's smallest batch: a max batch below it keeps auto as plain host-read; a value that is not an
+    integer >= 1 is refused at build, naming it."""
     from runmap.engine.placement import HostReadPlacement, TwoSitePlacement
 
     pack, cfg = seed3_tiny_packs["tiny-olmoe"]
@@ -628,7 +629,8 @@ def test_auto_with_both_sites_warms_both_steps_up_without_asking_its_chooser(see
         before = dict(cache.counters), dict(eng.decode_paths), plan.split_counts(), plan.cpu_rate.calls
         eng.warm_up()
         assert plan.steps.describe()["by_batch"] == {}
-        assert set(eng._host_read) == {1, 4} and set(eng._two_site) == {4}
+        assert plan.steps.min_batch == 1
+        assert set(eng._host_read) == {1, 4} and set(eng._two_site) == {1, 4}
         # the warm-up's CPU-site calls (pad tokens) teach the CPU rate nothing
         assert (dict(cache.counters), dict(eng.decode_paths), plan.split_counts(), plan.cpu_rate.calls) == before
     finally:
@@ -636,15 +638,30 @@ def test_auto_with_both_sites_warms_both_steps_up_without_asking_its_chooser(see
     from runmap.engine.engine import Engine
     from runmap.engine.placement import PlacementCosts
 
+    from runmap.engine.engine import TWO_SITE_MIN_BATCH_ENV, EngineError
+
     costs = PlacementCosts(h2d_gb_s=0.5, cpu_gb_s=1.0, row_bytes=100, source="test", host_read_gb_s=2.0)
-    small = Engine.from_pack(pack, executor="grouped", device=test_device, resident=cfg.top_k, max_batch=3,
-                             max_seq_len=48, cache_contract=_contract(test_device), expert_placement="auto",
-                             placement_costs=costs, warm_up=False)
-    try:
-        assert type(small.experts.placement) is HostReadPlacement and not small.use_two_site
-        assert not isinstance(small.experts.placement, TwoSitePlacement) and small.experts.cpu_site is None
-    finally:
-        small.close()
+
+    def small():
+        return Engine.from_pack(pack, executor="grouped", device=test_device, resident=cfg.top_k, max_batch=3,
+                                max_seq_len=48, cache_contract=_contract(test_device), expert_placement="auto",
+                                placement_costs=costs, warm_up=False)
+    for min_batch, both in [("3", True), ("4", False)]:
+        monkeypatch.setenv(TWO_SITE_MIN_BATCH_ENV, min_batch)
+        eng = small()
+        try:
+            plan = eng.experts.placement
+            if both:
+                assert isinstance(plan, TwoSitePlacement) and plan.steps.min_batch == 3 and eng.use_two_site
+                assert eng.warm_step_modes(2) == ("host-read",) and eng.warm_step_modes(3) == ("host-read", "two-site")
+            else:
+                assert type(plan) is HostReadPlacement and not eng.use_two_site and eng.experts.cpu_site is None
+        finally:
+            eng.close()
+    for bad in ["0", "-2", "four", "1.5"]:
+        monkeypatch.setenv(TWO_SITE_MIN_BATCH_ENV, bad)
+        with pytest.raises(EngineError, match=rf"^RUNMAP_TWO_SITE_MIN_BATCH='{bad}': allowed values are integers >= 1"):
+            small()
 
 
 def test_auto_hands_over_between_host_read_and_two_site_steps_without_losing_a_promotion(seed3_tiny_packs, test_device,

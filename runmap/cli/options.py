@@ -102,9 +102,11 @@ def placement_line(eng) -> str | None:
                  f"~{d['cpu_share']:.2f} of them (CPU site {rate(d['cpu_gb_s'])}, the GPU's host reads "
                  f"{rate(d['host_read_gb_s'])}; 1/2 where either is unmeasured)")
         if "steps" in d:  # auto with both sites (runmap.engine.placement.StepChooser)
-            return (f"expert placement auto: host-read, and from batch {d['steps']['min_batch']} the two-site step "
-                    f"where it measures faster ({d['why']}): decode steps read absent experts over the link; at "
-                    f"{d['steps']['min_batch']} rows or more both steps are probed and the faster runs, the two-site step "
+            m = d["steps"]["min_batch"]
+            where = "at every batch size" if m == 1 else f"at {m} rows or more"
+            return (f"expert placement auto: host-read, and from batch {m} the two-site step "
+                    f"where it measures faster ({d['why']}): decode steps read absent experts over the link; {where} "
+                    f"both steps are probed and the faster runs, the two-site step "
                     f"giving the CPU site {share}; the hottest promoted beside the steps "
                     f"({eng.experts.cache.policy.name} policy, margin {d['promotion_margin']:g})")
         return (f"expert placement two-site: in each decode step every layer's absent experts are divided, the CPU "

@@ -131,6 +131,10 @@ TWO_SITE_WAIT_ENV = "RUNMAP_TWO_SITE_WAIT"
 # "rule" (the only form for other CPU executors) applies the rule and checks the split first, then prepares the
 # call from the rule's experts (for A/B measurements of the host's per-layer cost; docs/engine.md)
 TWO_SITE_JOIN_ENV = "RUNMAP_TWO_SITE_JOIN"
+# Placement auto with both sites: the smallest decode batch whose steps may be two-site ones (an integer >= 1; default
+# runmap.engine.placement.TWO_SITE_MIN_BATCH, every batch size). Below it host-read's step always runs; for A/B runs of
+# the step chooser against host-read alone at small batches
+TWO_SITE_MIN_BATCH_ENV = "RUNMAP_TWO_SITE_MIN_BATCH"
 POLL_LIMIT_S = 60.0  # a poll that long means the device stopped: the step raises instead of spinning for ever
 PREFILL_CHUNK = 8192  # prompt tokens per row per prefill pass, by default (from_pack's prefill_chunk)
 FUSED_OPS = ("prologue", "norm", "router", "attn", "gemv", "imposed")
@@ -142,6 +146,22 @@ FUSED_OPS = ("prologue", "norm", "router", "attn", "gemv", "imposed")
 # (results/kernels/explore/h200-decode.json).
 # In a decode step the logits launch is the norm's (add_norm_router_logits) and the prologue is the attention's.
 DEFAULT_FUSED = ("prologue", "norm", "router", "attn", "gemv", "imposed")
+
+
+def _two_site_min_batch() -> int:
+    """TWO_SITE_MIN_BATCH_ENV's value, or the placement's default; EngineError unless an integer >= 1."""
+    from runmap.engine.placement import TWO_SITE_MIN_BATCH
+
+    raw = os.environ.get(TWO_SITE_MIN_BATCH_ENV)
+    if raw is None:
+        return TWO_SITE_MIN_BATCH
+    try:
+        value = int(raw)
+    except ValueError:
+        value = 0
+    if value < 1:
+        raise EngineError(f"{TWO_SITE_MIN_BATCH_ENV}={raw!r}: allowed values are integers >= 1 (a decode batch size)")
+    return value
 
 
 class EngineError(ValueError):
@@ -1985,6 +2005,8 @@ class Engine:
             device = torch.device("cuda", torch.cuda.current_device())
         if max_batch < 1 or (prefill_chunk is not None and prefill_chunk < 1):
             raise EngineError(f"max_batch ({max_batch}) and prefill_chunk ({prefill_chunk}) must be >= 1")
+        # read before anything is built (a bad value is refused with nothing to undo); used where auto has both sites
+        min_batch = _two_site_min_batch() if expert_placement == "auto" else None
         reader = PackReader(pack_dir, verify=verify_pack)
         cfg, layout, identity = reader.config, reader.layout, reader.identity
         try:
@@ -2146,16 +2168,16 @@ class Engine:
                     if (device.type == "cuda" or (auto and given_read)) and _host_read_possible(
                             executor, resident, E, device, cache_contract, emulate_link_gb_s):
                         host_read_rate = experts.measure_host_read_gb_s
-                    from runmap.engine.placement import TWO_SITE_MIN_BATCH
-
-                    # auto may run the two-site step where a batch can be large enough for it to pay and the split
+                    # auto may run the two-site step where a batch can be large enough for it to be tried and the split
                     # kernel's bounds hold (as for placement two-site above)
-                    both_sites = max_batch >= TWO_SITE_MIN_BATCH and two_site_fits(E, cfg.top_k, max_batch)
+                    both_sites = min_batch is not None and max_batch >= min_batch and two_site_fits(E, cfg.top_k,
+                                                                                                 max_batch)
                     experts.placement = make_placement(expert_placement, cache=cache,
                                                        site=experts.site() if (auto and placement_costs is None)
                                                        or two_site else None, costs=placement_costs,
                                                        host_read_rate=host_read_rate, share=two_site_share,
-                                                       top_k=cfg.top_k, both_sites=both_sites)
+                                                       top_k=cfg.top_k, both_sites=both_sites,
+                                                       **({"min_batch": min_batch} if both_sites else {}))
                     if isinstance(experts.placement, HostReadPlacement):
                         if experts.cpu_site is not None and not experts.placement.may_use_cpu():
                             # auto's rate probe built it; host-read never uses it (two-site does)

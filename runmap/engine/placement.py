@@ -56,10 +56,10 @@ executor computing one token's top_k experts straight from the registered host r
 (best of a few; ``CachedExperts.measure_host_read_gb_s``). ``auto`` becomes placement host-read for the engine's
 life unless the CPU site is faster than both the host-read site and the link's copy, and then stays the rule above
 (which, with the CPU faster than the copy, gives the CPU the misses that reuse does not pay for). Where the engine
-can also run the two-site step (a max batch of at least TWO_SITE_MIN_BATCH rows, the split kernel's bounds) ``auto``
-becomes TwoSitePlacement with a StepChooser instead: host-read's steps below that batch size, and from there whichever
-of host-read's step and the two-site step measures faster at each batch size (measured, the two-site step pays only at
-batch > 1 with many misses, docs/engine.md). Why not the rule alone: host-read and the CPU site both pay at each use, but
+can also run the two-site step (a max batch of at least the chooser's minimum, TWO_SITE_MIN_BATCH by default: every
+batch size; the split kernel's bounds) ``auto`` becomes TwoSitePlacement with a StepChooser instead: host-read's steps
+below that batch size, and from there whichever of host-read's step and the two-site step measures faster at each
+batch size (which one wins depends on the machine: how fast its GPU reads host memory against its cores, docs/engine.md). Why not the rule alone: host-read and the CPU site both pay at each use, but
 host-read's steps stay one CUDA graph and it promotes the most used experts beside them (the transfer's reuse), and
 where the copy is the faster way over the link the rule would transfer through the chain, which host-read beat on
 every machine measured: 0.75-1.05 of the copy rate's transfer bound against the chain's 0.43
@@ -461,10 +461,14 @@ def two_site_fits(num_experts: int, top_k: int, max_batch: int) -> bool:
     return num_experts <= TWO_SITE_MAX_EXPERTS and top_k * max_batch <= TWO_SITE_MAX_PAIRS
 
 
-# Placement auto with both sites: below this decode batch size it runs host-read's steps only. Measured: the two-site
-# step lost at batch 1 in every row on two H100 hosts (0.47-0.82x host-read, results/campaigns/h100-two-site and
-# h100-two-site-repeat: the chain's host wait per layer costs ~1.4 ms a token) and won only at batch 8 with many misses.
-TWO_SITE_MIN_BATCH = 4
+# Placement auto with both sites: below this decode batch size it runs host-read's steps only, from it the faster of
+# the two steps as measured. It was 4: the two-site chain lost at batch 1 in every row on two H100 hosts (0.47-0.82x
+# host-read, results/campaigns/h100-two-site and h100-two-site-repeat: a host wait per layer of ~1.4 ms a token). The
+# one-graph step with the mask join won at batch 1 on an H100 whose GPU reads host memory slowly (n-cpu-moe 12 / 16:
+# 1.49 / 1.59x host-read, results/campaigns/h100-two-site-mask-join), where auto still ran host-read's step. Which
+# step is faster at batch 1 depends on the machine, so it is measured there too (TWO_SITE_MIN_BATCH_ENV in
+# runmap.engine.engine sets another minimum, for A/B runs).
+TWO_SITE_MIN_BATCH = 1
 
 
 class StepChooser:
@@ -804,7 +808,7 @@ def _measured(host_read_rate) -> tuple[float | None, str | None]:
 
 def make_placement(name: str, *, cache=None, site=None, costs: PlacementCosts | None = None,
                    host_read_rate=None, share: float | None = None, top_k: int = 1,
-                   both_sites: bool = False) -> Placement:
+                   both_sites: bool = False, min_batch: int = TWO_SITE_MIN_BATCH) -> Placement:
     """The placement registered under ``name`` (PLACEMENTS). ``auto`` measures its costs on ``cache``'s host
     source and device through ``site`` (a runmap.kernels.cpu_int4.CpuExpertSite) unless ``costs`` is given;
     ``host_read_rate`` (a callable returning GB/s, given where placement host-read is possible) measures the host-read
@@ -813,9 +817,9 @@ def make_placement(name: str, *, cache=None, site=None, costs: PlacementCosts | 
     leaves the rule, with the error in ``costs.source``. Placement ``host-read`` records the rate it measures (None
     where it raises). ``two-site`` measures the host-read site (where ``host_read_rate`` is given) and the CPU site
     ``site`` on a call of top_k / 2 experts; ``share`` fixes its CPU share (TwoSitePlacement). ``both_sites``
-    (the engine can run the two-site step: batches of TWO_SITE_MIN_BATCH rows or more, the split kernel's bounds): where
-    ``auto`` becomes host-read it becomes TwoSitePlacement with a StepChooser instead, host-read's steps below
-    TWO_SITE_MIN_BATCH rows and, from there, whichever step measures faster (its CPU rate to start from: the costs')."""
+    (the engine can run the two-site step: batches of ``min_batch`` rows or more, the split kernel's bounds): where
+    ``auto`` becomes host-read it becomes TwoSitePlacement with a StepChooser(min_batch) instead, host-read's steps
+    below ``min_batch`` rows and, from there, whichever step measures faster (its CPU rate to start from: the costs')."""
     if name not in PLACEMENTS:
         raise PlacementError(f"expert placement {name!r}: choose one of {', '.join(PLACEMENTS)}")
     if name == "gpu":
@@ -846,7 +850,8 @@ def make_placement(name: str, *, cache=None, site=None, costs: PlacementCosts | 
         costs = dataclasses.replace(costs, host_read_gb_s=None)  # given, but the site is not possible in this engine
     if auto_chooses_host_read(costs):
         if both_sites and name == "auto":
-            return TwoSitePlacement(costs.host_read_gb_s, costs.cpu_gb_s, steps=StepChooser(), chosen_by=costs,
+            return TwoSitePlacement(costs.host_read_gb_s, costs.cpu_gb_s, steps=StepChooser(min_batch=min_batch),
+                                    chosen_by=costs,
                                     probe=f"as auto's costs: {costs.source}")
         return HostReadPlacement(chosen_by=costs, requested=name)
     return AutoPlacement(costs, cache.counters, resident=cache.resident, split=name == "auto-split")
