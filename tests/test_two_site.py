@@ -616,10 +616,10 @@ def test_auto_with_both_sites_probes_both_steps_at_batch_4_and_decodes_what_full
 
 def test_auto_with_both_sites_warms_both_steps_up_without_asking_its_chooser(seed3_tiny_packs, test_device,
                                                                              record_decode, monkeypatch):
-    """warm_up runs both steps at batch 1 and at the max batch (on a GPU: captures them), asks the chooser nothing and
-    leaves the counters, paths, split counts and the CPU rate learned in use as they were. RUNMAP_TWO_SITE_MIN_BATCH
-    sets the chooser's smallest batch: a max batch below it keeps auto as plain host-read; a value that is not an
-    integer >= 1 is refused at build, naming it."""
+    """warm_up runs host-read's step at batch 1 and both steps at the max batch (on a GPU: captures them), asks the
+    chooser nothing and leaves the counters, paths, split counts and the CPU rate learned in use as they were.
+    RUNMAP_TWO_SITE_MIN_BATCH sets the chooser's smallest batch (default 4): a max batch below it keeps auto as plain
+    host-read; a value that is not an integer >= 1 is refused at build, naming it."""
     from runmap.engine.placement import HostReadPlacement, TwoSitePlacement
 
     pack, cfg = seed3_tiny_packs["tiny-olmoe"]
@@ -629,8 +629,8 @@ def test_auto_with_both_sites_warms_both_steps_up_without_asking_its_chooser(see
         before = dict(cache.counters), dict(eng.decode_paths), plan.split_counts(), plan.cpu_rate.calls
         eng.warm_up()
         assert plan.steps.describe()["by_batch"] == {}
-        assert plan.steps.min_batch == 1
-        assert set(eng._host_read) == {1, 4} and set(eng._two_site) == {1, 4}
+        assert plan.steps.min_batch == 4
+        assert set(eng._host_read) == {1, 4} and set(eng._two_site) == {4}
         # the warm-up's CPU-site calls (pad tokens) teach the CPU rate nothing
         assert (dict(cache.counters), dict(eng.decode_paths), plan.split_counts(), plan.cpu_rate.calls) == before
     finally:
@@ -646,8 +646,11 @@ def test_auto_with_both_sites_warms_both_steps_up_without_asking_its_chooser(see
         return Engine.from_pack(pack, executor="grouped", device=test_device, resident=cfg.top_k, max_batch=3,
                                 max_seq_len=48, cache_contract=_contract(test_device), expert_placement="auto",
                                 placement_costs=costs, warm_up=False)
-    for min_batch, both in [("3", True), ("4", False)]:
-        monkeypatch.setenv(TWO_SITE_MIN_BATCH_ENV, min_batch)
+    for min_batch, both in [("3", True), ("4", False), (None, False)]:
+        if min_batch is None:
+            monkeypatch.delenv(TWO_SITE_MIN_BATCH_ENV)
+        else:
+            monkeypatch.setenv(TWO_SITE_MIN_BATCH_ENV, min_batch)
         eng = small()
         try:
             plan = eng.experts.placement

@@ -132,8 +132,8 @@ TWO_SITE_WAIT_ENV = "RUNMAP_TWO_SITE_WAIT"
 # call from the rule's experts (for A/B measurements of the host's per-layer cost; docs/engine.md)
 TWO_SITE_JOIN_ENV = "RUNMAP_TWO_SITE_JOIN"
 # Placement auto with both sites: the smallest decode batch whose steps may be two-site ones (an integer >= 1; default
-# runmap.engine.placement.TWO_SITE_MIN_BATCH, every batch size). Below it host-read's step always runs; for A/B runs of
-# the step chooser against host-read alone at small batches
+# runmap.engine.placement.TWO_SITE_MIN_BATCH). Below it host-read's step always runs; for A/B runs of the step chooser
+# against host-read alone at small batches
 TWO_SITE_MIN_BATCH_ENV = "RUNMAP_TWO_SITE_MIN_BATCH"
 POLL_LIMIT_S = 60.0  # a poll that long means the device stopped: the step raises instead of spinning for ever
 PREFILL_CHUNK = 8192  # prompt tokens per row per prefill pass, by default (from_pack's prefill_chunk)

@@ -56,8 +56,8 @@ executor computing one token's top_k experts straight from the registered host r
 (best of a few; ``CachedExperts.measure_host_read_gb_s``). ``auto`` becomes placement host-read for the engine's
 life unless the CPU site is faster than both the host-read site and the link's copy, and then stays the rule above
 (which, with the CPU faster than the copy, gives the CPU the misses that reuse does not pay for). Where the engine
-can also run the two-site step (a max batch of at least the chooser's minimum, TWO_SITE_MIN_BATCH by default: every
-batch size; the split kernel's bounds) ``auto`` becomes TwoSitePlacement with a StepChooser instead: host-read's steps
+can also run the two-site step (a max batch of at least the chooser's minimum, TWO_SITE_MIN_BATCH by default; the
+split kernel's bounds) ``auto`` becomes TwoSitePlacement with a StepChooser instead: host-read's steps
 below that batch size, and from there whichever of host-read's step and the two-site step measures faster at each
 batch size (which one wins depends on the machine: how fast its GPU reads host memory against its cores, docs/engine.md). Why not the rule alone: host-read and the CPU site both pay at each use, but
 host-read's steps stay one CUDA graph and it promotes the most used experts beside them (the transfer's reuse), and
@@ -462,13 +462,16 @@ def two_site_fits(num_experts: int, top_k: int, max_batch: int) -> bool:
 
 
 # Placement auto with both sites: below this decode batch size it runs host-read's steps only, from it the faster of
-# the two steps as measured. It was 4: the two-site chain lost at batch 1 in every row on two H100 hosts (0.47-0.82x
+# the two steps as measured. Measured: the two-site chain lost at batch 1 in every row on two H100 hosts (0.47-0.82x
 # host-read, results/campaigns/h100-two-site and h100-two-site-repeat: a host wait per layer of ~1.4 ms a token). The
 # one-graph step with the mask join won at batch 1 on an H100 whose GPU reads host memory slowly (n-cpu-moe 12 / 16:
-# 1.49 / 1.59x host-read, results/campaigns/h100-two-site-mask-join), where auto still ran host-read's step. Which
-# step is faster at batch 1 depends on the machine, so it is measured there too (TWO_SITE_MIN_BATCH_ENV in
-# runmap.engine.engine sets another minimum, for A/B runs).
-TWO_SITE_MIN_BATCH = 1
+# 1.49 / 1.59x host-read, results/campaigns/h100-two-site-mask-join), but a minimum of 1 lost on an H100 that reads
+# it fast (results/campaigns/h100-auto-sites-b1-probe: n-cpu-moe 4 batch 1 259 tok/s, where host-read alone ran ~550
+# on such machines): the chooser timed host-read's first steps, right after the prompt, against two-site's later ones,
+# and the two-site step it kept gave the CPU site nothing (its rate learned in use from 5 small calls, 0.23 GB/s), so
+# it was host-read's work plus a join per layer. TWO_SITE_MIN_BATCH_ENV in runmap.engine.engine sets another minimum
+# for A/B runs.
+TWO_SITE_MIN_BATCH = 4
 
 
 class StepChooser:
