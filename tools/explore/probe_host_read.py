@@ -54,6 +54,27 @@ def host_copy(storage: torch.Tensor, register: bool):
     return arr, buf
 
 
+def mapped_layer(shape_arg: str, dev: torch.device, seed: int):
+    """One layer of experts of the ExpertShape named ``shape_arg`` (runmap.kernels.check.SHAPES; "tiny": small-b256)
+    built on ``dev``, and a copy of its storage in page-aligned host memory, registered and mapped on a GPU ->
+    (shape, layout, storage uint8 (R, row_bytes), row table int32 (E,), resident ids (3/4 of E), the host copy as
+    numpy, its mmap, host_storage: the host copy as a tensor the executor reads as a storage)."""
+    from runmap.kernels.check import SHAPES, make_layer
+
+    shapes = {s.name: s for group in SHAPES.values() for s in group}
+    shape = shapes["small-b256" if shape_arg == "tiny" else shape_arg]
+    layout, storage, table, resident = make_layer(shape, dev, seed)
+    arr, buf = host_copy(storage, register=dev.type == "cuda")
+    if dev.type == "cuda":
+        host_storage = torch.as_tensor(MappedArray(arr.ctypes.data, *arr.shape), device=dev)
+        # a view, not a copy; that the host pointer is also the device's is unified addressing (every 64-bit Linux
+        # CUDA device since Fermi): a kernel reading it reads host memory over the link
+        assert host_storage.data_ptr() == arr.ctypes.data
+    else:  # the interpreter: no mapping, the host copy itself (plumbing only)
+        host_storage = torch.from_numpy(arr)
+    return shape, layout, storage, table, resident, arr, buf, host_storage
+
+
 def graph_of(fn):
     """A CUDA graph of one call of fn (runmap's capture_graph: warmed up on a side stream first), or None when
     capture fails (then the call is timed eagerly)."""
@@ -107,21 +128,10 @@ def main(argv=None) -> int:
     if dev.type == "cuda" and not torch.cuda.is_available():
         sys.exit("probe_host_read: no CUDA device; use --device cpu with TRITON_INTERPRET=1 for the plumbing")
 
-    from runmap.kernels.check import SHAPES, make_layer
     from runmap.kernels.executors import moe_experts
     from runmap.kernels.reference import reference_moe_f32
 
-    shapes = {s.name: s for group in SHAPES.values() for s in group}
-    shape = shapes["small-b256" if args.shape == "tiny" else args.shape]
-    layout, storage, table, resident = make_layer(shape, dev, args.seed)  # (R, row_bytes), int32 (E,), 3/4 of E
-    arr, _buf = host_copy(storage, register=dev.type == "cuda")
-    if dev.type == "cuda":
-        host_storage = torch.as_tensor(MappedArray(arr.ctypes.data, *arr.shape), device=dev)
-        # a view, not a copy; that the host pointer is also the device's is unified addressing (every 64-bit Linux
-        # CUDA device since Fermi): a kernel reading it reads host memory over the link
-        assert host_storage.data_ptr() == arr.ctypes.data
-    else:
-        host_storage = torch.from_numpy(arr)
+    shape, layout, storage, table, resident, arr, _buf, host_storage = mapped_layer(args.shape, dev, args.seed)
     row_bytes = layout.row_bytes
     k = shape.top_k
     resident = resident.cpu()

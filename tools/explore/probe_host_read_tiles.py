@@ -29,8 +29,7 @@ from pathlib import Path
 import torch
 
 # tools/explore/probe_host_read.py (this folder is the script's first import path)
-from probe_host_read import device_us, host_copy
-from runmap.residency.transport import MappedArray
+from probe_host_read import device_us, mapped_layer
 
 # (name, tokens, union of experts, config overrides of grouped.default_config); "default" keeps the executor's own
 CONFIGS_B1 = [
@@ -65,19 +64,10 @@ def main(argv=None) -> int:
     if dev.type == "cuda" and not torch.cuda.is_available():
         sys.exit("probe_host_read_tiles: no CUDA device; use --device cpu with TRITON_INTERPRET=1 for the plumbing")
 
-    from runmap.kernels.check import SHAPES, make_layer
     from runmap.kernels.executors import moe_experts
     from runmap.kernels.reference import reference_moe_f32
 
-    shapes = {s.name: s for group in SHAPES.values() for s in group}
-    shape = shapes["small-b256" if args.shape == "tiny" else args.shape]
-    layout, storage, table, resident = make_layer(shape, dev, args.seed)  # (R, row_bytes), int32 (E,)
-    arr, _buf = host_copy(storage, register=dev.type == "cuda")
-    if dev.type == "cuda":
-        host_storage = torch.as_tensor(MappedArray(arr.ctypes.data, *arr.shape), device=dev)
-        assert host_storage.data_ptr() == arr.ctypes.data  # a view of the host bytes, read over the link
-    else:
-        host_storage = torch.from_numpy(arr)
+    shape, layout, storage, table, resident, arr, _buf, host_storage = mapped_layer(args.shape, dev, args.seed)
     k = shape.top_k
     resident = resident.cpu()
     gen = torch.Generator(device="cpu").manual_seed(args.seed + 11)
