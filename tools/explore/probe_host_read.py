@@ -54,6 +54,26 @@ def host_copy(storage: torch.Tensor, register: bool):
     return arr, buf
 
 
+def probe_arguments(doc: str) -> argparse.ArgumentParser:
+    """The arguments the host-read probes share: --device, --shape, --seed, --out."""
+    ap = argparse.ArgumentParser(description=doc.split("\n\n")[0], formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--device", default="cuda", help="cuda (measures) or cpu (the interpreter: plumbing only)")
+    ap.add_argument("--shape", default="olmoe", help="an ExpertShape name of runmap.kernels.check.SHAPES "
+                                                     "(olmoe; tiny: small-b256)")
+    ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--out", type=Path, help="write the results as JSON here")
+    return ap
+
+
+def parse_probe(ap: argparse.ArgumentParser, argv, name: str):
+    """-> (arguments, torch device); exits with one line where CUDA is asked for and absent."""
+    args = ap.parse_args(argv)
+    dev = torch.device(args.device)
+    if dev.type == "cuda" and not torch.cuda.is_available():
+        sys.exit(f"{name}: no CUDA device; use --device cpu with TRITON_INTERPRET=1 for the plumbing")
+    return args, dev
+
+
 def mapped_layer(shape_arg: str, dev: torch.device, seed: int):
     """One layer of experts of the ExpertShape named ``shape_arg`` (runmap.kernels.check.SHAPES; "tiny": small-b256)
     built on ``dev``, and a copy of its storage in page-aligned host memory, registered and mapped on a GPU ->
@@ -114,19 +134,24 @@ def device_us(fn, rounds: int = 5, reps: int = 20) -> float:
     return round(statistics.median(out), 2)
 
 
+def finish_probe(dev: torch.device, arr, result: dict, ok: bool, out: Path | None) -> int:
+    """Unregister the host copy (on a GPU), write ``result`` with its verdict to ``out`` (when given), print the
+    verdict; the process's exit status."""
+    if dev.type == "cuda":
+        torch.cuda.synchronize()
+        torch.cuda.cudart().cudaHostUnregister(arr.ctypes.data)
+    result["pass"] = ok
+    if out:
+        out.parent.mkdir(parents=True, exist_ok=True)
+        out.write_text(json.dumps(result, indent=1) + "\n")
+    print("correctness:", "passed" if ok else "FAILED")
+    return 0 if ok else 1
+
+
 def main(argv=None) -> int:
-    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
-                                 formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--device", default="cuda", help="cuda (measures) or cpu (the interpreter: plumbing only)")
-    ap.add_argument("--shape", default="olmoe", help="an ExpertShape name of runmap.kernels.check.SHAPES "
-                                                     "(olmoe; tiny: small-b256)")
+    ap = probe_arguments(__doc__)
     ap.add_argument("--executor", default="grouped")
-    ap.add_argument("--seed", type=int, default=0)
-    ap.add_argument("--out", type=Path, help="write the results as JSON here")
-    args = ap.parse_args(argv)
-    dev = torch.device(args.device)
-    if dev.type == "cuda" and not torch.cuda.is_available():
-        sys.exit("probe_host_read: no CUDA device; use --device cpu with TRITON_INTERPRET=1 for the plumbing")
+    args, dev = parse_probe(ap, argv, "probe_host_read")
 
     from runmap.kernels.executors import moe_experts
     from runmap.kernels.reference import reference_moe_f32
@@ -192,16 +217,7 @@ def main(argv=None) -> int:
             case["host_read_vs_copy_then_compute"] = round(case["copy_then_compute_us"] / case["host_read_us"], 3)
         result["cases"].append(case)
         print(" ".join(f"{k_}={v}" for k_, v in case.items()))
-    if dev.type == "cuda":
-        torch.cuda.synchronize()
-        torch.cuda.cudart().cudaHostUnregister(arr.ctypes.data)
-    ok = all(c["pass"] for c in result["cases"])
-    result["pass"] = ok
-    if args.out:
-        args.out.parent.mkdir(parents=True, exist_ok=True)
-        args.out.write_text(json.dumps(result, indent=1) + "\n")
-    print("correctness:", "passed" if ok else "FAILED")
-    return 0 if ok else 1
+    return finish_probe(dev, arr, result, all(c["pass"] for c in result["cases"]), args.out)
 
 
 if __name__ == "__main__":

@@ -21,15 +21,11 @@ reference). Writes --out as JSON, prints a table.
 """
 from __future__ import annotations
 
-import argparse
-import json
-import sys
-from pathlib import Path
 
 import torch
 
 # tools/explore/probe_host_read.py (this folder is the script's first import path)
-from probe_host_read import device_us, mapped_layer
+from probe_host_read import device_us, finish_probe, mapped_layer, parse_probe, probe_arguments
 
 # (name, tokens, union of experts, config overrides of grouped.default_config); "default" keeps the executor's own
 CONFIGS_B1 = [
@@ -52,17 +48,7 @@ CASES = [(1, 8, CONFIGS_B1), (8, 20, CONFIGS_B8)]
 
 
 def main(argv=None) -> int:
-    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
-                                 formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--device", default="cuda", help="cuda (measures) or cpu (the interpreter: plumbing only)")
-    ap.add_argument("--shape", default="olmoe", help="an ExpertShape name of runmap.kernels.check.SHAPES (tiny: "
-                                                     "small-b256)")
-    ap.add_argument("--seed", type=int, default=0)
-    ap.add_argument("--out", type=Path, help="write the results as JSON here")
-    args = ap.parse_args(argv)
-    dev = torch.device(args.device)
-    if dev.type == "cuda" and not torch.cuda.is_available():
-        sys.exit("probe_host_read_tiles: no CUDA device; use --device cpu with TRITON_INTERPRET=1 for the plumbing")
+    args, dev = parse_probe(probe_arguments(__doc__), argv, "probe_host_read_tiles")
 
     from runmap.kernels.executors import moe_experts
     from runmap.kernels.reference import reference_moe_f32
@@ -110,16 +96,8 @@ def main(argv=None) -> int:
             print(f"{t:>6} {m:>7} {name:<18} {row.get('host_read_us', float('nan')):>8} "
                   f"{row.get('host_read_gb_s', float('nan')):>6} {row.get('device_us', float('nan')):>9} "
                   f"{str(row['pass']):>5}")
-    if dev.type == "cuda":
-        torch.cuda.synchronize()
-        torch.cuda.cudart().cudaHostUnregister(arr.ctypes.data)
     ok = all(r.get("pass", False) for r in result["rows"] if "error" not in r)
-    result["pass"] = ok
-    if args.out:
-        args.out.parent.mkdir(parents=True, exist_ok=True)
-        args.out.write_text(json.dumps(result, indent=1) + "\n")
-    print("correctness:", "passed" if ok else "FAILED")
-    return 0 if ok else 1
+    return finish_probe(dev, arr, result, ok, args.out)
 
 
 if __name__ == "__main__":
