@@ -318,12 +318,13 @@ def default_config(n_pairs: int, device: torch.device) -> dict:
         # sorted runs of 16 rows (config SORTED) where the decode form has more pairs to match: 64 pairs (OLMoE batch 8,
         # Qwen1.5-MoE batch 16) 79.1 / 98.6 us per layer against 88.3 / 108.2, 128 pairs (OLMoE batch 16) 102.9 against
         # 109.0 (results/kernels/explore/h200-sorted-decode.json, sort launches included); at 32 pairs (Qwen1.5-MoE
-        # batch 8) the decode form was faster, 73.1 against 75.2-79.3. BLOCK_K 256 (128 contiguous bytes of each weight
-        # row per tile, where 128 read 64): the same device time on an H100 (batch 8 over 20 experts, 61.3 against 61.6
-        # us) and absent experts read over the link at 52.4 against 44.9 GB/s (host-read steps, whose logits equal full
-        # residency's only with the same tiles; results/residency/host-read-tiles-h100.log). BLOCK_K 256 with 3 stages
-        # was 82.3 against 79.1 us on the H200's whole layer (same file)
-        return _tiles(16, 64, 256, 4, 4, SORTED=True, **per_tile)
+        # batch 8) the decode form was faster, 73.1 against 75.2-79.3. A candidate not yet judged end to end: BLOCK_K 256
+        # (128 contiguous bytes of each weight row per tile, where 128 reads 64) kept the device time on an H100 (batch 8
+        # over 20 experts, 61.3 against 61.6 us) and read absent experts over the link at 52.4 against 44.9 GB/s
+        # (host-read steps, whose logits equal full residency's only with the same tiles;
+        # results/residency/host-read-tiles-h100.log); with 3 stages it was 82.3 against 79.1 us on the H200's whole
+        # layer (results/kernels/explore/h200-sorted-decode.json)
+        return _tiles(16, 64, 128, 4, 4, SORTED=True, **per_tile)
     if n_pairs >= DEQUANT_MIN_PAIRS:
         return _tiles(128, 128, 64, 8, 3, DEQUANT=True, DEQ_ASM=deq_asm, PRELOAD_SCALES=True)
     # Sorted passes with few pairs per expert (129-2,048 pairs: at top-8 a served decode step of 17-256 rows, a join of
