@@ -318,10 +318,10 @@ def default_config(n_pairs: int, device: torch.device) -> dict:
         # sorted runs of 16 rows (config SORTED) where the decode form has more pairs to match: 64 pairs (OLMoE batch 8,
         # Qwen1.5-MoE batch 16) 79.1 / 98.6 us per layer against 88.3 / 108.2, 128 pairs (OLMoE batch 16) 102.9 against
         # 109.0 (results/kernels/explore/h200-sorted-decode.json, sort launches included); at 32 pairs (Qwen1.5-MoE
-        # batch 8) the decode form was faster, 73.1 against 75.2-79.3. A candidate not yet judged end to end: BLOCK_K 256
-        # (128 contiguous bytes of each weight row per tile, where 128 reads 64) kept the device time on an H100 (batch 8
-        # over 20 experts, 61.3 against 61.6 us) and read absent experts over the link at 52.4 against 44.9 GB/s
-        # (host-read steps, whose logits equal full residency's only with the same tiles;
+        # batch 8) the decode form was faster, 73.1 against 75.2-79.3. A candidate not yet judged end to end:
+        # BLOCK_K 256 (128 contiguous bytes of each weight row per tile, where 128 reads 64) kept the device time on
+        # an H100 (batch 8 over 20 experts, 61.3 against 61.6 us) and read absent experts over the link at 52.4
+        # against 44.9 GB/s (host-read steps, whose logits equal full residency's only with the same tiles;
         # results/residency/host-read-tiles-h100.log); with 3 stages it was 82.3 against 79.1 us on the H200's whole
         # layer (results/kernels/explore/h200-sorted-decode.json)
         return _tiles(16, 64, 128, 4, 4, SORTED=True, **per_tile)

@@ -1027,7 +1027,7 @@ def test_an_engine_asked_for_auto_runs_host_read_when_it_is_the_cheaper_site(pac
     from runmap.engine.engine import TWO_SITE_MIN_BATCH_ENV, Engine
     from runmap.engine.placement import HostReadPlacement
 
-    monkeypatch.setenv(TWO_SITE_MIN_BATCH_ENV, "3")  # max batch 2 below it, whatever the default (tests/test_two_site.py)
+    monkeypatch.setenv(TWO_SITE_MIN_BATCH_ENV, "3")  # max batch 2 below it, whatever the default
 
     pack, cfg = packs["tiny-olmoe"]
     costs = PlacementCosts(h2d_gb_s=0.5, cpu_gb_s=1.0, row_bytes=100, source="test", host_read_gb_s=host_read_gb_s)

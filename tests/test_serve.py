@@ -461,8 +461,8 @@ def test_the_page_chats_with_streamed_text_and_runs_ifeval(server, tmp_path):
 
 def test_an_ifeval_run_stops_and_resumes(server):
     url = server["url"]
-    # enough prompts that the run cannot end between its first answer and the stop (with 4 it once did: a tiny model
-    # answers a prompt in a few ms, and the stop is asked for after a poll of up to 50 ms)
+    # enough prompts that the run is most unlikely to end between its first answer and the stop (with 4 it once did: a
+    # tiny model answers a prompt in a few ms, and the stop is asked for after a poll of up to 50 ms)
     n = 24
     start = {"limit": n, "max_new_tokens": 12, "batch_size": 1, "name": "stop-resume"}
     r = httpx.post(url + "api/ifeval/start", json=start, timeout=30)

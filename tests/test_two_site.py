@@ -225,6 +225,22 @@ def test_the_two_site_step_options_are_checked_when_the_engine_is_built(seed3_ti
             eng.close()
 
 
+@pytest.mark.parametrize("bad", ["0", "-2", "four", "1.5", ""])
+def test_the_chooser_minimum_is_checked_before_anything_is_built_and_only_for_auto(seed3_tiny_packs, monkeypatch,
+                                                                                   tmp_path, bad):
+    """RUNMAP_TWO_SITE_MIN_BATCH not an integer >= 1: placement auto refuses it in one line naming it before it opens
+    anything (a pack directory that does not exist is never reached); another placement does not read it."""
+    from runmap.engine.engine import TWO_SITE_MIN_BATCH_ENV, Engine, EngineError
+
+    monkeypatch.setenv(TWO_SITE_MIN_BATCH_ENV, bad)
+    with pytest.raises(EngineError, match=rf"^RUNMAP_TWO_SITE_MIN_BATCH='{bad}': allowed values are integers >= 1"):
+        Engine.from_pack(tmp_path / "no-such-pack", executor="grouped", device="cpu", expert_placement="auto")
+    pack, cfg = seed3_tiny_packs["tiny-olmoe"]
+    eng = Engine.from_pack(pack, executor="grouped", device="cpu", max_batch=2, max_seq_len=48, resident=cfg.top_k,
+                           warm_up=False)
+    eng.close()
+
+
 @pytest.mark.parametrize("B,H", [(1, 64), (3, 100), (8, 2048), (5, 2050)])
 def test_the_join_adds_the_host_sum_only_where_the_cpu_site_has_experts(B, H, test_device):
     """kernels/site_split.add_site_sum on fresh random inputs and odd shapes, output poisoned: published (flag ==
@@ -534,8 +550,13 @@ def test_the_step_chooser_runs_the_step_that_measured_faster(hr, ts, probe, revi
 
 
 def _auto_both(pack, cfg, device, record_decode, **kw):
-    from runmap.engine.engine import Engine
+    import os
+
+    from runmap.engine.engine import TWO_SITE_MIN_BATCH_ENV, Engine
     from runmap.engine.placement import PlacementCosts
+
+    # these tests assume the default minimum (4): an A/B device call may export another one
+    assert TWO_SITE_MIN_BATCH_ENV not in os.environ, f"unset {TWO_SITE_MIN_BATCH_ENV} to run the two-site tests"
 
     # the host-read site given faster than the CPU site: auto chooses host-read's steps, with both sites at batch >= 4
     costs = PlacementCosts(h2d_gb_s=0.5, cpu_gb_s=1.0, row_bytes=100, source="test", host_read_gb_s=2.0)
@@ -619,7 +640,7 @@ def test_auto_with_both_sites_warms_both_steps_up_without_asking_its_chooser(see
     """warm_up runs host-read's step at batch 1 and both steps at the max batch (on a GPU: captures them), asks the
     chooser nothing and leaves the counters, paths, split counts and the CPU rate learned in use as they were.
     RUNMAP_TWO_SITE_MIN_BATCH sets the chooser's smallest batch (default 4): a max batch below it keeps auto as plain
-    host-read; a value that is not an integer >= 1 is refused at build, naming it."""
+    host-read."""
     from runmap.engine.placement import HostReadPlacement, TwoSitePlacement
 
     pack, cfg = seed3_tiny_packs["tiny-olmoe"]
@@ -635,10 +656,8 @@ def test_auto_with_both_sites_warms_both_steps_up_without_asking_its_chooser(see
         assert (dict(cache.counters), dict(eng.decode_paths), plan.split_counts(), plan.cpu_rate.calls) == before
     finally:
         eng.close()
-    from runmap.engine.engine import Engine
+    from runmap.engine.engine import TWO_SITE_MIN_BATCH_ENV, Engine
     from runmap.engine.placement import PlacementCosts
-
-    from runmap.engine.engine import TWO_SITE_MIN_BATCH_ENV, EngineError
 
     costs = PlacementCosts(h2d_gb_s=0.5, cpu_gb_s=1.0, row_bytes=100, source="test", host_read_gb_s=2.0)
 
@@ -661,10 +680,6 @@ def test_auto_with_both_sites_warms_both_steps_up_without_asking_its_chooser(see
                 assert type(plan) is HostReadPlacement and not eng.use_two_site and eng.experts.cpu_site is None
         finally:
             eng.close()
-    for bad in ["0", "-2", "four", "1.5"]:
-        monkeypatch.setenv(TWO_SITE_MIN_BATCH_ENV, bad)
-        with pytest.raises(EngineError, match=rf"^RUNMAP_TWO_SITE_MIN_BATCH='{bad}': allowed values are integers >= 1"):
-            small()
 
 
 def test_auto_hands_over_between_host_read_and_two_site_steps_without_losing_a_promotion(seed3_tiny_packs, test_device,

@@ -2176,8 +2176,7 @@ class Engine:
                                                        site=experts.site() if (auto and placement_costs is None)
                                                        or two_site else None, costs=placement_costs,
                                                        host_read_rate=host_read_rate, share=two_site_share,
-                                                       top_k=cfg.top_k, both_sites=both_sites,
-                                                       **({"min_batch": min_batch} if both_sites else {}))
+                                                       top_k=cfg.top_k, both_sites=both_sites, min_batch=min_batch)
                     if isinstance(experts.placement, HostReadPlacement):
                         if experts.cpu_site is not None and not experts.placement.may_use_cpu():
                             # auto's rate probe built it; host-read never uses it (two-site does)

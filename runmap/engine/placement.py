@@ -59,7 +59,8 @@ life unless the CPU site is faster than both the host-read site and the link's c
 can also run the two-site step (a max batch of at least the chooser's minimum, TWO_SITE_MIN_BATCH by default; the
 split kernel's bounds) ``auto`` becomes TwoSitePlacement with a StepChooser instead: host-read's steps
 below that batch size, and from there whichever of host-read's step and the two-site step measures faster at each
-batch size (which one wins depends on the machine: how fast its GPU reads host memory against its cores, docs/engine.md). Why not the rule alone: host-read and the CPU site both pay at each use, but
+batch size (which one wins depends on the machine and the step's misses, docs/engine.md). Why not the rule alone:
+host-read and the CPU site both pay at each use, but
 host-read's steps stay one CUDA graph and it promotes the most used experts beside them (the transfer's reuse), and
 where the copy is the faster way over the link the rule would transfer through the chain, which host-read beat on
 every machine measured: 0.75-1.05 of the copy rate's transfer bound against the chain's 0.43
@@ -465,12 +466,12 @@ def two_site_fits(num_experts: int, top_k: int, max_batch: int) -> bool:
 # the two steps as measured. Measured: the two-site chain lost at batch 1 in every row on two H100 hosts (0.47-0.82x
 # host-read, results/campaigns/h100-two-site and h100-two-site-repeat: a host wait per layer of ~1.4 ms a token). The
 # one-graph step with the mask join won at batch 1 on an H100 whose GPU reads host memory slowly (n-cpu-moe 12 / 16:
-# 1.49 / 1.59x host-read, results/campaigns/h100-two-site-mask-join), but a minimum of 1 lost on an H100 that reads
-# it fast (results/campaigns/h100-auto-sites-b1-probe: n-cpu-moe 4 batch 1 259 tok/s, where host-read alone ran ~550
-# on such machines): the chooser timed host-read's first steps, right after the prompt, against two-site's later ones,
-# and the two-site step it kept gave the CPU site nothing (its rate learned in use from 5 small calls, 0.23 GB/s), so
-# it was host-read's work plus a join per layer. TWO_SITE_MIN_BATCH_ENV in runmap.engine.engine sets another minimum
-# for A/B runs.
+# 1.49 / 1.59x host-read, results/campaigns/h100-two-site-mask-join). A minimum of 1 on an H100 that reads it fast
+# (results/campaigns/h100-auto-sites-b1-probe) was slower at batch 1 in every row than host-read alone on a like
+# machine (259 against 549 tok/s at n-cpu-moe 4): there the two-site step it kept gave the CPU site nothing (its rate
+# learned in use from 5 small calls, 0.23 GB/s), so it was host-read's work plus a join per layer, and the probe timed
+# host-read's steps ~1.5x slower than host-read runs (why: UNKNOWN). TWO_SITE_MIN_BATCH_ENV in runmap.engine.engine
+# sets another minimum for A/B runs.
 TWO_SITE_MIN_BATCH = 4
 
 
@@ -811,7 +812,7 @@ def _measured(host_read_rate) -> tuple[float | None, str | None]:
 
 def make_placement(name: str, *, cache=None, site=None, costs: PlacementCosts | None = None,
                    host_read_rate=None, share: float | None = None, top_k: int = 1,
-                   both_sites: bool = False, min_batch: int = TWO_SITE_MIN_BATCH) -> Placement:
+                   both_sites: bool = False, min_batch: int | None = None) -> Placement:
     """The placement registered under ``name`` (PLACEMENTS). ``auto`` measures its costs on ``cache``'s host
     source and device through ``site`` (a runmap.kernels.cpu_int4.CpuExpertSite) unless ``costs`` is given;
     ``host_read_rate`` (a callable returning GB/s, given where placement host-read is possible) measures the host-read
@@ -820,9 +821,11 @@ def make_placement(name: str, *, cache=None, site=None, costs: PlacementCosts | 
     leaves the rule, with the error in ``costs.source``. Placement ``host-read`` records the rate it measures (None
     where it raises). ``two-site`` measures the host-read site (where ``host_read_rate`` is given) and the CPU site
     ``site`` on a call of top_k / 2 experts; ``share`` fixes its CPU share (TwoSitePlacement). ``both_sites``
-    (the engine can run the two-site step: batches of ``min_batch`` rows or more, the split kernel's bounds): where
+    (the engine can run the two-site step: batches of ``min_batch`` rows or more, TWO_SITE_MIN_BATCH where None; the
+    split kernel's bounds): where
     ``auto`` becomes host-read it becomes TwoSitePlacement with a StepChooser(min_batch) instead, host-read's steps
-    below ``min_batch`` rows and, from there, whichever step measures faster (its CPU rate to start from: the costs')."""
+    below ``min_batch`` rows and, from there, whichever step measures faster (its CPU rate to start from: the
+    costs')."""
     if name not in PLACEMENTS:
         raise PlacementError(f"expert placement {name!r}: choose one of {', '.join(PLACEMENTS)}")
     if name == "gpu":
@@ -853,7 +856,7 @@ def make_placement(name: str, *, cache=None, site=None, costs: PlacementCosts | 
         costs = dataclasses.replace(costs, host_read_gb_s=None)  # given, but the site is not possible in this engine
     if auto_chooses_host_read(costs):
         if both_sites and name == "auto":
-            return TwoSitePlacement(costs.host_read_gb_s, costs.cpu_gb_s, steps=StepChooser(min_batch=min_batch),
+            return TwoSitePlacement(costs.host_read_gb_s, costs.cpu_gb_s, steps=StepChooser(min_batch=min_batch or TWO_SITE_MIN_BATCH),
                                     chosen_by=costs,
                                     probe=f"as auto's costs: {costs.source}")
         return HostReadPlacement(chosen_by=costs, requested=name)

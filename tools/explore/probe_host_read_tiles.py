@@ -21,13 +21,12 @@ reference). Writes --out as JSON, prints a table.
 """
 from __future__ import annotations
 
-
 import torch
 
 # tools/explore/probe_host_read.py (this folder is the script's first import path)
 from probe_host_read import device_us, finish_probe, mapped_layer, parse_probe, probe_arguments
 
-# (name, tokens, union of experts, config overrides of grouped.default_config); "default" keeps the executor's own
+# (name, config overrides of grouped.default_config) per case; "default" keeps the executor's own
 CONFIGS_B1 = [
     ("default", {}),
     ("bn64", {"BLOCK_N": 64, "DOWN_BLOCK_N": 64}),
