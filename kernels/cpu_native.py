@@ -27,6 +27,7 @@ OpenMP; where torch's own libgomp is already loaded under the same name the two 
 from __future__ import annotations
 
 import ctypes
+import dataclasses
 import functools
 import hashlib
 import operator
@@ -382,7 +383,6 @@ class NativeLayer:
                 int(self.precision == "i16"), *q16_ptrs, self.prefetch_bytes, int(x.dtype == np.float16))
         return NativeCall(self.fn, args, out, keep=(x, scratch), owner=state)
 
-
     def masked_scratch(self, t: int, k: int, n_experts: int) -> "MaskedScratch":
         """Scratch for masked calls of ``t`` tokens, top ``k`` and ``n_experts`` experts per layer, which calls that
         never run at the same time may share (``bind_masked``'s ``scratch``: one per decoder, whose layers are joined
@@ -449,12 +449,16 @@ class NativeLayer:
                                                                         rows_sel, weights_sel, rows))
 
 
+@dataclasses.dataclass(eq=False)
 class MaskedScratch:
     """The buffers of masked calls (``NativeLayer.masked_scratch``): the kernel's scratch tensors, the C code's int32
     work array, its selected row addresses and weights, and the (T, k, E) they are sized for."""
 
-    def __init__(self, tensors: list, work: np.ndarray, rows_sel, weights_sel: np.ndarray, size: tuple):
-        self.tensors, self.work, self.rows_sel, self.weights_sel, self.size = tensors, work, rows_sel, weights_sel, size
+    tensors: list
+    work: np.ndarray
+    rows_sel: object  # ctypes array of E row addresses
+    weights_sel: np.ndarray
+    size: tuple
 
 
 class MaskedCall:

@@ -2170,8 +2170,8 @@ class Engine:
                         host_read_rate = experts.measure_host_read_gb_s
                     # auto may run the two-site step where a batch can be large enough for it to be tried and the split
                     # kernel's bounds hold (as for placement two-site above)
-                    both_sites = min_batch is not None and max_batch >= min_batch and two_site_fits(E, cfg.top_k,
-                                                                                                 max_batch)
+                    both_sites = (min_batch is not None and max_batch >= min_batch
+                                  and two_site_fits(E, cfg.top_k, max_batch))
                     experts.placement = make_placement(expert_placement, cache=cache,
                                                        site=experts.site() if (auto and placement_costs is None)
                                                        or two_site else None, costs=placement_costs,

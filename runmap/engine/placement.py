@@ -57,11 +57,10 @@ executor computing one token's top_k experts straight from the registered host r
 life unless the CPU site is faster than both the host-read site and the link's copy, and then stays the rule above
 (which, with the CPU faster than the copy, gives the CPU the misses that reuse does not pay for). Where the engine
 can also run the two-site step (a max batch of at least the chooser's minimum, TWO_SITE_MIN_BATCH by default; the
-split kernel's bounds) ``auto`` becomes TwoSitePlacement with a StepChooser instead: host-read's steps
-below that batch size, and from there whichever of host-read's step and the two-site step measures faster at each
-batch size (which one wins depends on the machine and the step's misses, docs/engine.md). Why not the rule alone:
-host-read and the CPU site both pay at each use, but
-host-read's steps stay one CUDA graph and it promotes the most used experts beside them (the transfer's reuse), and
+split kernel's bounds) ``auto`` becomes TwoSitePlacement with a StepChooser instead: host-read's steps below that batch
+size, and from there whichever of host-read's step and the two-site step measures faster at each batch size (which
+one wins depends on the machine and the step's misses, docs/engine.md). Why not the rule alone: host-read and the CPU
+site both pay at each use, but host-read's steps stay one CUDA graph and it promotes the most used experts beside them (the transfer's reuse), and
 where the copy is the faster way over the link the rule would transfer through the chain, which host-read beat on
 every machine measured: 0.75-1.05 of the copy rate's transfer bound against the chain's 0.43
 (results/campaigns/h100-host-read-complete, h100-host-read-slow-link). The choice, the three rates and why are in the
@@ -822,10 +821,9 @@ def make_placement(name: str, *, cache=None, site=None, costs: PlacementCosts | 
     where it raises). ``two-site`` measures the host-read site (where ``host_read_rate`` is given) and the CPU site
     ``site`` on a call of top_k / 2 experts; ``share`` fixes its CPU share (TwoSitePlacement). ``both_sites``
     (the engine can run the two-site step: batches of ``min_batch`` rows or more, TWO_SITE_MIN_BATCH where None; the
-    split kernel's bounds): where
-    ``auto`` becomes host-read it becomes TwoSitePlacement with a StepChooser(min_batch) instead, host-read's steps
-    below ``min_batch`` rows and, from there, whichever step measures faster (its CPU rate to start from: the
-    costs')."""
+    split kernel's bounds): where ``auto`` becomes host-read it becomes TwoSitePlacement with a StepChooser(min_batch)
+    instead, host-read's steps below ``min_batch`` rows and, from there, whichever step measures faster (its CPU rate
+    to start from: the costs')."""
     if name not in PLACEMENTS:
         raise PlacementError(f"expert placement {name!r}: choose one of {', '.join(PLACEMENTS)}")
     if name == "gpu":
@@ -856,8 +854,8 @@ def make_placement(name: str, *, cache=None, site=None, costs: PlacementCosts | 
         costs = dataclasses.replace(costs, host_read_gb_s=None)  # given, but the site is not possible in this engine
     if auto_chooses_host_read(costs):
         if both_sites and name == "auto":
-            return TwoSitePlacement(costs.host_read_gb_s, costs.cpu_gb_s, steps=StepChooser(min_batch=min_batch or TWO_SITE_MIN_BATCH),
-                                    chosen_by=costs,
+            steps = StepChooser(min_batch=min_batch or TWO_SITE_MIN_BATCH)
+            return TwoSitePlacement(costs.host_read_gb_s, costs.cpu_gb_s, steps=steps, chosen_by=costs,
                                     probe=f"as auto's costs: {costs.source}")
         return HostReadPlacement(chosen_by=costs, requested=name)
     return AutoPlacement(costs, cache.counters, resident=cache.resident, split=name == "auto-split")
