@@ -821,6 +821,30 @@ def test_the_in_use_rate_is_a_decaying_average_trusted_after_enough_calls():
     assert r.calls == 2
     with pytest.raises(PlacementError, match="decay"):
         InUseRate(decay=1.0)
+    with pytest.raises(PlacementError, match="clip"):
+        InUseRate(clip=0.5)
+
+
+def test_a_stalled_call_weighs_at_most_the_clip_and_a_real_slowdown_still_moves_the_rate():
+    r = InUseRate(decay=0.9, min_calls=4, clip=4.0)
+    for _ in range(3):  # untrusted calls are taken as they come: there is no rate yet to clip against
+        r.add(1e9, 100.0)
+    assert r.clipped == 0
+    r = InUseRate(decay=0.9, min_calls=4, clip=4.0)
+    for _ in range(8):
+        r.add(1e9, 0.1)  # 10 GB/s
+    before = r.gb_s
+    assert before == pytest.approx(10.0)
+    r.add(1e9, 50.0)  # one call stalled 500x: counted as 4x the rate's 0.1 s
+    assert r.clipped == 1 and r.gb_s > 0.6 * before
+    nbytes = sum(1e9 * 0.9 ** i for i in range(9))  # the eight 0.1 s calls decayed once more, then the stalled one
+    seconds = sum(0.1 * 0.9 ** i for i in range(1, 9)) + 0.4
+    assert r.gb_s == pytest.approx(nbytes / seconds / 1e9)
+    for _ in range(60):  # a site that really slowed to 0.5 GB/s: the rate follows it, by at most 4x per call
+        prev = r.gb_s
+        r.add(1e9, 2.0)
+        assert r.gb_s >= prev / 4.0
+    assert r.gb_s == pytest.approx(0.5, rel=0.05)
 
 
 def test_auto_replaces_its_build_time_rates_by_what_it_observes_in_use():

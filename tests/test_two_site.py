@@ -11,6 +11,7 @@ site, which computes them from the same host source at the same time.
 from __future__ import annotations
 
 import os
+import time
 
 import numpy as np
 import pytest
@@ -346,6 +347,79 @@ def test_the_share_follows_the_rates_and_the_cpu_rate_learned_in_use():
             TwoSitePlacement(30.0, 10.0, share=bad)
 
 
+def test_a_learned_cpu_rate_that_starves_the_cpu_site_is_dropped_after_enough_layer_calls():
+    """A rate learned in a slow moment gives the CPU site nothing, so nothing measures it again: after
+    STARVED_LAYER_CALLS layer calls in a row where the probe's rate would have given the CPU an expert, the split goes
+    back to the probe's rate. Layers the probe's rate gives nothing either, a fixed share, or a layer that gave the CPU
+    experts do not count toward it."""
+    limit = TwoSitePlacement.STARVED_LAYER_CALLS
+    plan = TwoSitePlacement(30.0, 10.0)  # probe share 1/4: 4 absent experts give the CPU one, 1 gives it none
+    for _ in range(4):  # four calls at 0.01 GB/s: the learned share rounds every layer's CPU count to 0
+        plan.observe_cpu(10 << 20, (10 << 20) / 1e7)
+    assert plan.cpu_gb_s() == pytest.approx(0.01) and plan.split([(e, 1) for e in range(8)]) == ()
+    for _ in range(limit - 1):
+        plan.count_split(4, 0)
+    plan.count_split(1, 0)  # the probe's share gives one absent expert none either: no evidence, no count
+    assert plan.cpu_rate_resets == 0 and plan.starved == limit - 1
+    plan.count_split(4, 0)
+    assert plan.cpu_rate_resets == 1 and plan.starved == 0
+    assert plan.cpu_gb_s() == 10.0 and plan.share() == pytest.approx(0.25) and len(plan.split([(e, 1) for e in
+                                                                                                 range(4)])) == 1
+    assert plan.describe()["cpu_rate_resets"] == 1
+
+    # a layer with CPU experts breaks the run; a fixed share never resets
+    plan = TwoSitePlacement(30.0, 10.0)
+    for _ in range(4):
+        plan.observe_cpu(10 << 20, (10 << 20) / 1e7)
+    for i in range(2 * limit):
+        plan.count_split(4, 1 if i == limit - 1 else 0)
+    assert plan.cpu_rate_resets == 1  # (the run restarted at limit: one drop, at 2 limit - 1)
+    fixed = TwoSitePlacement(30.0, 10.0, share=0.0)
+    for _ in range(4):
+        fixed.observe_cpu(10 << 20, (10 << 20) / 1e7)
+    for _ in range(2 * limit):
+        fixed.count_split(4, 0)
+    assert fixed.cpu_rate_resets == 0
+
+
+def test_the_first_cpu_part_of_a_layer_binds_its_call_outside_the_rate_the_split_learns(seed3_tiny_packs,
+                                                                                        test_device, record_decode,
+                                                                                        monkeypatch):
+    """Join "mask" binds each layer's call on its first use: that bind is the join's work, not the CPU site's, so the
+    seconds the split learns its rate from never contain it. A bind made to take 0.3 s shows in the joins' split time
+    and in no CPU part's seconds."""
+    from runmap.engine.engine import TWO_SITE_JOIN_ENV, TWO_SITE_STEP_ENV, SegmentDecoder
+
+    monkeypatch.setenv(TWO_SITE_STEP_ENV, "graph")
+    monkeypatch.setenv(TWO_SITE_JOIN_ENV, "mask")
+    real_bind = SegmentDecoder._bind_masked
+    binds = []
+
+    def slow_bind(self, layer):
+        binds.append(layer)
+        time.sleep(0.3)
+        return real_bind(self, layer)
+    monkeypatch.setattr(SegmentDecoder, "_bind_masked", slow_bind)
+    pack, cfg = seed3_tiny_packs["tiny-olmoe"]
+    eng = _run(pack, test_device, record_decode, resident=cfg.top_k, expert_placement="two-site",
+               cache_contract=_contract(test_device), two_site_share=0.5)
+    try:
+        plan = eng.experts.placement
+        seen = []
+        real_observe = plan.observe_cpu
+        monkeypatch.setattr(plan, "observe_cpu", lambda n, s, tokens=None: (seen.append(s), real_observe(n, s, tokens)))
+        bound_before = len(binds)  # (on a GPU the warm-up's capture bound them already)
+        eng.generate(PROMPTS, max_new_tokens=4, ignore_eos=True)
+        bound_in_run = len(binds) - bound_before
+        assert seen, "the run computed no CPU part: nothing was tested"
+        assert max(seen) < 0.3, f"a CPU part's seconds held a bind: {max(seen):.3f} s"
+        if test_device == "cpu":  # eager steps: the run's first CPU part of each layer bound its call
+            joins = plan.describe()["joins"]
+            assert bound_in_run > 0 and joins["split_us"] * joins["layers"] >= 0.3e6 * bound_in_run
+    finally:
+        eng.close()
+
+
 def _host_rule(ids, table, R, q):
     """The split as the host applies it (TwoSitePlacement.split on the absent experts the table names) -> the slots
     row the kernel should write: int32 (E + B k,)."""
@@ -495,7 +569,7 @@ def _drive(chooser, batch, durations, n, slot0=40):
 def test_the_step_chooser_probes_both_steps_then_runs_the_faster_and_revisits_the_slower():
     from runmap.engine.placement import StepChooser
 
-    ch = StepChooser(min_batch=4, probe_steps=3, revisit_steps=6)
+    ch = StepChooser(min_batch=4, probe_steps=3, revisit_steps=6, rounds=1)
     assert _drive(ch, 2, {"host-read": 1.0, "two-site": 0.1}, 9) == ["host-read"] * 9  # below min_batch: host-read
     assert ch.describe()["by_batch"] == {}  # (and nothing kept for it)
     modes = _drive(ch, 8, {"host-read": 2e-3, "two-site": 1e-3}, 5 + 5 + 6 + 5 + 6)
@@ -511,11 +585,41 @@ def test_the_step_chooser_probes_both_steps_then_runs_the_faster_and_revisits_th
     assert _drive(ch, 5, {"host-read": 1e-3, "two-site": 3e-3}, 16)[10:] == ["host-read"] * 6
 
 
+def test_the_step_chooser_alternates_its_first_probes_so_both_steps_are_timed_early_and_late():
+    """The default's first probes: host-read, two-site, host-read, two-site, each ceil(probe_steps / 2) + 2 steps, the
+    times of both rounds kept. Here host-read's steps are slow (2.5 ms) only in the first 7 steps after the prompt and
+    faster than two-site's (1 against 2 ms) after them: the alternation's median (1.75 ms) chooses host-read, where one
+    round of 10 host-read steps, timed mostly while slow, would have chosen two-site."""
+    from runmap.engine.placement import StepChooser
+
+    def drive(ch, n):
+        now, modes = 0.0, []
+        for i in range(n):
+            modes.append(ch.mode(8, i, now=now))
+            now += (2.5e-3 if i < 7 else 1e-3) if modes[-1] == "host-read" else 2e-3
+        return modes
+
+    ch = StepChooser(min_batch=4, probe_steps=8, revisit_steps=5)
+    assert ch.describe()["rounds"] == 2
+    modes = drive(ch, 24 + 5 + 10)
+    assert modes[:24] == (["host-read"] * 6 + ["two-site"] * 6) * 2
+    assert modes[24:29] == ["host-read"] * 5  # chosen: the faster by the medians of both rounds
+    assert modes[29:] == ["two-site"] * 10  # the revisit: the slower probed again for probe_steps + 2 steps
+    d = ch.describe()["by_batch"]["8"]
+    # a step is timed from the third call of its run: 4 per probe round, 3 of the 5 chosen steps; the revisit dropped
+    # two-site's probe times and timed 8 of its 10
+    assert d["chosen"] == "host-read" and d["timed"] == {"host-read": 4 + 4 + 3, "two-site": 8}
+    one = StepChooser(min_batch=4, probe_steps=8, revisit_steps=5, rounds=1)
+    assert drive(one, 21)[20] == "two-site" and one.describe()["by_batch"]["8"]["chosen"] == "two-site"
+    with pytest.raises(PlacementError, match="rounds 0 must be >= 1"):
+        StepChooser(rounds=0)
+
+
 def test_the_step_chooser_times_only_steps_at_consecutive_slots_and_otherwise_keeps_host_read():
     """Slots that never follow each other (one-token runs) time nothing: after the probes host-read runs."""
     from runmap.engine.placement import StepChooser
 
-    ch = StepChooser(min_batch=1, probe_steps=2, revisit_steps=4)
+    ch = StepChooser(min_batch=1, probe_steps=2, revisit_steps=4, rounds=1)
     now, modes = 0.0, []
     for i in range(12):
         modes.append(ch.mode(1, 10 * i, now=now))  # slots 0, 10, 20, ...
@@ -536,7 +640,7 @@ def test_the_step_chooser_runs_the_step_that_measured_faster(hr, ts, probe, revi
     from runmap.engine.placement import StepChooser
 
     assume(abs(hr - ts) > 0.01 * max(hr, ts))
-    ch = StepChooser(min_batch=2, probe_steps=probe, revisit_steps=revisit)
+    ch = StepChooser(min_batch=2, probe_steps=probe, revisit_steps=revisit, rounds=1)
     n = 2 * (probe + 2) + revisit + extra
     modes = _drive(ch, 3, {"host-read": hr, "two-site": ts}, n)
     p = probe + 2
@@ -606,7 +710,7 @@ def test_auto_with_both_sites_probes_both_steps_at_batch_4_and_decodes_what_full
     try:
         plan = eng.experts.placement
         assert isinstance(plan.steps, StepChooser) and eng.use_two_site and eng.experts.cpu_site is not None
-        plan.steps = StepChooser(min_batch=4, probe_steps=1, revisit_steps=3)  # probes of 3 steps: 7 steps see both
+        plan.steps = StepChooser(min_batch=4, probe_steps=1, revisit_steps=3, rounds=1)  # probes of 3 steps: 7 see both
         got2 = [r.token_ids for r in eng.generate(PROMPTS, max_new_tokens=6, ignore_eos=True)]
         assert eng.decode_paths["two_site"] == 0 and eng.decode_paths["host_read"] == len(logits2)
         assert got2 == want2 and all(torch.equal(a, b) for a, b in zip(eng.decoded, logits2))
@@ -728,7 +832,7 @@ def test_the_step_chooser_never_times_a_step_across_two_runs():
     """break_runs (called when a run's steps end): a next run whose first slot follows the last one's is not timed."""
     from runmap.engine.placement import StepChooser
 
-    ch = StepChooser(min_batch=1, probe_steps=4, revisit_steps=4)
+    ch = StepChooser(min_batch=1, probe_steps=4, revisit_steps=4, rounds=1)
     _drive(ch, 2, {"host-read": 1e-3, "two-site": 1e-3}, 4, slot0=10)  # slots 10..13, 2 timed
     ch.break_runs()
     ch.mode(2, 14, now=100.0)  # a new run (a prompt's pass between): slot 14 follows 13, 100 s later

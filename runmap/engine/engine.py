@@ -1176,23 +1176,26 @@ class SegmentDecoder(_StaticStepInputs):
         ex = self.e.experts
         t_split = time.perf_counter()
         if self.mask_join:
-            t0 = t_split
             device_cpu = int(self.host_count_np[layer]) > 0
             if device_cpu:
                 call = self._masked[layer]
-                if call is None:
-                    call = self._masked[layer] = self._bind_masked(layer)
+                if call is None:  # (bound on first use, outside the timed call: the split learns the CPU site's
+                    call = self._masked[layer] = self._bind_masked(layer)  # rate from these seconds)
+                t0 = time.perf_counter()
                 call()
                 self.host_flags_np[layer, 0] = self._seq  # after the sum's last store (the device reads the flag,
                 # then the sum)
             t1 = time.perf_counter()
+            if not device_cpu:
+                t0 = t1
             n_absent, cpu = self._check_split(layer)
             t_checked = time.perf_counter()
             self._note_split(layer, n_absent)
             if device_cpu:
                 ex.observe_cpu(len(cpu), t1 - t0)
                 self.cpu_parts += 1
-            ex.placement.note_join(t_split - t_wait, t_checked - t1, t1 - t0, device_cpu)
+            # (split: the bind, where this layer's first CPU part made it, plus the rule and its check)
+            ex.placement.note_join(t_split - t_wait, (t0 - t_split) + (t_checked - t1), t1 - t0, device_cpu)
             return
         n_absent, cpu = self._check_split(layer)
         if not cpu:

@@ -164,19 +164,34 @@ def measure_costs(site, host, device, layer: int = 0, repeats: int = 5,
 
 class InUseRate:
     """A rate (GB/s) observed in use: bytes and wall seconds of recent calls, the oldest share forgotten at each
-    call (an exponential average with weight ``1 - decay`` on the newest), trusted from ``min_calls`` calls on."""
+    call (an exponential average with weight ``1 - decay`` on the newest), trusted from ``min_calls`` calls on.
 
-    def __init__(self, decay: float = 0.9, min_calls: int = 4):
-        if not 0.0 <= decay < 1.0 or min_calls < 1:
-            raise PlacementError(f"in-use rate: decay {decay} must be in [0, 1) and min_calls {min_calls} >= 1")
-        self.decay, self.min_calls = decay, min_calls
+    Once trusted, one call counts at most ``clip`` times the seconds the current rate predicts for its bytes. Why: one
+    call stalled by something else on the host (a page fault, another process) would otherwise weigh like tens of
+    normal calls, and a rate that falls far enough can stop its site being given work, so nothing ever measures it
+    again (on an H100 host placement auto's two-site split learned 0.23 GB/s from 5 calls and gave the CPU site nothing
+    for the rest of the run, results/campaigns/h100-auto-sites-b1-probe). A site that really slows down still moves
+    the rate: each call lowers it by up to a factor that clip bounds."""
+
+    def __init__(self, decay: float = 0.9, min_calls: int = 4, clip: float = 4.0):
+        if not 0.0 <= decay < 1.0 or min_calls < 1 or not clip >= 1.0:
+            raise PlacementError(f"in-use rate: decay {decay} must be in [0, 1), min_calls {min_calls} >= 1 and "
+                                 f"clip {clip} >= 1")
+        self.decay, self.min_calls, self.clip = decay, min_calls, float(clip)
         self.calls = 0
+        self.clipped = 0  # calls counted at the clip
         self._bytes = 0.0
         self._seconds = 0.0
 
     def add(self, nbytes: int, seconds: float) -> None:
         if nbytes <= 0 or seconds < 0:
             return
+        rate = self.gb_s
+        if rate is not None:
+            most = self.clip * nbytes / (rate * 1e9)
+            if seconds > most:
+                seconds = most
+                self.clipped += 1
         self._bytes = self._bytes * self.decay + nbytes
         self._seconds = self._seconds * self.decay + seconds
         self.calls += 1
@@ -341,6 +356,8 @@ class TwoSitePlacement(HostReadPlacement):
         self.cpu_experts = 0  # experts given to the CPU site
         self.absent_experts = 0  # absent experts seen by the split
         self.joins = [0, 0, 0.0, 0.0, 0.0]  # the one-graph step's joined layers (note_join): n, with CPU, seconds
+        self.starved = 0  # layer calls in a row the learned CPU rate gave nothing where the probe's would (count_split)
+        self.cpu_rate_resets = 0  # learned CPU rates dropped for it
 
     def may_use_cpu(self) -> bool:
         return True
@@ -401,23 +418,49 @@ class TwoSitePlacement(HostReadPlacement):
         j[3] += split_s
         j[4] += cpu_s
 
+    # Layer calls in a row that the rate learned in use gives the CPU site nothing where the build probe's rate would
+    # have given it at least one expert, after which that learned rate is forgotten (``count_split``): 16 decode steps
+    # of a 16-layer model
+    STARVED_LAYER_CALLS = 256
+
     def count_split(self, absent: int, cpu: int) -> None:
-        """One layer split: ``absent`` absent experts, ``cpu`` of them given to the CPU site."""
+        """One layer split: ``absent`` absent experts, ``cpu`` of them given to the CPU site.
+
+        Also the way back from a learned rate too low to be tested: while the CPU site gets no experts its rate is
+        never measured again, so a rate learned in a slow moment would stand for the rest of the engine's life. After
+        STARVED_LAYER_CALLS layer calls in a row where the learned rate gave the CPU site nothing and the probe's
+        would have given it an expert, the learned rate is dropped: the split uses the probe's rate until
+        ``InUseRate.min_calls`` new calls have measured it again (``cpu_rate_resets`` counts the drops). Where the
+        CPU site really is that slow, this costs a few layer calls at the probe's share every STARVED_LAYER_CALLS."""
         self.calls += 1
         self.absent_experts += absent
         self.cpu_experts += cpu
+        if cpu or self.fixed_share is not None or self.cpu_rate.gb_s is None or not self.probe_cpu_gb_s \
+                or not self.read_gb_s:
+            self.starved = 0
+            return
+        probe_q = int(round(self.probe_cpu_gb_s / (self.probe_cpu_gb_s + self.read_gb_s) * SHARE_ONE))
+        if (absent * probe_q + SHARE_ONE // 2) // SHARE_ONE < 1:  # the probe's rate would not have given one either
+            return
+        self.starved += 1
+        if self.starved >= self.STARVED_LAYER_CALLS:
+            self.cpu_rate = InUseRate(self.cpu_rate.decay, self.cpu_rate.min_calls, self.cpu_rate.clip)
+            self.cpu_rate_resets += 1
+            self.starved = 0
 
     def kept(self) -> tuple:
         """What a warm-up must leave as it was (``put_back``): the split counts, the one-graph step's join times and
         the CPU rate learned in use (the
         warm-up's pad-token steps give the CPU site few experts per call, slower per byte than a user's: on an H100
         they left 3.6-4.4 GB/s learned where a user's batch-8 steps learned 36-39, results/campaigns/h100-auto-sites)."""
-        return self.split_counts(), copy.deepcopy(self.cpu_rate), list(self.joins)
+        return (self.split_counts(), copy.deepcopy(self.cpu_rate), list(self.joins),
+                (self.starved, self.cpu_rate_resets))
 
     def put_back(self, kept: tuple) -> None:
         self.split_counts(kept[0])
         self.cpu_rate = kept[1]
         self.joins = list(kept[2])
+        self.starved, self.cpu_rate_resets = kept[3]
 
     def split_counts(self, restore: tuple | None = None) -> tuple:
         """(calls, absent experts, CPU experts) so far; with ``restore``, set them back to it first."""
@@ -436,7 +479,8 @@ class TwoSitePlacement(HostReadPlacement):
             d["steps"] = self.steps.describe()
         d.update(mode=self.name, cpu_share=self.share(), fixed_share=self.fixed_share,
                  cpu_gb_s=self.cpu_gb_s(), cpu_gb_s_probe=self.probe_cpu_gb_s, cpu_gb_s_in_use=self.cpu_rate.gb_s,
-                 cpu_calls_in_use=self.cpu_rate.calls, split_calls=self.calls, split_absent=self.absent_experts,
+                 cpu_calls_in_use=self.cpu_rate.calls, cpu_calls_clipped=self.cpu_rate.clipped,
+                 cpu_rate_resets=self.cpu_rate_resets, split_calls=self.calls, split_absent=self.absent_experts,
                  split_cpu=self.cpu_experts, probe=self.probe)
         if self.step_form is not None:
             d["step_form"] = self.step_form
@@ -482,32 +526,39 @@ class StepChooser:
     to outweigh it (at batch 8 on one H100 host: 1.20-1.34x host-read at 16 of 64 resident, 0.83-0.88x at 32 of 64);
     neither term is known before the steps run.
 
-    Per batch size (at least ``min_batch``; smaller batches always run host-read): ``probe_steps`` + 2 steps of
-    host-read, then as many of two-site, then the faster by the median of its measured steps for ``revisit_steps``
-    steps, then the slower is probed again (the winner keeps being measured while it runs). A step's time is the wall
-    time from one ``mode`` call to the next of the same batch size, counted only when both calls and the one before
-    them ran the same mode at consecutive KV slots: so a host-read step (one in flight while the next is queued) is
-    timed in its steady state, and the first two-site step after host-read (which ends the host-read step in flight
-    first) is not counted. A probe that timed no step (slots never consecutive, e.g. one-token runs) leaves host-read
-    (the engine's step without a CPU part)."""
+    Per batch size (at least ``min_batch``; smaller batches always run host-read): first ``rounds`` alternations of
+    the two modes, host-read first, each run for ceil(``probe_steps`` / rounds) + 2 steps; then the faster by the median
+    of its measured steps for ``revisit_steps`` steps, then the slower is probed again for probe_steps + 2 steps (its
+    old times dropped; the winner keeps being measured while it runs), and so on. Why alternate: a mode probed only
+    first would be timed only in the steps right after the prompt, the other only later (on an H100 host the chooser
+    timed host-read's steps ~1.5x slower than host-read runs, results/campaigns/h100-auto-sites-b1-probe; why:
+    UNKNOWN), while both are timed on either side of each other. A step's time is the wall time from one ``mode``
+    call to the next of the same batch size, counted only when both calls and the one before them ran the same mode
+    at consecutive KV slots: so a host-read step (one in flight while the next is queued) is timed in its steady
+    state, and the first two-site step after host-read (which ends the host-read step in flight first) is not
+    counted. A probe that timed no step (slots never consecutive, e.g. one-token runs) leaves host-read (the engine's
+    step without a CPU part)."""
 
     MODES = ("host-read", "two-site")
 
     def __init__(self, min_batch: int = TWO_SITE_MIN_BATCH, probe_steps: int = 8, revisit_steps: int = 512,
-                 window: int = 16):
-        if not (min_batch >= 1 and probe_steps >= 1 and revisit_steps >= 1 and window >= 1):
+                 window: int = 16, rounds: int = 2):
+        if not (min_batch >= 1 and probe_steps >= 1 and revisit_steps >= 1 and window >= 1 and rounds >= 1):
             raise PlacementError(f"step chooser: min_batch {min_batch}, probe_steps {probe_steps}, revisit_steps "
-                                 f"{revisit_steps} and window {window} must be >= 1")
+                                 f"{revisit_steps}, window {window} and rounds {rounds} must be >= 1")
         self.min_batch, self.probe_steps, self.revisit_steps = int(min_batch), int(probe_steps), int(revisit_steps)
-        self.window = int(window)
+        self.window, self.rounds = int(window), int(rounds)
         self._batches: dict[int, dict] = {}  # batch -> its state (``_state``)
 
     def _state(self, batch: int) -> dict:
         st = self._batches.get(batch)
         if st is None:
-            # phase: (mode run, steps left in the phase, what follows: "probe-two-site" | "use")
-            st = self._batches[batch] = {"times": {m: [] for m in self.MODES}, "phase": ("host-read",
-                                         self.probe_steps + 2, "probe-two-site"), "last": None, "run": 0,
+            # phase: (mode run, steps left in it); queue: the phases after it, ("probe", mode, steps, drop old times)
+            # or ("use",), the faster mode for revisit_steps steps
+            each = -(-self.probe_steps // self.rounds) + 2
+            queue = [("probe", m, each, False) for _ in range(self.rounds) for m in self.MODES][1:] + [("use",)]
+            st = self._batches[batch] = {"times": {m: [] for m in self.MODES}, "phase": ("host-read", each),
+                                         "queue": queue, "last": None, "run": 0,
                                          "steps": dict.fromkeys(self.MODES, 0), "choices": 0, "chosen": None}
         return st
 
@@ -519,18 +570,21 @@ class StepChooser:
         med = {m: _median(v) for m, v in st["times"].items()}
         return "two-site" if med["two-site"] < med["host-read"] else "host-read"
 
-    def _next_phase(self, st: dict, batch: int, after: str) -> tuple:
-        """The phase after one whose successor is ``after``: a probe of a mode (its old times dropped), or the faster
-        mode used for revisit_steps steps."""
-        if after == "use":
+    def _next_phase(self, st: dict, batch: int) -> tuple:
+        """The phase that follows the one just ended: the next probe queued (its mode's old times dropped where it is
+        a revisit), or the faster mode used for revisit_steps steps, after which the other is probed again."""
+        item = st["queue"].pop(0)
+        if item[0] == "use":
             best = self.faster(batch) or "host-read"
             st["choices"] += 1
             st["chosen"] = best
             other = "two-site" if best == "host-read" else "host-read"
-            return best, self.revisit_steps, f"probe-{other}"
-        probed = after.removeprefix("probe-")
-        st["times"][probed].clear()  # what it measured before: another cache state, another KV length
-        return probed, self.probe_steps + 2, "use"
+            st["queue"] = [("probe", other, self.probe_steps + 2, True), ("use",)]
+            return best, self.revisit_steps
+        _, probed, steps, drop = item
+        if drop:  # what it measured before: another cache state, another KV length
+            st["times"][probed].clear()
+        return probed, steps
 
     def mode(self, batch: int, slot: int, now: float | None = None) -> str:
         """The mode of the decode step about to run at ``batch`` rows and KV slot ``slot`` (called once per step, at
@@ -539,10 +593,10 @@ class StepChooser:
             return "host-read"
         now = time.perf_counter() if now is None else float(now)
         st = self._state(batch)
-        mode, left, after = st["phase"]
+        mode, left = st["phase"]
         if left <= 0:
-            mode, left, after = self._next_phase(st, batch, after)
-        st["phase"] = (mode, left - 1, after)
+            mode, left = self._next_phase(st, batch)
+        st["phase"] = (mode, left - 1)
         last = st["last"]
         consecutive = last is not None and last[0] == mode and last[1] + 1 == int(slot)
         if consecutive and st["run"] >= 2:
@@ -569,7 +623,7 @@ class StepChooser:
                            "timed": {m: len(v) for m, v in st["times"].items()},
                            "median_ms": {m: (_median(v) * 1e3 if v else None) for m, v in st["times"].items()}}
         return {"min_batch": self.min_batch, "probe_steps": self.probe_steps, "revisit_steps": self.revisit_steps,
-                "by_batch": out}
+                "rounds": self.rounds, "by_batch": out}
 
 
 def _median(values) -> float:
