@@ -374,12 +374,27 @@ def test_a_learned_cpu_rate_that_starves_the_cpu_site_is_dropped_after_enough_la
     for i in range(2 * limit):
         plan.count_split(4, 1 if i == limit - 1 else 0)
     assert plan.cpu_rate_resets == 1  # (the run restarted at limit: one drop, at 2 limit - 1)
-    fixed = TwoSitePlacement(30.0, 10.0, share=0.0)
+    for plan in (TwoSitePlacement(30.0, 10.0, share=0.0), TwoSitePlacement(None, 10.0)):  # a fixed share; no link
+        for _ in range(4):  # rate (the share is 1/2 whatever the CPU's): the learned rate decides nothing
+            plan.observe_cpu(10 << 20, (10 << 20) / 1e7)
+        for _ in range(2 * limit):
+            plan.count_split(4, 0)
+        assert plan.cpu_rate_resets == 0
+    plan = TwoSitePlacement(30.0, None)  # the build probe failed: the way back is to the share of 1/2
+    for _ in range(limit):
+        plan.count_split(4, 0)  # (no rate learned yet: no starving counted)
+    assert plan.starved == 0
     for _ in range(4):
-        fixed.observe_cpu(10 << 20, (10 << 20) / 1e7)
-    for _ in range(2 * limit):
-        fixed.count_split(4, 0)
-    assert fixed.cpu_rate_resets == 0
+        plan.observe_cpu(10 << 20, (10 << 20) / 1e7)
+    for _ in range(limit):
+        plan.count_split(4, 0)
+    assert plan.cpu_rate_resets == 1 and plan.cpu_gb_s() is None and plan.share() == 0.5
+    # the split's learned rate is clipped: a call stalled 1000x moves it by less than half
+    plan = TwoSitePlacement(30.0, 10.0)
+    for _ in range(6):
+        plan.observe_cpu(10 << 20, (10 << 20) / 20e9)
+    plan.observe_cpu(10 << 20, 1000 * (10 << 20) / 20e9)
+    assert plan.describe()["cpu_calls_clipped"] == 1 and plan.cpu_gb_s() > 10.0
 
 
 def test_the_first_cpu_part_of_a_layer_binds_its_call_outside_the_rate_the_split_learns(seed3_tiny_packs,
@@ -633,24 +648,27 @@ def test_the_step_chooser_times_only_steps_at_consecutive_slots_and_otherwise_ke
 
 @settings(max_examples=60, deadline=None)
 @given(hr=st.floats(1e-4, 1.0), ts=st.floats(1e-4, 1.0), probe=st.integers(1, 6), revisit=st.integers(1, 20),
-       extra=st.integers(0, 40))
-def test_the_step_chooser_runs_the_step_that_measured_faster(hr, ts, probe, revisit, extra):
-    """Constant step times (1 % apart at least: the fake clock's sums round): after the two probes the faster step
-    runs for revisit steps, then the slower is probed again; every call is counted once under the mode it ran."""
+       extra=st.integers(0, 40), rounds=st.integers(1, 3))
+def test_the_step_chooser_runs_the_step_that_measured_faster(hr, ts, probe, revisit, extra, rounds):
+    """Constant step times (1 % apart at least: the fake clock's sums round): after ``rounds`` alternations of the two
+    probes the faster step runs for revisit steps, then the slower is probed again, then the faster again; every call
+    is counted once under the mode it ran."""
     from runmap.engine.placement import StepChooser
 
     assume(abs(hr - ts) > 0.01 * max(hr, ts))
-    ch = StepChooser(min_batch=2, probe_steps=probe, revisit_steps=revisit, rounds=1)
-    n = 2 * (probe + 2) + revisit + extra
+    ch = StepChooser(min_batch=2, probe_steps=probe, revisit_steps=revisit, rounds=rounds)
+    each, p = -(-probe // rounds) + 2, probe + 2
+    first = 2 * rounds * each
+    n = first + revisit + p + revisit + extra
     modes = _drive(ch, 3, {"host-read": hr, "two-site": ts}, n)
-    p = probe + 2
     best = "two-site" if ts < hr else "host-read"
     other = "host-read" if best == "two-site" else "two-site"
-    assert modes[:p] == ["host-read"] * p and modes[p:2 * p] == ["two-site"] * p
-    assert modes[2 * p:2 * p + revisit] == [best] * revisit
-    assert modes[2 * p + revisit:2 * p + revisit + p] == [other] * min(p, extra)
+    assert modes[:first] == (["host-read"] * each + ["two-site"] * each) * rounds
+    assert modes[first:first + revisit] == [best] * revisit
+    assert modes[first + revisit:first + revisit + p] == [other] * p
+    assert modes[first + revisit + p:first + 2 * revisit + p] == [best] * revisit  # the revisit did not change it
     d = ch.describe()["by_batch"]["3"]
-    assert sum(d["steps"].values()) == n and d["chosen"] == best
+    assert sum(d["steps"].values()) == n and d["chosen"] == best and d["choices"] >= 2
 
 
 def _auto_both(pack, cfg, device, record_decode, **kw):
@@ -751,13 +769,15 @@ def test_auto_with_both_sites_warms_both_steps_up_without_asking_its_chooser(see
     eng = _auto_both(pack, cfg, test_device, record_decode, warm_up=False)
     try:
         plan, cache = eng.experts.placement, eng.experts.cache
-        before = dict(cache.counters), dict(eng.decode_paths), plan.split_counts(), plan.cpu_rate.calls
+        before = (dict(cache.counters), dict(eng.decode_paths), plan.split_counts(), plan.cpu_rate.calls,
+                  plan.cpu_rate.clipped, plan.starved, plan.cpu_rate_resets)
         eng.warm_up()
         assert plan.steps.describe()["by_batch"] == {}
         assert plan.steps.min_batch == 4
         assert set(eng._host_read) == {1, 4} and set(eng._two_site) == {4}
         # the warm-up's CPU-site calls (pad tokens) teach the CPU rate nothing
-        assert (dict(cache.counters), dict(eng.decode_paths), plan.split_counts(), plan.cpu_rate.calls) == before
+        assert (dict(cache.counters), dict(eng.decode_paths), plan.split_counts(), plan.cpu_rate.calls,
+                plan.cpu_rate.clipped, plan.starved, plan.cpu_rate_resets) == before
     finally:
         eng.close()
     from runmap.engine.engine import TWO_SITE_MIN_BATCH_ENV, Engine

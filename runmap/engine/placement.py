@@ -166,28 +166,32 @@ class InUseRate:
     """A rate (GB/s) observed in use: bytes and wall seconds of recent calls, the oldest share forgotten at each
     call (an exponential average with weight ``1 - decay`` on the newest), trusted from ``min_calls`` calls on.
 
-    Once trusted, one call counts at most ``clip`` times the seconds the current rate predicts for its bytes. Why: one
-    call stalled by something else on the host (a page fault, another process) would otherwise weigh like tens of
-    normal calls, and a rate that falls far enough can stop its site being given work, so nothing ever measures it
-    again (on an H100 host placement auto's two-site split learned 0.23 GB/s from 5 calls and gave the CPU site nothing
-    for the rest of the run, results/campaigns/h100-auto-sites-b1-probe). A site that really slows down still moves
-    the rate: each call lowers it by up to a factor that clip bounds."""
+    ``clip`` (None: off, the default): once trusted, one call counts at most clip times the seconds the current rate
+    predicts for its bytes. Used by the two-site split (TwoSitePlacement.CPU_RATE_CLIP), whose calls are of one kind
+    (decode steps). Why: one call stalled by something else on the host (a page fault, another process) would
+    otherwise weigh like tens of normal calls, and a rate that falls far enough stops its site being given work, so
+    nothing measures it again (on an H100 host placement auto's two-site split learned 0.23 GB/s from 5 calls and gave
+    the CPU site nothing for the rest of the run, results/campaigns/h100-auto-sites-b1-probe). A site that really slows
+    down still moves the rate, by a bounded factor per call. Off for auto's rates: a size class there holds calls whose
+    time per byte differs for real (prompt passes of different lengths). Calls of no bytes or no seconds say
+    nothing."""
 
-    def __init__(self, decay: float = 0.9, min_calls: int = 4, clip: float = 4.0):
-        if not 0.0 <= decay < 1.0 or min_calls < 1 or not clip >= 1.0:
+    def __init__(self, decay: float = 0.9, min_calls: int = 4, clip: float | None = None):
+        if not 0.0 <= decay < 1.0 or min_calls < 1 or (clip is not None and not clip >= 1.0):
             raise PlacementError(f"in-use rate: decay {decay} must be in [0, 1), min_calls {min_calls} >= 1 and "
-                                 f"clip {clip} >= 1")
-        self.decay, self.min_calls, self.clip = decay, min_calls, float(clip)
+                                 f"clip {clip} None or >= 1")
+        self.decay, self.min_calls = decay, min_calls
+        self.clip = None if clip is None else float(clip)
         self.calls = 0
         self.clipped = 0  # calls counted at the clip
         self._bytes = 0.0
         self._seconds = 0.0
 
     def add(self, nbytes: int, seconds: float) -> None:
-        if nbytes <= 0 or seconds < 0:
+        if nbytes <= 0 or seconds <= 0:
             return
         rate = self.gb_s
-        if rate is not None:
+        if rate is not None and self.clip is not None:
             most = self.clip * nbytes / (rate * 1e9)
             if seconds > most:
                 seconds = most
@@ -351,7 +355,7 @@ class TwoSitePlacement(HostReadPlacement):
             raise PlacementError(f"two-site: share {share} must be in [0, 1]")
         self.steps = steps
         self.fixed_share, self.probe_cpu_gb_s, self.probe = share, cpu_gb_s, probe
-        self.cpu_rate = InUseRate()
+        self.cpu_rate = InUseRate(clip=self.CPU_RATE_CLIP)
         self.calls = 0  # layer calls split
         self.cpu_experts = 0  # experts given to the CPU site
         self.absent_experts = 0  # absent experts seen by the split
@@ -418,6 +422,8 @@ class TwoSitePlacement(HostReadPlacement):
         j[3] += split_s
         j[4] += cpu_s
 
+    # a CPU part counts at most this many times the seconds the learned rate predicts for it (InUseRate's clip)
+    CPU_RATE_CLIP = 4.0
     # Layer calls in a row that the rate learned in use gives the CPU site nothing where the build probe's rate would
     # have given it at least one expert, after which that learned rate is forgotten (``count_split``): 16 decode steps
     # of a 16-layer model
@@ -429,17 +435,18 @@ class TwoSitePlacement(HostReadPlacement):
         Also the way back from a learned rate too low to be tested: while the CPU site gets no experts its rate is
         never measured again, so a rate learned in a slow moment would stand for the rest of the engine's life. After
         STARVED_LAYER_CALLS layer calls in a row where the learned rate gave the CPU site nothing and the probe's
-        would have given it an expert, the learned rate is dropped: the split uses the probe's rate until
-        ``InUseRate.min_calls`` new calls have measured it again (``cpu_rate_resets`` counts the drops). Where the
-        CPU site really is that slow, this costs a few layer calls at the probe's share every STARVED_LAYER_CALLS."""
+        (1/2 where the build probe failed) would have given it an expert, the learned rate is dropped: the split uses
+        the probe's rate until ``InUseRate.min_calls`` new calls have measured it again (``cpu_rate_resets`` counts
+        the drops). A step fixes its share when it starts, so where the CPU site really is that slow this costs the
+        next whole step at the probe's share, once every STARVED_LAYER_CALLS layer calls."""
         self.calls += 1
         self.absent_experts += absent
         self.cpu_experts += cpu
-        if cpu or self.fixed_share is not None or self.cpu_rate.gb_s is None or not self.probe_cpu_gb_s \
-                or not self.read_gb_s:
-            self.starved = 0
+        if cpu or self.fixed_share is not None or self.cpu_rate.gb_s is None or not self.read_gb_s:
+            self.starved = 0  # (no link rate or a fixed share: the learned rate does not decide the share)
             return
-        probe_q = int(round(self.probe_cpu_gb_s / (self.probe_cpu_gb_s + self.read_gb_s) * SHARE_ONE))
+        probe = self.probe_cpu_gb_s
+        probe_q = int(round((probe / (probe + self.read_gb_s) if probe else 0.5) * SHARE_ONE))
         if (absent * probe_q + SHARE_ONE // 2) // SHARE_ONE < 1:  # the probe's rate would not have given one either
             return
         self.starved += 1
@@ -449,8 +456,8 @@ class TwoSitePlacement(HostReadPlacement):
             self.starved = 0
 
     def kept(self) -> tuple:
-        """What a warm-up must leave as it was (``put_back``): the split counts, the one-graph step's join times and
-        the CPU rate learned in use (the
+        """What a warm-up must leave as it was (``put_back``): the split counts, the one-graph step's join times, the
+        starved run and rate resets (``count_split``) and the CPU rate learned in use (the
         warm-up's pad-token steps give the CPU site few experts per call, slower per byte than a user's: on an H100
         they left 3.6-4.4 GB/s learned where a user's batch-8 steps learned 36-39, results/campaigns/h100-auto-sites)."""
         return (self.split_counts(), copy.deepcopy(self.cpu_rate), list(self.joins),
