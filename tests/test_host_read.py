@@ -547,6 +547,36 @@ def test_a_host_read_bench_record_counts_its_reads_in_the_bytes_per_token(seed3_
     assert rec["routing"]["misses_per_token"]["value"] * 3 == pytest.approx(s["host_reads"])
 
 
+def test_a_campaign_row_lends_its_spares_only_under_the_placements_that_read_over_the_link(seed3_tiny_packs, tmp_path):
+    """host_read_spares in a spec: the id says so (__hrspares1), the record's config keeps it and its telemetry
+    gives the resident count that ran; a group whose placement never reads over the link is refused."""
+    from runmap.bench import campaign as bench
+    from runmap.conformance.schemas import validate_document
+
+    pack, cfg = seed3_tiny_packs["tiny-olmoe"]
+    group = {"name": "hr", "kind": "engine", "models": ["m"], "resident": [cfg.top_k], "executors": ["grouped"],
+             "batch": [1], "prompt_len": 4, "decode_len": 4,
+             "params": {"expert_placement": "gpu", "host_read_spares": 1, "routing": "calibrated"}}
+    spec = {"name": "hr", "description": "host-read spares", "device": "cpu", "defaults": {"repeats": 1, "warmup": 0},
+            "models": {"m": {"preset": "tiny-olmoe", "pack": str(pack)}}, "groups": [group]}
+    with pytest.raises(bench.BenchError, match="host_read_spares lends .* expert_placement is 'gpu'"):
+        bench.expand(spec)
+    group["params"]["expert_placement"] = "host-read"
+    summary = bench.run_campaign(spec, tmp_path, progress=False, measure_bandwidth=False, command="pytest")
+    assert not summary["failed"], summary["failed"]
+    (rec,) = bench.load_records(tmp_path / "hr")
+    assert validate_document({k: v for k, v in rec.items() if k != "_path"}, "bench-record.schema.json") == []
+    assert rec["id"].endswith("placement-host-read.hrspares1.routing-calibrated-olmoe")
+    # the resident count that ran (the id keeps the spec's), in the same rows: 2 top_k - 1 resident + 1 spare
+    assert rec["config"]["host_read_spares"] == 1 and rec["config"]["resident"] == 2 * cfg.top_k - 1
+    from runmap.format.packfile import PackReader
+
+    with PackReader(pack) as reader:
+        row_bytes = reader.layout.row_bytes
+    assert rec["cache"]["resident_bytes"]["value"] == cfg.num_layers * (2 * cfg.top_k - 1) * row_bytes
+    assert rec["cache"]["spare_bytes"]["value"] == cfg.num_layers * row_bytes
+
+
 @settings(max_examples=25, deadline=None)
 @given(data=st.data(), policy=st.sampled_from(["lru", "lfu-inf", "lfu-decay"]), margin=st.sampled_from([0.0, 1.0]))
 def test_a_whole_step_at_once_does_what_its_layers_one_by_one_do(data, policy, margin):
@@ -690,3 +720,72 @@ def test_work_inside_policy_kept_teaches_the_policy_nothing(seed3_tiny_packs, te
         assert eng.experts.cache._tick > before[2]  # outside it, uses count
     finally:
         eng.close()
+
+
+def test_lent_spares_become_resident_capacity_that_promotions_fill():
+    """lend_spares: the rows stay (storage, device bytes), all but ``keep`` spares become resident capacity; a layer
+    below its capacity promotes a host-read expert without evicting anyone; a lease of more than the spares kept is
+    refused; only before the first request, never under full residency, keep >= 1."""
+    from runmap.residency.cache import CacheConfigError
+
+    cache = _cache(experts=8, resident=3)  # max_group 2 -> 2 spares: 5 rows per layer
+    rows, dev_bytes = cache.rows_per_layer, cache.device_bytes
+    assert (cache.resident, cache.spares, rows) == (3, 2, 5)
+    assert cache.lend_spares(1) == 4
+    assert (cache.resident, cache.spares, cache.max_group, cache.rows_per_layer, cache.device_bytes) == \
+        (4, 1, 1, rows, dev_bytes)
+    assert cache.telemetry()["capacity"]["resident"] == 4 and len(cache.mapping(0)) == 3  # the new row is empty
+    absent = next(e for e in range(8) if e not in cache.mapping(0))
+    with cache.admit() as req:
+        req.note_host_reads(0, [absent])
+    assert cache.promote(0, [absent], margin=1e9) == (absent,)  # below capacity: no resident has to lose
+    assert len(cache.mapping(0)) == 4 and cache.counters["evictions"] == 0
+    assert torch.equal(cache.storage(0)[cache.mapping(0)[absent]], cache.host.row_tensor(0, absent))
+    two = [e for e in range(8) if e not in cache.mapping(0)][:2]
+    with cache.admit() as req, pytest.raises(Exception, match="max_group 1"):
+        req.acquire(0, two)  # a group of 2 misses would need 2 spares
+    with pytest.raises(CacheConfigError, match="before the first request"):
+        cache.lend_spares(1)
+    for bad in (0, -1, True, 1.5):
+        with pytest.raises(CacheConfigError, match="keep="):
+            _cache(experts=8, resident=3).lend_spares(bad)
+    assert _cache(experts=8, resident=3).lend_spares(5) == 3  # keeping every spare lends nothing
+    assert _cache(experts=4, resident=3).lend_spares(1) == 3  # capacity stays below the layer's experts
+    with pytest.raises(CacheConfigError, match="full residency"):
+        _cache(experts=4, resident=4).lend_spares(1)
+
+
+def test_an_engine_lending_its_spares_decodes_what_full_residency_does(seed3_tiny_packs, test_device, record_decode):
+    """host_read_spares=1: tiny OLMoE at top_k resident with top_k spares runs host-read's steps with 2 top_k - 1
+    resident per layer in the same rows, and its decode logits still equal full residency's exactly; the option is
+    refused outside the placements that read over the link, or below 1."""
+    from runmap.engine.engine import Engine, EngineError
+
+    pack, cfg = seed3_tiny_packs["tiny-olmoe"]
+    kw = dict(executor="grouped", device=test_device, max_batch=2, max_seq_len=48)
+    full = record_decode(Engine.from_pack(pack, **kw))
+    full._prefiller = None
+    try:
+        want = [r.token_ids for r in full.generate(PROMPTS, max_new_tokens=6, ignore_eos=True)]
+        want_logits = full.decoded
+    finally:
+        full.close()
+    eng = record_decode(Engine.from_pack(pack, resident=cfg.top_k, expert_placement="host-read",
+                                         cache_contract=_host_read_contract(test_device), host_read_spares=1, **kw))
+    eng._prefiller = None
+    try:
+        cache = eng.experts.cache
+        assert (cache.resident, cache.spares, cache.rows_per_layer) == (2 * cfg.top_k - 1, 1, 2 * cfg.top_k)
+        tel = eng.telemetry()
+        assert tel["resident_per_layer"] == [2 * cfg.top_k - 1] * cfg.num_layers and eng.resident == 2 * cfg.top_k - 1
+        got = [r.token_ids for r in eng.generate(PROMPTS, max_new_tokens=6, ignore_eos=True)]
+        assert cache.counters["promotions"] > 0 and cache.counters["host_reads"] > 0
+        assert max(len(cache.mapping(layer)) for layer in range(cfg.num_layers)) > cfg.top_k
+    finally:
+        eng.close()
+    assert got == want and all(torch.equal(a, b) for a, b in zip(eng.decoded, want_logits))
+    for placement, spares, match in [("gpu", 1, "with expert placement host-read, two-site or auto"),
+                                     ("host-read", 0, "an integer >= 1"), ("cpu", 2, "this engine's is 'cpu'")]:
+        with pytest.raises(EngineError, match=match):
+            Engine.from_pack(pack, executor="grouped", device="cpu", resident=cfg.top_k, expert_placement=placement,
+                             host_read_spares=spares)

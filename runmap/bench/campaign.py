@@ -80,9 +80,9 @@ DEFAULT_PARAMS = {"repeats": 3, "warmup": 1, "warmup_new_tokens": 4, "policy": N
                   "routing": "model",
                   "cache_contract": "v1", "gpu_budget": None, "expert_placement": "gpu", "prefetch": False,
                   "emulate_link_gb_s": None, "matched_n_cpu_moe": None, "max_group": None, "two_site_share": None,
-                  "profile": False, "profile_top": 12}
+                  "host_read_spares": None, "profile": False, "profile_top": 12}
 VARIANT_PARAMS = ("cuda_graphs", "fused", "skip_experts", "routing", "cache_contract", "expert_placement", "prefetch",
-                  "emulate_link_gb_s", "two_site_share")
+                  "emulate_link_gb_s", "two_site_share", "host_read_spares")
 CHECK_EXECUTOR = "reference"
 
 
@@ -226,6 +226,8 @@ def variant_tag(p: dict) -> str:
         parts.append("prefetch")
     if p.get("two_site_share") is not None:  # 0.5 -> share0p5
         parts.append("share" + f"{p['two_site_share']:g}".replace(".", "p"))
+    if p.get("host_read_spares") is not None:  # 2 -> hrspares2
+        parts.append(f"hrspares{p['host_read_spares']}")
     if p.get("max_group") is not None and p.get("matched_n_cpu_moe") is None:  # (a matched row's is implied)
         parts.append(f"maxgroup{p['max_group']}")
     if p.get("emulate_link_gb_s") is not None:  # 13 -> link13gbs; 12.5 -> link12p5gbs
@@ -380,6 +382,11 @@ def expand(spec: dict, packs: dict | None = None) -> list[BenchConfig]:
             if gp.get("two_site_share") is not None and gp.get("expert_placement") != "two-site":
                 raise BenchError(f"group {g['name']!r}: two_site_share fixes placement two-site's CPU share; "
                                  f"expert_placement is {gp.get('expert_placement', 'gpu')!r}")
+            if gp.get("host_read_spares") is not None and gp.get("expert_placement") not in ("host-read", "two-site",
+                                                                                              "auto"):
+                raise BenchError(f"group {g['name']!r}: host_read_spares lends placement host-read's idle spare rows to "
+                                 f"residency (host-read, two-site or auto); expert_placement is "
+                                 f"{gp.get('expert_placement', 'gpu')!r}")
             if gp["check"] and gp["skip_experts"]:
                 raise BenchError(f"group {g['name']!r}: check with skip_experts compares zeroed experts with the "
                                  "reference; drop one of them")
@@ -730,10 +737,13 @@ def run_config(engine: BenchEngine, c: BenchConfig, model_cfg: ModelConfig, ctx:
                bm.unknown("engine stats have no such observation") for n in REQUIRED_ZERO}
 
     routing_rec = None
+    # the experts per layer that ran: the configuration's, or more where the engine lent idle spares to residency
+    # (host_read_spares)
+    resident = s1.resident if c.kind == "engine" else c.resident
     if c.kind == "engine":
         routing_rec = {"workload": engine.routing}
         if routes is not None:
-            rp = routes.replay_decode(c.resident, since=route_mark)
+            rp = routes.replay_decode(resident, since=route_mark)
             routing_rec.update(replay_lru_hit_rate=bm.observed(rp["lru"]), replay_belady_hit_rate=bm.observed(rp["belady"]),
                                replay_decode_steps=rp["decode_steps"])
         else:
@@ -759,7 +769,7 @@ def run_config(engine: BenchEngine, c: BenchConfig, model_cfg: ModelConfig, ctx:
         "regime": c.regime,
         "config": {
             "model": c.model, "preset": c.preset, "arch": model_cfg.arch, "num_layers": model_cfg.num_layers,
-            "experts_per_layer": c.experts_per_layer, "top_k": model_cfg.top_k, "resident": c.resident,
+            "experts_per_layer": c.experts_per_layer, "top_k": model_cfg.top_k, "resident": resident,
             "expert_format": c.expert_format, "block_size": engine_info.get("block_size"),
             "batch": c.batch, "prompt_len": c.prompt_len, "decode_len": c.decode_len,
             "repeats": len(decode), "warmup": p["warmup"], "max_batch": p["max_batch"],
@@ -782,6 +792,8 @@ def run_config(engine: BenchEngine, c: BenchConfig, model_cfg: ModelConfig, ctx:
             "emulate_link_gb_s": p.get("emulate_link_gb_s") if is_engine else None,
             # placement two-site's CPU share fixed by the spec (null: from the measured rates, or another placement)
             "two_site_share": p.get("two_site_share") if is_engine else None,
+            # spare rows per layer kept where the placement reads absent experts over the link; the rest resident
+            "host_read_spares": p.get("host_read_spares") if is_engine else None,
             # the llama.cpp --n-cpu-moe row whose GPU expert bytes this residency matches (resident = E(L-n)/L)
             "matched_n_cpu_moe": p.get("matched_n_cpu_moe") if is_engine else None,
             # --gpu-budget: the budget asked for (bytes) and the engine's plan of it, which set `resident`
@@ -1044,6 +1056,7 @@ class EngineBuilder:
             prefetch=bool(p.get("prefetch")) and c.kind == "engine",
             emulate_link_gb_s=p.get("emulate_link_gb_s") if c.kind == "engine" else None,
             two_site_share=p.get("two_site_share") if c.kind == "engine" else None,
+            host_read_spares=p.get("host_read_spares") if c.kind == "engine" else None,
             # the replayed hit rates of partial residency need the routes that ran (full residency has no misses)
             record_routes=c.kind == "engine" and c.regime != "full")
         bm.sync(device)

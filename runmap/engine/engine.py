@@ -1969,9 +1969,12 @@ class Engine:
                   expert_placement: str = "gpu", prefetch: bool = False,
                   emulate_link_gb_s: float | None = None, warm_up: bool | None = None,
                   cpu_executor: str = "cpu-native", placement_costs=None,
-                  two_site_share: float | None = None) -> "Engine":
+                  two_site_share: float | None = None, host_read_spares: int | None = None) -> "Engine":
         """two_site_share: placement two-site's CPU share of each layer's absent experts, fixed (None: from the measured
-        rates, runmap.engine.placement.TwoSitePlacement). placement_costs: a runmap.engine.placement.PlacementCosts to decide ``auto`` / ``auto-split`` with instead of
+        rates, runmap.engine.placement.TwoSitePlacement). host_read_spares: under partial residency, where the
+        placement is or becomes host-read or two-site (placements host-read, two-site, auto), keep this many spare rows
+        per layer and make the rest resident capacity in the same device rows (ExpertCache.lend_spares: those placements
+        move experts only by promotions, one per layer at a time); None keeps the max_group spares of a miss group. placement_costs: a runmap.engine.placement.PlacementCosts to decide ``auto`` / ``auto-split`` with instead of
         the rates measured at build (tests, what-if runs); its host_read_gb_s counts for ``auto`` only and only where
         placement host-read is possible (grouped executor, partial residency, contract v2 on a GPU, no emulated link),
         where build measures it otherwise."""
@@ -2063,6 +2066,12 @@ class Engine:
         if expert_format == "fp16" and resident != E:
             reader.close()
             raise EngineError("expert_format='fp16' is a full-residency baseline; it cannot be combined with resident")
+        if host_read_spares is not None and (isinstance(host_read_spares, bool) or not isinstance(host_read_spares, int)
+                                             or host_read_spares < 1 or expert_placement not in
+                                             HOST_READ_PLACEMENTS + ("auto",)):
+            reader.close()
+            raise EngineError(f"host_read_spares={host_read_spares!r}: an integer >= 1, with expert placement host-read, "
+                              f"two-site or auto (which may become one of them); this engine's is {expert_placement!r}")
         if two_site_share is not None and expert_placement != "two-site":
             reader.close()
             raise EngineError(f"two_site_share={two_site_share} is placement two-site's; expert placement "
@@ -2187,6 +2196,8 @@ class Engine:
                             experts.cpu_site = None
                         if auto and policy_asked in (None, "lfu-decay"):  # as placement host-read asked by name
                             cache.replace_policy(HostReadPlacement.eviction_policy(cfg.num_layers))
+                        if host_read_spares is not None:  # the idle spares become resident capacity
+                            resident = cache.lend_spares(host_read_spares)
                         experts.enable_host_read()
                     if experts.placement.may_use_cpu():
                         # every expert repacked now: a decode step never pays a first use's repack (~30 ms each)

@@ -857,6 +857,32 @@ class ExpertCache:
             for layer in range(self.num_layers):
                 self.policy.touch(layer, self._current.maps[layer], 0)
 
+    def lend_spares(self, keep: int) -> int:
+        """Placement host-read (and two-site) only: keep ``keep`` spare rows per layer and count the rest as resident
+        capacity, in the same storage (rows per layer, device bytes and row tables unchanged). Why: those placements
+        never run a miss transaction in a step or a prompt pass (absent experts are read over the link), so the
+        spares that receive a routed group of misses (max_group of them) sit idle; only promotions move experts, one
+        per layer at a time. The new capacity is filled by promotions (a layer below its capacity promotes its
+        hottest host-read expert at each step, ``promote``); max_group becomes ``keep`` (a lease of more would now be
+        refused, never left waiting for rows that do not exist). Resident capacity stays below the layer's experts
+        (the cache stays partial). Only before the first request, as ``replace_policy``. Returns the new resident
+        count per layer."""
+        with self._lock:
+            if self.full_residency:
+                raise CacheConfigError("lend_spares: full residency has no spare rows")
+            if self.counters["requests_admitted"] or self._tick or self._in_txn:
+                raise CacheConfigError("lend_spares: spare rows can be lent only before the first request "
+                                       f"({self.counters['requests_admitted']} admitted, clock at {self._tick})")
+            if isinstance(keep, bool) or not isinstance(keep, int) or keep < 1:
+                raise CacheConfigError(f"lend_spares: keep={keep!r} must be an integer >= 1 (a promotion needs a spare)")
+            keep = min(keep, self.spares)
+            resident = min(self.rows_per_layer - keep, self.num_experts - 1)
+            if resident <= self.resident:
+                return self.resident
+            self.resident, self.spares = resident, self.rows_per_layer - resident
+            self.max_group = min(self.max_group, self.spares)
+            return self.resident
+
     # --- inspection -------------------------------------------------------------------------------------
     def row_states(self, layer: int) -> dict[str, list[int]]:
         """Rows of ``layer`` by state (published, free, fenced, retiring); used by checks and tests."""
