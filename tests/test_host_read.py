@@ -789,3 +789,26 @@ def test_an_engine_lending_its_spares_decodes_what_full_residency_does(seed3_tin
         with pytest.raises(EngineError, match=match):
             Engine.from_pack(pack, executor="grouped", device="cpu", resident=cfg.top_k, expert_placement=placement,
                              host_read_spares=spares)
+
+
+def test_the_cli_lends_spares_on_request_and_refuses_them_where_nothing_reads_over_the_link(seed3_tiny_packs, tmp_path,
+                                                                                          capsys):
+    """runmap logits --host-read-spares: with host-read the telemetry gives 2 top_k - 1 resident per layer; with the
+    default placement it is one line naming the option (exit 2 for a value below 1, from the parser)."""
+    import json
+
+    from runmap.cli.main import main
+
+    pack, cfg = seed3_tiny_packs["tiny-olmoe"]
+    out, tel = tmp_path / "l.safetensors", tmp_path / "t.json"
+    base = ["logits", "--packed", str(pack), "--tokens", "5,6,7", "--device", "cpu", "--executor", "grouped",
+            "--resident", str(cfg.top_k), "--out", str(out)]
+    assert main(base + ["--expert-placement", "host-read", "--host-read-spares", "1", "--telemetry", str(tel)]) == 0
+    assert json.loads(tel.read_text())["resident_per_layer"] == [2 * cfg.top_k - 1] * cfg.num_layers
+    capsys.readouterr()
+    rc = main(base + ["--host-read-spares", "1"])
+    err = capsys.readouterr().err.strip().splitlines()
+    assert rc != 0 and len(err) == 1 and "host_read_spares=1" in err[0] and "'gpu'" in err[0]
+    with pytest.raises(SystemExit) as exit_:
+        main(base + ["--host-read-spares", "0"])
+    assert exit_.value.code == 2 and "--host-read-spares" in capsys.readouterr().err

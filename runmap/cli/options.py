@@ -60,6 +60,12 @@ def add_residency_arguments(p) -> None:
                         "Decode steps that may use the CPU run the CUDA-graph segment chain with a CPU part per layer "
                         "(docs/engine.md)")
 
+    p.add_argument("--host-read-spares", type=int_at_least(1), default=None, metavar="N",
+                   help="partial residency with --expert-placement host-read, two-site or auto (where it becomes one "
+                        "of them): keep N spare rows per layer for promotions and make the other spare rows (one miss "
+                        "group's, top_k x batch by default) resident experts, in the same GPU memory: those placements "
+                        "read absent experts over the link and never fill a miss group (default: keep them all)")
+
     p.add_argument("--cache-contract", choices=CONTRACT_NAMES, default="v1",
                    help="partial residency: v1 (default): host source -> pinned staging -> GPU; v2: the host source "
                         "pinned once and copied straight into spare rows, which --expert-placement host-read needs on "
