@@ -40,6 +40,7 @@ def test_contract_holds_for_the_cache(test_device):
     # the host-read site: steps counted against their request's generation; promotions published, declined (below the
     # margin or nothing absent), aborted and interrupted like any transaction
     assert stats.rules["host_read_step"] > 0
+    assert stats.configs["lent"] > 0  # caches whose spares were lent to residency at startup (host_read_spares)
     # two-site steps (some absent experts at the CPU site) counted apart, and a CPU share naming a resident or unrouted
     # expert refused
     assert stats.invariants["two_site_counts_cpu_apart"] > 0 and stats.rules["host_read_step_refused"] > 0

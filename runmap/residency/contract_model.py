@@ -744,6 +744,16 @@ class CacheContractMachine(RuleBasedStateMachine):
                                               max_group=max_group, device=self.device, policy=self.policy,
                                               transport=self.transport, prefill=prefill)
         self.L, self.E, self.R = layers, experts, resident + spares
+        startup = resident  # the experts per layer the startup published (before any lending)
+        if not full and d(st.integers(0, 3), label="lend") == 0:  # host-read's spares lent to residency at startup
+            keep = d(st.integers(1, spares), label="keep")
+            resident = self.cache.lend_spares(keep)
+            check(self.cache.rows_per_layer == self.R and resident == min(self.R - min(keep, spares), experts - 1)
+                  and self.cache.max_group == min(max_group, self.R - resident),
+                  f"lend_spares({keep}): resident {resident}, rows {self.cache.rows_per_layer}, max_group "
+                  f"{self.cache.max_group} from {self.R} rows, max_group {max_group}")
+            max_group = self.cache.max_group
+            self.stats.configs["lent"] += 1
         self.resident, self.max_group = resident, max_group
         # reference model ------------------------------------------------------------------------------
         self.gen = self.cache.generation
@@ -756,7 +766,7 @@ class CacheContractMachine(RuleBasedStateMachine):
         self.faulted = False
         self.last_use = {(lay, e): 0 for lay in range(layers) for e in self.history[self.gen][lay]}
         self.clock = 0
-        n0 = experts if full else (resident if prefill else 0)
+        n0 = experts if full else (startup if prefill else 0)
         self.m = Counter({k: 0 for k in MODEL_COUNTERS})  # the model's prediction of the cache's counters
         self.m["bytes_h2d"] = self.m["bytes_h2d_transport"] = layers * n0 * self.layout.row_bytes
         self.m["staging_free"] = staging
