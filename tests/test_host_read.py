@@ -805,6 +805,8 @@ def test_the_cli_lends_spares_on_request_and_refuses_them_where_nothing_reads_ov
             "--resident", str(cfg.top_k), "--out", str(out)]
     assert main(base + ["--expert-placement", "host-read", "--host-read-spares", "1", "--telemetry", str(tel)]) == 0
     assert json.loads(tel.read_text())["resident_per_layer"] == [2 * cfg.top_k - 1] * cfg.num_layers
+    assert (f"; {cfg.top_k - 1} spare rows per layer lent to residency (--host-read-spares 1): {2 * cfg.top_k - 1} "
+            f"resident + 1 spare") in capsys.readouterr().err
     capsys.readouterr()
     rc = main(base + ["--host-read-spares", "1"])
     err = capsys.readouterr().err.strip().splitlines()

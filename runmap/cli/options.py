@@ -89,6 +89,16 @@ def add_residency_arguments(p) -> None:
 
 def placement_line(eng) -> str | None:
     """One line describing an engine's expert placement (None for the default, gpu)."""
+    line = _placement_line(eng)
+    lent = getattr(getattr(eng.experts, "cache", None), "lent_rows", 0)
+    if line is not None and lent:
+        c = eng.experts.cache
+        line += (f"; {lent} spare rows per layer lent to residency (--host-read-spares {c.spares}): {c.resident} "
+                 f"resident + {c.spares} spare")
+    return line
+
+
+def _placement_line(eng) -> str | None:
     pl = getattr(eng.experts, "placement", None)
     if pl is None:
         return None

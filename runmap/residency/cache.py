@@ -278,6 +278,7 @@ class ExpertCache:
         if staging < 1 or spares < 0:
             raise CacheConfigError(f"staging={staging} must be >= 1 and spares={spares} >= 0")
         self.resident, self.spares, self.staging, self.max_group = resident, spares, staging, group
+        self.lent_rows = 0  # spare rows per layer made resident capacity (lend_spares)
         self.full_residency = full
         self.rows_per_layer = resident + spares
         dev_need = self.num_layers * (self.rows_per_layer * self.row_bytes + 2 * 4 * e)
@@ -879,6 +880,7 @@ class ExpertCache:
             resident = min(self.rows_per_layer - keep, self.num_experts - 1)
             if resident <= self.resident:
                 return self.resident
+            self.lent_rows = resident - self.resident
             self.resident, self.spares = resident, self.rows_per_layer - resident
             self.max_group = min(self.max_group, self.spares)
             return self.resident
