@@ -87,3 +87,23 @@ def test_a_matched_record_names_its_llama_cpp_row_and_validates(tmp_path):
     row_bytes = rec["cache"]["resident_bytes"]["value"] // (cfg.num_layers * rec["config"]["resident"])
     spares = rec["cache"]["spare_bytes"]["value"] // (row_bytes * cfg.num_layers)
     assert spares > 0 and any(f"+ {spares} spare rows" in n for n in rec["notes"])  # extra GPU rows, said
+
+
+def test_a_matched_row_that_lends_its_spares_says_what_it_held(tmp_path):
+    """host_read_spares 1 under placement host-read: the matched row's T rows per layer hold T - 1 resident experts
+    and one spare, and its note counts them so (not the configured resident count)."""
+    cfg = load_preset(PRESET)[0]
+    n = cfg.num_layers // 2  # T = E / 2 rows per layer: top_k resident + top_k spares as configured
+    spec = _spec({"resident": "ncmoe", "executors": ["grouped"],
+                  "params": {"matched_n_cpu_moe": [n], "expert_placement": "host-read", "host_read_spares": 1}})
+    spec["models"]["m"]["pack"] = str(write_direct_pack(cfg, tmp_path / "pack", seed=1))
+    summary = bench.run_campaign(spec, tmp_path, progress=False, measure_bandwidth=False)
+    assert summary["failed"] == [] and len(summary["done"]) == 1
+    (rec,) = bench.load_records(tmp_path / "matched")
+    assert validate_document({k: v for k, v in rec.items() if k != "_path"}, "bench-record") == []
+    rows = bench.matched_resident(cfg, n) + cfg.top_k
+    assert rec["config"]["resident"] == rows - 1 and rec["config"]["host_read_spares"] == 1
+    lent = rows - 1 - bench.matched_resident(cfg, n)
+    assert any(f"{rows - 1} of {cfg.num_experts} experts per layer resident ({lent} of the matched top_k spares lent "
+               f"to residency, host_read_spares) + 1 spare rows" in note and f"= {rows} GPU expert rows" in note
+               for note in rec["notes"]), rec["notes"]

@@ -1014,9 +1014,11 @@ def test_auto_becomes_host_read_where_that_site_is_possible_unless_the_cpu_site_
     assert isinstance(fast, HostReadPlacement) and measured == [30.0]
     d = fast.describe()
     assert d["mode"] == "host-read" and d["requested"] == "auto" and d["costs"]["host_read_gb_s"] == 30.0
-    assert "30.0 GB/s per expert byte is not above both the host-read site's 30.0 and the copy's 20.0" in d["why"]
-    slow = make_placement("auto", cache=cache, costs=cpu_fastest, host_read_rate=rate(29.9))
-    assert isinstance(slow, AutoPlacement) and slow.describe()["costs"]["host_read_gb_s"] == 29.9
+    assert "30.0 GB/s per expert byte is not 1.25x above both the host-read site's 30.0 and the copy's 20.0" in d["why"]
+    near = make_placement("auto", cache=cache, costs=cpu_fastest, host_read_rate=rate(24.0))  # 30 = 1.25 x 24: host-read
+    assert isinstance(near, HostReadPlacement)
+    slow = make_placement("auto", cache=cache, costs=cpu_fastest, host_read_rate=rate(23.9))  # 30 > 1.25 x 23.9: the rule
+    assert isinstance(slow, AutoPlacement) and slow.describe()["costs"]["host_read_gb_s"] == 23.9
     # a slower host-read site still wins where the copy beats the CPU (the rule alone would run the chain)
     copy_faster = PlacementCosts(h2d_gb_s=40.0, cpu_gb_s=30.0, row_bytes=100, source="test")
     assert isinstance(make_placement("auto", cache=cache, costs=copy_faster, host_read_rate=rate(10.0)),
@@ -1027,7 +1029,7 @@ def test_auto_becomes_host_read_where_that_site_is_possible_unless_the_cpu_site_
     # a rate given with the costs is used as is, never measured again
     given = make_placement("auto", cache=cache, costs=PlacementCosts(20.0, 30.0, 100, "test", host_read_gb_s=50.0),
                            host_read_rate=rate(1.0))
-    assert isinstance(given, HostReadPlacement) and measured == [30.0, 29.9, 10.0]
+    assert isinstance(given, HostReadPlacement) and measured == [30.0, 24.0, 23.9, 10.0]
     # where the site is not possible (no measuring callable) a given rate decides nothing and is not reported
     impossible = make_placement("auto", cache=cache, costs=PlacementCosts(40.0, 30.0, 100, "test", host_read_gb_s=50.0))
     assert isinstance(impossible, AutoPlacement) and impossible.describe()["costs"]["host_read_gb_s"] is None

@@ -857,8 +857,10 @@ def run_config(engine: BenchEngine, c: BenchConfig, model_cfg: ModelConfig, ctx:
         layers, e = model_cfg.num_layers, c.experts_per_layer
         exact = e * (layers - ncmoe) / layers
         spares = s1.spare_bytes // s1.row_bytes // layers if s1.spare_bytes and s1.row_bytes else 0
-        held = c.resident + spares
-        notes.append(f"matched to llama.cpp --n-cpu-moe {ncmoe}: {c.resident} of {e} experts per layer resident + "
+        held = resident + spares
+        lent = (f" ({resident - c.resident} of the matched top_k spares lent to residency, host_read_spares)"
+                if resident > c.resident else "")
+        notes.append(f"matched to llama.cpp --n-cpu-moe {ncmoe}: {resident} of {e} experts per layer resident{lent} + "
                      f"{spares} spare rows (where misses land before publication) = {held} GPU expert rows per layer; "
                      f"llama.cpp keeps {exact:g} per layer's worth of routed-expert bytes on the GPU"
                      + (f"; the engine needs at least top_k = {model_cfg.top_k} resident rows and top_k spares, so it "

@@ -41,7 +41,7 @@ def add_residency_arguments(p) -> None:
                    help="where a routed expert that is not resident on the GPU is computed (partial residency): gpu = "
                         "copied into a spare row first (default), cpu = computed on the host CPU from the host copy, "
                         "nothing transferred, auto = host-read (below) where it is possible unless the CPU site measures "
-                        "faster at startup than both the GPU's reads of host memory and the copy (never under an emulated "
+                        "1.25x faster at startup than both the GPU's reads of host memory and the copy (never under an emulated "
                         "link), and with --max-batch 4 or more also two-site's step (below) at the batch sizes from 4 "
                         "(RUNMAP_TWO_SITE_MIN_BATCH sets another minimum) where it measures faster than host-read's in "
                         "use, else at each layer call, for its absent experts, whichever the "

@@ -54,7 +54,7 @@ The host-read site under ``auto`` (``auto_chooses_host_read``). Where placement 
 executor, partial residency, contract v2 on a GPU) the engine also measures it when the engine is built: the grouped
 executor computing one token's top_k experts straight from the registered host rows, distinct experts at each repeat
 (best of a few; ``CachedExperts.measure_host_read_gb_s``). ``auto`` becomes placement host-read for the engine's
-life unless the CPU site is faster than both the host-read site and the link's copy, and then stays the rule above
+life unless the CPU site is AUTO_RULE_MARGIN (1.25) times faster than both the host-read site and the link's copy, and then stays the rule above
 (which, with the CPU faster than the copy, gives the CPU the misses that reuse does not pay for). Where the engine
 can also run the two-site step (a max batch of at least the chooser's minimum, TWO_SITE_MIN_BATCH by default; the
 split kernel's bounds) ``auto`` becomes TwoSitePlacement with a StepChooser instead: host-read's steps below that batch
@@ -312,7 +312,7 @@ class HostReadPlacement(Placement):
         if self.chosen_by is not None:
             c = self.chosen_by
             d.update(requested=self.requested, costs=c.to_dict(),
-                     why=f"the CPU site's {c.cpu_gb_s:.1f} GB/s per expert byte is not above both the host-read "
+                     why=f"the CPU site's {c.cpu_gb_s:.1f} GB/s per expert byte is not {AUTO_RULE_MARGIN:g}x above both the host-read "
                          f"site's {c.host_read_gb_s:.1f} and the copy's {c.h2d_gb_s:.1f}")
         return d
 
@@ -479,7 +479,7 @@ class TwoSitePlacement(HostReadPlacement):
         d = super().describe()
         if self.chosen_by is not None:
             c = self.chosen_by
-            d["why"] = (f"the CPU site's {c.cpu_gb_s:.1f} GB/s per expert byte is not above both the host-read site's "
+            d["why"] = (f"the CPU site's {c.cpu_gb_s:.1f} GB/s per expert byte is not {AUTO_RULE_MARGIN:g}x above both the host-read site's "
                         f"{c.host_read_gb_s:.1f} and the copy's {c.h2d_gb_s:.1f}, so host-read's steps, and from batch "
                         f"{self.steps.min_batch} up the two-site step where it measures faster")
         if self.steps is not None:
@@ -856,10 +856,21 @@ class AutoPlacement(Placement):
                 "split_calls": self.split_calls}
 
 
+# auto leaves the host-read steps for the per-call rule only where the CPU site's build probe is this many times the
+# faster of the host-read site and the copy. Why a margin: the probes time one expert (the CPU) or one token's experts
+# (the link) for a few calls each, while the rule's decode steps pay a host wait per layer that host-read's one-graph
+# step does not. On an H100 host a CPU probe of 41.3 GB/s against a copy of 41.0 and host reads of 32.6 chose the rule,
+# which decoded 159.2 / 221.1 tok/s at batch 1 / 8 (n-cpu-moe 8 rows) where host-read's family ran 291.8 / 625.3 in the
+# same call with 7 more resident rows per layer (results/campaigns/h100-llama-matched-lent); the rule had lost to
+# host-read on every machine measured before it too (results/campaigns/h100-host-read-complete).
+AUTO_RULE_MARGIN = 1.25
+
+
 def auto_chooses_host_read(costs: PlacementCosts) -> bool:
     """True when ``auto`` should run as placement host-read (module docstring): the host-read site was measured here
-    and the CPU site is not faster than both it and the link's copy."""
-    return costs.host_read_gb_s is not None and costs.cpu_gb_s <= max(costs.host_read_gb_s, costs.h2d_gb_s)
+    and the CPU site is not AUTO_RULE_MARGIN times faster than both it and the link's copy."""
+    return costs.host_read_gb_s is not None and \
+        costs.cpu_gb_s <= AUTO_RULE_MARGIN * max(costs.host_read_gb_s, costs.h2d_gb_s)
 
 
 def _measured(host_read_rate) -> tuple[float | None, str | None]:
