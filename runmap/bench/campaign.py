@@ -66,7 +66,7 @@ from runmap.atomic import remove_stale_temporaries, write_json
 from runmap.bench.baselines import BaselineUnavailable
 from runmap.bench.checks import RECORD_VERSION, RECORD_VERSIONS  # what it writes, what it reads
 from runmap.bench.registry import BASELINE_KINDS, HF_KINDS
-from runmap.engine.engine import DEFAULT_FUSED, FUSED_OPS
+from runmap.engine.engine import DEFAULT_FUSED, FUSED_OPS, LENDING_PLACEMENTS
 from runmap.engine.generation import GenerationResult, GenerationRun
 from runmap.engine.telemetry import DECODE_PATHS, PREFILL_PATHS, EngineStats
 from runmap.kernels.common import chained
@@ -382,8 +382,7 @@ def expand(spec: dict, packs: dict | None = None) -> list[BenchConfig]:
             if gp.get("two_site_share") is not None and gp.get("expert_placement") != "two-site":
                 raise BenchError(f"group {g['name']!r}: two_site_share fixes placement two-site's CPU share; "
                                  f"expert_placement is {gp.get('expert_placement', 'gpu')!r}")
-            if gp.get("host_read_spares") is not None and gp.get("expert_placement") not in ("host-read", "two-site",
-                                                                                              "auto"):
+            if gp.get("host_read_spares") is not None and gp.get("expert_placement") not in LENDING_PLACEMENTS:
                 raise BenchError(f"group {g['name']!r}: host_read_spares lends placement host-read's idle spare rows to "
                                  f"residency (host-read, two-site or auto); expert_placement is "
                                  f"{gp.get('expert_placement', 'gpu')!r}")

@@ -187,6 +187,8 @@ def _without_decoded_mode(moe, *args, config=None, **kwargs):
 
 # the placements whose decode steps read absent experts over the link from the registered host source
 HOST_READ_PLACEMENTS = ("host-read", "two-site")
+# the placements host_read_spares (ExpertCache.lend_spares) may apply to: auto may become one of the two
+LENDING_PLACEMENTS = HOST_READ_PLACEMENTS + ("auto",)
 
 
 def _check_host_read(executor: str, resident: int, experts: int, device, contract: str,
@@ -2068,7 +2070,7 @@ class Engine:
             raise EngineError("expert_format='fp16' is a full-residency baseline; it cannot be combined with resident")
         if host_read_spares is not None and (isinstance(host_read_spares, bool) or not isinstance(host_read_spares, int)
                                              or host_read_spares < 1 or expert_placement not in
-                                             HOST_READ_PLACEMENTS + ("auto",)):
+                                             LENDING_PLACEMENTS):
             reader.close()
             raise EngineError(f"host_read_spares={host_read_spares!r}: an integer >= 1, with expert placement host-read, "
                               f"two-site or auto (which may become one of them); this engine's is {expert_placement!r}")

@@ -382,10 +382,18 @@ class TwoSitePlacement(HostReadPlacement):
     def share(self) -> float:
         if self.fixed_share is not None:
             return self.fixed_share
-        cpu, read = self.cpu_gb_s(), self.read_gb_s
-        if not cpu or not read:
-            return 0.5
-        return cpu / (cpu + read)
+        return self._share_at(self.cpu_gb_s())
+
+    def _share_at(self, cpu: float | None) -> float:
+        """cpu / (cpu + read) for a CPU rate ``cpu``; 1/2 where it or the link's rate is missing."""
+        read = self.read_gb_s
+        return cpu / (cpu + read) if cpu and read else 0.5
+
+    @staticmethod
+    def _cpu_count(n: int, share_q: int) -> int:
+        """The CPU site's experts of a layer with ``n`` absent ones at share ``share_q`` / SHARE_ONE, rounded as the
+        device's split kernel rounds."""
+        return min(n, (n * share_q + SHARE_ONE // 2) // SHARE_ONE)
 
     def share_q(self) -> int:
         """The share in units of SHARE_ONE, as a step fixes it for the device and the host."""
@@ -398,7 +406,7 @@ class TwoSitePlacement(HostReadPlacement):
         absent_pairs = list(absent_pairs)
         n = len(absent_pairs)
         q = self.share_q() if share_q is None else int(share_q)
-        c = min(n, (n * q + SHARE_ONE // 2) // SHARE_ONE)
+        c = self._cpu_count(n, q)
         chosen = sorted(absent_pairs, key=lambda ep: (ep[1], ep[0]))[:c]
         return tuple(sorted(int(e) for e, _ in chosen))
 
@@ -445,9 +453,8 @@ class TwoSitePlacement(HostReadPlacement):
         if cpu or self.fixed_share is not None or self.cpu_rate.gb_s is None or not self.read_gb_s:
             self.starved = 0  # (no link rate or a fixed share: the learned rate does not decide the share)
             return
-        probe = self.probe_cpu_gb_s
-        probe_q = int(round((probe / (probe + self.read_gb_s) if probe else 0.5) * SHARE_ONE))
-        if (absent * probe_q + SHARE_ONE // 2) // SHARE_ONE < 1:  # the probe's rate would not have given one either
+        probe_q = int(round(self._share_at(self.probe_cpu_gb_s) * SHARE_ONE))
+        if self._cpu_count(absent, probe_q) < 1:  # the probe's rate would not have given one either
             return
         self.starved += 1
         if self.starved >= self.STARVED_LAYER_CALLS:
