@@ -242,6 +242,18 @@ def test_the_chooser_minimum_is_checked_before_anything_is_built_and_only_for_au
     eng.close()
 
 
+@pytest.mark.parametrize("bad", [0, -2, 1.5, "4", True])
+def test_the_chooser_minimum_given_to_from_pack_is_checked_before_anything_is_built(tmp_path, monkeypatch, bad):
+    """from_pack's two_site_min_batch not an integer >= 1: refused in one line naming it and the value, before the
+    pack is opened, whatever the env says."""
+    from runmap.engine.engine import TWO_SITE_MIN_BATCH_ENV, Engine, EngineError
+
+    monkeypatch.setenv(TWO_SITE_MIN_BATCH_ENV, "2")
+    with pytest.raises(EngineError, match=rf"^two_site_min_batch={bad!r}: allowed values are integers >= 1"):
+        Engine.from_pack(tmp_path / "no-such-pack", executor="grouped", device="cpu", expert_placement="auto",
+                         two_site_min_batch=bad)
+
+
 @pytest.mark.parametrize("B,H", [(1, 64), (3, 100), (8, 2048), (5, 2050)])
 def test_the_join_adds_the_host_sum_only_where_the_cpu_site_has_experts(B, H, test_device):
     """kernels/site_split.add_site_sum on fresh random inputs and odd shapes, output poisoned: published (flag ==
@@ -785,16 +797,18 @@ def test_auto_with_both_sites_warms_both_steps_up_without_asking_its_chooser(see
 
     costs = PlacementCosts(h2d_gb_s=0.5, cpu_gb_s=1.0, row_bytes=100, source="test", host_read_gb_s=2.0)
 
-    def small():
+    def small(given):
         return Engine.from_pack(pack, executor="grouped", device=test_device, resident=cfg.top_k, max_batch=3,
                                 max_seq_len=48, cache_contract=_contract(test_device), expert_placement="auto",
-                                placement_costs=costs, warm_up=False)
-    for min_batch, both in [("3", True), ("4", False), (None, False)]:
+                                placement_costs=costs, warm_up=False, two_site_min_batch=given)
+    # the env, then from_pack's two_site_min_batch, which wins over the env
+    for min_batch, given, both in [("3", None, True), ("4", None, False), (None, None, False), ("4", 3, True),
+                                   ("3", 4, False), (None, 3, True)]:
         if min_batch is None:
-            monkeypatch.delenv(TWO_SITE_MIN_BATCH_ENV)
+            monkeypatch.delenv(TWO_SITE_MIN_BATCH_ENV, raising=False)
         else:
             monkeypatch.setenv(TWO_SITE_MIN_BATCH_ENV, min_batch)
-        eng = small()
+        eng = small(given)
         try:
             plan = eng.experts.placement
             if both:
@@ -859,3 +873,36 @@ def test_the_step_chooser_never_times_a_step_across_two_runs():
     ch.mode(2, 15, now=100.001)
     assert ch.describe()["by_batch"]["2"]["timed"]["host-read"] == 2
     assert ch.describe()["by_batch"]["2"]["median_ms"]["host-read"] == pytest.approx(1.0)
+
+
+def test_a_campaign_row_sets_the_chooser_minimum_only_for_auto(seed3_tiny_packs, tmp_path, monkeypatch):
+    """two_site_min_batch in a spec: refused unless the placement is auto; with auto the id says so (__sitesb1), the
+    engine's chooser has that minimum and the record's config keeps it (validated against the record schema)."""
+    from runmap.bench import campaign as bench
+    from runmap.conformance.schemas import validate_document
+
+    pack, cfg = seed3_tiny_packs["tiny-olmoe"]
+    group = {"name": "sb", "kind": "engine", "models": ["m"], "resident": [cfg.top_k], "executors": ["grouped"],
+             "batch": [1], "prompt_len": 4, "decode_len": 3,
+             "params": {"expert_placement": "host-read", "two_site_min_batch": 1, "routing": "calibrated"}}
+    spec = {"name": "sb", "description": "chooser minimum", "device": "cpu", "defaults": {"repeats": 1, "warmup": 0},
+            "models": {"m": {"preset": "tiny-olmoe", "pack": str(pack)}}, "groups": [group]}
+    with pytest.raises(bench.BenchError, match="two_site_min_batch is .* expert_placement is 'host-read'"):
+        bench.expand(spec)
+    group["params"]["expert_placement"] = "auto"
+    (c,) = bench.expand(spec)
+    assert c.id.endswith("placement-auto.sitesb1.routing-calibrated-olmoe")
+    from runmap.engine.engine import Engine
+
+    seen, build = [], Engine.from_pack.__func__
+
+    def spy(cls, *args, **kw):
+        seen.append(kw.get("two_site_min_batch"))
+        return build(cls, *args, **kw)
+    monkeypatch.setattr(Engine, "from_pack", classmethod(spy))
+    summary = bench.run_campaign(spec, tmp_path, progress=False, measure_bandwidth=False, command="pytest")
+    assert not summary["failed"], summary["failed"]
+    (rec,) = bench.load_records(tmp_path / "sb")
+    assert validate_document({k: v for k, v in rec.items() if k != "_path"}, "bench-record.schema.json") == []
+    assert rec["config"]["two_site_min_batch"] == 1
+    assert seen == [1]  # the engine was built with it (on the CPU device auto has no link to read over)

@@ -80,9 +80,9 @@ DEFAULT_PARAMS = {"repeats": 3, "warmup": 1, "warmup_new_tokens": 4, "policy": N
                   "routing": "model",
                   "cache_contract": "v1", "gpu_budget": None, "expert_placement": "gpu", "prefetch": False,
                   "emulate_link_gb_s": None, "matched_n_cpu_moe": None, "max_group": None, "two_site_share": None,
-                  "host_read_spares": None, "profile": False, "profile_top": 12}
+                  "host_read_spares": None, "two_site_min_batch": None, "profile": False, "profile_top": 12}
 VARIANT_PARAMS = ("cuda_graphs", "fused", "skip_experts", "routing", "cache_contract", "expert_placement", "prefetch",
-                  "emulate_link_gb_s", "two_site_share", "host_read_spares")
+                  "emulate_link_gb_s", "two_site_share", "host_read_spares", "two_site_min_batch")
 CHECK_EXECUTOR = "reference"
 
 
@@ -228,6 +228,8 @@ def variant_tag(p: dict) -> str:
         parts.append("share" + f"{p['two_site_share']:g}".replace(".", "p"))
     if p.get("host_read_spares") is not None:  # 2 -> hrspares2
         parts.append(f"hrspares{p['host_read_spares']}")
+    if p.get("two_site_min_batch") is not None:  # 1 -> sitesb1
+        parts.append(f"sitesb{p['two_site_min_batch']}")
     if p.get("max_group") is not None and p.get("matched_n_cpu_moe") is None:  # (a matched row's is implied)
         parts.append(f"maxgroup{p['max_group']}")
     if p.get("emulate_link_gb_s") is not None:  # 13 -> link13gbs; 12.5 -> link12p5gbs
@@ -386,6 +388,9 @@ def expand(spec: dict, packs: dict | None = None) -> list[BenchConfig]:
                 raise BenchError(f"group {g['name']!r}: host_read_spares lends placement host-read's idle spare rows to "
                                  f"residency (host-read, two-site or auto); expert_placement is "
                                  f"{gp.get('expert_placement', 'gpu')!r}")
+            if gp.get("two_site_min_batch") is not None and gp.get("expert_placement") != "auto":
+                raise BenchError(f"group {g['name']!r}: two_site_min_batch is the smallest batch auto's step chooser "
+                                 f"may run two-site steps at; expert_placement is {gp.get('expert_placement', 'gpu')!r}")
             if gp["check"] and gp["skip_experts"]:
                 raise BenchError(f"group {g['name']!r}: check with skip_experts compares zeroed experts with the "
                                  "reference; drop one of them")
@@ -793,6 +798,8 @@ def run_config(engine: BenchEngine, c: BenchConfig, model_cfg: ModelConfig, ctx:
             "two_site_share": p.get("two_site_share") if is_engine else None,
             # spare rows per layer kept where the placement reads absent experts over the link; the rest resident
             "host_read_spares": p.get("host_read_spares") if is_engine else None,
+            # auto's step chooser: the smallest batch it may run two-site steps at, set by the spec (null: the default)
+            "two_site_min_batch": p.get("two_site_min_batch") if is_engine else None,
             # the llama.cpp --n-cpu-moe row whose GPU expert bytes this residency matches (resident = E(L-n)/L)
             "matched_n_cpu_moe": p.get("matched_n_cpu_moe") if is_engine else None,
             # --gpu-budget: the budget asked for (bytes) and the engine's plan of it, which set `resident`
@@ -1058,6 +1065,7 @@ class EngineBuilder:
             emulate_link_gb_s=p.get("emulate_link_gb_s") if c.kind == "engine" else None,
             two_site_share=p.get("two_site_share") if c.kind == "engine" else None,
             host_read_spares=p.get("host_read_spares") if c.kind == "engine" else None,
+            two_site_min_batch=p.get("two_site_min_batch") if c.kind == "engine" else None,
             # the replayed hit rates of partial residency need the routes that ran (full residency has no misses)
             record_routes=c.kind == "engine" and c.regime != "full")
         bm.sync(device)

@@ -148,10 +148,15 @@ FUSED_OPS = ("prologue", "norm", "router", "attn", "gemv", "imposed")
 DEFAULT_FUSED = ("prologue", "norm", "router", "attn", "gemv", "imposed")
 
 
-def _two_site_min_batch() -> int:
-    """TWO_SITE_MIN_BATCH_ENV's value, or the placement's default; EngineError unless an integer >= 1."""
+def _two_site_min_batch(given: int | None = None) -> int:
+    """The step chooser's minimum batch: ``given`` (from_pack's two_site_min_batch), else TWO_SITE_MIN_BATCH_ENV's
+    value, else the placement's default; EngineError unless an integer >= 1."""
     from runmap.engine.placement import TWO_SITE_MIN_BATCH
 
+    if given is not None:
+        if isinstance(given, bool) or not isinstance(given, int) or given < 1:
+            raise EngineError(f"two_site_min_batch={given!r}: allowed values are integers >= 1 (a decode batch size)")
+        return given
     raw = os.environ.get(TWO_SITE_MIN_BATCH_ENV)
     if raw is None:
         return TWO_SITE_MIN_BATCH
@@ -1971,12 +1976,16 @@ class Engine:
                   expert_placement: str = "gpu", prefetch: bool = False,
                   emulate_link_gb_s: float | None = None, warm_up: bool | None = None,
                   cpu_executor: str = "cpu-native", placement_costs=None,
-                  two_site_share: float | None = None, host_read_spares: int | None = None) -> "Engine":
+                  two_site_share: float | None = None, host_read_spares: int | None = None,
+                  two_site_min_batch: int | None = None) -> "Engine":
         """two_site_share: placement two-site's CPU share of each layer's absent experts, fixed (None: from the measured
         rates, runmap.engine.placement.TwoSitePlacement). host_read_spares: under partial residency, where the
         placement is or becomes host-read or two-site (placements host-read, two-site, auto), keep this many spare rows
         per layer and make the rest resident capacity in the same device rows (ExpertCache.lend_spares: those placements
-        move experts only by promotions, one per layer at a time); None keeps the max_group spares of a miss group. placement_costs: a runmap.engine.placement.PlacementCosts to decide ``auto`` / ``auto-split`` with instead of
+        move experts only by promotions, one per layer at a time); None keeps the max_group spares of a miss group.
+        two_site_min_batch: under ``auto`` with both sites, the smallest decode batch whose steps the step chooser may
+        run as two-site steps (None: RUNMAP_TWO_SITE_MIN_BATCH, else placement.TWO_SITE_MIN_BATCH); other placements
+        ignore it. placement_costs: a runmap.engine.placement.PlacementCosts to decide ``auto`` / ``auto-split`` with instead of
         the rates measured at build (tests, what-if runs); its host_read_gb_s counts for ``auto`` only and only where
         placement host-read is possible (grouped executor, partial residency, contract v2 on a GPU, no emulated link),
         where build measures it otherwise."""
@@ -2014,7 +2023,7 @@ class Engine:
         if max_batch < 1 or (prefill_chunk is not None and prefill_chunk < 1):
             raise EngineError(f"max_batch ({max_batch}) and prefill_chunk ({prefill_chunk}) must be >= 1")
         # read before anything is built (a bad value is refused with nothing to undo); used where auto has both sites
-        min_batch = _two_site_min_batch() if expert_placement == "auto" else None
+        min_batch = _two_site_min_batch(two_site_min_batch) if expert_placement == "auto" else None
         reader = PackReader(pack_dir, verify=verify_pack)
         cfg, layout, identity = reader.config, reader.layout, reader.identity
         try:
