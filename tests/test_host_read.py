@@ -756,9 +756,10 @@ def test_lent_spares_become_resident_capacity_that_promotions_fill():
 
 
 def test_an_engine_lending_its_spares_decodes_what_full_residency_does(seed3_tiny_packs, test_device, record_decode):
-    """host_read_spares=1: tiny OLMoE at top_k resident with top_k spares runs host-read's steps with 2 top_k - 1
-    resident per layer in the same rows, and its decode logits still equal full residency's exactly; the option is
-    refused outside the placements that read over the link, or below 1."""
+    """host_read_spares default (1): tiny OLMoE at top_k resident with top_k spares runs host-read's steps with
+    2 top_k - 1 resident per layer in the same rows, and its decode logits still equal full residency's exactly; a
+    host_read_spares of the miss group (top_k) lends nothing; the option is refused outside the placements that read
+    over the link, or below 1."""
     from runmap.engine.engine import Engine, EngineError
 
     pack, cfg = seed3_tiny_packs["tiny-olmoe"]
@@ -770,8 +771,15 @@ def test_an_engine_lending_its_spares_decodes_what_full_residency_does(seed3_tin
         want_logits = full.decoded
     finally:
         full.close()
+    kept = Engine.from_pack(pack, resident=cfg.top_k, expert_placement="host-read",
+                            cache_contract=_host_read_contract(test_device), host_read_spares=cfg.top_k, **kw)
+    try:
+        assert (kept.experts.cache.resident, kept.experts.cache.spares, kept.experts.cache.lent_rows) == \
+            (cfg.top_k, cfg.top_k, 0)
+    finally:
+        kept.close()
     eng = record_decode(Engine.from_pack(pack, resident=cfg.top_k, expert_placement="host-read",
-                                         cache_contract=_host_read_contract(test_device), host_read_spares=1, **kw))
+                                         cache_contract=_host_read_contract(test_device), **kw))
     eng._prefiller = None
     try:
         cache = eng.experts.cache
@@ -791,10 +799,11 @@ def test_an_engine_lending_its_spares_decodes_what_full_residency_does(seed3_tin
                              host_read_spares=spares)
 
 
-def test_the_cli_lends_spares_on_request_and_refuses_them_where_nothing_reads_over_the_link(seed3_tiny_packs, tmp_path,
-                                                                                          capsys):
-    """runmap logits --host-read-spares: with host-read the telemetry gives 2 top_k - 1 resident per layer; with the
-    default placement it is one line naming the option (exit 2 for a value below 1, from the parser)."""
+def test_the_cli_lends_spares_by_default_and_refuses_them_where_nothing_reads_over_the_link(seed3_tiny_packs, tmp_path,
+                                                                                           capsys):
+    """runmap logits with host-read: by default (and with --host-read-spares 1) the telemetry gives 2 top_k - 1
+    resident per layer and the placement line says what was lent; --host-read-spares top_k lends nothing; with the
+    default placement the option is one line naming it (exit 2 for a value below 1, from the parser)."""
     import json
 
     from runmap.cli.main import main
@@ -803,10 +812,13 @@ def test_the_cli_lends_spares_on_request_and_refuses_them_where_nothing_reads_ov
     out, tel = tmp_path / "l.safetensors", tmp_path / "t.json"
     base = ["logits", "--packed", str(pack), "--tokens", "5,6,7", "--device", "cpu", "--executor", "grouped",
             "--resident", str(cfg.top_k), "--out", str(out)]
-    assert main(base + ["--expert-placement", "host-read", "--host-read-spares", "1", "--telemetry", str(tel)]) == 0
-    assert json.loads(tel.read_text())["resident_per_layer"] == [2 * cfg.top_k - 1] * cfg.num_layers
-    assert (f"; {cfg.top_k - 1} spare rows per layer lent to residency (--host-read-spares 1): {2 * cfg.top_k - 1} "
-            f"resident + 1 spare") in capsys.readouterr().err
+    for spares, resident in [([], 2 * cfg.top_k - 1), (["--host-read-spares", "1"], 2 * cfg.top_k - 1),
+                             (["--host-read-spares", str(cfg.top_k)], cfg.top_k)]:
+        assert main(base + ["--expert-placement", "host-read", *spares, "--telemetry", str(tel)]) == 0
+        assert json.loads(tel.read_text())["resident_per_layer"] == [resident] * cfg.num_layers
+        lent = (f"; {cfg.top_k - 1} spare rows per layer lent to residency (--host-read-spares 1): {2 * cfg.top_k - 1} "
+                f"resident + 1 spare")
+        assert (lent in capsys.readouterr().err) == (resident > cfg.top_k)
     capsys.readouterr()
     rc = main(base + ["--host-read-spares", "1"])
     err = capsys.readouterr().err.strip().splitlines()
