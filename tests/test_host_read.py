@@ -756,10 +756,10 @@ def test_lent_spares_become_resident_capacity_that_promotions_fill():
 
 
 def test_an_engine_lending_its_spares_decodes_what_full_residency_does(seed3_tiny_packs, test_device, record_decode):
-    """host_read_spares default (1): tiny OLMoE at top_k resident with top_k spares runs host-read's steps with
-    2 top_k - 1 resident per layer in the same rows, and its decode logits still equal full residency's exactly; a
-    host_read_spares of the miss group (top_k) lends nothing; the option is refused outside the placements that read
-    over the link, or below 1."""
+    """host_read_spares=1: tiny OLMoE at top_k resident with top_k spares runs host-read's steps with 2 top_k - 1
+    resident per layer in the same rows, and its decode logits still equal full residency's exactly; without it (a
+    resident count given) or with the miss group's size nothing is lent; the option is refused outside the placements
+    that read over the link, or below 1."""
     from runmap.engine.engine import Engine, EngineError
 
     pack, cfg = seed3_tiny_packs["tiny-olmoe"]
@@ -771,15 +771,16 @@ def test_an_engine_lending_its_spares_decodes_what_full_residency_does(seed3_tin
         want_logits = full.decoded
     finally:
         full.close()
-    kept = Engine.from_pack(pack, resident=cfg.top_k, expert_placement="host-read",
-                            cache_contract=_host_read_contract(test_device), host_read_spares=cfg.top_k, **kw)
-    try:
-        assert (kept.experts.cache.resident, kept.experts.cache.spares, kept.experts.cache.lent_rows) == \
-            (cfg.top_k, cfg.top_k, 0)
-    finally:
-        kept.close()
+    for spares in (None, cfg.top_k):  # a resident count given is kept unless asked; the whole miss group lends nothing
+        kept = Engine.from_pack(pack, resident=cfg.top_k, expert_placement="host-read", warm_up=False,
+                                cache_contract=_host_read_contract(test_device), host_read_spares=spares, **kw)
+        try:
+            assert (kept.experts.cache.resident, kept.experts.cache.spares, kept.experts.cache.lent_rows) == \
+                (cfg.top_k, cfg.top_k, 0)
+        finally:
+            kept.close()
     eng = record_decode(Engine.from_pack(pack, resident=cfg.top_k, expert_placement="host-read",
-                                         cache_contract=_host_read_contract(test_device), **kw))
+                                         cache_contract=_host_read_contract(test_device), host_read_spares=1, **kw))
     eng._prefiller = None
     try:
         cache = eng.experts.cache
@@ -799,11 +800,46 @@ def test_an_engine_lending_its_spares_decodes_what_full_residency_does(seed3_tin
                              host_read_spares=spares)
 
 
-def test_the_cli_lends_spares_by_default_and_refuses_them_where_nothing_reads_over_the_link(seed3_tiny_packs, tmp_path,
-                                                                                           capsys):
-    """runmap logits with host-read: by default (and with --host-read-spares 1) the telemetry gives 2 top_k - 1
-    resident per layer and the placement line says what was lent; --host-read-spares top_k lends nothing; with the
-    default placement the option is one line naming it (exit 2 for a value below 1, from the parser)."""
+def test_a_budget_planned_host_read_engine_lends_all_but_one_spare(seed3_tiny_packs, test_device):
+    """gpu_budget with placement host-read: the planner's rows stay (resident + a miss group of spares), all but
+    HOST_READ_SPARES (1) of the spares become resident capacity; host_read_spares of the whole group, or placement gpu,
+    lends nothing; the budget plan keeps what it planned."""
+    from runmap.engine.budget import BudgetError, plan_for_pack
+    from runmap.engine.engine import HOST_READ_SPARES, Engine
+
+    pack, cfg = seed3_tiny_packs["tiny-qwen2-moe"]  # 6 experts, top-2: a budget can plan top_k + 2 spares
+    kw = dict(max_batch=2, max_seq_len=48)
+    lo, hi = 1, 1 << 40  # the smallest budget that plans partial residency
+    while lo < hi:
+        mid = (lo + hi) // 2
+        try:
+            plan_for_pack(pack, mid, **kw)
+            hi = mid
+        except BudgetError:
+            lo = mid + 1
+    p = plan_for_pack(pack, lo, **kw)
+    rows = p.resident + p.spares
+    assert p.regime == "partial" and p.spares > HOST_READ_SPARES
+    for placement, spares, resident in [("host-read", None, min(rows - HOST_READ_SPARES, cfg.num_experts - 1)),
+                                        ("host-read", p.spares, p.resident), ("gpu", None, p.resident)]:
+        extra = dict(expert_placement=placement, cache_contract=_host_read_contract(test_device)) \
+            if placement == "host-read" else {}
+        eng = Engine.from_pack(pack, executor="grouped", device=test_device, gpu_budget=lo, warm_up=False,
+                               host_read_spares=spares, **extra, **kw)
+        try:
+            cache = eng.experts.cache
+            assert (cache.rows_per_layer, cache.resident, cache.lent_rows) == (rows, resident, resident - p.resident)
+            assert eng.budget_plan.resident == p.resident and eng.resident == resident
+        finally:
+            eng.close()
+    assert resident < min(rows - HOST_READ_SPARES, cfg.num_experts - 1)  # (the default lent something above)
+
+
+def test_the_cli_lends_spares_on_request_and_refuses_them_where_nothing_reads_over_the_link(seed3_tiny_packs, tmp_path,
+                                                                                          capsys):
+    """runmap logits --resident top_k with host-read: --host-read-spares 1 gives 2 top_k - 1 resident per layer in
+    the telemetry and the placement line says what was lent; without the option, or with top_k, nothing is lent; with
+    the default placement the option is one line naming it (exit 2 for a value below 1, from the parser)."""
     import json
 
     from runmap.cli.main import main
@@ -812,7 +848,7 @@ def test_the_cli_lends_spares_by_default_and_refuses_them_where_nothing_reads_ov
     out, tel = tmp_path / "l.safetensors", tmp_path / "t.json"
     base = ["logits", "--packed", str(pack), "--tokens", "5,6,7", "--device", "cpu", "--executor", "grouped",
             "--resident", str(cfg.top_k), "--out", str(out)]
-    for spares, resident in [([], 2 * cfg.top_k - 1), (["--host-read-spares", "1"], 2 * cfg.top_k - 1),
+    for spares, resident in [([], cfg.top_k), (["--host-read-spares", "1"], 2 * cfg.top_k - 1),
                              (["--host-read-spares", str(cfg.top_k)], cfg.top_k)]:
         assert main(base + ["--expert-placement", "host-read", *spares, "--telemetry", str(tel)]) == 0
         assert json.loads(tel.read_text())["resident_per_layer"] == [resident] * cfg.num_layers

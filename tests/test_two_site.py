@@ -33,21 +33,8 @@ def _contract(device: str) -> str:
     return "v2" if device == "cuda" else "v1"
 
 
-def _keep_spares(kw: dict, max_batch: int, top_k: int | None) -> dict:
-    """These tests split absent experts between the sites: where the placement reads over the link, keep the miss
-    group's spares instead of lending all but one to residency (the engine's default), so that top_k resident leaves
-    as many experts absent as before the default; lending is tested in tests/test_host_read.py."""
-    from runmap.engine.engine import LENDING_PLACEMENTS
-
-    if kw.get("expert_placement") in LENDING_PLACEMENTS and kw.get("resident") is not None and top_k is not None:
-        kw.setdefault("host_read_spares", top_k * max_batch)  # >= the miss group: nothing lent
-    return kw
-
-
-def _run(pack, device, record_decode, top_k=None, **kw):
+def _run(pack, device, record_decode, **kw):
     from runmap.engine.engine import Engine
-
-    kw = _keep_spares(kw, 2, top_k)
 
     eng = record_decode(Engine.from_pack(pack, executor="grouped", device=device, max_batch=2, max_seq_len=48, **kw))
     eng._prefiller = None  # both sides' prompt passes eager (tests/test_host_read.py says why): this is about the steps
@@ -93,7 +80,7 @@ def test_two_site_decode_equals_full_residency(seed3_tiny_packs, preset, share, 
     monkeypatch.setenv(TWO_SITE_STEP_ENV, step)
     pack, cfg = seed3_tiny_packs[preset]
     toks_f, logits_f = _full(pack, test_device, record_decode)
-    eng = _run(pack, test_device, record_decode, top_k=cfg.top_k, resident=cfg.top_k, expert_placement="two-site",
+    eng = _run(pack, test_device, record_decode, resident=cfg.top_k, expert_placement="two-site",
                cache_contract=_contract(test_device), two_site_share=share)
     try:
         cache = eng.experts.cache
@@ -177,7 +164,7 @@ def test_a_one_graph_step_refuses_a_split_the_device_did_not_make(seed3_tiny_pac
     monkeypatch.setenv(TWO_SITE_STEP_ENV, "graph")
     monkeypatch.setenv(TWO_SITE_JOIN_ENV, join)
     pack, cfg = seed3_tiny_packs["tiny-olmoe"]
-    eng = _run(pack, test_device, record_decode, top_k=cfg.top_k, resident=cfg.top_k, expert_placement="two-site",
+    eng = _run(pack, test_device, record_decode, resident=cfg.top_k, expert_placement="two-site",
                cache_contract=_contract(test_device), two_site_share=0.5)
     try:
         # first a run that captures the step (on a GPU; eager steps on the CPU device), so that the failures below
@@ -441,7 +428,7 @@ def test_the_first_cpu_part_of_a_layer_binds_its_call_outside_the_rate_the_split
         return real_bind(self, layer)
     monkeypatch.setattr(SegmentDecoder, "_bind_masked", slow_bind)
     pack, cfg = seed3_tiny_packs["tiny-olmoe"]
-    eng = _run(pack, test_device, record_decode, top_k=cfg.top_k, resident=cfg.top_k, expert_placement="two-site",
+    eng = _run(pack, test_device, record_decode, resident=cfg.top_k, expert_placement="two-site",
                cache_contract=_contract(test_device), two_site_share=0.5)
     try:
         plan = eng.experts.placement
@@ -707,9 +694,9 @@ def _auto_both(pack, cfg, device, record_decode, **kw):
 
     # the host-read site given faster than the CPU site: auto chooses host-read's steps, with both sites at batch >= 4
     costs = PlacementCosts(h2d_gb_s=0.5, cpu_gb_s=1.0, row_bytes=100, source="test", host_read_gb_s=2.0)
-    kw = _keep_spares(dict(kw, resident=cfg.top_k, expert_placement="auto"), 4, cfg.top_k)
-    eng = record_decode(Engine.from_pack(pack, executor="grouped", device=device, max_batch=4, max_seq_len=48,
-                                         cache_contract=_contract(device), placement_costs=costs, **kw))
+    eng = record_decode(Engine.from_pack(pack, executor="grouped", device=device, resident=cfg.top_k, max_batch=4,
+                                         max_seq_len=48, cache_contract=_contract(device), expert_placement="auto",
+                                         placement_costs=costs, **kw))
     eng._prefiller = None
     return eng
 

@@ -64,8 +64,8 @@ def add_residency_arguments(p) -> None:
                    help="partial residency with --expert-placement host-read, two-site or auto (where it becomes one "
                         "of them): keep N spare rows per layer for promotions and make the other spare rows (one miss "
                         "group's, top_k x batch by default) resident experts, in the same GPU memory: those placements "
-                        "read absent experts over the link and never fill a miss group (default: 1; a miss group's size "
-                        "or more lends none)")
+                        "read absent experts over the link and never fill a miss group (default: 1 with --gpu-budget, "
+                        "none lent with --resident; a miss group's size or more lends none)")
 
     p.add_argument("--cache-contract", choices=CONTRACT_NAMES, default="v1",
                    help="partial residency: v1 (default): host source -> pinned staging -> GPU; v2: the host source "

@@ -194,11 +194,13 @@ def _without_decoded_mode(moe, *args, config=None, **kwargs):
 HOST_READ_PLACEMENTS = ("host-read", "two-site")
 # the placements host_read_spares (ExpertCache.lend_spares) may apply to: auto may become one of the two
 LENDING_PLACEMENTS = HOST_READ_PLACEMENTS + ("auto",)
-# Spare rows per layer kept by default where the placement is or becomes host-read or two-site; the rest of one miss
-# group's spares are lent to residency (ExpertCache.lend_spares). Those placements move experts only by promotions, one
-# per layer at a time, so one spare is all they use. On an H100 (results/campaigns/h100-llama-matched-lent) lending
-# decoded 1.25-1.45x faster than the same rows without it, in the same call (OLMoE, matched --n-cpu-moe 4 / 12 / 16,
-# batch 1 and 8). A host_read_spares of at least the miss group (max_group) lends nothing.
+# Spare rows per layer kept by default where the residency comes from a GPU budget (gpu_budget: the user gave bytes,
+# not a resident count) and the placement is or becomes host-read or two-site; the rest of the planned miss group's
+# spares are lent to residency (ExpertCache.lend_spares). Those placements move experts only by promotions, one per
+# layer at a time, so one spare is all they use. On an H100 (results/campaigns/h100-llama-matched-lent) lending decoded
+# 1.25-1.45x faster than the same rows without it, in the same call (OLMoE, matched --n-cpu-moe 4 / 12 / 16, batch 1
+# and 8). An explicit resident count is kept as asked (host_read_spares lends there); a host_read_spares of at least
+# the miss group (max_group) lends nothing.
 HOST_READ_SPARES = 1
 
 
@@ -1988,8 +1990,8 @@ class Engine:
         rates, runmap.engine.placement.TwoSitePlacement). host_read_spares: under partial residency, where the
         placement is or becomes host-read or two-site (placements host-read, two-site, auto), keep this many spare rows
         per layer and make the rest resident capacity in the same device rows (ExpertCache.lend_spares: those placements
-        move experts only by promotions, one per layer at a time); None: HOST_READ_SPARES (1); max_group or more lends
-        nothing (the miss group's spares kept, as before 2026-12-07).
+        move experts only by promotions, one per layer at a time); None: HOST_READ_SPARES (1) where gpu_budget planned
+        the rows, none lent where resident was given; max_group or more lends nothing.
         two_site_min_batch: under ``auto`` with both sites, the smallest decode batch whose steps the step chooser may
         run as two-site steps (None: RUNMAP_TWO_SITE_MIN_BATCH, else placement.TWO_SITE_MIN_BATCH); other placements
         ignore it. placement_costs: a runmap.engine.placement.PlacementCosts to decide ``auto`` / ``auto-split`` with instead of
@@ -2214,8 +2216,12 @@ class Engine:
                             experts.cpu_site = None
                         if auto and policy_asked in (None, "lfu-decay"):  # as placement host-read asked by name
                             cache.replace_policy(HostReadPlacement.eviction_policy(cfg.num_layers))
-                        # the idle spares become resident capacity (all but HOST_READ_SPARES, unless told otherwise)
-                        resident = cache.lend_spares(HOST_READ_SPARES if host_read_spares is None else host_read_spares)
+                        # the idle spares become resident capacity: as asked, or all but HOST_READ_SPARES where a
+                        # budget planned the rows (a resident count given is kept unless host_read_spares says)
+                        keep = host_read_spares if host_read_spares is not None else \
+                            (HOST_READ_SPARES if gpu_budget is not None else None)
+                        if keep is not None:
+                            resident = cache.lend_spares(keep)
                         experts.enable_host_read()
                     if experts.placement.may_use_cpu():
                         # every expert repacked now: a decode step never pays a first use's repack (~30 ms each)
