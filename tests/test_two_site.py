@@ -906,3 +906,26 @@ def test_a_campaign_row_sets_the_chooser_minimum_only_for_auto(seed3_tiny_packs,
     assert validate_document({k: v for k, v in rec.items() if k != "_path"}, "bench-record.schema.json") == []
     assert rec["config"]["two_site_min_batch"] == 1
     assert seen == [1]  # the engine was built with it (on the CPU device auto has no link to read over)
+
+
+def test_the_cli_passes_the_chooser_minimum_and_refuses_one_below_1(seed3_tiny_packs, tmp_path, monkeypatch, capsys):
+    """runmap logits --two-site-min-batch B: the engine is built with it (over the env); 0 is refused by the parser
+    with exit 2 naming the option, before any engine is built."""
+    from runmap.cli.main import main
+    from runmap.engine.engine import TWO_SITE_MIN_BATCH_ENV, Engine
+
+    pack, cfg = seed3_tiny_packs["tiny-olmoe"]
+    seen, build = [], Engine.from_pack.__func__
+
+    def spy(cls, *args, **kw):
+        seen.append(kw.get("two_site_min_batch"))
+        return build(cls, *args, **kw)
+    monkeypatch.setattr(Engine, "from_pack", classmethod(spy))
+    monkeypatch.setenv(TWO_SITE_MIN_BATCH_ENV, "5")
+    base = ["logits", "--packed", str(pack), "--tokens", "5,6,7", "--device", "cpu", "--executor", "grouped",
+            "--resident", str(cfg.top_k), "--expert-placement", "auto", "--out", str(tmp_path / "l.safetensors")]
+    assert main(base + ["--two-site-min-batch", "3"]) == 0 and seen == [3]
+    assert main(base) == 0 and seen == [3, None]  # (None: the env's, then the default)
+    with pytest.raises(SystemExit) as exit_:
+        main(base + ["--two-site-min-batch", "0"])
+    assert exit_.value.code == 2 and "--two-site-min-batch" in capsys.readouterr().err and seen == [3, None]

@@ -64,7 +64,7 @@ def run(args) -> int:
                                routing=args.routing, routing_seed=args.routing_seed,
                                record_routes=args.trace is not None, cache_contract=args.cache_contract,
                                expert_placement=args.expert_placement, cpu_executor=args.cpu_executor, prefetch=args.prefetch,
-                               host_read_spares=args.host_read_spares,
+                               host_read_spares=args.host_read_spares, two_site_min_batch=args.two_site_min_batch,
                                prefill_chunk=args.prefill_chunk,
                                # one request: compiling every size class of pass first would only add to its wait
                                warm_up=False)

@@ -57,7 +57,7 @@ def run(args) -> int:
                                device=args.device,
                                max_batch=1, max_seq_len=max(len(ids), 16), cuda_graphs=False,
                                expert_placement=args.expert_placement, cpu_executor=args.cpu_executor, prefetch=args.prefetch,
-                               host_read_spares=args.host_read_spares,
+                               host_read_spares=args.host_read_spares, two_site_min_batch=args.two_site_min_batch,
                                cache_contract=args.cache_contract,
                                prefill_chunk=args.prefill_chunk, warm_up=False)  # one request
         if placement_line(eng):

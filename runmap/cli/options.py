@@ -43,7 +43,7 @@ def add_residency_arguments(p) -> None:
                         "nothing transferred, auto = host-read (below) where it is possible unless the CPU site measures "
                         "1.25x faster at startup than both the GPU's reads of host memory and the copy (never under an emulated "
                         "link), and with --max-batch 4 or more also two-site's step (below) at the batch sizes from 4 "
-                        "(RUNMAP_TWO_SITE_MIN_BATCH sets another minimum) where it measures faster than host-read's in "
+                        "(--two-site-min-batch sets another minimum) where it measures faster than host-read's in "
                         "use, else at each layer call, for its absent experts, whichever the "
                         "rates measured at startup and then in use (host->device copy, CPU expert) and the routes' reuse "
                         "say is cheaper (the CPU's rate learned apart for decode steps and prompt passes), auto-split = auto "
@@ -66,6 +66,11 @@ def add_residency_arguments(p) -> None:
                         "group's, top_k x batch by default) resident experts, in the same GPU memory: those placements "
                         "read absent experts over the link and never fill a miss group (default: 1 with --gpu-budget, "
                         "none lent with --resident; a miss group's size or more lends none)")
+
+    p.add_argument("--two-site-min-batch", type=int_at_least(1), default=None, metavar="B",
+                   help="--expert-placement auto with both sites: the smallest decode batch whose steps may run as "
+                        "two-site steps where they measure faster than host-read's (default 4, or "
+                        "RUNMAP_TWO_SITE_MIN_BATCH); smaller batches always run host-read's step")
 
     p.add_argument("--cache-contract", choices=CONTRACT_NAMES, default="v1",
                    help="partial residency: v1 (default): host source -> pinned staging -> GPU; v2: the host source "

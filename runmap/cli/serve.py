@@ -186,7 +186,7 @@ def run(args) -> int:
     load = functools.partial(Engine.from_pack, pack, executor=args.executor, device=args.device,
                              max_batch=args.max_batch, max_seq_len=args.max_seq_len,
                              expert_placement=args.expert_placement, cpu_executor=args.cpu_executor,
-                             host_read_spares=args.host_read_spares,
+                             host_read_spares=args.host_read_spares, two_site_min_batch=args.two_site_min_batch,
                              prefetch=args.prefetch, prefill_chunk=args.prefill_chunk,
                              cache_contract=args.cache_contract,
                              warm_up=False,  # the scheduler warms up every shape it serves
