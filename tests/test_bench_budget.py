@@ -137,3 +137,25 @@ def test_cli_gpu_budget_replaces_partial_residency_and_keeps_full(direct_pack, t
     with pytest.raises(SystemExit) as e:  # argparse: usage error, one line naming the option
         main(["bench", str(path), "--list", "--gpu-budget", "lots"])
     assert e.value.code == 2 and "--gpu-budget: 'lots' is not a size" in capsys.readouterr().err
+
+
+def test_a_budget_row_under_host_read_records_the_spares_it_lent(direct_pack, tmp_path):
+    """gpu_budget with placement host-read: the engine lends all but one of the plan's spares to residency by
+    default; the record's config says what ran (resident above the plan's, host_read_spares 1 kept), the plan stays
+    as planned, a note says what was lent, and the record validates."""
+    budget = _partial_budget(direct_pack)
+    hr = {"name": "hr", "kind": "engine", "models": ["m"], "resident": "budget", "executors": ["grouped"], "batch": 1,
+          "prompt_len": 5, "decode_len": 3,
+          "params": {"gpu_budget": [str(budget)], "expert_placement": "host-read", "routing": "calibrated"}}
+    spec = _spec(direct_pack, budget, [hr])
+    spec["groups"] = [g for g in spec["groups"] if g["name"] == "hr"]
+    summary = bench.run_campaign(spec, tmp_path, progress=False, measure_bandwidth=False)
+    assert summary["failed"] == [], summary["failed"]
+    (rec,) = bench.load_records(tmp_path / "budget")
+    assert validate_document({k: v for k, v in rec.items() if k != "_path"}, "bench-record") == []
+    plan_rec, cfg = rec["config"]["budget_plan"], rec["config"]
+    assert plan_rec["spares"] > 1 and cfg["host_read_spares"] == 1
+    assert cfg["resident"] == min(plan_rec["resident"] + plan_rec["spares"] - 1, cfg["experts_per_layer"] - 1)
+    assert cfg["resident"] > plan_rec["resident"]
+    assert any(f"{cfg['resident'] - plan_rec['resident']} of the planned spare rows per layer lent to residency" in n
+               for n in rec.get("notes", []))

@@ -647,3 +647,22 @@ def test_an_event_put_just_as_the_drain_finds_the_outbox_empty_still_arrives():
         assert await asyncio.wait_for(q.get(), 5) == "raced" and state["raced"]
 
     asyncio.run(main())
+
+
+def test_the_recorded_serve_command_keeps_the_placement_options_a_rerun_needs(tmp_path):
+    """runmap serve's recorded command (IFEval sidecars): the residency, placement, contract, spares and chooser
+    options given are in it, parsed back to the same values; defaults are left out."""
+    import shlex
+
+    from runmap.cli.main import build_parser
+    from runmap.cli.serve import _command
+
+    argv = ["serve", "--packed", str(tmp_path), "--resident", "8", "--expert-placement", "auto", "--cache-contract",
+            "v2", "--host-read-spares", "2", "--two-site-min-batch", "1"]
+    args = build_parser().parse_args(argv)
+    cmd = shlex.split(_command(tmp_path, args))
+    back = build_parser().parse_args(cmd[1:])
+    for name in ("resident", "expert_placement", "cache_contract", "host_read_spares", "two_site_min_batch"):
+        assert getattr(back, name) == getattr(args, name), name
+    plain = _command(tmp_path, build_parser().parse_args(["serve", "--packed", str(tmp_path)]))
+    assert not any(f in plain for f in ("--cache-contract", "--host-read-spares", "--two-site-min-batch"))

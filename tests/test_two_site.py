@@ -252,6 +252,20 @@ def test_the_chooser_minimum_given_to_from_pack_is_checked_before_anything_is_bu
     with pytest.raises(EngineError, match=rf"^two_site_min_batch={bad!r}: allowed values are integers >= 1"):
         Engine.from_pack(tmp_path / "no-such-pack", executor="grouped", device="cpu", expert_placement="auto",
                          two_site_min_batch=bad)
+    with pytest.raises(EngineError, match=rf"^two_site_min_batch={bad!r}: allowed values are integers >= 1"):
+        Engine.from_pack(tmp_path / "no-such-pack", executor="grouped", device="cpu", expert_placement="host-read",
+                         two_site_min_batch=bad)
+
+
+@pytest.mark.parametrize("placement", ["gpu", "host-read", "two-site", "cpu"])
+def test_the_chooser_minimum_is_refused_with_a_placement_that_has_no_chooser(tmp_path, placement):
+    """two_site_min_batch with a placement other than auto: one line naming it and the placement, before the pack is
+    opened (never silently ignored)."""
+    from runmap.engine.engine import Engine, EngineError
+
+    with pytest.raises(EngineError, match=rf"^two_site_min_batch=2 is placement auto's .* is '{placement}'"):
+        Engine.from_pack(tmp_path / "no-such-pack", executor="grouped", device="cpu", expert_placement=placement,
+                         two_site_min_batch=2)
 
 
 @pytest.mark.parametrize("B,H", [(1, 64), (3, 100), (8, 2048), (5, 2050)])
@@ -890,6 +904,11 @@ def test_a_campaign_row_sets_the_chooser_minimum_only_for_auto(seed3_tiny_packs,
     with pytest.raises(bench.BenchError, match="two_site_min_batch is .* expert_placement is 'host-read'"):
         bench.expand(spec)
     group["params"]["expert_placement"] = "auto"
+    for bad in (1.0, 0):  # (1.0 passes the schema, which counts it an integer)
+        group["params"]["two_site_min_batch"] = bad
+        with pytest.raises(bench.BenchError, match=rf"two_site_min_batch {bad!r}: allowed values are integers >= 1"):
+            bench.expand(spec)
+    group["params"]["two_site_min_batch"] = 1
     (c,) = bench.expand(spec)
     assert c.id.endswith("placement-auto.sitesb1.routing-calibrated-olmoe")
     from runmap.engine.engine import Engine

@@ -388,9 +388,14 @@ def expand(spec: dict, packs: dict | None = None) -> list[BenchConfig]:
                 raise BenchError(f"group {g['name']!r}: host_read_spares lends placement host-read's idle spare rows to "
                                  f"residency (host-read, two-site or auto); expert_placement is "
                                  f"{gp.get('expert_placement', 'gpu')!r}")
+            for name in ("host_read_spares", "two_site_min_batch"):  # (the schema takes 1.0 for an integer)
+                v = gp.get(name)
+                if v is not None and (isinstance(v, bool) or not isinstance(v, int) or v < 1):
+                    raise BenchError(f"group {g['name']!r}: {name} {v!r}: allowed values are integers >= 1")
             if gp.get("two_site_min_batch") is not None and gp.get("expert_placement") != "auto":
-                raise BenchError(f"group {g['name']!r}: two_site_min_batch is the smallest batch auto's step chooser "
-                                 f"may run two-site steps at; expert_placement is {gp.get('expert_placement', 'gpu')!r}")
+                raise BenchError(f"group {g['name']!r}: two_site_min_batch is the smallest batch auto's step "
+                                 f"chooser may run two-site steps at; expert_placement is "
+                                 f"{gp.get('expert_placement', 'gpu')!r}")
             if gp["check"] and gp["skip_experts"]:
                 raise BenchError(f"group {g['name']!r}: check with skip_experts compares zeroed experts with the "
                                  "reference; drop one of them")
@@ -744,6 +749,7 @@ def run_config(engine: BenchEngine, c: BenchConfig, model_cfg: ModelConfig, ctx:
     # the experts per layer that ran: the configuration's, or more where the engine lent idle spares to residency
     # (host_read_spares)
     resident = s1.resident if c.kind == "engine" else c.resident
+    spares_kept = s1.spare_bytes // s1.row_bytes // model_cfg.num_layers if s1.spare_bytes and s1.row_bytes else 0
     if c.kind == "engine":
         routing_rec = {"workload": engine.routing}
         if routes is not None:
@@ -796,13 +802,16 @@ def run_config(engine: BenchEngine, c: BenchConfig, model_cfg: ModelConfig, ctx:
             "emulate_link_gb_s": p.get("emulate_link_gb_s") if is_engine else None,
             # placement two-site's CPU share fixed by the spec (null: from the measured rates, or another placement)
             "two_site_share": p.get("two_site_share") if is_engine else None,
-            # spare rows per layer kept where the placement reads absent experts over the link; the rest resident
-            "host_read_spares": p.get("host_read_spares") if is_engine else None,
+            # spare rows per layer kept where the placement reads absent experts over the link, the rest resident: the
+            # spec's, or where the engine lent by default (a GPU budget's rows) the spares it kept
+            "host_read_spares": (p.get("host_read_spares") if p.get("host_read_spares") is not None or
+                                 resident == c.resident else spares_kept) if is_engine else None,
             # auto's step chooser: the smallest batch it may run two-site steps at, set by the spec (null: the default)
             "two_site_min_batch": p.get("two_site_min_batch") if is_engine else None,
             # the llama.cpp --n-cpu-moe row whose GPU expert bytes this residency matches (resident = E(L-n)/L)
             "matched_n_cpu_moe": p.get("matched_n_cpu_moe") if is_engine else None,
-            # --gpu-budget: the budget asked for (bytes) and the engine's plan of it, which set `resident`
+            # --gpu-budget: the budget asked for (bytes) and the engine's plan of it, which set `resident` (more where
+            # host-read or two-site lent the plan's idle spares to residency: host_read_spares)
             "gpu_budget": p.get("gpu_budget"),
             "budget_plan": engine_info.get("budget_plan"),
             # where the weights came from: a packed checkpoint, a pack synthesized directly, transformers' init
@@ -859,6 +868,10 @@ def run_config(engine: BenchEngine, c: BenchConfig, model_cfg: ModelConfig, ctx:
         notes.append(f"EMULATION: the miss path's host->device copies were paced to {p['emulate_link_gb_s']:g} GB/s "
                      "(runmap.residency.transport.pace), standing in for a slower link than this machine's")
     ncmoe = p.get("matched_n_cpu_moe") if is_engine else None
+    if ncmoe is None and resident > c.resident:  # a GPU budget's rows, lent by default (Engine.from_pack)
+        notes.append(f"{resident - c.resident} of the planned spare rows per layer lent to residency (host-read family "
+                     f"placement, host_read_spares {spares_kept}): {resident} resident + {spares_kept} spare where the "
+                     f"plan kept {c.resident} + {resident - c.resident + spares_kept}")
     if ncmoe is not None:
         layers, e = model_cfg.num_layers, c.experts_per_layer
         exact = e * (layers - ncmoe) / layers

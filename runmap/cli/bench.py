@@ -93,7 +93,9 @@ def add_arguments(p) -> None:
     p.add_argument("--gpu-budget", action="append", type=size_argument, metavar="SIZE",
                    help="engine groups whose resident is not just `full` run under this GPU budget instead (e.g. 16GiB; "
                         "repeatable: one configuration per budget): the engine's plan (runmap.engine.budget) decides the "
-                        "resident experts per layer, the record's config carries gpu_budget, budget_plan and resident; "
+                        "resident experts per layer (host-read and two-site lend all but one of its spare rows to "
+                        "residency too), the record's config carries gpu_budget, budget_plan and the resident that "
+                        "ran; "
                         "full-residency groups stay (the transfer bound's reference). Overrides the spec's gpu_budget")
     p.add_argument("--deadline-s", type=_seconds, help="start no configuration after this many seconds (the rest is "
                    "listed as skipped in campaign.json)")

@@ -104,7 +104,9 @@ def _command(pack, args) -> str:
     parts = ["runmap", "serve", "--packed", str(pack), "--executor", args.executor, "--max-batch", str(args.max_batch)]
     for flag, v in (("--resident", args.resident), ("--max-seq-len", args.max_seq_len), ("--device", args.device),
                     ("--model-name", args.model_name), ("--max-join-tokens", args.max_join_tokens),
-                    ("--prefill-chunk", args.prefill_chunk),
+                    ("--prefill-chunk", args.prefill_chunk), ("--host-read-spares", args.host_read_spares),
+                    ("--two-site-min-batch", args.two_site_min_batch),
+                    ("--cache-contract", None if args.cache_contract == "v1" else args.cache_contract),
                     ("--join-mode", None if args.join_mode == JOIN_MODES[0] else args.join_mode),
                     ("--engine-process", None if args.engine_process == "auto" else args.engine_process)):
         if v is not None:

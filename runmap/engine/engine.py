@@ -67,7 +67,9 @@ Arguments:
                    and replayed hit rates. On CUDA graphs it adds one small copy per MoE layer to the step.
     gpu_budget     bytes (runmap.engine.budget.parse_size("8GiB")): instead of resident, plan the device memory
                    (non-routed weights, KV cache, workspaces, spare rows) and keep as many experts per layer as fit;
-                   ``eng.budget_plan`` says how; on CUDA torch's allocator is capped at the budget (until close())
+                   ``eng.budget_plan`` says how; on CUDA torch's allocator is capped at the budget (until close()).
+                   Where the placement is or becomes host-read or two-site, all but HOST_READ_SPARES of the planned
+                   spare rows then hold resident experts too (host_read_spares; ``eng.resident`` says how many)
     budget_kv_rows KV-cache rows the plan counts when a caller keeps more than max_batch
     warm_up        run ``eng.warm_up()`` before returning (compile every prefill size class and capture the decode
                    step, so the first request runs warm); None = on CUDA (under partial residency the passes move
@@ -1993,11 +1995,11 @@ class Engine:
         move experts only by promotions, one per layer at a time); None: HOST_READ_SPARES (1) where gpu_budget planned
         the rows, none lent where resident was given; max_group or more lends nothing.
         two_site_min_batch: under ``auto`` with both sites, the smallest decode batch whose steps the step chooser may
-        run as two-site steps (None: RUNMAP_TWO_SITE_MIN_BATCH, else placement.TWO_SITE_MIN_BATCH); other placements
-        ignore it. placement_costs: a runmap.engine.placement.PlacementCosts to decide ``auto`` / ``auto-split`` with instead of
-        the rates measured at build (tests, what-if runs); its host_read_gb_s counts for ``auto`` only and only where
-        placement host-read is possible (grouped executor, partial residency, contract v2 on a GPU, no emulated link),
-        where build measures it otherwise."""
+        run as two-site steps (None: RUNMAP_TWO_SITE_MIN_BATCH, else placement.TWO_SITE_MIN_BATCH); refused with
+        another placement. placement_costs: a runmap.engine.placement.PlacementCosts to decide ``auto`` /
+        ``auto-split`` with instead of the rates measured at build (tests, what-if runs); its host_read_gb_s counts
+        for ``auto`` only and only where placement host-read is possible (grouped executor, partial residency,
+        contract v2 on a GPU, no emulated link), where build measures it otherwise."""
         from runmap.format.packfile import PackReader
         from runmap.engine.tokenization import Tokenizer
 
@@ -2033,6 +2035,10 @@ class Engine:
             raise EngineError(f"max_batch ({max_batch}) and prefill_chunk ({prefill_chunk}) must be >= 1")
         # read before anything is built (a bad value is refused with nothing to undo); used where auto has both sites
         min_batch = _two_site_min_batch(two_site_min_batch) if expert_placement == "auto" else None
+        if two_site_min_batch is not None and expert_placement != "auto":
+            _two_site_min_batch(two_site_min_batch)  # (a bad value is named first)
+            raise EngineError(f"two_site_min_batch={two_site_min_batch} is placement auto's step-chooser minimum; "
+                              f"expert placement is {expert_placement!r}")
         reader = PackReader(pack_dir, verify=verify_pack)
         cfg, layout, identity = reader.config, reader.layout, reader.identity
         try:
