@@ -80,6 +80,23 @@ def seed3_tiny_packs(tmp_path_factory):
     return out
 
 
+@pytest.fixture
+def tiny_olmoe_campaign(seed3_tiny_packs):
+    """A function (name, params, decode_len=4) -> (group, spec): a one-group CPU campaign of the seed-3 tiny OLMoE
+    pack, top_k resident, grouped executor, batch 1, 4-token prompts, one repeat and no warm-up; the test edits
+    ``group["params"]`` between expand / run_campaign calls."""
+    pack, cfg = seed3_tiny_packs["tiny-olmoe"]
+
+    def make(name: str, params: dict, decode_len: int = 4):
+        group = {"name": name, "kind": "engine", "models": ["m"], "resident": [cfg.top_k], "executors": ["grouped"],
+                 "batch": [1], "prompt_len": 4, "decode_len": decode_len, "params": dict(params)}
+        spec = {"name": name, "description": f"one group ({name})", "device": "cpu",
+                "defaults": {"repeats": 1, "warmup": 0},
+                "models": {"m": {"preset": "tiny-olmoe", "pack": str(pack)}}, "groups": [group]}
+        return group, spec
+    return make
+
+
 def _record_decode(eng):
     """Keep a copy of every decode step's logits (float32 (B, V)) of ``eng`` in ``eng.decoded``; returns eng."""
     eng.decoded, decode = [], eng.decode

@@ -547,18 +547,15 @@ def test_a_host_read_bench_record_counts_its_reads_in_the_bytes_per_token(seed3_
     assert rec["routing"]["misses_per_token"]["value"] * 3 == pytest.approx(s["host_reads"])
 
 
-def test_a_campaign_row_lends_its_spares_only_under_the_placements_that_read_over_the_link(seed3_tiny_packs, tmp_path):
+def test_a_campaign_row_lends_its_spares_only_under_the_placements_that_read_over_the_link(seed3_tiny_packs,
+                                                                                          tiny_olmoe_campaign, tmp_path):
     """host_read_spares in a spec: the id says so (__hrspares1), the record's config keeps it and its telemetry
     gives the resident count that ran; a group whose placement never reads over the link is refused."""
     from runmap.bench import campaign as bench
     from runmap.conformance.schemas import validate_document
 
     pack, cfg = seed3_tiny_packs["tiny-olmoe"]
-    group = {"name": "hr", "kind": "engine", "models": ["m"], "resident": [cfg.top_k], "executors": ["grouped"],
-             "batch": [1], "prompt_len": 4, "decode_len": 4,
-             "params": {"expert_placement": "gpu", "host_read_spares": 1, "routing": "calibrated"}}
-    spec = {"name": "hr", "description": "host-read spares", "device": "cpu", "defaults": {"repeats": 1, "warmup": 0},
-            "models": {"m": {"preset": "tiny-olmoe", "pack": str(pack)}}, "groups": [group]}
+    group, spec = tiny_olmoe_campaign("hr", {"expert_placement": "gpu", "host_read_spares": 1, "routing": "calibrated"})
     with pytest.raises(bench.BenchError, match="host_read_spares lends .* expert_placement is 'gpu'"):
         bench.expand(spec)
     group["params"]["expert_placement"] = "host-read"

@@ -889,18 +889,14 @@ def test_the_step_chooser_never_times_a_step_across_two_runs():
     assert ch.describe()["by_batch"]["2"]["median_ms"]["host-read"] == pytest.approx(1.0)
 
 
-def test_a_campaign_row_sets_the_chooser_minimum_only_for_auto(seed3_tiny_packs, tmp_path, monkeypatch):
+def test_a_campaign_row_sets_the_chooser_minimum_only_for_auto(tiny_olmoe_campaign, tmp_path, monkeypatch):
     """two_site_min_batch in a spec: refused unless the placement is auto; with auto the id says so (__sitesb1), the
     engine's chooser has that minimum and the record's config keeps it (validated against the record schema)."""
     from runmap.bench import campaign as bench
     from runmap.conformance.schemas import validate_document
 
-    pack, cfg = seed3_tiny_packs["tiny-olmoe"]
-    group = {"name": "sb", "kind": "engine", "models": ["m"], "resident": [cfg.top_k], "executors": ["grouped"],
-             "batch": [1], "prompt_len": 4, "decode_len": 3,
-             "params": {"expert_placement": "host-read", "two_site_min_batch": 1, "routing": "calibrated"}}
-    spec = {"name": "sb", "description": "chooser minimum", "device": "cpu", "defaults": {"repeats": 1, "warmup": 0},
-            "models": {"m": {"preset": "tiny-olmoe", "pack": str(pack)}}, "groups": [group]}
+    group, spec = tiny_olmoe_campaign(
+        "sb", {"expert_placement": "host-read", "two_site_min_batch": 1, "routing": "calibrated"}, decode_len=3)
     with pytest.raises(bench.BenchError, match="two_site_min_batch is .* expert_placement is 'host-read'"):
         bench.expand(spec)
     group["params"]["expert_placement"] = "auto"
