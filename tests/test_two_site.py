@@ -923,6 +923,39 @@ def test_a_campaign_row_sets_the_chooser_minimum_only_for_auto(tiny_olmoe_campai
     assert seen == [1]  # the engine was built with it (on the CPU device auto has no link to read over)
 
 
+def test_the_one_graph_steps_host_phases_are_reported_and_a_warm_up_leaves_them_as_they_were():
+    """note_step: per step means of the host phases (admit, replay, joins, release, promotions, in microseconds) and
+    the median gap between steps (robust to a run's first step, whose gap holds its prompt); put_back after a warm-up
+    restores them; the telemetry schema takes the description."""
+    plan = TwoSitePlacement(30.0, 10.0)
+    assert "step_host" not in plan.describe()
+    kept = plan.kept()
+    plan.note_step(1e-5, 2e-5, 3e-3, 4e-6, 5e-5, None)
+    plan.note_step(3e-5, 4e-5, 5e-3, 6e-6, 7e-5, 2e-4)
+    plan.note_step(2e-5, 3e-5, 4e-3, 5e-6, 6e-5, 9.0)  # a run's first step: its gap holds the prompt's pass
+    plan.note_step(2e-5, 3e-5, 4e-3, 5e-6, 6e-5, 3e-4)
+    h = plan.describe()["step_host"]
+    assert h["steps"] == 4 and h["gaps"] == 3
+    want = {"admit_us": 20.0, "replay_us": 30.0, "joins_us": 4000.0, "release_us": 5.0, "promote_us": 60.0,
+            "gap_median_us": 300.0}
+    assert all(h[k] == pytest.approx(v) for k, v in want.items()), h
+    import json
+    from pathlib import Path
+
+    import jsonschema
+
+    schema = json.loads((Path(__file__).parents[1] / "schemas" / "telemetry.schema.json").read_text())
+    sub = schema["properties"]["placement"]["properties"]["step_host"]
+    jsonschema.Draft202012Validator(sub).validate(h)
+    with pytest.raises(jsonschema.ValidationError):
+        jsonschema.Draft202012Validator(sub).validate({**h, "unknown_us": 1.0})
+    plan.put_back(kept)
+    assert "step_host" not in plan.describe() and len(plan.step_gaps) == 0
+    for i in range(TwoSitePlacement.BETWEEN_KEPT + 5):  # the gaps kept are the last ones
+        plan.note_step(0.0, 0.0, 0.0, 0.0, 0.0, float(i))
+    assert len(plan.step_gaps) == TwoSitePlacement.BETWEEN_KEPT and plan.step_gaps[0] == 5.0
+
+
 def test_the_cli_passes_the_chooser_minimum_and_refuses_one_below_1(seed3_tiny_packs, tmp_path, monkeypatch, capsys):
     """runmap logits --two-site-min-batch B: the engine is built with it (over the env); 0 is refused by the parser
     with exit 2 naming the option, before any engine is built."""

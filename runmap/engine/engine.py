@@ -885,6 +885,7 @@ class SegmentDecoder(_StaticStepInputs):
         # how the host learns that a layer's ids are in pinned memory: an event recorded in the graph, or (poll) the
         # count's copy landing in a slot the host set to -1 before the replay (TWO_SITE_WAIT_ENV)
         self.poll = self.one_graph and engine.experts.placement.step_wait == "poll" and engine.device.type == "cuda"
+        self._last_end = None  # when this chain's last one-graph step left run() (the gap to the next: note_step)
         if self.two_site:  # the step's CPU share in units of SHARE_ONE and its sequence number, on the device
             pin = engine.device.type == "cuda"
             self.share_host = torch.zeros(2, dtype=torch.int32, pin_memory=pin)  # [share, seq]
@@ -1260,13 +1261,17 @@ class SegmentDecoder(_StaticStepInputs):
                                      self.host_gw_np[layer], self.host_cpu_out_np[layer], self._cpu_threads(),
                                      self._masked_scratch)
 
-    def _replay_one_graph(self, graph) -> None:
-        """Queue the one-graph step, then join each layer on the host as its ids arrive."""
+    def _replay_one_graph(self, graph) -> float:
+        """Queue the one-graph step, then join each layer on the host as its ids arrive. Returns the seconds the
+        replay took to queue (the rest of the call is the joins)."""
         if self.poll:  # (every count of the step before was seen: no copy of it is pending)
             self.host_count_np[:] = -1
+        t0 = time.perf_counter()
         graph.replay()
+        queued = time.perf_counter() - t0
         for layer in range(self.L):
             self._join_layer(layer)
+        return queued
 
     def check_joins(self, wait: bool = False) -> None:
         """Raise if a join of this chain gave up waiting for the host's CPU sum (its step's output was NaN, never a
@@ -1552,10 +1557,13 @@ class SegmentDecoder(_StaticStepInputs):
             graphs, out = self.chains[n_keys]
             ev = torch.cuda.Event()
             done = False
+            t_in = time.perf_counter()  # the one-graph step's host phases (TwoSitePlacement.note_step)
             try:
                 self._admit_step()
+                t_admitted = time.perf_counter()
                 if self.one_graph:  # the whole step queued at once; the host joins the layers that need it
-                    self._replay_one_graph(graphs[0])
+                    replay_s = self._replay_one_graph(graphs[0])
+                    t_joined = time.perf_counter()
                 for i, g in enumerate(() if self.one_graph else graphs):
                     g.replay()
                     if i == len(graphs) - 1:
@@ -1593,9 +1601,16 @@ class SegmentDecoder(_StaticStepInputs):
                     self._unblock_joins()
                     torch.cuda.current_stream(e.device).synchronize()
                 self._release()  # every segment reading the step's rows is queued
+        t_released = time.perf_counter()
         if self.two_site:  # while the last segment runs: a promotion's copy waits for the release fence of its rows
             e.experts.defer_promotion(self.host_ids_np)
             e.experts.promote_pending()
+        if self.one_graph and self.capture:
+            t_out = time.perf_counter()
+            e.experts.placement.note_step(t_admitted - t_in, replay_s, t_joined - t_admitted - replay_s,
+                                          t_released - t_joined, t_out - t_released,
+                                          None if self._last_end is None else t_in - self._last_end)
+            self._last_end = t_out
         if self.recorded is not None:
             e.routes.end_pass(real, self.recorded, decode=True)
         return out

@@ -79,8 +79,10 @@ explores.
 """
 from __future__ import annotations
 
+import collections
 import copy
 import dataclasses
+import statistics
 import time
 
 # auto-split: auto with split=True (the module docstring's "Split"), opt-in until a decode measurement says it helps
@@ -360,6 +362,10 @@ class TwoSitePlacement(HostReadPlacement):
         self.cpu_experts = 0  # experts given to the CPU site
         self.absent_experts = 0  # absent experts seen by the split
         self.joins = [0, 0, 0.0, 0.0, 0.0]  # the one-graph step's joined layers (note_join): n, with CPU, seconds
+        # the one-graph step's host phases (note_step): steps, then seconds in admit, replay, joins, release, promotions;
+        # and the last BETWEEN_KEPT gaps between a step and the one before of the same batch (the caller's work)
+        self.step_host = [0, 0.0, 0.0, 0.0, 0.0, 0.0]
+        self.step_gaps: collections.deque = collections.deque(maxlen=self.BETWEEN_KEPT)
         self.starved = 0  # layer calls in a row the learned CPU rate gave nothing where the probe's would (count_split)
         self.cpu_rate_resets = 0  # learned CPU rates dropped for it
 
@@ -430,6 +436,21 @@ class TwoSitePlacement(HostReadPlacement):
         j[3] += split_s
         j[4] += cpu_s
 
+    def note_step(self, admit_s: float, replay_s: float, joins_s: float, release_s: float, promote_s: float,
+                  between_s: float | None) -> None:
+        """One one-graph two-site step's host phases: seconds admitting its request, queueing its graph, joining its
+        layers, releasing its request and running its promotions; ``between_s``: seconds since the step before of the
+        same batch ended (the caller's work: reading the logits, choosing tokens), None for a first step. The gaps are
+        reported by their median: the gap before a run's first step also holds its prompt's pass."""
+        h = self.step_host
+        h[0] += 1
+        for i, v in enumerate((admit_s, replay_s, joins_s, release_s, promote_s), start=1):
+            h[i] += v
+        if between_s is not None:
+            self.step_gaps.append(between_s)
+
+    BETWEEN_KEPT = 4096  # gaps between steps kept for their median (note_step)
+
     # a CPU part counts at most this many times the seconds the learned rate predicts for it (InUseRate's clip)
     CPU_RATE_CLIP = 4.0
     # Layer calls in a row that the rate learned in use gives the CPU site nothing where the build probe's rate would
@@ -468,13 +489,15 @@ class TwoSitePlacement(HostReadPlacement):
         warm-up's pad-token steps give the CPU site few experts per call, slower per byte than a user's: on an H100
         they left 3.6-4.4 GB/s learned where a user's batch-8 steps learned 36-39, results/campaigns/h100-auto-sites)."""
         return (self.split_counts(), copy.deepcopy(self.cpu_rate), list(self.joins),
-                (self.starved, self.cpu_rate_resets))
+                (self.starved, self.cpu_rate_resets), (list(self.step_host), list(self.step_gaps)))
 
     def put_back(self, kept: tuple) -> None:
         self.split_counts(kept[0])
         self.cpu_rate = kept[1]
         self.joins = list(kept[2])
         self.starved, self.cpu_rate_resets = kept[3]
+        self.step_host = list(kept[4][0])
+        self.step_gaps = collections.deque(kept[4][1], maxlen=self.BETWEEN_KEPT)
 
     def split_counts(self, restore: tuple | None = None) -> tuple:
         """(calls, absent experts, CPU experts) so far; with ``restore``, set them back to it first."""
@@ -506,6 +529,12 @@ class TwoSitePlacement(HostReadPlacement):
             n, ncpu, wait_s, split_s, cpu_s = self.joins
             d["joins"] = {"layers": n, "cpu_layers": ncpu, "wait_us": 1e6 * wait_s / n, "split_us": 1e6 * split_s / n,
                           "cpu_us_per_cpu_layer": 1e6 * cpu_s / ncpu if ncpu else None}
+        if self.step_host[0]:
+            n, admit, replay, joins, release, promote = self.step_host
+            d["step_host"] = {"steps": n, "admit_us": 1e6 * admit / n, "replay_us": 1e6 * replay / n,
+                              "joins_us": 1e6 * joins / n, "release_us": 1e6 * release / n,
+                              "promote_us": 1e6 * promote / n, "gaps": len(self.step_gaps),
+                              "gap_median_us": 1e6 * statistics.median(self.step_gaps) if self.step_gaps else None}
         return d
 
 
