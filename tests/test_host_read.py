@@ -797,16 +797,11 @@ def test_an_engine_lending_its_spares_decodes_what_full_residency_does(seed3_tin
                              host_read_spares=spares)
 
 
-def test_a_budget_planned_host_read_engine_lends_all_but_one_spare(seed3_tiny_packs, test_device):
-    """gpu_budget with placement host-read: the planner's rows stay (resident + a miss group of spares), all but
-    HOST_READ_SPARES (1) of the spares become resident capacity; host_read_spares of the whole group, or placement gpu,
-    lends nothing; the budget plan keeps what it planned."""
+def _smallest_budget(pack, **kw) -> int:
+    """The smallest GPU budget whose plan holds the pack (partial residency for tiny Qwen2-MoE: top_k + 2 spares)."""
     from runmap.engine.budget import BudgetError, plan_for_pack
-    from runmap.engine.engine import HOST_READ_SPARES, Engine
 
-    pack, cfg = seed3_tiny_packs["tiny-qwen2-moe"]  # 6 experts, top-2: a budget can plan top_k + 2 spares
-    kw = dict(max_batch=2, max_seq_len=48)
-    lo, hi = 1, 1 << 40  # the smallest budget that plans partial residency
+    lo, hi = 1, 1 << 40
     while lo < hi:
         mid = (lo + hi) // 2
         try:
@@ -814,6 +809,19 @@ def test_a_budget_planned_host_read_engine_lends_all_but_one_spare(seed3_tiny_pa
             hi = mid
         except BudgetError:
             lo = mid + 1
+    return lo
+
+
+def test_a_budget_planned_host_read_engine_lends_all_but_one_spare(seed3_tiny_packs, test_device):
+    """gpu_budget with placement host-read: the planner's rows stay (resident + a miss group of spares), all but
+    HOST_READ_SPARES (1) of the spares become resident capacity; host_read_spares of the whole group, or placement gpu,
+    lends nothing; the budget plan keeps what it planned."""
+    from runmap.engine.budget import plan_for_pack
+    from runmap.engine.engine import HOST_READ_SPARES, Engine
+
+    pack, cfg = seed3_tiny_packs["tiny-qwen2-moe"]  # 6 experts, top-2: a budget can plan top_k + 2 spares
+    kw = dict(max_batch=2, max_seq_len=48)
+    lo = _smallest_budget(pack, **kw)
     p = plan_for_pack(pack, lo, **kw)
     rows = p.resident + p.spares
     assert p.regime == "partial" and p.spares > HOST_READ_SPARES
@@ -835,8 +843,9 @@ def test_a_budget_planned_host_read_engine_lends_all_but_one_spare(seed3_tiny_pa
 def test_the_cli_lends_spares_on_request_and_refuses_them_where_nothing_reads_over_the_link(seed3_tiny_packs, tmp_path,
                                                                                           capsys):
     """runmap logits --resident top_k with host-read: --host-read-spares 1 gives 2 top_k - 1 resident per layer in
-    the telemetry and the placement line says what was lent; without the option, or with top_k, nothing is lent; with
-    the default placement the option is one line naming it (exit 2 for a value below 1, from the parser)."""
+    the telemetry and the placement line says what was lent; without the option, or with top_k, nothing is lent; under
+    --gpu-budget the default lends and the line says so; with the default placement the option is one line naming it
+    (exit 2 for a value below 1, from the parser)."""
     import json
 
     from runmap.cli.main import main
@@ -853,6 +862,12 @@ def test_the_cli_lends_spares_on_request_and_refuses_them_where_nothing_reads_ov
                 f"resident + 1 spare")
         assert (lent in capsys.readouterr().err) == (resident > cfg.top_k)
     capsys.readouterr()
+    # under --gpu-budget the default lends, and the line says it was the default
+    qpack, qcfg = seed3_tiny_packs["tiny-qwen2-moe"]
+    budget = _smallest_budget(qpack, max_batch=1, max_seq_len=16)  # (logits' engine: one row, at least 16 positions)
+    assert main(["logits", "--packed", str(qpack), "--tokens", "5,6,7", "--device", "cpu", "--executor", "grouped",
+                 "--gpu-budget", str(budget), "--expert-placement", "host-read", "--out", str(out)]) == 0
+    assert "lent to residency (the default under --gpu-budget)" in capsys.readouterr().err
     rc = main(base + ["--host-read-spares", "1"])
     err = capsys.readouterr().err.strip().splitlines()
     assert rc != 0 and len(err) == 1 and "host_read_spares=1" in err[0] and "'gpu'" in err[0]

@@ -99,8 +99,9 @@ def placement_line(eng) -> str | None:
     lent = getattr(getattr(eng.experts, "cache", None), "lent_rows", 0)
     if line is not None and lent:
         c = eng.experts.cache
-        line += (f"; {lent} spare rows per layer lent to residency (--host-read-spares {c.spares}): {c.resident} "
-                 f"resident + {c.spares} spare")
+        how = "the default under --gpu-budget" if c.lent_by_default else \
+            f"--host-read-spares {c.spares}"
+        line += f"; {lent} spare rows per layer lent to residency ({how}): {c.resident} resident + {c.spares} spare"
     return line
 
 

@@ -2243,6 +2243,8 @@ class Engine:
                             (HOST_READ_SPARES if gpu_budget is not None else None)
                         if keep is not None:
                             resident = cache.lend_spares(keep)
+                            # (the placement line says whether the default or host_read_spares lent them)
+                            cache.lent_by_default = host_read_spares is None
                         experts.enable_host_read()
                     if experts.placement.may_use_cpu():
                         # every expert repacked now: a decode step never pays a first use's repack (~30 ms each)

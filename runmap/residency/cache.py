@@ -279,6 +279,7 @@ class ExpertCache:
             raise CacheConfigError(f"staging={staging} must be >= 1 and spares={spares} >= 0")
         self.resident, self.spares, self.staging, self.max_group = resident, spares, staging, group
         self.lent_rows = 0  # spare rows per layer made resident capacity (lend_spares)
+        self.lent_by_default = False  # set by the engine where its default (not host_read_spares) lent them
         self.full_residency = full
         self.rows_per_layer = resident + spares
         dev_need = self.num_layers * (self.rows_per_layer * self.row_bytes + 2 * 4 * e)
