@@ -66,7 +66,7 @@ from runmap.atomic import remove_stale_temporaries, write_json
 from runmap.bench.baselines import BaselineUnavailable
 from runmap.bench.checks import RECORD_VERSION, RECORD_VERSIONS  # what it writes, what it reads
 from runmap.bench.registry import BASELINE_KINDS, HF_KINDS
-from runmap.engine.engine import DEFAULT_FUSED, FUSED_OPS, LENDING_PLACEMENTS
+from runmap.engine.engine import DEFAULT_FUSED, FUSED_OPS, LENDING_PLACEMENTS, is_count
 from runmap.engine.generation import GenerationResult, GenerationRun
 from runmap.engine.telemetry import DECODE_PATHS, PREFILL_PATHS, EngineStats
 from runmap.kernels.common import chained
@@ -390,7 +390,7 @@ def expand(spec: dict, packs: dict | None = None) -> list[BenchConfig]:
                                  f"{gp.get('expert_placement', 'gpu')!r}")
             for name in ("host_read_spares", "two_site_min_batch"):  # (the schema takes 1.0 for an integer)
                 v = gp.get(name)
-                if v is not None and (isinstance(v, bool) or not isinstance(v, int) or v < 1):
+                if v is not None and not is_count(v):
                     raise BenchError(f"group {g['name']!r}: {name} {v!r}: allowed values are integers >= 1")
             if gp.get("two_site_min_batch") is not None and gp.get("expert_placement") != "auto":
                 raise BenchError(f"group {g['name']!r}: two_site_min_batch is the smallest batch auto's step "
@@ -750,6 +750,10 @@ def run_config(engine: BenchEngine, c: BenchConfig, model_cfg: ModelConfig, ctx:
     # (host_read_spares)
     resident = s1.resident if c.kind == "engine" else c.resident
     spares_kept = s1.spare_bytes // s1.row_bytes // model_cfg.num_layers if s1.spare_bytes and s1.row_bytes else 0
+    # the spec's host_read_spares, or where the engine lent a GPU budget's spares by default the spares it kept
+    hr_spares = p.get("host_read_spares")
+    if hr_spares is None and resident > c.resident:
+        hr_spares = spares_kept
     if c.kind == "engine":
         routing_rec = {"workload": engine.routing}
         if routes is not None:
@@ -802,10 +806,8 @@ def run_config(engine: BenchEngine, c: BenchConfig, model_cfg: ModelConfig, ctx:
             "emulate_link_gb_s": p.get("emulate_link_gb_s") if is_engine else None,
             # placement two-site's CPU share fixed by the spec (null: from the measured rates, or another placement)
             "two_site_share": p.get("two_site_share") if is_engine else None,
-            # spare rows per layer kept where the placement reads absent experts over the link, the rest resident: the
-            # spec's, or where the engine lent by default (a GPU budget's rows) the spares it kept
-            "host_read_spares": (p.get("host_read_spares") if p.get("host_read_spares") is not None or
-                                 resident == c.resident else spares_kept) if is_engine else None,
+            # spare rows per layer kept where the placement reads absent experts over the link, the rest resident
+            "host_read_spares": hr_spares if is_engine else None,
             # auto's step chooser: the smallest batch it may run two-site steps at, set by the spec (null: the default)
             "two_site_min_batch": p.get("two_site_min_batch") if is_engine else None,
             # the llama.cpp --n-cpu-moe row whose GPU expert bytes this residency matches (resident = E(L-n)/L)
@@ -875,12 +877,12 @@ def run_config(engine: BenchEngine, c: BenchConfig, model_cfg: ModelConfig, ctx:
     if ncmoe is not None:
         layers, e = model_cfg.num_layers, c.experts_per_layer
         exact = e * (layers - ncmoe) / layers
-        spares = s1.spare_bytes // s1.row_bytes // layers if s1.spare_bytes and s1.row_bytes else 0
-        held = resident + spares
+        held = resident + spares_kept
         lent = (f" ({resident - c.resident} of the matched top_k spares lent to residency, host_read_spares)"
                 if resident > c.resident else "")
         notes.append(f"matched to llama.cpp --n-cpu-moe {ncmoe}: {resident} of {e} experts per layer resident{lent} + "
-                     f"{spares} spare rows (where misses land before publication) = {held} GPU expert rows per layer; "
+                     f"{spares_kept} spare rows (where misses land before publication) = {held} GPU expert rows per "
+                     "layer; "
                      f"llama.cpp keeps {exact:g} per layer's worth of routed-expert bytes on the GPU"
                      + (f"; the engine needs at least top_k = {model_cfg.top_k} resident rows and top_k spares, so it "
                         "holds more GPU expert bytes than that llama.cpp row" if held > exact else

@@ -150,13 +150,18 @@ FUSED_OPS = ("prologue", "norm", "router", "attn", "gemv", "imposed")
 DEFAULT_FUSED = ("prologue", "norm", "router", "attn", "gemv", "imposed")
 
 
+def is_count(value) -> bool:
+    """An int >= 1 and not a bool (a spare-row count, a batch size): what from_pack's and a spec's counts must be."""
+    return isinstance(value, int) and not isinstance(value, bool) and value >= 1
+
+
 def _two_site_min_batch(given: int | None = None) -> int:
     """The step chooser's minimum batch: ``given`` (from_pack's two_site_min_batch), else TWO_SITE_MIN_BATCH_ENV's
     value, else the placement's default; EngineError unless an integer >= 1."""
     from runmap.engine.placement import TWO_SITE_MIN_BATCH
 
     if given is not None:
-        if isinstance(given, bool) or not isinstance(given, int) or given < 1:
+        if not is_count(given):
             raise EngineError(f"two_site_min_batch={given!r}: allowed values are integers >= 1 (a decode batch size)")
         return given
     raw = os.environ.get(TWO_SITE_MIN_BATCH_ENV)
@@ -2107,9 +2112,8 @@ class Engine:
         if expert_format == "fp16" and resident != E:
             reader.close()
             raise EngineError("expert_format='fp16' is a full-residency baseline; it cannot be combined with resident")
-        if host_read_spares is not None and (isinstance(host_read_spares, bool) or not isinstance(host_read_spares, int)
-                                             or host_read_spares < 1 or expert_placement not in
-                                             LENDING_PLACEMENTS):
+        if host_read_spares is not None and (not is_count(host_read_spares)
+                                             or expert_placement not in LENDING_PLACEMENTS):
             reader.close()
             raise EngineError(f"host_read_spares={host_read_spares!r}: an integer >= 1, with expert placement host-read, "
                               f"two-site or auto (which may become one of them); this engine's is {expert_placement!r}")
