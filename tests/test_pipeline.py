@@ -237,3 +237,29 @@ def test_real_model_without_local_checkpoint_is_a_clear_error(workdir):
     proc = dry_run(workdir, "models=[olmoe-1b-7b-0924]")
     assert proc.returncode != 0
     assert "olmoe-1b-7b-0924" in proc.stderr + proc.stdout and "local checkpoint directory" in proc.stderr + proc.stdout
+
+
+def test_the_readmes_real_checkpoint_command_plans_every_stage(workdir, tmp_path):
+    """README "Running a real model" gives one pipeline command for a local checkpoint: as written (its checkpoint
+    path pointed at a stand-in directory), its dry run plans the pack, the bench of the campaign it names and the
+    report; without a campaign of those models the error names the specs that would do."""
+    import shlex
+
+    text = (REPO_ROOT / "README.md").read_text()
+    line = next(ln.strip("`. ") for ln in text.splitlines()
+                if ln.startswith("`snakemake") and "models=[olmoe-1b-7b-0924]" in ln)
+    argv = shlex.split(line)
+    assert argv[:4] == ["snakemake", "--cores", "all", "--config"], argv
+    ckpt = tmp_path / "olmoe"
+    ckpt.mkdir()
+    (ckpt / "config.json").write_text("{}")
+    config = [a.replace("/data/OLMoE-1B-7B-0924", str(ckpt)) for a in argv[4:]]
+    assert any(a.startswith("campaign=") for a in config), config
+    proc = dry_run(workdir, *config)
+    assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-2000:]
+    planned = job_counts(proc.stdout)
+    assert planned.get("pack") == 1 and planned.get("bench") == 1 and planned.get("report") == 1, planned
+    no_campaign = [a for a in config if not a.startswith("campaign=")]
+    proc = dry_run(workdir, *no_campaign)
+    assert proc.returncode != 0
+    assert "campaign=specs/campaigns/olmoe-real.yaml" in proc.stdout + proc.stderr, proc.stderr[-2000:]

@@ -25,9 +25,27 @@ def _bench_campaign_presets():
     presets = {name: m["preset"] for name, m in spec["models"].items()}
     for name, preset in presets.items():
         if preset not in config["models"]:
+            fits = _bench_specs_for(config["models"])
+            hint = (f"; campaigns of those models: {', '.join('campaign=' + f for f in fits)}" if fits
+                    else "; write a campaign spec of those models and pass it as campaign=SPEC")
             raise ValueError(f"pipeline config: campaign {BENCH_SPEC} model {name!r} uses preset {preset!r}, "
-                             f"which is not in models {config['models']} (the pipeline packs only those)")
+                             f"which is not in models {config['models']} (the pipeline packs only those){hint}")
     return spec["name"], presets
+
+
+def _bench_specs_for(models):
+    """The campaign specs under specs/campaigns/ whose every model's preset is in ``models`` and whose results folder
+    holds no committed evidence (a run would not be refused), for the error above."""
+    found = []
+    for path in sorted(_bench_os.listdir("specs/campaigns")):
+        if not path.endswith(".yaml"):
+            continue
+        with open(_bench_os.path.join("specs/campaigns", path)) as fh:
+            spec = _bench_yaml.safe_load(fh)
+        evidence = _bench_os.path.join(RESULTS, "campaigns", spec["name"], "README.md")
+        if all(m["preset"] in models for m in spec["models"].values()) and not _bench_os.path.exists(evidence):
+            found.append(f"specs/campaigns/{path}")
+    return found
 
 
 BENCH_CAMPAIGN, BENCH_PRESETS = _bench_campaign_presets()
