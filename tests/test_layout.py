@@ -260,9 +260,12 @@ def test_markdown_names_only_existing_paths():
 
 def heading_slugs(text: str) -> set[str]:
     """The anchors a renderer gives the headings of Markdown ``text``: lower case, punctuation other than
-    ``-`` and ``_`` dropped, spaces to hyphens; a repeated heading gets ``-1``, ``-2``, ..."""
+    ``-`` and ``_`` dropped, spaces to hyphens; a repeated heading gets ``-1``, ``-2``, ...; and the explicit anchors
+    ``<a id="..."></a>`` of the text."""
     slugs, seen = set(), {}
-    for line in _FENCE.sub("", text).splitlines():
+    unfenced = _FENCE.sub("", text)
+    slugs.update(re.findall(r'<a id="([A-Za-z0-9_-]+)"></a>', unfenced))
+    for line in unfenced.splitlines():
         m = re.match(r"^#{1,6}\s+(.*?)\s*#*\s*$", line)
         if not m:
             continue
@@ -274,8 +277,9 @@ def heading_slugs(text: str) -> set[str]:
 
 
 def test_heading_slugs():
-    text = "# Top\n## 6. `miss-transaction`: Miss transaction\n## Top\n```\n# not a heading\n```\n"
-    assert heading_slugs(text) == {"top", "6-miss-transaction-miss-transaction", "top-1"}
+    text = ("# Top\n## 6. `miss-transaction`: Miss transaction\n## Top\n```\n# not a heading\n<a id=\"no\"></a>\n```\n"
+            "<a id=\"row-1\"></a>\n")
+    assert heading_slugs(text) == {"top", "6-miss-transaction-miss-transaction", "top-1", "row-1"}
 
 
 TEXT_SUFFIXES = {".py", ".smk", ".md", ".yaml", ".yml", ".json", ".sh", ".toml", ".txt", ""}

@@ -77,9 +77,11 @@ def add_arguments(p) -> None:
                         "enough to be captured); mixed: a waiting request's prompt (up to 512 tokens) is computed "
                         "inside the next decode step, one request per step, so the weights are read once for both "
                         "(full residency with CUDA graphs, no --gpu-budget; otherwise, and for a longer prompt, a "
-                        "whole join; not yet measured on a GPU). On the H200 interleaved served fewer tokens per second than whole "
-                        "(the engine thread is host-bound) and concurrent about as many (32 clients: 0.74 of the "
-                        "offline batch against 0.72; results/serve/load/README.md)")
+                        "whole join). On the H200 interleaved served fewer tokens per second than whole "
+                        "(the engine thread is host-bound), concurrent about as many (32 clients: 0.74 of the "
+                        "offline batch against 0.72) and mixed about as many (32 clients: 0.73 against 0.72, 8 "
+                        "clients 0.83 against 0.86, inter-token p99 8.6 against 14.6 ms; "
+                        "results/serve/load/README.md)")
     p.add_argument("--max-seq-len", type=_positive, default=None, metavar="N",
                    help="context: prompt + completion tokens per request (default min(max_position_embeddings, 4096))")
     p.add_argument("--device", default=None, help="cuda | cpu (default: cuda when available)")
