@@ -156,24 +156,24 @@ def run(args: argparse.Namespace) -> int:
     try:
         ss = load_schemas(args.schemas_dir)
     except SchemaError as e:
-        print(f"error: {e}", file=sys.stderr)
+        print(f"runmap validate: {e}", file=sys.stderr)
         return 2
     if args.list_schemas:
         return _list_schemas(ss)
     paths = [Path(p) for p in (args.paths or ["."])]
     missing = [str(p) for p in paths if not p.exists()]
     if missing:
-        print(f"error: no such file or directory: {', '.join(missing)}", file=sys.stderr)
+        print(f"runmap validate: no such file or directory: {', '.join(missing)}", file=sys.stderr)
         return 1
 
     if args.schema:
         try:
             ss.get(args.schema)
         except KeyError as e:
-            print(f"error: {e.args[0]}", file=sys.stderr)
+            print(f"runmap validate: {e.args[0]}", file=sys.stderr)
             return 2
         if any(p.is_dir() for p in paths):
-            print("error: --schema takes files, not directories", file=sys.stderr)
+            print("runmap validate: --schema takes files, not directories", file=sys.stderr)
             return 2
         report = TreeReport(roots=[display_path(p) for p in paths])
         for p in paths:
@@ -222,14 +222,14 @@ def run(args: argparse.Namespace) -> int:
     for w in report.warnings:
         print(f"warning   {w}")
     if nothing:
-        print(f"error: {', '.join(map(str, args.paths or ['.']))}: {NOTHING_CHECKED}", file=sys.stderr)
+        print(f"runmap validate: {', '.join(map(str, args.paths or ['.']))}: {NOTHING_CHECKED}", file=sys.stderr)
 
     if args.summary:
         # The summary must itself conform: a bug here should fail loudly, not write a bad artifact.
         bad = ss.validate_document(summary, "conformance", file=args.summary)
         if bad:
             for v in bad:
-                print(f"error: internal: summary does not match its schema: {v}", file=sys.stderr)
+                print(f"runmap validate: internal: summary does not match its schema: {v}", file=sys.stderr)
             return 1
         write_json(args.summary, summary)
 
