@@ -335,3 +335,22 @@ def test_the_matched_specs_hold_each_llama_cpp_rows_gpu_expert_rows(name, model,
         n = c.p["matched_n_cpu_moe"]
         rows = cfg.num_experts * (cfg.num_layers - n) // cfg.num_layers
         assert c.resident == (cfg.num_experts if n == 0 else max(cfg.top_k, rows - cfg.top_k)), c.id
+
+
+def test_each_row_resets_the_placement_reports_after_its_warm_ups_and_before_its_timed_runs(tmp_path):
+    """A record's placement joins / step phases are averages the engine keeps over its life; the bench starts them
+    afresh once a row's warm-ups are done, so a row never averages in its warm-ups or the rows a shared engine ran."""
+    engines = []
+
+    def factory(c, entry, device):
+        engines.append(FakeEngine(c))
+        return engines[-1], {}
+
+    spec = tiny_spec()
+    spec["groups"] = spec["groups"][2:3]
+    spec["defaults"].update(repeats=2, warmup=1)
+    bench.run_campaign(spec, tmp_path, engine_factory=factory, progress=False, measure_bandwidth=False,
+                       command="pytest")
+    # each engine serves two rows (batch 1 and 2): warm-up, reset, two timed runs; warm-up, reset, two timed runs
+    assert engines and all(e.report_resets == [1, 4] and e.calls == 6 for e in engines), \
+        [(e.report_resets, e.calls) for e in engines]

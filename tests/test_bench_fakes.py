@@ -37,6 +37,7 @@ class FakeEngine:
         self.route_flips = 0  # positions a non-default executor's own routing routes otherwise (logits_with_routes)
         self.corrupt_positions, self.corrupt = 0, 0.0  # an arithmetic bug of the engine's own executor
         self.closed = False
+        self.report_resets = []  # runs done when the bench reset the placement's reports (reset_placement_reports)
 
     def decode_rate(self, batch: int) -> float:
         base = {"reference": 10.0, "scalar": 20.0, "grouped": 40.0, "topk-fused": 50.0,
@@ -84,6 +85,9 @@ class FakeEngine:
         if executor is not None and executor != self.executor:
             routes[:self.route_flips, 1, 0] = 7
         return out, routes
+
+    def reset_placement_reports(self) -> None:
+        self.report_resets.append(self.calls)
 
     def stats(self) -> EngineStats:
         p = self.c.p

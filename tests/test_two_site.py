@@ -201,6 +201,8 @@ def test_a_one_graph_step_refuses_a_split_the_device_did_not_make(seed3_tiny_pac
     ("RUNMAP_TWO_SITE_STEP", "graphs", r"RUNMAP_TWO_SITE_STEP='graphs': allowed values are 'graph' and 'chain'"),
     ("RUNMAP_TWO_SITE_WAIT", "spin", r"RUNMAP_TWO_SITE_WAIT='spin': allowed values are 'event' and 'poll'"),
     ("RUNMAP_TWO_SITE_JOIN", "fast", r"RUNMAP_TWO_SITE_JOIN='fast': allowed values are 'mask' and 'rule'"),
+    ("RUNMAP_TWO_SITE_PROMOTIONS", "0", r"RUNMAP_TWO_SITE_PROMOTIONS='0': allowed values are integers >= 1"),
+    ("RUNMAP_TWO_SITE_PROMOTIONS", "all", r"RUNMAP_TWO_SITE_PROMOTIONS='all': allowed values are integers >= 1"),
     ("RUNMAP_TWO_SITE_JOIN", "mask", r"RUNMAP_TWO_SITE_JOIN=mask needs a cpu-native CPU executor; this engine's is "
                                      r"cpu-int4")])
 def test_the_two_site_step_options_are_checked_when_the_engine_is_built(seed3_tiny_packs, monkeypatch, env, value,
@@ -954,6 +956,62 @@ def test_the_one_graph_steps_host_phases_are_reported_and_a_warm_up_leaves_them_
     for i in range(TwoSitePlacement.BETWEEN_KEPT + 5):  # the gaps kept are the last ones
         plan.note_step(0.0, 0.0, 0.0, 0.0, 0.0, float(i))
     assert len(plan.step_gaps) == TwoSitePlacement.BETWEEN_KEPT and plan.step_gaps[0] == 5.0
+
+
+def test_a_two_site_step_promotes_in_at_most_the_layers_the_bound_allows(seed3_tiny_packs, monkeypatch, test_device,
+                                                                         record_decode):
+    """RUNMAP_TWO_SITE_PROMOTIONS=1: after each two-site step the cache is asked to promote in at most one layer, the
+    placement's description says so, and the decode still equals full residency's tokens; unset, no bound is passed."""
+    from runmap.engine.engine import TWO_SITE_PROMOTIONS_ENV
+
+    pack, cfg = seed3_tiny_packs["tiny-olmoe"]
+    toks_f, _ = _full(pack, test_device, record_decode)
+    for bound in ("1", None):
+        if bound is None:
+            monkeypatch.delenv(TWO_SITE_PROMOTIONS_ENV)
+        else:
+            monkeypatch.setenv(TWO_SITE_PROMOTIONS_ENV, bound)
+        eng = _run(pack, test_device, record_decode, resident=cfg.top_k, expert_placement="two-site",
+                   cache_contract=_contract(test_device), two_site_share=0.0)
+        try:
+            cache, asked = eng.experts.cache, []
+            promote_step = cache.promote_step
+
+            def spy(ids, margin=1.0, max_layers=None):
+                asked.append(max_layers)
+                out = promote_step(ids, margin, max_layers)
+                assert max_layers is None or sum(map(bool, out)) <= max_layers
+                return out
+
+            cache.promote_step = spy
+            toks = [r.token_ids for r in eng.generate(PROMPTS, max_new_tokens=6, ignore_eos=True)]
+            assert toks == toks_f
+            assert asked and set(asked) == {None if bound is None else int(bound)}, asked
+            d = eng.experts.placement.describe()
+            assert d.get("promotions_per_step") == (None if bound is None else int(bound))
+        finally:
+            eng.close()
+
+
+def test_reset_reports_starts_the_joins_and_step_phases_afresh_and_keeps_what_decides():
+    """reset_reports (a bench row's timed runs): joins, step phases and gaps start from zero; the learned CPU rate, the
+    split's counts and the chooser's state stay; the base placement has nothing to reset."""
+    from runmap.engine.placement import Placement
+
+    plan = TwoSitePlacement(30.0, 10.0)
+    plan.note_join(1e-5, 2e-5, 3e-4, True)
+    plan.note_step(1e-5, 2e-5, 3e-3, 4e-6, 5e-5, 2e-4)
+    plan.observe_cpu(1 << 20, 1e-4)
+    plan.split_counts((7, 5, 3))
+    rate_before = (plan.cpu_rate.gb_s, plan.cpu_rate.calls)
+    assert "joins" in plan.describe() and "step_host" in plan.describe()
+    plan.reset_reports()
+    d = plan.describe()
+    assert "joins" not in d and "step_host" not in d and len(plan.step_gaps) == 0
+    assert (plan.cpu_rate.gb_s, plan.cpu_rate.calls) == rate_before and plan.split_counts() == (7, 5, 3)
+    plan.note_step(2e-5, 3e-5, 4e-3, 5e-6, 6e-5, None)
+    assert plan.describe()["step_host"]["steps"] == 1 and plan.describe()["step_host"]["joins_us"] == pytest.approx(4e3)
+    Placement().reset_reports()
 
 
 def test_the_cli_passes_the_chooser_minimum_and_refuses_one_below_1(seed3_tiny_packs, tmp_path, monkeypatch, capsys):

@@ -503,6 +503,8 @@ class BenchEngine(Protocol):
 
     def stats(self) -> EngineStats: ...
 
+    def reset_placement_reports(self) -> None: ...
+
     def close(self) -> None: ...
 
 
@@ -534,6 +536,9 @@ class HFTarget:
             misses=0, evictions=0, bytes_h2d=0, h2d_seconds=0.0, generations=0, runs=self.runs,
             resident_bytes=None, spare_bytes=None, staging_bytes=None, nonrouted_bytes=None, kv_cache_bytes=None,
             observations=MappingProxyType({n: bm.unsupported(why) for n in REQUIRED_ZERO}))
+
+    def reset_placement_reports(self) -> None:
+        """Nothing to reset: no expert placement."""
 
     def baseline_info(self, batch: int) -> dict:
         """The record's ``baseline``: the transformers path that ran and, for the compiled one, its compile
@@ -670,6 +675,7 @@ def run_config(engine: BenchEngine, c: BenchConfig, model_cfg: ModelConfig, ctx:
         bm.sync(ctx.device)
         warm_wall.append(time.perf_counter() - t_w)
     s0 = engine.stats()
+    engine.reset_placement_reports()  # the record's placement joins / step phases: this row's timed runs only
     routes = engine.routes
     route_mark = routes.mark() if routes is not None else 0
     prefill, decode, ttft = [], [], []

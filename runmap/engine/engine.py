@@ -137,6 +137,12 @@ TWO_SITE_JOIN_ENV = "RUNMAP_TWO_SITE_JOIN"
 # runmap.engine.placement.TWO_SITE_MIN_BATCH). Below it host-read's step always runs; for A/B runs of the step chooser
 # against host-read alone at small batches
 TWO_SITE_MIN_BATCH_ENV = "RUNMAP_TWO_SITE_MIN_BATCH"
+# The two-site step's promotions: at most this many layers promote an expert after a step (an integer >= 1; unset:
+# every layer that qualifies, as under host-read). Under host-read a step's promotions run while the next step runs on
+# the device; after a two-site step the host, which the device waits for at each layer's join, runs them before the
+# next step: ~300 us each on an H100 (results/campaigns/h100-llama-matched-sites-b1: 2.9 a step, 879 us of a 5.7 ms
+# batch-1 step). For A/B runs
+TWO_SITE_PROMOTIONS_ENV = "RUNMAP_TWO_SITE_PROMOTIONS"
 POLL_LIMIT_S = 60.0  # a poll that long means the device stopped: the step raises instead of spinning for ever
 PREFILL_CHUNK = 8192  # prompt tokens per row per prefill pass, by default (from_pack's prefill_chunk)
 FUSED_OPS = ("prologue", "norm", "router", "attn", "gemv", "imposed")
@@ -626,15 +632,15 @@ class CachedExperts:
         the two. The next step reads the expert from the host source once more; that is the price."""
         self._pending_promotion = np.array(ids, copy=True)
 
-    def promote_pending(self) -> int:
-        """Promote from the reads kept by ``defer_promotion`` (ExpertCache.promote_step, timed as a transfer), once;
-        returns the experts promoted. Safe beside a queued host-read step: a promotion publishes into a spare row and
-        its victim's row is reused only after every request pinning the victim's generation (that step's) is
-        released."""
+    def promote_pending(self, max_layers: int | None = None) -> int:
+        """Promote from the reads kept by ``defer_promotion`` (ExpertCache.promote_step, timed as a transfer), once, in
+        at most ``max_layers`` layers (None: every layer that qualifies); returns the experts promoted. Safe beside a
+        queued host-read step: a promotion publishes into a spare row and its victim's row is reused only after every
+        request pinning the victim's generation (that step's) is released."""
         ids, self._pending_promotion = self._pending_promotion, None
         if ids is None:
             return 0
-        return sum(map(len, self._timed(self.cache.promote_step, ids, self.placement.margin)))
+        return sum(map(len, self._timed(self.cache.promote_step, ids, self.placement.margin, max_layers)))
 
     @contextlib.contextmanager
     def policy_kept(self):
@@ -1609,7 +1615,7 @@ class SegmentDecoder(_StaticStepInputs):
         t_released = time.perf_counter()
         if self.two_site:  # while the last segment runs: a promotion's copy waits for the release fence of its rows
             e.experts.defer_promotion(self.host_ids_np)
-            e.experts.promote_pending()
+            e.experts.promote_pending(e.experts.placement.promotions_per_step)
         if self.one_graph and self.capture:
             t_out = time.perf_counter()
             e.experts.placement.note_step(t_admitted - t_in, replay_s, t_joined - t_admitted - replay_s,
@@ -1843,6 +1849,16 @@ class Engine:
                                       f"{experts.cpu_executor}")
                 join = join or ("mask" if native else "rule")
             experts.placement.step_join = join if form == "graph" else None
+            raw = os.environ.get(TWO_SITE_PROMOTIONS_ENV)
+            if raw is not None:
+                try:
+                    bound = int(raw)
+                except ValueError:
+                    bound = 0
+                if bound < 1:
+                    raise EngineError(f"{TWO_SITE_PROMOTIONS_ENV}={raw!r}: allowed values are integers >= 1 (layers "
+                                      "promoting an expert after a two-site step)")
+                experts.placement.promotions_per_step = bound
         self._pool = torch.cuda.graph_pool_handle() if (self.use_graphs or self.use_segments or self.use_host_read) \
             and device.type == "cuda" else None
         if self.use_graphs:
@@ -2709,6 +2725,14 @@ class Engine:
         from runmap.engine.telemetry import snapshot
 
         return snapshot(self)
+
+    def reset_placement_reports(self) -> None:
+        """From here on, the placement's averaged reports (two-site joins and step phases in stats() and telemetry())
+        cover only what runs next; its decisions are unchanged. The bench calls it before a configuration's timed runs,
+        so a record does not average in the warm-ups and the rows an engine shared with it ran before."""
+        self._check_open()
+        if self.experts.placement is not None:
+            self.experts.placement.reset_reports()
 
     def telemetry(self) -> dict:
         self._check_open()

@@ -273,6 +273,9 @@ class Placement:
     def describe(self) -> dict:
         return {"mode": self.name}
 
+    def reset_reports(self) -> None:
+        """Start the reports that describe() averages over (joins, step phases) afresh; what decides is kept."""
+
 
 class HostReadPlacement(Placement):
     """Decode steps compute absent experts on the GPU from the host source itself, read over the link by the grouped
@@ -366,6 +369,9 @@ class TwoSitePlacement(HostReadPlacement):
         # and the last BETWEEN_KEPT gaps between a step and the one before of the same batch (the caller's work)
         self.step_host = [0, 0.0, 0.0, 0.0, 0.0, 0.0]
         self.step_gaps: collections.deque = collections.deque(maxlen=self.BETWEEN_KEPT)
+        # layers that may promote an expert after a two-site step (None: every layer that qualifies; the engine sets it
+        # from RUNMAP_TWO_SITE_PROMOTIONS)
+        self.promotions_per_step: int | None = None
         self.starved = 0  # layer calls in a row the learned CPU rate gave nothing where the probe's would (count_split)
         self.cpu_rate_resets = 0  # learned CPU rates dropped for it
 
@@ -499,6 +505,13 @@ class TwoSitePlacement(HostReadPlacement):
         self.step_host = list(kept[4][0])
         self.step_gaps = collections.deque(kept[4][1], maxlen=self.BETWEEN_KEPT)
 
+    def reset_reports(self) -> None:
+        """The one-graph step's joins and host phases from here on (a bench row's timed runs on an engine that earlier
+        rows and warm-ups used too); the rates, shares and chooser that decide are kept."""
+        self.joins = [0, 0, 0.0, 0.0, 0.0]
+        self.step_host = [0, 0.0, 0.0, 0.0, 0.0, 0.0]
+        self.step_gaps.clear()
+
     def split_counts(self, restore: tuple | None = None) -> tuple:
         """(calls, absent experts, CPU experts) so far; with ``restore``, set them back to it first."""
         if restore is not None:
@@ -525,6 +538,8 @@ class TwoSitePlacement(HostReadPlacement):
             d["step_wait"] = self.step_wait
         if self.step_join is not None:
             d["step_join"] = self.step_join
+        if self.promotions_per_step is not None:
+            d["promotions_per_step"] = self.promotions_per_step
         if self.joins[0]:
             n, ncpu, wait_s, split_s, cpu_s = self.joins
             d["joins"] = {"layers": n, "cpu_layers": ncpu, "wait_us": 1e6 * wait_s / n, "split_us": 1e6 * split_s / n,

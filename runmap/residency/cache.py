@@ -379,31 +379,43 @@ class ExpertCache:
             values = self.policy.values_all(self.num_layers, self.num_experts, self._tick)[layer]
             return self._promote_layer(layer, used, values, margin)
 
-    def promote_step(self, ids, margin: float = 1.0) -> list[tuple]:
+    def promote_step(self, ids, margin: float = 1.0, max_layers: int | None = None) -> list[tuple]:
         """``promote`` of every layer in turn for one step's host reads (ids int (L, ...)), the policy's values of
-        all layers computed at once: the same decisions and transactions as L calls. Returns each layer's result."""
+        all layers computed at once: the same decisions and transactions as L calls. Returns each layer's result.
+        ``max_layers``: promote in at most that many layers (each promotion is a transaction the caller waits for),
+        those not full first, then those whose hottest absent expert is furthest above their coldest resident; None:
+        every layer that qualifies."""
+        if max_layers is not None and max_layers < 1:
+            raise ValueError(f"max_layers={max_layers}: at least 1 (None for no bound)")
         with self._lock, self._watch():
             self._check_faulted()
             used = self._used_mask(None, ids)
             values = self.policy.values_all(self.num_layers, self.num_experts, self._tick)  # (L, E)
             out: list[tuple] = [()] * self.num_layers
-            for layer in self._promotion_candidates(used, values, margin):
+            for layer in self._promotion_candidates(used, values, margin, max_layers):
                 out[layer] = self._promote_layer(layer, used[layer], values[layer], margin)
             return out
 
-    def _promotion_candidates(self, used: np.ndarray, values: np.ndarray, margin: float) -> list[int]:
+    def _promotion_candidates(self, used: np.ndarray, values: np.ndarray, margin: float,
+                              max_layers: int | None = None) -> list[int]:
         """The layers ``_promote_layer`` could promote in, decided for all layers at once (under the lock): every layer
         with an absent used expert whose best value reaches the coldest resident's + ``margin``, or that is not full.
         Exact: evictable experts are residents, so the coldest evictable is never colder than the coldest resident,
         and a layer left out would fail ``_promote_layer``'s own test; a promotion in one layer changes no other
-        layer's mapping or any value. ``used``, ``values``: (L, E)."""
+        layer's mapping or any value. ``used``, ``values``: (L, E). ``max_layers``: the first that many by
+        (not full, hottest absent value - coldest resident value) descending, returned in layer order."""
         cur = self._current
         res = self._resident_mask(cur)  # (L, E)
         absent = used & ~res
         best = np.where(absent, values, -np.inf).max(1)  # (L,) the hottest absent expert's value
         coldest = np.where(res, values, np.inf).min(1)  # (L,) the coldest resident's
         full = np.array([len(m) >= self.resident for m in cur.maps])
-        return np.flatnonzero(absent.any(1) & (~full | (best >= coldest + margin))).tolist()
+        layers = np.flatnonzero(absent.any(1) & (~full | (best >= coldest + margin)))
+        if max_layers is None or len(layers) <= max_layers:
+            return layers.tolist()
+        gain = np.where(full[layers], best[layers] - coldest[layers], np.inf)  # a free row first
+        keep = layers[np.argsort(-gain, kind="stable")[:max_layers]]
+        return sorted(keep.tolist())
 
     def _promote_layer(self, layer: int, used: np.ndarray, values: np.ndarray, margin: float) -> tuple:
         """``promote``'s rule for ``layer`` (under the lock): used bool (E,) the step's union, values float (E,) the
