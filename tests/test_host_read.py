@@ -287,9 +287,9 @@ def test_a_step_promotes_from_the_step_before_while_its_own_request_pins_its_gen
             events.append(("note", cache.live_requests(), np.array(ids, copy=True)))
             return note(req, ids)
 
-        def promoting(ids, margin=1.0):
+        def promoting(ids, margin=1.0, max_layers=None):
             events.append(("promote", cache.live_requests(), np.array(ids, copy=True)))
-            return promote(ids, margin)
+            return promote(ids, margin, max_layers)
 
         cache.note_host_read_step, cache.promote_step = noting, promoting
         cache.transport.note_release = lambda: events.append(("marker", None, None))
@@ -596,8 +596,14 @@ def test_a_whole_step_at_once_does_what_its_layers_one_by_one_do(data, policy, m
                                           max_size=L).filter(lambda rows: len({len(r) for r in rows}) == 1),
                                  label="ids"))
         ra, rb = a.admit(), b.admit()
-        got = a.note_host_read_step(ra, ids)
-        want = sum(rb.note_host_reads(layer, ids[layer]) for layer in range(L))
+        # sometimes a two-site step's: per layer some of its routed absent experts computed by the CPU site
+        cpu = None
+        if data.draw(st.booleans(), label="two-site step"):
+            cpu = [tuple(data.draw(st.lists(st.sampled_from(sorted(set(ids[layer].tolist()) - set(ra.mapping(layer)))),
+                                            unique=True), label=f"cpu experts of layer {layer}"))
+                   if set(ids[layer].tolist()) - set(ra.mapping(layer)) else () for layer in range(L)]
+        got = a.note_host_read_step(ra, ids, cpu=cpu)
+        want = sum(rb.note_host_reads(layer, ids[layer], cpu=cpu[layer] if cpu else ()) for layer in range(L))
         ra.release()
         rb.release()
         assert got == want
@@ -623,6 +629,31 @@ def test_a_whole_step_at_once_does_what_its_layers_one_by_one_do(data, policy, m
         np.testing.assert_allclose(a.policy._s, b.policy._s, rtol=1e-12)
     with pytest.raises(IndexError):
         a.note_host_read_step(a.admit(), np.full((L, 1), 8))
+
+
+def test_a_whole_steps_note_refuses_a_cpu_expert_that_is_not_a_routed_absent_one_and_counts_nothing():
+    """note_host_read_step(cpu=...) checks every layer's CPU-site experts before it counts: one resident or not routed
+    in any layer is one CacheError naming that layer, and the counters, clock and policy stay as they were."""
+    from runmap.residency.cache import CacheError
+
+    cache = _cache(layers=3)
+    req = cache.admit()
+    L = cache.num_layers
+    absent = [next(e for e in range(8) if e not in req.mapping(layer)) for layer in range(L)]
+    resident = next(iter(req.mapping(2)))
+    ids = np.array([[absent[layer], resident if layer == 2 else absent[layer]] for layer in range(L)])
+    unrouted = next(e for e in range(8) if e not in ids[1])
+    before = (dict(cache.counters), cache._tick, cache.policy._t.copy())
+    for bad, layer in (([(absent[0],), (), (resident,)], 2), ([(absent[0],), (unrouted,), ()], 1)):
+        with pytest.raises(CacheError, match=f"^layer {layer}: experts"):
+            cache.note_host_read_step(req, ids, cpu=bad)
+        assert (dict(cache.counters), cache._tick) == before[:2]
+        np.testing.assert_array_equal(cache.policy._t, before[2])
+    with pytest.raises(ValueError, match="per layer"):
+        cache.note_host_read_step(req, ids, cpu=[()])
+    assert cache.note_host_read_step(req, ids, cpu=[(absent[0],), (), ()]) == L - 1  # layer 0's absent one on the CPU
+    assert cache.counters["cpu_site_experts"] == before[0]["cpu_site_experts"] + 1
+    req.release()
 
 
 @settings(max_examples=40, deadline=None)

@@ -860,9 +860,9 @@ def test_auto_hands_over_between_host_read_and_two_site_steps_without_losing_a_p
         offered = []
         promote_step = eng.experts.cache.promote_step
 
-        def spy(ids, margin):
+        def spy(ids, margin, max_layers=None):
             offered.append(np.array(ids, copy=True))
-            return promote_step(ids, margin)
+            return promote_step(ids, margin, max_layers)
 
         eng.experts.cache.promote_step = spy
         got = [r.token_ids for r in eng.generate(PROMPTS_4, max_new_tokens=NEW_4, ignore_eos=True)]

@@ -939,6 +939,7 @@ class SegmentDecoder(_StaticStepInputs):
             self.slots = torch.zeros(self.L, E + batch * self.k, dtype=torch.int32, device=dev)
             self.cpu_out = torch.zeros(self.L, batch, H, dtype=torch.float32, device=dev)  # the CPU site's sum
             self.layer_cpu: list[tuple] = [()] * self.L  # this step's CPU-site experts per layer
+            self._absent_n = [0] * self.L  # the one-graph step's absent experts per layer (_note_joined_layers)
             self.cpu_set = [False] * self.L  # cpu_out[l] holds a non-zero sum
             self.cpu_parts = 0  # layer calls of this chain whose CPU part computed experts
             self._jobs: list = [None] * self.L  # the CPU part in flight on the site's job thread, per layer
@@ -1186,8 +1187,10 @@ class SegmentDecoder(_StaticStepInputs):
     def _join_layer(self, layer) -> None:
         """The host's part of ``layer`` in the one-graph step: wait for the layer's ids, compute the CPU site's experts
         into the pinned sum the join reads and publish it (the layer's flag := the step's sequence number), and check
-        the device's split against the host's rule (``_split_sites``: the same experts, not only as many), then note
-        the layer's reads. A layer with none publishes nothing: its join does not wait.
+        the device's split against the host's rule (``_split_sites``: the same experts, not only as many). A layer with
+        none publishes nothing: its join does not wait. The layers' reads are noted once every layer is joined, in one
+        call (``_note_joined_layers``): the device waits at each layer's join for this thread, so per-layer bookkeeping
+        would be on its critical path.
 
         Join "mask" (``mask_join``): the CPU computes the pairs the device's keep mask left it, in one bound call,
         and the rule is checked after the publication (a mismatch still fails the step, whose output the failure
@@ -1219,7 +1222,7 @@ class SegmentDecoder(_StaticStepInputs):
                 t0 = t1
             n_absent, cpu = self._check_split(layer)
             t_checked = time.perf_counter()
-            self._note_split(layer, n_absent)
+            self._absent_n[layer] = n_absent  # noted with the step's other layers (_note_joined_layers)
             if device_cpu:
                 ex.observe_cpu(len(cpu), t1 - t0)
                 self.cpu_parts += 1
@@ -1227,8 +1230,8 @@ class SegmentDecoder(_StaticStepInputs):
             ex.placement.note_join(t_split - t_wait, (t0 - t_split) + (t_checked - t1), t1 - t0, device_cpu)
             return
         n_absent, cpu = self._check_split(layer)
+        self._absent_n[layer] = n_absent  # noted with the step's other layers (_note_joined_layers)
         if not cpu:
-            self._note_split(layer, n_absent)
             ex.placement.note_join(t_split - t_wait, time.perf_counter() - t_split, 0.0, False)
             return
         t0 = time.perf_counter()
@@ -1238,8 +1241,6 @@ class SegmentDecoder(_StaticStepInputs):
             self._cpu_part_here(layer, cpu)
         t1 = time.perf_counter()
         self.host_flags_np[layer, 0] = self._seq  # after the sum's last store (the device reads the flag, then it)
-        self._note_split(layer, n_absent)  # (after the publication: a refusal still fails the step, whose output the
-        # failure discards)
         ex.observe_cpu(len(cpu), t1 - t0)
         ex.placement.note_join(t_split - t_wait, t0 - t_split, t1 - t0, True)
         self.cpu_parts += 1
@@ -1282,7 +1283,17 @@ class SegmentDecoder(_StaticStepInputs):
         queued = time.perf_counter() - t0
         for layer in range(self.L):
             self._join_layer(layer)
+        self._note_joined_layers()
         return queued
+
+    def _note_joined_layers(self) -> None:
+        """The one-graph step's reads of every layer noted with the cache in one call (ExpertCache.note_host_read_step
+        with each layer's CPU-site experts: the same checks, counters, ticks and policy uses as a call per layer) and
+        its splits counted, after its last join. A step that failed before it noted nothing (its output is discarded)."""
+        self.e.experts.cache.note_host_read_step(self._req, self.host_ids_np, cpu=self.layer_cpu)
+        plan = self.e.experts.placement
+        for layer in range(self.L):
+            plan.count_split(self._absent_n[layer], len(self.layer_cpu[layer]))
 
     def check_joins(self, wait: bool = False) -> None:
         """Raise if a join of this chain gave up waiting for the host's CPU sum (its step's output was NaN, never a
@@ -1496,6 +1507,8 @@ class SegmentDecoder(_StaticStepInputs):
         try:
             self._admit_step()  # (inside: a failure after the admission, in the two-site copies, releases it below)
             out = self._forward(n_keys)
+            if self.one_graph:  # its layers were joined inside the forward (_one_graph_experts, eager)
+                self._note_joined_layers()
             done = True
         finally:
             if not done and self.one_graph:  # joins already queued must not wait for layers the host will not join

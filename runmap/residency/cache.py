@@ -478,16 +478,35 @@ class ExpertCache:
         used[np.arange(rows)[:, None], flat] = True
         return used if layer is None else used[0]
 
-    def note_host_read_step(self, req: Request, ids) -> int:
+    def note_host_read_step(self, req: Request, ids, cpu=None) -> int:
         """``req.note_host_reads`` for every layer of one step at once, in layer order (the same counters, policy uses
-        and ticks as L calls): ids int (L, ...) the step's routed ids. Returns the step's host reads."""
+        and ticks as L calls): ids int (L, ...) the step's routed ids; ``cpu``: None, or per layer the experts the CPU
+        site computed (L sequences; each layer's as ``note_host_reads``' ``cpu``, all checked before anything is
+        counted). Returns the step's host reads."""
         with self._lock:
             self._check_noting(req)
             used = self._used_mask(None, ids)
+            resident = self._resident_mask(req._gen)
+            on_cpu = np.zeros_like(used)
+            if cpu is not None:
+                if len(cpu) != self.num_layers:
+                    raise ValueError(f"a step's CPU-site experts must be given per layer ({self.num_layers}), got "
+                                     f"{len(cpu)}")
+                for layer, experts in enumerate(cpu):
+                    if len(experts) == 0:
+                        continue
+                    experts = sorted({int(e) for e in experts})
+                    bad = [e for e in experts
+                           if not (0 <= e < self.num_experts) or not used[layer, e] or resident[layer, e]]
+                    if bad:
+                        raise CacheError(f"layer {layer}: experts {bad} at the CPU site are not absent experts routed "
+                                         f"in this step (only those may go there)")
+                    on_cpu[layer, experts] = True
             ticks = self._tick + 1 + np.arange(self.num_layers)
             self._tick += self.num_layers
             self.policy.touch_layers(used, ticks)
-            return self._count_host_reads(used, self._resident_mask(req._gen))
+            self.counters["cpu_site_experts"] += int(on_cpu.sum())
+            return self._count_host_reads(used & ~on_cpu, resident)
 
     def _note_host_reads(self, req: Request, layer: int, expert_ids, cpu=()) -> int:
         with self._lock:
