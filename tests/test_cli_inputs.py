@@ -478,3 +478,25 @@ def test_device_cuda_without_cuda_is_one_clear_line(fixtures, capsys, command):
     rc = main([command, "--packed", str(fixtures["pack"]), "--device", "cuda", *tail])
     err = capsys.readouterr().err.strip().splitlines()
     assert rc == 1 and len(err) == 1 and "no CUDA device here" in err[0] and "Error" not in err[0], err
+
+
+def test_every_example_in_a_subcommands_help_parses():
+    """The examples at the end of `runmap COMMAND --help` (EXAMPLES) are command lines the parser accepts as written,
+    so they cannot drift from the options; every command a user runs first has them."""
+    import shlex
+
+    from runmap.cli.main import SUBCOMMANDS, build_parser
+
+    parser = build_parser()
+    seen = set()
+    for name, mod in SUBCOMMANDS.items():
+        text = getattr(mod, "EXAMPLES", None)
+        if text is None:
+            continue
+        for line in text.splitlines()[1:]:
+            for command in line.split("&&"):
+                argv = shlex.split(command)
+                assert argv[0] == "runmap", line
+                parser.parse_args(argv[1:])  # SystemExit (exit 2) on a line that does not parse
+                seen.add(argv[1])
+    assert {"pack", "generate", "logits", "replay", "ifeval"} <= seen, seen

@@ -17,6 +17,11 @@ hits, misses, host->device bytes, generations, contract observations) is written
 verifies the sha256 of its non-routed and small files (about 0.75 s per GB on one core; set
 RUNMAP_PACK_VERIFY=0 to skip), and every expert row is verified when it is loaded into host memory.
 Exit status: 0 ok, 1 bad input or a failed run (the message names it), 2 usage, 130 interrupted."""
+EXAMPLES = """\
+examples:
+  runmap generate --packed /data/olmoe-pack --chat --prompt "Name three rivers." --max-new-tokens 64
+  runmap generate --packed /data/olmoe-pack --chat --prompt "..." --gpu-budget 4GiB --expert-placement auto
+  runmap generate --packed /data/olmoe-pack --prompt "Once" --resident 32 --trace routes.json --telemetry t.json"""
 
 
 def add_arguments(p) -> None:

@@ -32,6 +32,11 @@ Data (prompts, GPT-4 reference responses, NLTK punkt_tab) is vendored in data/if
 Exit status: 0 ok, 1 bad input (a missing or malformed file, naming it and the line) or a failed run,
 2 usage (no STEP, unknown option), 130 interrupted.
 """
+EXAMPLES = """\
+examples:
+  runmap ifeval generate --packed /data/olmoe-pack --out answers.jsonl
+  runmap ifeval generate --packed /data/olmoe-pack --out quick.jsonl --limit 20
+  runmap ifeval score --responses answers.jsonl --out score/"""
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:

@@ -17,6 +17,10 @@ and metadata (executor, regime, resident experts per layer, pack identity). Anyo
 logits with another implementation of the same checkpoint (e.g. transformers with the dequantized experts).
 Telemetry (schemas/telemetry.schema.json) goes to --telemetry (default: telemetry-<FILE stem>.json beside
 the output). Exit status: 0 ok, 1 bad input (the message names it), 2 usage."""
+EXAMPLES = """\
+examples:
+  runmap logits --packed /data/olmoe-pack --tokens 1,2,3,4 --out logits.safetensors
+  runmap logits --packed /data/olmoe-pack --tokens 1,2,3,4 --executor grouped --resident 16 --out partial.safetensors"""
 
 
 def add_arguments(p) -> None:

@@ -35,7 +35,8 @@ exit status (the same for every subcommand):
   1    bad input (a missing, malformed or corrupt file, an output that already exists: one line naming
        it and what is allowed), a failed check, a failed run, or a requested device that is missing
   2    usage error: unknown subcommand or option, a missing, malformed or out-of-range argument value,
-       options that exclude each other
+       options that exclude each other (a value out of range only for the input it names, such as
+       --resident above a pack's experts per layer, is bad input: 1)
   3    runmap bench only: the run ended at --deadline-s with configurations skipped (listed in campaign.json)
   130  interrupted (Ctrl-C)
   141  the reader of standard output went away (a pipe into `head`): stopped without a message
@@ -69,7 +70,7 @@ def build_parser() -> argparse.ArgumentParser:
     sub = parser.add_subparsers(dest="command", metavar="COMMAND")
     for name, mod in SUBCOMMANDS.items():
         p = sub.add_parser(name, help=mod.HELP, description=getattr(mod, "DESCRIPTION", mod.HELP),
-                           formatter_class=HelpFormatter)
+                           epilog=getattr(mod, "EXAMPLES", None), formatter_class=HelpFormatter)
         mod.add_arguments(p)
         p.set_defaults(_run=mod.run)
     return parser

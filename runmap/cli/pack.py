@@ -24,6 +24,10 @@ when --device is auto and one is present. The output appears atomically: a faile
 pack leaves no OUT_DIR (only a hidden .OUT_DIR.tmp-* directory if the process is killed; the next pack
 of OUT_DIR removes it). --force replaces OUT_DIR only when it is a pack directory.
 Exit status: 0 ok, 1 bad input (message names the file and tensor), 2 usage, 130 interrupted."""
+EXAMPLES = """\
+examples:
+  runmap pack /data/OLMoE-1B-7B-0924-Instruct /data/olmoe-pack --device cuda
+  runmap pack results/checkpoints/tiny-olmoe /tmp/tiny-pack --block-size 128 --force"""
 
 
 def add_arguments(p) -> None:

@@ -10,6 +10,10 @@ LRU, LFU with decay (the engine's lfu-decay policy) and Belady's clairvoyant opt
 can beat. Each stream starts from an empty cache; cold misses count. --decode-only leaves the prompt's steps
 out of the count (they still fill the cache first). Prints a table; --json FILE writes the numbers
 (atomically). Exit status: 0 ok, 1 bad input (a missing or malformed trace: the message names it), 2 usage."""
+EXAMPLES = """\
+examples:
+  runmap generate --packed /data/olmoe-pack --prompt "..." --trace routes.json && runmap replay routes.json
+  runmap replay routes.json --resident 8,16,32 --decode-only --json hit-rates.json"""
 
 
 def _capacities(text: str) -> list[int]:
