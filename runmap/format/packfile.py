@@ -220,7 +220,7 @@ class PackReader:
         self.path = Path(pack_dir)
         mpath = self.path / MANIFEST
         if not mpath.is_file():
-            raise PackError(f"{mpath}: not found ({self.path} is not a complete pack)")
+            raise PackError(f"{mpath}: not found ({self.path} is not a complete pack; make one with `runmap pack`)")
         raw = mpath.read_bytes()
         try:
             self.manifest = json.loads(raw)
