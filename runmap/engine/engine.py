@@ -2744,8 +2744,9 @@ class Engine:
         cover only what runs next; its decisions are unchanged. The bench calls it before a configuration's timed runs,
         so a record does not average in the warm-ups and the rows an engine shared with it ran before."""
         self._check_open()
-        if self.experts.placement is not None:
-            self.experts.placement.reset_reports()
+        placement = getattr(self.experts, "placement", None)  # (the FP16 baseline's experts have none)
+        if placement is not None:
+            placement.reset_reports()
 
     def telemetry(self) -> dict:
         self._check_open()
