@@ -939,7 +939,6 @@ class SegmentDecoder(_StaticStepInputs):
             self.slots = torch.zeros(self.L, E + batch * self.k, dtype=torch.int32, device=dev)
             self.cpu_out = torch.zeros(self.L, batch, H, dtype=torch.float32, device=dev)  # the CPU site's sum
             self.layer_cpu: list[tuple] = [()] * self.L  # this step's CPU-site experts per layer
-            self._absent_n = [0] * self.L  # the one-graph step's absent experts per layer (_note_joined_layers)
             self.cpu_set = [False] * self.L  # cpu_out[l] holds a non-zero sum
             self.cpu_parts = 0  # layer calls of this chain whose CPU part computed experts
             self._jobs: list = [None] * self.L  # the CPU part in flight on the site's job thread, per layer
@@ -1222,7 +1221,8 @@ class SegmentDecoder(_StaticStepInputs):
                 t0 = t1
             n_absent, cpu = self._check_split(layer)
             t_checked = time.perf_counter()
-            self._absent_n[layer] = n_absent  # noted with the step's other layers (_note_joined_layers)
+            ex.placement.count_split(n_absent, len(cpu))  # (before observe_cpu, as the chain's order: a starved
+            # split's rate reset then drops only what came before this layer's call)
             if device_cpu:
                 ex.observe_cpu(len(cpu), t1 - t0)
                 self.cpu_parts += 1
@@ -1230,7 +1230,7 @@ class SegmentDecoder(_StaticStepInputs):
             ex.placement.note_join(t_split - t_wait, (t0 - t_split) + (t_checked - t1), t1 - t0, device_cpu)
             return
         n_absent, cpu = self._check_split(layer)
-        self._absent_n[layer] = n_absent  # noted with the step's other layers (_note_joined_layers)
+        ex.placement.count_split(n_absent, len(cpu))
         if not cpu:
             ex.placement.note_join(t_split - t_wait, time.perf_counter() - t_split, 0.0, False)
             return
@@ -1288,12 +1288,10 @@ class SegmentDecoder(_StaticStepInputs):
 
     def _note_joined_layers(self) -> None:
         """The one-graph step's reads of every layer noted with the cache in one call (ExpertCache.note_host_read_step
-        with each layer's CPU-site experts: the same checks, counters, ticks and policy uses as a call per layer) and
-        its splits counted, after its last join. A step that failed before it noted nothing (its output is discarded)."""
+        with each layer's CPU-site experts: the same checks, counters, ticks and policy uses as a call per layer), after
+        its last join (each layer's split was counted at its join). A step that failed before this noted nothing with
+        the cache (its output is discarded)."""
         self.e.experts.cache.note_host_read_step(self._req, self.host_ids_np, cpu=self.layer_cpu)
-        plan = self.e.experts.placement
-        for layer in range(self.L):
-            plan.count_split(self._absent_n[layer], len(self.layer_cpu[layer]))
 
     def check_joins(self, wait: bool = False) -> None:
         """Raise if a join of this chain gave up waiting for the host's CPU sum (its step's output was NaN, never a
@@ -1438,9 +1436,10 @@ class SegmentDecoder(_StaticStepInputs):
     def _split_sites(self, layer, start: bool = True, note: bool = True) -> int:
         """Two-site chain, on the host: the CPU site's share of ``layer``'s absent experts by the rule the device part's
         split kernel applied (the step's share), the layer's reads noted, the CPU part started (class docstring; the
-        one-graph step computes it itself, ``start=False``, and notes the reads once it has published the CPU sum,
-        ``note=False`` then ``_note_split``: the note's bookkeeping is not on the step's critical path, and the CPU
-        kernel checks the ids itself before it reads a row). Returns the number of absent experts."""
+        one-graph step computes it itself, ``start=False``, and notes every layer's reads in one call after its last
+        join, ``note=False`` then ``_note_joined_layers``: per-layer bookkeeping would sit between joins the device
+        waits for, and the CPU kernel checks the ids itself before it reads a row). Returns the number of absent
+        experts."""
         ex = self.e.experts
         req = self._req
         ids = self.host_ids_np[layer]  # (B, k)

@@ -433,8 +433,9 @@ class TwoSitePlacement(HostReadPlacement):
     step_join: str | None = None
 
     def note_join(self, wait_s: float, split_s: float, cpu_s: float, cpu: bool) -> None:
-        """One layer joined by the host in the one-graph step: seconds waiting for its ids, applying the split and
-        noting the reads, and computing the CPU part (0 where it had none)."""
+        """One layer joined by the host in the one-graph step: seconds waiting for its ids, applying and checking the
+        split, and computing the CPU part (0 where it had none). The step's reads are noted once after its last join
+        (in step_host's joins, not here)."""
         j = self.joins
         j[0] += 1
         j[1] += int(cpu)
