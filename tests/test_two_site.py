@@ -958,12 +958,15 @@ def test_the_one_graph_steps_host_phases_are_reported_and_a_warm_up_leaves_them_
     assert len(plan.step_gaps) == TwoSitePlacement.BETWEEN_KEPT and plan.step_gaps[0] == 5.0
 
 
+@pytest.mark.parametrize("step", ["chain", "graph"])
 def test_a_two_site_step_promotes_in_at_most_the_layers_the_bound_allows(seed3_tiny_packs, monkeypatch, test_device,
-                                                                         record_decode):
-    """RUNMAP_TWO_SITE_PROMOTIONS=1: after each two-site step the cache is asked to promote in at most one layer, the
-    placement's description says so, and the decode still equals full residency's tokens; unset, no bound is passed."""
-    from runmap.engine.engine import TWO_SITE_PROMOTIONS_ENV
+                                                                         record_decode, step):
+    """RUNMAP_TWO_SITE_PROMOTIONS=1: after each two-site step (either form) the cache is asked to promote in at most one
+    layer, the placement's description says so, and the decode still equals full residency's tokens; unset, no bound
+    is passed."""
+    from runmap.engine.engine import TWO_SITE_PROMOTIONS_ENV, TWO_SITE_STEP_ENV
 
+    monkeypatch.setenv(TWO_SITE_STEP_ENV, step)
     pack, cfg = seed3_tiny_packs["tiny-olmoe"]
     toks_f, _ = _full(pack, test_device, record_decode)
     for bound in ("1", None):
@@ -991,6 +994,34 @@ def test_a_two_site_step_promotes_in_at_most_the_layers_the_bound_allows(seed3_t
             assert d.get("promotions_per_step") == (None if bound is None else int(bound))
         finally:
             eng.close()
+
+
+def test_the_one_graph_step_notes_what_the_chain_notes(seed3_tiny_packs, monkeypatch, test_device, record_decode):
+    """The one-graph step notes a step's reads in one call after its last join, the chain one layer at a time: the
+    same decode leaves the same cache counters, clock, eviction-policy history, residency and split counts."""
+    from runmap.engine.engine import TWO_SITE_STEP_ENV
+
+    pack, cfg = seed3_tiny_packs["tiny-olmoe"]
+    seen = {}
+    for step in ("chain", "graph"):
+        monkeypatch.setenv(TWO_SITE_STEP_ENV, step)
+        eng = _run(pack, test_device, record_decode, resident=cfg.top_k, expert_placement="two-site",
+                   cache_contract=_contract(test_device), two_site_share=0.5)
+        try:
+            toks = [r.token_ids for r in eng.generate(PROMPTS, max_new_tokens=6, ignore_eos=True)]
+            cache, plan = eng.experts.cache, eng.experts.placement
+            cache.policy._grow(cache.num_layers, cfg.num_experts)
+            seen[step] = (toks, dict(cache.counters), cache._tick, cache.policy._t.copy(), cache.policy._s.copy(),
+                          [dict(cache.mapping(layer)) for layer in range(cache.num_layers)], plan.split_counts(),
+                          eng.decode_paths["two_site"])
+        finally:
+            eng.close()
+    (t1, c1, k1, pt1, ps1, m1, s1, n1), (t2, c2, k2, pt2, ps2, m2, s2, n2) = seen["chain"], seen["graph"]
+    assert n1 == n2 > 0 and t1 == t2
+    assert c1["cpu_site_experts"] > 0 and c1["host_reads"] > 0  # both sites had work
+    assert (c1, k1, m1, s1) == (c2, k2, m2, s2)
+    np.testing.assert_array_equal(pt1, pt2)
+    np.testing.assert_allclose(ps1, ps2, rtol=1e-12)
 
 
 def test_reset_reports_starts_the_joins_and_step_phases_afresh_and_keeps_what_decides():

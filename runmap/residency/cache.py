@@ -384,7 +384,9 @@ class ExpertCache:
         all layers computed at once: the same decisions and transactions as L calls. Returns each layer's result.
         ``max_layers``: promote in at most that many layers (each promotion is a transaction the caller waits for),
         those not full first, then those whose hottest absent expert is furthest above their coldest resident; None:
-        every layer that qualifies."""
+        every layer that qualifies. The ranking compares with the coldest resident, the rule with the coldest evictable
+        one: a layer whose coldest are leased (a live request's) can be chosen and then promote nothing, using up its
+        slot; a two-site step's promotions run after its request is released, so none is then."""
         if max_layers is not None and max_layers < 1:
             raise ValueError(f"max_layers={max_layers}: at least 1 (None for no bound)")
         with self._lock, self._watch():
