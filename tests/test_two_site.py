@@ -203,6 +203,7 @@ def test_a_one_graph_step_refuses_a_split_the_device_did_not_make(seed3_tiny_pac
     ("RUNMAP_TWO_SITE_JOIN", "fast", r"RUNMAP_TWO_SITE_JOIN='fast': allowed values are 'mask' and 'rule'"),
     ("RUNMAP_TWO_SITE_PROMOTIONS", "0", r"RUNMAP_TWO_SITE_PROMOTIONS='0': allowed values are integers >= 1"),
     ("RUNMAP_TWO_SITE_PROMOTIONS", "all", r"RUNMAP_TWO_SITE_PROMOTIONS='all': allowed values are integers >= 1"),
+    ("RUNMAP_TWO_SITE_BALANCE", "yes", r"RUNMAP_TWO_SITE_BALANCE='yes': allowed values are 'off' and 'wait'"),
     ("RUNMAP_TWO_SITE_JOIN", "mask", r"RUNMAP_TWO_SITE_JOIN=mask needs a cpu-native CPU executor; this engine's is "
                                      r"cpu-int4")])
 def test_the_two_site_step_options_are_checked_when_the_engine_is_built(seed3_tiny_packs, monkeypatch, env, value,
@@ -1022,6 +1023,74 @@ def test_the_one_graph_step_notes_what_the_chain_notes(seed3_tiny_packs, monkeyp
     assert (c1, k1, m1, s1) == (c2, k2, m2, s2)
     np.testing.assert_array_equal(pt1, pt2)
     np.testing.assert_allclose(ps1, ps2, rtol=1e-12)
+
+
+def test_balance_wait_moves_the_split_toward_the_site_that_is_late_and_only_between_its_bounds():
+    """Balance "wait": after a one-graph step whose host waited long for the ids (the device part late) the link's
+    rate the split uses drops by BALANCE_FACTOR and the CPU share rises; after one whose host hardly waited (the host
+    late) it rises and the share falls; inside the dead band, with balance off or with a fixed share nothing moves;
+    the scale stays within its bounds, a warm-up's put_back restores it, and the description validates."""
+    import json
+    from pathlib import Path
+
+    import jsonschema
+
+    def step(plan, wait_s, layers=16):
+        for _ in range(layers):
+            plan.note_join(wait_s, 1e-5, 1e-4, True)
+        plan.note_step(1e-5, 1e-5, 1e-3, 1e-5, 1e-5, None)
+
+    plan = TwoSitePlacement(30.0, 30.0)
+    plan.balance = "wait"
+    share0 = plan.share()
+    assert share0 == pytest.approx(0.5)
+    kept = plan.kept()
+    step(plan, 400e-6)
+    assert plan.read_scale == pytest.approx(1 / TwoSitePlacement.BALANCE_FACTOR) and plan.share() > share0
+    step(plan, 50e-6)  # the dead band
+    assert plan.read_scale == pytest.approx(1 / TwoSitePlacement.BALANCE_FACTOR)
+    step(plan, 5e-6)
+    step(plan, 5e-6)
+    assert plan.read_scale == pytest.approx(TwoSitePlacement.BALANCE_FACTOR) and plan.share() < share0
+    assert plan.balance_moves == [1, 2]
+    for _ in range(200):
+        step(plan, 1e-6)
+    assert plan.read_scale == TwoSitePlacement.BALANCE_BOUND
+    for _ in range(400):
+        step(plan, 1e-3)
+    assert plan.read_scale == pytest.approx(1 / TwoSitePlacement.BALANCE_BOUND)
+    d = plan.describe()["balance"]
+    assert d["mode"] == "wait" and d["lowered"] > 0 and d["raised"] > 0
+    schema = json.loads((Path(__file__).parents[1] / "schemas" / "telemetry.schema.json").read_text())
+    jsonschema.Draft202012Validator(schema["properties"]["placement"]["properties"]["balance"]).validate(d)
+    plan.put_back(kept)
+    assert plan.read_scale == 1.0 and plan.share() == pytest.approx(share0)
+    off, fixed = TwoSitePlacement(30.0, 30.0), TwoSitePlacement(30.0, 30.0, share=0.25)
+    fixed.balance = "wait"
+    for p in (off, fixed):
+        step(p, 400e-6)
+        step(p, 1e-6)
+        assert p.read_scale == 1.0
+    assert "balance" not in off.describe() and fixed.balance_moves == [0, 0] and fixed.share() == 0.25
+
+
+def test_balance_wait_needs_the_one_graph_step(seed3_tiny_packs, monkeypatch):
+    """RUNMAP_TWO_SITE_BALANCE=wait balances the one-graph step's joins: with the chain it is one line naming both."""
+    from runmap.engine.engine import Engine, EngineError
+
+    monkeypatch.setenv("RUNMAP_TWO_SITE_STEP", "chain")
+    monkeypatch.setenv("RUNMAP_TWO_SITE_BALANCE", "wait")
+    pack, cfg = seed3_tiny_packs["tiny-olmoe"]
+    with pytest.raises(EngineError, match=r"^RUNMAP_TWO_SITE_BALANCE=wait balances the one-graph step; .* chain"):
+        Engine.from_pack(pack, executor="grouped", device="cpu", max_batch=2, max_seq_len=48, resident=cfg.top_k,
+                         expert_placement="two-site", two_site_share=0.5)
+    monkeypatch.setenv("RUNMAP_TWO_SITE_STEP", "graph")
+    eng = Engine.from_pack(pack, executor="grouped", device="cpu", max_batch=2, max_seq_len=48, resident=cfg.top_k,
+                           expert_placement="two-site", two_site_share=0.5)
+    try:
+        assert eng.experts.placement.describe()["balance"]["mode"] == "wait"
+    finally:
+        eng.close()
 
 
 def test_reset_reports_starts_the_joins_and_step_phases_afresh_and_keeps_what_decides():

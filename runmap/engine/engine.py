@@ -143,6 +143,10 @@ TWO_SITE_MIN_BATCH_ENV = "RUNMAP_TWO_SITE_MIN_BATCH"
 # next step: ~300 us each on an H100 (results/campaigns/h100-llama-matched-sites-b1: 2.9 a step, 879 us of a 5.7 ms
 # batch-1 step). For A/B runs
 TWO_SITE_PROMOTIONS_ENV = "RUNMAP_TWO_SITE_PROMOTIONS"
+# The one-graph two-site step's split: "off" (default) divides each layer's absent experts by the CPU rate learned in
+# use against the link's rate probed at build; "wait" also moves that link rate after each step by how long the host
+# waited for the ids (TwoSitePlacement.BALANCE_*: the device part late -> more to the CPU). For A/B runs
+TWO_SITE_BALANCE_ENV = "RUNMAP_TWO_SITE_BALANCE"
 POLL_LIMIT_S = 60.0  # a poll that long means the device stopped: the step raises instead of spinning for ever
 PREFILL_CHUNK = 8192  # prompt tokens per row per prefill pass, by default (from_pack's prefill_chunk)
 FUSED_OPS = ("prologue", "norm", "router", "attn", "gemv", "imposed")
@@ -1871,6 +1875,13 @@ class Engine:
                     raise EngineError(f"{TWO_SITE_PROMOTIONS_ENV}={raw!r}: allowed values are integers >= 1 (layers "
                                       "promoting an expert after a two-site step)")
                 experts.placement.promotions_per_step = bound
+            balance = os.environ.get(TWO_SITE_BALANCE_ENV, "off")
+            if balance not in ("off", "wait"):
+                raise EngineError(f"{TWO_SITE_BALANCE_ENV}={balance!r}: allowed values are 'off' and 'wait'")
+            if balance == "wait" and form != "graph":
+                raise EngineError(f"{TWO_SITE_BALANCE_ENV}=wait balances the one-graph step; this engine's two-site "
+                                  f"step is the {form} (RUNMAP_TWO_SITE_STEP)")
+            experts.placement.balance = "wait" if balance == "wait" else None
         self._pool = torch.cuda.graph_pool_handle() if (self.use_graphs or self.use_segments or self.use_host_read) \
             and device.type == "cuda" else None
         if self.use_graphs:

@@ -372,6 +372,13 @@ class TwoSitePlacement(HostReadPlacement):
         # layers that may promote an expert after a two-site step (None: every layer that qualifies; the engine sets it
         # from RUNMAP_TWO_SITE_PROMOTIONS)
         self.promotions_per_step: int | None = None
+        # balance "wait" (the engine sets it from RUNMAP_TWO_SITE_BALANCE; None: off): the link's rate the split uses is
+        # the build probe's x read_scale, moved after each one-graph step by how long the host waited for the ids
+        # (note_step); the step's waits so far: seconds, layers
+        self.balance: str | None = None
+        self.read_scale = 1.0
+        self.balance_moves = [0, 0]  # steps that lowered / raised read_scale
+        self._step_wait = [0.0, 0]
         self.starved = 0  # layer calls in a row the learned CPU rate gave nothing where the probe's would (count_split)
         self.cpu_rate_resets = 0  # learned CPU rates dropped for it
 
@@ -398,7 +405,7 @@ class TwoSitePlacement(HostReadPlacement):
 
     def _share_at(self, cpu: float | None) -> float:
         """cpu / (cpu + read) for a CPU rate ``cpu``; 1/2 where it or the link's rate is missing."""
-        read = self.read_gb_s
+        read = self.read_gb_s * self.read_scale if self.read_gb_s else None
         return cpu / (cpu + read) if cpu and read else 0.5
 
     @staticmethod
@@ -440,6 +447,8 @@ class TwoSitePlacement(HostReadPlacement):
         j[0] += 1
         j[1] += int(cpu)
         j[2] += wait_s
+        self._step_wait[0] += wait_s
+        self._step_wait[1] += 1
         j[3] += split_s
         j[4] += cpu_s
 
@@ -455,6 +464,36 @@ class TwoSitePlacement(HostReadPlacement):
             h[i] += v
         if between_s is not None:
             self.step_gaps.append(between_s)
+        self._balance_step()
+
+    # Balance "wait": a one-graph step whose host waited more than BALANCE_HIGH_S per layer on average for the ids
+    # (the device part, which reads the GPU's share over the link, ends after the host's CPU part) lowers the link's
+    # rate the next steps' split uses by BALANCE_FACTOR, giving the CPU site more; one that waited less than
+    # BALANCE_LOW_S (the host is late: the device waits at the joins) raises it; between them nothing moves.
+    # read_scale stays in [1 / BALANCE_BOUND, BALANCE_BOUND]. Why: the split's link rate is the build probe's (one
+    # token's experts at batch 1), while a batch-8 step's union reads slower on some GPUs (19 against 32 GB/s on an
+    # H100, results/campaigns/h100-host-read-38af465); on an H100 a batch-8 two-site step's host waited 400 us per
+    # layer for the ids against a 595 us CPU part (results/campaigns/h100-llama-matched-sites-b1, n-cpu-moe 12). The
+    # dead band's low edge is above an event's wake-up (~5-10 us); its high edge above a next layer's attention and
+    # split, which the host waits for even when the device never waits for it. Not measured on a GPU yet: off by default.
+    BALANCE_LOW_S = 20e-6
+    BALANCE_HIGH_S = 80e-6
+    BALANCE_FACTOR = 1.1
+    BALANCE_BOUND = 8.0
+
+    def _balance_step(self) -> None:
+        """End of a one-graph step (note_step): move read_scale by the step's mean wait for the ids (balance "wait")."""
+        wait_s, layers = self._step_wait
+        self._step_wait = [0.0, 0]
+        if self.balance != "wait" or not layers or self.fixed_share is not None:
+            return
+        mean = wait_s / layers
+        if mean > self.BALANCE_HIGH_S:
+            self.read_scale = max(self.read_scale / self.BALANCE_FACTOR, 1.0 / self.BALANCE_BOUND)
+            self.balance_moves[0] += 1
+        elif mean < self.BALANCE_LOW_S:
+            self.read_scale = min(self.read_scale * self.BALANCE_FACTOR, self.BALANCE_BOUND)
+            self.balance_moves[1] += 1
 
     BETWEEN_KEPT = 4096  # gaps between steps kept for their median (note_step)
 
@@ -496,7 +535,8 @@ class TwoSitePlacement(HostReadPlacement):
         warm-up's pad-token steps give the CPU site few experts per call, slower per byte than a user's: on an H100
         they left 3.6-4.4 GB/s learned where a user's batch-8 steps learned 36-39, results/campaigns/h100-auto-sites)."""
         return (self.split_counts(), copy.deepcopy(self.cpu_rate), list(self.joins),
-                (self.starved, self.cpu_rate_resets), (list(self.step_host), list(self.step_gaps)))
+                (self.starved, self.cpu_rate_resets), (list(self.step_host), list(self.step_gaps)),
+                (self.read_scale, list(self.balance_moves)))
 
     def put_back(self, kept: tuple) -> None:
         self.split_counts(kept[0])
@@ -505,6 +545,8 @@ class TwoSitePlacement(HostReadPlacement):
         self.starved, self.cpu_rate_resets = kept[3]
         self.step_host = list(kept[4][0])
         self.step_gaps = collections.deque(kept[4][1], maxlen=self.BETWEEN_KEPT)
+        self.read_scale, self.balance_moves = kept[5][0], list(kept[5][1])
+        self._step_wait = [0.0, 0]
 
     def reset_reports(self) -> None:
         """The one-graph step's joins and host phases from here on (a bench row's timed runs on an engine that earlier
@@ -512,6 +554,7 @@ class TwoSitePlacement(HostReadPlacement):
         self.joins = [0, 0, 0.0, 0.0, 0.0]
         self.step_host = [0, 0.0, 0.0, 0.0, 0.0, 0.0]
         self.step_gaps.clear()
+        self.balance_moves = [0, 0]
 
     def split_counts(self, restore: tuple | None = None) -> tuple:
         """(calls, absent experts, CPU experts) so far; with ``restore``, set them back to it first."""
@@ -541,6 +584,9 @@ class TwoSitePlacement(HostReadPlacement):
             d["step_join"] = self.step_join
         if self.promotions_per_step is not None:
             d["promotions_per_step"] = self.promotions_per_step
+        if self.balance is not None:
+            d["balance"] = {"mode": self.balance, "read_scale": self.read_scale, "lowered": self.balance_moves[0],
+                            "raised": self.balance_moves[1]}
         if self.joins[0]:
             n, ncpu, wait_s, split_s, cpu_s = self.joins
             d["joins"] = {"layers": n, "cpu_layers": ncpu, "wait_us": 1e6 * wait_s / n, "split_us": 1e6 * split_s / n,
