@@ -408,3 +408,34 @@ def test_an_emulated_link_bounds_with_its_own_rate():
     # 1 / (1 ms + 10 MB / 50 GB/s = 0.2 ms): the measured link
     f = fast["timing"]["transfer_bound_tok_s"]
     assert f["value"] == pytest.approx(1 / 1.2e-3) and "source" not in f
+
+
+@settings(max_examples=20, deadline=None)
+@given(lengths=st.lists(st.integers(1, 6), min_size=1, max_size=3), decode_steps=st.integers(0, 4),
+       extra=st.integers(0, 2), family=st.sampled_from(sorted(calibration.FAMILIES)))
+def test_routes_drawn_ahead_are_the_routes_drawn_live(lengths, decode_steps, extra, family):
+    """ImposedRouting.draw_ahead (a generate group's prompt and decode tokens, before the timed region): the passes
+    then get exactly the ids a workload drawing live gives them, prefill (left-padded rows) and decode steps alike,
+    and a pass past the drawn steps continues the same streams; a row count other than begin()'s is refused, and
+    while predicting nothing is drawn ahead (a prediction reads the stream's state at its pass)."""
+    from runmap.workload.routing import ImposedRouting, RoutingError, parse_routing
+
+    spec = parse_routing(f"calibrated:{family}", default_family=family)
+    live, ahead = (ImposedRouting(spec, num_layers=3, num_experts=16, top_k=2, seed=5) for _ in range(2))
+    B, P = len(lengths), max(lengths)
+    for r in (live, ahead):
+        r.begin(B)
+    ahead.draw_ahead([n + decode_steps for n in lengths])
+    real = np.zeros((B, P), dtype=bool)
+    for b, n in enumerate(lengths):
+        real[b, P - n:] = True  # left padding, as generate_batch pads
+    passes = [real] + [np.ones((B, 1), dtype=bool)] * (decode_steps + extra)
+    for mask in passes:
+        np.testing.assert_array_equal(ahead.draw(mask), live.draw(mask))
+    with pytest.raises(RoutingError, match="rows"):
+        ahead.draw_ahead([1] * (B + 1))
+    pred = ImposedRouting(spec, num_layers=3, num_experts=16, top_k=2, seed=5)
+    pred.predicting = True
+    pred.begin(B)
+    pred.draw_ahead([4] * B)
+    assert all(len(q) == 0 for q in pred._ahead)

@@ -2588,10 +2588,14 @@ class Engine:
         if self.routes is not None:
             self.routes.end_pass(real, decode=decode)
 
-    def _begin_group(self, prompts) -> None:
-        """A new group of rows: the workload opens one stream per row, the recorder one stream per row."""
+    def _begin_group(self, prompts, max_new_tokens: int | None = None) -> None:
+        """A new group of rows: the workload opens one stream per row, the recorder one stream per row. With
+        ``max_new_tokens`` (a generate group) a routing workload that can draws every row's routes ahead now (its
+        prompt and each decode step's token), outside the group's timed region (ImposedRouting.draw_ahead)."""
         if self.imposed is not None:
             self.imposed.begin(len(prompts))
+            if max_new_tokens is not None:
+                self.imposed.draw_ahead([len(p) + max_new_tokens - 1 for p in prompts])
         if self.routes is not None:
             self.routes.begin_group([len(p) for p in prompts])
 
@@ -2637,7 +2641,7 @@ class Engine:
         self.experts.begin()
         try:
             for g0 in range(0, len(ids), self.max_batch):
-                self._begin_group(ids[g0:g0 + self.max_batch])
+                self._begin_group(ids[g0:g0 + self.max_batch], max_new_tokens)
                 res, tim = generate_batch(
                     self, ids[g0:g0 + self.max_batch], max_new_tokens=max_new_tokens, pad_id=pad_id,
                     eos_ids=frozenset() if ignore_eos else self.tokenizer.eos_ids, decode=self.tokenizer.decode,

@@ -17,6 +17,8 @@ step per real token, prompt tokens included, as a real router would route them.
 """
 from __future__ import annotations
 
+import collections
+
 import dataclasses
 
 import numpy as np
@@ -103,6 +105,7 @@ class ImposedRouting:
         else:
             raise RoutingError(f"routing {spec.name!r} is the model's own; nothing to impose")
         self._streams: list = []
+        self._ahead: list = []  # per row, steps drawn ahead of the passes (draw_ahead), consumed first by _step
         # next-layer prefetch (Engine.from_pack's prefetch): each draw also predicts the experts of its rows, from each
         # stream's past before the pass (``_predict``; one prediction for every position of a row in the pass);
         # int64 (L, n, k) as the draw, -1 = none
@@ -113,14 +116,34 @@ class ImposedRouting:
         """New streams for the ``batch`` rows of the next generate group (or one prefill)."""
         n = self.batches
         self.batches += 1
+        self._ahead = [collections.deque() for _ in range(batch)]
         if self.trace is not None:  # row b replays trace stream (n * batch + b) mod streams, from its start
             S = len(self.trace.streams)
             self._streams = [[self.trace.streams[(n * batch + b) % S], 0] for b in range(batch)]
             return
-        rng = np.random.default_rng([self.seed, n])
         pops = np.stack([calibration.popularity(self.params, self.E, np.random.default_rng([self.seed, 10_000 + layer]))
                          for layer in range(self.L)])  # (L, E): a layer's popularity is the same in every batch
-        self._streams = [calibration.StreamSampler(self.params, pops, self.k, rng) for _ in range(batch)]
+        # a generator per row: a row's routes do not depend on how the passes interleave the rows' draws, so they can be
+        # drawn ahead (draw_ahead) row by row
+        self._streams = [calibration.StreamSampler(self.params, pops, self.k, np.random.default_rng([self.seed, n, b]))
+                         for b in range(batch)]
+
+    def draw_ahead(self, steps) -> None:
+        """Draw each row's next ``steps[b]`` tokens now, before the passes that consume them (a generate group's prompt
+        and decode steps: Engine.run, before its timed region). The routes are exactly those the passes would draw
+        (each stream's draws in the same order); what changes is when the host pays for them: a trained model's
+        router costs the host nothing in a step, so neither should its stand-in inside the measured decode (on a
+        2-core CPU a calibrated OLMoE draw costs ~0.2 ms per token and row, as much as ~4 % of a batch-1 two-site
+        step, which the device waits for). Calibrated streams only (a trace's step is a lookup), and not while
+        predicting: a prediction reads the stream's state, which must stand at the pass being predicted."""
+        if self.trace is not None or self.predicting:
+            return
+        if len(steps) != len(self._streams):
+            raise RoutingError(f"draw ahead for {len(steps)} rows, but begin() opened {len(self._streams)} streams")
+        for b, n in enumerate(steps):
+            stream, ahead = self._streams[b], self._ahead[b]
+            for _ in range(int(n)):
+                ahead.append(stream.next())
 
     def draw(self, real: np.ndarray) -> np.ndarray:
         """real bool (B, T): the real tokens of a forward pass. Returns int64 (L, n, k): the imposed ids of the
@@ -159,7 +182,9 @@ class ImposedRouting:
         return s.predict()
 
     def _step(self, b: int) -> np.ndarray:
-        """int64 (L, k): the next step of row b's stream."""
+        """int64 (L, k): the next step of row b's stream (drawn ahead, else now)."""
+        if self._ahead and self._ahead[b]:
+            return self._ahead[b].popleft()
         s = self._streams[b]
         if self.trace is not None:
             stream, pos = s
@@ -184,6 +209,9 @@ class ReplayedRoutes:
         if batch != 1:
             raise RoutingError(f"replayed routes hold one prompt; a group of {batch} rows cannot replay them")
         self._next = 0
+
+    def draw_ahead(self, steps) -> None:
+        """Nothing to draw: the routes are given."""
 
     def draw(self, real: np.ndarray) -> np.ndarray:
         """real bool (1, T): the next T positions of the prompt. Returns int64 (L, n, k)."""
