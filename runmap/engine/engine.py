@@ -174,15 +174,22 @@ def _two_site_min_batch(given: int | None = None) -> int:
         if not is_count(given):
             raise EngineError(f"two_site_min_batch={given!r}: allowed values are integers >= 1 (a decode batch size)")
         return given
-    raw = os.environ.get(TWO_SITE_MIN_BATCH_ENV)
+    value = _env_count(TWO_SITE_MIN_BATCH_ENV, "a decode batch size")
+    return TWO_SITE_MIN_BATCH if value is None else value
+
+
+def _env_count(name: str, meaning: str) -> int | None:
+    """The environment variable ``name`` as an integer >= 1 (``meaning``: what it counts, for the error), None when
+    unset; EngineError naming it and its value otherwise."""
+    raw = os.environ.get(name)
     if raw is None:
-        return TWO_SITE_MIN_BATCH
+        return None
     try:
         value = int(raw)
     except ValueError:
         value = 0
     if value < 1:
-        raise EngineError(f"{TWO_SITE_MIN_BATCH_ENV}={raw!r}: allowed values are integers >= 1 (a decode batch size)")
+        raise EngineError(f"{name}={raw!r}: allowed values are integers >= 1 ({meaning})")
     return value
 
 
@@ -1865,16 +1872,8 @@ class Engine:
                                       f"{experts.cpu_executor}")
                 join = join or ("mask" if native else "rule")
             experts.placement.step_join = join if form == "graph" else None
-            raw = os.environ.get(TWO_SITE_PROMOTIONS_ENV)
-            if raw is not None:
-                try:
-                    bound = int(raw)
-                except ValueError:
-                    bound = 0
-                if bound < 1:
-                    raise EngineError(f"{TWO_SITE_PROMOTIONS_ENV}={raw!r}: allowed values are integers >= 1 (layers "
-                                      "promoting an expert after a two-site step)")
-                experts.placement.promotions_per_step = bound
+            experts.placement.promotions_per_step = _env_count(
+                TWO_SITE_PROMOTIONS_ENV, "layers promoting an expert after a two-site step")
             balance = os.environ.get(TWO_SITE_BALANCE_ENV, "off")
             if balance not in ("off", "wait"):
                 raise EngineError(f"{TWO_SITE_BALANCE_ENV}={balance!r}: allowed values are 'off' and 'wait'")

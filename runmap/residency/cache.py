@@ -489,21 +489,14 @@ class ExpertCache:
             self._check_noting(req)
             used = self._used_mask(None, ids)
             resident = self._resident_mask(req._gen)
-            on_cpu = np.zeros_like(used)
+            on_cpu = np.zeros_like(used)  # (L, E)
             if cpu is not None:
                 if len(cpu) != self.num_layers:
                     raise ValueError(f"a step's CPU-site experts must be given per layer ({self.num_layers}), got "
                                      f"{len(cpu)}")
                 for layer, experts in enumerate(cpu):
-                    if len(experts) == 0:
-                        continue
-                    experts = sorted({int(e) for e in experts})
-                    bad = [e for e in experts
-                           if not (0 <= e < self.num_experts) or not used[layer, e] or resident[layer, e]]
-                    if bad:
-                        raise CacheError(f"layer {layer}: experts {bad} at the CPU site are not absent experts routed "
-                                         f"in this step (only those may go there)")
-                    on_cpu[layer, experts] = True
+                    if len(experts):
+                        on_cpu[layer] = self._cpu_site_mask(layer, experts, used[layer], resident[layer])
             ticks = self._tick + 1 + np.arange(self.num_layers)
             self._tick += self.num_layers
             self.policy.touch_layers(used, ticks)
@@ -515,18 +508,24 @@ class ExpertCache:
             self._check_noting(req)
             used = self._used_mask(layer, expert_ids)
             resident = self._resident_mask(req._gen)[layer]
-            on_cpu = np.zeros_like(used)
-            cpu = sorted({int(e) for e in cpu})
-            if cpu:
-                bad = [e for e in cpu if not (0 <= e < self.num_experts) or not used[e] or resident[e]]
-                if bad:
-                    raise CacheError(f"layer {layer}: experts {bad} at the CPU site are not absent experts routed in "
-                                     f"this step (only those may go there)")
-                on_cpu[cpu] = True
+            on_cpu = self._cpu_site_mask(layer, cpu, used, resident)
             self._tick += 1
             self.policy.touch(layer, np.flatnonzero(used), self._tick)
-            self.counters["cpu_site_experts"] += len(cpu)
+            self.counters["cpu_site_experts"] += int(on_cpu.sum())
             return self._count_host_reads(used & ~on_cpu, resident)
+
+    def _cpu_site_mask(self, layer: int, cpu, used: np.ndarray, resident: np.ndarray) -> np.ndarray:
+        """bool (E,): the CPU site's experts ``cpu`` of ``layer`` in a host-read step, each checked to be routed in it
+        (``used``) and absent from its generation (``resident``), both bool (E,); CacheError naming the layer
+        otherwise (before the caller counts anything)."""
+        experts = sorted({int(e) for e in cpu})
+        bad = [e for e in experts if not (0 <= e < self.num_experts) or not used[e] or resident[e]]
+        if bad:
+            raise CacheError(f"layer {layer}: experts {bad} at the CPU site are not absent experts routed in "
+                             f"this step (only those may go there)")
+        on_cpu = np.zeros_like(used)
+        on_cpu[experts] = True
+        return on_cpu
 
     @contextlib.contextmanager
     def policy_kept(self):

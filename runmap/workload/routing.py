@@ -18,7 +18,6 @@ step per real token, prompt tokens included, as a real router would route them.
 from __future__ import annotations
 
 import collections
-
 import dataclasses
 
 import numpy as np
