@@ -602,7 +602,16 @@ def test_a_whole_step_at_once_does_what_its_layers_one_by_one_do(data, policy, m
             cpu = [tuple(data.draw(st.lists(st.sampled_from(sorted(set(ids[layer].tolist()) - set(ra.mapping(layer)))),
                                             unique=True), label=f"cpu experts of layer {layer}"))
                    if set(ids[layer].tolist()) - set(ra.mapping(layer)) else () for layer in range(L)]
-        got = a.note_host_read_step(ra, ids, cpu=cpu)
+        mapped = np.zeros((L, 8), dtype=bool)
+        for layer in range(L):
+            mapped[layer, list(ra.mapping(layer))] = True
+        np.testing.assert_array_equal(ra.resident_mask(), mapped)
+        given_cpu = cpu
+        if cpu is not None and data.draw(st.booleans(), label="as one mask"):  # the one-graph step's form
+            given_cpu = np.zeros((L, 8), dtype=bool)
+            for layer, experts in enumerate(cpu):
+                given_cpu[layer, list(experts)] = True
+        got = a.note_host_read_step(ra, ids, cpu=given_cpu)
         want = sum(rb.note_host_reads(layer, ids[layer], cpu=cpu[layer] if cpu else ()) for layer in range(L))
         ra.release()
         rb.release()
@@ -644,16 +653,27 @@ def test_a_whole_steps_note_refuses_a_cpu_expert_that_is_not_a_routed_absent_one
     ids = np.array([[absent[layer], resident if layer == 2 else absent[layer]] for layer in range(L)])
     unrouted = next(e for e in range(8) if e not in ids[1])
     before = (dict(cache.counters), cache._tick, cache.policy._t.copy())
+    def as_mask(per_layer):  # the same CPU-site experts as one bool (L, E) mask (the one-graph step's form)
+        m = np.zeros((L, 8), dtype=bool)
+        for layer, experts in enumerate(per_layer):
+            m[layer, list(experts)] = True
+        return m
+
     for bad, layer in (([(absent[0],), (), (resident,)], 2), ([(absent[0],), (unrouted,), ()], 1)):
-        with pytest.raises(CacheError, match=f"^layer {layer}: experts"):
-            cache.note_host_read_step(req, ids, cpu=bad)
-        assert (dict(cache.counters), cache._tick) == before[:2]
-        np.testing.assert_array_equal(cache.policy._t, before[2])
+        for given in (bad, as_mask(bad)):
+            with pytest.raises(CacheError, match=f"^layer {layer}: experts"):
+                cache.note_host_read_step(req, ids, cpu=given)
+            assert (dict(cache.counters), cache._tick) == before[:2]
+            np.testing.assert_array_equal(cache.policy._t, before[2])
     with pytest.raises(ValueError, match="per layer"):
         cache.note_host_read_step(req, ids, cpu=[()])
+    with pytest.raises(ValueError, match="mask must be"):
+        cache.note_host_read_step(req, ids, cpu=np.zeros((L, 7), dtype=bool))
     assert cache.note_host_read_step(req, ids, cpu=[(absent[0],), (), ()]) == L - 1  # layer 0's absent one on the CPU
     assert cache.counters["cpu_site_experts"] == before[0]["cpu_site_experts"] + 1
     req.release()
+    with pytest.raises(CacheError, match="released"):
+        req.resident_mask()
 
 
 @settings(max_examples=40, deadline=None)

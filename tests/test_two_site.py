@@ -170,28 +170,44 @@ def test_a_one_graph_step_refuses_a_split_the_device_did_not_make(seed3_tiny_pac
         # first a run that captures the step (on a GPU; eager steps on the CPU device), so that the failures below
         # happen in a replayed step, after the whole step was queued
         before = [r.token_ids for r in eng.generate(PROMPTS, max_new_tokens=3, ignore_eos=True)]
-        real = TwoSitePlacement.split
         dec = eng._two_site[2]
         assert dec.mask_join == (join == "mask") and eng.experts.placement.describe()["step_join"] == join
+        # the host's rule as each join form applies it: "rule" per layer at its join (split), "mask" every layer at
+        # once after the last join (split_mask)
+        name = "split_mask" if join == "mask" else "split"
+        real = getattr(TwoSitePlacement, name)
 
-        def fewer(self, absent, q):  # one expert fewer than the rule's
+        def fewer_one(self, absent, q):  # one expert fewer than the rule's
             return real(self, absent, q)[:-1]
 
-        def others(self, absent, q):  # as many as the rule's, the most routed instead of the least
+        def others_one(self, absent, q):  # as many as the rule's, the most routed instead of the least
             c = len(real(self, absent, q))
             return tuple(sorted(e for e, _ in sorted(absent, key=lambda ep: (-ep[1], -ep[0]))[:c]))
 
+        def fewer_all(cls, pairs, absent, q):  # per layer one expert fewer than the rule's (its highest id)
+            rule = real(pairs, absent, q).copy()
+            for row in rule:
+                row[np.flatnonzero(row)[-1:]] = False
+            return rule
+
+        def others_all(cls, pairs, absent, q):  # as many per layer as the rule's, the most routed instead
+            c, E = real(pairs, absent, q).sum(axis=1), pairs.shape[1]
+            key = np.where(absent, -(pairs.astype(np.int64) * E + np.arange(E)), np.iinfo(np.int64).max)
+            rank = np.argsort(np.argsort(key, axis=1), axis=1)
+            return absent & (rank < c[:, None])
+
+        fewer, others = (classmethod(fewer_all), classmethod(others_all)) if join == "mask" else (fewer_one, others_one)
         for wrong, match in [(fewer, r"two-site step, layer \d+: the device's split gave the CPU site \d+ experts, "
                                      r"the host's rule \d+"),
                              (others, r"two-site step, layer \d+: the device's split gave the CPU site experts \[")]:
-            monkeypatch.setattr(TwoSitePlacement, "split", wrong)
+            monkeypatch.setattr(TwoSitePlacement, name, wrong)
             with pytest.raises(EngineError, match=match):
                 eng.generate(PROMPTS, max_new_tokens=3, ignore_eos=True)
             # every layer was published before the failure synchronized: nothing waits, nothing is held, no join gave
             # up, and the engine decodes what it decoded before
             assert dec.host_err_np[0, 0] == 0
             assert eng.experts.cache.outstanding_leases() == 0 and eng.experts.cache.live_requests() == 0
-            monkeypatch.setattr(TwoSitePlacement, "split", real)
+            monkeypatch.setattr(TwoSitePlacement, name, classmethod(real.__func__) if join == "mask" else real)
             assert [r.token_ids for r in eng.generate(PROMPTS, max_new_tokens=3, ignore_eos=True)] == before
     finally:
         eng.close()
@@ -361,6 +377,28 @@ def test_the_split_gives_the_cpu_its_share_of_the_cheapest_experts(pairs, share)
     assert list(chosen) == sorted(chosen)
     if chosen and len(chosen) < n:  # no expert left to the link is cheaper for the CPU than one it took
         assert max((pairs[e], e) for e in chosen) < min((pairs[e], e) for e in pairs if e not in chosen)
+
+
+@given(layers=st.lists(st.dictionaries(st.integers(0, 31), st.integers(1, 16), max_size=24), min_size=1, max_size=6),
+       resident=st.lists(st.sets(st.integers(0, 31)), min_size=6, max_size=6), q=st.integers(0, SHARE_ONE))
+def test_the_whole_step_split_is_each_layers_split(layers, resident, q):
+    """split_mask (every layer of a step at once, what the one-graph step's host checks the device against) gives
+    each layer exactly split's experts of that layer's absent ones (the per-layer rule the chain and join "rule" use),
+    the resident experts never."""
+    E = 32
+    pairs = np.zeros((len(layers), E), dtype=np.int64)
+    for layer, routed in enumerate(layers):
+        pairs[layer, list(routed)] = list(routed.values())
+    res = np.zeros_like(pairs, dtype=bool)
+    for layer in range(len(layers)):
+        res[layer, list(resident[layer])] = True
+    absent = (pairs > 0) & ~res
+    mask = TwoSitePlacement.split_mask(pairs, absent, q)
+    plan = TwoSitePlacement(None, None)
+    for layer, routed in enumerate(layers):
+        want = plan.split([(e, n) for e, n in routed.items() if e not in resident[layer]], q)
+        assert np.flatnonzero(mask[layer]).tolist() == list(want), layer
+    assert not (mask & ~absent).any()
 
 
 def test_the_share_follows_the_rates_and_the_cpu_rate_learned_in_use():

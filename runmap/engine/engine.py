@@ -980,6 +980,7 @@ class SegmentDecoder(_StaticStepInputs):
             self.mask_join = engine.experts.placement.step_join == "mask"
             self._masked: list = [None] * L
             self._masked_scratch = None
+            self._join_s = np.zeros((L, 3))  # join "mask": per layer seconds waiting, binding, in the CPU part
         # grouped chain: batches whose union may exceed one lease (class docstring)
         self.grouped = bool(grouped)
         if self.grouped:
@@ -1196,16 +1197,16 @@ class SegmentDecoder(_StaticStepInputs):
 
     def _join_layer(self, layer) -> None:
         """The host's part of ``layer`` in the one-graph step: wait for the layer's ids, compute the CPU site's experts
-        into the pinned sum the join reads and publish it (the layer's flag := the step's sequence number), and check
-        the device's split against the host's rule (``_split_sites``: the same experts, not only as many). A layer with
-        none publishes nothing: its join does not wait. The layers' reads are noted once every layer is joined, in one
-        call (``_note_joined_layers``): the device waits at each layer's join for this thread, so per-layer bookkeeping
+        into the pinned sum the join reads and publish it (the layer's flag := the step's sequence number). A layer with
+        none publishes nothing: its join does not wait. The device's split is checked against the host's rule (the
+        same experts, not only as many) and the layers' reads are noted with the cache after the last join
+        (``_note_joined_layers``): the device waits at each layer's join for this thread, so per-layer bookkeeping
         would be on its critical path.
 
-        Join "mask" (``mask_join``): the CPU computes the pairs the device's keep mask left it, in one bound call,
-        and the rule is checked after the publication (a mismatch still fails the step, whose output the failure
-        discards; the C kernel checks each id it reads before it reads a row). Join "rule": the rule and the check
-        first, then a call prepared from the rule's experts."""
+        Join "mask" (``mask_join``): the CPU computes the pairs the device's keep mask left it, in one bound call; the
+        rule is checked for every layer at once after the last join (a mismatch still fails the step, whose output the
+        failure discards; the C kernel checks each id it reads before it reads a row). Join "rule": the rule
+        (``_split_sites``) and its check first, then a call prepared from the rule's experts."""
         t_wait = time.perf_counter()
         if self.poll:  # the count's copy lands after the ids', input's and gate weights' (stream order)
             count, spins = self.host_count_np, 0
@@ -1217,9 +1218,8 @@ class SegmentDecoder(_StaticStepInputs):
             self.events[layer].synchronize()
         ex = self.e.experts
         t_split = time.perf_counter()
-        if self.mask_join:
-            device_cpu = int(self.host_count_np[layer]) > 0
-            if device_cpu:
+        if self.mask_join:  # only the call and the publication here: the check and the counts after the last join
+            if self.host_count_np[layer] > 0:
                 call = self._masked[layer]
                 if call is None:  # (bound on first use, outside the timed call: the split learns the CPU site's
                     call = self._masked[layer] = self._bind_masked(layer)  # rate from these seconds)
@@ -1227,18 +1227,10 @@ class SegmentDecoder(_StaticStepInputs):
                 call()
                 self.host_flags_np[layer, 0] = self._seq  # after the sum's last store (the device reads the flag,
                 # then the sum)
-            t1 = time.perf_counter()
-            if not device_cpu:
-                t0 = t1
-            n_absent, cpu = self._check_split(layer)
-            t_checked = time.perf_counter()
-            ex.placement.count_split(n_absent, len(cpu))  # (before observe_cpu, as the chain's order: a starved
-            # split's rate reset then drops only what came before this layer's call)
-            if device_cpu:
-                ex.observe_cpu(len(cpu), t1 - t0)
-                self.cpu_parts += 1
-            # (split: the bind, where this layer's first CPU part made it, plus the rule and its check)
-            ex.placement.note_join(t_split - t_wait, (t0 - t_split) + (t_checked - t1), t1 - t0, device_cpu)
+                t1 = time.perf_counter()
+            else:
+                t0 = t1 = t_split
+            self._join_s[layer] = (t_split - t_wait, t0 - t_split, t1 - t0)  # wait, bind, CPU part
             return
         n_absent, cpu = self._check_split(layer)
         ex.placement.count_split(n_absent, len(cpu))
@@ -1255,6 +1247,36 @@ class SegmentDecoder(_StaticStepInputs):
         ex.observe_cpu(len(cpu), t1 - t0)
         ex.placement.note_join(t_split - t_wait, t0 - t_split, t1 - t0, True)
         self.cpu_parts += 1
+
+    def _check_splits(self) -> tuple[np.ndarray, np.ndarray]:
+        """Join "mask", after the step's last join: the host's rule (TwoSitePlacement.split_mask) applied to every
+        layer's ids at once and checked against the device's split: as many experts per layer (its count) and the same
+        pairs zeroed (its keep mask: exactly the pairs of the rule's experts). Returns int (L,) absent experts and
+        bool (L, E) the CPU site's experts; raises EngineError naming the first wrong layer and both sides."""
+        L, E = self.L, self.e.cfg.num_experts
+        ids = self.host_ids_np.reshape(L, -1)  # (L, B k)
+        if ids.min() < 0 or ids.max() >= E:
+            layer = int(np.flatnonzero((ids < 0).any(1) | (ids >= E).any(1))[0])
+            raise EngineError(f"two-site step, layer {layer}: routed expert ids {sorted(set(ids[layer].tolist()))} "
+                              f"outside [0, {E})")
+        pairs = np.bincount((ids + E * np.arange(L)[:, None]).ravel(), minlength=L * E).reshape(L, E)  # (L, E)
+        absent = (pairs > 0) & ~self._req.resident_mask()  # (L, E)
+        rule = self.e.experts.placement.split_mask(pairs, absent, self._share_q)  # (L, E)
+        counts = rule.sum(axis=1)
+        wrong = np.flatnonzero(self.host_count_np != counts)
+        if wrong.size:
+            layer = int(wrong[0])
+            raise EngineError(f"two-site step, layer {layer}: the device's split gave the CPU site "
+                              f"{int(self.host_count_np[layer])} experts, the host's rule {int(counts[layer])} "
+                              f"({np.flatnonzero(rule[layer]).tolist()})")
+        zeroed = self.host_keep_np == 0  # (L, B k)
+        wrong = np.flatnonzero((zeroed != np.take_along_axis(rule, ids, axis=1)).any(axis=1))
+        if wrong.size:
+            layer = int(wrong[0])
+            raise EngineError(f"two-site step, layer {layer}: the device's split gave the CPU site experts "
+                              f"{sorted(set(ids[layer][zeroed[layer]].tolist()))}, the host's rule "
+                              f"{np.flatnonzero(rule[layer]).tolist()}")
+        return absent.sum(axis=1), rule
 
     def _check_split(self, layer) -> tuple[int, tuple]:
         """The host's rule applied to ``layer``'s ids (``_split_sites``) and checked against the device's split: as
@@ -1298,11 +1320,36 @@ class SegmentDecoder(_StaticStepInputs):
         return queued
 
     def _note_joined_layers(self) -> None:
-        """The one-graph step's reads of every layer noted with the cache in one call (ExpertCache.note_host_read_step
-        with each layer's CPU-site experts: the same checks, counters, ticks and policy uses as a call per layer), after
-        its last join (each layer's split was counted at its join). A step that failed before this noted nothing with
-        the cache (its output is discarded)."""
-        self.e.experts.cache.note_host_read_step(self._req, self.host_ids_np, cpu=self.layer_cpu)
+        """After the one-graph step's last join. Join "mask": every layer's split checked at once (``_check_splits``),
+        then per layer in order its split counted, its CPU part's seconds given to the CPU rate and its join's times
+        noted (the check's seconds shared among the layers), as the joins did one layer at a time before: the step's
+        share was fixed at its start, so nothing the device or a join reads changes. Then the reads of every layer
+        noted with the cache in one call (ExpertCache.note_host_read_step with each layer's CPU-site experts: the same
+        checks, counters, ticks and policy uses as a call per layer). Why here: the device waits at each layer's join
+        for this thread, so this work between joins was on its critical path (~40 us of checking and ~65 us of
+        bookkeeping per layer against a 120 us CPU part at n-cpu-moe 12 on an H100,
+        results/campaigns/h100-llama-matched-sites-b1). A step that failed before this noted nothing with the cache
+        (its output is discarded)."""
+        ex = self.e.experts
+        if not self.mask_join:  # join "rule": each layer was checked and counted at its join
+            ex.cache.note_host_read_step(self._req, self.host_ids_np, cpu=self.layer_cpu)
+            return
+        t0 = time.perf_counter()
+        n_absent, cpu = self._check_splits()  # (L,), bool (L, E)
+        n_cpu = cpu.sum(axis=1).tolist()
+        self.layer_cpu = [tuple(np.flatnonzero(row).tolist()) if n else () for row, n in zip(cpu, n_cpu)]
+        check_s = (time.perf_counter() - t0) / self.L
+        placement = ex.placement
+        for layer, (absent, n) in enumerate(zip(n_absent.tolist(), n_cpu)):
+            placement.count_split(absent, n)  # (before observe_cpu: a starved split's rate reset then drops only
+            # what came before this layer's call)
+            wait_s, bind_s, cpu_s = self._join_s[layer].tolist()
+            if n:
+                ex.observe_cpu(n, cpu_s)
+                self.cpu_parts += 1
+            # (split: the bind, where this layer's first CPU part made it, plus its share of the check)
+            placement.note_join(wait_s, bind_s + check_s, cpu_s, n > 0)
+        ex.cache.note_host_read_step(self._req, self.host_ids_np, cpu=cpu)
 
     def check_joins(self, wait: bool = False) -> None:
         """Raise if a join of this chain gave up waiting for the host's CPU sum (its step's output was NaN, never a

@@ -85,6 +85,8 @@ import dataclasses
 import statistics
 import time
 
+import numpy as np
+
 # auto-split: auto with split=True (the module docstring's "Split"), opt-in until a decode measurement says it helps
 # host-read: absent experts read by the GPU straight from the registered host source in decode steps (HostReadPlacement)
 # two-site: host-read's steps with a share of each layer's absent experts computed at the CPU site in the same step
@@ -428,6 +430,19 @@ class TwoSitePlacement(HostReadPlacement):
         c = self._cpu_count(n, q)
         chosen = sorted(absent_pairs, key=lambda ep: (ep[1], ep[0]))[:c]
         return tuple(sorted(int(e) for e, _ in chosen))
+
+    @classmethod
+    def split_mask(cls, pairs: np.ndarray, absent: np.ndarray, share_q: int) -> np.ndarray:
+        """``split`` for every layer of a step at once: ``pairs`` int (L, E) each expert's routed pairs in the step,
+        ``absent`` bool (L, E) routed and absent -> bool (L, E), the CPU site's experts (per layer the ``split`` of its
+        absent experts at ``share_q``: the fewest pairs first, lowest id among equals)."""
+        L, E = pairs.shape
+        n = absent.sum(axis=1)  # (L,)
+        c = np.minimum(n, (n * int(share_q) + SHARE_ONE // 2) // SHARE_ONE)  # as _cpu_count, per layer
+        key = np.where(absent, pairs.astype(np.int64) * E + np.arange(E), np.iinfo(np.int64).max)  # (L, E)
+        rank = np.empty((L, E), dtype=np.int64)
+        np.put_along_axis(rank, np.argsort(key, axis=1), np.arange(E)[None, :].repeat(L, 0), axis=1)
+        return absent & (rank < c[:, None])
 
     # the two-site step's form, set by the engine that runs it (runmap.engine.engine.TWO_SITE_STEP_ENV): "graph", one
     # CUDA graph per step whose layers wait on the device only where the CPU site has experts, or "chain", 2L + 1

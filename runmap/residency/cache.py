@@ -147,6 +147,15 @@ class Request:
         published expert until release), what a host-read step may read from the device."""
         return self._gen.maps[layer]
 
+    def resident_mask(self) -> np.ndarray:
+        """bool (L, E), read-only: the experts mapped in this request's latest generation (``mapping`` of every layer
+        at once)."""
+        if self.released:
+            raise CacheError(f"request {self.id} is released; it pins no generation")
+        mask = self._cache._resident_mask(self._gen).view()
+        mask.flags.writeable = False
+        return mask
+
     def note_host_reads(self, layer: int, expert_ids, cpu=()) -> int:
         """After a host-read step of this request: its routed ids of ``layer`` (any int shape) were read from this
         request's generation where mapped and from the host source elsewhere. Counts hits, misses and host reads
@@ -483,14 +492,23 @@ class ExpertCache:
     def note_host_read_step(self, req: Request, ids, cpu=None) -> int:
         """``req.note_host_reads`` for every layer of one step at once, in layer order (the same counters, policy uses
         and ticks as L calls): ids int (L, ...) the step's routed ids; ``cpu``: None, or per layer the experts the CPU
-        site computed (L sequences; each layer's as ``note_host_reads``' ``cpu``, all checked before anything is
-        counted). Returns the step's host reads."""
+        site computed (L sequences, or one bool (L, E) mask; each layer's as ``note_host_reads``' ``cpu``, all checked
+        before anything is counted). Returns the step's host reads."""
         with self._lock:
             self._check_noting(req)
             used = self._used_mask(None, ids)
             resident = self._resident_mask(req._gen)
             on_cpu = np.zeros_like(used)  # (L, E)
-            if cpu is not None:
+            if isinstance(cpu, np.ndarray) and cpu.dtype == bool:
+                if cpu.shape != used.shape:
+                    raise ValueError(f"a step's CPU-site mask must be (layers, experts) = {used.shape}, got {cpu.shape}")
+                bad = cpu & (~used | resident)
+                if bad.any():
+                    layer = int(np.flatnonzero(bad.any(axis=1))[0])
+                    raise CacheError(f"layer {layer}: experts {np.flatnonzero(bad[layer]).tolist()} at the CPU site are "
+                                     "not absent experts routed in this step (only those may go there)")
+                on_cpu = cpu
+            elif cpu is not None:
                 if len(cpu) != self.num_layers:
                     raise ValueError(f"a step's CPU-site experts must be given per layer ({self.num_layers}), got "
                                      f"{len(cpu)}")
