@@ -40,10 +40,24 @@ SWEEP_ENV = "RUNMAP_TEST_SWEEP"
 def pytest_configure(config):
     config.addinivalue_line("markers", "sweep(predicate): the points of a parameter sweep for which predicate(params) "
                                        "is true run on a GPU or with RUNMAP_TEST_SWEEP=1 only (tests/conftest.py)")
+    config.addinivalue_line("markers", "cpu_device: builds engines on the CPU device whatever RUNMAP_TEST_DEVICE says; "
+                                       "skipped in a GPU run (tests/conftest.py)")
+
+
+# A test marked cpu_device runs its Triton kernels on CPU tensors, which only the interpreter can do, and the
+# interpreter is chosen once per process, before any kernel is defined (above): a GPU run (RUNMAP_TEST_DEVICE=cuda)
+# compiles them for the GPU instead, so there such a test would fail on "cannot be accessed from Triton (cpu tensor?)"
+# (the GPU run of 2026-12-07) and leave the CUDA context in a state that failed later tests too.
+CPU_DEVICE_SKIP = "builds engines on the CPU device, whose Triton kernels need the interpreter this GPU run leaves off"
 
 
 def pytest_collection_modifyitems(config, items):
-    if os.environ.get("RUNMAP_TEST_DEVICE", "cpu") != "cpu" or os.environ.get(SWEEP_ENV) == "1":
+    if os.environ.get("RUNMAP_TEST_DEVICE", "cpu") != "cpu":
+        for item in items:
+            if item.get_closest_marker("cpu_device") is not None:
+                item.add_marker(pytest.mark.skip(reason=CPU_DEVICE_SKIP))
+        return
+    if os.environ.get(SWEEP_ENV) == "1":
         return
     kept, left_out = [], []
     for item in items:

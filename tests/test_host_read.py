@@ -906,6 +906,7 @@ def _smallest_budget(pack, **kw) -> int:
     return lo
 
 
+@pytest.mark.cpu_device
 def test_a_budget_planned_host_read_engine_lends_all_but_one_spare(seed3_tiny_packs):
     """gpu_budget with placement host-read: the planner's rows stay (resident + a miss group of spares), all but
     HOST_READ_SPARES (1) of the spares become resident capacity; host_read_spares of the whole group, or placement gpu,

@@ -930,6 +930,7 @@ def test_the_step_chooser_never_times_a_step_across_two_runs():
     assert ch.describe()["by_batch"]["2"]["median_ms"]["host-read"] == pytest.approx(1.0)
 
 
+@pytest.mark.cpu_device
 def test_a_campaign_row_sets_the_chooser_minimum_only_for_auto(tiny_olmoe_campaign, tmp_path, monkeypatch):
     """two_site_min_batch in a spec: refused unless the placement is auto; with auto the id says so (__sitesb1), the
     engine's chooser has that minimum and the record's config keeps it (validated against the record schema)."""
@@ -1152,6 +1153,7 @@ def test_reset_reports_starts_the_joins_and_step_phases_afresh_and_keeps_what_de
     Placement().reset_reports()
 
 
+@pytest.mark.cpu_device
 def test_the_cli_passes_the_chooser_minimum_and_refuses_one_below_1(seed3_tiny_packs, tmp_path, monkeypatch, capsys):
     """runmap logits --two-site-min-batch B: the engine is built with it (over the env); 0 is refused by the parser
     with exit 2 naming the option, before any engine is built."""
