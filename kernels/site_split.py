@@ -33,12 +33,15 @@ SHARE_ONE = 1024
 
 @triton.jit
 def _two_site_split_kernel(ids_ptr, table_ptr, share_ptr, out_ptr, count_ptr, E, BK, R,
+                           x_ptr, gw_ptr, h_ids_ptr, h_x_ptr, h_gw_ptr, h_keep_ptr, h_count_ptr, BH,
                            E_P2: tl.constexpr, BK_P2: tl.constexpr, SHARE_ONE: tl.constexpr,
-                           WRITE_COUNT: tl.constexpr):
+                           WRITE_COUNT: tl.constexpr, HANDOFF: tl.constexpr, BLOCK_X: tl.constexpr,
+                           X_BLOCKS: tl.constexpr):
     offs_e = tl.arange(0, E_P2)
     offs_j = tl.arange(0, BK_P2)
     e_ok = offs_e < E
-    ids = tl.load(ids_ptr + offs_j, mask=offs_j < BK, other=-1).to(tl.int32)  # (BK_P2,) -1 past the pairs
+    ids64 = tl.load(ids_ptr + offs_j, mask=offs_j < BK, other=-1)  # (BK_P2,) int64
+    ids = ids64.to(tl.int32)  # -1 past the pairs
     table = tl.load(table_ptr + offs_e, mask=e_ok, other=0)  # (E_P2,) int32: a device row < R, or R + e
     routes = ids[None, :] == offs_e[:, None]  # (E_P2, BK_P2): pair j routes expert e
     pairs = tl.sum(routes.to(tl.int32), axis=1)  # (E_P2,) routed pairs per expert
@@ -55,12 +58,23 @@ def _two_site_split_kernel(ids_ptr, table_ptr, share_ptr, out_ptr, count_ptr, E,
     tl.store(out_ptr + offs_e, tl.where(on_cpu, pinned, table), mask=e_ok)
     pair_on_cpu = tl.sum((routes & on_cpu[:, None]).to(tl.int32), axis=0)  # (BK_P2,) 1 where the CPU has the pair
     tl.store(out_ptr + E + offs_j, 1 - pair_on_cpu, mask=offs_j < BK)
+    if HANDOFF:  # the host's inputs straight into its pinned memory (mapped): no copy after this kernel
+        tl.store(h_ids_ptr + offs_j, ids64, mask=offs_j < BK)
+        tl.store(h_gw_ptr + offs_j, tl.load(gw_ptr + offs_j, mask=offs_j < BK, other=0.0), mask=offs_j < BK)
+        tl.store(h_keep_ptr + offs_j, 1 - pair_on_cpu, mask=offs_j < BK)
+        for i in range(0, X_BLOCKS):  # (a constexpr count: the interpreter's range refuses a runtime bound here)
+            offs_x = i * BLOCK_X + tl.arange(0, BLOCK_X)
+            tl.store(h_x_ptr + offs_x, tl.load(x_ptr + offs_x, mask=offs_x < BH, other=0.0), mask=offs_x < BH)
+        tl.store(h_count_ptr, tl.minimum(c, n))
 
 
 def two_site_split(ids: torch.Tensor, table: torch.Tensor, share: torch.Tensor, resident_rows: int,
-                   out: torch.Tensor, count: torch.Tensor | None = None) -> torch.Tensor:
+                   out: torch.Tensor, count: torch.Tensor | None = None, handoff: tuple | None = None) -> torch.Tensor:
     """Write one layer's two-site split into ``out`` (module docstring), one launch (capturable: no value is read
-    back).
+    back). With ``handoff`` the same launch also writes what the host reads for the layer's CPU part into the host's
+    pinned memory, mapped into the device's address space, instead of five copies after it (the one-graph step's
+    handoff "mapped"; the host reads them once an event recorded after this launch completed: a kernel's stores to
+    mapped host memory are visible to the host when the kernel has completed).
 
     Args:
         ids: int64 (B, k) contiguous, the step's routed ids of the layer (ids outside [0, E) route nothing here: the
@@ -72,6 +86,11 @@ def two_site_split(ids: torch.Tensor, table: torch.Tensor, share: torch.Tensor, 
         out: int32 (E + B k,) contiguous: the device part's row table (E,), then the keep mask of the pairs (B k,)
             in ids' order (1: the device computes the pair, 0: the CPU site does).
         count: int32 (1,) or None: where to write c, the number of experts given to the CPU site.
+        handoff: None, or (x, gw, host_ids, host_x, host_gw, host_keep, host_count): the layer's input x fp16 (B, H)
+            and gate weights gw fp32 (B, k), both contiguous on the device, and where their copies go with the ids,
+            the keep mask and c: host_ids int64 (B, k), host_x fp16 (B, H), host_gw fp32 (B, k), host_keep int32
+            (B k,), host_count int32 (1,), each contiguous, on a GPU pinned host memory viewed as device tensors
+            (``runmap.residency.transport.mapped_tensor``).
     Returns:
         ``out``.
     """
@@ -86,9 +105,27 @@ def two_site_split(ids: torch.Tensor, table: torch.Tensor, share: torch.Tensor, 
     if not (1 <= E <= 256 and 1 <= bk <= 1024 and resident_rows >= 1):
         raise common.KernelInputError(f"two_site_split: needs 1 <= E ({E}) <= 256, 1 <= B k ({bk}) <= 1024 and "
                                       f"resident_rows ({resident_rows}) >= 1")
+    if handoff is None:
+        x = gw = h_ids = h_x = h_gw = h_keep = h_count = out  # (unused: HANDOFF off)
+        bh = 0
+    else:
+        x, gw, h_ids, h_x, h_gw, h_keep, h_count = handoff
+        B, k = ids.shape
+        common.check_tensor("x", x, dtype=torch.float16, ndim=2, device=dev)
+        common.check_tensor("gw", gw, dtype=torch.float32, shape=(B, k), device=dev)
+        common.check_tensor("host_ids", h_ids, dtype=torch.int64, shape=(B, k), device=dev)
+        common.check_tensor("host_x", h_x, dtype=torch.float16, shape=tuple(x.shape), device=dev)
+        common.check_tensor("host_gw", h_gw, dtype=torch.float32, shape=(B, k), device=dev)
+        common.check_tensor("host_keep", h_keep, dtype=torch.int32, shape=(bk,), device=dev)
+        common.check_tensor("host_count", h_count, dtype=torch.int32, shape=(1,), device=dev)
+        if x.shape[0] != B:
+            raise common.KernelInputError(f"two_site_split: x has {x.shape[0]} rows, ids {B}")
+        bh = x.numel()
     common.launch(_two_site_split_kernel[(1,)], ids, table, share, out, out if count is None else count, E, bk,
-                  resident_rows, E_P2=triton.next_power_of_2(E), BK_P2=triton.next_power_of_2(bk), SHARE_ONE=SHARE_ONE,
-                  WRITE_COUNT=count is not None)
+                  resident_rows, x, gw, h_ids, h_x, h_gw, h_keep, h_count, bh,
+                  E_P2=triton.next_power_of_2(E), BK_P2=triton.next_power_of_2(bk), SHARE_ONE=SHARE_ONE,
+                  WRITE_COUNT=count is not None, HANDOFF=handoff is not None, BLOCK_X=1024,
+                  X_BLOCKS=triton.cdiv(bh, 1024))
     return out
 
 

@@ -669,6 +669,8 @@ def test_a_whole_steps_note_refuses_a_cpu_expert_that_is_not_a_routed_absent_one
         cache.note_host_read_step(req, ids, cpu=[()])
     with pytest.raises(ValueError, match="mask must be"):
         cache.note_host_read_step(req, ids, cpu=np.zeros((L, 7), dtype=bool))
+    with pytest.raises(ValueError, match="got a int64 array"):  # 0/1 ints would read as experts 0 and 1
+        cache.note_host_read_step(req, ids, cpu=as_mask([(absent[0],), (), ()]).astype(np.int64))
     assert cache.note_host_read_step(req, ids, cpu=[(absent[0],), (), ()]) == L - 1  # layer 0's absent one on the CPU
     assert cache.counters["cpu_site_experts"] == before[0]["cpu_site_experts"] + 1
     req.release()

@@ -58,9 +58,10 @@ def _full(pack, device, record_decode):
 # captured, every share)
 @pytest.mark.parametrize("preset,share,step", [("tiny-olmoe", 0.0, "chain"), ("tiny-olmoe", 0.5, "chain"),
                                                ("tiny-olmoe", 1.0, "chain"), ("tiny-qwen2-moe", 0.5, "chain"),
-                                               ("tiny-olmoe", 0.5, "graph")]
+                                               ("tiny-olmoe", 0.5, "graph"), ("tiny-olmoe", 0.5, "graph-mapped")]
                          + ([("tiny-olmoe", 0.0, "graph"), ("tiny-qwen2-moe", 0.5, "graph"),
-                             ("tiny-olmoe", None, "graph"), ("tiny-olmoe", 1.0, "graph")]
+                             ("tiny-olmoe", None, "graph"), ("tiny-olmoe", 1.0, "graph"),
+                             ("tiny-qwen2-moe", 0.5, "graph-mapped"), ("tiny-olmoe", None, "graph-mapped")]
                             if os.environ.get("RUNMAP_TEST_DEVICE") == "cuda" else []))
 # the CPU run: the chain's share 1.0 (every absent expert on the CPU) only with RUNMAP_TEST_SWEEP=1 (conftest.py)
 @pytest.mark.sweep(lambda p: p["share"] == 1.0 and p["step"] == "chain")
@@ -71,13 +72,18 @@ def test_two_site_decode_equals_full_residency(seed3_tiny_packs, preset, share, 
     logits equal full residency's (exactly without a CPU share), residency changes only by promotions between steps,
     nothing is left held and every observation is zero. share None: from the rates (1/2 on the CPU device, where no
     link is read). step: the 2L + 1 segment chain, or the one-graph step whose joins wait on the device for the
-    host's CPU sum (on the CPU device its eager steps: the host joins each layer before its join kernel is queued)."""
+    host's CPU sum (on the CPU device its eager steps: the host joins each layer before its join kernel is queued);
+    graph-mapped: that step with handoff "mapped" (the split kernel stores the host's inputs into its pinned memory
+    itself, no copies)."""
     import json
 
     from runmap.conformance.schemas import load_schemas
-    from runmap.engine.engine import TWO_SITE_STEP_ENV
+    from runmap.engine.engine import TWO_SITE_HANDOFF_ENV, TWO_SITE_STEP_ENV
 
+    step, _, handoff = step.partition("-")
     monkeypatch.setenv(TWO_SITE_STEP_ENV, step)
+    if handoff:
+        monkeypatch.setenv(TWO_SITE_HANDOFF_ENV, handoff)
     pack, cfg = seed3_tiny_packs[preset]
     toks_f, logits_f = _full(pack, test_device, record_decode)
     eng = _run(pack, test_device, record_decode, resident=cfg.top_k, expert_placement="two-site",
@@ -116,6 +122,7 @@ def test_two_site_decode_equals_full_residency(seed3_tiny_packs, preset, share, 
             assert dec.host_count_np.tolist() == [len(dec.layer_cpu[layer]) for layer in range(cfg.num_layers)]
             assert dec.host_err_np[0, 0] == 0
             assert tel_form(plan) == ("graph", "event", "mask")  # (a cpu-native site: the bound call's join)
+            assert plan.describe()["step_handoff"] == (handoff or "copy") and dec.mapped_handoff == bool(handoff)
             joins = plan.describe()["joins"]  # every decode step's layers joined once (warm-ups excluded)
             assert joins["layers"] == steps * cfg.num_layers
             if share is not None:  # (from the rates, a GPU may give the CPU none of a tiny layer's absent experts)
@@ -213,6 +220,51 @@ def test_a_one_graph_step_refuses_a_split_the_device_did_not_make(seed3_tiny_pac
         eng.close()
 
 
+@pytest.mark.parametrize("tamper", ["one pair of a cpu expert kept", "an id outside the layer"])
+def test_the_whole_step_check_refuses_what_the_per_layer_rule_would_miss(seed3_tiny_packs, test_device, record_decode,
+                                                                           monkeypatch, tamper):
+    """Join "mask" checks every layer after the step's last join, pair by pair: a CPU-site expert with one of its pairs
+    kept on the device (the same experts and count as the rule's, so only the per-pair comparison sees it: the join
+    would add the CPU's sum to a pair the device computed too), and a routed id outside [0, E), are each one
+    EngineError naming the layer, and the engine holds nothing afterwards. (The host's buffers are edited after the
+    joins, where the check reads them.)"""
+    from runmap.engine.engine import TWO_SITE_STEP_ENV, EngineError, SegmentDecoder
+
+    monkeypatch.setenv(TWO_SITE_STEP_ENV, "graph")
+    pack, cfg = seed3_tiny_packs["tiny-olmoe"]
+    eng = _run(pack, test_device, record_decode, resident=cfg.top_k, expert_placement="two-site",
+               cache_contract=_contract(test_device), two_site_share=1.0)  # (every absent expert on the CPU site)
+    try:
+        eng.generate(PROMPTS, max_new_tokens=3, ignore_eos=True)
+        real, edited = SegmentDecoder._note_joined_layers, []
+
+        def edit(self):
+            ids, zeroed = self.host_ids_np.reshape(self.L, -1), self.host_keep_np == 0
+            for layer in range(self.L if not edited else 0):
+                if tamper == "an id outside the layer":
+                    ids[layer, 0] = cfg.num_experts
+                    edited.append(layer)
+                    break
+                for e in sorted(set(ids[layer][zeroed[layer]].tolist())):
+                    js = np.flatnonzero((ids[layer] == e) & zeroed[layer])
+                    if len(js) >= 2:  # an expert both rows route, on the CPU site: keep one of its pairs
+                        self.host_keep_np[layer, js[0]] = 1
+                        edited.append(layer)
+                        break
+                if edited:
+                    break
+            return real(self)
+        monkeypatch.setattr(SegmentDecoder, "_note_joined_layers", edit)
+        match = (r"two-site step, layer \d+: routed expert ids .* outside \[0, " if tamper == "an id outside the layer"
+                 else r"two-site step, layer \d+: the device's split gave the CPU site experts \[")
+        with pytest.raises(EngineError, match=match):
+            eng.generate(PROMPTS, max_new_tokens=8, ignore_eos=True)
+        assert edited  # (a step of these runs had an expert on the CPU site that both rows routed)
+        assert eng.experts.cache.outstanding_leases() == 0 and eng.experts.cache.live_requests() == 0
+    finally:
+        eng.close()
+
+
 @pytest.mark.parametrize("env,value,match", [
     ("RUNMAP_TWO_SITE_STEP", "graphs", r"RUNMAP_TWO_SITE_STEP='graphs': allowed values are 'graph' and 'chain'"),
     ("RUNMAP_TWO_SITE_WAIT", "spin", r"RUNMAP_TWO_SITE_WAIT='spin': allowed values are 'event' and 'poll'"),
@@ -220,6 +272,10 @@ def test_a_one_graph_step_refuses_a_split_the_device_did_not_make(seed3_tiny_pac
     ("RUNMAP_TWO_SITE_PROMOTIONS", "0", r"RUNMAP_TWO_SITE_PROMOTIONS='0': allowed values are integers >= 1"),
     ("RUNMAP_TWO_SITE_PROMOTIONS", "all", r"RUNMAP_TWO_SITE_PROMOTIONS='all': allowed values are integers >= 1"),
     ("RUNMAP_TWO_SITE_BALANCE", "yes", r"RUNMAP_TWO_SITE_BALANCE='yes': allowed values are 'off' and 'wait'"),
+    ("RUNMAP_TWO_SITE_HANDOFF", "zero-copy",
+     r"RUNMAP_TWO_SITE_HANDOFF='zero-copy': allowed values are 'copy' and 'mapped'"),
+    ("RUNMAP_TWO_SITE_HANDOFF", "mapped", r"RUNMAP_TWO_SITE_HANDOFF=mapped needs the one-graph step with the event "
+                                          r"wait; this engine's is the graph step, wait 'poll'"),
     ("RUNMAP_TWO_SITE_JOIN", "mask", r"RUNMAP_TWO_SITE_JOIN=mask needs a cpu-native CPU executor; this engine's is "
                                      r"cpu-int4")])
 def test_the_two_site_step_options_are_checked_when_the_engine_is_built(seed3_tiny_packs, monkeypatch, env, value,
@@ -230,6 +286,8 @@ def test_the_two_site_step_options_are_checked_when_the_engine_is_built(seed3_ti
 
     monkeypatch.setenv("RUNMAP_TWO_SITE_STEP", "graph")
     monkeypatch.setenv(env, value)
+    if env == "RUNMAP_TWO_SITE_HANDOFF" and value == "mapped":  # refused with the poll wait only
+        monkeypatch.setenv("RUNMAP_TWO_SITE_WAIT", "poll")
     pack, cfg = seed3_tiny_packs["tiny-olmoe"]
     with pytest.raises(EngineError, match=match):
         Engine.from_pack(pack, executor="grouped", device="cpu", max_batch=2, max_seq_len=48, resident=cfg.top_k,
@@ -379,13 +437,16 @@ def test_the_split_gives_the_cpu_its_share_of_the_cheapest_experts(pairs, share)
         assert max((pairs[e], e) for e in chosen) < min((pairs[e], e) for e in pairs if e not in chosen)
 
 
-@given(layers=st.lists(st.dictionaries(st.integers(0, 31), st.integers(1, 16), max_size=24), min_size=1, max_size=6),
-       resident=st.lists(st.sets(st.integers(0, 31)), min_size=6, max_size=6), q=st.integers(0, SHARE_ONE))
-def test_the_whole_step_split_is_each_layers_split(layers, resident, q):
+@given(data=st.data(), E=st.integers(1, 69), q=st.sampled_from([0, 1, SHARE_ONE // 2, SHARE_ONE - 1, SHARE_ONE])
+       | st.integers(0, SHARE_ONE))
+def test_the_whole_step_split_is_each_layers_split(data, E, q):
     """split_mask (every layer of a step at once, what the one-graph step's host checks the device against) gives
     each layer exactly split's experts of that layer's absent ones (the per-layer rule the chain and join "rule" use),
-    the resident experts never."""
-    E = 32
+    the resident experts never; any E (not only powers of two), ties in routed pairs, the share's ends."""
+    layers = data.draw(st.lists(st.dictionaries(st.integers(0, E - 1), st.integers(1, 4), max_size=24), min_size=1,
+                                max_size=6), label="routed pairs per layer")
+    resident = [data.draw(st.sets(st.integers(0, E - 1)), label=f"resident of layer {layer}")
+                for layer in range(len(layers))]
     pairs = np.zeros((len(layers), E), dtype=np.int64)
     for layer, routed in enumerate(layers):
         pairs[layer, list(routed)] = list(routed.values())
@@ -541,6 +602,39 @@ def test_the_split_kernel_decides_what_the_host_rule_decides(E, B, k, test_devic
             assert np.array_equal(got, want), (trial, q, cpu, got, want)
             if q == SHARE_ONE:  # every absent expert on the CPU: the device part reads no host row
                 assert (got[:E][np.unique(ids)] < R).all()
+            _check_handoff(ids, table, share, R, q, want, rng, test_device)
+
+
+def _check_handoff(ids, table, share, R, q, want, rng, device):
+    """The split with handoff "mapped": the same row table, keep mask and count, and the layer's ids, input and gate
+    weights stored into the host's buffers (on a GPU pinned host memory through its mapped device view, as the
+    one-graph step uses it; all poisoned first), for an input of an odd width, over one or several of the kernel's
+    1,024-element blocks."""
+    from runmap.kernels.site_split import two_site_split
+    from runmap.residency.transport import mapped_tensor
+
+    B, k = ids.shape
+    E = table.shape[0]
+    H = int(rng.choice([37, 1500]))
+    x = torch.from_numpy(rng.standard_normal((B, H)).astype(np.float16)).to(device)
+    gw = torch.from_numpy(rng.random((B, k)).astype(np.float32)).to(device)
+    pin = device == "cuda"
+    host = [torch.full((B, k), -9, dtype=torch.int64, pin_memory=pin),
+            torch.full((B, H), float("nan"), dtype=torch.float16, pin_memory=pin),
+            torch.full((B, k), float("nan"), dtype=torch.float32, pin_memory=pin),
+            torch.full((1, B * k), -9, dtype=torch.int32, pin_memory=pin),
+            torch.full((1, 1), -9, dtype=torch.int32, pin_memory=pin)]
+    views = [mapped_tensor(t, device) for t in host]
+    out = torch.full((E + B * k,), -7, dtype=torch.int32, device=device)
+    count = torch.full((1,), -7, dtype=torch.int32, device=device)
+    two_site_split(torch.from_numpy(ids).to(device), torch.from_numpy(table).to(device), share, R, out, count,
+                   handoff=(x, gw, views[0], views[1], views[2], views[3].view(-1), views[4].view(-1)))
+    if pin:
+        torch.cuda.synchronize()  # (the host reads the pinned buffers once the kernel completed)
+    assert np.array_equal(out.cpu().numpy(), want), q
+    assert np.array_equal(host[0].numpy(), ids) and torch.equal(host[1], x.cpu()) and torch.equal(host[2], gw.cpu())
+    assert np.array_equal(host[3].numpy().reshape(-1), want[E:])
+    assert int(host[4]) == int(count.cpu()) == int((want[:E] != table).sum()), q
 
 
 def test_an_id_outside_the_layer_routes_nothing_in_the_split(test_device):

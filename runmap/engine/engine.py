@@ -127,9 +127,15 @@ TWO_SITE_STEP_ENV = "RUNMAP_TWO_SITE_STEP"
 # event recorded in the graph, cudaEventSynchronize) or "poll" (a spin on the count's slot in pinned memory, which the
 # graph's copy overwrites; for A/B measurements of the host's wake-up latency)
 TWO_SITE_WAIT_ENV = "RUNMAP_TWO_SITE_WAIT"
+# How a layer's ids, input, gate weights, keep mask and count reach the host in the one-graph step: "copy" (default;
+# five copies into pinned memory after the split kernel) or "mapped" (the split kernel stores them straight into the
+# pinned memory, mapped into the device's address space: no copy between the split and the event the host waits on;
+# needs the event wait). Why: on an H100 the host waited 58-77 us a layer for the next layer's ids after publishing,
+# whatever the CPU share (results/campaigns/h100-two-site-host-ab); the copies are part of that chain. For A/B runs
+TWO_SITE_HANDOFF_ENV = "RUNMAP_TWO_SITE_HANDOFF"
 # How the one-graph step's host computes a layer's CPU part: "mask" (the default with a cpu-native site) runs a call
 # bound once to the layer's pinned ids, keep mask, gate weights and input, which computes the pairs the device split
-# left to the CPU with no Python in between, and checks the split against the host's rule after publishing the sum;
+# left to the CPU with no Python in between, and checks the split against the host's rule after the step's last join;
 # "rule" (the only form for other CPU executors) applies the rule and checks the split first, then prepares the
 # call from the rule's experts (for A/B measurements of the host's per-layer cost; docs/engine.md)
 TWO_SITE_JOIN_ENV = "RUNMAP_TWO_SITE_JOIN"
@@ -978,6 +984,16 @@ class SegmentDecoder(_StaticStepInputs):
             # join "mask": per layer a call bound to its pinned ids, keep mask, gate weights and input (made on first
             # use), all sharing one scratch: the layers are joined one after another
             self.mask_join = engine.experts.placement.step_join == "mask"
+            # handoff "mapped" (TWO_SITE_HANDOFF_ENV): the split kernel writes the layer's ids, input, gate weights,
+            # keep mask and count through these device views of the same pinned memory, instead of five copies
+            self.mapped_handoff = engine.experts.placement.step_handoff == "mapped"
+            if self.mapped_handoff:
+                Bk = batch * self.k
+                self.map_ids = mapped_tensor(self.host_ids.view(L, Bk), dev).view(L, batch, self.k)
+                self.map_x = mapped_tensor(self.host_x.view(L, batch * H), dev).view(L, batch, H)
+                self.map_gw = mapped_tensor(self.host_gw.view(L, Bk), dev).view(L, batch, self.k)
+                self.map_keep = mapped_tensor(self.host_keep, dev)  # (L, B k)
+                self.map_count = mapped_tensor(self.host_count.view(L, 1), dev)  # (L, 1)
             self._masked: list = [None] * L
             self._masked_scratch = None
             self._join_s = np.zeros((L, 3))  # join "mask": per layer seconds waiting, binding, in the CPU part
@@ -1147,9 +1163,10 @@ class SegmentDecoder(_StaticStepInputs):
         gw fp32 (B, k) -> fp16 (B, H)."""
         ex = self.e.experts
         capturing = self.capture_graphs is not None
-        self.host_ids[layer].copy_(ids, non_blocking=capturing)
-        self.host_x[layer].copy_(x, non_blocking=capturing)
-        self.host_gw[layer].copy_(gw, non_blocking=capturing)
+        if not (self.one_graph and self.mapped_handoff):  # (mapped: the split kernel stores them, _one_graph_experts)
+            self.host_ids[layer].copy_(ids, non_blocking=capturing)
+            self.host_x[layer].copy_(x, non_blocking=capturing)
+            self.host_gw[layer].copy_(gw, non_blocking=capturing)
         if capturing and not self.one_graph:
             self._keep += [x, ids, gw]
             # the host leases here: routing decision, placement, CPU part started, row table and mask (two-site: the
@@ -1182,10 +1199,15 @@ class SegmentDecoder(_StaticStepInputs):
         ex = self.e.experts
         E, (B, k) = self.e.cfg.num_experts, ids.shape
         count = self.count_dev[layer:layer + 1]
+        handoff = None
+        if self.mapped_handoff:  # the kernel stores what the host reads into its pinned memory itself
+            handoff = (x.contiguous(), gw.contiguous(), self.map_ids[layer], self.map_x[layer], self.map_gw[layer],
+                       self.map_keep[layer], self.map_count[layer])
         self._split_kernel(ids.contiguous(), ex.hr_tables[layer], self.share_dev, ex.cache.rows_per_layer,
-                           self.slots[layer], count)
-        self.host_count[layer:layer + 1].copy_(count, non_blocking=capturing)
-        self.host_keep[layer].copy_(self.slots[layer, E:], non_blocking=capturing)  # (B k,) which pairs the CPU has
+                           self.slots[layer], count, handoff=handoff)
+        if not self.mapped_handoff:
+            self.host_count[layer:layer + 1].copy_(count, non_blocking=capturing)
+            self.host_keep[layer].copy_(self.slots[layer, E:], non_blocking=capturing)  # (B k,) which pairs the CPU has
         if self.events[layer] is not None:
             self.events[layer].record()
         table, keep = self.slots[layer, :E], self.slots[layer, E:].view(B, k).to(torch.float32)  # (E,), (B, k)
@@ -1909,6 +1931,13 @@ class Engine:
             if wait not in ("event", "poll"):
                 raise EngineError(f"{TWO_SITE_WAIT_ENV}={wait!r}: allowed values are 'event' and 'poll'")
             experts.placement.step_wait = wait if form == "graph" else None
+            handoff = os.environ.get(TWO_SITE_HANDOFF_ENV, "copy")
+            if handoff not in ("copy", "mapped"):
+                raise EngineError(f"{TWO_SITE_HANDOFF_ENV}={handoff!r}: allowed values are 'copy' and 'mapped'")
+            if handoff == "mapped" and (form != "graph" or wait != "event"):
+                raise EngineError(f"{TWO_SITE_HANDOFF_ENV}=mapped needs the one-graph step with the event wait; this "
+                                  f"engine's is the {form} step, wait {wait!r} (RUNMAP_TWO_SITE_STEP, RUNMAP_TWO_SITE_WAIT)")
+            experts.placement.step_handoff = handoff if form == "graph" else None
             join = os.environ.get(TWO_SITE_JOIN_ENV)
             if join not in (None, "mask", "rule"):
                 raise EngineError(f"{TWO_SITE_JOIN_ENV}={join!r}: allowed values are 'mask' and 'rule'")

@@ -450,8 +450,11 @@ class TwoSitePlacement(HostReadPlacement):
     step_form: str | None = None
     # the one-graph form's wait for a layer's ids (runmap.engine.engine.TWO_SITE_WAIT_ENV): "event" or "poll"
     step_wait: str | None = None
+    # the one-graph form's handoff of a layer's ids, input, gate weights, keep mask and count to the host
+    # (runmap.engine.engine.TWO_SITE_HANDOFF_ENV): "copy" or "mapped"
+    step_handoff: str | None = None
     # the one-graph form's host join (runmap.engine.engine.TWO_SITE_JOIN_ENV): "mask" (the device split's pairs in one
-    # bound call, the rule checked after the publication) or "rule" (the rule and its check first)
+    # bound call, the rule checked for every layer after the step's last join) or "rule" (the rule and its check first)
     step_join: str | None = None
 
     def note_join(self, wait_s: float, split_s: float, cpu_s: float, cpu: bool) -> None:
@@ -595,6 +598,8 @@ class TwoSitePlacement(HostReadPlacement):
             d["step_form"] = self.step_form
         if self.step_wait is not None:
             d["step_wait"] = self.step_wait
+        if self.step_handoff is not None:
+            d["step_handoff"] = self.step_handoff
         if self.step_join is not None:
             d["step_join"] = self.step_join
         if self.promotions_per_step is not None:

@@ -150,9 +150,10 @@ class Request:
     def resident_mask(self) -> np.ndarray:
         """bool (L, E), read-only: the experts mapped in this request's latest generation (``mapping`` of every layer
         at once)."""
-        if self.released:
-            raise CacheError(f"request {self.id} is released; it pins no generation")
-        mask = self._cache._resident_mask(self._gen).view()
+        with self._cache._lock:  # (_resident_mask keeps its last few masks: a dict the other callers change too)
+            if self.released:
+                raise CacheError(f"request {self.id} is released; it pins no generation")
+            mask = self._cache._resident_mask(self._gen).view()
         mask.flags.writeable = False
         return mask
 
@@ -499,7 +500,10 @@ class ExpertCache:
             used = self._used_mask(None, ids)
             resident = self._resident_mask(req._gen)
             on_cpu = np.zeros_like(used)  # (L, E)
-            if isinstance(cpu, np.ndarray) and cpu.dtype == bool:
+            if isinstance(cpu, np.ndarray) and cpu.dtype != bool:  # (rows of it would read as expert ids)
+                raise ValueError(f"a step's CPU-site experts are per-layer sequences of expert ids or one bool "
+                                 f"(layers, experts) mask, got a {cpu.dtype} array")
+            if isinstance(cpu, np.ndarray):
                 if cpu.shape != used.shape:
                     raise ValueError(f"a step's CPU-site mask must be (layers, experts) = {used.shape}, got {cpu.shape}")
                 bad = cpu & (~used | resident)

@@ -366,20 +366,22 @@ class MappedArray:
                                          "version": 2, "strides": None}
 
 
-_TYPESTR = {torch.int32: "<i4", torch.float32: "<f4"}
+_TYPESTR = {torch.int32: "<i4", torch.float32: "<f4", torch.int64: "<i8", torch.float16: "<f2"}
 
 
 def mapped_tensor(pinned: torch.Tensor, device) -> torch.Tensor:
-    """A pinned host tensor (2-D, contiguous, int32 or float32) as a tensor on ``device`` over the same memory: on a GPU
-    a device view of the page-locked buffer (pinned memory is mapped into the device's address space under unified
-    addressing; a kernel's loads and stores cross the link), on the CPU the tensor itself. The one-graph two-site step
-    reads the CPU site's sums and the host's publication flags through it (kernels/site_split.py)."""
+    """A pinned host tensor (2-D, contiguous, int32, int64, float16 or float32) as a tensor on ``device`` over the same
+    memory: on a GPU a device view of the page-locked buffer (pinned memory is mapped into the device's address space
+    under unified addressing; a kernel's loads and stores cross the link), on the CPU the tensor itself. The one-graph
+    two-site step reads the CPU site's sums and the host's publication flags through it, and under handoff "mapped"
+    writes each layer's ids, input, gate weights, keep mask and count through it (kernels/site_split.py)."""
     dev = torch.device(device)
     if dev.type == "cpu":
         return pinned
     if pinned.device.type != "cpu" or not pinned.is_pinned() or pinned.dim() != 2 or not pinned.is_contiguous() \
             or pinned.dtype not in _TYPESTR:
-        raise TransferError("mapped_tensor: needs a contiguous 2-D pinned host tensor of int32 or float32, got "
+        raise TransferError("mapped_tensor: needs a contiguous 2-D pinned host tensor of int32, int64, float16 or "
+                            "float32, got "
                             f"{pinned.dtype} {tuple(pinned.shape)} on {pinned.device}")
     with torch.cuda.device(dev):
         return torch.as_tensor(MappedArray(pinned.data_ptr(), *pinned.shape, typestr=_TYPESTR[pinned.dtype]),
