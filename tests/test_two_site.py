@@ -306,17 +306,33 @@ def test_the_two_site_step_options_are_checked_when_the_engine_is_built(seed3_ti
 @pytest.mark.parametrize("bad", ["0", "-2", "four", "1.5", ""])
 def test_the_chooser_minimum_is_checked_before_anything_is_built_and_only_for_auto(seed3_tiny_packs, monkeypatch,
                                                                                    tmp_path, bad):
-    """RUNMAP_TWO_SITE_MIN_BATCH not an integer >= 1: placement auto refuses it in one line naming it before it opens
-    anything (a pack directory that does not exist is never reached); another placement does not read it."""
+    """RUNMAP_TWO_SITE_MIN_BATCH not an integer >= 1: refused in one line naming it before anything is opened (a pack
+    directory that does not exist is never reached), by placement auto, which reads it, and by any other placement
+    too (a typo is not left to surface on the day the placement changes)."""
     from runmap.engine.engine import TWO_SITE_MIN_BATCH_ENV, Engine, EngineError
 
     monkeypatch.setenv(TWO_SITE_MIN_BATCH_ENV, bad)
-    with pytest.raises(EngineError, match=rf"^RUNMAP_TWO_SITE_MIN_BATCH='{bad}': allowed values are integers >= 1"):
-        Engine.from_pack(tmp_path / "no-such-pack", executor="grouped", device="cpu", expert_placement="auto")
+    for placement in ("auto", "gpu", "two-site"):
+        with pytest.raises(EngineError, match=rf"^RUNMAP_TWO_SITE_MIN_BATCH='{bad}': allowed values are integers >= 1"):
+            Engine.from_pack(tmp_path / "no-such-pack", executor="grouped", device="cpu", expert_placement=placement)
+    monkeypatch.setenv(TWO_SITE_MIN_BATCH_ENV, "3")  # a good value: read by auto only, another placement builds
     pack, cfg = seed3_tiny_packs["tiny-olmoe"]
     eng = Engine.from_pack(pack, executor="grouped", device="cpu", max_batch=2, max_seq_len=48, resident=cfg.top_k,
                            warm_up=False)
     eng.close()
+
+
+@pytest.mark.parametrize("env,value", [("RUNMAP_TWO_SITE_STEP", "bogus"), ("RUNMAP_TWO_SITE_HANDOFF", "zero"),
+                                       ("RUNMAP_TWO_SITE_WAIT", ""), ("RUNMAP_TWO_SITE_PROMOTIONS", "none")])
+def test_a_two_site_variable_is_checked_whatever_the_placement(tmp_path, monkeypatch, env, value):
+    """A bad value of any RUNMAP_TWO_SITE_* variable is one line naming it, before the pack is opened, also where the
+    placement would never read it (full residency's gpu, auto before it has chosen its sites)."""
+    from runmap.engine.engine import Engine, EngineError
+
+    monkeypatch.setenv(env, value)
+    for placement in ("gpu", "auto"):
+        with pytest.raises(EngineError, match=rf"^{env}='{value}': allowed values are "):
+            Engine.from_pack(tmp_path / "no-such-pack", executor="grouped", device="cpu", expert_placement=placement)
 
 
 @pytest.mark.parametrize("bad", [0, -2, 1.5, "4", True])

@@ -153,6 +153,11 @@ TWO_SITE_PROMOTIONS_ENV = "RUNMAP_TWO_SITE_PROMOTIONS"
 # use against the link's rate probed at build; "wait" also moves that link rate after each step by how long the host
 # waited for the ids (TwoSitePlacement.BALANCE_*: the device part late -> more to the CPU). For A/B runs
 TWO_SITE_BALANCE_ENV = "RUNMAP_TWO_SITE_BALANCE"
+# The allowed values of the two-site step's choice variables, the default first (checked by check_two_site_env whenever
+# an engine is built, whatever its placement: a typo is refused even where the variable would not apply)
+TWO_SITE_ENV_CHOICES = {TWO_SITE_STEP_ENV: ("graph", "chain"), TWO_SITE_WAIT_ENV: ("event", "poll"),
+                        TWO_SITE_HANDOFF_ENV: ("copy", "mapped"), TWO_SITE_JOIN_ENV: ("mask", "rule"),
+                        TWO_SITE_BALANCE_ENV: ("off", "wait")}
 POLL_LIMIT_S = 60.0  # a poll that long means the device stopped: the step raises instead of spinning for ever
 PREFILL_CHUNK = 8192  # prompt tokens per row per prefill pass, by default (from_pack's prefill_chunk)
 FUSED_OPS = ("prologue", "norm", "router", "attn", "gemv", "imposed")
@@ -182,6 +187,25 @@ def _two_site_min_batch(given: int | None = None) -> int:
         return given
     value = _env_count(TWO_SITE_MIN_BATCH_ENV, "a decode batch size")
     return TWO_SITE_MIN_BATCH if value is None else value
+
+
+def _env_choice(name: str) -> str | None:
+    """The environment variable ``name`` (one of TWO_SITE_ENV_CHOICES) if set, checked; EngineError naming it, its value
+    and the allowed ones otherwise."""
+    raw = os.environ.get(name)
+    allowed = TWO_SITE_ENV_CHOICES[name]
+    if raw is not None and raw not in allowed:
+        raise EngineError(f"{name}={raw!r}: allowed values are " + " and ".join(repr(a) for a in allowed))
+    return raw
+
+
+def check_two_site_env() -> None:
+    """Every RUNMAP_TWO_SITE_* variable that is set, checked before an engine is built (EngineError naming the first
+    bad one): the choices, the promotion bound and the chooser minimum."""
+    for name in TWO_SITE_ENV_CHOICES:
+        _env_choice(name)
+    _env_count(TWO_SITE_PROMOTIONS_ENV, "layers promoting an expert after a two-site step")
+    _env_count(TWO_SITE_MIN_BATCH_ENV, "a decode batch size")
 
 
 def _env_count(name: str, meaning: str) -> int | None:
@@ -1923,24 +1947,16 @@ class Engine:
         # placement two-site: host-read's sites plus the CPU site in one step, the segment chain with a CPU part
         self.use_two_site = self.use_host_read and getattr(experts.placement, "name", None) == "two-site"
         if self.use_two_site:  # the step's form (TWO_SITE_STEP_ENV; on the CPU device the chain unless asked)
-            form = os.environ.get(TWO_SITE_STEP_ENV, "graph" if device.type == "cuda" else "chain")
-            if form not in ("graph", "chain"):
-                raise EngineError(f"{TWO_SITE_STEP_ENV}={form!r}: allowed values are 'graph' and 'chain'")
+            form = _env_choice(TWO_SITE_STEP_ENV) or ("graph" if device.type == "cuda" else "chain")
             experts.placement.step_form = form
-            wait = os.environ.get(TWO_SITE_WAIT_ENV, "event")
-            if wait not in ("event", "poll"):
-                raise EngineError(f"{TWO_SITE_WAIT_ENV}={wait!r}: allowed values are 'event' and 'poll'")
+            wait = _env_choice(TWO_SITE_WAIT_ENV) or "event"
             experts.placement.step_wait = wait if form == "graph" else None
-            handoff = os.environ.get(TWO_SITE_HANDOFF_ENV, "copy")
-            if handoff not in ("copy", "mapped"):
-                raise EngineError(f"{TWO_SITE_HANDOFF_ENV}={handoff!r}: allowed values are 'copy' and 'mapped'")
+            handoff = _env_choice(TWO_SITE_HANDOFF_ENV) or "copy"
             if handoff == "mapped" and (form != "graph" or wait != "event"):
                 raise EngineError(f"{TWO_SITE_HANDOFF_ENV}=mapped needs the one-graph step with the event wait; this "
                                   f"engine's is the {form} step, wait {wait!r} (RUNMAP_TWO_SITE_STEP, RUNMAP_TWO_SITE_WAIT)")
             experts.placement.step_handoff = handoff if form == "graph" else None
-            join = os.environ.get(TWO_SITE_JOIN_ENV)
-            if join not in (None, "mask", "rule"):
-                raise EngineError(f"{TWO_SITE_JOIN_ENV}={join!r}: allowed values are 'mask' and 'rule'")
+            join = _env_choice(TWO_SITE_JOIN_ENV)
             if form == "graph":
                 native = experts.site().native
                 if join == "mask" and not native:
@@ -1950,9 +1966,7 @@ class Engine:
             experts.placement.step_join = join if form == "graph" else None
             experts.placement.promotions_per_step = _env_count(
                 TWO_SITE_PROMOTIONS_ENV, "layers promoting an expert after a two-site step")
-            balance = os.environ.get(TWO_SITE_BALANCE_ENV, "off")
-            if balance not in ("off", "wait"):
-                raise EngineError(f"{TWO_SITE_BALANCE_ENV}={balance!r}: allowed values are 'off' and 'wait'")
+            balance = _env_choice(TWO_SITE_BALANCE_ENV) or "off"
             if balance == "wait" and form != "graph":
                 raise EngineError(f"{TWO_SITE_BALANCE_ENV}=wait balances the one-graph step; this engine's two-site "
                                   f"step is the {form} (RUNMAP_TWO_SITE_STEP)")
@@ -2168,6 +2182,7 @@ class Engine:
         if max_batch < 1 or (prefill_chunk is not None and prefill_chunk < 1):
             raise EngineError(f"max_batch ({max_batch}) and prefill_chunk ({prefill_chunk}) must be >= 1")
         # read before anything is built (a bad value is refused with nothing to undo); used where auto has both sites
+        check_two_site_env()
         min_batch = _two_site_min_batch(two_site_min_batch) if expert_placement == "auto" else None
         if two_site_min_batch is not None and expert_placement != "auto":
             _two_site_min_batch(two_site_min_batch)  # (a bad value is named first)
