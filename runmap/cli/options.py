@@ -138,8 +138,11 @@ def _placement_line(eng) -> str | None:
                 f"site computing {share} while the GPU reads the rest over the link; the hottest promoted after each "
                 f"step ({eng.experts.cache.policy.name} policy, margin {d['promotion_margin']:g})")
     c = d["costs"]
-    head = (f"expert placement {d['mode']}: host->device {c['h2d_gb_s']:.1f} GB/s, CPU site {c['cpu_gb_s']:.1f} GB/s "
-            f"per expert ({c['row_bytes']} B rows): ")
+    # (3 significant digits: a tiny test pack's rows measure well below 0.1 GB/s; on the CPU device the "transfer" is
+    # a copy within host memory, no link)
+    link = " (CPU device: a copy in host memory, no link)" if eng.device.type == "cpu" else ""
+    head = (f"expert placement {d['mode']}: host->device {c['h2d_gb_s']:.3g} GB/s{link}, CPU site "
+            f"{c['cpu_gb_s']:.3g} GB/s per expert ({c['row_bytes']} B rows): ")
     if d.get("split"):
         return head + (f"each layer call's absent experts divided, the CPU taking ~{d['cpu_share']:.2f} of them while "
                        f"the link moves the rest (more to the link when the hit rate is above "
