@@ -62,7 +62,10 @@ def _two_site_split_kernel(ids_ptr, table_ptr, share_ptr, out_ptr, count_ptr, E,
         tl.store(h_ids_ptr + offs_j, ids64, mask=offs_j < BK)
         tl.store(h_gw_ptr + offs_j, tl.load(gw_ptr + offs_j, mask=offs_j < BK, other=0.0), mask=offs_j < BK)
         tl.store(h_keep_ptr + offs_j, 1 - pair_on_cpu, mask=offs_j < BK)
-        for i in range(0, X_BLOCKS):  # (a constexpr count: the interpreter's range refuses a runtime bound here)
+        # (one program stores the input block after block, each store waiting for its load; a grid of programs, one
+        # block each, is the change to try if the handoff's A/B shows this kernel on the chain's path. A constexpr
+        # count: the interpreter's range refuses a runtime bound here)
+        for i in range(0, X_BLOCKS):
             offs_x = i * BLOCK_X + tl.arange(0, BLOCK_X)
             tl.store(h_x_ptr + offs_x, tl.load(x_ptr + offs_x, mask=offs_x < BH, other=0.0), mask=offs_x < BH)
         tl.store(h_count_ptr, tl.minimum(c, n))
@@ -112,12 +115,12 @@ def two_site_split(ids: torch.Tensor, table: torch.Tensor, share: torch.Tensor, 
         x, gw, h_ids, h_x, h_gw, h_keep, h_count = handoff
         B, k = ids.shape
         common.check_tensor("x", x, dtype=torch.float16, ndim=2, device=dev)
-        common.check_tensor("gw", gw, dtype=torch.float32, shape=(B, k), device=dev)
-        common.check_tensor("host_ids", h_ids, dtype=torch.int64, shape=(B, k), device=dev)
-        common.check_tensor("host_x", h_x, dtype=torch.float16, shape=tuple(x.shape), device=dev)
-        common.check_tensor("host_gw", h_gw, dtype=torch.float32, shape=(B, k), device=dev)
-        common.check_tensor("host_keep", h_keep, dtype=torch.int32, shape=(bk,), device=dev)
-        common.check_tensor("host_count", h_count, dtype=torch.int32, shape=(1,), device=dev)
+        common.check_tensor("gw", gw, dtype=torch.float32, ndim=2, shape=(B, k), device=dev)
+        common.check_tensor("host_ids", h_ids, dtype=torch.int64, ndim=2, shape=(B, k), device=dev)
+        common.check_tensor("host_x", h_x, dtype=torch.float16, ndim=2, shape=tuple(x.shape), device=dev)
+        common.check_tensor("host_gw", h_gw, dtype=torch.float32, ndim=2, shape=(B, k), device=dev)
+        common.check_tensor("host_keep", h_keep, dtype=torch.int32, ndim=1, shape=(bk,), device=dev)
+        common.check_tensor("host_count", h_count, dtype=torch.int32, ndim=1, shape=(1,), device=dev)
         if x.shape[0] != B:
             raise common.KernelInputError(f"two_site_split: x has {x.shape[0]} rows, ids {B}")
         bh = x.numel()

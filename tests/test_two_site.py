@@ -275,7 +275,7 @@ def test_the_whole_step_check_refuses_what_the_per_layer_rule_would_miss(seed3_t
     ("RUNMAP_TWO_SITE_HANDOFF", "zero-copy",
      r"RUNMAP_TWO_SITE_HANDOFF='zero-copy': allowed values are 'copy' and 'mapped'"),
     ("RUNMAP_TWO_SITE_HANDOFF", "mapped", r"RUNMAP_TWO_SITE_HANDOFF=mapped needs the one-graph step with the event "
-                                          r"wait; this engine's is the graph step, wait 'poll'"),
+                                          r"wait; RUNMAP_TWO_SITE_WAIT is 'poll'"),
     ("RUNMAP_TWO_SITE_JOIN", "mask", r"RUNMAP_TWO_SITE_JOIN=mask needs a cpu-native CPU executor; this engine's is "
                                      r"cpu-int4")])
 def test_the_two_site_step_options_are_checked_when_the_engine_is_built(seed3_tiny_packs, monkeypatch, env, value,
@@ -322,6 +322,16 @@ def test_the_chooser_minimum_is_checked_before_anything_is_built_and_only_for_au
     eng.close()
 
 
+def test_the_chooser_minimum_given_to_from_pack_wins_over_a_bad_env_value(seed3_tiny_packs, monkeypatch):
+    from runmap.engine.engine import TWO_SITE_MIN_BATCH_ENV, Engine
+
+    monkeypatch.setenv(TWO_SITE_MIN_BATCH_ENV, "0")
+    pack, cfg = seed3_tiny_packs["tiny-olmoe"]
+    eng = Engine.from_pack(pack, executor="grouped", device="cpu", max_batch=2, max_seq_len=48, resident=cfg.top_k,
+                           expert_placement="auto", two_site_min_batch=2, warm_up=False)
+    eng.close()
+
+
 @pytest.mark.parametrize("env,value", [("RUNMAP_TWO_SITE_STEP", "bogus"), ("RUNMAP_TWO_SITE_HANDOFF", "zero"),
                                        ("RUNMAP_TWO_SITE_WAIT", ""), ("RUNMAP_TWO_SITE_PROMOTIONS", "none")])
 def test_a_two_site_variable_is_checked_whatever_the_placement(tmp_path, monkeypatch, env, value):
@@ -338,10 +348,10 @@ def test_a_two_site_variable_is_checked_whatever_the_placement(tmp_path, monkeyp
 @pytest.mark.parametrize("bad", [0, -2, 1.5, "4", True])
 def test_the_chooser_minimum_given_to_from_pack_is_checked_before_anything_is_built(tmp_path, monkeypatch, bad):
     """from_pack's two_site_min_batch not an integer >= 1: refused in one line naming it and the value, before the
-    pack is opened, whatever the env says."""
+    pack is opened, whatever the env says (a bad env value too: the argument wins over it)."""
     from runmap.engine.engine import TWO_SITE_MIN_BATCH_ENV, Engine, EngineError
 
-    monkeypatch.setenv(TWO_SITE_MIN_BATCH_ENV, "2")
+    monkeypatch.setenv(TWO_SITE_MIN_BATCH_ENV, "0")
     with pytest.raises(EngineError, match=rf"^two_site_min_batch={bad!r}: allowed values are integers >= 1"):
         Engine.from_pack(tmp_path / "no-such-pack", executor="grouped", device="cpu", expert_placement="auto",
                          two_site_min_batch=bad)

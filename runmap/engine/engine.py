@@ -153,8 +153,9 @@ TWO_SITE_PROMOTIONS_ENV = "RUNMAP_TWO_SITE_PROMOTIONS"
 # use against the link's rate probed at build; "wait" also moves that link rate after each step by how long the host
 # waited for the ids (TwoSitePlacement.BALANCE_*: the device part late -> more to the CPU). For A/B runs
 TWO_SITE_BALANCE_ENV = "RUNMAP_TWO_SITE_BALANCE"
-# The allowed values of the two-site step's choice variables, the default first (checked by check_two_site_env whenever
-# an engine is built, whatever its placement: a typo is refused even where the variable would not apply)
+# The allowed values of the two-site step's choice variables (checked by check_two_site_env whenever an engine is
+# built, whatever its placement: a typo is refused even where the variable would not apply; the defaults are set where
+# they are read, some depending on the device or the CPU site)
 TWO_SITE_ENV_CHOICES = {TWO_SITE_STEP_ENV: ("graph", "chain"), TWO_SITE_WAIT_ENV: ("event", "poll"),
                         TWO_SITE_HANDOFF_ENV: ("copy", "mapped"), TWO_SITE_JOIN_ENV: ("mask", "rule"),
                         TWO_SITE_BALANCE_ENV: ("off", "wait")}
@@ -199,13 +200,19 @@ def _env_choice(name: str) -> str | None:
     return raw
 
 
-def check_two_site_env() -> None:
-    """Every RUNMAP_TWO_SITE_* variable that is set, checked before an engine is built (EngineError naming the first
-    bad one): the choices, the promotion bound and the chooser minimum."""
+def check_two_site_env(min_batch_given: bool = False) -> None:
+    """Each variable of the two-site step's options that is set (TWO_SITE_ENV_CHOICES, the promotion bound, the chooser
+    minimum unless ``min_batch_given``: from_pack's argument then wins over it), checked before an engine is built:
+    EngineError naming the first bad one; the mapped handoff with the poll wait is refused here too (the handoff's
+    buffers are read once an event says the split kernel completed; the poll reads the count before that)."""
     for name in TWO_SITE_ENV_CHOICES:
         _env_choice(name)
     _env_count(TWO_SITE_PROMOTIONS_ENV, "layers promoting an expert after a two-site step")
-    _env_count(TWO_SITE_MIN_BATCH_ENV, "a decode batch size")
+    if not min_batch_given:
+        _env_count(TWO_SITE_MIN_BATCH_ENV, "a decode batch size")
+    if os.environ.get(TWO_SITE_HANDOFF_ENV) == "mapped" and os.environ.get(TWO_SITE_WAIT_ENV) == "poll":
+        raise EngineError(f"{TWO_SITE_HANDOFF_ENV}=mapped needs the one-graph step with the event wait; "
+                          f"{TWO_SITE_WAIT_ENV} is 'poll'")
 
 
 def _env_count(name: str, meaning: str) -> int | None:
@@ -2182,7 +2189,7 @@ class Engine:
         if max_batch < 1 or (prefill_chunk is not None and prefill_chunk < 1):
             raise EngineError(f"max_batch ({max_batch}) and prefill_chunk ({prefill_chunk}) must be >= 1")
         # read before anything is built (a bad value is refused with nothing to undo); used where auto has both sites
-        check_two_site_env()
+        check_two_site_env(min_batch_given=two_site_min_batch is not None)
         min_batch = _two_site_min_batch(two_site_min_batch) if expert_placement == "auto" else None
         if two_site_min_batch is not None and expert_placement != "auto":
             _two_site_min_batch(two_site_min_batch)  # (a bad value is named first)
