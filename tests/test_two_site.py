@@ -322,6 +322,18 @@ def test_the_chooser_minimum_is_checked_before_anything_is_built_and_only_for_au
     eng.close()
 
 
+def test_the_mapped_handoff_needs_the_one_graph_step(seed3_tiny_packs, monkeypatch):
+    from runmap.engine.engine import Engine, EngineError
+
+    monkeypatch.setenv("RUNMAP_TWO_SITE_STEP", "chain")
+    monkeypatch.setenv("RUNMAP_TWO_SITE_HANDOFF", "mapped")
+    pack, cfg = seed3_tiny_packs["tiny-olmoe"]
+    with pytest.raises(EngineError, match=r"^RUNMAP_TWO_SITE_HANDOFF=mapped needs the one-graph step; this engine's "
+                                          r"two-site step is the chain \(RUNMAP_TWO_SITE_STEP\)"):
+        Engine.from_pack(pack, executor="grouped", device="cpu", max_batch=2, max_seq_len=48, resident=cfg.top_k,
+                         expert_placement="two-site", two_site_share=0.5)
+
+
 def test_the_chooser_minimum_given_to_from_pack_wins_over_a_bad_env_value(seed3_tiny_packs, monkeypatch):
     from runmap.engine.engine import TWO_SITE_MIN_BATCH_ENV, Engine
 

@@ -1959,9 +1959,9 @@ class Engine:
             wait = _env_choice(TWO_SITE_WAIT_ENV) or "event"
             experts.placement.step_wait = wait if form == "graph" else None
             handoff = _env_choice(TWO_SITE_HANDOFF_ENV) or "copy"
-            if handoff == "mapped" and (form != "graph" or wait != "event"):
-                raise EngineError(f"{TWO_SITE_HANDOFF_ENV}=mapped needs the one-graph step with the event wait; this "
-                                  f"engine's is the {form} step, wait {wait!r} (RUNMAP_TWO_SITE_STEP, RUNMAP_TWO_SITE_WAIT)")
+            if handoff == "mapped" and form != "graph":  # (with the poll wait: refused by check_two_site_env)
+                raise EngineError(f"{TWO_SITE_HANDOFF_ENV}=mapped needs the one-graph step; this engine's two-site "
+                                  f"step is the {form} ({TWO_SITE_STEP_ENV})")
             experts.placement.step_handoff = handoff if form == "graph" else None
             join = _env_choice(TWO_SITE_JOIN_ENV)
             if form == "graph":

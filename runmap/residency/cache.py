@@ -189,6 +189,13 @@ class Request:
         return False
 
 
+def _cpu_site_refusal(layer: int, bad: list) -> CacheError:
+    """The one error of a host-read step's note naming CPU-site experts ``bad`` of ``layer`` that are not absent experts
+    routed in the step (ExpertCache._cpu_site_mask, note_host_read_step's mask form)."""
+    return CacheError(f"layer {layer}: experts {bad} at the CPU site are not absent experts routed in this step (only "
+                      f"those may go there)")
+
+
 class ExpertCache:
     """See the module docstring. Build with ``from_pack`` or ``from_host``."""
 
@@ -509,8 +516,7 @@ class ExpertCache:
                 bad = cpu & (~used | resident)
                 if bad.any():
                     layer = int(np.flatnonzero(bad.any(axis=1))[0])
-                    raise CacheError(f"layer {layer}: experts {np.flatnonzero(bad[layer]).tolist()} at the CPU site are "
-                                     "not absent experts routed in this step (only those may go there)")
+                    raise _cpu_site_refusal(layer, np.flatnonzero(bad[layer]).tolist())
                 on_cpu = cpu
             elif cpu is not None:
                 if len(cpu) != self.num_layers:
@@ -543,8 +549,7 @@ class ExpertCache:
         experts = sorted({int(e) for e in cpu})
         bad = [e for e in experts if not (0 <= e < self.num_experts) or not used[e] or resident[e]]
         if bad:
-            raise CacheError(f"layer {layer}: experts {bad} at the CPU site are not absent experts routed in "
-                             f"this step (only those may go there)")
+            raise _cpu_site_refusal(layer, bad)
         on_cpu = np.zeros_like(used)
         on_cpu[experts] = True
         return on_cpu
