@@ -6,7 +6,8 @@
 * ``decode_attention``: attention of one new token per row over its KV slots (masks from slot / pad);
   ``decode_attention_with_prologue`` folds the prologue into it for a decode step;
 * ``add_norm_router_logits``: the norm before the MoE block and the router's logits in one launch (decode);
-* ``gemv``: the dense fp16 projections (q|k|v, o) of one token.
+* ``gemv``: the dense fp16 projections (q|k|v, o) of one token (and ``shared_expert_one_row``, a shared expert's);
+* ``silu_mul_rows`` and ``shared_gate_add``: a shared expert of several rows between its two GEMMs (op "shared").
 
 Each computes what the torch path of ``runmap.engine.model`` computes (tests/test_model_fused.py compares them).
 
@@ -837,4 +838,81 @@ def shared_expert_one_row(h, gate_up_gate, down, y):
     block_n = _gemv_block_n(H)
     common.launch(_shared_down_kernel[(triton.cdiv(H, block_n),)], gu, down, y.contiguous(), out, H, I=I,
                   BLOCK_N=block_n, BLOCK_K=512, **common.chained(h.device))
+    return out
+
+
+# ---- the shared expert of several rows (a batch's decode step, a prefill pass) ----------------------------------
+# torch's sequence between the two projections is ~13 launches per layer (casts, SiLU, product, the gate's own GEMV,
+# sigmoid, the gated sum and its cast): 12 of Qwen1.5-MoE's 26 launches per layer at batch 8. The projections stay
+# cuBLAS GEMMs (at 8 rows cuBLAS beat the one-row GEMV's tiles, above) and the rest is two launches with the same
+# fp16 roundings: a = fp16(silu(g) * u), then out = fp16(y + sigmoid(fp16(h . gate_row)) * s).
+
+@triton.jit
+def _silu_mul_rows_kernel(gu_ptr, a_ptr, stride_gm, I, BLOCK: tl.constexpr):
+    """a[m, i] = fp16(silu(gu[m, i]) * gu[m, I + i]) for one row m and BLOCK columns i, in fp32."""
+    row = tl.program_id(0).to(tl.int64)
+    offs = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)  # (BLOCK,) over I
+    mask = offs < I
+    g = tl.load(gu_ptr + row * stride_gm + offs, mask=mask, other=0.0).to(tl.float32)
+    u = tl.load(gu_ptr + row * stride_gm + I + offs, mask=mask, other=0.0).to(tl.float32)
+    tl.store(a_ptr + row * I + offs, (g * tl.sigmoid(g) * u).to(tl.float16), mask=mask)
+
+
+@triton.jit
+def _shared_gate_add_kernel(h_ptr, wg_ptr, s_ptr, y_ptr, out_ptr, stride_hm, H: tl.constexpr, BLOCK_N: tl.constexpr,
+                            BLOCK_K: tl.constexpr):
+    """out[m, n] = fp16(y[m, n] + sigmoid(fp16(h[m] . wg)) * s[m, n]) for one row m and BLOCK_N columns n. Every
+    program of a row computes the row's gate logit itself (H values, from L2 after the first): no launch for it."""
+    row = tl.program_id(0).to(tl.int64)
+    offs_k = tl.arange(0, BLOCK_K)
+    acc = tl.zeros((BLOCK_K,), tl.float32)
+    for k0 in range(0, H, BLOCK_K):
+        k_mask = (k0 + offs_k) < H
+        x = tl.load(h_ptr + row * stride_hm + k0 + offs_k, mask=k_mask, other=0.0).to(tl.float32)
+        w = tl.load(wg_ptr + k0 + offs_k, mask=k_mask, other=0.0).to(tl.float32)
+        acc += x * w
+    gate = tl.sigmoid(tl.sum(acc, axis=0).to(tl.float16).to(tl.float32))  # the gate's GEMV rounds its logit to fp16
+    offs_n = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)  # (BN,) over H
+    n_mask = offs_n < H
+    s = tl.load(s_ptr + row * H + offs_n, mask=n_mask, other=0.0).to(tl.float32)
+    y = tl.load(y_ptr + row * H + offs_n, mask=n_mask, other=0.0).to(tl.float32)
+    tl.store(out_ptr + row * H + offs_n, (y + gate * s).to(tl.float16), mask=n_mask)
+
+
+def silu_mul_rows(gu: torch.Tensor) -> torch.Tensor:
+    """gu fp16 (N, 2 * Is): each row's gate projection then its up projection -> fp16 (N, Is) = fp16(silu(g) * u),
+    in fp32 from the fp16 values (the torch path's one rounding). Rows may be strided; columns contiguous."""
+    if gu.dtype != torch.float16 or gu.dim() != 2 or gu.shape[1] % 2 or gu.shape[1] == 0 or gu.stride(1) != 1:
+        raise ValueError(f"silu_mul_rows: fp16 (N, 2 Is) with contiguous columns required, got {gu.dtype} "
+                         f"{tuple(gu.shape)} strides {gu.stride()}")
+    n, inter = gu.shape[0], gu.shape[1] // 2
+    a = common.empty((n, inter), torch.float16, gu.device)
+    if n:
+        block = 1024 if not common.interpreting(gu.device) else triton.next_power_of_2(inter)
+        common.launch(_silu_mul_rows_kernel[(n, triton.cdiv(inter, block))], gu, a, gu.stride(0), inter, BLOCK=block)
+    return a
+
+
+def shared_gate_add(h: torch.Tensor, gate_row: torch.Tensor, s: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
+    """The shared expert's gated output added to the routed output, one launch.
+
+    h         fp16 (N, H): the MoE input rows (columns contiguous)
+    gate_row  fp16 (1, H) or (H,) contiguous: shared_expert_gate
+    s         fp16 (N, H) contiguous: the shared expert's down projection
+    y         fp16 (N, H) contiguous: the routed experts' output
+    returns   fp16 (N, H) = fp16(y + sigmoid(fp16(h . gate_row)) * s), a new tensor."""
+    n, hid = h.shape if h.dim() == 2 else (-1, -1)
+    if h.dim() != 2 or h.dtype != torch.float16 or h.stride(1) != 1 or gate_row.numel() != hid \
+            or gate_row.dtype != torch.float16 or not gate_row.is_contiguous() \
+            or any(t.shape != h.shape or t.dtype != torch.float16 or not t.is_contiguous() for t in (s, y)):
+        raise ValueError(f"shared_gate_add: fp16 h (N, H) with contiguous columns, a contiguous fp16 gate row of H "
+                         f"values and contiguous fp16 s, y like h; got h {h.dtype} {tuple(h.shape)}, gate_row "
+                         f"{gate_row.dtype} {tuple(gate_row.shape)}, s {s.dtype} {tuple(s.shape)}, y {y.dtype} "
+                         f"{tuple(y.shape)}")
+    out = common.empty(tuple(y.shape), torch.float16, y.device)
+    if n:
+        block_n = 1024 if not common.interpreting(h.device) else triton.next_power_of_2(hid)
+        block_k = min(1024, triton.next_power_of_2(hid))
+        common.launch(_shared_gate_add_kernel[(n, triton.cdiv(hid, block_n))], h, gate_row, s, y, out, h.stride(0),
+                      H=hid, BLOCK_N=block_n, BLOCK_K=block_k)
     return out

@@ -15,7 +15,7 @@ from test_model import our_model
 from test_model_support import random_case
 
 
-ALL = ("prologue", "norm", "router", "attn", "gemv")
+ALL = ("prologue", "norm", "router", "attn", "gemv", "shared")
 # tests that build a whole model on the CPU: they run the kernels in the Triton interpreter (CI); a GPU run
 # (RUNMAP_TEST_DEVICE=cuda, compiled kernels) checks the same ops through the tests taking ``test_device``
 cpu_model = pytest.mark.skipif(os.environ.get("RUNMAP_TEST_DEVICE", "cpu") != "cpu",
@@ -35,8 +35,8 @@ def _two_row_prompt_case(preset: str, weights_seed: int, tokens_seed: int):
     return cfg, model, experts, g, tokens, pad, slots, (slots[None] - pad[:, None]).clamp(min=0)
 
 
-@pytest.mark.parametrize("preset,fused", [("tiny-olmoe", (op,)) for op in ALL] +
-                         [("tiny-qwen2-moe", ALL), ("tiny-olmoe", ALL)])
+@pytest.mark.parametrize("preset,fused", [("tiny-olmoe", (op,)) for op in ALL if op != "shared"] +
+                         [("tiny-qwen2-moe", ("shared",)), ("tiny-qwen2-moe", ALL), ("tiny-olmoe", ALL)])
 @cpu_model
 def test_fused_ops_match_torch(preset, fused):
     cfg, model, experts, _, tokens, pad, slots, pos = _two_row_prompt_case(preset, 2, 0)
@@ -386,7 +386,7 @@ def test_decode_step_runs_the_folded_launches(preset, monkeypatch):
     model.fused = frozenset(ALL)
     calls = []
     for name in ("qk_norm_rope_kv", "decode_attention", "decode_attention_with_prologue", "add_norm_router_logits",
-                 "route_fused", "route_topk", "gemv", "shared_expert_one_row"):
+                 "route_fused", "route_topk", "gemv", "shared_expert_one_row", "silu_mul_rows", "shared_gate_add"):
         real = getattr(fo, name)
         monkeypatch.setattr(fo, name, lambda *a, _real=real, _name=name, **kw: (calls.append(_name), _real(*a, **kw))[1])
     kv = KVCache(cfg, 1, 8, "cpu")
@@ -403,6 +403,10 @@ def test_decode_step_runs_the_folded_launches(preset, monkeypatch):
     # a family with a shared expert (Qwen2-MoE) runs it as one GEMV and one down launch per layer
     assert calls.count("shared_expert_one_row") == (L if cfg.shared_expert_intermediate_size else 0)
     assert "shared_expert_one_row" not in prefill
+    # ... and a prompt's rows in two GEMMs with two launches between them (op "shared")
+    shared_layers = L if cfg.shared_expert_intermediate_size else 0
+    assert prefill.count("silu_mul_rows") == prefill.count("shared_gate_add") == shared_layers
+    assert "silu_mul_rows" not in calls and "shared_gate_add" not in calls
     assert not {"qk_norm_rope_kv", "decode_attention", "route_fused"} & set(calls)
 
 
@@ -472,6 +476,64 @@ def test_shared_expert_one_row_refuses_what_it_cannot_run():
         shared_expert_one_row(torch.zeros(2, 8).half(), torch.zeros(11, 8).half(), torch.zeros(8, 5).half(), y)
     with pytest.raises(ValueError, match="shared_expert_one_row"):  # gate | up | gate row must be 2 Is + 1 rows
         shared_expert_one_row(h, torch.zeros(10, 8).half(), torch.zeros(8, 5).half(), y)
+
+
+@pytest.mark.parametrize("n,hid,inter", [(8, 2048, 1408), (3, 96, 40), (5, 37, 600), (1, 8, 5), (0, 16, 8)])
+@pytest.mark.sweep(lambda p: p["hid"] == 2048)  # the CPU run: the odd shapes; Qwen1.5-MoE's on a GPU (conftest.py)
+def test_shared_expert_rows_match_the_torch_path(n, hid, inter, test_device):
+    """The shared expert of several rows (fused op "shared": silu_mul_rows and shared_gate_add around two GEMMs)
+    against Transformer.moe_block's torch sequence (the same fp16 roundings) and an FP32 product: odd H and Is (partial
+    last blocks), rows of gu strided, zero rows, every buffer the wrappers allocate poisoned (NaN)."""
+    import torch.nn.functional as F
+
+    from runmap.kernels import check as kc
+    from runmap.kernels.fused_ops import shared_gate_add, silu_mul_rows
+
+    g = torch.Generator().manual_seed(n * 7 + hid + inter)
+    dev = torch.device(test_device)
+    h = torch.randn(n, hid, generator=g).half().to(dev)
+    wgu = (torch.randn(2 * inter, hid, generator=g) / hid ** 0.5).half().to(dev)
+    wg = (torch.randn(1, hid, generator=g) / hid ** 0.5).half().to(dev)
+    down = (torch.randn(hid, inter, generator=g) / inter ** 0.5).half().to(dev)
+    y = torch.randn(n, hid, generator=g).half().to(dev)
+    undo = kc.poison_allocations()
+    try:
+        wide = torch.full((n, 2 * inter + 3), float("nan"), dtype=torch.float16, device=dev)  # strided rows of gu
+        gu = wide[:, :2 * inter]
+        gu.copy_((h.float() @ wgu.float().t()).half())
+        a = silu_mul_rows(gu)
+        s = (a.float() @ down.float().t()).half()
+        out = shared_gate_add(h, wg, s, y)
+    finally:
+        undo()
+    assert out.shape == (n, hid) and out.dtype == torch.float16 and torch.isfinite(out).all()
+    assert a.shape == (n, inter) and torch.isfinite(a).all()
+    hf, gu_c = h.float().cpu(), gu.float().cpu()
+    a_ref = (F.silu(gu_c[:, :inter]) * gu_c[:, inter:]).half()
+    assert (a.float().cpu() - a_ref.float()).abs().max().item() <= 2e-3 * a_ref.float().abs().max().item() + 1e-3 \
+        if n else True
+    gl = (hf @ wg.float().cpu().t()).half()  # (N, 1): the gate's GEMV rounds to fp16
+    ref = (y.float().cpu() + torch.sigmoid(gl.float()) * s.float().cpu()).half().float()
+    if n:
+        err = (out.float().cpu() - ref).abs().max().item()
+        assert err <= 2e-3 * ref.abs().max().item() + 1e-3, err
+        a32 = F.silu(hf @ wgu.float().cpu()[:inter].t()) * (hf @ wgu.float().cpu()[inter:].t())
+        ref32 = y.float().cpu() + torch.sigmoid(hf @ wg.float().cpu().t()) * (a32 @ down.float().cpu().t())
+        assert (out.float().cpu() - ref32).abs().max().item() <= 2e-2 * ref32.abs().max().item() + 1e-2
+
+
+def test_shared_expert_rows_refuse_what_they_cannot_run():
+    from runmap.kernels.fused_ops import shared_gate_add, silu_mul_rows
+
+    with pytest.raises(ValueError, match="silu_mul_rows"):  # an odd width is not gate | up
+        silu_mul_rows(torch.zeros(2, 7).half())
+    with pytest.raises(ValueError, match="silu_mul_rows"):
+        silu_mul_rows(torch.zeros(2, 8))
+    h = torch.zeros(2, 8).half()
+    with pytest.raises(ValueError, match="shared_gate_add"):  # the gate row must have H values
+        shared_gate_add(h, torch.zeros(1, 7).half(), h.clone(), h.clone())
+    with pytest.raises(ValueError, match="shared_gate_add"):
+        shared_gate_add(h, torch.zeros(1, 8).half(), torch.zeros(3, 8).half(), h.clone())
 
 
 # keys past the slot (extra_keys 7) matter to the ops that attend: every fused set with attention takes both

@@ -51,8 +51,9 @@ Arguments:
                    resident experts there; partial residency also runs the grouped executor without its
                    decoded-weights mode)
     fused          CUDA: fused Triton ops replacing torch sequences (runmap.kernels.fused_ops): True = DEFAULT_FUSED
-                   (prologue, norm, router, attn, gemv, imposed; the prologue left out for a per-head q/k-norm family;
-                   "imposed", a routing workload's gate weights in one launch, acts with "router"), or an
+                   (prologue, norm, router, attn, gemv, imposed, shared; the prologue left out for a per-head q/k-norm
+                   family; "imposed", a routing workload's gate weights in one launch, acts with "router"; "shared",
+                   a shared expert of several rows in two launches between its GEMMs), or an
                    iterable of FUSED_OPS names; False = pure torch. Ignored on CPU.
     host_source    a runmap.residency.host_source.HostSource already built from this pack (another engine's
                    ``host_source``): the cache reuses it instead of reading and hash-verifying every expert again.
@@ -161,7 +162,7 @@ TWO_SITE_ENV_CHOICES = {TWO_SITE_STEP_ENV: ("graph", "chain"), TWO_SITE_WAIT_ENV
                         TWO_SITE_BALANCE_ENV: ("off", "wait")}
 POLL_LIMIT_S = 60.0  # a poll that long means the device stopped: the step raises instead of spinning for ever
 PREFILL_CHUNK = 8192  # prompt tokens per row per prefill pass, by default (from_pack's prefill_chunk)
-FUSED_OPS = ("prologue", "norm", "router", "attn", "gemv", "imposed")
+FUSED_OPS = ("prologue", "norm", "router", "attn", "gemv", "imposed", "shared")
 # Default on CUDA. "imposed" (the gate weights of a routing workload's ids in one launch on the fused router's logits,
 # instead of ~7 torch launches per MoE layer) passed its GPU tests on an H100 on 2026-12-06 and, in the same call,
 # lifted calibrated full-residency decode from 800 to 1,162 tok/s (OLMoE batch 1) and 373 to 479 (Qwen1.5-MoE)
@@ -169,7 +170,7 @@ FUSED_OPS = ("prologue", "norm", "router", "attn", "gemv", "imposed")
 # top-k): 5.4 us per layer vs 16.5 us for torch's linear + softmax + topk on the H200
 # (results/kernels/explore/h200-decode.json).
 # In a decode step the logits launch is the norm's (add_norm_router_logits) and the prologue is the attention's.
-DEFAULT_FUSED = ("prologue", "norm", "router", "attn", "gemv", "imposed")
+DEFAULT_FUSED = ("prologue", "norm", "router", "attn", "gemv", "imposed", "shared")
 
 
 def is_count(value) -> bool:

@@ -281,7 +281,8 @@ class Transformer:
         # "prologue": q/k norm + RoPE + KV write; "norm": residual add + RMSNorm; "router": logits + softmax
         # + top-k; "attn": decode attention (T = 1); "gemv": the q|k|v and o projections of a single token.
         # Together in a decode step: "prologue" + "attn" run as one launch, "norm" + "router" as one (and top-k).
-        # "imposed" (with "router"): a routing workload's gate weights from those logits in one launch
+        # "imposed" (with "router"): a routing workload's gate weights from those logits in one launch.
+        # "shared": a shared expert of several rows in two launches between its two GEMMs (one token: "gemv")
         self.fused: frozenset = frozenset()
         # CUDA prefill without grouped KV heads (OLMoE): the scaled_dot_product_attention backends torch may pick from
         # (None: all of torch's). cuDNN attention is left out: it builds an execution plan for every new shape
@@ -336,6 +337,11 @@ class Transformer:
             from runmap.kernels.fused_ops import shared_expert_one_row
 
             return shared_expert_one_row(h, lw.shared_gate_up_gate, lw.shared_down, y)  # (1, H): two launches
+        if lw.shared_gate_up is not None and "shared" in self.fused:
+            from runmap.kernels.fused_ops import shared_gate_add, silu_mul_rows
+
+            s = linear(silu_mul_rows(linear(h, lw.shared_gate_up)), lw.shared_down)  # (N, H): two GEMMs, one launch
+            return shared_gate_add(h, lw.shared_expert_gate, s, y.contiguous())  # (N, H): gate, product, sum
         if lw.shared_gate_up is not None:
             gu = linear(h, lw.shared_gate_up)  # (N, 2*Is)
             g, u = gu.chunk(2, dim=-1)
