@@ -85,7 +85,7 @@ def scalar_moe(x, topk_ids, topk_weights, storage, row_table, layout: RowLayout,
 
 def moe_experts(executor: str, x: torch.Tensor, topk_ids: torch.Tensor, topk_weights: torch.Tensor,
                 storage: torch.Tensor, row_table: torch.Tensor, layout: RowLayout, *, validate: bool = True,
-                config: dict | None = None, host_rows: torch.Tensor | None = None) -> torch.Tensor:
+                config: dict | None = None, host_rows: torch.Tensor | None = None, shared=None) -> torch.Tensor:
     """Routed-expert MoE output of one layer.
 
     Args:
@@ -100,12 +100,21 @@ def moe_experts(executor: str, x: torch.Tensor, topk_ids: torch.Tensor, topk_wei
         host_rows: the host-read site (grouped only): uint8 (n, row_bytes), on a GPU registered host memory mapped
             into the device's address space; row_table entries R .. R + n - 1 then name its rows, which the kernels
             read over the link. Needs validate=False (the host check knows device rows only).
+        shared: a one-token shared expert (runmap.kernels.grouped.SharedExpert; grouped only) computed in the same
+            launches and added to the result: fp16(routed + sigmoid(gate logit) * shared expert).
     Returns:
         float16 (T, H).
     """
     if executor not in EXECUTORS:
         raise common.KernelInputError(f"executor: {executor!r}, expected one of {EXECUTOR_NAMES}")
     check_inputs(x, topk_ids, topk_weights, storage, row_table, layout)
+    if shared is not None:
+        if executor != "grouped" or host_rows is not None:
+            raise common.KernelInputError(f"shared: a shared expert rides in the grouped executor's device-row launches "
+                                          f"only, not {executor!r}{' with host rows' if host_rows is not None else ''}")
+        if validate:
+            check_routing(topk_ids, row_table, storage.shape[0])
+        return EXECUTORS[executor].load()(x, topk_ids, topk_weights, storage, row_table, layout, config, shared=shared)
     if host_rows is not None:
         if executor != "grouped":
             raise common.KernelInputError(f"host_rows: the host-read site runs on the grouped executor only, not "

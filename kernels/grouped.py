@@ -29,6 +29,8 @@ read per layer, ~0.4 ms, and the fp16 GEMMs then run at 340-430 TFLOP/s. The wor
 """
 from __future__ import annotations
 
+from typing import NamedTuple
+
 import torch
 import triton
 import triton.language as tl
@@ -125,6 +127,51 @@ def _chunk_pairs(match, rank, count, c0, P_PAD: tl.constexpr, BLOCK_M: tl.conste
     return pairs, want < count
 
 
+@triton.jit
+def _shared_gemv_rows(q, w, sx_ptr, sw_ptr, sgu_ptr, S_N, S_K: tl.constexpr, S_BLOCK_N: tl.constexpr,
+                      S_BLOCK_K: tl.constexpr):
+    """Program ``q`` of a one-token shared expert's first GEMV riding in the gate/up launch (``grouped_moe``'s
+    ``shared``), after the chain's wait: sgu[n] = fp16(sum_k sx[k] sw[n, k]) for S_BLOCK_N rows n of gate | up | the
+    shared expert gate's row, as ``fused_ops._gemv_kernel`` computes it. w: its first K chunk (S_BLOCK_N, S_BLOCK_K),
+    which the kernel read before the wait (no kernel writes weights)."""
+    offs_n = q * S_BLOCK_N + tl.arange(0, S_BLOCK_N)  # (SBN,)
+    n_mask = offs_n < S_N
+    offs_k = tl.arange(0, S_BLOCK_K)
+    w_rows = sw_ptr + offs_n.to(tl.int64)[:, None] * S_K
+    x = tl.load(sx_ptr + offs_k, mask=offs_k < S_K, other=0.0)  # (SBK,)
+    acc = w.to(tl.float32) * x.to(tl.float32)[None, :]
+    for k0 in range(S_BLOCK_K, S_K, S_BLOCK_K):
+        k_mask = (k0 + offs_k) < S_K
+        w = tl.load(w_rows + k0 + offs_k[None, :], mask=n_mask[:, None] & k_mask[None, :], other=0.0)
+        x = tl.load(sx_ptr + k0 + offs_k, mask=k_mask, other=0.0)
+        acc += w.to(tl.float32) * x.to(tl.float32)[None, :]
+    tl.store(sgu_ptr + offs_n, tl.sum(acc, axis=1).to(tl.float16), mask=n_mask)
+
+
+@triton.jit
+def _shared_down_rows(q, sgu_ptr, sd_ptr, gs_ptr, S_H, S_I: tl.constexpr, S_BLOCK_N: tl.constexpr,
+                      S_BLOCK_K: tl.constexpr):
+    """Program ``q`` of a one-token shared expert's down projection riding in the down launch (after the chain's
+    wait): gs[n] =
+    sigmoid(gate logit) * fp16(sum_k a[k] sd[n, k]) in fp32, a = fp16(silu(g) * u) from sgu = g | u | gate logit,
+    the roundings of ``fused_ops._shared_down_kernel`` (the sum with the routed output is the k-slot sum's)."""
+    offs_n = q * S_BLOCK_N + tl.arange(0, S_BLOCK_N)  # (SBN,) over H
+    n_mask = offs_n < S_H
+    offs_k = tl.arange(0, S_BLOCK_K)
+    acc = tl.zeros((S_BLOCK_N, S_BLOCK_K), tl.float32)
+    for k0 in range(0, S_I, S_BLOCK_K):
+        k_mask = (k0 + offs_k) < S_I
+        g = tl.load(sgu_ptr + k0 + offs_k, mask=k_mask, other=0.0).to(tl.float32)  # (SBK,)
+        u = tl.load(sgu_ptr + S_I + k0 + offs_k, mask=k_mask, other=0.0).to(tl.float32)
+        a = (g * tl.sigmoid(g) * u).to(tl.float16).to(tl.float32)  # the torch path's fp16 activation
+        w = tl.load(sd_ptr + offs_n.to(tl.int64)[:, None] * S_I + k0 + offs_k[None, :],
+                    mask=n_mask[:, None] & k_mask[None, :], other=0.0)  # (SBN, SBK) fp16
+        acc += w.to(tl.float32) * a[None, :]
+    s = tl.sum(acc, axis=1).to(tl.float16).to(tl.float32)  # (SBN,) the down projection's fp16 output
+    gate = tl.sigmoid(tl.load(sgu_ptr + 2 * S_I).to(tl.float32))
+    tl.store(gs_ptr + offs_n, gate * s, mask=n_mask)
+
+
 # do_not_specialize: the pair count P (and the sort's chunk count) changes with every prompt length; Triton would
 # otherwise compile a variant per "== 1" / "% 16 == 0" class of it inside a request (a stall of seconds in a server)
 @triton.jit(do_not_specialize=["P", "n_host_rows"])  # host_off: specialized (a multiple of 16: aligned loads)
@@ -132,13 +179,46 @@ def _grouped_gate_up_kernel(
     x_ptr, ids_ptr, order_ptr, row_table_ptr, w_ptr, s_ptr, h_ptr,  # x (T, H) fp16, h (P, I) fp16
     P, n_experts, n_rows, row_bytes, host_off, n_host_rows, stride_xm,  # host_*: the host-read site (expert_site_row)
     gate_w, gate_s, up_w, up_s,  # section offsets inside a row (bytes / fp16 elements)
+    sx_ptr, sw_ptr, sgu_ptr, S_N,  # SHARED: a one-token shared expert's x (H,), gate|up|gate-row (S_N, H), out (S_N,)
     N: tl.constexpr, K: tl.constexpr, NB: tl.constexpr, QBLOCK: tl.constexpr, TOPK: tl.constexpr,
     SORTED: tl.constexpr, P_PAD: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, TILE_SCALE: tl.constexpr,
     DEQ_ASM: tl.constexpr, CHAINED: tl.constexpr = False, SCALE_COLS: tl.constexpr = 0,
+    SHARED: tl.constexpr = False, S_BLOCK_N: tl.constexpr = 16, S_BLOCK_K: tl.constexpr = 512,
 ):
-    chain_wait(CHAINED)
     pid0 = tl.program_id(0)
+    if SHARED:  # decode form only: programs past the P pair programs compute the shared expert's GEMV
+        q = (pid0 - P) * tl.num_programs(1) + tl.program_id(1)  # < 0 for a pair's program
+        offs_sn = q * S_BLOCK_N + tl.arange(0, S_BLOCK_N)  # (SBN,) rows of gate | up | gate row
+        offs_sk = tl.arange(0, S_BLOCK_K)
+        s_ok = (q >= 0) & (offs_sn < S_N)
+        w0 = tl.load(sw_ptr + offs_sn.to(tl.int64)[:, None] * K + offs_sk[None, :],
+                     mask=s_ok[:, None] & (offs_sk < K)[None, :], other=0.0)  # its first K chunk, before the wait
+    chain_wait(CHAINED)
+    if SHARED:
+        if pid0 >= P:
+            _shared_gemv_rows(q, w0, sx_ptr, sw_ptr, sgu_ptr, S_N, K, S_BLOCK_N, S_BLOCK_K)
+        else:
+            _gate_up_programs(x_ptr, ids_ptr, order_ptr, row_table_ptr, w_ptr, s_ptr, h_ptr, P, n_experts, n_rows,
+                              row_bytes, host_off, n_host_rows, stride_xm, gate_w, gate_s, up_w, up_s, pid0,
+                              N, K, NB, QBLOCK, TOPK, SORTED, P_PAD, BLOCK_M, BLOCK_N, BLOCK_K, TILE_SCALE, DEQ_ASM,
+                              SCALE_COLS)
+    else:
+        _gate_up_programs(x_ptr, ids_ptr, order_ptr, row_table_ptr, w_ptr, s_ptr, h_ptr, P, n_experts, n_rows,
+                          row_bytes, host_off, n_host_rows, stride_xm, gate_w, gate_s, up_w, up_s, pid0,
+                          N, K, NB, QBLOCK, TOPK, SORTED, P_PAD, BLOCK_M, BLOCK_N, BLOCK_K, TILE_SCALE, DEQ_ASM,
+                          SCALE_COLS)
+
+
+@triton.jit
+def _gate_up_programs(x_ptr, ids_ptr, order_ptr, row_table_ptr, w_ptr, s_ptr, h_ptr, P, n_experts, n_rows, row_bytes,
+                      host_off, n_host_rows, stride_xm, gate_w, gate_s, up_w, up_s, pid0,
+                      N: tl.constexpr, K: tl.constexpr, NB: tl.constexpr, QBLOCK: tl.constexpr, TOPK: tl.constexpr,
+                      SORTED: tl.constexpr, P_PAD: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+                      BLOCK_K: tl.constexpr, TILE_SCALE: tl.constexpr, DEQ_ASM: tl.constexpr,
+                      SCALE_COLS: tl.constexpr):
+    """The gate/up launch's program ``pid0`` of the routed pairs (sorted runs or the decode form), after the chain's
+    wait."""
     offs_n = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)  # (BN,) over I
     n_mask = offs_n < N
     if SORTED:
@@ -161,27 +241,52 @@ def _grouped_gate_up_kernel(
 def _grouped_down_kernel(
     h_ptr, ids_ptr, order_ptr, wts_ptr, row_table_ptr, w_ptr, s_ptr, ypair_ptr,  # h (P, I) fp16, ypair (P, H) fp32
     P, n_experts, n_rows, row_bytes, host_off, n_host_rows, down_w, down_s,
+    sgu_ptr, sd_ptr, gs_ptr,  # SHARED: the gate/up launch's g|u|gate logit (2 S_I + 1,) fp16, down (N, S_I), gs (N,) fp32
     N: tl.constexpr, K: tl.constexpr, NB: tl.constexpr, QBLOCK: tl.constexpr,
     SORTED: tl.constexpr, P_PAD: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, TILE_SCALE: tl.constexpr,
     DEQ_ASM: tl.constexpr, CHAINED: tl.constexpr = False, PF_LINES: tl.constexpr = 1, SCALE_COLS: tl.constexpr = 0,
+    SHARED: tl.constexpr = False, S_I: tl.constexpr = 1, S_BLOCK_N: tl.constexpr = 4, S_BLOCK_K: tl.constexpr = 512,
 ):
     pid0 = tl.program_id(0)
-    offs_n = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)  # (BN,) over H
-    n_mask = offs_n < N
     if CHAINED and not SORTED:
         # a decode step: while the gate/up launch still runs, pull this program's rows of its pair's down weights
         # into L2. The route was written two launches back (complete once the gate/up launch passed its wait, which
         # is before this launch could start); and a prefetch is only a hint, so even a stale id would cost
         # bandwidth, never a value (the row is resolved again below, after the wait).
         # (a host-read row's lines are pulled over the link early: a hint like any other)
-        w_row, _s_row, _ok = expert_site_row(tl.load(ids_ptr + pid0), row_table_ptr, w_ptr, s_ptr, n_experts, n_rows,
-                                             row_bytes, host_off, n_host_rows)
+        w_row, _s_row, _ok = expert_site_row(tl.load(ids_ptr + tl.minimum(pid0, P - 1)), row_table_ptr, w_ptr, s_ptr,
+                                             n_experts, n_rows, row_bytes, host_off, n_host_rows)
         n0 = tl.program_id(1) * BLOCK_N
         span = tl.minimum(BLOCK_N, N - n0) * (K // 2)  # bytes of this program's rows: contiguous, K / 2 each
+        span = tl.where(pid0 < P, span, 1)  # a riding shared expert's program (SHARED): one line, nothing to pull
         first = w_row + down_w + n0.to(tl.int64) * (K // 2)
         prefetch_l2(first + tl.minimum(tl.arange(0, PF_LINES) * 128, span - 1))  # PF_LINES >= span / 128
     chain_wait(CHAINED)
+    if SHARED:  # decode form only: programs past the P pair programs compute the shared expert's down projection
+        if pid0 >= P:
+            _shared_down_rows((pid0 - P) * tl.num_programs(1) + tl.program_id(1), sgu_ptr, sd_ptr, gs_ptr, N, S_I,
+                              S_BLOCK_N, S_BLOCK_K)
+        else:
+            _down_programs(h_ptr, ids_ptr, order_ptr, wts_ptr, row_table_ptr, w_ptr, s_ptr, ypair_ptr, P, n_experts,
+                           n_rows, row_bytes, host_off, n_host_rows, down_w, down_s, pid0, N, K, NB, QBLOCK, SORTED,
+                           P_PAD, BLOCK_M, BLOCK_N, BLOCK_K, TILE_SCALE, DEQ_ASM, SCALE_COLS)
+    else:
+        _down_programs(h_ptr, ids_ptr, order_ptr, wts_ptr, row_table_ptr, w_ptr, s_ptr, ypair_ptr, P, n_experts,
+                       n_rows, row_bytes, host_off, n_host_rows, down_w, down_s, pid0, N, K, NB, QBLOCK, SORTED,
+                       P_PAD, BLOCK_M, BLOCK_N, BLOCK_K, TILE_SCALE, DEQ_ASM, SCALE_COLS)
+
+
+@triton.jit
+def _down_programs(h_ptr, ids_ptr, order_ptr, wts_ptr, row_table_ptr, w_ptr, s_ptr, ypair_ptr, P, n_experts, n_rows,
+                   row_bytes, host_off, n_host_rows, down_w, down_s, pid0,
+                   N: tl.constexpr, K: tl.constexpr, NB: tl.constexpr, QBLOCK: tl.constexpr, SORTED: tl.constexpr,
+                   P_PAD: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+                   TILE_SCALE: tl.constexpr, DEQ_ASM: tl.constexpr, SCALE_COLS: tl.constexpr):
+    """The down launch's program ``pid0`` of the routed pairs (sorted runs or the decode form), after the chain's
+    wait."""
+    offs_n = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)  # (BN,) over H
+    n_mask = offs_n < N
     if SORTED:
         pairs, lane_ok, expert, active = _sorted_group(order_ptr, ids_ptr, pid0, BLOCK_M)
         if active:
@@ -199,8 +304,11 @@ def _grouped_down_kernel(
 
 
 @triton.jit
-def _sum_topk_kernel(ypair_ptr, y_ptr, H, TOPK: tl.constexpr, BLOCK_N: tl.constexpr, CHAINED: tl.constexpr = False):
-    """y[t] = fp16(sum_j ypair[t * TOPK + j]), j ascending (fixed order: deterministic)."""
+def _sum_topk_kernel(ypair_ptr, y_ptr, gs_ptr, H, TOPK: tl.constexpr, BLOCK_N: tl.constexpr,
+                     CHAINED: tl.constexpr = False, SHARED: tl.constexpr = False):
+    """y[t] = fp16(sum_j ypair[t * TOPK + j]), j ascending (fixed order: deterministic). SHARED (one token): then
+    y = fp16(y + gs), gs the shared expert's gated output in fp32 (the down launch's), as fused_ops'
+    ``_shared_down_kernel`` adds it to the routed output."""
     chain_wait(CHAINED)
     t = tl.program_id(0).to(tl.int64)
     offs_n = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
@@ -208,6 +316,8 @@ def _sum_topk_kernel(ypair_ptr, y_ptr, H, TOPK: tl.constexpr, BLOCK_N: tl.conste
     acc = tl.zeros((BLOCK_N,), tl.float32)
     for j in range(TOPK):
         acc += tl.load(ypair_ptr + (t * TOPK + j) * H + offs_n, mask=n_mask, other=0.0)
+    if SHARED:
+        acc = acc.to(tl.float16).to(tl.float32) + tl.load(gs_ptr + offs_n, mask=n_mask, other=0.0)
     tl.store(y_ptr + t * H + offs_n, acc.to(tl.float16), mask=n_mask)
 
 
@@ -519,7 +629,8 @@ def _check_routing_args(topk_ids, row_table, device):
 
 
 def grouped_gate_up(x, topk_ids, order, row_table, storage, layout: RowLayout, cfg: dict, plan,
-                    host_rows: torch.Tensor | None = None) -> torch.Tensor:
+                    host_rows: torch.Tensor | None = None, shared: "SharedExpert | None" = None,
+                    sgu: torch.Tensor | None = None) -> torch.Tensor:
     """Stage 1: h[p] = fp16(silu(x[t] Wg_e^T) * (x[t] Wu_e^T)) for every pair p = t*k + j, e = topk_ids[t, j].
 
     Args:
@@ -528,6 +639,8 @@ def grouped_gate_up(x, topk_ids, order, row_table, storage, layout: RowLayout, c
         row_table: int32 (E,); an entry R + i names row i of host_rows. storage: uint8 (R, row_bytes).
         layout: RowLayout. cfg: tiles and DEQ_ASM (``default_config``).
         host_rows: None, or uint8 (n, row_bytes) the host-read site's rows (``host_site``).
+        shared, sgu: a one-token shared expert riding in this launch (``grouped_moe``): its programs write
+            sgu float16 (2 Is + 1,) = gate_up_gate @ shared.x.
     Returns:
         float16 (T*k, I).
     """
@@ -544,28 +657,38 @@ def grouped_gate_up(x, topk_ids, order, row_table, storage, layout: RowLayout, c
     deq_asm = _deq_asm(cfg, dev)
     _order, grid0, sorted_mode, p_pad = plan
     bk = common.pick_block_k(cfg["BLOCK_K"], layout.block_size)
-    grid = (grid0, triton.cdiv(g.n, cfg["BLOCK_N"]))
+    n_tiles = triton.cdiv(g.n, cfg["BLOCK_N"])
+    s_args, s_opts = (x, x, h, 0), {}
+    if shared is not None:  # its programs follow the pairs' along grid dim 0, n_tiles per column
+        s_n = shared.gate_up_gate.shape[0]
+        grid0 += triton.cdiv(triton.cdiv(s_n, SHARED_GEMV_BLOCK_N), n_tiles)
+        s_args = (shared.x, shared.gate_up_gate, sgu, s_n)
+        s_opts = {"SHARED": True, "S_BLOCK_N": SHARED_GEMV_BLOCK_N, "S_BLOCK_K": SHARED_BLOCK_K}
+    grid = (grid0, n_tiles)
     common.launch(_grouped_gate_up_kernel[grid],
         x, topk_ids, order, row_table, storage, storage.view(torch.float16), h,
         t * k, row_table.numel(), storage.shape[0], layout.row_bytes, host_off, n_host, x.stride(0),
-        g.w_off, g.s_off, u.w_off, u.s_off,
+        g.w_off, g.s_off, u.w_off, u.s_off, *s_args,
         N=g.n, K=g.k, NB=g.nb, QBLOCK=layout.block_size, TOPK=k,
         SORTED=sorted_mode, P_PAD=p_pad,
         BLOCK_M=cfg["BLOCK_M"], BLOCK_N=cfg["BLOCK_N"], BLOCK_K=bk,
         TILE_SCALE=common.tile_scale(bk, layout.block_size), DEQ_ASM=deq_asm,
-        SCALE_COLS=scale_cols(cfg, cfg["BLOCK_N"], bk, layout, g.nb),
+        SCALE_COLS=scale_cols(cfg, cfg["BLOCK_N"], bk, layout, g.nb), **s_opts,
         **common.launch_opts(cfg), **common.chained(dev),
     )
     return h
 
 
 def grouped_down(h, topk_ids, topk_weights, order, row_table, storage, layout: RowLayout, cfg: dict,
-                 plan, host_rows: torch.Tensor | None = None) -> torch.Tensor:
+                 plan, host_rows: torch.Tensor | None = None, shared: "SharedExpert | None" = None,
+                 sgu: torch.Tensor | None = None, gs: torch.Tensor | None = None) -> torch.Tensor:
     """Stage 2: ypair[p] = topk_weights[t, j] * (h[p] Wd_e^T) in fp32.
 
     Args:
         h: float16 (T*k, I) contiguous (stage 1). topk_ids: int32/int64 (T, k). topk_weights: float32 (T, k).
         order, row_table, storage, layout, host_rows: as in ``grouped_gate_up``.
+        shared, sgu, gs: a one-token shared expert riding in this launch (``grouped_moe``): from the gate/up
+            launch's sgu its programs write gs float32 (H,) = sigmoid(gate logit) * fp16(down @ fp16(silu(g) * u)).
     Returns:
         float32 (T*k, H).
     """
@@ -581,29 +704,41 @@ def grouped_down(h, topk_ids, topk_weights, order, row_table, storage, layout: R
     deq_asm = _deq_asm(cfg, dev)
     _order, grid0, sorted_mode, p_pad = plan
     bk = common.pick_block_k(cfg["DOWN_BLOCK_K"], layout.block_size)
-    grid = (grid0, triton.cdiv(d.n, cfg["DOWN_BLOCK_N"]))
+    n_tiles = triton.cdiv(d.n, cfg["DOWN_BLOCK_N"])
+    s_args, s_opts = (h, h, ypair), {}
+    if shared is not None:  # its programs follow the pairs' along grid dim 0, n_tiles per column
+        grid0 += triton.cdiv(triton.cdiv(d.n, SHARED_DOWN_BLOCK_N), n_tiles)
+        s_args = (sgu, shared.down, gs)
+        s_opts = {"SHARED": True, "S_I": shared.down.shape[1], "S_BLOCK_N": SHARED_DOWN_BLOCK_N,
+                  "S_BLOCK_K": SHARED_BLOCK_K}
+    grid = (grid0, n_tiles)
     common.launch(_grouped_down_kernel[grid],
         h, topk_ids, order, topk_weights, row_table, storage, storage.view(torch.float16), ypair,
-        t * k, row_table.numel(), storage.shape[0], layout.row_bytes, host_off, n_host, d.w_off, d.s_off,
+        t * k, row_table.numel(), storage.shape[0], layout.row_bytes, host_off, n_host, d.w_off, d.s_off, *s_args,
         N=d.n, K=d.k, NB=d.nb, QBLOCK=layout.block_size,
         SORTED=sorted_mode, P_PAD=p_pad,
         BLOCK_M=cfg["BLOCK_M"], BLOCK_N=cfg["DOWN_BLOCK_N"], BLOCK_K=bk,
         TILE_SCALE=common.tile_scale(bk, layout.block_size), DEQ_ASM=deq_asm,
         PF_LINES=common.next_pow2(triton.cdiv(cfg["DOWN_BLOCK_N"] * (d.k // 2), 128)),
-        SCALE_COLS=scale_cols(cfg, cfg["DOWN_BLOCK_N"], bk, layout, d.nb),
+        SCALE_COLS=scale_cols(cfg, cfg["DOWN_BLOCK_N"], bk, layout, d.nb), **s_opts,
         **common.launch_opts(cfg), **common.chained(dev),
     )
     return ypair
 
 
-def sum_topk(ypair: torch.Tensor, t: int, k: int) -> torch.Tensor:
-    """Stage 3: ypair float32 (T*k, H) contiguous -> float16 (T, H), summing the k slots in order."""
+def sum_topk(ypair: torch.Tensor, t: int, k: int, gs: torch.Tensor | None = None) -> torch.Tensor:
+    """Stage 3: ypair float32 (T*k, H) contiguous -> float16 (T, H), summing the k slots in order; with gs float32
+    (H,) (a one-token shared expert's gated output, T = 1) then fp16(y + gs)."""
     common.check_tensor("ypair", ypair, torch.float32, 2, shape=(t * k, None))
     hidden = ypair.shape[1]
+    if gs is not None:
+        common.check_tensor("gs", gs, torch.float32, 1, shape=(hidden,), device=ypair.device)
+        if t != 1:
+            raise common.KernelInputError(f"gs: a shared expert's output joins the sum of one token, not {t}")
     y = common.empty((t, hidden), torch.float16, ypair.device)
     block_n = 1024 if common.interpreting(ypair.device) else 256
-    common.launch(_sum_topk_kernel[(t, triton.cdiv(hidden, block_n))], ypair, y, hidden, TOPK=k, BLOCK_N=block_n,
-                  **common.chained(ypair.device))
+    common.launch(_sum_topk_kernel[(t, triton.cdiv(hidden, block_n))], ypair, y, ypair if gs is None else gs, hidden,
+                  TOPK=k, BLOCK_N=block_n, SHARED=gs is not None, **common.chained(ypair.device))
     return y
 
 
@@ -657,12 +792,17 @@ def _dequant_stages(x, topk_ids, topk_weights, storage, row_table, layout: RowLa
 
 
 def grouped_moe(x, topk_ids, topk_weights, storage, row_table, layout: RowLayout,
-                config: dict | None = None, host_rows: torch.Tensor | None = None) -> torch.Tensor:
+                config: dict | None = None, host_rows: torch.Tensor | None = None,
+                shared: SharedExpert | None = None) -> torch.Tensor:
     """All three stages. Arguments as ``runmap.kernels.executors.moe_experts``; returns float16 (T, H).
     Never synchronizes with the host; buffer sizes depend only on T, k, E and the config. config "DEQUANT"
     (default: P >= DEQUANT_MIN_PAIRS) decodes the weights once for the pass instead of in each tile's loop.
     host_rows: the host-read site's rows (``host_site``); the decoded mode does not read them (its dequantized
-    copy of every resident expert is what partial residency has no room for), so it is off with them."""
+    copy of every resident expert is what partial residency has no room for), so it is off with them.
+    shared: a one-token (T = 1) shared expert (``SharedExpert``) computed in the same three launches: its GEMV's
+    programs follow the pairs' in the gate/up launch, its down projection's in the down launch, and the k-slot sum adds
+    its gated output; the result is then fp16(routed + sigmoid(gate logit) * shared), the values of
+    ``runmap.kernels.fused_ops.shared_expert_one_row`` after the routed sum (``SharedExpert`` says why)."""
     common.check_storage(storage, layout)
     _check_routing_args(topk_ids, row_table, storage.device)
     t, k = topk_ids.shape
@@ -672,6 +812,8 @@ def grouped_moe(x, topk_ids, topk_weights, storage, row_table, layout: RowLayout
     ids_flat = topk_ids.reshape(-1)
     if host_rows is not None:
         cfg["DEQUANT"] = False
+    if shared is not None:
+        return _grouped_moe_with_shared(x, topk_ids, topk_weights, storage, row_table, layout, cfg, host_rows, shared)
     if cfg.get("DEQUANT") and t * k > DECODE_MAX_PAIRS:  # the decoded path runs over sorted runs only
         common.check_tensor("x", x, torch.float16, 2, shape=(t, layout.hidden_size), device=storage.device)
         plan = _plan(t * k, row_table.numel(), cfg, ids_flat)
@@ -681,3 +823,59 @@ def grouped_moe(x, topk_ids, topk_weights, storage, row_table, layout: RowLayout
     h = grouped_gate_up(x, topk_ids, order, row_table, storage, layout, cfg, plan, host_rows)
     ypair = grouped_down(h, topk_ids, topk_weights, order, row_table, storage, layout, cfg, plan, host_rows)
     return sum_topk(ypair, t, k)
+
+
+class SharedExpert(NamedTuple):
+    """A shared expert (Qwen2-MoE) of one token, computed inside ``grouped_moe``'s launches.
+
+    x              float16 (1, H) contiguous: the MoE input of the token
+    gate_up_gate   float16 (2 * Is + 1, H) contiguous: gate rows, up rows, then the shared expert gate's row
+    down           float16 (H, Is) contiguous
+
+    Why it rides in the routed launches instead of two launches of its own after them: at batch 1 the routed launches
+    have few programs (Qwen1.5-MoE: 4 pairs x 44 column tiles) whose time is each one's serial chain
+    (docs/kernels.md), so the device has bandwidth and room beside them for the shared expert's 69 MB of fp16
+    weights, and a layer has two launches fewer in its chain."""
+    x: torch.Tensor
+    gate_up_gate: torch.Tensor
+    down: torch.Tensor
+
+
+# the riding shared expert's tiles: the one-row GEMV's (fused_ops._gemv_block_n, BLOCK_K 512)
+SHARED_GEMV_BLOCK_N = 16
+SHARED_DOWN_BLOCK_N = 4
+SHARED_BLOCK_K = 512
+
+
+def _check_shared(shared: SharedExpert, x: torch.Tensor, t: int, layout: RowLayout) -> None:
+    hid = layout.hidden_size
+    if t != 1:
+        raise common.KernelInputError(f"shared: a shared expert rides in the launches of one token, not {t}")
+    common.check_tensor("shared.x", shared.x, torch.float16, 2, shape=(1, hid), device=x.device)
+    common.check_tensor("shared.gate_up_gate", shared.gate_up_gate, torch.float16, 2, shape=(None, hid),
+                        device=x.device)
+    common.check_tensor("shared.down", shared.down, torch.float16, 2, shape=(hid, None), device=x.device)
+    n3 = shared.gate_up_gate.shape[0]
+    if shared.down.shape[1] < 1 or shared.down.shape[1] * 2 + 1 != n3:
+        raise common.KernelInputError(f"shared.gate_up_gate: {n3} rows, expected 2 * Is + 1 with Is = down's "
+                                      f"{shared.down.shape[1]} columns")
+    for name, tensor in (("shared.x", shared.x), ("shared.gate_up_gate", shared.gate_up_gate),
+                         ("shared.down", shared.down)):
+        if not tensor.is_contiguous():
+            raise common.KernelInputError(f"{name}: must be contiguous")
+
+
+def _grouped_moe_with_shared(x, topk_ids, topk_weights, storage, row_table, layout, cfg, host_rows, shared):
+    """``grouped_moe`` of one token with its shared expert in the same three launches (the decode form)."""
+    t, k = topk_ids.shape
+    _check_shared(shared, x, t, layout)
+    if cfg.get("SORTED", False):
+        raise common.KernelInputError("shared: rides in the decode form only (config SORTED is set)")
+    plan = _plan(t * k, row_table.numel(), cfg, topk_ids.reshape(-1))
+    dev = storage.device
+    sgu = common.empty((shared.gate_up_gate.shape[0],), torch.float16, dev)  # g | u | the gate's logit
+    gs = common.empty((layout.hidden_size,), torch.float32, dev)
+    h = grouped_gate_up(x, topk_ids, plan[0], row_table, storage, layout, cfg, plan, host_rows, shared, sgu)
+    ypair = grouped_down(h, topk_ids, topk_weights, plan[0], row_table, storage, layout, cfg, plan, host_rows, shared,
+                         sgu, gs)
+    return sum_topk(ypair, t, k, gs)

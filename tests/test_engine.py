@@ -526,3 +526,52 @@ def test_chained_launches_change_no_token(packs, monkeypatch, test_device, resid
     finally:
         common.reset_chained()
     assert tokens["0"] == tokens["1"]
+
+
+@pytest.mark.parametrize("graphs", [False, True])
+def test_a_riding_shared_expert_changes_no_logit(packs, monkeypatch, test_device, graphs):
+    """Fused op "shared" with "gemv": a one-token decode step computes Qwen2-MoE's shared expert inside the grouped
+    executor's launches (runmap.kernels.grouped.SharedExpert) instead of shared_expert_one_row's two launches after
+    them. Teacher-forced logits of both ways within fp16 rounding of each other, on the interpreter's fused ops in CI;
+    on CUDA also through captured decode graphs (GraphDecoder passes the shared expert on)."""
+    if graphs and test_device != "cuda":
+        pytest.skip("CUDA graphs need a CUDA device")
+    import runmap.kernels.fused_ops as fo
+    import runmap.kernels.grouped as kg
+
+    ref_outs, fed, _ = run_steps(Engine.from_pack(packs["tiny-qwen2-moe"], executor="reference", device="cpu",
+                                                  max_batch=1, max_seq_len=16), TRITON_PROMPT, 3)
+    calls = {"shared": 0, "one_row": 0}
+    real_moe, real_one_row = kg.grouped_moe, fo.shared_expert_one_row
+
+    def moe_spy(*a, shared=None, **kw):
+        calls["shared"] += shared is not None
+        return real_moe(*a, shared=shared, **kw)
+
+    def one_row_spy(*a, **kw):
+        calls["one_row"] += 1
+        return real_one_row(*a, **kw)
+    monkeypatch.setattr(kg, "grouped_moe", moe_spy)
+    monkeypatch.setattr(fo, "shared_expert_one_row", one_row_spy)
+    outs = {}
+    for ops in (("gemv",), ("gemv", "shared")):
+        eng = Engine.from_pack(packs["tiny-qwen2-moe"], executor="grouped", device=test_device, max_batch=1,
+                               max_seq_len=16, fused=ops, cuda_graphs=graphs, segments=False)
+        eng.model.fused = frozenset(ops)  # the CPU build ignores fused ops: the interpreter runs them here
+        for k in calls:
+            calls[k] = 0
+        try:
+            outs[ops], _, _ = run_steps(eng, TRITON_PROMPT, 3, teacher=fed)
+        finally:
+            eng.close()
+        layers = eng.cfg.num_layers
+        if not graphs:  # eager: every decode step's layers seen (a replayed graph calls no Python)
+            assert calls == ({"shared": 3 * layers, "one_row": 0} if "shared" in ops else
+                             {"shared": 0, "one_row": 3 * layers}), (ops, calls)
+        else:
+            assert calls["shared" if "shared" in ops else "one_row"] >= layers, (ops, calls)  # at capture
+    for i, (a, b, r) in enumerate(zip(outs[("gemv", "shared")], outs[("gemv",)], ref_outs)):
+        err = (a - b).abs().max().item()
+        assert err <= 2e-3 * b.abs().max().item() + 1e-3, f"forward {i}: riding vs two launches max |diff| {err:.3g}"
+        err = (a - r).abs().max().item()
+        assert err <= 1e-2 * r.abs().max().item() + 2e-3, f"forward {i}: against the reference max |diff| {err:.3g}"

@@ -661,3 +661,58 @@ def test_chained_kernels_write_nothing_before_their_wait():
             for name, bare in calls(st):
                 assert not stores(name), f"{fn.name}: {name} before chain_wait"
                 assert not bare or name in read_ahead_helpers, f"{fn.name}: helper {name} before chain_wait"
+
+
+# (shape name, shared expert's intermediate Is): odd Is (a partial last K chunk of the shared down), Is past one chunk
+SHARED_CASES = [("small-b256", 40), ("odd-b128", 600), ("small-b64", 513)] + ([("qwen", 5632)] if ON_GPU else [])
+
+
+@pytest.mark.parametrize("shape_name,s_inter", SHARED_CASES)
+def test_grouped_with_a_riding_shared_expert_equals_the_two_paths(shape_name, s_inter, device, poison):
+    """grouped_moe(shared=) of one token (the shared expert's programs in the routed launches, its gated output added
+    by the k-slot sum) against the routed launches followed by fused_ops.shared_expert_one_row (the values it
+    replaces) and against an FP32 reference of the whole MoE block; every buffer poisoned."""
+    from runmap.kernels.fused_ops import shared_expert_one_row
+    from runmap.kernels.grouped import SharedExpert
+
+    shape = {**SMALL, **FULL}[shape_name]
+    seed = hash(("shared", shape_name, s_inter)) % 10_000
+    layout, storage, row_table, resident = make_layer(shape, device, seed)
+    x, ids, w = make_batch(shape, 1, resident, device, seed)
+    hid = layout.hidden_size
+    gen = torch.Generator(device=device).manual_seed(seed + 2)
+    gug = (torch.randn(2 * s_inter + 1, hid, generator=gen, device=device) / math.sqrt(hid)).half()
+    down = (torch.randn(hid, s_inter, generator=gen, device=device) / math.sqrt(s_inter)).half()
+    poison.clear()
+    y = moe_experts("grouped", x, ids, w, storage, row_table, layout, shared=SharedExpert(x, gug, down))
+    assert poison and y.shape == x.shape and y.dtype == torch.float16 and torch.isfinite(y).all()
+    two = shared_expert_one_row(x, gug, down, moe_experts("grouped", x, ids, w, storage, row_table, layout))
+    # the same arithmetic in the same order; on a GPU the compiler may contract a product and a sum differently
+    diff = (y.float() - two.float()).abs().max().item()
+    assert diff <= 2e-3 * two.float().abs().max().item(), diff
+    xf = x.float()
+    gu = xf @ gug.float().t()  # (1, 2 Is + 1)
+    shared32 = torch.sigmoid(gu[:, -1:]) * ((torch.nn.functional.silu(gu[:, :s_inter]) * gu[:, s_inter:-1])
+                                            @ down.float().t())
+    ref = reference_moe_f32(x, ids, w, storage, row_table, layout) + shared32
+    assert rel_err(y, ref) <= 4 * TOL, rel_err(y, ref)
+
+
+def test_a_riding_shared_expert_is_refused_where_it_cannot_ride(device):
+    from runmap.kernels.grouped import SharedExpert
+
+    shape = SMALL["small-b64"]
+    layout, storage, row_table, resident = make_layer(shape, device, 5)
+    x, ids, w = make_batch(shape, 2, resident, device, 5)
+    hid = layout.hidden_size
+    gug, down = torch.zeros(2 * 8 + 1, hid, dtype=torch.float16, device=device), \
+        torch.zeros(hid, 8, dtype=torch.float16, device=device)
+    with pytest.raises(common.KernelInputError, match="one token"):  # two tokens
+        moe_experts("grouped", x, ids, w, storage, row_table, layout, shared=SharedExpert(x[:1], gug, down))
+    x1, ids1, w1 = x[:1], ids[:1].contiguous(), w[:1].contiguous()
+    with pytest.raises(common.KernelInputError, match="topk-fused"):  # another executor
+        moe_experts("topk-fused", x1, ids1, w1, storage, row_table, layout, shared=SharedExpert(x1, gug, down))
+    with pytest.raises(common.KernelInputError, match="2 \\* Is \\+ 1"):  # gate | up | gate row: 2 Is + 1 rows
+        moe_experts("grouped", x1, ids1, w1, storage, row_table, layout,
+                    shared=SharedExpert(x1, torch.zeros(18, hid, dtype=torch.float16, device=device),
+                                        torch.zeros(hid, 9, dtype=torch.float16, device=device)))

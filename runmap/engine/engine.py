@@ -410,8 +410,17 @@ class CachedExperts:
             self._req.release()
             self._req = None
 
-    def __call__(self, layer, x, ids, gw):
-        """x fp16 (N, H), ids int64 (N, k), gw fp32 (N, k) -> fp16 (N, H)."""
+    def rides_shared(self, n_rows: int) -> bool:
+        """Whether a call of ``n_rows`` rows may take a shared expert (``shared``): one token, full residency on the
+        grouped executor's device rows (runmap.kernels.grouped.SharedExpert)."""
+        return n_rows == 1 and self.full and self.executor == "grouped"
+
+    def __call__(self, layer, x, ids, gw, shared=None):
+        """x fp16 (N, H), ids int64 (N, k), gw fp32 (N, k) -> fp16 (N, H). shared: a one-token shared expert
+        (runmap.kernels.grouped.SharedExpert) computed in the executor's launches and added, where ``rides_shared``."""
+        if shared is not None and not self.rides_shared(x.shape[0]):
+            raise EngineError(f"a shared expert rides in one token's grouped launches under full residency only "
+                              f"({x.shape[0]} rows, executor {self.executor}, full residency {self.full})")
         if self.full and self.executor in CPU_SITE_EXECUTORS:  # computed from the host source, not the cache's rows
             with self.cache.monitored():  # as the other paths: a copy out of expert storage here would be counted
                 return self.site().moe(layer, x, ids, gw)
@@ -424,7 +433,7 @@ class CachedExperts:
             # (a copy out of expert rows in the step would show then), so expert_d2h_bytes covers this path
             with self.cache.monitored():
                 return self.moe(self.executor, x, ids, gw, self.storage[layer], self.tables[layer], self.layout,
-                                validate=validate)
+                                validate=validate, **({} if shared is None else {"shared": shared}))
         if self.host_rows is not None:  # placement host-read: a prompt's pass (its decode steps are HostReadDecoder's)
             return self._host_read_pass(layer, x, ids, gw)
         nxt = None
@@ -841,9 +850,13 @@ class GraphDecoder(_StaticStepInputs):
         self.pool = pool
         self.graphs: dict[int, tuple[torch.cuda.CUDAGraph, torch.Tensor]] = {}
 
-    def _experts(self, layer, x, ids, gw):
+    def _experts(self, layer, x, ids, gw, shared=None):
         """The step's routed experts (Transformer.forward's callback): the engine's, full residency's static tables."""
-        return self.e.experts(layer, x, ids, gw)
+        return self.e.experts(layer, x, ids, gw, shared=shared)
+
+    def rides_shared(self, n_rows: int) -> bool:
+        """Whether ``_experts`` takes a one-token shared expert: the engine's experts say (CachedExperts.rides_shared)."""
+        return self.e.experts.rides_shared(n_rows)
 
     def _step(self, n_keys):
         e = self.e

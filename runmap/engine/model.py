@@ -61,6 +61,13 @@ def linear(x: torch.Tensor, w: torch.Tensor, b: torch.Tensor | None = None) -> t
     return F.linear(x.float(), w.float(), None if b is None else b.float()).to(x.dtype)
 
 
+def _rides_shared(experts) -> bool:
+    """Whether a routed-experts callback takes a one-token shared expert (``shared=``, computed in its launches): its
+    ``rides_shared(1)``, or that of the object a bound-method callback belongs to."""
+    ask = getattr(experts, "rides_shared", None) or getattr(getattr(experts, "__self__", None), "rides_shared", None)
+    return bool(ask is not None and ask(1))
+
+
 def rms_norm(x: torch.Tensor, w: torch.Tensor, eps: float) -> torch.Tensor:
     """x fp16 (..., N), w fp16 (N,) -> fp16 (..., N); statistics in FP32.
     CUDA: torch's fused rms_norm (one launch; FP32 math inside for FP16 inputs)."""
@@ -330,6 +337,13 @@ class Transformer:
             self.route_log.append((layer, ids.cpu()))
         if self.route_sink is not None:
             self.route_sink(layer, ids)
+        if token_rows is None and lw.shared_gate_up_gate is not None and {"gemv", "shared"} <= self.fused \
+                and h.shape[0] == 1 and _rides_shared(experts):
+            from runmap.kernels.grouped import SharedExpert
+
+            # one token: the shared expert's programs ride in the routed launches (runmap.kernels.grouped.SharedExpert)
+            return experts(layer, hr.contiguous(), ids, gw,
+                           shared=SharedExpert(h.contiguous(), lw.shared_gate_up_gate, lw.shared_down))  # (1, H)
         y = experts(layer, hr.contiguous(), ids, gw)  # (n, H) fp16
         if token_rows is not None:
             y = torch.zeros_like(h).index_copy_(0, token_rows, y)  # (N, H)

@@ -41,8 +41,9 @@ DOWN_SIG = {"h_ptr": "*fp16", "ids_ptr": "*i32", "wts_ptr": "*fp32", "row_table_
 GROUPED_GATE_UP_SIG = {"x_ptr": "*fp16", "ids_ptr": "*i32", "order_ptr": "*i32", "row_table_ptr": "*i32",
                        "w_ptr": "*u8", "s_ptr": "*fp16", "h_ptr": "*fp16", "P": "i32", "n_experts": "i32",
                        "n_rows": "i32", "row_bytes": "i32", "host_off": "i32", "n_host_rows": "i32",
-                       "stride_xm": "i32", "gate_w": "i32", "gate_s": "i32", "up_w": "i32", "up_s": "i32"}
-NOT_DIV16 = {"n_experts", "n_rows", "magic", "P", "n_host_rows"}  # host_off: a multiple of 16, as host_site checks
+                       "stride_xm": "i32", "gate_w": "i32", "gate_s": "i32", "up_w": "i32", "up_s": "i32",
+                       "sx_ptr": "*fp16", "sw_ptr": "*fp16", "sgu_ptr": "*fp16", "S_N": "i32"}
+NOT_DIV16 = {"n_experts", "n_rows", "magic", "P", "n_host_rows", "S_N"}  # host_off: a multiple of 16, as host_site checks
 
 
 def compile_sass(fn, signature: dict, constexprs: dict, num_warps: int, dump: Path | None, name: str,
