@@ -186,9 +186,13 @@ def _grouped_gate_up_kernel(
     DEQ_ASM: tl.constexpr, CHAINED: tl.constexpr = False, SCALE_COLS: tl.constexpr = 0,
     SHARED: tl.constexpr = False, S_BLOCK_N: tl.constexpr = 16, S_BLOCK_K: tl.constexpr = 512,
 ):
-    pid0 = tl.program_id(0)
-    if SHARED:  # decode form only: programs past the P pair programs compute the shared expert's GEMV
-        q = (pid0 - P) * tl.num_programs(1) + tl.program_id(1)  # < 0 for a pair's program
+    pid0, pid1 = tl.program_id(0), tl.program_id(1)
+    if SHARED:
+        # decode form only, grid (P + extra, column tiles): the first P x tiles programs in launch order (dimension 0
+        # fastest) are the pairs', so they start first; the rest compute the shared expert's GEMV
+        lin = pid0 + tl.num_programs(0) * pid1
+        n_pair_programs = P * tl.num_programs(1)
+        q = lin - n_pair_programs  # < 0 for a pair's program
         offs_sn = q * S_BLOCK_N + tl.arange(0, S_BLOCK_N)  # (SBN,) rows of gate | up | gate row
         offs_sk = tl.arange(0, S_BLOCK_K)
         s_ok = (q >= 0) & (offs_sn < S_N)
@@ -196,30 +200,30 @@ def _grouped_gate_up_kernel(
                      mask=s_ok[:, None] & (offs_sk < K)[None, :], other=0.0)  # its first K chunk, before the wait
     chain_wait(CHAINED)
     if SHARED:
-        if pid0 >= P:
+        if q >= 0:
             _shared_gemv_rows(q, w0, sx_ptr, sw_ptr, sgu_ptr, S_N, K, S_BLOCK_N, S_BLOCK_K)
         else:
             _gate_up_programs(x_ptr, ids_ptr, order_ptr, row_table_ptr, w_ptr, s_ptr, h_ptr, P, n_experts, n_rows,
-                              row_bytes, host_off, n_host_rows, stride_xm, gate_w, gate_s, up_w, up_s, pid0,
+                              row_bytes, host_off, n_host_rows, stride_xm, gate_w, gate_s, up_w, up_s, lin % P, lin // P,
                               N, K, NB, QBLOCK, TOPK, SORTED, P_PAD, BLOCK_M, BLOCK_N, BLOCK_K, TILE_SCALE, DEQ_ASM,
                               SCALE_COLS)
     else:
         _gate_up_programs(x_ptr, ids_ptr, order_ptr, row_table_ptr, w_ptr, s_ptr, h_ptr, P, n_experts, n_rows,
-                          row_bytes, host_off, n_host_rows, stride_xm, gate_w, gate_s, up_w, up_s, pid0,
+                          row_bytes, host_off, n_host_rows, stride_xm, gate_w, gate_s, up_w, up_s, pid0, pid1,
                           N, K, NB, QBLOCK, TOPK, SORTED, P_PAD, BLOCK_M, BLOCK_N, BLOCK_K, TILE_SCALE, DEQ_ASM,
                           SCALE_COLS)
 
 
 @triton.jit
 def _gate_up_programs(x_ptr, ids_ptr, order_ptr, row_table_ptr, w_ptr, s_ptr, h_ptr, P, n_experts, n_rows, row_bytes,
-                      host_off, n_host_rows, stride_xm, gate_w, gate_s, up_w, up_s, pid0,
+                      host_off, n_host_rows, stride_xm, gate_w, gate_s, up_w, up_s, pid0, pid1,
                       N: tl.constexpr, K: tl.constexpr, NB: tl.constexpr, QBLOCK: tl.constexpr, TOPK: tl.constexpr,
                       SORTED: tl.constexpr, P_PAD: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
                       BLOCK_K: tl.constexpr, TILE_SCALE: tl.constexpr, DEQ_ASM: tl.constexpr,
                       SCALE_COLS: tl.constexpr):
-    """The gate/up launch's program ``pid0`` of the routed pairs (sorted runs or the decode form), after the chain's
-    wait."""
-    offs_n = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)  # (BN,) over I
+    """The gate/up launch's program (``pid0``, column tile ``pid1``) of the routed pairs (sorted runs or the decode
+    form), after the chain's wait."""
+    offs_n = pid1 * BLOCK_N + tl.arange(0, BLOCK_N)  # (BN,) over I
     n_mask = offs_n < N
     if SORTED:
         pairs, lane_ok, expert, active = _sorted_group(order_ptr, ids_ptr, pid0, BLOCK_M)
@@ -248,44 +252,48 @@ def _grouped_down_kernel(
     DEQ_ASM: tl.constexpr, CHAINED: tl.constexpr = False, PF_LINES: tl.constexpr = 1, SCALE_COLS: tl.constexpr = 0,
     SHARED: tl.constexpr = False, S_I: tl.constexpr = 1, S_BLOCK_N: tl.constexpr = 4, S_BLOCK_K: tl.constexpr = 512,
 ):
-    pid0 = tl.program_id(0)
+    pid0, pid1 = tl.program_id(0), tl.program_id(1)
+    if SHARED:  # decode form only: the first P x tiles programs in launch order are the pairs' (as in gate/up)
+        lin = pid0 + tl.num_programs(0) * pid1
+        q = lin - P * tl.num_programs(1)  # >= 0: a program of the shared expert's down projection
+        pid0, pid1 = tl.where(q < 0, lin % P, 0), tl.where(q < 0, lin // P, 0)
     if CHAINED and not SORTED:
         # a decode step: while the gate/up launch still runs, pull this program's rows of its pair's down weights
         # into L2. The route was written two launches back (complete once the gate/up launch passed its wait, which
         # is before this launch could start); and a prefetch is only a hint, so even a stale id would cost
         # bandwidth, never a value (the row is resolved again below, after the wait).
         # (a host-read row's lines are pulled over the link early: a hint like any other)
-        w_row, _s_row, _ok = expert_site_row(tl.load(ids_ptr + tl.minimum(pid0, P - 1)), row_table_ptr, w_ptr, s_ptr,
-                                             n_experts, n_rows, row_bytes, host_off, n_host_rows)
-        n0 = tl.program_id(1) * BLOCK_N
+        w_row, _s_row, _ok = expert_site_row(tl.load(ids_ptr + pid0), row_table_ptr, w_ptr, s_ptr, n_experts, n_rows,
+                                             row_bytes, host_off, n_host_rows)
+        n0 = pid1 * BLOCK_N
         span = tl.minimum(BLOCK_N, N - n0) * (K // 2)  # bytes of this program's rows: contiguous, K / 2 each
-        span = tl.where(pid0 < P, span, 1)  # a riding shared expert's program (SHARED): one line, nothing to pull
+        if SHARED:
+            span = tl.where(q < 0, span, 1)  # a program of the shared expert: one line, nothing to pull
         first = w_row + down_w + n0.to(tl.int64) * (K // 2)
         prefetch_l2(first + tl.minimum(tl.arange(0, PF_LINES) * 128, span - 1))  # PF_LINES >= span / 128
     chain_wait(CHAINED)
-    if SHARED:  # decode form only: programs past the P pair programs compute the shared expert's down projection
-        if pid0 >= P:
-            _shared_down_rows((pid0 - P) * tl.num_programs(1) + tl.program_id(1), sgu_ptr, sd_ptr, gs_ptr, N, S_I,
-                              S_BLOCK_N, S_BLOCK_K)
+    if SHARED:
+        if q >= 0:
+            _shared_down_rows(q, sgu_ptr, sd_ptr, gs_ptr, N, S_I, S_BLOCK_N, S_BLOCK_K)
         else:
             _down_programs(h_ptr, ids_ptr, order_ptr, wts_ptr, row_table_ptr, w_ptr, s_ptr, ypair_ptr, P, n_experts,
-                           n_rows, row_bytes, host_off, n_host_rows, down_w, down_s, pid0, N, K, NB, QBLOCK, SORTED,
-                           P_PAD, BLOCK_M, BLOCK_N, BLOCK_K, TILE_SCALE, DEQ_ASM, SCALE_COLS)
+                           n_rows, row_bytes, host_off, n_host_rows, down_w, down_s, pid0, pid1, N, K, NB, QBLOCK,
+                           SORTED, P_PAD, BLOCK_M, BLOCK_N, BLOCK_K, TILE_SCALE, DEQ_ASM, SCALE_COLS)
     else:
         _down_programs(h_ptr, ids_ptr, order_ptr, wts_ptr, row_table_ptr, w_ptr, s_ptr, ypair_ptr, P, n_experts,
-                       n_rows, row_bytes, host_off, n_host_rows, down_w, down_s, pid0, N, K, NB, QBLOCK, SORTED,
+                       n_rows, row_bytes, host_off, n_host_rows, down_w, down_s, pid0, pid1, N, K, NB, QBLOCK, SORTED,
                        P_PAD, BLOCK_M, BLOCK_N, BLOCK_K, TILE_SCALE, DEQ_ASM, SCALE_COLS)
 
 
 @triton.jit
 def _down_programs(h_ptr, ids_ptr, order_ptr, wts_ptr, row_table_ptr, w_ptr, s_ptr, ypair_ptr, P, n_experts, n_rows,
-                   row_bytes, host_off, n_host_rows, down_w, down_s, pid0,
+                   row_bytes, host_off, n_host_rows, down_w, down_s, pid0, pid1,
                    N: tl.constexpr, K: tl.constexpr, NB: tl.constexpr, QBLOCK: tl.constexpr, SORTED: tl.constexpr,
                    P_PAD: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
                    TILE_SCALE: tl.constexpr, DEQ_ASM: tl.constexpr, SCALE_COLS: tl.constexpr):
-    """The down launch's program ``pid0`` of the routed pairs (sorted runs or the decode form), after the chain's
-    wait."""
-    offs_n = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)  # (BN,) over H
+    """The down launch's program (``pid0``, column tile ``pid1``) of the routed pairs (sorted runs or the decode form),
+    after the chain's wait."""
+    offs_n = pid1 * BLOCK_N + tl.arange(0, BLOCK_N)  # (BN,) over H
     n_mask = offs_n < N
     if SORTED:
         pairs, lane_ok, expert, active = _sorted_group(order_ptr, ids_ptr, pid0, BLOCK_M)
