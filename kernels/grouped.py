@@ -669,9 +669,10 @@ def grouped_gate_up(x, topk_ids, order, row_table, storage, layout: RowLayout, c
     s_args, s_opts = (x, x, h, 0), {}
     if shared is not None:  # its programs follow the pairs' along grid dim 0, n_tiles per column
         s_n = shared.gate_up_gate.shape[0]
-        grid0 += triton.cdiv(triton.cdiv(s_n, SHARED_GEMV_BLOCK_N), n_tiles)
+        s_bn = cfg.get("SHARED_BLOCK_N", SHARED_GEMV_BLOCK_N)
+        grid0 += triton.cdiv(triton.cdiv(s_n, s_bn), n_tiles)
         s_args = (shared.x, shared.gate_up_gate, sgu, s_n)
-        s_opts = {"SHARED": True, "S_BLOCK_N": SHARED_GEMV_BLOCK_N, "S_BLOCK_K": SHARED_BLOCK_K}
+        s_opts = {"SHARED": True, "S_BLOCK_N": s_bn, "S_BLOCK_K": cfg.get("SHARED_BLOCK_K", SHARED_BLOCK_K)}
     grid = (grid0, n_tiles)
     common.launch(_grouped_gate_up_kernel[grid],
         x, topk_ids, order, row_table, storage, storage.view(torch.float16), h,
@@ -715,10 +716,11 @@ def grouped_down(h, topk_ids, topk_weights, order, row_table, storage, layout: R
     n_tiles = triton.cdiv(d.n, cfg["DOWN_BLOCK_N"])
     s_args, s_opts = (h, h, ypair), {}
     if shared is not None:  # its programs follow the pairs' along grid dim 0, n_tiles per column
-        grid0 += triton.cdiv(triton.cdiv(d.n, SHARED_DOWN_BLOCK_N), n_tiles)
+        s_bn = cfg.get("SHARED_DOWN_BLOCK_N", SHARED_DOWN_BLOCK_N)
+        grid0 += triton.cdiv(triton.cdiv(d.n, s_bn), n_tiles)
         s_args = (sgu, shared.down, gs)
-        s_opts = {"SHARED": True, "S_I": shared.down.shape[1], "S_BLOCK_N": SHARED_DOWN_BLOCK_N,
-                  "S_BLOCK_K": SHARED_BLOCK_K}
+        s_opts = {"SHARED": True, "S_I": shared.down.shape[1], "S_BLOCK_N": s_bn,
+                  "S_BLOCK_K": cfg.get("SHARED_DOWN_BLOCK_K", SHARED_BLOCK_K)}
     grid = (grid0, n_tiles)
     common.launch(_grouped_down_kernel[grid],
         h, topk_ids, order, topk_weights, row_table, storage, storage.view(torch.float16), ypair,
@@ -849,7 +851,8 @@ class SharedExpert(NamedTuple):
     down: torch.Tensor
 
 
-# the riding shared expert's tiles: the one-row GEMV's (fused_ops._gemv_block_n, BLOCK_K 512)
+# the riding shared expert's tiles: the one-row GEMV's (fused_ops._gemv_block_n, BLOCK_K 512); a config's SHARED_BLOCK_N,
+# SHARED_BLOCK_K, SHARED_DOWN_BLOCK_N and SHARED_DOWN_BLOCK_K replace them (tools/explore/probe_shared_ride.py)
 SHARED_GEMV_BLOCK_N = 16
 SHARED_DOWN_BLOCK_N = 4
 SHARED_BLOCK_K = 512
