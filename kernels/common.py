@@ -145,6 +145,9 @@ def check_tensor(name: str, t, dtype=None, ndim: int | None = None, shape=None, 
     if ndim is not None and t.dim() != ndim:
         raise KernelInputError(f"{name}: {t.dim()}-D tensor of shape {tuple(t.shape)}, expected {ndim}-D")
     if shape is not None:
+        if t.dim() != len(shape):  # a shape names every dimension: a tensor of another rank never matches it
+            raise KernelInputError(f"{name}: {t.dim()}-D tensor of shape {tuple(t.shape)}, expected {len(shape)}-D "
+                                   f"{tuple('any' if w is None else w for w in shape)}")
         for i, (got, want) in enumerate(zip(t.shape, shape)):
             if want is not None and got != want:
                 raise KernelInputError(f"{name}: shape {tuple(t.shape)}, dimension {i} should be {want}")

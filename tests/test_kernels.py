@@ -716,3 +716,16 @@ def test_a_riding_shared_expert_is_refused_where_it_cannot_ride(device):
         moe_experts("grouped", x1, ids1, w1, storage, row_table, layout,
                     shared=SharedExpert(x1, torch.zeros(18, hid, dtype=torch.float16, device=device),
                                         torch.zeros(hid, 9, dtype=torch.float16, device=device)))
+
+
+@pytest.mark.parametrize("shape,want,ok", [((2, 3), (2, None), True), ((2, 3, 1), (2, None), False),
+                                           ((6,), (None, 3), False), ((2, 3), (2, 4), False), ((1,), (1,), True)])
+def test_check_tensor_compares_rank_and_every_dimension(shape, want, ok):
+    """A ``shape=`` check names every dimension: a tensor with more or fewer dimensions fails it even where the
+    dimensions it has agree (zip alone would stop at the shorter one)."""
+    t = torch.zeros(shape)
+    if ok:
+        common.check_tensor("t", t, shape=want)
+    else:
+        with pytest.raises(common.KernelInputError, match="^t: "):
+            common.check_tensor("t", t, shape=want)
