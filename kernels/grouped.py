@@ -720,7 +720,7 @@ def grouped_down(h, topk_ids, topk_weights, order, row_table, storage, layout: R
         grid0 += triton.cdiv(triton.cdiv(d.n, s_bn), n_tiles)
         s_args = (sgu, shared.down, gs)
         s_opts = {"SHARED": True, "S_I": shared.down.shape[1], "S_BLOCK_N": s_bn,
-                  "S_BLOCK_K": cfg.get("SHARED_DOWN_BLOCK_K", SHARED_BLOCK_K)}
+                  "S_BLOCK_K": cfg.get("SHARED_DOWN_BLOCK_K", SHARED_DOWN_BLOCK_K)}
     grid = (grid0, n_tiles)
     common.launch(_grouped_down_kernel[grid],
         h, topk_ids, order, topk_weights, row_table, storage, storage.view(torch.float16), ypair,
@@ -851,11 +851,15 @@ class SharedExpert(NamedTuple):
     down: torch.Tensor
 
 
-# the riding shared expert's tiles: the one-row GEMV's (fused_ops._gemv_block_n, BLOCK_K 512); a config's SHARED_BLOCK_N,
-# SHARED_BLOCK_K, SHARED_DOWN_BLOCK_N and SHARED_DOWN_BLOCK_K replace them (tools/explore/probe_shared_ride.py)
+# The riding shared expert's tiles; a config's SHARED_BLOCK_N, SHARED_BLOCK_K, SHARED_DOWN_BLOCK_N and SHARED_DOWN_BLOCK_K
+# replace them. The best of tools/explore/probe_shared_ride.py on an H100 (results/kernels/explore/h100-shared-ride.json,
+# Qwen1.5-MoE, 16 layers per CUDA graph): the one-row GEMV's tiles for the first GEMV, and down rows 8 x 1024 columns per
+# step (40.0 us a layer, 1.31x the two launches after the routed ones; the one-row GEMV's 4 x 512, 46.3 us, 1.13x: its
+# 11 dependent steps over Is = 5,632 in two waves of programs)
 SHARED_GEMV_BLOCK_N = 16
-SHARED_DOWN_BLOCK_N = 4
 SHARED_BLOCK_K = 512
+SHARED_DOWN_BLOCK_N = 8
+SHARED_DOWN_BLOCK_K = 1024
 
 
 def _check_shared(shared: SharedExpert, x: torch.Tensor, t: int, layout: RowLayout) -> None:

@@ -30,7 +30,7 @@ from runmap.kernels.grouped import SharedExpert
 from runmap.kernels.reference import reference_moe_f32
 
 SHARED_INTERMEDIATE = 5632  # Qwen1.5-MoE-A2.7B's shared expert
-# (SHARED_BLOCK_N, SHARED_BLOCK_K, SHARED_DOWN_BLOCK_N, SHARED_DOWN_BLOCK_K): the default first
+# (SHARED_BLOCK_N, SHARED_BLOCK_K, SHARED_DOWN_BLOCK_N, SHARED_DOWN_BLOCK_K): the first tiles (the one-row GEMV's) first
 RIDE_CONFIGS = [(16, 512, 4, 512), (16, 512, 4, 1024), (16, 512, 4, 2048), (16, 512, 8, 1024), (8, 1024, 4, 1024),
                 (32, 256, 4, 1024), (16, 512, 2, 2048), (8, 512, 4, 1024)]
 
