@@ -811,8 +811,9 @@ def grouped_moe(x, topk_ids, topk_weights, storage, row_table, layout: RowLayout
     copy of every resident expert is what partial residency has no room for), so it is off with them.
     shared: a one-token (T = 1) shared expert (``SharedExpert``) computed in the same three launches: its GEMV's
     programs follow the pairs' in the gate/up launch, its down projection's in the down launch, and the k-slot sum adds
-    its gated output; the result is then fp16(routed + sigmoid(gate logit) * shared), the values of
-    ``runmap.kernels.fused_ops.shared_expert_one_row`` after the routed sum (``SharedExpert`` says why)."""
+    its gated output; the result is then fp16(routed + sigmoid(gate logit) * shared), what
+    ``runmap.kernels.fused_ops.shared_expert_one_row`` computes after the routed sum, within fp32 summation order (its
+    tiles differ; ``SharedExpert`` says why it rides)."""
     common.check_storage(storage, layout)
     _check_routing_args(topk_ids, row_table, storage.device)
     t, k = topk_ids.shape
@@ -884,9 +885,10 @@ def _grouped_moe_with_shared(x, topk_ids, topk_weights, storage, row_table, layo
     """``grouped_moe`` of one token with its shared expert in the same three launches (the decode form)."""
     t, k = topk_ids.shape
     _check_shared(shared, x, t, layout)
-    if cfg.get("SORTED", False):
-        raise common.KernelInputError("shared: rides in the decode form only (config SORTED is set)")
     plan = _plan(t * k, row_table.numel(), cfg, topk_ids.reshape(-1))
+    if plan[2]:  # the SHARED programs' mapping assumes the decode form's grid (P programs along dimension 0)
+        raise common.KernelInputError(f"shared: rides in the decode form only; {t * k} pairs with config SORTED "
+                                      f"{cfg.get('SORTED', False)} take sorted runs")
     dev = storage.device
     sgu = common.empty((shared.gate_up_gate.shape[0],), torch.float16, dev)  # g | u | the gate's logit
     gs = common.empty((layout.hidden_size,), torch.float32, dev)

@@ -579,3 +579,27 @@ def test_a_riding_shared_expert_changes_no_logit(packs, monkeypatch, test_device
         assert err <= 2e-3 * b.abs().max().item() + 1e-3, f"forward {i}: riding vs two launches max |diff| {err:.3g}"
         err = (a - r).abs().max().item()
         assert err <= 1e-2 * r.abs().max().item() + 2e-3, f"forward {i}: against the reference max |diff| {err:.3g}"
+
+
+def test_a_step_whose_experts_take_no_shared_expert_is_never_given_one():
+    """The captured decode step's callback (GraphDecoder) passes a shared expert on only where the engine's experts
+    take one: SkipExperts (skip_experts=True) and DenseFp16Experts have no rides_shared and no ``shared``, and a
+    host-read step never rides. Without this the skip_experts variant failed at graph capture (a TypeError)."""
+    from types import SimpleNamespace
+
+    from runmap.engine.engine import GraphDecoder, HostReadDecoder, SkipExperts
+
+    seen = []
+    inner = SimpleNamespace(begin=lambda: None, end=lambda: None)
+    dec = GraphDecoder.__new__(GraphDecoder)
+    dec.e = SimpleNamespace(experts=SkipExperts(inner))
+    x = torch.randn(1, 8).half()
+    assert dec.rides_shared(1) is False
+    assert torch.equal(dec._experts(0, x, torch.zeros(1, 2, dtype=torch.long), torch.ones(1, 2)), torch.zeros_like(x))
+    dec.e = SimpleNamespace(experts=SimpleNamespace(rides_shared=lambda n: n == 1))
+    assert dec.rides_shared(1) is True and dec.rides_shared(2) is False
+    dec.e = SimpleNamespace(experts=lambda *a, **kw: seen.append(kw) or x)
+    dec._experts(0, x, None, None)
+    dec._experts(0, x, None, None, shared="s")
+    assert seen == [{}, {"shared": "s"}]  # no keyword where no shared expert rides
+    assert HostReadDecoder.__new__(HostReadDecoder).rides_shared(1) is False

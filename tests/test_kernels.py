@@ -663,15 +663,20 @@ def test_chained_kernels_write_nothing_before_their_wait():
                 assert not bare or name in read_ahead_helpers, f"{fn.name}: helper {name} before chain_wait"
 
 
-# (shape name, shared expert's intermediate Is): odd Is (a partial last K chunk of the shared down), Is past one chunk
-SHARED_CASES = [("small-b256", 40), ("odd-b128", 600), ("small-b64", 513)] + ([("qwen", 5632)] if ON_GPU else [])
+# (shape name, shared expert's intermediate Is, tiles): odd Is (a partial last K chunk of the shared down); small tiles
+# (several column tiles in both launches, so the pairs' programs are remapped across columns, and the shared K loops
+# run past their first chunk), which the interpreter's default tiles (one column tile, one chunk) would not exercise
+SMALL_TILES = {"BLOCK_N": 32, "DOWN_BLOCK_N": 64, "SHARED_BLOCK_K": 64, "SHARED_DOWN_BLOCK_K": 16}
+SHARED_CASES = [("small-b256", 40, None), ("odd-b128", 600, None), ("small-b64", 513, None),
+                ("odd-b128", 600, SMALL_TILES), ("small-b256", 40, dict(SMALL_TILES, SHARED_DOWN_BLOCK_N=2))] + \
+    ([("qwen", 5632, None)] if ON_GPU else [])
 
 
-@pytest.mark.parametrize("shape_name,s_inter", SHARED_CASES)
-def test_grouped_with_a_riding_shared_expert_equals_the_two_paths(shape_name, s_inter, device, poison):
+@pytest.mark.parametrize("shape_name,s_inter,tiles", SHARED_CASES)
+def test_grouped_with_a_riding_shared_expert_equals_the_two_paths(shape_name, s_inter, tiles, device, poison):
     """grouped_moe(shared=) of one token (the shared expert's programs in the routed launches, its gated output added
-    by the k-slot sum) against the routed launches followed by fused_ops.shared_expert_one_row (the values it
-    replaces) and against an FP32 reference of the whole MoE block; every buffer poisoned."""
+    by the k-slot sum) against the routed launches followed by fused_ops.shared_expert_one_row (what it replaces)
+    and against an FP32 reference of the whole MoE block; every buffer poisoned."""
     from runmap.kernels.fused_ops import shared_expert_one_row
     from runmap.kernels.grouped import SharedExpert
 
@@ -684,10 +689,11 @@ def test_grouped_with_a_riding_shared_expert_equals_the_two_paths(shape_name, s_
     gug = (torch.randn(2 * s_inter + 1, hid, generator=gen, device=device) / math.sqrt(hid)).half()
     down = (torch.randn(hid, s_inter, generator=gen, device=device) / math.sqrt(s_inter)).half()
     poison.clear()
-    y = moe_experts("grouped", x, ids, w, storage, row_table, layout, shared=SharedExpert(x, gug, down))
+    y = moe_experts("grouped", x, ids, w, storage, row_table, layout, shared=SharedExpert(x, gug, down), config=tiles)
     assert poison and y.shape == x.shape and y.dtype == torch.float16 and torch.isfinite(y).all()
-    two = shared_expert_one_row(x, gug, down, moe_experts("grouped", x, ids, w, storage, row_table, layout))
-    # the same arithmetic in the same order; on a GPU the compiler may contract a product and a sum differently
+    two = shared_expert_one_row(x, gug, down, moe_experts("grouped", x, ids, w, storage, row_table, layout,
+                                                          config=tiles))
+    # the same roundings; the sums in another order (other tiles; on a GPU a product and a sum may be contracted)
     diff = (y.float() - two.float()).abs().max().item()
     assert diff <= 2e-3 * two.float().abs().max().item(), diff
     xf = x.float()

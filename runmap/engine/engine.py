@@ -53,7 +53,8 @@ Arguments:
     fused          CUDA: fused Triton ops replacing torch sequences (runmap.kernels.fused_ops): True = DEFAULT_FUSED
                    (prologue, norm, router, attn, gemv, imposed, shared; the prologue left out for a per-head q/k-norm
                    family; "imposed", a routing workload's gate weights in one launch, acts with "router"; "shared",
-                   a shared expert of several rows in two launches between its GEMMs), or an
+                   a shared expert of several rows in two launches between its GEMMs and, with "gemv", one token's
+                   inside the grouped executor's launches), or an
                    iterable of FUSED_OPS names; False = pure torch. Ignored on CPU.
     host_source    a runmap.residency.host_source.HostSource already built from this pack (another engine's
                    ``host_source``): the cache reuses it instead of reading and hash-verifying every expert again.
@@ -412,8 +413,11 @@ class CachedExperts:
 
     def rides_shared(self, n_rows: int) -> bool:
         """Whether a call of ``n_rows`` rows may take a shared expert (``shared``): one token, full residency on the
-        grouped executor's device rows (runmap.kernels.grouped.SharedExpert)."""
-        return n_rows == 1 and self.full and self.executor == "grouped"
+        grouped executor's device rows, in its decode form (runmap.kernels.grouped.SharedExpert; a top-k past
+        DECODE_FORM_MAX_PAIRS would take sorted runs on a GPU)."""
+        from runmap.kernels.grouped import DECODE_FORM_MAX_PAIRS
+
+        return n_rows == 1 and self.full and self.executor == "grouped" and self.top_k <= DECODE_FORM_MAX_PAIRS
 
     def __call__(self, layer, x, ids, gw, shared=None):
         """x fp16 (N, H), ids int64 (N, k), gw fp32 (N, k) -> fp16 (N, H). shared: a one-token shared expert
@@ -851,12 +855,17 @@ class GraphDecoder(_StaticStepInputs):
         self.graphs: dict[int, tuple[torch.cuda.CUDAGraph, torch.Tensor]] = {}
 
     def _experts(self, layer, x, ids, gw, shared=None):
-        """The step's routed experts (Transformer.forward's callback): the engine's, full residency's static tables."""
+        """The step's routed experts (Transformer.forward's callback): the engine's, full residency's static tables.
+        shared: only where ``rides_shared`` (the engine's experts may be a stand-in without it: SkipExperts)."""
+        if shared is None:
+            return self.e.experts(layer, x, ids, gw)
         return self.e.experts(layer, x, ids, gw, shared=shared)
 
     def rides_shared(self, n_rows: int) -> bool:
-        """Whether ``_experts`` takes a one-token shared expert: the engine's experts say (CachedExperts.rides_shared)."""
-        return self.e.experts.rides_shared(n_rows)
+        """Whether ``_experts`` takes a one-token shared expert: the engine's experts say (CachedExperts.rides_shared);
+        those without the method (SkipExperts, DenseFp16Experts) take none."""
+        ask = getattr(self.e.experts, "rides_shared", None)
+        return bool(ask is not None and ask(n_rows))
 
     def _step(self, n_keys):
         e = self.e
@@ -1794,6 +1803,10 @@ class HostReadDecoder(GraphDecoder):
         self._turn = 0
         self.in_flight = None  # (request, event or None, buffer) of the step queued and not yet ended
         self._ending = None  # the step before it while run / finish end it
+
+    def rides_shared(self, n_rows: int) -> bool:
+        """A host-read step's experts take no shared expert (its ``_experts`` has no ``shared``)."""
+        return False
 
     def _experts(self, layer, x, ids, gw):
         self.routed[layer].copy_(ids)

@@ -289,7 +289,8 @@ class Transformer:
         # + top-k; "attn": decode attention (T = 1); "gemv": the q|k|v and o projections of a single token.
         # Together in a decode step: "prologue" + "attn" run as one launch, "norm" + "router" as one (and top-k).
         # "imposed" (with "router"): a routing workload's gate weights from those logits in one launch.
-        # "shared": a shared expert of several rows in two launches between its two GEMMs (one token: "gemv")
+        # "shared": a shared expert of several rows in two launches between its two GEMMs; with "gemv" one token's rides
+        # in the grouped executor's launches where the experts callback takes it (rides_shared), else "gemv"'s two
         self.fused: frozenset = frozenset()
         # CUDA prefill without grouped KV heads (OLMoE): the scaled_dot_product_attention backends torch may pick from
         # (None: all of torch's). cuDNN attention is left out: it builds an execution plan for every new shape
