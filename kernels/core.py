@@ -321,3 +321,22 @@ def gemv_tiles(acc_a, acc_b, x_row, wa_base, sa_base, wb_base, sb_base, offs_n, 
 def silu_mul(gate, up):
     """silu(gate) * up in fp32 (caller rounds the result to fp16)."""
     return gate / (1.0 + tl.exp(-gate)) * up
+
+
+@triton.jit
+def gated_shared_down(gu_ptr, w_ptr, offs_n, n_mask, I: tl.constexpr, BLOCK_K: tl.constexpr):
+    """A shared expert's down projection of one token for rows ``offs_n`` (BN,), gated: fp32 (BN,) =
+    sigmoid(gu[2 I]) * fp16(sum_k a[k] w[n, k]), a = fp16(silu(gu[k]) * gu[I + k]): the torch path's roundings.
+    gu fp16 (2 I + 1,) = gate projection | up projection | the shared expert gate's logit; w fp16 (N, I)."""
+    offs_k = tl.arange(0, BLOCK_K)
+    acc = tl.zeros((offs_n.shape[0], BLOCK_K), tl.float32)
+    for k0 in range(0, I, BLOCK_K):
+        k_mask = (k0 + offs_k) < I
+        g = tl.load(gu_ptr + k0 + offs_k, mask=k_mask, other=0.0).to(tl.float32)  # (BK,)
+        u = tl.load(gu_ptr + I + k0 + offs_k, mask=k_mask, other=0.0).to(tl.float32)
+        a = (g * tl.sigmoid(g) * u).to(tl.float16).to(tl.float32)  # the torch path's fp16 activation
+        w = tl.load(w_ptr + offs_n.to(tl.int64)[:, None] * I + k0 + offs_k[None, :],
+                    mask=n_mask[:, None] & k_mask[None, :], other=0.0)  # (BN, BK) fp16
+        acc += w.to(tl.float32) * a[None, :]
+    s = tl.sum(acc, axis=1).to(tl.float16).to(tl.float32)  # (BN,) the down projection's fp16 output
+    return tl.sigmoid(tl.load(gu_ptr + 2 * I).to(tl.float32)) * s

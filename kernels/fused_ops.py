@@ -26,7 +26,7 @@ import triton
 import triton.language as tl
 
 from runmap.kernels import common
-from runmap.kernels.core import chain_wait
+from runmap.kernels.core import chain_wait, gated_shared_down
 
 
 @triton.jit
@@ -797,20 +797,9 @@ def _shared_down_kernel(gu_ptr, w_ptr, y_ptr, out_ptr, N, I: tl.constexpr, BLOCK
     chain_wait(CHAINED)
     offs_n = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)  # (BN,)
     n_mask = offs_n < N
-    offs_k = tl.arange(0, BLOCK_K)
-    acc = tl.zeros((BLOCK_N, BLOCK_K), tl.float32)
-    for k0 in range(0, I, BLOCK_K):
-        k_mask = (k0 + offs_k) < I
-        g = tl.load(gu_ptr + k0 + offs_k, mask=k_mask, other=0.0).to(tl.float32)  # (BK,)
-        u = tl.load(gu_ptr + I + k0 + offs_k, mask=k_mask, other=0.0).to(tl.float32)
-        a = (g * tl.sigmoid(g) * u).to(tl.float16).to(tl.float32)  # the torch path's fp16 activation
-        w = tl.load(w_ptr + offs_n[:, None] * I + k0 + offs_k[None, :], mask=n_mask[:, None] & k_mask[None, :],
-                    other=0.0)  # (BN, BK) fp16
-        acc += w.to(tl.float32) * a[None, :]
-    s = tl.sum(acc, axis=1).to(tl.float16).to(tl.float32)  # (BN,) the down projection's fp16 output
-    gate = tl.sigmoid(tl.load(gu_ptr + 2 * I).to(tl.float32))
+    gs = gated_shared_down(gu_ptr, w_ptr, offs_n, n_mask, I, BLOCK_K)  # (BN,) fp32
     y = tl.load(y_ptr + offs_n, mask=n_mask, other=0.0).to(tl.float32)
-    tl.store(out_ptr + offs_n, (y + gate * s).to(tl.float16), mask=n_mask)
+    tl.store(out_ptr + offs_n, (y + gs).to(tl.float16), mask=n_mask)
 
 
 def shared_expert_one_row(h, gate_up_gate, down, y):

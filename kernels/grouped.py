@@ -36,8 +36,8 @@ import triton
 import triton.language as tl
 
 from runmap.kernels import common
-from runmap.kernels.core import (chain_wait, dot_tiles, expert_row, expert_site_row, nibbles_f16, prefetch_l2, resolve_row,
-                                 silu_mul)
+from runmap.kernels.core import (chain_wait, dot_tiles, expert_row, expert_site_row, gated_shared_down, nibbles_f16,
+                                 prefetch_l2, resolve_row, silu_mul)
 from runmap.format.qpack import RowLayout
 
 DECODE_MAX_PAIRS = 128
@@ -152,24 +152,11 @@ def _shared_gemv_rows(q, w, sx_ptr, sw_ptr, sgu_ptr, S_N, S_K: tl.constexpr, S_B
 def _shared_down_rows(q, sgu_ptr, sd_ptr, gs_ptr, S_H, S_I: tl.constexpr, S_BLOCK_N: tl.constexpr,
                       S_BLOCK_K: tl.constexpr):
     """Program ``q`` of a one-token shared expert's down projection riding in the down launch (after the chain's
-    wait): gs[n] =
-    sigmoid(gate logit) * fp16(sum_k a[k] sd[n, k]) in fp32, a = fp16(silu(g) * u) from sgu = g | u | gate logit,
-    the roundings of ``fused_ops._shared_down_kernel`` (the sum with the routed output is the k-slot sum's)."""
+    wait): gs[n] = sigmoid(gate logit) * fp16(sum_k a[k] sd[n, k]) in fp32 (``core.gated_shared_down``, as
+    ``fused_ops._shared_down_kernel``; the sum with the routed output is the k-slot sum's)."""
     offs_n = q * S_BLOCK_N + tl.arange(0, S_BLOCK_N)  # (SBN,) over H
     n_mask = offs_n < S_H
-    offs_k = tl.arange(0, S_BLOCK_K)
-    acc = tl.zeros((S_BLOCK_N, S_BLOCK_K), tl.float32)
-    for k0 in range(0, S_I, S_BLOCK_K):
-        k_mask = (k0 + offs_k) < S_I
-        g = tl.load(sgu_ptr + k0 + offs_k, mask=k_mask, other=0.0).to(tl.float32)  # (SBK,)
-        u = tl.load(sgu_ptr + S_I + k0 + offs_k, mask=k_mask, other=0.0).to(tl.float32)
-        a = (g * tl.sigmoid(g) * u).to(tl.float16).to(tl.float32)  # the torch path's fp16 activation
-        w = tl.load(sd_ptr + offs_n.to(tl.int64)[:, None] * S_I + k0 + offs_k[None, :],
-                    mask=n_mask[:, None] & k_mask[None, :], other=0.0)  # (SBN, SBK) fp16
-        acc += w.to(tl.float32) * a[None, :]
-    s = tl.sum(acc, axis=1).to(tl.float16).to(tl.float32)  # (SBN,) the down projection's fp16 output
-    gate = tl.sigmoid(tl.load(sgu_ptr + 2 * S_I).to(tl.float32))
-    tl.store(gs_ptr + offs_n, gate * s, mask=n_mask)
+    tl.store(gs_ptr + offs_n, gated_shared_down(sgu_ptr, sd_ptr, offs_n, n_mask, S_I, S_BLOCK_K), mask=n_mask)
 
 
 # do_not_specialize: the pair count P (and the sort's chunk count) changes with every prompt length; Triton would
