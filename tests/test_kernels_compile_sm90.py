@@ -33,13 +33,18 @@ print(json.dumps(sizes))
 """
 
 
-def test_the_imposed_weights_kernel_compiles_for_sm90():
+def compiled_sizes(script: str) -> dict:
+    """Run a compile script in a subprocess without TRITON_INTERPRET; its last stdout line: {name: cubin bytes}."""
     env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
     env["PYTHONPATH"] = os.pathsep.join(p for p in (str(ROOT), env.get("PYTHONPATH")) if p)
-    out = subprocess.run([sys.executable, "-c", SCRIPT], capture_output=True, text=True, env=env, cwd=ROOT,
-                         timeout=600)
+    out = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, env=env, cwd=ROOT,
+                         timeout=900)
     assert out.returncode == 0, out.stderr[-3000:]
-    sizes = json.loads(out.stdout.strip().splitlines()[-1])
+    return json.loads(out.stdout.strip().splitlines()[-1])
+
+
+def test_the_imposed_weights_kernel_compiles_for_sm90():
+    sizes = compiled_sizes(SCRIPT)
     assert len(sizes) == 12 and all(n > 1000 for n in sizes.values()), sizes
     # the top-k sum (NORM False) is code the NORM True form leaves out
     assert all(sizes[f"{t}/{p}/False/{c}"] > sizes[f"{t}/{p}/True/{c}"]
@@ -93,12 +98,7 @@ print(json.dumps(sizes))
 
 
 def test_the_shared_expert_kernels_compile_for_sm90():
-    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
-    env["PYTHONPATH"] = os.pathsep.join(p for p in (str(ROOT), env.get("PYTHONPATH")) if p)
-    out = subprocess.run([sys.executable, "-c", SHARED_SCRIPT], capture_output=True, text=True, env=env, cwd=ROOT,
-                         timeout=900)
-    assert out.returncode == 0, out.stderr[-3000:]
-    sizes = json.loads(out.stdout.strip().splitlines()[-1])
+    sizes = compiled_sizes(SHARED_SCRIPT)
     assert len(sizes) == 9 and all(n > 1000 for n in sizes.values()), sizes
     # the riding forms carry the shared expert's programs: more code than the plain forms
     assert all(sizes[f"{k}/True"] > sizes[f"{k}/False"] for k in ("gate_up", "down", "sum")), sizes

@@ -40,6 +40,21 @@ def copy_bandwidth(nbytes: int) -> dict:
     return {"buffer_bytes": nbytes, "moved_bytes": 2 * nbytes, "median_ms": m, "gbps": 2 * nbytes / m / 1e6}
 
 
+def probe_start(doc: str) -> tuple:
+    """The start every kernel probe of tools/explore shares: its ``--out`` option (``doc``'s first line as the
+    description), a CUDA generator seeded 0, the same-run device copy (printed). Returns (out path, generator, copy)."""
+    import argparse
+    from pathlib import Path
+
+    ap = argparse.ArgumentParser(description=doc.split("\n")[0])
+    ap.add_argument("--out", required=True, help="JSON written here")
+    args = ap.parse_args()
+    gen = torch.Generator(device="cuda").manual_seed(0)
+    copy = copy_bandwidth(1 << 30)
+    print(f"copy {copy['gbps']:.0f} GB/s", flush=True)
+    return Path(args.out), gen, copy
+
+
 def random_layer(layout: RowLayout, n_experts: int, gen: torch.Generator) -> torch.Tensor:
     """uint8 (E, row_bytes) with random nibbles and small positive fp16 scales (timing needs no packing)."""
     storage = torch.randint(0, 256, (n_experts, layout.row_bytes), dtype=torch.uint8, device="cuda", generator=gen)

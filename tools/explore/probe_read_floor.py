@@ -19,15 +19,12 @@ Fractions are of the 1 GiB device copy measured in the same run.
 """
 from __future__ import annotations
 
-import argparse
-from pathlib import Path
-
 import torch
 import triton
 import triton.language as tl
 
 from runmap.atomic import write_json
-from runmap.bench.kernel_workload import LAYERS, MODELS, copy_bandwidth, graph_us, model_layers, random_batches
+from runmap.bench.kernel_workload import LAYERS, MODELS, graph_us, model_layers, probe_start, random_batches
 from runmap.kernels import common
 from runmap.kernels.executors import moe_experts
 from runmap.kernels.reference import reference_moe_f32
@@ -72,11 +69,7 @@ def chunk_offsets(ids: torch.Tensor, layout) -> tuple[torch.Tensor, torch.Tensor
 
 
 def main() -> None:
-    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    ap.add_argument("--out", required=True, help="JSON written here")
-    args = ap.parse_args()
-    gen = torch.Generator(device="cuda").manual_seed(0)
-    copy = copy_bandwidth(1 << 30)
+    out_path, gen, copy = probe_start(__doc__)
     rows, checks = [], []
     print(f"copy {copy['gbps']:.0f} GB/s", flush=True)
     empty_out = torch.empty(1, device="cuda")
@@ -131,7 +124,7 @@ def main() -> None:
                              "bytes": moved, "gbps": gbps, "fraction": gbps / copy["gbps"]})
         layers.clear()
         torch.cuda.empty_cache()
-    write_json(Path(args.out), {"copy": copy, "empty_launch_pair_us": empty_us, "rows": rows, "checks": checks})
+    write_json(out_path, {"copy": copy, "empty_launch_pair_us": empty_us, "rows": rows, "checks": checks})
     print(f"two empty launches: {empty_us:.2f} us")
     for r in rows:
         print(f"{r['model']:12s} T={r['tokens']:<2d} {r['kind']:18s} {r['us']:7.2f} us {r['bytes'] / 1e6:6.1f} MB "

@@ -15,13 +15,10 @@ Fractions are of the expert bytes (distinct experts' rows) over the 1 GiB device
 """
 from __future__ import annotations
 
-import argparse
-from pathlib import Path
-
 import torch
 
 from runmap.atomic import write_json
-from runmap.bench.kernel_workload import LAYERS, MODELS, copy_bandwidth, graph_us, model_layers, random_batches
+from runmap.bench.kernel_workload import LAYERS, MODELS, graph_us, model_layers, probe_start, random_batches
 from runmap.kernels.executors import moe_experts
 from runmap.kernels import grouped
 from runmap.kernels.grouped import DECODE_MAX_PAIRS
@@ -31,12 +28,7 @@ TOKENS = (1, 8, 32, 512)
 
 
 def main() -> None:
-    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    ap.add_argument("--out", required=True, help="JSON written here")
-    args = ap.parse_args()
-    gen = torch.Generator(device="cuda").manual_seed(0)
-    copy = copy_bandwidth(1 << 30)
-    print(f"copy {copy['gbps']:.0f} GB/s", flush=True)
+    out_path, gen, copy = probe_start(__doc__)
     rows, checks = [], []
     for model, spec in MODELS.items():
         layout, layers, table = model_layers(spec, gen)
@@ -78,7 +70,7 @@ def main() -> None:
                   f"({off / on:.3f}x; {rows[-1]['fraction']:.2f} of copy; bitwise equal {same})", flush=True)
         layers.clear()
         torch.cuda.empty_cache()
-    write_json(Path(args.out), {"copy": copy, "rows": rows, "checks": checks})
+    write_json(out_path, {"copy": copy, "rows": rows, "checks": checks})
 
 
 if __name__ == "__main__":

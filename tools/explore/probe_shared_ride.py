@@ -17,13 +17,10 @@ fp16 weights) over the same run's device copy.
 """
 from __future__ import annotations
 
-import argparse
-from pathlib import Path
-
 import torch
 
 from runmap.atomic import write_json
-from runmap.bench.kernel_workload import LAYERS, MODELS, copy_bandwidth, graph_us, model_layers, random_batches
+from runmap.bench.kernel_workload import LAYERS, MODELS, graph_us, model_layers, probe_start, random_batches
 from runmap.kernels.executors import moe_experts
 from runmap.kernels.fused_ops import shared_expert_one_row
 from runmap.kernels.grouped import SharedExpert
@@ -36,12 +33,7 @@ RIDE_CONFIGS = [(16, 512, 4, 512), (16, 512, 4, 1024), (16, 512, 4, 2048), (16, 
 
 
 def main() -> None:
-    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    ap.add_argument("--out", required=True, help="JSON written here")
-    args = ap.parse_args()
-    gen = torch.Generator(device="cuda").manual_seed(0)
-    copy = copy_bandwidth(1 << 30)
-    print(f"copy {copy['gbps']:.0f} GB/s", flush=True)
+    out_path, gen, copy = probe_start(__doc__)
     spec = MODELS["qwen1.5-moe"]
     hid, si = spec["hidden"], SHARED_INTERMEDIATE
     layout, layers, table = model_layers(spec, gen)
@@ -106,7 +98,7 @@ def main() -> None:
               flush=True)
     for c in checks:
         print(f"check {c['config']}: rel_err {c['rel_err']:.2e}", flush=True)
-    write_json(Path(args.out), {"copy": copy, "rows": rows, "checks": checks})
+    write_json(out_path, {"copy": copy, "rows": rows, "checks": checks})
 
 
 if __name__ == "__main__":
