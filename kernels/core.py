@@ -324,6 +324,22 @@ def silu_mul(gate, up):
 
 
 @triton.jit
+def gemv_row_sums(w, x_ptr, w_rows, n_mask, K: tl.constexpr, BLOCK_K: tl.constexpr):
+    """fp32 (BN,) = sum_k x[k] w[n, k] over K for the rows whose K-contiguous weights start at ``w_rows`` (BN, 1)
+    pointers; ``w`` is their first BLOCK_K columns (BN, BK) fp16, already loaded (a chained kernel reads it before its
+    wait: no kernel writes weights). Products summed per lane in fp32, reduced once."""
+    offs_k = tl.arange(0, BLOCK_K)
+    x = tl.load(x_ptr + offs_k, mask=offs_k < K, other=0.0)  # (BK,)
+    acc = w.to(tl.float32) * x.to(tl.float32)[None, :]  # (BN, BK)
+    for k0 in range(BLOCK_K, K, BLOCK_K):
+        k_mask = (k0 + offs_k) < K
+        w = tl.load(w_rows + k0 + offs_k[None, :], mask=n_mask[:, None] & k_mask[None, :], other=0.0)  # (BN, BK)
+        x = tl.load(x_ptr + k0 + offs_k, mask=k_mask, other=0.0)  # (BK,)
+        acc += w.to(tl.float32) * x.to(tl.float32)[None, :]
+    return tl.sum(acc, axis=1)
+
+
+@triton.jit
 def gated_shared_down(gu_ptr, w_ptr, offs_n, n_mask, I: tl.constexpr, BLOCK_K: tl.constexpr):
     """A shared expert's down projection of one token for rows ``offs_n`` (BN,), gated: fp32 (BN,) =
     sigmoid(gu[2 I]) * fp16(sum_k a[k] w[n, k]), a = fp16(silu(gu[k]) * gu[I + k]): the torch path's roundings.

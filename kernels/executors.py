@@ -108,13 +108,9 @@ def moe_experts(executor: str, x: torch.Tensor, topk_ids: torch.Tensor, topk_wei
     if executor not in EXECUTORS:
         raise common.KernelInputError(f"executor: {executor!r}, expected one of {EXECUTOR_NAMES}")
     check_inputs(x, topk_ids, topk_weights, storage, row_table, layout)
-    if shared is not None:
-        if executor != "grouped" or host_rows is not None:
-            raise common.KernelInputError(f"shared: a shared expert rides in the grouped executor's device-row launches "
-                                          f"only, not {executor!r}{' with host rows' if host_rows is not None else ''}")
-        if validate:
-            check_routing(topk_ids, row_table, storage.shape[0])
-        return EXECUTORS[executor].load()(x, topk_ids, topk_weights, storage, row_table, layout, config, shared=shared)
+    if shared is not None and (executor != "grouped" or host_rows is not None):
+        raise common.KernelInputError(f"shared: a shared expert rides in the grouped executor's device-row launches "
+                                      f"only, not {executor!r}{' with host rows' if host_rows is not None else ''}")
     if host_rows is not None:
         if executor != "grouped":
             raise common.KernelInputError(f"host_rows: the host-read site runs on the grouped executor only, not "
@@ -126,4 +122,6 @@ def moe_experts(executor: str, x: torch.Tensor, topk_ids: torch.Tensor, topk_wei
                                           host_rows=host_rows)
     if validate or not EXECUTORS[executor].graph_safe:  # the host-synchronizing paths always check routing
         check_routing(topk_ids, row_table, storage.shape[0])
+    if shared is not None:  # grouped (checked above)
+        return EXECUTORS[executor].load()(x, topk_ids, topk_weights, storage, row_table, layout, config, shared=shared)
     return EXECUTORS[executor].load()(x, topk_ids, topk_weights, storage, row_table, layout, config)

@@ -26,7 +26,7 @@ import triton
 import triton.language as tl
 
 from runmap.kernels import common
-from runmap.kernels.core import chain_wait, gated_shared_down
+from runmap.kernels.core import chain_wait, gated_shared_down, gemv_row_sums, silu_mul
 
 
 @triton.jit
@@ -740,19 +740,11 @@ def _gemv_kernel(x_ptr, w_ptr, b_ptr, y_ptr, N, K: tl.constexpr, HAS_BIAS: tl.co
     offs_n = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)  # (BN,)
     n_mask = offs_n < N
     offs_k = tl.arange(0, BLOCK_K)
-    k_mask = offs_k < K
-    w = tl.load(w_ptr + offs_n[:, None] * K + offs_k[None, :], mask=n_mask[:, None] & k_mask[None, :],
+    w_rows = w_ptr + offs_n[:, None] * K  # (BN, 1)
+    w = tl.load(w_rows + offs_k[None, :], mask=n_mask[:, None] & (offs_k < K)[None, :],
                 other=0.0)  # (BN, BK) fp16: the first K chunk
     chain_wait(CHAINED)
-    x = tl.load(x_ptr + offs_k, mask=k_mask, other=0.0)  # (BK,)
-    acc = w.to(tl.float32) * x.to(tl.float32)[None, :]  # (BN, BK)
-    for k0 in range(BLOCK_K, K, BLOCK_K):
-        k_mask = (k0 + offs_k) < K
-        w = tl.load(w_ptr + offs_n[:, None] * K + k0 + offs_k[None, :], mask=n_mask[:, None] & k_mask[None, :],
-                    other=0.0)  # (BN, BK) fp16
-        x = tl.load(x_ptr + k0 + offs_k, mask=k_mask, other=0.0)  # (BK,)
-        acc += w.to(tl.float32) * x.to(tl.float32)[None, :]
-    y = tl.sum(acc, axis=1)  # (BN,)
+    y = gemv_row_sums(w, x_ptr, w_rows, n_mask, K, BLOCK_K)  # (BN,) fp32
     if HAS_BIAS:
         y += tl.load(b_ptr + offs_n, mask=n_mask, other=0.0).to(tl.float32)
     tl.store(y_ptr + offs_n, y.to(tl.float16), mask=n_mask)
@@ -844,7 +836,7 @@ def _silu_mul_rows_kernel(gu_ptr, a_ptr, stride_gm, I, BLOCK: tl.constexpr):
     mask = offs < I
     g = tl.load(gu_ptr + row * stride_gm + offs, mask=mask, other=0.0).to(tl.float32)
     u = tl.load(gu_ptr + row * stride_gm + I + offs, mask=mask, other=0.0).to(tl.float32)
-    tl.store(a_ptr + row * I + offs, (g * tl.sigmoid(g) * u).to(tl.float16), mask=mask)
+    tl.store(a_ptr + row * I + offs, silu_mul(g, u).to(tl.float16), mask=mask)
 
 
 @triton.jit

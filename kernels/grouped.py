@@ -36,8 +36,8 @@ import triton
 import triton.language as tl
 
 from runmap.kernels import common
-from runmap.kernels.core import (chain_wait, dot_tiles, expert_row, expert_site_row, gated_shared_down, nibbles_f16,
-                                 prefetch_l2, resolve_row, silu_mul)
+from runmap.kernels.core import (chain_wait, dot_tiles, expert_row, expert_site_row, gated_shared_down, gemv_row_sums,
+                                 nibbles_f16, prefetch_l2, resolve_row, silu_mul)
 from runmap.format.qpack import RowLayout
 
 DECODE_MAX_PAIRS = 128
@@ -132,20 +132,12 @@ def _shared_gemv_rows(q, w, sx_ptr, sw_ptr, sgu_ptr, S_N, S_K: tl.constexpr, S_B
                       S_BLOCK_K: tl.constexpr):
     """Program ``q`` of a one-token shared expert's first GEMV riding in the gate/up launch (``grouped_moe``'s
     ``shared``), after the chain's wait: sgu[n] = fp16(sum_k sx[k] sw[n, k]) for S_BLOCK_N rows n of gate | up | the
-    shared expert gate's row, as ``fused_ops._gemv_kernel`` computes it. w: its first K chunk (S_BLOCK_N, S_BLOCK_K),
-    which the kernel read before the wait (no kernel writes weights)."""
+    shared expert gate's row (``core.gemv_row_sums``, as ``fused_ops._gemv_kernel``). w: its first K chunk
+    (S_BLOCK_N, S_BLOCK_K), which the kernel read before the wait."""
     offs_n = q * S_BLOCK_N + tl.arange(0, S_BLOCK_N)  # (SBN,)
     n_mask = offs_n < S_N
-    offs_k = tl.arange(0, S_BLOCK_K)
-    w_rows = sw_ptr + offs_n.to(tl.int64)[:, None] * S_K
-    x = tl.load(sx_ptr + offs_k, mask=offs_k < S_K, other=0.0)  # (SBK,)
-    acc = w.to(tl.float32) * x.to(tl.float32)[None, :]
-    for k0 in range(S_BLOCK_K, S_K, S_BLOCK_K):
-        k_mask = (k0 + offs_k) < S_K
-        w = tl.load(w_rows + k0 + offs_k[None, :], mask=n_mask[:, None] & k_mask[None, :], other=0.0)
-        x = tl.load(sx_ptr + k0 + offs_k, mask=k_mask, other=0.0)
-        acc += w.to(tl.float32) * x.to(tl.float32)[None, :]
-    tl.store(sgu_ptr + offs_n, tl.sum(acc, axis=1).to(tl.float16), mask=n_mask)
+    sums = gemv_row_sums(w, sx_ptr, sw_ptr + offs_n.to(tl.int64)[:, None] * S_K, n_mask, S_K, S_BLOCK_K)
+    tl.store(sgu_ptr + offs_n, sums.to(tl.float16), mask=n_mask)
 
 
 @triton.jit
@@ -654,7 +646,7 @@ def grouped_gate_up(x, topk_ids, order, row_table, storage, layout: RowLayout, c
     bk = common.pick_block_k(cfg["BLOCK_K"], layout.block_size)
     n_tiles = triton.cdiv(g.n, cfg["BLOCK_N"])
     s_args, s_opts = (x, x, h, 0), {}
-    if shared is not None:  # its programs follow the pairs' along grid dim 0, n_tiles per column
+    if shared is not None:  # its programs come after the pairs' in launch order (the kernel maps them)
         s_n = shared.gate_up_gate.shape[0]
         s_bn = cfg.get("SHARED_BLOCK_N", SHARED_GEMV_BLOCK_N)
         grid0 += triton.cdiv(triton.cdiv(s_n, s_bn), n_tiles)
@@ -702,7 +694,7 @@ def grouped_down(h, topk_ids, topk_weights, order, row_table, storage, layout: R
     bk = common.pick_block_k(cfg["DOWN_BLOCK_K"], layout.block_size)
     n_tiles = triton.cdiv(d.n, cfg["DOWN_BLOCK_N"])
     s_args, s_opts = (h, h, ypair), {}
-    if shared is not None:  # its programs follow the pairs' along grid dim 0, n_tiles per column
+    if shared is not None:  # its programs come after the pairs' in launch order (the kernel maps them)
         s_bn = cfg.get("SHARED_DOWN_BLOCK_N", SHARED_DOWN_BLOCK_N)
         grid0 += triton.cdiv(triton.cdiv(d.n, s_bn), n_tiles)
         s_args = (sgu, shared.down, gs)
@@ -862,10 +854,6 @@ def _check_shared(shared: SharedExpert, x: torch.Tensor, t: int, layout: RowLayo
     if shared.down.shape[1] < 1 or shared.down.shape[1] * 2 + 1 != n3:
         raise common.KernelInputError(f"shared.gate_up_gate: {n3} rows, expected 2 * Is + 1 with Is = down's "
                                       f"{shared.down.shape[1]} columns")
-    for name, tensor in (("shared.x", shared.x), ("shared.gate_up_gate", shared.gate_up_gate),
-                         ("shared.down", shared.down)):
-        if not tensor.is_contiguous():
-            raise common.KernelInputError(f"{name}: must be contiguous")
 
 
 def _grouped_moe_with_shared(x, topk_ids, topk_weights, storage, row_table, layout, cfg, host_rows, shared):

@@ -53,7 +53,8 @@ def test_the_imposed_weights_kernel_compiles_for_sm90():
 
 # the shared-expert kernels of the fused op "shared" (2026-12-07): the riding forms of the grouped launches (SHARED, at
 # Qwen1.5-MoE's shapes, chained), the k-slot sum with the shared term, the one-row down kernel on the shared helper
-# (core.gated_shared_down) and the two launches of several rows; prints {name: cubin bytes} as JSON
+# (core.gated_shared_down), the one-row GEMV on the helper it shares with the riding GEMV (core.gemv_row_sums) and the
+# two launches of several rows; prints {name: cubin bytes} as JSON
 SHARED_SCRIPT = r"""
 import json
 import triton
@@ -88,6 +89,8 @@ for shared in (False, True):
                                    "H": "i32"}, {"TOPK": 4, "BLOCK_N": 256, "CHAINED": True, "SHARED": shared})
 sizes["one_row_down"] = build(fused_ops._shared_down_kernel, {"gu_ptr": "*fp16", "w_ptr": "*fp16", "y_ptr": "*fp16",
                               "out_ptr": "*fp16", "N": "i32"}, {"I": 5632, "BLOCK_N": 4, "BLOCK_K": 512, "CHAINED": True})
+sizes["gemv"] = build(fused_ops._gemv_kernel, {"x_ptr": "*fp16", "w_ptr": "*fp16", "b_ptr": "*fp16", "y_ptr": "*fp16",
+                     "N": "i32"}, {"K": 2048, "HAS_BIAS": True, "BLOCK_N": 16, "BLOCK_K": 512, "CHAINED": True})
 sizes["silu_mul_rows"] = build(fused_ops._silu_mul_rows_kernel, {"gu_ptr": "*fp16", "a_ptr": "*fp16", "stride_gm": "i32",
                                "I": "i32"}, {"BLOCK": 1024})
 sizes["shared_gate_add"] = build(fused_ops._shared_gate_add_kernel, {"h_ptr": "*fp16", "wg_ptr": "*fp16",
@@ -99,6 +102,6 @@ print(json.dumps(sizes))
 
 def test_the_shared_expert_kernels_compile_for_sm90():
     sizes = compiled_sizes(SHARED_SCRIPT)
-    assert len(sizes) == 9 and all(n > 1000 for n in sizes.values()), sizes
+    assert len(sizes) == 10 and all(n > 1000 for n in sizes.values()), sizes
     # the riding forms carry the shared expert's programs: more code than the plain forms
     assert all(sizes[f"{k}/True"] > sizes[f"{k}/False"] for k in ("gate_up", "down", "sum")), sizes

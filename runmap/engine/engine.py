@@ -437,7 +437,7 @@ class CachedExperts:
             # (a copy out of expert rows in the step would show then), so expert_d2h_bytes covers this path
             with self.cache.monitored():
                 return self.moe(self.executor, x, ids, gw, self.storage[layer], self.tables[layer], self.layout,
-                                validate=validate, **({} if shared is None else {"shared": shared}))
+                                validate=validate, shared=shared)
         if self.host_rows is not None:  # placement host-read: a prompt's pass (its decode steps are HostReadDecoder's)
             return self._host_read_pass(layer, x, ids, gw)
         nxt = None
@@ -864,8 +864,9 @@ class GraphDecoder(_StaticStepInputs):
     def rides_shared(self, n_rows: int) -> bool:
         """Whether ``_experts`` takes a one-token shared expert: the engine's experts say (CachedExperts.rides_shared);
         those without the method (SkipExperts, DenseFp16Experts) take none."""
-        ask = getattr(self.e.experts, "rides_shared", None)
-        return bool(ask is not None and ask(n_rows))
+        from runmap.engine.model import rides_shared
+
+        return rides_shared(self.e.experts, n_rows)
 
     def _step(self, n_keys):
         e = self.e

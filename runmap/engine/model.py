@@ -61,11 +61,12 @@ def linear(x: torch.Tensor, w: torch.Tensor, b: torch.Tensor | None = None) -> t
     return F.linear(x.float(), w.float(), None if b is None else b.float()).to(x.dtype)
 
 
-def _rides_shared(experts) -> bool:
-    """Whether a routed-experts callback takes a one-token shared expert (``shared=``, computed in its launches): its
-    ``rides_shared(1)``, or that of the object a bound-method callback belongs to."""
+def rides_shared(experts, n_rows: int = 1) -> bool:
+    """Whether a routed-experts callback takes a shared expert of ``n_rows`` rows (``shared=``, computed in its
+    launches): its ``rides_shared(n_rows)``, or that of the object a bound-method callback belongs to; False for a
+    callback without one."""
     ask = getattr(experts, "rides_shared", None) or getattr(getattr(experts, "__self__", None), "rides_shared", None)
-    return bool(ask is not None and ask(1))
+    return bool(ask is not None and ask(n_rows))
 
 
 def rms_norm(x: torch.Tensor, w: torch.Tensor, eps: float) -> torch.Tensor:
@@ -339,12 +340,12 @@ class Transformer:
         if self.route_sink is not None:
             self.route_sink(layer, ids)
         if token_rows is None and lw.shared_gate_up_gate is not None and {"gemv", "shared"} <= self.fused \
-                and h.shape[0] == 1 and _rides_shared(experts):
+                and h.shape[0] == 1 and rides_shared(experts):
             from runmap.kernels.grouped import SharedExpert
 
             # one token: the shared expert's programs ride in the routed launches (runmap.kernels.grouped.SharedExpert)
-            return experts(layer, hr.contiguous(), ids, gw,
-                           shared=SharedExpert(h.contiguous(), lw.shared_gate_up_gate, lw.shared_down))  # (1, H)
+            x = h.contiguous()  # (1, H): hr is h here (no token_rows)
+            return experts(layer, x, ids, gw, shared=SharedExpert(x, lw.shared_gate_up_gate, lw.shared_down))
         y = experts(layer, hr.contiguous(), ids, gw)  # (n, H) fp16
         if token_rows is not None:
             y = torch.zeros_like(h).index_copy_(0, token_rows, y)  # (N, H)
