@@ -115,12 +115,12 @@ def two_site_split(ids: torch.Tensor, table: torch.Tensor, share: torch.Tensor, 
         x, gw, h_ids, h_x, h_gw, h_keep, h_count = handoff
         B, k = ids.shape
         common.check_tensor("x", x, dtype=torch.float16, ndim=2, device=dev)
-        common.check_tensor("gw", gw, dtype=torch.float32, ndim=2, shape=(B, k), device=dev)
-        common.check_tensor("host_ids", h_ids, dtype=torch.int64, ndim=2, shape=(B, k), device=dev)
-        common.check_tensor("host_x", h_x, dtype=torch.float16, ndim=2, shape=tuple(x.shape), device=dev)
-        common.check_tensor("host_gw", h_gw, dtype=torch.float32, ndim=2, shape=(B, k), device=dev)
-        common.check_tensor("host_keep", h_keep, dtype=torch.int32, ndim=1, shape=(bk,), device=dev)
-        common.check_tensor("host_count", h_count, dtype=torch.int32, ndim=1, shape=(1,), device=dev)
+        common.check_tensor("gw", gw, dtype=torch.float32, shape=(B, k), device=dev)
+        common.check_tensor("host_ids", h_ids, dtype=torch.int64, shape=(B, k), device=dev)
+        common.check_tensor("host_x", h_x, dtype=torch.float16, shape=tuple(x.shape), device=dev)
+        common.check_tensor("host_gw", h_gw, dtype=torch.float32, shape=(B, k), device=dev)
+        common.check_tensor("host_keep", h_keep, dtype=torch.int32, shape=(bk,), device=dev)
+        common.check_tensor("host_count", h_count, dtype=torch.int32, shape=(1,), device=dev)
         if x.shape[0] != B:
             raise common.KernelInputError(f"two_site_split: x has {x.shape[0]} rows, ids {B}")
         bh = x.numel()
