@@ -581,6 +581,60 @@ def test_a_riding_shared_expert_changes_no_logit(packs, monkeypatch, test_device
         assert err <= 1e-2 * r.abs().max().item() + 2e-3, f"forward {i}: against the reference max |diff| {err:.3g}"
 
 
+@pytest.mark.parametrize("graphs", [False, True])
+@pytest.mark.parametrize("preset", ["tiny-olmoe", "tiny-qwen2-moe"])
+def test_tails_change_no_logit(packs, monkeypatch, test_device, graphs, preset):
+    """Fused op "tails": the attention's splits combined in the split launch and the rows routed in the norm's launch.
+    Teacher-forced logits with and without it within fp16 rounding of each other and of the reference executor; the
+    passes call add_norm_router_routes and no route_topk; the counters are back at zero after the run. On the interpreter's fused ops in CI; on CUDA also through captured decode graphs."""
+    if graphs and test_device != "cuda":
+        pytest.skip("CUDA graphs need a CUDA device")
+    import runmap.kernels.fused_ops as fo
+
+    ref_outs, fed, _ = run_steps(Engine.from_pack(packs[preset], executor="reference", device="cpu", max_batch=1,
+                                                  max_seq_len=16), TRITON_PROMPT, 3)
+    calls = {"routes": 0, "topk": 0}
+    real_routes, real_topk = fo.add_norm_router_routes, fo.route_topk
+
+    def routes_spy(*a, **kw):
+        calls["routes"] += 1
+        return real_routes(*a, **kw)
+
+    def topk_spy(*a, **kw):
+        calls["topk"] += 1
+        return real_topk(*a, **kw)
+    monkeypatch.setattr(fo, "add_norm_router_routes", routes_spy)
+    monkeypatch.setattr(fo, "route_topk", topk_spy)
+    base = ("prologue", "norm", "router", "attn", "gemv", "shared")
+    outs = {}
+    for ops in (base, base + ("tails",)):
+        eng = Engine.from_pack(packs[preset], executor="grouped", device=test_device, max_batch=1, max_seq_len=16,
+                               fused=ops, cuda_graphs=graphs, segments=False)  # graphs: captured here
+        eng.model.fused = frozenset(ops)  # the CPU build ignores fused ops: the interpreter runs them here
+        at_build = dict(calls)
+        for k in calls:
+            calls[k] = 0
+        try:
+            outs[ops], _, _ = run_steps(eng, TRITON_PROMPT, 3, teacher=fed)
+        finally:
+            eng.close()
+        assert not fo.tail_counts(eng.device).any()
+        layers = eng.cfg.num_layers
+        if not graphs:  # eager: every pass's layers seen (the 3-token prefill's rows are few enough to route there too)
+            assert calls == ({"routes": 4 * layers, "topk": 0} if "tails" in ops else
+                             {"routes": 0, "topk": 4 * layers}), (ops, calls)
+        else:  # seen when the build's warm-up captured the decode graphs
+            assert at_build["routes" if "tails" in ops else "topk"] >= layers, (ops, at_build)
+            assert at_build["topk" if "tails" in ops else "routes"] == 0, (ops, at_build)
+        for k in calls:
+            calls[k] = 0
+    for i, (a, b, r) in enumerate(zip(outs[base + ("tails",)], outs[base], ref_outs)):
+        err = (a - b).abs().max().item()
+        assert err <= 2e-3 * b.abs().max().item() + 1e-3, f"forward {i}: tails vs launches max |diff| {err:.3g}"
+        err = (a - r).abs().max().item()
+        assert err <= 1e-2 * r.abs().max().item() + 2e-3, f"forward {i}: against the reference max |diff| {err:.3g}"
+
+
 def test_a_step_whose_experts_take_no_shared_expert_is_never_given_one():
     """The captured decode step's callback (GraphDecoder) passes a shared expert on only where the engine's experts
     take one: SkipExperts (skip_experts=True) and DenseFp16Experts have no rides_shared and no ``shared``, and a

@@ -105,3 +105,55 @@ def test_the_shared_expert_kernels_compile_for_sm90():
     assert len(sizes) == 10 and all(n > 1000 for n in sizes.values()), sizes
     # the riding forms carry the shared expert's programs: more code than the plain forms
     assert all(sizes[f"{k}/True"] > sizes[f"{k}/False"] for k in ("gate_up", "down", "sum")), sizes
+
+
+# fused op "tails" (2026-12-07): the split attention launches that combine their own splits (with and without the
+# prologue) and the norm's launch that routes its rows (the router's top-k, an imposed routing's weights), chained, at
+# OLMoE's / Qwen1.5-MoE's attention (16 heads of 128) and routers (top-8 of 64, top-4 of 60); prints {name: cubin
+# bytes} as JSON
+TAILS_SCRIPT = r"""
+import json
+import triton
+from triton.backends.compiler import GPUTarget
+from triton.compiler import ASTSource
+from runmap.kernels import fused_ops
+
+def build(fn, sig, ce, warps=4):
+    src = ASTSource(fn=fn, signature=dict(sig, **{k: "constexpr" for k in ce}), constexprs=ce)
+    return len(triton.compile(src, target=GPUTarget("cuda", 90, 32), options={"num_warps": warps}).asm["cubin"])
+
+pro_sig = {"qkv_ptr": "*fp16", "stride_qkv_b": "i32", "qw_ptr": "*fp16", "kw_ptr": "*fp16", "pos_ptr": "*i64",
+           "inv_freq_ptr": "*fp32", "k_ptr": "*fp16", "v_ptr": "*fp16", "part_ptr": "*fp32", "ml_ptr": "*fp32",
+           "slot_ptr": "*i64", "pad_ptr": "*i64", "stride_cb": "i32", "stride_ch": "i32", "stride_cs": "i32",
+           "scale": "fp32", "eps": "fp32", "out_ptr": "*fp16", "count_ptr": "*i32"}
+split_sig = {"q_ptr": "*fp16", "k_ptr": "*fp16", "v_ptr": "*fp16", "part_ptr": "*fp32", "ml_ptr": "*fp32",
+             "slot_ptr": "*i64", "pad_ptr": "*i64", "stride_cb": "i32", "stride_ch": "i32", "stride_cs": "i32",
+             "scale": "fp32", "out_ptr": "*fp16", "count_ptr": "*i32"}
+norm_sig = {"x_ptr": "*fp16", "y_ptr": "*fp16", "nw_ptr": "*fp16", "rw_ptr": "*fp32", "x_out_ptr": "*fp16",
+            "h_out_ptr": "*fp16", "logits_ptr": "*fp32", "E": "i32", "eps": "fp32", "ids_ptr": "*i64",
+            "wts_ptr": "*fp32", "count_ptr": "*i32"}
+sizes = {}
+for tail in (False, True):
+    for norm in (False, True):
+        sizes[f"prologue_split/{tail}/{norm}"] = build(fused_ops._decode_attn_prologue_split_kernel, pro_sig, {
+            "N_KEYS": 256, "NH": 16, "NKV": 16, "HALF": 64, "NH_P2": 16, "NKV_P2": 16, "HALF_P2": 64,
+            "HAS_NORM": norm, "BLOCK_N": 32, "SPLITS": 8, "TAIL": tail, "CHAINED": True})
+    sizes[f"split/{tail}"] = build(fused_ops._decode_attn_split_kernel, split_sig, {
+        "N_KEYS": 256, "NH": 16, "NKV": 16, "D": 128, "D_P2": 128, "BLOCK_N": 32, "SPLITS": 8, "TAIL": tail,
+        "CHAINED": True})
+for tail in (0, 1, 2):
+    for e, topk, norm in ((64, 8, False), (60, 4, False), (60, 4, True)):
+        sizes[f"norm_router/{tail}/{e}/{topk}/{norm}"] = build(fused_ops._add_norm_router_kernel, norm_sig, {
+            "H": 2048, "H_P2": 2048, "HAS_Y": True, "BLOCK_E": 2, "BLOCK_H": 1024, "TAIL": tail, "TOPK": topk,
+            "NORM": norm, "E_P2": 64, "CHAINED": True})
+print(json.dumps(sizes))
+"""
+
+
+def test_the_tail_kernels_compile_for_sm90():
+    sizes = compiled_sizes(TAILS_SCRIPT)
+    assert len(sizes) == 6 + 9 and all(n > 1000 for n in sizes.values()), sizes
+    # the tails are code the forms without them leave out
+    assert all(sizes[f"prologue_split/True/{n}"] > sizes[f"prologue_split/False/{n}"] for n in (False, True)), sizes
+    assert sizes["split/True"] > sizes["split/False"], sizes
+    assert all(sizes[f"norm_router/{t}/60/4/False"] > sizes["norm_router/0/60/4/False"] for t in (1, 2)), sizes
