@@ -38,7 +38,7 @@ def _two_row_prompt_case(preset: str, weights_seed: int, tokens_seed: int):
 @pytest.mark.parametrize("preset,fused", [("tiny-olmoe", (op,)) for op in ALL if op != "shared"] +
                          [("tiny-qwen2-moe", ("shared",)), ("tiny-qwen2-moe", ALL), ("tiny-olmoe", ALL),
                           ("tiny-olmoe", ("attn", "tails")), ("tiny-qwen2-moe", ALL + ("tails",)),
-                          ("tiny-olmoe", ALL + ("tails",))])
+                          ("tiny-olmoe", ALL + ("tails",)), ("tiny-qwen2-moe", ALL + ("attn-tail",))])
 @cpu_model
 def test_fused_ops_match_torch(preset, fused):
     cfg, model, experts, _, tokens, pad, slots, pos = _two_row_prompt_case(preset, 2, 0)

@@ -291,7 +291,8 @@ class Transformer:
         # Together in a decode step: "prologue" + "attn" run as one launch, "norm" + "router" as one (and top-k).
         # "imposed" (with "router"): a routing workload's gate weights from those logits in one launch.
         # "tails": the last program of a launch finishes its small reduction: decode attention's splits combined in the
-        # split launch, and (with "norm" + "router") the rows routed in the norm's launch (fused_ops, "tails").
+        # split launch, and (with "norm" + "router") the rows routed in the norm's launch (fused_ops, "tails");
+        # "attn-tail": the attention's part alone.
         # "shared": a shared expert of several rows in two launches between its two GEMMs; with "gemv" one token's rides
         # in the grouped executor's launches where the experts callback takes it (rides_shared), else "gemv"'s two
         self.fused: frozenset = frozenset()
@@ -303,6 +304,11 @@ class Transformer:
 
     def _fused_router(self) -> bool:
         return "router" in self.fused and self.cfg.top_k & (self.cfg.top_k - 1) == 0  # kernels tile k as a power of 2
+
+    def _attn_tail(self) -> bool:
+        """Decode attention combines its splits in the split launch: op "tails" (with the routing in the norm's launch)
+        or "attn-tail" (that alone)."""
+        return not {"tails", "attn-tail"}.isdisjoint(self.fused)
 
     def _fused_imposed(self) -> bool:
         """Imposed ids' gate weights in one launch on the fused router's logits (fused op "imposed"), instead of
@@ -407,7 +413,7 @@ class Transformer:
             # the prologue folded into the attention launch (a power-of-two head dim: both real families use 128)
             return decode_attention_with_prologue(qkv, lw.q_norm, lw.k_norm, positions, slots, self.w.inv_freq, kc,
                                                   vc, pad, n_keys, num_heads=nh, num_kv_heads=nkv,
-                                                  eps=cfg.rms_norm_eps, tail="tails" in self.fused)  # (B, 1, nh*D)
+                                                  eps=cfg.rms_norm_eps, tail=self._attn_tail())  # (B, 1, nh*D)
         if "prologue" in self.fused:
             from runmap.kernels.fused_ops import qk_norm_rope_kv
 
@@ -432,7 +438,7 @@ class Transformer:
             from runmap.kernels.fused_ops import decode_attention
 
             return decode_attention(q.contiguous(), kc, vc, slots, pad, n_keys,
-                                    tail="tails" in self.fused)  # (B, 1, nh*D)
+                                    tail=self._attn_tail())  # (B, 1, nh*D)
         keys, vals = kc[:, :, :n_keys], vc[:, :, :n_keys]  # (B, nkv, n_keys, D)
         gqa = nkv != nh
         if q.is_cuda:
