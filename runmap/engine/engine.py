@@ -172,7 +172,9 @@ FUSED_OPS = ("prologue", "norm", "router", "attn", "gemv", "imposed", "shared", 
 # (results/kernels/explore/h200-decode.json).
 # In a decode step the logits launch is the norm's (add_norm_router_logits) and the prologue is the attention's.
 # "tails" (the attention's combine in its split launch, the routing in the norm's launch: two launches fewer per layer)
-# is asked for by name until it has passed its GPU tests and an end-to-end A/B (2026-12-07).
+# passed its GPU tests and measured slower on an H100 (OLMoE batch 1 1,105.6 against 1,185.6 tok/s, Qwen1.5-MoE 552.0
+# against 557.6; results/campaigns/h100-decode-tails), so it is asked for by name; "attn-tail" (its attention part
+# alone) is not measured yet.
 DEFAULT_FUSED = ("prologue", "norm", "router", "attn", "gemv", "imposed", "shared")
 
 
