@@ -32,8 +32,9 @@ def counted_last(count_ptr, n):
     n-th, which then resets the count to 0 (so a launch leaves its counts as it found them and a captured graph
     replays from zero). The barrier first makes every thread's stores of this program happen before its count; the
     count is an acquire-release atomic at GPU scope, so the last program sees every other program's stores (read
-    them with ``cache_modifier=".cg"``: past this SM's L1). Counts of one launch never meet another's: a chained
-    launch counts only after its wait, and plain launches on one stream run one after the other."""
+    them with ``cache_modifier=".cg"``: past this SM's L1). The caller keeps counts of two launches apart: launches of
+    one stream do not overlap (a chained launch counts only after its wait), so a counter may be shared by launches
+    of one stream only (``runmap.kernels.fused_ops.tail_counts`` says how the engine keeps to that)."""
     tl.debug_barrier()
     seen = tl.atomic_add(count_ptr, 1, sem="acq_rel", scope="gpu")
     last = seen == n - 1

@@ -731,8 +731,9 @@ def _decode_attn_combine_kernel(part_ptr, ml_ptr, out_ptr, NH: tl.constexpr, D: 
 # launch before counts itself on a counter in device memory once its partial result is stored, and the program that
 # counts last does the reduction (``runmap.kernels.core.counted_last``). The counters are one zeroed int32 buffer
 # per device, made once, that every such launch leaves at zero: a section per kind of tail, an entry per (row, head)
-# or row. One launch counts on them at a time: launches of a stream run in order (chained ones count after their
-# wait) and the engine runs its decode steps on one stream.
+# or row. Two launches must never count on them at once: the engine runs its passes on one stream, in order
+# (chained launches count after their wait), and the server's joins that run beside the decode steps on a stream of
+# their own (interleaved, concurrent) refuse the tail ops (runmap.serve.batching.BatchRunner).
 TAIL_ATTN_COUNTS = 1 << 15  # (row, query head) entries of the attention's combine: batch x heads
 TAIL_ROUTER_COUNTS = 1 << 10  # rows of the router's top-k
 _tail_counts: dict = {}
@@ -740,11 +741,17 @@ _tail_counts: dict = {}
 
 def tail_counts(device: torch.device) -> torch.Tensor:
     """The device's tail counters, int32 (TAIL_ATTN_COUNTS + TAIL_ROUTER_COUNTS,), zeros between launches. Made at the
-    first call on the device (an eager decode step: the engine's warm-up runs them before it captures any)."""
+    first call on the device, which must not be inside a CUDA graph capture (the zeroing would become part of the
+    graph, and its memory the graph pool's): the engine runs every captured function eagerly before capturing it."""
     device = torch.device(device)
+    if device.type == "cuda" and device.index is None:  # "cuda" and "cuda:N" name one buffer
+        device = torch.device("cuda", torch.cuda.current_device())
     key = (device.type, device.index)
     counts = _tail_counts.get(key)
     if counts is None:
+        if device.type == "cuda" and torch.cuda.is_current_stream_capturing():
+            raise RuntimeError("the tail counters are made at the first eager call on a device, not inside a CUDA "
+                               "graph capture: run the pass once before capturing it")
         counts = _tail_counts[key] = torch.zeros(TAIL_ATTN_COUNTS + TAIL_ROUTER_COUNTS, dtype=torch.int32,
                                                  device=device)
     return counts

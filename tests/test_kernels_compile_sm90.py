@@ -113,14 +113,24 @@ def test_the_shared_expert_kernels_compile_for_sm90():
 # bytes} as JSON
 TAILS_SCRIPT = r"""
 import json
+import re
 import triton
 from triton.backends.compiler import GPUTarget
 from triton.compiler import ASTSource
 from runmap.kernels import fused_ops
 
+ptx = {}
+
 def build(fn, sig, ce, warps=4):
     src = ASTSource(fn=fn, signature=dict(sig, **{k: "constexpr" for k in ce}), constexprs=ce)
-    return len(triton.compile(src, target=GPUTarget("cuda", 90, 32), options={"num_warps": warps}).asm["cubin"])
+    k = triton.compile(src, target=GPUTarget("cuda", 90, 32), options={"num_warps": warps})
+    ptx[len(ptx)] = k.asm["ptx"]
+    return len(k.asm["cubin"])
+
+def ops(text):  # the count's acquire-release atomic at GPU scope and the loads past the L1, as the PTX spells them
+    lines = [re.sub(r"^@!?%p\d+\s+", "", l.strip()) for l in text.splitlines()]  # without a predicate guard
+    return {"atom_acq_rel_gpu": any(l.startswith("atom.") and ".acq_rel" in l and ".gpu" in l for l in lines),
+            "ld_cg": any(l.startswith("ld.global.cg") for l in lines)}
 
 pro_sig = {"qkv_ptr": "*fp16", "stride_qkv_b": "i32", "qw_ptr": "*fp16", "kw_ptr": "*fp16", "pos_ptr": "*i64",
            "inv_freq_ptr": "*fp32", "k_ptr": "*fp16", "v_ptr": "*fp16", "part_ptr": "*fp32", "ml_ptr": "*fp32",
@@ -138,6 +148,7 @@ for tail in (False, True):
         sizes[f"prologue_split/{tail}/{norm}"] = build(fused_ops._decode_attn_prologue_split_kernel, pro_sig, {
             "N_KEYS": 256, "NH": 16, "NKV": 16, "HALF": 64, "NH_P2": 16, "NKV_P2": 16, "HALF_P2": 64,
             "HAS_NORM": norm, "BLOCK_N": 32, "SPLITS": 8, "TAIL": tail, "CHAINED": True})
+        sizes[f"ops/prologue_split/{tail}/{norm}"] = ops(ptx[len(ptx) - 1])
     sizes[f"split/{tail}"] = build(fused_ops._decode_attn_split_kernel, split_sig, {
         "N_KEYS": 256, "NH": 16, "NKV": 16, "D": 128, "D_P2": 128, "BLOCK_N": 32, "SPLITS": 8, "TAIL": tail,
         "CHAINED": True})
@@ -146,13 +157,21 @@ for tail in (0, 1, 2):
         sizes[f"norm_router/{tail}/{e}/{topk}/{norm}"] = build(fused_ops._add_norm_router_kernel, norm_sig, {
             "H": 2048, "H_P2": 2048, "HAS_Y": True, "BLOCK_E": 2, "BLOCK_H": 1024, "TAIL": tail, "TOPK": topk,
             "NORM": norm, "E_P2": 64, "CHAINED": True})
+        sizes[f"ops/norm_router/{tail}/{e}/{topk}/{norm}"] = ops(ptx[len(ptx) - 1])
 print(json.dumps(sizes))
 """
 
 
 def test_the_tail_kernels_compile_for_sm90():
-    sizes = compiled_sizes(TAILS_SCRIPT)
+    everything = compiled_sizes(TAILS_SCRIPT)
+    flags = {k[4:]: v for k, v in everything.items() if k.startswith("ops/")}
+    sizes = {k: v for k, v in everything.items() if not k.startswith("ops/")}
     assert len(sizes) == 6 + 9 and all(n > 1000 for n in sizes.values()), sizes
+    # the count is an acquire-release atomic at GPU scope and the last program reads past its L1 exactly where a tail
+    # is compiled in (core.counted_last's ordering argument rests on both)
+    for name, f in flags.items():
+        tail = name.split("/")[1] not in ("False", "0")
+        assert f == {"atom_acq_rel_gpu": tail, "ld_cg": tail}, (name, f)
     # the tails are code the forms without them leave out
     assert all(sizes[f"prologue_split/True/{n}"] > sizes[f"prologue_split/False/{n}"] for n in (False, True)), sizes
     assert sizes["split/True"] > sizes["split/False"], sizes

@@ -91,7 +91,8 @@ def test_fused_ops_under_imposed_routes_match_torch(preset):
     (a0, b0), (a1, b1), (a3, b3), (a4, b4), (a2, b2), (a5, b5) = results
     for name, x, y in (("prefill logits", a0, a1), ("decode logits", b0, b1), ("prefill, torch weights", a0, a3),
                        ("decode, torch weights", b0, b3), ("prefill, router kernel's logits", a0, a4),
-                       ("decode, router kernel's logits", b0, b4), ("decode, weights in the norm's launch", b0, b5)):
+                       ("decode, router kernel's logits", b0, b4), ("prefill, weights in the norm's launch", a0, a5),
+                       ("decode, weights in the norm's launch", b0, b5)):
         err, bound = (x.float() - y.float()).abs().max().item(), 2e-3 * y.float().abs().max().item() + 1e-3
         assert err <= bound, f"{preset} {name}: max |diff| {err:.3g} > {bound:.3g}"
     assert (b1.float() - b2.float()).abs().max().item() > 10 * bound, "the imposed ids changed nothing"
