@@ -528,6 +528,24 @@ def test_chained_launches_change_no_token(packs, monkeypatch, test_device, resid
     assert tokens["0"] == tokens["1"]
 
 
+def _run_with_fused(pack, ops, test_device, graphs, fed, calls):
+    """Teacher-forced logits of TRITON_PROMPT + 3 steps on the grouped executor with fused ops ``ops`` (the decode
+    steps captured as CUDA graphs where ``graphs``). The spies' ``calls`` made by the build (its warm-up and graph
+    capture run steps of their own) are returned apart; those of the run are left in ``calls``.
+    Returns (logits per forward, calls at build, the engine, closed)."""
+    eng = Engine.from_pack(pack, executor="grouped", device=test_device, max_batch=1, max_seq_len=16, fused=ops,
+                           cuda_graphs=graphs, segments=False)  # graphs: captured here
+    eng.model.fused = frozenset(ops)  # the CPU build ignores fused ops: the interpreter runs them here
+    at_build = dict(calls)
+    for k in calls:
+        calls[k] = 0
+    try:
+        outs, _, _ = run_steps(eng, TRITON_PROMPT, 3, teacher=fed)
+    finally:
+        eng.close()
+    return outs, at_build, eng
+
+
 @pytest.mark.parametrize("graphs", [False, True])
 def test_a_riding_shared_expert_changes_no_logit(packs, monkeypatch, test_device, graphs):
     """Fused op "shared" with "gemv": a one-token decode step computes Qwen2-MoE's shared expert inside the grouped
@@ -557,16 +575,7 @@ def test_a_riding_shared_expert_changes_no_logit(packs, monkeypatch, test_device
     for ops in (("gemv",), ("gemv", "shared")):
         for k in calls:
             calls[k] = 0
-        eng = Engine.from_pack(packs["tiny-qwen2-moe"], executor="grouped", device=test_device, max_batch=1,
-                               max_seq_len=16, fused=ops, cuda_graphs=graphs, segments=False)  # graphs: captured here
-        eng.model.fused = frozenset(ops)  # the CPU build ignores fused ops: the interpreter runs them here
-        at_build = dict(calls)  # the build's warm-up (and graph capture) ran steps of its own
-        for k in calls:
-            calls[k] = 0
-        try:
-            outs[ops], _, _ = run_steps(eng, TRITON_PROMPT, 3, teacher=fed)
-        finally:
-            eng.close()
+        outs[ops], at_build, eng = _run_with_fused(packs["tiny-qwen2-moe"], ops, test_device, graphs, fed, calls)
         layers = eng.cfg.num_layers
         if not graphs:  # eager: every decode step's layers seen (a replayed graph calls no Python)
             assert calls == ({"shared": 3 * layers, "one_row": 0} if "shared" in ops else
@@ -608,16 +617,7 @@ def test_tails_change_no_logit(packs, monkeypatch, test_device, graphs, preset):
     base = ("prologue", "norm", "router", "attn", "gemv", "shared")
     outs = {}
     for ops in (base, base + ("tails",)):
-        eng = Engine.from_pack(packs[preset], executor="grouped", device=test_device, max_batch=1, max_seq_len=16,
-                               fused=ops, cuda_graphs=graphs, segments=False)  # graphs: captured here
-        eng.model.fused = frozenset(ops)  # the CPU build ignores fused ops: the interpreter runs them here
-        at_build = dict(calls)
-        for k in calls:
-            calls[k] = 0
-        try:
-            outs[ops], _, _ = run_steps(eng, TRITON_PROMPT, 3, teacher=fed)
-        finally:
-            eng.close()
+        outs[ops], at_build, eng = _run_with_fused(packs[preset], ops, test_device, graphs, fed, calls)
         assert not fo.tail_counts(eng.device).any()
         layers = eng.cfg.num_layers
         if not graphs:  # eager: every pass's layers seen (the 3-token prefill's rows are few enough to route there too)
