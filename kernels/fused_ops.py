@@ -249,13 +249,20 @@ def _router_topk_kernel(logits_ptr, ids_ptr, wts_ptr, E, TOPK: tl.constexpr, NOR
 
 
 @triton.jit
-def _topk_row(logits_ptr, ids_ptr, wts_ptr, m, E, TOPK: tl.constexpr, NORM: tl.constexpr, E_P2: tl.constexpr):
-    """Row m's softmax over its E logits (fp32) and top-k: ids int64 and weights fp32 (TOPK,) stored at row m. The
-    logits are read past the L1 (.cg): in a tail other programs of the launch wrote them."""
+def _row_probs(logits_ptr, m, E, E_P2: tl.constexpr):
+    """Row m's softmax over its E logits (fp32): (p (E_P2,) fp32, 0 past E; offs_e (E_P2,)). The logits are read past
+    the L1 (.cg): in a tail other programs of the launch wrote them."""
     offs_e = tl.arange(0, E_P2)
     logits = tl.load(logits_ptr + m * E + offs_e, mask=offs_e < E, other=float("-inf"), cache_modifier=".cg")
     p = tl.exp(logits - tl.max(logits, axis=0))
-    p = p / tl.sum(p, axis=0)  # softmax over experts
+    return p / tl.sum(p, axis=0), offs_e
+
+
+@triton.jit
+def _topk_row(logits_ptr, ids_ptr, wts_ptr, m, E, TOPK: tl.constexpr, NORM: tl.constexpr, E_P2: tl.constexpr):
+    """Row m's softmax over its E logits (``_row_probs``) and top-k: ids int64 and weights fp32 (TOPK,) stored at
+    row m."""
+    p, offs_e = _row_probs(logits_ptr, m, E, E_P2)
     offs_k = tl.arange(0, TOPK)
     ids = tl.zeros((TOPK,), tl.int64)
     wts = tl.zeros((TOPK,), tl.float32)
@@ -287,12 +294,9 @@ def _imposed_weights_kernel(logits_ptr, ids_ptr, wts_ptr, E, TOPK: tl.constexpr,
 
 @triton.jit
 def _imposed_row(logits_ptr, ids_ptr, wts_ptr, m, E, TOPK: tl.constexpr, NORM: tl.constexpr, E_P2: tl.constexpr):
-    """Row m's gate weights fp32 (TOPK,) of its imposed ids (int64, read at row m) from its E logits (fp32, read past
-    the L1 as ``_topk_row`` reads them)."""
-    offs_e = tl.arange(0, E_P2)
-    logits = tl.load(logits_ptr + m * E + offs_e, mask=offs_e < E, other=float("-inf"), cache_modifier=".cg")
-    p = tl.exp(logits - tl.max(logits, axis=0))
-    p = p / tl.sum(p, axis=0)  # (E_P2,) softmax over experts, 0 past E
+    """Row m's gate weights fp32 (TOPK,) of its imposed ids (int64, read at row m) from its E logits' softmax
+    (``_row_probs``)."""
+    p, offs_e = _row_probs(logits_ptr, m, E, E_P2)
     offs_k = tl.arange(0, TOPK)
     ids = tl.load(ids_ptr + m * TOPK + offs_k)  # (TOPK,) int64 in [0, E): the caller checked them
     # the probability of each imposed id: a (TOPK, E_P2) selection summed over experts

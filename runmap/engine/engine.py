@@ -164,7 +164,6 @@ TWO_SITE_ENV_CHOICES = {TWO_SITE_STEP_ENV: ("graph", "chain"), TWO_SITE_WAIT_ENV
 POLL_LIMIT_S = 60.0  # a poll that long means the device stopped: the step raises instead of spinning for ever
 PREFILL_CHUNK = 8192  # prompt tokens per row per prefill pass, by default (from_pack's prefill_chunk)
 FUSED_OPS = ("prologue", "norm", "router", "attn", "gemv", "imposed", "shared", "tails", "attn-tail")
-TAIL_OPS = ("tails", "attn-tail")  # the fused ops whose launches count on fused_ops.tail_counts (one stream at a time)
 # Default on CUDA. "imposed" (the gate weights of a routing workload's ids in one launch on the fused router's logits,
 # instead of ~7 torch launches per MoE layer) passed its GPU tests on an H100 on 2026-12-06 and, in the same call,
 # lifted calibrated full-residency decode from 800 to 1,162 tok/s (OLMoE batch 1) and 373 to 479 (Qwen1.5-MoE)

@@ -61,6 +61,11 @@ def linear(x: torch.Tensor, w: torch.Tensor, b: torch.Tensor | None = None) -> t
     return F.linear(x.float(), w.float(), None if b is None else b.float()).to(x.dtype)
 
 
+# the fused ops whose launches count on fused_ops.tail_counts (one stream at a time; runmap.serve.batching refuses them
+# beside side-stream joins)
+TAIL_OPS = ("tails", "attn-tail")
+
+
 def rides_shared(experts, n_rows: int = 1) -> bool:
     """Whether a routed-experts callback takes a shared expert of ``n_rows`` rows (``shared=``, computed in its
     launches): its ``rides_shared(n_rows)``, or that of the object a bound-method callback belongs to; False for a
@@ -307,8 +312,8 @@ class Transformer:
 
     def _attn_tail(self) -> bool:
         """Decode attention combines its splits in the split launch: op "tails" (with the routing in the norm's launch)
-        or "attn-tail" (that alone)."""
-        return not {"tails", "attn-tail"}.isdisjoint(self.fused)
+        or "attn-tail" (that alone), i.e. any of TAIL_OPS."""
+        return not self.fused.isdisjoint(TAIL_OPS)
 
     def _fused_imposed(self) -> bool:
         """Imposed ids' gate weights in one launch on the fused router's logits (fused op "imposed"), instead of

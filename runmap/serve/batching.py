@@ -71,8 +71,9 @@ import torch
 
 import numpy as np
 
-from runmap.engine.engine import PASS_QUEUED, TAIL_OPS, host_to_device
+from runmap.engine.engine import PASS_QUEUED, host_to_device
 from runmap.engine.generation import GenerationError, _Row, left_pad, prefill_warmup_shapes, sample  # noqa: F401
+from runmap.engine.model import TAIL_OPS
 
 # prompt tokens of one joint prefill (rows x longest prompt): bounds the stall a join imposes on the running rows.
 # Its activation memory is bounded anyway: the prefill runs in chunks of prefill_chunk positions over at most
