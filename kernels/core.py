@@ -27,23 +27,6 @@ def chain_wait(CHAINED: tl.constexpr):
 
 
 @triton.jit
-def counted_last(count_ptr, n):
-    """Count this program on ``count_ptr`` (int32, in device memory) after its stores; True in the program that counts
-    n-th, which then resets the count to 0 (so a launch leaves its counts as it found them and a captured graph
-    replays from zero). The barrier first makes every thread's stores of this program happen before its count; the
-    count is an acquire-release atomic at GPU scope, so the last program sees every other program's stores (read
-    them with ``cache_modifier=".cg"``: past this SM's L1). The caller keeps counts of two launches apart: launches of
-    one stream do not overlap (a chained launch counts only after its wait), so a counter may be shared by launches
-    of one stream only (``runmap.kernels.fused_ops.tail_counts`` says how the engine keeps to that)."""
-    tl.debug_barrier()
-    seen = tl.atomic_add(count_ptr, 1, sem="acq_rel", scope="gpu")
-    last = seen == n - 1
-    if last:
-        tl.atomic_xchg(count_ptr, 0, sem="relaxed", scope="gpu")
-    return last
-
-
-@triton.jit
 def prefetch_l2(ptrs):
     """One ``prefetch.global.L2`` per element of the pointer tensor ``ptrs`` (GPU only: inline PTX). A hint: it
     changes no value, and an address inside an allocation is all it needs to be harmless."""

@@ -26,7 +26,7 @@ import triton
 import triton.language as tl
 
 from runmap.kernels import common
-from runmap.kernels.core import chain_wait, counted_last, gated_shared_down, gemv_row_sums, silu_mul
+from runmap.kernels.core import chain_wait, gated_shared_down, gemv_row_sums, silu_mul
 
 
 @triton.jit
@@ -245,24 +245,11 @@ ROUTER_ROWS_MIN = 1024
 def _router_topk_kernel(logits_ptr, ids_ptr, wts_ptr, E, TOPK: tl.constexpr, NORM: tl.constexpr, E_P2: tl.constexpr,
                         CHAINED: tl.constexpr = False):
     chain_wait(CHAINED)
-    _topk_row(logits_ptr, ids_ptr, wts_ptr, tl.program_id(0), E, TOPK, NORM, E_P2)
-
-
-@triton.jit
-def _row_probs(logits_ptr, m, E, E_P2: tl.constexpr):
-    """Row m's softmax over its E logits (fp32): (p (E_P2,) fp32, 0 past E; offs_e (E_P2,)). The logits are read past
-    the L1 (.cg): in a tail other programs of the launch wrote them."""
+    m = tl.program_id(0)
     offs_e = tl.arange(0, E_P2)
-    logits = tl.load(logits_ptr + m * E + offs_e, mask=offs_e < E, other=float("-inf"), cache_modifier=".cg")
+    logits = tl.load(logits_ptr + m * E + offs_e, mask=offs_e < E, other=float("-inf"))
     p = tl.exp(logits - tl.max(logits, axis=0))
-    return p / tl.sum(p, axis=0), offs_e
-
-
-@triton.jit
-def _topk_row(logits_ptr, ids_ptr, wts_ptr, m, E, TOPK: tl.constexpr, NORM: tl.constexpr, E_P2: tl.constexpr):
-    """Row m's softmax over its E logits (``_row_probs``) and top-k: ids int64 and weights fp32 (TOPK,) stored at
-    row m."""
-    p, offs_e = _row_probs(logits_ptr, m, E, E_P2)
+    p = p / tl.sum(p, axis=0)  # softmax over experts
     offs_k = tl.arange(0, TOPK)
     ids = tl.zeros((TOPK,), tl.int64)
     wts = tl.zeros((TOPK,), tl.float32)
@@ -289,14 +276,11 @@ def _topk_row(logits_ptr, ids_ptr, wts_ptr, m, E, TOPK: tl.constexpr, NORM: tl.c
 def _imposed_weights_kernel(logits_ptr, ids_ptr, wts_ptr, E, TOPK: tl.constexpr, NORM: tl.constexpr,
                             E_P2: tl.constexpr, CHAINED: tl.constexpr = False):
     chain_wait(CHAINED)
-    _imposed_row(logits_ptr, ids_ptr, wts_ptr, tl.program_id(0), E, TOPK, NORM, E_P2)
-
-
-@triton.jit
-def _imposed_row(logits_ptr, ids_ptr, wts_ptr, m, E, TOPK: tl.constexpr, NORM: tl.constexpr, E_P2: tl.constexpr):
-    """Row m's gate weights fp32 (TOPK,) of its imposed ids (int64, read at row m) from its E logits' softmax
-    (``_row_probs``)."""
-    p, offs_e = _row_probs(logits_ptr, m, E, E_P2)
+    m = tl.program_id(0)
+    offs_e = tl.arange(0, E_P2)
+    logits = tl.load(logits_ptr + m * E + offs_e, mask=offs_e < E, other=float("-inf"))
+    p = tl.exp(logits - tl.max(logits, axis=0))
+    p = p / tl.sum(p, axis=0)  # (E_P2,) softmax over experts, 0 past E
     offs_k = tl.arange(0, TOPK)
     ids = tl.load(ids_ptr + m * TOPK + offs_k)  # (TOPK,) int64 in [0, E): the caller checked them
     # the probability of each imposed id: a (TOPK, E_P2) selection summed over experts
@@ -322,11 +306,8 @@ def _imposed_row(logits_ptr, ids_ptr, wts_ptr, m, E, TOPK: tl.constexpr, NORM: t
 
 @triton.jit
 def _add_norm_router_kernel(x_ptr, y_ptr, nw_ptr, rw_ptr, x_out_ptr, h_out_ptr, logits_ptr, E, eps,
-                            ids_ptr, wts_ptr, count_ptr,
                             H: tl.constexpr, H_P2: tl.constexpr, HAS_Y: tl.constexpr,
-                            BLOCK_E: tl.constexpr, BLOCK_H: tl.constexpr, TAIL: tl.constexpr = 0,
-                            TOPK: tl.constexpr = 1, NORM: tl.constexpr = False, E_P2: tl.constexpr = 1,
-                            CHAINED: tl.constexpr = False):
+                            BLOCK_E: tl.constexpr, BLOCK_H: tl.constexpr, CHAINED: tl.constexpr = False):
     m = tl.program_id(0)
     eb = tl.program_id(1)
     offs_n = tl.arange(0, H_P2)
@@ -362,14 +343,6 @@ def _add_norm_router_kernel(x_ptr, y_ptr, nw_ptr, rw_ptr, x_out_ptr, h_out_ptr, 
                     other=0.0)  # (BE, BH) fp32
         acc += w * hc[None, :]
     tl.store(logits_ptr + m * E + offs_e, tl.sum(acc, axis=1), mask=e_mask)
-    # TAIL (fused op "tails"): the last of the row's programs to store its logits routes the row, so no routing launch
-    # follows: 1 the router's own top-k (ids and weights), 2 the gate weights of imposed ids (a routing workload's)
-    if TAIL != 0:
-        if counted_last(count_ptr + m, tl.num_programs(1)):
-            if TAIL == 1:
-                _topk_row(logits_ptr, ids_ptr, wts_ptr, m, E, TOPK, NORM, E_P2)
-            else:
-                _imposed_row(logits_ptr, ids_ptr, wts_ptr, m, E, TOPK, NORM, E_P2)
 
 
 # rows up to which the model runs add + norm + router logits as one launch (each program re-reads its row: right for
@@ -387,68 +360,24 @@ def add_norm_router_logits(x, y, norm_w, router32, eps):
         (x + y fp16 like x (x itself when y is None), rms_norm(x + y) * norm_w fp16 like x, logits fp32 (M, E)),
         M = x.numel() / H; the same values as ``add_rms_norm`` followed by the logits of ``route_fused``.
     """
-    _check_norm_router("add_norm_router_logits", x, y, router32)
-    x_out, h, logits, _ids, _wts = _add_norm_router(x, y, norm_w, router32, eps)
-    return x_out, h, logits
-
-
-def _check_norm_router(name: str, x, y, router32) -> None:
     hid = x.shape[-1]
     e = router32.shape[0]
     if x.dtype != torch.float16 or not x.is_contiguous() or (y is not None and (y.shape != x.shape or
                                                                                not y.is_contiguous())):
-        raise ValueError(f"{name}: x / y must be contiguous float16 of one shape, got {x.dtype} {tuple(x.shape)}")
+        raise ValueError(f"add_norm_router_logits: x / y must be contiguous float16 of one shape, got {x.dtype} "
+                         f"{tuple(x.shape)}")
     if router32.dtype != torch.float32 or tuple(router32.shape) != (e, hid) or not router32.is_contiguous():
-        raise ValueError(f"{name}: router must be contiguous float32 (E, {hid}), got {router32.dtype} "
-                         f"{tuple(router32.shape)}")
-
-
-def add_norm_router_routes(x, y, norm_w, router32, eps, top_k: int, norm_topk_prob: bool, imposed_ids=None):
-    """``add_norm_router_logits`` whose launch also routes each row (fused op "tails"): the last of a row's programs
-    takes the softmax and top-k of its logits as ``route_topk`` does, or, given ``imposed_ids`` int64 (M, top_k)
-    contiguous on x's device (a routing workload's, in range: not checked here, as ``imposed_weights_from_logits``),
-    their gate weights as ``imposed_weights_from_logits`` does. One launch instead of two.
-
-    Returns:
-        (x + y, the norm, ids int64 (M, top_k) -- ``imposed_ids`` itself when given --, gate weights fp32 (M, top_k)).
-    """
-    _check_norm_router("add_norm_router_routes", x, y, router32)
-    k = top_k
-    m = x.numel() // x.shape[-1]
-    if k < 1 or k & (k - 1):
-        raise ValueError(f"add_norm_router_routes: needs a power-of-two top_k ({top_k})")
-    if m > TAIL_ROUTER_COUNTS:
-        raise ValueError(f"add_norm_router_routes: {m} rows past the {TAIL_ROUTER_COUNTS} counters")
-    if imposed_ids is not None and (imposed_ids.dtype != torch.int64 or tuple(imposed_ids.shape) != (m, k)
-                                    or not imposed_ids.is_contiguous() or imposed_ids.device != x.device):
-        raise ValueError(f"add_norm_router_routes: imposed ids must be contiguous int64 ({m}, {k}) on {x.device}, "
-                         f"got {imposed_ids.dtype} {tuple(imposed_ids.shape)} on {imposed_ids.device}")
-    x_out, h, _logits, ids, wts = _add_norm_router(x, y, norm_w, router32, eps, k, norm_topk_prob, imposed_ids)
-    return x_out, h, ids, wts
-
-
-def _add_norm_router(x, y, norm_w, router32, eps, top_k: int = 0, norm_topk_prob: bool = False, imposed_ids=None):
-    """The launch of ``add_norm_router_logits`` (top_k 0) and ``add_norm_router_routes``: (x_out, h, logits, ids,
-    weights), ids and weights None without a tail."""
-    hid = x.shape[-1]
-    e = router32.shape[0]
+        raise ValueError(f"add_norm_router_logits: router must be contiguous float32 (E, {hid}), got "
+                         f"{router32.dtype} {tuple(router32.shape)}")
     m = x.numel() // hid
     h = torch.empty_like(x)
     x_out = torch.empty_like(x) if y is not None else x
     logits = torch.empty(m, e, dtype=torch.float32, device=x.device)
-    tail = 0 if top_k == 0 else (1 if imposed_ids is None else 2)
-    ids = wts = None
-    if tail:
-        ids = torch.empty(m, top_k, dtype=torch.int64, device=x.device) if imposed_ids is None else imposed_ids
-        wts = torch.empty(m, top_k, dtype=torch.float32, device=x.device)
-        counts = tail_counts(x.device)[TAIL_ATTN_COUNTS:]
     block_e = 2
     common.launch(_add_norm_router_kernel[(m, triton.cdiv(e, block_e))], x, y if y is not None else x, norm_w,
-                  router32, x_out, h, logits, e, eps, ids if tail else logits, wts if tail else logits,
-                  counts if tail else logits, H=hid, H_P2=triton.next_power_of_2(hid), HAS_Y=y is not None,
-                  BLOCK_E=block_e, BLOCK_H=_router_block_h(hid), TAIL=tail, TOPK=max(top_k, 1), NORM=norm_topk_prob,
-                  E_P2=triton.next_power_of_2(e), **common.chained(x.device))
-    return x_out, h, logits, ids, wts
+                  router32, x_out, h, logits, e, eps, H=hid, H_P2=triton.next_power_of_2(hid), HAS_Y=y is not None,
+                  BLOCK_E=block_e, BLOCK_H=_router_block_h(hid), **common.chained(x.device))
+    return x_out, h, logits
 
 
 def _router_block_h(hid: int) -> int:
@@ -609,10 +538,10 @@ def _attend_split(q, k_ptr, v_ptr, part_ptr, ml_ptr, b, hq, sp, slot, pad, base,
 
 @triton.jit
 def _decode_attn_split_kernel(q_ptr, k_ptr, v_ptr, part_ptr, ml_ptr, slot_ptr, pad_ptr,
-                              stride_cb, stride_ch, stride_cs, scale, out_ptr, count_ptr,
+                              stride_cb, stride_ch, stride_cs, scale,
                               N_KEYS: tl.constexpr, NH: tl.constexpr, NKV: tl.constexpr, D: tl.constexpr,
                               D_P2: tl.constexpr, BLOCK_N: tl.constexpr, SPLITS: tl.constexpr,
-                              TAIL: tl.constexpr = False, CHAINED: tl.constexpr = False):
+                              CHAINED: tl.constexpr = False):
     """One (row, query head, split): ``_attend_split`` of the row's q.
 
     Why splits: one program per (row, head) kept 16 of the H200's 132 SMs busy at batch 1 and walked the keys
@@ -630,16 +559,15 @@ def _decode_attn_split_kernel(q_ptr, k_ptr, v_ptr, part_ptr, ml_ptr, slot_ptr, p
     _attend_split(q, k_ptr, v_ptr, part_ptr, ml_ptr, b, hq, sp, tl.load(slot_ptr), tl.load(pad_ptr + b),
                   b.to(tl.int64) * stride_cb + hk * stride_ch, stride_cs, offs_d, d_ok, N_KEYS, NH, D_P2, BLOCK_N,
                   SPLITS, q, q, False)  # nothing preloaded (q stands in for the unused tiles)
-    _combine_tail(part_ptr, ml_ptr, out_ptr, count_ptr, b, hq, NH, D, D_P2, SPLITS, TAIL)
 
 
 @triton.jit
 def _decode_attn_prologue_split_kernel(
     qkv_ptr, stride_qkv_b, qw_ptr, kw_ptr, pos_ptr, inv_freq_ptr,
-    k_ptr, v_ptr, part_ptr, ml_ptr, slot_ptr, pad_ptr, stride_cb, stride_ch, stride_cs, scale, eps, out_ptr, count_ptr,
+    k_ptr, v_ptr, part_ptr, ml_ptr, slot_ptr, pad_ptr, stride_cb, stride_ch, stride_cs, scale, eps,
     N_KEYS: tl.constexpr, NH: tl.constexpr, NKV: tl.constexpr, HALF: tl.constexpr,
     NH_P2: tl.constexpr, NKV_P2: tl.constexpr, HALF_P2: tl.constexpr, HAS_NORM: tl.constexpr,
-    BLOCK_N: tl.constexpr, SPLITS: tl.constexpr, TAIL: tl.constexpr = False, CHAINED: tl.constexpr = False):
+    BLOCK_N: tl.constexpr, SPLITS: tl.constexpr, CHAINED: tl.constexpr = False):
     """``_decode_attn_split_kernel`` with the attention prologue (``_qk_norm_rope_kv_kernel``) folded in, for one new
     token per row. Each program normalizes (the norm spans every head: the whole q row is summed, as the prologue
     sums it) and rotates its own head of q; the program whose split holds the new slot also normalizes and rotates
@@ -691,85 +619,25 @@ def _decode_attn_prologue_split_kernel(
     q = tl.reshape(tl.permute(tl.join(q1.to(tl.float32), q2.to(tl.float32)), (1, 0)), (D,)) * scale  # q1 then q2
     _attend_split(q, k_ptr, v_ptr, part_ptr, ml_ptr, b, hq, sp, slot, pad, base, stride_cs, offs_dd, offs_dd < D,
                   N_KEYS, NH, D, BLOCK_N, SPLITS, k_pre, v_pre, True)
-    _combine_tail(part_ptr, ml_ptr, out_ptr, count_ptr, b, hq, NH, D, D, SPLITS, TAIL)
-
-
-@triton.jit
-def _combine_row(part_ptr, ml_ptr, out_ptr, b, hq, NH: tl.constexpr, D: tl.constexpr, D_P2: tl.constexpr,
-                 SPLITS: tl.constexpr):
-    """(row b, query head hq): the splits' partial softmaxes rescaled to their common max and summed; fp16 out. The
-    partials are read past the L1 (.cg): in a tail (``_combine_tail``) other programs of the launch wrote them."""
-    offs_s = tl.arange(0, SPLITS)
-    offs_d = tl.arange(0, D_P2)
-    rows = (b * NH + hq) * SPLITS + offs_s  # (SPLITS,)
-    m = tl.load(ml_ptr + rows * 2, cache_modifier=".cg")  # (SPLITS,) -inf for an empty split
-    l = tl.load(ml_ptr + rows * 2 + 1, cache_modifier=".cg")
-    m_max = tl.max(m, axis=0)  # finite: the row's own slot is a key of some split
-    w = tl.where(m == float("-inf"), 0.0, tl.exp(m - m_max))  # (SPLITS,)
-    part = tl.load(part_ptr + rows[:, None] * D_P2 + offs_d[None, :], cache_modifier=".cg")  # (SPLITS, D_P2)
-    o = tl.sum(part * w[:, None], axis=0) / tl.sum(l * w, axis=0)  # (D_P2,)
-    tl.store(out_ptr + (b * NH + hq) * D + offs_d, o.to(tl.float16), mask=offs_d < D)
-
-
-@triton.jit
-def _combine_tail(part_ptr, ml_ptr, out_ptr, count_ptr, b, hq, NH: tl.constexpr, D: tl.constexpr,
-                  D_P2: tl.constexpr, SPLITS: tl.constexpr, TAIL: tl.constexpr):
-    """TAIL: the split launch combines its own splits: the last of (b, hq)'s SPLITS programs to finish (counted on
-    count_ptr[b * NH + hq]) runs ``_combine_row``, so no combining launch follows (fused op "tails")."""
-    if TAIL:
-        if counted_last(count_ptr + b * NH + hq, SPLITS):
-            _combine_row(part_ptr, ml_ptr, out_ptr, b, hq, NH, D, D_P2, SPLITS)
 
 
 @triton.jit
 def _decode_attn_combine_kernel(part_ptr, ml_ptr, out_ptr, NH: tl.constexpr, D: tl.constexpr, D_P2: tl.constexpr,
                                 SPLITS: tl.constexpr, CHAINED: tl.constexpr = False):
-    """One (row, query head): ``_combine_row``."""
+    """One (row, query head): the splits' partial softmaxes rescaled to their common max and summed; fp16 out."""
     chain_wait(CHAINED)
-    _combine_row(part_ptr, ml_ptr, out_ptr, tl.program_id(0), tl.program_id(1), NH, D, D_P2, SPLITS)
-
-
-# ---- tails: the last program of a launch finishes the launch's small reduction (fused op "tails") ----------------
-# A decode step combined the attention's splits in a launch of its own, and took the router's top-k from its logits in
-# another: two launches of ~2-3 us of latency each per layer, for a few KB of work. With "tails" each program of the
-# launch before counts itself on a counter in device memory once its partial result is stored, and the program that
-# counts last does the reduction (``runmap.kernels.core.counted_last``). The counters are one zeroed int32 buffer
-# per device, made once, that every such launch leaves at zero: a section per kind of tail, an entry per (row, head)
-# or row. Two launches must never count on them at once: the engine runs its passes on one stream, in order
-# (chained launches count after their wait), and the server's joins that run beside the decode steps on a stream of
-# their own (interleaved, concurrent) refuse the tail ops (runmap.serve.batching.BatchRunner).
-TAIL_ATTN_COUNTS = 1 << 15  # (row, query head) entries of the attention's combine: batch x heads
-TAIL_ROUTER_COUNTS = 1 << 10  # rows of the router's top-k
-_tail_counts: dict = {}
-
-
-def tail_counts(device: torch.device) -> torch.Tensor:
-    """The device's tail counters, int32 (TAIL_ATTN_COUNTS + TAIL_ROUTER_COUNTS,), zeros between launches. Made at the
-    first call on the device, which must not be inside a CUDA graph capture (the zeroing would become part of the
-    graph, and its memory the graph pool's): the engine runs every captured function eagerly before capturing it."""
-    device = torch.device(device)
-    if device.type == "cuda" and device.index is None:  # "cuda" and "cuda:N" name one buffer
-        device = torch.device("cuda", torch.cuda.current_device())
-    key = (device.type, device.index)
-    counts = _tail_counts.get(key)
-    if counts is None:
-        if device.type == "cuda" and torch.cuda.is_current_stream_capturing():
-            raise RuntimeError("the tail counters are made at the first eager call on a device, not inside a CUDA "
-                               "graph capture: run the pass once before capturing it")
-        counts = _tail_counts[key] = torch.zeros(TAIL_ATTN_COUNTS + TAIL_ROUTER_COUNTS, dtype=torch.int32,
-                                                 device=device)
-    return counts
-
-
-def _tail_out(tail: bool, B: int, nh: int, D: int, device):
-    """(out fp16 (B, 1, nh * D), the attention's counters) of a split launch that combines its own splits; (None, None)
-    without ``tail``."""
-    if not tail:
-        return None, None
-    if B * nh > TAIL_ATTN_COUNTS:
-        raise ValueError(f"decode attention with tail: {B} rows x {nh} heads past the {TAIL_ATTN_COUNTS} counters")
-    return (torch.empty(B, 1, nh * D, dtype=torch.float16, device=device),
-            tail_counts(device)[:TAIL_ATTN_COUNTS])
+    b = tl.program_id(0)
+    hq = tl.program_id(1)
+    offs_s = tl.arange(0, SPLITS)
+    offs_d = tl.arange(0, D_P2)
+    rows = (b * NH + hq) * SPLITS + offs_s  # (SPLITS,)
+    m = tl.load(ml_ptr + rows * 2)  # (SPLITS,) -inf for an empty split
+    l = tl.load(ml_ptr + rows * 2 + 1)
+    m_max = tl.max(m, axis=0)  # finite: the row's own slot is a key of some split
+    w = tl.where(m == float("-inf"), 0.0, tl.exp(m - m_max))  # (SPLITS,)
+    part = tl.load(part_ptr + rows[:, None] * D_P2 + offs_d[None, :])  # (SPLITS, D_P2)
+    o = tl.sum(part * w[:, None], axis=0) / tl.sum(l * w, axis=0)  # (D_P2,)
+    tl.store(out_ptr + (b * NH + hq) * D + offs_d, o.to(tl.float16), mask=offs_d < D)
 
 
 def attention_splits(n_keys: int) -> tuple[int, int]:
@@ -784,11 +652,8 @@ def _split_buffers(B: int, nh: int, splits: int, d_p2: int, device):
             torch.empty(B, nh, splits, 2, dtype=torch.float32, device=device))
 
 
-def _combine_splits(part, ml, D: int, out=None):
-    """The combining launch: fp16 (B, 1, nh * D) from the splits' buffers (``_split_buffers``); ``out`` as that
-    launch's output where the split launch combined them itself (fused op "tails": nothing to launch)."""
-    if out is not None:
-        return out
+def _combine_splits(part, ml, D: int):
+    """The combining launch: fp16 (B, 1, nh * D) from the splits' buffers (``_split_buffers``)."""
     B, nh, splits, d_p2 = part.shape
     out = torch.empty(B, 1, nh * D, dtype=torch.float16, device=part.device)
     common.launch(_decode_attn_combine_kernel[(B, nh)], part, ml, out, NH=nh, D=D, D_P2=d_p2, SPLITS=splits,
@@ -796,9 +661,8 @@ def _combine_splits(part, ml, D: int, out=None):
     return out
 
 
-def decode_attention(q, k_cache, v_cache, slot, pad, n_keys: int, tail: bool = False):
-    """Split-key decode attention: two launches, the splits and then their combination; with ``tail`` one, whose
-    last program of each (row, head) combines its splits (``tail_counts``).
+def decode_attention(q, k_cache, v_cache, slot, pad, n_keys: int):
+    """Split-key decode attention: two launches, the splits and then their combination.
 
     Args:
         q: fp16 (B, nh, 1, D) contiguous. k_cache, v_cache: fp16 (B, nkv, S, D), last dim contiguous, same strides.
@@ -815,19 +679,17 @@ def decode_attention(q, k_cache, v_cache, slot, pad, n_keys: int, tail: bool = F
     block_n, splits = attention_splits(n_keys)
     d_p2 = triton.next_power_of_2(D)
     part, ml = _split_buffers(B, nh, splits, d_p2, q.device)
-    out, counts = _tail_out(tail, B, nh, D, q.device)
     common.launch(_decode_attn_split_kernel[(B, nh, splits)], q, k_cache, v_cache, part, ml, slot, pad,
-                  k_cache.stride(0), k_cache.stride(1), k_cache.stride(2), D ** -0.5, out if tail else q,
-                  counts if tail else slot, N_KEYS=n_keys, NH=nh, NKV=nkv, D=D, D_P2=d_p2, BLOCK_N=block_n,
-                  SPLITS=splits, TAIL=tail, **common.chained(q.device))
-    return _combine_splits(part, ml, D, out)
+                  k_cache.stride(0), k_cache.stride(1), k_cache.stride(2), D ** -0.5,
+                  N_KEYS=n_keys, NH=nh, NKV=nkv, D=D, D_P2=d_p2, BLOCK_N=block_n, SPLITS=splits,
+                  **common.chained(q.device))
+    return _combine_splits(part, ml, D)
 
 
 def decode_attention_with_prologue(qkv, q_norm, k_norm, positions, slot, inv_freq, k_cache, v_cache, pad, n_keys: int,
-                                   *, num_heads: int, num_kv_heads: int, eps: float, tail: bool = False):
+                                   *, num_heads: int, num_kv_heads: int, eps: float):
     """``qk_norm_rope_kv`` and ``decode_attention`` of one new token per row, the prologue folded into the split
-    launch (two launches instead of three; the same values); with ``tail`` the splits combined in that launch too
-    (one launch).
+    launch (two launches instead of three; the same values).
 
     Args:
         qkv: fp16 (B, 1, (nh + 2 nkv) * D), rows contiguous: the fused q|k|v projection (bias added); D a power of two.
@@ -852,15 +714,14 @@ def decode_attention_with_prologue(qkv, q_norm, k_norm, positions, slot, inv_fre
     part, ml = _split_buffers(B, nh, splits, D, qkv.device)
     has_norm = q_norm is not None
     half = D // 2
-    out, counts = _tail_out(tail, B, nh, D, qkv.device)
     common.launch(_decode_attn_prologue_split_kernel[(B, nh, splits)],
                   qkv, qkv.stride(0), q_norm if has_norm else qkv, k_norm if has_norm else qkv, positions, inv_freq,
                   k_cache, v_cache, part, ml, slot, pad, k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
-                  D ** -0.5, eps, out if tail else qkv, counts if tail else slot,
+                  D ** -0.5, eps,
                   N_KEYS=n_keys, NH=nh, NKV=nkv, HALF=half, NH_P2=triton.next_power_of_2(nh),
                   NKV_P2=triton.next_power_of_2(nkv), HALF_P2=half, HAS_NORM=has_norm, BLOCK_N=block_n,
-                  SPLITS=splits, TAIL=tail, **common.chained(qkv.device))
-    return _combine_splits(part, ml, D, out)
+                  SPLITS=splits, **common.chained(qkv.device))
+    return _combine_splits(part, ml, D)
 
 
 # ---- fp16 GEMV of one row (the q|k|v and o projections of a batch-1 decode step) ----------------------------

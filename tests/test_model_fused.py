@@ -36,9 +36,7 @@ def _two_row_prompt_case(preset: str, weights_seed: int, tokens_seed: int):
 
 
 @pytest.mark.parametrize("preset,fused", [("tiny-olmoe", (op,)) for op in ALL if op != "shared"] +
-                         [("tiny-qwen2-moe", ("shared",)), ("tiny-qwen2-moe", ALL), ("tiny-olmoe", ALL),
-                          ("tiny-olmoe", ("attn", "tails")), ("tiny-qwen2-moe", ALL + ("tails",)),
-                          ("tiny-olmoe", ALL + ("tails",)), ("tiny-qwen2-moe", ALL + ("attn-tail",))])
+                         [("tiny-qwen2-moe", ("shared",)), ("tiny-qwen2-moe", ALL), ("tiny-olmoe", ALL)])
 @cpu_model
 def test_fused_ops_match_torch(preset, fused):
     cfg, model, experts, _, tokens, pad, slots, pos = _two_row_prompt_case(preset, 2, 0)
@@ -79,7 +77,7 @@ def test_fused_ops_under_imposed_routes_match_torch(preset):
     results = []
     # "imposed" takes the one-launch weights; ALL alone keeps imposed_weights' torch ops beside the fused rest
     for ops, imposed in (((), True), (ALL + ("imposed",), True), (ALL, True), (("router", "imposed"), True),
-                         (ALL + ("imposed",), False), (ALL + ("imposed", "tails"), True)):
+                         (ALL + ("imposed",), False)):
         model.fused = frozenset(ops)
         kv = KVCache(cfg, 2, 8, "cpu")
         model.imposed = imposed_prefill if imposed else None
@@ -88,11 +86,10 @@ def test_fused_ops_under_imposed_routes_match_torch(preset):
         b = model.forward(tokens[:, :1], pos[:, -1:] + 1, kv, torch.tensor([5]), pad, 6, experts)
         model.imposed = None
         results.append((a, b))
-    (a0, b0), (a1, b1), (a3, b3), (a4, b4), (a2, b2), (a5, b5) = results
+    (a0, b0), (a1, b1), (a3, b3), (a4, b4), (a2, b2) = results
     for name, x, y in (("prefill logits", a0, a1), ("decode logits", b0, b1), ("prefill, torch weights", a0, a3),
                        ("decode, torch weights", b0, b3), ("prefill, router kernel's logits", a0, a4),
-                       ("decode, router kernel's logits", b0, b4), ("prefill, weights in the norm's launch", a0, a5),
-                       ("decode, weights in the norm's launch", b0, b5)):
+                       ("decode, router kernel's logits", b0, b4)):
         err, bound = (x.float() - y.float()).abs().max().item(), 2e-3 * y.float().abs().max().item() + 1e-3
         assert err <= bound, f"{preset} {name}: max |diff| {err:.3g} > {bound:.3g}"
     assert (b1.float() - b2.float()).abs().max().item() > 10 * bound, "the imposed ids changed nothing"
@@ -199,13 +196,11 @@ def test_route_fused_refuses_a_top_k_it_cannot_tile():
                                               (200, 256, (64, 199)), (255, 256, (255, 1)), (191, 512, (63, 128)),
                                               (300, 512, (0, 300))])
 @pytest.mark.parametrize("D", [16, 24])
-@pytest.mark.parametrize("tail", [False, True])
-def test_decode_attention_attends_exactly_pad_to_slot(slot, n_keys, pads, D, tail, test_device):
+def test_decode_attention_attends_exactly_pad_to_slot(slot, n_keys, pads, D, test_device):
     """Keys past the slot (the rest of the KV bucket, filled with garbage here) and left padding are ignored;
     blocks wholly past the slot are skipped; a head dim that is not a power of two (24; Qwen3-style configs) reads
-    and writes its D lanes only. ``tail``: the split launch combines its own splits (fused op "tails") and leaves
-    its counters at zero. RUNMAP_TEST_DEVICE=cuda runs the compiled kernel."""
-    from runmap.kernels.fused_ops import decode_attention, tail_counts
+    and writes its D lanes only. RUNMAP_TEST_DEVICE=cuda runs the compiled kernel."""
+    from runmap.kernels.fused_ops import decode_attention
 
     g = torch.Generator().manual_seed(slot)
     B, nh, nkv = 2, 4, 2
@@ -215,8 +210,7 @@ def test_decode_attention_attends_exactly_pad_to_slot(slot, n_keys, pads, D, tai
     pad = torch.tensor(pads)
     dev = torch.device(test_device)
     out = decode_attention(q.to(dev), kc.to(dev), vc.to(dev), torch.tensor([slot], device=dev), pad.to(dev),
-                           n_keys, tail=tail).cpu()  # (B, 1, nh*D)
-    assert not tail_counts(dev).any()
+                           n_keys).cpu()  # (B, 1, nh*D)
     for b in range(B):
         k = kc[b, :, pad[b]:slot + 1].float().repeat_interleave(nh // nkv, 0)  # (nh, n, D)
         v = vc[b, :, pad[b]:slot + 1].float().repeat_interleave(nh // nkv, 0)
@@ -253,31 +247,6 @@ def test_add_norm_router_logits_equals_the_two_launches(m, e, hid, with_y, test_
     ids, w = fo.route_topk(logits, k, True)
     ids_ref, w_ref = fo.route_fused(h_ref, router32, k, True)
     assert torch.equal(ids.cpu(), ids_ref.cpu()) and torch.allclose(w.cpu(), w_ref.cpu(), rtol=1e-5, atol=1e-6)
-    # fused op "tails": the same launch routes the rows (its last program per row), the router's own top-k with and
-    # without renormalised weights, and an imposed routing's weights; counters back at zero
-    for norm in (True, False):
-        x2, h2, ids2, w2 = fo.add_norm_router_routes(x, y, nw, router32, 1e-6, k, norm)
-        ids_ref, w_ref = fo.route_topk(logits, k, norm)
-        assert torch.equal(x2.cpu(), x_ref.cpu()) and torch.equal(h2.cpu(), h_ref.cpu())
-        assert torch.equal(ids2.cpu(), ids_ref.cpu()) and torch.allclose(w2.cpu(), w_ref.cpu(), rtol=1e-5, atol=1e-6)
-        imposed = torch.stack([torch.randperm(e, generator=g)[:k] for _ in range(m)]).to(dev)  # (m, k)
-        _, _, ids3, w3 = fo.add_norm_router_routes(x, y, nw, router32, 1e-6, k, norm, imposed)
-        assert ids3 is imposed
-        w_ref = fo.imposed_weights_from_logits(logits, imposed, k, norm)
-        assert torch.allclose(w3.cpu(), w_ref.cpu(), rtol=1e-5, atol=1e-6)
-    assert not fo.tail_counts(dev).any()
-
-
-def test_add_norm_router_routes_refuses_what_it_cannot_run():
-    import runmap.kernels.fused_ops as fo
-
-    x, nw, router32 = torch.zeros(2, 8).half(), torch.ones(8).half(), torch.zeros(5, 8)
-    with pytest.raises(ValueError, match="power-of-two top_k"):
-        fo.add_norm_router_routes(x, None, nw, router32, 1e-6, 3, True)
-    with pytest.raises(ValueError, match="imposed ids must be contiguous int64"):
-        fo.add_norm_router_routes(x, None, nw, router32, 1e-6, 2, True, torch.zeros(2, 4, dtype=torch.long))
-    with pytest.raises(ValueError, match="router must be contiguous float32"):
-        fo.add_norm_router_routes(x, None, nw, router32.half(), 1e-6, 2, True)
 
 
 def _prologue_case(nh, nkv, D, norm, slot, pads, g, dev):
@@ -299,9 +268,7 @@ def _prologue_case(nh, nkv, D, norm, slot, pads, g, dev):
 @pytest.mark.parametrize("slot,n_keys,pads", [(0, 32, (0, 0)), (70, 256, (0, 5)), (130, 256, (3, 130)),
                                               (255, 256, (255, 1)), (300, 512, (31, 299)), (10, 256, (0, 100)),
                                               (260, 256, (0, 3))])
-@pytest.mark.parametrize("tail", [False, True])
-def test_decode_attention_with_prologue_equals_the_three_launches(nh, nkv, D, norm, slot, n_keys, pads, tail,
-                                                                  test_device):
+def test_decode_attention_with_prologue_equals_the_three_launches(nh, nkv, D, norm, slot, n_keys, pads, test_device):
     """The prologue folded into the attention launch: the same attention output and the same KV cache (the new
     token's k and v written at the slot of every row's kv heads, nothing else touched) as qk_norm_rope_kv followed by
     decode_attention; slots at the first key, at block and split boundaries, a row whose only key is the new one."""
@@ -318,9 +285,8 @@ def test_decode_attention_with_prologue_equals_the_three_launches(nh, nkv, D, no
                            eps=1e-6)
     ref = fo.decode_attention(q, kc[:B], vc[:B], slots, pad, n_keys)
     out = fo.decode_attention_with_prologue(qkv, qn, kn, positions, slots, inv_freq, kc2[:B], vc2[:B], pad, n_keys,
-                                            num_heads=nh, num_kv_heads=nkv, eps=1e-6, tail=tail)
+                                            num_heads=nh, num_kv_heads=nkv, eps=1e-6)
     assert torch.equal(kc2.cpu(), kc.cpu()) and torch.equal(vc2.cpu(), vc.cpu())
-    assert not fo.tail_counts(dev).any()
     # a row without keys (pad past the slot) is NaN on both paths
     tol = 0.0 if dev.type == "cpu" else 2e-3
     assert torch.allclose(out.float(), ref.float(), rtol=tol, atol=tol, equal_nan=True)
@@ -330,8 +296,7 @@ def test_decode_attention_with_prologue_equals_the_three_launches(nh, nkv, D, no
 # splits of two and four blocks: the slot in a split's later block (row 0) or its first (row 1), a pad inside the
 # first block, a pad at the slot
 @pytest.mark.parametrize("slot,n_keys,pads", [(1000, 1024, (0, 40)), (1023, 1024, (5, 1023)), (1990, 2048, (0, 33))])
-@pytest.mark.parametrize("tail", [False, True])
-def test_decode_attention_with_prologue_reads_ahead_only_earlier_keys(nh, nkv, D, norm, slot, n_keys, pads, tail,
+def test_decode_attention_with_prologue_reads_ahead_only_earlier_keys(nh, nkv, D, norm, slot, n_keys, pads,
                                                                       test_device):
     """The attention launch reads its split's first key block before its chained wait (docs/kernels.md) and the new
     slot's row after writing it: with the slot's old k / v poisoned (NaN) and splits of several blocks, the output
@@ -351,7 +316,7 @@ def test_decode_attention_with_prologue_reads_ahead_only_earlier_keys(nh, nkv, D
     q = fo.qk_norm_rope_kv(qkv, qn, kn, positions, slots, inv_freq, kc, vc, num_heads=nh, num_kv_heads=nkv, eps=1e-6)
     ref = fo.decode_attention(q, kc, vc, slots, pad, n_keys)
     out = fo.decode_attention_with_prologue(qkv, qn, kn, positions, slots, inv_freq, kc2, vc2, pad, n_keys,
-                                            num_heads=nh, num_kv_heads=nkv, eps=1e-6, tail=tail)
+                                            num_heads=nh, num_kv_heads=nkv, eps=1e-6)
     assert torch.equal(kc2.cpu(), kc.cpu()) and torch.equal(vc2.cpu(), vc.cpu())
     assert not torch.isnan(out.float()).any()
     tol = 0.0 if dev.type == "cpu" else 2e-3
@@ -406,47 +371,6 @@ def test_decode_attention_with_prologue_refuses_what_it_cannot_run():
         decode_attention_with_prologue(qkv, None, None, torch.zeros(1, 1, dtype=torch.long), torch.zeros(1, dtype=torch.long),
                                        torch.ones(12), torch.zeros(1, 1, 8, 24).half(), torch.zeros(1, 1, 8, 24).half(),
                                        torch.zeros(1, dtype=torch.long), 8, num_heads=3, num_kv_heads=1, eps=1e-6)
-
-
-@pytest.mark.parametrize("preset", ["tiny-olmoe", "tiny-qwen2-moe"])
-@cpu_model
-def test_a_decode_step_with_tails_launches_no_combine_and_no_routing(preset, monkeypatch):
-    """Fused op "tails": a decode step's layers route their rows in the norm's launch (add_norm_router_routes, no
-    route_topk) and combine the attention's splits in the split launch (no combining kernel launched); the
-    counters are back at zero after the step."""
-    import runmap.kernels.fused_ops as fo
-
-    cfg, _ = load_preset(preset)
-    nonrouted, rows, layout = random_case(cfg, seed=4)
-    model, experts = our_model(cfg, nonrouted, rows, layout)
-    model.fused = frozenset(ALL + ("tails",))
-    calls = []
-    for name in ("add_norm_router_logits", "add_norm_router_routes", "route_topk", "route_fused"):
-        real = getattr(fo, name)
-        monkeypatch.setattr(fo, name, lambda *a, _real=real, _name=name, **kw: (calls.append(_name), _real(*a, **kw))[1])
-
-    class Seen:  # a kernel whose launches (kernel[grid](...)) are counted by name
-        def __init__(self, name, kernel):
-            self.name, self.kernel = name, kernel
-
-        def __getitem__(self, grid):
-            calls.append(self.name)
-            return self.kernel[grid]
-    for name in ("_decode_attn_combine_kernel", "_router_topk_kernel", "_imposed_weights_kernel",
-                 "_decode_attn_prologue_split_kernel"):
-        monkeypatch.setattr(fo, name, Seen(name, getattr(fo, name)))
-    kv = KVCache(cfg, 1, 8, "cpu")
-    tokens = torch.tensor([[5, 6, 7]])
-    model.forward(tokens, torch.arange(3)[None], kv, torch.arange(3), torch.zeros(1, dtype=torch.long), 3, experts)
-    calls[:] = []
-    model.forward(tokens[:, :1], torch.tensor([[3]]), kv, torch.tensor([3]), torch.zeros(1, dtype=torch.long), 4,
-                  experts)
-    L = cfg.num_layers
-    assert calls.count("add_norm_router_routes") == L, calls
-    assert not {"add_norm_router_logits", "route_topk", "route_fused", "_decode_attn_combine_kernel",
-                "_router_topk_kernel"} & set(calls), calls
-    assert calls.count("_decode_attn_prologue_split_kernel") == L
-    assert not fo.tail_counts("cpu").any()
 
 
 @pytest.mark.parametrize("preset", ["tiny-olmoe", "tiny-qwen2-moe"])

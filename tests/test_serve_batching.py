@@ -862,24 +862,3 @@ def test_a_decode_step_uploads_nothing_unless_rows_joined_or_left(engines, pipel
              if k > 0 and before == after and per_step[k - 1][0] == per_step[k - 1][1]]
     assert quiet and all(u == 0 for u in quiet), per_step
     assert per_step[0][2] >= 1 and sum(u for _, _, u in per_step) <= 5, per_step
-
-
-def test_the_tail_ops_refuse_joins_beside_the_decode_steps(engines):
-    """Fused ops "tails" / "attn-tail" count on one set of device counters (fused_ops.tail_counts), so no prefill may
-    run beside the decode steps on a stream of its own: interleaved and concurrent joins are refused with a clear
-    error naming the ops; whole and mixed joins, and the tail-free ops, build as before."""
-    eng = engines["tiny-olmoe"]
-    kept = eng.model.fused
-    try:
-        for ops in ({"tails"}, {"attn-tail", "attn"}):
-            eng.model.fused = frozenset(ops)
-            for kw in ({"interleave": True}, {"concurrent": True}):
-                with pytest.raises(ValueError, match=r"fused ops \[.*tail.*\] count on one set of device counters"):
-                    BatchRunner(eng, **kw)
-            BatchRunner(eng)
-            BatchRunner(eng, mixed=True)
-        eng.model.fused = frozenset({"attn", "norm"})
-        BatchRunner(eng, interleave=True)
-        BatchRunner(eng, concurrent=True)
-    finally:
-        eng.model.fused = kept

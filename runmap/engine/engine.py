@@ -163,7 +163,7 @@ TWO_SITE_ENV_CHOICES = {TWO_SITE_STEP_ENV: ("graph", "chain"), TWO_SITE_WAIT_ENV
                         TWO_SITE_BALANCE_ENV: ("off", "wait")}
 POLL_LIMIT_S = 60.0  # a poll that long means the device stopped: the step raises instead of spinning for ever
 PREFILL_CHUNK = 8192  # prompt tokens per row per prefill pass, by default (from_pack's prefill_chunk)
-FUSED_OPS = ("prologue", "norm", "router", "attn", "gemv", "imposed", "shared", "tails", "attn-tail")
+FUSED_OPS = ("prologue", "norm", "router", "attn", "gemv", "imposed", "shared")
 # Default on CUDA. "imposed" (the gate weights of a routing workload's ids in one launch on the fused router's logits,
 # instead of ~7 torch launches per MoE layer) passed its GPU tests on an H100 on 2026-12-06 and, in the same call,
 # lifted calibrated full-residency decode from 800 to 1,162 tok/s (OLMoE batch 1) and 373 to 479 (Qwen1.5-MoE)
@@ -171,10 +171,10 @@ FUSED_OPS = ("prologue", "norm", "router", "attn", "gemv", "imposed", "shared", 
 # top-k): 5.4 us per layer vs 16.5 us for torch's linear + softmax + topk on the H200
 # (results/kernels/explore/h200-decode.json).
 # In a decode step the logits launch is the norm's (add_norm_router_logits) and the prologue is the attention's.
-# "tails" (the attention's combine in its split launch, the routing in the norm's launch: two launches fewer per layer)
-# passed its GPU tests and measured slower on an H100 (OLMoE batch 1 1,105.6 against 1,185.6 tok/s, Qwen1.5-MoE 552.0
-# against 557.6; results/campaigns/h100-decode-tails), so it is asked for by name; "attn-tail" (its attention part
-# alone) is not measured yet.
+# Removed after measuring: "tails" (the attention's combine in its split launch, the routing in the norm's launch, each
+# by the launch's last program on a device counter: two launches fewer per layer) and "attn-tail" (its attention part)
+# passed their GPU tests and were slower or no faster on an H100 (OLMoE batch 1 1,105.6 and 1,175.9 against 1,185.6 and
+# 1,182.2 tok/s; results/campaigns/h100-decode-tails, h100-step-ablation; the code is in bc0a1c2..a6edef6).
 DEFAULT_FUSED = ("prologue", "norm", "router", "attn", "gemv", "imposed", "shared")
 
 

@@ -61,11 +61,6 @@ def linear(x: torch.Tensor, w: torch.Tensor, b: torch.Tensor | None = None) -> t
     return F.linear(x.float(), w.float(), None if b is None else b.float()).to(x.dtype)
 
 
-# the fused ops whose launches count on fused_ops.tail_counts (one stream at a time; runmap.serve.batching refuses them
-# beside side-stream joins)
-TAIL_OPS = ("tails", "attn-tail")
-
-
 def rides_shared(experts, n_rows: int = 1) -> bool:
     """Whether a routed-experts callback takes a shared expert of ``n_rows`` rows (``shared=``, computed in its
     launches): its ``rides_shared(n_rows)``, or that of the object a bound-method callback belongs to; False for a
@@ -295,9 +290,6 @@ class Transformer:
         # + top-k; "attn": decode attention (T = 1); "gemv": the q|k|v and o projections of a single token.
         # Together in a decode step: "prologue" + "attn" run as one launch, "norm" + "router" as one (and top-k).
         # "imposed" (with "router"): a routing workload's gate weights from those logits in one launch.
-        # "tails": the last program of a launch finishes its small reduction: decode attention's splits combined in the
-        # split launch, and (with "norm" + "router") the rows routed in the norm's launch (fused_ops, "tails");
-        # "attn-tail": the attention's part alone.
         # "shared": a shared expert of several rows in two launches between its two GEMMs; with "gemv" one token's rides
         # in the grouped executor's launches where the experts callback takes it (rides_shared), else "gemv"'s two
         self.fused: frozenset = frozenset()
@@ -310,29 +302,20 @@ class Transformer:
     def _fused_router(self) -> bool:
         return "router" in self.fused and self.cfg.top_k & (self.cfg.top_k - 1) == 0  # kernels tile k as a power of 2
 
-    def _attn_tail(self) -> bool:
-        """Decode attention combines its splits in the split launch: op "tails" (with the routing in the norm's launch)
-        or "attn-tail" (that alone), i.e. any of TAIL_OPS."""
-        return not self.fused.isdisjoint(TAIL_OPS)
-
     def _fused_imposed(self) -> bool:
         """Imposed ids' gate weights in one launch on the fused router's logits (fused op "imposed"), instead of
         ``imposed_weights``' torch ops (~7 launches per MoE layer)."""
         return "imposed" in self.fused and self._fused_router()
 
     def moe_block(self, layer: int, h: torch.Tensor, experts: ExpertsFn, token_rows: torch.Tensor | None,
-                  logits: torch.Tensor | None = None, routes: tuple | None = None):
+                  logits: torch.Tensor | None = None):
         """h fp16 (N, H) -> fp16 (N, H). token_rows int64 (n,), ascending: the rows that are routed (padding
         rows are left out of the batch union and get a zero routed output); None = all rows. (Indices, not a
         boolean mask: a mask's selection waits for the device to count its rows, once per layer.)
-        logits: fp32 (N, E) router logits of h already computed (fused with the norm; token_rows None only).
-        routes: (ids int64 (N, k), gate weights fp32 (N, k)) already computed (the norm's launch with fused op
-        "tails": the router's own top-k, or the imposed ids and their weights; token_rows None only)."""
+        logits: fp32 (N, E) router logits of h already computed (fused with the norm; token_rows None only)."""
         cfg, lw = self.cfg, self.w.layers[layer]
         hr = h if token_rows is None else h.index_select(0, token_rows)  # (n, H)
-        if routes is not None:
-            ids, gw = routes
-        elif self.imposed is not None:
+        if self.imposed is not None:
             ids = self.imposed[layer]  # (n, k) int64: the workload's experts for these rows
             if self._fused_imposed():  # one launch on the logits (the fused norm's, or the router kernel's)
                 from runmap.kernels.fused_ops import imposed_weights_from_logits, router_logits
@@ -418,7 +401,7 @@ class Transformer:
             # the prologue folded into the attention launch (a power-of-two head dim: both real families use 128)
             return decode_attention_with_prologue(qkv, lw.q_norm, lw.k_norm, positions, slots, self.w.inv_freq, kc,
                                                   vc, pad, n_keys, num_heads=nh, num_kv_heads=nkv,
-                                                  eps=cfg.rms_norm_eps, tail=self._attn_tail())  # (B, 1, nh*D)
+                                                  eps=cfg.rms_norm_eps)  # (B, 1, nh*D)
         if "prologue" in self.fused:
             from runmap.kernels.fused_ops import qk_norm_rope_kv
 
@@ -442,8 +425,7 @@ class Transformer:
         if decode_attn:
             from runmap.kernels.fused_ops import decode_attention
 
-            return decode_attention(q.contiguous(), kc, vc, slots, pad, n_keys,
-                                    tail=self._attn_tail())  # (B, 1, nh*D)
+            return decode_attention(q.contiguous(), kc, vc, slots, pad, n_keys)  # (B, 1, nh*D)
         keys, vals = kc[:, :, :n_keys], vc[:, :, :n_keys]  # (B, nkv, n_keys, D)
         gqa = nkv != nh
         if q.is_cuda:
@@ -534,28 +516,21 @@ class Transformer:
         stream, which ``_logits`` normalizes after selecting the rows sampled from (normed False)."""
         w, eps, H = self.w, self.cfg.rms_norm_eps, x.shape[-1]
         if "norm" in self.fused:
-            from runmap.kernels.fused_ops import (NORM_ROUTER_MAX_ROWS, add_norm_router_logits, add_norm_router_routes,
-                                                  add_rms_norm)
+            from runmap.kernels.fused_ops import NORM_ROUTER_MAX_ROWS, add_norm_router_logits, add_rms_norm
 
             norms = [lw.attn_norm for lw in w.layers] + [w.final_norm]
             _, h = add_rms_norm(x, None, norms[0], eps)
             # decode steps: the router's logits come out of the norm's launch (fused_ops.add_norm_router_logits)
             norm_router = (self._fused_router() and (self.imposed is None or self._fused_imposed())
                            and token_rows is None and x.numel() // H <= NORM_ROUTER_MAX_ROWS)
-            # with "tails" that launch also routes the rows (fused_ops.add_norm_router_routes): no routing launch
-            routes_in_norm = norm_router and "tails" in self.fused
             for layer, lw in enumerate(w.layers):
                 a = attention(layer, h)
-                logits = routes = None
-                if routes_in_norm:
-                    imposed = None if self.imposed is None else self.imposed[layer].contiguous()  # (rows, k)
-                    x, h, *routes = add_norm_router_routes(x, a, lw.mlp_norm, lw.router32, eps, self.cfg.top_k,
-                                                           self.cfg.norm_topk_prob, imposed)  # ..., (rows, k) x 2
-                elif norm_router:
+                logits = None
+                if norm_router:
                     x, h, logits = add_norm_router_logits(x, a, lw.mlp_norm, lw.router32, eps)  # ..., (rows, E)
                 else:
                     x, h = add_rms_norm(x, a, lw.mlp_norm, eps)
-                y = self.moe_block(layer, h.reshape(-1, H), experts, token_rows, logits, routes).reshape(h.shape)
+                y = self.moe_block(layer, h.reshape(-1, H), experts, token_rows, logits).reshape(h.shape)
                 x, h = add_rms_norm(x, y, norms[layer + 1], eps)  # next layer's input norm, or the final norm
                 yield
             return h, True

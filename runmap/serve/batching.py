@@ -73,7 +73,6 @@ import numpy as np
 
 from runmap.engine.engine import PASS_QUEUED, host_to_device
 from runmap.engine.generation import GenerationError, _Row, left_pad, prefill_warmup_shapes, sample  # noqa: F401
-from runmap.engine.model import TAIL_OPS
 
 # prompt tokens of one joint prefill (rows x longest prompt): bounds the stall a join imposes on the running rows.
 # Its activation memory is bounded anyway: the prefill runs in chunks of prefill_chunk positions over at most
@@ -156,11 +155,6 @@ class BatchRunner:
         prefill."""
         if join_tokens < 0:
             raise ValueError(f"join_tokens must be >= 0, got {join_tokens}")
-        tails = sorted(set(TAIL_OPS) & set(getattr(getattr(engine, "model", None), "fused", ())))
-        if tails and (interleave or concurrent):
-            raise ValueError(f"fused ops {tails} count on one set of device counters per device, and interleaved or "
-                             "concurrent joins run prefill passes beside the decode steps on a stream of their own: "
-                             "use whole or mixed joins with them, or leave them out")
         self.eng = engine
         self.dev = engine.device
         self.max_batch, self.max_seq_len = engine.max_batch, engine.max_seq_len

@@ -4,7 +4,8 @@
 
 Why: with programmatic dependent launch a kernel starts while the one before it runs, so the torch profiler's
 per-kernel durations overlap (a kernel's includes its wait) and do not say what removing a launch would save; the
-fused op "tails" removed two launches per layer and made the step slower (results/campaigns/h100-decode-tails).
+fused op "tails" removed two launches per layer and made the step slower (results/campaigns/h100-decode-tails; it
+was removed after this probe's run, results/campaigns/h100-step-ablation).
 Here each variant replaces one wrapper of the decode step by a stand-in that launches nothing and returns a
 preallocated tensor of the right shape (values are garbage: timing only), builds a fresh engine (full residency,
 grouped executor, CUDA graphs: the stand-ins are captured as no launch at all) and times greedy decode; the step time
@@ -63,7 +64,7 @@ def ablated(variant: str):
         patches.append((fo, "gemv", lambda x, w, b=None: s.get("gemv", (*x.shape[:-1], w.shape[0]), x.dtype, x.device)))
     elif variant == "attention":
         def attention(qkv, q_norm, k_norm, positions, slot, inv_freq, k_cache, v_cache, pad, n_keys, *, num_heads,
-                      num_kv_heads, eps, tail=False):
+                      num_kv_heads, eps):
             D = qkv.shape[-1] // (num_heads + 2 * num_kv_heads)
             return s.get("attention", (qkv.shape[0], 1, num_heads * D), qkv.dtype, qkv.device)
         patches.append((fo, "decode_attention_with_prologue", attention))
