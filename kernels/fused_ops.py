@@ -21,6 +21,8 @@ One program per token row m = b * T + t of the fused qkv projection.
 """
 from __future__ import annotations
 
+import os
+
 import torch
 import triton
 import triton.language as tl
@@ -380,8 +382,16 @@ def add_norm_router_logits(x, y, norm_w, router32, eps):
     return x_out, h, logits
 
 
+# Lab knobs for an A/B in one device call (read once, at import; not for users): the widest chunk of a row the router
+# launches sum at once (1,024 by default: OLMoE's and Qwen1.5-MoE's 2,048 in two chunks, the second read after the
+# launch's wait), and the K chunk of the one-row GEMV of projections narrower than 4,096 (the o projection; 512 by
+# default). A chunk as wide as the row puts every weight load of a program before its wait.
+ROUTER_BLOCK_H_MAX = int(os.environ.get("RUNMAP_ROUTER_BLOCK_H", "1024"))
+GEMV_NARROW_BLOCK_K = int(os.environ.get("RUNMAP_GEMV_NARROW_BLOCK_K", "512"))
+
+
 def _router_block_h(hid: int) -> int:
-    return min(1024, triton.next_power_of_2(hid))
+    return min(ROUTER_BLOCK_H_MAX, triton.next_power_of_2(hid))
 
 
 def _one_warp(device) -> dict:
@@ -768,12 +778,18 @@ def _gemv_block_n(n: int) -> int:
     return 16 if n >= 4096 else 4  # the probe's best tiles (above), by the projection's width
 
 
+def _gemv_block_k(n: int, k: int) -> int:
+    """512 (the probe's best, results/campaigns/h200-decode/dense-gemv.json), or for a narrow projection the knob's
+    chunk where the row is that wide."""
+    return 512 if n >= 4096 else max(512, min(GEMV_NARROW_BLOCK_K, triton.next_power_of_2(k)))
+
+
 def _launch_gemv(x, w, b, y) -> None:
     n, k = w.shape
     block_n = _gemv_block_n(n)
     # Triton's default 4 warps (the probe's)
     common.launch(_gemv_kernel[(triton.cdiv(n, block_n),)], x, w, b if b is not None else w, y, n, K=k,
-                  HAS_BIAS=b is not None, BLOCK_N=block_n, BLOCK_K=512, **common.chained(x.device))
+                  HAS_BIAS=b is not None, BLOCK_N=block_n, BLOCK_K=_gemv_block_k(n, k), **common.chained(x.device))
 
 
 # ---- the shared expert of one token (Qwen2-MoE), added to the routed output --------------------------------

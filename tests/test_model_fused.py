@@ -219,13 +219,17 @@ def test_decode_attention_attends_exactly_pad_to_slot(slot, n_keys, pads, D, tes
         assert torch.allclose(out[b].float(), ref, atol=2e-3, rtol=2e-3)
 
 
-@pytest.mark.parametrize("m,e,hid,with_y", [(1, 64, 2048, True), (8, 60, 2048, True), (3, 7, 40, False),
-                                            (2, 5, 1500, True)])
-def test_add_norm_router_logits_equals_the_two_launches(m, e, hid, with_y, test_device):
+@pytest.mark.parametrize("m,e,hid,with_y,block_h", [(1, 64, 2048, True, 1024), (8, 60, 2048, True, 1024),
+                                                    (3, 7, 40, False, 1024), (2, 5, 1500, True, 1024),
+                                                    (1, 64, 2048, True, 2048), (2, 5, 1500, True, 2048)])
+def test_add_norm_router_logits_equals_the_two_launches(m, e, hid, with_y, block_h, test_device, monkeypatch):
     """One launch gives what add_rms_norm then the router's logits kernel give: the same x + y and norm (bit for bit)
     and the same FP32 logits, on odd expert counts and hidden sizes (one, two and a partial last chunk of the row);
-    the ids and weights of the top-k on those logits equal route_fused's."""
+    the ids and weights of the top-k on those logits equal route_fused's. block_h 2048: the lab knob's whole-row
+    chunk (fused_ops.ROUTER_BLOCK_H_MAX), every router weight read before the wait."""
     import runmap.kernels.fused_ops as fo
+
+    monkeypatch.setattr(fo, "ROUTER_BLOCK_H_MAX", block_h)
 
     g = torch.Generator().manual_seed(m * 1000 + e)
     dev = torch.device(test_device)
@@ -410,11 +414,19 @@ def test_decode_step_runs_the_folded_launches(preset, monkeypatch):
     assert not {"qk_norm_rope_kv", "decode_attention", "route_fused"} & set(calls)
 
 
-@pytest.mark.parametrize("n,k,bias", [(6144, 2048, False), (2048, 2048, True), (37, 600, True), (5, 8, False)])
-def test_gemv_matches_an_fp32_product(n, k, bias, test_device):
+@pytest.mark.parametrize("n,k,bias,narrow_block_k,block_k", [
+    (6144, 2048, False, 512, 512), (2048, 2048, True, 512, 512), (37, 600, True, 512, 512), (5, 8, False, 512, 512),
+    (2048, 2048, True, 2048, 2048), (37, 600, True, 2048, 1024), (7, 1500, False, 1024, 1024),
+    (6144, 2048, False, 2048, 512)])
+def test_gemv_matches_an_fp32_product(n, k, bias, narrow_block_k, block_k, test_device, monkeypatch):
     """One row times a (N, K) fp16 weight (+ bias): odd N (a partial last block of rows), K not a multiple of the
-    512-wide K tile; within fp16 rounding of the FP32 product."""
+    512-wide K tile; within fp16 rounding of the FP32 product. narrow_block_k: the lab knob's K chunk of narrow
+    projections (fused_ops.GEMV_NARROW_BLOCK_K: 2048 holds the whole row, 1024 two chunks with a partial last)."""
+    import runmap.kernels.fused_ops as fo
     from runmap.kernels.fused_ops import gemv
+
+    monkeypatch.setattr(fo, "GEMV_NARROW_BLOCK_K", narrow_block_k)
+    assert fo._gemv_block_k(n, k) == block_k  # a wide projection (N >= 4,096) keeps 512
 
     g = torch.Generator().manual_seed(n + k)
     dev = torch.device(test_device)
