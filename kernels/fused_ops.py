@@ -21,8 +21,6 @@ One program per token row m = b * T + t of the fused qkv projection.
 """
 from __future__ import annotations
 
-import os
-
 import torch
 import triton
 import triton.language as tl
@@ -382,12 +380,15 @@ def add_norm_router_logits(x, y, norm_w, router32, eps):
     return x_out, h, logits
 
 
-# Lab knobs for an A/B in one device call (read once, at import; not for users): the widest chunk of a row the router
-# launches sum at once (1,024 by default: OLMoE's and Qwen1.5-MoE's 2,048 in two chunks, the second read after the
-# launch's wait), and the K chunk of the one-row GEMV of projections narrower than 4,096 (the o projection; 512 by
-# default). A chunk as wide as the row puts every weight load of a program before its wait.
-ROUTER_BLOCK_H_MAX = int(os.environ.get("RUNMAP_ROUTER_BLOCK_H", "1024"))
-GEMV_NARROW_BLOCK_K = int(os.environ.get("RUNMAP_GEMV_NARROW_BLOCK_K", "512"))
+# Row chunks wide enough that a program loads all of its weights before its wait (chain_wait), so after it only the
+# activations are read: the router launches sum a row of up to 2,048 in one chunk (OLMoE's and Qwen1.5-MoE's whole
+# hidden size; the second of two 1,024 chunks was read after the wait), and the one-row GEMV of a projection narrower
+# than 4,096 (the o projection) takes K chunks of 2,048 (512 before: three of its four chunks after the wait). In one
+# H100 call, default first and last: OLMoE batch 1 1,172.1 / 1,174.4 -> 1,199.9 tok/s, Qwen1.5-MoE 547.5 / 547.5 ->
+# 555.0, the GEMV chunk alone 1,186.8 and 550.0 (results/campaigns/h100-gemv-router-preload). The sums run in another
+# order than with the narrow chunks (FP32; within rounding). Module constants so tests can sweep the narrow ones.
+ROUTER_BLOCK_H_MAX = 2048
+GEMV_NARROW_BLOCK_K = 2048
 
 
 def _router_block_h(hid: int) -> int:
@@ -779,8 +780,8 @@ def _gemv_block_n(n: int) -> int:
 
 
 def _gemv_block_k(n: int, k: int) -> int:
-    """512 (the probe's best, results/campaigns/h200-decode/dense-gemv.json), or for a narrow projection the knob's
-    chunk where the row is that wide."""
+    """512 for a wide projection (the probe's best, results/campaigns/h200-decode/dense-gemv.json); a narrow one's
+    GEMV_NARROW_BLOCK_K, or the row's width rounded up to a power of two where that is less (at least 512)."""
     return 512 if n >= 4096 else max(512, min(GEMV_NARROW_BLOCK_K, triton.next_power_of_2(k)))
 
 

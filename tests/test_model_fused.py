@@ -225,8 +225,8 @@ def test_decode_attention_attends_exactly_pad_to_slot(slot, n_keys, pads, D, tes
 def test_add_norm_router_logits_equals_the_two_launches(m, e, hid, with_y, block_h, test_device, monkeypatch):
     """One launch gives what add_rms_norm then the router's logits kernel give: the same x + y and norm (bit for bit)
     and the same FP32 logits, on odd expert counts and hidden sizes (one, two and a partial last chunk of the row);
-    the ids and weights of the top-k on those logits equal route_fused's. block_h 2048: the lab knob's whole-row
-    chunk (fused_ops.ROUTER_BLOCK_H_MAX), every router weight read before the wait."""
+    the ids and weights of the top-k on those logits equal route_fused's. block_h: fused_ops.ROUTER_BLOCK_H_MAX, the
+    default 2048 (a whole row of 2,048 in one chunk) and the 1024 before it (two chunks)."""
     import runmap.kernels.fused_ops as fo
 
     monkeypatch.setattr(fo, "ROUTER_BLOCK_H_MAX", block_h)
@@ -420,8 +420,9 @@ def test_decode_step_runs_the_folded_launches(preset, monkeypatch):
     (6144, 2048, False, 2048, 512)])
 def test_gemv_matches_an_fp32_product(n, k, bias, narrow_block_k, block_k, test_device, monkeypatch):
     """One row times a (N, K) fp16 weight (+ bias): odd N (a partial last block of rows), K not a multiple of the
-    512-wide K tile; within fp16 rounding of the FP32 product. narrow_block_k: the lab knob's K chunk of narrow
-    projections (fused_ops.GEMV_NARROW_BLOCK_K: 2048 holds the whole row, 1024 two chunks with a partial last)."""
+    512-wide K tile; within fp16 rounding of the FP32 product. narrow_block_k: fused_ops.GEMV_NARROW_BLOCK_K, the K
+    chunk of projections narrower than 4,096 (the default 2048 holds a 2,048 row whole, 600 and 1,500 in one chunk of
+    1,024; 512 as before)."""
     import runmap.kernels.fused_ops as fo
     from runmap.kernels.fused_ops import gemv
 
