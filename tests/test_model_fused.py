@@ -421,8 +421,8 @@ def test_decode_step_runs_the_folded_launches(preset, monkeypatch):
 def test_gemv_matches_an_fp32_product(n, k, bias, narrow_block_k, block_k, test_device, monkeypatch):
     """One row times a (N, K) fp16 weight (+ bias): odd N (a partial last block of rows), K not a multiple of the
     512-wide K tile; within fp16 rounding of the FP32 product. narrow_block_k: fused_ops.GEMV_NARROW_BLOCK_K, the K
-    chunk of projections narrower than 4,096 (the default 2048 holds a 2,048 row whole, 600 and 1,500 in one chunk of
-    1,024; 512 as before)."""
+    chunk of projections narrower than 4,096 (the default 2048 holds a 2,048 row whole and a 600 row in one chunk of
+    1,024; 1024 takes a 1,500 row in two chunks, the last partial; 512 as before)."""
     import runmap.kernels.fused_ops as fo
     from runmap.kernels.fused_ops import gemv
 

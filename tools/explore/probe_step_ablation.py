@@ -69,9 +69,9 @@ def ablated(variant: str):
             return s.get("attention", (qkv.shape[0], 1, num_heads * D), qkv.dtype, qkv.device)
         patches.append((fo, "decode_attention_with_prologue", attention))
     elif variant == "combine":
-        def combine(part, ml, D, out=None):
+        def combine(part, ml, D):
             B, nh = part.shape[:2]
-            return out if out is not None else s.get("combine", (B, 1, nh * D), torch.float16, part.device)
+            return s.get("combine", (B, 1, nh * D), torch.float16, part.device)
         patches.append((fo, "_combine_splits", combine))
     elif variant == "norm":
         def norm(x, y, w, eps):
