@@ -242,14 +242,20 @@ ROUTER_ROWS_MIN = 1024
 
 
 @triton.jit
+def _row_softmax(logits_ptr, m, E, E_P2: tl.constexpr):
+    """Row m of fp32 logits (E per row): (its softmax fp32 (E_P2,), 0 past E; offs_e (E_P2,))."""
+    offs_e = tl.arange(0, E_P2)
+    logits = tl.load(logits_ptr + m * E + offs_e, mask=offs_e < E, other=float("-inf"))
+    p = tl.exp(logits - tl.max(logits, axis=0))
+    return p / tl.sum(p, axis=0), offs_e
+
+
+@triton.jit
 def _router_topk_kernel(logits_ptr, ids_ptr, wts_ptr, E, TOPK: tl.constexpr, NORM: tl.constexpr, E_P2: tl.constexpr,
                         CHAINED: tl.constexpr = False):
     chain_wait(CHAINED)
     m = tl.program_id(0)
-    offs_e = tl.arange(0, E_P2)
-    logits = tl.load(logits_ptr + m * E + offs_e, mask=offs_e < E, other=float("-inf"))
-    p = tl.exp(logits - tl.max(logits, axis=0))
-    p = p / tl.sum(p, axis=0)  # softmax over experts
+    p, offs_e = _row_softmax(logits_ptr, m, E, E_P2)  # (E_P2,) softmax over experts
     offs_k = tl.arange(0, TOPK)
     ids = tl.zeros((TOPK,), tl.int64)
     wts = tl.zeros((TOPK,), tl.float32)
@@ -277,10 +283,7 @@ def _imposed_weights_kernel(logits_ptr, ids_ptr, wts_ptr, E, TOPK: tl.constexpr,
                             E_P2: tl.constexpr, CHAINED: tl.constexpr = False):
     chain_wait(CHAINED)
     m = tl.program_id(0)
-    offs_e = tl.arange(0, E_P2)
-    logits = tl.load(logits_ptr + m * E + offs_e, mask=offs_e < E, other=float("-inf"))
-    p = tl.exp(logits - tl.max(logits, axis=0))
-    p = p / tl.sum(p, axis=0)  # (E_P2,) softmax over experts, 0 past E
+    p, offs_e = _row_softmax(logits_ptr, m, E, E_P2)  # (E_P2,) softmax over experts, 0 past E
     offs_k = tl.arange(0, TOPK)
     ids = tl.load(ids_ptr + m * TOPK + offs_k)  # (TOPK,) int64 in [0, E): the caller checked them
     # the probability of each imposed id: a (TOPK, E_P2) selection summed over experts
