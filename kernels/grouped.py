@@ -29,6 +29,7 @@ read per layer, ~0.4 ms, and the fp16 GEMMs then run at 340-430 TFLOP/s. The wor
 """
 from __future__ import annotations
 
+import os
 from typing import NamedTuple
 
 import torch
@@ -37,7 +38,7 @@ import triton.language as tl
 
 from runmap.kernels import common
 from runmap.kernels.core import (chain_wait, dot_tiles, expert_row, expert_site_row, gated_shared_down, gemv_row_sums,
-                                 nibbles_f16, prefetch_l2, resolve_row, silu_mul)
+                                 nibbles_f16, nibbles_f16_asm, prefetch_l2, resolve_row, silu_mul)
 from runmap.format.qpack import RowLayout
 
 DECODE_MAX_PAIRS = 128
@@ -290,6 +291,60 @@ def _down_programs(h_ptr, ids_ptr, order_ptr, wts_ptr, row_table_ptr, w_ptr, s_p
                             N, K, NB, QBLOCK, BLOCK_M, BLOCK_N, BLOCK_K, TILE_SCALE, DEQ_ASM, SCALE_COLS)
 
 
+@triton.jit(do_not_specialize=["P", "n_host_rows"])  # host_off: specialized (a multiple of 16: aligned loads)
+def _sliced_experts_kernel(
+    x_ptr, ids_ptr, wts_ptr, row_table_ptr, w_ptr, s_ptr, part_ptr,
+    P, n_experts, n_rows, row_bytes, host_off, n_host_rows, stride_xm, gate_w, gate_s, up_w, up_s, down_w, down_s,
+    H: tl.constexpr, I: tl.constexpr, NB_H: tl.constexpr, NB_I: tl.constexpr, QBLOCK: tl.constexpr,
+    TOPK: tl.constexpr, P_PAD: tl.constexpr, BLOCK_M: tl.constexpr, BI: tl.constexpr, BLOCK_K: tl.constexpr,
+    BN_D: tl.constexpr, TILE_SCALE: tl.constexpr, DEQ_ASM: tl.constexpr, CHAINED: tl.constexpr = False,
+):
+    """The decode form's gate/up and down in one launch (config SLICED). Program (p, j) owns the expert of pair p if
+    p is its first pair, and the intermediate columns j BI .. (j + 1) BI - 1 of that expert:
+    h = fp16(silu(x Wg^T) * (x Wu^T)) for those columns (the gate and up rows only this program reads), then at once
+    part[q, j, :] = gate weight of q * (h Wd[:, slice]^T) in fp32 for each pair q of the expert. No program waits for
+    another; ``sum_topk`` then sums each token's k x NJ partials in a fixed order. Down's slice is BI / 2 bytes of each
+    hidden row with one scale (BI divides QBLOCK). A non-resident expert's partials are NaN, as in the two-launch form.
+    part: fp32 (P, NJ, H), NJ = ceil(I / BI)."""
+    chain_wait(CHAINED)
+    pid0 = tl.program_id(0)
+    j = tl.program_id(1)
+    NJ: tl.constexpr = (I + BI - 1) // BI
+    HALF_I: tl.constexpr = BI // 2
+    expert, match, rank, count, owner = _match_group(ids_ptr, pid0, P, P_PAD)
+    if owner:
+        w_row, s_row, ok = expert_site_row(expert, row_table_ptr, w_ptr, s_ptr, n_experts, n_rows, row_bytes, host_off,
+                                           n_host_rows)
+        offs_i = j * BI + tl.arange(0, BI)  # (BI,) intermediate columns of the slice
+        i_mask = offs_i < I
+        offs_jb = j * HALF_I + tl.arange(0, HALF_I)  # (BI/2,) their bytes in each down row
+        jb_mask = offs_jb < I // 2
+        for c0 in range(0, P_PAD, BLOCK_M):
+            if c0 < count:
+                pairs, lane_ok = _chunk_pairs(match, rank, count, c0, P_PAD, BLOCK_M)  # (BM,)
+                x_rows = x_ptr + (pairs // TOPK).to(tl.int64) * stride_xm
+                acc_g = tl.zeros((BLOCK_M, BI), tl.float32)
+                acc_u = tl.zeros((BLOCK_M, BI), tl.float32)
+                acc_g, acc_u = dot_tiles(acc_g, acc_u, x_rows, lane_ok & ok, w_row + gate_w, s_row + gate_s,
+                                         w_row + up_w, s_row + up_s, offs_i, i_mask, H, NB_H, BLOCK_K, QBLOCK, TILE_SCALE,
+                                         True, DEQ_ASM, 0)
+                h = silu_mul(acc_g, acc_u).to(tl.float16)  # (BM, BI): the two-launch form's fp16 h
+                h_even, h_odd = tl.split(tl.reshape(h, (BLOCK_M, HALF_I, 2)))  # (BM, BI/2) each
+                gw = tl.load(wts_ptr + pairs, mask=lane_ok, other=0.0)  # (BM,) fp32 gate weights
+                out_rows = part_ptr + (pairs.to(tl.int64) * NJ + j) * H  # (BM,)
+                for n0 in range(0, H, BN_D):
+                    offs_n = n0 + tl.arange(0, BN_D)  # (BN_D,) hidden rows
+                    n_mask = offs_n < H
+                    wd = tl.load(w_row + down_w + offs_n[None, :] * (I // 2) + offs_jb[:, None],
+                                 mask=jb_mask[:, None] & n_mask[None, :], other=0)  # (BI/2, BN_D) uint8
+                    lo, hi = nibbles_f16_asm(wd) if DEQ_ASM else nibbles_f16(wd)  # masked bytes meet h = 0
+                    sd = tl.load(s_row + down_s + offs_n * NB_I + (j * BI) // QBLOCK, mask=n_mask,
+                                 other=0.0).to(tl.float32)  # (BN_D,)
+                    acc = tl.dot(h_even, lo) + tl.dot(h_odd, hi)  # (BM, BN_D) fp32
+                    out = tl.where(ok, acc * sd[None, :] * gw[:, None], float("nan"))
+                    tl.store(out_rows[:, None] + offs_n[None, :], out, mask=lane_ok[:, None] & n_mask[None, :])
+
+
 @triton.jit
 def _sum_topk_kernel(ypair_ptr, y_ptr, gs_ptr, H, TOPK: tl.constexpr, BLOCK_N: tl.constexpr,
                      CHAINED: tl.constexpr = False, SHARED: tl.constexpr = False):
@@ -410,7 +465,7 @@ def default_config(n_pairs: int, device: torch.device) -> dict:
     per_tile = {"DEQUANT": False, "DEQ_ASM": deq_asm, "PRELOAD_SCALES": False}  # a scale load per K tile
     if n_pairs <= DECODE_FORM_MAX_PAIRS:
         bn = 32 if n_pairs <= 16 else 64
-        return _tiles(16, bn, 256, 4, 3, **per_tile)
+        return _tiles(16, bn, 256, 4, 3, SLICED=os.environ.get("RUNMAP_GROUPED_SLICED") == "1", **per_tile)
     if decode:
         # sorted runs of 16 rows (config SORTED) where the decode form has more pairs to match: 64 pairs (OLMoE batch 8,
         # Qwen1.5-MoE batch 16) 79.1 / 98.6 us per layer against 88.3 / 108.2, 128 pairs (OLMoE batch 16) 102.9 against
@@ -715,6 +770,57 @@ def grouped_down(h, topk_ids, topk_weights, order, row_table, storage, layout: R
     return ypair
 
 
+def sliced_slice_width(cfg: dict, layout: RowLayout) -> int:
+    """BI of the sliced form: the config's SLICE_I (a power of two, 32 or more) halved until it divides the
+    quantization block, so each slice of a down row has one scale; 0 when no width from 32 up does (the form is then
+    not used)."""
+    bi = int(cfg.get("SLICE_I", 64))
+    while bi >= 32 and layout.block_size % bi:
+        bi //= 2
+    return bi if bi >= 32 else 0
+
+
+def sliced_experts(x, topk_ids, topk_weights, row_table, storage, layout: RowLayout, cfg: dict,
+                   host_rows: torch.Tensor | None = None) -> torch.Tensor:
+    """Stages 1 and 2 of the decode form in one launch (``_sliced_experts_kernel``): fp32 (T*k*NJ, H) partials, each
+    token's k x NJ consecutive, for ``sum_topk`` with k x NJ slots.
+
+    Args:
+        x: float16 (T, H) contiguous. topk_ids: int32/int64 (T, k), T*k <= DECODE_MAX_PAIRS.
+        topk_weights: float32 (T, k). row_table, storage, layout, host_rows: as in ``grouped_gate_up``.
+        cfg: SLICE_I (``sliced_slice_width``), BLOCK_K, SLICE_BLOCK_N (hidden rows per down step), DEQ_ASM, warps.
+    """
+    common.check_storage(storage, layout)
+    dev = storage.device
+    common.check_tensor("x", x, torch.float16, 2, shape=(None, layout.hidden_size), device=dev)
+    _check_routing_args(topk_ids, row_table, dev)
+    common.check_tensor("topk_weights", topk_weights, torch.float32, 2, shape=tuple(topk_ids.shape), device=dev)
+    t, k = topk_ids.shape
+    if t != x.shape[0]:
+        raise common.KernelInputError(f"topk_ids: {t} rows but x has {x.shape[0]} tokens")
+    p = t * k
+    if p > DECODE_MAX_PAIRS:
+        raise common.KernelInputError(f"sliced form: {p} pairs, at most {DECODE_MAX_PAIRS} (the decode form)")
+    bi = sliced_slice_width(cfg, layout)
+    if not bi:
+        raise common.KernelInputError(f"sliced form: no slice width from 32 up divides block_size {layout.block_size}")
+    g, u, d = (common.proj_sections(layout, name) for name in ("gate", "up", "down"))
+    nj = triton.cdiv(g.n, bi)
+    host_off, n_host = host_site(storage, host_rows, layout)
+    part = common.empty((p * nj, d.n), torch.float32, dev)
+    bk = common.pick_block_k(cfg["BLOCK_K"], layout.block_size)
+    common.launch(_sliced_experts_kernel[(p, nj)],
+        x, topk_ids, topk_weights, row_table, storage, storage.view(torch.float16), part,
+        p, row_table.numel(), storage.shape[0], layout.row_bytes, host_off, n_host, x.stride(0),
+        g.w_off, g.s_off, u.w_off, u.s_off, d.w_off, d.s_off,
+        H=d.n, I=g.n, NB_H=g.nb, NB_I=d.nb, QBLOCK=layout.block_size, TOPK=k, P_PAD=common.next_pow2(p),
+        BLOCK_M=16, BI=bi, BLOCK_K=bk, BN_D=min(cfg.get("SLICE_BLOCK_N", 256), common.next_pow2(d.n)),
+        TILE_SCALE=common.tile_scale(bk, layout.block_size), DEQ_ASM=_deq_asm(cfg, dev),
+        **common.launch_opts(cfg), **common.chained(dev),
+    )
+    return part
+
+
 def sum_topk(ypair: torch.Tensor, t: int, k: int, gs: torch.Tensor | None = None) -> torch.Tensor:
     """Stage 3: ypair float32 (T*k, H) contiguous -> float16 (T, H), summing the k slots in order; with gs float32
     (H,) (a one-token shared expert's gated output, T = 1) then fp16(y + gs)."""
@@ -809,6 +915,9 @@ def grouped_moe(x, topk_ids, topk_weights, storage, row_table, layout: RowLayout
         plan = _plan(t * k, row_table.numel(), cfg, ids_flat)
         return sum_topk(_dequant_stages(x, topk_ids, topk_weights, storage, row_table, layout, cfg, plan), t, k)
     plan = _plan(t * k, row_table.numel(), cfg, ids_flat)
+    if cfg.get("SLICED") and not plan[2] and sliced_slice_width(cfg, layout):
+        part = sliced_experts(x, topk_ids, topk_weights, row_table, storage, layout, cfg, host_rows)
+        return sum_topk(part, t, k * (part.shape[0] // (t * k)))
     order = plan[0]
     h = grouped_gate_up(x, topk_ids, order, row_table, storage, layout, cfg, plan, host_rows)
     ypair = grouped_down(h, topk_ids, topk_weights, order, row_table, storage, layout, cfg, plan, host_rows)
