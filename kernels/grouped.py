@@ -788,7 +788,8 @@ def sliced_experts(x, topk_ids, topk_weights, row_table, storage, layout: RowLay
     Args:
         x: float16 (T, H) contiguous. topk_ids: int32/int64 (T, k), T*k <= DECODE_MAX_PAIRS.
         topk_weights: float32 (T, k). row_table, storage, layout, host_rows: as in ``grouped_gate_up``.
-        cfg: SLICE_I (``sliced_slice_width``), BLOCK_K, SLICE_BLOCK_N (hidden rows per down step), DEQ_ASM, warps.
+        cfg: SLICE_I (``sliced_slice_width``, default 64), BLOCK_K (gate/up's K tile, default 256), SLICE_BLOCK_N
+            (hidden rows per step of the down slice, default 256), DEQ_ASM, num_warps / num_stages.
     """
     common.check_storage(storage, layout)
     dev = storage.device
@@ -808,7 +809,7 @@ def sliced_experts(x, topk_ids, topk_weights, row_table, storage, layout: RowLay
     nj = triton.cdiv(g.n, bi)
     host_off, n_host = host_site(storage, host_rows, layout)
     part = common.empty((p * nj, d.n), torch.float32, dev)
-    bk = common.pick_block_k(cfg["BLOCK_K"], layout.block_size)
+    bk = common.pick_block_k(cfg.get("BLOCK_K", 256), layout.block_size)
     common.launch(_sliced_experts_kernel[(p, nj)],
         x, topk_ids, topk_weights, row_table, storage, storage.view(torch.float16), part,
         p, row_table.numel(), storage.shape[0], layout.row_bytes, host_off, n_host, x.stride(0),

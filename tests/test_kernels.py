@@ -9,6 +9,7 @@ forgets to write shows up as NaN in the output.
 from __future__ import annotations
 
 import math
+from unittest import mock
 
 import pytest
 import torch
@@ -735,3 +736,66 @@ def test_check_tensor_compares_rank_and_every_dimension(shape, want, ok):
     else:
         with pytest.raises(common.KernelInputError, match="^t: "):
             common.check_tensor("t", t, shape=want)
+
+
+# The grouped executor's sliced form (config SLICED: a decode layer's gate/up and down in one launch, each program an
+# expert's intermediate slice; grouped.sliced_experts), against the FP32 reference and the two-launch form.
+@settings(max_examples=5 if not ON_GPU else 8, deadline=None)
+@given(h_blocks=st.integers(1, 3), i_half=st.integers(4, 12), b=st.sampled_from([32, 64, 96, 128, 256]),
+       m=st.integers(1, 6), slice_i=st.sampled_from([32, 64, 128]), block_n=st.sampled_from([32, 128]),
+       seed=st.integers(0, 2**16))
+def test_property_the_sliced_form_agrees_with_the_reference(h_blocks, i_half, b, m, slice_i, block_n, seed):
+    """Any even shape (H and I ending in partial blocks and partial slices, blocks that are not powers of two), any
+    slice width the block allows: within TOL of the FP32 reference and of the two-launch form, every element written
+    (the wrapper's buffers are NaN-poisoned)."""
+    from runmap.kernels import grouped
+    dev = torch.device("cuda" if ON_GPU else "cpu")
+    shape = (h_blocks * 64 + 32, i_half * 16, b, 5, 2)
+    layout, storage, row_table, resident = make_layer(shape, dev, seed)
+    x, ids, w = make_batch(shape, m, resident, dev, seed)
+    cfg = {"SLICED": True, "SORTED": False, "SLICE_I": slice_i, "SLICE_BLOCK_N": block_n}
+    assert grouped.sliced_slice_width(cfg, layout) == max(v for v in (32, 64, 128) if v <= slice_i and b % v == 0)
+    ref = reference_moe_f32(x, ids, w, storage, row_table, layout)
+    nan_buffers = lambda shape, dtype, device: torch.full(shape, float("nan"), dtype=dtype, device=device)  # noqa: E731
+    with mock.patch.object(common, "empty", nan_buffers):  # (the poison fixture is per test, not per example)
+        part = grouped.sliced_experts(x, ids, w, row_table, storage, layout, cfg)
+        y = moe_experts("grouped", x, ids, w, storage, row_table, layout, config=cfg)
+    assert part.shape == (m * ids.shape[1] * -(-layout.intermediate_size // grouped.sliced_slice_width(cfg, layout)),
+                          layout.hidden_size) and torch.isfinite(part).all()
+    two = moe_experts("grouped", x, ids, w, storage, row_table, layout, config={"SORTED": False})
+    assert torch.isfinite(y).all() and rel_err(y, ref) <= TOL
+    assert rel_err(y, two.float()) <= TOL
+
+
+@pytest.mark.parametrize("shape_name", ["small-b256", "odd-b128"] + (["olmoe", "qwen"] if ON_GPU else []))
+def test_the_sliced_form_gives_nan_exactly_where_an_expert_is_not_resident(shape_name, device, poison):
+    """A routed expert without a row: its tokens' outputs are NaN (never another expert's result), every other token
+    equals the two-launch form's output within TOL; the launch reads row ids through the row table like the others."""
+    shape = {**SMALL, **FULL}[shape_name]
+    layout, storage, row_table, resident = make_layer(shape, device, 5)
+    x, ids, w = make_batch(shape, 6, resident, device, 5)
+    routed = ids.unique()
+    hits = torch.stack([(ids == e).any(dim=1) for e in routed])  # (experts, m)
+    gone = routed[hits.sum(dim=1).argmin()]  # the routed expert the fewest tokens use
+    hit = (ids == gone).any(dim=1)  # (m,) tokens routed to it
+    assert 0 < int(hit.sum()) < ids.shape[0]
+    table = row_table.clone()
+    table[gone] = -1  # evicted after routing
+    cfg = {"SLICED": True, "SORTED": False}
+    y = moe_experts("grouped", x, ids, w, storage, table, layout, validate=False, config=cfg)
+    two = moe_experts("grouped", x, ids, w, storage, row_table, layout)
+    assert torch.isnan(y[hit]).all() and torch.isfinite(y[~hit]).all()
+    assert rel_err(y[~hit], two[~hit].float()) <= TOL
+
+
+def test_the_sliced_form_refuses_what_it_cannot_compute(device):
+    """More pairs than the decode form takes, or no slice width from 32 up that divides the block: one clear error,
+    and grouped_moe then keeps its two-launch form (the same computation)."""
+    from runmap.kernels import grouped
+    shape = SMALL["small-b64"]
+    layout, storage, row_table, resident = make_layer(shape, device, 9)
+    x, ids, w = make_batch(shape, grouped.DECODE_MAX_PAIRS // shape[4] + 1, resident, device, 9)
+    with pytest.raises(common.KernelInputError, match="pairs, at most"):
+        grouped.sliced_experts(x, ids, w, row_table, storage, layout, {"BLOCK_K": 64})
+    odd = RowLayout.build(64, 48, 40)  # block 40: no power of two from 32 up divides it
+    assert grouped.sliced_slice_width({"SLICE_I": 128}, odd) == 0
