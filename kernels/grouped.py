@@ -297,7 +297,8 @@ def _sliced_experts_kernel(
     P, n_experts, n_rows, row_bytes, host_off, n_host_rows, stride_xm, gate_w, gate_s, up_w, up_s, down_w, down_s,
     H: tl.constexpr, I: tl.constexpr, NB_H: tl.constexpr, NB_I: tl.constexpr, QBLOCK: tl.constexpr,
     TOPK: tl.constexpr, P_PAD: tl.constexpr, BLOCK_M: tl.constexpr, BI: tl.constexpr, BLOCK_K: tl.constexpr,
-    BN_D: tl.constexpr, TILE_SCALE: tl.constexpr, DEQ_ASM: tl.constexpr, CHAINED: tl.constexpr = False,
+    BN_D: tl.constexpr, TILE_SCALE: tl.constexpr, DEQ_ASM: tl.constexpr, PREFETCH_DOWN: tl.constexpr = False,
+    CHAINED: tl.constexpr = False,
 ):
     """The decode form's gate/up and down in one launch (config SLICED). Program (p, j) owns the expert of pair p if
     p is its first pair, and the intermediate columns j BI .. (j + 1) BI - 1 of that expert:
@@ -305,7 +306,8 @@ def _sliced_experts_kernel(
     part[q, j, :] = gate weight of q * (h Wd[:, slice]^T) in fp32 for each pair q of the expert. No program waits for
     another; ``sum_topk`` then sums each token's k x NJ partials in a fixed order. Down's slice is BI / 2 bytes of each
     hidden row with one scale (BI divides QBLOCK). A non-resident expert's partials are NaN, as in the two-launch form.
-    part: fp32 (P, NJ, H), NJ = ceil(I / BI)."""
+    part: fp32 (P, NJ, H), NJ = ceil(I / BI). PREFETCH_DOWN (GPU only): ask L2 for the slice's down pieces, one
+    address per hidden row, before the gate/up loop, so they arrive while it runs."""
     chain_wait(CHAINED)
     pid0 = tl.program_id(0)
     j = tl.program_id(1)
@@ -319,6 +321,10 @@ def _sliced_experts_kernel(
         i_mask = offs_i < I
         offs_jb = j * HALF_I + tl.arange(0, HALF_I)  # (BI/2,) their bytes in each down row
         jb_mask = offs_jb < I // 2
+        if PREFETCH_DOWN:  # a hint inside the expert's row (row 0 when not ok): changes no value
+            for n0 in range(0, H, BN_D):
+                rows = tl.minimum(n0 + tl.arange(0, BN_D), H - 1)  # (BN_D,) clamped: inside the row
+                prefetch_l2(w_row + down_w + rows * (I // 2) + j * HALF_I)
         for c0 in range(0, P_PAD, BLOCK_M):
             if c0 < count:
                 pairs, lane_ok = _chunk_pairs(match, rank, count, c0, P_PAD, BLOCK_M)  # (BM,)
@@ -789,7 +795,8 @@ def sliced_experts(x, topk_ids, topk_weights, row_table, storage, layout: RowLay
         x: float16 (T, H) contiguous. topk_ids: int32/int64 (T, k), T*k <= DECODE_MAX_PAIRS.
         topk_weights: float32 (T, k). row_table, storage, layout, host_rows: as in ``grouped_gate_up``.
         cfg: SLICE_I (``sliced_slice_width``, default 64), BLOCK_K (gate/up's K tile, default 256), SLICE_BLOCK_N
-            (hidden rows per step of the down slice, default 256), DEQ_ASM, num_warps / num_stages.
+            (hidden rows per step of the down slice, default 256), SLICE_PREFETCH (L2 prefetch of the down slice
+            before the gate/up loop), DEQ_ASM, num_warps / num_stages.
     """
     common.check_storage(storage, layout)
     dev = storage.device
@@ -817,6 +824,7 @@ def sliced_experts(x, topk_ids, topk_weights, row_table, storage, layout: RowLay
         H=d.n, I=g.n, NB_H=g.nb, NB_I=d.nb, QBLOCK=layout.block_size, TOPK=k, P_PAD=common.next_pow2(p),
         BLOCK_M=16, BI=bi, BLOCK_K=bk, BN_D=min(cfg.get("SLICE_BLOCK_N", 256), common.next_pow2(d.n)),
         TILE_SCALE=common.tile_scale(bk, layout.block_size), DEQ_ASM=_deq_asm(cfg, dev),
+        PREFETCH_DOWN=bool(cfg.get("SLICE_PREFETCH")) and not common.interpreting(dev),
         **common.launch_opts(cfg), **common.chained(dev),
     )
     return part

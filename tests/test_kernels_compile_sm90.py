@@ -105,3 +105,39 @@ def test_the_shared_expert_kernels_compile_for_sm90():
     assert len(sizes) == 10 and all(n > 1000 for n in sizes.values()), sizes
     # the riding forms carry the shared expert's programs: more code than the plain forms
     assert all(sizes[f"{k}/True"] > sizes[f"{k}/False"] for k in ("gate_up", "down", "sum")), sizes
+
+
+# the grouped executor's sliced form (config SLICED, 2026-12-07): chained, at OLMoE's and Qwen1.5-MoE's expert shapes and
+# at an odd one (H = 288, I = 160: partial down steps and slices), with and without the down slice's L2 prefetch; prints
+# {name: cubin bytes} as JSON
+SLICED_SCRIPT = r"""
+import json
+import triton
+from triton.backends.compiler import GPUTarget
+from triton.compiler import ASTSource
+from runmap.kernels import grouped
+
+names = ["x_ptr", "ids_ptr", "wts_ptr", "row_table_ptr", "w_ptr", "s_ptr", "part_ptr", "P", "n_experts", "n_rows",
+         "row_bytes", "host_off", "n_host_rows", "stride_xm", "gate_w", "gate_s", "up_w", "up_s", "down_w", "down_s"]
+types = ["*fp16", "*i64", "*fp32", "*i32", "*u8", "*fp16", "*fp32"] + ["i32"] * 4 + ["i64"] + ["i32"] * 8
+sig = dict(zip(names, types))
+sig.update({c: "constexpr" for c in ("H", "I", "NB_H", "NB_I", "QBLOCK", "TOPK", "P_PAD", "BLOCK_M", "BI", "BLOCK_K",
+                                     "BN_D", "TILE_SCALE", "DEQ_ASM", "PREFETCH_DOWN", "CHAINED")})
+sizes = {}
+for name, (h, i, k, bi, bn, warps) in {"olmoe": (2048, 1024, 8, 64, 256, 4), "qwen": (2048, 1408, 4, 64, 256, 4),
+                                       "odd": (288, 160, 3, 32, 128, 8)}.items():
+    for prefetch in (False, True):
+        ce = dict(H=h, I=i, NB_H=-(-h // 256), NB_I=-(-i // 256), QBLOCK=256, TOPK=k, P_PAD=32, BLOCK_M=16, BI=bi,
+                  BLOCK_K=256, BN_D=bn, TILE_SCALE=True, DEQ_ASM=True, PREFETCH_DOWN=prefetch, CHAINED=True)
+        kern = triton.compile(ASTSource(fn=grouped._sliced_experts_kernel, signature=sig, constexprs=ce),
+                              target=GPUTarget("cuda", 90, 32), options={"num_warps": warps, "num_stages": 3})
+        sizes[f"{name}/{prefetch}"] = len(kern.asm["cubin"])
+print(json.dumps(sizes))
+"""
+
+
+def test_the_sliced_experts_kernel_compiles_for_sm90():
+    sizes = compiled_sizes(SLICED_SCRIPT)
+    assert len(sizes) == 6 and all(n > 1000 for n in sizes.values()), sizes
+    # the prefetch form issues the down slice's L2 hints: code the plain form leaves out
+    assert all(sizes[f"{n}/True"] != sizes[f"{n}/False"] for n in ("olmoe", "qwen", "odd")), sizes
