@@ -27,15 +27,11 @@ import torch
 
 # config overrides of the grouped executor's sliced form (grouped.sliced_experts), each timed beside the default
 SLICED_CONFIGS = [
-    {"SLICE_I": 64, "BLOCK_K": 256, "SLICE_BLOCK_N": 128, "num_warps": 4, "num_stages": 3},
     {"SLICE_I": 64, "BLOCK_K": 256, "SLICE_BLOCK_N": 256, "num_warps": 4, "num_stages": 3},
     {"SLICE_I": 32, "BLOCK_K": 256, "SLICE_BLOCK_N": 256, "num_warps": 4, "num_stages": 3},
-    {"SLICE_I": 32, "BLOCK_K": 256, "SLICE_BLOCK_N": 512, "num_warps": 4, "num_stages": 3},
     {"SLICE_I": 64, "BLOCK_K": 256, "SLICE_BLOCK_N": 256, "num_warps": 8, "num_stages": 3},
     {"SLICE_I": 128, "BLOCK_K": 256, "SLICE_BLOCK_N": 128, "num_warps": 8, "num_stages": 3},
-    {"SLICE_I": 32, "BLOCK_K": 128, "SLICE_BLOCK_N": 256, "num_warps": 4, "num_stages": 4},
     {"SLICE_I": 64, "BLOCK_K": 256, "SLICE_BLOCK_N": 256, "num_warps": 4, "num_stages": 3, "SLICE_PREFETCH": True},
-    {"SLICE_I": 32, "BLOCK_K": 256, "SLICE_BLOCK_N": 256, "num_warps": 4, "num_stages": 3, "SLICE_PREFETCH": True},
 ]
 
 
