@@ -30,7 +30,6 @@ SLICED_CONFIGS = [
     {"SLICE_I": 64, "BLOCK_K": 256, "SLICE_BLOCK_N": 256, "num_warps": 4, "num_stages": 3},
     {"SLICE_I": 32, "BLOCK_K": 256, "SLICE_BLOCK_N": 256, "num_warps": 4, "num_stages": 3},
     {"SLICE_I": 64, "BLOCK_K": 256, "SLICE_BLOCK_N": 256, "num_warps": 8, "num_stages": 3},
-    {"SLICE_I": 128, "BLOCK_K": 256, "SLICE_BLOCK_N": 128, "num_warps": 8, "num_stages": 3},
     {"SLICE_I": 64, "BLOCK_K": 256, "SLICE_BLOCK_N": 256, "num_warps": 4, "num_stages": 3, "SLICE_PREFETCH": True},
 ]
 
