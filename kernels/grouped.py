@@ -18,6 +18,12 @@ Stages: (1) gate and up (two dots sharing each activation tile), h = fp16(silu(g
 pair; (2) down, times the pair's gate weight, stored per pair in fp32; (3) a fixed-order sum over the k
 slots of each token into fp16 y. No atomics, so the result is bit-for-bit deterministic.
 
+The sliced form (config SLICED, decode form only, ``sliced_experts``) runs stages 1 and 2 as one launch: program
+(p, j) computes the h columns of slice j of its expert (the gate and up rows no other program reads) and at once that
+slice's share of down for every hidden row into an fp32 partial (P, I / BI, H); stage 3 sums each token's k x NJ
+partials in a fixed order. No launch boundary and no h round trip between the stages; down is read as BI / 2-byte
+pieces of each row.
+
 Large passes (P >= DEQUANT_MIN_PAIRS, a static count): each weight tile is decoded once per pass instead of
 once per BLOCK_M pairs. ``dequantize_sections`` writes every expert's three sections as fp16 (E, N, K)
 (w = fp16(q * scale), the values the per-element-scale path of the INT4 loop multiplies), then stages (1) and
@@ -902,7 +908,9 @@ def grouped_moe(x, topk_ids, topk_weights, storage, row_table, layout: RowLayout
     Never synchronizes with the host; buffer sizes depend only on T, k, E and the config. config "DEQUANT"
     (default: P >= DEQUANT_MIN_PAIRS) decodes the weights once for the pass instead of in each tile's loop.
     host_rows: the host-read site's rows (``host_site``); the decoded mode does not read them (its dequantized
-    copy of every resident expert is what partial residency has no room for), so it is off with them.
+    copy of every resident expert is what partial residency has no room for), so it is off with them, and so is
+    the sliced form unless ``config`` asks for it (its small down pieces suit device memory, not the link).
+    config "SLICED": the decode form's stages 1 and 2 in one launch (``sliced_experts``; not with ``shared``).
     shared: a one-token (T = 1) shared expert (``SharedExpert``) computed in the same three launches: its GEMV's
     programs follow the pairs' in the gate/up launch, its down projection's in the down launch, and the k-slot sum adds
     its gated output; the result is then fp16(routed + sigmoid(gate logit) * shared), what
@@ -917,6 +925,9 @@ def grouped_moe(x, topk_ids, topk_weights, storage, row_table, layout: RowLayout
     ids_flat = topk_ids.reshape(-1)
     if host_rows is not None:
         cfg["DEQUANT"] = False
+        # the sliced form reads down as BI / 2-byte pieces of each hidden row: over the link, pieces that small move
+        # far less than the two-launch form's tiles (docs/kernels.md), so host-read steps keep that form unless asked
+        cfg["SLICED"] = bool((config or {}).get("SLICED"))
     if shared is not None:
         return _grouped_moe_with_shared(x, topk_ids, topk_weights, storage, row_table, layout, cfg, host_rows, shared)
     if cfg.get("DEQUANT") and t * k > DECODE_MAX_PAIRS:  # the decoded path runs over sorted runs only
