@@ -38,7 +38,11 @@ def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--out", required=True, help="JSON written here")
     ap.add_argument("--tokens", default="1,8", help="decode batch sizes (default 1,8)")
+    ap.add_argument("--cases", help="only these model:tokens pairs, e.g. olmoe:1,olmoe:8,qwen1.5-moe:8")
+    ap.add_argument("--configs", type=int, default=len(SLICED_CONFIGS),
+                    help="time the first N sliced configs (default all %(default)s)")
     args = ap.parse_args()
+    cases = None if not args.cases else {tuple(c.rsplit(":", 1)) for c in args.cases.split(",")}
     from runmap.bench.kernel_workload import MODELS, LAYERS, copy_bandwidth, graph_us, model_layers, random_batches
     from runmap.kernels.executors import moe_experts
     from runmap.kernels.reference import reference_moe_f32
@@ -49,11 +53,14 @@ def main() -> int:
     for model, spec in MODELS.items():
         layout, layers, table = model_layers(spec, gen)
         for tokens in [int(v) for v in args.tokens.split(",")]:
+            if cases is not None and (model, str(tokens)) not in cases:
+                continue
             batches = random_batches(LAYERS, tokens, spec["hidden"], spec["experts"], spec["top_k"], gen)
             union = sum(int(torch.unique(b[1]).numel()) for b in batches) / LAYERS
             floor_us = union * layout.row_bytes / (copy["gbps"] * 1e3)
             ref = reference_moe_f32(*batches[0], layers[0], table, layout)
-            variants = [("grouped", None)] + [("sliced", dict(c, SLICED=True, SORTED=False)) for c in SLICED_CONFIGS] + \
+            variants = [("grouped", None)] + [("sliced", dict(c, SLICED=True, SORTED=False))
+                                               for c in SLICED_CONFIGS[:args.configs]] + \
                 [("grouped", None)]
             for name, cfg in variants:
                 def layer(b, st, cfg=cfg):
@@ -73,7 +80,7 @@ def main() -> int:
                 rows.append(row)
                 print(f"{model:12s} T={tokens} {name:8s} {json.dumps(cfg) if cfg else '':78s} err {err:.1e} "
                       f"{'WRONG' if us is None else f'{us:7.2f} us  {floor_us / us:.2f} of copy'}", flush=True)
-    Path(args.out).write_text(json.dumps({"copy": copy, "rows": rows}, indent=1))
+                Path(args.out).write_text(json.dumps({"copy": copy, "rows": rows}, indent=1))  # kept if cut short
     return 0
 
 
