@@ -18,7 +18,8 @@ Stages: (1) gate and up (two dots sharing each activation tile), h = fp16(silu(g
 pair; (2) down, times the pair's gate weight, stored per pair in fp32; (3) a fixed-order sum over the k
 slots of each token into fp16 y. No atomics, so the result is bit-for-bit deterministic.
 
-The sliced form (config SLICED, decode form only, ``sliced_experts``) runs stages 1 and 2 as one launch: program
+The sliced form (config SLICED, decode form only, ``sliced_experts``; the engine's fused op "sliced", not a default
+until a GPU has measured it) runs stages 1 and 2 as one launch: program
 (p, j) computes the h columns of slice j of its expert (the gate and up rows no other program reads) and at once that
 slice's share of down for every hidden row into an fp32 partial (P, I / BI, H); stage 3 sums each token's k x NJ
 partials in a fixed order. No launch boundary and no h round trip between the stages; down is read as BI / 2-byte
@@ -35,7 +36,6 @@ read per layer, ~0.4 ms, and the fp16 GEMMs then run at 340-430 TFLOP/s. The wor
 """
 from __future__ import annotations
 
-import os
 from typing import NamedTuple
 
 import torch
@@ -477,7 +477,7 @@ def default_config(n_pairs: int, device: torch.device) -> dict:
     per_tile = {"DEQUANT": False, "DEQ_ASM": deq_asm, "PRELOAD_SCALES": False}  # a scale load per K tile
     if n_pairs <= DECODE_FORM_MAX_PAIRS:
         bn = 32 if n_pairs <= 16 else 64
-        return _tiles(16, bn, 256, 4, 3, SLICED=os.environ.get("RUNMAP_GROUPED_SLICED") == "1", **per_tile)
+        return _tiles(16, bn, 256, 4, 3, **per_tile)
     if decode:
         # sorted runs of 16 rows (config SORTED) where the decode form has more pairs to match: 64 pairs (OLMoE batch 8,
         # Qwen1.5-MoE batch 16) 79.1 / 98.6 us per layer against 88.3 / 108.2, 128 pairs (OLMoE batch 16) 102.9 against
