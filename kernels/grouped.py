@@ -22,8 +22,8 @@ The sliced form (config SLICED, decode form only, ``sliced_experts``; the engine
 until a GPU has measured it) runs stages 1 and 2 as one launch: program
 (p, j) computes the h columns of slice j of its expert (the gate and up rows no other program reads) and at once that
 slice's share of down for every hidden row into an fp32 partial (P, I / BI, H); stage 3 sums each token's k x NJ
-partials in a fixed order. No launch boundary and no h round trip between the stages; down is read as BI / 2-byte
-pieces of each row.
+partials in a fixed order (``sum_slices``). No launch boundary and no h round trip between the stages; down is read
+as BI / 2-byte pieces of each row.
 
 Large passes (P >= DEQUANT_MIN_PAIRS, a static count): each weight tile is decoded once per pass instead of
 once per BLOCK_M pairs. ``dequantize_sections`` writes every expert's three sections as fp16 (E, N, K)
@@ -310,7 +310,7 @@ def _sliced_experts_kernel(
     p is its first pair, and the intermediate columns j BI .. (j + 1) BI - 1 of that expert:
     h = fp16(silu(x Wg^T) * (x Wu^T)) for those columns (the gate and up rows only this program reads), then at once
     part[q, j, :] = gate weight of q * (h Wd[:, slice]^T) in fp32 for each pair q of the expert. No program waits for
-    another; ``sum_topk`` then sums each token's k x NJ partials in a fixed order. Down's slice is BI / 2 bytes of each
+    another; ``sum_slices`` then sums each token's k x NJ partials in a fixed order. Down's slice is BI / 2 bytes of each
     hidden row with one scale (BI divides QBLOCK). A non-resident expert's partials are NaN, as in the two-launch form.
     part: fp32 (P, NJ, H), NJ = ceil(I / BI). PREFETCH_DOWN (GPU only): ask L2 for the slice's down pieces, one
     address per hidden row, before the gate/up loop, so they arrive while it runs."""
@@ -372,6 +372,25 @@ def _sum_topk_kernel(ypair_ptr, y_ptr, gs_ptr, H, TOPK: tl.constexpr, BLOCK_N: t
         acc += tl.load(ypair_ptr + (t * TOPK + j) * H + offs_n, mask=n_mask, other=0.0)
     if SHARED:
         acc = acc.to(tl.float16).to(tl.float32) + tl.load(gs_ptr + offs_n, mask=n_mask, other=0.0)
+    tl.store(y_ptr + t * H + offs_n, acc.to(tl.float16), mask=n_mask)
+
+
+@triton.jit
+def _sum_slices_kernel(part_ptr, y_ptr, H, PARTS: tl.constexpr, ROWS: tl.constexpr, BLOCK_N: tl.constexpr,
+                       CHAINED: tl.constexpr = False):
+    """y[t] = fp16(sum of part[t * PARTS + q], q < PARTS): ROWS rows loaded per step and reduced in a fixed tree order,
+    steps in ascending q (deterministic; the same order whatever the other tokens are)."""
+    chain_wait(CHAINED)
+    t = tl.program_id(0).to(tl.int64)
+    offs_n = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)  # (BN,)
+    n_mask = offs_n < H
+    offs_r = tl.arange(0, ROWS)  # (R,)
+    acc = tl.zeros((BLOCK_N,), tl.float32)
+    for q0 in range(0, PARTS, ROWS):
+        rows = t * PARTS + q0 + offs_r  # (R,)
+        tile = tl.load(part_ptr + rows[:, None] * H + offs_n[None, :],
+                       mask=((q0 + offs_r) < PARTS)[:, None] & n_mask[None, :], other=0.0)  # (R, BN) fp32
+        acc += tl.sum(tile, axis=0)
     tl.store(y_ptr + t * H + offs_n, acc.to(tl.float16), mask=n_mask)
 
 
@@ -783,10 +802,13 @@ def grouped_down(h, topk_ids, topk_weights, order, row_table, storage, layout: R
 
 
 def sliced_slice_width(cfg: dict, layout: RowLayout) -> int:
-    """BI of the sliced form: the config's SLICE_I (a power of two, 32 or more) halved until it divides the
-    quantization block, so each slice of a down row has one scale; 0 when no width from 32 up does (the form is then
-    not used)."""
-    bi = int(cfg.get("SLICE_I", 64))
+    """BI of the sliced form: the config's SLICE_I (default 64; at least 32, since a slice's down step is a tensor-core
+    dot over BI / 2 >= 16 columns) rounded down to a power of two, then halved until it divides the quantization
+    block, so each slice of a down row has one scale; 0 when no width from 32 up does (the form is then not used)."""
+    want = int(cfg.get("SLICE_I", 64))
+    if want < 32:
+        raise common.KernelInputError(f"config SLICE_I: {want}, at least 32 (the down step's dot needs 16 columns)")
+    bi = 1 << (want.bit_length() - 1)  # (Triton ranges are powers of two)
     while bi >= 32 and layout.block_size % bi:
         bi //= 2
     return bi if bi >= 32 else 0
@@ -795,7 +817,7 @@ def sliced_slice_width(cfg: dict, layout: RowLayout) -> int:
 def sliced_experts(x, topk_ids, topk_weights, row_table, storage, layout: RowLayout, cfg: dict,
                    host_rows: torch.Tensor | None = None) -> torch.Tensor:
     """Stages 1 and 2 of the decode form in one launch (``_sliced_experts_kernel``): fp32 (T*k*NJ, H) partials, each
-    token's k x NJ consecutive, for ``sum_topk`` with k x NJ slots.
+    token's k x NJ consecutive, for ``sum_slices``.
 
     Args:
         x: float16 (T, H) contiguous. topk_ids: int32/int64 (T, k), T*k <= DECODE_MAX_PAIRS.
@@ -818,6 +840,9 @@ def sliced_experts(x, topk_ids, topk_weights, row_table, storage, layout: RowLay
     bi = sliced_slice_width(cfg, layout)
     if not bi:
         raise common.KernelInputError(f"sliced form: no slice width from 32 up divides block_size {layout.block_size}")
+    bn_d = int(cfg.get("SLICE_BLOCK_N", 256))
+    if bn_d < 16 or bn_d & (bn_d - 1):
+        raise common.KernelInputError(f"config SLICE_BLOCK_N: {bn_d}, expected a power of two from 16 up")
     g, u, d = (common.proj_sections(layout, name) for name in ("gate", "up", "down"))
     nj = triton.cdiv(g.n, bi)
     host_off, n_host = host_site(storage, host_rows, layout)
@@ -828,7 +853,7 @@ def sliced_experts(x, topk_ids, topk_weights, row_table, storage, layout: RowLay
         p, row_table.numel(), storage.shape[0], layout.row_bytes, host_off, n_host, x.stride(0),
         g.w_off, g.s_off, u.w_off, u.s_off, d.w_off, d.s_off,
         H=d.n, I=g.n, NB_H=g.nb, NB_I=d.nb, QBLOCK=layout.block_size, TOPK=k, P_PAD=common.next_pow2(p),
-        BLOCK_M=16, BI=bi, BLOCK_K=bk, BN_D=min(cfg.get("SLICE_BLOCK_N", 256), common.next_pow2(d.n)),
+        BLOCK_M=16, BI=bi, BLOCK_K=bk, BN_D=min(bn_d, common.next_pow2(d.n)),
         TILE_SCALE=common.tile_scale(bk, layout.block_size), DEQ_ASM=_deq_asm(cfg, dev),
         PREFETCH_DOWN=bool(cfg.get("SLICE_PREFETCH")) and not common.interpreting(dev),
         **common.launch_opts(cfg), **common.chained(dev),
@@ -850,6 +875,27 @@ def sum_topk(ypair: torch.Tensor, t: int, k: int, gs: torch.Tensor | None = None
     common.launch(_sum_topk_kernel[(t, triton.cdiv(hidden, block_n))], ypair, y, ypair if gs is None else gs, hidden,
                   TOPK=k, BLOCK_N=block_n, SHARED=gs is not None, **common.chained(ypair.device))
     return y
+
+
+def sum_slices(part: torch.Tensor, t: int) -> torch.Tensor:
+    """The sliced form's stage 3: part float32 (T*k*NJ, H) contiguous, each token's k x NJ partials consecutive ->
+    float16 (T, H), the partials summed in a fixed order (``_sum_slices_kernel``)."""
+    common.check_tensor("part", part, torch.float32, 2)
+    if t < 1 or part.shape[0] % t:
+        raise common.KernelInputError(f"part: {part.shape[0]} rows are not {t} tokens' partials")
+    parts, hidden = part.shape[0] // t, part.shape[1]
+    y = common.empty((t, hidden), torch.float16, part.device)
+    block_n = 1024 if common.interpreting(part.device) else SUM_SLICES_BLOCK_N
+    common.launch(_sum_slices_kernel[(t, triton.cdiv(hidden, block_n))], part, y, hidden, PARTS=parts,
+                  ROWS=min(SUM_SLICES_ROWS, common.next_pow2(parts)), BLOCK_N=block_n, **common.chained(part.device))
+    return y
+
+
+# the sliced form's sum: partial rows loaded at once per step (their loads are independent, so a step is one round trip
+# for ROWS rows where a row-at-a-time loop of k x NJ = 128 rows (OLMoE) would wait 128 times), and hidden columns per
+# program (2,048 / 128 = 16 programs a token)
+SUM_SLICES_ROWS = 16
+SUM_SLICES_BLOCK_N = 128
 
 
 def dequantize_sections(storage, row_table, layout: RowLayout) -> dict:
@@ -908,8 +954,9 @@ def grouped_moe(x, topk_ids, topk_weights, storage, row_table, layout: RowLayout
     Never synchronizes with the host; buffer sizes depend only on T, k, E and the config. config "DEQUANT"
     (default: P >= DEQUANT_MIN_PAIRS) decodes the weights once for the pass instead of in each tile's loop.
     host_rows: the host-read site's rows (``host_site``); the decoded mode does not read them (its dequantized
-    copy of every resident expert is what partial residency has no room for), so it is off with them, and so is
-    the sliced form unless ``config`` asks for it (its small down pieces suit device memory, not the link).
+    copy of every resident expert is what partial residency has no room for), so it is off with them. The sliced
+    form reads them too when ``config`` asks; the engine's host-read steps do not ask (its 32-byte down pieces suit
+    device memory, not the link).
     config "SLICED": the decode form's stages 1 and 2 in one launch (``sliced_experts``; not with ``shared``).
     shared: a one-token (T = 1) shared expert (``SharedExpert``) computed in the same three launches: its GEMV's
     programs follow the pairs' in the gate/up launch, its down projection's in the down launch, and the k-slot sum adds
@@ -925,9 +972,6 @@ def grouped_moe(x, topk_ids, topk_weights, storage, row_table, layout: RowLayout
     ids_flat = topk_ids.reshape(-1)
     if host_rows is not None:
         cfg["DEQUANT"] = False
-        # the sliced form reads down as BI / 2-byte pieces of each hidden row: over the link, pieces that small move
-        # far less than the two-launch form's tiles (docs/kernels.md), so host-read steps keep that form unless asked
-        cfg["SLICED"] = bool((config or {}).get("SLICED"))
     if shared is not None:
         return _grouped_moe_with_shared(x, topk_ids, topk_weights, storage, row_table, layout, cfg, host_rows, shared)
     if cfg.get("DEQUANT") and t * k > DECODE_MAX_PAIRS:  # the decoded path runs over sorted runs only
@@ -937,7 +981,7 @@ def grouped_moe(x, topk_ids, topk_weights, storage, row_table, layout: RowLayout
     plan = _plan(t * k, row_table.numel(), cfg, ids_flat)
     if cfg.get("SLICED") and not plan[2] and sliced_slice_width(cfg, layout):
         part = sliced_experts(x, topk_ids, topk_weights, row_table, storage, layout, cfg, host_rows)
-        return sum_topk(part, t, k * (part.shape[0] // (t * k)))
+        return sum_slices(part, t)
     order = plan[0]
     h = grouped_gate_up(x, topk_ids, order, row_table, storage, layout, cfg, plan, host_rows)
     ypair = grouped_down(h, topk_ids, topk_weights, order, row_table, storage, layout, cfg, plan, host_rows)

@@ -622,6 +622,12 @@ def test_the_sliced_form_is_refused_off_the_grouped_executor(packs):
     """"sliced" is a form of the grouped executor: asking for it with another executor is one clear error."""
     with pytest.raises(EngineError, match="fused op 'sliced' is a form of the grouped executor, not 'topk-fused'"):
         Engine.from_pack(packs["tiny-olmoe"], executor="topk-fused", fused=("sliced",), device="cpu")
+    eng = Engine.from_pack(packs["tiny-olmoe"], executor="grouped", device="cpu", max_seq_len=16)
+    try:  # a logits call that swaps the executor and the ops is held to the same rule
+        with pytest.raises(EngineError, match="fused op 'sliced' is a form of the grouped executor, not 'scalar'"):
+            eng.logits([5, 9, 3], executor="scalar", fused=("sliced",))
+    finally:
+        eng.close()
 
 
 def test_a_step_whose_experts_take_no_shared_expert_is_never_given_one():

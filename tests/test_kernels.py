@@ -768,7 +768,7 @@ def test_property_the_sliced_form_agrees_with_the_reference(h_blocks, i_half, b,
 
 
 @pytest.mark.parametrize("shape_name", ["small-b256", "odd-b128"] + (["olmoe", "qwen"] if ON_GPU else []))
-def test_the_sliced_form_gives_nan_exactly_where_an_expert_is_not_resident(shape_name, device, poison):
+def test_the_sliced_form_gives_nan_exactly_where_an_expert_is_not_resident(shape_name, device, poison, monkeypatch):
     """A routed expert without a row: its tokens' outputs are NaN (never another expert's result), every other token
     equals the two-launch form's output within TOL; the launch reads row ids through the row table like the others."""
     shape = {**SMALL, **FULL}[shape_name]
@@ -782,20 +782,64 @@ def test_the_sliced_form_gives_nan_exactly_where_an_expert_is_not_resident(shape
     table = row_table.clone()
     table[gone] = -1  # evicted after routing
     cfg = {"SLICED": True, "SORTED": False}
+    from runmap.kernels import grouped
+    calls = []
+    real = grouped.sliced_experts
+    monkeypatch.setattr(grouped, "sliced_experts", lambda *a, **kw: calls.append(1) or real(*a, **kw))
     y = moe_experts("grouped", x, ids, w, storage, table, layout, validate=False, config=cfg)
+    assert calls == [1]  # the sliced form ran (not the two launches)
     two = moe_experts("grouped", x, ids, w, storage, row_table, layout)
     assert torch.isnan(y[hit]).all() and torch.isfinite(y[~hit]).all()
     assert rel_err(y[~hit], two[~hit].float()) <= TOL
 
 
-def test_the_sliced_form_refuses_what_it_cannot_compute(device):
-    """More pairs than the decode form takes, or no slice width from 32 up that divides the block: one clear error,
-    and grouped_moe then keeps its two-launch form (the same computation)."""
+def test_the_sliced_form_refuses_what_it_cannot_compute(device, monkeypatch):
+    """More pairs than the decode form takes, a slice narrower than 32, a down step that is not a power of two, or no
+    slice width from 32 up that divides the block: one clear error from ``sliced_experts``; ``grouped_moe`` asked for
+    the form with more pairs than the decode form takes runs its sorted two-launch form (the same computation)."""
     from runmap.kernels import grouped
     shape = SMALL["small-b64"]
     layout, storage, row_table, resident = make_layer(shape, device, 9)
     x, ids, w = make_batch(shape, grouped.DECODE_MAX_PAIRS // shape[4] + 1, resident, device, 9)
     with pytest.raises(common.KernelInputError, match="pairs, at most"):
         grouped.sliced_experts(x, ids, w, row_table, storage, layout, {"BLOCK_K": 64})
+    calls = []
+    real = grouped.sliced_experts
+    monkeypatch.setattr(grouped, "sliced_experts", lambda *a, **kw: calls.append(1) or real(*a, **kw))
+    y = moe_experts("grouped", x, ids, w, storage, row_table, layout, config={"SLICED": True})
+    assert calls == [] and rel_err(y, reference_moe_f32(x, ids, w, storage, row_table, layout)) <= TOL
+    few = (x[:2].contiguous(), ids[:2].contiguous(), w[:2].contiguous())
+    with pytest.raises(common.KernelInputError, match="SLICE_I: 16, at least 32"):
+        grouped.sliced_experts(*few, row_table, storage, layout, {"SLICE_I": 16})
+    with pytest.raises(common.KernelInputError, match="SLICE_BLOCK_N: 96, expected a power of two"):
+        grouped.sliced_experts(*few, row_table, storage, layout, {"SLICE_BLOCK_N": 96})
+    assert grouped.sliced_slice_width({"SLICE_I": 96}, RowLayout.build(64, 48, 192)) == 64  # rounded down, divides
     odd = RowLayout.build(64, 48, 40)  # block 40: no power of two from 32 up divides it
     assert grouped.sliced_slice_width({"SLICE_I": 128}, odd) == 0
+
+
+def test_the_sliced_form_runs_an_expert_of_many_pairs_in_chunks(device):
+    """An expert routed by more pairs than BLOCK_M (16): its program runs the slice for each chunk of pairs; within TOL
+    of the reference."""
+    from runmap.kernels import grouped
+    shape = (256, 192, 64, 3, 2)  # 3 experts, top-2: 40 tokens give each expert ~27 pairs
+    layout, storage, row_table, resident = make_layer(shape, device, 31, resident_fraction=1.0)
+    x, ids, w = make_batch(shape, 40, resident, device, 31)
+    assert int(torch.bincount(ids.reshape(-1)).max()) > 16
+    y = moe_experts("grouped", x, ids, w, storage, row_table, layout, config={"SLICED": True, "SORTED": False})
+    assert rel_err(y, reference_moe_f32(x, ids, w, storage, row_table, layout)) <= TOL
+
+
+@pytest.mark.parametrize("tokens,parts", [(1, 128), (3, 88), (2, 5)])
+def test_the_sum_of_slices_adds_each_tokens_partials(tokens, parts, device, poison):
+    """sum_slices: each token's ``parts`` consecutive fp32 rows summed (ROWS at a time, a count that need not divide
+    them) and rounded to fp16; the fp64 sum within fp16 rounding; every output element written (poisoned buffer)."""
+    from runmap.kernels import grouped
+    gen = torch.Generator(device=device).manual_seed(parts)
+    part = torch.randn(tokens * parts, 320, generator=gen, device=device)  # 320: a partial column block
+    y = grouped.sum_slices(part, tokens)
+    want = part.double().reshape(tokens, parts, 320).sum(dim=1)
+    assert y.dtype == torch.float16 and torch.isfinite(y).all()
+    assert torch.allclose(y.double(), want, rtol=2e-3, atol=2e-3)
+    with pytest.raises(common.KernelInputError, match="are not 2 tokens"):
+        grouped.sum_slices(part[:5], 2)

@@ -108,8 +108,8 @@ def test_the_shared_expert_kernels_compile_for_sm90():
 
 
 # the grouped executor's sliced form (config SLICED, 2026-12-07): chained, at OLMoE's and Qwen1.5-MoE's expert shapes and
-# at an odd one (H = 288, I = 160: partial down steps and slices), with and without the down slice's L2 prefetch; prints
-# {name: cubin bytes} as JSON
+# at an odd one (H = 288, I = 160: partial down steps and slices), with and without the down slice's L2 prefetch, and its
+# sum of partials; prints {name: cubin bytes} as JSON
 SLICED_SCRIPT = r"""
 import json
 import triton
@@ -132,12 +132,20 @@ for name, (h, i, k, bi, bn, warps) in {"olmoe": (2048, 1024, 8, 64, 256, 4), "qw
         kern = triton.compile(ASTSource(fn=grouped._sliced_experts_kernel, signature=sig, constexprs=ce),
                               target=GPUTarget("cuda", 90, 32), options={"num_warps": warps, "num_stages": 3})
         sizes[f"{name}/{prefetch}"] = len(kern.asm["cubin"])
+sum_sig = {"part_ptr": "*fp32", "y_ptr": "*fp16", "H": "i32", "PARTS": "constexpr", "ROWS": "constexpr",
+           "BLOCK_N": "constexpr", "CHAINED": "constexpr"}
+for parts in (128, 88, 5):  # OLMoE batch 1 (8 x 16 slices), Qwen1.5-MoE (4 x 22), a count ROWS does not divide
+    kern = triton.compile(ASTSource(fn=grouped._sum_slices_kernel, signature=sum_sig,
+                                    constexprs={"PARTS": parts, "ROWS": min(16, 1 << (parts - 1).bit_length()),
+                                                "BLOCK_N": 128, "CHAINED": True}),
+                          target=GPUTarget("cuda", 90, 32), options={"num_warps": 4})
+    sizes[f"sum/{parts}"] = len(kern.asm["cubin"])
 print(json.dumps(sizes))
 """
 
 
 def test_the_sliced_experts_kernel_compiles_for_sm90():
     sizes = compiled_sizes(SLICED_SCRIPT)
-    assert len(sizes) == 6 and all(n > 1000 for n in sizes.values()), sizes
+    assert len(sizes) == 9 and all(n > 1000 for n in sizes.values()), sizes
     # the prefetch form issues the down slice's L2 hints: code the plain form leaves out
     assert all(sizes[f"{n}/True"] != sizes[f"{n}/False"] for n in ("olmoe", "qwen", "odd")), sizes

@@ -351,7 +351,7 @@ class CachedExperts:
             # in fp16: 0.8 GB for OLMoE, 2.8 GB for Mixtral) would take the memory this regime keeps for experts
             self.moe = functools.partial(_without_decoded_mode, self.moe)
         self._req = None
-        self.fused_ops = frozenset  # -> the model's fused ops (from_pack links them): "sliced" picks the executor form
+        self.fused_ops = lambda: frozenset()  # -> the model's fused ops (from_pack links them): "sliced" picks the form
         self.h2d_seconds = 0.0  # host wall time of acquisitions that ran a miss transaction
         self.cpu_site = None  # the CPU site (runmap.kernels.cpu_int4.CpuExpertSite), built on first use
         self.cpu_executor = "cpu-native"  # its kernel (Engine.from_pack's cpu_executor, or the executor if a CPU site)
@@ -2848,6 +2848,9 @@ class Engine:
             ops = frozenset(DEFAULT_FUSED if fused is True else (fused or ()))
             if ops - set(FUSED_OPS):
                 raise EngineError(f"unknown fused ops {sorted(ops - set(FUSED_OPS))}; choose from {list(FUSED_OPS)}")
+            run_by = executor or self.executor
+            if "sliced" in ops and run_by != "grouped":
+                raise EngineError(f"fused op 'sliced' is a form of the grouped executor, not {run_by!r}; leave it out")
             if self.device.type != "cuda":
                 ops = None  # ignored on the CPU, as in from_pack
         tokens = torch.tensor([ids], device=self.device)
