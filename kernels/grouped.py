@@ -701,6 +701,18 @@ def _check_routing_args(topk_ids, row_table, device):
         raise common.KernelInputError("row_table: empty (no experts)")
 
 
+def _check_token_args(x, topk_ids, row_table, storage, layout: RowLayout) -> tuple[int, int]:
+    """The checks of a launch that reads token rows x (float16 (T, H)) by their routed ids: -> (T, k)."""
+    common.check_storage(storage, layout)
+    dev = storage.device
+    common.check_tensor("x", x, torch.float16, 2, shape=(None, layout.hidden_size), device=dev)
+    _check_routing_args(topk_ids, row_table, dev)
+    t, k = topk_ids.shape
+    if t != x.shape[0]:
+        raise common.KernelInputError(f"topk_ids: {t} rows but x has {x.shape[0]} tokens")
+    return t, k
+
+
 def grouped_gate_up(x, topk_ids, order, row_table, storage, layout: RowLayout, cfg: dict, plan,
                     host_rows: torch.Tensor | None = None, shared: "SharedExpert | None" = None,
                     sgu: torch.Tensor | None = None) -> torch.Tensor:
@@ -717,13 +729,8 @@ def grouped_gate_up(x, topk_ids, order, row_table, storage, layout: RowLayout, c
     Returns:
         float16 (T*k, I).
     """
-    common.check_storage(storage, layout)
+    t, k = _check_token_args(x, topk_ids, row_table, storage, layout)
     dev = storage.device
-    common.check_tensor("x", x, torch.float16, 2, shape=(None, layout.hidden_size), device=dev)
-    _check_routing_args(topk_ids, row_table, dev)
-    t, k = topk_ids.shape
-    if t != x.shape[0]:
-        raise common.KernelInputError(f"topk_ids: {t} rows but x has {x.shape[0]} tokens")
     g, u = common.proj_sections(layout, "gate"), common.proj_sections(layout, "up")
     host_off, n_host = host_site(storage, host_rows, layout)
     h = common.empty((t * k, g.n), torch.float16, dev)
@@ -826,14 +833,9 @@ def sliced_experts(x, topk_ids, topk_weights, row_table, storage, layout: RowLay
             (hidden rows per step of the down slice, default 256), SLICE_PREFETCH (L2 prefetch of the down slice
             before the gate/up loop), DEQ_ASM, num_warps / num_stages.
     """
-    common.check_storage(storage, layout)
+    t, k = _check_token_args(x, topk_ids, row_table, storage, layout)
     dev = storage.device
-    common.check_tensor("x", x, torch.float16, 2, shape=(None, layout.hidden_size), device=dev)
-    _check_routing_args(topk_ids, row_table, dev)
-    common.check_tensor("topk_weights", topk_weights, torch.float32, 2, shape=tuple(topk_ids.shape), device=dev)
-    t, k = topk_ids.shape
-    if t != x.shape[0]:
-        raise common.KernelInputError(f"topk_ids: {t} rows but x has {x.shape[0]} tokens")
+    common.check_tensor("topk_weights", topk_weights, torch.float32, 2, shape=(t, k), device=dev)
     p = t * k
     if p > DECODE_MAX_PAIRS:
         raise common.KernelInputError(f"sliced form: {p} pairs, at most {DECODE_MAX_PAIRS} (the decode form)")

@@ -184,6 +184,13 @@ FUSED_OPS = ("prologue", "norm", "router", "attn", "gemv", "imposed", "shared", 
 DEFAULT_FUSED = ("prologue", "norm", "router", "attn", "gemv", "imposed", "shared")
 
 
+def _sliced_refusal(ops, executor: str) -> str | None:
+    """Why the fused ops ``ops`` cannot run with ``executor`` ("sliced" is a form of the grouped executor), or None."""
+    if "sliced" in ops and executor != "grouped":
+        return f"fused op 'sliced' is a form of the grouped executor, not {executor!r}; leave it out"
+    return None
+
+
 def is_count(value) -> bool:
     """An int >= 1 and not a bool (a spare-row count, a batch size): what from_pack's and a spec's counts must be."""
     return isinstance(value, int) and not isinstance(value, bool) and value >= 1
@@ -2335,9 +2342,9 @@ class Engine:
                     reader.close()
                     raise EngineError(f"fused op 'prologue' cannot run {cfg.arch}'s per-head q/k norms; leave it out")
                 fused_ops = fused_ops - {"prologue"}
-            if "sliced" in fused_ops and executor != "grouped":
+            if refusal := _sliced_refusal(fused_ops, executor):
                 reader.close()
-                raise EngineError(f"fused op 'sliced' is a form of the grouped executor, not {executor!r}; leave it out")
+                raise EngineError(refusal)
             if device.type == "cuda":  # the fused ops are Triton kernels for the CUDA decode step only
                 model.fused = fused_ops
             if expert_format == "fp16":
@@ -2848,9 +2855,8 @@ class Engine:
             ops = frozenset(DEFAULT_FUSED if fused is True else (fused or ()))
             if ops - set(FUSED_OPS):
                 raise EngineError(f"unknown fused ops {sorted(ops - set(FUSED_OPS))}; choose from {list(FUSED_OPS)}")
-            run_by = executor or self.executor
-            if "sliced" in ops and run_by != "grouped":
-                raise EngineError(f"fused op 'sliced' is a form of the grouped executor, not {run_by!r}; leave it out")
+            if refusal := _sliced_refusal(ops, executor or self.executor):
+                raise EngineError(refusal)
             if self.device.type != "cuda":
                 ops = None  # ignored on the CPU, as in from_pack
         tokens = torch.tensor([ids], device=self.device)
