@@ -18,13 +18,6 @@ Stages: (1) gate and up (two dots sharing each activation tile), h = fp16(silu(g
 pair; (2) down, times the pair's gate weight, stored per pair in fp32; (3) a fixed-order sum over the k
 slots of each token into fp16 y. No atomics, so the result is bit-for-bit deterministic.
 
-The sliced form (config SLICED, decode form only, ``sliced_experts``; the engine's fused op "sliced", not a default
-until a GPU has measured it) runs stages 1 and 2 as one launch: program
-(p, j) computes the h columns of slice j of its expert (the gate and up rows no other program reads) and at once that
-slice's share of down for every hidden row into an fp32 partial (P, I / BI, H); stage 3 sums each token's k x NJ
-partials in a fixed order (``sum_slices``). No launch boundary and no h round trip between the stages; down is read
-as BI / 2-byte pieces of each row.
-
 Large passes (P >= DEQUANT_MIN_PAIRS, a static count): each weight tile is decoded once per pass instead of
 once per BLOCK_M pairs. ``dequantize_sections`` writes every expert's three sections as fp16 (E, N, K)
 (w = fp16(q * scale), the values the per-element-scale path of the INT4 loop multiplies), then stages (1) and
@@ -44,7 +37,7 @@ import triton.language as tl
 
 from runmap.kernels import common
 from runmap.kernels.core import (chain_wait, dot_tiles, expert_row, expert_site_row, gated_shared_down, gemv_row_sums,
-                                 nibbles_f16, nibbles_f16_asm, prefetch_l2, resolve_row, silu_mul)
+                                 nibbles_f16, prefetch_l2, resolve_row, silu_mul)
 from runmap.format.qpack import RowLayout
 
 DECODE_MAX_PAIRS = 128
@@ -297,66 +290,6 @@ def _down_programs(h_ptr, ids_ptr, order_ptr, wts_ptr, row_table_ptr, w_ptr, s_p
                             N, K, NB, QBLOCK, BLOCK_M, BLOCK_N, BLOCK_K, TILE_SCALE, DEQ_ASM, SCALE_COLS)
 
 
-@triton.jit(do_not_specialize=["P", "n_host_rows"])  # host_off: specialized (a multiple of 16: aligned loads)
-def _sliced_experts_kernel(
-    x_ptr, ids_ptr, wts_ptr, row_table_ptr, w_ptr, s_ptr, part_ptr,
-    P, n_experts, n_rows, row_bytes, host_off, n_host_rows, stride_xm, gate_w, gate_s, up_w, up_s, down_w, down_s,
-    H: tl.constexpr, I: tl.constexpr, NB_H: tl.constexpr, NB_I: tl.constexpr, QBLOCK: tl.constexpr,
-    TOPK: tl.constexpr, P_PAD: tl.constexpr, BLOCK_M: tl.constexpr, BI: tl.constexpr, BLOCK_K: tl.constexpr,
-    BN_D: tl.constexpr, TILE_SCALE: tl.constexpr, DEQ_ASM: tl.constexpr, PREFETCH_DOWN: tl.constexpr = False,
-    CHAINED: tl.constexpr = False,
-):
-    """The decode form's gate/up and down in one launch (config SLICED). Program (p, j) owns the expert of pair p if
-    p is its first pair, and the intermediate columns j BI .. (j + 1) BI - 1 of that expert:
-    h = fp16(silu(x Wg^T) * (x Wu^T)) for those columns (the gate and up rows only this program reads), then at once
-    part[q, j, :] = gate weight of q * (h Wd[:, slice]^T) in fp32 for each pair q of the expert. No program waits for
-    another; ``sum_slices`` then sums each token's k x NJ partials in a fixed order. Down's slice is BI / 2 bytes of each
-    hidden row with one scale (BI divides QBLOCK). A non-resident expert's partials are NaN, as in the two-launch form.
-    part: fp32 (P, NJ, H), NJ = ceil(I / BI). PREFETCH_DOWN (GPU only): ask L2 for the slice's down pieces, one
-    address per hidden row, before the gate/up loop, so they arrive while it runs."""
-    chain_wait(CHAINED)
-    pid0 = tl.program_id(0)
-    j = tl.program_id(1)
-    NJ: tl.constexpr = (I + BI - 1) // BI
-    HALF_I: tl.constexpr = BI // 2
-    expert, match, rank, count, owner = _match_group(ids_ptr, pid0, P, P_PAD)
-    if owner:
-        w_row, s_row, ok = expert_site_row(expert, row_table_ptr, w_ptr, s_ptr, n_experts, n_rows, row_bytes, host_off,
-                                           n_host_rows)
-        offs_i = j * BI + tl.arange(0, BI)  # (BI,) intermediate columns of the slice
-        i_mask = offs_i < I
-        offs_jb = j * HALF_I + tl.arange(0, HALF_I)  # (BI/2,) their bytes in each down row
-        jb_mask = offs_jb < I // 2
-        if PREFETCH_DOWN:  # a hint inside the expert's row (row 0 when not ok): changes no value
-            for n0 in range(0, H, BN_D):
-                rows = tl.minimum(n0 + tl.arange(0, BN_D), H - 1)  # (BN_D,) clamped: inside the row
-                prefetch_l2(w_row + down_w + rows * (I // 2) + j * HALF_I)
-        for c0 in range(0, P_PAD, BLOCK_M):
-            if c0 < count:
-                pairs, lane_ok = _chunk_pairs(match, rank, count, c0, P_PAD, BLOCK_M)  # (BM,)
-                x_rows = x_ptr + (pairs // TOPK).to(tl.int64) * stride_xm
-                acc_g = tl.zeros((BLOCK_M, BI), tl.float32)
-                acc_u = tl.zeros((BLOCK_M, BI), tl.float32)
-                acc_g, acc_u = dot_tiles(acc_g, acc_u, x_rows, lane_ok & ok, w_row + gate_w, s_row + gate_s,
-                                         w_row + up_w, s_row + up_s, offs_i, i_mask, H, NB_H, BLOCK_K, QBLOCK, TILE_SCALE,
-                                         True, DEQ_ASM, 0)
-                h = silu_mul(acc_g, acc_u).to(tl.float16)  # (BM, BI): the two-launch form's fp16 h
-                h_even, h_odd = tl.split(tl.reshape(h, (BLOCK_M, HALF_I, 2)))  # (BM, BI/2) each
-                gw = tl.load(wts_ptr + pairs, mask=lane_ok, other=0.0)  # (BM,) fp32 gate weights
-                out_rows = part_ptr + (pairs.to(tl.int64) * NJ + j) * H  # (BM,)
-                for n0 in range(0, H, BN_D):
-                    offs_n = n0 + tl.arange(0, BN_D)  # (BN_D,) hidden rows
-                    n_mask = offs_n < H
-                    wd = tl.load(w_row + down_w + offs_n[None, :] * (I // 2) + offs_jb[:, None],
-                                 mask=jb_mask[:, None] & n_mask[None, :], other=0)  # (BI/2, BN_D) uint8
-                    lo, hi = nibbles_f16_asm(wd) if DEQ_ASM else nibbles_f16(wd)  # masked bytes meet h = 0
-                    sd = tl.load(s_row + down_s + offs_n * NB_I + (j * BI) // QBLOCK, mask=n_mask,
-                                 other=0.0).to(tl.float32)  # (BN_D,)
-                    acc = tl.dot(h_even, lo) + tl.dot(h_odd, hi)  # (BM, BN_D) fp32
-                    out = tl.where(ok, acc * sd[None, :] * gw[:, None], float("nan"))
-                    tl.store(out_rows[:, None] + offs_n[None, :], out, mask=lane_ok[:, None] & n_mask[None, :])
-
-
 @triton.jit
 def _sum_topk_kernel(ypair_ptr, y_ptr, gs_ptr, H, TOPK: tl.constexpr, BLOCK_N: tl.constexpr,
                      CHAINED: tl.constexpr = False, SHARED: tl.constexpr = False):
@@ -372,25 +305,6 @@ def _sum_topk_kernel(ypair_ptr, y_ptr, gs_ptr, H, TOPK: tl.constexpr, BLOCK_N: t
         acc += tl.load(ypair_ptr + (t * TOPK + j) * H + offs_n, mask=n_mask, other=0.0)
     if SHARED:
         acc = acc.to(tl.float16).to(tl.float32) + tl.load(gs_ptr + offs_n, mask=n_mask, other=0.0)
-    tl.store(y_ptr + t * H + offs_n, acc.to(tl.float16), mask=n_mask)
-
-
-@triton.jit
-def _sum_slices_kernel(part_ptr, y_ptr, H, PARTS: tl.constexpr, ROWS: tl.constexpr, BLOCK_N: tl.constexpr,
-                       CHAINED: tl.constexpr = False):
-    """y[t] = fp16(sum of part[t * PARTS + q], q < PARTS): ROWS rows loaded per step and reduced in a fixed tree order,
-    steps in ascending q (deterministic; the same order whatever the other tokens are)."""
-    chain_wait(CHAINED)
-    t = tl.program_id(0).to(tl.int64)
-    offs_n = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)  # (BN,)
-    n_mask = offs_n < H
-    offs_r = tl.arange(0, ROWS)  # (R,)
-    acc = tl.zeros((BLOCK_N,), tl.float32)
-    for q0 in range(0, PARTS, ROWS):
-        rows = t * PARTS + q0 + offs_r  # (R,)
-        tile = tl.load(part_ptr + rows[:, None] * H + offs_n[None, :],
-                       mask=((q0 + offs_r) < PARTS)[:, None] & n_mask[None, :], other=0.0)  # (R, BN) fp32
-        acc += tl.sum(tile, axis=0)
     tl.store(y_ptr + t * H + offs_n, acc.to(tl.float16), mask=n_mask)
 
 
@@ -701,18 +615,6 @@ def _check_routing_args(topk_ids, row_table, device):
         raise common.KernelInputError("row_table: empty (no experts)")
 
 
-def _check_token_args(x, topk_ids, row_table, storage, layout: RowLayout) -> tuple[int, int]:
-    """The checks of a launch that reads token rows x (float16 (T, H)) by their routed ids: -> (T, k)."""
-    common.check_storage(storage, layout)
-    dev = storage.device
-    common.check_tensor("x", x, torch.float16, 2, shape=(None, layout.hidden_size), device=dev)
-    _check_routing_args(topk_ids, row_table, dev)
-    t, k = topk_ids.shape
-    if t != x.shape[0]:
-        raise common.KernelInputError(f"topk_ids: {t} rows but x has {x.shape[0]} tokens")
-    return t, k
-
-
 def grouped_gate_up(x, topk_ids, order, row_table, storage, layout: RowLayout, cfg: dict, plan,
                     host_rows: torch.Tensor | None = None, shared: "SharedExpert | None" = None,
                     sgu: torch.Tensor | None = None) -> torch.Tensor:
@@ -729,8 +631,13 @@ def grouped_gate_up(x, topk_ids, order, row_table, storage, layout: RowLayout, c
     Returns:
         float16 (T*k, I).
     """
-    t, k = _check_token_args(x, topk_ids, row_table, storage, layout)
+    common.check_storage(storage, layout)
     dev = storage.device
+    common.check_tensor("x", x, torch.float16, 2, shape=(None, layout.hidden_size), device=dev)
+    _check_routing_args(topk_ids, row_table, dev)
+    t, k = topk_ids.shape
+    if t != x.shape[0]:
+        raise common.KernelInputError(f"topk_ids: {t} rows but x has {x.shape[0]} tokens")
     g, u = common.proj_sections(layout, "gate"), common.proj_sections(layout, "up")
     host_off, n_host = host_site(storage, host_rows, layout)
     h = common.empty((t * k, g.n), torch.float16, dev)
@@ -808,61 +715,6 @@ def grouped_down(h, topk_ids, topk_weights, order, row_table, storage, layout: R
     return ypair
 
 
-def sliced_slice_width(cfg: dict, layout: RowLayout) -> int:
-    """BI of the sliced form: the config's SLICE_I (default 64; at least 32, since a slice's down step is a tensor-core
-    dot over BI / 2 >= 16 columns) rounded down to a power of two, then halved until it divides the quantization
-    block, so each slice of a down row has one scale; 0 when no width from 32 up does (the form is then not used)."""
-    want = int(cfg.get("SLICE_I", 64))
-    if want < 32:
-        raise common.KernelInputError(f"config SLICE_I: {want}, at least 32 (the down step's dot needs 16 columns)")
-    bi = 1 << (want.bit_length() - 1)  # (Triton ranges are powers of two)
-    while bi >= 32 and layout.block_size % bi:
-        bi //= 2
-    return bi if bi >= 32 else 0
-
-
-def sliced_experts(x, topk_ids, topk_weights, row_table, storage, layout: RowLayout, cfg: dict,
-                   host_rows: torch.Tensor | None = None) -> torch.Tensor:
-    """Stages 1 and 2 of the decode form in one launch (``_sliced_experts_kernel``): fp32 (T*k*NJ, H) partials, each
-    token's k x NJ consecutive, for ``sum_slices``.
-
-    Args:
-        x: float16 (T, H) contiguous. topk_ids: int32/int64 (T, k), T*k <= DECODE_MAX_PAIRS.
-        topk_weights: float32 (T, k). row_table, storage, layout, host_rows: as in ``grouped_gate_up``.
-        cfg: SLICE_I (``sliced_slice_width``, default 64), BLOCK_K (gate/up's K tile, default 256), SLICE_BLOCK_N
-            (hidden rows per step of the down slice, default 256), SLICE_PREFETCH (L2 prefetch of the down slice
-            before the gate/up loop), DEQ_ASM, num_warps / num_stages.
-    """
-    t, k = _check_token_args(x, topk_ids, row_table, storage, layout)
-    dev = storage.device
-    common.check_tensor("topk_weights", topk_weights, torch.float32, 2, shape=(t, k), device=dev)
-    p = t * k
-    if p > DECODE_MAX_PAIRS:
-        raise common.KernelInputError(f"sliced form: {p} pairs, at most {DECODE_MAX_PAIRS} (the decode form)")
-    bi = sliced_slice_width(cfg, layout)
-    if not bi:
-        raise common.KernelInputError(f"sliced form: no slice width from 32 up divides block_size {layout.block_size}")
-    bn_d = int(cfg.get("SLICE_BLOCK_N", 256))
-    if bn_d < 16 or bn_d & (bn_d - 1):
-        raise common.KernelInputError(f"config SLICE_BLOCK_N: {bn_d}, expected a power of two from 16 up")
-    g, u, d = (common.proj_sections(layout, name) for name in ("gate", "up", "down"))
-    nj = triton.cdiv(g.n, bi)
-    host_off, n_host = host_site(storage, host_rows, layout)
-    part = common.empty((p * nj, d.n), torch.float32, dev)
-    bk = common.pick_block_k(cfg.get("BLOCK_K", 256), layout.block_size)
-    common.launch(_sliced_experts_kernel[(p, nj)],
-        x, topk_ids, topk_weights, row_table, storage, storage.view(torch.float16), part,
-        p, row_table.numel(), storage.shape[0], layout.row_bytes, host_off, n_host, x.stride(0),
-        g.w_off, g.s_off, u.w_off, u.s_off, d.w_off, d.s_off,
-        H=d.n, I=g.n, NB_H=g.nb, NB_I=d.nb, QBLOCK=layout.block_size, TOPK=k, P_PAD=common.next_pow2(p),
-        BLOCK_M=16, BI=bi, BLOCK_K=bk, BN_D=min(bn_d, common.next_pow2(d.n)),
-        TILE_SCALE=common.tile_scale(bk, layout.block_size), DEQ_ASM=_deq_asm(cfg, dev),
-        PREFETCH_DOWN=bool(cfg.get("SLICE_PREFETCH")) and not common.interpreting(dev),
-        **common.launch_opts(cfg), **common.chained(dev),
-    )
-    return part
-
-
 def sum_topk(ypair: torch.Tensor, t: int, k: int, gs: torch.Tensor | None = None) -> torch.Tensor:
     """Stage 3: ypair float32 (T*k, H) contiguous -> float16 (T, H), summing the k slots in order; with gs float32
     (H,) (a one-token shared expert's gated output, T = 1) then fp16(y + gs)."""
@@ -877,27 +729,6 @@ def sum_topk(ypair: torch.Tensor, t: int, k: int, gs: torch.Tensor | None = None
     common.launch(_sum_topk_kernel[(t, triton.cdiv(hidden, block_n))], ypair, y, ypair if gs is None else gs, hidden,
                   TOPK=k, BLOCK_N=block_n, SHARED=gs is not None, **common.chained(ypair.device))
     return y
-
-
-def sum_slices(part: torch.Tensor, t: int) -> torch.Tensor:
-    """The sliced form's stage 3: part float32 (T*k*NJ, H) contiguous, each token's k x NJ partials consecutive ->
-    float16 (T, H), the partials summed in a fixed order (``_sum_slices_kernel``)."""
-    common.check_tensor("part", part, torch.float32, 2)
-    if t < 1 or part.shape[0] % t:
-        raise common.KernelInputError(f"part: {part.shape[0]} rows are not {t} tokens' partials")
-    parts, hidden = part.shape[0] // t, part.shape[1]
-    y = common.empty((t, hidden), torch.float16, part.device)
-    block_n = 1024 if common.interpreting(part.device) else SUM_SLICES_BLOCK_N
-    common.launch(_sum_slices_kernel[(t, triton.cdiv(hidden, block_n))], part, y, hidden, PARTS=parts,
-                  ROWS=min(SUM_SLICES_ROWS, common.next_pow2(parts)), BLOCK_N=block_n, **common.chained(part.device))
-    return y
-
-
-# the sliced form's sum: partial rows loaded at once per step (their loads are independent, so a step is one round trip
-# for ROWS rows where a row-at-a-time loop of k x NJ = 128 rows (OLMoE) would wait 128 times), and hidden columns per
-# program (2,048 / 128 = 16 programs a token)
-SUM_SLICES_ROWS = 16
-SUM_SLICES_BLOCK_N = 128
 
 
 def dequantize_sections(storage, row_table, layout: RowLayout) -> dict:
@@ -956,10 +787,7 @@ def grouped_moe(x, topk_ids, topk_weights, storage, row_table, layout: RowLayout
     Never synchronizes with the host; buffer sizes depend only on T, k, E and the config. config "DEQUANT"
     (default: P >= DEQUANT_MIN_PAIRS) decodes the weights once for the pass instead of in each tile's loop.
     host_rows: the host-read site's rows (``host_site``); the decoded mode does not read them (its dequantized
-    copy of every resident expert is what partial residency has no room for), so it is off with them. The sliced
-    form reads them too when ``config`` asks; the engine's host-read steps do not ask (its 32-byte down pieces suit
-    device memory, not the link).
-    config "SLICED": the decode form's stages 1 and 2 in one launch (``sliced_experts``; not with ``shared``).
+    copy of every resident expert is what partial residency has no room for), so it is off with them.
     shared: a one-token (T = 1) shared expert (``SharedExpert``) computed in the same three launches: its GEMV's
     programs follow the pairs' in the gate/up launch, its down projection's in the down launch, and the k-slot sum adds
     its gated output; the result is then fp16(routed + sigmoid(gate logit) * shared), what
@@ -981,9 +809,6 @@ def grouped_moe(x, topk_ids, topk_weights, storage, row_table, layout: RowLayout
         plan = _plan(t * k, row_table.numel(), cfg, ids_flat)
         return sum_topk(_dequant_stages(x, topk_ids, topk_weights, storage, row_table, layout, cfg, plan), t, k)
     plan = _plan(t * k, row_table.numel(), cfg, ids_flat)
-    if cfg.get("SLICED") and not plan[2] and sliced_slice_width(cfg, layout):
-        part = sliced_experts(x, topk_ids, topk_weights, row_table, storage, layout, cfg, host_rows)
-        return sum_slices(part, t)
     order = plan[0]
     h = grouped_gate_up(x, topk_ids, order, row_table, storage, layout, cfg, plan, host_rows)
     ypair = grouped_down(h, topk_ids, topk_weights, order, row_table, storage, layout, cfg, plan, host_rows)

@@ -581,55 +581,6 @@ def test_a_riding_shared_expert_changes_no_logit(packs, monkeypatch, test_device
         assert err <= 1e-2 * r.abs().max().item() + 2e-3, f"forward {i}: against the reference max |diff| {err:.3g}"
 
 
-@pytest.mark.parametrize("preset", ["tiny-olmoe", "tiny-qwen2-moe"])
-@pytest.mark.parametrize("graphs", [False, True])
-def test_the_sliced_form_changes_no_logit(packs, monkeypatch, test_device, graphs, preset):
-    """Fused op "sliced": a full-residency call of the grouped executor runs its decode form with gate/up and down in
-    one launch (runmap.kernels.grouped.sliced_experts). Teacher-forced logits with and without it within fp16
-    rounding of each other and of the reference executor, in the interpreter in CI; on CUDA also through captured
-    decode graphs. Qwen2-MoE's shared expert goes the torch way here (no "gemv" / "shared"), so every MoE call of a
-    step takes the sliced form."""
-    if graphs and test_device != "cuda":
-        pytest.skip("CUDA graphs need a CUDA device")
-    import runmap.kernels.grouped as kg
-
-    ref_outs, fed, _ = run_steps(Engine.from_pack(packs[preset], executor="reference", device="cpu", max_batch=1,
-                                                  max_seq_len=16), TRITON_PROMPT, 3)
-    calls = []
-    real = kg.sliced_experts
-    monkeypatch.setattr(kg, "sliced_experts", lambda *a, **kw: calls.append(a[1].shape) or real(*a, **kw))
-    outs = {}
-    for ops in ((), ("sliced",)):
-        eng = Engine.from_pack(packs[preset], executor="grouped", device=test_device, max_batch=1, max_seq_len=16,
-                               fused=ops, cuda_graphs=graphs, segments=False)
-        eng.model.fused = frozenset(ops)  # the CPU build ignores fused ops: the interpreter runs them here
-        calls.clear()
-        try:
-            outs[ops], _, _ = run_steps(eng, TRITON_PROMPT, 3, teacher=fed)
-        finally:
-            eng.close()
-        if not graphs:  # eager: every decode step's layers seen (a replayed graph calls no Python)
-            one_token = sum(1 for shape in calls if shape[0] == 1)
-            assert one_token == (3 * eng.cfg.num_layers if ops else 0), (ops, calls)
-    for i, (a, b, r) in enumerate(zip(outs[("sliced",)], outs[()], ref_outs)):
-        err = (a - b).abs().max().item()
-        assert err <= 2e-3 * b.abs().max().item() + 1e-3, f"forward {i}: sliced vs two launches max |diff| {err:.3g}"
-        err = (a - r).abs().max().item()
-        assert err <= 1e-2 * r.abs().max().item() + 2e-3, f"forward {i}: against the reference max |diff| {err:.3g}"
-
-
-def test_the_sliced_form_is_refused_off_the_grouped_executor(packs):
-    """"sliced" is a form of the grouped executor: asking for it with another executor is one clear error."""
-    with pytest.raises(EngineError, match="fused op 'sliced' is a form of the grouped executor, not 'topk-fused'"):
-        Engine.from_pack(packs["tiny-olmoe"], executor="topk-fused", fused=("sliced",), device="cpu")
-    eng = Engine.from_pack(packs["tiny-olmoe"], executor="grouped", device="cpu", max_seq_len=16)
-    try:  # a logits call that swaps the executor and the ops is held to the same rule
-        with pytest.raises(EngineError, match="fused op 'sliced' is a form of the grouped executor, not 'scalar'"):
-            eng.logits([5, 9, 3], executor="scalar", fused=("sliced",))
-    finally:
-        eng.close()
-
-
 def test_a_step_whose_experts_take_no_shared_expert_is_never_given_one():
     """The captured decode step's callback (GraphDecoder) passes a shared expert on only where the engine's experts
     take one: SkipExperts (skip_experts=True) and DenseFp16Experts have no rides_shared and no ``shared``, and a

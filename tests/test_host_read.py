@@ -43,8 +43,7 @@ def _split(storage, table, experts, on_host):
 
 @pytest.mark.parametrize("shape_name", ["small-b256", "small-b64", "small-mixtral"])
 @pytest.mark.parametrize("tokens", [1, 3])
-@pytest.mark.parametrize("form", [None, {"SLICED": True, "SORTED": False}], ids=["two-launch", "sliced"])
-def test_host_rows_compute_what_device_rows_do(shape_name, tokens, form, test_device):
+def test_host_rows_compute_what_device_rows_do(shape_name, tokens, test_device):
     shape = SMALL[shape_name]
     dev = torch.device(test_device)
     layout, storage, table, resident = make_layer(shape, dev, seed=11)
@@ -56,8 +55,8 @@ def test_host_rows_compute_what_device_rows_do(shape_name, tokens, form, test_de
     w = torch.softmax(torch.randn(tokens, k, generator=gen), dim=1).to(dev)
     on_host = sorted(set(ids[:, ::2].reshape(-1).tolist()))  # half the routed slots' experts read from the host rows
     dev_rows, host, split = _split(storage, table, shape.experts, on_host)
-    want = moe_experts("grouped", x, ids, w, storage, table, layout, validate=False, config=form)
-    got = moe_experts("grouped", x, ids, w, dev_rows, split, layout, validate=False, host_rows=host, config=form)
+    want = moe_experts("grouped", x, ids, w, storage, table, layout, validate=False)
+    got = moe_experts("grouped", x, ids, w, dev_rows, split, layout, validate=False, host_rows=host)
     assert torch.equal(got, want)  # the same kernel over the same bytes, wherever they lie
     ref = reference_moe_f32(x, ids, w, storage, table, layout)
     assert float((got.float() - ref).norm() / ref.norm()) <= TOL

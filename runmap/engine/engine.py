@@ -55,8 +55,7 @@ Arguments:
                    family; "imposed", a routing workload's gate weights in one launch, acts with "router"; "shared",
                    a shared expert of several rows in two launches between its GEMMs and, with "gemv", one token's
                    inside the grouped executor's launches), or an
-                   iterable of FUSED_OPS names ("sliced", not a default: the grouped executor's decode form with its
-                   two stages in one launch; grouped only); False = pure torch. Ignored on CPU.
+                   iterable of FUSED_OPS names; False = pure torch. Ignored on CPU.
     host_source    a runmap.residency.host_source.HostSource already built from this pack (another engine's
                    ``host_source``): the cache reuses it instead of reading and hash-verifying every expert again.
                    Its identity must equal the pack's; this engine's reader is closed and watched by it (its
@@ -164,7 +163,7 @@ TWO_SITE_ENV_CHOICES = {TWO_SITE_STEP_ENV: ("graph", "chain"), TWO_SITE_WAIT_ENV
                         TWO_SITE_BALANCE_ENV: ("off", "wait")}
 POLL_LIMIT_S = 60.0  # a poll that long means the device stopped: the step raises instead of spinning for ever
 PREFILL_CHUNK = 8192  # prompt tokens per row per prefill pass, by default (from_pack's prefill_chunk)
-FUSED_OPS = ("prologue", "norm", "router", "attn", "gemv", "imposed", "shared", "sliced")
+FUSED_OPS = ("prologue", "norm", "router", "attn", "gemv", "imposed", "shared")
 # Default on CUDA. "imposed" (the gate weights of a routing workload's ids in one launch on the fused router's logits,
 # instead of ~7 torch launches per MoE layer) passed its GPU tests on an H100 on 2026-12-06 and, in the same call,
 # lifted calibrated full-residency decode from 800 to 1,162 tok/s (OLMoE batch 1) and 373 to 479 (Qwen1.5-MoE)
@@ -175,20 +174,11 @@ FUSED_OPS = ("prologue", "norm", "router", "attn", "gemv", "imposed", "shared", 
 # Removed after measuring: "tails" (the attention's combine in its split launch, the routing in the norm's launch, each
 # by the launch's last program on a device counter: two launches fewer per layer) and "attn-tail" (its attention part)
 # passed their GPU tests and were slower or no faster on an H100 (OLMoE batch 1 1,105.6 and 1,175.9 against 1,185.6 and
-# 1,182.2 tok/s; results/campaigns/h100-decode-tails, h100-step-ablation; the code is in bc0a1c2..a6edef6).
-# Not a default until measured: "sliced" (grouped executor, full residency: a decode layer's routed gate/up and down
-# in one launch, runmap.kernels.grouped.sliced_experts; a one-token shared expert keeps riding in the two launches).
-# Written 2026-12-07 for the launch boundary the step ablation found between the two expert stages
-# (results/campaigns/h100-step-ablation); it passed the interpreter and sm_90 compilation, and no device was lent to
-# run it (tools/explore/probe_fused_experts.py and the spec groups "*-sliced" are its next calls).
+# 1,182.2 tok/s; results/campaigns/h100-decode-tails, h100-step-ablation; the code is in bc0a1c2..a6edef6). So was
+# "sliced" (a decode layer's routed gate/up and down in one launch, each program one slice of an expert's intermediate
+# columns and that slice's share of down into an fp32 partial): on an H100, 36 us per OLMoE layer against 19.4 for the
+# two launches, and decode 917.7 against 1,212.8 tok/s (results/campaigns/h100-sliced; the code is at e6aa2d1).
 DEFAULT_FUSED = ("prologue", "norm", "router", "attn", "gemv", "imposed", "shared")
-
-
-def _sliced_refusal(ops, executor: str) -> str | None:
-    """Why the fused ops ``ops`` cannot run with ``executor`` ("sliced" is a form of the grouped executor), or None."""
-    if "sliced" in ops and executor != "grouped":
-        return f"fused op 'sliced' is a form of the grouped executor, not {executor!r}; leave it out"
-    return None
 
 
 def is_count(value) -> bool:
@@ -358,7 +348,6 @@ class CachedExperts:
             # in fp16: 0.8 GB for OLMoE, 2.8 GB for Mixtral) would take the memory this regime keeps for experts
             self.moe = functools.partial(_without_decoded_mode, self.moe)
         self._req = None
-        self.fused_ops = lambda: frozenset()  # -> the model's fused ops (from_pack links them): "sliced" picks the form
         self.h2d_seconds = 0.0  # host wall time of acquisitions that ran a miss transaction
         self.cpu_site = None  # the CPU site (runmap.kernels.cpu_int4.CpuExpertSite), built on first use
         self.cpu_executor = "cpu-native"  # its kernel (Engine.from_pack's cpu_executor, or the executor if a CPU site)
@@ -437,11 +426,6 @@ class CachedExperts:
 
         return n_rows == 1 and self.full and self.executor == "grouped" and self.top_k <= DECODE_FORM_MAX_PAIRS
 
-    def _form(self) -> dict | None:
-        """The executor config of a full-residency call: the grouped executor's sliced form where the fused op
-        "sliced" is on (runmap.kernels.grouped.sliced_experts), else None (the executor's defaults)."""
-        return {"SLICED": True} if "sliced" in self.fused_ops() else None
-
     def __call__(self, layer, x, ids, gw, shared=None):
         """x fp16 (N, H), ids int64 (N, k), gw fp32 (N, k) -> fp16 (N, H). shared: a one-token shared expert
         (runmap.kernels.grouped.SharedExpert) computed in the executor's launches and added, where ``rides_shared``."""
@@ -460,7 +444,7 @@ class CachedExperts:
             # (a copy out of expert rows in the step would show then), so expert_d2h_bytes covers this path
             with self.cache.monitored():
                 return self.moe(self.executor, x, ids, gw, self.storage[layer], self.tables[layer], self.layout,
-                                validate=validate, shared=shared, config=self._form())
+                                validate=validate, shared=shared)
         if self.host_rows is not None:  # placement host-read: a prompt's pass (its decode steps are HostReadDecoder's)
             return self._host_read_pass(layer, x, ids, gw)
         nxt = None
@@ -2342,9 +2326,6 @@ class Engine:
                     reader.close()
                     raise EngineError(f"fused op 'prologue' cannot run {cfg.arch}'s per-head q/k norms; leave it out")
                 fused_ops = fused_ops - {"prologue"}
-            if refusal := _sliced_refusal(fused_ops, executor):
-                reader.close()
-                raise EngineError(refusal)
             if device.type == "cuda":  # the fused ops are Triton kernels for the CUDA decode step only
                 model.fused = fused_ops
             if expert_format == "fp16":
@@ -2392,7 +2373,6 @@ class Engine:
                 else:
                     cache = ExpertCache.from_pack(reader, **kw)
                 experts = CachedExperts(cache, executor, layout, cfg.top_k)
-                experts.fused_ops = lambda: model.fused  # "sliced" is read per call (logits(fused=...) swaps the set)
                 # the CPU site's kernel: the executor itself when it is a CPU site, else the placement's choice
                 experts.cpu_executor = executor if executor in CPU_SITE_EXECUTORS else cpu_executor
                 if prefetch:
@@ -2855,8 +2835,6 @@ class Engine:
             ops = frozenset(DEFAULT_FUSED if fused is True else (fused or ()))
             if ops - set(FUSED_OPS):
                 raise EngineError(f"unknown fused ops {sorted(ops - set(FUSED_OPS))}; choose from {list(FUSED_OPS)}")
-            if refusal := _sliced_refusal(ops, executor or self.executor):
-                raise EngineError(refusal)
             if self.device.type != "cuda":
                 ops = None  # ignored on the CPU, as in from_pack
         tokens = torch.tensor([ids], device=self.device)
