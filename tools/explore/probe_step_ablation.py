@@ -117,7 +117,10 @@ def time_variant(packed: Path, variant: str, batch: int, device: str, prompt_len
         if eng.device.type == "cpu":  # the CPU build runs torch ops; the interpreter runs the fused ones here
             eng.model.fused = frozenset(DEFAULT_FUSED)
         try:
-            prompts = [list(range(100, 100 + prompt_len))] * batch
+            # a different prompt per row: identical rows route identically, so a batch of them reads one row's
+            # experts (the union a real batch reads is wider; results/campaigns/h100-qwen-ablation's batch 8 had this)
+            vocab = eng.cfg.vocab_size
+            prompts = [[(100 + 7919 * b + i) % vocab for i in range(prompt_len)] for b in range(batch)]
             rates = []
             for _ in range(repeats):
                 run = eng.run(prompts, max_new_tokens=new_tokens, ignore_eos=True)

@@ -1,0 +1,1 @@
+/tmp/runmap-llama/build-dffa4990f863-cuda/bin/llama-batched-bench -m /tmp/runmap-llama/qwen1.5-moe-a2.7b-Q4_K_M.gguf -c 4096 -b 512 -ub 512 -npp 32 -ntg 128 -npl 8 -ngl 99 -fa on -ncmoe 18 --output-format jsonl
