@@ -57,8 +57,7 @@ def main(argv=None):
     dev = torch.device(args.device)
     on_gpu = dev.type == "cuda"
     cases, layers = (CASES, LAYERS) if on_gpu else (((2, 64, 40),), 2)
-    heads = (NH, NKV, D) if on_gpu else (2, 2, 32)
-    nh, nkv, d = heads
+    nh, nkv, d = (NH, NKV, D) if on_gpu else (2, 2, 32)
     copy = None
     if on_gpu:
         from runmap.bench.kernel_workload import copy_bandwidth, graph_us
@@ -91,8 +90,7 @@ def main(argv=None):
                     for i in range(layers)]
 
         default = chosen(n_keys)
-        for shape in (("default", default),) + tuple(("grid", s) for s in GRID if s != default):
-            label, (block_n, splits) = shape
+        for label, (block_n, splits) in (("default", default),) + tuple(("grid", s) for s in GRID if s != default):
             fo.attention_splits = lambda n, s=(block_n, splits): s
             try:
                 outs = run_all()
