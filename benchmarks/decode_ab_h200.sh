@@ -6,9 +6,9 @@
 # from the repo root, with the earlier tree extracted into ./before-tree (ignored; carried along:
 # `mkdir before-tree && git archive <sha> | tar -x -C before-tree`). Steps, each skipped when the budget (default
 # 560 s) runs short:
-#  1. GPU pytest of this tree: tests/test_kernels.py selected by GPU_K (default "grouped or scales"), then the
-#     engine against the reference executor and transformers, and chained launches changing no token (ENGINE_TESTS=0
-#     leaves these out);
+#  1. GPU pytest of this tree: GPU_TESTS (default tests/test_kernels.py) selected by GPU_K (default "grouped or
+#     scales"), then the engine against the reference executor and transformers, and chained launches changing no
+#     token (ENGINE_TESTS=0 leaves these out);
 #  2. PROBE (python3's arguments, default none) under this tree, e.g. "tools/explore/probe_scale_preload.py --out
 #     {dir}/p.json",
 #     given what the budget leaves beyond PROBE_KEEP_S (default 150 s) for the decode rows (a skip is printed);
@@ -34,6 +34,7 @@ BEFORE=$PWD/before-tree
 MODELS=${MODELS:-olmoe qwen}
 ROUNDS=${ROUNDS:-1}
 GPU_K=${GPU_K:-grouped or scales}
+GPU_TESTS=${GPU_TESTS:-tests/test_kernels.py}
 left() { echo $(( BUDGET - $(date +%s) + T0 )); }
 step() { echo "[$(( $(date +%s) - T0 ))s] $*"; }
 finish() { tar -czf "$OUT/decode-ab.tar.gz" -C "$LOGS" . ; step "archive written"; }
@@ -41,7 +42,7 @@ trap finish EXIT
 [ -d "$BEFORE/runmap" ] || { echo "no before-tree/ (carry it)"; exit 2; }
 
 # 1. this tree's GPU tests (two selections: the kernel tests by keyword, then the engine's own)
-PYTHONPATH=. RUNMAP_TEST_DEVICE=cuda timeout 150 python3 -m pytest -q -x -p no:cacheprovider tests/test_kernels.py \
+PYTHONPATH=. RUNMAP_TEST_DEVICE=cuda timeout 150 python3 -m pytest -q -x -p no:cacheprovider $GPU_TESTS \
   -k "$GPU_K" > "$LOGS/gpu-pytest.log" 2>&1
 step "gpu pytest (kernels) exit $?"; tail -1 "$LOGS/gpu-pytest.log"
 if [ "${ENGINE_TESTS:-1}" = 1 ]; then
