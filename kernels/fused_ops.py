@@ -695,20 +695,31 @@ def _decode_attn_combine_kernel(part_ptr, ml_ptr, out_ptr, NH: tl.constexpr, D: 
     _combine_head(part_ptr, ml_ptr, out_ptr, tl.program_id(0), tl.program_id(1), NH, D, D_P2, SPLITS, False)
 
 
-def attention_splits(n_keys: int) -> tuple[int, int]:
-    """(BLOCK_N, SPLITS) of the split decode attention over a KV bucket of n_keys: up to 512 keys a block per split."""
+def attention_splits(n_keys: int, heads: int = 1) -> tuple[int, int]:
+    """(BLOCK_N, SPLITS) of the split decode attention over a KV bucket of n_keys for ``heads`` (rows x query
+    heads) programs a split: one 32-key block a split, up to 16 splits; with RUNMAP_ATTN_MAX_PROGRAMS=P (a lab
+    setting for A/Bs, unset by default) at most P programs in all, splits halved until they fit (at least one)."""
     block_n = 32
-    return block_n, min(16, triton.next_power_of_2(triton.cdiv(n_keys, block_n)))
+    splits = min(16, triton.next_power_of_2(triton.cdiv(n_keys, block_n)))
+    cap = os.environ.get("RUNMAP_ATTN_MAX_PROGRAMS")
+    if cap:
+        if not cap.isdigit() or int(cap) < 1:
+            raise ValueError(f"RUNMAP_ATTN_MAX_PROGRAMS={cap!r}: expected a positive integer")
+        while splits > 1 and splits * heads > int(cap):
+            splits //= 2
+    return block_n, splits
 
 
 ATTENTION_COMBINES = ("fused", "launch")
 
 
 def attention_combine() -> str:
-    """How a decode step's split attention is combined (RUNMAP_ATTN_COMBINE, default ``fused``): ``fused``, by the
-    split launch itself (the last split of each head combines; one launch a layer), or ``launch``, by a second
-    launch (``_decode_attn_combine_kernel``; the path before 2026-12-08, kept for A/Bs). Same values either way."""
-    mode = os.environ.get("RUNMAP_ATTN_COMBINE", "fused")
+    """How a decode step's split attention is combined (RUNMAP_ATTN_COMBINE, default ``launch``): ``launch``, by a
+    second launch (``_decode_attn_combine_kernel``), or ``fused``, by the split launch itself (the last split of
+    each head to arrive combines; one launch a layer; a lab setting, probed in
+    tools/explore/probe_decode_attention.py). Same values either way. The default is the second launch because the
+    same tail, built before as the fused op ``attn-tail``, decoded at 0.995x of it (docs/engine.md)."""
+    mode = os.environ.get("RUNMAP_ATTN_COMBINE", "launch")
     if mode not in ATTENTION_COMBINES:
         raise ValueError(f"RUNMAP_ATTN_COMBINE={mode!r}: expected one of {', '.join(ATTENTION_COMBINES)}")
     return mode
@@ -759,7 +770,7 @@ def decode_attention(q, k_cache, v_cache, slot, pad, n_keys: int):
     if T != 1 or not q.is_contiguous() or nh % nkv or k_cache.stride() != v_cache.stride():
         raise ValueError(f"decode_attention: q {tuple(q.shape)} (T must be 1, contiguous), nh % nkv, "
                          f"k/v strides {k_cache.stride()} / {v_cache.stride()}")
-    block_n, splits = attention_splits(n_keys)
+    block_n, splits = attention_splits(n_keys, B * nh)
     d_p2 = triton.next_power_of_2(D)
     part, ml = _split_buffers(B, nh, splits, d_p2, q.device)
     common.launch(_decode_attn_split_kernel[(B, nh, splits)], q, k_cache, v_cache, part, ml, slot, pad,
@@ -772,7 +783,7 @@ def decode_attention(q, k_cache, v_cache, slot, pad, n_keys: int):
 def decode_attention_with_prologue(qkv, q_norm, k_norm, positions, slot, inv_freq, k_cache, v_cache, pad, n_keys: int,
                                    *, num_heads: int, num_kv_heads: int, eps: float):
     """``qk_norm_rope_kv`` and ``decode_attention`` of one new token per row, the prologue folded into the split
-    launch and the splits combined by it (``attention_combine``: one launch instead of three; the same values).
+    launch (two launches instead of three, or one with ``attention_combine`` fused; the same values).
 
     Args:
         qkv: fp16 (B, 1, (nh + 2 nkv) * D), rows contiguous: the fused q|k|v projection (bias added); D a power of two.
@@ -793,7 +804,7 @@ def decode_attention_with_prologue(qkv, q_norm, k_norm, positions, slot, inv_fre
         raise ValueError(f"qkv: expected float16 with a contiguous last dim, got {qkv.dtype} strides {qkv.stride()}")
     _check_norms_and_cache(q_norm, k_norm, k_cache, v_cache, B, nkv, D)
     positions = positions.contiguous()
-    block_n, splits = attention_splits(n_keys)
+    block_n, splits = attention_splits(n_keys, B * nh)
     part, ml = _split_buffers(B, nh, splits, D, qkv.device)
     fused = attention_combine() == "fused"
     out = torch.empty(B, 1, nh * D, dtype=torch.float16, device=qkv.device) if fused else part

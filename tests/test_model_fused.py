@@ -351,7 +351,7 @@ def test_fused_combine_equals_the_combining_launch_and_leaves_its_counts_at_zero
     qkv, qn, kn, pad, positions, slots, inv_freq = _prologue_case(nh, nkv, D, True, slot, pads, g, dev)
     kc = (torch.randn(B, nkv, n_keys, D, generator=g) * 3).half().to(dev)
     vc = torch.randn(B, nkv, n_keys, D, generator=g).half().to(dev)
-    monkeypatch.setattr(fo, "attention_splits", lambda n: (block_n, splits))
+    monkeypatch.setattr(fo, "attention_splits", lambda n, heads=1: (block_n, splits))
 
     def attend(combine):
         monkeypatch.setenv("RUNMAP_ATTN_COMBINE", combine)
@@ -376,7 +376,23 @@ def test_attention_combine_refuses_an_unknown_mode(monkeypatch):
     with pytest.raises(ValueError, match="RUNMAP_ATTN_COMBINE='both': expected one of fused, launch"):
         fo.attention_combine()
     monkeypatch.delenv("RUNMAP_ATTN_COMBINE")
-    assert fo.attention_combine() == "fused"
+    assert fo.attention_combine() == "launch"
+
+
+@pytest.mark.parametrize("n_keys,heads,cap,expected", [(256, 16, None, 8), (256, 128, None, 8), (256, 128, "512", 4),
+                                                       (256, 128, "256", 2), (256, 128, "1", 1), (4096, 16, "256", 16),
+                                                       (4096, 16, "100", 4), (32, 128, "64", 1)])
+def test_attention_splits_cap_the_programs_only_when_asked(n_keys, heads, cap, expected, monkeypatch):
+    import runmap.kernels.fused_ops as fo
+
+    if cap is None:
+        monkeypatch.delenv("RUNMAP_ATTN_MAX_PROGRAMS", raising=False)
+    else:
+        monkeypatch.setenv("RUNMAP_ATTN_MAX_PROGRAMS", cap)
+    assert fo.attention_splits(n_keys, heads) == (32, expected)
+    monkeypatch.setenv("RUNMAP_ATTN_MAX_PROGRAMS", "0")
+    with pytest.raises(ValueError, match="RUNMAP_ATTN_MAX_PROGRAMS='0': expected a positive integer"):
+        fo.attention_splits(n_keys, heads)
 
 
 @triton.jit

@@ -92,11 +92,11 @@ def main(argv=None):
                                                       pad, n_keys, num_heads=nh, num_kv_heads=nkv, eps=1e-6)
                     for i in range(layers)]
 
-        default = chosen(n_keys)
+        default = chosen(n_keys, B * nh)
         variants = (("launch", default, "launch"), ("default", default, "fused")) + tuple(
             ("grid", s, "fused") for s in GRID if s != default)
         for label, (block_n, splits), combine in variants:
-            fo.attention_splits = lambda n, s=(block_n, splits): s
+            fo.attention_splits = lambda n, heads=1, s=(block_n, splits): s
             os.environ["RUNMAP_ATTN_COMBINE"] = combine
             try:
                 outs = run_all()
