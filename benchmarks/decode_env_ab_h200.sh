@@ -2,7 +2,7 @@
 # Decode speed under several values of one environment setting, in ONE device call (a lab setting judged end to end
 # before it becomes a default):
 #
-#   AB_VAR=RUNMAP_ATTN_MAX_PROGRAMS AB_VALUES="unset 512 256" RUNMAP_GIT_COMMIT=<sha> OUT=$OUT \
+#   AB_VAR=RUNMAP_PDL AB_VALUES="0 1" RUNMAP_GIT_COMMIT=<sha> OUT=$OUT \
 #     bash benchmarks/decode_env_ab_h200.sh [BUDGET_S]
 #
 # from the repo root. "unset" runs without the variable. Steps, each skipped when the budget (default 560 s) runs

@@ -21,8 +21,6 @@ One program per token row m = b * T + t of the fused qkv projection.
 """
 from __future__ import annotations
 
-import os
-
 import torch
 import triton
 import triton.language as tl
@@ -503,13 +501,13 @@ def _preload_first_block(k_ptr, v_ptr, slot, pad, sp, base, stride_cs, offs_d, d
 
 
 @triton.jit
-def _attend_split(q, k_ptr, v_ptr, sp, slot, pad, base, stride_cs, offs_d, d_ok,
-                  N_KEYS: tl.constexpr, D_P2: tl.constexpr, BLOCK_N: tl.constexpr,
+def _attend_split(q, k_ptr, v_ptr, part_ptr, ml_ptr, b, hq, sp, slot, pad, base, stride_cs, offs_d, d_ok,
+                  N_KEYS: tl.constexpr, NH: tl.constexpr, D_P2: tl.constexpr, BLOCK_N: tl.constexpr,
                   SPLITS: tl.constexpr, k_pre, v_pre, PRELOADED: tl.constexpr):
-    """Online softmax of q (D_P2,) fp32 (scaled) over split ``sp``'s share of the keys pad .. slot of a row's cache
-    (base: offset of the row's kv head): (the unnormalized output (D_P2,), the running max, the sum of exponentials),
-    fp32; an empty split gives zeros, -inf, 0. PRELOADED: k_pre / v_pre (BLOCK_N, D_P2) fp16 are the split's first
-    key block as ``_preload_first_block`` read it (the new slot's row left out); only that row is read again here."""
+    """Online softmax of q (D_P2,) fp32 (scaled) over split ``sp``'s share of the keys pad .. slot of row b's cache
+    (base: offset of the row's kv head); writes the unnormalized output to part[b, hq, sp] and (running max, sum of
+    exponentials) to ml[b, hq, sp]. PRELOADED: k_pre / v_pre (BLOCK_N, D_P2) fp16 are the split's first key block as
+    ``_preload_first_block`` read it (the new slot's row left out); only that row is read again here."""
     offs_n = tl.arange(0, BLOCK_N)
     m_i = tl.full((), float("-inf"), dtype=tl.float32)
     l_i = tl.zeros((), dtype=tl.float32)
@@ -546,40 +544,10 @@ def _attend_split(q, k_ptr, v_ptr, sp, slot, pad, base, stride_cs, offs_d, d_ok,
         l_i = l_i * alpha + tl.sum(p, axis=0)
         m_i = m_new
         n0 += BLOCK_N
-    return acc, m_i, l_i
-
-
-@triton.jit
-def _store_split(part_ptr, ml_ptr, b, hq, sp, offs_d, acc, m_i, l_i, NH: tl.constexpr, D_P2: tl.constexpr,
-                 SPLITS: tl.constexpr):
-    """Split ``sp``'s unnormalized output to part[b, hq, sp] and (max, sum of exponentials) to ml[b, hq, sp]."""
     row = (b * NH + hq) * SPLITS + sp
-    tl.store(part_ptr + row * D_P2 + offs_d, acc)
+    tl.store(part_ptr + row * D_P2 + offs_d, acc)  # an empty split stores zeros, max -inf, sum 0
     tl.store(ml_ptr + row * 2, m_i)
     tl.store(ml_ptr + row * 2 + 1, l_i)
-
-
-@triton.jit
-def _combine_head(part_ptr, ml_ptr, out_ptr, b, hq, NH: tl.constexpr, D: tl.constexpr, D_P2: tl.constexpr,
-                  SPLITS: tl.constexpr, OTHER_PROGRAMS: tl.constexpr):
-    """Row b, query head hq: the splits' partial softmaxes rescaled to their common max and summed; fp16 out.
-    OTHER_PROGRAMS: the partials were written by other programs of the running launch (the fused combine), so they
-    are read from L2 (``.cg``), never from this SM's L1, which is not coherent with other SMs' writes."""
-    offs_s = tl.arange(0, SPLITS)
-    offs_d = tl.arange(0, D_P2)
-    rows = (b * NH + hq) * SPLITS + offs_s  # (SPLITS,)
-    if OTHER_PROGRAMS:
-        m = tl.load(ml_ptr + rows * 2, cache_modifier=".cg")  # (SPLITS,) -inf for an empty split
-        l = tl.load(ml_ptr + rows * 2 + 1, cache_modifier=".cg")
-        part = tl.load(part_ptr + rows[:, None] * D_P2 + offs_d[None, :], cache_modifier=".cg")  # (SPLITS, D_P2)
-    else:
-        m = tl.load(ml_ptr + rows * 2)
-        l = tl.load(ml_ptr + rows * 2 + 1)
-        part = tl.load(part_ptr + rows[:, None] * D_P2 + offs_d[None, :])
-    m_max = tl.max(m, axis=0)  # finite: the row's own slot is a key of some split
-    w = tl.where(m == float("-inf"), 0.0, tl.exp(m - m_max))  # (SPLITS,)
-    o = tl.sum(part * w[:, None], axis=0) / tl.sum(l * w, axis=0)  # (D_P2,)
-    tl.store(out_ptr + (b * NH + hq) * D + offs_d, o.to(tl.float16), mask=offs_d < D)
 
 
 @triton.jit
@@ -602,19 +570,18 @@ def _decode_attn_split_kernel(q_ptr, k_ptr, v_ptr, part_ptr, ml_ptr, slot_ptr, p
     offs_d = tl.arange(0, D_P2)
     d_ok = offs_d < D
     q = tl.load(q_ptr + (b * NH + hq) * D + offs_d, mask=d_ok, other=0.0).to(tl.float32) * scale  # (D_P2,)
-    acc, m_i, l_i = _attend_split(q, k_ptr, v_ptr, sp, tl.load(slot_ptr), tl.load(pad_ptr + b),
-                                  b.to(tl.int64) * stride_cb + hk * stride_ch, stride_cs, offs_d, d_ok, N_KEYS, D_P2,
-                                  BLOCK_N, SPLITS, q, q, False)  # nothing preloaded (q stands in for the unused tiles)
-    _store_split(part_ptr, ml_ptr, b, hq, sp, offs_d, acc, m_i, l_i, NH, D_P2, SPLITS)
+    _attend_split(q, k_ptr, v_ptr, part_ptr, ml_ptr, b, hq, sp, tl.load(slot_ptr), tl.load(pad_ptr + b),
+                  b.to(tl.int64) * stride_cb + hk * stride_ch, stride_cs, offs_d, d_ok, N_KEYS, NH, D_P2, BLOCK_N,
+                  SPLITS, q, q, False)  # nothing preloaded (q stands in for the unused tiles)
 
 
 @triton.jit
 def _decode_attn_prologue_split_kernel(
     qkv_ptr, stride_qkv_b, qw_ptr, kw_ptr, pos_ptr, inv_freq_ptr,
-    k_ptr, v_ptr, part_ptr, ml_ptr, out_ptr, arrived_ptr, slot_ptr, pad_ptr, stride_cb, stride_ch, stride_cs, scale,
-    eps, N_KEYS: tl.constexpr, NH: tl.constexpr, NKV: tl.constexpr, HALF: tl.constexpr,
+    k_ptr, v_ptr, part_ptr, ml_ptr, slot_ptr, pad_ptr, stride_cb, stride_ch, stride_cs, scale, eps,
+    N_KEYS: tl.constexpr, NH: tl.constexpr, NKV: tl.constexpr, HALF: tl.constexpr,
     NH_P2: tl.constexpr, NKV_P2: tl.constexpr, HALF_P2: tl.constexpr, HAS_NORM: tl.constexpr,
-    BLOCK_N: tl.constexpr, SPLITS: tl.constexpr, FUSED_COMBINE: tl.constexpr, CHAINED: tl.constexpr = False):
+    BLOCK_N: tl.constexpr, SPLITS: tl.constexpr, CHAINED: tl.constexpr = False):
     """``_decode_attn_split_kernel`` with the attention prologue (``_qk_norm_rope_kv_kernel``) folded in, for one new
     token per row. Each program normalizes (the norm spans every head: the whole q row is summed, as the prologue
     sums it) and rotates its own head of q; the program whose split holds the new slot also normalizes and rotates
@@ -625,13 +592,7 @@ def _decode_attn_prologue_split_kernel(
     step against 220 for the two it replaced; results/campaigns/h200-decode.)
     Before ``chain_wait`` (while the q|k|v projection still runs, in a chained step) it reads the slot, the row's pad
     and its split's first block of earlier keys: written by the host's copies and by earlier steps, never by the
-    launch before this one.
-
-    FUSED_COMBINE: no combining launch after this one. With one split the program normalizes its own output; with
-    several, each program stores its partial, counts itself in arrived[b, hq] (one atomic, acquire-release, after a
-    barrier so that every thread's stores precede it) and the program that arrives last combines the partials into
-    out and sets the count back to 0 for the next launch. The same arithmetic as ``_decode_attn_combine_kernel``.
-    Otherwise the partials go to part / ml and out / arrived are not touched."""
+    launch before this one."""
     b = tl.program_id(0)
     hq = tl.program_id(1)
     sp = tl.program_id(2)
@@ -670,74 +631,33 @@ def _decode_attn_prologue_split_kernel(
     # q of this head as one (D,) vector, first half then second half as the cache lays out D (HALF is a power of
     # two here: the wrapper checks), scaled as _decode_attn_split_kernel scales the q it loads
     q = tl.reshape(tl.permute(tl.join(q1.to(tl.float32), q2.to(tl.float32)), (1, 0)), (D,)) * scale  # q1 then q2
-    acc, m_i, l_i = _attend_split(q, k_ptr, v_ptr, sp, slot, pad, base, stride_cs, offs_dd, offs_dd < D,
-                                  N_KEYS, D, BLOCK_N, SPLITS, k_pre, v_pre, True)
-    if FUSED_COMBINE and SPLITS == 1:
-        # the combine's arithmetic with one split: weight exp(m - m) = 1 (0 for a row without keys, as there)
-        w = tl.where(m_i == float("-inf"), 0.0, 1.0)
-        o = (acc * w) / (l_i * w)  # (D,)
-        tl.store(out_ptr + (b * NH + hq) * D + offs_dd, o.to(tl.float16))
-    else:
-        _store_split(part_ptr, ml_ptr, b, hq, sp, offs_dd, acc, m_i, l_i, NH, D, SPLITS)
-        if FUSED_COMBINE:
-            tl.debug_barrier()  # every thread's partial stored before the (one-thread) release below
-            arrived = tl.atomic_add(arrived_ptr + b * NH + hq, 1, sem="acq_rel", scope="gpu")
-            if arrived == SPLITS - 1:  # the last split of (b, hq): the others' partials are visible
-                _combine_head(part_ptr, ml_ptr, out_ptr, b, hq, NH, D, D, SPLITS, True)
-                tl.atomic_xchg(arrived_ptr + b * NH + hq, 0, sem="relaxed", scope="gpu")
+    _attend_split(q, k_ptr, v_ptr, part_ptr, ml_ptr, b, hq, sp, slot, pad, base, stride_cs, offs_dd, offs_dd < D,
+                  N_KEYS, NH, D, BLOCK_N, SPLITS, k_pre, v_pre, True)
 
 
 @triton.jit
 def _decode_attn_combine_kernel(part_ptr, ml_ptr, out_ptr, NH: tl.constexpr, D: tl.constexpr, D_P2: tl.constexpr,
                                 SPLITS: tl.constexpr, CHAINED: tl.constexpr = False):
-    """One (row, query head): ``_combine_head``."""
+    """One (row, query head): the splits' partial softmaxes rescaled to their common max and summed; fp16 out."""
     chain_wait(CHAINED)
-    _combine_head(part_ptr, ml_ptr, out_ptr, tl.program_id(0), tl.program_id(1), NH, D, D_P2, SPLITS, False)
+    b = tl.program_id(0)
+    hq = tl.program_id(1)
+    offs_s = tl.arange(0, SPLITS)
+    offs_d = tl.arange(0, D_P2)
+    rows = (b * NH + hq) * SPLITS + offs_s  # (SPLITS,)
+    m = tl.load(ml_ptr + rows * 2)  # (SPLITS,) -inf for an empty split
+    l = tl.load(ml_ptr + rows * 2 + 1)
+    m_max = tl.max(m, axis=0)  # finite: the row's own slot is a key of some split
+    w = tl.where(m == float("-inf"), 0.0, tl.exp(m - m_max))  # (SPLITS,)
+    part = tl.load(part_ptr + rows[:, None] * D_P2 + offs_d[None, :])  # (SPLITS, D_P2)
+    o = tl.sum(part * w[:, None], axis=0) / tl.sum(l * w, axis=0)  # (D_P2,)
+    tl.store(out_ptr + (b * NH + hq) * D + offs_d, o.to(tl.float16), mask=offs_d < D)
 
 
-def attention_splits(n_keys: int, heads: int = 1) -> tuple[int, int]:
-    """(BLOCK_N, SPLITS) of the split decode attention over a KV bucket of n_keys for ``heads`` (rows x query
-    heads) programs a split: one 32-key block a split, up to 16 splits; with RUNMAP_ATTN_MAX_PROGRAMS=P (a lab
-    setting for A/Bs, unset by default) at most P programs in all, splits halved until they fit (at least one)."""
+def attention_splits(n_keys: int) -> tuple[int, int]:
+    """(BLOCK_N, SPLITS) of the split decode attention over a KV bucket of n_keys: up to 512 keys a block per split."""
     block_n = 32
-    splits = min(16, triton.next_power_of_2(triton.cdiv(n_keys, block_n)))
-    cap = os.environ.get("RUNMAP_ATTN_MAX_PROGRAMS")
-    if cap:
-        if not cap.isdigit() or int(cap) < 1:
-            raise ValueError(f"RUNMAP_ATTN_MAX_PROGRAMS={cap!r}: expected a positive integer")
-        while splits > 1 and splits * heads > int(cap):
-            splits //= 2
-    return block_n, splits
-
-
-ATTENTION_COMBINES = ("fused", "launch")
-
-
-def attention_combine() -> str:
-    """How a decode step's split attention is combined (RUNMAP_ATTN_COMBINE, default ``launch``): ``launch``, by a
-    second launch (``_decode_attn_combine_kernel``), or ``fused``, by the split launch itself (the last split of
-    each head to arrive combines; one launch a layer; a lab setting, probed in
-    tools/explore/probe_decode_attention.py). Same values either way. The default is the second launch because the
-    same tail, built before as the fused op ``attn-tail``, decoded at 0.995x of it (docs/engine.md)."""
-    mode = os.environ.get("RUNMAP_ATTN_COMBINE", "launch")
-    if mode not in ATTENTION_COMBINES:
-        raise ValueError(f"RUNMAP_ATTN_COMBINE={mode!r}: expected one of {', '.join(ATTENTION_COMBINES)}")
-    return mode
-
-
-_arrival_counts: dict = {}
-
-
-def _arrival_counter(n: int, device) -> torch.Tensor:
-    """int32 (>= n,) zeros, one per device, kept for the process: the fused combine's per-(row, head) arrival
-    counts. Every launch leaves them at zero (the last split resets its count), so one buffer serves every layer
-    and step, captured graphs included; it assumes one decode attention launch at a time on a device (the engine
-    runs one decode step at a time; prefill passes never take this path)."""
-    key = (device.type, device.index)
-    buf = _arrival_counts.get(key)
-    if buf is None or buf.numel() < n:
-        buf = _arrival_counts[key] = torch.zeros(max(n, 4096), dtype=torch.int32, device=device)
-    return buf
+    return block_n, min(16, triton.next_power_of_2(triton.cdiv(n_keys, block_n)))
 
 
 def _split_buffers(B: int, nh: int, splits: int, d_p2: int, device):
@@ -770,7 +690,7 @@ def decode_attention(q, k_cache, v_cache, slot, pad, n_keys: int):
     if T != 1 or not q.is_contiguous() or nh % nkv or k_cache.stride() != v_cache.stride():
         raise ValueError(f"decode_attention: q {tuple(q.shape)} (T must be 1, contiguous), nh % nkv, "
                          f"k/v strides {k_cache.stride()} / {v_cache.stride()}")
-    block_n, splits = attention_splits(n_keys, B * nh)
+    block_n, splits = attention_splits(n_keys)
     d_p2 = triton.next_power_of_2(D)
     part, ml = _split_buffers(B, nh, splits, d_p2, q.device)
     common.launch(_decode_attn_split_kernel[(B, nh, splits)], q, k_cache, v_cache, part, ml, slot, pad,
@@ -783,7 +703,7 @@ def decode_attention(q, k_cache, v_cache, slot, pad, n_keys: int):
 def decode_attention_with_prologue(qkv, q_norm, k_norm, positions, slot, inv_freq, k_cache, v_cache, pad, n_keys: int,
                                    *, num_heads: int, num_kv_heads: int, eps: float):
     """``qk_norm_rope_kv`` and ``decode_attention`` of one new token per row, the prologue folded into the split
-    launch (two launches instead of three, or one with ``attention_combine`` fused; the same values).
+    launch (two launches instead of three; the same values).
 
     Args:
         qkv: fp16 (B, 1, (nh + 2 nkv) * D), rows contiguous: the fused q|k|v projection (bias added); D a power of two.
@@ -804,21 +724,18 @@ def decode_attention_with_prologue(qkv, q_norm, k_norm, positions, slot, inv_fre
         raise ValueError(f"qkv: expected float16 with a contiguous last dim, got {qkv.dtype} strides {qkv.stride()}")
     _check_norms_and_cache(q_norm, k_norm, k_cache, v_cache, B, nkv, D)
     positions = positions.contiguous()
-    block_n, splits = attention_splits(n_keys, B * nh)
+    block_n, splits = attention_splits(n_keys)
     part, ml = _split_buffers(B, nh, splits, D, qkv.device)
-    fused = attention_combine() == "fused"
-    out = torch.empty(B, 1, nh * D, dtype=torch.float16, device=qkv.device) if fused else part
-    arrived = _arrival_counter(B * nh, qkv.device) if fused else part
     has_norm = q_norm is not None
     half = D // 2
     common.launch(_decode_attn_prologue_split_kernel[(B, nh, splits)],
                   qkv, qkv.stride(0), q_norm if has_norm else qkv, k_norm if has_norm else qkv, positions, inv_freq,
-                  k_cache, v_cache, part, ml, out, arrived, slot, pad, k_cache.stride(0), k_cache.stride(1),
-                  k_cache.stride(2), D ** -0.5, eps,
+                  k_cache, v_cache, part, ml, slot, pad, k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
+                  D ** -0.5, eps,
                   N_KEYS=n_keys, NH=nh, NKV=nkv, HALF=half, NH_P2=triton.next_power_of_2(nh),
                   NKV_P2=triton.next_power_of_2(nkv), HALF_P2=half, HAS_NORM=has_norm, BLOCK_N=block_n,
-                  SPLITS=splits, FUSED_COMBINE=fused, **common.chained(qkv.device))
-    return out if fused else _combine_splits(part, ml, D)
+                  SPLITS=splits, **common.chained(qkv.device))
+    return _combine_splits(part, ml, D)
 
 
 # ---- fp16 GEMV of one row (the q|k|v and o projections of a batch-1 decode step) ----------------------------

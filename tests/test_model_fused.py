@@ -272,16 +272,11 @@ def _prologue_case(nh, nkv, D, norm, slot, pads, g, dev):
 @pytest.mark.parametrize("slot,n_keys,pads", [(0, 32, (0, 0)), (70, 256, (0, 5)), (130, 256, (3, 130)),
                                               (255, 256, (255, 1)), (300, 512, (31, 299)), (10, 256, (0, 100)),
                                               (260, 256, (0, 3))])
-@pytest.mark.parametrize("combine", ["fused", "launch"])
-def test_decode_attention_with_prologue_equals_the_three_launches(nh, nkv, D, norm, slot, n_keys, pads, combine,
-                                                                  test_device, monkeypatch):
+def test_decode_attention_with_prologue_equals_the_three_launches(nh, nkv, D, norm, slot, n_keys, pads, test_device):
     """The prologue folded into the attention launch: the same attention output and the same KV cache (the new
     token's k and v written at the slot of every row's kv heads, nothing else touched) as qk_norm_rope_kv followed by
-    decode_attention; slots at the first key, at block and split boundaries, a row whose only key is the new one.
-    With the splits combined by a second launch or by the split launch itself (RUNMAP_ATTN_COMBINE)."""
+    decode_attention; slots at the first key, at block and split boundaries, a row whose only key is the new one."""
     import runmap.kernels.fused_ops as fo
-
-    monkeypatch.setenv("RUNMAP_ATTN_COMBINE", combine)
 
     g = torch.Generator().manual_seed(slot * 7 + D)
     dev = torch.device(test_device)
@@ -305,15 +300,12 @@ def test_decode_attention_with_prologue_equals_the_three_launches(nh, nkv, D, no
 # splits of two and four blocks: the slot in a split's later block (row 0) or its first (row 1), a pad inside the
 # first block, a pad at the slot
 @pytest.mark.parametrize("slot,n_keys,pads", [(1000, 1024, (0, 40)), (1023, 1024, (5, 1023)), (1990, 2048, (0, 33))])
-@pytest.mark.parametrize("combine", ["fused", "launch"])
-def test_decode_attention_with_prologue_reads_ahead_only_earlier_keys(nh, nkv, D, norm, slot, n_keys, pads, combine,
-                                                                      test_device, monkeypatch):
+def test_decode_attention_with_prologue_reads_ahead_only_earlier_keys(nh, nkv, D, norm, slot, n_keys, pads,
+                                                                      test_device):
     """The attention launch reads its split's first key block before its chained wait (docs/kernels.md) and the new
     slot's row after writing it: with the slot's old k / v poisoned (NaN) and splits of several blocks, the output
     and the cache equal qk_norm_rope_kv followed by decode_attention (a stale slot row would bring the NaN in)."""
     import runmap.kernels.fused_ops as fo
-
-    monkeypatch.setenv("RUNMAP_ATTN_COMBINE", combine)
 
     g = torch.Generator().manual_seed(slot + D)
     dev = torch.device(test_device)
@@ -333,66 +325,6 @@ def test_decode_attention_with_prologue_reads_ahead_only_earlier_keys(nh, nkv, D
     assert not torch.isnan(out.float()).any()
     tol = 0.0 if dev.type == "cpu" else 2e-3
     assert torch.allclose(out.float(), ref.float(), rtol=tol, atol=tol)
-
-
-@pytest.mark.parametrize("block_n,splits", [(32, 1), (16, 2), (32, 4), (16, 8)])
-@pytest.mark.parametrize("slot,pads", [(100, (0, 37)), (127, (127, 3))])
-def test_fused_combine_equals_the_combining_launch_and_leaves_its_counts_at_zero(block_n, splits, slot, pads,
-                                                                                 test_device, monkeypatch):
-    """The split launch that combines its own splits (the last split of each head to arrive) gives the output of the
-    split launch + combining launch for one split and several (splits whose share is empty included: a row's keys
-    start at its pad), three times over the same inputs as a captured graph replays them, and every arrival count is
-    back at zero after each launch (the next layer and step count from zero)."""
-    import runmap.kernels.fused_ops as fo
-
-    g = torch.Generator().manual_seed(slot * 3 + splits)
-    dev = torch.device(test_device)
-    nh, nkv, D, n_keys, B = 4, 2, 32, 128, 2
-    qkv, qn, kn, pad, positions, slots, inv_freq = _prologue_case(nh, nkv, D, True, slot, pads, g, dev)
-    kc = (torch.randn(B, nkv, n_keys, D, generator=g) * 3).half().to(dev)
-    vc = torch.randn(B, nkv, n_keys, D, generator=g).half().to(dev)
-    monkeypatch.setattr(fo, "attention_splits", lambda n, heads=1: (block_n, splits))
-
-    def attend(combine):
-        monkeypatch.setenv("RUNMAP_ATTN_COMBINE", combine)
-        return fo.decode_attention_with_prologue(qkv, qn, kn, positions, slots, inv_freq, kc, vc, pad, n_keys,
-                                                 num_heads=nh, num_kv_heads=nkv, eps=1e-6)
-
-    ref = attend("launch")
-    counts = fo._arrival_counter(B * nh, dev)
-    counts.fill_(0)
-    for _ in range(3):
-        out = attend("fused")
-        assert not torch.isnan(out.float()).any()
-        tol = 0.0 if dev.type == "cpu" else 1e-3
-        assert torch.allclose(out.float(), ref.float(), rtol=tol, atol=tol)
-        assert int(counts.abs().sum()) == 0
-
-
-def test_attention_combine_refuses_an_unknown_mode(monkeypatch):
-    import runmap.kernels.fused_ops as fo
-
-    monkeypatch.setenv("RUNMAP_ATTN_COMBINE", "both")
-    with pytest.raises(ValueError, match="RUNMAP_ATTN_COMBINE='both': expected one of fused, launch"):
-        fo.attention_combine()
-    monkeypatch.delenv("RUNMAP_ATTN_COMBINE")
-    assert fo.attention_combine() == "launch"
-
-
-@pytest.mark.parametrize("n_keys,heads,cap,expected", [(256, 16, None, 8), (256, 128, None, 8), (256, 128, "512", 4),
-                                                       (256, 128, "256", 2), (256, 128, "1", 1), (4096, 16, "256", 16),
-                                                       (4096, 16, "100", 4), (32, 128, "64", 1)])
-def test_attention_splits_cap_the_programs_only_when_asked(n_keys, heads, cap, expected, monkeypatch):
-    import runmap.kernels.fused_ops as fo
-
-    if cap is None:
-        monkeypatch.delenv("RUNMAP_ATTN_MAX_PROGRAMS", raising=False)
-    else:
-        monkeypatch.setenv("RUNMAP_ATTN_MAX_PROGRAMS", cap)
-    assert fo.attention_splits(n_keys, heads) == (32, expected)
-    monkeypatch.setenv("RUNMAP_ATTN_MAX_PROGRAMS", "0")
-    with pytest.raises(ValueError, match="RUNMAP_ATTN_MAX_PROGRAMS='0': expected a positive integer"):
-        fo.attention_splits(n_keys, heads)
 
 
 @triton.jit

@@ -9,13 +9,16 @@ batch 8 need ~4 us at the copy rate. ``attention_splits`` picks the split shape 
 keys, up to 16 splits), whatever the batch: at batch 8 that is 8 x 16 heads x 8 splits = 1,024 programs of one
 32-key block each. This probe times ``decode_attention_with_prologue`` + its combine, the engine's decode path, for
 OLMoE-1B-7B / Qwen1.5-MoE's attention (16 heads of 128, as many KV heads; OLMoE's q / k norms on), at batch 1 and 8
-and two contexts: the engine's split shape with the combining launch (variant ``launch``, the path before
-2026-12-08) and combined by the split launch itself (``default``, RUNMAP_ATTN_COMBINE=fused), then each (BLOCK_N,
-SPLITS) of a grid with the fused combine. LAYERS layers of distinct KV caches
+and two contexts, for each (BLOCK_N, SPLITS) of a grid beside the engine's choice. LAYERS layers of distinct KV caches
 per CUDA graph (so L2 holds none of them), median of the replays. Each variant's output is checked against an FP32
 softmax attention over the same keys (max |diff| / max |ref|); a variant that fails is recorded with ``ok`` false
 and never chosen. Fractions are of the KV bytes read (keys pad .. slot of every row and head, K and V) at the 1 GiB
 device copy rate of the same run.
+
+Run on an H100 at 7879b65 (results/campaigns/h100-decode-attention): the engine's shape was the fastest or within
+~7 % of it at <= 256 keys, batch 1 and 8; that run also timed a combine done by the split launch itself (the last
+split of each head to arrive; RUNMAP_ATTN_COMBINE then, rows with ``combine`` in the record), slower at every case,
+and removed.
 
 ``--device cpu`` runs the mechanics in the Triton interpreter on small shapes (no timing worth reading).
 """
@@ -23,7 +26,6 @@ from __future__ import annotations
 
 import argparse
 import itertools
-import os
 import time
 from pathlib import Path
 
@@ -92,30 +94,26 @@ def main(argv=None):
                                                       pad, n_keys, num_heads=nh, num_kv_heads=nkv, eps=1e-6)
                     for i in range(layers)]
 
-        default = chosen(n_keys, B * nh)
-        variants = (("launch", default, "launch"), ("default", default, "fused")) + tuple(
-            ("grid", s, "fused") for s in GRID if s != default)
-        for label, (block_n, splits), combine in variants:
-            fo.attention_splits = lambda n, heads=1, s=(block_n, splits): s
-            os.environ["RUNMAP_ATTN_COMBINE"] = combine
+        default = chosen(n_keys)
+        for label, (block_n, splits) in (("default", default),) + tuple(("grid", s) for s in GRID if s != default):
+            fo.attention_splits = lambda n, s=(block_n, splits): s
             try:
                 outs = run_all()
                 err = max(float((o.float() - r).abs().max() / r.abs().max()) for o, r in zip(outs, refs))
                 us = graph_us(run_all, layers) if on_gpu else None
             except Exception as exc:  # a shape the compiler refuses: recorded, not fatal
                 rows.append({"rows": B, "n_keys": n_keys, "keys": keys, "variant": label, "block_n": block_n,
-                             "splits": splits, "combine": combine, "error": repr(exc)[:200]})
+                             "splits": splits, "error": repr(exc)[:200]})
                 continue
             finally:
                 fo.attention_splits = chosen
-                os.environ.pop("RUNMAP_ATTN_COMBINE", None)
             row = {"rows": B, "n_keys": n_keys, "keys": keys, "variant": label, "block_n": block_n, "splits": splits,
-                   "combine": combine, "rel_err": err, "ok": err <= 2e-3, "us": us}
+                   "rel_err": err, "ok": err <= 2e-3, "us": us}
             if us:
                 row["fraction_of_copy"] = kv_bytes / us / 1e3 / copy["gbps"]
             rows.append(row)
-            print(f"B={B} keys={keys:4d}/{n_keys:4d} {label:7s} {combine:6s} BLOCK_N {block_n:3d} SPLITS {splits:2d}"
-                  f"  err {err:.1e}  " + (f"{us:6.2f} us a layer ({row['fraction_of_copy']:.2f} of copy for its KV bytes)" if us else ""),
+            print(f"B={B} keys={keys:4d}/{n_keys:4d} {label:7s} BLOCK_N {block_n:3d} SPLITS {splits:2d}  err {err:.1e}  "
+                  + (f"{us:6.2f} us a layer ({row['fraction_of_copy']:.2f} of copy for its KV bytes)" if us else ""),
                   flush=True)
         write_json(args.out, {"format": "decode-attention-probe-v1",
                               "created": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),

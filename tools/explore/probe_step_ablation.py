@@ -12,8 +12,7 @@ grouped executor, CUDA graphs: the stand-ins are captured as no launch at all) a
 it saves against the unchanged engine of the same process is that launch kind's marginal cost on the critical path.
 
 Variants (``--only`` picks some): none (the baseline), gemv (the one-token q|k|v and o projections), attention (the
-split launch with its prologue, and its combine), combine (the combining launch alone: only with
-RUNMAP_ATTN_COMBINE=launch for the whole run, so not among the default variants), norm (every residual add + RMSNorm
+split launch with its prologue, and its combine), combine (the combine alone), norm (every residual add + RMSNorm
 that is not the router's), router (the norm + router-logits launch: the residual and norm pass through), topk (the
 softmax + top-k launch: a fixed route of experts 0..k-1), sum (the k-slot sum after the experts), experts (the routed
 experts: the engine's own ``skip_experts``). The baseline runs first and last, so drift between them shows.
@@ -33,8 +32,6 @@ import torch
 from runmap.atomic import write_json
 
 VARIANTS = ("none", "gemv", "attention", "combine", "norm", "router", "topk", "sum", "experts", "none")
-# the combining launch exists only under RUNMAP_ATTN_COMBINE=launch (the default combines inside the split launch)
-DEFAULT_VARIANTS = tuple(v for v in VARIANTS if v != "combine")
 
 
 class StandIns:
@@ -146,7 +143,7 @@ def main(argv=None):
     ap.add_argument("--prompt-len", type=int, default=128)
     ap.add_argument("--new-tokens", type=int, default=128)
     ap.add_argument("--repeats", type=int, default=3)
-    ap.add_argument("--only", default=",".join(DEFAULT_VARIANTS), help="comma-separated variants, in order")
+    ap.add_argument("--only", default=",".join(VARIANTS), help="comma-separated variants, in order")
     args = ap.parse_args(argv)
     rows = []
     for v in args.only.split(","):
