@@ -928,16 +928,16 @@ def test_auto_explores_the_cpu_site_until_its_rate_is_measured_in_use():
     assert not resident.exploring(1) and not resident.uses_cpu_now(1)
 
 
-def test_an_engine_whose_cpu_probe_was_wrong_measures_the_cpu_in_decode_and_then_uses_it(packs):
+def test_an_engine_whose_cpu_probe_was_wrong_times_both_decode_modes_and_keeps_the_tokens(packs):
     """End to end in the decode segment chain: the build-time probe says the CPU site is far slower than the link, so
-    the rule alone would transfer every miss for good; exploration gives the CPU site one expert per layer call until
-    four decode-sized calls are measured, and with the measured rate (here made 100x the link) the chain then computes
-    the misses on the CPU. The tokens equal placement gpu's throughout (the route never changes)."""
+    the rule alone would transfer every miss for good; auto's decode step chooser runs steps of both modes (every
+    absent expert moved, then every one computed at the CPU site), times them and goes on with the faster. The tokens
+    equal placement gpu's throughout (the route never changes), both chains ran, and what it did is reported."""
     pack, cfg = packs["tiny-olmoe"]
-    prompt = _prompt(cfg, n=DECODE_CALL_TOKENS + 8)  # its prefill is a pass: it measures the passes' class only
+    prompt = _prompt(cfg, n=DECODE_CALL_TOKENS + 8)  # its prefill is a pass: the rule, not the chooser
     ref = _chain_engine(pack, cfg.top_k, "gpu", "eager")
     try:
-        want = ref.generate([prompt], max_new_tokens=6)
+        want = ref.generate([prompt], max_new_tokens=12)
     finally:
         ref.close()
     eng = _chain_engine(pack, cfg.top_k, "auto", "eager")
@@ -945,17 +945,44 @@ def test_an_engine_whose_cpu_probe_was_wrong_measures_the_cpu_in_decode_and_then
         cache = eng.experts.cache
         eng.experts.placement = auto = AutoPlacement(PlacementCosts(10.0, 1e-6, cache.row_bytes, "test"),
                                                      cache.counters, resident=cfg.top_k)
-        observe = auto.observe_cpu
-        auto.observe_cpu = lambda nbytes, seconds, tokens=None: observe(nbytes, nbytes / 1000e9, tokens)  # 1 TB/s
-        got = eng.generate([prompt], max_new_tokens=6)
+        got = eng.generate([prompt], max_new_tokens=12)
         assert [r.token_ids for r in got] == [r.token_ids for r in want]
-        assert auto.explored > 0 and auto.cpu_in_use_passes.calls > 0
-        assert auto.cpu_in_use.calls >= auto.cpu_in_use.min_calls  # decode-sized calls: only the decode chain's
-        assert not auto.exploring(1) and auto.cpu_gb_s(1) == pytest.approx(1000.0)
-        # after exploring, decode steps ran the chain with a CPU part and gave the CPU more than one expert per call
-        assert eng.decode_paths["chain_cpu"] > 0 and auto.decisions["cpu"] > auto.explored
+        assert eng.decode_paths["chain"] > 0 and eng.decode_paths["chain_cpu"] > 0
+        steps = auto.describe()["decode_steps"]["by_batch"]["1"]
+        # 11 decode steps: 4 moving every miss, 4 computing them at the CPU site (2 timed each), then the faster (its
+        # steps timed as it runs)
+        assert steps["steps"]["transfer"] + steps["steps"]["cpu"] == 11 and min(steps["timed"].values()) == 2
+        assert steps["chosen"] in ("transfer", "cpu") and steps["choices"] == 1
+        # (the prompt pass explores its class; decode steps never explore: their modes are timed)
+        assert auto.decisions["cpu"] > auto.explored
+        assert cache.counters["cpu_site_experts"] > 0
     finally:
         eng.close()
+
+
+def test_auto_decode_steps_go_all_one_way_by_their_measured_step_times():
+    """AutoPlacement's decode step chooser (no split, learn): a step's layer calls give the CPU site every absent
+    expert or none, as the step's mode says; the modes are timed (wall time between consecutive steps) and the faster
+    is kept, here the CPU's although the rule (a probe 1,000x slower than the link) would transfer; outside a step the
+    rule decides again; auto-split and learn=False have no chooser."""
+    counters = {"hits": 0, "misses": 0, "cpu_site_experts": 0}
+    costs = PlacementCosts(h2d_gb_s=10.0, cpu_gb_s=0.01, row_bytes=1000, source="test")
+    auto = AutoPlacement(costs, counters, resident=4)
+    now, modes = 0.0, []
+    for slot in range(40, 52):
+        mode = auto.decode_step(8, slot, now)
+        modes.append(mode)
+        assert auto.uses_cpu_now(8) == (mode == "cpu") and not auto.exploring(8)
+        assert auto((3, 5, 9)) == ((3, 5, 9) if mode == "cpu" else ())
+        auto.end_decode_step()
+        now += 0.010 if mode == "cpu" else 0.030  # the CPU's steps 3x faster
+    assert modes == ["transfer"] * 4 + ["cpu"] * 8  # 4-step probes (2 timed), then the faster for the rest
+    by = auto.describe()["decode_steps"]["by_batch"]["8"]
+    assert by["chosen"] == "cpu" and by["median_ms"] == {"transfer": pytest.approx(30.0), "cpu": pytest.approx(10.0)}
+    assert auto.decisions == {"transfer": 12, "cpu": 24}
+    assert auto((3, 5)) == (3,)  # no step: the rule again (exploring: one expert to the CPU site)
+    assert AutoPlacement(costs, counters, resident=4, split=True).decode_steps is None
+    assert AutoPlacement(costs, counters, resident=4, learn=False).decode_step(1, 0) is None
 
 
 def test_a_prompt_pass_is_classed_by_its_size_whatever_its_token_groups(packs):

@@ -147,5 +147,10 @@ def _placement_line(eng) -> str | None:
         return head + (f"each layer call's absent experts divided, the CPU taking ~{d['cpu_share']:.2f} of them while "
                        f"the link moves the rest (more to the link when the hit rate is above "
                        f"{d['transfer_if_hit_rate_above']:.2f})")
-    return head + (f"transfer a miss when the hit rate is above {d['transfer_if_hit_rate_above']:.2f}, else compute it "
-                   "on the CPU")
+    rule = (f"transfer a miss when the hit rate is above {d['transfer_if_hit_rate_above']:.2f}, else compute it on "
+            "the CPU")
+    if d.get("decode_steps"):  # auto's rule: decode steps by measured step times (AutoPlacement.decode_steps)
+        return head + (f"{rule} in prompt passes; each decode batch size probes steps that move every miss and steps "
+                       "that compute every miss on the CPU, then runs the faster (probed again every "
+                       f"{d['decode_steps']['revisit_steps']} steps)")
+    return head + rule

@@ -2083,6 +2083,9 @@ class Engine:
             dec.finish()
         if self._step_chooser is not None:  # the next step is another run's: no step is timed across the two
             self._step_chooser.break_runs()
+        auto_steps = getattr(getattr(self.experts, "placement", None), "decode_steps", None)
+        if auto_steps is not None:  # placement auto's rule: the same for its chooser
+            auto_steps.break_runs()
         for dec in self._two_site.values():  # a join that gave up in the run's last steps (its output was NaN)
             dec.check_joins(wait=True)
 
@@ -2668,15 +2671,25 @@ class Engine:
         # with a CPU part per layer; otherwise (auto while its rule transfers) the plain chain, as placement gpu. A
         # batch whose union may exceed one lease runs the grouped chain (with a CPU part when mixed).
         if self.use_segments:
-            mixed = self.experts.mixed(B)
-            grouped = self.cfg.top_k * B > self.experts.cache.max_group
-            self.decode_paths[("chain_groups" if grouped else "chain") + ("_cpu" if mixed else "")] += 1
-            chains = self._mixed_segments if mixed else self._segments
-            if B not in chains or not chains[B].fits(self):
-                self._retire(chains.get(B))
-                chains[B] = SegmentDecoder(self, B, self._pool, capture=self.device.type == "cuda", mixed=mixed,
-                                           grouped=grouped)
-            return chains[B].run(tokens, slot, pad)
+            # placement auto's rule (no split): the step's mode (all absent experts moved, or all at the CPU site)
+            # from its step chooser, which times the steps of each
+            placement = self.experts.placement
+            decode_step = getattr(placement, "decode_step", None)
+            if decode_step is not None:
+                decode_step(B, slot)
+            try:
+                mixed = self.experts.mixed(B)
+                grouped = self.cfg.top_k * B > self.experts.cache.max_group
+                self.decode_paths[("chain_groups" if grouped else "chain") + ("_cpu" if mixed else "")] += 1
+                chains = self._mixed_segments if mixed else self._segments
+                if B not in chains or not chains[B].fits(self):
+                    self._retire(chains.get(B))
+                    chains[B] = SegmentDecoder(self, B, self._pool, capture=self.device.type == "cuda", mixed=mixed,
+                                               grouped=grouped)
+                return chains[B].run(tokens, slot, pad)
+            finally:
+                if decode_step is not None:
+                    placement.end_decode_step()
         self.decode_paths["per_call"] += 1
         slots = torch.tensor([slot], device=self.device)
         pos = (slots - pad).unsqueeze(1)  # (B, 1)

@@ -67,7 +67,18 @@ every machine measured: 0.75-1.05 of the copy rate's transfer bound against the 
 placement's telemetry (``requested: auto``). ``auto-split`` stays the rule (an experiment dividing calls between the
 CPU and the link), and under an emulated link neither measures the host-read site (the pace holds for copies only).
 
-Exploration (``exploring``). A site the rule never chooses is never measured in use, so a build-time probe taken at a
+Decode steps under the rule (``AutoPlacement.decode_steps``, auto without split). A decode step's layer calls go all
+one way, every absent expert moved or every one computed at the CPU site, and a StepChooser with modes ("transfer",
+"cpu") times whole steps of each at each batch size (a few each, DECODE_PROBE_STEPS) and then runs the faster,
+timing the slower again every DECODE_REVISIT_STEPS steps. Why measured and not the rule's per-byte model: on an H100
+host with the link emulated at 13 GB/s (OLMoE 30/64, calibrated routing) the rule transferred at batch 8, where the
+CPU site's steps were 1.35x faster than the link's, because the CPU rate it learned from single-expert exploration
+calls (0.74-0.96 GB/s) was far below what the site does on a step's ~30 absent experts, and its reuse term counts uses
+where a batch's CPU call computes each distinct expert once (results/campaigns/h100-link13-auto). Prompt passes
+keep the rule.
+
+Exploration (``exploring``, prompt passes and learn without a chooser). A site the rule never chooses is never
+measured in use, so a build-time probe taken at a
 bad moment would stand for good (on the H200 host one engine's probe said 0.19 GB/s where the engine built just before
 it in the same process measured 11.3, results/campaigns/h200-link13-split, and that auto-split never gave the CPU an
 expert). While a call size class has fewer than ``InUseRate.min_calls`` CPU-site calls in use, each of its calls gives
@@ -98,6 +109,12 @@ PLACEMENTS = ("gpu", "cpu", "auto", "auto-split", "host-read", "two-site")
 # 2-7 GB/s in prefill against 20-40 GB/s at batch 1, results/campaigns/h200-placement-split); one shared rate learned
 # from the prompt's passes kept every decode step on the link when the CPU was the faster site there.
 DECODE_CALL_TOKENS = 16
+# Placement auto's rule, decode steps (AutoPlacement.decode_steps): each mode first runs this many timed steps (+ 2
+# untimed: the first after the other mode, and the one that starts the timing) at each batch size, then the faster
+# runs for DECODE_REVISIT_STEPS steps before the slower is timed again. Few steps: the slower mode's probe is paid in
+# use (on a 13 GB/s link at OLMoE batch 1 the CPU's steps took ~2.5x the link's, at batch 8 ~0.74x;
+# results/campaigns/h100-link13-auto).
+DECODE_PROBE_STEPS, DECODE_REVISIT_STEPS = 2, 256
 # placement two-site's share in fixed point (runmap.kernels.site_split.SHARE_ONE, the same value: the device's split
 # and the host's must round alike; here without importing the kernels, as the CLI's parser imports this module)
 SHARE_ONE = 1024
@@ -667,12 +684,17 @@ class StepChooser:
     MODES = ("host-read", "two-site")
 
     def __init__(self, min_batch: int = TWO_SITE_MIN_BATCH, probe_steps: int = 8, revisit_steps: int = 512,
-                 window: int = 16, rounds: int = 2):
+                 window: int = 16, rounds: int = 2, modes: tuple = MODES):
+        """modes: (the default mode, the other); the default runs below min_batch, first in each probe round, and
+        where no step of a probe was timed. Placement auto's rule uses ("transfer", "cpu") (AutoPlacement)."""
         if not (min_batch >= 1 and probe_steps >= 1 and revisit_steps >= 1 and window >= 1 and rounds >= 1):
             raise PlacementError(f"step chooser: min_batch {min_batch}, probe_steps {probe_steps}, revisit_steps "
                                  f"{revisit_steps}, window {window} and rounds {rounds} must be >= 1")
+        if len(modes) != 2 or modes[0] == modes[1]:
+            raise PlacementError(f"step chooser: modes {modes!r} must be two different names")
         self.min_batch, self.probe_steps, self.revisit_steps = int(min_batch), int(probe_steps), int(revisit_steps)
         self.window, self.rounds = int(window), int(rounds)
+        self.MODES = tuple(modes)
         self._batches: dict[int, dict] = {}  # batch -> its state (``_state``)
 
     def _state(self, batch: int) -> dict:
@@ -682,7 +704,7 @@ class StepChooser:
             # or ("use",), the faster mode for revisit_steps steps
             each = -(-self.probe_steps // self.rounds) + 2
             queue = [("probe", m, each, False) for _ in range(self.rounds) for m in self.MODES][1:] + [("use",)]
-            st = self._batches[batch] = {"times": {m: [] for m in self.MODES}, "phase": ("host-read", each),
+            st = self._batches[batch] = {"times": {m: [] for m in self.MODES}, "phase": (self.MODES[0], each),
                                          "queue": queue, "last": None, "run": 0,
                                          "steps": dict.fromkeys(self.MODES, 0), "choices": 0, "chosen": None}
         return st
@@ -692,18 +714,19 @@ class StepChooser:
         st = self._batches.get(batch)
         if st is None or not all(st["times"].values()):
             return None
+        first, second = self.MODES
         med = {m: _median(v) for m, v in st["times"].items()}
-        return "two-site" if med["two-site"] < med["host-read"] else "host-read"
+        return second if med[second] < med[first] else first
 
     def _next_phase(self, st: dict, batch: int) -> tuple:
         """The phase that follows the one just ended: the next probe queued (its mode's old times dropped where it is
         a revisit), or the faster mode used for revisit_steps steps, after which the other is probed again."""
         item = st["queue"].pop(0)
         if item[0] == "use":
-            best = self.faster(batch) or "host-read"
+            best = self.faster(batch) or self.MODES[0]
             st["choices"] += 1
             st["chosen"] = best
-            other = "two-site" if best == "host-read" else "host-read"
+            other = self.MODES[1] if best == self.MODES[0] else self.MODES[0]
             st["queue"] = [("probe", other, self.probe_steps + 2, True), ("use",)]
             return best, self.revisit_steps
         _, probed, steps, drop = item
@@ -715,7 +738,7 @@ class StepChooser:
         """The mode of the decode step about to run at ``batch`` rows and KV slot ``slot`` (called once per step, at
         its start; ``now``: the wall clock, perf_counter by default), counting the time since the step before."""
         if batch < self.min_batch:
-            return "host-read"
+            return self.MODES[0]
         now = time.perf_counter() if now is None else float(now)
         st = self._state(batch)
         mode, left = st["phase"]
@@ -812,6 +835,24 @@ class AutoPlacement(Placement):
         self.cpu_in_use_passes = InUseRate()
         self.h2d_in_use = InUseRate()  # acquisitions that moved experts: bytes moved / wall seconds
         self.call_tokens = 1  # tokens of the layer call being decided (observe, uses_cpu_now), 1 until told
+        # decode steps of the rule (learn, no split): every absent expert of a step transferred or every one computed
+        # at the CPU site, whichever measured the faster step at its batch size (``decode_step``; module docstring)
+        self.decode_steps = (StepChooser(min_batch=1, probe_steps=DECODE_PROBE_STEPS,
+                                         revisit_steps=DECODE_REVISIT_STEPS, rounds=1, modes=("transfer", "cpu"))
+                             if learn and not split else None)
+        self._step_mode: str | None = None  # the decode step's mode while one runs (decode_step .. end_decode_step)
+
+    def decode_step(self, batch: int, slot: int, now: float | None = None) -> str | None:
+        """A decode step of ``batch`` rows at KV slot ``slot`` starts: its mode from the step chooser (``transfer``:
+        every absent expert of its layer calls moved; ``cpu``: every one computed at the CPU site), which holds until
+        ``end_decode_step``; None without a chooser (split, or learn=False: the rule decides each call)."""
+        if self.decode_steps is None:
+            return None
+        self._step_mode = self.decode_steps.mode(batch, slot, now)
+        return self._step_mode
+
+    def end_decode_step(self) -> None:
+        self._step_mode = None
 
     def _cpu_rate(self, tokens: int | None = None) -> InUseRate:
         n = self.call_tokens if tokens is None else tokens
@@ -881,6 +922,8 @@ class AutoPlacement(Placement):
         says, so that the rate it decides with comes from use. Why: a site the rule never chooses is never measured,
         and a build-time probe taken while the host was busy (0.19 GB/s on the H200 host where another engine of the
         same process measured 11.3, results/campaigns/h200-link13-split) would otherwise stand for good."""
+        if self._step_mode is not None:  # a decode step: its whole mode is measured (decode_step)
+            return False
         rate = self._cpu_rate(tokens)
         # only while calls have absent experts to give: a class that never misses would otherwise keep the engine on
         # the path with a CPU part (a longer chain) for good, with nothing ever measured
@@ -927,6 +970,8 @@ class AutoPlacement(Placement):
         results/campaigns/h200-placement)."""
         if tokens is not None:
             self.call_tokens = int(tokens)
+        if self._step_mode is not None:
+            return self._step_mode == "cpu"
         if self.exploring():
             return True
         h = self.hit_rate()
@@ -939,6 +984,11 @@ class AutoPlacement(Placement):
 
     def __call__(self, absent: tuple) -> tuple:
         n = len(absent)
+        if self._step_mode is not None:  # a decode step: all one way, as its mode says
+            c = n if self._step_mode == "cpu" else 0
+            self.decisions["transfer"] += n - c
+            self.decisions["cpu"] += c
+            return absent if c else ()
         rule = self._rule_count(n, self.hit_rate())
         c = self._explored_count(n, rule)
         if c != rule:  # the one expert exploration gave the CPU site
@@ -971,7 +1021,8 @@ class AutoPlacement(Placement):
                 "transfer_if_hit_rate_above": max(0.0, 1.0 - self.h2d_gb_s() / self.cpu_gb_s()),
                 "now": "transfer" if self.transfer(h) else "cpu", "decisions": dict(self.decisions),
                 "split": self.split, "cpu_share": self.cpu_share() if self.split else None, "explored": self.explored,
-                "split_calls": self.split_calls}
+                "split_calls": self.split_calls,
+                "decode_steps": self.decode_steps.describe() if self.decode_steps is not None else None}
 
 
 # auto leaves the host-read steps for the per-call rule only where the CPU site's build probe is this many times the
