@@ -112,7 +112,8 @@ DECODE_CALL_TOKENS = 16
 # Placement auto's rule, decode steps (AutoPlacement.decode_steps): each mode first runs this many timed steps (+ 2
 # untimed: the first after the other mode, and the one that starts the timing) at each batch size, then the faster
 # runs for DECODE_REVISIT_STEPS steps before the slower is timed again. Few steps: the slower mode's probe is paid in
-# use (on a 13 GB/s link at OLMoE batch 1 the CPU's steps took ~2.5x the link's, at batch 8 ~0.74x;
+# use, and which mode is faster differs by host, not only by batch (on a 13 GB/s link at OLMoE batch 1 the CPU site's
+# steps took ~2.5x the link's on one H100 host and ~0.8x on another; at batch 8 ~0.7x on both;
 # results/campaigns/h100-link13-auto).
 DECODE_PROBE_STEPS, DECODE_REVISIT_STEPS = 2, 256
 # placement two-site's share in fixed point (runmap.kernels.site_split.SHARE_ONE, the same value: the device's split
