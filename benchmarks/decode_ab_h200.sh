@@ -39,6 +39,7 @@ left() { echo $(( BUDGET - $(date +%s) + T0 )); }
 step() { echo "[$(( $(date +%s) - T0 ))s] $*"; }
 finish() { tar -czf "$OUT/decode-ab.tar.gz" -C "$LOGS" . ; step "archive written"; }
 trap finish EXIT
+source benchmarks/decode_steps_common.sh
 [ -d "$BEFORE/runmap" ] || { echo "no before-tree/ (carry it)"; exit 2; }
 
 # 1. this tree's GPU tests (two selections: the kernel tests by keyword, then the engine's own)
@@ -51,25 +52,11 @@ if [ "${ENGINE_TESTS:-1}" = 1 ]; then
   step "gpu pytest (engine: transformers, reference, chained launches) exit $?"; tail -1 "$LOGS/gpu-pytest.log"
 fi
 
-# 2. an optional probe under this tree ({dir} is the archive folder)
-if [ -n "${PROBE:-}" ]; then  # leaves PROBE_KEEP_S (default 150) for the decode rows
-  keep=${PROBE_KEEP_S:-150}
-  if [ "$(left)" -gt $(( keep + 30 )) ]; then
-    PYTHONPATH=. timeout $(( $(left) - keep )) python3 ${PROBE//\{dir\}/$LOGS} > "$LOGS/probe.log" 2>&1
-    step "probe exit $?"; tail -12 "$LOGS/probe.log"
-  else
-    step "probe skipped ($(left) s left, $keep kept for the decode rows)"
-  fi
-fi
+# 2. an optional probe under this tree ({dir} is the archive folder), leaving PROBE_KEEP_S (default 150) for the rows
+run_probe 150
 
 # 3. packs
 mkdir -p "$WORK"
-pack() {  # NAME PRESET
-  [ -f "$WORK/pk-$1/manifest.json" ] && return 0
-  PYTHONPATH=. python3 -m runmap synth "$WORK/pk-$1" --preset "$2" --direct-pack --force --no-progress \
-    > "$LOGS/prepare-$1.log" 2>&1
-  step "pack $1: exit $?"
-}
 pack olmoe olmoe-1b-7b-0924
 case " $MODELS " in *" qwen "*) pack qwen qwen1.5-moe-a2.7b;; esac
 

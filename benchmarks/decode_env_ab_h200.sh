@@ -33,28 +33,16 @@ left() { echo $(( BUDGET - $(date +%s) + T0 )); }
 step() { echo "[$(( $(date +%s) - T0 ))s] $*"; }
 finish() { tar -czf "$OUT/env-ab.tar.gz" -C "$LOGS" . ; step "archive written"; }
 trap finish EXIT
+source benchmarks/decode_steps_common.sh
 
 if [ -n "${GPU_TESTS:-}" ]; then
   RUNMAP_TEST_DEVICE=cuda timeout 150 python3 -m pytest -q -p no:cacheprovider $GPU_TESTS -k "${GPU_K:-}" \
     > "$LOGS/gpu-pytest.log" 2>&1
   step "gpu pytest exit $?"; tail -1 "$LOGS/gpu-pytest.log"
 fi
-if [ -n "${PROBE:-}" ]; then
-  keep=${PROBE_KEEP_S:-300}
-  if [ "$(left)" -gt $(( keep + 30 )) ]; then
-    timeout $(( $(left) - keep )) python3 ${PROBE//\{dir\}/$LOGS} > "$LOGS/probe.log" 2>&1
-    step "probe exit $?"; tail -12 "$LOGS/probe.log"
-  else
-    step "probe skipped ($(left) s left, $keep kept for the decode rows)"
-  fi
-fi
+run_probe 300
 
 mkdir -p "$WORK"
-pack() {  # NAME PRESET
-  [ -f "$WORK/pk-$1/manifest.json" ] && return 0
-  python3 -m runmap synth "$WORK/pk-$1" --preset "$2" --direct-pack --force --no-progress > "$LOGS/prepare-$1.log" 2>&1
-  step "pack $1: exit $?"
-}
 batches=$(echo $BATCHES | tr ' ' '|')
 for model in $MODELS; do
   case $model in
