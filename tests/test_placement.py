@@ -949,15 +949,77 @@ def test_an_engine_whose_cpu_probe_was_wrong_times_both_decode_modes_and_keeps_t
         assert [r.token_ids for r in got] == [r.token_ids for r in want]
         assert eng.decode_paths["chain"] > 0 and eng.decode_paths["chain_cpu"] > 0
         steps = auto.describe()["decode_steps"]["by_batch"]["1"]
-        # 11 decode steps: 4 moving every miss, 4 computing them at the CPU site (2 timed each), then the faster (its
+        # 11 decode steps: 5 moving every miss, 5 computing them at the CPU site (3 timed each), then the faster (its
         # steps timed as it runs)
-        assert steps["steps"]["transfer"] + steps["steps"]["cpu"] == 11 and min(steps["timed"].values()) == 2
+        assert steps["steps"]["transfer"] + steps["steps"]["cpu"] == 11 and min(steps["timed"].values()) == 3
         assert steps["chosen"] in ("transfer", "cpu") and steps["choices"] == 1
         # (the prompt pass explores its class; decode steps never explore: their modes are timed)
         assert auto.decisions["cpu"] > auto.explored
         assert cache.counters["cpu_site_experts"] > 0
     finally:
         eng.close()
+
+
+def test_auto_decode_probes_run_on_until_their_steps_are_timed():
+    """Runs of three steps (a warm-up, short requests) time one step each: auto's chooser (until_timed) keeps each
+    probe going until it has timed DECODE_PROBE_STEPS steps, where a probe of fixed length would end with one; a
+    chooser without until_timed (two-site's) keeps its fixed lengths; a probe that can time nothing (one-step runs)
+    ends after its cap of extra steps."""
+    from runmap.engine.placement import DECODE_PROBE_STEPS, StepChooser
+
+    def drive(ch, run_len, steps):
+        now, out = 0.0, []
+        for i in range(steps):
+            if i % run_len == 0:
+                ch.break_runs()
+            m = ch.mode(1, 100 + i, now)
+            out.append(m)
+            now += 0.01 if m == "cpu" else 0.02
+        return out
+
+    auto = StepChooser(min_batch=1, probe_steps=DECODE_PROBE_STEPS, rounds=1, modes=("transfer", "cpu"),
+                       until_timed=True)
+    modes = drive(auto, 3, 40)
+    by = auto.describe()["by_batch"]["1"]
+    assert by["timed"]["transfer"] >= DECODE_PROBE_STEPS and by["timed"]["cpu"] >= DECODE_PROBE_STEPS
+    assert by["chosen"] == "cpu" and modes[-1] == "cpu"
+    fixed = StepChooser(min_batch=1, probe_steps=DECODE_PROBE_STEPS, rounds=1, modes=("transfer", "cpu"))
+    assert drive(fixed, 3, 10) == ["transfer"] * 5 + ["cpu"] * 5
+    assert fixed.describe()["by_batch"]["1"]["timed"] == {"transfer": 1, "cpu": 1}  # one timed step per probe
+    capped = StepChooser(min_batch=1, probe_steps=DECODE_PROBE_STEPS, rounds=1, modes=("transfer", "cpu"),
+                         until_timed=True)
+    # one-step runs: nothing is ever timed; each probe ends after its 5 steps + 4 x 3 extra, then the default mode
+    assert drive(capped, 1, 40) == ["transfer"] * 17 + ["cpu"] * 17 + ["transfer"] * 6
+
+
+def test_warm_ups_run_both_of_autos_decode_steps_without_its_chooser_counting_them(packs):
+    """A warm-up (Engine.warm_up, the server's) asks warm_step_modes and runs each inside forced_step: under auto's
+    rule in the segment chain those are the step moving every miss and the step computing them at the CPU site, both
+    chains run and the chooser counts neither (its probes then time real steps); forcing auto's modes elsewhere is an
+    error naming the mode."""
+    from runmap.engine.engine import EngineError
+
+    pack, cfg = packs["tiny-olmoe"]
+    eng = _chain_engine(pack, cfg.top_k, "auto", "eager")
+    try:
+        auto = eng.experts.placement
+        assert auto.decode_steps is not None and eng.warm_step_modes(1) == ("transfer", "cpu")
+        zeros = torch.zeros(1, dtype=torch.long)
+        for mode in eng.warm_step_modes(1):
+            with eng.forced_step(mode):
+                eng.decode(zeros, 0, zeros)
+        assert eng.decode_paths["chain"] == 1 and eng.decode_paths["chain_cpu"] == 1
+        assert auto.describe()["decode_steps"]["by_batch"] == {} and auto.forced_mode is None
+    finally:
+        eng.close()
+    gpu = _chain_engine(pack, cfg.top_k, "gpu", "eager")
+    try:
+        assert gpu.warm_step_modes(1) == (None,)
+        with pytest.raises(EngineError, match="forced step 'cpu': only under placement auto's rule"):
+            with gpu.forced_step("cpu"):
+                pass
+    finally:
+        gpu.close()
 
 
 def test_auto_decode_steps_go_all_one_way_by_their_measured_step_times():
@@ -976,10 +1038,14 @@ def test_auto_decode_steps_go_all_one_way_by_their_measured_step_times():
         assert auto((3, 5, 9)) == ((3, 5, 9) if mode == "cpu" else ())
         auto.end_decode_step()
         now += 0.010 if mode == "cpu" else 0.030  # the CPU's steps 3x faster
-    assert modes == ["transfer"] * 4 + ["cpu"] * 8  # 4-step probes (2 timed), then the faster for the rest
+    assert modes == ["transfer"] * 5 + ["cpu"] * 7  # 5-step probes (3 timed), then the faster for the rest
     by = auto.describe()["decode_steps"]["by_batch"]["8"]
     assert by["chosen"] == "cpu" and by["median_ms"] == {"transfer": pytest.approx(30.0), "cpu": pytest.approx(10.0)}
-    assert auto.decisions == {"transfer": 12, "cpu": 24}
+    assert auto.decisions == {"transfer": 15, "cpu": 21}
+    auto.forced_mode = "transfer"  # a warm-up's step (Engine.forced_step): that mode, the chooser not asked
+    assert auto.decode_step(8, 52, now) == "transfer" and auto.describe()["decode_steps"]["by_batch"]["8"] == by
+    auto.end_decode_step()
+    auto.forced_mode = None
     assert auto((3, 5)) == (3,)  # no step: the rule again (exploring: one expert to the CPU site)
     assert AutoPlacement(costs, counters, resident=4, split=True).decode_steps is None
     assert AutoPlacement(costs, counters, resident=4, learn=False).decode_step(1, 0) is None

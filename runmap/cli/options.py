@@ -149,7 +149,7 @@ def _placement_line(eng) -> str | None:
                        f"{d['transfer_if_hit_rate_above']:.2f})")
     rule = (f"transfer a miss when the hit rate is above {d['transfer_if_hit_rate_above']:.2f}, else compute it on "
             "the CPU")
-    if d.get("decode_steps"):  # auto's rule: decode steps by measured step times (AutoPlacement.decode_steps)
+    if d.get("decode_steps") and eng.use_segments:  # auto: decode steps by measured step times (decode_steps)
         return head + (f"{rule} in prompt passes; each decode batch size probes steps that move every miss and steps "
                        "that compute every miss on the CPU, then runs the faster (probed again every "
                        f"{d['decode_steps']['revisit_steps']} steps)")

@@ -494,9 +494,9 @@ class CachedExperts:
 
     def mixed(self, tokens: int) -> bool:
         """True when a layer call (per-call path) or decode step (segment chain) of ``tokens`` tokens may compute absent
-        experts at the CPU site: always with placement cpu; with auto only while its rule would choose the CPU at the
-        current hit rate and the CPU site's rate for calls of that size (auto on a link faster than the CPU site never
-        does). Otherwise the plain path or chain runs."""
+        experts at the CPU site: always with placement cpu; with auto, in a decode step of the segment chain when its
+        step chooser's mode is ``cpu`` (AutoPlacement.decode_step), elsewhere while its rule would choose the CPU at the
+        current hit rate and the CPU site's rate for calls of that size. Otherwise the plain path or chain runs."""
         return self.placement is not None and self.placement.uses_cpu_now(tokens)
 
     def site(self):
@@ -930,8 +930,8 @@ class SegmentDecoder(_StaticStepInputs):
     the FP32 sum adds it (one rounding per group instead of one per layer call). No request is held across layers.
     ``capture=False`` runs the same chain without graphs (the CPU, and the warm-up before a capture).
 
-    With a placement that may compute absent experts at the CPU site (``cpu``, and ``auto`` where the link is
-    slower than the CPU site) each MoE layer is cut once more: the routing segment also copies the layer's input and
+    With a placement that may compute absent experts at the CPU site in this step (``cpu``; ``auto``'s ``cpu``
+    steps; auto-split where its rule gives the CPU site experts) each MoE layer is cut once more: the routing segment also copies the layer's input and
     gate weights to pinned host memory; the host leases the group with the placement, and the next segment runs the
     device part (the executor over the static row table with the CPU-site slots' gate weights zeroed and their ids
     pointed at a row the step's request pins); while it runs, the host computes the CPU-site experts from the host
@@ -2056,19 +2056,33 @@ class Engine:
 
     def warm_step_modes(self, batch: int) -> tuple:
         """The decode steps a warm-up must run at ``batch`` rows (each inside ``forced_step``): placement auto with both
-        sites, host-read's step and, from its chooser's min_batch, the two-site step too; otherwise (None,), the one
-        step the engine runs."""
+        sites, host-read's step and, from its chooser's min_batch, the two-site step too; auto's rule in the segment
+        chain, the step moving every miss and the step computing them at the CPU site (both chains captured, neither
+        counted by its chooser); otherwise (None,), the one step the engine runs."""
         steps = self._step_chooser
         if steps is None:
+            if getattr(getattr(self.experts, "placement", None), "decode_steps", None) is not None and self.use_segments:
+                return ("transfer", "cpu")  # auto's rule: both chains of its decode steps (AutoPlacement.decode_steps)
             return (None,)
         return ("host-read", "two-site") if batch >= steps.min_batch else ("host-read",)
 
     @contextlib.contextmanager
     def forced_step(self, mode: str | None):
-        """Decode steps inside run ``mode`` (``host-read`` or ``two-site``; None: as the placement chooses) without
-        asking placement auto's step chooser, which would count them (warm-ups)."""
+        """Decode steps inside run ``mode`` (``host-read`` or ``two-site`` with both sites; ``transfer`` or ``cpu``
+        under auto's rule; None: as the placement chooses) without asking placement auto's step chooser, which would
+        count them (warm-ups)."""
+        if mode in ("transfer", "cpu"):
+            placement = getattr(self.experts, "placement", None)
+            if getattr(placement, "decode_steps", None) is None:
+                raise EngineError(f"forced step {mode!r}: only under placement auto's rule (its decode step chooser)")
+            saved_mode, placement.forced_mode = placement.forced_mode, mode
+            try:
+                yield
+            finally:
+                placement.forced_mode = saved_mode
+            return
         if mode not in (None, "host-read", "two-site"):
-            raise EngineError(f"forced step {mode!r}: host-read, two-site or None")
+            raise EngineError(f"forced step {mode!r}: host-read, two-site, transfer, cpu or None")
         saved, self._step_mode = self._step_mode, mode
         try:
             yield
@@ -2424,8 +2438,9 @@ class Engine:
                             # (the placement line says whether the default or host_read_spares lent them)
                             cache.lent_by_default = host_read_spares is None
                         experts.enable_host_read()
-                    if experts.placement.may_use_cpu():
-                        # every expert repacked now: a decode step never pays a first use's repack (~30 ms each)
+                    if experts.placement.may_use_cpu() or getattr(experts.placement, "decode_steps", None):
+                        # every expert repacked now: a decode step never pays a first use's repack (~30 ms each; auto's
+                        # rule times decode steps at the CPU site whatever its rule says)
                         t_rep = time.perf_counter()
                         from runmap.kernels.cpu_int4 import usable_cpus
 
@@ -2668,7 +2683,7 @@ class Engine:
                                                            capture=self.device.type == "cuda" and self.cuda_graphs)
             return dec.run(tokens, slot, pad)
         # the placement is asked once per step: a step on which it may give the CPU site experts runs the chain
-        # with a CPU part per layer; otherwise (auto while its rule transfers) the plain chain, as placement gpu. A
+        # with a CPU part per layer; otherwise (auto's transfer steps) the plain chain, as placement gpu. A
         # batch whose union may exceed one lease runs the grouped chain (with a CPU part when mixed).
         if self.use_segments:
             # placement auto's rule (no split): the step's mode (all absent experts moved, or all at the CPU site)

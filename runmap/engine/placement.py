@@ -15,12 +15,13 @@ serves ``1 / (1 - h)`` uses in expectation, so the transfer wins when
 
     row_bytes / h2d_rate  <  (row_bytes / cpu_rate) / (1 - h)    <=>    h  >  1 - h2d_rate / cpu_rate
 
-so a link at least as fast as the CPU site always transfers (the engine then runs its plain path, segment chain
-included), and a slower link transfers only where reuse is likely enough. The engine asks the rule (``uses_cpu_now``)
-at each layer call of the per-call path (prefill, larger batches) and at each decode step: a call or step on which it
-would transfer runs the plain path or plain segment chain, so choosing to transfer costs what placement ``gpu``
-costs; a step on which it may use the CPU runs the segment chain with a CPU part per layer
-(runmap.engine.engine.SegmentDecoder), the rule deciding again at each lease.
+so a link at least as fast as the CPU site always transfers, and a slower link transfers only where reuse is likely
+enough. The engine asks the rule (``uses_cpu_now``) at each layer call of the per-call path (prefill, larger batches,
+decode steps where the segment chain is off) and, with ``split`` or ``learn=False``, at each segment-chain decode step:
+a call or step on which it would transfer runs the plain path or plain segment chain, so choosing to transfer costs
+what placement ``gpu`` costs; a step on which it may use the CPU runs the segment chain with a CPU part per layer
+(runmap.engine.engine.SegmentDecoder), the rule deciding again at each lease. ``auto``'s own segment-chain decode
+steps are chosen by measured step times instead (below).
 ``h`` is what transferring would give, not what the cache shows: experts computed on the CPU are never published,
 so the cache's own hit rate falls toward resident / experts once the rule chooses the CPU and would keep it there. The
 rule reads a shadow LRU instead (``ReuseEstimator``): the routed experts of every layer call, in an LRU of the cache's
@@ -67,17 +68,19 @@ every machine measured: 0.75-1.05 of the copy rate's transfer bound against the 
 placement's telemetry (``requested: auto``). ``auto-split`` stays the rule (an experiment dividing calls between the
 CPU and the link), and under an emulated link neither measures the host-read site (the pace holds for copies only).
 
-Decode steps under the rule (``AutoPlacement.decode_steps``, auto without split). A decode step's layer calls go all
-one way, every absent expert moved or every one computed at the CPU site, and a StepChooser with modes ("transfer",
-"cpu") times whole steps of each at each batch size (a few each, DECODE_PROBE_STEPS) and then runs the faster,
-timing the slower again every DECODE_REVISIT_STEPS steps. Why measured and not the rule's per-byte model: on an H100
+Segment-chain decode steps of ``auto`` (``AutoPlacement.decode_steps``; not auto-split, not learn=False). A decode
+step's layer calls go all one way, every absent expert moved or every one computed at the CPU site, and a StepChooser
+with modes ("transfer", "cpu") times whole steps of each at each batch size (DECODE_PROBE_STEPS timed steps each,
+``until_timed``) and then runs the faster, timing the slower again every DECODE_REVISIT_STEPS steps; warm-ups run
+both modes outside its count (``Engine.forced_step``). The CPU site is probed this way even on a link much faster
+than it: its few probe steps are the price (DECODE_PROBE_STEPS' comment). Why measured and not the rule's per-byte model: on an H100
 host with the link emulated at 13 GB/s (OLMoE 30/64, calibrated routing) the rule transferred at batch 8, where the
 CPU site's steps were 1.35x faster than the link's, because the CPU rate it learned from single-expert exploration
 calls (0.74-0.96 GB/s) was far below what the site does on a step's ~30 absent experts, and its reuse term counts uses
-where a batch's CPU call computes each distinct expert once (results/campaigns/h100-link13-auto). Prompt passes
-keep the rule.
+where a batch's CPU call computes each distinct expert once (results/campaigns/h100-link13-auto). Prompt passes and
+per-call decode steps keep the rule.
 
-Exploration (``exploring``, prompt passes and learn without a chooser). A site the rule never chooses is never
+Exploration (``exploring``: prompt passes, per-call decode steps, and auto-split's decode steps). A site the rule never chooses is never
 measured in use, so a build-time probe taken at a
 bad moment would stand for good (on the H200 host one engine's probe said 0.19 GB/s where the engine built just before
 it in the same process measured 11.3, results/campaigns/h200-link13-split, and that auto-split never gave the CPU an
@@ -109,13 +112,14 @@ PLACEMENTS = ("gpu", "cpu", "auto", "auto-split", "host-read", "two-site")
 # 2-7 GB/s in prefill against 20-40 GB/s at batch 1, results/campaigns/h200-placement-split); one shared rate learned
 # from the prompt's passes kept every decode step on the link when the CPU was the faster site there.
 DECODE_CALL_TOKENS = 16
-# Placement auto's rule, decode steps (AutoPlacement.decode_steps): each mode first runs this many timed steps (+ 2
-# untimed: the first after the other mode, and the one that starts the timing) at each batch size, then the faster
-# runs for DECODE_REVISIT_STEPS steps before the slower is timed again. Few steps: the slower mode's probe is paid in
+# Placement auto's rule, decode steps (AutoPlacement.decode_steps): each mode first runs until this many of its steps
+# are timed (+ 2 untimed: the first after the other mode, and the one that starts the timing; more where runs end
+# between them) at each batch size, then the faster runs for DECODE_REVISIT_STEPS steps before the slower is timed
+# again (~1 % more time where the slower mode's steps cost 2x: the price on a link much faster than the CPU site). Few steps: the slower mode's probe is paid in
 # use, and which mode is faster differs by host, not only by batch (on a 13 GB/s link at OLMoE batch 1 the CPU site's
 # steps took ~2.5x the link's on one H100 host and ~0.8x on another; at batch 8 ~0.7x on both;
 # results/campaigns/h100-link13-auto).
-DECODE_PROBE_STEPS, DECODE_REVISIT_STEPS = 2, 256
+DECODE_PROBE_STEPS, DECODE_REVISIT_STEPS = 3, 512
 # placement two-site's share in fixed point (runmap.kernels.site_split.SHARE_ONE, the same value: the device's split
 # and the host's must round alike; here without importing the kernels, as the CLI's parser imports this module)
 SHARE_ONE = 1024
@@ -685,9 +689,12 @@ class StepChooser:
     MODES = ("host-read", "two-site")
 
     def __init__(self, min_batch: int = TWO_SITE_MIN_BATCH, probe_steps: int = 8, revisit_steps: int = 512,
-                 window: int = 16, rounds: int = 2, modes: tuple = MODES):
+                 window: int = 16, rounds: int = 2, modes: tuple = MODES, until_timed: bool = False):
         """modes: (the default mode, the other); the default runs below min_batch, first in each probe round, and
-        where no step of a probe was timed. Placement auto's rule uses ("transfer", "cpu") (AutoPlacement)."""
+        where no step of a probe was timed. Placement auto's rule uses ("transfer", "cpu") (AutoPlacement).
+        until_timed: a probe runs on, a step at a time, until it has timed as many steps as it was meant to (its
+        length - 2), up to 4x that many extra steps: short runs (a warm-up, one request's few tokens) break the timing
+        at their ends, and a probe of fixed length could then end with one step timed or none."""
         if not (min_batch >= 1 and probe_steps >= 1 and revisit_steps >= 1 and window >= 1 and rounds >= 1):
             raise PlacementError(f"step chooser: min_batch {min_batch}, probe_steps {probe_steps}, revisit_steps "
                                  f"{revisit_steps}, window {window} and rounds {rounds} must be >= 1")
@@ -696,6 +703,7 @@ class StepChooser:
         self.min_batch, self.probe_steps, self.revisit_steps = int(min_batch), int(probe_steps), int(revisit_steps)
         self.window, self.rounds = int(window), int(rounds)
         self.MODES = tuple(modes)
+        self.until_timed = bool(until_timed)
         self._batches: dict[int, dict] = {}  # batch -> its state (``_state``)
 
     def _state(self, batch: int) -> dict:
@@ -707,7 +715,9 @@ class StepChooser:
             queue = [("probe", m, each, False) for _ in range(self.rounds) for m in self.MODES][1:] + [("use",)]
             st = self._batches[batch] = {"times": {m: [] for m in self.MODES}, "phase": (self.MODES[0], each),
                                          "queue": queue, "last": None, "run": 0,
-                                         "steps": dict.fromkeys(self.MODES, 0), "choices": 0, "chosen": None}
+                                         "steps": dict.fromkeys(self.MODES, 0), "choices": 0, "chosen": None,
+                                         # the phase running: a probe?, the steps it should time, timed, extra steps
+                                         "probing": True, "need": each - 2, "phase_timed": 0, "extra": 0}
         return st
 
     def faster(self, batch: int) -> str | None:
@@ -729,10 +739,12 @@ class StepChooser:
             st["chosen"] = best
             other = self.MODES[1] if best == self.MODES[0] else self.MODES[0]
             st["queue"] = [("probe", other, self.probe_steps + 2, True), ("use",)]
+            st["probing"] = False
             return best, self.revisit_steps
         _, probed, steps, drop = item
         if drop:  # what it measured before: another cache state, another KV length
             st["times"][probed].clear()
+        st["probing"], st["need"], st["phase_timed"], st["extra"] = True, steps - 2, 0, 0
         return probed, steps
 
     def mode(self, batch: int, slot: int, now: float | None = None) -> str:
@@ -743,6 +755,9 @@ class StepChooser:
         now = time.perf_counter() if now is None else float(now)
         st = self._state(batch)
         mode, left = st["phase"]
+        if (left <= 0 and self.until_timed and st["probing"] and st["phase_timed"] < st["need"]
+                and st["extra"] < 4 * max(1, st["need"])):
+            left, st["extra"] = 1, st["extra"] + 1  # the probe runs on: too few of its steps were timed
         if left <= 0:
             mode, left = self._next_phase(st, batch)
         st["phase"] = (mode, left - 1)
@@ -752,6 +767,7 @@ class StepChooser:
             times = st["times"][mode]
             times.append(now - last[2])
             del times[:-self.window]
+            st["phase_timed"] += 1
         st["run"] = st["run"] + 1 if consecutive else 1
         st["last"] = (mode, int(slot), now)
         st["steps"][mode] += 1
@@ -839,9 +855,11 @@ class AutoPlacement(Placement):
         # decode steps of the rule (learn, no split): every absent expert of a step transferred or every one computed
         # at the CPU site, whichever measured the faster step at its batch size (``decode_step``; module docstring)
         self.decode_steps = (StepChooser(min_batch=1, probe_steps=DECODE_PROBE_STEPS,
-                                         revisit_steps=DECODE_REVISIT_STEPS, rounds=1, modes=("transfer", "cpu"))
+                                         revisit_steps=DECODE_REVISIT_STEPS, rounds=1, modes=("transfer", "cpu"),
+                                         until_timed=True)
                              if learn and not split else None)
         self._step_mode: str | None = None  # the decode step's mode while one runs (decode_step .. end_decode_step)
+        self.forced_mode: str | None = None  # set by Engine.forced_step (warm-ups): the steps' mode, chooser not asked
 
     def decode_step(self, batch: int, slot: int, now: float | None = None) -> str | None:
         """A decode step of ``batch`` rows at KV slot ``slot`` starts: its mode from the step chooser (``transfer``:
@@ -849,7 +867,7 @@ class AutoPlacement(Placement):
         ``end_decode_step``; None without a chooser (split, or learn=False: the rule decides each call)."""
         if self.decode_steps is None:
             return None
-        self._step_mode = self.decode_steps.mode(batch, slot, now)
+        self._step_mode = self.forced_mode or self.decode_steps.mode(batch, slot, now)
         return self._step_mode
 
     def end_decode_step(self) -> None:
