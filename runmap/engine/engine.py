@@ -2071,23 +2071,20 @@ class Engine:
         """Decode steps inside run ``mode`` (``host-read`` or ``two-site`` with both sites; ``transfer`` or ``cpu``
         under auto's rule; None: as the placement chooses) without asking placement auto's step chooser, which would
         count them (warm-ups)."""
+        # the setting's holder: auto's rule holds its own (AutoPlacement.forced_mode), the two-site step the engine's
+        holder, attr = self, "_step_mode"
         if mode in ("transfer", "cpu"):
-            placement = getattr(self.experts, "placement", None)
-            if getattr(placement, "decode_steps", None) is None:
+            holder, attr = getattr(self.experts, "placement", None), "forced_mode"
+            if getattr(holder, "decode_steps", None) is None:
                 raise EngineError(f"forced step {mode!r}: only under placement auto's rule (its decode step chooser)")
-            saved_mode, placement.forced_mode = placement.forced_mode, mode
-            try:
-                yield
-            finally:
-                placement.forced_mode = saved_mode
-            return
-        if mode not in (None, "host-read", "two-site"):
+        elif mode not in (None, "host-read", "two-site"):
             raise EngineError(f"forced step {mode!r}: host-read, two-site, transfer, cpu or None")
-        saved, self._step_mode = self._step_mode, mode
+        saved = getattr(holder, attr)
+        setattr(holder, attr, mode)
         try:
             yield
         finally:
-            self._step_mode = saved
+            setattr(holder, attr, saved)
 
     def finish_decode_steps(self) -> None:
         """End the host-read step still in flight, if any (HostReadDecoder.finish: wait for it, note its reads,
